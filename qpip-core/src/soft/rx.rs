@@ -1,0 +1,296 @@
+//! The receive state machine of a reliable QP: finds message boundaries with the QP's framer
+//! and places each message into the next receive WR, the body straight from the socket into
+//! the WR's memory. The socket is a `read` closure, so the machine is tested without one.
+
+use std::io::{self, IoSliceMut};
+
+use smallvec::SmallVec;
+
+use super::status_of;
+use crate::framer::{Frame, Framer, MAX_HEADER};
+use crate::mr::{MemoryTable, Segment};
+use crate::qp::QpShared;
+use crate::wr::WcStatus;
+
+/// Why the machine stopped.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum RxStop {
+    /// The socket has no more bytes for now.
+    WouldBlock,
+    /// No receive WR is posted: stop reading, so TCP flow control holds the sender.
+    NoWr,
+    /// A fatal error; the WR it hit was completed with its status. The QP must go to error.
+    Failed,
+}
+
+/// A message being placed into a receive WR.
+struct InMsg {
+    wr_id: u64,
+    segs: SmallVec<[Segment; 4]>,
+    /// Bytes placed so far.
+    filled: usize,
+    /// Bytes the message has (a raw-stream WR: its capacity).
+    total: usize,
+    /// Raw stream: complete after every read, whatever it brought.
+    stream: bool,
+}
+
+pub(super) struct RxMachine {
+    /// Bytes of the next message(s) read before their WR was chosen. Never more than
+    /// `MAX_HEADER`, so buffering outside WR memory stays bounded.
+    hdr: [u8; MAX_HEADER],
+    hdr_len: usize,
+    cur: Option<InMsg>,
+}
+
+fn os_error(e: &io::Error) -> i32 {
+    e.raw_os_error().unwrap_or(0)
+}
+
+/// Copies `data` into the segments starting at byte `offset` of the WR.
+fn scatter(segs: &[Segment], mut offset: usize, mut data: &[u8]) {
+    for seg in segs {
+        if data.is_empty() {
+            return;
+        }
+        if offset >= seg.len() {
+            offset -= seg.len();
+            continue;
+        }
+        // SAFETY: the NIC owns the WR's memory until it completes it.
+        let dst = unsafe { &mut seg.bytes_mut()[offset..] };
+        let n = dst.len().min(data.len());
+        dst[..n].copy_from_slice(&data[..n]);
+        data = &data[n..];
+        offset = 0;
+    }
+}
+
+/// The WR's memory from `from` to `to`, as iovecs.
+fn segs_mut(segs: &[Segment], mut from: usize, mut to: usize) -> SmallVec<[IoSliceMut<'_>; 5]> {
+    let mut out = SmallVec::new();
+    for seg in segs {
+        if to == 0 {
+            break;
+        }
+        let len = seg.len();
+        if from >= len {
+            from -= len;
+            to -= len;
+            continue;
+        }
+        let end = to.min(len);
+        // SAFETY: the NIC owns the WR's memory until it completes it.
+        out.push(IoSliceMut::new(unsafe { &mut seg.bytes_mut()[from..end] }));
+        to -= end;
+        from = 0;
+    }
+    out
+}
+
+impl RxMachine {
+    pub(super) fn new() -> Self {
+        RxMachine {
+            hdr: [0; MAX_HEADER],
+            hdr_len: 0,
+            cur: None,
+        }
+    }
+
+    /// Moves bytes from the socket into receive WRs until the socket would block, no WR is
+    /// posted, or the QP fails.
+    pub(super) fn pump(
+        &mut self,
+        qp: &QpShared,
+        memory: &MemoryTable,
+        framer: &mut dyn Framer,
+        read: &mut dyn FnMut(&mut [IoSliceMut<'_>]) -> io::Result<usize>,
+    ) -> RxStop {
+        loop {
+            let Some(cur) = self.cur.as_mut() else {
+                if qp.rq.is_empty() {
+                    return RxStop::NoWr;
+                }
+                let need = match framer.frame(&self.hdr[..self.hdr_len]) {
+                    Frame::NeedHeader(n) => n,
+                    Frame::Message { header_len, .. } if header_len > self.hdr_len => header_len,
+                    Frame::Message {
+                        header_len,
+                        strip,
+                        body_len,
+                    } => {
+                        if strip > header_len {
+                            return self.fail_next(
+                                qp,
+                                WcStatus::FramingError,
+                                0,
+                                "framer strips more than the header",
+                            );
+                        }
+                        let total = header_len - strip + body_len;
+                        if let Err(stop) = self.start_message(qp, memory, total, false) {
+                            return stop;
+                        }
+                        // Header bytes (and any body bytes read ahead) go in first.
+                        let in_hdr = self.hdr_len.min(header_len.saturating_add(body_len));
+                        self.take_hdr(strip, in_hdr);
+                        continue;
+                    }
+                    Frame::Stream => {
+                        if let Err(stop) = self.start_message(qp, memory, usize::MAX, true) {
+                            return stop;
+                        }
+                        let in_hdr = self.hdr_len.min(self.cur.as_ref().map_or(0, |c| c.total));
+                        self.take_hdr(0, in_hdr);
+                        if self.cur.as_ref().is_some_and(|c| c.filled > 0) {
+                            self.complete_cur(qp, WcStatus::Success, 0);
+                        }
+                        continue;
+                    }
+                    Frame::Invalid(reason) => {
+                        tracing::warn!(qp = qp.num, "framing error: {reason}");
+                        return self.fail_next(qp, WcStatus::FramingError, 0, "invalid message");
+                    }
+                };
+                if need > MAX_HEADER || need <= self.hdr_len {
+                    tracing::warn!(
+                        qp = qp.num,
+                        need,
+                        have = self.hdr_len,
+                        "framer asked for an impossible header"
+                    );
+                    return self.fail_next(qp, WcStatus::FramingError, 0, "bad header request");
+                }
+                // Read the header, and a little beyond: bounded read-ahead saves a system
+                // call per small message.
+                let mut iov = [IoSliceMut::new(&mut self.hdr[self.hdr_len..])];
+                match read(&mut iov) {
+                    Ok(0) => return self.fail_next(qp, WcStatus::RemoteClosed, 0, "peer closed"),
+                    Ok(k) => self.hdr_len += k,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return RxStop::WouldBlock,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        return self.fail_next(qp, status_of(&e), os_error(&e), "read failed");
+                    }
+                }
+                continue;
+            };
+
+            if !cur.stream && cur.filled == cur.total {
+                self.complete_cur(qp, WcStatus::Success, 0);
+                continue;
+            }
+            // The body goes straight into the WR's memory; for framed messages the bytes after
+            // it (the next header) land in `hdr`, which is empty here.
+            debug_assert_eq!(self.hdr_len, 0);
+            let (filled, total, stream) = (cur.filled, cur.total, cur.stream);
+            let mut iov = segs_mut(&cur.segs, filled, total);
+            if !stream {
+                iov.push(IoSliceMut::new(&mut self.hdr[..]));
+            }
+            match read(&mut iov) {
+                Ok(0) => {
+                    drop(iov);
+                    tracing::debug!(qp = qp.num, "peer closed in the middle of a message");
+                    self.complete_cur(qp, WcStatus::RemoteClosed, 0);
+                    return RxStop::Failed;
+                }
+                Ok(k) => {
+                    let body = k.min(total - filled);
+                    drop(iov);
+                    self.hdr_len = k - body;
+                    if let Some(cur) = self.cur.as_mut() {
+                        cur.filled += body;
+                    }
+                    if stream {
+                        self.complete_cur(qp, WcStatus::Success, 0);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return RxStop::WouldBlock,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    drop(iov);
+                    self.complete_cur(qp, status_of(&e), os_error(&e));
+                    return RxStop::Failed;
+                }
+            }
+        }
+    }
+
+    /// Takes the next receive WR for a message of `total` bytes (`usize::MAX`: raw stream).
+    fn start_message(
+        &mut self,
+        qp: &QpShared,
+        memory: &MemoryTable,
+        total: usize,
+        stream: bool,
+    ) -> Result<(), RxStop> {
+        let Some(wr) = qp.rq.pop() else {
+            return Err(RxStop::NoWr);
+        };
+        let mut segs = SmallVec::new();
+        for sge in &wr.sg_list {
+            match memory.resolve(sge, true) {
+                Ok(seg) => segs.push(seg),
+                Err(fault) => {
+                    tracing::warn!(qp = qp.num, wr_id = wr.wr_id, "receive WR refused: {fault}");
+                    qp.complete_recv(wr.wr_id, WcStatus::ProtectionError, 0, None, 0);
+                    return Err(RxStop::Failed);
+                }
+            }
+        }
+        let capacity: usize = segs.iter().map(Segment::len).sum();
+        let total = if stream { capacity } else { total };
+        if total > capacity {
+            tracing::warn!(
+                qp = qp.num,
+                wr_id = wr.wr_id,
+                total,
+                capacity,
+                "message longer than its receive WR"
+            );
+            qp.complete_recv(wr.wr_id, WcStatus::LengthError, 0, None, 0);
+            return Err(RxStop::Failed);
+        }
+        self.cur = Some(InMsg {
+            wr_id: wr.wr_id,
+            segs,
+            filled: 0,
+            total,
+            stream,
+        });
+        Ok(())
+    }
+
+    /// Moves `hdr[strip..end]` into the current WR and drops `hdr[..end]`.
+    fn take_hdr(&mut self, strip: usize, end: usize) {
+        if let Some(cur) = self.cur.as_mut() {
+            let data = &self.hdr[strip.min(end)..end];
+            scatter(&cur.segs, cur.filled, data);
+            cur.filled += data.len();
+        }
+        self.hdr.copy_within(end..self.hdr_len, 0);
+        self.hdr_len -= end;
+    }
+
+    fn complete_cur(&mut self, qp: &QpShared, status: WcStatus, os_error: i32) {
+        if let Some(cur) = self.cur.take() {
+            qp.complete_recv(cur.wr_id, status, cur.filled as u32, None, os_error);
+        }
+    }
+
+    /// Fails the next receive WR (there is one: reads only happen with one posted).
+    fn fail_next(&mut self, qp: &QpShared, status: WcStatus, os_error: i32, why: &str) -> RxStop {
+        tracing::debug!(qp = qp.num, ?status, "receive failed: {why}");
+        if let Some(wr) = qp.rq.pop() {
+            qp.complete_recv(wr.wr_id, status, 0, None, os_error);
+        }
+        RxStop::Failed
+    }
+
+    /// Flushes the WR in progress (the QP is going down).
+    pub(super) fn flush(&mut self, qp: &QpShared) {
+        self.complete_cur(qp, WcStatus::Flushed, 0);
+        self.hdr_len = 0;
+    }
+}

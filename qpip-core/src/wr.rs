@@ -1,0 +1,131 @@
+//! Work requests and their completions.
+
+use std::net::SocketAddr;
+
+use smallvec::SmallVec;
+
+use crate::mr::Sge;
+
+/// Scatter/gather list; four entries fit inline, so posting does not allocate.
+pub type SgList = SmallVec<[Sge; 4]>;
+
+/// The number a NIC gives a QP; completions name it.
+pub type QpNum = u32;
+
+/// A send work request: the bytes named by `sg_list`, sent as one message.
+#[derive(Clone, Debug)]
+pub struct SendWr {
+    pub wr_id: u64,
+    pub sg_list: SgList,
+    /// Destination of the datagram; required on unreliable (UDP) QPs, ignored on reliable ones.
+    pub dest: Option<SocketAddr>,
+}
+
+impl SendWr {
+    pub fn new(wr_id: u64, sges: &[Sge]) -> Self {
+        SendWr {
+            wr_id,
+            sg_list: SgList::from_slice(sges),
+            dest: None,
+        }
+    }
+    /// Sets the datagram destination (unreliable QPs).
+    pub fn to(mut self, dest: SocketAddr) -> Self {
+        self.dest = Some(dest);
+        self
+    }
+    pub fn len(&self) -> u64 {
+        self.sg_list.iter().map(|s| u64::from(s.len)).sum()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A receive work request: memory for the next arriving message.
+#[derive(Clone, Debug)]
+pub struct RecvWr {
+    pub wr_id: u64,
+    pub sg_list: SgList,
+}
+
+impl RecvWr {
+    pub fn new(wr_id: u64, sges: &[Sge]) -> Self {
+        RecvWr {
+            wr_id,
+            sg_list: SgList::from_slice(sges),
+        }
+    }
+    pub fn len(&self) -> u64 {
+        self.sg_list.iter().map(|s| u64::from(s.len)).sum()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Which queue a completion comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Opcode {
+    #[default]
+    Send,
+    Recv,
+}
+
+/// How a work request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum WcStatus {
+    #[default]
+    Success,
+    /// The arriving message was larger than the receive WR's memory.
+    LengthError,
+    /// An SGE named an unknown key, memory outside its region, or a read-only region for a
+    /// receive.
+    ProtectionError,
+    /// The peer closed or reset the connection before this WR could finish.
+    RemoteClosed,
+    /// The QP went to the error state (or was closed) while this WR was outstanding.
+    Flushed,
+    /// The peer sent bytes the QP's framer rejects.
+    FramingError,
+    /// The transport failed for another reason; `Completion::os_error` has the errno.
+    TransportError,
+    /// A send WR that cannot be carried out (a UDP send without a destination, say).
+    InvalidRequest,
+}
+
+/// A completion token: one for every finished WR.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Completion {
+    pub wr_id: u64,
+    pub qp_num: QpNum,
+    pub opcode: Opcode,
+    pub status: WcStatus,
+    /// Bytes sent, or bytes placed into the receive WR's memory.
+    pub byte_len: u32,
+    /// Source of a datagram (unreliable QPs).
+    pub src: Option<SocketAddr>,
+    /// The OS error behind a `TransportError` or `RemoteClosed`, when there was one.
+    pub os_error: i32,
+}
+
+impl Default for Completion {
+    fn default() -> Self {
+        Completion {
+            wr_id: 0,
+            qp_num: 0,
+            opcode: Opcode::Send,
+            status: WcStatus::Success,
+            byte_len: 0,
+            src: None,
+            os_error: 0,
+        }
+    }
+}
+
+impl Completion {
+    pub fn is_ok(&self) -> bool {
+        self.status == WcStatus::Success
+    }
+}

@@ -1,0 +1,494 @@
+//! The QP contract over the soft NIC, end to end on loopback.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use qpip_core::{Access, Completion, Nic, Opcode, QpAttr, QpState, RecvWr, SendWr, Sge, WcStatus};
+
+const T: Duration = Duration::from_secs(30);
+
+/// 100 000 length-prefixed messages of mixed sizes (0 B to 64 KiB) arrive in order and intact,
+/// with a bounded window of WRs posted on each side.
+#[test]
+fn hundred_thousand_messages_of_mixed_sizes_arrive_in_order() {
+    const COUNT: u64 = 100_000;
+    const WINDOW: usize = 64;
+    const SLOT: usize = 64 * 1024;
+    let nic = Nic::soft().unwrap();
+    let send_cq = nic.create_cq(WINDOW * 2);
+    let recv_cq = nic.create_cq(WINDOW * 2);
+    let listener = nic.listen(addr(V6)).unwrap();
+    let server = nic.create_qp(QpAttr::new(&recv_cq).depths(WINDOW, WINDOW));
+    let client = nic.create_qp(QpAttr::new(&send_cq).depths(WINDOW, WINDOW));
+    client.connect(listener.local_addr()).unwrap();
+    listener.accept(&server).unwrap();
+
+    let tx_mr = nic.alloc_region(WINDOW * SLOT, Access::READ);
+    let rx_mr = nic.alloc_region(WINDOW * SLOT, Access::READ_WRITE);
+    for slot in 0..WINDOW {
+        server
+            .post_recv(RecvWr::new(slot as u64, &[rx_mr.sge(slot * SLOT, SLOT)]))
+            .unwrap();
+    }
+    // Sizes favour small messages but cover the whole range, including empty ones.
+    let size_of = |m: u64| -> usize {
+        let mut r = Rng(m.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        match r.below(10) {
+            0 => 0,
+            1..=6 => r.below(512) as usize,
+            7 | 8 => r.below(8192) as usize,
+            _ => r.below(SLOT as u64 + 1) as usize,
+        }
+    };
+
+    let sender = std::thread::spawn(move || {
+        let mut free: Vec<usize> = (0..WINDOW).collect();
+        let mut next = 0u64;
+        let mut done = 0u64;
+        let mut buf = [Completion::default(); 64];
+        let mut scratch = vec![0u8; SLOT];
+        while done < COUNT {
+            while next < COUNT && !free.is_empty() {
+                let slot = free.pop().unwrap();
+                let len = size_of(next);
+                for (i, b) in scratch[..len].iter_mut().enumerate() {
+                    *b = pattern(next, i);
+                }
+                tx_mr.write_at(slot * SLOT, &scratch[..len]);
+                client
+                    .post_send(SendWr::new(slot as u64, &[tx_mr.sge(slot * SLOT, len)]))
+                    .unwrap();
+                next += 1;
+            }
+            let n = send_cq.wait(&mut buf, Some(T)).unwrap();
+            assert!(n > 0, "send completions stalled at {done}");
+            for c in &buf[..n] {
+                assert_eq!(c.status, WcStatus::Success, "{c:?}");
+                free.push(c.wr_id as usize);
+                done += 1;
+            }
+        }
+        client
+    });
+
+    let mut expect = 0u64;
+    let mut buf = [Completion::default(); 64];
+    let mut got = vec![0u8; SLOT];
+    while expect < COUNT {
+        let n = recv_cq.wait(&mut buf, Some(T)).unwrap();
+        assert!(n > 0, "receive completions stalled at {expect}");
+        for c in &buf[..n] {
+            assert_eq!(
+                (c.status, c.opcode),
+                (WcStatus::Success, Opcode::Recv),
+                "{c:?}"
+            );
+            let len = size_of(expect);
+            assert_eq!(c.byte_len as usize, len, "message {expect}");
+            let slot = c.wr_id as usize;
+            rx_mr.read_at(slot * SLOT, &mut got[..len]);
+            for (i, b) in got[..len].iter().enumerate() {
+                assert_eq!(*b, pattern(expect, i), "message {expect} byte {i}");
+            }
+            expect += 1;
+            server
+                .post_recv(RecvWr::new(slot as u64, &[rx_mr.sge(slot * SLOT, SLOT)]))
+                .unwrap();
+        }
+    }
+    sender.join().unwrap();
+}
+
+/// 64 QPs share one CQ; every completion names its QP and each QP's messages stay in order.
+#[test]
+fn sixty_four_qps_on_one_cq() {
+    const QPS: usize = 64;
+    const MSGS: usize = 50;
+    let nic = Nic::soft().unwrap();
+    let cq = nic.create_cq(QPS * MSGS * 2);
+    let mr = nic.alloc_region(QPS * MSGS * 16, Access::READ_WRITE);
+    let src = nic.alloc_region(QPS * MSGS * 8, Access::READ);
+    let mut pairs = Vec::new();
+    for _ in 0..QPS {
+        pairs.push(pair_with(
+            &nic,
+            &cq,
+            V4,
+            qpip_core::LengthPrefixed::default,
+            MSGS,
+        ));
+    }
+    for (q, (_, server)) in pairs.iter().enumerate() {
+        for m in 0..MSGS {
+            let off = (q * MSGS + m) * 16;
+            server
+                .post_recv(RecvWr::new((q * MSGS + m) as u64, &[mr.sge(off, 16)]))
+                .unwrap();
+        }
+    }
+    for (q, (client, _)) in pairs.iter().enumerate() {
+        for m in 0..MSGS {
+            let off = (q * MSGS + m) * 8;
+            src.write_at(off, &((q * MSGS + m) as u64).to_be_bytes());
+            client
+                .post_send(SendWr::new(m as u64, &[src.sge(off, 8)]))
+                .unwrap();
+        }
+    }
+    let all = wait_n(&cq, QPS * MSGS * 2, T);
+    let server_nums: std::collections::HashMap<u32, usize> = pairs
+        .iter()
+        .enumerate()
+        .map(|(q, (_, s))| (s.num(), q))
+        .collect();
+    let client_nums: std::collections::HashSet<u32> = pairs.iter().map(|(c, _)| c.num()).collect();
+    let mut next_per_qp = vec![0usize; QPS];
+    for c in all {
+        assert_eq!(c.status, WcStatus::Success, "{c:?}");
+        match c.opcode {
+            Opcode::Send => assert!(client_nums.contains(&c.qp_num)),
+            Opcode::Recv => {
+                let q = server_nums[&c.qp_num];
+                let m = next_per_qp[q];
+                assert_eq!(
+                    c.wr_id as usize,
+                    q * MSGS + m,
+                    "receive WRs complete in posting order"
+                );
+                let mut v = [0u8; 8];
+                mr.read_at(c.wr_id as usize * 16, &mut v);
+                assert_eq!(u64::from_be_bytes(v) as usize, q * MSGS + m);
+                next_per_qp[q] += 1;
+            }
+        }
+    }
+    assert!(next_per_qp.iter().all(|&n| n == MSGS));
+}
+
+/// With no receive WR posted the receiver reads nothing, so TCP flow control stops the sender:
+/// its WRs do not complete. Once receives are posted everything arrives intact.
+#[test]
+fn flow_control_holds_the_sender_until_receives_are_posted() {
+    const MSGS: usize = 64;
+    const LEN: usize = 1 << 20;
+    let nic = Nic::soft().unwrap();
+    let send_cq = nic.create_cq(256);
+    let recv_cq = nic.create_cq(256);
+    let listener = nic.listen(addr(V4)).unwrap();
+    let server = nic.create_qp(QpAttr::new(&recv_cq));
+    let client = nic.create_qp(QpAttr::new(&send_cq));
+    client.connect(listener.local_addr()).unwrap();
+    listener.accept(&server).unwrap();
+    let src = nic.alloc_region(MSGS * LEN, Access::READ);
+    for m in 0..MSGS {
+        let chunk: Vec<u8> = (0..LEN).map(|i| pattern(m as u64, i)).collect();
+        src.write_at(m * LEN, &chunk);
+        client
+            .post_send(SendWr::new(m as u64, &[src.sge(m * LEN, LEN)]))
+            .unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let early = quiet(&send_cq, Duration::from_millis(10));
+    // Kernel socket buffers absorb a few MiB at most; 64 MiB cannot all be "sent".
+    assert!(
+        early.len() < MSGS / 2,
+        "{} of {MSGS} sends completed with nothing posted",
+        early.len()
+    );
+    assert_eq!(recv_cq.len(), 0);
+
+    let dst = nic.alloc_region(MSGS * LEN, Access::READ_WRITE);
+    for m in 0..MSGS {
+        server
+            .post_recv(RecvWr::new(m as u64, &[dst.sge(m * LEN, LEN)]))
+            .unwrap();
+    }
+    let recvs = wait_n(&recv_cq, MSGS, T);
+    let sends = wait_n(&send_cq, MSGS - early.len(), T);
+    assert!(sends.iter().chain(&early).all(|c| c.is_ok()));
+    let mut got = vec![0u8; LEN];
+    for (m, c) in recvs.iter().enumerate() {
+        assert_eq!(
+            (c.status, c.wr_id, c.byte_len as usize),
+            (WcStatus::Success, m as u64, LEN)
+        );
+        dst.read_at(m * LEN, &mut got);
+        assert!(
+            got.iter()
+                .enumerate()
+                .all(|(i, b)| *b == pattern(m as u64, i)),
+            "message {m} corrupted"
+        );
+    }
+}
+
+/// A message longer than its receive WR completes that WR with a length error and takes the
+/// QP to the error state, flushing the rest.
+#[test]
+fn too_small_receive_wr_gets_a_length_error() {
+    let nic = Nic::soft().unwrap();
+    let cq = nic.create_cq(64);
+    let (client, server) = pair(&nic, &cq, V6);
+    let mr = nic.alloc_region(4096, Access::READ_WRITE);
+    server.post_recv(RecvWr::new(1, &[mr.sge(0, 100)])).unwrap();
+    server
+        .post_recv(RecvWr::new(2, &[mr.sge(100, 100)]))
+        .unwrap();
+    client
+        .post_send(SendWr::new(9, &[mr.sge(1000, 101)]))
+        .unwrap();
+    let mut got = wait_n(&cq, 3, T);
+    got.sort_by_key(|c| c.wr_id);
+    assert_eq!((got[0].wr_id, got[0].status), (1, WcStatus::LengthError));
+    assert_eq!((got[1].wr_id, got[1].status), (2, WcStatus::Flushed));
+    assert_eq!((got[2].wr_id, got[2].status), (9, WcStatus::Success));
+    assert_eq!(server.state(), QpState::Error);
+    assert!(server.post_recv(RecvWr::new(3, &[mr.sge(0, 10)])).is_err());
+}
+
+/// An SGE with an unknown key, or reaching outside its region, or a receive into read-only
+/// memory, completes with a protection error.
+#[test]
+fn bad_keys_and_bounds_give_protection_errors() {
+    let nic = Nic::soft().unwrap();
+    let cq = nic.create_cq(64);
+    let (client, server) = pair(&nic, &cq, V4);
+    let mr = nic.alloc_region(64, Access::READ_WRITE);
+    let ro = nic.alloc_region(64, Access::READ);
+
+    let bad_key = Sge {
+        lkey: 0xdead_beef,
+        ..mr.sge(0, 8)
+    };
+    client.post_send(SendWr::new(1, &[bad_key])).unwrap();
+    let c = wait_n(&cq, 1, T)[0];
+    assert_eq!(
+        (c.wr_id, c.opcode, c.status),
+        (1, Opcode::Send, WcStatus::ProtectionError)
+    );
+    assert_eq!(
+        client.state(),
+        QpState::Error,
+        "a protection error is fatal to a reliable QP"
+    );
+
+    // Out of bounds on a fresh pair, on the send side.
+    let (client, server2) = pair(&nic, &cq, V4);
+    client.post_send(SendWr::new(2, &[mr.sge(60, 8)])).unwrap();
+    let c = wait_n(&cq, 1, T)[0];
+    assert_eq!((c.wr_id, c.status), (2, WcStatus::ProtectionError));
+    drop((client, server2));
+
+    // A receive into read-only memory fails when a message arrives for it.
+    let (client, server3) = pair(&nic, &cq, V6);
+    server3.post_recv(RecvWr::new(3, &[ro.sge(0, 64)])).unwrap();
+    client.post_send(SendWr::new(4, &[mr.sge(0, 8)])).unwrap();
+    let got = wait_n(&cq, 2, T);
+    let recv = got.iter().find(|c| c.opcode == Opcode::Recv).unwrap();
+    assert_eq!((recv.wr_id, recv.status), (3, WcStatus::ProtectionError));
+    drop(server);
+}
+
+/// Unreliable QPs: each datagram fills one receive WR and reports its source, over IPv4 and
+/// IPv6; a datagram bigger than the WR gives a length error and the QP goes on.
+#[test]
+fn udp_reports_sources_and_length_errors() {
+    for local in [V4, V6] {
+        let nic = Nic::soft().unwrap();
+        let cq = nic.create_cq(64);
+        let a = nic.create_udp_qp(addr(local), QpAttr::new(&cq)).unwrap();
+        let b = nic.create_udp_qp(addr(local), QpAttr::new(&cq)).unwrap();
+        let (a_addr, b_addr) = (a.local_addr().unwrap(), b.local_addr().unwrap());
+        assert_ne!(a_addr.port(), 0);
+        let mr = nic.alloc_region(4096, Access::READ_WRITE);
+        b.post_recv(RecvWr::new(10, &[mr.sge(0, 4), mr.sge(100, 4)]))
+            .unwrap();
+        b.post_recv(RecvWr::new(11, &[mr.sge(200, 4)])).unwrap();
+        b.post_recv(RecvWr::new(12, &[mr.sge(300, 16)])).unwrap();
+        mr.write_at(1000, b"datagram");
+        a.post_send(SendWr::new(1, &[mr.sge(1000, 8)]).to(b_addr))
+            .unwrap();
+        let got = wait_n(&cq, 2, T);
+        let r = got.iter().find(|c| c.opcode == Opcode::Recv).unwrap();
+        assert_eq!(
+            (r.wr_id, r.status, r.byte_len, r.src),
+            (10, WcStatus::Success, 8, Some(a_addr))
+        );
+        let mut v = [0u8; 8];
+        mr.read_at(0, &mut v[..4]);
+        mr.read_at(100, &mut v[4..]);
+        assert_eq!(&v, b"datagram", "scattered over two SGEs");
+
+        // Too big for WR 11: length error; the next datagram still lands in WR 12.
+        a.post_send(SendWr::new(2, &[mr.sge(1000, 8)]).to(b_addr))
+            .unwrap();
+        a.post_send(SendWr::new(3, &[mr.sge(1000, 3)]).to(b_addr))
+            .unwrap();
+        let got = wait_n(&cq, 4, T);
+        let mut recvs: Vec<_> = got.iter().filter(|c| c.opcode == Opcode::Recv).collect();
+        recvs.sort_by_key(|c| c.wr_id);
+        assert_eq!(
+            (recvs[0].wr_id, recvs[0].status),
+            (11, WcStatus::LengthError)
+        );
+        assert_eq!(
+            (recvs[1].wr_id, recvs[1].status, recvs[1].byte_len),
+            (12, WcStatus::Success, 3)
+        );
+        assert_eq!(b.state(), QpState::Ready);
+
+        // A plain socket is a peer too, and its address is the source.
+        let sock = std::net::UdpSocket::bind(addr(local)).unwrap();
+        b.post_recv(RecvWr::new(13, &[mr.sge(400, 64)])).unwrap();
+        sock.send_to(b"from a socket", b_addr).unwrap();
+        let r = wait_n(&cq, 1, T)[0];
+        assert_eq!(
+            (r.wr_id, r.byte_len, r.src),
+            (13, 13, Some(sock.local_addr().unwrap()))
+        );
+        a.post_send(SendWr::new(4, &[mr.sge(1000, 8)]).to(sock.local_addr().unwrap()))
+            .unwrap();
+        let mut buf = [0u8; 64];
+        sock.set_read_timeout(Some(T)).unwrap();
+        let (n, from) = sock.recv_from(&mut buf).unwrap();
+        assert_eq!((&buf[..n], from), (&b"datagram"[..], a_addr));
+        wait_n(&cq, 1, T);
+    }
+}
+
+/// Orderly close: posted sends are delivered, then the peer's receives complete with
+/// remote-closed and the closer's own receives are flushed.
+#[test]
+fn orderly_close_delivers_then_flushes() {
+    let nic = Nic::soft().unwrap();
+    let cq = nic.create_cq(64);
+    let (client, server) = pair(&nic, &cq, V6);
+    let mr = nic.alloc_region(1024, Access::READ_WRITE);
+    server.post_recv(RecvWr::new(1, &[mr.sge(0, 100)])).unwrap();
+    server
+        .post_recv(RecvWr::new(2, &[mr.sge(100, 100)]))
+        .unwrap();
+    client
+        .post_recv(RecvWr::new(3, &[mr.sge(200, 100)]))
+        .unwrap();
+    mr.write_at(500, b"last words");
+    client
+        .post_send(SendWr::new(4, &[mr.sge(500, 10)]))
+        .unwrap();
+    client.close();
+    let mut got = wait_n(&cq, 4, T);
+    got.sort_by_key(|c| c.wr_id);
+    let st: Vec<_> = got.iter().map(|c| (c.wr_id, c.status)).collect();
+    assert_eq!(
+        st,
+        vec![
+            (1, WcStatus::Success),
+            (2, WcStatus::RemoteClosed),
+            (3, WcStatus::Flushed),
+            (4, WcStatus::Success)
+        ]
+    );
+    let mut v = [0u8; 10];
+    mr.read_at(0, &mut v);
+    assert_eq!(&v, b"last words");
+    assert_eq!(client.state(), QpState::Closed);
+    assert_eq!(server.state(), QpState::Error);
+}
+
+/// Connecting to a port nobody listens on fails with an error naming the address.
+#[test]
+fn connect_refused_names_the_address() {
+    let nic = Nic::soft().unwrap();
+    let cq = nic.create_cq(4);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let qp = nic.create_qp(QpAttr::new(&cq));
+    let err = qp
+        .connect(addr(&format!("127.0.0.1:{port}")))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(&format!("127.0.0.1:{port}")), "{err}");
+    assert_eq!(
+        qp.state(),
+        QpState::Init,
+        "a failed connect leaves the QP idle"
+    );
+}
+
+/// A CQ too small for what completes into it reports the overflow.
+#[test]
+fn cq_overflow_is_reported() {
+    let nic = Nic::soft().unwrap();
+    let cq = nic.create_cq(4);
+    let (client, server) = pair(&nic, &cq, V4);
+    let mr = nic.alloc_region(64, Access::READ_WRITE);
+    for i in 0..8 {
+        client.post_send(SendWr::new(i, &[mr.sge(0, 1)])).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let mut buf = [Completion::default(); 16];
+    assert_eq!(cq.poll(&mut buf), Ok(4));
+    assert!(matches!(
+        cq.poll(&mut buf),
+        Err(qpip_core::CqError::Overflow { lost: 4, depth: 4 })
+    ));
+    drop(server);
+}
+
+/// Posting more WRs than the queue depth is refused, not silently queued.
+#[test]
+fn queue_depth_is_enforced() {
+    let nic = Nic::soft().unwrap();
+    let cq = nic.create_cq(16);
+    let qp = nic.create_qp(QpAttr::new(&cq).depths(2, 2));
+    let mr = nic.alloc_region(8, Access::READ_WRITE);
+    qp.post_recv(RecvWr::new(1, &[mr.sge(0, 8)])).unwrap();
+    qp.post_recv(RecvWr::new(2, &[mr.sge(0, 8)])).unwrap();
+    assert!(matches!(
+        qp.post_recv(RecvWr::new(3, &[mr.sge(0, 8)])),
+        Err(qpip_core::Error::QueueFull { .. })
+    ));
+    drop(qp);
+    // Destroying the QP flushes what it held.
+    let got = wait_n(&cq, 2, T);
+    assert!(got.iter().all(|c| c.status == WcStatus::Flushed));
+}
+
+/// Async use from tokio: connect, accept and wait on the CQ without blocking the runtime.
+#[test]
+fn async_verbs_under_tokio() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let nic = Nic::soft().unwrap();
+        let cq = nic.create_cq(16);
+        let listener = nic.listen(addr(V6)).unwrap();
+        let server = nic.create_qp(QpAttr::new(&cq));
+        let client = nic.create_qp(QpAttr::new(&cq));
+        let (a, b) = tokio::join!(
+            client.connect_async(listener.local_addr()),
+            listener.accept_async(&server)
+        );
+        a.unwrap();
+        assert_eq!(b.unwrap(), client.local_addr().unwrap());
+        let mr = nic.alloc_region(64, Access::READ_WRITE);
+        server.post_recv(RecvWr::new(1, &[mr.sge(0, 32)])).unwrap();
+        mr.write_at(32, b"async");
+        client.post_send(SendWr::new(2, &[mr.sge(32, 5)])).unwrap();
+        let mut seen = 0;
+        let mut buf = [Completion::default(); 4];
+        while seen < 2 {
+            seen += tokio::time::timeout(T, cq.wait_async(&mut buf))
+                .await
+                .unwrap()
+                .unwrap();
+        }
+    });
+}
