@@ -73,6 +73,29 @@ pub struct QpShared {
 }
 
 impl QpShared {
+    pub(crate) fn new(num: QpNum, kind: QpKind, attr: &QpAttr) -> Self {
+        QpShared {
+            num,
+            kind,
+            sq: ArrayQueue::new(attr.max_send_wr),
+            rq: ArrayQueue::new(attr.max_recv_wr),
+            sq_outstanding: AtomicUsize::new(0),
+            rq_outstanding: AtomicUsize::new(0),
+            send_cq: attr.send_cq.shared.clone(),
+            recv_cq: attr.recv_cq.shared.clone(),
+            state: AtomicU8::new(QpState::Init as u8),
+            doorbell: AtomicBool::new(false),
+            addrs: parking_lot::Mutex::new((None, None)),
+        }
+    }
+
+    /// Puts a receive WR on the ring as `post_recv` does (tests of the NIC machines).
+    #[cfg(test)]
+    pub(crate) fn push_recv(&self, wr: RecvWr) {
+        self.rq_outstanding.fetch_add(1, Ordering::AcqRel);
+        let _ = self.rq.push(wr);
+    }
+
     pub fn state(&self) -> QpState {
         QpState::from_u8(self.state.load(Ordering::Acquire))
     }
@@ -196,19 +219,7 @@ impl QueuePair {
         kind: QpKind,
         attr: QpAttr,
     ) -> (QueuePair, Box<dyn Framer>) {
-        let shared = Arc::new(QpShared {
-            num,
-            kind,
-            sq: ArrayQueue::new(attr.max_send_wr),
-            rq: ArrayQueue::new(attr.max_recv_wr),
-            sq_outstanding: AtomicUsize::new(0),
-            rq_outstanding: AtomicUsize::new(0),
-            send_cq: attr.send_cq.shared,
-            recv_cq: attr.recv_cq.shared,
-            state: AtomicU8::new(QpState::Init as u8),
-            doorbell: AtomicBool::new(false),
-            addrs: parking_lot::Mutex::new((None, None)),
-        });
+        let shared = Arc::new(QpShared::new(num, kind, &attr));
         (
             QueuePair {
                 shared,
