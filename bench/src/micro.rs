@@ -1,0 +1,630 @@
+//! `qpip-bench micro`: the QP interface against plain kernel sockets, side by side in one
+//! run: host overhead per 1-byte message (the paper's Table 1), 1-byte round-trip time over
+//! TCP and UDP, and ttcp-style throughput with CPU time split into application and NIC engine
+//! threads.
+//!
+//! Each side of a QP test has its own NIC (own engine thread), as two hosts would.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use qpip_core::{
+    Access, Completion, CompletionQueue, Nic, Opcode, QpAttr, QueuePair, RecvWr, SendWr, WcStatus,
+};
+use serde::Serialize;
+
+use crate::cpu;
+
+/// Both figures of one comparison.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Pair {
+    pub qp: f64,
+    pub socket: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Rtt {
+    pub tcp: Pair,
+    pub udp: Pair,
+}
+
+#[derive(Debug, Serialize)]
+pub struct BySize {
+    #[serde(rename = "16k")]
+    pub k16: Pair,
+    #[serde(rename = "128k")]
+    pub k128: Pair,
+}
+
+#[derive(Debug, Serialize)]
+#[allow(non_snake_case)]
+pub struct MicroReport {
+    pub overhead_ns: Pair,
+    pub rtt_us: Rtt,
+    pub throughput_MBps: BySize,
+    pub app_cpu_s_per_GB: BySize,
+    /// NIC engine threads' CPU per GB (QP only; a socket's "engine" is the kernel, which runs
+    /// in the application threads' system time).
+    pub engine_cpu_s_per_GB: BySize,
+    pub repeat: usize,
+    pub messages: MicroSizes,
+}
+
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct MicroSizes {
+    pub overhead_msgs: u64,
+    pub rtt_rounds: u64,
+    pub ttcp_16k_bytes: u64,
+    pub ttcp_128k_bytes: u64,
+}
+
+impl MicroSizes {
+    pub fn full() -> Self {
+        MicroSizes {
+            overhead_msgs: 200_000,
+            rtt_rounds: 20_000,
+            ttcp_16k_bytes: 10_000_000,
+            ttcp_128k_bytes: 1 << 30,
+        }
+    }
+    pub fn quick() -> Self {
+        MicroSizes {
+            overhead_msgs: 20_000,
+            rtt_rounds: 2_000,
+            ttcp_16k_bytes: 10_000_000,
+            ttcp_128k_bytes: 64 << 20,
+        }
+    }
+}
+
+const LOOPBACK: &str = "127.0.0.1:0";
+const T: Duration = Duration::from_secs(60);
+
+fn any_addr() -> SocketAddr {
+    LOOPBACK.parse().expect("literal address")
+}
+
+/// Two NICs and a connected pair of reliable QPs between them.
+struct QpLink {
+    a_nic: Nic,
+    b_nic: Nic,
+    a_cq: CompletionQueue,
+    b_cq: CompletionQueue,
+    a: QueuePair,
+    b: QueuePair,
+}
+
+fn qp_link(depth: usize) -> Result<QpLink> {
+    let a_nic = Nic::soft()?;
+    let b_nic = Nic::soft()?;
+    let a_cq = a_nic.create_cq(depth * 2);
+    let b_cq = b_nic.create_cq(depth * 2);
+    let listener = b_nic.listen(any_addr())?;
+    let b = b_nic.create_qp(QpAttr::new(&b_cq).depths(depth, depth));
+    let a = a_nic.create_qp(QpAttr::new(&a_cq).depths(depth, depth));
+    a.connect(listener.local_addr())?;
+    listener.accept_timeout(&b, T)?;
+    Ok(QpLink {
+        a_nic,
+        b_nic,
+        a_cq,
+        b_cq,
+        a,
+        b,
+    })
+}
+
+fn tcp_pair() -> Result<(TcpStream, TcpStream)> {
+    let l = TcpListener::bind(any_addr())?;
+    let a = TcpStream::connect(l.local_addr()?)?;
+    let (b, _) = l.accept()?;
+    a.set_nodelay(true)?;
+    b.set_nodelay(true)?;
+    Ok((a, b))
+}
+
+fn check(c: &Completion) -> Result<()> {
+    if c.status != WcStatus::Success {
+        bail!("work request failed: {c:?}");
+    }
+    Ok(())
+}
+
+/// Waits for completions; an empty wait after `T` is an error, not a hang.
+fn wait(cq: &CompletionQueue, buf: &mut [Completion]) -> Result<usize> {
+    let n = cq.wait(buf, Some(T))?;
+    if n == 0 {
+        bail!("no completion within {T:?}");
+    }
+    Ok(n)
+}
+
+// ---------------------------------------------------------------- host overhead
+
+/// Application-thread CPU per 1-byte message, send path plus receive path, in ns.
+pub fn overhead_qp(msgs: u64) -> Result<f64> {
+    const WINDOW: usize = 128;
+    let link = qp_link(WINDOW)?;
+    link.a_cq.set_spin(Duration::ZERO);
+    link.b_cq.set_spin(Duration::ZERO);
+    let rx_mr = link.b_nic.alloc_region(WINDOW, Access::READ_WRITE);
+    let tx_mr = link.a_nic.alloc_region(1, Access::READ);
+    let QpLink {
+        a, b, a_cq, b_cq, ..
+    } = link;
+    for i in 0..WINDOW {
+        b.post_recv(RecvWr::new(i as u64, &[rx_mr.sge(i, 1)]))?;
+    }
+    let receiver = thread::spawn(move || -> Result<Duration> {
+        let start = cpu::this_thread();
+        let mut got = 0;
+        let mut buf = [Completion::default(); 64];
+        while got < msgs {
+            let n = wait(&b_cq, &mut buf)?;
+            for c in &buf[..n] {
+                check(c)?;
+                got += 1;
+                b.post_recv(RecvWr::new(c.wr_id, &[rx_mr.sge(c.wr_id as usize, 1)]))?;
+            }
+        }
+        Ok(cpu::this_thread() - start)
+    });
+    let start = cpu::this_thread();
+    let (mut posted, mut done) = (0u64, 0u64);
+    let mut buf = [Completion::default(); 64];
+    while done < msgs {
+        while posted < msgs && posted - done < WINDOW as u64 {
+            a.post_send(SendWr::new(posted, &[tx_mr.sge(0, 1)]))?;
+            posted += 1;
+        }
+        let n = wait(&a_cq, &mut buf)?;
+        for c in &buf[..n] {
+            check(c)?;
+            done += 1;
+        }
+    }
+    let send_cpu = cpu::this_thread() - start;
+    let recv_cpu = receiver
+        .join()
+        .map_err(|_| anyhow::anyhow!("receiver panicked"))??;
+    Ok((send_cpu + recv_cpu).as_nanos() as f64 / msgs as f64)
+}
+
+pub fn overhead_socket(msgs: u64) -> Result<f64> {
+    let (mut a, mut b) = tcp_pair()?;
+    let receiver = thread::spawn(move || -> Result<Duration> {
+        let start = cpu::this_thread();
+        let mut byte = [0u8; 1];
+        for _ in 0..msgs {
+            b.read_exact(&mut byte)?;
+        }
+        Ok(cpu::this_thread() - start)
+    });
+    let start = cpu::this_thread();
+    for _ in 0..msgs {
+        a.write_all(&[7])?;
+    }
+    let send_cpu = cpu::this_thread() - start;
+    let recv_cpu = receiver
+        .join()
+        .map_err(|_| anyhow::anyhow!("receiver panicked"))??;
+    Ok((send_cpu + recv_cpu).as_nanos() as f64 / msgs as f64)
+}
+
+// ---------------------------------------------------------------- round-trip time
+
+/// Median 1-byte round trip over reliable QPs, in µs.
+pub fn rtt_qp_tcp(rounds: u64) -> Result<f64> {
+    let link = qp_link(4)?;
+    rtt_qp(
+        link.a_nic.clone(),
+        link.b_nic.clone(),
+        link.a,
+        link.b,
+        link.a_cq,
+        link.b_cq,
+        None,
+        rounds,
+    )
+}
+
+/// Median 1-byte round trip over unreliable QPs, in µs.
+pub fn rtt_qp_udp(rounds: u64) -> Result<f64> {
+    let a_nic = Nic::soft()?;
+    let b_nic = Nic::soft()?;
+    let a_cq = a_nic.create_cq(8);
+    let b_cq = b_nic.create_cq(8);
+    let a = a_nic.create_udp_qp(any_addr(), QpAttr::new(&a_cq).depths(4, 4))?;
+    let b = b_nic.create_udp_qp(any_addr(), QpAttr::new(&b_cq).depths(4, 4))?;
+    let b_addr = b.local_addr().context("bound UDP QP has an address")?;
+    rtt_qp(a_nic, b_nic, a, b, a_cq, b_cq, Some(b_addr), rounds)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rtt_qp(
+    a_nic: Nic,
+    b_nic: Nic,
+    a: QueuePair,
+    b: QueuePair,
+    a_cq: CompletionQueue,
+    b_cq: CompletionQueue,
+    b_addr: Option<SocketAddr>,
+    rounds: u64,
+) -> Result<f64> {
+    // Latency mode: waiters poll for a while before sleeping, as a latency-bound QP user would.
+    a_cq.set_spin(Duration::from_micros(200));
+    b_cq.set_spin(Duration::from_micros(200));
+    let a_mr = a_nic.alloc_region(2, Access::READ_WRITE);
+    let b_mr = b_nic.alloc_region(2, Access::READ_WRITE);
+    let warmup = rounds / 10;
+    let total = rounds + warmup;
+    b.post_recv(RecvWr::new(0, &[b_mr.sge(0, 1)]))?;
+    let echo = thread::spawn(move || -> Result<()> {
+        let mut buf = [Completion::default(); 4];
+        let mut echoed = 0;
+        while echoed < total {
+            let n = wait(&b_cq, &mut buf)?;
+            for c in &buf[..n] {
+                check(c)?;
+                if c.opcode == Opcode::Recv {
+                    b.post_recv(RecvWr::new(0, &[b_mr.sge(0, 1)]))?;
+                    let mut wr = SendWr::new(1, &[b_mr.sge(1, 1)]);
+                    wr.dest = c.src;
+                    b.post_send(wr)?;
+                    echoed += 1;
+                }
+            }
+        }
+        // Let the last echo's send complete before the QP goes away.
+        while b.outstanding_sends() > 0 {
+            wait(&b_cq, &mut buf)?;
+        }
+        Ok(())
+    });
+    let mut samples = Vec::with_capacity(rounds as usize);
+    let mut buf = [Completion::default(); 4];
+    a.post_recv(RecvWr::new(0, &[a_mr.sge(0, 1)]))?;
+    for i in 0..total {
+        let t0 = Instant::now();
+        let mut wr = SendWr::new(1, &[a_mr.sge(1, 1)]);
+        wr.dest = b_addr;
+        a.post_send(wr)?;
+        let (mut sent, mut back) = (false, false);
+        while !(sent && back) {
+            let n = wait(&a_cq, &mut buf)?;
+            for c in &buf[..n] {
+                check(c)?;
+                match c.opcode {
+                    Opcode::Send => sent = true,
+                    Opcode::Recv => back = true,
+                }
+            }
+            if back && i + 1 < total {
+                // Repost before the next ping leaves (outside the timed path is not possible
+                // without a second buffer; posting costs tens of ns).
+            }
+        }
+        let rtt = t0.elapsed();
+        a.post_recv(RecvWr::new(0, &[a_mr.sge(0, 1)]))?;
+        if i >= warmup {
+            samples.push(rtt.as_secs_f64() * 1e6);
+        }
+    }
+    echo.join()
+        .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
+    Ok(cpu::median(samples))
+}
+
+pub fn rtt_socket_tcp(rounds: u64) -> Result<f64> {
+    let (mut a, mut b) = tcp_pair()?;
+    let warmup = rounds / 10;
+    let total = rounds + warmup;
+    let echo = thread::spawn(move || -> Result<()> {
+        let mut byte = [0u8; 1];
+        for _ in 0..total {
+            b.read_exact(&mut byte)?;
+            b.write_all(&byte)?;
+        }
+        Ok(())
+    });
+    let mut samples = Vec::with_capacity(rounds as usize);
+    let mut byte = [7u8; 1];
+    for i in 0..total {
+        let t0 = Instant::now();
+        a.write_all(&byte)?;
+        a.read_exact(&mut byte)?;
+        if i >= warmup {
+            samples.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    echo.join()
+        .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
+    Ok(cpu::median(samples))
+}
+
+pub fn rtt_socket_udp(rounds: u64) -> Result<f64> {
+    let a = UdpSocket::bind(any_addr())?;
+    let b = UdpSocket::bind(any_addr())?;
+    a.set_read_timeout(Some(T))?;
+    b.set_read_timeout(Some(T))?;
+    let b_addr = b.local_addr()?;
+    let warmup = rounds / 10;
+    let total = rounds + warmup;
+    let echo = thread::spawn(move || -> Result<()> {
+        let mut byte = [0u8; 1];
+        for _ in 0..total {
+            let (_, from) = b.recv_from(&mut byte)?;
+            b.send_to(&byte, from)?;
+        }
+        Ok(())
+    });
+    let mut samples = Vec::with_capacity(rounds as usize);
+    let mut byte = [7u8; 1];
+    for i in 0..total {
+        let t0 = Instant::now();
+        a.send_to(&byte, b_addr)?;
+        a.recv_from(&mut byte)?;
+        if i >= warmup {
+            samples.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    echo.join()
+        .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
+    Ok(cpu::median(samples))
+}
+
+// ---------------------------------------------------------------- throughput (ttcp)
+
+/// One ttcp run: MB/s, application CPU seconds per GB, engine CPU seconds per GB.
+#[derive(Clone, Copy, Debug)]
+pub struct Ttcp {
+    pub mbps: f64,
+    pub app_s_per_gb: f64,
+    pub engine_s_per_gb: f64,
+}
+
+pub fn ttcp_qp(bytes: u64, msg: usize) -> Result<Ttcp> {
+    // Enough WRs in flight to cover ~2 MiB, as a socket buffer would.
+    let window = ((2 << 20) / msg).clamp(4, 128);
+    let link = qp_link(window)?;
+    link.a_cq.set_spin(Duration::ZERO);
+    link.b_cq.set_spin(Duration::ZERO);
+    let msgs = bytes.div_ceil(msg as u64);
+    let tx_mr = link.a_nic.alloc_region(msg, Access::READ);
+    let rx_mr = link.b_nic.alloc_region(window * msg, Access::READ_WRITE);
+    let engines: Vec<i32> = link
+        .a_nic
+        .engine_threads()
+        .into_iter()
+        .chain(link.b_nic.engine_threads())
+        .collect();
+    let QpLink {
+        a, b, a_cq, b_cq, ..
+    } = link;
+    for i in 0..window {
+        b.post_recv(RecvWr::new(i as u64, &[rx_mr.sge(i * msg, msg)]))?;
+    }
+    let engine0 = cpu::threads(&engines);
+    let wall = Instant::now();
+    let receiver = thread::spawn(move || -> Result<Duration> {
+        let start = cpu::this_thread();
+        let mut got = 0u64;
+        let mut buf = [Completion::default(); 64];
+        while got < msgs {
+            let n = wait(&b_cq, &mut buf)?;
+            for c in &buf[..n] {
+                check(c)?;
+                got += 1;
+                if got + window as u64 <= msgs {
+                    let slot = c.wr_id as usize;
+                    b.post_recv(RecvWr::new(c.wr_id, &[rx_mr.sge(slot * msg, msg)]))?;
+                }
+            }
+        }
+        Ok(cpu::this_thread() - start)
+    });
+    let start = cpu::this_thread();
+    let (mut posted, mut done) = (0u64, 0u64);
+    let mut buf = [Completion::default(); 64];
+    while done < msgs {
+        while posted < msgs && posted - done < window as u64 {
+            a.post_send(SendWr::new(posted, &[tx_mr.sge(0, msg)]))?;
+            posted += 1;
+        }
+        let n = wait(&a_cq, &mut buf)?;
+        for c in &buf[..n] {
+            check(c)?;
+            done += 1;
+        }
+    }
+    let send_cpu = cpu::this_thread() - start;
+    let recv_cpu = receiver
+        .join()
+        .map_err(|_| anyhow::anyhow!("receiver panicked"))??;
+    let secs = wall.elapsed().as_secs_f64();
+    let engine_cpu = cpu::threads(&engines) - engine0;
+    let gb = (msgs * msg as u64) as f64 / 1e9;
+    Ok(Ttcp {
+        mbps: gb * 1e3 / secs,
+        app_s_per_gb: (send_cpu + recv_cpu).as_secs_f64() / gb,
+        engine_s_per_gb: engine_cpu.as_secs_f64() / gb,
+    })
+}
+
+pub fn ttcp_socket(bytes: u64, msg: usize) -> Result<Ttcp> {
+    let (mut a, mut b) = tcp_pair()?;
+    let msgs = bytes.div_ceil(msg as u64);
+    let wall = Instant::now();
+    let receiver = thread::spawn(move || -> Result<Duration> {
+        let start = cpu::this_thread();
+        let mut buf = vec![0u8; msg];
+        for _ in 0..msgs {
+            b.read_exact(&mut buf)?;
+        }
+        Ok(cpu::this_thread() - start)
+    });
+    let start = cpu::this_thread();
+    let buf = vec![7u8; msg];
+    for _ in 0..msgs {
+        a.write_all(&buf)?;
+    }
+    let send_cpu = cpu::this_thread() - start;
+    let recv_cpu = receiver
+        .join()
+        .map_err(|_| anyhow::anyhow!("receiver panicked"))??;
+    let secs = wall.elapsed().as_secs_f64();
+    let gb = (msgs * msg as u64) as f64 / 1e9;
+    Ok(Ttcp {
+        mbps: gb * 1e3 / secs,
+        app_s_per_gb: (send_cpu + recv_cpu).as_secs_f64() / gb,
+        engine_s_per_gb: 0.0,
+    })
+}
+
+// ---------------------------------------------------------------- the whole run
+
+/// Runs `f` `n` times, alternating with its peer inside the caller, and returns the median.
+fn med(n: usize, mut f: impl FnMut() -> Result<f64>) -> Result<f64> {
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        v.push(f()?);
+    }
+    Ok(cpu::median(v))
+}
+
+fn ttcp_pair(
+    repeat: usize,
+    bytes: u64,
+    msg: usize,
+    progress: &dyn Fn(&str),
+) -> Result<(Ttcp, Ttcp)> {
+    let (mut q, mut s) = (Vec::new(), Vec::new());
+    for i in 0..repeat {
+        progress(&format!(
+            "ttcp {} KiB messages, run {}/{repeat}",
+            msg / 1024,
+            i + 1
+        ));
+        // Interleave so that machine noise hits both stacks alike.
+        q.push(ttcp_qp(bytes, msg)?);
+        s.push(ttcp_socket(bytes, msg)?);
+    }
+    let pick = |v: &[Ttcp]| Ttcp {
+        mbps: cpu::median(v.iter().map(|t| t.mbps).collect()),
+        app_s_per_gb: cpu::median(v.iter().map(|t| t.app_s_per_gb).collect()),
+        engine_s_per_gb: cpu::median(v.iter().map(|t| t.engine_s_per_gb).collect()),
+    };
+    Ok((pick(&q), pick(&s)))
+}
+
+pub fn run(repeat: usize, sizes: MicroSizes, progress: &dyn Fn(&str)) -> Result<MicroReport> {
+    let repeat = repeat.max(1);
+    progress("host overhead, 1-byte messages");
+    let overhead = Pair {
+        qp: med(repeat, || overhead_qp(sizes.overhead_msgs))?,
+        socket: med(repeat, || overhead_socket(sizes.overhead_msgs))?,
+    };
+    progress("round-trip time, TCP");
+    let tcp = Pair {
+        qp: med(repeat, || rtt_qp_tcp(sizes.rtt_rounds))?,
+        socket: med(repeat, || rtt_socket_tcp(sizes.rtt_rounds))?,
+    };
+    progress("round-trip time, UDP");
+    let udp = Pair {
+        qp: med(repeat, || rtt_qp_udp(sizes.rtt_rounds))?,
+        socket: med(repeat, || rtt_socket_udp(sizes.rtt_rounds))?,
+    };
+    // The 10 MB run is over in milliseconds: take more samples of it.
+    let (q16, s16) = ttcp_pair(repeat * 3, sizes.ttcp_16k_bytes, 16 * 1024, progress)?;
+    let (q128, s128) = ttcp_pair(repeat, sizes.ttcp_128k_bytes, 128 * 1024, progress)?;
+    Ok(MicroReport {
+        overhead_ns: overhead,
+        rtt_us: Rtt { tcp, udp },
+        throughput_MBps: BySize {
+            k16: Pair {
+                qp: q16.mbps,
+                socket: s16.mbps,
+            },
+            k128: Pair {
+                qp: q128.mbps,
+                socket: s128.mbps,
+            },
+        },
+        app_cpu_s_per_GB: BySize {
+            k16: Pair {
+                qp: q16.app_s_per_gb,
+                socket: s16.app_s_per_gb,
+            },
+            k128: Pair {
+                qp: q128.app_s_per_gb,
+                socket: s128.app_s_per_gb,
+            },
+        },
+        engine_cpu_s_per_GB: BySize {
+            k16: Pair {
+                qp: q16.engine_s_per_gb,
+                socket: 0.0,
+            },
+            k128: Pair {
+                qp: q128.engine_s_per_gb,
+                socket: 0.0,
+            },
+        },
+        repeat,
+        messages: sizes,
+    })
+}
+
+/// The report as a terminal table.
+pub fn table(r: &MicroReport) -> String {
+    let row = |name: &str, unit: &str, p: Pair, better_low: bool| {
+        let ratio = if better_low {
+            p.socket / p.qp
+        } else {
+            p.qp / p.socket
+        };
+        format!(
+            "{name:<34} {:>12.2} {:>12.2}  {unit:<8} {:>6.2}x\n",
+            p.qp, p.socket, ratio
+        )
+    };
+    let mut s = format!(
+        "{:<34} {:>12} {:>12}  {:<8} {:>7}\n",
+        "measure", "QP", "socket", "unit", "QP gain"
+    );
+    s += &row("host overhead, 1-byte msg", "ns", r.overhead_ns, true);
+    s += &row("round trip, 1 byte, TCP", "µs", r.rtt_us.tcp, true);
+    s += &row("round trip, 1 byte, UDP", "µs", r.rtt_us.udp, true);
+    s += &row(
+        "ttcp 10 MB in 16 KiB msgs",
+        "MB/s",
+        r.throughput_MBps.k16,
+        false,
+    );
+    s += &row(
+        "ttcp in 128 KiB msgs",
+        "MB/s",
+        r.throughput_MBps.k128,
+        false,
+    );
+    s += &row(
+        "app CPU per GB, 16 KiB",
+        "s/GB",
+        r.app_cpu_s_per_GB.k16,
+        true,
+    );
+    s += &row(
+        "app CPU per GB, 128 KiB",
+        "s/GB",
+        r.app_cpu_s_per_GB.k128,
+        true,
+    );
+    s += &format!(
+        "{:<34} {:>12.3} {:>12}  {:<8}\n",
+        "NIC engine CPU per GB, 128 KiB", r.engine_cpu_s_per_GB.k128.qp, "(kernel)", "s/GB"
+    );
+    s
+}
