@@ -69,7 +69,7 @@ impl Default for BlockSize {
     }
 }
 
-fn exact<'a>(buf: &'a [u8], n: usize) -> Result<&'a [u8], ProtoError> {
+fn exact(buf: &[u8], n: usize) -> Result<&[u8], ProtoError> {
     if buf.len() < n {
         Err(ProtoError::Truncated {
             need: n,
@@ -598,7 +598,7 @@ mod tests {
             Err(ProtoError::BadMagic { .. })
         ));
         let mut old = b;
-        old[8..16].copy_from_slice(&0x0042_0281_8612_53u64.to_be_bytes());
+        old[8..16].copy_from_slice(&0x0000_4202_8186_1253_u64.to_be_bytes());
         assert!(matches!(
             Greeting::parse(&old),
             Err(ProtoError::BadMagic { .. })

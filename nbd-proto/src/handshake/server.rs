@@ -691,7 +691,7 @@ impl ServerHandshake {
             return;
         }
         let base_allocation = if set {
-            req.queries.iter().any(|q| *q == c::BASE_ALLOCATION)
+            req.queries.contains(&c::BASE_ALLOCATION)
         } else {
             req.queries.is_empty()
                 || req
