@@ -6,6 +6,8 @@ pub mod consts;
 mod error;
 pub mod flags;
 pub mod framing;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod handshake;
 pub mod reply;
 pub mod transmission;
