@@ -1,0 +1,8 @@
+#![no_main]
+//! Arbitrary bytes into `nbd_proto::fuzzing::server_handshake`: no panic, bounded output.
+
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    nbd_proto::fuzzing::server_handshake(data);
+});

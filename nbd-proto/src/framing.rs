@@ -1,0 +1,530 @@
+//! Message framing for message-oriented transports.
+//!
+//! A transport that delivers whole messages (such as the queue-pair transport)
+//! asks a *framer* where the next message ends: it shows the framer the bytes
+//! received so far and gets back a [`Need`]. A message is **header + body**:
+//! the header is small and parsed by this crate; the body is bulk data (the
+//! payload of an `NBD_CMD_WRITE`, the data of a read reply, option data) which
+//! the transport may place directly into registered memory.
+//!
+//! The framers are pure functions of `(phase, prefix)`. The phase is a small
+//! `Copy` enum with a `u8` representation so a caller can keep it in an
+//! `AtomicU8` shared with its receive path. A server flips its phase to
+//! [`ServerPhase::Transmission`] right before sending the final reply of the
+//! handshake (`NBD_OPT_GO` ack or `NBD_OPT_EXPORT_NAME` reply), since the
+//! client may pipeline its first request right after.
+
+use crate::consts as c;
+use crate::wire::{be_u32, be_u64};
+
+/// Limits enforced by the framers (bounded memory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameLimits {
+    /// Largest option data (server side) or option reply data (client side).
+    pub max_option_len: u32,
+    /// Largest `NBD_CMD_WRITE` payload accepted by the server framer.
+    pub max_write_len: u32,
+    /// Largest reply body (simple-reply read data or structured chunk payload)
+    /// accepted by the client framer.
+    pub max_reply_len: u32,
+}
+
+/// Default option data cap: 64 KiB (an export name is at most 4 KiB).
+pub const DEFAULT_MAX_OPTION_LEN: u32 = 64 * 1024;
+/// Default write payload cap: 32 MiB (2^25), the size the spec says SHOULD NOT
+/// be considered a denial of service.
+pub const DEFAULT_MAX_WRITE_LEN: u32 = 1 << 25;
+/// Default reply body cap: 32 MiB of data plus the 8-byte offset of an
+/// `OFFSET_DATA` chunk.
+pub const DEFAULT_MAX_REPLY_LEN: u32 = (1 << 25) + 8;
+
+impl Default for FrameLimits {
+    fn default() -> Self {
+        Self {
+            max_option_len: DEFAULT_MAX_OPTION_LEN,
+            max_write_len: DEFAULT_MAX_WRITE_LEN,
+            max_reply_len: DEFAULT_MAX_REPLY_LEN,
+        }
+    }
+}
+
+/// Why a prefix can never become a valid message (the connection must be dropped).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FrameError {
+    /// Wrong magic number.
+    #[error("bad magic {found:#x}, expected {expected:#x}")]
+    BadMagic {
+        /// Expected magic.
+        expected: u64,
+        /// Magic found.
+        found: u64,
+    },
+    /// A length above the configured limit.
+    #[error("length {len} exceeds limit {limit}")]
+    TooLong {
+        /// Length announced.
+        len: u32,
+        /// Limit.
+        limit: u32,
+    },
+    /// The phase does not expect any message from the peer.
+    #[error("no message expected in this phase")]
+    Unexpected,
+}
+
+/// The framer's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    /// Not enough bytes to know the message length: wait until at least this
+    /// many bytes (counted from the start of the message) are available.
+    Header(usize),
+    /// The message is `header_len + body_len` bytes long.
+    Message {
+        /// Bytes of header (parsed by this crate).
+        header_len: usize,
+        /// Bytes of body (bulk data).
+        body_len: usize,
+    },
+    /// The bytes can never form a valid message.
+    Invalid(FrameError),
+}
+
+impl Need {
+    /// Total message length, once known.
+    pub const fn total(&self) -> Option<usize> {
+        match *self {
+            Self::Message {
+                header_len,
+                body_len,
+            } => Some(header_len + body_len),
+            _ => None,
+        }
+    }
+}
+
+fn check_len(len: u32, limit: u32) -> Result<usize, FrameError> {
+    if len > limit {
+        Err(FrameError::TooLong { len, limit })
+    } else {
+        // u32 always fits usize on the platforms this crate supports (>= 32 bit)
+        Ok(len as usize)
+    }
+}
+
+/// Which client message a server expects next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ServerPhase {
+    /// The 4-byte client flags.
+    ClientFlags = 0,
+    /// Option requests: 16-byte header + data.
+    Options = 1,
+    /// Requests: 28-byte header (+ payload for `WRITE`).
+    Transmission = 2,
+}
+
+impl ServerPhase {
+    /// For storage in an `AtomicU8`.
+    pub const fn to_u8(self) -> u8 {
+        self as u8
+    }
+    /// Inverse of [`Self::to_u8`].
+    pub const fn from_u8(v: u8) -> Option<Self> {
+        match v {
+            0 => Some(Self::ClientFlags),
+            1 => Some(Self::Options),
+            2 => Some(Self::Transmission),
+            _ => None,
+        }
+    }
+}
+
+/// Server-side framer: where does the client message starting at `prefix[0]` end?
+pub fn server_need(phase: ServerPhase, prefix: &[u8], limits: &FrameLimits) -> Need {
+    match phase {
+        ServerPhase::ClientFlags => Need::Message {
+            header_len: c::CLIENT_FLAGS_LEN,
+            body_len: 0,
+        },
+        ServerPhase::Options => {
+            let (Some(magic), Some(len)) = (be_u64(prefix, 0), be_u32(prefix, 12)) else {
+                return Need::Header(c::OPTION_HEADER_LEN);
+            };
+            if magic != c::IHAVEOPT {
+                return Need::Invalid(FrameError::BadMagic {
+                    expected: c::IHAVEOPT,
+                    found: magic,
+                });
+            }
+            match check_len(len, limits.max_option_len) {
+                Ok(body_len) => Need::Message {
+                    header_len: c::OPTION_HEADER_LEN,
+                    body_len,
+                },
+                Err(e) => Need::Invalid(e),
+            }
+        }
+        ServerPhase::Transmission => {
+            if prefix.len() < c::REQUEST_LEN {
+                return Need::Header(c::REQUEST_LEN);
+            }
+            let magic = be_u32(prefix, 0).unwrap_or(0);
+            if magic != c::REQUEST_MAGIC {
+                return Need::Invalid(FrameError::BadMagic {
+                    expected: c::REQUEST_MAGIC.into(),
+                    found: magic.into(),
+                });
+            }
+            let cmd = crate::wire::be_u16(prefix, 6).unwrap_or(0);
+            let len = be_u32(prefix, 24).unwrap_or(0);
+            let body_len = if cmd == c::CMD_WRITE {
+                match check_len(len, limits.max_write_len) {
+                    Ok(n) => n,
+                    Err(e) => return Need::Invalid(e),
+                }
+            } else {
+                0
+            };
+            Need::Message {
+                header_len: c::REQUEST_LEN,
+                body_len,
+            }
+        }
+    }
+}
+
+/// Which server message a client expects next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ClientPhase {
+    /// The 18-byte greeting.
+    Greeting = 0,
+    /// Option replies: 20-byte header + data.
+    Options = 1,
+    /// The `NBD_OPT_EXPORT_NAME` reply with 124 trailing zeroes (134 bytes).
+    ExportNameReply = 2,
+    /// The `NBD_OPT_EXPORT_NAME` reply when `NO_ZEROES` was negotiated (10 bytes).
+    ExportNameReplyNoZeroes = 3,
+    /// Simple replies (16 bytes + read data) and structured chunks (20 + length).
+    Transmission = 4,
+    /// Nothing is expected (handshake over without transmission).
+    Closed = 5,
+}
+
+impl ClientPhase {
+    /// For storage in an `AtomicU8`.
+    pub const fn to_u8(self) -> u8 {
+        self as u8
+    }
+    /// Inverse of [`Self::to_u8`].
+    pub const fn from_u8(v: u8) -> Option<Self> {
+        match v {
+            0 => Some(Self::Greeting),
+            1 => Some(Self::Options),
+            2 => Some(Self::ExportNameReply),
+            3 => Some(Self::ExportNameReplyNoZeroes),
+            4 => Some(Self::Transmission),
+            5 => Some(Self::Closed),
+            _ => None,
+        }
+    }
+}
+
+/// Client-side framer: where does the server message starting at `prefix[0]` end?
+///
+/// In the transmission phase, a simple reply carries read data only for a
+/// successful `NBD_CMD_READ`, and only the client knows which cookies are
+/// reads: `read_len(cookie)` must return `Some(length)` for a pending read and
+/// `None` otherwise (the body is then empty). Structured chunks are self-describing.
+pub fn client_need(
+    phase: ClientPhase,
+    prefix: &[u8],
+    limits: &FrameLimits,
+    mut read_len: impl FnMut(u64) -> Option<u32>,
+) -> Need {
+    let fixed = |n: usize| Need::Message {
+        header_len: n,
+        body_len: 0,
+    };
+    match phase {
+        ClientPhase::Greeting => fixed(c::GREETING_LEN),
+        ClientPhase::ExportNameReply => {
+            fixed(c::EXPORT_NAME_REPLY_SHORT_LEN + c::EXPORT_NAME_ZEROES)
+        }
+        ClientPhase::ExportNameReplyNoZeroes => fixed(c::EXPORT_NAME_REPLY_SHORT_LEN),
+        ClientPhase::Closed => Need::Invalid(FrameError::Unexpected),
+        ClientPhase::Options => {
+            let (Some(magic), Some(len)) = (be_u64(prefix, 0), be_u32(prefix, 16)) else {
+                return Need::Header(c::OPTION_REPLY_HEADER_LEN);
+            };
+            if magic != c::OPTION_REPLY_MAGIC {
+                return Need::Invalid(FrameError::BadMagic {
+                    expected: c::OPTION_REPLY_MAGIC,
+                    found: magic,
+                });
+            }
+            match check_len(len, limits.max_option_len) {
+                Ok(body_len) => Need::Message {
+                    header_len: c::OPTION_REPLY_HEADER_LEN,
+                    body_len,
+                },
+                Err(e) => Need::Invalid(e),
+            }
+        }
+        ClientPhase::Transmission => {
+            let Some(magic) = be_u32(prefix, 0) else {
+                return Need::Header(4);
+            };
+            match magic {
+                c::SIMPLE_REPLY_MAGIC => {
+                    let (Some(error), Some(cookie)) = (be_u32(prefix, 4), be_u64(prefix, 8)) else {
+                        return Need::Header(c::SIMPLE_REPLY_LEN);
+                    };
+                    let body = if error == 0 {
+                        read_len(cookie).unwrap_or(0)
+                    } else {
+                        0
+                    };
+                    match check_len(body, limits.max_reply_len) {
+                        Ok(body_len) => Need::Message {
+                            header_len: c::SIMPLE_REPLY_LEN,
+                            body_len,
+                        },
+                        Err(e) => Need::Invalid(e),
+                    }
+                }
+                c::STRUCTURED_REPLY_MAGIC => {
+                    let Some(len) = be_u32(prefix, 16) else {
+                        return Need::Header(c::STRUCTURED_REPLY_HEADER_LEN);
+                    };
+                    match check_len(len, limits.max_reply_len) {
+                        Ok(body_len) => Need::Message {
+                            header_len: c::STRUCTURED_REPLY_HEADER_LEN,
+                            body_len,
+                        },
+                        Err(e) => Need::Invalid(e),
+                    }
+                }
+                other => Need::Invalid(FrameError::BadMagic {
+                    expected: c::SIMPLE_REPLY_MAGIC.into(),
+                    found: other.into(),
+                }),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::flags::CmdFlags;
+    use crate::transmission::{Command, Request};
+
+    const L: FrameLimits = FrameLimits {
+        max_option_len: 100,
+        max_write_len: 1000,
+        max_reply_len: 2000,
+    };
+
+    #[test]
+    fn phases_roundtrip_u8() {
+        for p in [
+            ServerPhase::ClientFlags,
+            ServerPhase::Options,
+            ServerPhase::Transmission,
+        ] {
+            assert_eq!(ServerPhase::from_u8(p.to_u8()), Some(p));
+        }
+        assert_eq!(ServerPhase::from_u8(3), None);
+        for v in 0..6 {
+            assert_eq!(ClientPhase::from_u8(v).map(ClientPhase::to_u8), Some(v));
+        }
+        assert_eq!(ClientPhase::from_u8(6), None);
+    }
+
+    #[test]
+    fn server_flags_and_options() {
+        assert_eq!(
+            server_need(ServerPhase::ClientFlags, &[], &L).total(),
+            Some(4)
+        );
+        assert_eq!(
+            server_need(ServerPhase::Options, b"IHAVE", &L),
+            Need::Header(16)
+        );
+        let mut h = b"IHAVEOPT".to_vec();
+        h.extend_from_slice(&[0, 0, 0, 7, 0, 0, 0, 100]);
+        assert_eq!(
+            server_need(ServerPhase::Options, &h, &L),
+            Need::Message {
+                header_len: 16,
+                body_len: 100
+            }
+        );
+        h[15] = 101;
+        assert_eq!(
+            server_need(ServerPhase::Options, &h, &L),
+            Need::Invalid(FrameError::TooLong {
+                len: 101,
+                limit: 100
+            })
+        );
+        h[0] = b'X';
+        assert!(matches!(
+            server_need(ServerPhase::Options, &h, &L),
+            Need::Invalid(FrameError::BadMagic { .. })
+        ));
+    }
+
+    #[test]
+    fn server_requests() {
+        let mut r = Request {
+            flags: CmdFlags::empty(),
+            command: Command::Read,
+            cookie: 1,
+            offset: 0,
+            length: 5000,
+        };
+        assert_eq!(
+            server_need(ServerPhase::Transmission, &r.encode()[..27], &L),
+            Need::Header(28)
+        );
+        assert_eq!(
+            server_need(ServerPhase::Transmission, &r.encode(), &L).total(),
+            Some(28)
+        );
+        r.command = Command::Write;
+        r.length = 1000;
+        assert_eq!(
+            server_need(ServerPhase::Transmission, &r.encode(), &L),
+            Need::Message {
+                header_len: 28,
+                body_len: 1000
+            }
+        );
+        r.length = 1001;
+        assert!(matches!(
+            server_need(ServerPhase::Transmission, &r.encode(), &L),
+            Need::Invalid(FrameError::TooLong { .. })
+        ));
+        assert!(matches!(
+            server_need(ServerPhase::Transmission, &[0; 28], &L),
+            Need::Invalid(FrameError::BadMagic { .. })
+        ));
+    }
+
+    #[test]
+    fn client_handshake_frames() {
+        let none = |_| None;
+        assert_eq!(
+            client_need(ClientPhase::Greeting, &[], &L, none).total(),
+            Some(18)
+        );
+        assert_eq!(
+            client_need(ClientPhase::ExportNameReply, &[], &L, none).total(),
+            Some(134)
+        );
+        assert_eq!(
+            client_need(ClientPhase::ExportNameReplyNoZeroes, &[], &L, none).total(),
+            Some(10)
+        );
+        assert!(matches!(
+            client_need(ClientPhase::Closed, &[], &L, none),
+            Need::Invalid(_)
+        ));
+        let mut v = Vec::new();
+        crate::handshake::encode_option_reply(c::OPT_LIST, c::REP_SERVER, &[1; 50], &mut v);
+        assert_eq!(
+            client_need(ClientPhase::Options, &v[..19], &L, none),
+            Need::Header(20)
+        );
+        assert_eq!(
+            client_need(ClientPhase::Options, &v, &L, none),
+            Need::Message {
+                header_len: 20,
+                body_len: 50
+            }
+        );
+        v.clear();
+        crate::handshake::encode_option_reply(c::OPT_LIST, c::REP_SERVER, &[1; 101], &mut v);
+        assert!(matches!(
+            client_need(ClientPhase::Options, &v, &L, none),
+            Need::Invalid(FrameError::TooLong { .. })
+        ));
+        assert!(matches!(
+            client_need(ClientPhase::Options, &[0; 20], &L, none),
+            Need::Invalid(FrameError::BadMagic { .. })
+        ));
+    }
+
+    #[test]
+    fn client_transmission_frames() {
+        use crate::reply::{SimpleReply, StructuredReplyHeader};
+        let ok = SimpleReply {
+            error: 0,
+            cookie: 42,
+        }
+        .encode();
+        let lookup = |cookie: u64| (cookie == 42).then_some(512);
+        assert_eq!(
+            client_need(ClientPhase::Transmission, &ok[..3], &L, lookup),
+            Need::Header(4)
+        );
+        assert_eq!(
+            client_need(ClientPhase::Transmission, &ok[..10], &L, lookup),
+            Need::Header(16)
+        );
+        assert_eq!(
+            client_need(ClientPhase::Transmission, &ok, &L, lookup),
+            Need::Message {
+                header_len: 16,
+                body_len: 512
+            }
+        );
+        let err = SimpleReply {
+            error: 5,
+            cookie: 42,
+        }
+        .encode();
+        assert_eq!(
+            client_need(ClientPhase::Transmission, &err, &L, lookup).total(),
+            Some(16)
+        );
+        let other = SimpleReply {
+            error: 0,
+            cookie: 1,
+        }
+        .encode();
+        assert_eq!(
+            client_need(ClientPhase::Transmission, &other, &L, lookup).total(),
+            Some(16)
+        );
+        assert!(matches!(
+            client_need(ClientPhase::Transmission, &ok, &L, |_| Some(2001)),
+            Need::Invalid(FrameError::TooLong { .. })
+        ));
+        let sh = StructuredReplyHeader {
+            flags: crate::flags::ReplyFlags::DONE,
+            reply_type: c::REPLY_TYPE_OFFSET_DATA,
+            cookie: 9,
+            length: 108,
+        }
+        .encode();
+        assert_eq!(
+            client_need(ClientPhase::Transmission, &sh[..19], &L, lookup),
+            Need::Header(20)
+        );
+        assert_eq!(
+            client_need(ClientPhase::Transmission, &sh, &L, lookup),
+            Need::Message {
+                header_len: 20,
+                body_len: 108
+            }
+        );
+        assert!(matches!(
+            client_need(ClientPhase::Transmission, &[1, 2, 3, 4], &L, lookup),
+            Need::Invalid(FrameError::BadMagic { .. })
+        ));
+    }
+}

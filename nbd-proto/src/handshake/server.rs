@@ -1,0 +1,722 @@
+//! Server side of the fixed-newstyle handshake as a sans-IO state machine.
+//!
+//! Feed it whole framed client messages with [`ServerHandshake::handle_message`]
+//! (use [`crate::framing::server_need`] with [`ServerHandshake::phase`] to frame
+//! them), or a raw byte stream with [`ServerHandshake::feed`]. Replies are
+//! appended to a caller-provided `Vec<u8>`.
+
+use crate::consts as c;
+use crate::error::{ProtoError, parse_string};
+use crate::flags::{ClientFlags, HandshakeFlags, TransmissionFlags};
+use crate::framing::{FrameLimits, Need, ServerPhase, server_need};
+use crate::handshake::messages::{
+    BlockSize, ExportNameReply, Greeting, InfoReply, InfoRequest, MetaContextEntry,
+    MetaContextRequest, OptionHeader, ServerEntry, encode_option_reply, parse_client_flags,
+};
+use crate::transmission::TransmissionInfo;
+
+/// Context id the server assigns to `base:allocation` in `NBD_OPT_SET_META_CONTEXT`.
+pub const BASE_ALLOCATION_ID: u32 = 1;
+
+/// Description of one export.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Export {
+    /// Name (at most 4096 bytes; "" may be used for the default export).
+    pub name: String,
+    /// Human-readable description (sent in `NBD_REP_SERVER` and `NBD_INFO_DESCRIPTION`).
+    pub description: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Advertised transmission flags: `READ_ONLY`, `SEND_FLUSH`, `SEND_FUA`,
+    /// `ROTATIONAL`, `SEND_TRIM`, `SEND_WRITE_ZEROES`, `SEND_DF`, `CAN_MULTI_CONN`,
+    /// `SEND_CACHE`, `SEND_FAST_ZERO`... `HAS_FLAGS` is always added; `SEND_DF`
+    /// is dropped unless structured replies were negotiated and `SEND_FAST_ZERO`
+    /// unless `SEND_WRITE_ZEROES` is set, as the spec requires.
+    pub flags: TransmissionFlags,
+    /// Block size constraints; `None` means the spec defaults (1 / 4096 / unlimited).
+    pub block_size: Option<BlockSize>,
+    /// Refuse clients that do not acknowledge `block_size` (`NBD_OPT_GO` without an
+    /// `NBD_INFO_BLOCK_SIZE` request gets `NBD_REP_ERR_BLOCK_SIZE_REQD`;
+    /// `NBD_OPT_EXPORT_NAME` gets a hard disconnect).
+    pub require_block_size: bool,
+}
+
+impl Export {
+    /// A writable export with no optional features.
+    pub fn new(name: impl Into<String>, size: u64) -> Self {
+        Self {
+            name: name.into(),
+            description: String::new(),
+            size,
+            flags: TransmissionFlags::empty(),
+            block_size: None,
+            require_block_size: false,
+        }
+    }
+
+    /// The flags actually sent, given whether structured replies were negotiated.
+    pub fn transmission_flags(&self, structured_replies: bool) -> TransmissionFlags {
+        let mut f = TransmissionFlags(self.flags.bits() & TransmissionFlags::KNOWN.bits())
+            | TransmissionFlags::HAS_FLAGS;
+        if !structured_replies {
+            f.set(TransmissionFlags::SEND_DF, false);
+        }
+        if !f.contains(TransmissionFlags::SEND_WRITE_ZEROES) {
+            f.set(TransmissionFlags::SEND_FAST_ZERO, false);
+        }
+        f
+    }
+
+    fn effective_block_size(&self) -> BlockSize {
+        self.block_size.unwrap_or(BlockSize::DEFAULT)
+    }
+}
+
+/// Server configuration. The `support_*` knobs exist mostly to emulate older
+/// servers (for interoperability tests of clients' fallbacks).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerConfig {
+    /// Exports, looked up by exact name.
+    pub exports: Vec<Export>,
+    /// Name of the export served for the empty name, if no export is named "".
+    pub default_export: Option<String>,
+    /// Advertise `NBD_FLAG_NO_ZEROES`.
+    pub offer_no_zeroes: bool,
+    /// Accept clients that do not set `NBD_FLAG_C_FIXED_NEWSTYLE` (they may then
+    /// only send `NBD_OPT_EXPORT_NAME`).
+    pub allow_non_fixed_newstyle: bool,
+    /// Answer `NBD_OPT_LIST` (else `NBD_REP_ERR_POLICY`).
+    pub allow_list: bool,
+    /// Support `NBD_OPT_INFO` / `NBD_OPT_GO` (else `NBD_REP_ERR_UNSUP`).
+    pub support_go: bool,
+    /// Support `NBD_OPT_STRUCTURED_REPLY` (else `NBD_REP_ERR_UNSUP`).
+    pub support_structured_replies: bool,
+    /// Support `base:allocation` via the meta context options (else `NBD_REP_ERR_UNSUP`).
+    pub support_meta_contexts: bool,
+    /// Option data larger than this is a hard disconnect (bounded memory).
+    pub max_option_len: u32,
+    /// More options than this in one handshake is treated as denial of service
+    /// (hard disconnect).
+    pub max_options: u32,
+}
+
+/// Default [`ServerConfig::max_options`].
+pub const DEFAULT_MAX_OPTIONS: u32 = 1024;
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            exports: Vec::new(),
+            default_export: None,
+            offer_no_zeroes: true,
+            allow_non_fixed_newstyle: true,
+            allow_list: true,
+            support_go: true,
+            support_structured_replies: true,
+            support_meta_contexts: true,
+            max_option_len: crate::framing::DEFAULT_MAX_OPTION_LEN,
+            max_options: DEFAULT_MAX_OPTIONS,
+        }
+    }
+}
+
+impl ServerConfig {
+    /// A default configuration serving `exports`.
+    pub fn new(exports: Vec<Export>) -> Self {
+        Self {
+            exports,
+            ..Self::default()
+        }
+    }
+
+    fn lookup(&self, name: &str) -> Option<usize> {
+        if let Some(i) = self.exports.iter().position(|e| e.name == name) {
+            return Some(i);
+        }
+        if name.is_empty() {
+            let d = self.default_export.as_deref()?;
+            return self.exports.iter().position(|e| e.name == d);
+        }
+        None
+    }
+}
+
+/// The outcome of a successful handshake, server side.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerNegotiated {
+    /// Index of the export in [`ServerConfig::exports`].
+    pub export_index: usize,
+    /// The export's canonical name.
+    pub export_name: String,
+    /// Export size.
+    pub size: u64,
+    /// Transmission flags sent to the client.
+    pub flags: TransmissionFlags,
+    /// Structured replies negotiated.
+    pub structured_replies: bool,
+    /// Selected metadata contexts `(id, name)` (empty unless the last
+    /// `NBD_OPT_SET_META_CONTEXT` named this export).
+    pub meta_contexts: Vec<(u32, String)>,
+    /// `NBD_FLAG_C_NO_ZEROES` negotiated.
+    pub no_zeroes: bool,
+    /// Block size constraints in force.
+    pub block_size: BlockSize,
+    /// The client requested `NBD_INFO_BLOCK_SIZE` in `NBD_OPT_GO` (and so promised
+    /// to obey the constraints).
+    pub block_size_acknowledged: bool,
+    /// Transmission entered via `NBD_OPT_GO` (vs `NBD_OPT_EXPORT_NAME`).
+    pub via_go: bool,
+}
+
+impl ServerNegotiated {
+    /// What [`crate::transmission::validate_request`] needs.
+    pub fn transmission_info(&self) -> TransmissionInfo {
+        TransmissionInfo {
+            size: self.size,
+            flags: self.flags,
+            structured_replies: self.structured_replies,
+            has_meta_context: !self.meta_contexts.is_empty(),
+            block_size: self.block_size,
+            df_max_len: u32::MAX,
+        }
+    }
+}
+
+/// What happened after a message was handled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ServerEvent {
+    /// Send the output (if any) and wait for the next message.
+    Continue,
+    /// Send the output; the transmission phase starts now.
+    Done(Box<ServerNegotiated>),
+    /// The client sent `NBD_OPT_ABORT`: send the output (the ACK) and close.
+    Abort,
+}
+
+/// A condition that requires a hard disconnect (drop the connection without
+/// sending anything further).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServerError {
+    /// Undecodable message (bad magic, truncated, length mismatch).
+    #[error(transparent)]
+    Proto(#[from] ProtoError),
+    /// Client flags with unknown bits ("the server MUST drop the TCP connection").
+    #[error("unknown client flags {0:#x}")]
+    UnknownClientFlags(u32),
+    /// `NBD_FLAG_C_NO_ZEROES` without the server offering it.
+    #[error("client set NO_ZEROES which was not offered")]
+    NoZeroesNotOffered,
+    /// Client did not set `NBD_FLAG_C_FIXED_NEWSTYLE` and this server refuses that.
+    #[error("client does not support fixed newstyle")]
+    NotFixedNewstyle,
+    /// A non-fixed-newstyle client sent an option other than `NBD_OPT_EXPORT_NAME`.
+    #[error("option {0} from a non-fixed-newstyle client")]
+    NonFixedOption(u32),
+    /// Option data above [`ServerConfig::max_option_len`].
+    #[error("option length {len} exceeds limit {limit}")]
+    OptionTooLong {
+        /// Announced length.
+        len: u32,
+        /// Limit.
+        limit: u32,
+    },
+    /// More than [`ServerConfig::max_options`] options.
+    #[error("too many options")]
+    TooManyOptions,
+    /// `NBD_OPT_EXPORT_NAME` with an invalid name (cannot be answered with an error).
+    #[error("invalid export name")]
+    InvalidExportName,
+    /// `NBD_OPT_EXPORT_NAME` for an unknown export ("the server MUST terminate the session").
+    #[error("unknown export {0:?}")]
+    UnknownExport(String),
+    /// `NBD_OPT_EXPORT_NAME` for an export that requires block size negotiation.
+    #[error("export {0:?} requires NBD_OPT_GO with NBD_INFO_BLOCK_SIZE")]
+    BlockSizeRequired(String),
+    /// `NBD_OPT_EXPORT_NAME` while shutting down (cannot be answered with an error).
+    #[error("server is shutting down")]
+    ShuttingDown,
+    /// A message arrived after the handshake ended.
+    #[error("handshake already finished")]
+    Finished,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    ClientFlags,
+    Options,
+    Finished,
+}
+
+/// The server handshake state machine.
+#[derive(Debug, Clone)]
+pub struct ServerHandshake {
+    config: ServerConfig,
+    state: State,
+    fixed: bool,
+    no_zeroes: bool,
+    structured: bool,
+    /// Export index and contexts selected by the last `NBD_OPT_SET_META_CONTEXT`.
+    meta: Option<(usize, Vec<(u32, String)>)>,
+    options_seen: u32,
+    shutting_down: bool,
+    inbuf: Vec<u8>,
+}
+
+fn reply(out: &mut Vec<u8>, option: u32, reply_type: u32, data: &[u8]) {
+    encode_option_reply(option, reply_type, data, out);
+}
+
+fn reply_err(out: &mut Vec<u8>, option: u32, reply_type: u32, message: &str) {
+    encode_option_reply(option, reply_type, message.as_bytes(), out);
+}
+
+impl ServerHandshake {
+    /// A fresh handshake. Send [`Self::greeting`] first.
+    pub fn new(config: ServerConfig) -> Self {
+        Self {
+            config,
+            state: State::ClientFlags,
+            fixed: false,
+            no_zeroes: false,
+            structured: false,
+            meta: None,
+            options_seen: 0,
+            shutting_down: false,
+            inbuf: Vec::new(),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ServerConfig {
+        &self.config
+    }
+
+    /// Handshake flags offered in the greeting.
+    pub fn handshake_flags(&self) -> HandshakeFlags {
+        HandshakeFlags::FIXED_NEWSTYLE.with(HandshakeFlags::NO_ZEROES, self.config.offer_no_zeroes)
+    }
+
+    /// The 18-byte greeting to send as soon as the connection is up.
+    pub fn greeting(&self) -> [u8; c::GREETING_LEN] {
+        Greeting {
+            flags: self.handshake_flags(),
+        }
+        .encode()
+    }
+
+    /// The framing phase for the next client message.
+    pub fn phase(&self) -> ServerPhase {
+        match self.state {
+            State::ClientFlags => ServerPhase::ClientFlags,
+            State::Options => ServerPhase::Options,
+            State::Finished => ServerPhase::Transmission,
+        }
+    }
+
+    /// Frame limits matching this configuration (writes use the default cap).
+    pub fn frame_limits(&self) -> FrameLimits {
+        FrameLimits {
+            max_option_len: self.config.max_option_len,
+            ..FrameLimits::default()
+        }
+    }
+
+    /// From now on, answer options (other than `NBD_OPT_ABORT`) with
+    /// `NBD_REP_ERR_SHUTDOWN`, as the spec recommends for a server shutting down.
+    pub fn begin_shutdown(&mut self) {
+        self.shutting_down = true;
+    }
+
+    /// Handle one complete client message (client flags, or option header + data).
+    /// Replies are appended to `out`. An `Err` means: hard disconnect.
+    pub fn handle_message(
+        &mut self,
+        msg: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Result<ServerEvent, ServerError> {
+        let res = match self.state {
+            State::ClientFlags => self.handle_client_flags(msg),
+            State::Options => {
+                let h = OptionHeader::parse(msg);
+                match h {
+                    Ok(h) => {
+                        let data = &msg[c::OPTION_HEADER_LEN..];
+                        if h.length > self.config.max_option_len {
+                            Err(ServerError::OptionTooLong {
+                                len: h.length,
+                                limit: self.config.max_option_len,
+                            })
+                        } else if data.len() as u64 != u64::from(h.length) {
+                            Err(ProtoError::LengthMismatch {
+                                expected: h.length as usize,
+                                got: data.len(),
+                            }
+                            .into())
+                        } else {
+                            self.handle_option(h.option, data, out)
+                        }
+                    }
+                    Err(e) => Err(e.into()),
+                }
+            }
+            State::Finished => return Err(ServerError::Finished),
+        };
+        match &res {
+            Err(_) | Ok(ServerEvent::Done(_)) | Ok(ServerEvent::Abort) => {
+                self.state = State::Finished;
+            }
+            Ok(ServerEvent::Continue) => {}
+        }
+        res
+    }
+
+    /// Byte-stream interface: buffer `input`, handle every complete message, and
+    /// stop at the first terminal event. Bytes received after the handshake
+    /// ended (pipelined requests) are kept; fetch them with [`Self::take_leftover`].
+    pub fn feed(&mut self, input: &[u8], out: &mut Vec<u8>) -> Result<ServerEvent, ServerError> {
+        if self.state == State::Finished {
+            return Err(ServerError::Finished);
+        }
+        self.inbuf.extend_from_slice(input);
+        let limits = self.frame_limits();
+        loop {
+            let need = server_need(self.phase(), &self.inbuf, &limits);
+            let total = match need {
+                Need::Header(_) => return Ok(ServerEvent::Continue),
+                Need::Invalid(crate::framing::FrameError::TooLong { len, limit }) => {
+                    self.state = State::Finished;
+                    return Err(ServerError::OptionTooLong { len, limit });
+                }
+                Need::Invalid(_) => {
+                    self.state = State::Finished;
+                    return Err(ProtoError::Invalid("bad option magic").into());
+                }
+                Need::Message {
+                    header_len,
+                    body_len,
+                } => header_len + body_len,
+            };
+            if self.inbuf.len() < total {
+                return Ok(ServerEvent::Continue);
+            }
+            let rest = self.inbuf.split_off(total);
+            let msg = core::mem::replace(&mut self.inbuf, rest);
+            match self.handle_message(&msg, out)? {
+                ServerEvent::Continue => continue,
+                terminal => return Ok(terminal),
+            }
+        }
+    }
+
+    /// Bytes fed after the handshake finished (the start of the transmission phase).
+    pub fn take_leftover(&mut self) -> Vec<u8> {
+        core::mem::take(&mut self.inbuf)
+    }
+
+    fn handle_client_flags(&mut self, msg: &[u8]) -> Result<ServerEvent, ServerError> {
+        let flags = parse_client_flags(msg)?;
+        if flags.unknown_bits() != 0 {
+            return Err(ServerError::UnknownClientFlags(flags.bits()));
+        }
+        if flags.contains(ClientFlags::NO_ZEROES) && !self.config.offer_no_zeroes {
+            return Err(ServerError::NoZeroesNotOffered);
+        }
+        self.fixed = flags.contains(ClientFlags::FIXED_NEWSTYLE);
+        if !self.fixed && !self.config.allow_non_fixed_newstyle {
+            return Err(ServerError::NotFixedNewstyle);
+        }
+        self.no_zeroes = flags.contains(ClientFlags::NO_ZEROES);
+        self.state = State::Options;
+        Ok(ServerEvent::Continue)
+    }
+
+    fn handle_option(
+        &mut self,
+        option: u32,
+        data: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Result<ServerEvent, ServerError> {
+        self.options_seen = self.options_seen.saturating_add(1);
+        if self.options_seen > self.config.max_options {
+            return Err(ServerError::TooManyOptions);
+        }
+        if !self.fixed && option != c::OPT_EXPORT_NAME {
+            return Err(ServerError::NonFixedOption(option));
+        }
+        if self.shutting_down {
+            match option {
+                c::OPT_ABORT => {}
+                c::OPT_EXPORT_NAME => return Err(ServerError::ShuttingDown),
+                _ => {
+                    reply_err(out, option, c::REP_ERR_SHUTDOWN, "server is shutting down");
+                    return Ok(ServerEvent::Continue);
+                }
+            }
+        }
+        match option {
+            c::OPT_EXPORT_NAME => self.export_name(data, out),
+            c::OPT_ABORT => {
+                // "a server SHOULD ignore any data sent by the client"
+                reply(out, option, c::REP_ACK, &[]);
+                Ok(ServerEvent::Abort)
+            }
+            c::OPT_LIST => {
+                if !data.is_empty() {
+                    reply_err(
+                        out,
+                        option,
+                        c::REP_ERR_INVALID,
+                        "NBD_OPT_LIST takes no data",
+                    );
+                } else if !self.config.allow_list {
+                    reply_err(out, option, c::REP_ERR_POLICY, "listing is disabled");
+                } else {
+                    for e in &self.config.exports {
+                        let entry = ServerEntry {
+                            name: &e.name,
+                            description: &e.description,
+                        };
+                        // exports with over-long names cannot be listed; skip them
+                        if let Ok(d) = entry.encode() {
+                            reply(out, option, c::REP_SERVER, &d);
+                        }
+                    }
+                    reply(out, option, c::REP_ACK, &[]);
+                }
+                Ok(ServerEvent::Continue)
+            }
+            c::OPT_STARTTLS => {
+                // NOTLS mode: "NBD_REP_ERR_UNSUP (if it does not support the
+                // NBD_OPT_STARTTLS option at all)".
+                reply_err(out, option, c::REP_ERR_UNSUP, "TLS is not supported");
+                Ok(ServerEvent::Continue)
+            }
+            c::OPT_INFO | c::OPT_GO if self.config.support_go => self.info_or_go(option, data, out),
+            c::OPT_STRUCTURED_REPLY if self.config.support_structured_replies => {
+                if data.is_empty() {
+                    self.structured = true;
+                    reply(out, option, c::REP_ACK, &[]);
+                } else {
+                    reply_err(
+                        out,
+                        option,
+                        c::REP_ERR_INVALID,
+                        "NBD_OPT_STRUCTURED_REPLY takes no data",
+                    );
+                }
+                Ok(ServerEvent::Continue)
+            }
+            c::OPT_LIST_META_CONTEXT | c::OPT_SET_META_CONTEXT
+                if self.config.support_meta_contexts =>
+            {
+                self.meta_context(option, data, out);
+                Ok(ServerEvent::Continue)
+            }
+            _ => {
+                reply_err(out, option, c::REP_ERR_UNSUP, "unsupported option");
+                Ok(ServerEvent::Continue)
+            }
+        }
+    }
+
+    fn negotiated(&self, idx: usize, via_go: bool, acked: bool) -> Option<ServerNegotiated> {
+        let e = self.config.exports.get(idx)?;
+        let meta_contexts = match &self.meta {
+            Some((i, ctx)) if *i == idx => ctx.clone(),
+            _ => Vec::new(),
+        };
+        Some(ServerNegotiated {
+            export_index: idx,
+            export_name: e.name.clone(),
+            size: e.size,
+            flags: e.transmission_flags(self.structured),
+            structured_replies: self.structured,
+            meta_contexts,
+            no_zeroes: self.no_zeroes,
+            block_size: e.effective_block_size(),
+            block_size_acknowledged: acked,
+            via_go,
+        })
+    }
+
+    fn export_name(&mut self, data: &[u8], out: &mut Vec<u8>) -> Result<ServerEvent, ServerError> {
+        let name = parse_string(data, "export name").map_err(|_| ServerError::InvalidExportName)?;
+        let idx = self
+            .config
+            .lookup(name)
+            .ok_or_else(|| ServerError::UnknownExport(name.to_owned()))?;
+        let neg = self
+            .negotiated(idx, false, false)
+            .ok_or_else(|| ServerError::UnknownExport(name.to_owned()))?;
+        if self.config.exports[idx].require_block_size {
+            return Err(ServerError::BlockSizeRequired(neg.export_name));
+        }
+        ExportNameReply {
+            size: neg.size,
+            flags: neg.flags,
+        }
+        .encode(self.no_zeroes, out);
+        Ok(ServerEvent::Done(Box::new(neg)))
+    }
+
+    fn info_or_go(
+        &mut self,
+        option: u32,
+        data: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Result<ServerEvent, ServerError> {
+        let req = match InfoRequest::parse(data) {
+            Ok(r) => r,
+            Err(_) => {
+                reply_err(out, option, c::REP_ERR_INVALID, "malformed info request");
+                return Ok(ServerEvent::Continue);
+            }
+        };
+        let Some(idx) = self.config.lookup(req.name) else {
+            reply_err(out, option, c::REP_ERR_UNKNOWN, "unknown export");
+            return Ok(ServerEvent::Continue);
+        };
+        let want_bs = req.items.contains(&c::INFO_BLOCK_SIZE);
+        let Some(neg) = self.negotiated(idx, option == c::OPT_GO, want_bs) else {
+            reply_err(out, option, c::REP_ERR_UNKNOWN, "unknown export");
+            return Ok(ServerEvent::Continue);
+        };
+        let export = &self.config.exports[idx];
+        let bs_info = |out: &mut Vec<u8>| {
+            reply(
+                out,
+                option,
+                c::REP_INFO,
+                &InfoReply::BlockSize(neg.block_size).encode(),
+            );
+        };
+        if option == c::OPT_GO && export.require_block_size && !want_bs {
+            bs_info(out);
+            reply_err(
+                out,
+                option,
+                c::REP_ERR_BLOCK_SIZE_REQD,
+                "this export requires NBD_INFO_BLOCK_SIZE",
+            );
+            return Ok(ServerEvent::Continue);
+        }
+        let mut sent_bs = false;
+        let mut seen = [false; 4];
+        for &item in &req.items {
+            let Some(slot) = seen.get_mut(usize::from(item)) else {
+                continue; // unknown info types are ignored
+            };
+            if core::mem::replace(slot, true) {
+                continue; // duplicates answered once
+            }
+            match item {
+                c::INFO_NAME => reply(
+                    out,
+                    option,
+                    c::REP_INFO,
+                    &InfoReply::Name(&export.name).encode(),
+                ),
+                c::INFO_DESCRIPTION if !export.description.is_empty() => reply(
+                    out,
+                    option,
+                    c::REP_INFO,
+                    &InfoReply::Description(&export.description).encode(),
+                ),
+                c::INFO_BLOCK_SIZE => {
+                    bs_info(out);
+                    sent_bs = true;
+                }
+                _ => {}
+            }
+        }
+        // A server with non-default constraints SHOULD advertise them; unrequested
+        // info is allowed ("The server MAY send information requests back which
+        // are not explicitly requested").
+        if !sent_bs && export.block_size.is_some() {
+            bs_info(out);
+        }
+        reply(
+            out,
+            option,
+            c::REP_INFO,
+            &InfoReply::Export {
+                size: neg.size,
+                flags: neg.flags,
+            }
+            .encode(),
+        );
+        reply(out, option, c::REP_ACK, &[]);
+        if option == c::OPT_GO {
+            Ok(ServerEvent::Done(Box::new(neg)))
+        } else {
+            Ok(ServerEvent::Continue)
+        }
+    }
+
+    fn meta_context(&mut self, option: u32, data: &[u8], out: &mut Vec<u8>) {
+        let set = option == c::OPT_SET_META_CONTEXT;
+        if set {
+            // "replaces all previously-set metadata contexts (including when this command fails)"
+            self.meta = None;
+            if !self.structured {
+                reply_err(
+                    out,
+                    option,
+                    c::REP_ERR_INVALID,
+                    "structured replies must be negotiated first",
+                );
+                return;
+            }
+        }
+        let req = match MetaContextRequest::parse(data) {
+            Ok(r) => r,
+            Err(_) => {
+                reply_err(
+                    out,
+                    option,
+                    c::REP_ERR_INVALID,
+                    "malformed meta context request",
+                );
+                return;
+            }
+        };
+        let Some(idx) = self.config.lookup(req.export) else {
+            reply_err(out, option, c::REP_ERR_UNKNOWN, "unknown export");
+            return;
+        };
+        if req.queries.iter().any(|q| !q.contains(':')) {
+            reply_err(out, option, c::REP_ERR_INVALID, "query lacks a namespace");
+            return;
+        }
+        let base_allocation = if set {
+            req.queries.contains(&c::BASE_ALLOCATION)
+        } else {
+            req.queries.is_empty()
+                || req
+                    .queries
+                    .iter()
+                    .any(|q| *q == "base:" || *q == c::BASE_ALLOCATION)
+        };
+        let id = if set { BASE_ALLOCATION_ID } else { 0 };
+        let mut selected = Vec::new();
+        if base_allocation {
+            reply(
+                out,
+                option,
+                c::REP_META_CONTEXT,
+                &MetaContextEntry {
+                    id,
+                    name: c::BASE_ALLOCATION,
+                }
+                .encode(),
+            );
+            selected.push((id, c::BASE_ALLOCATION.to_owned()));
+        }
+        reply(out, option, c::REP_ACK, &[]);
+        if set {
+            self.meta = Some((idx, selected));
+        }
+    }
+}

@@ -1,0 +1,919 @@
+//! Handshake conversations: server and client driven against each other in
+//! memory, plus byte-level checks of the server's answers.
+
+use super::*;
+use crate::ProtoError;
+use crate::consts as c;
+use crate::flags::{ClientFlags, HandshakeFlags, TransmissionFlags as TF};
+use crate::framing::{FrameLimits, client_need, server_need};
+
+fn disk() -> Export {
+    Export {
+        name: "disk".into(),
+        description: "a test disk".into(),
+        size: 1 << 30,
+        flags: TF::SEND_FLUSH | TF::SEND_FUA | TF::SEND_TRIM | TF::SEND_DF | TF::CAN_MULTI_CONN,
+        block_size: Some(BlockSize {
+            min: 512,
+            preferred: 4096,
+            max: 1 << 25,
+        }),
+        require_block_size: false,
+    }
+}
+
+fn config() -> ServerConfig {
+    let mut other = Export::new("other", 4096);
+    other.flags = TF::READ_ONLY;
+    ServerConfig::new(vec![disk(), other])
+}
+
+#[derive(Debug)]
+struct Outcome {
+    server: Option<Result<ServerEvent, ServerError>>,
+    client: Option<Result<ClientEvent, ClientError>>,
+}
+
+fn pop(need: crate::framing::Need, buf: &mut Vec<u8>) -> Option<Vec<u8>> {
+    let total = need.total()?;
+    if buf.len() < total {
+        return None;
+    }
+    let rest = buf.split_off(total);
+    Some(core::mem::replace(buf, rest))
+}
+
+/// Drive both machines with the message-level API and the framers.
+fn run(cfg: ServerConfig, mut client: ClientHandshake) -> Outcome {
+    let mut server = ServerHandshake::new(cfg);
+    let limits = FrameLimits::default();
+    let mut s2c = server.greeting().to_vec();
+    let mut c2s = Vec::new();
+    let mut out = Outcome {
+        server: None,
+        client: None,
+    };
+    for _ in 0..100 {
+        let mut progress = false;
+        while out.client.is_none() {
+            let Some(msg) = pop(
+                client_need(client.phase(), &s2c, &limits, |_| None),
+                &mut s2c,
+            ) else {
+                break;
+            };
+            progress = true;
+            match client.handle_message(&msg, &mut c2s) {
+                Ok(ClientEvent::Continue) => {}
+                other => out.client = Some(other),
+            }
+        }
+        while out.server.is_none() {
+            let Some(msg) = pop(server_need(server.phase(), &c2s, &limits), &mut c2s) else {
+                break;
+            };
+            progress = true;
+            match server.handle_message(&msg, &mut s2c) {
+                Ok(ServerEvent::Continue) => {}
+                other => out.server = Some(other),
+            }
+        }
+        if !progress {
+            break;
+        }
+    }
+    out
+}
+
+fn server_done(o: &Outcome) -> &ServerNegotiated {
+    match &o.server {
+        Some(Ok(ServerEvent::Done(n))) => n,
+        other => panic!("server not done: {other:?}"),
+    }
+}
+
+fn client_done(o: &Outcome) -> &ClientNegotiated {
+    match &o.client {
+        Some(Ok(ClientEvent::Connected(n))) => n,
+        other => panic!("client not connected: {other:?}"),
+    }
+}
+
+#[test]
+fn go_with_structured_replies_and_meta_context() {
+    let o = run(
+        config(),
+        ClientHandshake::connect(ClientConfig::new("disk")),
+    );
+    let s = server_done(&o);
+    let cl = client_done(&o);
+    assert!(s.via_go && cl.via_go);
+    assert!(s.structured_replies && cl.structured_replies);
+    assert!(s.no_zeroes && cl.no_zeroes);
+    assert_eq!(
+        s.meta_contexts,
+        vec![(BASE_ALLOCATION_ID, c::BASE_ALLOCATION.to_owned())]
+    );
+    assert_eq!(cl.base_allocation, Some(BASE_ALLOCATION_ID));
+    assert!(s.block_size_acknowledged);
+    assert_eq!(cl.export.size, 1 << 30);
+    assert_eq!(cl.export.flags, s.flags);
+    assert!(
+        cl.export
+            .flags
+            .contains(TF::HAS_FLAGS | TF::SEND_DF | TF::CAN_MULTI_CONN)
+    );
+    assert_eq!(cl.export.block_size, disk().block_size.unwrap());
+    assert!(cl.export.block_size_advertised);
+    assert_eq!(cl.export.name.as_deref(), Some("disk"));
+    assert_eq!(cl.export.description.as_deref(), Some("a test disk"));
+    assert_eq!(s.transmission_info(), {
+        let mut t = cl.transmission_info();
+        t.df_max_len = u32::MAX;
+        t
+    });
+}
+
+#[test]
+fn export_name_fallback_when_go_unsupported() {
+    let cfg = ServerConfig {
+        support_go: false,
+        ..config()
+    };
+    let o = run(cfg, ClientHandshake::connect(ClientConfig::new("disk")));
+    let s = server_done(&o);
+    let cl = client_done(&o);
+    assert!(!s.via_go && !cl.via_go);
+    assert_eq!(cl.export.size, 1 << 30);
+    assert_eq!(cl.export.flags, s.flags);
+    assert!(!cl.export.block_size_advertised);
+    assert_eq!(cl.export.block_size, BlockSize::DEFAULT);
+    // meta context negotiated before EXPORT_NAME still applies
+    assert_eq!(cl.base_allocation, Some(BASE_ALLOCATION_ID));
+    assert_eq!(s.meta_contexts.len(), 1);
+}
+
+#[test]
+fn export_name_without_no_zeroes() {
+    let cfg = ServerConfig {
+        support_go: false,
+        offer_no_zeroes: false,
+        ..config()
+    };
+    let o = run(cfg, ClientHandshake::connect(ClientConfig::new("other")));
+    assert!(!server_done(&o).no_zeroes);
+    let cl = client_done(&o);
+    assert!(!cl.no_zeroes);
+    assert_eq!(cl.export.size, 4096);
+    assert!(cl.export.flags.contains(TF::READ_ONLY));
+}
+
+#[test]
+fn client_can_skip_go_and_structured() {
+    let cc = ClientConfig {
+        use_go: false,
+        structured_replies: false,
+        no_zeroes: false,
+        ..ClientConfig::new("disk")
+    };
+    let o = run(config(), ClientHandshake::connect(cc));
+    let cl = client_done(&o);
+    assert!(!cl.structured_replies && cl.base_allocation.is_none() && !cl.via_go);
+    // DF is never advertised without structured replies
+    assert!(!cl.export.flags.contains(TF::SEND_DF));
+}
+
+#[test]
+fn structured_and_meta_unsupported() {
+    let cfg = ServerConfig {
+        support_structured_replies: false,
+        support_meta_contexts: false,
+        ..config()
+    };
+    let o = run(cfg, ClientHandshake::connect(ClientConfig::new("disk")));
+    let cl = client_done(&o);
+    assert!(!cl.structured_replies);
+    assert_eq!(cl.base_allocation, None);
+    assert!(server_done(&o).meta_contexts.is_empty());
+
+    let cfg = ServerConfig {
+        support_meta_contexts: false,
+        ..config()
+    };
+    let o = run(cfg, ClientHandshake::connect(ClientConfig::new("disk")));
+    let cl = client_done(&o);
+    assert!(cl.structured_replies);
+    assert_eq!(cl.base_allocation, None);
+}
+
+#[test]
+fn list_exports() {
+    let o = run(config(), ClientHandshake::list());
+    match o.client {
+        Some(Ok(ClientEvent::Listed(l))) => {
+            assert_eq!(
+                l,
+                vec![
+                    ExportListing {
+                        name: "disk".into(),
+                        description: "a test disk".into()
+                    },
+                    ExportListing {
+                        name: "other".into(),
+                        description: String::new()
+                    }
+                ]
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(o.server, Some(Ok(ServerEvent::Abort)));
+}
+
+#[test]
+fn list_refused_by_policy() {
+    let cfg = ServerConfig {
+        allow_list: false,
+        ..config()
+    };
+    let o = run(cfg, ClientHandshake::list());
+    assert!(matches!(
+        o.client,
+        Some(Err(ClientError::Rejected {
+            reply: c::REP_ERR_POLICY,
+            ..
+        }))
+    ));
+    assert_eq!(o.server, Some(Ok(ServerEvent::Abort)));
+}
+
+#[test]
+fn info_export() {
+    let o = run(config(), ClientHandshake::info(ClientConfig::new("other")));
+    match o.client {
+        Some(Ok(ClientEvent::Info(d))) => {
+            assert_eq!(d.size, 4096);
+            assert!(d.flags.contains(TF::READ_ONLY | TF::HAS_FLAGS));
+            assert_eq!(d.name.as_deref(), Some("other"));
+            assert_eq!(d.description, None);
+            // requested, so the defaults are advertised
+            assert!(d.block_size_advertised);
+            assert_eq!(d.block_size, BlockSize::DEFAULT);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(o.server, Some(Ok(ServerEvent::Abort)));
+}
+
+#[test]
+fn unknown_export_with_info_and_go() {
+    for client in [
+        ClientHandshake::info(ClientConfig::new("nope")),
+        ClientHandshake::connect(ClientConfig::new("nope")),
+    ] {
+        let o = run(config(), client);
+        assert!(
+            matches!(
+                &o.client,
+                Some(Err(ClientError::Rejected {
+                    reply: c::REP_ERR_UNKNOWN,
+                    ..
+                }))
+            ),
+            "{o:?}"
+        );
+        assert_eq!(o.server, Some(Ok(ServerEvent::Abort)));
+    }
+}
+
+#[test]
+fn unknown_export_with_export_name_is_hard_disconnect() {
+    let cfg = ServerConfig {
+        support_go: false,
+        ..config()
+    };
+    let o = run(cfg, ClientHandshake::connect(ClientConfig::new("nope")));
+    assert_eq!(
+        o.server,
+        Some(Err(ServerError::UnknownExport("nope".into())))
+    );
+    assert_eq!(o.client, None);
+}
+
+#[test]
+fn default_export() {
+    let cfg = ServerConfig {
+        default_export: Some("other".into()),
+        ..config()
+    };
+    let o = run(cfg, ClientHandshake::connect(ClientConfig::new("")));
+    assert_eq!(server_done(&o).export_name, "other");
+    assert_eq!(client_done(&o).export.name.as_deref(), Some("other"));
+    // no default configured
+    let o = run(config(), ClientHandshake::connect(ClientConfig::new("")));
+    assert!(matches!(o.client, Some(Err(ClientError::Rejected { .. }))));
+}
+
+#[test]
+fn stream_feed_byte_by_byte_with_pipelined_request() {
+    let mut server = ServerHandshake::new(config());
+    let mut client = ClientHandshake::connect(ClientConfig::new("disk"));
+    let mut s2c = server.greeting().to_vec();
+    let mut c2s = Vec::new();
+    let mut sdone = None;
+    let mut cdone = None;
+    for _ in 0..50 {
+        if cdone.is_none() {
+            for b in core::mem::take(&mut s2c) {
+                match client.feed(&[b], &mut c2s).unwrap() {
+                    ClientEvent::Continue => {}
+                    ev => cdone = Some(ev),
+                }
+            }
+        }
+        if sdone.is_none() && !c2s.is_empty() {
+            let input = core::mem::take(&mut c2s);
+            match server.feed(&input, &mut s2c).unwrap() {
+                ServerEvent::Continue => {}
+                ev => sdone = Some(ev),
+            }
+        }
+        if sdone.is_some() && cdone.is_some() {
+            break;
+        }
+    }
+    assert!(matches!(sdone, Some(ServerEvent::Done(_))));
+    assert!(matches!(cdone, Some(ClientEvent::Connected(_))));
+    assert!(server.take_leftover().is_empty());
+    assert_eq!(server.phase(), crate::framing::ServerPhase::Transmission);
+    assert!(server.feed(&[], &mut Vec::new()).is_err());
+    assert!(client.take_leftover().is_empty());
+}
+
+#[test]
+fn stream_feed_keeps_pipelined_request() {
+    let mut server = ServerHandshake::new(config());
+    let mut input = 1u32.to_be_bytes().to_vec();
+    input.extend_from_slice(&opt(c::OPT_EXPORT_NAME, b"disk"));
+    let req = crate::transmission::Request {
+        flags: crate::flags::CmdFlags::empty(),
+        command: crate::transmission::Command::Write,
+        cookie: 1,
+        offset: 0,
+        length: 4,
+    };
+    input.extend_from_slice(&req.encode());
+    input.extend_from_slice(b"data");
+    let mut out = Vec::new();
+    assert!(matches!(
+        server.feed(&input, &mut out),
+        Ok(ServerEvent::Done(_))
+    ));
+    assert_eq!(out.len(), 134);
+    let left = server.take_leftover();
+    assert_eq!(left.len(), 32);
+    assert_eq!(crate::transmission::Request::parse(&left), Ok(req));
+}
+
+// ---- byte-level server checks ------------------------------------------------------
+
+fn opt(option: u32, data: &[u8]) -> Vec<u8> {
+    let mut v = Vec::new();
+    encode_option(option, data, &mut v);
+    v
+}
+
+type Reply = (u32, u32, Vec<u8>);
+
+fn replies(mut buf: &[u8]) -> Vec<Reply> {
+    let mut v = Vec::new();
+    while !buf.is_empty() {
+        let h = OptionReplyHeader::parse(buf).unwrap();
+        let end = 20 + h.length as usize;
+        v.push((h.option, h.reply_type, buf[20..end].to_vec()));
+        buf = &buf[end..];
+    }
+    v
+}
+
+fn started(cfg: ServerConfig, flags: u32) -> ServerHandshake {
+    let mut s = ServerHandshake::new(cfg);
+    assert_eq!(
+        s.handle_message(&flags.to_be_bytes(), &mut Vec::new()),
+        Ok(ServerEvent::Continue)
+    );
+    s
+}
+
+fn ask(
+    s: &mut ServerHandshake,
+    option: u32,
+    data: &[u8],
+) -> (Result<ServerEvent, ServerError>, Vec<Reply>) {
+    let mut out = Vec::new();
+    let r = s.handle_message(&opt(option, data), &mut out);
+    if option == c::OPT_EXPORT_NAME {
+        return (r, Vec::new());
+    }
+    (r, replies(&out))
+}
+
+fn types(r: &[Reply]) -> Vec<u32> {
+    r.iter().map(|x| x.1).collect()
+}
+
+#[test]
+fn greeting_is_spec_bytes() {
+    let s = ServerHandshake::new(config());
+    let mut expect = b"NBDMAGICIHAVEOPT".to_vec();
+    expect.extend_from_slice(&[0, 3]);
+    assert_eq!(s.greeting().to_vec(), expect);
+    let s = ServerHandshake::new(ServerConfig {
+        offer_no_zeroes: false,
+        ..config()
+    });
+    assert_eq!(s.greeting()[16..], [0, 1]);
+    assert_eq!(s.handshake_flags(), HandshakeFlags::FIXED_NEWSTYLE);
+}
+
+#[test]
+fn export_name_reply_bytes() {
+    // size 2^30, flags HAS_FLAGS|SEND_FLUSH|SEND_FUA|SEND_TRIM|CAN_MULTI_CONN = 0x012d
+    // (SEND_DF dropped: no structured replies)
+    let head = [0, 0, 0, 0, 0x40, 0, 0, 0, 0x01, 0x2d];
+    for (flags, len) in [(3u32, 10usize), (1, 134)] {
+        let mut s = started(config(), flags);
+        let mut out = Vec::new();
+        let r = s.handle_message(&opt(c::OPT_EXPORT_NAME, b"disk"), &mut out);
+        assert!(matches!(r, Ok(ServerEvent::Done(_))));
+        assert_eq!(out.len(), len);
+        assert_eq!(out[..10], head);
+        assert!(out[10..].iter().all(|&b| b == 0));
+    }
+}
+
+#[test]
+fn starttls_and_unknown_options_are_refused_and_negotiation_continues() {
+    let mut s = started(config(), 3);
+    let (r, rep) = ask(&mut s, c::OPT_STARTTLS, &[]);
+    assert_eq!(r, Ok(ServerEvent::Continue));
+    assert_eq!(types(&rep), vec![c::REP_ERR_UNSUP]);
+    assert_eq!(rep[0].0, c::OPT_STARTTLS);
+    for o in [c::OPT_PEEK_EXPORT, c::OPT_EXTENDED_HEADERS, 99, 0xffff_ffff] {
+        let (r, rep) = ask(&mut s, o, b"junk");
+        assert_eq!(r, Ok(ServerEvent::Continue));
+        assert_eq!(
+            rep,
+            vec![(o, c::REP_ERR_UNSUP, b"unsupported option".to_vec())]
+        );
+    }
+    let go = InfoRequest {
+        name: "disk",
+        items: vec![],
+    }
+    .encode()
+    .unwrap();
+    let (r, rep) = ask(&mut s, c::OPT_GO, &go);
+    assert!(matches!(r, Ok(ServerEvent::Done(_))));
+    // unrequested BLOCK_SIZE (non-default constraints), EXPORT, ACK
+    assert_eq!(types(&rep), vec![c::REP_INFO, c::REP_INFO, c::REP_ACK]);
+    assert_eq!(
+        InfoReply::parse(&rep[1].2),
+        Ok(InfoReply::Export {
+            size: 1 << 30,
+            flags: TF(0x012d)
+        })
+    );
+}
+
+#[test]
+fn abort_is_acked_then_finished() {
+    let mut s = started(config(), 1);
+    let (r, rep) = ask(&mut s, c::OPT_ABORT, b"ignored");
+    assert_eq!(r, Ok(ServerEvent::Abort));
+    assert_eq!(rep, vec![(c::OPT_ABORT, c::REP_ACK, vec![])]);
+    assert_eq!(
+        s.handle_message(&opt(c::OPT_LIST, &[]), &mut Vec::new()),
+        Err(ServerError::Finished)
+    );
+}
+
+#[test]
+fn list_bytes_and_invalid_list() {
+    let mut s = started(config(), 1);
+    let (_, rep) = ask(&mut s, c::OPT_LIST, &[]);
+    assert_eq!(types(&rep), vec![c::REP_SERVER, c::REP_SERVER, c::REP_ACK]);
+    let mut first = vec![0, 0, 0, 4];
+    first.extend_from_slice(b"diska test disk");
+    assert_eq!(rep[0].2, first);
+    let (r, rep) = ask(&mut s, c::OPT_LIST, &[0]);
+    assert_eq!(r, Ok(ServerEvent::Continue));
+    assert_eq!(types(&rep), vec![c::REP_ERR_INVALID]);
+}
+
+#[test]
+fn bad_client_flags_disconnect() {
+    let mut s = ServerHandshake::new(config());
+    assert_eq!(
+        s.handle_message(&[0, 0, 0, 4], &mut Vec::new()),
+        Err(ServerError::UnknownClientFlags(4))
+    );
+    let mut s = ServerHandshake::new(ServerConfig {
+        offer_no_zeroes: false,
+        ..config()
+    });
+    assert_eq!(
+        s.handle_message(&[0, 0, 0, 3], &mut Vec::new()),
+        Err(ServerError::NoZeroesNotOffered)
+    );
+    let mut s = ServerHandshake::new(config());
+    assert!(matches!(
+        s.handle_message(&[0, 0, 3], &mut Vec::new()),
+        Err(ServerError::Proto(_))
+    ));
+}
+
+#[test]
+fn non_fixed_newstyle_clients() {
+    let mut s = started(config(), 0);
+    let mut out = Vec::new();
+    assert!(matches!(
+        s.handle_message(&opt(c::OPT_EXPORT_NAME, b"other"), &mut out),
+        Ok(ServerEvent::Done(_))
+    ));
+    assert_eq!(out.len(), 134);
+    let mut s = started(config(), 0);
+    assert_eq!(
+        ask(&mut s, c::OPT_LIST, &[]).0,
+        Err(ServerError::NonFixedOption(c::OPT_LIST))
+    );
+    let mut s = ServerHandshake::new(ServerConfig {
+        allow_non_fixed_newstyle: false,
+        ..config()
+    });
+    assert_eq!(
+        s.handle_message(&[0, 0, 0, 0], &mut Vec::new()),
+        Err(ServerError::NotFixedNewstyle)
+    );
+}
+
+#[test]
+fn client_against_non_fixed_server() {
+    let mut client = ClientHandshake::connect(ClientConfig::new("x"));
+    let mut out = Vec::new();
+    let greeting = Greeting {
+        flags: HandshakeFlags::empty(),
+    }
+    .encode();
+    assert_eq!(
+        client.handle_message(&greeting, &mut out),
+        Ok(ClientEvent::Continue)
+    );
+    let mut expect = vec![0, 0, 0, 0];
+    expect.extend_from_slice(&opt(c::OPT_EXPORT_NAME, b"x"));
+    assert_eq!(out, expect);
+    assert_eq!(client.phase(), crate::framing::ClientPhase::ExportNameReply);
+    let mut reply = Vec::new();
+    ExportNameReply {
+        size: 7,
+        flags: TF::HAS_FLAGS,
+    }
+    .encode(false, &mut reply);
+    match client.handle_message(&reply, &mut out) {
+        Ok(ClientEvent::Connected(n)) => assert_eq!(n.export.size, 7),
+        other => panic!("{other:?}"),
+    }
+    let mut lister = ClientHandshake::list();
+    assert_eq!(
+        lister.handle_message(&greeting, &mut Vec::new()),
+        Err(ClientError::NoFixedNewstyle)
+    );
+}
+
+#[test]
+fn option_length_limits() {
+    let mut s = started(config(), 1);
+    let mut msg = opt(c::OPT_LIST, &[]);
+    msg[12..16].copy_from_slice(&(64 * 1024 + 1u32).to_be_bytes());
+    assert!(matches!(
+        s.handle_message(&msg, &mut Vec::new()),
+        Err(ServerError::OptionTooLong { .. })
+    ));
+    // header length disagreeing with the framed message
+    let mut s = started(config(), 1);
+    let mut msg = opt(c::OPT_LIST, &[]);
+    msg.push(0);
+    assert!(matches!(
+        s.handle_message(&msg, &mut Vec::new()),
+        Err(ServerError::Proto(ProtoError::LengthMismatch { .. }))
+    ));
+    // stream interface rejects oversized lengths before buffering the data
+    let mut s = started(config(), 1);
+    let mut msg = opt(c::OPT_LIST, &[]);
+    msg[12..16].copy_from_slice(&u32::MAX.to_be_bytes());
+    assert!(matches!(
+        s.feed(&msg, &mut Vec::new()),
+        Err(ServerError::OptionTooLong { .. })
+    ));
+    let mut s = started(config(), 1);
+    assert!(s.feed(&[0; 16], &mut Vec::new()).is_err());
+}
+
+#[test]
+fn malformed_options_get_invalid_and_continue() {
+    let mut s = started(config(), 1);
+    let cases: &[(u32, &[u8])] = &[
+        (c::OPT_GO, &[0, 0, 0]),
+        (c::OPT_GO, &[0, 0, 0, 9, b'd', 0, 0]),
+        (c::OPT_INFO, &[0, 0, 0, 0, 0, 1]),
+        (c::OPT_STRUCTURED_REPLY, &[1]),
+        (c::OPT_LIST_META_CONTEXT, &[0, 0, 0, 0, 0, 0, 0, 1]),
+        (c::OPT_GO, &[0, 0, 0, 1, 0xff, 0, 0]),
+    ];
+    for (o, d) in cases {
+        let (r, rep) = ask(&mut s, *o, d);
+        assert_eq!(r, Ok(ServerEvent::Continue));
+        assert_eq!(types(&rep), vec![c::REP_ERR_INVALID], "{o} {d:?}");
+    }
+    // still usable
+    let (r, _) = ask(&mut s, c::OPT_EXPORT_NAME, b"disk");
+    assert!(matches!(r, Ok(ServerEvent::Done(_))));
+}
+
+#[test]
+fn info_items_are_answered() {
+    let mut s = started(config(), 1);
+    let req = InfoRequest {
+        name: "disk",
+        items: vec![
+            c::INFO_NAME,
+            c::INFO_NAME,
+            77,
+            c::INFO_DESCRIPTION,
+            c::INFO_BLOCK_SIZE,
+        ],
+    }
+    .encode()
+    .unwrap();
+    let (r, rep) = ask(&mut s, c::OPT_INFO, &req);
+    assert_eq!(r, Ok(ServerEvent::Continue));
+    let infos: Vec<_> = rep[..rep.len() - 1]
+        .iter()
+        .map(|x| InfoReply::parse(&x.2).unwrap())
+        .collect();
+    assert_eq!(
+        infos,
+        vec![
+            InfoReply::Name("disk"),
+            InfoReply::Description("a test disk"),
+            InfoReply::BlockSize(disk().block_size.unwrap()),
+            InfoReply::Export {
+                size: 1 << 30,
+                flags: TF(0x012d)
+            },
+        ]
+    );
+    assert_eq!(rep.last().unwrap().1, c::REP_ACK);
+}
+
+#[test]
+fn block_size_required() {
+    let mut e = disk();
+    e.require_block_size = true;
+    let cfg = ServerConfig::new(vec![e]);
+    let mut s = started(cfg.clone(), 1);
+    let go = InfoRequest {
+        name: "disk",
+        items: vec![c::INFO_NAME],
+    }
+    .encode()
+    .unwrap();
+    let (r, rep) = ask(&mut s, c::OPT_GO, &go);
+    assert_eq!(r, Ok(ServerEvent::Continue));
+    assert_eq!(types(&rep), vec![c::REP_INFO, c::REP_ERR_BLOCK_SIZE_REQD]);
+    // INFO is not refused
+    let (_, rep) = ask(&mut s, c::OPT_INFO, &go);
+    assert_eq!(rep.last().unwrap().1, c::REP_ACK);
+    let (r, _) = ask(&mut s, c::OPT_EXPORT_NAME, b"disk");
+    assert_eq!(r, Err(ServerError::BlockSizeRequired("disk".into())));
+    // our client asks for block sizes and gets through
+    let o = run(cfg, ClientHandshake::connect(ClientConfig::new("disk")));
+    assert!(server_done(&o).block_size_acknowledged);
+}
+
+fn meta(export: &str, queries: &[&str]) -> Vec<u8> {
+    MetaContextRequest {
+        export,
+        queries: queries.to_vec(),
+    }
+    .encode()
+    .unwrap()
+}
+
+#[test]
+fn meta_context_rules() {
+    let mut s = started(config(), 1);
+    // SET before structured replies → invalid
+    let (_, rep) = ask(
+        &mut s,
+        c::OPT_SET_META_CONTEXT,
+        &meta("disk", &[c::BASE_ALLOCATION]),
+    );
+    assert_eq!(types(&rep), vec![c::REP_ERR_INVALID]);
+    // LIST is allowed without structured replies; wildcard and empty query list
+    for q in [
+        &["base:"][..],
+        &[],
+        &[c::BASE_ALLOCATION, "x-foo:bar", "base:nope"],
+    ] {
+        let (_, rep) = ask(&mut s, c::OPT_LIST_META_CONTEXT, &meta("disk", q));
+        assert_eq!(types(&rep), vec![c::REP_META_CONTEXT, c::REP_ACK], "{q:?}");
+        assert_eq!(
+            MetaContextEntry::parse(&rep[0].2),
+            Ok(MetaContextEntry {
+                id: 0,
+                name: c::BASE_ALLOCATION
+            })
+        );
+    }
+    // unknown namespace only → just ACK
+    let (_, rep) = ask(
+        &mut s,
+        c::OPT_LIST_META_CONTEXT,
+        &meta("disk", &["qemu:dirty"]),
+    );
+    assert_eq!(types(&rep), vec![c::REP_ACK]);
+    // missing colon → invalid; unknown export → unknown
+    let (_, rep) = ask(
+        &mut s,
+        c::OPT_LIST_META_CONTEXT,
+        &meta("disk", &["nocolon"]),
+    );
+    assert_eq!(types(&rep), vec![c::REP_ERR_INVALID]);
+    let (_, rep) = ask(&mut s, c::OPT_LIST_META_CONTEXT, &meta("zzz", &[]));
+    assert_eq!(types(&rep), vec![c::REP_ERR_UNKNOWN]);
+
+    let (_, rep) = ask(&mut s, c::OPT_STRUCTURED_REPLY, &[]);
+    assert_eq!(types(&rep), vec![c::REP_ACK]);
+    // SET: "base:" is ignored; zero queries select nothing
+    let (_, rep) = ask(&mut s, c::OPT_SET_META_CONTEXT, &meta("disk", &["base:"]));
+    assert_eq!(types(&rep), vec![c::REP_ACK]);
+    let (_, rep) = ask(&mut s, c::OPT_SET_META_CONTEXT, &meta("disk", &[]));
+    assert_eq!(types(&rep), vec![c::REP_ACK]);
+    let (_, rep) = ask(
+        &mut s,
+        c::OPT_SET_META_CONTEXT,
+        &meta("disk", &[c::BASE_ALLOCATION, c::BASE_ALLOCATION]),
+    );
+    assert_eq!(types(&rep), vec![c::REP_META_CONTEXT, c::REP_ACK]);
+    assert_eq!(
+        MetaContextEntry::parse(&rep[0].2).unwrap().id,
+        BASE_ALLOCATION_ID
+    );
+    // contexts selected for "disk" do not apply to "other"
+    let mut s2 = s.clone();
+    let (r, _) = ask(&mut s2, c::OPT_EXPORT_NAME, b"other");
+    match r {
+        Ok(ServerEvent::Done(n)) => {
+            assert!(n.meta_contexts.is_empty());
+            assert!(!n.transmission_info().has_meta_context);
+        }
+        other => panic!("{other:?}"),
+    }
+    let (r, _) = ask(&mut s, c::OPT_EXPORT_NAME, b"disk");
+    match r {
+        Ok(ServerEvent::Done(n)) => assert!(n.transmission_info().has_meta_context),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn failed_set_meta_context_clears_selection() {
+    let mut s = started(config(), 1);
+    let _ = ask(&mut s, c::OPT_STRUCTURED_REPLY, &[]);
+    let _ = ask(
+        &mut s,
+        c::OPT_SET_META_CONTEXT,
+        &meta("disk", &[c::BASE_ALLOCATION]),
+    );
+    let (_, rep) = ask(&mut s, c::OPT_SET_META_CONTEXT, &[1, 2]);
+    assert_eq!(types(&rep), vec![c::REP_ERR_INVALID]);
+    let (r, _) = ask(&mut s, c::OPT_EXPORT_NAME, b"disk");
+    assert!(matches!(r, Ok(ServerEvent::Done(n)) if n.meta_contexts.is_empty()));
+}
+
+#[test]
+fn shutdown() {
+    let mut s = started(config(), 1);
+    s.begin_shutdown();
+    let (r, rep) = ask(&mut s, c::OPT_LIST, &[]);
+    assert_eq!(r, Ok(ServerEvent::Continue));
+    assert_eq!(types(&rep), vec![c::REP_ERR_SHUTDOWN]);
+    let mut s2 = s.clone();
+    assert_eq!(
+        ask(&mut s2, c::OPT_EXPORT_NAME, b"disk").0,
+        Err(ServerError::ShuttingDown)
+    );
+    assert_eq!(ask(&mut s, c::OPT_ABORT, &[]).0, Ok(ServerEvent::Abort));
+
+    // client side: SHUTDOWN → soft disconnect
+    let mut client = ClientHandshake::list();
+    let mut out = Vec::new();
+    let g = Greeting {
+        flags: HandshakeFlags::FIXED_NEWSTYLE,
+    }
+    .encode();
+    client.handle_message(&g, &mut out).unwrap();
+    out.clear();
+    let mut msg = Vec::new();
+    encode_option_reply(c::OPT_LIST, c::REP_ERR_SHUTDOWN, &[], &mut msg);
+    assert_eq!(
+        client.handle_message(&msg, &mut out),
+        Err(ClientError::ServerShutdown)
+    );
+    assert_eq!(out, opt(c::OPT_ABORT, &[]));
+}
+
+#[test]
+fn too_many_options() {
+    let mut s = started(
+        ServerConfig {
+            max_options: 3,
+            ..config()
+        },
+        1,
+    );
+    for _ in 0..3 {
+        assert_eq!(ask(&mut s, 99, &[]).0, Ok(ServerEvent::Continue));
+    }
+    assert_eq!(ask(&mut s, 99, &[]).0, Err(ServerError::TooManyOptions));
+}
+
+#[test]
+fn client_rejects_bad_server_replies() {
+    let g = Greeting {
+        flags: HandshakeFlags::FIXED_NEWSTYLE | HandshakeFlags::NO_ZEROES,
+    }
+    .encode();
+    let start = || {
+        let mut client = ClientHandshake::connect(ClientConfig::new("disk"));
+        let mut out = Vec::new();
+        client.handle_message(&g, &mut out).unwrap();
+        // flags with NO_ZEROES, then STRUCTURED_REPLY
+        assert_eq!(
+            out[..4],
+            (ClientFlags::FIXED_NEWSTYLE | ClientFlags::NO_ZEROES)
+                .bits()
+                .to_be_bytes()
+        );
+        assert_eq!(out[4..], opt(c::OPT_STRUCTURED_REPLY, &[]));
+        client
+    };
+    // reply to the wrong option
+    let mut msg = Vec::new();
+    encode_option_reply(c::OPT_LIST, c::REP_ACK, &[], &mut msg);
+    assert!(matches!(
+        start().handle_message(&msg, &mut Vec::new()),
+        Err(ClientError::UnexpectedReply { .. })
+    ));
+    // non-error unexpected reply type
+    msg.clear();
+    encode_option_reply(c::OPT_STRUCTURED_REPLY, c::REP_SERVER, &[], &mut msg);
+    assert!(matches!(
+        start().handle_message(&msg, &mut Vec::new()),
+        Err(ClientError::UnexpectedReply { .. })
+    ));
+    // GO acked without INFO_EXPORT, and invalid block sizes
+    let to_go = |client: &mut ClientHandshake| {
+        let mut out = Vec::new();
+        let mut m = Vec::new();
+        encode_option_reply(c::OPT_STRUCTURED_REPLY, c::REP_ERR_UNSUP, &[], &mut m);
+        client.handle_message(&m, &mut out).unwrap();
+        assert_eq!(out[8..12], c::OPT_GO.to_be_bytes());
+    };
+    let mut client = start();
+    to_go(&mut client);
+    msg.clear();
+    encode_option_reply(c::OPT_GO, c::REP_ACK, &[], &mut msg);
+    assert_eq!(
+        client.handle_message(&msg, &mut Vec::new()),
+        Err(ClientError::MissingExportInfo)
+    );
+    let mut client = start();
+    to_go(&mut client);
+    msg.clear();
+    let bad = InfoReply::BlockSize(BlockSize {
+        min: 3,
+        preferred: 4096,
+        max: 4096,
+    });
+    encode_option_reply(c::OPT_GO, c::REP_INFO, &bad.encode(), &mut msg);
+    assert!(matches!(
+        client.handle_message(&msg, &mut Vec::new()),
+        Err(ClientError::InvalidBlockSize(_))
+    ));
+    assert_eq!(
+        client.handle_message(&msg, &mut Vec::new()),
+        Err(ClientError::Finished)
+    );
+}
