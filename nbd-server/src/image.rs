@@ -1,0 +1,239 @@
+//! A disk image file: the storage behind an export.
+//!
+//! Reads are served from a shared read-only mapping of the file, registered with the NIC, so a
+//! read reply's data goes from the page cache to the socket with no copy in user space. Writes
+//! use `pwrite` (a full disk then fails the request with ENOSPC instead of killing the server
+//! with SIGBUS, as a store into a mapping would), and the unified page cache keeps the mapping
+//! coherent with them.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use memmap2::{Mmap, MmapOptions};
+
+/// One extent of a block-status answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extent {
+    pub len: u64,
+    /// A hole: reads as zeroes, no storage allocated.
+    pub hole: bool,
+}
+
+pub struct Image {
+    path: PathBuf,
+    file: File,
+    size: u64,
+    read_only: bool,
+    map: Option<Mmap>,
+}
+
+impl std::fmt::Debug for Image {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Image").field("path", &self.path).field("size", &self.size).finish()
+    }
+}
+
+impl Image {
+    /// Opens an existing image (a regular file or a block device).
+    pub fn open(path: &Path, read_only: bool) -> io::Result<Image> {
+        let file = OpenOptions::new().read(true).write(!read_only).open(path)?;
+        let meta = file.metadata()?;
+        let size = if meta.file_type().is_file() {
+            meta.len()
+        } else {
+            // A block device: its size is where seeking to the end lands.
+            use std::io::Seek;
+            (&file).seek(io::SeekFrom::End(0))?
+        };
+        Self::from_file(path, file, size, read_only)
+    }
+
+    /// Creates a sparse image of `size` bytes, or opens the existing one if it has that size.
+    pub fn create(path: &Path, size: u64) -> io::Result<Image> {
+        let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path)?;
+        let len = file.metadata()?.len();
+        if len != size {
+            if len != 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!("exists with {len} bytes, not the {size} asked for"),
+                ));
+            }
+            file.set_len(size)?;
+        }
+        Self::from_file(path, file, size, false)
+    }
+
+    fn from_file(path: &Path, file: File, size: u64, read_only: bool) -> io::Result<Image> {
+        let map = if size == 0 {
+            None
+        } else {
+            // SAFETY: the mapping is read-only; the file is only ever resized by us (never),
+            // and concurrent pwrite/punch-hole through the page cache are coherent with it.
+            Some(unsafe { MmapOptions::new().len(size as usize).map(&file)? })
+        };
+        Ok(Image { path: path.to_owned(), file, size, read_only, map })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+    pub fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// The whole image, mapped read-only (None for an empty image).
+    pub fn mapping(&self) -> Option<(*const u8, usize)> {
+        self.map.as_ref().map(|m| (m.as_ptr(), m.len()))
+    }
+
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.file.read_exact_at(buf, offset)
+    }
+
+    pub fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+        self.file.write_all_at(data, offset)?;
+        if fua {
+            self.flush_range(offset, data.len() as u64)?;
+        }
+        Ok(())
+    }
+
+    /// Makes all completed writes durable.
+    pub fn flush(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+
+    /// Makes the writes to a range durable (FUA). Falls back to a whole-file sync, which is
+    /// what keeps metadata (allocation of a sparse range) durable too.
+    fn flush_range(&self, _offset: u64, _len: u64) -> io::Result<()> {
+        self.file.sync_data()
+    }
+
+    /// TRIM: punches a hole (the range then reads as zeroes).
+    pub fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len)
+    }
+
+    /// WRITE_ZEROES: the range reads as zeroes afterwards and stays allocated. Returns false if
+    /// the file system cannot do it without writing (the caller decides whether that is
+    /// allowed: FAST_ZERO says it is not).
+    pub fn zero_range(&self, offset: u64, len: u64, may_write: bool) -> io::Result<bool> {
+        match self.fallocate(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE, offset, len) {
+            Ok(()) => Ok(true),
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                if !may_write {
+                    return Ok(false);
+                }
+                let zeroes = vec![0u8; 1 << 20];
+                let mut done = 0;
+                while done < len {
+                    let n = (len - done).min(zeroes.len() as u64) as usize;
+                    self.file.write_all_at(&zeroes[..n], offset + done)?;
+                    done += n as u64;
+                }
+                Ok(true)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn fallocate(&self, mode: libc::c_int, offset: u64, len: u64) -> io::Result<()> {
+        // SAFETY: plain system call on an owned descriptor.
+        let r = unsafe { libc::fallocate(self.file.as_raw_fd(), mode, offset as libc::off_t, len as libc::off_t) };
+        if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+    }
+
+    /// CACHE: asks the kernel to read the range ahead.
+    pub fn prefetch(&self, offset: u64, len: u64) -> io::Result<()> {
+        // SAFETY: plain system call on an owned descriptor.
+        let r = unsafe {
+            libc::posix_fadvise(self.file.as_raw_fd(), offset as libc::off_t, len as libc::off_t, libc::POSIX_FADV_WILLNEED)
+        };
+        if r == 0 { Ok(()) } else { Err(io::Error::from_raw_os_error(r)) }
+    }
+
+    /// Data and holes from `offset` for up to `len` bytes, from SEEK_DATA / SEEK_HOLE.
+    pub fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+        let end = offset.saturating_add(len).min(self.size);
+        let fd = self.file.as_raw_fd();
+        let seek = |pos: u64, whence: libc::c_int| -> io::Result<Option<u64>> {
+            // SAFETY: plain system call on an owned descriptor.
+            let r = unsafe { libc::lseek(fd, pos as libc::off_t, whence) };
+            if r >= 0 {
+                return Ok(Some(r as u64));
+            }
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENXIO) { Ok(None) } else { Err(e) }
+        };
+        let mut out = Vec::new();
+        let mut pos = offset;
+        while pos < end {
+            let data = match seek(pos, libc::SEEK_DATA) {
+                Ok(d) => d.unwrap_or(end).min(end),
+                // No SEEK_DATA (a block device, an old file system): all data.
+                Err(_) => pos,
+            };
+            if data > pos {
+                out.push(Extent { len: data - pos, hole: true });
+                pos = data;
+                continue;
+            }
+            let hole = seek(pos, libc::SEEK_HOLE).ok().flatten().unwrap_or(end).min(end);
+            let hole = if hole <= pos { end } else { hole };
+            out.push(Extent { len: hole - pos, hole: false });
+            pos = hole;
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sparse_image_extents_follow_writes_trims_and_zeroes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        let img = Image::create(&path, 16 << 20).unwrap();
+        assert_eq!(img.extents(0, 16 << 20).unwrap(), vec![Extent { len: 16 << 20, hole: true }]);
+        img.write_at(&vec![1u8; 1 << 20], 4 << 20, false).unwrap();
+        let ext = img.extents(0, 16 << 20).unwrap();
+        assert!(ext.contains(&Extent { len: 1 << 20, hole: false }), "{ext:?}");
+        let mut buf = vec![0u8; 1 << 20];
+        img.read_at(&mut buf, 4 << 20).unwrap();
+        assert!(buf.iter().all(|&b| b == 1));
+        // The read-only mapping sees the write.
+        let (ptr, len) = img.mapping().unwrap();
+        assert_eq!(len, 16 << 20);
+        assert_eq!(unsafe { *ptr.add(4 << 20) }, 1);
+
+        img.punch_hole(4 << 20, 1 << 20).unwrap();
+        assert_eq!(img.extents(0, 16 << 20).unwrap(), vec![Extent { len: 16 << 20, hole: true }]);
+        img.read_at(&mut buf, 4 << 20).unwrap();
+        assert!(buf.iter().all(|&b| b == 0));
+
+        assert!(img.zero_range(8 << 20, 1 << 20, true).unwrap());
+        img.read_at(&mut buf, 8 << 20).unwrap();
+        assert!(buf.iter().all(|&b| b == 0));
+        img.flush().unwrap();
+        assert_eq!(img.extents(0, 16 << 20).unwrap().iter().map(|e| e.len).sum::<u64>(), 16 << 20);
+    }
+
+    #[test]
+    fn create_refuses_an_existing_file_of_another_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        Image::create(&path, 1 << 20).unwrap();
+        assert!(Image::create(&path, 1 << 20).is_ok(), "same size reopens");
+        let e = Image::create(&path, 2 << 20).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::AlreadyExists);
+    }
+}
