@@ -32,7 +32,10 @@ pub struct Image {
 
 impl std::fmt::Debug for Image {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Image").field("path", &self.path).field("size", &self.size).finish()
+        f.debug_struct("Image")
+            .field("path", &self.path)
+            .field("size", &self.size)
+            .finish()
     }
 }
 
@@ -53,7 +56,12 @@ impl Image {
 
     /// Creates a sparse image of `size` bytes, or opens the existing one if it has that size.
     pub fn create(path: &Path, size: u64) -> io::Result<Image> {
-        let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path)?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)?;
         let len = file.metadata()?.len();
         if len != size {
             if len != 0 {
@@ -75,7 +83,13 @@ impl Image {
             // and concurrent pwrite/punch-hole through the page cache are coherent with it.
             Some(unsafe { MmapOptions::new().len(size as usize).map(&file)? })
         };
-        Ok(Image { path: path.to_owned(), file, size, read_only, map })
+        Ok(Image {
+            path: path.to_owned(),
+            file,
+            size,
+            read_only,
+            map,
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -118,14 +132,22 @@ impl Image {
 
     /// TRIM: punches a hole (the range then reads as zeroes).
     pub fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len)
+        self.fallocate(
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            offset,
+            len,
+        )
     }
 
     /// WRITE_ZEROES: the range reads as zeroes afterwards and stays allocated. Returns false if
     /// the file system cannot do it without writing (the caller decides whether that is
     /// allowed: FAST_ZERO says it is not).
     pub fn zero_range(&self, offset: u64, len: u64, may_write: bool) -> io::Result<bool> {
-        match self.fallocate(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE, offset, len) {
+        match self.fallocate(
+            libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+            offset,
+            len,
+        ) {
             Ok(()) => Ok(true),
             Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
                 if !may_write {
@@ -146,17 +168,37 @@ impl Image {
 
     fn fallocate(&self, mode: libc::c_int, offset: u64, len: u64) -> io::Result<()> {
         // SAFETY: plain system call on an owned descriptor.
-        let r = unsafe { libc::fallocate(self.file.as_raw_fd(), mode, offset as libc::off_t, len as libc::off_t) };
-        if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+        let r = unsafe {
+            libc::fallocate(
+                self.file.as_raw_fd(),
+                mode,
+                offset as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
     }
 
     /// CACHE: asks the kernel to read the range ahead.
     pub fn prefetch(&self, offset: u64, len: u64) -> io::Result<()> {
         // SAFETY: plain system call on an owned descriptor.
         let r = unsafe {
-            libc::posix_fadvise(self.file.as_raw_fd(), offset as libc::off_t, len as libc::off_t, libc::POSIX_FADV_WILLNEED)
+            libc::posix_fadvise(
+                self.file.as_raw_fd(),
+                offset as libc::off_t,
+                len as libc::off_t,
+                libc::POSIX_FADV_WILLNEED,
+            )
         };
-        if r == 0 { Ok(()) } else { Err(io::Error::from_raw_os_error(r)) }
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::from_raw_os_error(r))
+        }
     }
 
     /// Data and holes from `offset` for up to `len` bytes, from SEEK_DATA / SEEK_HOLE.
@@ -170,7 +212,11 @@ impl Image {
                 return Ok(Some(r as u64));
             }
             let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::ENXIO) { Ok(None) } else { Err(e) }
+            if e.raw_os_error() == Some(libc::ENXIO) {
+                Ok(None)
+            } else {
+                Err(e)
+            }
         };
         let mut out = Vec::new();
         let mut pos = offset;
@@ -181,13 +227,23 @@ impl Image {
                 Err(_) => pos,
             };
             if data > pos {
-                out.push(Extent { len: data - pos, hole: true });
+                out.push(Extent {
+                    len: data - pos,
+                    hole: true,
+                });
                 pos = data;
                 continue;
             }
-            let hole = seek(pos, libc::SEEK_HOLE).ok().flatten().unwrap_or(end).min(end);
+            let hole = seek(pos, libc::SEEK_HOLE)
+                .ok()
+                .flatten()
+                .unwrap_or(end)
+                .min(end);
             let hole = if hole <= pos { end } else { hole };
-            out.push(Extent { len: hole - pos, hole: false });
+            out.push(Extent {
+                len: hole - pos,
+                hole: false,
+            });
             pos = hole;
         }
         Ok(out)
@@ -203,10 +259,22 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("disk.img");
         let img = Image::create(&path, 16 << 20).unwrap();
-        assert_eq!(img.extents(0, 16 << 20).unwrap(), vec![Extent { len: 16 << 20, hole: true }]);
+        assert_eq!(
+            img.extents(0, 16 << 20).unwrap(),
+            vec![Extent {
+                len: 16 << 20,
+                hole: true
+            }]
+        );
         img.write_at(&vec![1u8; 1 << 20], 4 << 20, false).unwrap();
         let ext = img.extents(0, 16 << 20).unwrap();
-        assert!(ext.contains(&Extent { len: 1 << 20, hole: false }), "{ext:?}");
+        assert!(
+            ext.contains(&Extent {
+                len: 1 << 20,
+                hole: false
+            }),
+            "{ext:?}"
+        );
         let mut buf = vec![0u8; 1 << 20];
         img.read_at(&mut buf, 4 << 20).unwrap();
         assert!(buf.iter().all(|&b| b == 1));
@@ -216,7 +284,13 @@ mod tests {
         assert_eq!(unsafe { *ptr.add(4 << 20) }, 1);
 
         img.punch_hole(4 << 20, 1 << 20).unwrap();
-        assert_eq!(img.extents(0, 16 << 20).unwrap(), vec![Extent { len: 16 << 20, hole: true }]);
+        assert_eq!(
+            img.extents(0, 16 << 20).unwrap(),
+            vec![Extent {
+                len: 16 << 20,
+                hole: true
+            }]
+        );
         img.read_at(&mut buf, 4 << 20).unwrap();
         assert!(buf.iter().all(|&b| b == 0));
 
@@ -224,7 +298,14 @@ mod tests {
         img.read_at(&mut buf, 8 << 20).unwrap();
         assert!(buf.iter().all(|&b| b == 0));
         img.flush().unwrap();
-        assert_eq!(img.extents(0, 16 << 20).unwrap().iter().map(|e| e.len).sum::<u64>(), 16 << 20);
+        assert_eq!(
+            img.extents(0, 16 << 20)
+                .unwrap()
+                .iter()
+                .map(|e| e.len)
+                .sum::<u64>(),
+            16 << 20
+        );
     }
 
     #[test]

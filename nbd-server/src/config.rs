@@ -1,0 +1,127 @@
+//! Server configuration: a TOML file (examples in configs/) and command-line flags, merged.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use serde::Deserialize;
+
+/// The NBD port registered with IANA.
+pub const DEFAULT_PORT: u16 = 10809;
+
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ExportConfig {
+    pub name: String,
+    pub path: PathBuf,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default)]
+    pub read_only: bool,
+    /// Create the image, sparse, with this size if it does not exist ("1G", "512M", bytes).
+    #[serde(default)]
+    pub create_size: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub listen: Vec<String>,
+    #[serde(default, rename = "export")]
+    pub exports: Vec<ExportConfig>,
+    /// The export a client gets when it asks for the empty name.
+    #[serde(default)]
+    pub default_export: Option<String>,
+    #[serde(default)]
+    pub max_connections: Option<usize>,
+    /// Advertise the list of exports (NBD_OPT_LIST); on by default.
+    #[serde(default)]
+    pub list_exports: Option<bool>,
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Config> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading config {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("parsing config {}", path.display()))
+    }
+}
+
+/// Parses `ADDR:PORT`, `[V6]:PORT`, `HOST` or `[V6]` (default port 10809).
+pub fn parse_listen(s: &str) -> Result<SocketAddr> {
+    if let Ok(a) = s.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    let bare = s.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = bare.parse::<std::net::IpAddr>() {
+        return Ok(SocketAddr::new(ip, DEFAULT_PORT));
+    }
+    if s == "localhost" {
+        return Ok(SocketAddr::from(([127, 0, 0, 1], DEFAULT_PORT)));
+    }
+    bail!("listen address {s:?} is not ADDR:PORT (IPv6 in brackets: [::1]:10809)")
+}
+
+/// Parses a size: bytes, or a number with K, M, G or T (powers of 1024).
+pub fn parse_size(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
+        Some((i, _)) => {
+            let unit = t[i..].to_ascii_uppercase();
+            let m = match unit.trim_end_matches("IB").trim_end_matches('B') {
+                "" => 1,
+                "K" => 1 << 10,
+                "M" => 1 << 20,
+                "G" => 1 << 30,
+                "T" => 1u64 << 40,
+                _ => bail!("size {s:?}: unknown unit {:?}", &t[i..]),
+            };
+            (&t[..i], m)
+        }
+        None => (t, 1),
+    };
+    let n: u64 = num
+        .trim()
+        .parse()
+        .with_context(|| format!("size {s:?} is not a number"))?;
+    n.checked_mul(mult)
+        .with_context(|| format!("size {s:?} is too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_addresses() {
+        assert_eq!(parse_size("512").unwrap(), 512);
+        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
+        assert_eq!(parse_size("64MiB").unwrap(), 64 << 20);
+        assert!(parse_size("12Q").is_err());
+        assert_eq!(parse_listen("[::1]:10809").unwrap().port(), 10809);
+        assert_eq!(parse_listen("127.0.0.1").unwrap().port(), DEFAULT_PORT);
+        assert_eq!(parse_listen("[::1]").unwrap().to_string(), "[::1]:10809");
+        assert!(parse_listen("nowhere:x").is_err());
+    }
+
+    #[test]
+    fn example_configs_parse() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("server")
+            {
+                let cfg = Config::load(&path).unwrap();
+                assert!(!cfg.exports.is_empty(), "{}", path.display());
+                seen += 1;
+            }
+        }
+        assert!(seen > 0);
+    }
+}

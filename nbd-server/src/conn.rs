@@ -1,0 +1,573 @@
+//! One client connection: the NBD handshake, then the transmission phase, driven entirely by
+//! completions on the connection's CQ. The protocol rules live in nbd-proto; this module moves
+//! messages between the QP and the image.
+//!
+//! Copies per request (user space / kernel):
+//! - READ: 0 / 1. The reply is a send WR whose data SGE points into the registered mapping of
+//!   the image; the NIC engine's `writev` copies page cache → socket.
+//! - WRITE: 1 / 1. The NIC reads the payload from the socket straight into a registered receive
+//!   slot (kernel copy); `pwrite` copies the slot into the page cache.
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use nbd_proto::consts as c;
+use nbd_proto::flags::CmdFlags;
+use nbd_proto::framing::ServerPhase;
+use nbd_proto::handshake::server::{ServerEvent, ServerHandshake, ServerNegotiated};
+use nbd_proto::reply::{self, SimpleReply};
+use nbd_proto::transmission::{Command, ErrorValue, Request, TransmissionInfo, validate_request};
+use qpip_core::{
+    Access, Completion, CompletionQueue, MemoryRegion, Opcode, QueuePair, RecvWr, SendWr, WcStatus,
+};
+
+use crate::export::Export;
+use crate::server::ServerShared;
+
+/// Receive WRs posted in the transmission phase: requests the client may have in flight
+/// before TCP flow control holds it.
+pub const RECV_SLOTS: usize = 32;
+/// Largest payload piece placed in one receive WR (longer writes arrive in pieces).
+pub const CHUNK: usize = 1 << 20;
+/// Reply header slots: one per reply in flight.
+const REPLY_SLOTS: usize = 64;
+const REPLY_SLOT_LEN: usize = 512;
+/// Most extents in one block-status reply (the client asks again for the rest).
+const MAX_EXTENTS: usize = 32;
+/// A client that does not finish its handshake in this time is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// After SIGTERM: how long new requests get ESHUTDOWN before the connection is closed.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+const REPLY_WR: u64 = 1 << 32;
+const HANDSHAKE_WR: u64 = 2 << 32;
+
+/// CQ depth: every WR the connection can have outstanding, so it can never overflow.
+pub const CQ_DEPTH: usize = RECV_SLOTS + REPLY_SLOTS + 16;
+
+pub struct Connection {
+    shared: Arc<ServerShared>,
+    qp: QueuePair,
+    cq: CompletionQueue,
+    phase: Arc<AtomicU8>,
+    peer: SocketAddr,
+    /// Completions read while waiting for something else (a free reply slot).
+    stash: VecDeque<Completion>,
+    /// Handshake replies in flight, kept alive until their send completes.
+    handshake_sends: HashMap<u64, MemoryRegion>,
+    next_wr: u64,
+}
+
+fn io_error_value(e: &io::Error) -> ErrorValue {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => ErrorValue::NoSpc,
+        Some(libc::EPERM) | Some(libc::EACCES) | Some(libc::EROFS) => ErrorValue::Perm,
+        Some(libc::EINVAL) => ErrorValue::Inval,
+        Some(libc::EOPNOTSUPP) => ErrorValue::NotSup,
+        _ => ErrorValue::Io,
+    }
+}
+
+impl Connection {
+    pub fn new(
+        shared: Arc<ServerShared>,
+        qp: QueuePair,
+        cq: CompletionQueue,
+        phase: Arc<AtomicU8>,
+        peer: SocketAddr,
+    ) -> Self {
+        Connection {
+            shared,
+            qp,
+            cq,
+            phase,
+            peer,
+            stash: VecDeque::new(),
+            handshake_sends: HashMap::new(),
+            next_wr: 0,
+        }
+    }
+
+    pub fn run(mut self) -> Result<()> {
+        let Some((neg, last_reply)) = self.handshake()? else {
+            return Ok(());
+        };
+        let export = self.shared.exports[neg.export_index].clone();
+        tracing::info!(peer = %self.peer, export = %export.name, structured = neg.structured_replies, "client connected");
+        let t = Transmission::new(&mut self, export, &neg)?;
+        // The receive slots are posted before the reply that lets the client send requests.
+        t.conn.send_bytes(&last_reply)?;
+        t.run()
+    }
+
+    fn wait_one(&mut self, deadline: Instant, what: &str) -> Result<Completion> {
+        if let Some(c) = self.stash.pop_front() {
+            return Ok(c);
+        }
+        let mut buf = [Completion::default(); 1];
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                bail!("{what}: timed out");
+            }
+            if self.cq.wait(&mut buf, Some(left))? == 1 {
+                return Ok(buf[0]);
+            }
+        }
+    }
+
+    /// Sends bytes that are not in registered memory yet (handshake replies).
+    fn send_bytes(&mut self, bytes: &[u8]) -> Result<()> {
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let mr = self.shared.nic.alloc_region(bytes.len(), Access::READ);
+        mr.write_at(0, bytes);
+        self.next_wr += 1;
+        let id = HANDSHAKE_WR + self.next_wr;
+        self.qp
+            .post_send(SendWr::new(id, &[mr.sge(0, bytes.len())]))?;
+        self.handshake_sends.insert(id, mr);
+        Ok(())
+    }
+
+    fn on_handshake_send(&mut self, c: &Completion) -> Result<()> {
+        self.handshake_sends.remove(&c.wr_id);
+        if !c.is_ok() {
+            bail!("sending to the client failed: {:?}", c.status);
+        }
+        Ok(())
+    }
+
+    /// Runs the handshake. Returns the negotiated export and the final reply (not yet sent),
+    /// or None when the client ended it (ABORT, or a LIST/INFO-only session).
+    fn handshake(&mut self) -> Result<Option<(ServerNegotiated, Vec<u8>)>> {
+        let mut hs = ServerHandshake::new(self.shared.proto.clone());
+        if self.shared.shutting_down() {
+            hs.begin_shutdown();
+        }
+        let max = c::OPTION_HEADER_LEN + self.shared.limits.max_option_len as usize;
+        let rbuf = self.shared.nic.alloc_region(max, Access::READ_WRITE);
+        self.qp.post_recv(RecvWr::new(0, &[rbuf.sge(0, max)]))?;
+        self.send_bytes(&hs.greeting())?;
+        let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+        let mut msg = Vec::new();
+        loop {
+            let c = self.wait_one(deadline, "handshake")?;
+            if c.opcode == Opcode::Send {
+                self.on_handshake_send(&c)?;
+                continue;
+            }
+            match c.status {
+                WcStatus::Success => {}
+                WcStatus::RemoteClosed | WcStatus::Flushed => return Ok(None),
+                s => bail!("handshake message refused by the NIC: {s:?}"),
+            }
+            msg.resize(c.byte_len as usize, 0);
+            rbuf.read_at(0, &mut msg);
+            let mut out = Vec::new();
+            match hs
+                .handle_message(&msg, &mut out)
+                .map_err(|e| anyhow!("handshake: {e}"))?
+            {
+                ServerEvent::Continue => {
+                    self.send_bytes(&out)?;
+                    self.qp.post_recv(RecvWr::new(0, &[rbuf.sge(0, max)]))?;
+                }
+                ServerEvent::Done(neg) => {
+                    self.phase
+                        .store(ServerPhase::Transmission.to_u8(), Ordering::Release);
+                    return Ok(Some((*neg, out)));
+                }
+                ServerEvent::Abort => {
+                    self.send_bytes(&out)?;
+                    self.qp.close();
+                    return Ok(None);
+                }
+                _ => bail!("handshake: unexpected event"),
+            }
+        }
+    }
+}
+
+/// A WRITE whose payload is still arriving in pieces.
+struct PendingWrite {
+    req: Request,
+    received: u64,
+    error: Option<ErrorValue>,
+}
+
+struct Transmission<'a> {
+    conn: &'a mut Connection,
+    export: Arc<Export>,
+    info: TransmissionInfo,
+    structured: bool,
+    allocation_ctx: Option<u32>,
+    recv_mr: MemoryRegion,
+    stride: usize,
+    reply_mr: MemoryRegion,
+    free_replies: Vec<usize>,
+    pending_write: Option<PendingWrite>,
+    scratch: Vec<u8>,
+    shutdown_since: Option<Instant>,
+}
+
+impl<'a> Transmission<'a> {
+    fn new(conn: &'a mut Connection, export: Arc<Export>, neg: &ServerNegotiated) -> Result<Self> {
+        let stride = c::REQUEST_LEN + CHUNK;
+        let recv_mr = conn
+            .shared
+            .nic
+            .alloc_region(RECV_SLOTS * stride, Access::READ_WRITE);
+        let reply_mr = conn
+            .shared
+            .nic
+            .alloc_region(REPLY_SLOTS * REPLY_SLOT_LEN, Access::READ);
+        for slot in 0..RECV_SLOTS {
+            conn.qp.post_recv(RecvWr::new(
+                slot as u64,
+                &[recv_mr.sge(slot * stride, stride)],
+            ))?;
+        }
+        let allocation_ctx = neg
+            .meta_contexts
+            .iter()
+            .find(|(_, n)| n == "base:allocation")
+            .map(|(id, _)| *id);
+        Ok(Transmission {
+            conn,
+            export,
+            info: neg.transmission_info(),
+            structured: neg.structured_replies,
+            allocation_ctx,
+            recv_mr,
+            stride,
+            reply_mr,
+            free_replies: (0..REPLY_SLOTS).rev().collect(),
+            pending_write: None,
+            scratch: Vec::new(),
+            shutdown_since: None,
+        })
+    }
+
+    fn run(mut self) -> Result<()> {
+        let mut buf = [Completion::default(); 32];
+        loop {
+            if self.shutdown_since.is_none() && self.conn.shared.shutting_down() {
+                self.shutdown_since = Some(Instant::now());
+            }
+            if let Some(t) = self.shutdown_since
+                && t.elapsed() > SHUTDOWN_GRACE
+                && self.pending_write.is_none()
+            {
+                tracing::info!(peer = %self.conn.peer, "closing for shutdown");
+                self.export.image.flush().ok();
+                self.conn.qp.close();
+                return Ok(());
+            }
+            let batch: Vec<Completion> = if self.conn.stash.is_empty() {
+                let n = self
+                    .conn
+                    .cq
+                    .wait(&mut buf, Some(Duration::from_millis(200)))?;
+                buf[..n].to_vec()
+            } else {
+                self.conn.stash.drain(..).collect()
+            };
+            for c in batch {
+                if c.opcode == Opcode::Send {
+                    self.on_send(&c)?;
+                    continue;
+                }
+                match c.status {
+                    WcStatus::Success => {}
+                    WcStatus::RemoteClosed | WcStatus::Flushed => {
+                        if self.pending_write.is_some() {
+                            tracing::warn!(peer = %self.conn.peer, "client vanished in the middle of a write");
+                        }
+                        return Ok(());
+                    }
+                    s => bail!("request refused by the NIC ({s:?}): malformed or oversized"),
+                }
+                let slot = c.wr_id as usize;
+                if !self.on_message(slot, c.byte_len as usize)? {
+                    return Ok(());
+                }
+                self.conn.qp.post_recv(RecvWr::new(
+                    c.wr_id,
+                    &[self.recv_mr.sge(slot * self.stride, self.stride)],
+                ))?;
+            }
+        }
+    }
+
+    fn on_send(&mut self, c: &Completion) -> Result<()> {
+        if c.wr_id >= HANDSHAKE_WR {
+            return self.conn.on_handshake_send(c);
+        }
+        if !c.is_ok() {
+            bail!("sending a reply failed: {:?}", c.status);
+        }
+        self.free_replies.push((c.wr_id - REPLY_WR) as usize);
+        Ok(())
+    }
+
+    /// Handles one message (a request, or a piece of a write payload). False: disconnect.
+    fn on_message(&mut self, slot: usize, len: usize) -> Result<bool> {
+        let base = slot * self.stride;
+        if let Some(mut pw) = self.pending_write.take() {
+            self.read_slot(base, len);
+            if pw.error.is_none() {
+                let off = pw.req.offset + pw.received;
+                if let Err(e) = self.export.image.write_at(&self.scratch, off, false) {
+                    pw.error = Some(io_error_value(&e));
+                }
+            }
+            pw.received += len as u64;
+            self.pending_write = Some(pw);
+            return self.on_message_done_write();
+        }
+        let mut hdr = [0u8; c::REQUEST_LEN];
+        if len < hdr.len() {
+            bail!("short request ({len} bytes)");
+        }
+        self.recv_mr.read_at(base, &mut hdr);
+        let req = Request::parse(&hdr).context("request header")?;
+        let body_len = len - c::REQUEST_LEN;
+        let valid = validate_request(&req, &self.info);
+        tracing::trace!(peer = %self.conn.peer, ?req, ?valid, "request");
+
+        if req.command == Command::Disc {
+            tracing::info!(peer = %self.conn.peer, "client disconnected");
+            self.conn.qp.close();
+            return Ok(false);
+        }
+        if self.shutdown_since.is_some() && !matches!(req.command, Command::Flush | Command::Write)
+        {
+            self.reply(&req, Err(ErrorValue::Shutdown))?;
+            return Ok(true);
+        }
+        if req.command == Command::Write {
+            let mut pw = PendingWrite {
+                req,
+                received: 0,
+                error: valid.err(),
+            };
+            if pw.error.is_none() && body_len > 0 {
+                self.read_slot(base + c::REQUEST_LEN, body_len);
+                if let Err(e) = self.export.image.write_at(&self.scratch, req.offset, false) {
+                    pw.error = Some(io_error_value(&e));
+                }
+            }
+            pw.received = body_len as u64;
+            self.pending_write = Some(pw);
+            // A payload that fit in one slot completes now.
+            return self.on_message_done_write();
+        }
+        let result = valid.and_then(|()| self.execute(&req));
+        match result {
+            Ok(Some(())) => Ok(true), // the command sent its own reply
+            Ok(None) => {
+                self.reply(&req, Ok(()))?;
+                Ok(true)
+            }
+            Err(e) => {
+                self.reply(&req, Err(e))?;
+                Ok(true)
+            }
+        }
+    }
+
+    fn on_message_done_write(&mut self) -> Result<bool> {
+        let Some(pw) = self.pending_write.take() else {
+            return Ok(true);
+        };
+        if pw.received < u64::from(pw.req.length) {
+            self.pending_write = Some(pw);
+            return Ok(true);
+        }
+        let result = match pw.error {
+            Some(e) => Err(e),
+            None => self.after_write(&pw.req),
+        };
+        self.reply(&pw.req, result)?;
+        Ok(true)
+    }
+
+    /// FUA: the written range is durable before the reply.
+    fn after_write(&self, req: &Request) -> Result<(), ErrorValue> {
+        if req.flags.contains(CmdFlags::FUA) {
+            self.export.image.flush().map_err(|e| io_error_value(&e))?;
+        }
+        Ok(())
+    }
+
+    /// Copies a received payload piece out of its slot (into the write buffer for pwrite).
+    fn read_slot(&mut self, offset: usize, len: usize) {
+        self.scratch.resize(len, 0);
+        self.recv_mr.read_at(offset, &mut self.scratch);
+    }
+
+    /// Runs a non-write command. `Ok(Some(()))` when it sent its own reply.
+    fn execute(&mut self, req: &Request) -> Result<Option<()>, ErrorValue> {
+        let image = &self.export.image;
+        let io = |r: io::Result<()>| r.map_err(|e| io_error_value(&e));
+        let fua = req.flags.contains(CmdFlags::FUA);
+        match req.command {
+            Command::Read => {
+                if req.length == 0 {
+                    return Ok(None);
+                }
+                self.send_read(req).map_err(|e| {
+                    tracing::warn!("read reply: {e:#}");
+                    ErrorValue::Io
+                })?;
+                Ok(Some(()))
+            }
+            Command::Flush => io(image.flush()).map(|()| None),
+            Command::Trim => {
+                io(image.punch_hole(req.offset, u64::from(req.length)))?;
+                if fua {
+                    io(image.flush())?;
+                }
+                Ok(None)
+            }
+            Command::WriteZeroes => {
+                let may_write = !req.flags.contains(CmdFlags::FAST_ZERO);
+                let done = image
+                    .zero_range(req.offset, u64::from(req.length), may_write)
+                    .map_err(|e| io_error_value(&e))?;
+                if !done {
+                    return Err(ErrorValue::NotSup);
+                }
+                if fua {
+                    io(image.flush())?;
+                }
+                Ok(None)
+            }
+            Command::Cache => io(image.prefetch(req.offset, u64::from(req.length))).map(|()| None),
+            Command::BlockStatus => {
+                self.send_block_status(req)?;
+                Ok(Some(()))
+            }
+            _ => Err(ErrorValue::Inval),
+        }
+    }
+
+    fn reply_slot(&mut self) -> Result<usize> {
+        loop {
+            if let Some(s) = self.free_replies.pop() {
+                return Ok(s);
+            }
+            // All reply slots are in flight: the client is slow to read. Wait for sends.
+            let mut buf = [Completion::default(); 32];
+            let n = self.conn.cq.wait(&mut buf, Some(Duration::from_secs(60)))?;
+            if n == 0 {
+                bail!("the client has not read a reply for 60 s");
+            }
+            for c in &buf[..n] {
+                if c.opcode == Opcode::Send {
+                    self.on_send(c)?;
+                } else {
+                    self.conn.stash.push_back(*c);
+                }
+            }
+        }
+    }
+
+    /// Posts a reply whose header is `hdr`, followed by `data` (an SGE into registered memory).
+    fn post_reply(&mut self, hdr: &[u8], data: Option<qpip_core::Sge>) -> Result<()> {
+        if hdr.len() > REPLY_SLOT_LEN {
+            bail!("reply header of {} bytes does not fit a slot", hdr.len());
+        }
+        let slot = self.reply_slot()?;
+        self.reply_mr.write_at(slot * REPLY_SLOT_LEN, hdr);
+        let head = self.reply_mr.sge(slot * REPLY_SLOT_LEN, hdr.len());
+        let wr = match data {
+            Some(d) => SendWr::new(REPLY_WR + slot as u64, &[head, d]),
+            None => SendWr::new(REPLY_WR + slot as u64, &[head]),
+        };
+        self.conn.qp.post_send(wr)?;
+        Ok(())
+    }
+
+    /// The reply to a request without data: success, or the error.
+    fn reply(&mut self, req: &Request, result: Result<(), ErrorValue>) -> Result<()> {
+        let mut out = Vec::with_capacity(64);
+        match (result, self.structured) {
+            (Ok(()), false) => out.extend_from_slice(
+                &SimpleReply {
+                    error: 0,
+                    cookie: req.cookie,
+                }
+                .encode(),
+            ),
+            (Err(e), false) => out.extend_from_slice(
+                &SimpleReply {
+                    error: e.to_u32(),
+                    cookie: req.cookie,
+                }
+                .encode(),
+            ),
+            (Ok(()), true) => out.extend_from_slice(&reply::none_chunk(req.cookie)),
+            (Err(e), true) => reply::error_chunk(req.cookie, true, e, &format!("{e:?}"), &mut out),
+        }
+        self.post_reply(&out, None)
+    }
+
+    /// READ: the reply header from a slot, the data straight from the image's mapping.
+    fn send_read(&mut self, req: &Request) -> Result<()> {
+        let region = self.export.region.as_ref().context("empty image")?;
+        let data = region.sge(req.offset as usize, req.length as usize);
+        if self.structured {
+            let hdr = reply::offset_data_header(req.cookie, true, req.offset, req.length)?;
+            self.post_reply(&hdr, Some(data))
+        } else {
+            let hdr = SimpleReply {
+                error: 0,
+                cookie: req.cookie,
+            }
+            .encode();
+            self.post_reply(&hdr, Some(data))
+        }
+    }
+
+    fn send_block_status(&mut self, req: &Request) -> Result<(), ErrorValue> {
+        let ctx = self.allocation_ctx.ok_or(ErrorValue::Inval)?;
+        let extents = self
+            .export
+            .image
+            .extents(req.offset, u64::from(req.length))
+            .map_err(|e| io_error_value(&e))?;
+        let mut wire = Vec::new();
+        for e in extents {
+            let flags = if e.hole {
+                c::STATE_HOLE | c::STATE_ZERO
+            } else {
+                0
+            };
+            let mut left = e.len;
+            while left > 0 && wire.len() < MAX_EXTENTS {
+                // Extents of at most 2 GiB, block aligned.
+                let piece = left.min(1 << 31) as u32;
+                wire.push(reply::Extent {
+                    length: piece,
+                    flags,
+                });
+                left -= u64::from(piece);
+            }
+        }
+        let mut out = Vec::new();
+        reply::block_status_reply(req.cookie, req.flags, req.length, &[(ctx, &wire)], &mut out)
+            .map_err(|_| ErrorValue::Io)?;
+        self.post_reply(&out, None).map_err(|e| {
+            tracing::warn!("block status reply: {e:#}");
+            ErrorValue::Io
+        })
+    }
+}

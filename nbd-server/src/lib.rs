@@ -1,0 +1,11 @@
+//! qpip-nbd-server as a library: exports disk images over QP send-receive, plain NBD on the
+//! wire. The binary is a thin command line around [`server::Server`].
+
+pub mod config;
+mod conn;
+pub mod export;
+mod framer;
+pub mod image;
+pub mod server;
+
+pub use conn::{CHUNK, RECV_SLOTS};

@@ -1,0 +1,216 @@
+//! qpip-nbd-server: exports disk images over Queue Pair IP. The wire is plain NBD (fixed
+//! newstyle), so qemu-img, qemu-io, nbdinfo, nbdcopy, fio and the Linux kernel client talk to
+//! it unchanged.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use nbd_server::config::{Config, ExportConfig, parse_listen, parse_size};
+use nbd_server::export::Export;
+use nbd_server::image::Image;
+use nbd_server::server::{Server, ServerOptions};
+use qpip_core::Nic;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "qpip-nbd-server",
+    version,
+    about = "Export disk images over NBD, carried by Queue Pair IP",
+    long_about = "Export disk images over NBD, carried by Queue Pair IP.\n\n\
+        Every connection runs on a QP of the soft NIC: requests land in registered receive \
+        buffers and read replies are sent straight from the image's registered mapping. The \
+        wire is plain NBD (fixed newstyle), so any NBD client works.\n\n\
+        With no arguments it creates a 64 MiB sparse demo image and serves it as export \
+        \"demo\" (also the default export) on [::1]:10809 and 127.0.0.1:10809.",
+    after_help = "Examples:\n  \
+        qpip-nbd-server --export disk=/var/lib/images/disk.img\n  \
+        qpip-nbd-server --listen 0.0.0.0:10809 --export scratch=/tmp/s.img --create 4G\n  \
+        qpip-nbd-server --config configs/server.toml\n  \
+        qemu-img info nbd://127.0.0.1/disk"
+)]
+struct Cli {
+    /// Address to listen on, ADDR:PORT (IPv6 in brackets); repeat for several.
+    /// Default: [::1]:10809 and 127.0.0.1:10809.
+    #[arg(short, long, value_name = "ADDR:PORT")]
+    listen: Vec<String>,
+    /// An export: NAME=PATH of an image file or block device; repeat for several.
+    #[arg(short, long, value_name = "NAME=PATH")]
+    export: Vec<String>,
+    /// A TOML configuration file (see configs/server.toml); flags add to it.
+    #[arg(short, long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Export every image read-only.
+    #[arg(short, long)]
+    read_only: bool,
+    /// Create missing images, sparse, with this size (e.g. 1G, 512M).
+    #[arg(long, value_name = "SIZE")]
+    create: Option<String>,
+    /// A description for an export, shown by `nbdinfo --list`: NAME=TEXT.
+    #[arg(short, long, value_name = "NAME=TEXT")]
+    description: Vec<String>,
+    /// The export a client gets when it asks for the empty name.
+    #[arg(long, value_name = "NAME")]
+    default_export: Option<String>,
+    /// Refuse connections beyond this many at once.
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
+    /// Do not answer NBD_OPT_LIST with the export names.
+    #[arg(long)]
+    no_list: bool,
+    /// Log level (error, warn, info, debug, trace); RUST_LOG overrides.
+    #[arg(long, default_value = "info")]
+    log: String,
+}
+
+fn split_pair<'a>(s: &'a str, what: &str) -> Result<(&'a str, &'a str)> {
+    s.split_once('=')
+        .with_context(|| format!("{what} {s:?} is not NAME=VALUE"))
+}
+
+fn demo_export() -> Result<ExportConfig> {
+    let dir = std::env::temp_dir().join(format!("qpip-demo-{}", unsafe { libc::getuid() }));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join("demo.img");
+    if !path.exists() {
+        let img = Image::create(&path, 64 << 20)
+            .with_context(|| format!("creating demo image {}", path.display()))?;
+        let banner = b"qpip demo image: served by qpip-nbd-server over Queue Pair IP\n";
+        img.write_at(banner, 0, true)?;
+    }
+    Ok(ExportConfig {
+        name: "demo".into(),
+        path,
+        description: "generated 64 MiB demo image".into(),
+        read_only: false,
+        create_size: None,
+    })
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log));
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    if let Err(e) = run(cli) {
+        eprintln!("qpip-nbd-server: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let mut cfg = match &cli.config {
+        Some(path) => Config::load(path)?,
+        None => Config::default(),
+    };
+    cfg.listen.extend(cli.listen.iter().cloned());
+    for e in &cli.export {
+        let (name, path) = split_pair(e, "--export")?;
+        cfg.exports.push(ExportConfig {
+            name: name.into(),
+            path: path.into(),
+            description: String::new(),
+            read_only: false,
+            create_size: None,
+        });
+    }
+    for d in &cli.description {
+        let (name, text) = split_pair(d, "--description")?;
+        let e = cfg
+            .exports
+            .iter_mut()
+            .find(|e| e.name == name)
+            .with_context(|| format!("--description: no export named {name:?}"))?;
+        e.description = text.into();
+    }
+    let demo = cfg.exports.is_empty();
+    if demo {
+        cfg.exports.push(demo_export()?);
+        cfg.default_export.get_or_insert_with(|| "demo".into());
+    }
+    if cfg.listen.is_empty() {
+        cfg.listen = vec!["[::1]:10809".into(), "127.0.0.1:10809".into()];
+    }
+    if let Some(d) = cli.default_export.clone() {
+        cfg.default_export = Some(d);
+    }
+    if let Some(d) = &cfg.default_export
+        && !cfg.exports.iter().any(|e| &e.name == d)
+    {
+        bail!("default export {d:?} is not one of the exports");
+    }
+
+    let nic = Nic::soft().context("starting the soft NIC")?;
+    let mut exports = Vec::new();
+    for e in &cfg.exports {
+        if exports.iter().any(|x: &Arc<Export>| x.name == e.name) {
+            bail!("export {:?} is given twice", e.name);
+        }
+        let create = cli.create.as_deref().or(e.create_size.as_deref());
+        let read_only = cli.read_only || e.read_only;
+        let image = match create {
+            Some(size) if !e.path.exists() => {
+                let size = parse_size(size)?;
+                Image::create(&e.path, size).with_context(|| {
+                    format!(
+                        "export {}: creating {} ({size} bytes)",
+                        e.name,
+                        e.path.display()
+                    )
+                })?;
+                Image::open(&e.path, read_only)
+            }
+            _ => Image::open(&e.path, read_only),
+        }
+        .with_context(|| format!("export {}: opening {}", e.name, e.path.display()))?;
+        tracing::info!(export = %e.name, "{} ({} bytes{})", e.path.display(), image.size(), if read_only { ", read-only" } else { "" });
+        exports.push(Export::new(
+            &nic,
+            e.name.clone(),
+            e.description.clone(),
+            image,
+        ));
+    }
+    let listen = cfg
+        .listen
+        .iter()
+        .map(|s| parse_listen(s))
+        .collect::<Result<Vec<_>>>()?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone()).context("installing signal handlers")?;
+    }
+    let server = Server::start(
+        nic,
+        exports,
+        ServerOptions {
+            listen,
+            max_connections: cfg.max_connections.unwrap_or(64),
+            default_export: cfg.default_export.clone(),
+            list_exports: cfg.list_exports.unwrap_or(true) && !cli.no_list,
+        },
+    )?;
+    for a in server.local_addrs() {
+        println!("qpip-nbd-server: listening on {a}");
+    }
+    if demo {
+        println!(
+            "qpip-nbd-server: serving the demo image as export \"demo\"; try: nbdinfo nbd://127.0.0.1/demo"
+        );
+    }
+    while !stop.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    tracing::info!("shutting down: finishing in-flight requests");
+    server.shutdown(Duration::from_secs(10));
+    Ok(())
+}

@@ -1,0 +1,209 @@
+//! The server: exports, listeners on every address, an accept loop per listener, a thread per
+//! connection, and an orderly shutdown.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use nbd_proto::framing::{FrameLimits, ServerPhase};
+use nbd_proto::handshake::messages::BlockSize;
+use nbd_proto::handshake::server::{Export as ProtoExport, ServerConfig};
+use parking_lot::Mutex;
+use qpip_core::{Listener, Nic, QpAttr};
+
+use crate::conn::{self, Connection};
+use crate::export::Export;
+use crate::framer::ServerFramer;
+
+/// What the accept loops and connections share.
+pub struct ServerShared {
+    pub nic: Nic,
+    pub exports: Vec<Arc<Export>>,
+    pub proto: ServerConfig,
+    pub limits: FrameLimits,
+    shutdown: AtomicBool,
+    active: AtomicUsize,
+    max_connections: usize,
+}
+
+impl ServerShared {
+    pub fn shutting_down(&self) -> bool {
+        self.shutdown.load(Ordering::Acquire)
+    }
+}
+
+pub struct ServerOptions {
+    pub listen: Vec<SocketAddr>,
+    pub max_connections: usize,
+    pub default_export: Option<String>,
+    pub list_exports: bool,
+}
+
+/// A running server.
+pub struct Server {
+    shared: Arc<ServerShared>,
+    accept_threads: Vec<JoinHandle<()>>,
+    connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    local: Vec<SocketAddr>,
+}
+
+/// Largest request the server accepts (and advertises): 32 MiB, qemu-nbd's default.
+pub const MAX_BLOCK: u32 = 32 << 20;
+
+impl Server {
+    pub fn start(nic: Nic, exports: Vec<Arc<Export>>, opts: ServerOptions) -> Result<Server> {
+        let proto_exports = exports
+            .iter()
+            .map(|e| ProtoExport {
+                name: e.name.clone(),
+                description: e.description.clone(),
+                size: e.image.size(),
+                flags: e.flags(),
+                block_size: Some(BlockSize {
+                    min: 1,
+                    preferred: 4096,
+                    max: MAX_BLOCK,
+                }),
+                require_block_size: false,
+            })
+            .collect();
+        let mut proto = ServerConfig::new(proto_exports);
+        proto.default_export = opts.default_export.clone();
+        proto.allow_list = opts.list_exports;
+        let limits = FrameLimits {
+            max_option_len: proto.max_option_len,
+            max_write_len: MAX_BLOCK,
+            ..FrameLimits::default()
+        };
+        let shared = Arc::new(ServerShared {
+            nic: nic.clone(),
+            exports,
+            proto,
+            limits,
+            shutdown: AtomicBool::new(false),
+            active: AtomicUsize::new(0),
+            max_connections: opts.max_connections,
+        });
+        let connections = Arc::new(Mutex::new(Vec::new()));
+        let mut accept_threads = Vec::new();
+        let mut local = Vec::new();
+        for addr in &opts.listen {
+            let listener = nic
+                .listen(*addr)
+                .with_context(|| format!("listening on {addr}"))?;
+            local.push(listener.local_addr());
+            tracing::info!("listening on {}", listener.local_addr());
+            let shared = shared.clone();
+            let connections = connections.clone();
+            accept_threads.push(
+                std::thread::Builder::new()
+                    .name(format!("nbd-accept-{addr}"))
+                    .spawn(move || accept_loop(shared, listener, connections))?,
+            );
+        }
+        Ok(Server {
+            shared,
+            accept_threads,
+            connections,
+            local,
+        })
+    }
+
+    /// The addresses actually bound (port 0 resolved).
+    pub fn local_addrs(&self) -> &[SocketAddr] {
+        &self.local
+    }
+
+    pub fn active_connections(&self) -> usize {
+        self.shared.active.load(Ordering::Acquire)
+    }
+
+    /// Orderly shutdown: stop accepting, let connections finish what is in flight (new
+    /// requests get ESHUTDOWN), flush every export.
+    pub fn shutdown(self, timeout: Duration) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        for t in self.accept_threads {
+            let _ = t.join();
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let pending: Vec<JoinHandle<()>> = self.connections.lock().drain(..).collect();
+            if pending.is_empty() {
+                break;
+            }
+            for t in pending {
+                while !t.is_finished() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                if t.is_finished() {
+                    let _ = t.join();
+                }
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!("connections still open at the shutdown deadline");
+                break;
+            }
+        }
+        for e in &self.shared.exports {
+            if let Err(err) = e.image.flush() {
+                tracing::error!(export = %e.name, "final flush of {} failed: {err}", e.image.path().display());
+            }
+        }
+    }
+}
+
+fn accept_loop(
+    shared: Arc<ServerShared>,
+    listener: Listener,
+    connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
+) {
+    while !shared.shutting_down() {
+        let cq = shared.nic.create_cq(conn::CQ_DEPTH);
+        cq.set_spin(Duration::ZERO);
+        let phase = Arc::new(AtomicU8::new(ServerPhase::ClientFlags.to_u8()));
+        let framer = ServerFramer::new(phase.clone(), shared.limits, conn::CHUNK);
+        let qp = shared.nic.create_qp(
+            QpAttr::new(&cq)
+                .framer(framer)
+                .depths(conn::CQ_DEPTH, conn::RECV_SLOTS),
+        );
+        let peer = match listener.accept_timeout(&qp, Duration::from_millis(200)) {
+            Ok(peer) => peer,
+            Err(qpip_core::Error::Timeout { .. }) => continue,
+            Err(e) => {
+                tracing::warn!("accept on {}: {e}", listener.local_addr());
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        if shared.active.load(Ordering::Acquire) >= shared.max_connections {
+            tracing::warn!(%peer, "refusing connection: {} connections already open", shared.max_connections);
+            qp.disconnect();
+            continue;
+        }
+        shared.active.fetch_add(1, Ordering::AcqRel);
+        let s = shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("nbd-{peer}"))
+            .spawn(move || {
+                if let Err(e) = Connection::new(s.clone(), qp, cq, phase, peer).run() {
+                    tracing::warn!(%peer, "connection ended: {e:#}");
+                }
+                s.active.fetch_sub(1, Ordering::AcqRel);
+            });
+        match spawned {
+            Ok(t) => {
+                let mut list = connections.lock();
+                list.retain(|t| !t.is_finished());
+                list.push(t);
+            }
+            Err(e) => {
+                tracing::error!(%peer, "cannot start a connection thread: {e}");
+                shared.active.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
+}
