@@ -80,6 +80,8 @@ pub trait NicBackend: Send + Sync + 'static {
     /// Tells the doorbell state machine that `qp` has new WRs. Called on every post; it must
     /// be cheap (no system call unless the NIC sleeps).
     fn ring_doorbell(&self, qp: &Arc<QpShared>);
+    /// How the NIC moves data ("io_uring", "epoll", "firmware", ...), for reports.
+    fn io_path(&self) -> &'static str;
     /// Kernel thread ids of the threads that play the NIC processor (for CPU accounting).
     fn engine_threads(&self) -> Vec<i32>;
     /// Stops the NIC; called when the last handle is gone.

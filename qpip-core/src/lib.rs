@@ -41,5 +41,5 @@ pub use mr::{Access, MemoryRegion, MemoryTable, ProtectionFault, Segment, Sge};
 pub use nic::{Backend, Listener, Nic};
 pub use qp::{QpAttr, QpKind, QpShared, QpState, QueuePair};
 pub use reply::{ReplyReceiver, ReplySender, reply_channel};
-pub use soft::SoftConfig;
+pub use soft::{IoMode, SoftConfig};
 pub use wr::{Completion, Opcode, QpNum, RecvWr, SendWr, SgList, WcStatus};

@@ -97,6 +97,11 @@ impl Nic {
         self.inner.backend.name()
     }
 
+    /// How the NIC moves data ("io_uring" or "epoll" for the soft NIC).
+    pub fn io_path(&self) -> &'static str {
+        self.inner.backend.io_path()
+    }
+
     /// Kernel thread ids of the NIC engine's threads, for CPU accounting.
     pub fn engine_threads(&self) -> Vec<i32> {
         self.inner.backend.engine_threads()

@@ -492,3 +492,20 @@ fn async_verbs_under_tokio() {
         }
     });
 }
+
+/// The engine reports which kernel path it drives; io_uring is the default where the kernel
+/// allows it, and `QPIP_SOFT_IO=epoll` forces the fallback (CI runs the suite both ways).
+#[test]
+fn io_path_is_reported() {
+    let nic = Nic::soft().unwrap();
+    // The engine thread decides when it starts: give it a moment.
+    let cq = nic.create_cq(4);
+    let _ = nic.create_qp(QpAttr::new(&cq));
+    std::thread::sleep(Duration::from_millis(50));
+    let want = match std::env::var("QPIP_SOFT_IO").as_deref() {
+        Ok("epoll") => "epoll",
+        _ if std::env::var("CI").is_ok() => "io_uring", // CI machines allow io_uring
+        _ => nic.io_path(),
+    };
+    assert_eq!(nic.io_path(), want);
+}

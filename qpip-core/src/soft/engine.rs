@@ -13,7 +13,8 @@ use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
 
 use super::link::EngineQp;
-use super::{Shared, SoftConfig, WAKER_TOKEN};
+use super::uring::{Event, Ring};
+use super::{IoMode, Shared, SoftConfig, WAKER_TOKEN};
 use crate::backend::{Command, ListenerId, MgmtResult};
 use crate::mr::MemoryTable;
 use crate::reply::ReplySender;
@@ -37,8 +38,12 @@ pub(super) struct Engine {
     shared: Arc<Shared>,
     memory: Arc<MemoryTable>,
     cfg: SoftConfig,
-    qps: HashMap<QpNum, EngineQp>,
+    /// Boxed: an io_uring operation may point into a QP's buffers, which must not move.
+    qps: HashMap<QpNum, Box<EngineQp>>,
+    /// Destroyed QPs whose io_uring operations have not completed yet.
+    zombies: HashMap<QpNum, Box<EngineQp>>,
     listeners: HashMap<ListenerId, EngineListener>,
+    ring: Option<Ring>,
 }
 
 impl Engine {
@@ -54,7 +59,25 @@ impl Engine {
             memory,
             cfg,
             qps: HashMap::new(),
+            zombies: HashMap::new(),
             listeners: HashMap::new(),
+            ring: None,
+        }
+    }
+
+    /// io_uring if the configuration allows it and the kernel lets us (containers often
+    /// forbid it); epoll otherwise.
+    fn open_ring(&self) -> Option<Ring> {
+        if self.cfg.io == IoMode::Epoll {
+            return None;
+        }
+        use std::os::fd::AsRawFd;
+        match Ring::new(self.poll.as_raw_fd()) {
+            Ok(ring) => Some(ring),
+            Err(e) => {
+                tracing::info!("io_uring unavailable ({e}); the soft NIC uses epoll");
+                None
+            }
         }
     }
 
@@ -63,7 +86,12 @@ impl Engine {
         self.shared
             .engine_tid
             .store(unsafe { libc::gettid() }, Ordering::Release);
+        self.ring = self.open_ring();
+        self.shared
+            .uring
+            .store(self.ring.is_some(), Ordering::Release);
         let mut events = Events::with_capacity(1024);
+        let mut completions = Vec::new();
         let mut last_work = Instant::now();
         loop {
             let mut worked = self.run_commands();
@@ -71,12 +99,11 @@ impl Engine {
             if self.shared.stop.load(Ordering::Acquire) {
                 break;
             }
-            let timeout = if worked {
+            if worked {
                 last_work = Instant::now();
-                Some(Duration::ZERO)
-            } else if last_work.elapsed() < self.cfg.spin {
-                Some(Duration::ZERO)
-            } else {
+            }
+            let spinning = last_work.elapsed() < self.cfg.spin;
+            if !spinning {
                 self.shared.sleeping.store(true, Ordering::Relaxed);
                 // Pairs with the fence in ring_doorbell: either the host sees `sleeping` and
                 // wakes us, or we see its doorbell here.
@@ -85,23 +112,16 @@ impl Engine {
                     self.shared.sleeping.store(false, Ordering::Relaxed);
                     continue;
                 }
-                None
+            }
+            let any = if self.ring.is_some() {
+                self.turn_uring(!spinning, &mut events, &mut completions)
+            } else {
+                self.turn_epoll(!spinning, &mut events)
             };
-            if let Err(e) = self.poll.poll(&mut events, timeout)
-                && e.kind() != io::ErrorKind::Interrupted
-            {
-                tracing::error!("soft NIC engine: epoll failed: {e}");
-                std::thread::sleep(Duration::from_millis(1));
-            }
             self.shared.sleeping.store(false, Ordering::Relaxed);
-            let mut any = false;
-            for event in events.iter() {
-                any = true;
-                self.dispatch(event);
-            }
             if any {
                 last_work = Instant::now();
-            } else if timeout == Some(Duration::ZERO) && !worked {
+            } else if spinning && !worked {
                 // Spinning: let the application threads have the core (two-core machines).
                 std::thread::yield_now();
             }
@@ -110,6 +130,70 @@ impl Engine {
         for qp in self.qps.values_mut() {
             qp.disconnect(registry);
         }
+    }
+
+    /// One turn of the epoll engine: wait (or just look) for socket readiness.
+    fn turn_epoll(&mut self, sleep: bool, events: &mut Events) -> bool {
+        let timeout = if sleep { None } else { Some(Duration::ZERO) };
+        if let Err(e) = self.poll.poll(events, timeout)
+            && e.kind() != io::ErrorKind::Interrupted
+        {
+            tracing::error!("soft NIC engine: epoll failed: {e}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut any = false;
+        for event in events.iter() {
+            any = true;
+            self.dispatch(event);
+        }
+        any
+    }
+
+    /// One turn of the io_uring engine: submit every QP's queued I/O and wait (or just look)
+    /// for completions; epoll readiness arrives as a completion too.
+    fn turn_uring(
+        &mut self,
+        sleep: bool,
+        events: &mut Events,
+        completions: &mut Vec<Event>,
+    ) -> bool {
+        let Some(ring) = self.ring.as_mut() else {
+            return false;
+        };
+        for q in self.qps.values_mut() {
+            if let Some(io) = q.uring.as_mut() {
+                for e in io.outbox.drain(..) {
+                    if let Err(err) = ring.push(&e) {
+                        tracing::error!("io_uring submit failed: {err}");
+                    }
+                }
+            }
+        }
+        if let Err(e) = ring.submit(sleep) {
+            tracing::error!("soft NIC engine: io_uring_enter failed: {e}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        ring.completions(completions);
+        let any = !completions.is_empty();
+        for ev in completions.drain(..) {
+            let registry = self.poll.registry();
+            match ev {
+                Event::Epoll => {
+                    self.turn_epoll(false, events);
+                }
+                Event::Io { qp, op, result } => {
+                    if let Some(q) = self.qps.get_mut(&qp) {
+                        q.on_uring(registry, &self.memory, op, result);
+                    } else if let Some(z) = self.zombies.get_mut(&qp) {
+                        z.on_uring(registry, &self.memory, op, result);
+                        if !z.io_in_flight() {
+                            self.zombies.remove(&qp);
+                        }
+                    }
+                }
+            }
+        }
+        any
     }
 
     fn dispatch(&mut self, event: &mio::event::Event) {
@@ -159,7 +243,7 @@ impl Engine {
         match cmd {
             Command::CreateQp { qp, framer } => {
                 let num = qp.num;
-                let mut eq = EngineQp::new(qp, framer);
+                let mut eq = Box::new(EngineQp::new(qp, framer, self.ring.is_some()));
                 eq.service(registry, &self.memory);
                 self.qps.insert(num, eq);
             }
@@ -238,6 +322,9 @@ impl Engine {
             Command::Destroy { qp } => {
                 if let Some(mut q) = self.qps.remove(&qp) {
                     q.disconnect(registry);
+                    if q.io_in_flight() {
+                        self.zombies.insert(qp, q);
+                    }
                 }
             }
         }

@@ -5,6 +5,7 @@
 use std::io::{self, IoSlice, Read, Write};
 use std::mem::MaybeUninit;
 use std::net::{Shutdown, SocketAddr};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use mio::net::{TcpStream, UdpSocket};
@@ -13,6 +14,7 @@ use smallvec::SmallVec;
 
 use super::rx::{RxMachine, RxStop};
 use super::tx::{TxMachine, TxStop};
+use super::uring::UringIo;
 use crate::backend::MgmtResult;
 use crate::framer::Framer;
 use crate::mr::{MemoryTable, Segment};
@@ -41,6 +43,15 @@ struct PendingDatagram {
     segs: SmallVec<[Segment; 4]>,
 }
 
+/// A teardown waiting for io_uring operations to finish: the kernel may still be writing into
+/// WR memory, so those WRs cannot be handed back (flushed) yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Deferred {
+    Fail,
+    Disconnect,
+    FinishClose,
+}
+
 /// What `service` must do once the machines have run.
 enum After {
     Nothing,
@@ -58,6 +69,9 @@ pub(super) struct EngineQp {
     readable: bool,
     writable: bool,
     closing: bool,
+    /// Some when the TCP data path goes through io_uring.
+    pub(super) uring: Option<UringIo>,
+    deferred: Option<Deferred>,
 }
 
 fn token(qp: &QpShared) -> Token {
@@ -65,7 +79,8 @@ fn token(qp: &QpShared) -> Token {
 }
 
 impl EngineQp {
-    pub(super) fn new(shared: Arc<QpShared>, framer: Box<dyn Framer>) -> Self {
+    pub(super) fn new(shared: Arc<QpShared>, framer: Box<dyn Framer>, uring: bool) -> Self {
+        let uring = (uring && shared.kind == QpKind::Reliable).then(|| UringIo::new(shared.num));
         EngineQp {
             shared,
             framer,
@@ -76,7 +91,65 @@ impl EngineQp {
             readable: false,
             writable: false,
             closing: false,
+            uring,
+            deferred: None,
         }
+    }
+
+    /// io_uring operations of this QP are still in the kernel.
+    pub(super) fn io_in_flight(&self) -> bool {
+        self.uring.as_ref().is_some_and(UringIo::in_flight)
+    }
+
+    /// An io_uring completion for this QP.
+    pub(super) fn on_uring(
+        &mut self,
+        registry: &Registry,
+        memory: &MemoryTable,
+        op: u64,
+        result: i32,
+    ) {
+        let Some(io) = self.uring.as_mut() else {
+            return;
+        };
+        io.complete(op, result);
+        if let Some(d) = self.deferred {
+            if !self.io_in_flight() {
+                // The result is of no use any more; the teardown can now hand WRs back.
+                self.uring = Some(UringIo::new(self.shared.num));
+                self.deferred = None;
+                match d {
+                    Deferred::Fail => self.fail(registry),
+                    Deferred::Disconnect => self.disconnect(registry),
+                    Deferred::FinishClose => self.finish_close(registry),
+                }
+            }
+            return;
+        }
+        match op {
+            super::uring::OP_READ => self.readable = true,
+            _ => self.writable = true,
+        }
+        self.service(registry, memory);
+    }
+
+    /// Postpones a teardown until in-flight io_uring operations end; shutting the socket down
+    /// makes them end at once. True if postponed.
+    fn defer(&mut self, what: Deferred) -> bool {
+        if !self.io_in_flight() {
+            return false;
+        }
+        if let Link::Tcp(stream) | Link::Draining(stream) = &self.link {
+            let how = match what {
+                Deferred::FinishClose => Shutdown::Read,
+                _ => Shutdown::Both,
+            };
+            let _ = stream.shutdown(how);
+        }
+        if self.deferred != Some(Deferred::Fail) {
+            self.deferred = Some(what);
+        }
+        true
     }
 
     pub(super) fn is_idle(&self) -> bool {
@@ -117,11 +190,13 @@ impl EngineQp {
         mut stream: TcpStream,
         peer: SocketAddr,
     ) -> io::Result<()> {
-        registry.register(
-            &mut stream,
-            token(&self.shared),
-            Interest::READABLE | Interest::WRITABLE,
-        )?;
+        if self.uring.is_none() {
+            registry.register(
+                &mut stream,
+                token(&self.shared),
+                Interest::READABLE | Interest::WRITABLE,
+            )?;
+        }
         self.established(stream, Some(peer));
         Ok(())
     }
@@ -193,6 +268,10 @@ impl EngineQp {
             };
             match outcome {
                 Ok(peer) => {
+                    if self.uring.is_some() {
+                        // From here on the ring carries this socket's data.
+                        let _ = registry.deregister(&mut stream);
+                    }
                     let local = stream.local_addr();
                     self.established(stream, Some(peer));
                     reply.send(local);
@@ -212,6 +291,9 @@ impl EngineQp {
 
     /// Runs the transmit and receive machines as far as they can go.
     pub(super) fn service(&mut self, registry: &Registry, memory: &MemoryTable) {
+        if self.deferred.is_some() {
+            return; // going down: nothing new starts
+        }
         let EngineQp {
             shared,
             framer,
@@ -221,22 +303,34 @@ impl EngineQp {
             readable,
             writable,
             next_datagram,
+            uring,
             ..
         } = self;
         let after = match link {
             Link::Tcp(stream) => {
+                let fd = stream.as_raw_fd();
                 let mut failed = !tx.take_posted(shared, memory, Some(framer.as_mut()), true);
                 if !failed && *writable {
-                    match tx.pump_stream(shared, &mut |iov| (&*stream).write_vectored(iov)) {
+                    let stop = match uring {
+                        Some(io) => tx.pump_stream(shared, &mut |iov| io.write(fd, iov)),
+                        None => tx.pump_stream(shared, &mut |iov| (&*stream).write_vectored(iov)),
+                    };
+                    match stop {
                         TxStop::WouldBlock => *writable = false,
                         TxStop::Failed => failed = true,
                         TxStop::Idle => {}
                     }
                 }
                 if !failed && *readable {
-                    match rx.pump(shared, memory, framer.as_mut(), &mut |iov| {
-                        (&*stream).read_vectored(iov)
-                    }) {
+                    let stop = match uring {
+                        Some(io) => {
+                            rx.pump(shared, memory, framer.as_mut(), &mut |iov| io.read(fd, iov))
+                        }
+                        None => rx.pump(shared, memory, framer.as_mut(), &mut |iov| {
+                            (&*stream).read_vectored(iov)
+                        }),
+                    };
+                    match stop {
                         RxStop::WouldBlock => *readable = false,
                         RxStop::Failed => failed = true,
                         RxStop::NoWr => {}
@@ -291,7 +385,7 @@ impl EngineQp {
             After::Nothing => {}
         }
         if self.closing && self.tx.is_idle() && self.shared.sq.is_empty() {
-            self.finish_close();
+            self.finish_close(registry);
         }
         self.shared.notify_cqs();
     }
@@ -366,6 +460,9 @@ impl EngineQp {
     /// Fatal error: every outstanding WR is flushed and the socket dropped.
     pub(super) fn fail(&mut self, registry: &Registry) {
         self.shared.set_state(QpState::Error);
+        if self.defer(Deferred::Fail) {
+            return;
+        }
         self.flush_all();
         self.drop_link(registry);
     }
@@ -413,10 +510,17 @@ impl EngineQp {
         }
     }
 
-    fn finish_close(&mut self) {
+    fn finish_close(&mut self, registry: &Registry) {
+        if self.defer(Deferred::FinishClose) {
+            return;
+        }
         self.closing = false;
-        if let Link::Tcp(stream) = std::mem::replace(&mut self.link, Link::Down) {
+        if let Link::Tcp(mut stream) = std::mem::replace(&mut self.link, Link::Down) {
             let _ = stream.shutdown(Shutdown::Write);
+            if self.uring.is_some() {
+                // Draining reads synchronously on epoll readiness.
+                let _ = registry.register(&mut stream, token(&self.shared), Interest::READABLE);
+            }
             self.link = Link::Draining(stream);
         }
         self.shared.set_state(QpState::Closed);
@@ -431,6 +535,9 @@ impl EngineQp {
             return;
         }
         self.shared.set_state(QpState::Closed);
+        if self.defer(Deferred::Disconnect) {
+            return;
+        }
         self.closing = false;
         self.flush_all();
         self.drop_link(registry);

@@ -9,6 +9,7 @@ mod engine;
 mod link;
 mod rx;
 mod tx;
+mod uring;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering, fence};
@@ -24,17 +25,38 @@ use crate::mr::MemoryTable;
 use crate::qp::QpShared;
 use crate::wr::QpNum;
 
+/// How the engine moves bytes through the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoMode {
+    /// io_uring where the kernel allows it, epoll otherwise.
+    Auto,
+    /// epoll readiness and plain `readv`/`writev`.
+    Epoll,
+}
+
 /// Settings of the soft NIC engine.
 #[derive(Clone, Debug)]
 pub struct SoftConfig {
     /// How long the engine keeps polling after its last piece of work before it sleeps.
     pub spin: Duration,
+    pub io: IoMode,
 }
 
 impl Default for SoftConfig {
+    /// 50 µs of spinning and io_uring where available; `QPIP_SOFT_SPIN_US` and
+    /// `QPIP_SOFT_IO=epoll` in the environment override them.
     fn default() -> Self {
+        let us = std::env::var("QPIP_SOFT_SPIN_US")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(50);
+        let io = match std::env::var("QPIP_SOFT_IO").as_deref() {
+            Ok("epoll") => IoMode::Epoll,
+            _ => IoMode::Auto,
+        };
         SoftConfig {
-            spin: Duration::from_micros(50),
+            spin: Duration::from_micros(us),
+            io,
         }
     }
 }
@@ -48,6 +70,8 @@ struct Shared {
     stop: AtomicBool,
     waker: mio::Waker,
     engine_tid: AtomicI32,
+    /// Whether the engine got an io_uring (set once it has started).
+    uring: AtomicBool,
 }
 
 impl Shared {
@@ -88,6 +112,7 @@ impl SoftBackend {
             stop: AtomicBool::new(false),
             waker,
             engine_tid: AtomicI32::new(0),
+            uring: AtomicBool::new(false),
         });
         let engine = engine::Engine::new(poll, shared.clone(), memory, cfg);
         let thread = std::thread::Builder::new()
@@ -120,6 +145,14 @@ impl NicBackend for SoftBackend {
         fence(Ordering::SeqCst);
         if self.shared.sleeping.load(Ordering::Relaxed) {
             self.shared.wake();
+        }
+    }
+
+    fn io_path(&self) -> &'static str {
+        if self.shared.uring.load(Ordering::Acquire) {
+            "io_uring"
+        } else {
+            "epoll"
         }
     }
 
