@@ -213,7 +213,6 @@ struct Transmission<'a> {
     reply_mr: MemoryRegion,
     free_replies: Vec<usize>,
     pending_write: Option<PendingWrite>,
-    scratch: Vec<u8>,
     shutdown_since: Option<Instant>,
 }
 
@@ -250,7 +249,6 @@ impl<'a> Transmission<'a> {
             reply_mr,
             free_replies: (0..REPLY_SLOTS).rev().collect(),
             pending_write: None,
-            scratch: Vec::new(),
             shutdown_since: None,
         })
     }
@@ -321,10 +319,9 @@ impl<'a> Transmission<'a> {
     fn on_message(&mut self, slot: usize, len: usize) -> Result<bool> {
         let base = slot * self.stride;
         if let Some(mut pw) = self.pending_write.take() {
-            self.read_slot(base, len);
             if pw.error.is_none() {
                 let off = pw.req.offset + pw.received;
-                if let Err(e) = self.export.image.write_at(&self.scratch, off, false) {
+                if let Err(e) = self.export.image.write_at(self.slot(base, len), off, false) {
                     pw.error = Some(io_error_value(&e));
                 }
             }
@@ -359,8 +356,8 @@ impl<'a> Transmission<'a> {
                 error: valid.err(),
             };
             if pw.error.is_none() && body_len > 0 {
-                self.read_slot(base + c::REQUEST_LEN, body_len);
-                if let Err(e) = self.export.image.write_at(&self.scratch, req.offset, false) {
+                let payload = self.slot(base + c::REQUEST_LEN, body_len);
+                if let Err(e) = self.export.image.write_at(payload, req.offset, false) {
                     pw.error = Some(io_error_value(&e));
                 }
             }
@@ -407,10 +404,13 @@ impl<'a> Transmission<'a> {
         Ok(())
     }
 
-    /// Copies a received payload piece out of its slot (into the write buffer for pwrite).
-    fn read_slot(&mut self, offset: usize, len: usize) {
-        self.scratch.resize(len, 0);
-        self.recv_mr.read_at(offset, &mut self.scratch);
+    /// Received bytes in a receive slot, where the NIC placed them: `pwrite` takes them from
+    /// here, with no copy in between.
+    fn slot(&self, offset: usize, len: usize) -> &[u8] {
+        // SAFETY: the slot's receive WR has completed and is reposted only after this borrow
+        // ends (the caller is the completion handler), so the NIC does not write these bytes.
+        let all = unsafe { self.recv_mr.as_slice() };
+        &all[offset..offset + len]
     }
 
     /// Runs a non-write command. `Ok(Some(()))` when it sent its own reply.
