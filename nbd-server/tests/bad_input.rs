@@ -418,3 +418,40 @@ fn a_thousand_garbage_connections() {
         "server RSS {after} KiB (was {before} KiB) after 1000 garbage connections"
     );
 }
+
+#[test]
+fn connections_beyond_max_connections_are_refused_then_served_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", SIZE);
+    let mut srv = ServerProcess::start_v4(&[
+        "--export".into(),
+        format!("disk={}", img.display()),
+        "--max-connections".into(),
+        "2".into(),
+    ]);
+    let mut a = transmission(srv.addr);
+    let mut b = transmission(srv.addr);
+    // The third is closed without a greeting.
+    let mut third = connect(srv.addr);
+    assert_closed(&mut third, "a connection beyond --max-connections 2");
+    // The two open ones still work; when one leaves, a new client gets in.
+    for s in [&mut a, &mut b] {
+        let (e, _) = roundtrip(s, Cmd::Read, 1, 0, 512, &[]);
+        assert_eq!(e, None);
+    }
+    request(&mut a, Cmd::Disc, 2, 0, 0);
+    assert_closed(&mut a, "after NBD_CMD_DISC");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        // The slot is released when the connection thread ends: retry briefly.
+        let mut s = connect(srv.addr);
+        let mut g = [0u8; c::GREETING_LEN];
+        match s.read_exact(&mut g) {
+            Ok(()) => break,
+            Err(e) => assert!(Instant::now() < deadline, "no slot freed after DISC: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    srv.assert_alive("after refusing connections");
+    drop(b);
+}
