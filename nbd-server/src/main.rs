@@ -194,7 +194,7 @@ fn run(cli: Cli) -> Result<()> {
         exports,
         ServerOptions {
             listen,
-            max_connections: cfg.max_connections.unwrap_or(64),
+            max_connections: cli.max_connections.or(cfg.max_connections).unwrap_or(64),
             default_export: cfg.default_export.clone(),
             list_exports: cfg.list_exports.unwrap_or(true) && !cli.no_list,
         },

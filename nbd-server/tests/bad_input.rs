@@ -1,0 +1,457 @@
+//! Bad input from the network: raw TCP clients with hand-made bytes (nbd-proto encodes the
+//! well-formed parts). The server must give the spec's error reply or disconnect cleanly, and
+//! keep serving everyone else.
+
+mod common;
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+use nbd_proto::consts as c;
+use nbd_proto::handshake::messages::{InfoRequest, OptionHeader, OptionReplyHeader, encode_option};
+use nbd_proto::reply::SimpleReply;
+use nbd_proto::transmission::{Command as Cmd, ErrorValue, Request};
+
+const MIB: u64 = 1 << 20;
+const SIZE: u64 = 16 * MIB;
+const IO_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn server(dir: &std::path::Path) -> ServerProcess {
+    let img = image(dir, "disk.img", SIZE);
+    ServerProcess::start_v4(&["--export".into(), format!("disk={}", img.display())])
+}
+
+fn connect(addr: SocketAddr) -> TcpStream {
+    let s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    s.set_write_timeout(Some(IO_TIMEOUT)).unwrap();
+    s.set_nodelay(true).unwrap();
+    s
+}
+
+/// Reads the 18-byte greeting and checks it is fixed newstyle.
+fn read_greeting(s: &mut TcpStream) {
+    let mut g = [0u8; c::GREETING_LEN];
+    s.read_exact(&mut g).unwrap();
+    assert_eq!(u64::from_be_bytes(g[0..8].try_into().unwrap()), c::NBDMAGIC);
+    assert_eq!(
+        u64::from_be_bytes(g[8..16].try_into().unwrap()),
+        c::IHAVEOPT
+    );
+    let flags = u16::from_be_bytes([g[16], g[17]]);
+    assert_ne!(flags & c::FLAG_FIXED_NEWSTYLE, 0);
+}
+
+/// Greeting, then the client flags (fixed newstyle, no zeroes).
+fn start(addr: SocketAddr) -> TcpStream {
+    let mut s = connect(addr);
+    read_greeting(&mut s);
+    s.write_all(&(c::FLAG_C_FIXED_NEWSTYLE | c::FLAG_C_NO_ZEROES).to_be_bytes())
+        .unwrap();
+    s
+}
+
+fn send_opt(s: &mut TcpStream, option: u32, data: &[u8]) {
+    let mut out = Vec::new();
+    encode_option(option, data, &mut out);
+    s.write_all(&out).unwrap();
+}
+
+fn read_opt_reply(s: &mut TcpStream) -> (OptionReplyHeader, Vec<u8>) {
+    let mut h = [0u8; c::OPTION_REPLY_HEADER_LEN];
+    s.read_exact(&mut h).unwrap();
+    let h = OptionReplyHeader::parse(&h).unwrap();
+    let mut data = vec![0u8; h.length as usize];
+    s.read_exact(&mut data).unwrap();
+    (h, data)
+}
+
+/// NBD_OPT_GO for `name`; returns the export size. Simple replies (no structured replies
+/// were asked for).
+fn go(s: &mut TcpStream, name: &str) -> u64 {
+    let data = InfoRequest {
+        name,
+        items: vec![],
+    }
+    .encode()
+    .unwrap();
+    send_opt(s, c::OPT_GO, &data);
+    let mut size = None;
+    loop {
+        let (h, d) = read_opt_reply(s);
+        assert_eq!(h.option, c::OPT_GO);
+        match h.reply_type {
+            c::REP_INFO => {
+                if u16::from_be_bytes([d[0], d[1]]) == c::INFO_EXPORT {
+                    size = Some(u64::from_be_bytes(d[2..10].try_into().unwrap()));
+                }
+            }
+            c::REP_ACK => return size.expect("NBD_INFO_EXPORT before the ACK"),
+            t => panic!(
+                "unexpected GO reply type {t:#x}: {:?}",
+                String::from_utf8_lossy(&d)
+            ),
+        }
+    }
+}
+
+/// A connection in the transmission phase on export "disk".
+fn transmission(addr: SocketAddr) -> TcpStream {
+    let mut s = start(addr);
+    assert_eq!(go(&mut s, "disk"), SIZE);
+    s
+}
+
+fn request(s: &mut TcpStream, command: Cmd, cookie: u64, offset: u64, length: u32) {
+    let r = Request {
+        flags: Default::default(),
+        command,
+        cookie,
+        offset,
+        length,
+    };
+    s.write_all(&r.encode()).unwrap();
+}
+
+fn simple_reply(s: &mut TcpStream) -> SimpleReply {
+    let mut b = [0u8; c::SIMPLE_REPLY_LEN];
+    s.read_exact(&mut b).unwrap();
+    SimpleReply::parse(&b).unwrap()
+}
+
+/// Sends a request and returns the reply's error value (None = success); a read's data is
+/// returned too.
+fn roundtrip(
+    s: &mut TcpStream,
+    command: Cmd,
+    cookie: u64,
+    offset: u64,
+    length: u32,
+    payload: &[u8],
+) -> (Option<ErrorValue>, Vec<u8>) {
+    request(s, command, cookie, offset, length);
+    s.write_all(payload).unwrap();
+    let r = simple_reply(s);
+    assert_eq!(r.cookie, cookie);
+    let err = r.error_value();
+    let mut data = Vec::new();
+    if command == Cmd::Read && err.is_none() {
+        data.resize(length as usize, 0);
+        s.read_exact(&mut data).unwrap();
+    }
+    (err, data)
+}
+
+/// Asserts the server closes the connection (EOF or reset) within the I/O timeout, reading
+/// and discarding anything it still sends. A timeout means the server hung on us.
+fn assert_closed(s: &mut TcpStream, what: &str) {
+    let deadline = Instant::now() + IO_TIMEOUT;
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                panic!("{what}: the server neither replied nor closed within {IO_TIMEOUT:?}")
+            }
+            Err(_) => return, // reset
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: the server keeps sending"
+        );
+    }
+}
+
+/// A full, good session still works: GO, write, read back.
+fn assert_serves(srv: &mut ServerProcess, when: &str) {
+    srv.assert_alive(when);
+    let mut s = transmission(srv.addr);
+    let data = pattern(8192, 5);
+    let (e, _) = roundtrip(&mut s, Cmd::Write, 1, 4096, 8192, &data);
+    assert_eq!(e, None, "write {when}");
+    let (e, back) = roundtrip(&mut s, Cmd::Read, 2, 4096, 8192, &[]);
+    assert_eq!(e, None, "read {when}");
+    assert!(back == data, "read back differs {when}");
+    request(&mut s, Cmd::Disc, 3, 0, 0);
+}
+
+#[test]
+fn unknown_client_flags_disconnect_then_serves_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut srv = server(dir.path());
+    let mut s = connect(srv.addr);
+    read_greeting(&mut s);
+    s.write_all(&0xdead_beefu32.to_be_bytes()).unwrap();
+    assert_closed(&mut s, "unknown client flags");
+    assert_serves(&mut srv, "after unknown client flags");
+}
+
+#[test]
+fn bad_option_magic_disconnects_then_serves_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut srv = server(dir.path());
+    let mut s = start(srv.addr);
+    let mut h = OptionHeader {
+        option: c::OPT_GO,
+        length: 0,
+    }
+    .encode();
+    h[0] ^= 0xff;
+    s.write_all(&h).unwrap();
+    assert_closed(&mut s, "bad option magic");
+    assert_serves(&mut srv, "after a bad option magic");
+}
+
+#[test]
+fn truncated_option_then_close() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut srv = server(dir.path());
+    let mut s = start(srv.addr);
+    s.write_all(
+        &OptionHeader {
+            option: c::OPT_GO,
+            length: 100,
+        }
+        .encode(),
+    )
+    .unwrap();
+    s.write_all(&[0u8; 10]).unwrap();
+    drop(s);
+    assert_serves(&mut srv, "after a truncated option");
+}
+
+#[test]
+fn oversized_option_length_disconnects_without_allocating_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut srv = server(dir.path());
+    let before = srv.rss_kib();
+    let mut s = start(srv.addr);
+    s.write_all(
+        &OptionHeader {
+            option: c::OPT_GO,
+            length: 1 << 30,
+        }
+        .encode(),
+    )
+    .unwrap();
+    // Start sending the "data": the server must drop us, not buffer a gigabyte.
+    let chunk = vec![0u8; 1 << 20];
+    let mut sent = 0usize;
+    while sent < 64 << 20 {
+        match s.write(&chunk) {
+            Ok(n) => sent += n,
+            Err(_) => break,
+        }
+    }
+    assert_closed(&mut s, "1 GiB option length");
+    let after = srv.rss_kib();
+    assert!(
+        after < before + 32 * 1024,
+        "RSS grew from {before} KiB to {after} KiB after a 1 GiB option length"
+    );
+    assert_serves(&mut srv, "after an oversized option");
+}
+
+#[test]
+fn unknown_option_gets_err_unsup_and_handshake_continues() {
+    let dir = tempfile::tempdir().unwrap();
+    let srv = server(dir.path());
+    let mut s = start(srv.addr);
+    send_opt(&mut s, 0x4242, b"some data");
+    let (h, _) = read_opt_reply(&mut s);
+    assert_eq!(h.option, 0x4242);
+    assert_eq!(h.reply_type, c::REP_ERR_UNSUP);
+    assert_eq!(go(&mut s, "disk"), SIZE);
+    let (e, _) = roundtrip(&mut s, Cmd::Read, 1, 0, 512, &[]);
+    assert_eq!(e, None);
+}
+
+#[test]
+fn starttls_gets_err_unsup_on_a_notls_server() {
+    // nbd-proto's choice (spec, NOTLS mode): NBD_REP_ERR_UNSUP, and the handshake goes on.
+    let dir = tempfile::tempdir().unwrap();
+    let srv = server(dir.path());
+    let mut s = start(srv.addr);
+    send_opt(&mut s, c::OPT_STARTTLS, &[]);
+    let (h, _) = read_opt_reply(&mut s);
+    assert_eq!(h.option, c::OPT_STARTTLS);
+    assert_eq!(h.reply_type, c::REP_ERR_UNSUP);
+    assert_eq!(go(&mut s, "disk"), SIZE);
+}
+
+#[test]
+fn transmission_errors_keep_the_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut srv = server(dir.path());
+    let mut s = transmission(srv.addr);
+
+    // Unknown command → EINVAL.
+    let (e, _) = roundtrip(&mut s, Cmd::Unknown(99), 1, 0, 512, &[]);
+    assert_eq!(e, Some(ErrorValue::Inval), "unknown command");
+    // Read past the end → EINVAL; straddling the end too.
+    let (e, _) = roundtrip(&mut s, Cmd::Read, 2, SIZE, 512, &[]);
+    assert_eq!(e, Some(ErrorValue::Inval), "read at the end");
+    let (e, _) = roundtrip(&mut s, Cmd::Read, 3, SIZE - 512, 1024, &[]);
+    assert_eq!(e, Some(ErrorValue::Inval), "read across the end");
+    // Write past the end → ENOSPC, and its payload is consumed (the next request parses).
+    let (e, _) = roundtrip(&mut s, Cmd::Write, 4, SIZE - 512, 4096, &[0x77; 4096]);
+    assert_eq!(e, Some(ErrorValue::NoSpc), "write across the end");
+    // Read above the maximum block size (32 MiB) → EINVAL (validate_request rule 7).
+    let (e, _) = roundtrip(&mut s, Cmd::Read, 5, 0, (32 << 20) + 1, &[]);
+    assert_eq!(e, Some(ErrorValue::Inval), "read of 32 MiB + 1");
+    // Offset overflow.
+    let (e, _) = roundtrip(&mut s, Cmd::Read, 6, u64::MAX - 100, 512, &[]);
+    assert_eq!(e, Some(ErrorValue::Inval), "offset near u64::MAX");
+    // Flush with a nonzero length → EINVAL.
+    let (e, _) = roundtrip(&mut s, Cmd::Flush, 7, 0, 1, &[]);
+    assert_eq!(e, Some(ErrorValue::Inval), "flush with a length");
+
+    // Nothing reached the image, and the connection still works.
+    let (e, d) = roundtrip(&mut s, Cmd::Read, 8, SIZE - 4096, 4096, &[]);
+    assert_eq!(e, None);
+    assert!(
+        d.iter().all(|&b| b == 0),
+        "the refused write left data behind"
+    );
+    let (e, _) = roundtrip(&mut s, Cmd::Write, 9, 0, 4096, &[0x12; 4096]);
+    assert_eq!(e, None);
+    let (e, d) = roundtrip(&mut s, Cmd::Read, 10, 0, 4096, &[]);
+    assert_eq!(e, None);
+    assert!(d.iter().all(|&b| b == 0x12));
+    srv.assert_alive("after transmission errors");
+}
+
+#[test]
+fn write_longer_than_32_mib_disconnects() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut srv = server(dir.path());
+    let mut s = transmission(srv.addr);
+    request(&mut s, Cmd::Write, 1, 0, (32 << 20) + 1);
+    let _ = s.write_all(&[0u8; 65536]);
+    assert_closed(&mut s, "a 32 MiB + 1 write");
+    assert_serves(&mut srv, "after an oversized write");
+}
+
+#[test]
+fn client_vanishing_mid_write_leaves_the_server_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut srv = server(dir.path());
+    let mut other = transmission(srv.addr);
+    for len in [4096u32, 4 << 20] {
+        let mut s = transmission(srv.addr);
+        request(&mut s, Cmd::Write, 1, 0, len);
+        s.write_all(&vec![0x66; len as usize / 2]).unwrap();
+        drop(s);
+    }
+    // A client that was connected all along is unaffected, and new ones are served.
+    let (e, _) = roundtrip(&mut other, Cmd::Read, 1, 0, 4096, &[]);
+    assert_eq!(e, None);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_serves(&mut srv, "after clients vanished mid-write");
+}
+
+/// A garbage connection: some are pure noise, some a good greeting exchange followed by
+/// noise, some a good GO followed by a bad request header.
+fn garbage_connection(addr: SocketAddr, i: u64) {
+    let noise = pattern(64 + (i as usize % 200), i + 1);
+    match i % 3 {
+        0 => {
+            let mut s = connect(addr);
+            let _ = s.write_all(&noise);
+        }
+        1 => {
+            let mut s = start(addr);
+            let _ = s.write_all(&noise);
+            let mut b = [0u8; 64];
+            let _ = s.read(&mut b);
+        }
+        _ => {
+            let mut s = transmission(addr);
+            let _ = s.write_all(&noise);
+            let mut b = [0u8; 64];
+            let _ = s.read(&mut b);
+        }
+    }
+}
+
+#[test]
+fn a_thousand_garbage_connections() {
+    if !require(&["qemu-img"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut srv = server(dir.path());
+    let before = srv.rss_kib();
+    let addr = srv.addr;
+    let t0 = Instant::now();
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            std::thread::spawn(move || {
+                for i in 0..250u64 {
+                    garbage_connection(addr, t * 1000 + i);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let elapsed = t0.elapsed();
+    std::thread::sleep(Duration::from_millis(500));
+    srv.assert_alive("after 1000 garbage connections");
+    let info = peer_ok(Command::new("qemu-img").args(["info", &srv.uri("disk")]));
+    assert!(info.contains("16 MiB (16777216 bytes)"), "{info}");
+    assert_serves(&mut srv, "after 1000 garbage connections");
+    let after = srv.rss_kib();
+    eprintln!(
+        "1000 garbage connections in {elapsed:?}; server RSS {before} KiB before, {after} KiB after"
+    );
+    // Bound: each connection in the transmission phase maps 32 x 1 MiB receive slots, which
+    // are freed when it ends; a leak of even one slot per connection (1000 x 1 MiB) or of the
+    // 64 KiB handshake buffer per connection (64 MiB) would break this bound.
+    assert!(
+        after < 200 * 1024 && after < before + 48 * 1024,
+        "server RSS {after} KiB (was {before} KiB) after 1000 garbage connections"
+    );
+}
+
+#[test]
+fn connections_beyond_max_connections_are_refused_then_served_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", SIZE);
+    let mut srv = ServerProcess::start_v4(&[
+        "--export".into(),
+        format!("disk={}", img.display()),
+        "--max-connections".into(),
+        "2".into(),
+    ]);
+    let mut a = transmission(srv.addr);
+    let mut b = transmission(srv.addr);
+    // The third is closed without a greeting.
+    let mut third = connect(srv.addr);
+    assert_closed(&mut third, "a connection beyond --max-connections 2");
+    // The two open ones still work; when one leaves, a new client gets in.
+    for s in [&mut a, &mut b] {
+        let (e, _) = roundtrip(s, Cmd::Read, 1, 0, 512, &[]);
+        assert_eq!(e, None);
+    }
+    request(&mut a, Cmd::Disc, 2, 0, 0);
+    assert_closed(&mut a, "after NBD_CMD_DISC");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        // The slot is released when the connection thread ends: retry briefly.
+        let mut s = connect(srv.addr);
+        let mut g = [0u8; c::GREETING_LEN];
+        match s.read_exact(&mut g) {
+            Ok(()) => break,
+            Err(e) => assert!(Instant::now() < deadline, "no slot freed after DISC: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    srv.assert_alive("after refusing connections");
+    drop(b);
+}

@@ -1,0 +1,455 @@
+//! Interop with real NBD clients: qemu-img, qemu-io, nbdinfo, nbdcopy and fio (nbd engine)
+//! against a qpip-nbd-server process on 127.0.0.1 and [::1].
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::*;
+
+const MIB: u64 = 1 << 20;
+
+/// A server on `listen` exporting "disk" (64 MiB) and "other" (16 MiB), with descriptions.
+fn two_exports(listen: &str, dir: &Path) -> ServerProcess {
+    let disk = image(dir, "disk.img", 64 * MIB);
+    let other = image(dir, "other.img", 16 * MIB);
+    ServerProcess::start(
+        listen,
+        &[
+            "--export".into(),
+            format!("disk={}", disk.display()),
+            "--export".into(),
+            format!("other={}", other.display()),
+            "--description".into(),
+            "disk=the main disk".into(),
+            "--description".into(),
+            "other=a second, smaller disk".into(),
+        ],
+    )
+}
+
+fn read_file_range(path: &Path, off: u64, len: usize) -> Vec<u8> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(path).unwrap();
+    f.seek(SeekFrom::Start(off)).unwrap();
+    let mut v = vec![0; len];
+    f.read_exact(&mut v).unwrap();
+    v
+}
+
+#[test]
+fn qemu_img_info_convert_and_compare() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let srv = two_exports("127.0.0.1:0", dir.path());
+    let uri = srv.uri("other");
+
+    let info = peer_ok(Command::new("qemu-img").args(["info", &uri]));
+    assert!(
+        info.contains("virtual size: 16 MiB (16777216 bytes)"),
+        "qemu-img info:\n{info}"
+    );
+
+    // Local raw -> nbd: data in the first 4 MiB and at 12 MiB, holes elsewhere.
+    let src = dir.path().join("src.raw");
+    let mut data = vec![0u8; 16 * MIB as usize];
+    data[..4 * MIB as usize].copy_from_slice(&pattern(4 * MIB as usize, 1));
+    data[12 * MIB as usize..13 * MIB as usize].copy_from_slice(&pattern(MIB as usize, 2));
+    std::fs::write(&src, &data).unwrap();
+    peer_ok(Command::new("qemu-img").args([
+        "convert",
+        "-n",
+        "-f",
+        "raw",
+        "-O",
+        "raw",
+        src.to_str().unwrap(),
+        &uri,
+    ]));
+    let cmp = peer_ok(Command::new("qemu-img").args([
+        "compare",
+        "-f",
+        "raw",
+        "-F",
+        "raw",
+        src.to_str().unwrap(),
+        &uri,
+    ]));
+    assert!(cmp.contains("Images are identical"), "{cmp}");
+    assert_eq!(
+        std::fs::read(dir.path().join("other.img")).unwrap(),
+        data,
+        "the server's image file differs from what was converted into it"
+    );
+
+    // nbd -> qcow2 -> compare with the source, and byte for byte through a raw copy.
+    let q = dir.path().join("out.qcow2");
+    peer_ok(Command::new("qemu-img").args([
+        "convert",
+        "-f",
+        "raw",
+        "-O",
+        "qcow2",
+        &uri,
+        q.to_str().unwrap(),
+    ]));
+    let cmp = peer_ok(Command::new("qemu-img").args([
+        "compare",
+        "-f",
+        "qcow2",
+        "-F",
+        "raw",
+        q.to_str().unwrap(),
+        src.to_str().unwrap(),
+    ]));
+    assert!(cmp.contains("Images are identical"), "{cmp}");
+    let back = dir.path().join("back.raw");
+    peer_ok(Command::new("qemu-img").args([
+        "convert",
+        "-f",
+        "qcow2",
+        "-O",
+        "raw",
+        q.to_str().unwrap(),
+        back.to_str().unwrap(),
+    ]));
+    assert!(
+        std::fs::read(&back).unwrap() == data,
+        "nbd -> qcow2 -> raw differs from the source"
+    );
+
+    // A difference must be detected: change one byte behind the server's back... through it.
+    peer_ok(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x5a 13631488 512", &uri]));
+    let o = run_with_timeout(
+        Command::new("qemu-img").args([
+            "compare",
+            "-f",
+            "raw",
+            "-F",
+            "raw",
+            src.to_str().unwrap(),
+            &uri,
+        ]),
+        std::time::Duration::from_secs(60),
+    );
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "qemu-img compare should see the change:\n{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn qemu_io_patterns_zeroes_discard_fua_large_write_flush() {
+    if !require(&["qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let srv = two_exports("127.0.0.1:0", dir.path());
+    let uri = srv.uri("disk");
+    qemu_io(
+        &uri,
+        &[
+            "write -P 0xab 0 1M",
+            "read -P 0xab 0 1M",
+            "write -P 0x11 1M 1M",
+            "write -z 1M 1M",
+            "read -P 0 1M 1M",
+            "write -P 0x22 4M 1M",
+            "discard 4M 1M",
+            "read -P 0 4M 1M",
+            "write -f -P 0x33 8M 64k",
+            "read -P 0x33 8M 64k",
+            "write -P 0x44 2109497 1000",
+            "read -P 0x44 2109497 1000",
+            // 32 MiB: 32 pieces of the server's 1 MiB receive chunk.
+            "write -P 0x5c 16M 32M",
+            "read -P 0x5c 16M 32M",
+            "flush",
+        ],
+    );
+    // The writes are in the image file itself, not only in what the server answers.
+    let img = dir.path().join("disk.img");
+    assert!(
+        read_file_range(&img, 0, MIB as usize)
+            .iter()
+            .all(|&b| b == 0xab)
+    );
+    assert!(
+        read_file_range(&img, MIB, MIB as usize)
+            .iter()
+            .all(|&b| b == 0)
+    );
+    assert!(
+        read_file_range(&img, 4 * MIB, MIB as usize)
+            .iter()
+            .all(|&b| b == 0)
+    );
+    assert!(
+        read_file_range(&img, 8 * MIB, 65536)
+            .iter()
+            .all(|&b| b == 0x33)
+    );
+    assert!(
+        read_file_range(&img, 16 * MIB, 32 * MIB as usize)
+            .iter()
+            .all(|&b| b == 0x5c)
+    );
+    assert!(
+        read_file_range(&img, 48 * MIB, MIB as usize)
+            .iter()
+            .all(|&b| b == 0)
+    );
+
+    // The verification can fail: a wrong expected pattern is reported.
+    let o = run_with_timeout(
+        Command::new("qemu-io").args(["-f", "raw", "-c", "read -P 0xac 0 4k", &uri]),
+        std::time::Duration::from_secs(60),
+    );
+    assert!(
+        text(&o).contains("Pattern verification failed"),
+        "qemu-io should fail to verify a wrong pattern:\n{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn nbdinfo_size_flags_content_and_list() {
+    if !require(&["nbdinfo", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let srv = two_exports("127.0.0.1:0", dir.path());
+    // An MBR boot signature, for nbdinfo's content detection (file(1)).
+    qemu_io(
+        &srv.uri("disk"),
+        &["write -P 0x55 510 1", "write -P 0xaa 511 1"],
+    );
+    let info = peer_ok(Command::new("nbdinfo").arg(srv.uri("disk")));
+    for want in [
+        "export=\"disk\"",
+        "description: the main disk",
+        "export-size: 67108864",
+        "content: DOS/MBR boot sector",
+        "is_read_only: false",
+        "can_flush: true",
+        "can_fua: true",
+        "can_trim: true",
+        "can_zero: true",
+        "base:allocation",
+        "block_size_maximum: 33554432",
+    ] {
+        assert!(info.contains(want), "nbdinfo lacks {want:?}:\n{info}");
+    }
+    let size = peer_ok(Command::new("nbdinfo").args(["--size", &srv.uri("other")]));
+    assert_eq!(size.trim(), "16777216");
+
+    let list = peer_ok(Command::new("nbdinfo").args(["--list", &srv.uri("")]));
+    for want in [
+        "export=\"disk\"",
+        "description: the main disk",
+        "export=\"other\"",
+        "description: a second, smaller disk",
+        "export-size: 16777216",
+    ] {
+        assert!(
+            list.contains(want),
+            "nbdinfo --list lacks {want:?}:\n{list}"
+        );
+    }
+}
+
+/// Parses `nbdinfo --map` lines: offset, length, type number, description.
+fn parse_map(map: &str) -> Vec<(u64, u64, u32, String)> {
+    map.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            assert!(f.len() >= 4, "unexpected map line {l:?}");
+            (
+                f[0].parse().unwrap(),
+                f[1].parse().unwrap(),
+                f[2].parse().unwrap(),
+                f[3..].join(" "),
+            )
+        })
+        .collect()
+}
+
+/// The map entry type at `off`.
+fn kind_at(map: &[(u64, u64, u32, String)], off: u64) -> &str {
+    map.iter()
+        .find(|(o, l, _, _)| *o <= off && off < o + l)
+        .map(|(_, _, _, d)| d.as_str())
+        .unwrap_or_else(|| panic!("offset {off} not covered by the map {map:?}"))
+}
+
+#[test]
+fn nbdinfo_map_shows_holes_and_data() {
+    if !require(&["nbdinfo", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let srv = two_exports("127.0.0.1:0", dir.path());
+    let uri = srv.uri("disk");
+    let fresh = peer_ok(Command::new("nbdinfo").args(["--map", &uri]));
+    let m = parse_map(&fresh);
+    assert_eq!(
+        m,
+        vec![(0, 64 * MIB, 3, "hole,zero".to_string())],
+        "a fresh sparse image is one hole:\n{fresh}"
+    );
+
+    qemu_io(
+        &uri,
+        &[
+            "write -P 1 0 1M",
+            "write -P 2 4M 2M",
+            "discard 5M 1M",
+            "write -P 3 32M 64k",
+            "flush",
+        ],
+    );
+    let text = peer_ok(Command::new("nbdinfo").args(["--map", &uri]));
+    let m = parse_map(&text);
+    // Contiguous, covering the whole export.
+    let mut next = 0;
+    for (o, l, _, _) in &m {
+        assert_eq!(*o, next, "map not contiguous:\n{text}");
+        next += l;
+    }
+    assert_eq!(next, 64 * MIB, "map does not cover the export:\n{text}");
+    assert_eq!(kind_at(&m, 0), "data", "{text}");
+    assert_eq!(kind_at(&m, MIB - 1), "data", "{text}");
+    assert_eq!(kind_at(&m, 2 * MIB), "hole,zero", "{text}");
+    assert_eq!(kind_at(&m, 4 * MIB), "data", "{text}");
+    assert_eq!(kind_at(&m, 5 * MIB), "hole,zero", "trimmed range:\n{text}");
+    assert_eq!(
+        kind_at(&m, 6 * MIB - 1),
+        "hole,zero",
+        "trimmed range:\n{text}"
+    );
+    assert_eq!(kind_at(&m, 32 * MIB), "data", "{text}");
+    assert_eq!(kind_at(&m, 40 * MIB), "hole,zero", "{text}");
+    assert_eq!(kind_at(&m, 64 * MIB - 1), "hole,zero", "{text}");
+}
+
+#[test]
+fn nbdcopy_both_directions() {
+    if !require(&["nbdcopy"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let srv = two_exports("127.0.0.1:0", dir.path());
+    let uri = srv.uri("other");
+    let src = dir.path().join("src.raw");
+    let data = pattern(16 * MIB as usize, 7);
+    std::fs::write(&src, &data).unwrap();
+    peer_ok(Command::new("nbdcopy").args([src.to_str().unwrap(), &uri]));
+    let back = dir.path().join("back.raw");
+    peer_ok(Command::new("nbdcopy").args([&uri, back.to_str().unwrap()]));
+    let got = std::fs::read(&back).unwrap();
+    assert_eq!(got.len(), data.len());
+    if let Some(i) = got.iter().zip(&data).position(|(a, b)| a != b) {
+        panic!("nbdcopy round trip differs first at byte {i}");
+    }
+    assert!(std::fs::read(dir.path().join("other.img")).unwrap() == data);
+}
+
+#[test]
+fn fio_nbd_engine_randwrite_verify() {
+    if !require(&["fio"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let srv = two_exports("127.0.0.1:0", dir.path());
+    let out = peer_ok(Command::new("fio").args([
+        "--name=qpip",
+        "--ioengine=nbd",
+        &format!("--uri={}", srv.uri("other")),
+        "--rw=randwrite",
+        "--bsrange=4k-256k",
+        "--size=16M",
+        "--iodepth=16",
+        "--verify=crc32c",
+        "--do_verify=1",
+        "--verify_fatal=1",
+        "--randseed=1234",
+    ]));
+    assert!(out.contains("err= 0"), "fio reported an error:\n{out}");
+    for bad in ["verify failed", "bad magic", "mismatch"] {
+        assert!(!out.contains(bad), "fio verify complaint {bad:?}:\n{out}");
+    }
+    // Both the write pass and the verifying read pass moved the whole 16 MiB.
+    assert!(
+        out.contains("WRITE: bw=") && out.contains("READ: bw="),
+        "{out}"
+    );
+    assert_eq!(out.matches("io=16.0MiB").count(), 2, "{out}");
+}
+
+#[test]
+fn read_only_export_refuses_writes() {
+    if !require(&["qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "ro.img", 4 * MIB);
+    std::fs::write(&img, vec![0x7e; 4 * MIB as usize]).unwrap();
+    let srv = ServerProcess::start_v4(&[
+        "--export".into(),
+        format!("ro={}", img.display()),
+        "--read-only".into(),
+    ]);
+    let uri = srv.uri("ro");
+    let t = peer_fails(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 1 0 4k", &uri]));
+    assert!(
+        t.contains("Permission denied"),
+        "expected a permission error:\n{t}"
+    );
+    // Reads work (qemu needs -r to open a read-only export at all).
+    let t =
+        peer_ok(Command::new("qemu-io").args(["-r", "-f", "raw", "-c", "read -P 0x7e 0 4M", &uri]));
+    assert!(!t.contains("failed"), "{t}");
+    assert!(std::fs::read(&img).unwrap().iter().all(|&b| b == 0x7e));
+}
+
+#[test]
+fn ipv6_qemu_img_nbdinfo_qemu_io() {
+    if !require(&["qemu-img", "nbdinfo", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let srv = two_exports("[::1]:0", dir.path());
+    assert!(srv.addr.is_ipv6(), "{}", srv.addr);
+    let uri = srv.uri("disk");
+    assert!(uri.starts_with("nbd://[::1]:"), "{uri}");
+    let info = peer_ok(Command::new("qemu-img").args(["info", &uri]));
+    assert!(
+        info.contains("virtual size: 64 MiB (67108864 bytes)"),
+        "{info}"
+    );
+    let info = peer_ok(Command::new("nbdinfo").arg(&uri));
+    assert!(info.contains("export-size: 67108864"), "{info}");
+    qemu_io(&uri, &["write -P 0x66 0 64k", "read -P 0x66 0 64k"]);
+}
+
+#[test]
+fn unknown_export_fails_and_server_keeps_serving() {
+    if !require(&["qemu-img", "nbdinfo"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut srv = two_exports("127.0.0.1:0", dir.path());
+    let t = peer_fails(Command::new("nbdinfo").arg(srv.uri("nope")));
+    assert!(t.contains("nope"), "nbdinfo should name the export:\n{t}");
+    let t = peer_fails(Command::new("qemu-img").args(["info", &srv.uri("nope")]));
+    assert!(t.contains("export"), "{t}");
+    srv.assert_alive("after an unknown export");
+    let info = peer_ok(Command::new("qemu-img").args(["info", &srv.uri("disk")]));
+    assert!(info.contains("67108864"), "{info}");
+}
