@@ -18,7 +18,6 @@
 
 pub mod client;
 mod conn;
-pub mod copy;
 pub mod error;
 pub mod framer;
 pub mod uri;
@@ -26,4 +25,5 @@ pub mod uri;
 pub use client::{Client, ClientOptions, ExportInfo, Extent, Op, Output, Reply};
 pub use error::{Error, Result};
 pub use nbd_proto::handshake::ExportListing;
+pub use qpip_core::Nic;
 pub use uri::{DEFAULT_PORT, NbdUri, UriError};
