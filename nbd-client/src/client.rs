@@ -97,12 +97,29 @@ pub struct Extent {
 /// A request of the pipelined API. READ and WRITE are at most [`Client::max_io`] bytes.
 #[derive(Clone, Copy, Debug)]
 pub enum Op<'a> {
-    Read { offset: u64, len: u32 },
-    Write { offset: u64, data: &'a [u8], fua: bool },
+    Read {
+        offset: u64,
+        len: u32,
+    },
+    Write {
+        offset: u64,
+        data: &'a [u8],
+        fua: bool,
+    },
     Flush,
-    Trim { offset: u64, len: u32 },
-    WriteZeroes { offset: u64, len: u32, fua: bool },
-    BlockStatus { offset: u64, len: u32 },
+    Trim {
+        offset: u64,
+        len: u32,
+    },
+    WriteZeroes {
+        offset: u64,
+        len: u32,
+        fua: bool,
+    },
+    BlockStatus {
+        offset: u64,
+        len: u32,
+    },
 }
 
 /// The result of a successful request.
@@ -360,7 +377,10 @@ impl Client {
         if offset % u64::from(min) != 0 || len % u64::from(min) != 0 {
             return Err(Error::Unaligned { offset, len, min });
         }
-        if offset.checked_add(len).is_none_or(|end| end > self.info.size) {
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > self.info.size)
+        {
             return Err(Error::OutOfRange {
                 offset,
                 len,
@@ -376,7 +396,8 @@ impl Client {
             Op::Read { offset, len } => (Command::Read, offset, len),
             Op::Write { offset, data, fua } => {
                 flags.set(CmdFlags::FUA, fua && self.can_fua());
-                let len = u32::try_from(data.len()).map_err(|_| Error::Invalid("write too long"))?;
+                let len =
+                    u32::try_from(data.len()).map_err(|_| Error::Invalid("write too long"))?;
                 (Command::Write, offset, len)
             }
             Op::Flush => (Command::Flush, 0, 0),
@@ -571,7 +592,9 @@ impl Client {
         let hlen = len.min(hdr.len());
         conn.recv_mr.read_at(base, &mut hdr[..hlen]);
         let hdr = &hdr[..hlen];
-        let magic = hdr.get(..4).map(|m| u32::from_be_bytes([m[0], m[1], m[2], m[3]]));
+        let magic = hdr
+            .get(..4)
+            .map(|m| u32::from_be_bytes([m[0], m[1], m[2], m[3]]));
         if magic == Some(c::SIMPLE_REPLY_MAGIC) {
             let r = SimpleReply::parse(hdr).map_err(|e| e.to_string())?;
             conn.reads.lock().remove(&r.cookie);
@@ -684,15 +707,13 @@ impl Client {
         let result = match inf.error {
             Some(e) => Err(e),
             None => match inf.req.command {
-                Command::Read if inf.covered != u64::from(inf.req.length) => {
-                    Err(Error::Protocol {
-                        uri: self.uri.to_string(),
-                        why: format!(
-                            "read of {} bytes answered with {} bytes",
-                            inf.req.length, inf.covered
-                        ),
-                    })
-                }
+                Command::Read if inf.covered != u64::from(inf.req.length) => Err(Error::Protocol {
+                    uri: self.uri.to_string(),
+                    why: format!(
+                        "read of {} bytes answered with {} bytes",
+                        inf.req.length, inf.covered
+                    ),
+                }),
                 Command::Read => Ok(Output::Data(inf.data)),
                 Command::BlockStatus if inf.extents.is_empty() => Err(Error::Protocol {
                     uri: self.uri.to_string(),
@@ -725,7 +746,12 @@ impl Client {
                 break;
             }
             let hs = ClientHandshake::connect(Self::config(&self.uri, &self.opts));
-            match Conn::open(&self.nic, &self.uri, hs, self.opts.connect_timeout.min(left)) {
+            match Conn::open(
+                &self.nic,
+                &self.uri,
+                hs,
+                self.opts.connect_timeout.min(left),
+            ) {
                 Ok((conn, ClientEvent::Connected(neg))) => {
                     if neg.export.size != self.info.size {
                         last = format!(
@@ -761,7 +787,9 @@ impl Client {
                 Ok(_) => last = "handshake ended without transmission".into(),
                 Err(e) => last = e.to_string(),
             }
-            std::thread::sleep(delay.min(self.opts.reconnect_timeout.saturating_sub(start.elapsed())));
+            std::thread::sleep(
+                delay.min(self.opts.reconnect_timeout.saturating_sub(start.elapsed())),
+            );
             delay = (delay * 2).min(Duration::from_secs(2));
         }
         let why = format!("{why}; last attempt: {last}");

@@ -168,6 +168,11 @@ impl Conn {
                     other => {
                         conn.phase
                             .store(ClientPhase::Closed.to_u8(), Ordering::Release);
+                        // Let the NBD_OPT_ABORT go out before the connection closes.
+                        let until = Instant::now() + Duration::from_secs(1);
+                        while conn.qp.outstanding_sends() > 0 && Instant::now() < until {
+                            conn.cq.wait(&mut buf, Some(Duration::from_millis(100)))?;
+                        }
                         conn.qp.close();
                         return Ok((conn, other));
                     }

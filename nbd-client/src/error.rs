@@ -13,19 +13,19 @@ use crate::uri::UriError;
 pub enum Error {
     #[error(transparent)]
     Uri(#[from] UriError),
-    #[error("cannot resolve {host}: {source}")]
+    #[error("cannot resolve {host}")]
     Resolve {
         host: String,
         #[source]
         source: io::Error,
     },
-    #[error("cannot connect to {uri}: {source}")]
+    #[error("cannot connect to {uri}")]
     Connect {
         uri: String,
         #[source]
         source: qpip_core::Error,
     },
-    #[error("NBD handshake with {uri} failed: {source}")]
+    #[error("NBD handshake with {uri} failed")]
     Handshake {
         uri: String,
         #[source]
@@ -42,7 +42,9 @@ pub enum Error {
         "request at offset {offset} of {len} bytes is not aligned to the server's minimum block size {min}"
     )]
     Unaligned { offset: u64, len: u64, min: u32 },
-    #[error("request at offset {offset} of {len} bytes is beyond the end of the export ({size} bytes)")]
+    #[error(
+        "request at offset {offset} of {len} bytes is beyond the end of the export ({size} bytes)"
+    )]
     OutOfRange { offset: u64, len: u64, size: u64 },
     #[error("{0}")]
     Invalid(&'static str),

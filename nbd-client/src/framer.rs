@@ -36,8 +36,8 @@ impl ClientFramer {
 
 impl Framer for ClientFramer {
     fn frame(&mut self, header: &[u8]) -> Frame {
-        let phase = ClientPhase::from_u8(self.phase.load(Ordering::Acquire))
-            .unwrap_or(ClientPhase::Closed);
+        let phase =
+            ClientPhase::from_u8(self.phase.load(Ordering::Acquire)).unwrap_or(ClientPhase::Closed);
         let reads = &self.reads;
         match client_need(phase, header, &self.limits, |cookie| {
             reads.lock().get(&cookie).copied()
@@ -66,7 +66,10 @@ mod tests {
         let phase = Arc::new(AtomicU8::new(ClientPhase::Greeting.to_u8()));
         let reads: ReadLengths = Default::default();
         let mut f = ClientFramer::new(phase.clone(), reads.clone(), FrameLimits::default());
-        assert!(matches!(f.frame(&[]), Frame::Message { header_len: 18, .. }));
+        assert!(matches!(
+            f.frame(&[]),
+            Frame::Message { header_len: 18, .. }
+        ));
         phase.store(ClientPhase::Transmission.to_u8(), Ordering::Release);
         reads.lock().insert(7, 4096);
         let ok = SimpleReply::ok(7).encode();

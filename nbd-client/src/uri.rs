@@ -165,8 +165,11 @@ impl fmt::Display for NbdUri {
 
 /// True if `s` looks like a URI rather than a local path (used by `qpip-nbd copy`).
 pub fn looks_like_uri(s: &str) -> bool {
-    s.split_once("://")
-        .is_some_and(|(scheme, _)| scheme.chars().all(|c| c.is_ascii_alphanumeric() || c == '+'))
+    s.split_once("://").is_some_and(|(scheme, _)| {
+        scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '+')
+    })
 }
 
 #[cfg(test)]
@@ -198,7 +201,10 @@ mod tests {
     #[test]
     fn ipv6_literals() {
         let u = p("nbd://[::1]:10810/e");
-        assert_eq!((u.host.as_str(), u.port, u.export.as_str()), ("::1", 10810, "e"));
+        assert_eq!(
+            (u.host.as_str(), u.port, u.export.as_str()),
+            ("::1", 10810, "e")
+        );
         assert_eq!(p("nbd://[fe80::1]").port, DEFAULT_PORT);
         assert_eq!(u.to_string(), "nbd://[::1]:10810/e");
         assert_eq!(p(&u.to_string()), u);
@@ -213,10 +219,7 @@ mod tests {
         let e = NbdUri::parse("nbd+unix:///disk?socket=/tmp/s").unwrap_err();
         assert!(matches!(e, UriError::Unix(_)));
         assert!(e.to_string().contains("TCP and UDP only"));
-        assert!(matches!(
-            NbdUri::parse("nbds://h/e"),
-            Err(UriError::Tls(_))
-        ));
+        assert!(matches!(NbdUri::parse("nbds://h/e"), Err(UriError::Tls(_))));
         assert!(matches!(
             NbdUri::parse("http://h/e"),
             Err(UriError::NotNbd(_))

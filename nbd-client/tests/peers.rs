@@ -28,7 +28,10 @@ fn exercise(uri: &str, size: u64) -> Client {
         c.write_zeroes(off, 64 * 1024, false).unwrap();
         let mut z = vec![1u8; 64 * 1024];
         c.read_at(off, &mut z).unwrap();
-        assert!(z.iter().all(|&x| x == 0), "{uri}: zeroes read back non-zero");
+        assert!(
+            z.iter().all(|&x| x == 0),
+            "{uri}: zeroes read back non-zero"
+        );
     }
     if c.can_trim() {
         c.trim(2 * MIB, 64 * 1024).unwrap();
@@ -166,7 +169,10 @@ fn debian_nbd_server_simple_replies() {
         return;
     };
     let mut c = exercise(&peer.uri, 16 * MIB);
-    assert!(!c.structured_replies(), "nbd-server offers simple replies only");
+    assert!(
+        !c.structured_replies(),
+        "nbd-server offers simple replies only"
+    );
     assert!(!c.can_block_status());
     c.disconnect().unwrap();
 }

@@ -102,7 +102,14 @@ pub fn qpip_server_bin() -> PathBuf {
         let bin = dir.join("qpip-nbd-server");
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let status = Command::new(cargo)
-            .args(["build", "-q", "-p", "nbd-server", "--bin", "qpip-nbd-server"])
+            .args([
+                "build",
+                "-q",
+                "-p",
+                "nbd-server",
+                "--bin",
+                "qpip-nbd-server",
+            ])
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .status()
             .expect("running cargo build for qpip-nbd-server");
@@ -185,7 +192,14 @@ pub fn nbdkit(args: &[&str]) -> Option<Peer> {
     }
     let port = free_port();
     let child = Command::new("nbdkit")
-        .args(["-f", "-p", &port.to_string(), "-i", "127.0.0.1", "--exit-with-parent"])
+        .args([
+            "-f",
+            "-p",
+            &port.to_string(),
+            "-i",
+            "127.0.0.1",
+            "--exit-with-parent",
+        ])
         .args(args)
         .stderr(Stdio::null())
         .spawn()

@@ -69,8 +69,10 @@ impl Side {
     fn open_src(ep: &Endpoint, opts: &ClientOptions) -> Result<Side> {
         match ep {
             Endpoint::File(path) => {
-                let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-                let size = file_size(&file).with_context(|| format!("size of {}", path.display()))?;
+                let file =
+                    File::open(path).with_context(|| format!("opening {}", path.display()))?;
+                let size =
+                    file_size(&file).with_context(|| format!("size of {}", path.display()))?;
                 Ok(Side::File {
                     file,
                     path: path.clone(),
@@ -79,7 +81,8 @@ impl Side {
                 })
             }
             Endpoint::Nbd(uri) => Ok(Side::Nbd(
-                Client::connect_with(uri, opts.clone()).with_context(|| format!("connecting to {uri}"))?,
+                Client::connect_with(uri, opts.clone())
+                    .with_context(|| format!("connecting to {uri}"))?,
             )),
         }
     }
@@ -105,7 +108,10 @@ impl Side {
                 }
                 let have = file_size(&file)?;
                 if have < size {
-                    bail!("{} holds {have} bytes, the source has {size}", path.display());
+                    bail!(
+                        "{} holds {have} bytes, the source has {size}",
+                        path.display()
+                    );
                 }
                 Ok(Side::File {
                     file,
@@ -118,7 +124,10 @@ impl Side {
                 let c = Client::connect_with(uri, opts.clone())
                     .with_context(|| format!("connecting to {uri}"))?;
                 if c.size() < size {
-                    bail!("{uri}: the export has {} bytes, the source has {size}", c.size());
+                    bail!(
+                        "{uri}: the export has {} bytes, the source has {size}",
+                        c.size()
+                    );
                 }
                 if c.is_read_only() {
                     bail!("{uri}: the export is read-only");
@@ -162,6 +171,25 @@ impl Side {
 
     fn write(&mut self, off: u64, data: &[u8]) -> Result<()> {
         match self {
+            // A fresh sparse destination: all-zero granules stay holes (the source may not
+            // report holes, or may have allocated zeroes).
+            Side::File {
+                file,
+                path,
+                fresh: true,
+                ..
+            } => {
+                const GRANULE: usize = 64 * 1024;
+                for (i, g) in data.chunks(GRANULE).enumerate() {
+                    if g.iter().all(|&b| b == 0) {
+                        continue;
+                    }
+                    let at = off + (i * GRANULE) as u64;
+                    file.write_all_at(g, at)
+                        .with_context(|| format!("writing {} at {at}", path.display()))?;
+                }
+                Ok(())
+            }
             Side::File { file, path, .. } => file
                 .write_all_at(data, off)
                 .with_context(|| format!("writing {} at {off}", path.display())),
@@ -268,7 +296,8 @@ impl Side {
             Side::Nbd(c) => {
                 let n = c.reconnects();
                 let uri = c.uri().to_string();
-                c.disconnect().with_context(|| format!("disconnecting from {uri}"))?;
+                c.disconnect()
+                    .with_context(|| format!("disconnecting from {uri}"))?;
                 Ok(n)
             }
         }
