@@ -12,7 +12,6 @@
 //! (header and data in one receive WR) and sends requests straight from the send slot.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use nbd_proto::consts as c;
@@ -374,7 +373,7 @@ impl Client {
 
     fn check_range(&self, offset: u64, len: u64) -> Result<()> {
         let min = self.info.block_size.min;
-        if offset % u64::from(min) != 0 || len % u64::from(min) != 0 {
+        if !offset.is_multiple_of(u64::from(min)) || !len.is_multiple_of(u64::from(min)) {
             return Err(Error::Unaligned { offset, len, min });
         }
         if offset
@@ -534,10 +533,10 @@ impl Client {
 
     /// Processes completions: one wait (up to 1 s) if `block`, else what is there.
     fn pump(&mut self, block: bool) -> Result<()> {
-        if let Some(why) = &self.failed {
-            if self.inflight.is_empty() {
-                return Err(self.lost(why.clone()));
-            }
+        if let Some(why) = &self.failed
+            && self.inflight.is_empty()
+        {
+            return Err(self.lost(why.clone()));
         }
         let Some(conn) = &self.conn else {
             self.recover("no connection".into());
@@ -662,23 +661,21 @@ impl Client {
                     Chunk::BlockStatus {
                         context_id,
                         extents,
-                    } => {
-                        if Some(context_id) == self.allocation_ctx {
-                            let end = req.offset + u64::from(req.length);
-                            let mut at = req.offset;
-                            for e in extents {
-                                if at >= end {
-                                    break;
-                                }
-                                let length = u64::from(e.length).min(end - at);
-                                inf.extents.push(Extent {
-                                    offset: at,
-                                    length,
-                                    hole: e.flags & c::STATE_HOLE != 0,
-                                    zero: e.flags & c::STATE_ZERO != 0,
-                                });
-                                at += length;
+                    } if Some(context_id) == self.allocation_ctx => {
+                        let end = req.offset + u64::from(req.length);
+                        let mut at = req.offset;
+                        for e in extents {
+                            if at >= end {
+                                break;
                             }
+                            let length = u64::from(e.length).min(end - at);
+                            inf.extents.push(Extent {
+                                offset: at,
+                                length,
+                                hole: e.flags & c::STATE_HOLE != 0,
+                                zero: e.flags & c::STATE_ZERO != 0,
+                            });
+                            at += length;
                         }
                     }
                     Chunk::Error { error, message, .. }
@@ -762,7 +759,6 @@ impl Client {
                     }
                     self.structured = neg.structured_replies;
                     self.allocation_ctx = neg.base_allocation;
-                    conn.phase.load(Ordering::Acquire);
                     self.conn = Some(conn);
                     let mut cookies: Vec<u64> = self.inflight.keys().copied().collect();
                     cookies.sort_unstable();

@@ -132,7 +132,7 @@ fn copy_with_qemu_nbd_and_nbdkit() {
 }
 
 #[test]
-fn verify_reports_the_first_mismatch() {
+fn local_to_local_copy_with_verify() {
     let dir = tempfile::tempdir().unwrap();
     let a = image(dir.path(), "a.img", 4 * MIB, &[(0, 4 * MIB)]);
     let b = dir.path().join("b.img");

@@ -168,7 +168,7 @@ fn debian_nbd_server_simple_replies() {
     let Some(peer) = debian_nbd_server("d", &img) else {
         return;
     };
-    let mut c = exercise(&peer.uri, 16 * MIB);
+    let c = exercise(&peer.uri, 16 * MIB);
     assert!(
         !c.structured_replies(),
         "nbd-server offers simple replies only"

@@ -62,7 +62,7 @@ enum Side {
         /// A destination we truncated: holes already read as zeroes.
         fresh: bool,
     },
-    Nbd(Client),
+    Nbd(Box<Client>),
 }
 
 impl Side {
@@ -80,10 +80,10 @@ impl Side {
                     fresh: false,
                 })
             }
-            Endpoint::Nbd(uri) => Ok(Side::Nbd(
+            Endpoint::Nbd(uri) => Ok(Side::Nbd(Box::new(
                 Client::connect_with(uri, opts.clone())
                     .with_context(|| format!("connecting to {uri}"))?,
-            )),
+            ))),
         }
     }
 
@@ -132,7 +132,7 @@ impl Side {
                 if c.is_read_only() {
                     bail!("{uri}: the export is read-only");
                 }
-                Ok(Side::Nbd(c))
+                Ok(Side::Nbd(Box::new(c)))
             }
         }
     }
@@ -407,14 +407,14 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopySt
         stats.zero_bytes += z;
     }
     opts.progress.finish_and_clear();
-    if opts.verify {
-        if let Some(off) = first_mismatch(&mut srcs[0], &mut dsts[0], size)? {
-            bail!(
-                "verify: {} and {} differ at offset {off}",
-                srcs[0].name(),
-                dsts[0].name()
-            );
-        }
+    if opts.verify
+        && let Some(off) = first_mismatch(&mut srcs[0], &mut dsts[0], size)?
+    {
+        bail!(
+            "verify: {} and {} differ at offset {off}",
+            srcs[0].name(),
+            dsts[0].name()
+        );
     }
     for s in srcs.into_iter().chain(dsts) {
         stats.reconnects += s.finish()?;
