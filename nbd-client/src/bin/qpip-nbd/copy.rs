@@ -1,0 +1,439 @@
+//! `qpip-nbd copy`: local files and NBD exports in any combination, several connections when
+//! the servers allow multi-conn, sparse-aware through block status / SEEK_DATA.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use indicatif::ProgressBar;
+use nbd_client::uri::looks_like_uri;
+use nbd_client::{Client, ClientOptions, Nic};
+
+/// Bytes read then written per step of a worker (each step is many requests in flight).
+const BATCH: u64 = 4 << 20;
+
+#[derive(Clone, Debug)]
+pub enum Endpoint {
+    File(PathBuf),
+    Nbd(String),
+}
+
+impl Endpoint {
+    pub fn parse(s: &str) -> Endpoint {
+        if looks_like_uri(s) {
+            Endpoint::Nbd(s.to_owned())
+        } else {
+            Endpoint::File(PathBuf::from(s))
+        }
+    }
+    pub fn name(&self) -> String {
+        match self {
+            Endpoint::File(p) => p.display().to_string(),
+            Endpoint::Nbd(u) => u.clone(),
+        }
+    }
+}
+
+pub struct CopyOptions {
+    pub sparse: bool,
+    pub verify: bool,
+    pub connections: usize,
+    pub client: ClientOptions,
+    pub progress: ProgressBar,
+}
+
+#[derive(Debug, Default)]
+pub struct CopyStats {
+    pub size: u64,
+    pub data_bytes: u64,
+    pub zero_bytes: u64,
+    pub connections: usize,
+    pub reconnects: u64,
+}
+
+/// One open side of a copy (one connection, or one file handle).
+enum Side {
+    File {
+        file: File,
+        path: PathBuf,
+        size: u64,
+        /// A destination we truncated: holes already read as zeroes.
+        fresh: bool,
+    },
+    Nbd(Box<Client>),
+}
+
+impl Side {
+    fn open_src(ep: &Endpoint, opts: &ClientOptions) -> Result<Side> {
+        match ep {
+            Endpoint::File(path) => {
+                let file =
+                    File::open(path).with_context(|| format!("opening {}", path.display()))?;
+                let size =
+                    file_size(&file).with_context(|| format!("size of {}", path.display()))?;
+                Ok(Side::File {
+                    file,
+                    path: path.clone(),
+                    size,
+                    fresh: false,
+                })
+            }
+            Endpoint::Nbd(uri) => Ok(Side::Nbd(Box::new(
+                Client::connect_with(uri, opts.clone())
+                    .with_context(|| format!("connecting to {uri}"))?,
+            ))),
+        }
+    }
+
+    /// Opens the destination; `size` is the source size. `first`: this is the first handle
+    /// (the one that prepares a local file).
+    fn open_dst(ep: &Endpoint, opts: &ClientOptions, size: u64, first: bool) -> Result<Side> {
+        match ep {
+            Endpoint::File(path) => {
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(false)
+                    .open(path)
+                    .with_context(|| format!("opening {}", path.display()))?;
+                let regular = file.metadata()?.file_type().is_file();
+                if regular && first {
+                    // A fresh sparse file: holes of the source need no writes at all.
+                    file.set_len(0)
+                        .and_then(|()| file.set_len(size))
+                        .with_context(|| format!("sizing {}", path.display()))?;
+                }
+                let have = file_size(&file)?;
+                if have < size {
+                    bail!(
+                        "{} holds {have} bytes, the source has {size}",
+                        path.display()
+                    );
+                }
+                Ok(Side::File {
+                    file,
+                    path: path.clone(),
+                    size: have,
+                    fresh: regular,
+                })
+            }
+            Endpoint::Nbd(uri) => {
+                let c = Client::connect_with(uri, opts.clone())
+                    .with_context(|| format!("connecting to {uri}"))?;
+                if c.size() < size {
+                    bail!(
+                        "{uri}: the export has {} bytes, the source has {size}",
+                        c.size()
+                    );
+                }
+                if c.is_read_only() {
+                    bail!("{uri}: the export is read-only");
+                }
+                Ok(Side::Nbd(Box::new(c)))
+            }
+        }
+    }
+
+    fn size(&self) -> u64 {
+        match self {
+            Side::File { size, .. } => *size,
+            Side::Nbd(c) => c.size(),
+        }
+    }
+
+    fn multi_conn(&self) -> bool {
+        match self {
+            Side::File { .. } => true,
+            Side::Nbd(c) => c.can_multi_conn(),
+        }
+    }
+
+    fn name(&self) -> String {
+        match self {
+            Side::File { path, .. } => path.display().to_string(),
+            Side::Nbd(c) => c.uri().to_string(),
+        }
+    }
+
+    fn read(&mut self, off: u64, buf: &mut [u8]) -> Result<()> {
+        match self {
+            Side::File { file, path, .. } => file
+                .read_exact_at(buf, off)
+                .with_context(|| format!("reading {} at {off}", path.display())),
+            Side::Nbd(c) => c
+                .read_at(off, buf)
+                .with_context(|| format!("reading {} at {off}", c.uri())),
+        }
+    }
+
+    fn write(&mut self, off: u64, data: &[u8]) -> Result<()> {
+        match self {
+            // A fresh sparse destination: all-zero granules stay holes (the source may not
+            // report holes, or may have allocated zeroes).
+            Side::File {
+                file,
+                path,
+                fresh: true,
+                ..
+            } => {
+                const GRANULE: usize = 64 * 1024;
+                for (i, g) in data.chunks(GRANULE).enumerate() {
+                    if g.iter().all(|&b| b == 0) {
+                        continue;
+                    }
+                    let at = off + (i * GRANULE) as u64;
+                    file.write_all_at(g, at)
+                        .with_context(|| format!("writing {} at {at}", path.display()))?;
+                }
+                Ok(())
+            }
+            Side::File { file, path, .. } => file
+                .write_all_at(data, off)
+                .with_context(|| format!("writing {} at {off}", path.display())),
+            Side::Nbd(c) => c
+                .write_at(off, data, false)
+                .with_context(|| format!("writing {} at {off}", c.uri())),
+        }
+    }
+
+    /// Makes `len` bytes at `off` read as zeroes, without writing data where possible.
+    fn zero(&mut self, off: u64, len: u64) -> Result<()> {
+        match self {
+            Side::File { fresh: true, .. } => Ok(()),
+            Side::File { file, .. } => {
+                // SAFETY: plain syscall on an open descriptor.
+                let r = unsafe {
+                    libc::fallocate(
+                        file.as_raw_fd(),
+                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                        off as libc::off_t,
+                        len as libc::off_t,
+                    )
+                };
+                if r == 0 {
+                    Ok(())
+                } else {
+                    self.write_zero_bytes(off, len)
+                }
+            }
+            // WRITE_ZEROES (the server may punch a hole); TRIM is not used: its contents
+            // afterwards are unspecified.
+            Side::Nbd(c) if c.can_write_zeroes() => c
+                .write_zeroes(off, len, false)
+                .with_context(|| format!("zeroing {} at {off}", c.uri())),
+            Side::Nbd(_) => self.write_zero_bytes(off, len),
+        }
+    }
+
+    fn write_zero_bytes(&mut self, off: u64, len: u64) -> Result<()> {
+        let zeroes = vec![0u8; BATCH.min(len) as usize];
+        let mut at = off;
+        while at < off + len {
+            let n = (off + len - at).min(BATCH) as usize;
+            self.write(at, &zeroes[..n])?;
+            at += n as u64;
+        }
+        Ok(())
+    }
+
+    /// The next extent from `off` (at most `len` bytes): (length, reads as zeroes).
+    fn extent(&mut self, off: u64, len: u64, sparse: bool) -> Result<(u64, bool)> {
+        if !sparse {
+            return Ok((len, false));
+        }
+        match self {
+            Side::File { file, .. } => {
+                let fd = file.as_raw_fd();
+                // SAFETY: plain syscalls on an open descriptor.
+                let data = unsafe { libc::lseek(fd, off as libc::off_t, libc::SEEK_DATA) };
+                if data < 0 {
+                    // ENXIO: no data after `off`; other errors: treat as data.
+                    let e = std::io::Error::last_os_error();
+                    return Ok((len, e.raw_os_error() == Some(libc::ENXIO)));
+                }
+                let data = data as u64;
+                if data > off {
+                    return Ok(((data - off).min(len), true));
+                }
+                let hole = unsafe { libc::lseek(fd, off as libc::off_t, libc::SEEK_HOLE) };
+                let end = if hole < 0 { off + len } else { hole as u64 };
+                Ok(((end - off).clamp(1, len), false))
+            }
+            Side::Nbd(c) if c.can_block_status() => {
+                let ext = c
+                    .block_status(off, len.min(1 << 30))
+                    .with_context(|| format!("block status of {} at {off}", c.uri()))?;
+                let first = ext[0];
+                // Merge following extents of the same kind.
+                let mut n = 0;
+                for e in &ext {
+                    if e.zero != first.zero {
+                        break;
+                    }
+                    n += e.length;
+                }
+                Ok((n.clamp(1, len), first.zero))
+            }
+            Side::Nbd(_) => Ok((len, false)),
+        }
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        match self {
+            Side::File { file, path, .. } => file
+                .sync_all()
+                .with_context(|| format!("syncing {}", path.display())),
+            Side::Nbd(c) => c.flush().with_context(|| format!("flushing {}", c.uri())),
+        }
+    }
+
+    fn finish(self) -> Result<u64> {
+        match self {
+            Side::File { .. } => Ok(0),
+            Side::Nbd(c) => {
+                let n = c.reconnects();
+                let uri = c.uri().to_string();
+                c.disconnect()
+                    .with_context(|| format!("disconnecting from {uri}"))?;
+                Ok(n)
+            }
+        }
+    }
+}
+
+fn file_size(f: &File) -> std::io::Result<u64> {
+    let md = f.metadata()?;
+    if md.file_type().is_file() {
+        return Ok(md.len());
+    }
+    // Block devices: seek to the end.
+    // SAFETY: plain syscall on an open descriptor.
+    let end = unsafe { libc::lseek(f.as_raw_fd(), 0, libc::SEEK_END) };
+    if end < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(end as u64)
+}
+
+fn copy_range(
+    src: &mut Side,
+    dst: &mut Side,
+    start: u64,
+    end: u64,
+    opts: &CopyOptions,
+) -> Result<(u64, u64)> {
+    let (mut data, mut zero) = (0, 0);
+    let mut buf = vec![0u8; BATCH as usize];
+    let mut pos = start;
+    while pos < end {
+        let (len, is_zero) = src.extent(pos, end - pos, opts.sparse)?;
+        if is_zero {
+            dst.zero(pos, len)?;
+            zero += len;
+            opts.progress.inc(len);
+        } else {
+            let mut at = pos;
+            while at < pos + len {
+                let n = (pos + len - at).min(BATCH) as usize;
+                src.read(at, &mut buf[..n])?;
+                dst.write(at, &buf[..n])?;
+                at += n as u64;
+                data += n as u64;
+                opts.progress.inc(n as u64);
+            }
+        }
+        pos += len;
+    }
+    Ok((data, zero))
+}
+
+/// Copies `src` to `dst`; with `verify`, re-reads both and compares.
+pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopyStats> {
+    let nic = match &opts.client.nic {
+        Some(n) => n.clone(),
+        None => Nic::soft().context("starting the soft NIC")?,
+    };
+    let copts = ClientOptions {
+        nic: Some(nic),
+        ..opts.client.clone()
+    };
+    let mut srcs = vec![Side::open_src(src, &copts)?];
+    let size = srcs[0].size();
+    let mut dsts = vec![Side::open_dst(dst, &copts, size, true)?];
+    let n = if srcs[0].multi_conn() && dsts[0].multi_conn() {
+        opts.connections.max(1)
+    } else {
+        1
+    };
+    // Not worth more connections than 64 MiB pieces.
+    let n = n.min(size.div_ceil(64 << 20).max(1) as usize);
+    for _ in 1..n {
+        srcs.push(Side::open_src(src, &copts)?);
+        dsts.push(Side::open_dst(dst, &copts, size, false)?);
+    }
+    opts.progress.set_length(size);
+    let piece = (size.div_ceil(n as u64)).div_ceil(1 << 20) << 20;
+    let results: Vec<Result<(u64, u64)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = srcs
+            .iter_mut()
+            .zip(dsts.iter_mut())
+            .enumerate()
+            .map(|(i, (sr, ds))| {
+                let start = (i as u64 * piece).min(size);
+                let end = ((i as u64 + 1) * piece).min(size);
+                s.spawn(move || {
+                    let r = copy_range(sr, ds, start, end, opts)?;
+                    ds.flush()?;
+                    Ok(r)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| bail!("a copy worker panicked")))
+            .collect()
+    });
+    let mut stats = CopyStats {
+        size,
+        connections: n,
+        ..Default::default()
+    };
+    for r in results {
+        let (d, z) = r?;
+        stats.data_bytes += d;
+        stats.zero_bytes += z;
+    }
+    opts.progress.finish_and_clear();
+    if opts.verify
+        && let Some(off) = first_mismatch(&mut srcs[0], &mut dsts[0], size)?
+    {
+        bail!(
+            "verify: {} and {} differ at offset {off}",
+            srcs[0].name(),
+            dsts[0].name()
+        );
+    }
+    for s in srcs.into_iter().chain(dsts) {
+        stats.reconnects += s.finish()?;
+    }
+    Ok(stats)
+}
+
+fn first_mismatch(a: &mut Side, b: &mut Side, size: u64) -> Result<Option<u64>> {
+    let mut x = vec![0u8; BATCH as usize];
+    let mut y = vec![0u8; BATCH as usize];
+    let mut pos = 0;
+    while pos < size {
+        let n = (size - pos).min(BATCH) as usize;
+        a.read(pos, &mut x[..n])?;
+        b.read(pos, &mut y[..n])?;
+        if let Some(i) = x[..n].iter().zip(&y[..n]).position(|(p, q)| p != q) {
+            return Ok(Some(pos + i as u64));
+        }
+        pos += n as u64;
+    }
+    Ok(None)
+}

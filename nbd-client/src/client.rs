@@ -1,0 +1,984 @@
+//! The NBD client: requests pipelined over one QP connection, transparent reconnection.
+//!
+//! Every request occupies a *send slot* of registered memory holding its 28-byte header and,
+//! for a WRITE, its payload, until the server has answered it. That is what makes reissue
+//! possible: when the connection is lost, the client reconnects (exponential backoff, bounded
+//! by [`ClientOptions::reconnect_timeout`]) and posts every unanswered slot again on the new
+//! connection. A request is reported done only when the server answered it; when the
+//! connection cannot be restored in time, every unanswered request fails with EIO.
+//!
+//! Copies per request (user space): WRITE 1 (caller buffer → send slot); READ 1 (receive slot
+//! → caller buffer). The NIC reads replies from the socket straight into the receive slot
+//! (header and data in one receive WR) and sends requests straight from the send slot.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use nbd_proto::consts as c;
+use nbd_proto::flags::{CmdFlags, TransmissionFlags};
+use nbd_proto::handshake::{
+    BlockSize, ClientConfig, ClientError, ClientEvent, ClientHandshake, ExportDetails,
+    ExportListing,
+};
+use nbd_proto::reply::{Chunk, SimpleReply, StructuredReplyHeader};
+use nbd_proto::transmission::{Command, ErrorValue, Request};
+use qpip_core::{Access, Completion, MemoryRegion, Nic, Opcode, SendWr, WcStatus};
+
+use crate::conn::{Conn, MAX_IO, MAX_WINDOW, RECV_BIT, RECV_SLOT};
+use crate::error::{Error, Result};
+use crate::uri::NbdUri;
+
+/// How a [`Client`] connects and recovers.
+#[derive(Clone, Debug)]
+pub struct ClientOptions {
+    /// Give up reconnecting after this long (then unanswered requests fail with EIO).
+    pub reconnect_timeout: Duration,
+    /// Time allowed for one connect plus handshake.
+    pub connect_timeout: Duration,
+    /// Requests in flight at most (1..=64).
+    pub window: usize,
+    /// Ask for structured replies.
+    pub structured_replies: bool,
+    /// Ask for the `base:allocation` metadata context (block status).
+    pub base_allocation: bool,
+    /// The NIC to use (a new soft NIC if `None`); clients may share one.
+    pub nic: Option<Nic>,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            reconnect_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(10),
+            window: 32,
+            structured_replies: true,
+            base_allocation: true,
+            nic: None,
+        }
+    }
+}
+
+/// What the client knows about the export.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportInfo {
+    pub size: u64,
+    pub flags: TransmissionFlags,
+    pub block_size: BlockSize,
+    pub block_size_advertised: bool,
+    pub name: Option<String>,
+    pub description: Option<String>,
+}
+
+impl From<ExportDetails> for ExportInfo {
+    fn from(d: ExportDetails) -> Self {
+        ExportInfo {
+            size: d.size,
+            flags: d.flags,
+            block_size: d.block_size,
+            block_size_advertised: d.block_size_advertised,
+            name: d.name,
+            description: d.description,
+        }
+    }
+}
+
+/// One extent of `base:allocation` block status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extent {
+    pub offset: u64,
+    pub length: u64,
+    /// Not allocated (NBD_STATE_HOLE).
+    pub hole: bool,
+    /// Reads as zeroes (NBD_STATE_ZERO).
+    pub zero: bool,
+}
+
+/// A request of the pipelined API. READ and WRITE are at most [`Client::max_io`] bytes.
+#[derive(Clone, Copy, Debug)]
+pub enum Op<'a> {
+    Read {
+        offset: u64,
+        len: u32,
+    },
+    Write {
+        offset: u64,
+        data: &'a [u8],
+        fua: bool,
+    },
+    Flush,
+    Trim {
+        offset: u64,
+        len: u32,
+    },
+    WriteZeroes {
+        offset: u64,
+        len: u32,
+        fua: bool,
+    },
+    BlockStatus {
+        offset: u64,
+        len: u32,
+    },
+}
+
+/// The result of a successful request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Output {
+    Done,
+    Data(Vec<u8>),
+    Extents(Vec<Extent>),
+}
+
+/// A finished request of the pipelined API.
+#[derive(Debug)]
+pub struct Reply {
+    pub tag: u64,
+    pub result: Result<Output>,
+}
+
+/// Tags of requests the blocking calls issue for themselves.
+const INTERNAL: u64 = 1 << 63;
+
+struct Inflight {
+    tag: u64,
+    req: Request,
+    slot: usize,
+    data: Vec<u8>,
+    covered: u64,
+    extents: Vec<Extent>,
+    error: Option<Error>,
+}
+
+impl Inflight {
+    fn reset(&mut self) {
+        if self.req.command == Command::Read {
+            self.data.iter_mut().for_each(|b| *b = 0);
+        }
+        self.covered = 0;
+        self.extents.clear();
+        self.error = None;
+    }
+}
+
+/// An NBD client on one QP connection.
+pub struct Client {
+    uri: NbdUri,
+    opts: ClientOptions,
+    nic: Nic,
+    conn: Option<Conn>,
+    info: ExportInfo,
+    structured: bool,
+    allocation_ctx: Option<u32>,
+    send_mr: MemoryRegion,
+    slot_len: usize,
+    free_slots: Vec<usize>,
+    inflight: HashMap<u64, Inflight>,
+    next_cookie: u64,
+    done: VecDeque<Reply>,
+    failed: Option<String>,
+    max_io: u32,
+    reconnects: u64,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("uri", &self.uri.to_string())
+            .field("info", &self.info)
+            .field("in_flight", &self.inflight.len())
+            .finish()
+    }
+}
+
+fn round_down(v: u64, to: u64) -> u64 {
+    v - v % to.max(1)
+}
+
+impl Client {
+    /// Connects to an NBD URI with the default options.
+    pub fn connect(uri: &str) -> Result<Client> {
+        Self::connect_with(uri, ClientOptions::default())
+    }
+
+    /// Connects with `opts`: OPT_GO with block sizes, structured replies and
+    /// `base:allocation` when the server has them, falling back to simple replies and
+    /// NBD_OPT_EXPORT_NAME when it does not.
+    pub fn connect_with(uri: &str, mut opts: ClientOptions) -> Result<Client> {
+        let uri = NbdUri::parse(uri)?;
+        opts.window = opts.window.clamp(1, MAX_WINDOW);
+        let nic = match &opts.nic {
+            Some(n) => n.clone(),
+            None => Nic::soft()?,
+        };
+        let (conn, ev) = Conn::open(
+            &nic,
+            &uri,
+            ClientHandshake::connect(Self::config(&uri, &opts)),
+            opts.connect_timeout,
+        )?;
+        let ClientEvent::Connected(neg) = ev else {
+            return Err(Error::Protocol {
+                uri: uri.to_string(),
+                why: "handshake ended without entering transmission".into(),
+            });
+        };
+        let info = ExportInfo::from(neg.export.clone());
+        let bs = info.block_size;
+        let max = u64::from(bs.max).min(MAX_IO as u64);
+        let max_io = round_down(max, u64::from(bs.min)).max(u64::from(bs.min)) as u32;
+        let slot_len = c::REQUEST_LEN + max_io as usize;
+        let send_mr = nic.alloc_region(opts.window * slot_len, Access::READ);
+        tracing::debug!(%uri, ?info, structured = neg.structured_replies, "connected");
+        Ok(Client {
+            free_slots: (0..opts.window).rev().collect(),
+            uri,
+            nic,
+            conn: Some(conn),
+            info,
+            structured: neg.structured_replies,
+            allocation_ctx: neg.base_allocation,
+            send_mr,
+            slot_len,
+            inflight: HashMap::new(),
+            next_cookie: 1,
+            done: VecDeque::new(),
+            failed: None,
+            max_io,
+            reconnects: 0,
+            opts,
+        })
+    }
+
+    fn config(uri: &NbdUri, opts: &ClientOptions) -> ClientConfig {
+        let mut cfg = ClientConfig::new(uri.export.clone());
+        cfg.structured_replies = opts.structured_replies;
+        cfg.base_allocation = opts.base_allocation && opts.structured_replies;
+        cfg
+    }
+
+    /// The export's details without entering transmission (NBD_OPT_INFO); falls back to a
+    /// full connect for servers without it.
+    pub fn info(uri: &str) -> Result<ExportInfo> {
+        let parsed = NbdUri::parse(uri)?;
+        let opts = ClientOptions::default();
+        let nic = Nic::soft()?;
+        let hs = ClientHandshake::info(Self::config(&parsed, &opts));
+        match Conn::open(&nic, &parsed, hs, opts.connect_timeout) {
+            Ok((_, ClientEvent::Info(d))) => Ok((*d).into()),
+            Ok(_) => Err(Error::Protocol {
+                uri: parsed.to_string(),
+                why: "unexpected answer to NBD_OPT_INFO".into(),
+            }),
+            Err(Error::Handshake {
+                source: ClientError::NoFixedNewstyle,
+                ..
+            }) => Self::info_by_connect(uri, nic),
+            Err(Error::Handshake {
+                source: ClientError::Rejected { reply, .. },
+                ..
+            }) if reply == c::REP_ERR_UNSUP => Self::info_by_connect(uri, nic),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn info_by_connect(uri: &str, nic: Nic) -> Result<ExportInfo> {
+        let client = Self::connect_with(
+            uri,
+            ClientOptions {
+                nic: Some(nic),
+                window: 1,
+                ..Default::default()
+            },
+        )?;
+        let info = client.export_info().clone();
+        client.disconnect()?;
+        Ok(info)
+    }
+
+    /// The server's exports (NBD_OPT_LIST).
+    pub fn list(uri: &str) -> Result<Vec<ExportListing>> {
+        let parsed = NbdUri::parse(uri)?;
+        let nic = Nic::soft()?;
+        match Conn::open(
+            &nic,
+            &parsed,
+            ClientHandshake::list(),
+            ClientOptions::default().connect_timeout,
+        )? {
+            (_, ClientEvent::Listed(v)) => Ok(v),
+            _ => Err(Error::Protocol {
+                uri: parsed.to_string(),
+                why: "unexpected answer to NBD_OPT_LIST".into(),
+            }),
+        }
+    }
+
+    pub fn uri(&self) -> &NbdUri {
+        &self.uri
+    }
+    pub fn size(&self) -> u64 {
+        self.info.size
+    }
+    pub fn flags(&self) -> TransmissionFlags {
+        self.info.flags
+    }
+    pub fn export_info(&self) -> &ExportInfo {
+        &self.info
+    }
+    pub fn block_size(&self) -> BlockSize {
+        self.info.block_size
+    }
+    /// Largest READ/WRITE of the pipelined API (the server's maximum, capped at 256 KiB).
+    pub fn max_io(&self) -> u32 {
+        self.max_io
+    }
+    /// Requests in flight at most.
+    pub fn window(&self) -> usize {
+        self.opts.window
+    }
+    pub fn in_flight(&self) -> usize {
+        self.inflight.len()
+    }
+    /// How many times the connection was restored.
+    pub fn reconnects(&self) -> u64 {
+        self.reconnects
+    }
+    pub fn structured_replies(&self) -> bool {
+        self.structured
+    }
+    fn has(&self, f: TransmissionFlags) -> bool {
+        self.info.flags.contains(f)
+    }
+    pub fn is_read_only(&self) -> bool {
+        self.has(TransmissionFlags::READ_ONLY)
+    }
+    pub fn can_flush(&self) -> bool {
+        self.has(TransmissionFlags::SEND_FLUSH)
+    }
+    pub fn can_fua(&self) -> bool {
+        self.has(TransmissionFlags::SEND_FUA)
+    }
+    pub fn can_trim(&self) -> bool {
+        self.has(TransmissionFlags::SEND_TRIM)
+    }
+    pub fn can_write_zeroes(&self) -> bool {
+        self.has(TransmissionFlags::SEND_WRITE_ZEROES)
+    }
+    pub fn can_multi_conn(&self) -> bool {
+        self.has(TransmissionFlags::CAN_MULTI_CONN)
+    }
+    pub fn can_block_status(&self) -> bool {
+        self.allocation_ctx.is_some()
+    }
+
+    fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+        let min = self.info.block_size.min;
+        if !offset.is_multiple_of(u64::from(min)) || !len.is_multiple_of(u64::from(min)) {
+            return Err(Error::Unaligned { offset, len, min });
+        }
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > self.info.size)
+        {
+            return Err(Error::OutOfRange {
+                offset,
+                len,
+                size: self.info.size,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_op(&self, op: &Op) -> Result<Request> {
+        let mut flags = CmdFlags::empty();
+        let (command, offset, len) = match *op {
+            Op::Read { offset, len } => (Command::Read, offset, len),
+            Op::Write { offset, data, fua } => {
+                flags.set(CmdFlags::FUA, fua && self.can_fua());
+                let len =
+                    u32::try_from(data.len()).map_err(|_| Error::Invalid("write too long"))?;
+                (Command::Write, offset, len)
+            }
+            Op::Flush => (Command::Flush, 0, 0),
+            Op::Trim { offset, len } => (Command::Trim, offset, len),
+            Op::WriteZeroes { offset, len, fua } => {
+                flags.set(CmdFlags::FUA, fua && self.can_fua());
+                (Command::WriteZeroes, offset, len)
+            }
+            Op::BlockStatus { offset, len } => (Command::BlockStatus, offset, len),
+        };
+        if command.is_write() && self.is_read_only() {
+            return Err(Error::Server {
+                error: ErrorValue::Perm,
+                message: "the export is read-only".into(),
+            });
+        }
+        match command {
+            Command::Read | Command::Write if len > self.max_io => {
+                return Err(Error::Invalid("request longer than max_io()"));
+            }
+            Command::Flush if !self.can_flush() => return Err(Error::Unsupported("FLUSH")),
+            Command::Trim if !self.can_trim() => return Err(Error::Unsupported("TRIM")),
+            Command::WriteZeroes if !self.can_write_zeroes() => {
+                return Err(Error::Unsupported("WRITE_ZEROES"));
+            }
+            Command::BlockStatus if !self.can_block_status() => {
+                return Err(Error::Unsupported("block status (base:allocation)"));
+            }
+            Command::BlockStatus if len == 0 => {
+                return Err(Error::Invalid("zero-length block status"));
+            }
+            _ => {}
+        }
+        if command != Command::Flush {
+            self.check_range(offset, u64::from(len))?;
+        }
+        Ok(Request {
+            flags,
+            command,
+            cookie: 0,
+            offset,
+            length: len,
+        })
+    }
+
+    /// Submits a request; blocks (processing replies) while the window is full. Its reply
+    /// comes out of [`Self::reap`] with `tag` (tags must be below 2^63).
+    pub fn submit(&mut self, tag: u64, op: Op) -> Result<()> {
+        if let Some(why) = &self.failed {
+            return Err(self.lost(why.clone()));
+        }
+        let mut req = self.check_op(&op)?;
+        while self.free_slots.is_empty() {
+            self.pump(true)?;
+        }
+        let Some(slot) = self.free_slots.pop() else {
+            return Err(Error::Invalid("no free slot"));
+        };
+        req.cookie = self.next_cookie;
+        self.next_cookie += 1;
+        let base = slot * self.slot_len;
+        self.send_mr.write_at(base, &req.encode());
+        if let Op::Write { data, .. } = op {
+            self.send_mr.write_at(base + c::REQUEST_LEN, data);
+        }
+        let data = if req.command == Command::Read {
+            vec![0; req.length as usize]
+        } else {
+            Vec::new()
+        };
+        self.inflight.insert(
+            req.cookie,
+            Inflight {
+                tag,
+                req,
+                slot,
+                data,
+                covered: 0,
+                extents: Vec::new(),
+                error: None,
+            },
+        );
+        if let Err(e) = self.post(req.cookie) {
+            self.recover(format!("posting a request failed: {e}"));
+        }
+        Ok(())
+    }
+
+    fn post(&self, cookie: u64) -> Result<()> {
+        let (Some(conn), Some(inf)) = (&self.conn, self.inflight.get(&cookie)) else {
+            return Err(Error::Invalid("no connection"));
+        };
+        if inf.req.command == Command::Read && !self.structured {
+            conn.reads.lock().insert(cookie, inf.req.length);
+        }
+        let len = c::REQUEST_LEN + inf.req.payload_len() as usize;
+        conn.qp.post_send(SendWr::new(
+            cookie,
+            &[self.send_mr.sge(inf.slot * self.slot_len, len)],
+        ))?;
+        Ok(())
+    }
+
+    /// Waits for the next finished request of the pipelined API.
+    pub fn reap(&mut self) -> Result<Reply> {
+        loop {
+            if let Some(i) = self.done.iter().position(|r| r.tag & INTERNAL == 0) {
+                return Ok(self.done.remove(i).expect("position is in range"));
+            }
+            if !self.inflight.values().any(|f| f.tag & INTERNAL == 0) {
+                return Err(Error::Invalid("reap with nothing in flight"));
+            }
+            self.pump(true)?;
+        }
+    }
+
+    /// Finished requests of the pipelined API, without waiting.
+    pub fn try_reap(&mut self) -> Result<Option<Reply>> {
+        self.pump(false)?;
+        Ok(self
+            .done
+            .iter()
+            .position(|r| r.tag & INTERNAL == 0)
+            .and_then(|i| self.done.remove(i)))
+    }
+
+    fn lost(&self, why: String) -> Error {
+        Error::ConnectionLost {
+            uri: self.uri.to_string(),
+            after: self.opts.reconnect_timeout,
+            why,
+        }
+    }
+
+    /// Processes completions: one wait (up to 1 s) if `block`, else what is there.
+    fn pump(&mut self, block: bool) -> Result<()> {
+        if let Some(why) = &self.failed
+            && self.inflight.is_empty()
+        {
+            return Err(self.lost(why.clone()));
+        }
+        let Some(conn) = &self.conn else {
+            self.recover("no connection".into());
+            return Ok(());
+        };
+        let mut buf = [Completion::default(); 32];
+        let n = if block {
+            conn.cq.wait(&mut buf, Some(Duration::from_secs(1)))?
+        } else {
+            conn.cq.poll(&mut buf)?
+        };
+        let mut lost = None;
+        for comp in &buf[..n] {
+            if lost.is_some() {
+                break;
+            }
+            if comp.opcode == Opcode::Send {
+                if !comp.is_ok() {
+                    lost = Some(format!("a request could not be sent ({:?})", comp.status));
+                }
+                continue;
+            }
+            if comp.status != WcStatus::Success {
+                lost = Some(match comp.status {
+                    WcStatus::RemoteClosed => "the server closed the connection".to_string(),
+                    s => format!("receive failed ({s:?}, os error {})", comp.os_error),
+                });
+                continue;
+            }
+            let slot = (comp.wr_id & !RECV_BIT) as usize;
+            if let Err(why) = self.on_reply(slot, comp.byte_len as usize) {
+                lost = Some(why);
+                continue;
+            }
+            if let Some(conn) = &self.conn
+                && let Err(e) = conn.repost(slot)
+            {
+                lost = Some(format!("reposting a receive failed: {e}"));
+            }
+        }
+        if let Some(why) = lost {
+            self.recover(why);
+        }
+        Ok(())
+    }
+
+    /// Handles one reply message in receive slot `slot`. Err: the connection is unusable.
+    fn on_reply(&mut self, slot: usize, len: usize) -> Result<(), String> {
+        let conn = self.conn.as_ref().ok_or("no connection")?;
+        let base = slot * RECV_SLOT;
+        let mut hdr = [0u8; c::STRUCTURED_REPLY_HEADER_LEN + 8];
+        let hlen = len.min(hdr.len());
+        conn.recv_mr.read_at(base, &mut hdr[..hlen]);
+        let hdr = &hdr[..hlen];
+        let magic = hdr
+            .get(..4)
+            .map(|m| u32::from_be_bytes([m[0], m[1], m[2], m[3]]));
+        if magic == Some(c::SIMPLE_REPLY_MAGIC) {
+            let r = SimpleReply::parse(hdr).map_err(|e| e.to_string())?;
+            conn.reads.lock().remove(&r.cookie);
+            let inf = self
+                .inflight
+                .get_mut(&r.cookie)
+                .ok_or_else(|| format!("reply for unknown cookie {}", r.cookie))?;
+            if let Some(e) = r.error_value() {
+                inf.error = Some(Error::Server {
+                    error: e,
+                    message: String::new(),
+                });
+            } else if inf.req.command == Command::Read {
+                let body = len - c::SIMPLE_REPLY_LEN;
+                if body != inf.data.len() {
+                    return Err("read reply of the wrong length".into());
+                }
+                conn.recv_mr
+                    .read_at(base + c::SIMPLE_REPLY_LEN, &mut inf.data);
+                inf.covered = body as u64;
+            }
+            self.finish(r.cookie);
+            return Ok(());
+        }
+        if self.structured && magic == Some(c::STRUCTURED_REPLY_MAGIC) {
+            let h = StructuredReplyHeader::parse(hdr).map_err(|e| e.to_string())?;
+            let payload_len = len - c::STRUCTURED_REPLY_HEADER_LEN;
+            let inf = self
+                .inflight
+                .get_mut(&h.cookie)
+                .ok_or_else(|| format!("reply for unknown cookie {}", h.cookie))?;
+            let req = inf.req;
+            if h.reply_type == c::REPLY_TYPE_OFFSET_DATA {
+                if req.command != Command::Read || payload_len < 9 {
+                    return Err("unexpected OFFSET_DATA chunk".into());
+                }
+                let off = u64::from_be_bytes(hdr[20..28].try_into().expect("8 bytes"));
+                let n = (payload_len - 8) as u64;
+                let start = off
+                    .checked_sub(req.offset)
+                    .filter(|s| s + n <= u64::from(req.length))
+                    .ok_or("OFFSET_DATA chunk outside the request")?;
+                conn.recv_mr.read_at(
+                    base + c::STRUCTURED_REPLY_HEADER_LEN + 8,
+                    &mut inf.data[start as usize..(start + n) as usize],
+                );
+                inf.covered += n;
+            } else {
+                let mut payload = vec![0u8; payload_len];
+                conn.recv_mr
+                    .read_at(base + c::STRUCTURED_REPLY_HEADER_LEN, &mut payload);
+                match Chunk::parse(&h, &payload).map_err(|e| e.to_string())? {
+                    Chunk::None => {}
+                    Chunk::OffsetHole { offset, length } => {
+                        let start = offset
+                            .checked_sub(req.offset)
+                            .filter(|s| s + u64::from(length) <= u64::from(req.length))
+                            .ok_or("OFFSET_HOLE chunk outside the request")?;
+                        if req.command != Command::Read {
+                            return Err("unexpected OFFSET_HOLE chunk".into());
+                        }
+                        inf.data[start as usize..(start + u64::from(length)) as usize].fill(0);
+                        inf.covered += u64::from(length);
+                    }
+                    Chunk::BlockStatus {
+                        context_id,
+                        extents,
+                    } if Some(context_id) == self.allocation_ctx => {
+                        let end = req.offset + u64::from(req.length);
+                        let mut at = req.offset;
+                        for e in extents {
+                            if at >= end {
+                                break;
+                            }
+                            let length = u64::from(e.length).min(end - at);
+                            inf.extents.push(Extent {
+                                offset: at,
+                                length,
+                                hole: e.flags & c::STATE_HOLE != 0,
+                                zero: e.flags & c::STATE_ZERO != 0,
+                            });
+                            at += length;
+                        }
+                    }
+                    Chunk::Error { error, message, .. }
+                    | Chunk::ErrorOffset { error, message, .. } => {
+                        inf.error.get_or_insert(Error::Server {
+                            error: ErrorValue::from_wire(error).unwrap_or(ErrorValue::Inval),
+                            message: String::from_utf8_lossy(message).into_owned(),
+                        });
+                    }
+                    _ => {}
+                }
+            }
+            if h.is_done() {
+                self.finish(h.cookie);
+            }
+            return Ok(());
+        }
+        Err(format!("unexpected reply magic {magic:x?}"))
+    }
+
+    fn finish(&mut self, cookie: u64) {
+        let Some(inf) = self.inflight.remove(&cookie) else {
+            return;
+        };
+        self.free_slots.push(inf.slot);
+        let result = match inf.error {
+            Some(e) => Err(e),
+            None => match inf.req.command {
+                Command::Read if inf.covered != u64::from(inf.req.length) => Err(Error::Protocol {
+                    uri: self.uri.to_string(),
+                    why: format!(
+                        "read of {} bytes answered with {} bytes",
+                        inf.req.length, inf.covered
+                    ),
+                }),
+                Command::Read => Ok(Output::Data(inf.data)),
+                Command::BlockStatus if inf.extents.is_empty() => Err(Error::Protocol {
+                    uri: self.uri.to_string(),
+                    why: "block status reply without base:allocation extents".into(),
+                }),
+                Command::BlockStatus => Ok(Output::Extents(inf.extents)),
+                _ => Ok(Output::Done),
+            },
+        };
+        self.done.push_back(Reply {
+            tag: inf.tag,
+            result,
+        });
+    }
+
+    /// The connection is gone: reconnect with exponential backoff and reissue every request
+    /// not yet answered, or, after `reconnect_timeout`, fail them all with EIO.
+    fn recover(&mut self, why: String) {
+        if self.failed.is_some() {
+            return;
+        }
+        tracing::warn!(uri = %self.uri, in_flight = self.inflight.len(), "connection lost: {why}; reconnecting");
+        self.conn = None;
+        let start = Instant::now();
+        let mut delay = Duration::from_millis(50);
+        let mut last = why.clone();
+        loop {
+            let left = self.opts.reconnect_timeout.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                break;
+            }
+            let hs = ClientHandshake::connect(Self::config(&self.uri, &self.opts));
+            match Conn::open(
+                &self.nic,
+                &self.uri,
+                hs,
+                self.opts.connect_timeout.min(left),
+            ) {
+                Ok((conn, ClientEvent::Connected(neg))) => {
+                    if neg.export.size != self.info.size {
+                        last = format!(
+                            "export size changed from {} to {}",
+                            self.info.size, neg.export.size
+                        );
+                        break;
+                    }
+                    self.structured = neg.structured_replies;
+                    self.allocation_ctx = neg.base_allocation;
+                    self.conn = Some(conn);
+                    let mut cookies: Vec<u64> = self.inflight.keys().copied().collect();
+                    cookies.sort_unstable();
+                    let mut ok = true;
+                    for cookie in cookies {
+                        if let Some(inf) = self.inflight.get_mut(&cookie) {
+                            inf.reset();
+                        }
+                        if let Err(e) = self.post(cookie) {
+                            last = format!("reissuing failed: {e}");
+                            ok = false;
+                            break;
+                        }
+                    }
+                    if ok {
+                        self.reconnects += 1;
+                        tracing::info!(uri = %self.uri, reissued = self.inflight.len(), after = ?start.elapsed(), "reconnected");
+                        return;
+                    }
+                    self.conn = None;
+                }
+                Ok(_) => last = "handshake ended without transmission".into(),
+                Err(e) => last = e.to_string(),
+            }
+            std::thread::sleep(
+                delay.min(self.opts.reconnect_timeout.saturating_sub(start.elapsed())),
+            );
+            delay = (delay * 2).min(Duration::from_secs(2));
+        }
+        let why = format!("{why}; last attempt: {last}");
+        tracing::error!(uri = %self.uri, "giving up: {why}");
+        let cookies: Vec<u64> = self.inflight.keys().copied().collect();
+        for cookie in cookies {
+            if let Some(inf) = self.inflight.remove(&cookie) {
+                self.free_slots.push(inf.slot);
+                self.done.push_back(Reply {
+                    tag: inf.tag,
+                    result: Err(self.lost(why.clone())),
+                });
+            }
+        }
+        self.failed = Some(why);
+    }
+
+    /// Runs `ops` with the window full; `on_done(index, output)` for each success. The first
+    /// error is returned after every request has finished.
+    fn run<'a>(
+        &mut self,
+        ops: impl IntoIterator<Item = Op<'a>>,
+        mut on_done: impl FnMut(u64, Output),
+    ) -> Result<()> {
+        let mut pending = 0usize;
+        let mut first_err: Option<Error> = None;
+        let mut drain = |this: &mut Client, pending: &mut usize| {
+            while let Some(i) = this.done.iter().position(|r| r.tag & INTERNAL != 0) {
+                let r = this.done.remove(i).expect("position is in range");
+                *pending -= 1;
+                match r.result {
+                    Ok(out) => on_done(r.tag & !INTERNAL, out),
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+        };
+        for (i, op) in ops.into_iter().enumerate() {
+            if let Err(e) = self.submit(INTERNAL | i as u64, op) {
+                drain(self, &mut pending);
+                while pending > 0 {
+                    self.pump(true)?;
+                    drain(self, &mut pending);
+                }
+                return Err(e);
+            }
+            pending += 1;
+            drain(self, &mut pending);
+        }
+        while pending > 0 {
+            self.pump(true)?;
+            drain(self, &mut pending);
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn pieces(offset: u64, len: u64, max: u64) -> impl Iterator<Item = (u64, u32)> {
+        let max = max.max(1);
+        (0..len.div_ceil(max)).map(move |i| {
+            let o = i * max;
+            (offset + o, (len - o).min(max) as u32)
+        })
+    }
+
+    /// Reads `buf.len()` bytes at `offset`, as many requests in flight as the window allows.
+    pub fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.check_range(offset, buf.len() as u64)?;
+        let max = u64::from(self.max_io);
+        let ops: Vec<Op> = Self::pieces(offset, buf.len() as u64, max)
+            .map(|(offset, len)| Op::Read { offset, len })
+            .collect();
+        self.run(ops, |i, out| {
+            if let Output::Data(d) = out {
+                let at = (i * max) as usize;
+                buf[at..at + d.len()].copy_from_slice(&d);
+            }
+        })
+    }
+
+    /// Writes `data` at `offset`; with `fua` (when the server offers it) durable on return.
+    pub fn write_at(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.check_range(offset, data.len() as u64)?;
+        let max = self.max_io as usize;
+        let ops: Vec<Op> = data
+            .chunks(max.max(1))
+            .enumerate()
+            .map(|(i, d)| Op::Write {
+                offset: offset + (i * max) as u64,
+                data: d,
+                fua,
+            })
+            .collect();
+        self.run(ops, |_, _| {})
+    }
+
+    /// Makes every acknowledged write durable (a no-op if the server has no FLUSH).
+    pub fn flush(&mut self) -> Result<()> {
+        if !self.can_flush() {
+            return Ok(());
+        }
+        self.run([Op::Flush], |_, _| {})
+    }
+
+    /// Largest TRIM / WRITE_ZEROES length in one request.
+    fn max_zero(&self) -> u64 {
+        let bs = self.info.block_size;
+        round_down(u64::from(bs.max).min(1 << 30), u64::from(bs.min)).max(u64::from(bs.min))
+    }
+
+    /// Discards a range (NBD_CMD_TRIM; its contents are unspecified afterwards).
+    pub fn trim(&mut self, offset: u64, len: u64) -> Result<()> {
+        if !self.can_trim() {
+            return Err(Error::Unsupported("TRIM"));
+        }
+        self.check_range(offset, len)?;
+        let ops: Vec<Op> = Self::pieces(offset, len, self.max_zero())
+            .map(|(offset, len)| Op::Trim { offset, len })
+            .collect();
+        self.run(ops, |_, _| {})
+    }
+
+    /// Zeroes a range (NBD_CMD_WRITE_ZEROES; the server may punch holes).
+    pub fn write_zeroes(&mut self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        if !self.can_write_zeroes() {
+            return Err(Error::Unsupported("WRITE_ZEROES"));
+        }
+        self.check_range(offset, len)?;
+        let ops: Vec<Op> = Self::pieces(offset, len, self.max_zero())
+            .map(|(offset, len)| Op::WriteZeroes { offset, len, fua })
+            .collect();
+        self.run(ops, |_, _| {})
+    }
+
+    /// Allocation status from `offset` (base:allocation). The server may describe less than
+    /// `len` bytes; ask again from the end of the last extent.
+    pub fn block_status(&mut self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        let min = u64::from(self.info.block_size.min);
+        let len = len.min(self.info.size.saturating_sub(offset));
+        let len = round_down(len.min(u64::from(u32::MAX)), min).max(min.min(len));
+        let mut got = Vec::new();
+        self.run(
+            [Op::BlockStatus {
+                offset,
+                len: len as u32,
+            }],
+            |_, out| {
+                if let Output::Extents(e) = out {
+                    got = e;
+                }
+            },
+        )?;
+        Ok(got)
+    }
+
+    /// Waits for every request in flight (their replies stay queued for `reap`).
+    pub fn drain(&mut self) -> Result<()> {
+        while !self.inflight.is_empty() {
+            self.pump(true)?;
+        }
+        Ok(())
+    }
+
+    /// Finishes in-flight requests, sends NBD_CMD_DISC and closes the connection.
+    pub fn disconnect(mut self) -> Result<()> {
+        self.drain()?;
+        let Some(conn) = self.conn.take() else {
+            return Ok(());
+        };
+        let req = Request {
+            flags: CmdFlags::empty(),
+            command: Command::Disc,
+            cookie: 0,
+            offset: 0,
+            length: 0,
+        };
+        self.send_mr.write_at(0, &req.encode());
+        conn.qp
+            .post_send(SendWr::new(0, &[self.send_mr.sge(0, c::REQUEST_LEN)]))?;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut buf = [Completion::default(); 8];
+        'wait: while Instant::now() < deadline {
+            let n = conn.cq.wait(&mut buf, Some(Duration::from_millis(200)))?;
+            for comp in &buf[..n] {
+                if comp.opcode == Opcode::Send && comp.wr_id == 0 {
+                    break 'wait;
+                }
+            }
+        }
+        conn.qp.close();
+        Ok(())
+    }
+}

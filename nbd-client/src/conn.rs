@@ -1,0 +1,183 @@
+//! One QP connection to an NBD server: connect, drive nbd-proto's handshake state machine
+//! over the QP (one receive WR at a time, the framer's phase updated before each), then post
+//! the receive slots of the transmission phase.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::{Duration, Instant};
+
+use nbd_proto::consts as c;
+use nbd_proto::framing::{ClientPhase, FrameLimits};
+use nbd_proto::handshake::{ClientEvent, ClientHandshake};
+use qpip_core::{
+    Access, Completion, CompletionQueue, MemoryRegion, Nic, Opcode, QpAttr, QueuePair, RecvWr,
+    SendWr,
+};
+
+use crate::error::{Error, Result};
+use crate::framer::{ClientFramer, ReadLengths};
+use crate::uri::NbdUri;
+
+/// Largest READ or WRITE sent as one request (longer ones are split).
+pub const MAX_IO: usize = 256 * 1024;
+/// Receive WRs posted in the transmission phase (replies, or reply chunks, in flight).
+pub const RECV_SLOTS: usize = 32;
+/// One receive slot: a reply header (20 bytes + 8-byte offset of OFFSET_DATA) and up to
+/// `MAX_IO` bytes of data, or an error chunk with its message, or option replies (64 KiB).
+pub const RECV_SLOT: usize = MAX_IO + 8192;
+/// Requests in flight on one connection, at most.
+pub const MAX_WINDOW: usize = 64;
+/// The receive WR ids carry this bit; send WR ids are cookies (below it).
+pub const RECV_BIT: u64 = 1 << 62;
+
+pub struct Conn {
+    pub qp: QueuePair,
+    pub cq: CompletionQueue,
+    pub phase: Arc<AtomicU8>,
+    pub reads: ReadLengths,
+    pub recv_mr: MemoryRegion,
+    /// Handshake messages sent, kept registered until the connection goes.
+    _sent: Vec<MemoryRegion>,
+}
+
+impl Conn {
+    pub fn repost(&self, slot: usize) -> Result<()> {
+        self.qp.post_recv(RecvWr::new(
+            RECV_BIT | slot as u64,
+            &[self.recv_mr.sge(slot * RECV_SLOT, RECV_SLOT)],
+        ))?;
+        Ok(())
+    }
+
+    fn send_bytes(&mut self, nic: &Nic, bytes: &[u8]) -> Result<()> {
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let mr = nic.alloc_region(bytes.len(), Access::READ);
+        mr.write_at(0, bytes);
+        self.qp
+            .post_send(SendWr::new(RECV_BIT - 1, &[mr.sge(0, bytes.len())]))?;
+        self._sent.push(mr);
+        Ok(())
+    }
+
+    /// Connects to `uri` and runs `hs` to its terminal event. On `Connected` the connection
+    /// is ready for requests; after `Listed`/`Info` it has been closed.
+    pub fn open(
+        nic: &Nic,
+        uri: &NbdUri,
+        mut hs: ClientHandshake,
+        timeout: Duration,
+    ) -> Result<(Conn, ClientEvent)> {
+        let deadline = Instant::now() + timeout;
+        let addrs = uri.socket_addrs().map_err(|source| Error::Resolve {
+            host: uri.host.clone(),
+            source,
+        })?;
+        let limits = FrameLimits {
+            max_reply_len: (RECV_SLOT - c::STRUCTURED_REPLY_HEADER_LEN) as u32,
+            ..hs.frame_limits()
+        };
+        let mut last_err = None;
+        let mut conn = None;
+        for addr in addrs {
+            let cq = nic.create_cq(2 * (MAX_WINDOW + RECV_SLOTS) + 16);
+            let phase = Arc::new(AtomicU8::new(ClientPhase::Greeting.to_u8()));
+            let reads = ReadLengths::default();
+            let qp = nic.create_qp(
+                QpAttr::new(&cq)
+                    .framer(ClientFramer::new(phase.clone(), reads.clone(), limits))
+                    .depths(MAX_WINDOW + 8, RECV_SLOTS),
+            );
+            let left = deadline.saturating_duration_since(Instant::now());
+            match qp.connect_timeout(addr, left.max(Duration::from_millis(1))) {
+                Ok(()) => {
+                    let recv_mr = nic.alloc_region(RECV_SLOTS * RECV_SLOT, Access::READ_WRITE);
+                    conn = Some(Conn {
+                        qp,
+                        cq,
+                        phase,
+                        reads,
+                        recv_mr,
+                        _sent: Vec::new(),
+                    });
+                    break;
+                }
+                Err(e) => last_err = Some(e),
+            }
+        }
+        let Some(mut conn) = conn else {
+            return Err(Error::Connect {
+                uri: uri.to_string(),
+                source: last_err.unwrap_or(qpip_core::Error::InvalidWr("no address")),
+            });
+        };
+        let hs_err = |what: String| Error::HandshakeIo {
+            uri: uri.to_string(),
+            what,
+        };
+        conn.repost(0)?;
+        let mut msg = Vec::new();
+        let mut buf = [Completion::default(); 8];
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(hs_err(format!("handshake timed out after {timeout:?}")));
+            }
+            let n = conn.cq.wait(&mut buf, Some(left))?;
+            for comp in &buf[..n] {
+                if comp.opcode == Opcode::Send {
+                    if !comp.is_ok() {
+                        return Err(hs_err(format!("sending failed: {:?}", comp.status)));
+                    }
+                    continue;
+                }
+                if !comp.is_ok() {
+                    return Err(hs_err(format!(
+                        "connection closed during the handshake ({:?}, phase {:?})",
+                        comp.status,
+                        hs.phase()
+                    )));
+                }
+                msg.resize(comp.byte_len as usize, 0);
+                conn.recv_mr.read_at(0, &mut msg);
+                let mut out = Vec::new();
+                let ev = hs.handle_message(&msg, &mut out);
+                // Whatever the machine queued (an NBD_OPT_ABORT after an error) goes out.
+                conn.send_bytes(nic, &out)?;
+                let ev = ev.map_err(|source| {
+                    conn.qp.close();
+                    Error::Handshake {
+                        uri: uri.to_string(),
+                        source,
+                    }
+                })?;
+                match ev {
+                    ClientEvent::Continue => {
+                        conn.phase.store(hs.phase().to_u8(), Ordering::Release);
+                        conn.repost(0)?;
+                    }
+                    ClientEvent::Connected(_) => {
+                        conn.phase
+                            .store(ClientPhase::Transmission.to_u8(), Ordering::Release);
+                        for slot in 0..RECV_SLOTS {
+                            conn.repost(slot)?;
+                        }
+                        return Ok((conn, ev));
+                    }
+                    other => {
+                        conn.phase
+                            .store(ClientPhase::Closed.to_u8(), Ordering::Release);
+                        // Let the NBD_OPT_ABORT go out before the connection closes.
+                        let until = Instant::now() + Duration::from_secs(1);
+                        while conn.qp.outstanding_sends() > 0 && Instant::now() < until {
+                            conn.cq.wait(&mut buf, Some(Duration::from_millis(100)))?;
+                        }
+                        conn.qp.close();
+                        return Ok((conn, other));
+                    }
+                }
+            }
+        }
+    }
+}

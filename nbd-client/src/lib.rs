@@ -1,0 +1,29 @@
+//! NBD client over Queue Pair IP.
+//!
+//! ```no_run
+//! use nbd_client::Client;
+//! let mut c = Client::connect("nbd://127.0.0.1:10809/disk")?;
+//! let mut buf = vec![0u8; 4096];
+//! c.read_at(0, &mut buf)?;
+//! c.write_at(0, &buf, false)?;
+//! c.flush()?;
+//! c.disconnect()?;
+//! # Ok::<(), nbd_client::Error>(())
+//! ```
+//!
+//! Every request travels as a send WR from registered memory; every reply lands, header and
+//! data, in one registered receive WR, delimited by [`framer::ClientFramer`] (nbd-proto's
+//! `client_need`). Requests are pipelined (a window of up to 64), split at the server's
+//! maximum block size, and reissued on a new connection when the old one is lost.
+
+pub mod client;
+mod conn;
+pub mod error;
+pub mod framer;
+pub mod uri;
+
+pub use client::{Client, ClientOptions, ExportInfo, Extent, Op, Output, Reply};
+pub use error::{Error, Result};
+pub use nbd_proto::handshake::ExportListing;
+pub use qpip_core::Nic;
+pub use uri::{DEFAULT_PORT, NbdUri, UriError};

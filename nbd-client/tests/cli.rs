@@ -1,0 +1,184 @@
+//! The qpip-nbd command: info, list, copy both ways (and NBD to NBD), --verify, sparse
+//! copies, and a copy that survives a server restart.
+
+mod common;
+
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use common::*;
+
+const MIB: u64 = 1 << 20;
+
+fn qpip_nbd(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_qpip-nbd"))
+        .args(args)
+        .output()
+        .expect("running qpip-nbd")
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = qpip_nbd(args);
+    assert!(
+        out.status.success(),
+        "qpip-nbd {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn same(a: &std::path::Path, b: &std::path::Path) {
+    let (x, y) = (std::fs::read(a).unwrap(), std::fs::read(b).unwrap());
+    assert_eq!(x.len(), y.len(), "{} vs {}", a.display(), b.display());
+    if let Some(i) = x.iter().zip(&y).position(|(p, q)| p != q) {
+        panic!("{} and {} differ at {i}", a.display(), b.display());
+    }
+}
+
+fn allocated(p: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p).unwrap().blocks() * 512
+}
+
+#[test]
+fn info_list_help_and_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "a.img", 4 * MIB, &[]);
+    let server = qpip_server("disk", &img, 0);
+    let text = ok(&["info", &server.uri]);
+    assert!(text.contains("size:        4194304"), "{text}");
+    let json: serde_json::Value =
+        serde_json::from_str(&ok(&["info", "--json", &server.uri])).unwrap();
+    assert_eq!(json["size"], 4 * MIB);
+    assert!(json["block_size"]["maximum"].as_u64().unwrap() > 0);
+    let list = ok(&["list", &format!("nbd://127.0.0.1:{}", server.port)]);
+    assert!(list.lines().any(|l| l.starts_with("disk")), "{list}");
+    assert!(ok(&["--help"]).contains("nbd://HOST"));
+    assert!(ok(&["copy", "--help"]).contains("--verify"));
+    let bad = qpip_nbd(&["info", "nbd+unix:///disk?socket=/tmp/s"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("TCP and UDP only"));
+    let port = free_port();
+    let gone = qpip_nbd(&["info", &format!("nbd://127.0.0.1:{port}/x")]);
+    assert!(!gone.status.success());
+    assert!(String::from_utf8_lossy(&gone.stderr).contains(&port.to_string()));
+    let missing = qpip_nbd(&["copy", "/nonexistent/src.img", &server.uri]);
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("/nonexistent/src.img"));
+}
+
+#[test]
+fn copy_both_ways_sparse_and_verified() {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 64 * MIB;
+    // Data at the start, in the middle and at the end; holes between.
+    let src = image(
+        dir.path(),
+        "src.img",
+        size,
+        &[(0, MIB), (20 * MIB, 3 * MIB + 4096), (size - MIB, MIB)],
+    );
+    let dst_img = image(dir.path(), "dst.img", size, &[(40 * MIB, 2 * MIB)]);
+    let server = qpip_server("dst", &dst_img, 0);
+    ok(&["copy", src.to_str().unwrap(), &server.uri, "--verify"]);
+    same(&src, &dst_img); // the stale data at 40 MiB was zeroed (WRITE_ZEROES)
+
+    let back = dir.path().join("back.img");
+    std::fs::write(&back, vec![7u8; MIB as usize]).unwrap(); // overwritten, resized
+    ok(&["copy", &server.uri, back.to_str().unwrap(), "--verify"]);
+    same(&src, &back);
+    assert!(
+        allocated(&back) < 16 * MIB,
+        "holes of the source stay holes ({} bytes allocated)",
+        allocated(&back)
+    );
+
+    // NBD to NBD, through another server.
+    let third = image(dir.path(), "third.img", size, &[]);
+    let server3 = qpip_server("third", &third, 0);
+    ok(&["copy", &server.uri, &server3.uri, "--verify", "-C", "2"]);
+    same(&src, &third);
+}
+
+#[test]
+fn copy_with_qemu_nbd_and_nbdkit() {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 32 * MIB;
+    let src = image(
+        dir.path(),
+        "src.img",
+        size,
+        &[(MIB, 5 * MIB), (30 * MIB, MIB)],
+    );
+    let q = image(dir.path(), "q.img", size, &[]);
+    if let Some(peer) = qemu_nbd("q", &q) {
+        ok(&["copy", src.to_str().unwrap(), &peer.uri, "--verify"]);
+        let back = dir.path().join("back-q.img");
+        ok(&["copy", &peer.uri, back.to_str().unwrap()]);
+        same(&src, &back);
+    }
+    if let Some(peer) = nbdkit(&["memory", "32M"]) {
+        ok(&["copy", src.to_str().unwrap(), &peer.uri, "--verify"]);
+        let back = dir.path().join("back-k.img");
+        ok(&["copy", &peer.uri, back.to_str().unwrap()]);
+        same(&src, &back);
+    }
+    let d = image(dir.path(), "d.img", size, &[]);
+    if let Some(peer) = debian_nbd_server("d", &d) {
+        ok(&["copy", src.to_str().unwrap(), &peer.uri, "--verify"]);
+        let back = dir.path().join("back-d.img");
+        ok(&["copy", &peer.uri, back.to_str().unwrap()]);
+        same(&src, &back);
+    }
+}
+
+#[test]
+fn local_to_local_copy_with_verify() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = image(dir.path(), "a.img", 4 * MIB, &[(0, 4 * MIB)]);
+    let b = dir.path().join("b.img");
+    ok(&["copy", a.to_str().unwrap(), b.to_str().unwrap(), "--verify"]);
+    same(&a, &b);
+}
+
+/// Kill the server in the middle of a copy, restart it on the same port and image after
+/// 0.5 s: the copy reconnects, reissues what was unanswered, and completes correctly.
+#[test]
+fn copy_survives_a_server_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 256 * MIB;
+    let src = image(dir.path(), "src.img", size, &[(0, size)]);
+    let dst = image(dir.path(), "dst.img", size, &[]);
+    let mut server = qpip_server("d", &dst, 0);
+    let port = server.port;
+    let uri = server.uri.clone();
+    let child = Command::new(env!("CARGO_BIN_EXE_qpip-nbd"))
+        .args([
+            "copy",
+            src.to_str().unwrap(),
+            &uri,
+            "--window",
+            "8",
+            "--log",
+            "info",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until the copy is under way, then kill the server.
+    let t = std::time::Instant::now();
+    while allocated(&dst) < 8 * MIB && t.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    server.kill();
+    std::thread::sleep(Duration::from_millis(500));
+    let _server2 = qpip_server("d", &dst, port);
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "copy failed: {err}");
+    assert!(
+        err.contains("reconnect"),
+        "the copy finished before the restart: {err}"
+    );
+    same(&src, &dst);
+}

@@ -1,0 +1,178 @@
+//! The client against real servers: ours, qemu-nbd, nbdkit and Debian's nbd-server.
+
+mod common;
+
+use common::*;
+use nbd_client::{Client, ClientOptions};
+
+const MIB: u64 = 1 << 20;
+
+/// Pattern-verified read after write, across request splits, plus flush, zeroes and trim.
+fn exercise(uri: &str, size: u64) -> Client {
+    let mut c = Client::connect(uri).unwrap_or_else(|e| panic!("{uri}: {e}"));
+    assert_eq!(c.size(), size, "{uri}");
+    // 3 MiB + 4 KiB crosses many max_io splits.
+    let off = MIB;
+    let data = pattern(off, (3 * MIB + 4096) as usize);
+    c.write_at(off, &data, false).unwrap();
+    c.flush().unwrap();
+    let mut back = vec![0u8; data.len()];
+    c.read_at(off, &mut back).unwrap();
+    assert!(back == data, "{uri}: read after write differs");
+    // FUA write of one block
+    c.write_at(0, &pattern(0, 4096), true).unwrap();
+    let mut b = vec![0u8; 4096];
+    c.read_at(0, &mut b).unwrap();
+    assert_eq!(b, pattern(0, 4096));
+    if c.can_write_zeroes() {
+        c.write_zeroes(off, 64 * 1024, false).unwrap();
+        let mut z = vec![1u8; 64 * 1024];
+        c.read_at(off, &mut z).unwrap();
+        assert!(
+            z.iter().all(|&x| x == 0),
+            "{uri}: zeroes read back non-zero"
+        );
+    }
+    if c.can_trim() {
+        c.trim(2 * MIB, 64 * 1024).unwrap();
+    }
+    // Out of range and (for servers with a minimum block size) unaligned requests are refused
+    // before they reach the wire.
+    let mut one = [0u8; 4096];
+    let e = c.read_at(size, &mut one).unwrap_err();
+    assert!(matches!(e, nbd_client::Error::OutOfRange { .. }), "{e}");
+    c
+}
+
+#[test]
+fn qpip_server_read_write_flush_zeroes_block_status() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "a.img", 16 * MIB, &[(8 * MIB, MIB)]);
+    let server = qpip_server("disk", &img, 0);
+    let mut c = exercise(&server.uri, 16 * MIB);
+    assert!(c.structured_replies());
+    assert!(c.can_block_status());
+    // Block status sees the data at 8 MiB and holes elsewhere (the pattern was written there).
+    let ext = c.block_status(8 * MIB, MIB).unwrap();
+    assert!(!ext.is_empty() && !ext[0].hole, "{ext:?}");
+    let ext = c.block_status(12 * MIB, MIB).unwrap();
+    assert!(ext[0].hole && ext[0].zero, "{ext:?}");
+    c.disconnect().unwrap();
+}
+
+#[test]
+fn qpip_server_pipelined_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "a.img", 8 * MIB, &[(0, 8 * MIB)]);
+    let server = qpip_server("disk", &img, 0);
+    let mut c = Client::connect(&server.uri).unwrap();
+    let n = 64u64;
+    let io = u64::from(c.max_io()).min(64 * 1024);
+    for i in 0..n {
+        c.submit(
+            i,
+            nbd_client::Op::Read {
+                offset: i * io,
+                len: io as u32,
+            },
+        )
+        .unwrap();
+    }
+    let mut seen = 0;
+    while seen < n {
+        let r = c.reap().unwrap();
+        match r.result.unwrap() {
+            nbd_client::Output::Data(d) => assert_eq!(d, pattern(r.tag * io, io as usize)),
+            o => panic!("{o:?}"),
+        }
+        seen += 1;
+    }
+    c.disconnect().unwrap();
+}
+
+#[test]
+fn qpip_server_simple_replies_fallback() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "a.img", 8 * MIB, &[]);
+    let server = qpip_server("disk", &img, 0);
+    let opts = ClientOptions {
+        structured_replies: false,
+        ..Default::default()
+    };
+    let mut c = Client::connect_with(&server.uri, opts).unwrap();
+    assert!(!c.structured_replies() && !c.can_block_status());
+    let data = pattern(4096, 2 * MIB as usize);
+    c.write_at(4096, &data, false).unwrap();
+    let mut back = vec![0; data.len()];
+    c.read_at(4096, &mut back).unwrap();
+    assert!(back == data);
+    c.disconnect().unwrap();
+}
+
+#[test]
+fn list_and_info() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "a.img", 4 * MIB, &[]);
+    let server = qpip_server("disk", &img, 0);
+    let info = Client::info(&server.uri).unwrap();
+    assert_eq!(info.size, 4 * MIB);
+    let list = Client::list(&server.uri).unwrap();
+    assert!(list.iter().any(|e| e.name == "disk"), "{list:?}");
+    let bad = Client::connect(&format!("nbd://127.0.0.1:{}/nope", server.port)).unwrap_err();
+    assert!(bad.to_string().contains("nope"), "{bad}");
+}
+
+#[test]
+fn qemu_nbd_peer() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "q.img", 16 * MIB, &[(8 * MIB, MIB)]);
+    let Some(peer) = qemu_nbd("q", &img) else {
+        return;
+    };
+    let mut c = exercise(&peer.uri, 16 * MIB);
+    assert!(c.structured_replies() && c.can_block_status());
+    let ext = c.block_status(12 * MIB, 4 * MIB).unwrap();
+    assert!(ext[0].zero, "{ext:?}");
+    let ext = c.block_status(8 * MIB, MIB).unwrap();
+    assert!(!ext[0].hole, "{ext:?}");
+    c.disconnect().unwrap();
+}
+
+#[test]
+fn nbdkit_memory_peer() {
+    let Some(peer) = nbdkit(&["memory", "64M"]) else {
+        return;
+    };
+    let mut c = exercise(&peer.uri, 64 * MIB);
+    assert!(c.can_block_status());
+    let ext = c.block_status(32 * MIB, MIB).unwrap();
+    assert!(ext[0].zero, "{ext:?}");
+    c.disconnect().unwrap();
+}
+
+#[test]
+fn nbdkit_file_peer() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "k.img", 16 * MIB, &[]);
+    let file = format!("file={}", img.display());
+    let Some(peer) = nbdkit(&["file", &file]) else {
+        return;
+    };
+    exercise(&peer.uri, 16 * MIB).disconnect().unwrap();
+}
+
+#[test]
+fn debian_nbd_server_simple_replies() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "d.img", 16 * MIB, &[]);
+    let Some(peer) = debian_nbd_server("d", &img) else {
+        return;
+    };
+    let c = exercise(&peer.uri, 16 * MIB);
+    assert!(
+        !c.structured_replies(),
+        "nbd-server offers simple replies only"
+    );
+    assert!(!c.can_block_status());
+    c.disconnect().unwrap();
+}
