@@ -612,7 +612,7 @@ pub fn run(
     progress: &dyn Fn(&str),
 ) -> Result<NbdRawReport> {
     let repeat = repeat.max(1);
-    if size % bs != 0 {
+    if !size.is_multiple_of(bs) {
         bail!("--size {size} is not a multiple of --bs {bs}");
     }
     check_prerequisites(&server_bin)?;
@@ -696,7 +696,7 @@ pub fn run(
 
 fn human_bytes(b: u64) -> String {
     for (unit, shift) in [("GiB", 30), ("MiB", 20), ("KiB", 10)] {
-        if b >= 1 << shift && b % (1 << shift) == 0 {
+        if b >= 1 << shift && b.is_multiple_of(1 << shift) {
             return format!("{} {unit}", b >> shift);
         }
     }
