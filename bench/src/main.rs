@@ -72,6 +72,11 @@ enum NbdCmd {
         /// are deleted afterwards either way.
         #[arg(long, value_name = "DIR")]
         dir: Option<PathBuf>,
+        /// Write each image once, untimed, before the timed write pass: the timed pass then
+        /// overwrites cached blocks. Removes the cost of allocating fresh page-cache pages
+        /// (large and erratic in VMs whose memory the host backs lazily) from the comparison.
+        #[arg(long)]
+        prewrite: bool,
     },
 }
 
@@ -110,6 +115,7 @@ fn main() -> Result<()> {
                     iodepth,
                     server_bin,
                     dir,
+                    prewrite,
                 },
         } => {
             let server_bin = match server_bin {
@@ -124,6 +130,7 @@ fn main() -> Result<()> {
                 repeat,
                 server_bin,
                 dir.as_deref(),
+                prewrite,
                 &progress,
             )?;
             if json {

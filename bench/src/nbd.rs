@@ -71,6 +71,9 @@ pub struct Params {
     pub dir: PathBuf,
     pub client: String,
     pub cache: &'static str,
+    /// An untimed write pass before the timed one: the timed pass then overwrites allocated,
+    /// cached blocks instead of filling a sparse file with freshly allocated pages.
+    pub prewrite: bool,
 }
 
 /// Parses a size such as `1G`, `64M`, `256k`, `4096` (binary units, as fio reads them).
@@ -588,6 +591,10 @@ fn round(server: Server, p: &Params, progress: &dyn Fn(&str)) -> Result<(Pass, P
         running.pid(),
         running.uri()
     ));
+    if p.prewrite {
+        fio_pass(&running, Dir::Write, p)?;
+        progress(&format!("{name}: untimed prewrite done; writing"));
+    }
     let w = fio_pass(&running, Dir::Write, p)?;
     progress(&format!(
         "{name}: write {:.0} MB/s, server {:.3} s/GB; reading",
@@ -602,6 +609,7 @@ fn round(server: Server, p: &Params, progress: &dyn Fn(&str)) -> Result<(Pass, P
     Ok((w, r))
 }
 
+#[allow(clippy::too_many_arguments)]
 pub fn run(
     size: u64,
     bs: u64,
@@ -609,6 +617,7 @@ pub fn run(
     repeat: usize,
     server_bin: PathBuf,
     dir: Option<&Path>,
+    prewrite: bool,
     progress: &dyn Fn(&str),
 ) -> Result<NbdRawReport> {
     let repeat = repeat.max(1);
@@ -631,6 +640,7 @@ pub fn run(
         dir: work.path.clone(),
         client: format!("{fio_version} --ioengine=nbd, 1 job, 1 connection"),
         cache: "page cache, hot, same for all servers (not dropped; no flush)",
+        prewrite,
     };
     let mut samples: BTreeMap<&'static str, BTreeMap<&'static str, Vec<f64>>> = Server::ALL
         .iter()
@@ -708,10 +718,15 @@ pub fn table(r: &NbdRawReport) -> String {
     let p = &r.params;
     let mut s = format!(
         "nbd raw: sequential write then read of {} in {} requests, {} in flight, fio nbd engine;\n\
-         page-cache-hot sparse raw files for all servers; median of {} rounds [min-max]\n\n",
+         page-cache-hot {} raw files for all servers; median of {} rounds [min-max]\n\n",
         human_bytes(p.size_bytes),
         human_bytes(p.bs_bytes),
         p.iodepth,
+        if p.prewrite {
+            "prewritten (untimed first write)"
+        } else {
+            "fresh sparse"
+        },
         p.repeat
     );
     s += &format!(
