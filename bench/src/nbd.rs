@@ -185,6 +185,45 @@ impl WorkDir {
     }
 }
 
+impl WorkDir {
+    /// Interrupted (SIGINT, SIGTERM, SIGHUP): Drop guards do not run when a signal ends the
+    /// process, so a watcher thread deletes the images (GiBs) and exits. The servers and fio
+    /// get SIGTERM from the kernel when we die (PR_SET_PDEATHSIG).
+    fn clean_up_on_signals(&self) -> Result<()> {
+        use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+        let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
+            .context("installing signal handlers")?;
+        let (path, created) = (self.path.clone(), self.created);
+        std::thread::spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                if created {
+                    let _ = std::fs::remove_dir_all(&path);
+                } else {
+                    for s in Server::ALL {
+                        for ext in ["img", "log"] {
+                            let _ = std::fs::remove_file(path.join(format!("{}.{ext}", s.name())));
+                        }
+                    }
+                }
+                eprintln!("qpip-bench nbd raw: interrupted; images deleted");
+                std::process::exit(128 + sig);
+            }
+        });
+        Ok(())
+    }
+}
+
+fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: prctl is async-signal-safe; the closure touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            // Dies with us even if we are killed before our guards run.
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            Ok(())
+        });
+    }
+}
+
 impl Drop for WorkDir {
     fn drop(&mut self) {
         if self.created {
@@ -331,14 +370,7 @@ fn start(server: Server, server_bin: &Path, image: &Path, log: PathBuf) -> Resul
             Stdio::from(logf.try_clone()?)
         })
         .stderr(logf);
-    // SAFETY: prctl is async-signal-safe; the closure touches no memory of the parent.
-    unsafe {
-        cmd.pre_exec(|| {
-            // The server dies with us even if we are killed before our guards run.
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-            Ok(())
-        });
-    }
+    die_with_parent(&mut cmd);
     let program = cmd.get_program().to_string_lossy().into_owned();
     let child = cmd
         .spawn()
@@ -454,6 +486,7 @@ fn fio_pass(r: &Running, dir: Dir, p: &Params) -> Result<Pass> {
         "--numjobs=1",
         "--output-format=json",
     ]);
+    die_with_parent(&mut cmd);
     let before = cpu::process(r.pid())
         .with_context(|| format!("reading CPU time of {} (pid {})", r.server.name(), r.pid()))?;
     let out = cmd.stdin(Stdio::null()).output().context("running fio")?;
@@ -626,6 +659,7 @@ pub fn run(
     }
     check_prerequisites(&server_bin)?;
     let work = WorkDir::new(dir)?;
+    work.clean_up_on_signals()?;
     let fio_version = Command::new("fio")
         .arg("--version")
         .output()
