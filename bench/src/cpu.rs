@@ -84,6 +84,32 @@ fn parse_stat(stat: &str) -> Option<ProcessCpu> {
     })
 }
 
+/// CPU time of the threads of process `pid` whose name is `name` (e.g. the soft NIC's engine
+/// thread, "qpip-soft-nic"): how much of a server's CPU went to its emulated NIC.
+pub fn threads_named(pid: u32, name: &str) -> std::io::Result<ProcessCpu> {
+    let mut sum = ProcessCpu {
+        user: Duration::ZERO,
+        system: Duration::ZERO,
+    };
+    for entry in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let dir = entry?.path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if comm.trim_end() != name {
+            continue;
+        }
+        // A thread may end between the listing and the read: it then counts as nothing.
+        if let Some(t) = std::fs::read_to_string(dir.join("stat"))
+            .ok()
+            .as_deref()
+            .and_then(parse_stat)
+        {
+            sum.user += t.user;
+            sum.system += t.system;
+        }
+    }
+    Ok(sum)
+}
+
 /// The calling thread's kernel id.
 #[cfg(test)]
 pub fn tid() -> i32 {

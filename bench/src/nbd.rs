@@ -459,8 +459,13 @@ impl Dir {
 struct Pass {
     mbps: f64,
     server_s_per_gb: f64,
+    /// Of the server's CPU, what its NIC engine thread used (qpip only; 0 for the others).
+    nic_s_per_gb: f64,
     client_s_per_gb: f64,
 }
+
+/// The soft NIC's engine thread, as named by qpip-core.
+const NIC_THREAD: &str = "qpip-soft-nic";
 
 fn num(v: &Value, path: &[&str]) -> Result<f64> {
     let mut cur = v;
@@ -489,9 +494,11 @@ fn fio_pass(r: &Running, dir: Dir, p: &Params) -> Result<Pass> {
     die_with_parent(&mut cmd);
     let before = cpu::process(r.pid())
         .with_context(|| format!("reading CPU time of {} (pid {})", r.server.name(), r.pid()))?;
+    let nic_before = cpu::threads_named(r.pid(), NIC_THREAD)?;
     let out = cmd.stdin(Stdio::null()).output().context("running fio")?;
     let after = cpu::process(r.pid())
         .with_context(|| format!("reading CPU time of {} (pid {})", r.server.name(), r.pid()))?;
+    let nic_after = cpu::threads_named(r.pid(), NIC_THREAD)?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
         bail!(
@@ -536,6 +543,7 @@ fn fio_pass(r: &Running, dir: Dir, p: &Params) -> Result<Pass> {
     Ok(Pass {
         mbps: bw / 1e6,
         server_s_per_gb: (after - before).total().as_secs_f64() / gb,
+        nic_s_per_gb: (nic_after - nic_before).total().as_secs_f64() / gb,
         client_s_per_gb: client_cpu_s / gb,
     })
 }
@@ -556,6 +564,9 @@ pub struct ServerFigures {
     pub read_MBps: f64,
     pub write_server_cpu_s_per_GB: f64,
     pub read_server_cpu_s_per_GB: f64,
+    /// The part of the server CPU spent in the soft NIC's engine thread (qpip only).
+    pub write_nic_cpu_s_per_GB: f64,
+    pub read_nic_cpu_s_per_GB: f64,
     pub write_client_cpu_s_per_GB: f64,
     pub read_client_cpu_s_per_GB: f64,
     pub spread: BTreeMap<&'static str, Spread>,
@@ -578,11 +589,13 @@ pub struct NbdRawReport {
     pub params: Params,
 }
 
-const MEASURES: [&str; 6] = [
+const MEASURES: [&str; 8] = [
     "write_MBps",
     "read_MBps",
     "write_server_cpu_s_per_GB",
     "read_server_cpu_s_per_GB",
+    "write_nic_cpu_s_per_GB",
+    "read_nic_cpu_s_per_GB",
     "write_client_cpu_s_per_GB",
     "read_client_cpu_s_per_GB",
 ];
@@ -602,6 +615,8 @@ fn figures(samples: BTreeMap<&'static str, Vec<f64>>) -> ServerFigures {
         read_MBps: med("read_MBps"),
         write_server_cpu_s_per_GB: med("write_server_cpu_s_per_GB"),
         read_server_cpu_s_per_GB: med("read_server_cpu_s_per_GB"),
+        write_nic_cpu_s_per_GB: med("write_nic_cpu_s_per_GB"),
+        read_nic_cpu_s_per_GB: med("read_nic_cpu_s_per_GB"),
         write_client_cpu_s_per_GB: med("write_client_cpu_s_per_GB"),
         read_client_cpu_s_per_GB: med("read_client_cpu_s_per_GB"),
         spread,
@@ -699,6 +714,8 @@ pub fn run(
                 r.mbps,
                 w.server_s_per_gb,
                 r.server_s_per_gb,
+                w.nic_s_per_gb,
+                r.nic_s_per_gb,
                 w.client_s_per_gb,
                 r.client_s_per_gb,
             ]) {
@@ -806,6 +823,15 @@ pub fn table(r: &NbdRawReport) -> String {
             );
         }
     }
+    let q = &r.servers["qpip"];
+    s += &format!(
+        "\nof qpip's server CPU, its soft NIC engine thread (the emulated NIC) used {:.3} s/GB \
+         writing and {:.3} s/GB reading;\nits application threads used the rest: {:.3} and {:.3} s/GB\n",
+        q.write_nic_cpu_s_per_GB,
+        q.read_nic_cpu_s_per_GB,
+        q.write_server_cpu_s_per_GB - q.write_nic_cpu_s_per_GB,
+        q.read_server_cpu_s_per_GB - q.read_nic_cpu_s_per_GB,
+    );
     s += "\nqpip relative to     write MB/s  read MB/s  write srv CPU/GB  read srv CPU/GB\n";
     for peer in ["nbdkit", "qemu-nbd"] {
         s += &format!(
