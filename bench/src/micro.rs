@@ -146,51 +146,8 @@ fn wait(cq: &CompletionQueue, buf: &mut [Completion]) -> Result<usize> {
 
 /// Application-thread CPU per 1-byte message, send path plus receive path, in ns.
 pub fn overhead_qp(msgs: u64) -> Result<f64> {
-    const WINDOW: usize = 128;
-    let link = qp_link(WINDOW)?;
-    link.a_cq.set_spin(Duration::ZERO);
-    link.b_cq.set_spin(Duration::ZERO);
-    let rx_mr = link.b_nic.alloc_region(WINDOW, Access::READ_WRITE);
-    let tx_mr = link.a_nic.alloc_region(1, Access::READ);
-    let QpLink {
-        a, b, a_cq, b_cq, ..
-    } = link;
-    for i in 0..WINDOW {
-        b.post_recv(RecvWr::new(i as u64, &[rx_mr.sge(i, 1)]))?;
-    }
-    let receiver = thread::spawn(move || -> Result<Duration> {
-        let start = cpu::this_thread();
-        let mut got = 0;
-        let mut buf = [Completion::default(); 64];
-        while got < msgs {
-            let n = wait(&b_cq, &mut buf)?;
-            for c in &buf[..n] {
-                check(c)?;
-                got += 1;
-                b.post_recv(RecvWr::new(c.wr_id, &[rx_mr.sge(c.wr_id as usize, 1)]))?;
-            }
-        }
-        Ok(cpu::this_thread() - start)
-    });
-    let start = cpu::this_thread();
-    let (mut posted, mut done) = (0u64, 0u64);
-    let mut buf = [Completion::default(); 64];
-    while done < msgs {
-        while posted < msgs && posted - done < WINDOW as u64 {
-            a.post_send(SendWr::new(posted, &[tx_mr.sge(0, 1)]))?;
-            posted += 1;
-        }
-        let n = wait(&a_cq, &mut buf)?;
-        for c in &buf[..n] {
-            check(c)?;
-            done += 1;
-        }
-    }
-    let send_cpu = cpu::this_thread() - start;
-    let recv_cpu = receiver
-        .join()
-        .map_err(|_| anyhow::anyhow!("receiver panicked"))??;
-    Ok((send_cpu + recv_cpu).as_nanos() as f64 / msgs as f64)
+    let s = stream_qp(msgs, 1, 128)?;
+    Ok(s.app_cpu.as_nanos() as f64 / msgs as f64)
 }
 
 pub fn overhead_socket(msgs: u64) -> Result<f64> {
@@ -302,10 +259,6 @@ fn rtt_qp(
                     Opcode::Recv => back = true,
                 }
             }
-            if back && i + 1 < total {
-                // Repost before the next ping leaves (outside the timed path is not possible
-                // without a second buffer; posting costs tens of ns).
-            }
         }
         let rtt = t0.elapsed();
         a.post_recv(RecvWr::new(0, &[a_mr.sge(0, 1)]))?;
@@ -389,10 +342,31 @@ pub struct Ttcp {
 pub fn ttcp_qp(bytes: u64, msg: usize) -> Result<Ttcp> {
     // Enough WRs in flight to cover ~2 MiB, as a socket buffer would.
     let window = ((2 << 20) / msg).clamp(4, 128);
+    let msgs = bytes.div_ceil(msg as u64);
+    let s = stream_qp(msgs, msg, window)?;
+    let gb = (msgs * msg as u64) as f64 / 1e9;
+    Ok(Ttcp {
+        mbps: gb * 1e3 / s.wall.as_secs_f64(),
+        app_s_per_gb: s.app_cpu.as_secs_f64() / gb,
+        engine_s_per_gb: s.engine_cpu.as_secs_f64() / gb,
+    })
+}
+
+/// What one one-way stream of QP messages cost.
+struct Stream {
+    /// Sender plus receiver application threads.
+    app_cpu: Duration,
+    /// Both NICs' engine threads.
+    engine_cpu: Duration,
+    wall: Duration,
+}
+
+/// Streams `msgs` messages of `msg` bytes from one NIC's QP to another's, `window` WRs in
+/// flight on each side; both application threads sleep on their CQs when idle.
+fn stream_qp(msgs: u64, msg: usize, window: usize) -> Result<Stream> {
     let link = qp_link(window)?;
     link.a_cq.set_spin(Duration::ZERO);
     link.b_cq.set_spin(Duration::ZERO);
-    let msgs = bytes.div_ceil(msg as u64);
     let tx_mr = link.a_nic.alloc_region(msg, Access::READ);
     let rx_mr = link.b_nic.alloc_region(window * msg, Access::READ_WRITE);
     let engines: Vec<i32> = link
@@ -444,13 +418,10 @@ pub fn ttcp_qp(bytes: u64, msg: usize) -> Result<Ttcp> {
     let recv_cpu = receiver
         .join()
         .map_err(|_| anyhow::anyhow!("receiver panicked"))??;
-    let secs = wall.elapsed().as_secs_f64();
-    let engine_cpu = cpu::threads(&engines) - engine0;
-    let gb = (msgs * msg as u64) as f64 / 1e9;
-    Ok(Ttcp {
-        mbps: gb * 1e3 / secs,
-        app_s_per_gb: (send_cpu + recv_cpu).as_secs_f64() / gb,
-        engine_s_per_gb: engine_cpu.as_secs_f64() / gb,
+    Ok(Stream {
+        app_cpu: send_cpu + recv_cpu,
+        engine_cpu: cpu::threads(&engines) - engine0,
+        wall: wall.elapsed(),
     })
 }
 
