@@ -117,6 +117,41 @@ pub fn tid() -> i32 {
     unsafe { libc::gettid() }
 }
 
+/// Restricts thread `tid` (0: the calling thread) to one CPU. The micro benchmarks give each
+/// simulated host one core, as two machines would have, so that neither stack gains or loses
+/// by where the scheduler happens to put its threads.
+pub fn pin(tid: i32, cpu: usize) -> std::io::Result<()> {
+    // SAFETY: cpu_set_t is plain data; CPU_SET writes inside it; sched_setaffinity reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Lets thread `tid` (0: the calling thread) run on every CPU again.
+pub fn unpin(tid: i32) -> std::io::Result<()> {
+    // SAFETY: as in `pin`.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for cpu in 0..online_cpus() {
+            libc::CPU_SET(cpu, &mut set);
+        }
+        if libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+pub fn online_cpus() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    (unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }).max(1) as usize
+}
+
 /// Median of a non-empty list.
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));

@@ -97,9 +97,69 @@ struct QpLink {
     b: QueuePair,
 }
 
+/// Side A of every measure (its application thread and, for QPs, its NIC's engine) runs on
+/// CPU 0 and side B on CPU 1: two hosts of one core each, as the paper's two machines. Left to
+/// the scheduler, the same run lands both sides on one core or on two, and the figures of
+/// both stacks jump by several times between the two cases.
+const HOST_A: usize = 0;
+const HOST_B: usize = 1;
+
+fn pinning() -> bool {
+    cpu::online_cpus() >= 2
+}
+
+/// Keeps the calling thread on one CPU while alive.
+struct OnCpu;
+
+impl OnCpu {
+    fn new(cpu: usize) -> OnCpu {
+        if pinning() {
+            let _ = cpu::pin(0, cpu);
+        }
+        OnCpu
+    }
+}
+
+impl Drop for OnCpu {
+    fn drop(&mut self) {
+        if pinning() {
+            let _ = cpu::unpin(0);
+        }
+    }
+}
+
+/// A thread of side `cpu`.
+fn spawn_on<T: Send + 'static>(
+    cpu: usize,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> thread::JoinHandle<T> {
+    thread::spawn(move || {
+        let _on = OnCpu::new(cpu);
+        f()
+    })
+}
+
+/// A soft NIC whose engine thread runs on `cpu`.
+fn nic_on(cpu: usize) -> Result<Nic> {
+    let nic = Nic::soft()?;
+    if pinning() {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while nic.engine_threads().is_empty() {
+            if Instant::now() > deadline {
+                bail!("the soft NIC engine thread did not start");
+            }
+            thread::sleep(Duration::from_millis(1));
+        }
+        for tid in nic.engine_threads() {
+            cpu::pin(tid, cpu).context("pinning the NIC engine thread")?;
+        }
+    }
+    Ok(nic)
+}
+
 fn qp_link(depth: usize) -> Result<QpLink> {
-    let a_nic = Nic::soft()?;
-    let b_nic = Nic::soft()?;
+    let a_nic = nic_on(HOST_A)?;
+    let b_nic = nic_on(HOST_B)?;
     let a_cq = a_nic.create_cq(depth * 2);
     let b_cq = b_nic.create_cq(depth * 2);
     let listener = b_nic.listen(any_addr())?;
@@ -151,8 +211,9 @@ pub fn overhead_qp(msgs: u64) -> Result<f64> {
 }
 
 pub fn overhead_socket(msgs: u64) -> Result<f64> {
+    let _host_a = OnCpu::new(HOST_A);
     let (mut a, mut b) = tcp_pair()?;
-    let receiver = thread::spawn(move || -> Result<Duration> {
+    let receiver = spawn_on(HOST_B, move || -> Result<Duration> {
         let start = cpu::this_thread();
         let mut byte = [0u8; 1];
         for _ in 0..msgs {
@@ -175,6 +236,7 @@ pub fn overhead_socket(msgs: u64) -> Result<f64> {
 
 /// Median 1-byte round trip over reliable QPs, in µs.
 pub fn rtt_qp_tcp(rounds: u64) -> Result<f64> {
+    let _host_a = OnCpu::new(HOST_A);
     let link = qp_link(4)?;
     rtt_qp(
         link.a_nic.clone(),
@@ -190,8 +252,9 @@ pub fn rtt_qp_tcp(rounds: u64) -> Result<f64> {
 
 /// Median 1-byte round trip over unreliable QPs, in µs.
 pub fn rtt_qp_udp(rounds: u64) -> Result<f64> {
-    let a_nic = Nic::soft()?;
-    let b_nic = Nic::soft()?;
+    let _host_a = OnCpu::new(HOST_A);
+    let a_nic = nic_on(HOST_A)?;
+    let b_nic = nic_on(HOST_B)?;
     let a_cq = a_nic.create_cq(8);
     let b_cq = b_nic.create_cq(8);
     let a = a_nic.create_udp_qp(any_addr(), QpAttr::new(&a_cq).depths(4, 4))?;
@@ -219,7 +282,7 @@ fn rtt_qp(
     let warmup = rounds / 10;
     let total = rounds + warmup;
     b.post_recv(RecvWr::new(0, &[b_mr.sge(0, 1)]))?;
-    let echo = thread::spawn(move || -> Result<()> {
+    let echo = spawn_on(HOST_B, move || -> Result<()> {
         let mut buf = [Completion::default(); 4];
         let mut echoed = 0;
         while echoed < total {
@@ -272,10 +335,11 @@ fn rtt_qp(
 }
 
 pub fn rtt_socket_tcp(rounds: u64) -> Result<f64> {
+    let _host_a = OnCpu::new(HOST_A);
     let (mut a, mut b) = tcp_pair()?;
     let warmup = rounds / 10;
     let total = rounds + warmup;
-    let echo = thread::spawn(move || -> Result<()> {
+    let echo = spawn_on(HOST_B, move || -> Result<()> {
         let mut byte = [0u8; 1];
         for _ in 0..total {
             b.read_exact(&mut byte)?;
@@ -299,6 +363,7 @@ pub fn rtt_socket_tcp(rounds: u64) -> Result<f64> {
 }
 
 pub fn rtt_socket_udp(rounds: u64) -> Result<f64> {
+    let _host_a = OnCpu::new(HOST_A);
     let a = UdpSocket::bind(any_addr())?;
     let b = UdpSocket::bind(any_addr())?;
     a.set_read_timeout(Some(T))?;
@@ -306,7 +371,7 @@ pub fn rtt_socket_udp(rounds: u64) -> Result<f64> {
     let b_addr = b.local_addr()?;
     let warmup = rounds / 10;
     let total = rounds + warmup;
-    let echo = thread::spawn(move || -> Result<()> {
+    let echo = spawn_on(HOST_B, move || -> Result<()> {
         let mut byte = [0u8; 1];
         for _ in 0..total {
             let (_, from) = b.recv_from(&mut byte)?;
@@ -364,6 +429,7 @@ struct Stream {
 /// Streams `msgs` messages of `msg` bytes from one NIC's QP to another's, `window` WRs in
 /// flight on each side; both application threads sleep on their CQs when idle.
 fn stream_qp(msgs: u64, msg: usize, window: usize) -> Result<Stream> {
+    let _host_a = OnCpu::new(HOST_A);
     let link = qp_link(window)?;
     link.a_cq.set_spin(Duration::ZERO);
     link.b_cq.set_spin(Duration::ZERO);
@@ -383,7 +449,7 @@ fn stream_qp(msgs: u64, msg: usize, window: usize) -> Result<Stream> {
     }
     let engine0 = cpu::threads(&engines);
     let wall = Instant::now();
-    let receiver = thread::spawn(move || -> Result<Duration> {
+    let receiver = spawn_on(HOST_B, move || -> Result<Duration> {
         let start = cpu::this_thread();
         let mut got = 0u64;
         let mut buf = [Completion::default(); 64];
@@ -426,10 +492,11 @@ fn stream_qp(msgs: u64, msg: usize, window: usize) -> Result<Stream> {
 }
 
 pub fn ttcp_socket(bytes: u64, msg: usize) -> Result<Ttcp> {
+    let _host_a = OnCpu::new(HOST_A);
     let (mut a, mut b) = tcp_pair()?;
     let msgs = bytes.div_ceil(msg as u64);
     let wall = Instant::now();
-    let receiver = thread::spawn(move || -> Result<Duration> {
+    let receiver = spawn_on(HOST_B, move || -> Result<Duration> {
         let start = cpu::this_thread();
         let mut buf = vec![0u8; msg];
         for _ in 0..msgs {
