@@ -39,8 +39,9 @@ const REPLY_SLOTS: usize = 64;
 const REPLY_SLOT_LEN: usize = 512;
 /// Most extents in one block-status reply (the client asks again for the rest).
 const MAX_EXTENTS: usize = 32;
-/// A client that does not finish its handshake in this time is dropped.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// A client that does not finish its handshake in this time is dropped, so that idle
+/// sockets cannot hold the connection slots for long (qemu-nbd's --handshake-limit default).
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// After SIGTERM: how long new requests get ESHUTDOWN before the connection is closed.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
