@@ -50,9 +50,17 @@ fn file_size_pattern_io_fsync_punch_hole_and_fusermount_exit() {
     assert_eq!(meta.mode() & 0o777, 0o644);
     assert_eq!(meta.blocks(), 64 * MIB / 512);
 
-    let f = OpenOptions::new().read(true).write(true).open(&m.file).unwrap();
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&m.file)
+        .unwrap();
     // Odd offsets and lengths, one across many max_io splits and a page boundary.
-    let writes = [(12_345u64, 300_001usize), (7, 1), (5 * MIB - 3, 2 * MIB as usize + 5)];
+    let writes = [
+        (12_345u64, 300_001usize),
+        (7, 1),
+        (5 * MIB - 3, 2 * MIB as usize + 5),
+    ];
     for &(off, len) in &writes {
         f.write_all_at(&pattern(off, len), off).unwrap();
     }
@@ -80,14 +88,23 @@ fn file_size_pattern_io_fsync_punch_hole_and_fusermount_exit() {
     f.read_exact_at(&mut z, hole).unwrap();
     assert!(z.iter().all(|&b| b == 0), "punched hole reads non-zero");
     image.read_exact_at(&mut z, hole).unwrap();
-    assert!(z.iter().all(|&b| b == 0), "punched hole not zero in the image");
+    assert!(
+        z.iter().all(|&b| b == 0),
+        "punched hole not zero in the image"
+    );
     // The data around it is intact.
     let mut edge = vec![0u8; 4096];
     f.read_exact_at(&mut edge, hole - 4096).unwrap();
     assert!(edge == pattern(hole - 4096, 4096));
     // ZERO_RANGE at an odd range → WRITE_ZEROES (plus written edges).
     let (zr, zr_len) = (12_345 + 10, 100_000u64);
-    fallocate(&f, libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE, zr, zr_len).unwrap();
+    fallocate(
+        &f,
+        libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+        zr,
+        zr_len,
+    )
+    .unwrap();
     let mut z = vec![1u8; zr_len as usize + 2];
     f.read_exact_at(&mut z, zr - 1).unwrap();
     assert_eq!(z[0], pattern(zr - 1, 1)[0]);
@@ -121,7 +138,12 @@ fn ext2_on_a_loop_device_over_the_fuse_file_survives_a_remount() {
     let mut m = mount(&server.uri, &mnt, "fs", &[]);
 
     let files: Vec<(String, Vec<u8>)> = (0..8u64)
-        .map(|i| (format!("f{i}"), pattern(i * 7919, (i * 300_000 + 17) as usize)))
+        .map(|i| {
+            (
+                format!("f{i}"),
+                pattern(i * 7919, (i * 300_000 + 17) as usize),
+            )
+        })
         .collect();
     {
         let lo = LoopDev::attach(&m.file);
@@ -178,7 +200,10 @@ fn read_only_export_and_read_only_option_refuse_writes() {
             "{name}: {e}"
         );
         let mut b = vec![0u8; 4096];
-        std::fs::File::open(&m.file).unwrap().read_exact_at(&mut b, 0).unwrap();
+        std::fs::File::open(&m.file)
+            .unwrap()
+            .read_exact_at(&mut b, 0)
+            .unwrap();
         assert!(b == pattern(0, 4096), "{name}");
         run("fusermount3", &["-u", mnt.to_str().unwrap()]);
         assert!(m.wait_exit().success());
@@ -224,7 +249,11 @@ fn daemon_mode_returns_once_mounted() {
         .arg(&mnt)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // Mounted when the foreground process returned.
     let guard = Mount {
         child: None,
@@ -232,7 +261,11 @@ fn daemon_mode_returns_once_mounted() {
         file: mnt.join("d"),
     };
     assert_eq!(std::fs::metadata(&guard.file).unwrap().len(), 8 * MIB);
-    let pid: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
     run("fusermount3", &["-u", mnt.to_str().unwrap()]);
     let t = std::time::Instant::now();
     // SAFETY: signal 0 only probes whether the daemon still exists.
@@ -271,7 +304,10 @@ fn errors_are_clear_and_exit_non_zero() {
     let missing = dir.path().join("no-such-dir");
     let (s, err) = mount_fails(&[&server.uri, missing.to_str().unwrap()]);
     assert!(!s.success());
-    assert!(err.contains("does not exist") && err.contains("no-such-dir"), "{err}");
+    assert!(
+        err.contains("does not exist") && err.contains("no-such-dir"),
+        "{err}"
+    );
     let (s, err) = mount_fails(&[&server.uri, img.to_str().unwrap()]);
     assert!(!s.success());
     assert!(err.contains("not a directory"), "{err}");
@@ -280,7 +316,10 @@ fn errors_are_clear_and_exit_non_zero() {
     let m = mount(&server.uri, &mnt, "disk", &[]);
     let (s, err) = mount_fails(&[&server.uri, mnt_s]);
     assert!(!s.success());
-    assert!(err.contains("busy") && err.contains("already mounted"), "{err}");
+    assert!(
+        err.contains("busy") && err.contains("already mounted"),
+        "{err}"
+    );
     drop(m);
 
     // Not an NBD URI.
@@ -311,7 +350,11 @@ fn server_eio_reaches_the_application_as_eio() {
     let mnt = dir.path().join("mnt");
     std::fs::create_dir(&mnt).unwrap();
     let _m = mount(&server.uri, &mnt, "nbd", &[]);
-    let f = OpenOptions::new().read(true).write(true).open(mnt.join("nbd")).unwrap();
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(mnt.join("nbd"))
+        .unwrap();
     let off = 16 * MIB + 512;
     let data = pattern(off, 3 * MIB as usize);
     f.write_all_at(&data, off).unwrap();

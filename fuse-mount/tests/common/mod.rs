@@ -70,7 +70,10 @@ pub fn wait_port(port: u16) {
         })
     };
     while !listening() {
-        assert!(t.elapsed() < Duration::from_secs(20), "nothing listens on {port}");
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "nothing listens on {port}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -96,7 +99,14 @@ pub fn qpip_server_bin() -> PathBuf {
         let bin = dir.join("qpip-nbd-server");
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let status = Command::new(cargo)
-            .args(["build", "-q", "-p", "nbd-server", "--bin", "qpip-nbd-server"])
+            .args([
+                "build",
+                "-q",
+                "-p",
+                "nbd-server",
+                "--bin",
+                "qpip-nbd-server",
+            ])
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .status()
             .expect("running cargo build for qpip-nbd-server");
@@ -149,7 +159,14 @@ pub fn nbdkit(args: &[&str]) -> Option<Server> {
     }
     let port = free_port();
     let child = Command::new("nbdkit")
-        .args(["-f", "-p", &port.to_string(), "-i", "127.0.0.1", "--exit-with-parent"])
+        .args([
+            "-f",
+            "-p",
+            &port.to_string(),
+            "-i",
+            "127.0.0.1",
+            "--exit-with-parent",
+        ])
         .args(args)
         .stderr(Stdio::null())
         .spawn()
@@ -227,7 +244,11 @@ pub fn mount(uri: &str, dir: &Path, name: &str, extra: &[&str]) -> Mount {
             let err = std::fs::read_to_string(&log).unwrap_or_default();
             panic!("qpip-nbd-mount exited ({s}) before mounting: {err}");
         }
-        assert!(t.elapsed() < Duration::from_secs(20), "{} did not appear", file.display());
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "{} did not appear",
+            file.display()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     Mount {
@@ -240,7 +261,10 @@ pub fn mount(uri: &str, dir: &Path, name: &str, extra: &[&str]) -> Mount {
 /// Runs qpip-nbd-mount to completion (for the error cases): (status, stderr).
 pub fn mount_fails(args: &[&str]) -> (ExitStatus, String) {
     let out = Command::new(mount_bin()).args(args).output().unwrap();
-    (out.status, String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 pub fn run(cmd: &str, args: &[&str]) -> String {
