@@ -81,11 +81,26 @@ fn main() {
     let code = match run(cli) {
         Ok(()) => 0,
         Err(e) => {
-            eprintln!("qpip-nbd-mount: error: {e:#}");
+            eprintln!("qpip-nbd-mount: error: {}", message(&e));
             1
         }
     };
     std::process::exit(code);
+}
+
+/// The error and its causes on one line, leaving out causes the message before already says.
+fn message(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let c = cause.to_string();
+        if !out.contains(&c) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&c);
+        }
+    }
+    out
 }
 
 /// How the process tells a waiting parent (--daemon) that the mount is up or failed.
@@ -100,9 +115,11 @@ impl Ready {
             detach_stdio();
         }
     }
+    /// In the background child: hands the error to the waiting parent, which prints it.
     fn fail(&mut self, e: &anyhow::Error) {
         if let Some(mut p) = self.pipe.take() {
-            let _ = write!(p, "1{e:#}");
+            let _ = write!(p, "1{}", message(e));
+            std::process::exit(1);
         }
     }
 }
@@ -230,7 +247,11 @@ fn explain_connect_error(uri: &NbdUri, e: NbdError) -> anyhow::Error {
             );
         }
     }
-    anyhow::Error::new(e).context(format!("connecting to {uri}"))
+    match e {
+        // Already names the URI and the address.
+        NbdError::Connect { .. } => anyhow::Error::new(e),
+        e => anyhow::Error::new(e).context(format!("connecting to {uri}")),
+    }
 }
 
 fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
