@@ -1,0 +1,331 @@
+//! Test harness: NBD servers (qpip-nbd-server, nbdkit) as child processes on 127.0.0.1, the
+//! qpip-nbd-mount under test, and Drop guards that undo mounts and loop devices even when a
+//! test fails. Needs root and /dev/fuse; a missing prerequisite skips a test, except in CI
+//! (CI=true) where it fails it.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+fn in_ci() -> bool {
+    std::env::var("CI").as_deref() == Ok("true")
+}
+
+fn missing(what: &str) -> bool {
+    if in_ci() {
+        panic!("{what} is required in CI but is missing");
+    }
+    eprintln!("skipping: {what} is missing");
+    false
+}
+
+/// Is `tool` installed? (In CI a missing tool fails the test.)
+pub fn have(tool: &str) -> bool {
+    let found = std::env::var_os("PATH").is_some_and(|p| {
+        std::env::split_paths(&p).any(|d| d.join(tool).is_file())
+            || ["/usr/sbin", "/sbin"]
+                .iter()
+                .any(|d| Path::new(d).join(tool).is_file())
+    });
+    found || missing(tool)
+}
+
+/// Root, /dev/fuse and fusermount3: what every mount test needs.
+pub fn can_fuse() -> bool {
+    // SAFETY: plain getter.
+    if unsafe { libc::geteuid() } != 0 {
+        return missing("root");
+    }
+    if !Path::new("/dev/fuse").exists() {
+        return missing("/dev/fuse");
+    }
+    have("fusermount3")
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Waits until something listens on `port` (from /proc, without connecting).
+pub fn wait_port(port: u16) {
+    let t = Instant::now();
+    let listening = || {
+        ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
+            std::fs::read_to_string(f).is_ok_and(|s| {
+                s.lines().skip(1).any(|l| {
+                    let cols: Vec<&str> = l.split_whitespace().collect();
+                    cols.len() > 3
+                        && cols[3] == "0A"
+                        && cols[1].rsplit(':').next() == Some(&format!("{port:04X}"))
+                })
+            })
+        })
+    };
+    while !listening() {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "nothing listens on {port}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+pub struct Server {
+    pub child: Child,
+    pub uri: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The qpip-nbd-server binary, built once with the same cargo into the same target directory.
+pub fn qpip_server_bin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let exe = std::env::current_exe().unwrap();
+        let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+        let bin = dir.join("qpip-nbd-server");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = Command::new(cargo)
+            .args([
+                "build",
+                "-q",
+                "-p",
+                "nbd-server",
+                "--bin",
+                "qpip-nbd-server",
+            ])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("running cargo build for qpip-nbd-server");
+        assert!(status.success(), "building qpip-nbd-server failed");
+        assert!(bin.is_file(), "{} missing after build", bin.display());
+        bin
+    })
+    .clone()
+}
+
+/// qpip-nbd-server on a free port exporting `name` = `path`, with `extra` arguments.
+pub fn qpip_server(name: &str, path: &Path, extra: &[&str]) -> Server {
+    let mut child = Command::new(qpip_server_bin())
+        .args(["--listen", "127.0.0.1:0", "--log", "warn"])
+        .arg("--export")
+        .arg(format!("{name}={}", path.display()))
+        .args(extra)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting qpip-nbd-server");
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    let addr = loop {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "qpip-nbd-server exited before listening"
+        );
+        if let Some(a) = line.trim().strip_prefix("qpip-nbd-server: listening on ") {
+            break a.to_string();
+        }
+    };
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        while out.read_line(&mut s).is_ok_and(|n| n > 0) {
+            s.clear();
+        }
+    });
+    let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
+    Server {
+        child,
+        uri: format!("nbd://127.0.0.1:{port}/{name}"),
+    }
+}
+
+/// nbdkit with `args` (plugin, filters, parameters); its URI names the default export.
+pub fn nbdkit(args: &[&str]) -> Option<Server> {
+    if !have("nbdkit") {
+        return None;
+    }
+    let port = free_port();
+    let child = Command::new("nbdkit")
+        .args([
+            "-f",
+            "-p",
+            &port.to_string(),
+            "-i",
+            "127.0.0.1",
+            "--exit-with-parent",
+        ])
+        .args(args)
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("starting nbdkit");
+    wait_port(port);
+    Some(Server {
+        child,
+        uri: format!("nbd://127.0.0.1:{port}/"),
+    })
+}
+
+/// A running qpip-nbd-mount. Dropping it unmounts lazily and kills the process.
+pub struct Mount {
+    pub child: Option<Child>,
+    pub dir: PathBuf,
+    pub file: PathBuf,
+}
+
+impl Mount {
+    /// Waits for the process to exit (after an unmount or a signal); returns its status.
+    pub fn wait_exit(&mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("still running");
+        let t = Instant::now();
+        loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                return s;
+            }
+            if t.elapsed() > Duration::from_secs(20) {
+                let _ = child.kill();
+                panic!("qpip-nbd-mount did not exit");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().unwrap().id() as i32
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = Command::new("fusermount3")
+                .arg("-u")
+                .arg("-z")
+                .arg(&self.dir)
+                .stderr(Stdio::null())
+                .status();
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+pub fn mount_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_qpip-nbd-mount")
+}
+
+/// Mounts `uri` on `dir` and waits until the file `name` appears.
+pub fn mount(uri: &str, dir: &Path, name: &str, extra: &[&str]) -> Mount {
+    // Its log goes to a file beside the mount point (a pipe nobody reads could fill up).
+    let log = dir.with_extension("log");
+    let mut child = Command::new(mount_bin())
+        .args(extra)
+        .arg(uri)
+        .arg(dir)
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("starting qpip-nbd-mount");
+    let file = dir.join(name);
+    let t = Instant::now();
+    while !file.exists() {
+        if let Some(s) = child.try_wait().unwrap() {
+            let err = std::fs::read_to_string(&log).unwrap_or_default();
+            panic!("qpip-nbd-mount exited ({s}) before mounting: {err}");
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "{} did not appear",
+            file.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Mount {
+        child: Some(child),
+        dir: dir.to_path_buf(),
+        file,
+    }
+}
+
+/// Runs qpip-nbd-mount to completion (for the error cases): (status, stderr).
+pub fn mount_fails(args: &[&str]) -> (ExitStatus, String) {
+    let out = Command::new(mount_bin()).args(args).output().unwrap();
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+pub fn run(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A loop device, detached on drop.
+pub struct LoopDev(pub String);
+
+impl LoopDev {
+    pub fn attach(file: &Path) -> LoopDev {
+        let dev = run("losetup", &["-f", "--show", file.to_str().unwrap()]);
+        LoopDev(dev.trim().to_string())
+    }
+}
+
+impl Drop for LoopDev {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").args(["-d", &self.0]).status();
+    }
+}
+
+/// A mounted file system, lazily unmounted on drop (if still mounted).
+pub struct Mounted(pub PathBuf);
+
+impl Mounted {
+    pub fn new(dev: &str, dir: &Path) -> Mounted {
+        run("mount", &[dev, dir.to_str().unwrap()]);
+        Mounted(dir.to_path_buf())
+    }
+    pub fn umount(self) {
+        run("umount", &[self.0.to_str().unwrap()]);
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// A sparse file of `size` bytes.
+pub fn sparse_image(dir: &Path, name: &str, size: u64) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::File::create(&path).unwrap().set_len(size).unwrap();
+    path
+}
+
+/// Deterministic bytes that depend on the absolute offset.
+pub fn pattern(offset: u64, len: usize) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| {
+            let x = (offset + i).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            (x >> 56) as u8 ^ ((offset + i) >> 12) as u8
+        })
+        .collect()
+}

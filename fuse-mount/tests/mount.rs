@@ -1,0 +1,433 @@
+//! qpip-nbd-mount end to end: real servers, a real FUSE mount, loop devices and ext2.
+
+mod common;
+
+use std::fs::OpenOptions;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::time::Duration;
+
+use common::*;
+
+const MIB: u64 = 1 << 20;
+
+fn errno(e: &std::io::Error) -> i32 {
+    e.raw_os_error().unwrap_or(0)
+}
+
+fn fallocate(f: &std::fs::File, mode: i32, offset: u64, len: u64) -> std::io::Result<()> {
+    // SAFETY: plain syscall on an open fd.
+    let r = unsafe { libc::fallocate(f.as_raw_fd(), mode, offset as i64, len as i64) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+#[test]
+fn file_size_pattern_io_fsync_punch_hole_and_fusermount_exit() {
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_image(dir.path(), "a.img", 64 * MIB);
+    let server = qpip_server("disk", &img, &[]);
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let mut m = mount(&server.uri, &mnt, "disk", &[]);
+
+    // The directory holds the one file, with the export's size.
+    let names: Vec<String> = std::fs::read_dir(&mnt)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(names, ["disk"]);
+    let meta = std::fs::metadata(&m.file).unwrap();
+    assert!(meta.is_file());
+    assert_eq!(meta.len(), 64 * MIB);
+    assert_eq!(meta.ino(), 2);
+    assert_eq!(meta.mode() & 0o777, 0o644);
+    assert_eq!(meta.blocks(), 64 * MIB / 512);
+
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&m.file)
+        .unwrap();
+    // Odd offsets and lengths, one across many max_io splits and a page boundary.
+    let writes = [
+        (12_345u64, 300_001usize),
+        (7, 1),
+        (5 * MIB - 3, 2 * MIB as usize + 5),
+    ];
+    for &(off, len) in &writes {
+        f.write_all_at(&pattern(off, len), off).unwrap();
+    }
+    f.sync_all().unwrap();
+    let image = std::fs::File::open(&img).unwrap();
+    for &(off, len) in &writes {
+        let mut back = vec![0u8; len];
+        f.read_exact_at(&mut back, off).unwrap();
+        assert!(back == pattern(off, len), "read back at {off} differs");
+        let mut server_side = vec![0u8; len];
+        image.read_exact_at(&mut server_side, off).unwrap();
+        assert!(server_side == pattern(off, len), "image at {off} differs");
+    }
+
+    // Punch a hole (TRIM) inside written data: zeroes through FUSE and in the image.
+    let (hole, hole_len) = (5 * MIB + 4096, 256 * 1024);
+    fallocate(
+        &f,
+        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+        hole,
+        hole_len,
+    )
+    .unwrap();
+    let mut z = vec![1u8; hole_len as usize];
+    f.read_exact_at(&mut z, hole).unwrap();
+    assert!(z.iter().all(|&b| b == 0), "punched hole reads non-zero");
+    image.read_exact_at(&mut z, hole).unwrap();
+    assert!(
+        z.iter().all(|&b| b == 0),
+        "punched hole not zero in the image"
+    );
+    // The data around it is intact.
+    let mut edge = vec![0u8; 4096];
+    f.read_exact_at(&mut edge, hole - 4096).unwrap();
+    assert!(edge == pattern(hole - 4096, 4096));
+    // ZERO_RANGE at an odd range → WRITE_ZEROES (plus written edges).
+    let (zr, zr_len) = (12_345 + 10, 100_000u64);
+    fallocate(
+        &f,
+        libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+        zr,
+        zr_len,
+    )
+    .unwrap();
+    let mut z = vec![1u8; zr_len as usize + 2];
+    f.read_exact_at(&mut z, zr - 1).unwrap();
+    assert_eq!(z[0], pattern(zr - 1, 1)[0]);
+    assert!(z[1..=zr_len as usize].iter().all(|&b| b == 0));
+    assert_eq!(z[zr_len as usize + 1], pattern(zr + zr_len, 1)[0]);
+
+    // The size cannot change; writing past the end is ENOSPC.
+    let e = f.set_len(MIB).unwrap_err();
+    assert_eq!(errno(&e), libc::EINVAL, "{e}");
+    let e = f.write_at(b"x", 64 * MIB).unwrap_err();
+    assert_eq!(errno(&e), libc::ENOSPC, "{e}");
+    drop(f);
+
+    run("fusermount3", &["-u", mnt.to_str().unwrap()]);
+    let status = m.wait_exit();
+    assert!(status.success(), "{status}");
+}
+
+#[test]
+fn ext2_on_a_loop_device_over_the_fuse_file_survives_a_remount() {
+    if !can_fuse() || !have("losetup") || !have("mkfs.ext2") || !have("mount") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_image(dir.path(), "fs.img", 64 * MIB);
+    let server = qpip_server("fs", &img, &[]);
+    let mnt = dir.path().join("mnt");
+    let ext = dir.path().join("ext");
+    std::fs::create_dir(&mnt).unwrap();
+    std::fs::create_dir(&ext).unwrap();
+    let mut m = mount(&server.uri, &mnt, "fs", &[]);
+
+    let files: Vec<(String, Vec<u8>)> = (0..8u64)
+        .map(|i| {
+            (
+                format!("f{i}"),
+                pattern(i * 7919, (i * 300_000 + 17) as usize),
+            )
+        })
+        .collect();
+    {
+        let lo = LoopDev::attach(&m.file);
+        run("mkfs.ext2", &["-q", "-F", &lo.0]);
+        let fs = Mounted::new(&lo.0, &ext);
+        std::fs::create_dir(ext.join("sub")).unwrap();
+        for (name, data) in &files {
+            std::fs::write(ext.join("sub").join(name), data).unwrap();
+        }
+        fs.umount();
+        drop(lo);
+    }
+    {
+        let lo = LoopDev::attach(&m.file);
+        let fs = Mounted::new(&lo.0, &ext);
+        for (name, data) in &files {
+            let back = std::fs::read(ext.join("sub").join(name)).unwrap();
+            assert!(&back == data, "{name} differs after the remount");
+        }
+        fs.umount();
+        drop(lo);
+    }
+    run("fusermount3", &["-u", mnt.to_str().unwrap()]);
+    assert!(m.wait_exit().success());
+}
+
+#[test]
+fn read_only_export_and_read_only_option_refuse_writes() {
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_image(dir.path(), "ro.img", 8 * MIB);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .unwrap()
+        .write_all_at(&pattern(0, 4096), 0)
+        .unwrap();
+    let ro_server = qpip_server("ro", &img, &["--read-only"]);
+    let rw_server = qpip_server("rw", &img, &[]);
+    for (uri, name, extra) in [
+        (&ro_server.uri, "ro", &[][..]),
+        (&rw_server.uri, "rw", &["--read-only"][..]),
+    ] {
+        let mnt = dir.path().join(format!("mnt-{name}"));
+        std::fs::create_dir(&mnt).unwrap();
+        let mut m = mount(uri, &mnt, name, extra);
+        let meta = std::fs::metadata(&m.file).unwrap();
+        assert_eq!(meta.mode() & 0o777, 0o444, "{name}");
+        let e = OpenOptions::new().write(true).open(&m.file).unwrap_err();
+        assert!(
+            [libc::EROFS, libc::EACCES, libc::EPERM].contains(&errno(&e)),
+            "{name}: {e}"
+        );
+        let mut b = vec![0u8; 4096];
+        std::fs::File::open(&m.file)
+            .unwrap()
+            .read_exact_at(&mut b, 0)
+            .unwrap();
+        assert!(b == pattern(0, 4096), "{name}");
+        run("fusermount3", &["-u", mnt.to_str().unwrap()]);
+        assert!(m.wait_exit().success());
+    }
+}
+
+#[test]
+fn sigterm_and_sigint_unmount_and_exit_zero() {
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_image(dir.path(), "s.img", 8 * MIB);
+    let server = qpip_server("s", &img, &[]);
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        let mnt = dir.path().join(format!("mnt{sig}"));
+        std::fs::create_dir(&mnt).unwrap();
+        let mut m = mount(&server.uri, &mnt, "s", &[]);
+        // SAFETY: plain syscall to the child this test started.
+        assert_eq!(unsafe { libc::kill(m.pid(), sig) }, 0);
+        let status = m.wait_exit();
+        assert!(status.success(), "signal {sig}: {status}");
+        assert!(!m.file.exists(), "still mounted after signal {sig}");
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        assert!(!mountinfo.contains(mnt.to_str().unwrap()));
+    }
+}
+
+#[test]
+fn daemon_mode_returns_once_mounted() {
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_image(dir.path(), "d.img", 8 * MIB);
+    let server = qpip_server("d", &img, &[]);
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let pid_file = dir.path().join("pid");
+    let out = std::process::Command::new(mount_bin())
+        .args(["--daemon", "--pid-file", pid_file.to_str().unwrap()])
+        .arg(&server.uri)
+        .arg(&mnt)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Mounted when the foreground process returned.
+    let guard = Mount {
+        child: None,
+        dir: mnt.clone(),
+        file: mnt.join("d"),
+    };
+    assert_eq!(std::fs::metadata(&guard.file).unwrap().len(), 8 * MIB);
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    run("fusermount3", &["-u", mnt.to_str().unwrap()]);
+    let t = std::time::Instant::now();
+    // SAFETY: signal 0 only probes whether the daemon still exists.
+    while unsafe { libc::kill(pid, 0) } == 0 {
+        assert!(t.elapsed() < Duration::from_secs(20), "daemon did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(guard);
+}
+
+#[test]
+fn errors_are_clear_and_exit_non_zero() {
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_image(dir.path(), "e.img", 8 * MIB);
+    let server = qpip_server("disk", &img, &[]);
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let mnt_s = mnt.to_str().unwrap();
+
+    // Unknown export: the message names the ones that exist.
+    let base = server.uri.trim_end_matches("disk");
+    let (s, err) = mount_fails(&[&format!("{base}nope"), mnt_s]);
+    assert!(!s.success());
+    assert!(err.contains("nope") && err.contains("\"disk\""), "{err}");
+
+    // Unreachable server.
+    let port = free_port();
+    let (s, err) = mount_fails(&[&format!("nbd://127.0.0.1:{port}/disk"), mnt_s]);
+    assert!(!s.success());
+    assert!(err.contains(&format!("127.0.0.1:{port}")), "{err}");
+
+    // Missing mount point, and one that is a file.
+    let missing = dir.path().join("no-such-dir");
+    let (s, err) = mount_fails(&[&server.uri, missing.to_str().unwrap()]);
+    assert!(!s.success());
+    assert!(
+        err.contains("does not exist") && err.contains("no-such-dir"),
+        "{err}"
+    );
+    let (s, err) = mount_fails(&[&server.uri, img.to_str().unwrap()]);
+    assert!(!s.success());
+    assert!(err.contains("not a directory"), "{err}");
+
+    // A mount point that is busy (already mounted).
+    let m = mount(&server.uri, &mnt, "disk", &[]);
+    let (s, err) = mount_fails(&[&server.uri, mnt_s]);
+    assert!(!s.success());
+    assert!(
+        err.contains("busy") && err.contains("already mounted"),
+        "{err}"
+    );
+    drop(m);
+
+    // Not an NBD URI.
+    let (s, err) = mount_fails(&["http://example/disk", mnt_s]);
+    assert!(!s.success());
+    assert!(err.contains("not an NBD URI"), "{err}");
+}
+
+/// nbdkit's error filter switched on after mounting (by creating its error file): reads fail
+/// with EIO; switched off again, they return the right data.
+#[test]
+fn server_eio_reaches_the_application_as_eio() {
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let trigger = dir.path().join("inject");
+    let Some(server) = nbdkit(&[
+        "--filter=error",
+        "memory",
+        "64M",
+        "error=EIO",
+        "error-rate=1",
+        &format!("error-file={}", trigger.display()),
+    ]) else {
+        return;
+    };
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let _m = mount(&server.uri, &mnt, "nbd", &[]);
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(mnt.join("nbd"))
+        .unwrap();
+    let off = 16 * MIB + 512;
+    let data = pattern(off, 3 * MIB as usize);
+    f.write_all_at(&data, off).unwrap();
+    f.sync_all().unwrap();
+    // Drop the page cache so the reads below reach the server.
+    // SAFETY: plain syscall on an open fd.
+    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+
+    std::fs::write(&trigger, b"").unwrap();
+    let mut back = vec![0u8; data.len()];
+    let e = f.read_exact_at(&mut back, off).unwrap_err();
+    assert_eq!(errno(&e), libc::EIO, "{e}");
+    let e = f.write_at(&data[..4096], off).unwrap_err();
+    assert_eq!(errno(&e), libc::EIO, "{e}");
+
+    std::fs::remove_file(&trigger).unwrap();
+    // SAFETY: as above.
+    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    f.read_exact_at(&mut back, off).unwrap();
+    assert!(back == data, "data differs after the errors stopped");
+}
+
+/// A server with a 4 KiB minimum block size that refuses anything unaligned (nbdkit's
+/// blocksize-policy filter): byte-granular I/O through the file is widened and
+/// read-modify-written, and every byte lands where it should.
+#[test]
+fn unaligned_io_against_a_4k_minimum_block_size() {
+    if !can_fuse() {
+        return;
+    }
+    let Some(server) = nbdkit(&[
+        "--filter=blocksize-policy",
+        "memory",
+        "16M",
+        "blocksize-minimum=4096",
+        "blocksize-error-policy=error",
+    ]) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let _m = mount(&server.uri, &mnt, "nbd", &[]);
+    let path = mnt.join("nbd");
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    let mut model = vec![0u8; 2 * MIB as usize];
+    for &(off, len) in &[(1u64, 3usize), (4095, 2), (10_000, 70_001), (8191, 4098)] {
+        let data = pattern(off, len);
+        f.write_all_at(&data, off).unwrap();
+        model[off as usize..off as usize + len].copy_from_slice(&data);
+    }
+    f.sync_all().unwrap();
+    // Read back from the server, not the page cache: drop it first.
+    // SAFETY: plain syscall on an open fd.
+    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    let mut back = vec![0u8; model.len()];
+    f.read_exact_at(&mut back, 0).unwrap();
+    assert!(back == model, "contents differ from the model");
+    // Zeroing an unaligned range: written edges, WRITE_ZEROES in the middle.
+    fallocate(
+        &f,
+        libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+        10_001,
+        20_000,
+    )
+    .unwrap();
+    model[10_001..30_001].fill(0);
+    // SAFETY: as above.
+    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    f.read_exact_at(&mut back, 0).unwrap();
+    assert!(back == model, "contents differ after zero range");
+}
