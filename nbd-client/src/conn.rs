@@ -49,6 +49,17 @@ impl Conn {
         Ok(())
     }
 
+    /// Waits (up to a second) until every posted send has completed, so that the memory they
+    /// name can be released: a WR naming deregistered memory fails with a protection error.
+    fn finish_sends(&self, buf: &mut [Completion]) {
+        let until = Instant::now() + Duration::from_secs(1);
+        while self.qp.outstanding_sends() > 0 && Instant::now() < until {
+            if self.cq.wait(buf, Some(Duration::from_millis(100))).is_err() {
+                break;
+            }
+        }
+    }
+
     fn send_bytes(&mut self, nic: &Nic, bytes: &[u8]) -> Result<()> {
         if bytes.is_empty() {
             return Ok(());
@@ -145,13 +156,18 @@ impl Conn {
                 let ev = hs.handle_message(&msg, &mut out);
                 // Whatever the machine queued (an NBD_OPT_ABORT after an error) goes out.
                 conn.send_bytes(nic, &out)?;
-                let ev = ev.map_err(|source| {
-                    conn.qp.close();
-                    Error::Handshake {
-                        uri: uri.to_string(),
-                        source,
+                let ev = match ev {
+                    Ok(ev) => ev,
+                    Err(source) => {
+                        // The ABORT's buffer must stay registered until the NIC has sent it.
+                        conn.finish_sends(&mut buf);
+                        conn.qp.close();
+                        return Err(Error::Handshake {
+                            uri: uri.to_string(),
+                            source,
+                        });
                     }
-                })?;
+                };
                 match ev {
                     ClientEvent::Continue => {
                         conn.phase.store(hs.phase().to_u8(), Ordering::Release);
@@ -169,10 +185,7 @@ impl Conn {
                         conn.phase
                             .store(ClientPhase::Closed.to_u8(), Ordering::Release);
                         // Let the NBD_OPT_ABORT go out before the connection closes.
-                        let until = Instant::now() + Duration::from_secs(1);
-                        while conn.qp.outstanding_sends() > 0 && Instant::now() < until {
-                            conn.cq.wait(&mut buf, Some(Duration::from_millis(100)))?;
-                        }
+                        conn.finish_sends(&mut buf);
                         conn.qp.close();
                         return Ok((conn, other));
                     }
