@@ -58,29 +58,8 @@ impl Default for ClientOptions {
     }
 }
 
-/// What the client knows about the export.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ExportInfo {
-    pub size: u64,
-    pub flags: TransmissionFlags,
-    pub block_size: BlockSize,
-    pub block_size_advertised: bool,
-    pub name: Option<String>,
-    pub description: Option<String>,
-}
-
-impl From<ExportDetails> for ExportInfo {
-    fn from(d: ExportDetails) -> Self {
-        ExportInfo {
-            size: d.size,
-            flags: d.flags,
-            block_size: d.block_size,
-            block_size_advertised: d.block_size_advertised,
-            name: d.name,
-            description: d.description,
-        }
-    }
-}
+/// What the client knows about the export: what the handshake reported.
+pub type ExportInfo = ExportDetails;
 
 /// One extent of `base:allocation` block status.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -222,7 +201,7 @@ impl Client {
                 why: "handshake ended without entering transmission".into(),
             });
         };
-        let info = ExportInfo::from(neg.export.clone());
+        let info = neg.export.clone();
         let bs = info.block_size;
         let max = u64::from(bs.max).min(MAX_IO as u64);
         let max_io = round_down(max, u64::from(bs.min)).max(u64::from(bs.min)) as u32;
@@ -264,7 +243,7 @@ impl Client {
         let nic = Nic::soft()?;
         let hs = ClientHandshake::info(Self::config(&parsed, &opts));
         match Conn::open(&nic, &parsed, hs, opts.connect_timeout) {
-            Ok((_, ClientEvent::Info(d))) => Ok((*d).into()),
+            Ok((_, ClientEvent::Info(d))) => Ok(*d),
             Ok(_) => Err(Error::Protocol {
                 uri: parsed.to_string(),
                 why: "unexpected answer to NBD_OPT_INFO".into(),
