@@ -1,0 +1,29 @@
+//! qpip-nbd-mount: an NBD export (over Queue Pair IP) as one regular file in a FUSE mount.
+//!
+//! [`backend::Backend`] holds the NBD connections and turns byte ranges into NBD requests;
+//! [`fs::NbdFs`] is the FUSE side (a directory with one file); [`mountpoint`] checks where
+//! the mount goes and unmounts it.
+
+pub mod backend;
+pub mod fs;
+pub mod mountpoint;
+
+/// The file's name in the mount point: the export's name (`nbd` when it is empty), with `/`
+/// (not allowed in a file name) replaced by `_`.
+pub fn file_name(export: &str) -> String {
+    if export.is_empty() {
+        "nbd".to_string()
+    } else {
+        export.replace('/', "_")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn file_names() {
+        assert_eq!(super::file_name(""), "nbd");
+        assert_eq!(super::file_name("disk"), "disk");
+        assert_eq!(super::file_name("vm/disk0"), "vm_disk0");
+    }
+}

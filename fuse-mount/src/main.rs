@@ -1,0 +1,326 @@
+//! qpip-nbd-mount URI MOUNTPOINT: an NBD export as one regular file in a FUSE mount.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use fuse_mount::backend::Backend;
+use fuse_mount::fs::NbdFs;
+use fuse_mount::{file_name, mountpoint};
+use fuser::{Config, MountOption, Session, SessionACL};
+use nbd_client::{Client, ClientOptions, Error as NbdError, NbdUri, Nic};
+use nbd_proto::handshake::ClientError;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "qpip-nbd-mount",
+    version,
+    about = "Mount an NBD export (over Queue Pair IP) as one regular file in a FUSE directory",
+    long_about = "Mount an NBD export (over Queue Pair IP) as one regular file in a FUSE directory.\n\n\
+        The export appears inside MOUNTPOINT as a file named after the export (\"nbd\" for the \
+        empty export name) with the export's size. read and write go to the server, fsync is \
+        NBD FLUSH, fallocate PUNCH_HOLE is NBD TRIM (the range then reads as zeroes) and \
+        ZERO_RANGE is WRITE_ZEROES. The file cannot change size. A read-only export (or \
+        --read-only) gives a read-only mount and a 0444 file. The file can be used with \
+        losetup, mkfs and mount like a disk.\n\n\
+        Runs in the foreground until the file system is unmounted (fusermount3 -u MOUNTPOINT, \
+        umount, or SIGINT/SIGTERM, which unmount it; a mount still in use, e.g. by a loop \
+        device, stays mounted and is reported). A lost connection is restored and unanswered \
+        requests are sent again; I/O that cannot complete fails with EIO.",
+    after_help = "Examples:\n  \
+        qpip-nbd-mount nbd://127.0.0.1/disk /mnt/nbd &\n  \
+        losetup -f --show /mnt/nbd/disk\n  \
+        qpip-nbd-mount --daemon --read-only nbd://[::1]:10809/golden /mnt/golden\n  \
+        fusermount3 -u /mnt/nbd"
+)]
+struct Cli {
+    /// nbd://HOST[:PORT][/EXPORT]
+    uri: String,
+    /// An existing directory with nothing mounted on it.
+    mountpoint: PathBuf,
+    /// Mount read-only even when the export is writable.
+    #[arg(short = 'r', long)]
+    read_only: bool,
+    /// Let other users use the mount (FUSE allow_other; off by default, as in nbdfuse; the
+    /// file's mode bits are then enforced by the kernel).
+    #[arg(long)]
+    allow_other: bool,
+    /// Connections to the server when it allows multi-conn (one otherwise).
+    #[arg(short = 'C', long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    connections: u16,
+    /// FUSE request threads [default: connections + 2].
+    #[arg(short = 'T', long, value_parser = clap::value_parser!(u16).range(1..=256))]
+    threads: Option<u16>,
+    /// Detach into the background once mounted (errors before that still exit non-zero).
+    #[arg(long)]
+    daemon: bool,
+    /// Write the process id to this file once mounted.
+    #[arg(long, value_name = "FILE")]
+    pid_file: Option<PathBuf>,
+    /// More log output (-v info, -vv debug, -vvv trace); RUST_LOG overrides.
+    #[arg(short = 'v', long, action = clap::ArgAction::Count)]
+    verbose: u8,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    // fuser warns about every operation it answers ENOSYS for (xattrs): quiet below -vv.
+    let level = ["warn,fuser=error", "info,fuser=error", "debug", "trace"]
+        [usize::from(cli.verbose.min(3))];
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level)),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let code = match run(cli) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("qpip-nbd-mount: error: {e:#}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+/// How the process tells a waiting parent (--daemon) that the mount is up or failed.
+struct Ready {
+    pipe: Option<File>,
+}
+
+impl Ready {
+    fn ok(&mut self) {
+        if let Some(mut p) = self.pipe.take() {
+            let _ = p.write_all(b"0");
+            detach_stdio();
+        }
+    }
+    fn fail(&mut self, e: &anyhow::Error) {
+        if let Some(mut p) = self.pipe.take() {
+            let _ = write!(p, "1{e:#}");
+        }
+    }
+}
+
+fn detach_stdio() {
+    // SAFETY: plain fd syscalls on fds this process owns.
+    unsafe {
+        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+        if null >= 0 {
+            for fd in 0..3 {
+                libc::dup2(null, fd);
+            }
+            if null > 2 {
+                libc::close(null);
+            }
+        }
+    }
+}
+
+/// Forks before any thread exists (the soft NIC starts one). The parent waits for the child's
+/// verdict and exits with it; the child returns a [`Ready`] to report through.
+fn daemonize() -> Result<Ready> {
+    let mut fds = [0; 2];
+    // SAFETY: fds is a valid array of two ints.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        bail!("pipe: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: the fds were just created and are owned here only.
+    let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: no other thread exists yet, so the child may run arbitrary code.
+    match unsafe { libc::fork() } {
+        -1 => bail!("fork: {}", std::io::Error::last_os_error()),
+        0 => {
+            drop(r);
+            // SAFETY: plain syscall.
+            unsafe { libc::setsid() };
+            Ok(Ready {
+                pipe: Some(File::from(w)),
+            })
+        }
+        _child => {
+            drop(w);
+            let mut msg = String::new();
+            let _ = File::from(r).read_to_string(&mut msg);
+            match msg.split_at_checked(1) {
+                Some(("0", _)) => std::process::exit(0),
+                Some(("1", why)) => {
+                    eprintln!("qpip-nbd-mount: error: {why}");
+                    std::process::exit(1)
+                }
+                _ => {
+                    eprintln!("qpip-nbd-mount: error: the background process exited early");
+                    std::process::exit(1)
+                }
+            }
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let uri = NbdUri::parse(&cli.uri)?;
+    let mnt = mountpoint::check(&cli.mountpoint)?;
+    let mut ready = if cli.daemon {
+        daemonize()?
+    } else {
+        Ready { pipe: None }
+    };
+    match serve(&cli, &uri, &mnt, &mut ready) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            ready.fail(&e);
+            Err(e)
+        }
+    }
+}
+
+/// Connects: the server unreachable, the export unknown (naming the ones there are) and
+/// the like are errors here, before anything is mounted.
+fn connect(cli: &Cli, uri: &NbdUri, nic: &Nic) -> Result<Vec<Client>> {
+    let opts = ClientOptions {
+        nic: Some(nic.clone()),
+        ..Default::default()
+    };
+    let first = match Client::connect_with(&cli.uri, opts.clone()) {
+        Ok(c) => c,
+        Err(e) => return Err(explain_connect_error(uri, e)),
+    };
+    let want = usize::from(cli.connections);
+    let mut conns = vec![first];
+    if want > 1 && !conns[0].can_multi_conn() {
+        tracing::info!(
+            "{uri}: the server does not allow multi-conn; using one connection instead of {want}"
+        );
+    } else {
+        while conns.len() < want {
+            conns.push(
+                Client::connect_with(&cli.uri, opts.clone())
+                    .with_context(|| format!("opening connection {} to {uri}", conns.len() + 1))?,
+            );
+        }
+    }
+    Ok(conns)
+}
+
+fn explain_connect_error(uri: &NbdUri, e: NbdError) -> anyhow::Error {
+    if let NbdError::Handshake {
+        source: ClientError::Rejected { .. },
+        ..
+    } = &e
+    {
+        let mut base = uri.clone();
+        base.export.clear();
+        if let Ok(list) = Client::list(&base.to_string())
+            && !list.iter().any(|x| x.name == uri.export)
+        {
+            let names: Vec<String> = list.iter().map(|x| format!("{:?}", x.name)).collect();
+            return anyhow::anyhow!(
+                "{uri}: the server has no export named {:?}; its exports: {}",
+                uri.export,
+                if names.is_empty() {
+                    "(none listed)".to_string()
+                } else {
+                    names.join(", ")
+                }
+            );
+        }
+    }
+    anyhow::Error::new(e).context(format!("connecting to {uri}"))
+}
+
+fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
+    let nic = Nic::soft().context("starting the soft NIC")?;
+    let conns = connect(cli, uri, &nic)?;
+    let backend = Arc::new(Backend::new(conns, cli.read_only));
+    let caps = *backend.caps();
+    let name = file_name(&uri.export);
+    let threads = cli
+        .threads
+        .map_or(backend.connections() + 2, usize::from)
+        .max(1);
+
+    let options = vec![
+        MountOption::FSName(uri.to_string()),
+        MountOption::Subtype("qpip-nbd".into()),
+        MountOption::DefaultPermissions,
+        MountOption::NoSuid,
+        MountOption::NoDev,
+        MountOption::NoAtime,
+        if caps.read_only {
+            MountOption::RO
+        } else {
+            MountOption::RW
+        },
+    ];
+    let mut config = Config::default();
+    config.mount_options = options;
+    // SessionACL::All is the allow_other mount option.
+    config.acl = if cli.allow_other {
+        SessionACL::All
+    } else {
+        SessionACL::Owner
+    };
+    config.n_threads = Some(threads);
+    config.clone_fd = true;
+
+    let fs = NbdFs::new(backend.clone(), &name);
+    let session = Session::new(fs, mnt, &config)
+        .with_context(|| format!("mounting on {}", mnt.display()))?;
+    tracing::info!(
+        %uri,
+        file = %mnt.join(&name).display(),
+        size = caps.size,
+        connections = backend.connections(),
+        threads,
+        read_only = caps.read_only,
+        "mounted"
+    );
+    if let Some(p) = &cli.pid_file {
+        std::fs::write(p, format!("{}\n", std::process::id()))
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    watch_signals(mnt.to_path_buf())?;
+    ready.ok();
+
+    let result = session.run();
+    if let Some(p) = &cli.pid_file {
+        let _ = std::fs::remove_file(p);
+    }
+    match Arc::try_unwrap(backend) {
+        Ok(b) => b.close(),
+        Err(_) => tracing::warn!("connections still in use at exit"),
+    }
+    result.with_context(|| format!("serving {}", mnt.display()))?;
+    tracing::info!(mountpoint = %mnt.display(), "unmounted");
+    Ok(())
+}
+
+/// SIGINT, SIGTERM and SIGHUP unmount; the session loop then ends and the process exits 0.
+fn watch_signals(mnt: PathBuf) -> Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals =
+        signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]).context("signals")?;
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            for sig in signals.forever() {
+                tracing::info!(sig, "unmounting {}", mnt.display());
+                match mountpoint::unmount(&mnt) {
+                    Ok(()) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) => eprintln!(
+                        "qpip-nbd-mount: {} is busy (still open, e.g. by a loop device); \
+                         it stays mounted: free it and signal again, or fusermount3 -u it",
+                        mnt.display()
+                    ),
+                    Err(e) => eprintln!("qpip-nbd-mount: unmounting {}: {e}", mnt.display()),
+                }
+            }
+        })
+        .context("starting the signal thread")?;
+    Ok(())
+}
