@@ -69,8 +69,8 @@ struct Cli {
 fn main() {
     let cli = Cli::parse();
     // fuser warns about every operation it answers ENOSYS for (xattrs): quiet below -vv.
-    let level = ["warn,fuser=error", "info,fuser=error", "debug", "trace"]
-        [usize::from(cli.verbose.min(3))];
+    let level =
+        ["warn,fuser=error", "info,fuser=error", "debug", "trace"][usize::from(cli.verbose.min(3))];
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -269,8 +269,8 @@ fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
     config.clone_fd = true;
 
     let fs = NbdFs::new(backend.clone(), &name);
-    let session = Session::new(fs, mnt, &config)
-        .with_context(|| format!("mounting on {}", mnt.display()))?;
+    let session =
+        Session::new(fs, mnt, &config).with_context(|| format!("mounting on {}", mnt.display()))?;
     tracing::info!(
         %uri,
         file = %mnt.join(&name).display(),

@@ -124,7 +124,10 @@ mod tests {
         let dir = std::env::temp_dir().join("qpip-nbd-mount-no-such-dir");
         assert!(matches!(check(&dir), Err(MountpointError::Missing(_))));
         let file = tempfile_path();
-        assert!(matches!(check(&file), Err(MountpointError::NotDirectory(_))));
+        assert!(matches!(
+            check(&file),
+            Err(MountpointError::NotDirectory(_))
+        ));
         std::fs::remove_file(file).unwrap();
     }
 
