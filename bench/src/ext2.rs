@@ -1013,7 +1013,7 @@ pub fn table(r: &Ext2Report) -> String {
           (TCP socket)\n";
     s += "MB/CPU-s = MB moved per CPU-second of the machine, other processes left out \
           (kernel includes loop/writeback workers and interrupt work)\n";
-    if r.loop_direct_io.values().any(|d| !d) {
+    if p.loop_direct_io && r.loop_direct_io.values().any(|d| !d) {
         s += &format!(
             "note: the loop device fell back to buffered I/O on: {:?}\n",
             r.loop_direct_io

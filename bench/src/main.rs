@@ -252,6 +252,8 @@ fn main() -> Result<()> {
                 progress.line(&format!("plot written to {}", path.display()));
             }
             if json {
+                // The table still goes to the terminal, on stderr.
+                eprint!("{}", ext2::table(&report));
                 println!("{}", serde_json::to_string(&report)?);
             } else {
                 print!("{}", ext2::table(&report));
@@ -293,6 +295,8 @@ fn main() -> Result<()> {
                 }
             }
             if json {
+                // The table still goes to the terminal, on stderr.
+                eprint!("{}", sweep::table(&report));
                 println!("{}", serde_json::to_string(&report)?);
             } else {
                 print!("{}", sweep::table(&report));

@@ -64,6 +64,7 @@ pub fn ext2(r: &Ext2Report, path: &Path) -> Result<()> {
         chart
             .configure_mesh()
             .disable_x_mesh()
+            .y_label_formatter(&|y| format!("{y:.0}"))
             .x_labels(stacks.len() * 2 + 1)
             .x_label_formatter(&move |x| {
                 let i = (x - 0.5).round();
@@ -154,6 +155,7 @@ pub fn sweep(r: &SweepReport, dir: &str, path: &Path) -> Result<()> {
             .x_labels(sizes.len() * 2)
             .x_desc("request size")
             .y_desc("MB/s")
+            .y_label_formatter(&|y| format!("{y:.0}"))
             .x_label_formatter(&move |x| {
                 let i = x.round();
                 if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < labels.len() {
