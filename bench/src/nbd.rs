@@ -42,6 +42,7 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// The servers, in their default order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(clippy::enum_variant_names)] // NbdServer is the program's name: nbd-server
 pub enum Server {
     Qpip,
     Nbdkit,

@@ -44,7 +44,10 @@ pub fn ext2(r: &Ext2Report, path: &Path) -> Result<()> {
     let panels = body.split_evenly((1, 2));
     for (panel, (measure, label)) in panels.iter().zip([
         ("MBps", "throughput, MB/s"),
-        ("MB_per_cpu_s", "MB per CPU-second (whole machine)"),
+        (
+            "MB_per_cpu_s",
+            "MB per CPU-second (machine, other processes excluded)",
+        ),
     ]) {
         let value = |stack: &str, dir: &str| r.stacks[stack][&format!("{dir}_{measure}")].median;
         let top = stacks
