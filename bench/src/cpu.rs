@@ -110,6 +110,97 @@ pub fn threads_named(pid: u32, name: &str) -> std::io::Result<ProcessCpu> {
     Ok(sum)
 }
 
+fn clock_ticks_per_s() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if hz > 0 { hz as f64 } else { 100.0 }
+}
+
+/// Busy CPU time of the whole machine so far, from the first line of `/proc/stat`: user +
+/// nice + system + irq + softirq, all CPUs (idle, iowait and steal excluded; guest time is
+/// already inside user).
+pub fn machine_busy() -> std::io::Result<Duration> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    parse_machine(&stat).ok_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::InvalidData, "/proc/stat: no cpu line")
+    })
+}
+
+fn parse_machine(stat: &str) -> Option<Duration> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let f: Vec<u64> = line
+        .split_ascii_whitespace()
+        .skip(1)
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    // user nice system idle iowait irq softirq steal ...
+    let busy = f.first()? + f.get(1)? + f.get(2)? + f.get(5)? + f.get(6)?;
+    Some(Duration::from_secs_f64(busy as f64 / clock_ticks_per_s()))
+}
+
+/// One process as seen in `/proc/PID/stat`.
+#[derive(Clone, Copy, Debug)]
+pub struct ProcEntry {
+    pub ppid: u32,
+    pub cpu: Duration,
+    /// A kernel thread (PF_KTHREAD): loop workers, kworkers doing writeback, ...
+    pub kthread: bool,
+}
+
+/// Every process of the machine: CPU time (user+system, all threads), parent, kind.
+pub fn all_processes() -> std::collections::HashMap<u32, ProcEntry> {
+    let mut out = std::collections::HashMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in dir.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let Some(cpu) = parse_stat(&stat) else {
+            continue;
+        };
+        let Some(close) = stat.rfind(')') else {
+            continue;
+        };
+        // After ')': state(3) ppid(4) pgrp session tty tpgid flags(9).
+        let f: Vec<&str> = stat[close + 1..].split_ascii_whitespace().collect();
+        let ppid = f.get(1).and_then(|x| x.parse().ok()).unwrap_or(0);
+        let flags: u64 = f.get(6).and_then(|x| x.parse().ok()).unwrap_or(0);
+        out.insert(
+            pid,
+            ProcEntry {
+                ppid,
+                cpu: cpu.total(),
+                kthread: flags & 0x0020_0000 != 0 || pid == 2 || ppid == 2,
+            },
+        );
+    }
+    out
+}
+
+/// `pid` and all its descendants in a snapshot of [`all_processes`].
+pub fn tree(
+    procs: &std::collections::HashMap<u32, ProcEntry>,
+    pid: u32,
+) -> std::collections::HashSet<u32> {
+    let mut set = std::collections::HashSet::from([pid]);
+    loop {
+        let before = set.len();
+        for (&p, e) in procs {
+            if set.contains(&e.ppid) {
+                set.insert(p);
+            }
+        }
+        if set.len() == before {
+            return set;
+        }
+    }
+}
+
 /// The calling thread's kernel id.
 #[cfg(test)]
 pub fn tid() -> i32 {
@@ -210,6 +301,24 @@ mod tests {
         let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
         assert_eq!(c.user, Duration::from_nanos(250 * 1_000_000_000 / hz));
         assert_eq!(c.system, Duration::from_nanos(50 * 1_000_000_000 / hz));
+    }
+
+    #[test]
+    fn machine_line_sums_busy_fields() {
+        let s = "cpu  100 5 50 1000 70 3 2 9 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n";
+        let hz = clock_ticks_per_s();
+        let d = parse_machine(s).unwrap().as_secs_f64();
+        assert!((d - 160.0 / hz).abs() < 1e-9, "{d}");
+        assert!(machine_busy().unwrap() > Duration::ZERO);
+    }
+
+    #[test]
+    fn process_snapshot_sees_us_and_our_tree() {
+        let procs = all_processes();
+        let me = std::process::id();
+        assert!(procs.contains_key(&me));
+        assert!(!procs[&me].kthread);
+        assert!(tree(&procs, me).contains(&me));
     }
 
     #[test]

@@ -2,8 +2,13 @@
 //! side in one run.
 
 mod cpu;
+mod ext2;
 mod micro;
 mod nbd;
+mod plot;
+mod progress;
+mod stats;
+mod sweep;
 
 use std::path::PathBuf;
 
@@ -78,6 +83,82 @@ enum NbdCmd {
         #[arg(long)]
         prewrite: bool,
     },
+    /// (root) The paper's network storage benchmark: ext2 on a loop device on a FUSE file
+    /// backed by an NBD export. Writes a file sequentially + sync, unmounts, drops caches,
+    /// remounts, reads it back and verifies it. qpip (qpip-nbd-server + qpip-nbd-mount)
+    /// against nbd-server, nbdkit and qemu-nbd behind qemu-storage-daemon's FUSE export: MB/s
+    /// and MB per CPU-second, CPU split into server, NIC engine, client/FUSE and kernel.
+    Ext2 {
+        /// Print one JSON object (every figure) instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Rounds; every round runs all stacks (interleaved); medians and min/max are reported.
+        #[arg(long, default_value_t = 3)]
+        repeat: usize,
+        /// Size of the file written and read back (binary units: 409M = 409 MiB).
+        #[arg(long, default_value = "409M", value_parser = nbd::parse_size)]
+        file_size: u64,
+        /// Stacks to run, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "qpip,nbd-server,nbdkit,qemu-nbd",
+              value_parser = ext2::Stack::parse)]
+        stacks: Vec<ext2::Stack>,
+        /// The qpip-nbd-server to measure. Default: the one next to this executable.
+        #[arg(long, value_name = "PATH")]
+        server_bin: Option<PathBuf>,
+        /// The qpip-nbd-mount to measure. Default: the one next to this executable.
+        #[arg(long, value_name = "PATH")]
+        mount_bin: Option<PathBuf>,
+        /// Work directory for images and mount points (default: a fresh one on /dev/shm);
+        /// removed afterwards.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+        /// The loop device's direct I/O on the FUSE file (losetup --direct-io=on|off). Off by
+        /// default: with it on, qemu-storage-daemon's FUSE export (QEMU 10.0) returned corrupt
+        /// blocks to the read-back check intermittently.
+        #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+        loop_direct_io: String,
+        /// Directory for the plot (qpip-bench-ext2.svg).
+        #[arg(long, value_name = "DIR", default_value = ".")]
+        plot_dir: PathBuf,
+        /// Write no plot.
+        #[arg(long)]
+        no_plot: bool,
+    },
+    /// Raw sequential NBD I/O over request sizes and queue depths: our client (nbd_client's
+    /// pipelined API) against qpip-nbd-server, fio's nbd engine against nbdkit and qemu-nbd.
+    Sweep {
+        /// Print one JSON object (every figure) instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Rounds; medians and min/max are reported.
+        #[arg(long, default_value_t = 1)]
+        repeat: usize,
+        /// Request sizes, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "4k,64k,256k,1m,4m",
+              value_parser = nbd::parse_size)]
+        sizes: Vec<u64>,
+        /// Queue depths (requests in flight), comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
+        depths: Vec<u32>,
+        /// Bytes per point at most (and the image size).
+        #[arg(long, default_value = "256M", value_parser = nbd::parse_size)]
+        point_size: u64,
+        /// Seconds per point at most.
+        #[arg(long, default_value_t = 2.0)]
+        point_time: f64,
+        /// The qpip-nbd-server to measure. Default: the one next to this executable.
+        #[arg(long, value_name = "PATH")]
+        server_bin: Option<PathBuf>,
+        /// Directory for the images (default: a fresh one on /dev/shm); removed afterwards.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+        /// Directory for the plots (qpip-bench-sweep-{write,read}.svg).
+        #[arg(long, value_name = "DIR", default_value = ".")]
+        plot_dir: PathBuf,
+        /// Write no plots.
+        #[arg(long)]
+        no_plot: bool,
+    },
 }
 
 fn main() -> Result<()> {
@@ -137,6 +218,88 @@ fn main() -> Result<()> {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
                 print!("{}", nbd::table(&report));
+            }
+        }
+        Cmd::Nbd {
+            cmd:
+                NbdCmd::Ext2 {
+                    json,
+                    repeat,
+                    file_size,
+                    stacks,
+                    server_bin,
+                    mount_bin,
+                    dir,
+                    loop_direct_io,
+                    plot_dir,
+                    no_plot,
+                },
+        } => {
+            let progress = progress::Progress::new("qpip-bench nbd ext2");
+            let opts = ext2::Options {
+                file_size,
+                repeat,
+                stacks,
+                server_bin: server_bin.map_or_else(nbd::default_server_bin, Ok)?,
+                mount_bin: mount_bin.map_or_else(ext2::default_mount_bin, Ok)?,
+                dir,
+                loop_direct_io: loop_direct_io == "on",
+            };
+            let report = ext2::run_all(opts, &progress)?;
+            if !no_plot {
+                let path = plot_dir.join("qpip-bench-ext2.svg");
+                plot::ext2(&report, &path)?;
+                progress.line(&format!("plot written to {}", path.display()));
+            }
+            if json {
+                // The table still goes to the terminal, on stderr.
+                eprint!("{}", ext2::table(&report));
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                print!("{}", ext2::table(&report));
+            }
+        }
+        Cmd::Nbd {
+            cmd:
+                NbdCmd::Sweep {
+                    json,
+                    repeat,
+                    sizes,
+                    depths,
+                    point_size,
+                    point_time,
+                    server_bin,
+                    dir,
+                    plot_dir,
+                    no_plot,
+                },
+        } => {
+            let progress = progress::Progress::new("qpip-bench nbd sweep");
+            let opts = sweep::Options {
+                repeat,
+                sizes,
+                depths,
+                point_size,
+                point_time: std::time::Duration::from_secs_f64(point_time),
+                server_bin: server_bin.map_or_else(nbd::default_server_bin, Ok)?,
+                dir,
+            };
+            let report = sweep::run_all(opts, &progress)?;
+            if !no_plot {
+                for (dir, path) in [
+                    ("write", plot_dir.join("qpip-bench-sweep-write.svg")),
+                    ("read", plot_dir.join("qpip-bench-sweep-read.svg")),
+                ] {
+                    plot::sweep(&report, dir, &path)?;
+                    progress.line(&format!("plot written to {}", path.display()));
+                }
+            }
+            if json {
+                // The table still goes to the terminal, on stderr.
+                eprint!("{}", sweep::table(&report));
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                print!("{}", sweep::table(&report));
             }
         }
     }

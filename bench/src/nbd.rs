@@ -36,16 +36,19 @@ use serde_json::Value;
 
 use crate::cpu;
 
-const EXPORT: &str = "bench";
+pub(crate) const EXPORT: &str = "bench";
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 const STOP_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// The servers, in their default order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(clippy::enum_variant_names)] // NbdServer is the program's name: nbd-server
 pub enum Server {
     Qpip,
     Nbdkit,
     QemuNbd,
+    /// Debian's nbd-server (used by `nbd ext2`; not part of `nbd raw`).
+    NbdServer,
 }
 
 impl Server {
@@ -56,6 +59,7 @@ impl Server {
             Server::Qpip => "qpip",
             Server::Nbdkit => "nbdkit",
             Server::QemuNbd => "qemu-nbd",
+            Server::NbdServer => "nbd-server",
         }
     }
 }
@@ -109,7 +113,7 @@ pub fn default_server_bin() -> Result<PathBuf> {
 
 // ---------------------------------------------------------------- prerequisites
 
-fn in_path(prog: &str) -> Option<PathBuf> {
+pub(crate) fn in_path(prog: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path)
         .map(|d| d.join(prog))
@@ -213,7 +217,7 @@ impl WorkDir {
     }
 }
 
-fn die_with_parent(cmd: &mut Command) {
+pub(crate) fn die_with_parent(cmd: &mut Command) {
     // SAFETY: prctl is async-signal-safe; the closure touches no memory of the parent.
     unsafe {
         cmd.pre_exec(|| {
@@ -255,7 +259,7 @@ impl Drop for Image {
 }
 
 /// A running server process: SIGTERM, then SIGKILL after a timeout, on drop.
-struct Running {
+pub(crate) struct Running {
     server: Server,
     child: Child,
     addr: SocketAddr,
@@ -263,11 +267,11 @@ struct Running {
 }
 
 impl Running {
-    fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.child.id()
     }
 
-    fn log_tail(&self) -> String {
+    pub(crate) fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
         let tail = &lines[lines.len().saturating_sub(20)..];
@@ -278,12 +282,12 @@ impl Running {
         }
     }
 
-    fn uri(&self) -> String {
+    pub(crate) fn uri(&self) -> String {
         format!("nbd://{}/{EXPORT}", self.addr)
     }
 
     /// Stops the server; reports how it ended.
-    fn stop(&mut self) -> Result<()> {
+    pub(crate) fn stop(&mut self) -> Result<()> {
         if self.child.try_wait()?.is_some() {
             return Ok(());
         }
@@ -314,12 +318,21 @@ impl Drop for Running {
     }
 }
 
-fn free_port() -> Result<u16> {
+pub(crate) fn free_port() -> Result<u16> {
     let l = TcpListener::bind("127.0.0.1:0").context("binding 127.0.0.1:0 to find a port")?;
     Ok(l.local_addr()?.port())
 }
 
-fn start(server: Server, server_bin: &Path, image: &Path, log: PathBuf) -> Result<Running> {
+/// Starts `server` exporting `image` as `bench` on 127.0.0.1; returns once it accepts.
+/// `own_group`: in a process group of its own, so that a terminal's Ctrl-C reaches only us
+/// (and our guards stop the server in order).
+pub(crate) fn start(
+    server: Server,
+    server_bin: &Path,
+    image: &Path,
+    log: PathBuf,
+    own_group: bool,
+) -> Result<Running> {
     let img = image.to_str().context("image path is not UTF-8")?;
     let (mut cmd, port) = match server {
         Server::Qpip => {
@@ -360,6 +373,23 @@ fn start(server: Server, server_bin: &Path, image: &Path, log: PathBuf) -> Resul
                 .arg(img);
             (c, Some(port))
         }
+        Server::NbdServer => {
+            let port = free_port()?;
+            let cfg = log.with_extension("conf");
+            std::fs::write(
+                &cfg,
+                format!(
+                    "[generic]\n    port = {port}\n    listenaddr = 127.0.0.1\n    \
+                     allowlist = true\n[{EXPORT}]\n    exportname = {img}\n    \
+                     flush = true\n    fua = true\n    trim = true\n"
+                ),
+            )
+            .with_context(|| format!("writing {}", cfg.display()))?;
+            let mut c = Command::new("nbd-server");
+            // -d: stay in the foreground (we stop it with SIGTERM).
+            c.arg("-C").arg(&cfg).arg("-d");
+            (c, Some(port))
+        }
     };
     let logf =
         std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
@@ -371,6 +401,9 @@ fn start(server: Server, server_bin: &Path, image: &Path, log: PathBuf) -> Resul
         })
         .stderr(logf);
     die_with_parent(&mut cmd);
+    if own_group {
+        cmd.process_group(0);
+    }
     let program = cmd.get_program().to_string_lossy().into_owned();
     let child = cmd
         .spawn()
@@ -396,7 +429,14 @@ fn start(server: Server, server_bin: &Path, image: &Path, log: PathBuf) -> Resul
                 running.log_tail()
             );
         }
-        if TcpStream::connect_timeout(&running.addr, Duration::from_millis(200)).is_ok() {
+        // nbd-server -d serves one connection and exits: a probe connection would be it, so
+        // we wait for its listening socket instead.
+        let up = if server == Server::NbdServer {
+            listening(running.addr.port())
+        } else {
+            TcpStream::connect_timeout(&running.addr, Duration::from_millis(200)).is_ok()
+        };
+        if up {
             return Ok(running);
         }
         if t0.elapsed() > START_TIMEOUT {
@@ -409,6 +449,16 @@ fn start(server: Server, server_bin: &Path, image: &Path, log: PathBuf) -> Resul
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Whether some socket listens on TCP `port` of IPv4 (from /proc/net/tcp, state 0A).
+fn listening(port: u16) -> bool {
+    let text = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    let want = format!(":{port:04X}");
+    text.lines().skip(1).any(|l| {
+        let f: Vec<&str> = l.split_ascii_whitespace().collect();
+        f.len() > 3 && f[1].ends_with(&want) && f[3] == "0A"
+    })
 }
 
 /// Reads qpip-nbd-server's `listening on ADDR` line; keeps draining its stdout afterwards.
@@ -465,7 +515,7 @@ struct Pass {
 }
 
 /// The soft NIC's engine thread, as named by qpip-core.
-const NIC_THREAD: &str = "qpip-soft-nic";
+pub(crate) const NIC_THREAD: &str = "qpip-soft-nic";
 
 fn num(v: &Value, path: &[&str]) -> Result<f64> {
     let mut cur = v;
@@ -633,6 +683,7 @@ fn round(server: Server, p: &Params, progress: &dyn Fn(&str)) -> Result<(Pass, P
         &p.server_bin,
         &image.path,
         p.dir.join(format!("{name}.log")),
+        false,
     )?;
     progress(&format!(
         "{name}: pid {} on {}, writing",
@@ -755,7 +806,7 @@ pub fn run(
     })
 }
 
-fn human_bytes(b: u64) -> String {
+pub(crate) fn human_bytes(b: u64) -> String {
     for (unit, shift) in [("GiB", 30), ("MiB", 20), ("KiB", 10)] {
         if b >= 1 << shift && b.is_multiple_of(1 << shift) {
             return format!("{} {unit}", b >> shift);

@@ -1,0 +1,544 @@
+//! `qpip-bench nbd sweep`: raw sequential NBD writes and reads over request sizes and queue
+//! depths. qpip: a load generator in qpip-bench on nbd_client's pipelined submit/reap API,
+//! against qpip-nbd-server (both over QPs). Peers: fio's nbd engine (libnbd, a TCP socket)
+//! against nbdkit (file plugin) and qemu-nbd, served as in `nbd raw`.
+//!
+//! Per round and stack: one image on tmpfs, filled with non-zero data first (so reads never
+//! hit holes), one server; then for every size, depth and direction one point of at most
+//! `--point-size` bytes and `--point-time` seconds (whichever comes first; the figure is the
+//! bytes moved over the time taken). Connecting is not timed.
+//!
+//! Our client sends NBD requests of at most 256 KiB (nbd_client's MAX_IO) with at most 64 in
+//! flight (its MAX_WINDOW): a larger request size is issued as consecutive 256 KiB requests
+//! with depth x (size / 256 KiB) of them in flight, capped at 64. fio sends each request
+//! whole. The JSON says so per point (`nbd_requests_per_request`, `window`).
+
+use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use nbd_client::{Client, ClientOptions, Op};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::cpu;
+use crate::ext2::{Machine, TargetCheck, machine};
+use crate::nbd::{self, NIC_THREAD, Running, Server};
+use crate::progress::Progress;
+use crate::stats::{Interrupt, Samples, Stat};
+
+const STACKS: [Server; 3] = [Server::Qpip, Server::Nbdkit, Server::QemuNbd];
+
+fn stack_name(s: Server) -> &'static str {
+    match s {
+        Server::Qpip => "qpip",
+        Server::Nbdkit => "fio-nbdkit",
+        Server::QemuNbd => "fio-qemu-nbd",
+        Server::NbdServer => "fio-nbd-server",
+    }
+}
+
+pub struct Options {
+    pub repeat: usize,
+    pub sizes: Vec<u64>,
+    pub depths: Vec<u32>,
+    pub point_size: u64,
+    pub point_time: Duration,
+    pub server_bin: PathBuf,
+    pub dir: Option<PathBuf>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Params {
+    pub repeat: usize,
+    pub sizes: Vec<u64>,
+    pub depths: Vec<u32>,
+    pub image_bytes: u64,
+    pub point_time_s: f64,
+    pub server_bin: PathBuf,
+    pub dir: PathBuf,
+    pub clients: BTreeMap<&'static str, String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+#[allow(non_snake_case)]
+pub struct Point {
+    pub stack: &'static str,
+    pub dir: &'static str,
+    pub size: u64,
+    pub depth: u32,
+    pub MBps: Stat,
+    pub server_cpu_s_per_GB: Stat,
+    pub client_cpu_s_per_GB: Stat,
+    /// Of qpip's CPU, the NIC engine threads (server's and client's).
+    pub nic_cpu_s_per_GB: Stat,
+    pub bytes: Stat,
+    pub nbd_requests_per_request: u64,
+    pub window: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Ratio {
+    pub dir: &'static str,
+    pub size: u64,
+    pub depth: u32,
+    pub best_peer: &'static str,
+    pub ratio: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct SweepReport {
+    pub points: Vec<Point>,
+    /// qpip's MB/s over the best peer's, per point.
+    pub ratios: Vec<Ratio>,
+    pub target: TargetCheck,
+    pub params: Params,
+    pub machine: Machine,
+}
+
+struct Measured {
+    bytes: u64,
+    secs: f64,
+    server_cpu: f64,
+    client_cpu: f64,
+    nic_cpu: f64,
+}
+
+fn nic(pid: u32) -> f64 {
+    cpu::threads_named(pid, NIC_THREAD)
+        .map(|c| c.total().as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+fn proc_cpu(pid: u32) -> Result<f64> {
+    Ok(cpu::process(pid)
+        .with_context(|| format!("reading CPU time of pid {pid}"))?
+        .total()
+        .as_secs_f64())
+}
+
+/// Our client: `depth` requests of `size` in flight (see the module doc for sizes above
+/// MAX_IO).
+fn qpip_point(
+    server: &Running,
+    write: bool,
+    size: u64,
+    depth: u32,
+    bytes: u64,
+    time: Duration,
+) -> Result<(Measured, u64, u64)> {
+    // nbd_client sends at most 256 KiB per request, 64 in flight (its MAX_IO, MAX_WINDOW).
+    let want = (u64::from(depth) * size.div_ceil(256 << 10)).min(64);
+    let opts = ClientOptions {
+        window: want as usize,
+        base_allocation: false,
+        ..ClientOptions::default()
+    };
+    let mut c = Client::connect_with(&server.uri(), opts)
+        .with_context(|| format!("connecting to {}", server.uri()))?;
+    let chunk = size.min(u64::from(c.max_io()));
+    let per = size.div_ceil(chunk);
+    let window = (u64::from(depth) * per).min(c.window() as u64);
+    let data = vec![0x5au8; chunk as usize];
+    let me = std::process::id();
+    let (s0, c0, n0) = (
+        proc_cpu(server.pid())?,
+        proc_cpu(me)?,
+        nic(server.pid()) + nic(me),
+    );
+    let t0 = Instant::now();
+    let mut off = 0u64;
+    let mut tag = 0u64;
+    while off + size <= bytes && t0.elapsed() < time {
+        for k in 0..per {
+            while c.in_flight() as u64 >= window {
+                c.reap()?.result?;
+            }
+            let o = off + k * chunk;
+            let op = if write {
+                Op::Write {
+                    offset: o,
+                    data: &data,
+                    fua: false,
+                }
+            } else {
+                Op::Read {
+                    offset: o,
+                    len: chunk as u32,
+                }
+            };
+            c.submit(tag, op)?;
+            tag += 1;
+        }
+        off += size;
+    }
+    while c.in_flight() > 0 {
+        c.reap()?.result?;
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let (s1, c1, n1) = (
+        proc_cpu(server.pid())?,
+        proc_cpu(me)?,
+        nic(server.pid()) + nic(me),
+    );
+    let _ = c.disconnect();
+    Ok((
+        Measured {
+            bytes: off,
+            secs,
+            server_cpu: s1 - s0,
+            client_cpu: c1 - c0,
+            nic_cpu: n1 - n0,
+        },
+        per,
+        window,
+    ))
+}
+
+fn num(v: &Value, path: &[&str]) -> Result<f64> {
+    let mut cur = v;
+    for p in path {
+        cur = cur
+            .get(p)
+            .with_context(|| format!("fio JSON has no {}", path.join(".")))?;
+    }
+    cur.as_f64()
+        .with_context(|| format!("fio JSON {} is not a number", path.join(".")))
+}
+
+fn fio_point(
+    server: &Running,
+    write: bool,
+    size: u64,
+    depth: u32,
+    bytes: u64,
+    time: Duration,
+) -> Result<Measured> {
+    let rw = if write { "write" } else { "read" };
+    let mut cmd = Command::new("fio");
+    cmd.args([
+        "--name=nbd-sweep",
+        "--ioengine=nbd",
+        &format!("--uri={}", server.uri()),
+        &format!("--rw={rw}"),
+        &format!("--bs={size}"),
+        &format!("--iodepth={depth}"),
+        &format!("--size={}", bytes - bytes % size),
+        &format!("--runtime={}ms", time.as_millis().max(1)),
+        "--numjobs=1",
+        "--output-format=json",
+    ])
+    .stdin(Stdio::null())
+    .process_group(0);
+    nbd::die_with_parent(&mut cmd);
+    let s0 = proc_cpu(server.pid())?;
+    let out = cmd.output().context("running fio")?;
+    let s1 = proc_cpu(server.pid())?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!(
+            "fio {rw} bs={size} iodepth={depth} against {} failed with {}:\n{}{stdout}\nserver \
+             log:\n{}",
+            server.uri(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr),
+            server.log_tail()
+        );
+    }
+    let json = &stdout[stdout.find('{').context("fio printed no JSON")?..];
+    let v: Value = serde_json::from_str(json).context("parsing fio's JSON output")?;
+    let job = v
+        .get("jobs")
+        .and_then(|j| j.get(0))
+        .context("fio JSON has no jobs[0]")?;
+    if num(job, &["error"])? != 0.0 {
+        bail!("fio {rw} against {}: job error", server.uri());
+    }
+    let io = num(job, &[rw, "io_bytes"])?;
+    let secs = num(job, &["job_runtime"])? / 1e3;
+    let client = (num(job, &["usr_cpu"])? + num(job, &["sys_cpu"])?) / 100.0 * secs;
+    Ok(Measured {
+        bytes: io as u64,
+        secs: secs.max(1e-6),
+        server_cpu: s1 - s0,
+        client_cpu: client,
+        nic_cpu: 0.0,
+    })
+}
+
+/// An image on tmpfs filled with non-zero data, deleted on drop.
+struct Image(PathBuf);
+
+impl Image {
+    fn create(path: PathBuf, size: u64) -> Result<Image> {
+        use std::io::Write;
+        let img = Image(path);
+        let mut f = std::fs::File::create(&img.0)
+            .with_context(|| format!("creating {}", img.0.display()))?;
+        let buf = vec![0xa5u8; 1 << 20];
+        let mut left = size;
+        while left > 0 {
+            let n = left.min(buf.len() as u64) as usize;
+            f.write_all(&buf[..n])?;
+            left -= n as u64;
+        }
+        Ok(img)
+    }
+}
+
+impl Drop for Image {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+struct WorkDir(PathBuf);
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+type Key = (&'static str, &'static str, u64, u32);
+
+pub fn run_all(o: Options, progress: &Progress) -> Result<SweepReport> {
+    let repeat = o.repeat.max(1);
+    if o.sizes.is_empty() || o.depths.is_empty() {
+        bail!("--sizes and --depths must not be empty");
+    }
+    if let Some(d) = o.depths.iter().find(|&&d| d == 0 || d > 64) {
+        bail!("queue depth {d} is outside 1..=64");
+    }
+    let largest = *o.sizes.iter().max().expect("not empty");
+    if o.sizes
+        .iter()
+        .any(|s| !largest.is_multiple_of(*s) || s % 512 != 0)
+    {
+        bail!("request sizes must be multiples of 512 that divide the largest one");
+    }
+    let image_bytes = o.point_size.max(largest).next_multiple_of(largest);
+    nbd::check_prerequisites(&o.server_bin)?;
+    let stop = Interrupt::install()?;
+    let base = o.dir.clone().unwrap_or_else(|| {
+        let shm = Path::new("/dev/shm");
+        let root = if shm.is_dir() {
+            shm.to_path_buf()
+        } else {
+            std::env::temp_dir()
+        };
+        root.join(format!("qpip-bench-sweep-{}", std::process::id()))
+    });
+    std::fs::create_dir_all(&base).with_context(|| format!("creating {}", base.display()))?;
+    let _work = WorkDir(base.clone());
+    let fio_version = Command::new("fio")
+        .arg("--version")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    let fio = format!("{fio_version} --ioengine=nbd (libnbd, TCP), 1 job, 1 connection");
+    let params = Params {
+        repeat,
+        sizes: o.sizes.clone(),
+        depths: o.depths.clone(),
+        image_bytes,
+        point_time_s: o.point_time.as_secs_f64(),
+        server_bin: o.server_bin.clone(),
+        dir: base.clone(),
+        clients: BTreeMap::from([
+            (
+                "qpip",
+                "qpip-bench's load generator on nbd_client (QPs), 1 connection; requests above \
+                 256 KiB go as 256 KiB NBD requests, at most 64 in flight"
+                    .to_string(),
+            ),
+            ("fio-nbdkit", fio.clone()),
+            ("fio-qemu-nbd", fio),
+        ]),
+    };
+    let npoints = (o.sizes.len() * o.depths.len() * 2 * STACKS.len() * repeat) as u64;
+    let bar = progress.steps("points".into(), npoints);
+    let mut bar = bar;
+    let mut samples: BTreeMap<Key, Samples> = BTreeMap::new();
+    let mut shape: BTreeMap<Key, (u64, u64)> = BTreeMap::new();
+    for i in 0..repeat {
+        for k in 0..STACKS.len() {
+            let server = STACKS[(i + k) % STACKS.len()];
+            let name = stack_name(server);
+            stop.check()?;
+            let image = Image::create(base.join(format!("{name}.img")), image_bytes)?;
+            let mut running = nbd::start(
+                server,
+                &o.server_bin,
+                &image.0,
+                base.join(format!("{name}.log")),
+                true,
+            )?;
+            for &size in &o.sizes {
+                for &depth in &o.depths {
+                    for (dir, write) in [("write", true), ("read", false)] {
+                        stop.check()?;
+                        bar.set_message(format!(
+                            "round {} {name} {dir} {} qd{depth}",
+                            i + 1,
+                            nbd::human_bytes(size)
+                        ));
+                        let (m, per, window) = if server == Server::Qpip {
+                            qpip_point(&running, write, size, depth, image_bytes, o.point_time)?
+                        } else {
+                            let m =
+                                fio_point(&running, write, size, depth, image_bytes, o.point_time)?;
+                            (m, 1, u64::from(depth))
+                        };
+                        if m.bytes == 0 {
+                            bail!("{name} {dir} {size} qd{depth}: no bytes moved");
+                        }
+                        let gb = m.bytes as f64 / 1e9;
+                        let key = (name, dir, size, depth);
+                        let s = samples.entry(key).or_default();
+                        s.push("MBps", m.bytes as f64 / 1e6 / m.secs);
+                        s.push("server", m.server_cpu / gb);
+                        s.push("client", m.client_cpu / gb);
+                        s.push("nic", m.nic_cpu / gb);
+                        s.push("bytes", m.bytes as f64);
+                        shape.insert(key, (per, window));
+                        bar.inc(1);
+                    }
+                }
+            }
+            running.stop()?;
+        }
+    }
+    bar.finish("done");
+    let mut points = Vec::new();
+    for (key, s) in &samples {
+        let st = s.stats();
+        let (per, window) = shape[key];
+        points.push(Point {
+            stack: key.0,
+            dir: key.1,
+            size: key.2,
+            depth: key.3,
+            MBps: st["MBps"].clone(),
+            server_cpu_s_per_GB: st["server"].clone(),
+            client_cpu_s_per_GB: st["client"].clone(),
+            nic_cpu_s_per_GB: st["nic"].clone(),
+            bytes: st["bytes"].clone(),
+            nbd_requests_per_request: per,
+            window,
+        });
+    }
+    points.sort_by_key(|p| (p.dir != "write", p.size, p.depth, p.stack));
+    let mbps = |stack: &str, dir: &str, size: u64, depth: u32| {
+        points
+            .iter()
+            .find(|p| p.stack == stack && p.dir == dir && p.size == size && p.depth == depth)
+            .map(|p| p.MBps.median)
+    };
+    let mut ratios = Vec::new();
+    for dir in ["write", "read"] {
+        for &size in &o.sizes {
+            for &depth in &o.depths {
+                let Some(q) = mbps("qpip", dir, size, depth) else {
+                    continue;
+                };
+                let best = ["fio-nbdkit", "fio-qemu-nbd"]
+                    .into_iter()
+                    .filter_map(|p| Some((p, mbps(p, dir, size, depth)?)))
+                    .max_by(|a, b| a.1.total_cmp(&b.1));
+                if let Some((peer, v)) = best {
+                    ratios.push(Ratio {
+                        dir,
+                        size,
+                        depth,
+                        best_peer: peer,
+                        ratio: q / v,
+                    });
+                }
+            }
+        }
+    }
+    let big: Vec<&Ratio> = ratios.iter().filter(|r| r.size >= 256 << 10).collect();
+    let worst = big.iter().map(|r| r.ratio).fold(f64::INFINITY, f64::min);
+    let target = TargetCheck {
+        rule: "qpip MB/s >= 1.2x the best peer at every point with requests of 256 KiB and up \
+               (value: the worst such point)"
+            .into(),
+        value: worst,
+        threshold: 1.2,
+        met: !big.is_empty() && worst >= 1.2,
+    };
+    Ok(SweepReport {
+        points,
+        ratios,
+        target,
+        params,
+        machine: machine(),
+    })
+}
+
+/// The report as a terminal table.
+pub fn table(r: &SweepReport) -> String {
+    let p = &r.params;
+    let mut s = format!(
+        "nbd sweep: sequential raw NBD I/O, at most {} and {:.1} s per point, median of {} \
+         round(s) [min-max]; MB = 10^6 bytes\nqpip = nbd_client load generator -> \
+         qpip-nbd-server (QPs); peers = fio nbd engine (libnbd, TCP) -> nbdkit / qemu-nbd\n\n",
+        nbd::human_bytes(p.image_bytes),
+        p.point_time_s,
+        p.repeat
+    );
+    s += &format!(
+        "{:<5} {:>8} {:>3} | {:>16} {:>16} {:>16} | {:>6} | {:>20}\n",
+        "dir",
+        "size",
+        "qd",
+        "qpip MB/s",
+        "nbdkit MB/s",
+        "qemu-nbd MB/s",
+        "q/best",
+        "srv CPU s/GB q/k/qn"
+    );
+    for ratio in &r.ratios {
+        let get = |stack: &str| {
+            r.points.iter().find(|x| {
+                x.stack == stack
+                    && x.dir == ratio.dir
+                    && x.size == ratio.size
+                    && x.depth == ratio.depth
+            })
+        };
+        let cell = |stack: &str| get(stack).map_or("-".to_string(), |x| x.MBps.cell(0));
+        let cpu = |stack: &str| {
+            get(stack).map_or("-".to_string(), |x| {
+                format!("{:.2}", x.server_cpu_s_per_GB.median)
+            })
+        };
+        s += &format!(
+            "{:<5} {:>8} {:>3} | {:>16} {:>16} {:>16} | {:>5.2}x | {:>20}\n",
+            ratio.dir,
+            nbd::human_bytes(ratio.size),
+            ratio.depth,
+            cell("qpip"),
+            cell("fio-nbdkit"),
+            cell("fio-qemu-nbd"),
+            ratio.ratio,
+            format!(
+                "{}/{}/{}",
+                cpu("qpip"),
+                cpu("fio-nbdkit"),
+                cpu("fio-qemu-nbd")
+            ),
+        );
+    }
+    s += &format!(
+        "\ntarget ({}): {:.2}x {}\n",
+        r.target.rule,
+        r.target.value,
+        if r.target.met { "met" } else { "MISSED" }
+    );
+    s
+}
