@@ -307,7 +307,7 @@ impl Client {
     pub fn block_size(&self) -> BlockSize {
         self.info.block_size
     }
-    /// Largest READ/WRITE of the pipelined API (the server's maximum, capped at 256 KiB).
+    /// Largest READ/WRITE of the pipelined API (the server's maximum, capped at 1 MiB).
     pub fn max_io(&self) -> u32 {
         self.max_io
     }

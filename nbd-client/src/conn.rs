@@ -18,8 +18,11 @@ use crate::error::{Error, Result};
 use crate::framer::{ClientFramer, ReadLengths};
 use crate::uri::NbdUri;
 
-/// Largest READ or WRITE sent as one request (longer ones are split).
-pub const MAX_IO: usize = 256 * 1024;
+/// Largest READ or WRITE sent as one request (longer ones are split; the server's maximum
+/// block size may lower it). 1 MiB keeps per-request costs down on both sides while a
+/// connection's registered buffers (window × request, receive slots × request) stay at tens of
+/// MiB of address space, touched only as used.
+pub const MAX_IO: usize = 1 << 20;
 /// Receive WRs posted in the transmission phase (replies, or reply chunks, in flight).
 pub const RECV_SLOTS: usize = 32;
 /// One receive slot: a reply header (20 bytes + 8-byte offset of OFFSET_DATA) and up to
