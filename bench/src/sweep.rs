@@ -8,9 +8,9 @@
 //! `--point-size` bytes and `--point-time` seconds (whichever comes first; the figure is the
 //! bytes moved over the time taken). Connecting is not timed.
 //!
-//! Our client sends NBD requests of at most 256 KiB (nbd_client's MAX_IO) with at most 64 in
-//! flight (its MAX_WINDOW): a larger request size is issued as consecutive 256 KiB requests
-//! with depth x (size / 256 KiB) of them in flight, capped at 64. fio sends each request
+//! Our client sends NBD requests of at most nbd_client::MAX_IO (1 MiB) with at most
+//! MAX_WINDOW (64) in flight: a larger request size is issued as consecutive MAX_IO requests
+//! with depth x (size / MAX_IO) of them in flight, capped at 64. fio sends each request
 //! whole. The JSON says so per point (`nbd_requests_per_request`, `window`).
 
 use std::collections::BTreeMap;
@@ -130,8 +130,8 @@ fn qpip_point(
     bytes: u64,
     time: Duration,
 ) -> Result<(Measured, u64, u64)> {
-    // nbd_client sends at most 256 KiB per request, 64 in flight (its MAX_IO, MAX_WINDOW).
-    let want = (u64::from(depth) * size.div_ceil(256 << 10)).min(64);
+    let want = (u64::from(depth) * size.div_ceil(nbd_client::MAX_IO as u64))
+        .min(nbd_client::MAX_WINDOW as u64);
     let opts = ClientOptions {
         window: want as usize,
         base_allocation: false,
@@ -352,7 +352,7 @@ pub fn run_all(o: Options, progress: &Progress) -> Result<SweepReport> {
             (
                 "qpip",
                 "qpip-bench's load generator on nbd_client (QPs), 1 connection; requests above \
-                 256 KiB go as 256 KiB NBD requests, at most 64 in flight"
+                 1 MiB go as 1 MiB NBD requests, at most 64 in flight"
                     .to_string(),
             ),
             ("fio-nbdkit", fio.clone()),

@@ -23,6 +23,7 @@ pub mod framer;
 pub mod uri;
 
 pub use client::{Client, ClientOptions, ExportInfo, Extent, Op, Output, Reply};
+pub use conn::{MAX_IO, MAX_WINDOW};
 pub use error::{Error, Result};
 pub use nbd_proto::handshake::ExportListing;
 pub use qpip_core::Nic;
