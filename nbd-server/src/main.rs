@@ -148,6 +148,12 @@ fn run(cli: Cli) -> Result<()> {
         bail!("default export {d:?} is not one of the exports");
     }
 
+    // Addresses are checked before any image is opened or created.
+    let listen = cfg
+        .listen
+        .iter()
+        .map(|s| parse_listen(s))
+        .collect::<Result<Vec<_>>>()?;
     let nic = Nic::soft().context("starting the soft NIC")?;
     let mut exports = Vec::new();
     for e in &cfg.exports {
@@ -179,11 +185,6 @@ fn run(cli: Cli) -> Result<()> {
             image,
         ));
     }
-    let listen = cfg
-        .listen
-        .iter()
-        .map(|s| parse_listen(s))
-        .collect::<Result<Vec<_>>>()?;
 
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {

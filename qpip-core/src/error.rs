@@ -8,8 +8,8 @@ use crate::qp::QpState;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// A socket-level operation of the NIC failed.
-    #[error("{op} {addr}: {source}")]
+    /// A socket-level operation of the NIC failed (the cause is the error's `source`).
+    #[error("{op} {addr}")]
     Net {
         op: &'static str,
         addr: SocketAddr,
