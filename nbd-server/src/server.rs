@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use nbd_proto::framing::{FrameLimits, ServerPhase};
 use nbd_proto::handshake::messages::BlockSize;
 use nbd_proto::handshake::server::{Export as ProtoExport, ServerConfig};
@@ -91,9 +91,7 @@ impl Server {
         let mut accept_threads = Vec::new();
         let mut local = Vec::new();
         for addr in &opts.listen {
-            let listener = nic
-                .listen(*addr)
-                .with_context(|| format!("listening on {addr}"))?;
+            let listener = nic.listen(*addr)?; // the error names the address
             local.push(listener.local_addr());
             tracing::info!("listening on {}", listener.local_addr());
             let shared = shared.clone();
