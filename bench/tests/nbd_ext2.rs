@@ -196,8 +196,12 @@ fn sweep_runs_at_a_tiny_size() {
         assert!(x.is_finite() && x > 0.0, "{p}");
     }
     assert_eq!(v["ratios"].as_array().map(Vec::len), Some(8));
-    // 1 MiB requests go to qpip-nbd-server as 4 NBD requests of 256 KiB.
-    assert!(points.iter().any(|p| p["stack"] == "qpip"
-        && p["size"] == 1 << 20
-        && p["nbd_requests_per_request"] == 4));
+    // A request goes to qpip-nbd-server as NBD requests of at most nbd_client::MAX_IO.
+    let pieces = (1u64 << 20).div_ceil(nbd_client::MAX_IO as u64);
+    assert!(
+        points.iter().any(|p| p["stack"] == "qpip"
+            && p["size"] == 1 << 20
+            && p["nbd_requests_per_request"] == pieces),
+        "{v}"
+    );
 }
