@@ -27,6 +27,7 @@ pub mod backend;
 mod cq;
 mod error;
 pub mod framer;
+pub mod lanai;
 mod mr;
 mod nic;
 mod qp;
