@@ -24,6 +24,7 @@
 //! ```
 
 pub mod backend;
+pub mod cli;
 mod cq;
 mod error;
 pub mod framer;

@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 use crate::backend::{Command, ListenerId, NicBackend};
 use crate::cq::CompletionQueue;
 use crate::error::{Error, Result};
+use crate::lanai::LanaiConfig;
+use crate::lanai::realtime::LanaiBackend;
 use crate::mr::{Access, MemoryRegion, MemoryTable};
 use crate::qp::{QpAttr, QpKind, QpShared, QueuePair};
 use crate::reply::{ReplyReceiver, reply_channel};
@@ -18,9 +20,14 @@ use crate::soft::{SoftBackend, SoftConfig};
 /// Which NIC to open.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
+// Built once per NIC: the size of the lanai parameters does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum Backend {
     /// The software NIC engine (runs anywhere).
     Soft(SoftConfig),
+    /// The QPIP firmware on an emulated LANai 9, frames carried between processes over the
+    /// emulated Myrinet fabric (IPv6 only).
+    Lanai(LanaiConfig),
 }
 
 impl Default for Backend {
@@ -72,6 +79,7 @@ impl Nic {
         let memory = MemoryTable::new();
         let backend: Box<dyn NicBackend> = match backend {
             Backend::Soft(cfg) => Box::new(SoftBackend::start(cfg, memory.clone())?),
+            Backend::Lanai(cfg) => Box::new(LanaiBackend::start(cfg, memory.clone())?),
         };
         Ok(Self::with_backend(backend, memory))
     }

@@ -9,11 +9,14 @@
 //! - `realtime`: the firmware as a working [`crate::backend::NicBackend`], frames carried
 //!   between processes by datagram sockets, with a TUN bridge to the host's own IP stack.
 
+pub mod bridge;
 pub mod firmware;
 pub mod frame;
 pub mod meter;
 pub mod params;
+pub mod realtime;
 
 pub use firmware::{Firmware, FirmwareConfig, OutFrame};
 pub use meter::{CostModel, Dir, Kind, Meter, Nanos, Occupancy, Stage};
 pub use params::{FabricParams, LanaiParams, ParamsError};
+pub use realtime::LanaiConfig;

@@ -1,0 +1,166 @@
+//! The command-line options that choose a NIC backend, shared by every binary that opens a
+//! [`Nic`](crate::Nic) (`--backend soft|lanai`, `--lanai-node`, `--lanai-fabric`,
+//! `--lanai-params`). Flatten [`BackendArgs`] into a clap parser.
+
+use std::net::Ipv6Addr;
+use std::path::PathBuf;
+
+use crate::lanai::{LanaiConfig, ParamsError};
+use crate::nic::Backend;
+
+/// Which NIC backend to run on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendKind {
+    /// The software NIC over the kernel's TCP/UDP sockets.
+    #[default]
+    Soft,
+    /// The QPIP firmware on an emulated LANai 9 and Myrinet fabric (IPv6 only).
+    Lanai,
+}
+
+/// NIC backend options.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct BackendArgs {
+    /// NIC backend: the software NIC, or the QPIP firmware on an emulated LANai 9 NIC
+    /// (IPv6 only; addresses and routes come from the fabric config).
+    #[arg(long, value_enum, default_value_t = BackendKind::Soft)]
+    pub backend: BackendKind,
+    /// With --backend lanai: this machine's node in the fabric config. Default: "server"
+    /// for servers, the first other node whose fabric port is free for clients.
+    #[arg(long, value_name = "NAME")]
+    pub lanai_node: Option<String>,
+    /// With --backend lanai: the fabric config (nodes, routes, ports). Default: the
+    /// embedded configs/fabric.toml.
+    #[arg(long, value_name = "FILE")]
+    pub lanai_fabric: Option<PathBuf>,
+    /// With --backend lanai: the device and cost model. Default: the embedded
+    /// configs/lanai.toml.
+    #[arg(long, value_name = "FILE")]
+    pub lanai_params: Option<PathBuf>,
+}
+
+/// Why the backend options cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BackendArgsError {
+    #[error(transparent)]
+    Params(#[from] ParamsError),
+    #[error("--lanai-node, --lanai-fabric and --lanai-params need --backend lanai")]
+    LanaiOptionsWithoutLanai,
+    #[error("the fabric has no node named {0:?}")]
+    UnknownNode(String),
+}
+
+impl BackendArgs {
+    pub fn is_lanai(&self) -> bool {
+        self.backend == BackendKind::Lanai
+    }
+
+    /// The backend to open. `default_node` is the lanai node when `--lanai-node` is not
+    /// given (servers pass `Some("server")`, clients `None`: the first free node).
+    pub fn backend(&self, default_node: Option<&str>) -> Result<Backend, BackendArgsError> {
+        match self.backend {
+            BackendKind::Soft => {
+                if self.lanai_node.is_some()
+                    || self.lanai_fabric.is_some()
+                    || self.lanai_params.is_some()
+                {
+                    return Err(BackendArgsError::LanaiOptionsWithoutLanai);
+                }
+                Ok(Backend::default())
+            }
+            BackendKind::Lanai => Ok(Backend::Lanai(self.lanai_config(default_node)?)),
+        }
+    }
+
+    /// The lanai configuration these options name (whatever `--backend` says).
+    pub fn lanai_config(
+        &self,
+        default_node: Option<&str>,
+    ) -> Result<LanaiConfig, BackendArgsError> {
+        let cfg = LanaiConfig::from_options(
+            self.lanai_node.as_deref().or(default_node),
+            self.lanai_fabric.as_deref(),
+            self.lanai_params.as_deref(),
+        )?;
+        if let Some(name) = &cfg.node
+            && cfg.fabric.node(name).is_none()
+        {
+            return Err(BackendArgsError::UnknownNode(name.clone()));
+        }
+        Ok(cfg)
+    }
+
+    /// With `--backend lanai`: the IPv6 address of the node (`--lanai-node` or
+    /// `default_node`), for default listen addresses.
+    pub fn lanai_addr(&self, default_node: &str) -> Result<Option<Ipv6Addr>, BackendArgsError> {
+        if !self.is_lanai() {
+            return Ok(None);
+        }
+        let cfg = self.lanai_config(Some(default_node))?;
+        Ok(cfg
+            .node
+            .as_deref()
+            .and_then(|n| cfg.fabric.node(n))
+            .map(|n| n.addr))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        backend: BackendArgs,
+    }
+
+    #[test]
+    fn soft_is_the_default_and_lanai_options_need_lanai() {
+        let cli = Cli::try_parse_from(["x"]).unwrap();
+        assert!(matches!(cli.backend.backend(None), Ok(Backend::Soft(_))));
+        let cli = Cli::try_parse_from(["x", "--lanai-node", "client"]).unwrap();
+        assert!(matches!(
+            cli.backend.backend(None),
+            Err(BackendArgsError::LanaiOptionsWithoutLanai)
+        ));
+    }
+
+    #[test]
+    fn lanai_nodes_default_per_role_and_unknown_ones_are_named() {
+        let cli = Cli::try_parse_from(["x", "--backend", "lanai"]).unwrap();
+        let Ok(Backend::Lanai(cfg)) = cli.backend.backend(Some("server")) else {
+            panic!("lanai backend expected");
+        };
+        assert_eq!(cfg.node.as_deref(), Some("server"));
+        assert_eq!(
+            cli.backend.lanai_addr("server").unwrap(),
+            Some("fd00:4c41:4e41::1".parse().unwrap())
+        );
+        let cli = Cli::try_parse_from(["x", "--backend", "lanai", "--lanai-node", "zz"]).unwrap();
+        let err = cli
+            .backend
+            .backend(None)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("\"zz\""), "{err}");
+        let cli = Cli::try_parse_from([
+            "x",
+            "--backend",
+            "lanai",
+            "--lanai-fabric",
+            "/nonexistent.toml",
+        ])
+        .unwrap();
+        let err = cli
+            .backend
+            .backend(None)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("/nonexistent.toml"), "{err}");
+    }
+}

@@ -1,0 +1,571 @@
+//! The lanai backend in real time: the firmware as a working [`NicBackend`].
+//!
+//! One thread, `qpip-lanai-nic`, plays the LANai processor: it owns the [`Firmware`] and
+//! feeds it management commands, doorbells and frames at wall-clock time (nanoseconds since
+//! the NIC started). The Myrinet port is a UDP socket on this machine (the node's `port` in
+//! the fabric config); the crossbar is emulated at the sender: a frame's first route byte
+//! names the switch output, so the frame, with that byte consumed, goes to the datagram
+//! socket of the node (or bridge) whose route starts with it.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{Ipv6Addr, SocketAddr, UdpSocket};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering, fence};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::{ArrayQueue, SegQueue};
+use parking_lot::Mutex;
+
+use super::firmware::{Firmware, FirmwareConfig};
+use super::frame;
+use super::meter::Nanos;
+use super::params::{FabricParams, LanaiParams, NodeParams, ParamsError};
+use crate::backend::{Command, NicBackend};
+use crate::error::{Error, Result};
+use crate::mr::MemoryTable;
+use crate::qp::QpShared;
+
+/// The node a server takes when none is named.
+pub const DEFAULT_SERVER_NODE: &str = "server";
+
+/// Which emulated LANai NIC to open: the model, the fabric and this machine's node on it.
+#[derive(Clone, Debug)]
+pub struct LanaiConfig {
+    pub params: LanaiParams,
+    pub fabric: FabricParams,
+    /// The node this NIC is. `None`: the first node other than [`DEFAULT_SERVER_NODE`] whose
+    /// fabric port is free (what a client wants; servers name their node).
+    pub node: Option<String>,
+}
+
+impl Default for LanaiConfig {
+    /// The embedded configs, first free client node.
+    fn default() -> Self {
+        LanaiConfig {
+            params: LanaiParams::default(),
+            fabric: FabricParams::default(),
+            node: None,
+        }
+    }
+}
+
+impl LanaiConfig {
+    /// Reads the parameter files (the embedded defaults where a path is `None`).
+    pub fn from_options(
+        node: Option<&str>,
+        fabric: Option<&Path>,
+        params: Option<&Path>,
+    ) -> Result<LanaiConfig, ParamsError> {
+        Ok(LanaiConfig {
+            params: params
+                .map(LanaiParams::load)
+                .transpose()?
+                .unwrap_or_default(),
+            fabric: fabric
+                .map(FabricParams::load)
+                .transpose()?
+                .unwrap_or_default(),
+            node: node.map(str::to_string),
+        })
+    }
+
+    /// The named node's entry in the fabric, if a node is named.
+    pub fn node_params(&self) -> Result<Option<&NodeParams>> {
+        match &self.node {
+            None => Ok(None),
+            Some(name) => self.fabric.node(name).map(Some).ok_or_else(|| {
+                let names: Vec<&str> = self.fabric.node.iter().map(|n| n.name.as_str()).collect();
+                Error::Engine(format!(
+                    "the fabric has no node named {name:?} (nodes: {})",
+                    names.join(", ")
+                ))
+            }),
+        }
+    }
+
+    /// The IPv6 address of the named node.
+    pub fn node_addr(&self) -> Result<Option<Ipv6Addr>> {
+        Ok(self.node_params()?.map(|n| n.addr))
+    }
+}
+
+/// How long the NIC thread keeps polling after its last piece of work before it sleeps.
+const SPIN: Duration = Duration::from_micros(50);
+const WAKER: mio::Token = mio::Token(0);
+const FABRIC: mio::Token = mio::Token(1);
+/// Socket buffers of the emulated port: a burst of 16 KB frames must not overflow them.
+const PORT_BUFFER: usize = 4 << 20;
+
+/// What the host threads and the NIC thread share.
+struct Shared {
+    commands: SegQueue<Command>,
+    /// The doorbell FIFO in SRAM: bounded like the device's.
+    doorbells: ArrayQueue<Arc<QpShared>>,
+    sleeping: AtomicBool,
+    stop: AtomicBool,
+    waker: mio::Waker,
+    tid: AtomicI32,
+}
+
+impl Shared {
+    fn wake(&self) {
+        if let Err(e) = self.waker.wake() {
+            tracing::error!("cannot wake the lanai NIC thread: {e}");
+        }
+    }
+}
+
+pub(crate) struct LanaiBackend {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// Binds the node's fabric port; `AddrInUse` becomes an error that says what to do.
+fn bind_port(node: &NodeParams) -> Result<UdpSocket> {
+    let port = node.port.ok_or_else(|| {
+        Error::Engine(format!(
+            "node {} has no fabric port in the fabric config",
+            node.name
+        ))
+    })?;
+    UdpSocket::bind(port).map_err(|e| {
+        if e.kind() == io::ErrorKind::AddrInUse {
+            Error::Engine(format!(
+                "fabric port {port} of node {} is in use; pick another node with --lanai-node",
+                node.name
+            ))
+        } else {
+            Error::Net {
+                op: "binding the fabric port",
+                addr: port,
+                source: e,
+            }
+        }
+    })
+}
+
+/// The node this NIC plays and its bound port.
+fn claim_node(cfg: &LanaiConfig) -> Result<(NodeParams, UdpSocket)> {
+    if let Some(node) = cfg.node_params()? {
+        return Ok((node.clone(), bind_port(node)?));
+    }
+    let mut tried = Vec::new();
+    for node in cfg
+        .fabric
+        .node
+        .iter()
+        .filter(|n| n.name != DEFAULT_SERVER_NODE && n.port.is_some())
+    {
+        match bind_port(node) {
+            Ok(sock) => return Ok((node.clone(), sock)),
+            Err(e) => {
+                tracing::debug!("{e}");
+                tried.push(node.name.as_str());
+            }
+        }
+    }
+    Err(Error::Engine(format!(
+        "no free client node on the fabric (tried {}); name one with --lanai-node",
+        if tried.is_empty() {
+            "none".to_string()
+        } else {
+            tried.join(", ")
+        }
+    )))
+}
+
+/// The emulated crossbar: switch output port (first route byte) to the datagram socket of
+/// the node or bridge behind it.
+pub(crate) fn crossbar(fabric: &FabricParams) -> HashMap<u8, SocketAddr> {
+    let mut ports = HashMap::new();
+    let nodes = fabric.node.iter().map(|n| (&n.route, n.port));
+    let bridge = fabric.bridge.iter().map(|b| (&b.route, b.port));
+    for (route, port) in nodes.chain(bridge) {
+        if let (Some(&out), Some(port)) = (route.first(), port) {
+            ports.entry(out).or_insert(port);
+        }
+    }
+    ports
+}
+
+/// A seed that differs between runs, so a restarted NIC does not reuse the sequence numbers
+/// a peer may still remember.
+fn fresh_seed(addr: &Ipv6Addr) -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    t ^ u64::from(std::process::id()).rotate_left(32) ^ (u128::from(*addr) as u64)
+}
+
+impl LanaiBackend {
+    pub(crate) fn start(cfg: LanaiConfig, memory: Arc<MemoryTable>) -> Result<Self> {
+        let (node, sock) = claim_node(&cfg)?;
+        let local = sock.local_addr().ok();
+        let sref = socket2::SockRef::from(&sock);
+        // Best effort: the kernel caps these at its rmem/wmem maximum.
+        let _ = sref.set_recv_buffer_size(PORT_BUFFER);
+        let _ = sref.set_send_buffer_size(PORT_BUFFER);
+        sock.set_nonblocking(true)
+            .map_err(|e| Error::Engine(format!("fabric port of node {}: {e}", node.name)))?;
+        let mut sock = mio::net::UdpSocket::from_std(sock);
+        let poll = mio::Poll::new().map_err(|e| Error::Engine(format!("epoll: {e}")))?;
+        let waker = mio::Waker::new(poll.registry(), WAKER)
+            .map_err(|e| Error::Engine(format!("eventfd: {e}")))?;
+        poll.registry()
+            .register(&mut sock, FABRIC, mio::Interest::READABLE)
+            .map_err(|e| Error::Engine(format!("epoll: {e}")))?;
+        let shared = Arc::new(Shared {
+            commands: SegQueue::new(),
+            doorbells: ArrayQueue::new(cfg.params.device.doorbell_fifo_entries.max(1)),
+            sleeping: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            waker,
+            tid: AtomicI32::new(0),
+        });
+        tracing::info!(
+            node = %node.name,
+            addr = %node.addr,
+            port = ?local,
+            "lanai NIC on the emulated Myrinet fabric"
+        );
+        let fw_cfg = FirmwareConfig {
+            addr: node.addr,
+            seed: fresh_seed(&node.addr),
+            params: cfg.params,
+            fabric: cfg.fabric,
+        };
+        let routes = crossbar(&fw_cfg.fabric);
+        let thread_shared = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("qpip-lanai-nic".into())
+            .spawn(move || {
+                // Built on its own thread: the firmware need not be Send.
+                let fw = Firmware::new(fw_cfg, memory);
+                Processor {
+                    fw,
+                    shared: thread_shared,
+                    poll,
+                    sock,
+                    routes,
+                    epoch: Instant::now(),
+                    node: node.name,
+                }
+                .run()
+            })
+            .map_err(|e| Error::Engine(format!("cannot start the lanai NIC thread: {e}")))?;
+        Ok(LanaiBackend {
+            shared,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+}
+
+fn ipv6_only(addr: &SocketAddr) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        format!(
+            "the lanai NIC speaks IPv6 only ({addr} is IPv4); use a fabric address such as [fd00:4c41:4e41::1]:10809"
+        ),
+    )
+}
+
+/// The firmware speaks IPv6 only: an IPv4 address is refused before it reaches the NIC.
+fn refuse_ipv4(cmd: Command) -> Option<Command> {
+    match cmd {
+        Command::Connect { addr, reply, .. } if addr.is_ipv4() => {
+            reply.send(Err(ipv6_only(&addr)));
+            None
+        }
+        Command::Listen { addr, reply, .. } if addr.is_ipv4() => {
+            reply.send(Err(ipv6_only(&addr)));
+            None
+        }
+        Command::BindUdp { addr, reply, .. } if addr.is_ipv4() => {
+            reply.send(Err(ipv6_only(&addr)));
+            None
+        }
+        cmd => Some(cmd),
+    }
+}
+
+impl NicBackend for LanaiBackend {
+    fn name(&self) -> &'static str {
+        "lanai"
+    }
+
+    fn manage(&self, cmd: Command) {
+        if let Some(cmd) = refuse_ipv4(cmd) {
+            self.shared.commands.push(cmd);
+            self.shared.wake();
+        }
+    }
+
+    fn ring_doorbell(&self, qp: &Arc<QpShared>) {
+        if qp.doorbell.swap(true, Ordering::AcqRel) {
+            return; // already in the FIFO; the NIC clears the flag before it reads the rings
+        }
+        let mut entry = qp.clone();
+        // A full FIFO holds the host's PIO write back until the NIC makes room.
+        while let Err(back) = self.shared.doorbells.push(entry) {
+            if self.shared.stop.load(Ordering::Acquire) {
+                return;
+            }
+            entry = back;
+            self.shared.wake();
+            std::thread::yield_now();
+        }
+        // Pairs with the NIC's fence between announcing sleep and re-checking the FIFO.
+        fence(Ordering::SeqCst);
+        if self.shared.sleeping.load(Ordering::Relaxed) {
+            self.shared.wake();
+        }
+    }
+
+    fn io_path(&self) -> &'static str {
+        "firmware"
+    }
+
+    fn engine_threads(&self) -> Vec<i32> {
+        match self.shared.tid.load(Ordering::Acquire) {
+            0 => vec![],
+            tid => vec![tid],
+        }
+    }
+
+    fn shutdown(&self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.wake();
+        if let Some(t) = self.thread.lock().take()
+            && t.join().is_err()
+        {
+            tracing::error!("the lanai NIC thread panicked");
+        }
+    }
+}
+
+/// The NIC processor: the firmware and its I/O.
+struct Processor {
+    fw: Firmware,
+    shared: Arc<Shared>,
+    poll: mio::Poll,
+    sock: mio::net::UdpSocket,
+    routes: HashMap<u8, SocketAddr>,
+    epoch: Instant,
+    node: String,
+}
+
+impl Processor {
+    fn now(&self) -> Nanos {
+        self.epoch.elapsed().as_nanos() as Nanos
+    }
+
+    fn run(mut self) {
+        // SAFETY: gettid has no preconditions.
+        self.shared
+            .tid
+            .store(unsafe { libc::gettid() }, Ordering::Release);
+        let mut events = mio::Events::with_capacity(16);
+        // The largest datagram; frames are at most MTU plus a few bytes.
+        let mut buf = vec![0u8; 65536];
+        let mut last_work = Instant::now();
+        loop {
+            let mut worked = self.run_commands();
+            worked |= self.run_doorbells();
+            worked |= self.receive_frames(&mut buf);
+            let now = self.now();
+            if self.fw.poll_at().is_some_and(|t| t <= now) {
+                self.fw.poll(now);
+                worked = true;
+            }
+            worked |= self.send_frames();
+            if self.shared.stop.load(Ordering::Acquire) {
+                break;
+            }
+            if worked {
+                last_work = Instant::now();
+                continue;
+            }
+            if last_work.elapsed() < SPIN {
+                // Spinning: let the application threads have the core (two-core machines).
+                std::thread::yield_now();
+                continue;
+            }
+            self.shared.sleeping.store(true, Ordering::Relaxed);
+            // Pairs with the fence in ring_doorbell: either the host sees `sleeping` and
+            // wakes us, or we see its doorbell here.
+            fence(Ordering::SeqCst);
+            if !self.shared.doorbells.is_empty() || !self.shared.commands.is_empty() {
+                self.shared.sleeping.store(false, Ordering::Relaxed);
+                continue;
+            }
+            let timeout = self
+                .fw
+                .poll_at()
+                .map(|t| Duration::from_nanos(t.saturating_sub(self.now())));
+            if let Err(e) = self.poll.poll(&mut events, timeout)
+                && e.kind() != io::ErrorKind::Interrupted
+            {
+                tracing::error!("lanai NIC thread: epoll failed: {e}");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            self.shared.sleeping.store(false, Ordering::Relaxed);
+        }
+        tracing::debug!(node = %self.node, "lanai NIC stopped");
+    }
+
+    fn run_commands(&mut self) -> bool {
+        let mut worked = false;
+        while let Some(cmd) = self.shared.commands.pop() {
+            worked = true;
+            let now = self.now();
+            self.fw.command(now, cmd);
+        }
+        worked
+    }
+
+    fn run_doorbells(&mut self) -> bool {
+        let mut worked = false;
+        while let Some(qp) = self.shared.doorbells.pop() {
+            worked = true;
+            // The QP's creation may have been queued after our last look at the commands.
+            self.run_commands();
+            // Clear before the firmware reads the rings: a WR posted after this rings again.
+            qp.doorbell.store(false, Ordering::SeqCst);
+            let now = self.now();
+            self.fw.doorbell(now, qp.num);
+        }
+        worked
+    }
+
+    /// Every datagram waiting on the fabric port goes to the receive state machine.
+    fn receive_frames(&mut self, buf: &mut [u8]) -> bool {
+        let mut worked = false;
+        loop {
+            match self.sock.recv_from(buf) {
+                Ok((n, _)) => {
+                    worked = true;
+                    let now = self.now();
+                    self.fw.receive(now, &buf[..n]);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return worked,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // ICMP errors from an earlier send (a peer port not bound yet) land here.
+                    tracing::trace!(node = %self.node, "fabric port: {e}");
+                    return worked;
+                }
+            }
+        }
+    }
+
+    /// Puts the firmware's frames on the wire: through the crossbar to the next port.
+    fn send_frames(&mut self) -> bool {
+        let mut worked = false;
+        while let Some(out) = self.fw.transmit() {
+            worked = true;
+            let (port, bytes) = match frame::switch(&out.bytes) {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!(node = %self.node, "firmware built a bad frame: {e}");
+                    continue;
+                }
+            };
+            let Some(dst) = self.routes.get(&port) else {
+                tracing::debug!(node = %self.node, port, "no node on switch port: frame dropped");
+                continue;
+            };
+            // A lost frame is the wire's loss: TCP in the firmware retransmits.
+            if let Err(e) = self.sock.send_to(&bytes, *dst) {
+                tracing::debug!(node = %self.node, %dst, "frame dropped: {e}");
+            }
+        }
+        worked
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fabric_with_ports(ports: [u16; 3]) -> FabricParams {
+        let mut f = FabricParams::default();
+        for (n, p) in f.node.iter_mut().zip(ports) {
+            n.port = Some(SocketAddr::from(([127, 0, 0, 1], p)));
+        }
+        f
+    }
+
+    fn free_port() -> u16 {
+        UdpSocket::bind("127.0.0.1:0")
+            .and_then(|s| s.local_addr())
+            .map(|a| a.port())
+            .expect("a free UDP port")
+    }
+
+    #[test]
+    fn crossbar_maps_first_route_bytes_to_ports() {
+        let f = FabricParams::default();
+        let x = crossbar(&f);
+        assert_eq!(x.get(&1), Some(&"127.0.0.1:47801".parse().unwrap()));
+        assert_eq!(x.get(&0), Some(&"127.0.0.1:47800".parse().unwrap()));
+        assert_eq!(x.get(&9), None);
+    }
+
+    #[test]
+    fn a_client_takes_the_first_free_node_and_a_busy_named_node_is_an_error() {
+        let ports = [free_port(), free_port(), free_port()];
+        let cfg = LanaiConfig {
+            fabric: fabric_with_ports(ports),
+            ..Default::default()
+        };
+        // The first client node is taken: the next one is chosen, the server never.
+        let _busy = UdpSocket::bind(("127.0.0.1", ports[1])).expect("bind");
+        let (node, _sock) = claim_node(&cfg).expect("a free client node");
+        assert_eq!(node.name, "client2");
+
+        let named = LanaiConfig {
+            node: Some("client".into()),
+            ..cfg.clone()
+        };
+        let err = claim_node(&named).expect_err("port in use").to_string();
+        assert!(
+            err.contains(&format!(
+                "fabric port 127.0.0.1:{} of node client is in use",
+                ports[1]
+            )),
+            "{err}"
+        );
+        let unknown = LanaiConfig {
+            node: Some("nope".into()),
+            ..cfg
+        };
+        let err = claim_node(&unknown).expect_err("unknown node").to_string();
+        assert!(err.contains("no node named \"nope\""), "{err}");
+    }
+
+    #[test]
+    fn ipv4_addresses_are_refused_with_a_reason() {
+        let (tx, rx) = crate::reply::reply_channel();
+        let cmd = Command::Connect {
+            qp: 1,
+            addr: "127.0.0.1:10809".parse().unwrap(),
+            reply: tx,
+        };
+        assert!(refuse_ipv4(cmd).is_none());
+        let err = rx.wait_until(None).expect("a reply").expect_err("refused");
+        assert!(err.to_string().contains("IPv6 only"), "{err}");
+
+        let (tx, _rx) = crate::reply::reply_channel();
+        let cmd = Command::Listen {
+            id: 1,
+            addr: "[fd00:4c41:4e41::1]:10809".parse().unwrap(),
+            backlog: 1,
+            reply: tx,
+        };
+        assert!(refuse_ipv4(cmd).is_some());
+    }
+}
