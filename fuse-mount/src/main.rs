@@ -14,6 +14,7 @@ use fuse_mount::{file_name, mountpoint};
 use fuser::{Config, MountOption, Session, SessionACL};
 use nbd_client::{Client, ClientOptions, Error as NbdError, NbdUri, Nic};
 use nbd_proto::handshake::ClientError;
+use qpip_core::cli::BackendArgs;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -64,6 +65,8 @@ struct Cli {
     /// More log output (-v info, -vv debug, -vvv trace); RUST_LOG overrides.
     #[arg(short = 'v', long, action = clap::ArgAction::Count)]
     verbose: u8,
+    #[command(flatten)]
+    backend: BackendArgs,
 }
 
 fn main() {
@@ -205,7 +208,7 @@ fn connect(cli: &Cli, uri: &NbdUri, nic: &Nic) -> Result<Vec<Client>> {
     };
     let first = match Client::connect_with(&cli.uri, opts.clone()) {
         Ok(c) => c,
-        Err(e) => return Err(explain_connect_error(uri, e)),
+        Err(e) => return Err(explain_connect_error(uri, e, &opts)),
     };
     let want = usize::from(cli.connections);
     let mut conns = vec![first];
@@ -224,7 +227,7 @@ fn connect(cli: &Cli, uri: &NbdUri, nic: &Nic) -> Result<Vec<Client>> {
     Ok(conns)
 }
 
-fn explain_connect_error(uri: &NbdUri, e: NbdError) -> anyhow::Error {
+fn explain_connect_error(uri: &NbdUri, e: NbdError, opts: &ClientOptions) -> anyhow::Error {
     if let NbdError::Handshake {
         source: ClientError::Rejected { .. },
         ..
@@ -232,7 +235,7 @@ fn explain_connect_error(uri: &NbdUri, e: NbdError) -> anyhow::Error {
     {
         let mut base = uri.clone();
         base.export.clear();
-        if let Ok(list) = Client::list(&base.to_string())
+        if let Ok(list) = Client::list_with(&base.to_string(), opts)
             && !list.iter().any(|x| x.name == uri.export)
         {
             let names: Vec<String> = list.iter().map(|x| format!("{:?}", x.name)).collect();
@@ -255,7 +258,8 @@ fn explain_connect_error(uri: &NbdUri, e: NbdError) -> anyhow::Error {
 }
 
 fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
-    let nic = Nic::soft().context("starting the soft NIC")?;
+    let nic = Nic::open(cli.backend.backend(None)?)
+        .with_context(|| format!("starting the {} NIC", cli.backend.backend.name()))?;
     let conns = connect(cli, uri, &nic)?;
     let backend = Arc::new(Backend::new(conns, cli.read_only));
     let caps = *backend.caps();

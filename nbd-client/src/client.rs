@@ -238,10 +238,17 @@ impl Client {
     /// The export's details without entering transmission (NBD_OPT_INFO); falls back to a
     /// full connect for servers without it.
     pub fn info(uri: &str) -> Result<ExportInfo> {
+        Self::info_with(uri, &ClientOptions::default())
+    }
+
+    /// [`Self::info`] with `opts` (its NIC and connect timeout).
+    pub fn info_with(uri: &str, opts: &ClientOptions) -> Result<ExportInfo> {
         let parsed = NbdUri::parse(uri)?;
-        let opts = ClientOptions::default();
-        let nic = Nic::soft()?;
-        let hs = ClientHandshake::info(Self::config(&parsed, &opts));
+        let nic = match &opts.nic {
+            Some(n) => n.clone(),
+            None => Nic::soft()?,
+        };
+        let hs = ClientHandshake::info(Self::config(&parsed, opts));
         match Conn::open(&nic, &parsed, hs, opts.connect_timeout) {
             Ok((_, ClientEvent::Info(d))) => Ok(*d),
             Ok(_) => Err(Error::Protocol {
@@ -276,14 +283,17 @@ impl Client {
 
     /// The server's exports (NBD_OPT_LIST).
     pub fn list(uri: &str) -> Result<Vec<ExportListing>> {
+        Self::list_with(uri, &ClientOptions::default())
+    }
+
+    /// [`Self::list`] with `opts` (its NIC and connect timeout).
+    pub fn list_with(uri: &str, opts: &ClientOptions) -> Result<Vec<ExportListing>> {
         let parsed = NbdUri::parse(uri)?;
-        let nic = Nic::soft()?;
-        match Conn::open(
-            &nic,
-            &parsed,
-            ClientHandshake::list(),
-            ClientOptions::default().connect_timeout,
-        )? {
+        let nic = match &opts.nic {
+            Some(n) => n.clone(),
+            None => Nic::soft()?,
+        };
+        match Conn::open(&nic, &parsed, ClientHandshake::list(), opts.connect_timeout)? {
             (_, ClientEvent::Listed(v)) => Ok(v),
             _ => Err(Error::Protocol {
                 uri: parsed.to_string(),

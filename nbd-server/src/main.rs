@@ -14,6 +14,8 @@ use nbd_server::export::Export;
 use nbd_server::image::Image;
 use nbd_server::server::{Server, ServerOptions};
 use qpip_core::Nic;
+use qpip_core::cli::BackendArgs;
+use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -34,7 +36,8 @@ use qpip_core::Nic;
 )]
 struct Cli {
     /// Address to listen on, ADDR:PORT (IPv6 in brackets); repeat for several.
-    /// Default: [::1]:10809 and 127.0.0.1:10809.
+    /// Default: [::1]:10809 and 127.0.0.1:10809; with --backend lanai, the node's
+    /// fabric address, [fd00:4c41:4e41::1]:10809 for node "server".
     #[arg(short, long, value_name = "ADDR:PORT")]
     listen: Vec<String>,
     /// An export: NAME=PATH of an image file or block device; repeat for several.
@@ -64,6 +67,8 @@ struct Cli {
     /// Log level (error, warn, info, debug, trace); RUST_LOG overrides.
     #[arg(long, default_value = "info")]
     log: String,
+    #[command(flatten)]
+    backend: BackendArgs,
 }
 
 fn split_pair<'a>(s: &'a str, what: &str) -> Result<(&'a str, &'a str)> {
@@ -136,8 +141,12 @@ fn run(cli: Cli) -> Result<()> {
         cfg.exports.push(demo_export()?);
         cfg.default_export.get_or_insert_with(|| "demo".into());
     }
+    let lanai_addr = cli.backend.lanai_addr(DEFAULT_SERVER_NODE)?;
     if cfg.listen.is_empty() {
-        cfg.listen = vec!["[::1]:10809".into(), "127.0.0.1:10809".into()];
+        cfg.listen = match lanai_addr {
+            Some(a) => vec![format!("[{a}]:10809")],
+            None => vec!["[::1]:10809".into(), "127.0.0.1:10809".into()],
+        };
     }
     if let Some(d) = cli.default_export.clone() {
         cfg.default_export = Some(d);
@@ -154,7 +163,16 @@ fn run(cli: Cli) -> Result<()> {
         .iter()
         .map(|s| parse_listen(s))
         .collect::<Result<Vec<_>>>()?;
-    let nic = Nic::soft().context("starting the soft NIC")?;
+    if let Some(node) = lanai_addr
+        && let Some(v4) = listen.iter().find(|a| a.is_ipv4())
+    {
+        bail!(
+            "cannot listen on {v4}: the lanai NIC speaks IPv6 only (this node is {node}; try --listen [{node}]:10809)"
+        );
+    }
+    let backend = cli.backend.backend(Some(DEFAULT_SERVER_NODE))?;
+    let nic = Nic::open(backend)
+        .with_context(|| format!("starting the {} NIC", cli.backend.backend.name()))?;
     let mut exports = Vec::new();
     for e in &cfg.exports {
         if exports.iter().any(|x: &Arc<Export>| x.name == e.name) {
@@ -204,9 +222,14 @@ fn run(cli: Cli) -> Result<()> {
         println!("qpip-nbd-server: listening on {a}");
     }
     if demo {
-        println!(
-            "qpip-nbd-server: serving the demo image as export \"demo\"; try: nbdinfo nbd://127.0.0.1/demo"
-        );
+        match lanai_addr {
+            Some(a) => println!(
+                "qpip-nbd-server: serving the demo image as export \"demo\"; try: qpip-nbd info --backend lanai nbd://[{a}]/demo"
+            ),
+            None => println!(
+                "qpip-nbd-server: serving the demo image as export \"demo\"; try: nbdinfo nbd://127.0.0.1/demo"
+            ),
+        }
     }
     while !stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(100));

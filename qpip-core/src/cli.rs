@@ -18,24 +18,33 @@ pub enum BackendKind {
     Lanai,
 }
 
+impl BackendKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Soft => "soft",
+            BackendKind::Lanai => "lanai",
+        }
+    }
+}
+
 /// NIC backend options.
 #[derive(Clone, Debug, Default, clap::Args)]
 pub struct BackendArgs {
     /// NIC backend: the software NIC, or the QPIP firmware on an emulated LANai 9 NIC
     /// (IPv6 only; addresses and routes come from the fabric config).
-    #[arg(long, value_enum, default_value_t = BackendKind::Soft)]
+    #[arg(long, global = true, value_enum, default_value_t = BackendKind::Soft)]
     pub backend: BackendKind,
     /// With --backend lanai: this machine's node in the fabric config. Default: "server"
     /// for servers, the first other node whose fabric port is free for clients.
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, global = true, value_name = "NAME")]
     pub lanai_node: Option<String>,
     /// With --backend lanai: the fabric config (nodes, routes, ports). Default: the
     /// embedded configs/fabric.toml.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, global = true, value_name = "FILE")]
     pub lanai_fabric: Option<PathBuf>,
     /// With --backend lanai: the device and cost model. Default: the embedded
     /// configs/lanai.toml.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, global = true, value_name = "FILE")]
     pub lanai_params: Option<PathBuf>,
 }
 

@@ -11,6 +11,8 @@ use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use nbd_client::{Client, ClientOptions, ExportInfo};
 use nbd_proto::flags::TransmissionFlags as TF;
+use qpip_core::Nic;
+use qpip_core::cli::BackendArgs;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -39,6 +41,8 @@ struct Cli {
     /// Log level (error, warn, info, debug, trace); RUST_LOG overrides.
     #[arg(long, global = true, default_value = "warn")]
     log: String,
+    #[command(flatten)]
+    backend: BackendArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -182,14 +186,27 @@ fn main() {
     }
 }
 
+/// Client options on the NIC that `--backend` names (clients take the first free lanai node
+/// unless `--lanai-node` names one).
+fn client_options(args: &BackendArgs) -> Result<ClientOptions> {
+    let nic = Nic::open(args.backend(None)?)
+        .with_context(|| format!("starting the {} NIC", args.backend.name()))?;
+    Ok(ClientOptions {
+        nic: Some(nic),
+        ..Default::default()
+    })
+}
+
 fn run(cli: Cli) -> Result<()> {
+    let base = client_options(&cli.backend)?;
     match cli.cmd {
         Cmd::Info { uri, json } => {
-            let info = Client::info(&uri).with_context(|| format!("querying {uri}"))?;
+            let info = Client::info_with(&uri, &base).with_context(|| format!("querying {uri}"))?;
             print_info(&uri, &info, json)
         }
         Cmd::List { uri, json } => {
-            let list = Client::list(&uri).with_context(|| format!("listing exports of {uri}"))?;
+            let list = Client::list_with(&uri, &base)
+                .with_context(|| format!("listing exports of {uri}"))?;
             if json {
                 let v: Vec<_> = list
                     .iter()
@@ -237,7 +254,7 @@ fn run(cli: Cli) -> Result<()> {
                     window,
                     reconnect_timeout: Duration::try_from_secs_f64(reconnect_timeout)
                         .context("--reconnect-timeout")?,
-                    ..Default::default()
+                    ..base
                 },
                 progress,
             };
