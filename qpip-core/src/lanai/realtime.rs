@@ -108,9 +108,17 @@ struct Shared {
     stop: AtomicBool,
     waker: mio::Waker,
     tid: AtomicI32,
+    /// The NIC thread has ended (stopped or panicked): commands get no reply.
+    dead: AtomicBool,
 }
 
 impl Shared {
+    /// Drops queued commands, so their reply senders go and the waiting hosts get an error
+    /// instead of waiting forever.
+    fn drop_commands(&self) {
+        while self.commands.pop().is_some() {}
+    }
+
     fn wake(&self) {
         if let Err(e) = self.waker.wake() {
             tracing::error!("cannot wake the lanai NIC thread: {e}");
@@ -225,6 +233,7 @@ impl LanaiBackend {
             stop: AtomicBool::new(false),
             waker,
             tid: AtomicI32::new(0),
+            dead: AtomicBool::new(false),
         });
         tracing::info!(
             node = %node.name,
@@ -243,6 +252,8 @@ impl LanaiBackend {
         let thread = std::thread::Builder::new()
             .name("qpip-lanai-nic".into())
             .spawn(move || {
+                // Also on unwinding: a panicking firmware must not leave hosts waiting.
+                let _guard = DeadGuard(thread_shared.clone());
                 // Built on its own thread: the firmware need not be Send.
                 let fw = Firmware::new(fw_cfg, memory);
                 Processor {
@@ -273,6 +284,18 @@ fn ipv6_only(addr: &SocketAddr) -> io::Error {
     )
 }
 
+struct DeadGuard(Arc<Shared>);
+
+impl Drop for DeadGuard {
+    fn drop(&mut self) {
+        self.0.dead.store(true, Ordering::SeqCst);
+        self.0.drop_commands();
+        if std::thread::panicking() {
+            tracing::error!("the lanai NIC thread panicked; the NIC is gone");
+        }
+    }
+}
+
 /// The firmware speaks IPv6 only: an IPv4 address is refused before it reaches the NIC.
 fn refuse_ipv4(cmd: Command) -> Option<Command> {
     match cmd {
@@ -300,6 +323,10 @@ impl NicBackend for LanaiBackend {
     fn manage(&self, cmd: Command) {
         if let Some(cmd) = refuse_ipv4(cmd) {
             self.shared.commands.push(cmd);
+            if self.shared.dead.load(Ordering::SeqCst) {
+                self.shared.drop_commands();
+                return;
+            }
             self.shared.wake();
         }
     }
@@ -311,7 +338,8 @@ impl NicBackend for LanaiBackend {
         let mut entry = qp.clone();
         // A full FIFO holds the host's PIO write back until the NIC makes room.
         while let Err(back) = self.shared.doorbells.push(entry) {
-            if self.shared.stop.load(Ordering::Acquire) {
+            if self.shared.stop.load(Ordering::Acquire) || self.shared.dead.load(Ordering::Acquire)
+            {
                 return;
             }
             entry = back;
