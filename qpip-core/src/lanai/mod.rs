@@ -15,8 +15,9 @@ pub mod frame;
 pub mod meter;
 pub mod params;
 pub mod realtime;
+pub mod sram;
 
-pub use firmware::{Firmware, FirmwareConfig, OutFrame};
+pub use firmware::{Firmware, FirmwareConfig, FirmwareStats, OutFrame};
 pub use meter::{CostModel, Dir, Kind, Meter, Nanos, Occupancy, Stage};
 pub use params::{FabricParams, LanaiParams, ParamsError};
 pub use realtime::LanaiConfig;
