@@ -216,3 +216,73 @@ fn bridge_carries_packets_between_kernel_and_fabric() {
         .unwrap();
     assert!(!link.status.success(), "{} still exists", fabric.tun);
 }
+
+/// A message split over two TCP segments, its receive WR posted before, between or after
+/// them (a socket peer through the bridge sends this way; QP peers never do).
+#[test]
+fn a_message_split_over_segments_completes_whenever_its_wr_is_posted() {
+    use qpip_core::{LengthPrefixed, RawStream};
+    let fabric = test_fabric();
+    let (a, b) = (nic(&fabric, "server"), nic(&fabric, "client"));
+    let (cq_a, cq_b) = (a.create_cq(64), b.create_cq(64));
+    let listener = a.listen(sock(&fabric, "server", 7001)).unwrap();
+    let server = a.create_qp(QpAttr::new(&cq_a).framer(LengthPrefixed::default()));
+    let client = b.create_qp(QpAttr::new(&cq_b).framer(RawStream));
+    client.connect_timeout(listener.local_addr(), T).unwrap();
+    listener.accept_timeout(&server, T).unwrap();
+    let (mr_a, mr_b) = (
+        a.alloc_region(4096, Access::READ_WRITE),
+        b.alloc_region(4096, Access::READ_WRITE),
+    );
+    let mut msg = 28u32.to_be_bytes().to_vec();
+    msg.extend((0..28u8).map(|i| i + 1));
+    mr_b.write_at(0, &msg);
+    for (round, when) in ["before", "between", "after"].iter().enumerate() {
+        let post = || {
+            server
+                .post_recv(RecvWr::new(round as u64, &[mr_a.sge(64 * round, 64)]))
+                .unwrap()
+        };
+        if *when == "before" {
+            post();
+        }
+        client
+            .post_send(SendWr::new(1, &[mr_b.sge(0, 26)]))
+            .unwrap();
+        wait_n(&cq_b, 1, T);
+        std::thread::sleep(Duration::from_millis(20));
+        if *when == "between" {
+            post();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        // The host already sleeps on its CQ when the rest arrives: the NIC must wake it.
+        let (tx, woken) = std::sync::mpsc::channel();
+        {
+            let cq_a = cq_a.clone();
+            std::thread::spawn(move || {
+                let mut c = [qpip_core::Completion::default(); 1];
+                // No timeout: only a notification from the NIC ends this wait.
+                let n = cq_a.wait(&mut c, None).unwrap();
+                let _ = tx.send((n, c[0]));
+            });
+        }
+        if *when == "after" {
+            std::thread::sleep(Duration::from_millis(20));
+            post();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        client
+            .post_send(SendWr::new(2, &[mr_b.sge(26, 6)]))
+            .unwrap();
+        wait_n(&cq_b, 1, T);
+        let (n, got) = woken
+            .recv_timeout(T)
+            .unwrap_or_else(|_| panic!("the host was never woken (WR posted {when} the segments)"));
+        assert_eq!(n, 1);
+        assert_eq!(
+            (got.wr_id, got.status, got.byte_len),
+            (round as u64, WcStatus::Success, 28),
+            "WR posted {when} the segments"
+        );
+    }
+}

@@ -264,6 +264,7 @@ impl LanaiBackend {
                     routes,
                     epoch: Instant::now(),
                     node: node.name,
+                    qps: HashMap::new(),
                 }
                 .run()
             })
@@ -384,6 +385,10 @@ struct Processor {
     routes: HashMap<u8, SocketAddr>,
     epoch: Instant,
     node: String,
+    /// Every QP the firmware holds, to wake their CQs' waiters after each turn with work.
+    /// Workaround: the firmware does not notify when a message completes into a WR it took
+    /// from the ring in an earlier turn (a message split over segments); remove once it does.
+    qps: HashMap<crate::wr::QpNum, std::sync::Weak<QpShared>>,
 }
 
 impl Processor {
@@ -406,6 +411,7 @@ impl Processor {
             worked |= self.receive_frames(&mut buf);
             let now = self.now();
             if self.fw.poll_at().is_some_and(|t| t <= now) {
+                tracing::trace!(node = %self.node, now, "poll");
                 self.fw.poll(now);
                 worked = true;
             }
@@ -414,6 +420,13 @@ impl Processor {
                 break;
             }
             if worked {
+                self.qps.retain(|_, qp| match qp.upgrade() {
+                    Some(qp) => {
+                        qp.notify_cqs();
+                        true
+                    }
+                    None => false,
+                });
                 last_work = Instant::now();
                 continue;
             }
@@ -449,6 +462,15 @@ impl Processor {
         let mut worked = false;
         while let Some(cmd) = self.shared.commands.pop() {
             worked = true;
+            match &cmd {
+                Command::CreateQp { qp, .. } => {
+                    self.qps.insert(qp.num, Arc::downgrade(qp));
+                }
+                Command::Destroy { qp } => {
+                    self.qps.remove(qp);
+                }
+                _ => {}
+            }
             let now = self.now();
             self.fw.command(now, cmd);
         }
@@ -464,6 +486,7 @@ impl Processor {
             // Clear before the firmware reads the rings: a WR posted after this rings again.
             qp.doorbell.store(false, Ordering::SeqCst);
             let now = self.now();
+            tracing::trace!(node = %self.node, now, qp = qp.num, "doorbell");
             self.fw.doorbell(now, qp.num);
         }
         worked
@@ -477,15 +500,16 @@ impl Processor {
                 Ok((n, _)) => {
                     worked = true;
                     let now = self.now();
+                    if tracing::enabled!(tracing::Level::TRACE) {
+                        let packet = frame::decode(&buf[..n]).unwrap_or_default();
+                        tracing::trace!(node = %self.node, now, "in: {}", super::bridge::summary(packet));
+                    }
                     self.fw.receive(now, &buf[..n]);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return worked,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    // ICMP errors from an earlier send (a peer port not bound yet) land here.
-                    tracing::trace!(node = %self.node, "fabric port: {e}");
-                    return worked;
-                }
+                // ICMP errors from an earlier send (a peer port not bound yet) land here; they
+                // are consumed by reading them, and the port must be drained (edge-triggered).
+                Err(e) => tracing::trace!(node = %self.node, "fabric port: {e}"),
             }
         }
     }
@@ -506,6 +530,12 @@ impl Processor {
                 tracing::debug!(node = %self.node, port, "no node on switch port: frame dropped");
                 continue;
             };
+            if tracing::enabled!(tracing::Level::TRACE) {
+                let packet = bytes
+                    .get(3..bytes.len().saturating_sub(4))
+                    .unwrap_or_default();
+                tracing::trace!(node = %self.node, ready_at = out.ready_at, "out: {}", super::bridge::summary(packet));
+            }
             // A lost frame is the wire's loss: TCP in the firmware retransmits.
             if let Err(e) = self.sock.send_to(&bytes, *dst) {
                 tracing::debug!(node = %self.node, %dst, "frame dropped: {e}");
