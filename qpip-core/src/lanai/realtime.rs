@@ -396,6 +396,13 @@ impl Processor {
         self.epoch.elapsed().as_nanos() as Nanos
     }
 
+    /// The firmware's own clock runs ahead of the wall while it is charged more work than
+    /// the wall clock saw (the emulated 133 MHz processor's backlog). In real time that
+    /// backlog is not waited out: a timer is due once either clock has reached it.
+    fn timer_now(&self) -> Nanos {
+        self.now().max(self.fw.meter().now())
+    }
+
     fn run(mut self) {
         // SAFETY: gettid has no preconditions.
         self.shared
@@ -409,7 +416,7 @@ impl Processor {
             let mut worked = self.run_commands();
             worked |= self.run_doorbells();
             worked |= self.receive_frames(&mut buf);
-            let now = self.now();
+            let now = self.timer_now();
             if self.fw.poll_at().is_some_and(|t| t <= now) {
                 tracing::trace!(node = %self.node, now, "poll");
                 self.fw.poll(now);
@@ -446,7 +453,7 @@ impl Processor {
             let timeout = self
                 .fw
                 .poll_at()
-                .map(|t| Duration::from_nanos(t.saturating_sub(self.now())));
+                .map(|t| Duration::from_nanos(t.saturating_sub(self.timer_now())));
             if let Err(e) = self.poll.poll(&mut events, timeout)
                 && e.kind() != io::ErrorKind::Interrupted
             {
