@@ -23,7 +23,8 @@ use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
     version,
     about = "Export disk images over NBD, carried by Queue Pair IP",
     long_about = "Export disk images over NBD, carried by Queue Pair IP.\n\n\
-        Every connection runs on a QP of the soft NIC: requests land in registered receive \
+        Every connection runs on a QP of the soft NIC (or, with --backend lanai, of the QPIP \
+        firmware on an emulated LANai 9 NIC; see docs/lanai.md): requests land in registered receive \
         buffers and read replies are sent straight from the image's registered mapping. The \
         wire is plain NBD (fixed newstyle), so any NBD client works.\n\n\
         With no arguments it creates a 64 MiB sparse demo image and serves it as export \

@@ -56,8 +56,8 @@ pub enum BackendArgsError {
     Params(#[from] ParamsError),
     #[error("--lanai-node, --lanai-fabric and --lanai-params need --backend lanai")]
     LanaiOptionsWithoutLanai,
-    #[error("the fabric has no node named {0:?}")]
-    UnknownNode(String),
+    #[error("the fabric has no node named {name:?} (its nodes: {})", nodes.join(", "))]
+    UnknownNode { name: String, nodes: Vec<String> },
 }
 
 impl BackendArgs {
@@ -95,7 +95,10 @@ impl BackendArgs {
         if let Some(name) = &cfg.node
             && cfg.fabric.node(name).is_none()
         {
-            return Err(BackendArgsError::UnknownNode(name.clone()));
+            return Err(BackendArgsError::UnknownNode {
+                name: name.clone(),
+                nodes: cfg.fabric.node.iter().map(|n| n.name.clone()).collect(),
+            });
         }
         Ok(cfg)
     }

@@ -20,7 +20,8 @@ use qpip_core::cli::BackendArgs;
     version,
     about = "NBD client over Queue Pair IP: inspect exports, list them, copy disk images",
     long_about = "NBD client over Queue Pair IP: inspect exports, list them, copy disk images.\n\n\
-        Every connection runs on a reliable QP of the soft NIC; the wire is plain NBD (fixed \
+        Every connection runs on a reliable QP of the soft NIC (or, with --backend lanai, of \
+        the QPIP firmware on an emulated LANai 9 NIC; see docs/lanai.md); the wire is plain NBD (fixed \
         newstyle), so any NBD server works: qpip-nbd-server, qemu-nbd, nbdkit, nbd-server.\n\n\
         Exports are named by NBD URIs: nbd://HOST[:PORT][/EXPORT], IPv6 literals in brackets \
         (nbd://[::1]/disk), port 10809 by default, the empty export name for the server's \
