@@ -221,7 +221,8 @@ impl Firmware {
             Command::CloseListener { listener } => self.close_listener(listener),
             Command::Close { qp } => self.close(qp),
             Command::Disconnect { qp } => self.with_qp(qp, |q, cx| {
-                if !matches!(q.link, Link::Idle | Link::Down) || q.shared.state() != QpState::Init {
+                let gone = matches!(q.shared.state(), QpState::Closed | QpState::Error);
+                if !(matches!(q.link, Link::Down) && gone) {
                     q.fail(cx, QpState::Closed, WcStatus::Flushed);
                 }
             }),
@@ -353,6 +354,7 @@ impl Firmware {
             sram,
             dying,
             qps,
+            fabric,
             ..
         } = self;
         if let Some(q) = qps.get_mut(&qp) {
@@ -362,6 +364,7 @@ impl Firmware {
                 meter,
                 dma,
                 dev: &params.device,
+                mtu: fabric.mtu,
                 sram,
                 dying,
             };
@@ -680,14 +683,20 @@ impl Firmware {
 
     /// Service and transmit until nothing moves.
     fn run(&mut self) {
+        let mut busy = true;
         for _ in 0..MAX_ROUNDS {
             let progress = self.service_all();
             let r = self.poll_iface(None);
             if !progress && r == PollResult::None {
+                busy = false;
                 break;
             }
         }
         self.update_poll_at();
+        if busy {
+            // Work left over: come back at once rather than wait for an event.
+            self.next_poll = Some(self.meter.now());
+        }
     }
 
     fn update_poll_at(&mut self) {
@@ -721,6 +730,7 @@ impl Firmware {
             sram,
             dying,
             qps,
+            fabric,
             ..
         } = self;
         let mut cx = Ctx {
@@ -729,6 +739,7 @@ impl Firmware {
             meter,
             dma,
             dev: &params.device,
+            mtu: fabric.mtu,
             sram,
             dying,
         };

@@ -33,6 +33,8 @@ pub(super) struct Ctx<'a> {
     pub meter: &'a mut Meter,
     pub dma: &'a mut Dma,
     pub dev: &'a DeviceParams,
+    /// Largest IPv6 packet on the fabric.
+    pub mtu: usize,
     pub sram: &'a mut Sram,
     /// Aborted TCP sockets: removed after the next egress poll has sent their RST.
     pub dying: &'a mut Vec<SocketHandle>,
@@ -399,7 +401,8 @@ impl FwQp {
             cx.meter.charge(Dir::Send, Kind::Data, Stage::GetWr, 0);
             match OutMsg::prepare(wr, cx.memory, None) {
                 Ok(msg) => {
-                    let room = sock.payload_send_capacity();
+                    // No IPv6 fragmentation: a datagram fits one packet (IPv6 + UDP headers).
+                    let room = sock.payload_send_capacity().min(cx.mtu.saturating_sub(48));
                     if !matches!(msg.dest, Some(SocketAddr::V6(_))) || msg.body_len > room {
                         tracing::warn!(
                             qp = shared.num,
