@@ -23,6 +23,9 @@ use crate::reply::ReplySender;
 use crate::soft::rx::{RxMachine, RxStop};
 use crate::wr::{SendWr, WcStatus};
 
+/// How long a peer that owes us ACKs may stay silent.
+const DEAD_PEER: smoltcp::time::Duration = smoltcp::time::Duration::from_secs(120);
+
 /// Bytes of one completion entry written to the host's CQ.
 const CQ_ENTRY_BYTES: usize = 32;
 
@@ -309,6 +312,10 @@ impl FwQp {
                 t.tx.pop_front();
                 progress = true;
             }
+            // A peer silent this long while it owes us ACKs is dead (zero-window probes back
+            // off to 60 s, so a live receiver answers well within it): the QP fails instead
+            // of hanging. Idle connections have no timeout (smoltcp would count idle time).
+            sock.set_timeout((!t.tx.is_empty()).then_some(DEAD_PEER));
             // Receive: the framer finds messages in the byte stream, bodies go to WRs. With
             // no WR posted the bytes stay in the socket and the window closes.
             let Ctx {

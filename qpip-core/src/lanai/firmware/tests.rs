@@ -570,7 +570,11 @@ fn udp_datagrams_report_their_source() {
     net.post_send(CLIENT, &c, SendWr::new(12, &[src.sge(0, 9)]).to(v4));
     // Larger than one packet: no IPv6 fragmentation in the firmware.
     let big = net.region(CLIENT, 20_000);
-    net.post_send(CLIENT, &c, SendWr::new(13, &[big.sge(0, 20_000)]).to(server_addr));
+    net.post_send(
+        CLIENT,
+        &c,
+        SendWr::new(13, &[big.sge(0, 20_000)]).to(server_addr),
+    );
     let mut recv = Vec::new();
     let mut sent = Vec::new();
     assert!(net.run_until(|n| {
@@ -764,4 +768,47 @@ fn stages_are_charged_per_packet() {
         .occupancy(Dir::Send, Kind::Data);
     assert!(sent.packets >= 1);
     assert_eq!(sent.per_packet_us()["build_tcp_header"], 5.0);
+}
+
+#[test]
+#[ignore = "prints model figures"]
+fn print_stream_figures() {
+    for size in [1usize, 1000, 16_000, 65_536] {
+        let mut net = Net::new();
+        let n = (4_000_000 / size).clamp(50, 1000);
+        let start = net.now;
+        transfer(&mut net, &vec![size; n]);
+        let ns = net.now - start;
+        let m = net.sides[CLIENT].fw.meter();
+        println!(
+            "size {size}: {n} msgs in {} us = {:.1} MB/s, frames {}, client busy {} us, send data pkts {}, recv ack pkts {}",
+            ns / 1000,
+            (size * n) as f64 / ns as f64 * 1000.0,
+            net.frames,
+            m.busy_ns() / 1000,
+            m.occupancy(Dir::Send, Kind::Data).packets,
+            m.occupancy(Dir::Recv, Kind::Ack).packets,
+        );
+    }
+}
+
+#[test]
+fn a_dead_peer_fails_the_qp_instead_of_hanging() {
+    let mut net = Net::new();
+    let (_s, c) = net.pair();
+    let src = net.region(CLIENT, 10);
+    net.blackhole = [true, true];
+    net.post_send(CLIENT, &c, SendWr::new(1, &[src.sge(0, 10)]));
+    let mut done = Vec::new();
+    // The harness gives up after a virtual minute per call; the peer is declared dead at 120 s.
+    for _ in 0..4 {
+        if net.run_until(|n| {
+            done.extend(n.completions(CLIENT));
+            !done.is_empty()
+        }) {
+            break;
+        }
+    }
+    assert_eq!(done.first().map(|d| d.status), Some(WcStatus::RemoteClosed));
+    assert_eq!(c.state(), QpState::Error);
 }
