@@ -812,3 +812,48 @@ fn a_dead_peer_fails_the_qp_instead_of_hanging() {
     assert_eq!(done.first().map(|d| d.status), Some(WcStatus::RemoteClosed));
     assert_eq!(c.state(), QpState::Error);
 }
+
+#[test]
+fn the_firmware_can_move_to_a_backend_thread() {
+    fn send<T: Send>() {}
+    send::<Firmware>();
+}
+
+#[test]
+fn a_connection_waits_for_a_later_accept() {
+    let mut net = Net::new();
+    net.listen(SERVER, 7000).unwrap();
+    let c = net.qp(CLIENT);
+    let con = net.connect(CLIENT, &c, net.addr(SERVER, 7000));
+    assert!(net.run_until(|_| c.state() == QpState::Ready));
+    let local = take(con).unwrap().unwrap();
+    // Not yet mated: the client may already send; the bytes wait in the server's SRAM.
+    let src = net.region(CLIENT, 4);
+    src.write_at(0, b"ping");
+    net.post_send(CLIENT, &c, SendWr::new(1, &[src.sge(0, 4)]));
+    net.run_until(|n| n.now > 10_000_000);
+    let s = net.qp(SERVER);
+    let dst = net.region(SERVER, 16);
+    net.post_recv(SERVER, &s, RecvWr::new(2, &[dst.sge(0, 16)]));
+    let acc = net.accept(SERVER, &s);
+    assert_eq!(take(acc).unwrap().unwrap(), local);
+    let mut done = Vec::new();
+    assert!(net.run_until(|n| {
+        done.extend(n.completions(SERVER));
+        !done.is_empty()
+    }));
+    assert_eq!((done[0].wr_id, done[0].byte_len), (2, 4));
+    let mut got = [0u8; 4];
+    dst.read_at(0, &mut got);
+    assert_eq!(&got, b"ping");
+    // A second accept waits for a connection that has not come.
+    let s2 = net.qp(SERVER);
+    let acc2 = net.accept(SERVER, &s2);
+    net.run_until(|n| n.now > 20_000_000);
+    assert_eq!(s2.state(), QpState::Init);
+    net.cmd(SERVER, Command::CloseListener { listener: 1 });
+    assert_eq!(
+        take(acc2).unwrap().unwrap_err().kind(),
+        io::ErrorKind::ConnectionAborted
+    );
+}
