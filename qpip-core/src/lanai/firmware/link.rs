@@ -303,8 +303,11 @@ impl FwQp {
             }
             progress |= t.push(sock);
             // A send WR completes when the peer has acknowledged all of its bytes.
-            let acked = t.pushed - sock.send_queue() as u64;
-            while let Some(m) = t.tx.front()
+            // (A reset socket acknowledges nothing, whatever its buffer says.)
+            let reset = sock.state() == tcp::State::Closed;
+            let acked = t.pushed.saturating_sub(sock.send_queue() as u64);
+            while !reset
+                && let Some(m) = t.tx.front()
                 && m.end.is_some_and(|end| end <= acked)
             {
                 shared.complete_send(m.wr_id, WcStatus::Success, m.body_len as u32, 0);
