@@ -857,3 +857,24 @@ fn a_connection_waits_for_a_later_accept() {
         io::ErrorKind::ConnectionAborted
     );
 }
+
+#[test]
+fn packets_without_a_route_are_dropped_and_the_connect_times_out() {
+    let mut net = Net::new();
+    net.sides[CLIENT].fw.fabric.bridge = None;
+    let c = net.qp(CLIENT);
+    let nowhere: SocketAddr = "[fd00:4c41:4e41::77]:7000".parse().unwrap();
+    let con = net.connect(CLIENT, &c, nowhere);
+    assert!(net.run_until(|_| c.state() == QpState::Init));
+    assert_eq!(
+        take(con).unwrap().unwrap_err().kind(),
+        io::ErrorKind::TimedOut
+    );
+    assert!(net.sides[CLIENT].fw.stats().no_route > 0);
+    // The connection's SRAM came back; only the QP's own is in use.
+    let d = &LanaiParams::default().device;
+    assert_eq!(
+        net.sides[CLIENT].fw.sram_used(),
+        d.qp_state_bytes + d.wr_cache_entries * d.wr_entry_bytes
+    );
+}
