@@ -286,3 +286,66 @@ fn a_message_split_over_segments_completes_whenever_its_wr_is_posted() {
         );
     }
 }
+
+/// A doorbell FIFO of one entry: eight QPs posting at once hold each other back (the host's
+/// PIO write waits for room) but nothing is lost and nothing deadlocks.
+#[test]
+fn a_tiny_doorbell_fifo_holds_hosts_back_without_losing_doorbells() {
+    const QPS: usize = 8;
+    const MSGS: usize = 50;
+    let fabric = test_fabric();
+    let mut cfg = fabric.config("client");
+    cfg.params.device.doorbell_fifo_entries = 1;
+    let b = Nic::open(Backend::Lanai(cfg)).unwrap();
+    let a = nic(&fabric, "server");
+    let (cq_a, cq_b) = (a.create_cq(QPS * MSGS), b.create_cq(QPS * MSGS));
+    let listener = a.listen(sock(&fabric, "server", 7002)).unwrap();
+    let mr_a = a.alloc_region(QPS * MSGS * 8, Access::READ_WRITE);
+    let mut pairs = Vec::new();
+    for _ in 0..QPS {
+        let s = a.create_qp(QpAttr::new(&cq_a).depths(MSGS, MSGS));
+        let c = b.create_qp(QpAttr::new(&cq_b).depths(MSGS, MSGS));
+        c.connect_timeout(listener.local_addr(), T).unwrap();
+        listener.accept_timeout(&s, T).unwrap();
+        pairs.push((s, c));
+    }
+    for (q, (s, _)) in pairs.iter().enumerate() {
+        for m in 0..MSGS {
+            let off = (q * MSGS + m) * 8;
+            s.post_recv(RecvWr::new(off as u64, &[mr_a.sge(off, 8)]))
+                .unwrap();
+        }
+    }
+    let senders: Vec<_> = pairs
+        .into_iter()
+        .enumerate()
+        .map(|(q, (s, c))| {
+            let mr = b.alloc_region(MSGS * 8, Access::READ);
+            std::thread::spawn(move || {
+                for m in 0..MSGS {
+                    mr.write_at(m * 8, &((q * MSGS + m) as u64).to_be_bytes());
+                    c.post_send(SendWr::new(m as u64, &[mr.sge(m * 8, 8)]))
+                        .unwrap();
+                }
+                // The region must outlive the sends still in flight.
+                (s, c, mr)
+            })
+        })
+        .collect();
+    let got = wait_n(&cq_a, QPS * MSGS, T);
+    let bad: Vec<_> = got.iter().filter(|c| c.status != WcStatus::Success).collect();
+    assert!(bad.is_empty(), "{} failed: {:?}", bad.len(), bad.first());
+    for c in &got {
+        let mut v = [0u8; 8];
+        mr_a.read_at(c.wr_id as usize, &mut v);
+        assert_eq!(
+            u64::from_be_bytes(v) * 8,
+            c.wr_id,
+            "message landed in its slot"
+        );
+    }
+    wait_n(&cq_b, QPS * MSGS, T);
+    for s in senders {
+        drop(s.join().unwrap());
+    }
+}
