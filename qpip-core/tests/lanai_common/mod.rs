@@ -54,9 +54,9 @@ pub fn test_fabric() -> TestFabric {
     static N: AtomicU16 = AtomicU16::new(1);
     let n = N.fetch_add(1, Ordering::Relaxed);
     let pid = std::process::id();
-    // fd00:4c41:<pid>:<n>::/64 — unique per process and test.
-    let prefix = format!("fd00:4c41:{:x}:{n:x}", pid & 0xffff);
-    let tun = format!("qpt{}n{n}", pid % 1_000_000);
+    // fd00:<pid>:<n>::/64 and qpt<pid>n<n> — unique per process and test.
+    let prefix = format!("fd00:{:x}:{:x}:{n:x}", pid >> 16, pid & 0xffff);
+    let tun = format!("qpt{pid:x}n{n:x}");
     let mut toml =
         String::from("link_gbps = 2.0\nswitch_latency_ns = 300\ncable_ns = 25\nmtu = 16384\n");
     for (i, name) in ["server", "client", "client2"].iter().enumerate() {
