@@ -96,6 +96,8 @@ impl LanaiConfig {
 const SPIN: Duration = Duration::from_micros(50);
 const WAKER: mio::Token = mio::Token(0);
 const FABRIC: mio::Token = mio::Token(1);
+/// Frames taken from the fabric port per turn of the NIC thread.
+const RX_BATCH: usize = 64;
 /// Socket buffers of the emulated port: a burst of 16 KB frames must not overflow them.
 const PORT_BUFFER: usize = 4 << 20;
 
@@ -502,7 +504,10 @@ impl Processor {
     /// Every datagram waiting on the fabric port goes to the receive state machine.
     fn receive_frames(&mut self, buf: &mut [u8]) -> bool {
         let mut worked = false;
-        loop {
+        // A bounded batch, so a stream of arrivals does not starve the transmit side; the
+        // caller comes straight back after a turn with work, so the port is still drained
+        // to WouldBlock (it is edge-triggered) before the thread sleeps.
+        for _ in 0..RX_BATCH {
             match self.sock.recv_from(buf) {
                 Ok((n, _)) => {
                     worked = true;
@@ -516,9 +521,13 @@ impl Processor {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return worked,
                 // ICMP errors from an earlier send (a peer port not bound yet) land here; they
                 // are consumed by reading them, and the port must be drained (edge-triggered).
-                Err(e) => tracing::trace!(node = %self.node, "fabric port: {e}"),
+                Err(e) => {
+                    worked = true; // not drained yet: look again before sleeping
+                    tracing::trace!(node = %self.node, "fabric port: {e}");
+                }
             }
         }
+        worked
     }
 
     /// Puts the firmware's frames on the wire: through the crossbar to the next port.
