@@ -333,7 +333,10 @@ fn a_tiny_doorbell_fifo_holds_hosts_back_without_losing_doorbells() {
         })
         .collect();
     let got = wait_n(&cq_a, QPS * MSGS, T);
-    let bad: Vec<_> = got.iter().filter(|c| c.status != WcStatus::Success).collect();
+    let bad: Vec<_> = got
+        .iter()
+        .filter(|c| c.status != WcStatus::Success)
+        .collect();
     assert!(bad.is_empty(), "{} failed: {:?}", bad.len(), bad.first());
     for c in &got {
         let mut v = [0u8; 8];
