@@ -352,3 +352,23 @@ fn a_tiny_doorbell_fifo_holds_hosts_back_without_losing_doorbells() {
         drop(s.join().unwrap());
     }
 }
+
+/// A NIC that goes away (its process ends) closes its connections on the wire: the peer's
+/// posted receive completes with an error instead of waiting forever.
+#[test]
+fn a_peer_nic_shut_down_ends_the_connection() {
+    let fabric = test_fabric();
+    let (a, b) = (nic(&fabric, "server"), nic(&fabric, "client"));
+    let (cq_a, cq_b) = (a.create_cq(16), b.create_cq(16));
+    let listener = a.listen(sock(&fabric, "server", 7003)).unwrap();
+    let server = a.create_qp(QpAttr::new(&cq_a));
+    let client = b.create_qp(QpAttr::new(&cq_b));
+    client.connect_timeout(listener.local_addr(), T).unwrap();
+    listener.accept_timeout(&server, T).unwrap();
+    let mr = a.alloc_region(64, Access::READ_WRITE);
+    server.post_recv(RecvWr::new(1, &[mr.sge(0, 64)])).unwrap();
+    drop((client, cq_b, b));
+    let got = wait_n(&cq_a, 1, T);
+    assert_eq!(got[0].wr_id, 1);
+    assert_ne!(got[0].status, WcStatus::Success, "{:?}", got[0]);
+}

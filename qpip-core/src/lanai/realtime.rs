@@ -464,6 +464,12 @@ impl Processor {
             }
             self.shared.sleeping.store(false, Ordering::Relaxed);
         }
+        // Last commands (QPs destroyed as the NIC's handles went) still put their RSTs and
+        // FINs on the wire, so peers are not left waiting for a node that is gone.
+        self.run_commands();
+        let now = self.timer_now();
+        self.fw.poll(now);
+        self.send_frames();
         tracing::debug!(node = %self.node, "lanai NIC stopped");
     }
 
