@@ -96,6 +96,13 @@ impl QpShared {
         let _ = self.rq.push(wr);
     }
 
+    /// Puts a send WR on the ring as `post_send` does (tests of the NIC machines).
+    #[cfg(test)]
+    pub(crate) fn push_send(&self, wr: SendWr) {
+        self.sq_outstanding.fetch_add(1, Ordering::AcqRel);
+        let _ = self.sq.push(wr);
+    }
+
     pub fn state(&self) -> QpState {
         QpState::from_u8(self.state.load(Ordering::Acquire))
     }
