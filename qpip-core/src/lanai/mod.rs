@@ -5,7 +5,7 @@
 //! - [`frame`]: Myrinet frames, source routes and switches;
 //! - [`firmware`]: the doorbell, management, transmit and receive state machines with the
 //!   firmware's own IPv6/UDP/TCP, sans-IO;
-//! - `sim`: two hosts, their NICs and the fabric on a virtual clock (discrete events);
+//! - [`sim`]: two hosts, their NICs and the fabric on a virtual clock (discrete events);
 //! - `realtime`: the firmware as a working [`crate::backend::NicBackend`], frames carried
 //!   between processes by datagram sockets, with a TUN bridge to the host's own IP stack.
 
@@ -13,6 +13,7 @@ pub mod firmware;
 pub mod frame;
 pub mod meter;
 pub mod params;
+pub mod sim;
 
 pub use firmware::{Firmware, FirmwareConfig, OutFrame};
 pub use meter::{CostModel, Dir, Kind, Meter, Nanos, Occupancy, Stage};
