@@ -217,3 +217,98 @@ fn runs_are_deterministic_under_faults() {
     assert!(a.2.duplicated > 0 && a.2.delayed > 0);
     assert_eq!(a, run());
 }
+
+/// The firmware itself through the simulated fabric.
+mod firmware {
+    use super::super::apps::{BulkConfig, Sizes};
+    use super::super::experiments::{self, Setup};
+    use super::*;
+
+    fn lossy() -> Faults {
+        Faults {
+            drop: 0.05,
+            duplicate: 0.02,
+            delay: 0.05,
+            delay_ns: 200_000,
+        }
+    }
+
+    fn stream() -> BulkConfig {
+        BulkConfig {
+            total: 2 << 20,
+            sizes: Sizes::Varied {
+                max: 20_000,
+                seed: 11,
+            },
+            window: 8,
+            recv_depth: 16,
+            verify: true,
+            port: 6000,
+        }
+    }
+
+    #[test]
+    #[ignore = "needs the firmware (branch lanai-fw)"]
+    fn tcp_delivers_a_verified_stream_through_loss_duplication_and_reordering() {
+        let setup = Setup::default();
+        let clean = experiments::bulk(&setup, stream(), None).unwrap();
+        // `bulk` fails on any corrupt, missing, reordered or extra message, and on a hang.
+        let faulty = experiments::bulk(&setup, stream(), Some(lossy())).unwrap();
+        assert_eq!(faulty.bytes, 2 << 20);
+        assert_eq!(clean.bytes, 2 << 20);
+        // Lost segments were sent again.
+        assert!(
+            faulty.frames_to_server > clean.frames_to_server,
+            "{} frames with loss, {} without",
+            faulty.frames_to_server,
+            clean.frames_to_server
+        );
+        assert!(faulty.elapsed_ns > clean.elapsed_ns);
+    }
+
+    /// The stages every 1-byte message certainly passes through, one way, plus the host's
+    /// overheads and the fabric's fixed latency.
+    fn path_floor_ns(p: &LanaiParams, f: &FabricParams) -> f64 {
+        let c = &p.cost;
+        let nic_us =
+            c.send.data.get_wr + c.send.data.get_data + c.recv.data.get_wr + c.recv.data.put_data;
+        let host_us = p.host.send_overhead_us + p.host.recv_overhead_us;
+        let fabric_ns = 2 * f.cable_ns + f.switch_latency_ns + p.device.pio_write_ns;
+        (nic_us + host_us) * 1000.0 * 133.0 / p.device.clock_mhz + fabric_ns as f64
+    }
+
+    #[test]
+    #[ignore = "needs the firmware (branch lanai-fw)"]
+    fn round_trips_cost_more_than_the_stages_on_their_path() {
+        let setup = Setup::default();
+        let floor_us = 2.0 * path_floor_ns(&setup.params, &setup.fabric) / 1000.0;
+        let udp = experiments::rtt_us(&setup, Proto::Udp, 20).unwrap();
+        let tcp = experiments::rtt_us(&setup, Proto::Tcp, 20).unwrap();
+        for (name, rtt) in [("UDP", udp), ("TCP", tcp)] {
+            assert!(
+                rtt.is_finite() && rtt > floor_us,
+                "{name} RTT {rtt} µs, floor {floor_us} µs"
+            );
+        }
+        // TCP's header build and parse cost more than UDP's.
+        assert!(tcp > udp, "TCP {tcp} µs, UDP {udp} µs");
+    }
+
+    #[test]
+    #[ignore = "needs the firmware (branch lanai-fw)"]
+    fn small_mtu_ttcp_is_slower_and_runs_are_deterministic() {
+        let mut setup = Setup::default();
+        let big = experiments::ttcp(&setup, 64 * 16384, 16384).unwrap();
+        assert_eq!(big, experiments::ttcp(&setup, 64 * 16384, 16384).unwrap());
+        setup.fabric.mtu = 1500;
+        let small = experiments::ttcp(&setup, 64 * 16384, 16384).unwrap();
+        assert!(
+            small.mbps < big.mbps,
+            "MTU 1500 {} MB/s, MTU 16384 {} MB/s",
+            small.mbps,
+            big.mbps
+        );
+        assert!(big.occupancy.packets[0] > 0 && big.occupancy.packets[1] > 0);
+        assert!(big.receiver_cpu_pct > 0.0 && big.receiver_cpu_pct < 100.0);
+    }
+}
