@@ -5,16 +5,46 @@
 //! through [`Firmware::transmit`] and come in through [`Firmware::receive`]. Every stage is
 //! charged to the [`Meter`], so the same code runs under the virtual-time simulation
 //! (`sim`) and as the real-time backend (`realtime`).
+//!
+//! Choices worth knowing:
+//! - TCP is smoltcp's: RFC 1323 timestamps (from the NIC clock), window scaling (64 KiB
+//!   buffers give a shift of 1), Reno, Nagle off. ACKs are not delayed: like the paper's
+//!   firmware, every data segment received is acknowledged at once (the ACK rides on data
+//!   when the QP has some to send in the same poll).
+//! - smoltcp may carry several small QP messages in one segment, or split a message over
+//!   several; the paper's firmware sent one message per segment. The wire bytes are the same
+//!   stream either way; only the per-packet costs shift.
+//! - Host data is fetched by DMA per transmitted segment (retransmissions fetch again, as the
+//!   WR's memory stays the NIC's until the peer ACKs it); the smoltcp send buffer stands for
+//!   the SRAM staging of that data.
+//! - Per-packet receive stages (get WR, put data, update) are charged when the packet
+//!   arrives; the NIC->host DMA of its bytes happens when they are placed into a receive WR.
 
-use std::net::Ipv6Addr;
+mod link;
+mod port;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::io;
+use std::net::{Ipv6Addr, SocketAddr, SocketAddrV6};
 use std::sync::Arc;
 
-use crate::backend::Command;
-use crate::mr::MemoryTable;
-use crate::wr::QpNum;
+use smoltcp::iface::{Config, Interface, PollResult, SocketHandle, SocketSet};
+use smoltcp::socket::{tcp, udp};
+use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpEndpoint, IpListenEndpoint};
 
-use super::meter::{Meter, Nanos};
+use self::link::{Ctx, FwQp, Link, TcpLink, UdpLink, tcp_sram, v6};
+use self::port::{Carried, Dma, Port, Wire, classify, instant, nanos, set_tsval_clock};
+use super::frame;
+use super::meter::{CostModel, Dir, Kind, Meter, Nanos, Stage};
 use super::params::{FabricParams, LanaiParams};
+use super::sram::Sram;
+use crate::backend::{Command, ListenerId, MgmtResult};
+use crate::mr::MemoryTable;
+use crate::qp::{QpKind, QpState};
+use crate::reply::ReplySender;
+use crate::wr::{QpNum, WcStatus};
 
 /// What a NIC needs to know about itself.
 #[derive(Clone, Debug)]
@@ -37,53 +67,248 @@ pub struct OutFrame {
     pub ready_at: Nanos,
 }
 
+/// Listening sockets kept ready per listener: each holds a TCB and both buffers in SRAM, so
+/// only a couple wait for SYNs; more are made as they are used, up to the backlog.
+const LISTEN_SPARES: usize = 2;
+/// How long a connect may take before it fails with `TimedOut`.
+const CONNECT_TIMEOUT_NS: Nanos = 20_000_000_000;
+/// How long a connection the host let go of may take to finish closing.
+const ORPHAN_TIMEOUT_NS: Nanos = 60_000_000_000;
+/// Rounds of service + poll per event before the firmware yields.
+const MAX_ROUNDS: usize = 32;
+/// First ephemeral port.
+const EPHEMERAL: u16 = 49152;
+
+struct Listener {
+    port: u16,
+    backlog: usize,
+    /// Sockets in LISTEN.
+    listening: Vec<SocketHandle>,
+    /// Sockets past LISTEN and not yet mated to a QP.
+    pending: VecDeque<SocketHandle>,
+    /// QPs waiting for a connection.
+    accepts: VecDeque<(QpNum, ReplySender<MgmtResult>)>,
+}
+
+struct Orphan {
+    handle: SocketHandle,
+    deadline: Nanos,
+}
+
+/// Counters of things the firmware dropped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FirmwareStats {
+    /// Packets to addresses without a route.
+    pub no_route: u64,
+    /// Frames that failed to decode (CRC, type, leftover route) or were not for this NIC.
+    pub bad_frames: u64,
+}
+
 /// The firmware of one NIC.
 pub struct Firmware {
+    addr: Ipv6Addr,
+    params: LanaiParams,
+    fabric: FabricParams,
     meter: Meter,
-    #[allow(dead_code)]
     memory: Arc<MemoryTable>,
+    sram: Sram,
+    iface: Interface,
+    sockets: SocketSet<'static>,
+    out: VecDeque<OutFrame>,
+    dma: Dma,
+    qps: BTreeMap<QpNum, FwQp>,
+    listeners: BTreeMap<ListenerId, Listener>,
+    orphans: Vec<Orphan>,
+    dying: Vec<SocketHandle>,
+    next_port: u16,
+    stats: FirmwareStats,
+    next_poll: Option<Nanos>,
+}
+
+fn unsupported_v4() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        "the lanai firmware speaks IPv6 only",
+    )
+}
+
+fn no_qp(qp: QpNum) -> io::Error {
+    io::Error::new(io::ErrorKind::NotFound, format!("no QP {qp}"))
 }
 
 impl Firmware {
     pub fn new(cfg: FirmwareConfig, memory: Arc<MemoryTable>) -> Firmware {
-        let _ = cfg;
-        let _ = memory;
-        todo!("firmware")
+        let meter = Meter::new(CostModel::new(&cfg.params));
+        let mut out = VecDeque::new();
+        let mut dma = Dma::default();
+        let mut meter_tmp = meter.clone();
+        let mut no_route = 0;
+        let mut port = Port {
+            rx: None,
+            wire: Wire {
+                meter: &mut meter_tmp,
+                out: &mut out,
+                fabric: &cfg.fabric,
+                dev: &cfg.params.device,
+                dma: &mut dma,
+                no_route: &mut no_route,
+            },
+        };
+        let mut config = Config::new(HardwareAddress::Ip);
+        config.random_seed = cfg.seed;
+        let mut iface = Interface::new(config, &mut port, instant(0));
+        iface.update_ip_addrs(|addrs| {
+            // Invariant: a fresh interface has room for its one address.
+            let _ = addrs.push(IpCidr::new(IpAddress::Ipv6(cfg.addr), 64));
+        });
+        // Every destination is reached through the fabric; the port routes by address.
+        let _ = iface.routes_mut().add_default_ipv6_route(cfg.addr);
+        let sram = Sram::new(
+            cfg.params.device.sram_bytes,
+            cfg.params.device.firmware_bytes,
+        );
+        Firmware {
+            addr: cfg.addr,
+            params: cfg.params,
+            fabric: cfg.fabric,
+            meter,
+            memory,
+            sram,
+            iface,
+            sockets: SocketSet::new(Vec::new()),
+            out,
+            dma,
+            qps: BTreeMap::new(),
+            listeners: BTreeMap::new(),
+            orphans: Vec::new(),
+            dying: Vec::new(),
+            next_port: EPHEMERAL + (cfg.seed % 8192) as u16,
+            stats: FirmwareStats::default(),
+            next_poll: None,
+        }
     }
 
     /// Management state machine: a privileged command from the host.
     pub fn command(&mut self, now: Nanos, cmd: Command) {
-        let _ = (now, cmd);
-        todo!()
+        self.meter.begin(now);
+        match cmd {
+            Command::CreateQp { qp, framer } => self.create_qp(FwQp::new(qp, framer)),
+            Command::BindUdp { qp, addr, reply } => {
+                let r = self.bind_udp(qp, addr);
+                reply.send(r);
+            }
+            Command::Connect { qp, addr, reply } => self.connect(qp, addr, reply),
+            Command::Listen {
+                id,
+                addr,
+                backlog,
+                reply,
+            } => {
+                let r = self.listen(id, addr, backlog);
+                reply.send(r);
+            }
+            Command::Accept {
+                listener,
+                qp,
+                reply,
+            } => match self.listeners.get_mut(&listener) {
+                Some(l) => l.accepts.push_back((qp, reply)),
+                None => reply.send(Err(io::Error::new(
+                    io::ErrorKind::NotFound,
+                    "no such listener",
+                ))),
+            },
+            Command::CloseListener { listener } => self.close_listener(listener),
+            Command::Close { qp } => self.close(qp),
+            Command::Disconnect { qp } => self.with_qp(qp, |q, cx| {
+                let gone = matches!(q.shared.state(), QpState::Closed | QpState::Error);
+                if !(matches!(q.link, Link::Down) && gone) {
+                    q.fail(cx, QpState::Closed, WcStatus::Flushed);
+                }
+            }),
+            Command::Destroy { qp } => self.destroy(qp),
+        }
+        self.run();
     }
 
     /// Doorbell state machine: the doorbell FIFO held `qp` (new WRs in its rings).
     pub fn doorbell(&mut self, now: Nanos, qp: QpNum) {
-        let _ = (now, qp);
-        todo!()
+        self.meter.begin(now);
+        if let Some(q) = self.qps.get_mut(&qp) {
+            q.shared
+                .doorbell
+                .store(false, std::sync::atomic::Ordering::SeqCst);
+            if !q.shared.sq.is_empty() {
+                self.meter.charge(Dir::Send, Kind::Data, Stage::Doorbell, 0);
+            }
+            if q.shared.rq.len() > q.rq_seen {
+                self.meter.charge(Dir::Recv, Kind::Data, Stage::Doorbell, 0);
+            }
+        }
+        self.run();
     }
 
     /// Receive state machine: a frame finished arriving from the network at `now`.
     pub fn receive(&mut self, now: Nanos, frame: &[u8]) {
-        let _ = (now, frame);
-        todo!()
+        self.meter.begin(now);
+        let pkt = match frame::decode(frame) {
+            Ok(p) => p,
+            Err(e) => {
+                self.stats.bad_frames += 1;
+                tracing::debug!("lanai: frame dropped: {e}");
+                return;
+            }
+        };
+        let Some((dst, carried)) = classify(pkt) else {
+            self.stats.bad_frames += 1;
+            return;
+        };
+        let kind = carried.kind();
+        let m = &mut self.meter;
+        m.count_packet(Dir::Recv, kind);
+        m.charge(Dir::Recv, kind, Stage::MediaReceive, 0);
+        m.charge(Dir::Recv, kind, Stage::IpParse, 0);
+        if dst != self.addr {
+            self.stats.bad_frames += 1;
+            return;
+        }
+        match carried {
+            Carried::Tcp { .. } => m.charge(Dir::Recv, kind, Stage::TcpParse, 0),
+            Carried::Udp { .. } => m.charge(Dir::Recv, kind, Stage::UdpParse, 0),
+            Carried::Other => {}
+        }
+        m.charge(Dir::Recv, kind, Stage::Checksum, carried.payload());
+        if kind == Kind::Data {
+            m.charge(Dir::Recv, kind, Stage::GetWr, 0);
+            m.charge(Dir::Recv, kind, Stage::PutData, 0);
+        }
+        m.charge(Dir::Recv, kind, Stage::Update, 0);
+        self.poll_iface(Some(pkt));
+        self.run();
     }
 
     /// Transmit scheduler and timers: run whatever is due at `now`.
     pub fn poll(&mut self, now: Nanos) {
-        let _ = now;
-        todo!()
+        self.meter.begin(now);
+        self.timers();
+        self.run();
     }
 
     /// When `poll` next has something to do (a retransmission or delayed-ACK timer, a
     /// QP with sendable work), if ever.
     pub fn poll_at(&self) -> Option<Nanos> {
-        todo!()
+        self.next_poll
     }
 
     /// The next frame to put on the wire, in the order they were built.
     pub fn transmit(&mut self) -> Option<OutFrame> {
-        todo!()
+        self.out.pop_front()
+    }
+
+    /// When everything written to host memory so far (received data, CQ entries) is visible
+    /// to the host: the NIC->host DMA engine's last completion.
+    pub fn host_visible_at(&self) -> Nanos {
+        self.dma.nic_to_host
     }
 
     pub fn meter(&self) -> &Meter {
@@ -92,5 +317,600 @@ impl Firmware {
 
     pub fn meter_mut(&mut self) -> &mut Meter {
         &mut self.meter
+    }
+
+    /// SRAM in use by QPs, connections and listeners (the firmware image not counted).
+    pub fn sram_used(&self) -> u64 {
+        self.sram.used()
+    }
+
+    pub fn stats(&self) -> FirmwareStats {
+        self.stats
+    }
+
+    /// The NIC's IPv6 address.
+    pub fn addr(&self) -> Ipv6Addr {
+        self.addr
+    }
+
+    // ---- internals ----
+
+    fn local(&self, port: u16) -> SocketAddr {
+        SocketAddr::V6(SocketAddrV6::new(self.addr, port, 0, 0))
+    }
+
+    fn conn_sram(&self) -> u64 {
+        tcp_sram(&self.params.device)
+    }
+
+    /// Runs `f` on a QP with the machines' context.
+    fn with_qp(&mut self, qp: QpNum, f: impl FnOnce(&mut FwQp, &mut Ctx<'_>)) {
+        let Firmware {
+            sockets,
+            memory,
+            meter,
+            dma,
+            params,
+            sram,
+            dying,
+            qps,
+            fabric,
+            ..
+        } = self;
+        if let Some(q) = qps.get_mut(&qp) {
+            let mut cx = Ctx {
+                sockets,
+                memory,
+                meter,
+                dma,
+                dev: &params.device,
+                mtu: fabric.mtu,
+                sram,
+                dying,
+            };
+            f(q, &mut cx);
+        }
+    }
+
+    fn create_qp(&mut self, mut q: FwQp) {
+        let d = &self.params.device;
+        let need = d.qp_state_bytes + d.wr_cache_entries * d.wr_entry_bytes;
+        match self.sram.alloc(need) {
+            Ok(()) => q.sram = need,
+            Err(e) => {
+                tracing::warn!(qp = q.shared.num, "QP cannot be created: {e}");
+                q.shared.set_state(QpState::Error);
+                q.link = Link::Down;
+                q.shared.flush_queues();
+                q.shared.notify_cqs();
+            }
+        }
+        self.qps.insert(q.shared.num, q);
+    }
+
+    fn port_in_use(&self, port: u16) -> bool {
+        self.listeners.values().any(|l| l.port == port)
+            || self.sockets.iter().any(|(_, s)| match s {
+                smoltcp::socket::Socket::Tcp(t) => {
+                    t.listen_endpoint().port == port
+                        || t.local_endpoint().is_some_and(|e| e.port == port)
+                }
+                smoltcp::socket::Socket::Udp(u) => u.endpoint().port == port,
+                #[allow(unreachable_patterns)]
+                _ => false,
+            })
+    }
+
+    fn ephemeral_port(&mut self) -> io::Result<u16> {
+        for _ in 0..16384 {
+            let p = self.next_port;
+            self.next_port = if p == u16::MAX { EPHEMERAL } else { p + 1 };
+            if !self.port_in_use(p) {
+                return Ok(p);
+            }
+        }
+        Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            "no ephemeral port left",
+        ))
+    }
+
+    /// Checks a local address: IPv6, this NIC's (or unspecified); returns its port.
+    fn local_port(&mut self, addr: SocketAddr) -> io::Result<u16> {
+        let SocketAddr::V6(a) = addr else {
+            return Err(unsupported_v4());
+        };
+        if !a.ip().is_unspecified() && *a.ip() != self.addr {
+            return Err(io::Error::new(
+                io::ErrorKind::AddrNotAvailable,
+                format!("{} is not this NIC's address ({})", a.ip(), self.addr),
+            ));
+        }
+        match a.port() {
+            0 => self.ephemeral_port(),
+            p if self.port_in_use(p) => Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                format!("port {p} is in use"),
+            )),
+            p => Ok(p),
+        }
+    }
+
+    fn new_tcp_socket(&mut self) -> io::Result<SocketHandle> {
+        self.sram.alloc(self.conn_sram())?;
+        let d = &self.params.device;
+        let mut s = tcp::Socket::new(
+            tcp::SocketBuffer::new(vec![0u8; d.tcp_recv_buffer]),
+            tcp::SocketBuffer::new(vec![0u8; d.tcp_send_buffer]),
+        );
+        s.set_nagle_enabled(false);
+        s.set_ack_delay(None);
+        s.set_congestion_control(tcp::CongestionControl::Reno);
+        s.set_tsval_generator(Some(port::tsval));
+        Ok(self.sockets.add(s))
+    }
+
+    fn free_tcp_socket(&mut self, h: SocketHandle) {
+        self.sockets.remove(h);
+        self.sram.release(self.conn_sram());
+    }
+
+    fn bind_udp(&mut self, qp: QpNum, addr: SocketAddr) -> MgmtResult {
+        let q = self.qps.get(&qp).ok_or_else(|| no_qp(qp))?;
+        if q.shared.kind != QpKind::Unreliable || !q.is_idle() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("QP {qp} is not an idle unreliable QP"),
+            ));
+        }
+        let port = self.local_port(addr)?;
+        let d = &self.params.device;
+        let need = 2 * d.udp_buffer as u64;
+        self.sram.alloc(need)?;
+        // A datagram needs a metadata slot; small ones should not run out of slots first.
+        let slots = (d.udp_buffer / 256).max(4);
+        let buf = || {
+            udp::PacketBuffer::new(
+                vec![udp::PacketMetadata::EMPTY; slots],
+                vec![0u8; d.udp_buffer],
+            )
+        };
+        let mut s = udp::Socket::new(buf(), buf());
+        if let Err(e) = s.bind(IpListenEndpoint {
+            addr: Some(IpAddress::Ipv6(self.addr)),
+            port,
+        }) {
+            self.sram.release(need);
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, e.to_string()));
+        }
+        let h = self.sockets.add(s);
+        let local = SocketAddrV6::new(self.addr, port, 0, 0);
+        // Invariant: checked above that the QP exists.
+        if let Some(q) = self.qps.get_mut(&qp) {
+            q.sram += need;
+            q.link = Link::Udp(Box::new(UdpLink::new(h)));
+            q.shared.set_addrs(Some(SocketAddr::V6(local)), None);
+            q.shared.set_state(QpState::Ready);
+        }
+        Ok(SocketAddr::V6(local))
+    }
+
+    fn connect(&mut self, qp: QpNum, addr: SocketAddr, reply: ReplySender<MgmtResult>) {
+        let r = (|| {
+            let q = self.qps.get(&qp).ok_or_else(|| no_qp(qp))?;
+            if q.shared.kind != QpKind::Reliable || !q.is_idle() {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("QP {qp} is not an idle reliable QP"),
+                ));
+            }
+            let SocketAddr::V6(remote) = addr else {
+                return Err(unsupported_v4());
+            };
+            if remote.ip().is_unspecified() || remote.port() == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("cannot connect to {addr}"),
+                ));
+            }
+            let port = self.ephemeral_port()?;
+            let h = self.new_tcp_socket()?;
+            let sock = self.sockets.get_mut::<tcp::Socket>(h);
+            let remote_ep = IpEndpoint::new(IpAddress::Ipv6(*remote.ip()), remote.port());
+            let local_ep = IpEndpoint::new(IpAddress::Ipv6(self.addr), port);
+            if let Err(e) = sock.connect(self.iface.context(), remote_ep, local_ep) {
+                self.free_tcp_socket(h);
+                return Err(io::Error::new(io::ErrorKind::InvalidInput, e.to_string()));
+            }
+            Ok(h)
+        })();
+        match r {
+            Ok(handle) => {
+                let deadline = self.meter.now() + CONNECT_TIMEOUT_NS;
+                if let Some(q) = self.qps.get_mut(&qp) {
+                    q.shared.set_state(QpState::Connecting);
+                    q.link = Link::Connecting {
+                        handle,
+                        reply,
+                        deadline,
+                    };
+                }
+            }
+            Err(e) => reply.send(Err(e)),
+        }
+    }
+
+    fn listen(&mut self, id: ListenerId, addr: SocketAddr, backlog: u32) -> MgmtResult {
+        let port = self.local_port(addr)?;
+        let mut l = Listener {
+            port,
+            backlog: (backlog as usize).max(1),
+            listening: Vec::new(),
+            pending: VecDeque::new(),
+            accepts: VecDeque::new(),
+        };
+        // At least one listening socket must fit, or the listen fails.
+        let h = self.new_tcp_socket()?;
+        if let Err(e) = self.sockets.get_mut::<tcp::Socket>(h).listen(port) {
+            self.free_tcp_socket(h);
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, e.to_string()));
+        }
+        l.listening.push(h);
+        self.listeners.insert(id, l);
+        self.replenish(id);
+        Ok(self.local(port))
+    }
+
+    /// Keeps `LISTEN_SPARES` sockets listening (within the backlog and the SRAM).
+    fn replenish(&mut self, id: ListenerId) {
+        loop {
+            let Some(l) = self.listeners.get(&id) else {
+                return;
+            };
+            let port = l.port;
+            if l.listening.len() >= LISTEN_SPARES.min(l.backlog)
+                || l.listening.len() + l.pending.len() >= l.backlog
+            {
+                return;
+            }
+            let Ok(h) = self.new_tcp_socket() else {
+                return; // SRAM full: fewer sockets wait for SYNs
+            };
+            if self.sockets.get_mut::<tcp::Socket>(h).listen(port).is_err() {
+                self.free_tcp_socket(h);
+                return;
+            }
+            if let Some(l) = self.listeners.get_mut(&id) {
+                l.listening.push(h);
+            }
+        }
+    }
+
+    fn close_listener(&mut self, id: ListenerId) {
+        let Some(l) = self.listeners.remove(&id) else {
+            return;
+        };
+        for (_, reply) in l.accepts {
+            reply.send(Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "listener closed",
+            )));
+        }
+        for h in l.listening {
+            self.free_tcp_socket(h);
+        }
+        for h in l.pending {
+            // Connections nobody accepted are reset.
+            self.sockets.get_mut::<tcp::Socket>(h).abort();
+            self.dying.push(h);
+        }
+    }
+
+    fn close(&mut self, qp: QpNum) {
+        self.with_qp(qp, |q, cx| match &mut q.link {
+            Link::Tcp(t) => {
+                if !t.closing {
+                    t.closing = true;
+                    q.shared.set_state(QpState::Closing);
+                }
+            }
+            Link::Down => {}
+            _ => q.fail(cx, QpState::Closed, WcStatus::Flushed),
+        });
+    }
+
+    fn destroy(&mut self, qp: QpNum) {
+        let mut orphan = None;
+        self.with_qp(qp, |q, cx| orphan = q.destroy(cx));
+        if let Some(q) = self.qps.remove(&qp) {
+            self.sram.release(q.sram);
+        }
+        if let Some(handle) = orphan {
+            self.orphans.push(Orphan {
+                handle,
+                deadline: self.meter.now() + ORPHAN_TIMEOUT_NS,
+            });
+        }
+    }
+
+    /// Connect deadlines and orphans.
+    fn timers(&mut self) {
+        let now = self.meter.now();
+        let expired: Vec<QpNum> = self
+            .qps
+            .iter()
+            .filter(|(_, q)| matches!(q.link, Link::Connecting { deadline, .. } if deadline <= now))
+            .map(|(n, _)| *n)
+            .collect();
+        for n in expired {
+            if let Some(q) = self.qps.get_mut(&n)
+                && let Link::Connecting { handle, reply, .. } =
+                    std::mem::replace(&mut q.link, Link::Idle)
+            {
+                q.shared.set_state(QpState::Init);
+                reply.send(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "connection timed out",
+                )));
+                self.sockets.get_mut::<tcp::Socket>(handle).abort();
+                self.dying.push(handle);
+            }
+        }
+    }
+
+    /// Moves an arriving packet through smoltcp (ingress), or just lets sockets transmit.
+    fn poll_iface(&mut self, rx: Option<&[u8]>) -> PollResult {
+        let t = self.meter.now();
+        set_tsval_clock(t);
+        let mut port = Port {
+            rx,
+            wire: Wire {
+                meter: &mut self.meter,
+                out: &mut self.out,
+                fabric: &self.fabric,
+                dev: &self.params.device,
+                dma: &mut self.dma,
+                no_route: &mut self.stats.no_route,
+            },
+        };
+        let r = self.iface.poll(instant(t), &mut port, &mut self.sockets);
+        // Aborted sockets have sent their RST by now.
+        for h in std::mem::take(&mut self.dying) {
+            self.free_tcp_socket(h);
+        }
+        r
+    }
+
+    /// Service and transmit until nothing moves.
+    fn run(&mut self) {
+        let mut busy = true;
+        for _ in 0..MAX_ROUNDS {
+            let progress = self.service_all();
+            let r = self.poll_iface(None);
+            if !progress && r == PollResult::None {
+                busy = false;
+                break;
+            }
+        }
+        self.update_poll_at();
+        if busy {
+            // Work left over: come back at once rather than wait for an event.
+            self.next_poll = Some(self.meter.now());
+        }
+    }
+
+    fn update_poll_at(&mut self) {
+        let now = self.meter.now();
+        let mut at = self
+            .iface
+            .poll_at(instant(now), &self.sockets)
+            .map(|i| nanos(i).max(now));
+        let mut earliest = |t: Nanos| at = Some(at.map_or(t, |a| a.min(t)));
+        for q in self.qps.values() {
+            if let Link::Connecting { deadline, .. } = q.link {
+                earliest(deadline);
+            }
+        }
+        for o in &self.orphans {
+            earliest(o.deadline);
+        }
+        self.next_poll = at;
+    }
+
+    /// One pass of every machine: listeners, connects, QPs, orphans.
+    fn service_all(&mut self) -> bool {
+        let mut progress = self.service_listeners();
+        progress |= self.service_connects();
+        let Firmware {
+            sockets,
+            memory,
+            meter,
+            dma,
+            params,
+            sram,
+            dying,
+            qps,
+            fabric,
+            ..
+        } = self;
+        let mut cx = Ctx {
+            sockets,
+            memory,
+            meter,
+            dma,
+            dev: &params.device,
+            mtu: fabric.mtu,
+            sram,
+            dying,
+        };
+        for q in qps.values_mut() {
+            progress |= q.service(&mut cx);
+        }
+        progress |= self.service_orphans();
+        progress
+    }
+
+    fn service_connects(&mut self) -> bool {
+        let mut progress = false;
+        let mut refused = Vec::new();
+        for q in self.qps.values_mut() {
+            let Link::Connecting { handle, .. } = &q.link else {
+                continue;
+            };
+            let handle = *handle;
+            let sock = self.sockets.get_mut::<tcp::Socket>(handle);
+            match sock.state() {
+                tcp::State::SynSent | tcp::State::SynReceived => {}
+                tcp::State::Closed => {
+                    progress = true;
+                    if let Link::Connecting { reply, .. } =
+                        std::mem::replace(&mut q.link, Link::Idle)
+                    {
+                        q.shared.set_state(QpState::Init);
+                        reply.send(Err(io::Error::new(
+                            io::ErrorKind::ConnectionRefused,
+                            "connection refused",
+                        )));
+                    }
+                    refused.push(handle);
+                }
+                _ => {
+                    progress = true;
+                    let local = sock.local_endpoint().map(v6);
+                    let peer = sock.remote_endpoint().map(v6);
+                    if let Link::Connecting { reply, .. } =
+                        std::mem::replace(&mut q.link, Link::Tcp(Box::new(TcpLink::new(handle))))
+                    {
+                        q.shared.set_addrs(local, peer);
+                        q.shared.set_state(QpState::Ready);
+                        reply.send(local.ok_or_else(|| io::Error::other("no local address")));
+                    }
+                }
+            }
+        }
+        for h in refused {
+            self.free_tcp_socket(h);
+        }
+        progress
+    }
+
+    fn service_listeners(&mut self) -> bool {
+        let mut progress = false;
+        let ids: Vec<ListenerId> = self.listeners.keys().copied().collect();
+        for id in ids {
+            let Some(l) = self.listeners.get_mut(&id) else {
+                continue;
+            };
+            // Sockets that took a SYN become pending; pending ones that fell back to LISTEN
+            // (reset during the handshake) listen again; dead ones are freed.
+            let mut i = 0;
+            while i < l.listening.len() {
+                let h = l.listening[i];
+                if self.sockets.get::<tcp::Socket>(h).state() != tcp::State::Listen {
+                    l.pending.push_back(l.listening.swap_remove(i));
+                    progress = true;
+                } else {
+                    i += 1;
+                }
+            }
+            let mut dead = Vec::new();
+            l.pending
+                .retain(|&h| match self.sockets.get::<tcp::Socket>(h).state() {
+                    tcp::State::Listen => {
+                        l.listening.push(h);
+                        false
+                    }
+                    tcp::State::Closed => {
+                        dead.push(h);
+                        false
+                    }
+                    _ => true,
+                });
+            for h in dead {
+                self.free_tcp_socket(h);
+                progress = true;
+            }
+            progress |= self.mate(id);
+            self.replenish(id);
+        }
+        progress
+    }
+
+    /// Mates established connections to QPs waiting in accept.
+    fn mate(&mut self, id: ListenerId) -> bool {
+        let mut progress = false;
+        let Some(l) = self.listeners.get_mut(&id) else {
+            return false;
+        };
+        loop {
+            while l.accepts.front().is_some_and(|(_, r)| r.is_abandoned()) {
+                l.accepts.pop_front();
+            }
+            if l.accepts.is_empty() {
+                return progress;
+            }
+            let ready = l.pending.iter().position(|&h| {
+                !matches!(
+                    self.sockets.get::<tcp::Socket>(h).state(),
+                    tcp::State::SynReceived
+                )
+            });
+            let Some(pos) = ready else {
+                return progress;
+            };
+            let Some((qp, reply)) = l.accepts.pop_front() else {
+                return progress;
+            };
+            progress = true;
+            match self.qps.get_mut(&qp) {
+                Some(q) if q.shared.kind == QpKind::Reliable && q.is_idle() => {
+                    let Some(h) = l.pending.remove(pos) else {
+                        return progress;
+                    };
+                    let sock = self.sockets.get::<tcp::Socket>(h);
+                    let local = sock.local_endpoint().map(v6);
+                    let peer = sock.remote_endpoint().map(v6);
+                    q.link = Link::Tcp(Box::new(TcpLink::new(h)));
+                    q.shared.set_addrs(local, peer);
+                    q.shared.set_state(QpState::Ready);
+                    reply.send(peer.ok_or_else(|| io::Error::other("no peer address")));
+                }
+                Some(_) => reply.send(Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("QP {qp} is not an idle reliable QP"),
+                ))),
+                None => reply.send(Err(no_qp(qp))),
+            }
+        }
+    }
+
+    fn service_orphans(&mut self) -> bool {
+        let now = self.meter.now();
+        let mut progress = false;
+        let mut i = 0;
+        while i < self.orphans.len() {
+            let o = &self.orphans[i];
+            let sock = self.sockets.get_mut::<tcp::Socket>(o.handle);
+            // Nobody reads any more: discard, so the peer is not held by our window.
+            while let Ok(n) = sock.recv(|b| (b.len(), b.len())) {
+                if n == 0 {
+                    break;
+                }
+            }
+            let state = sock.state();
+            if matches!(state, tcp::State::Closed | tcp::State::TimeWait) {
+                let h = self.orphans.swap_remove(i).handle;
+                self.free_tcp_socket(h);
+                progress = true;
+            } else if o.deadline <= now {
+                sock.abort();
+                let h = self.orphans.swap_remove(i).handle;
+                self.dying.push(h);
+                progress = true;
+            } else {
+                i += 1;
+            }
+        }
+        progress
     }
 }

@@ -14,7 +14,8 @@ pub mod frame;
 pub mod meter;
 pub mod params;
 pub mod sim;
+pub mod sram;
 
-pub use firmware::{Firmware, FirmwareConfig, OutFrame};
+pub use firmware::{Firmware, FirmwareConfig, FirmwareStats, OutFrame};
 pub use meter::{CostModel, Dir, Kind, Meter, Nanos, Occupancy, Stage};
 pub use params::{FabricParams, LanaiParams, ParamsError};

@@ -72,8 +72,7 @@ impl SimNic for Firmware {
         Firmware::transmit(self)
     }
     fn host_visible_at(&self) -> Nanos {
-        // Until the firmware reports its DMA completion time: its processor clock.
-        Firmware::meter(self).now()
+        Firmware::host_visible_at(self)
     }
     fn meter(&self) -> &Meter {
         Firmware::meter(self)

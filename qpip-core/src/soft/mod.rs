@@ -7,7 +7,7 @@
 
 mod engine;
 mod link;
-mod rx;
+pub(crate) mod rx;
 mod tx;
 mod uring;
 

@@ -14,7 +14,7 @@ use crate::wr::WcStatus;
 
 /// Why the machine stopped.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) enum RxStop {
+pub(crate) enum RxStop {
     /// The socket has no more bytes for now.
     WouldBlock,
     /// No receive WR is posted: stop reading, so TCP flow control holds the sender.
@@ -35,7 +35,7 @@ struct InMsg {
     stream: bool,
 }
 
-pub(super) struct RxMachine {
+pub(crate) struct RxMachine {
     /// Bytes of the next message(s) read before their WR was chosen. Never more than
     /// `MAX_HEADER`, so buffering outside WR memory stays bounded.
     hdr: [u8; MAX_HEADER],
@@ -89,7 +89,7 @@ fn segs_mut(segs: &[Segment], mut from: usize, mut to: usize) -> SmallVec<[IoSli
 }
 
 impl RxMachine {
-    pub(super) fn new() -> Self {
+    pub(crate) fn new() -> Self {
         RxMachine {
             hdr: [0; MAX_HEADER],
             hdr_len: 0,
@@ -99,7 +99,7 @@ impl RxMachine {
 
     /// Moves bytes from the socket into receive WRs until the socket would block, no WR is
     /// posted, or the QP fails.
-    pub(super) fn pump(
+    pub(crate) fn pump(
         &mut self,
         qp: &QpShared,
         memory: &MemoryTable,
@@ -289,7 +289,7 @@ impl RxMachine {
     }
 
     /// Flushes the WR in progress (the QP is going down).
-    pub(super) fn flush(&mut self, qp: &QpShared) {
+    pub(crate) fn flush(&mut self, qp: &QpShared) {
         self.complete_cur(qp, WcStatus::Flushed, 0);
         self.hdr_len = 0;
     }
