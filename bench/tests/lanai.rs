@@ -25,7 +25,6 @@ fn positive(v: &serde_json::Value, path: &[&str]) -> f64 {
 }
 
 #[test]
-#[ignore = "needs the firmware (branch lanai-fw)"]
 fn lanai_json_has_every_prediction_and_is_deterministic() {
     let v = run();
     for proto in ["udp", "tcp"] {

@@ -570,7 +570,11 @@ fn udp_datagrams_report_their_source() {
     net.post_send(CLIENT, &c, SendWr::new(12, &[src.sge(0, 9)]).to(v4));
     // Larger than one packet: no IPv6 fragmentation in the firmware.
     let big = net.region(CLIENT, 20_000);
-    net.post_send(CLIENT, &c, SendWr::new(13, &[big.sge(0, 20_000)]).to(server_addr));
+    net.post_send(
+        CLIENT,
+        &c,
+        SendWr::new(13, &[big.sge(0, 20_000)]).to(server_addr),
+    );
     let mut recv = Vec::new();
     let mut sent = Vec::new();
     assert!(net.run_until(|n| {

@@ -9,7 +9,7 @@ use crate::lanai::meter::{Dir, Kind, Nanos, Occupancy};
 use crate::lanai::params::{FabricParams, LanaiParams};
 
 use super::apps::{Bulk, BulkConfig, PingPong, Proto, Role};
-use super::{Faults, Sim, SimError};
+use super::{FabricStats, Faults, Sim, SimError};
 
 /// The inputs of one run.
 #[derive(Clone, Debug)]
@@ -113,6 +113,8 @@ pub struct TtcpResult {
     /// Frames the sender's NIC put on the wire toward the receiver, and back.
     pub frames_to_server: u64,
     pub frames_to_client: u64,
+    /// Everything the fabric counted (bytes per direction, faults injected).
+    pub fabric: FabricStats,
 }
 
 /// Bulk transfer client to server with `cfg`, optionally with `faults` on both directions.
@@ -171,6 +173,7 @@ pub fn bulk(
         },
         frames_to_server: sim.fabric_stats().frames_between(c, s),
         frames_to_client: sim.fabric_stats().frames_between(s, c),
+        fabric: sim.fabric_stats().clone(),
     })
 }
 

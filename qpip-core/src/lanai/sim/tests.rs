@@ -248,7 +248,6 @@ mod firmware {
     }
 
     #[test]
-    #[ignore = "needs the firmware (branch lanai-fw)"]
     fn tcp_delivers_a_verified_stream_through_loss_duplication_and_reordering() {
         let setup = Setup::default();
         let clean = experiments::bulk(&setup, stream(), None).unwrap();
@@ -256,13 +255,15 @@ mod firmware {
         let faulty = experiments::bulk(&setup, stream(), Some(lossy())).unwrap();
         assert_eq!(faulty.bytes, 2 << 20);
         assert_eq!(clean.bytes, 2 << 20);
-        // Lost segments were sent again.
-        assert!(
-            faulty.frames_to_server > clean.frames_to_server,
-            "{} frames with loss, {} without",
-            faulty.frames_to_server,
-            clean.frames_to_server
-        );
+        // Faults happened, and lost data was sent again: more bytes crossed toward the
+        // receiver than in the clean run (the firmware may cut segments differently, so
+        // frame counts alone prove nothing).
+        let f = &faulty.fabric;
+        assert!(f.dropped > 0 && f.duplicated > 0 && f.delayed > 0, "{f:?}");
+        let (c, s) = (1, 0); // client, server node indices
+        let sent = f.bytes[&(c, s)];
+        let needed = clean.fabric.bytes[&(c, s)];
+        assert!(sent > needed, "{sent} bytes with loss, {needed} without");
         assert!(faulty.elapsed_ns > clean.elapsed_ns);
     }
 
@@ -278,7 +279,6 @@ mod firmware {
     }
 
     #[test]
-    #[ignore = "needs the firmware (branch lanai-fw)"]
     fn round_trips_cost_more_than_the_stages_on_their_path() {
         let setup = Setup::default();
         let floor_us = 2.0 * path_floor_ns(&setup.params, &setup.fabric) / 1000.0;
@@ -295,7 +295,6 @@ mod firmware {
     }
 
     #[test]
-    #[ignore = "needs the firmware (branch lanai-fw)"]
     fn small_mtu_ttcp_is_slower_and_runs_are_deterministic() {
         let mut setup = Setup::default();
         let big = experiments::ttcp(&setup, 64 * 16384, 16384).unwrap();
