@@ -3,6 +3,7 @@
 //! - [`params`]: the model's inputs (`configs/lanai.toml`, `configs/fabric.toml`);
 //! - [`meter`]: the NIC processor's clock, charging each firmware stage its cost;
 //! - [`frame`]: Myrinet frames, source routes and switches;
+//! - [`sram`]: the NIC's SRAM as an allocator (QPs, TCBs and socket buffers must fit);
 //! - [`firmware`]: the doorbell, management, transmit and receive state machines with the
 //!   firmware's own IPv6/UDP/TCP, sans-IO;
 //! - [`sim`]: two hosts, their NICs and the fabric on a virtual clock (discrete events);

@@ -23,6 +23,9 @@ use crate::reply::ReplySender;
 use crate::soft::rx::{RxMachine, RxStop};
 use crate::wr::{SendWr, WcStatus};
 
+/// How long a peer that owes us ACKs may stay silent.
+const DEAD_PEER: smoltcp::time::Duration = smoltcp::time::Duration::from_secs(120);
+
 /// Bytes of one completion entry written to the host's CQ.
 const CQ_ENTRY_BYTES: usize = 32;
 
@@ -300,8 +303,11 @@ impl FwQp {
             }
             progress |= t.push(sock);
             // A send WR completes when the peer has acknowledged all of its bytes.
-            let acked = t.pushed - sock.send_queue() as u64;
-            while let Some(m) = t.tx.front()
+            // (A reset socket acknowledges nothing, whatever its buffer says.)
+            let reset = sock.state() == tcp::State::Closed;
+            let acked = t.pushed.saturating_sub(sock.send_queue() as u64);
+            while !reset
+                && let Some(m) = t.tx.front()
                 && m.end.is_some_and(|end| end <= acked)
             {
                 shared.complete_send(m.wr_id, WcStatus::Success, m.body_len as u32, 0);
@@ -309,6 +315,10 @@ impl FwQp {
                 t.tx.pop_front();
                 progress = true;
             }
+            // A peer silent this long while it owes us ACKs is dead (zero-window probes back
+            // off to 60 s, so a live receiver answers well within it): the QP fails instead
+            // of hanging. Idle connections have no timeout (smoltcp would count idle time).
+            sock.set_timeout((!t.tx.is_empty()).then_some(DEAD_PEER));
             // Receive: the framer finds messages in the byte stream, bodies go to WRs. With
             // no WR posted the bytes stay in the socket and the window closes.
             let Ctx {
