@@ -333,7 +333,7 @@ impl Sim {
             }
         }
         // Runaway guard: far more events than any of our experiments needs.
-        let max_events = 200_000_000;
+        let max_events = 20_000_000;
         while !self.all_done() {
             let Some(ev) = self.events.pop() else {
                 return Err(SimError::Stalled { at: self.now });
