@@ -339,6 +339,9 @@ impl FwQp {
             let Ctx {
                 meter, dma, dev, ..
             } = cx;
+            // Bytes placed count as progress even when no WR was taken: the tail of a message
+            // split over segments completes a WR taken earlier, and its CQ must be notified.
+            let mut placed = 0usize;
             let mut read = |iov: &mut [IoSliceMut<'_>]| -> io::Result<usize> {
                 let mut total = 0;
                 'bufs: for buf in iov.iter_mut() {
@@ -356,6 +359,7 @@ impl FwQp {
                     total += off;
                 }
                 if total > 0 {
+                    placed += total;
                     Dma::transfer(&mut dma.nic_to_host, dev, meter.now(), total);
                     return Ok(total);
                 }
@@ -367,7 +371,7 @@ impl FwQp {
             };
             let before = shared.rq.len();
             let stop = t.rx.pump(shared, cx.memory, framer.as_mut(), &mut read);
-            progress |= shared.rq.len() != before;
+            progress |= shared.rq.len() != before || placed > 0;
             if stop == RxStop::Failed {
                 to_host!(cx, CQ_ENTRY_BYTES);
                 break 'm After::Fail {
