@@ -3,6 +3,7 @@
 
 mod cpu;
 mod ext2;
+mod lanai;
 mod micro;
 mod nbd;
 mod plot;
@@ -39,6 +40,24 @@ enum Cmd {
         #[arg(long, default_value_t = 5)]
         repeat: usize,
         /// Smaller counts (seconds instead of minutes), for smoke tests.
+        #[arg(long)]
+        quick: bool,
+    },
+    /// The paper's experiments on the emulated LANai 9 and Myrinet, predicted in virtual
+    /// time from the model's inputs: 1-byte RTT over UDP and TCP (hardware and firmware
+    /// receive checksum), ttcp at MTU 16384/9000/1500, NIC occupancy per stage, host CPU, and
+    /// the what-if table of hardware support.
+    Lanai {
+        /// Print one JSON object instead of tables.
+        #[arg(long)]
+        json: bool,
+        /// NIC, cost and host parameters (default: the embedded configs/lanai.toml).
+        #[arg(long, value_name = "FILE")]
+        params: Option<PathBuf>,
+        /// Fabric parameters (default: the embedded configs/fabric.toml).
+        #[arg(long, value_name = "FILE")]
+        fabric: Option<PathBuf>,
+        /// Fewer round trips and a 512 KiB ttcp (smoke tests).
         #[arg(long)]
         quick: bool,
     },
@@ -184,6 +203,26 @@ fn main() -> Result<()> {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
                 print!("{}", micro::table(&report));
+            }
+        }
+        Cmd::Lanai {
+            json,
+            params,
+            fabric,
+            quick,
+        } => {
+            let (p, f) = lanai::load(params.as_deref(), fabric.as_deref())?;
+            let sizes = if quick {
+                lanai::Sizes::quick()
+            } else {
+                lanai::Sizes::full()
+            };
+            let progress = progress::Progress::new("qpip-bench lanai");
+            let report = lanai::run(&p, &f, sizes, &progress)?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                print!("{}", lanai::table(&report));
             }
         }
         Cmd::Nbd {

@@ -35,6 +35,11 @@ pub struct ClientOptions {
     pub reconnect_timeout: Duration,
     /// Time allowed for one connect plus handshake.
     pub connect_timeout: Duration,
+    /// With requests in flight and no reply for this long, the server is taken for hung: the
+    /// connection is dropped and the requests reissued on a new one (as on connection loss).
+    /// If replies stay away for `reconnect_timeout` more, they fail with EIO. `None` waits
+    /// forever.
+    pub request_timeout: Option<Duration>,
     /// Requests in flight at most (1..=64).
     pub window: usize,
     /// Ask for structured replies.
@@ -50,6 +55,7 @@ impl Default for ClientOptions {
         ClientOptions {
             reconnect_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
+            request_timeout: Some(Duration::from_secs(60)),
             window: 32,
             structured_replies: true,
             base_allocation: true,
@@ -157,6 +163,10 @@ pub struct Client {
     failed: Option<String>,
     max_io: u32,
     reconnects: u64,
+    /// When a reply last arrived (or the first request after an idle spell was issued).
+    last_progress: Instant,
+    /// When the server first let a request time out, if it has not replied since.
+    stalled_since: Option<Instant>,
 }
 
 impl std::fmt::Debug for Client {
@@ -224,6 +234,8 @@ impl Client {
             failed: None,
             max_io,
             reconnects: 0,
+            last_progress: Instant::now(),
+            stalled_since: None,
             opts,
         })
     }
@@ -441,6 +453,9 @@ impl Client {
         while self.free_slots.is_empty() {
             self.pump(true)?;
         }
+        if self.inflight.is_empty() {
+            self.last_progress = Instant::now();
+        }
         let Some(slot) = self.free_slots.pop() else {
             return Err(Error::Invalid("no free slot"));
         };
@@ -537,6 +552,17 @@ impl Client {
         } else {
             conn.cq.poll(&mut buf)?
         };
+        if n == 0 {
+            self.check_stall();
+            return Ok(());
+        }
+        if buf[..n]
+            .iter()
+            .any(|c| c.opcode == Opcode::Recv && c.is_ok())
+        {
+            self.last_progress = Instant::now();
+            self.stalled_since = None;
+        }
         let mut lost = None;
         for comp in &buf[..n] {
             if lost.is_some() {
@@ -715,6 +741,27 @@ impl Client {
         });
     }
 
+    /// Requests in flight and no reply for `request_timeout`: reconnect and reissue, unless
+    /// the server has already been silent for `reconnect_timeout` past its first timeout.
+    fn check_stall(&mut self) {
+        let Some(limit) = self.opts.request_timeout else {
+            return;
+        };
+        if self.inflight.is_empty() || self.last_progress.elapsed() < limit {
+            return;
+        }
+        let since = *self.stalled_since.get_or_insert_with(Instant::now);
+        let why = format!("no reply from the server for {} s", limit.as_secs_f64());
+        if since.elapsed() >= self.opts.reconnect_timeout {
+            tracing::error!(uri = %self.uri, "giving up: {why}");
+            self.conn = None;
+            self.fail_all(why);
+            return;
+        }
+        self.recover(why);
+        self.last_progress = Instant::now();
+    }
+
     /// The connection is gone: reconnect with exponential backoff and reissue every request
     /// not yet answered, or, after `reconnect_timeout`, fail them all with EIO.
     fn recover(&mut self, why: String) {
@@ -779,6 +826,11 @@ impl Client {
         }
         let why = format!("{why}; last attempt: {last}");
         tracing::error!(uri = %self.uri, "giving up: {why}");
+        self.fail_all(why);
+    }
+
+    /// Fails every request in flight with EIO (`ConnectionLost`); the client stays failed.
+    fn fail_all(&mut self, why: String) {
         let cookies: Vec<u64> = self.inflight.keys().copied().collect();
         for cookie in cookies {
             if let Some(inf) = self.inflight.remove(&cookie) {

@@ -176,3 +176,28 @@ fn debian_nbd_server_simple_replies() {
     assert!(!c.can_block_status());
     c.disconnect().unwrap();
 }
+
+/// A server that stops answering (nbdkit's delay filter holds reads for a minute): the
+/// request times out, is reissued on a new connection, and fails with EIO once the server
+/// has been silent for the reconnect limit as well. Writes on the same server still work.
+#[test]
+fn hung_server_times_out_with_eio() {
+    let Some(peer) = nbdkit(&["--filter=delay", "memory", "16M", "rdelay=60"]) else {
+        return;
+    };
+    let opts = ClientOptions {
+        request_timeout: Some(std::time::Duration::from_secs(1)),
+        reconnect_timeout: std::time::Duration::from_secs(2),
+        ..ClientOptions::default()
+    };
+    let mut c = Client::connect_with(&peer.uri, opts.clone()).unwrap();
+    c.write_at(0, &pattern(0, 4096), true).unwrap();
+    let start = std::time::Instant::now();
+    let mut buf = vec![0u8; 4096];
+    let e = c.read_at(0, &mut buf).unwrap_err();
+    assert!(matches!(e, nbd_client::Error::ConnectionLost { .. }), "{e}");
+    assert!(c.reconnects() >= 1, "the stalled read was not reissued");
+    // Well before the server's minute: the timeout, not the reply, ended the wait.
+    assert!(start.elapsed() < std::time::Duration::from_secs(30));
+    assert!(buf.iter().all(|&b| b == 0), "no data may be reported");
+}

@@ -149,7 +149,7 @@ impl Nic {
         self.new_qp(QpKind::Reliable, attr)
     }
 
-    fn new_qp(&self, kind: QpKind, attr: QpAttr) -> QueuePair {
+    pub(crate) fn new_qp(&self, kind: QpKind, attr: QpAttr) -> QueuePair {
         let num = self.inner.next_qp.fetch_add(1, Ordering::Relaxed);
         let (qp, framer) = QueuePair::create(&self.inner, num, kind, attr);
         self.inner.manage(Command::CreateQp {

@@ -89,18 +89,26 @@ impl QpShared {
         }
     }
 
-    /// Puts a receive WR on the ring as `post_recv` does (tests of the NIC machines).
-    #[cfg(test)]
-    pub(crate) fn push_recv(&self, wr: RecvWr) {
+    /// Puts a receive WR on the ring as `post_recv` does (tests of the NIC machines, and the
+    /// virtual-time simulation, which writes rings at the host's time). False if full.
+    pub(crate) fn push_recv(&self, wr: RecvWr) -> bool {
         self.rq_outstanding.fetch_add(1, Ordering::AcqRel);
-        let _ = self.rq.push(wr);
+        let ok = self.rq.push(wr).is_ok();
+        if !ok {
+            self.rq_outstanding.fetch_sub(1, Ordering::AcqRel);
+        }
+        ok
     }
 
-    /// Puts a send WR on the ring as `post_send` does (tests of the NIC machines).
-    #[cfg(test)]
-    pub(crate) fn push_send(&self, wr: SendWr) {
+    /// Puts a send WR on the ring as `post_send` does (the virtual-time simulation). False if
+    /// full.
+    pub(crate) fn push_send(&self, wr: SendWr) -> bool {
         self.sq_outstanding.fetch_add(1, Ordering::AcqRel);
-        let _ = self.sq.push(wr);
+        let ok = self.sq.push(wr).is_ok();
+        if !ok {
+            self.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
+        }
+        ok
     }
 
     pub fn state(&self) -> QpState {

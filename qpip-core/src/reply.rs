@@ -41,6 +41,11 @@ impl<T> ReplyReceiver<T> {
         self.0.value.lock().take()
     }
 
+    /// The reply if it has arrived, without waiting (the virtual-time simulation).
+    pub(crate) fn try_recv(&self) -> Option<T> {
+        self.take()
+    }
+
     /// Waits until the reply arrives or `deadline` passes.
     pub fn wait_until(self, deadline: Option<Instant>) -> Option<T> {
         loop {

@@ -6,7 +6,7 @@
 //! - [`sram`]: the NIC's SRAM as an allocator (QPs, TCBs and socket buffers must fit);
 //! - [`firmware`]: the doorbell, management, transmit and receive state machines with the
 //!   firmware's own IPv6/UDP/TCP, sans-IO;
-//! - `sim`: two hosts, their NICs and the fabric on a virtual clock (discrete events);
+//! - [`sim`]: two hosts, their NICs and the fabric on a virtual clock (discrete events);
 //! - `realtime`: the firmware as a working [`crate::backend::NicBackend`], frames carried
 //!   between processes by datagram sockets, with a TUN bridge to the host's own IP stack.
 
@@ -16,6 +16,7 @@ pub mod frame;
 pub mod meter;
 pub mod params;
 pub mod realtime;
+pub mod sim;
 pub mod sram;
 
 pub use firmware::{Firmware, FirmwareConfig, FirmwareStats, OutFrame};

@@ -133,7 +133,21 @@ impl TcpLink {
     }
 
     /// Moves message bytes into the socket's send buffer; true if any moved.
-    fn push(&mut self, sock: &mut tcp::Socket<'_>) -> bool {
+    ///
+    /// Only when a full segment's worth fits (or all that is left does): with Nagle off,
+    /// refilling the buffer by whatever each ACK freed would send as many small segments
+    /// (sender-side silly window avoidance, RFC 1122 4.2.3.4).
+    fn push(&mut self, sock: &mut tcp::Socket<'_>, mss: usize) -> bool {
+        let unpushed: usize = self
+            .tx
+            .iter()
+            .filter(|m| m.end.is_none())
+            .map(|m| m.hdr_len + m.body_len - m.pushed)
+            .sum();
+        let room = sock.send_capacity() - sock.send_queue();
+        if room < mss.min(unpushed) {
+            return false;
+        }
         let mut progress = false;
         for msg in self.tx.iter_mut().filter(|m| m.end.is_none()) {
             let mut skip = msg.pushed;
@@ -301,7 +315,8 @@ impl FwQp {
                     }
                 }
             }
-            progress |= t.push(sock);
+            // IPv6 (40) + TCP (20) + timestamps (12): the payload of a full segment.
+            progress |= t.push(sock, cx.mtu.saturating_sub(72));
             // A send WR completes when the peer has acknowledged all of its bytes.
             // (A reset socket acknowledges nothing, whatever its buffer says.)
             let reset = sock.state() == tcp::State::Closed;
@@ -324,6 +339,9 @@ impl FwQp {
             let Ctx {
                 meter, dma, dev, ..
             } = cx;
+            // Bytes placed count as progress even when no WR was taken: the tail of a message
+            // split over segments completes a WR taken earlier, and its CQ must be notified.
+            let mut placed = 0usize;
             let mut read = |iov: &mut [IoSliceMut<'_>]| -> io::Result<usize> {
                 let mut total = 0;
                 'bufs: for buf in iov.iter_mut() {
@@ -341,6 +359,7 @@ impl FwQp {
                     total += off;
                 }
                 if total > 0 {
+                    placed += total;
                     Dma::transfer(&mut dma.nic_to_host, dev, meter.now(), total);
                     return Ok(total);
                 }
@@ -352,7 +371,7 @@ impl FwQp {
             };
             let before = shared.rq.len();
             let stop = t.rx.pump(shared, cx.memory, framer.as_mut(), &mut read);
-            progress |= shared.rq.len() != before;
+            progress |= shared.rq.len() != before || placed > 0;
             if stop == RxStop::Failed {
                 to_host!(cx, CQ_ENTRY_BYTES);
                 break 'm After::Fail {

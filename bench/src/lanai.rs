@@ -1,0 +1,275 @@
+//! `qpip-bench lanai`: the paper's experiments on the emulated LANai 9 and Myrinet, run in
+//! virtual time. Every figure is predicted by the model from its inputs
+//! (`configs/lanai.toml`, `configs/fabric.toml`); nothing is measured on this machine, so two
+//! runs print the same numbers.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use qpip_core::lanai::params::ChecksumAt;
+use qpip_core::lanai::sim::apps::Proto;
+use qpip_core::lanai::sim::experiments::{self, Setup, StageUs, TtcpResult};
+use qpip_core::lanai::{FabricParams, LanaiParams};
+use serde_json::{Value, json};
+
+use crate::progress::Progress;
+
+/// How much to run.
+#[derive(Clone, Copy, Debug)]
+pub struct Sizes {
+    pub rtt_rounds: u64,
+    pub ttcp_bytes: u64,
+    pub ttcp_msg: usize,
+}
+
+impl Sizes {
+    /// The paper's: ttcp moves 10 MB (640 messages of 16 KiB).
+    pub fn full() -> Self {
+        Sizes {
+            rtt_rounds: 100,
+            ttcp_bytes: 640 * 16384,
+            ttcp_msg: 16384,
+        }
+    }
+    /// Seconds even in a debug build (smoke tests).
+    pub fn quick() -> Self {
+        Sizes {
+            rtt_rounds: 10,
+            ttcp_bytes: 32 * 16384,
+            ttcp_msg: 16384,
+        }
+    }
+}
+
+/// Loads the model's inputs (the embedded defaults when no file is given).
+pub fn load(params: Option<&Path>, fabric: Option<&Path>) -> Result<(LanaiParams, FabricParams)> {
+    let p = match params {
+        Some(path) => LanaiParams::load(path)
+            .with_context(|| format!("loading LANai parameters from {}", path.display()))?,
+        None => LanaiParams::default(),
+    };
+    let f = match fabric {
+        Some(path) => FabricParams::load(path)
+            .with_context(|| format!("loading fabric parameters from {}", path.display()))?,
+        None => FabricParams::default(),
+    };
+    Ok((p, f))
+}
+
+fn with_checksum(p: &LanaiParams, at: ChecksumAt) -> LanaiParams {
+    let mut p = p.clone();
+    p.device.recv_checksum = at;
+    p
+}
+
+fn setup(params: LanaiParams, fabric: &FabricParams) -> Setup {
+    Setup {
+        params,
+        fabric: fabric.clone(),
+        seed: 1,
+    }
+}
+
+fn with_mtu(f: &FabricParams, mtu: usize) -> FabricParams {
+    let mut f = f.clone();
+    f.mtu = mtu;
+    f
+}
+
+fn stages(s: &StageUs) -> Value {
+    json!(
+        s.iter()
+            .map(|(k, v)| (k.to_string(), json!(v)))
+            .collect::<serde_json::Map<_, _>>()
+    )
+}
+
+/// The what-if rows: name, description, how the parameters change.
+type Change = fn(&mut LanaiParams);
+
+fn what_if_rows() -> Vec<(&'static str, &'static str, Change)> {
+    vec![
+        ("baseline", "LANai 9 (firmware receive checksum)", |_| {}),
+        ("hw_doorbell", "+ doorbells decoded in hardware", |p| {
+            p.device.hw_doorbell = true
+        }),
+        ("hw_checksum", "+ receive checksum in hardware", |p| {
+            p.device.recv_checksum = ChecksumAt::Hardware
+        }),
+        ("hw_demux", "+ connection demultiplexing in hw", |p| {
+            p.device.hw_demux = true
+        }),
+        ("hw_multiply", "+ hardware multiplier", |p| {
+            p.device.hw_multiply = true
+        }),
+        ("clock_4x", "+ NIC processor at 4x the clock", |p| {
+            p.device.clock_mhz *= 4.0
+        }),
+        ("all", "all of the above together", |p| {
+            p.device.hw_doorbell = true;
+            p.device.recv_checksum = ChecksumAt::Hardware;
+            p.device.hw_demux = true;
+            p.device.hw_multiply = true;
+            p.device.clock_mhz *= 4.0;
+        }),
+    ]
+}
+
+/// Runs everything; returns the JSON report.
+pub fn run(
+    params: &LanaiParams,
+    fabric: &FabricParams,
+    sizes: Sizes,
+    progress: &Progress,
+) -> Result<Value> {
+    let hw = with_checksum(params, ChecksumAt::Hardware);
+    let fw = with_checksum(params, ChecksumAt::Firmware);
+    let rows = what_if_rows();
+    let bar = std::cell::RefCell::new(
+        progress.steps("virtual-time runs".into(), 8 + 2 * rows.len() as u64),
+    );
+    let rtt = |p: &LanaiParams, proto: Proto| -> Result<f64> {
+        let r = experiments::rtt_us(&setup(p.clone(), fabric), proto, sizes.rtt_rounds)
+            .with_context(|| format!("{proto:?} round trip"))?;
+        bar.borrow_mut().inc(1);
+        Ok(r)
+    };
+    let ttcp = |p: &LanaiParams, f: &FabricParams| -> Result<TtcpResult> {
+        let r = experiments::ttcp(&setup(p.clone(), f), sizes.ttcp_bytes, sizes.ttcp_msg)
+            .with_context(|| format!("ttcp at MTU {}", f.mtu))?;
+        bar.borrow_mut().inc(1);
+        Ok(r)
+    };
+    let udp_hw = rtt(&hw, Proto::Udp)?;
+    let udp_fw = rtt(&fw, Proto::Udp)?;
+    let tcp_hw = rtt(&hw, Proto::Tcp)?;
+    let tcp_fw = rtt(&fw, Proto::Tcp)?;
+    let t16 = ttcp(&hw, &with_mtu(fabric, 16384))?;
+    let t9 = ttcp(&hw, &with_mtu(fabric, 9000))?;
+    let t15 = ttcp(&hw, &with_mtu(fabric, 1500))?;
+    let t16fw = ttcp(&fw, &with_mtu(fabric, 16384))?;
+    // The what-if table starts from the LANai 9 as built: receive checksum in firmware.
+    let mut what_if = serde_json::Map::new();
+    for (key, label, change) in &rows {
+        let mut p = fw.clone();
+        change(&mut p);
+        let r = rtt(&p, Proto::Tcp)?;
+        let t = ttcp(&p, &with_mtu(fabric, 16384))?;
+        what_if.insert(
+            key.to_string(),
+            json!({"change": label, "tcp_rtt_us": r, "ttcp_MBps": t.mbps}),
+        );
+    }
+    bar.into_inner().finish("done");
+    let o = &t16.occupancy;
+    Ok(json!({
+        "rtt_us": {
+            "udp": {"hw_csum": udp_hw, "fw_csum": udp_fw},
+            "tcp": {"hw_csum": tcp_hw, "fw_csum": tcp_fw},
+        },
+        "ttcp_MBps": {
+            "mtu16384": t16.mbps,
+            "mtu9000": t9.mbps,
+            "mtu1500": t15.mbps,
+            "mtu16384_fw_csum": t16fw.mbps,
+        },
+        "occupancy_us": {
+            "send": {"data": stages(&o.send_data), "ack": stages(&o.send_ack)},
+            "recv": {"data": stages(&o.recv_data), "ack": stages(&o.recv_ack)},
+            "packets": {
+                "send_data": o.packets[0], "send_ack": o.packets[1],
+                "recv_data": o.packets[2], "recv_ack": o.packets[3],
+            },
+        },
+        // The receiver's: the side the paper reports (it handles every message).
+        "host_cpu_pct": t16.receiver_cpu_pct,
+        "host_cpu_pct_receiver": t16.receiver_cpu_pct,
+        "host_cpu_pct_sender": t16.sender_cpu_pct,
+        "what_if": what_if,
+        "what_if_baseline_recv_checksum": "firmware",
+        "inputs": {
+            "rtt_rounds": sizes.rtt_rounds,
+            "ttcp_bytes": sizes.ttcp_bytes,
+            "ttcp_msg_bytes": sizes.ttcp_msg,
+            "clock_mhz": params.device.clock_mhz,
+            "link_gbps": fabric.link_gbps,
+            "host_send_overhead_us": params.host.send_overhead_us,
+            "host_recv_overhead_us": params.host.recv_overhead_us,
+        },
+    }))
+}
+
+fn num(v: &Value) -> f64 {
+    v.as_f64().unwrap_or(f64::NAN)
+}
+
+/// The report as tables.
+pub fn table(r: &Value) -> String {
+    let mut s = String::from("LANai 9 / Myrinet, predicted in virtual time\n\n");
+    s += &format!(
+        "{:<30} {:>14} {:>14}\n",
+        "1-byte round trip (µs)", "hw rx csum", "fw rx csum"
+    );
+    for proto in ["udp", "tcp"] {
+        s += &format!(
+            "{:<30} {:>14.1} {:>14.1}\n",
+            proto.to_uppercase(),
+            num(&r["rtt_us"][proto]["hw_csum"]),
+            num(&r["rtt_us"][proto]["fw_csum"])
+        );
+    }
+    s += &format!("\n{:<30} {:>14}\n", "ttcp, 16 KiB messages", "MB/s");
+    for (k, label) in [
+        ("mtu16384", "MTU 16384"),
+        ("mtu9000", "MTU 9000"),
+        ("mtu1500", "MTU 1500"),
+        ("mtu16384_fw_csum", "MTU 16384, fw rx csum"),
+    ] {
+        s += &format!("{label:<30} {:>14.1}\n", num(&r["ttcp_MBps"][k]));
+    }
+    s += &format!(
+        "host CPU during ttcp (MTU 16384): receiver {:.1} %, sender {:.1} %\n",
+        num(&r["host_cpu_pct_receiver"]),
+        num(&r["host_cpu_pct_sender"])
+    );
+    s += "\nNIC occupancy per packet during ttcp (MTU 16384), µs\n";
+    for (side, kinds) in [("send", ["data", "ack"]), ("recv", ["data", "ack"])] {
+        for kind in kinds {
+            let o = &r["occupancy_us"][side][kind];
+            let Some(m) = o.as_object() else { continue };
+            let parts: Vec<String> = m
+                .iter()
+                .filter(|(k, _)| k.as_str() != "total")
+                .map(|(k, v)| format!("{k} {:.2}", num(v)))
+                .collect();
+            s += &format!(
+                "  {side} {kind:<4} total {:>6.2}: {}\n",
+                num(&o["total"]),
+                parts.join(", ")
+            );
+        }
+    }
+    s += &format!(
+        "\nWhat if (from the LANai 9 with its firmware receive checksum)\n{:<38} {:>12} {:>12}\n",
+        "change", "TCP RTT µs", "ttcp MB/s"
+    );
+    if let Some(m) = r["what_if"].as_object() {
+        for (_, row) in what_if_order(m) {
+            s += &format!(
+                "{:<38} {:>12.1} {:>12.1}\n",
+                row["change"].as_str().unwrap_or("?"),
+                num(&row["tcp_rtt_us"]),
+                num(&row["ttcp_MBps"])
+            );
+        }
+    }
+    s
+}
+
+/// The what-if rows in the order they were run (JSON objects sort their keys).
+fn what_if_order(m: &serde_json::Map<String, Value>) -> Vec<(&'static str, &Value)> {
+    what_if_rows()
+        .into_iter()
+        .filter_map(|(k, _, _)| m.get(k).map(|v| (k, v)))
+        .collect()
+}

@@ -1,0 +1,69 @@
+//! `qpip-bench lanai --json --quick`: the virtual-time predictions have every key, are
+//! finite and positive, and two runs print identical JSON.
+
+use std::process::Command;
+
+fn run() -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_qpip-bench"))
+        .args(["lanai", "--json", "--quick"])
+        .output()
+        .expect("running qpip-bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "qpip-bench lanai failed:\n{stderr}");
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}):\n{stderr}"))
+}
+
+fn positive(v: &serde_json::Value, path: &[&str]) -> f64 {
+    let x = path
+        .iter()
+        .fold(v, |v, k| &v[*k])
+        .as_f64()
+        .unwrap_or_else(|| panic!("{} missing in {v}", path.join(".")));
+    assert!(x.is_finite() && x > 0.0, "{} = {x}", path.join("."));
+    x
+}
+
+#[test]
+fn lanai_json_has_every_prediction_and_is_deterministic() {
+    let v = run();
+    for proto in ["udp", "tcp"] {
+        for c in ["hw_csum", "fw_csum"] {
+            positive(&v, &["rtt_us", proto, c]);
+        }
+        // Summing in firmware costs time on the receive path.
+        assert!(v["rtt_us"][proto]["fw_csum"].as_f64() >= v["rtt_us"][proto]["hw_csum"].as_f64());
+    }
+    for k in ["mtu16384", "mtu9000", "mtu1500", "mtu16384_fw_csum"] {
+        positive(&v, &["ttcp_MBps", k]);
+    }
+    let big = positive(&v, &["ttcp_MBps", "mtu16384"]);
+    let small = positive(&v, &["ttcp_MBps", "mtu1500"]);
+    assert!(small < big, "MTU 1500 {small} MB/s vs MTU 16384 {big} MB/s");
+    for side in ["send", "recv"] {
+        for kind in ["data", "ack"] {
+            positive(&v, &["occupancy_us", side, kind, "total"]);
+        }
+    }
+    let cpu = positive(&v, &["host_cpu_pct"]);
+    assert!(cpu <= 100.0, "host CPU {cpu} %");
+    positive(&v, &["host_cpu_pct_sender"]);
+    for row in [
+        "baseline",
+        "hw_doorbell",
+        "hw_checksum",
+        "hw_demux",
+        "hw_multiply",
+        "clock_4x",
+        "all",
+    ] {
+        positive(&v, &["what_if", row, "tcp_rtt_us"]);
+        positive(&v, &["what_if", row, "ttcp_MBps"]);
+    }
+    // Everything at once beats the LANai 9 as built.
+    assert!(
+        v["what_if"]["all"]["tcp_rtt_us"].as_f64()
+            < v["what_if"]["baseline"]["tcp_rtt_us"].as_f64()
+    );
+    assert_eq!(v, run(), "two runs differ");
+}
