@@ -266,7 +266,6 @@ impl LanaiBackend {
                     routes,
                     epoch: Instant::now(),
                     node: node.name,
-                    qps: HashMap::new(),
                 }
                 .run()
             })
@@ -387,10 +386,6 @@ struct Processor {
     routes: HashMap<u8, SocketAddr>,
     epoch: Instant,
     node: String,
-    /// Every QP the firmware holds, to wake their CQs' waiters after each turn with work.
-    /// Workaround: the firmware does not notify when a message completes into a WR it took
-    /// from the ring in an earlier turn (a message split over segments); remove once it does.
-    qps: HashMap<crate::wr::QpNum, std::sync::Weak<QpShared>>,
 }
 
 impl Processor {
@@ -429,13 +424,6 @@ impl Processor {
                 break;
             }
             if worked {
-                self.qps.retain(|_, qp| match qp.upgrade() {
-                    Some(qp) => {
-                        qp.notify_cqs();
-                        true
-                    }
-                    None => false,
-                });
                 last_work = Instant::now();
                 continue;
             }
@@ -477,15 +465,6 @@ impl Processor {
         let mut worked = false;
         while let Some(cmd) = self.shared.commands.pop() {
             worked = true;
-            match &cmd {
-                Command::CreateQp { qp, .. } => {
-                    self.qps.insert(qp.num, Arc::downgrade(qp));
-                }
-                Command::Destroy { qp } => {
-                    self.qps.remove(qp);
-                }
-                _ => {}
-            }
             let now = self.now();
             self.fw.command(now, cmd);
         }
