@@ -22,8 +22,9 @@
 //! - smoltcp keeps a few out-of-order segments (the paper's TCP subset dropped them).
 //! - A listener keeps two sockets in LISTEN (each costs a TCB and both buffers of SRAM) and
 //!   makes more as they are used, up to the backlog and the SRAM.
-//! - Timers: a connect fails with `TimedOut` after 20 s; a peer silent for 120 s while it
-//!   owes ACKs fails the QP; a connection the host dropped gets 60 s to finish closing.
+//! - Timers: a connect fails with `TimedOut` after 20 s; a peer silent for 120 s fails the
+//!   QP (idle connections send keep-alives every 30 s, so a crashed peer is found); a
+//!   connection the host dropped gets 60 s to finish closing.
 //! - Handlers start at `max(now, processor free)` and smoltcp sees the processor's clock, so
 //!   in real time a saturated NIC's clock runs ahead of the wall clock (the model's speed
 //!   limit shows up as delay).

@@ -23,8 +23,12 @@ use crate::reply::ReplySender;
 use crate::soft::rx::{RxMachine, RxStop};
 use crate::wr::{SendWr, WcStatus};
 
-/// How long a peer that owes us ACKs may stay silent.
+/// How long a peer may stay silent before its connection is declared dead.
 const DEAD_PEER: smoltcp::time::Duration = smoltcp::time::Duration::from_secs(120);
+
+/// An idle connection probes its peer this often, so a crashed peer (a killed process on
+/// the fabric, which sends no RST) is found within `DEAD_PEER`.
+pub(super) const KEEP_ALIVE: smoltcp::time::Duration = smoltcp::time::Duration::from_secs(30);
 
 /// Bytes of one completion entry written to the host's CQ.
 const CQ_ENTRY_BYTES: usize = 32;
@@ -330,10 +334,10 @@ impl FwQp {
                 t.tx.pop_front();
                 progress = true;
             }
-            // A peer silent this long while it owes us ACKs is dead (zero-window probes back
-            // off to 60 s, so a live receiver answers well within it): the QP fails instead
-            // of hanging. Idle connections have no timeout (smoltcp would count idle time).
-            sock.set_timeout((!t.tx.is_empty()).then_some(DEAD_PEER));
+            // A peer silent this long is dead: the QP fails instead of hanging, and its SRAM
+            // comes back. A live peer is never that quiet: it answers zero-window probes
+            // (backed off to 60 s at most) and the keep-alives an idle connection sends.
+            sock.set_timeout(Some(DEAD_PEER));
             // Receive: the framer finds messages in the byte stream, bodies go to WRs. With
             // no WR posted the bytes stay in the socket and the window closes.
             let Ctx {

@@ -79,6 +79,7 @@ impl Firmware {
         s.set_ack_delay(None);
         s.set_congestion_control(tcp::CongestionControl::Reno);
         s.set_tsval_generator(Some(port::tsval));
+        s.set_keep_alive(Some(link::KEEP_ALIVE));
         Ok(self.sockets.add(s))
     }
 

@@ -813,6 +813,38 @@ fn a_dead_peer_fails_the_qp_instead_of_hanging() {
     assert_eq!(c.state(), QpState::Error);
 }
 
+/// An idle connection whose peer vanishes without a word (a killed process on the fabric):
+/// the keep-alives go unanswered, the QP fails and its SRAM comes back, so dead clients do
+/// not pile up in a server's SRAM.
+#[test]
+fn an_idle_connection_to_a_vanished_peer_is_reclaimed() {
+    let mut net = Net::new();
+    let (s, _c) = net.pair();
+    let dst = net.region(SERVER, 16);
+    net.post_recv(SERVER, &s, RecvWr::new(1, &[dst.sge(0, 16)]));
+    let used = net.sides[SERVER].fw.sram_used();
+    net.blackhole = [true, true];
+    let mut done = Vec::new();
+    for _ in 0..4 {
+        if net.run_until(|n| {
+            done.extend(n.completions(SERVER));
+            !done.is_empty()
+        }) {
+            break;
+        }
+    }
+    assert_eq!(done.first().map(|d| d.status), Some(WcStatus::RemoteClosed));
+    assert_eq!(s.state(), QpState::Error);
+    assert!(
+        net.now < 200_000_000_000,
+        "found within the keep-alive timeout"
+    );
+    assert!(
+        net.sides[SERVER].fw.sram_used() < used,
+        "the connection's SRAM was released"
+    );
+}
+
 #[test]
 fn the_firmware_can_move_to_a_backend_thread() {
     fn send<T: Send>() {}
