@@ -8,7 +8,7 @@
 mod engine;
 mod link;
 pub(crate) mod rx;
-mod tx;
+pub(crate) mod tx;
 mod uring;
 
 use std::sync::Arc;

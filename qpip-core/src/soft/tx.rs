@@ -10,38 +10,80 @@ use std::net::SocketAddr;
 use smallvec::SmallVec;
 
 use crate::framer::{Framer, MAX_HEADER};
-use crate::mr::{MemoryTable, Segment};
+use crate::mr::{MemoryTable, ProtectionFault, Segment};
 use crate::qp::QpShared;
 use crate::wr::{SendWr, WcStatus};
 
 /// Most iovecs handed to one `writev`.
 const MAX_IOV: usize = 64;
 
-struct OutMsg {
-    wr_id: u64,
+/// A send WR resolved for the wire: its memory checked against the region table and the
+/// framer's header built. Both backends' transmit machines queue these.
+pub(crate) struct SendMessage {
+    pub wr_id: u64,
     hdr: [u8; MAX_HEADER],
-    hdr_len: usize,
+    pub hdr_len: usize,
     segs: SmallVec<[Segment; 4]>,
-    body_len: usize,
-    /// Bytes (header included) the kernel has taken.
-    sent: usize,
-    dest: Option<SocketAddr>,
+    pub body_len: usize,
+    pub dest: Option<SocketAddr>,
 }
 
-impl OutMsg {
-    fn total(&self) -> usize {
+impl SendMessage {
+    /// Checks every SGE (Err: the WR's id and the fault) and asks the framer for a header.
+    pub(crate) fn prepare(
+        wr: SendWr,
+        memory: &MemoryTable,
+        framer: Option<&mut dyn Framer>,
+    ) -> Result<SendMessage, (u64, ProtectionFault)> {
+        let mut segs = SmallVec::new();
+        for sge in &wr.sg_list {
+            segs.push(memory.resolve(sge, false).map_err(|f| (wr.wr_id, f))?);
+        }
+        let body_len = segs.iter().map(Segment::len).sum();
+        let mut hdr = [0u8; MAX_HEADER];
+        let hdr_len = framer.map_or(0, |f| f.encode_header(body_len, &mut hdr).min(MAX_HEADER));
+        Ok(SendMessage {
+            wr_id: wr.wr_id,
+            hdr,
+            hdr_len,
+            segs,
+            body_len,
+            dest: wr.dest,
+        })
+    }
+
+    /// Header plus body.
+    pub(crate) fn total(&self) -> usize {
         self.hdr_len + self.body_len
     }
 
+    /// The message's parts: framing header, then each segment.
+    pub(crate) fn parts(&self) -> impl Iterator<Item = &[u8]> {
+        std::iter::once(&self.hdr[..self.hdr_len]).chain(self.segs.iter().map(|s| {
+            // SAFETY: the NIC owns the WR's memory until it completes it.
+            unsafe { s.bytes() }
+        }))
+    }
+}
+
+struct OutMsg {
+    msg: SendMessage,
+    /// Bytes (header included) the kernel has taken.
+    sent: usize,
+}
+
+impl std::ops::Deref for OutMsg {
+    type Target = SendMessage;
+    fn deref(&self) -> &SendMessage {
+        &self.msg
+    }
+}
+
+impl OutMsg {
     /// The unsent bytes, as slices.
     fn pending<'a>(&'a self, out: &mut SmallVec<[IoSlice<'a>; MAX_IOV]>) {
         let mut skip = self.sent;
-        let hdr = &self.hdr[..self.hdr_len];
-        let parts = std::iter::once(hdr).chain(self.segs.iter().map(|s| {
-            // SAFETY: the NIC owns the WR's memory until it completes it.
-            unsafe { s.bytes() }
-        }));
-        for part in parts {
+        for part in self.msg.parts() {
             if out.len() == MAX_IOV {
                 return;
             }
@@ -91,8 +133,8 @@ impl TxMachine {
     ) -> bool {
         let mut framer = framer;
         while let Some(wr) = qp.sq.pop() {
-            match Self::prepare(wr, memory, framer.as_deref_mut()) {
-                Ok(msg) => self.inflight.push_back(msg),
+            match SendMessage::prepare(wr, memory, framer.as_deref_mut()) {
+                Ok(msg) => self.inflight.push_back(OutMsg { msg, sent: 0 }),
                 Err((wr_id, fault)) => {
                     tracing::warn!(qp = qp.num, wr_id, "send WR refused: {fault}");
                     qp.complete_send(wr_id, WcStatus::ProtectionError, 0, 0);
@@ -103,29 +145,6 @@ impl TxMachine {
             }
         }
         true
-    }
-
-    fn prepare(
-        wr: SendWr,
-        memory: &MemoryTable,
-        framer: Option<&mut dyn Framer>,
-    ) -> Result<OutMsg, (u64, crate::mr::ProtectionFault)> {
-        let mut segs = SmallVec::new();
-        for sge in &wr.sg_list {
-            segs.push(memory.resolve(sge, false).map_err(|f| (wr.wr_id, f))?);
-        }
-        let body_len = segs.iter().map(Segment::len).sum();
-        let mut hdr = [0u8; MAX_HEADER];
-        let hdr_len = framer.map_or(0, |f| f.encode_header(body_len, &mut hdr).min(MAX_HEADER));
-        Ok(OutMsg {
-            wr_id: wr.wr_id,
-            hdr,
-            hdr_len,
-            segs,
-            body_len,
-            sent: 0,
-            dest: wr.dest,
-        })
     }
 
     /// Writes queued messages to a stream socket until it would block or all are sent.

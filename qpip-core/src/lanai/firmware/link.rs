@@ -13,7 +13,7 @@ use smoltcp::wire::{IpAddress, IpEndpoint};
 
 use super::port::Dma;
 use crate::backend::MgmtResult;
-use crate::framer::{Framer, MAX_HEADER};
+use crate::framer::Framer;
 use crate::lanai::meter::{Dir, Kind, Meter, Nanos, Stage};
 use crate::lanai::params::DeviceParams;
 use crate::lanai::sram::Sram;
@@ -21,6 +21,7 @@ use crate::mr::{MemoryTable, ProtectionFault, Segment};
 use crate::qp::{QpShared, QpState};
 use crate::reply::ReplySender;
 use crate::soft::rx::{RxMachine, RxStop};
+use crate::soft::tx::SendMessage;
 use crate::wr::{SendWr, WcStatus};
 
 /// How long a peer may stay silent before its connection is declared dead.
@@ -62,16 +63,18 @@ pub(super) fn tcp_sram(dev: &DeviceParams) -> u64 {
 
 /// A send WR taken from the ring, its memory checked.
 struct OutMsg {
-    wr_id: u64,
-    hdr: [u8; MAX_HEADER],
-    hdr_len: usize,
-    segs: SmallVec<[Segment; 4]>,
-    body_len: usize,
+    msg: SendMessage,
     /// Bytes (header included) moved into the socket's send buffer.
     pushed: usize,
     /// Stream offset just past the message, once all of it is pushed.
     end: Option<u64>,
-    dest: Option<SocketAddr>,
+}
+
+impl std::ops::Deref for OutMsg {
+    type Target = SendMessage;
+    fn deref(&self) -> &SendMessage {
+        &self.msg
+    }
 }
 
 impl OutMsg {
@@ -80,31 +83,11 @@ impl OutMsg {
         memory: &MemoryTable,
         framer: Option<&mut dyn Framer>,
     ) -> Result<OutMsg, (u64, ProtectionFault)> {
-        let mut segs = SmallVec::new();
-        for sge in &wr.sg_list {
-            segs.push(memory.resolve(sge, false).map_err(|f| (wr.wr_id, f))?);
-        }
-        let body_len = segs.iter().map(Segment::len).sum();
-        let mut hdr = [0u8; MAX_HEADER];
-        let hdr_len = framer.map_or(0, |f| f.encode_header(body_len, &mut hdr).min(MAX_HEADER));
-        Ok(OutMsg {
-            wr_id: wr.wr_id,
-            hdr,
-            hdr_len,
-            segs,
-            body_len,
+        SendMessage::prepare(wr, memory, framer).map(|msg| OutMsg {
+            msg,
             pushed: 0,
             end: None,
-            dest: wr.dest,
         })
-    }
-
-    /// The message's parts: framing header, then each segment.
-    fn parts(&self) -> impl Iterator<Item = &[u8]> {
-        std::iter::once(&self.hdr[..self.hdr_len]).chain(self.segs.iter().map(|s| {
-            // SAFETY: the NIC owns the WR's memory until it completes it.
-            unsafe { s.bytes() }
-        }))
     }
 }
 
