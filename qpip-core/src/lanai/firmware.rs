@@ -355,6 +355,14 @@ impl Firmware {
 
     /// Runs `f` on a QP with the machines' context.
     fn with_qp(&mut self, qp: QpNum, f: impl FnOnce(&mut FwQp, &mut Ctx<'_>)) {
+        let (qps, mut cx) = self.split();
+        if let Some(q) = qps.get_mut(&qp) {
+            f(q, &mut cx);
+        }
+    }
+
+    /// The QP table beside the machines' context (they borrow different parts of `self`).
+    fn split(&mut self) -> (&mut BTreeMap<QpNum, FwQp>, Ctx<'_>) {
         let Firmware {
             sockets,
             memory,
@@ -367,19 +375,17 @@ impl Firmware {
             fabric,
             ..
         } = self;
-        if let Some(q) = qps.get_mut(&qp) {
-            let mut cx = Ctx {
-                sockets,
-                memory,
-                meter,
-                dma,
-                dev: &params.device,
-                mtu: fabric.mtu,
-                sram,
-                dying,
-            };
-            f(q, &mut cx);
-        }
+        let cx = Ctx {
+            sockets,
+            memory,
+            meter,
+            dma,
+            dev: &params.device,
+            mtu: fabric.mtu,
+            sram,
+            dying,
+        };
+        (qps, cx)
     }
 
     /// Moves an arriving packet through smoltcp (ingress), or just lets sockets transmit.
@@ -445,28 +451,7 @@ impl Firmware {
     fn service_all(&mut self) -> bool {
         let mut progress = self.service_listeners();
         progress |= self.service_connects();
-        let Firmware {
-            sockets,
-            memory,
-            meter,
-            dma,
-            params,
-            sram,
-            dying,
-            qps,
-            fabric,
-            ..
-        } = self;
-        let mut cx = Ctx {
-            sockets,
-            memory,
-            meter,
-            dma,
-            dev: &params.device,
-            mtu: fabric.mtu,
-            sram,
-            dying,
-        };
+        let (qps, mut cx) = self.split();
         for q in qps.values_mut() {
             progress |= q.service(&mut cx);
         }
