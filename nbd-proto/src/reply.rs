@@ -213,7 +213,7 @@ impl<'a> Chunk<'a> {
                 _ => bad("OFFSET_HOLE chunk must be 12 bytes with nonzero size"),
             },
             c::REPLY_TYPE_BLOCK_STATUS => {
-                if payload.len() < 12 || (payload.len() - 4) % 8 != 0 {
+                if payload.len() < 12 || !(payload.len() - 4).is_multiple_of(8) {
                     return bad("BLOCK_STATUS length must be 4 + 8n, n >= 1");
                 }
                 let context_id = r.u32().unwrap_or(0);

@@ -353,7 +353,7 @@ pub fn validate_request(req: &Request, info: &TransmissionInfo) -> Result<(), Er
 
     // 6. alignment
     let min = u64::from(info.block_size.min.max(1));
-    if req.offset % min != 0 || u64::from(req.length) % min != 0 {
+    if !req.offset.is_multiple_of(min) || !u64::from(req.length).is_multiple_of(min) {
         return Err(ErrorValue::Inval);
     }
 
