@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use common::{have, pattern, qpip_server_bin};
+use common::{have, pattern, qpip_server_bin, workspace_bin};
 use lanai_common::*;
 use nbd_client::{Client, ClientOptions};
 use qpip_core::{Backend, Nic};
@@ -83,26 +83,8 @@ fn lanai_server(fabric: &TestFabric, image: &Path) -> (Proc, String) {
 
 fn bridge_bin() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let exe = std::env::current_exe().unwrap();
-        let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args([
-                "build",
-                "-q",
-                "-p",
-                "qpip-core",
-                "--bin",
-                "qpip-lanai-bridge",
-            ])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("running cargo build for qpip-lanai-bridge");
-        assert!(status.success(), "building qpip-lanai-bridge failed");
-        dir.join("qpip-lanai-bridge")
-    })
-    .clone()
+    BIN.get_or_init(|| workspace_bin("qpip-core", "qpip-lanai-bridge"))
+        .clone()
 }
 
 fn sparse_image(dir: &Path) -> PathBuf {

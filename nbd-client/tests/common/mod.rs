@@ -91,33 +91,29 @@ pub fn wait_port(port: u16) {
     }
 }
 
-/// The qpip-nbd-server binary, built once (works in a clean clone: it is built with the same
-/// cargo into the same target directory).
+/// The qpip-nbd-server binary, built once.
 pub fn qpip_server_bin() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        // target/debug/deps/<test> → target/debug
-        let exe = std::env::current_exe().unwrap();
-        let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
-        let bin = dir.join("qpip-nbd-server");
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args([
-                "build",
-                "-q",
-                "-p",
-                "nbd-server",
-                "--bin",
-                "qpip-nbd-server",
-            ])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("running cargo build for qpip-nbd-server");
-        assert!(status.success(), "building qpip-nbd-server failed");
-        assert!(bin.is_file(), "{} missing after build", bin.display());
-        bin
-    })
-    .clone()
+    BIN.get_or_init(|| workspace_bin("nbd-server", "qpip-nbd-server"))
+        .clone()
+}
+
+/// Builds binary `bin` of workspace package `package` and returns its path (works in a clean
+/// clone: it is built with the same cargo into the same target directory as the tests).
+pub fn workspace_bin(package: &str, bin: &str) -> PathBuf {
+    // target/debug/deps/<test> → target/debug
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+    let path = dir.join(bin);
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(cargo)
+        .args(["build", "-q", "-p", package, "--bin", bin])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status()
+        .unwrap_or_else(|e| panic!("running cargo build for {bin}: {e}"));
+    assert!(status.success(), "building {bin} failed");
+    assert!(path.is_file(), "{} missing after build", path.display());
+    path
 }
 
 /// Starts qpip-nbd-server on `port` (0: any) exporting `name` = `path`.
