@@ -771,28 +771,6 @@ fn stages_are_charged_per_packet() {
 }
 
 #[test]
-#[ignore = "prints model figures"]
-fn print_stream_figures() {
-    for size in [1usize, 1000, 16_000, 65_536] {
-        let mut net = Net::new();
-        let n = (4_000_000 / size).clamp(50, 1000);
-        let start = net.now;
-        transfer(&mut net, &vec![size; n]);
-        let ns = net.now - start;
-        let m = net.sides[CLIENT].fw.meter();
-        println!(
-            "size {size}: {n} msgs in {} us = {:.1} MB/s, frames {}, client busy {} us, send data pkts {}, recv ack pkts {}",
-            ns / 1000,
-            (size * n) as f64 / ns as f64 * 1000.0,
-            net.frames,
-            m.busy_ns() / 1000,
-            m.occupancy(Dir::Send, Kind::Data).packets,
-            m.occupancy(Dir::Recv, Kind::Ack).packets,
-        );
-    }
-}
-
-#[test]
 fn a_dead_peer_fails_the_qp_instead_of_hanging() {
     let mut net = Net::new();
     let (_s, c) = net.pair();
