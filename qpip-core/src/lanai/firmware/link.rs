@@ -125,15 +125,18 @@ impl TcpLink {
     /// refilling the buffer by whatever each ACK freed would send as many small segments
     /// (sender-side silly window avoidance, RFC 1122 4.2.3.4).
     fn push(&mut self, sock: &mut tcp::Socket<'_>, mss: usize) -> bool {
-        let unpushed: usize = self
-            .tx
-            .iter()
-            .filter(|m| m.end.is_none())
-            .map(|m| m.hdr_len + m.body_len - m.pushed)
-            .sum();
         let room = sock.send_capacity() - sock.send_queue();
-        if room < mss.min(unpushed) {
-            return false;
+        // Summed only when less than a segment fits (the queue is walked on every service).
+        if room < mss {
+            let unpushed: usize = self
+                .tx
+                .iter()
+                .filter(|m| m.end.is_none())
+                .map(|m| m.total() - m.pushed)
+                .sum();
+            if room < unpushed {
+                return false;
+            }
         }
         let mut progress = false;
         for msg in self.tx.iter_mut().filter(|m| m.end.is_none()) {
