@@ -27,8 +27,8 @@ use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
         firmware on an emulated LANai 9 NIC; see docs/lanai.md): requests land in registered receive \
         buffers and read replies are sent straight from the image's registered mapping. The \
         wire is plain NBD (fixed newstyle), so any NBD client works.\n\n\
-        With no arguments it creates a 64 MiB sparse demo image and serves it as export \
-        \"demo\" (also the default export) on [::1]:10809 and 127.0.0.1:10809.",
+        With no arguments it creates a 64 MiB demo image in memory (gone when the server \
+        exits) and serves it as export \"demo\" (also the default export) on [::1]:10809 and 127.0.0.1:10809.",
     after_help = "Examples:\n  \
         qpip-nbd-server --export disk=/var/lib/images/disk.img\n  \
         qpip-nbd-server --listen 0.0.0.0:10809 --export scratch=/tmp/s.img --create 4G\n  \
@@ -77,24 +77,18 @@ fn split_pair<'a>(s: &'a str, what: &str) -> Result<(&'a str, &'a str)> {
         .with_context(|| format!("{what} {s:?} is not NAME=VALUE"))
 }
 
-fn demo_export() -> Result<ExportConfig> {
-    let dir = std::env::temp_dir().join(format!("qpip-demo-{}", unsafe { libc::getuid() }));
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let path = dir.join("demo.img");
-    if !path.exists() {
-        let img = Image::create(&path, 64 << 20)
-            .with_context(|| format!("creating demo image {}", path.display()))?;
-        let banner = b"qpip demo image: served by qpip-nbd-server over Queue Pair IP\n";
-        img.write_at(banner, 0, true)?;
-    }
-    Ok(ExportConfig {
-        name: "demo".into(),
-        path,
-        description: "generated 64 MiB demo image".into(),
-        read_only: false,
-        create_size: None,
-    })
+/// The demo export: a generated image in anonymous memory (a memfd). Not a file under
+/// $TMPDIR: a predictable path there lets any local user plant a symlink to a file of
+/// root's, which the server would then export read-write.
+fn demo_image() -> Result<Image> {
+    let img = Image::anonymous("qpip-demo.img", DEMO_SIZE).context("creating the demo image")?;
+    let banner = b"qpip demo image: served by qpip-nbd-server over Queue Pair IP\n";
+    img.write_at(banner, 0, false)
+        .context("writing the demo image")?;
+    Ok(img)
 }
+
+const DEMO_SIZE: u64 = 64 << 20;
 
 fn main() {
     let cli = Cli::parse();
@@ -139,7 +133,13 @@ fn run(cli: Cli) -> Result<()> {
     }
     let demo = cfg.exports.is_empty();
     if demo {
-        cfg.exports.push(demo_export()?);
+        cfg.exports.push(ExportConfig {
+            name: "demo".into(),
+            path: "(memory)".into(),
+            description: "generated 64 MiB demo image, in memory".into(),
+            read_only: false,
+            create_size: None,
+        });
         cfg.default_export.get_or_insert_with(|| "demo".into());
     }
     let lanai_addr = cli.backend.lanai_addr(DEFAULT_SERVER_NODE)?;
@@ -182,6 +182,7 @@ fn run(cli: Cli) -> Result<()> {
         let create = cli.create.as_deref().or(e.create_size.as_deref());
         let read_only = cli.read_only || e.read_only;
         let image = match create {
+            _ if demo => Ok(demo_image()?),
             Some(size) if !e.path.exists() => {
                 let size = parse_size(size)?;
                 Image::create(&e.path, size).with_context(|| {
