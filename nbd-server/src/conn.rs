@@ -424,10 +424,7 @@ impl<'a> Transmission<'a> {
                 if req.length == 0 {
                     return Ok(None);
                 }
-                self.send_read(req).map_err(|e| {
-                    tracing::warn!("read reply: {e:#}");
-                    ErrorValue::Io
-                })?;
+                self.send_read(req)?;
                 Ok(Some(()))
             }
             Command::Flush => io(image.flush()).map(|()| None),
@@ -522,7 +519,19 @@ impl<'a> Transmission<'a> {
     }
 
     /// READ: the reply header from a slot, the data straight from the image's mapping.
-    fn send_read(&mut self, req: &Request) -> Result<()> {
+    fn send_read(&mut self, req: &Request) -> Result<(), ErrorValue> {
+        let end = req.offset + u64::from(req.length); // validated against the size
+        if !self.export.image.still_holds(end).unwrap_or(false) {
+            tracing::warn!(export = %self.export.name, "read at {} of {} bytes: {} is shorter than that now (truncated by another process?)", req.offset, req.length, self.export.image.path().display());
+            return Err(ErrorValue::Io);
+        }
+        self.post_read_reply(req).map_err(|e| {
+            tracing::warn!("read reply: {e:#}");
+            ErrorValue::Io
+        })
+    }
+
+    fn post_read_reply(&mut self, req: &Request) -> Result<()> {
         let region = self.export.region.as_ref().context("empty image")?;
         let data = region.sge(req.offset as usize, req.length as usize);
         if self.structured {

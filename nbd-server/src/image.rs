@@ -130,6 +130,15 @@ impl Image {
         self.map.as_ref().map(|m| (m.as_ptr(), m.len()))
     }
 
+    /// Whether the file still holds `end` bytes. Another process may truncate an image
+    /// under the server; reading the mapping past the new end would fail the send (the
+    /// kernel's copy faults) and with it the connection, so READ checks first and answers
+    /// EIO, as qemu-nbd does. Block devices cannot shrink under an open descriptor.
+    pub fn still_holds(&self, end: u64) -> io::Result<bool> {
+        let meta = self.file.metadata()?;
+        Ok(!meta.file_type().is_file() || meta.len() >= end)
+    }
+
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         self.file.read_exact_at(buf, offset)
     }

@@ -455,3 +455,46 @@ fn connections_beyond_max_connections_are_refused_then_served_again() {
     srv.assert_alive("after refusing connections");
     drop(b);
 }
+
+#[test]
+fn image_truncated_under_the_server_fails_reads_with_eio_and_keeps_the_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", SIZE);
+    let mut srv = ServerProcess::start_v4(&["--export".into(), format!("disk={}", img.display())]);
+    let mut s = transmission(srv.addr);
+    let (e, _) = roundtrip(&mut s, Cmd::Write, 1, SIZE - 4096, 4096, &[0x42; 4096]);
+    assert_eq!(e, None);
+    // Another process cuts the image in half.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .unwrap()
+        .set_len(SIZE / 2)
+        .unwrap();
+    let (e, _) = roundtrip(&mut s, Cmd::Read, 2, SIZE - 4096, 4096, &[]);
+    assert_eq!(e, Some(ErrorValue::Io), "read past the new end");
+    // The connection goes on: the part that is still there reads.
+    let (e, d) = roundtrip(&mut s, Cmd::Read, 3, 0, 4096, &[]);
+    assert_eq!(e, None);
+    assert_eq!(d.len(), 4096);
+    srv.assert_alive("after the image shrank");
+}
+
+#[test]
+fn read_only_export_answers_eperm_to_every_writing_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", SIZE);
+    let mut srv = ServerProcess::start_v4(&[
+        "--read-only".into(),
+        "--export".into(),
+        format!("disk={}", img.display()),
+    ]);
+    let mut s = transmission(srv.addr);
+    for (cookie, cmd) in [(1, Cmd::Trim), (2, Cmd::WriteZeroes)] {
+        let (e, _) = roundtrip(&mut s, cmd, cookie, 0, 4096, &[]);
+        assert_eq!(e, Some(ErrorValue::Perm), "{cmd:?}");
+    }
+    let (e, _) = roundtrip(&mut s, Cmd::Write, 3, 0, 4096, &[1; 4096]);
+    assert_eq!(e, Some(ErrorValue::Perm));
+    srv.assert_alive("after writes to a read-only export");
+}
