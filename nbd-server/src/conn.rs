@@ -12,7 +12,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -44,6 +44,8 @@ const MAX_EXTENTS: usize = 32;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// After SIGTERM: how long new requests get ESHUTDOWN before the connection is closed.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+/// How often a connection in its handshake looks whether it has been evicted.
+const EVICT_POLL: Duration = Duration::from_millis(100);
 
 const REPLY_WR: u64 = 1 << 32;
 const HANDSHAKE_WR: u64 = 2 << 32;
@@ -62,6 +64,9 @@ pub struct Connection {
     /// Handshake replies in flight, kept alive until their send completes.
     handshake_sends: HashMap<u64, MemoryRegion>,
     next_wr: u64,
+    /// Set by the accept loop when too many handshakes are under way and this is the oldest;
+    /// dropped when the handshake ends.
+    evict: Option<Arc<AtomicBool>>,
 }
 
 fn io_error_value(e: &io::Error) -> ErrorValue {
@@ -81,6 +86,7 @@ impl Connection {
         cq: CompletionQueue,
         phase: Arc<AtomicU8>,
         peer: SocketAddr,
+        evict: Arc<AtomicBool>,
     ) -> Self {
         Connection {
             shared,
@@ -91,11 +97,20 @@ impl Connection {
             stash: VecDeque::new(),
             handshake_sends: HashMap::new(),
             next_wr: 0,
+            evict: Some(evict),
         }
     }
 
     pub fn run(mut self) -> Result<()> {
-        let Some((neg, last_reply)) = self.handshake()? else {
+        let handshake = self.handshake();
+        self.evict = None;
+        let Some((neg, last_reply)) = handshake? else {
+            return Ok(());
+        };
+        // Only clients past the handshake count toward --max-connections; the final reply
+        // has not gone out, so a refused client sees the connection close in the handshake.
+        let Some(_place) = self.shared.admit(self.peer) else {
+            self.qp.close();
             return Ok(());
         };
         let export = self.shared.exports[neg.export_index].clone();
@@ -112,11 +127,21 @@ impl Connection {
         }
         let mut buf = [Completion::default(); 1];
         loop {
+            if self
+                .evict
+                .as_ref()
+                .is_some_and(|f| f.load(Ordering::Acquire))
+            {
+                bail!(
+                    "{what}: dropped to make room for newer clients (too many unfinished handshakes)"
+                );
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 bail!("{what}: timed out");
             }
-            if self.cq.wait(&mut buf, Some(left))? == 1 {
+            // In slices, so that an eviction is noticed soon.
+            if self.cq.wait(&mut buf, Some(left.min(EVICT_POLL)))? == 1 {
                 return Ok(buf[0]);
             }
         }
@@ -256,7 +281,17 @@ impl<'a> Transmission<'a> {
 
     fn run(mut self) -> Result<()> {
         let mut buf = [Completion::default(); 32];
+        let mut last_request = Instant::now();
         loop {
+            if let Some(limit) = self.conn.shared.idle_timeout
+                && last_request.elapsed() >= limit
+                && self.pending_write.is_none()
+                && self.free_replies.len() == REPLY_SLOTS
+            {
+                tracing::info!(peer = %self.conn.peer, "closing: idle for {} s (--idle-timeout)", limit.as_secs_f64());
+                self.conn.qp.close();
+                return Ok(());
+            }
             if self.shutdown_since.is_none() && self.conn.shared.shutting_down() {
                 self.shutdown_since = Some(Instant::now());
             }
@@ -293,6 +328,7 @@ impl<'a> Transmission<'a> {
                     }
                     s => bail!("request refused by the NIC ({s:?}): malformed or oversized"),
                 }
+                last_request = Instant::now();
                 let slot = c.wr_id as usize;
                 if !self.on_message(slot, c.byte_len as usize)? {
                     return Ok(());

@@ -59,9 +59,19 @@ struct Cli {
     /// The export a client gets when it asks for the empty name.
     #[arg(long, value_name = "NAME")]
     default_export: Option<String>,
-    /// Refuse connections beyond this many at once.
+    /// Serve at most this many clients at once (default 64); only clients past the NBD
+    /// handshake count, and one more is refused (its connection closed) with a log line.
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
+    /// Connections still in their handshake at once (default 256); a new one beyond this
+    /// drops the oldest, so idle or slow sockets cannot lock clients out. A handshake that
+    /// takes longer than 10 s is dropped in any case.
+    #[arg(long, value_name = "N")]
+    max_handshakes: Option<usize>,
+    /// Close a client's connection after SECS without a request while nothing is in flight
+    /// (default: never). The client sees its server go away, as after a restart.
+    #[arg(long, value_name = "SECS")]
+    idle_timeout: Option<u64>,
     /// Do not answer NBD_OPT_LIST with the export names.
     #[arg(long)]
     no_list: bool,
@@ -216,6 +226,12 @@ fn run(cli: Cli) -> Result<()> {
         ServerOptions {
             listen,
             max_connections: cli.max_connections.or(cfg.max_connections).unwrap_or(64),
+            max_handshakes: cli.max_handshakes.or(cfg.max_handshakes).unwrap_or(256),
+            idle_timeout: match cli.idle_timeout.or(cfg.idle_timeout) {
+                None => None,
+                Some(0) => bail!("--idle-timeout 0: give a number of seconds above 0"),
+                Some(s) => Some(Duration::from_secs(s)),
+            },
             default_export: cfg.default_export.clone(),
             list_exports: cfg.list_exports.unwrap_or(true) && !cli.no_list,
         },
