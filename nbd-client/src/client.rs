@@ -132,6 +132,10 @@ enum Failure {
     Violation(String),
 }
 
+/// The largest export the client accepts: offsets are `off_t` (signed 64-bit) in every file
+/// and block device API.
+const MAX_EXPORT_SIZE: u64 = i64::MAX as u64;
+
 /// Tags of requests the blocking calls issue for themselves.
 const INTERNAL: u64 = 1 << 63;
 
@@ -253,6 +257,17 @@ impl Client {
             });
         };
         let info = neg.export.clone();
+        if info.size > MAX_EXPORT_SIZE {
+            // Files, block devices and every offset we hand to the kernel are signed 64-bit:
+            // such an export cannot be used, whatever it holds (qemu refuses it too).
+            return Err(Error::Protocol {
+                uri: uri.to_string(),
+                why: format!(
+                    "it reports an export of {} bytes, more than the 2^63 - 1 any file or block device can address",
+                    info.size
+                ),
+            });
+        }
         let bs = info.block_size;
         let max = u64::from(bs.max).min(MAX_IO as u64);
         let max_io = round_down(max, u64::from(bs.min)).max(u64::from(bs.min)) as u32;
@@ -614,7 +629,6 @@ impl Client {
         {
             self.last_progress = Instant::now();
             self.stalled_since = None;
-            self.outage = None;
         }
         let mut fault = None;
         for comp in &buf[..n] {
@@ -815,6 +829,8 @@ impl Client {
         let Some(inf) = self.inflight.remove(&cookie) else {
             return;
         };
+        // A whole answer ends an outage; a chunk that never leads to one does not.
+        self.outage = None;
         self.free_slots.push(inf.slot);
         let result = match inf.error {
             Some(e) => Err(e),

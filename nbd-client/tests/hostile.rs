@@ -28,6 +28,10 @@ struct Hostile {
 
 impl Hostile {
     fn start(answer: Answer) -> Hostile {
+        Self::start_sized(SIZE, answer)
+    }
+
+    fn start_sized(size: u64, answer: Answer) -> Hostile {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let accepted = Arc::new(AtomicUsize::new(0));
@@ -38,7 +42,7 @@ impl Hostile {
                 let Ok(s) = s else { return };
                 count.fetch_add(1, Ordering::SeqCst);
                 let answer = answer.clone();
-                std::thread::spawn(move || serve(s, &answer));
+                std::thread::spawn(move || serve(s, size, &answer));
             }
         });
         Hostile { addr, accepted }
@@ -54,8 +58,8 @@ impl Hostile {
 }
 
 /// One connection: an honest handshake, then `answer` for each READ, honest replies else.
-fn serve(mut s: TcpStream, answer: &Answer) {
-    let mut hs = ServerHandshake::new(ServerConfig::new(vec![Export::new("disk", SIZE)]));
+fn serve(mut s: TcpStream, size: u64, answer: &Answer) {
+    let mut hs = ServerHandshake::new(ServerConfig::new(vec![Export::new("disk", size)]));
     let mut out = hs.greeting().to_vec();
     let mut buf = vec![0u8; 64 << 10];
     loop {
@@ -345,4 +349,38 @@ fn honest_replies_in_pieces_still_work() {
     assert!(buf[..1024].iter().all(|&b| b == 0xEE));
     assert!(buf[1024..2048].iter().all(|&b| b == 0));
     assert!(buf[2048..].iter().all(|&b| b == 0xEE));
+}
+
+#[test]
+fn an_export_too_big_to_address_is_refused_at_connect() {
+    let h = Hostile::start_sized(u64::MAX, Box::new(|_| (Vec::new(), false)));
+    let e = Client::connect_with(&h.uri(), options()).unwrap_err();
+    assert!(
+        matches!(e, Error::Protocol { .. }) && e.to_string().contains("18446744073709551615 bytes"),
+        "{e}"
+    );
+}
+
+#[test]
+fn replies_never_marked_done_give_up_at_the_deadline() {
+    // Each connection gets the read's data but never the DONE flag: the client times the
+    // request out and reconnects, but a chunk that never completes a request is no answer,
+    // so the reconnect deadline still ends it.
+    let h = Hostile::start(Box::new(|r| {
+        (
+            data_chunk(r.cookie, false, r.offset, r.length as usize),
+            false,
+        )
+    }));
+    let mut client = Client::connect_with(&h.uri(), options()).unwrap();
+    let mut buf = vec![0u8; 4096];
+    let t = Instant::now();
+    let e = client.read_at(0, &mut buf).unwrap_err();
+    assert!(matches!(e, Error::ConnectionLost { .. }), "{e}");
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert!(h.connections() <= 4, "{} connections", h.connections());
 }
