@@ -41,6 +41,9 @@ pub struct Config {
     /// Seconds without a request after which a connection with nothing in flight is closed.
     #[serde(default)]
     pub idle_timeout: Option<u64>,
+    /// Receive-buffer memory shared by busy connections ("1G").
+    #[serde(default)]
+    pub buffer_memory: Option<String>,
     /// Advertise the list of exports (NBD_OPT_LIST); on by default.
     #[serde(default)]
     pub list_exports: Option<bool>,

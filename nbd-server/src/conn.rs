@@ -27,10 +27,12 @@ use qpip_core::{
 };
 
 use crate::export::Export;
+use crate::recv_window::RecvWindow;
 use crate::server::ServerShared;
 
-/// Receive WRs posted in the transmission phase: requests the client may have in flight
-/// before TCP flow control holds it.
+/// Receive slots a connection may post at most in the transmission phase (how many it does
+/// post: [`RecvWindow`]): requests the client may have in flight before TCP flow control
+/// holds it.
 pub const RECV_SLOTS: usize = 32;
 /// Largest payload piece placed in one receive WR (longer writes arrive in pieces).
 pub const CHUNK: usize = 1 << 20;
@@ -236,10 +238,17 @@ struct Transmission<'a> {
     allocation_ctx: Option<u32>,
     recv_mr: MemoryRegion,
     stride: usize,
+    window: RecvWindow,
     reply_mr: MemoryRegion,
     free_replies: Vec<usize>,
     pending_write: Option<PendingWrite>,
     shutdown_since: Option<Instant>,
+}
+
+impl Drop for Transmission<'_> {
+    fn drop(&mut self) {
+        self.window.release(&self.conn.shared.slot_budget);
+    }
 }
 
 impl<'a> Transmission<'a> {
@@ -253,7 +262,8 @@ impl<'a> Transmission<'a> {
             .shared
             .nic
             .alloc_region(REPLY_SLOTS * REPLY_SLOT_LEN, Access::READ);
-        for slot in 0..RECV_SLOTS {
+        let (window, first) = RecvWindow::new(RECV_SLOTS);
+        for slot in first {
             conn.qp.post_recv(RecvWr::new(
                 slot as u64,
                 &[recv_mr.sge(slot * stride, stride)],
@@ -272,6 +282,7 @@ impl<'a> Transmission<'a> {
             allocation_ctx,
             recv_mr,
             stride,
+            window,
             reply_mr,
             free_replies: (0..REPLY_SLOTS).rev().collect(),
             pending_write: None,
@@ -313,6 +324,8 @@ impl<'a> Transmission<'a> {
             } else {
                 self.conn.stash.drain(..).collect()
             };
+            let arrived = batch.iter().filter(|c| c.opcode != Opcode::Send).count();
+            self.window.arrived(arrived, &self.conn.shared.slot_budget);
             for c in batch {
                 if c.opcode == Opcode::Send {
                     self.on_send(&c)?;
@@ -333,12 +346,21 @@ impl<'a> Transmission<'a> {
                 if !self.on_message(slot, c.byte_len as usize)? {
                     return Ok(());
                 }
-                self.conn.qp.post_recv(RecvWr::new(
-                    c.wr_id,
-                    &[self.recv_mr.sge(slot * self.stride, self.stride)],
-                ))?;
+                let slot = self.window.reuse(slot);
+                self.post_slot(slot)?;
+            }
+            for slot in self.window.top_up() {
+                self.post_slot(slot)?;
             }
         }
+    }
+
+    fn post_slot(&self, slot: usize) -> Result<()> {
+        self.conn.qp.post_recv(RecvWr::new(
+            slot as u64,
+            &[self.recv_mr.sge(slot * self.stride, self.stride)],
+        ))?;
+        Ok(())
     }
 
     fn on_send(&mut self, c: &Completion) -> Result<()> {

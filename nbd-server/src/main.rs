@@ -72,6 +72,11 @@ struct Cli {
     /// (default: never). The client sees its server go away, as after a restart.
     #[arg(long, value_name = "SECS")]
     idle_timeout: Option<u64>,
+    /// Memory for receive buffers shared by busy connections (default 1G). Each connection
+    /// has 4 MiB of its own; one whose client pipelines deeper takes more from this pool, up
+    /// to 32 MiB, and TCP flow control holds clients once it is spent.
+    #[arg(long, value_name = "SIZE")]
+    buffer_memory: Option<String>,
     /// Do not answer NBD_OPT_LIST with the export names.
     #[arg(long)]
     no_list: bool,
@@ -227,6 +232,14 @@ fn run(cli: Cli) -> Result<()> {
             listen,
             max_connections: cli.max_connections.or(cfg.max_connections).unwrap_or(64),
             max_handshakes: cli.max_handshakes.or(cfg.max_handshakes).unwrap_or(256),
+            buffer_memory: match cli
+                .buffer_memory
+                .as_deref()
+                .or(cfg.buffer_memory.as_deref())
+            {
+                Some(s) => parse_size(s).context("--buffer-memory")?,
+                None => 1 << 30,
+            },
             idle_timeout: match cli.idle_timeout.or(cfg.idle_timeout) {
                 None => None,
                 Some(0) => bail!("--idle-timeout 0: give a number of seconds above 0"),

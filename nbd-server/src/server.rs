@@ -18,6 +18,7 @@ use qpip_core::{Listener, Nic, QpAttr};
 use crate::conn::{self, Connection};
 use crate::export::Export;
 use crate::framer::ServerFramer;
+use crate::recv_window::SlotBudget;
 
 /// What the accept loops and connections share.
 pub struct ServerShared {
@@ -34,6 +35,8 @@ pub struct ServerShared {
     max_handshakes: usize,
     pub idle_timeout: Option<Duration>,
     refusals: Mutex<RateLimitedLog>,
+    /// Receive slots connections may take beyond their base ones.
+    pub slot_budget: SlotBudget,
 }
 
 impl ServerShared {
@@ -121,6 +124,9 @@ pub struct ServerOptions {
     pub max_handshakes: usize,
     /// Close a connection with nothing in flight after this long without a request.
     pub idle_timeout: Option<Duration>,
+    /// Bytes of receive buffers that connections may share beyond their base slots (see
+    /// [`crate::recv_window`]).
+    pub buffer_memory: u64,
     pub default_export: Option<String>,
     pub list_exports: bool,
 }
@@ -173,6 +179,10 @@ impl Server {
             max_handshakes: opts.max_handshakes.max(1),
             idle_timeout: opts.idle_timeout,
             refusals: Mutex::new(RateLimitedLog::default()),
+            slot_budget: SlotBudget::new(
+                (opts.buffer_memory / (nbd_proto::consts::REQUEST_LEN + conn::CHUNK) as u64)
+                    as usize,
+            ),
         });
         let connections = Arc::new(Mutex::new(Vec::new()));
         let mut accept_threads = Vec::new();

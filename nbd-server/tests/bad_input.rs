@@ -627,3 +627,26 @@ fn idle_timeout_closes_a_quiet_connection() {
     assert!(srv.log().contains("idle-timeout"), "{}", srv.log());
     srv.assert_alive("after an idle close");
 }
+
+#[test]
+fn one_write_at_a_time_touches_a_few_receive_slots_not_all() {
+    // 64 writes of 1 MiB, one in flight at a time: the connection reuses the slot it just
+    // emptied, so the server's RSS grows by a few MiB, not by its 32 slots of 1 MiB.
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", 64 * MIB);
+    let srv = ServerProcess::start_v4(&["--export".into(), format!("disk={}", img.display())]);
+    let mut s = start(srv.addr);
+    assert_eq!(go(&mut s, "disk"), 64 * MIB);
+    let before = rss(srv.pid);
+    let data = vec![0x5au8; MIB as usize];
+    for i in 0..64u64 {
+        let (e, _) = roundtrip(&mut s, Cmd::Write, i, i * MIB, MIB as u32, &data);
+        assert_eq!(e, None);
+    }
+    let grown = rss(srv.pid).saturating_sub(before);
+    assert!(
+        grown < 12 * MIB,
+        "RSS grew by {} MiB for one write in flight",
+        grown / MIB
+    );
+}
