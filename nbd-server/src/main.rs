@@ -72,7 +72,7 @@ struct Cli {
     /// (default: never). The client sees its server go away, as after a restart.
     #[arg(long, value_name = "SECS")]
     idle_timeout: Option<u64>,
-    /// Memory for receive buffers shared by busy connections (default 1G). Each connection
+    /// Memory for receive buffers shared by busy connections (default 256M). Each connection
     /// has 4 MiB of its own; one whose client pipelines deeper takes more from this pool, up
     /// to 32 MiB, and TCP flow control holds clients once it is spent.
     #[arg(long, value_name = "SIZE")]
@@ -238,7 +238,7 @@ fn run(cli: Cli) -> Result<()> {
                 .or(cfg.buffer_memory.as_deref())
             {
                 Some(s) => parse_size(s).context("--buffer-memory")?,
-                None => 1 << 30,
+                None => 256 << 20,
             },
             idle_timeout: match cli.idle_timeout.or(cfg.idle_timeout) {
                 None => None,
