@@ -164,6 +164,20 @@ impl Connection {
         Ok(())
     }
 
+    /// Waits (until `deadline`) for the handshake replies still being sent, so that their
+    /// memory is not deregistered under the NIC.
+    fn finish_handshake_sends(&mut self, deadline: Instant) {
+        while !self.handshake_sends.is_empty() {
+            match self.wait_one(deadline, "the last handshake reply") {
+                Ok(c) if c.opcode == Opcode::Send => {
+                    self.handshake_sends.remove(&c.wr_id);
+                }
+                Ok(_) => {}
+                Err(_) => return,
+            }
+        }
+    }
+
     fn on_handshake_send(&mut self, c: &Completion) -> Result<()> {
         self.handshake_sends.remove(&c.wr_id);
         if !c.is_ok() {
@@ -214,6 +228,8 @@ impl Connection {
                 }
                 ServerEvent::Abort => {
                     self.send_bytes(&out)?;
+                    // The ACK's memory must outlive its send: the NIC reads it later.
+                    self.finish_handshake_sends(deadline);
                     self.qp.close();
                     return Ok(None);
                 }
