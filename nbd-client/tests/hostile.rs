@@ -295,39 +295,14 @@ fn truncated_replies_reconnect_a_bounded_number_of_times() {
         v.truncate(v.len() / 2);
         (v, true)
     }));
-    let mut client = Client::connect_with(&h.uri(), options()).unwrap();
-    let mut buf = vec![0u8; 4096];
-    let t = Instant::now();
-    let e = client.read_at(0, &mut buf).unwrap_err();
-    assert!(matches!(e, Error::ConnectionLost { .. }), "{e}");
-    assert!(
-        t.elapsed() < Duration::from_secs(8),
-        "took {:?}",
-        t.elapsed()
-    );
     // Exponential back-off from 50 ms within the 2 s deadline: a handful of attempts.
-    assert!(
-        h.connections() <= 8,
-        "{} connections in {:?}",
-        h.connections(),
-        t.elapsed()
-    );
+    read_loses_the_connection_within(&h, Duration::from_secs(8), 8);
 }
 
 #[test]
 fn a_stalled_server_times_out() {
     let h = Hostile::start(Box::new(|_| (Vec::new(), false)));
-    let mut client = Client::connect_with(&h.uri(), options()).unwrap();
-    let mut buf = vec![0u8; 4096];
-    let t = Instant::now();
-    let e = client.read_at(0, &mut buf).unwrap_err();
-    assert!(matches!(e, Error::ConnectionLost { .. }), "{e}");
-    assert!(
-        t.elapsed() < Duration::from_secs(10),
-        "took {:?}",
-        t.elapsed()
-    );
-    assert!(h.connections() <= 4, "{} connections", h.connections());
+    read_loses_the_connection_within(&h, Duration::from_secs(10), 4);
 }
 
 #[test]
@@ -372,15 +347,21 @@ fn replies_never_marked_done_give_up_at_the_deadline() {
             false,
         )
     }));
+    read_loses_the_connection_within(&h, Duration::from_secs(10), 4);
+}
+
+/// A read against `h` ends in `ConnectionLost` within `limit`, after at most `connections`.
+fn read_loses_the_connection_within(h: &Hostile, limit: Duration, connections: usize) {
     let mut client = Client::connect_with(&h.uri(), options()).unwrap();
     let mut buf = vec![0u8; 4096];
     let t = Instant::now();
     let e = client.read_at(0, &mut buf).unwrap_err();
     assert!(matches!(e, Error::ConnectionLost { .. }), "{e}");
+    assert!(t.elapsed() < limit, "took {:?}", t.elapsed());
     assert!(
-        t.elapsed() < Duration::from_secs(10),
-        "took {:?}",
+        h.connections() <= connections,
+        "{} connections in {:?}",
+        h.connections(),
         t.elapsed()
     );
-    assert!(h.connections() <= 4, "{} connections", h.connections());
 }

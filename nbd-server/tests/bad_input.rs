@@ -24,6 +24,16 @@ fn server(dir: &std::path::Path) -> ServerProcess {
     ServerProcess::start_v4(&["--export".into(), format!("disk={}", img.display())])
 }
 
+/// A server on a fresh `SIZE` image "disk", with extra flags.
+fn server_with(flags: &[&str]) -> (tempfile::TempDir, ServerProcess) {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", SIZE);
+    let mut args: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
+    args.extend(["--export".into(), format!("disk={}", img.display())]);
+    let srv = ServerProcess::start_v4(&args);
+    (dir, srv)
+}
+
 fn connect(addr: SocketAddr) -> TcpStream {
     let s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
@@ -482,13 +492,7 @@ fn image_truncated_under_the_server_fails_reads_with_eio_and_keeps_the_connectio
 
 #[test]
 fn read_only_export_answers_eperm_to_every_writing_command() {
-    let dir = tempfile::tempdir().unwrap();
-    let img = image(dir.path(), "disk.img", SIZE);
-    let mut srv = ServerProcess::start_v4(&[
-        "--read-only".into(),
-        "--export".into(),
-        format!("disk={}", img.display()),
-    ]);
+    let (_dir, mut srv) = server_with(&["--read-only"]);
     let mut s = transmission(srv.addr);
     for (cookie, cmd) in [(1, Cmd::Trim), (2, Cmd::WriteZeroes)] {
         let (e, _) = roundtrip(&mut s, cmd, cookie, 0, 4096, &[]);
@@ -515,14 +519,7 @@ fn rss(pid: u32) -> u64 {
 fn idle_sockets_cannot_lock_out_a_client() {
     // 400 sockets that connect and never send a byte (slowloris), against 64 handshake places:
     // the oldest are dropped as new ones come, and a real client still gets in at once.
-    let dir = tempfile::tempdir().unwrap();
-    let img = image(dir.path(), "disk.img", SIZE);
-    let mut srv = ServerProcess::start_v4(&[
-        "--max-handshakes".into(),
-        "64".into(),
-        "--export".into(),
-        format!("disk={}", img.display()),
-    ]);
+    let (_dir, mut srv) = server_with(&["--max-handshakes", "64"]);
     let idle: Vec<TcpStream> = (0..400).map(|_| connect(srv.addr)).collect();
     let t = Instant::now();
     let mut s = transmission(srv.addr);
@@ -550,14 +547,7 @@ fn idle_sockets_cannot_lock_out_a_client() {
 
 #[test]
 fn max_connections_counts_clients_past_the_handshake() {
-    let dir = tempfile::tempdir().unwrap();
-    let img = image(dir.path(), "disk.img", SIZE);
-    let mut srv = ServerProcess::start_v4(&[
-        "--max-connections".into(),
-        "2".into(),
-        "--export".into(),
-        format!("disk={}", img.display()),
-    ]);
+    let (_dir, mut srv) = server_with(&["--max-connections", "2"]);
     // Unfinished handshakes do not take places.
     let _pending: Vec<TcpStream> = (0..5).map(|_| start(srv.addr)).collect();
     let a = transmission(srv.addr);
@@ -604,14 +594,7 @@ fn max_connections_counts_clients_past_the_handshake() {
 
 #[test]
 fn idle_timeout_closes_a_quiet_connection() {
-    let dir = tempfile::tempdir().unwrap();
-    let img = image(dir.path(), "disk.img", SIZE);
-    let mut srv = ServerProcess::start_v4(&[
-        "--idle-timeout".into(),
-        "1".into(),
-        "--export".into(),
-        format!("disk={}", img.display()),
-    ]);
+    let (_dir, mut srv) = server_with(&["--idle-timeout", "1"]);
     let mut s = transmission(srv.addr);
     let (e, _) = roundtrip(&mut s, Cmd::Read, 1, 0, 512, &[]);
     assert_eq!(e, None);
