@@ -207,3 +207,21 @@ fn sweep_runs_at_a_tiny_size() {
         "{v}"
     );
 }
+
+#[test]
+fn a_plot_dir_that_cannot_be_written_fails_before_the_run_in_one_line() {
+    for sub in ["ext2", "sweep"] {
+        let t = std::time::Instant::now();
+        let out = Command::new(env!("CARGO_BIN_EXE_qpip-bench"))
+            .args(["nbd", sub, "--plot-dir", "/nonexistent/plots"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{sub}: {stderr}");
+        assert!(
+            stderr.trim().lines().count() == 1 && stderr.contains("/nonexistent/plots"),
+            "{sub}: {stderr}"
+        );
+        assert!(t.elapsed().as_secs() < 10, "{sub} ran before checking");
+    }
+}
