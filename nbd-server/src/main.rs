@@ -105,10 +105,28 @@ fn demo_image() -> Result<Image> {
 
 const DEMO_SIZE: u64 = 64 << 20;
 
+/// `--log`: a level, or tracing directives (`nbd_server=debug,info`); anything else would
+/// silently turn logging off.
+fn log_filter(value: &str) -> Result<tracing_subscriber::EnvFilter> {
+    use tracing_subscriber::filter::LevelFilter;
+    let ok = value.parse::<LevelFilter>().is_ok() || value.contains('=');
+    match tracing_subscriber::EnvFilter::try_new(value) {
+        Ok(f) if ok => Ok(f),
+        _ => bail!(
+            "--log {value:?}: give a level (error, warn, info, debug, trace) or directives like nbd_server=debug"
+        ),
+    }
+}
+
 fn main() {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log));
+    let filter = match tracing_subscriber::EnvFilter::try_from_default_env() {
+        Ok(f) => f,
+        Err(_) => log_filter(&cli.log).unwrap_or_else(|e| {
+            eprintln!("qpip-nbd-server: {e}");
+            std::process::exit(2);
+        }),
+    };
     use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -200,6 +218,12 @@ fn run(cli: Cli) -> Result<()> {
             _ if demo => Ok(demo_image()?),
             Some(size) if !e.path.exists() => {
                 let size = parse_size(size)?;
+                if size == 0 {
+                    bail!(
+                        "export {}: --create 0: an export needs at least one byte",
+                        e.name
+                    );
+                }
                 Image::create(&e.path, size).with_context(|| {
                     format!(
                         "export {}: creating {} ({size} bytes)",
@@ -211,7 +235,33 @@ fn run(cli: Cli) -> Result<()> {
             }
             _ => Image::open(&e.path, read_only),
         }
-        .with_context(|| format!("export {}: opening {}", e.name, e.path.display()))?;
+        .map_err(|err| {
+            // A read-only file or file system: say how to serve it anyway.
+            let hint = match err.raw_os_error() {
+                Some(libc::EROFS | libc::EACCES | libc::EPERM) if !read_only => {
+                    " (to export it read-only, add --read-only)"
+                }
+                _ => "",
+            };
+            anyhow::Error::new(err).context(format!(
+                "export {}: opening {}{hint}",
+                e.name,
+                e.path.display()
+            ))
+        })?;
+        if let Some(size) = create
+            && !demo
+        {
+            let size = parse_size(size)?;
+            if image.size() != size {
+                bail!(
+                    "export {}: {} has {} bytes, not the {size} that --create asks for (drop --create to serve it as it is)",
+                    e.name,
+                    e.path.display(),
+                    image.size()
+                );
+            }
+        }
         tracing::info!(export = %e.name, "{} ({} bytes{})", e.path.display(), image.size(), if read_only { ", read-only" } else { "" });
         exports.push(Export::new(
             &nic,

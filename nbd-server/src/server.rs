@@ -190,7 +190,7 @@ impl Server {
         for addr in &opts.listen {
             let listener = nic.listen(*addr)?; // the error names the address
             local.push(listener.local_addr());
-            tracing::info!("listening on {}", listener.local_addr());
+            tracing::debug!("listening on {}", listener.local_addr()); // main prints it
             let shared = shared.clone();
             let connections = connections.clone();
             accept_threads.push(
