@@ -207,6 +207,11 @@ fn run(cli: Cli) -> Result<()> {
     let backend = cli.backend.backend(Some(DEFAULT_SERVER_NODE))?;
     let nic = Nic::open(backend)
         .with_context(|| format!("starting the {} NIC", cli.backend.backend.name()))?;
+    // Bound before any image is opened or created: an address in use fails first.
+    let listen = listen
+        .iter()
+        .map(|a| nic.listen(*a)) // the error names the address
+        .collect::<Result<Vec<_>, _>>()?;
     let mut exports = Vec::new();
     for e in &cfg.exports {
         if exports.iter().any(|x: &Arc<Export>| x.name == e.name) {

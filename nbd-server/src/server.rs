@@ -117,7 +117,9 @@ impl RateLimitedLog {
 }
 
 pub struct ServerOptions {
-    pub listen: Vec<SocketAddr>,
+    /// Where to accept clients: bound before the images are opened, so that an address in
+    /// use is reported before any image is touched.
+    pub listen: Vec<Listener>,
     /// Clients served at once (past the handshake); more are refused after their handshake.
     pub max_connections: usize,
     /// Connections in their handshake at once; a new one beyond this drops the oldest.
@@ -187,9 +189,9 @@ impl Server {
         let connections = Arc::new(Mutex::new(Vec::new()));
         let mut accept_threads = Vec::new();
         let mut local = Vec::new();
-        for addr in &opts.listen {
-            let listener = nic.listen(*addr)?; // the error names the address
-            local.push(listener.local_addr());
+        for listener in opts.listen {
+            let addr = listener.local_addr();
+            local.push(addr);
             tracing::debug!("listening on {}", listener.local_addr()); // main prints it
             let shared = shared.clone();
             let connections = connections.clone();

@@ -97,3 +97,21 @@ fn an_image_on_a_read_only_file_system_suggests_read_only() {
     );
     drop(img);
 }
+
+#[test]
+fn an_address_in_use_fails_before_any_image_is_created() {
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("new.img");
+    let spec = format!("disk={}", img.display());
+    refused(
+        &["--export", &spec, "--create", "1M", "--listen", &addr],
+        1,
+        &[&addr, "in use"],
+    );
+    assert!(
+        !img.exists(),
+        "the image was created before the address was tried"
+    );
+}
