@@ -36,16 +36,25 @@ use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
         qemu-img info nbd://127.0.0.1/disk"
 )]
 struct Cli {
-    /// Address to listen on, ADDR:PORT (IPv6 in brackets); repeat for several.
-    /// Default: [::1]:10809 and 127.0.0.1:10809; with --backend lanai, the node's
-    /// fabric address, [fd00:4c41:4e41::1]:10809 for node "server".
+    /// Address to listen on: ADDR:PORT (IPv6 in brackets), HOST:PORT, HOST (port 10809) or a
+    /// bare PORT (the default addresses); repeat for several. Default: [::1]:10809 and
+    /// 127.0.0.1:10809; with --backend lanai, the node's fabric address,
+    /// [fd00:4c41:4e41::1]:10809 for node "server".
     #[arg(short, long, value_name = "ADDR:PORT")]
     listen: Vec<String>,
+    /// The port, as qemu-nbd and nbdkit spell it: for every --bind address, or for the
+    /// default addresses.
+    #[arg(short, long, value_name = "PORT")]
+    port: Option<u16>,
+    /// An address or host name to listen on at --port (default 10809), as qemu-nbd and
+    /// nbdkit spell it; repeat for several.
+    #[arg(short, long, value_name = "ADDR")]
+    bind: Vec<String>,
     /// An export: NAME=PATH of an image file or block device; repeat for several.
     #[arg(short, long, value_name = "NAME=PATH")]
     export: Vec<String>,
     /// A TOML configuration file (see configs/server.toml); flags add to it.
-    #[arg(short, long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Export every image read-only.
     #[arg(short, long)]
@@ -54,7 +63,7 @@ struct Cli {
     #[arg(long, value_name = "SIZE")]
     create: Option<String>,
     /// A description for an export, shown by `nbdinfo --list`: NAME=TEXT.
-    #[arg(short, long, value_name = "NAME=TEXT")]
+    #[arg(long, value_name = "NAME=TEXT")]
     description: Vec<String>,
     /// The export a client gets when it asks for the empty name.
     #[arg(long, value_name = "NAME")]
@@ -176,10 +185,22 @@ fn run(cli: Cli) -> Result<()> {
         cfg.default_export.get_or_insert_with(|| "demo".into());
     }
     let lanai_addr = cli.backend.lanai_addr(DEFAULT_SERVER_NODE)?;
+    let port = cli.port.unwrap_or(nbd_server::config::DEFAULT_PORT);
+    if cli.port.is_some() && !cli.listen.is_empty() {
+        bail!("--port goes with --bind or the default addresses; --listen names its own port");
+    }
+    for b in &cli.bind {
+        let host = if b.contains(':') && !b.starts_with('[') {
+            format!("[{b}]") // a bare IPv6 address
+        } else {
+            b.clone()
+        };
+        cfg.listen.push(format!("{host}:{port}"));
+    }
     if cfg.listen.is_empty() {
         cfg.listen = match lanai_addr {
-            Some(a) => vec![format!("[{a}]:10809")],
-            None => vec!["[::1]:10809".into(), "127.0.0.1:10809".into()],
+            Some(a) => vec![format!("[{a}]:{port}")],
+            None => vec![port.to_string()],
         };
     }
     if let Some(d) = cli.default_export.clone() {
@@ -192,11 +213,14 @@ fn run(cli: Cli) -> Result<()> {
     }
 
     // Addresses are checked before any image is opened or created.
-    let listen = cfg
-        .listen
-        .iter()
-        .map(|s| parse_listen(s))
-        .collect::<Result<Vec<_>>>()?;
+    let mut listen = Vec::new();
+    for s in &cfg.listen {
+        for a in parse_listen(s)? {
+            if !listen.contains(&a) {
+                listen.push(a);
+            }
+        }
+    }
     if let Some(node) = lanai_addr
         && let Some(v4) = listen.iter().find(|a| a.is_ipv4())
     {

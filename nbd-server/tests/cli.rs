@@ -115,3 +115,27 @@ fn an_address_in_use_fails_before_any_image_is_created() {
         "the image was created before the address was tried"
     );
 }
+
+#[test]
+fn port_bind_and_bare_port_listen_like_qemu_nbd() {
+    let port = |p: std::net::TcpListener| p.local_addr().unwrap().port();
+    // Free ports: bind, read, release (the server binds them a moment later).
+    let (a, b) = (
+        port(std::net::TcpListener::bind("127.0.0.1:0").unwrap()),
+        port(std::net::TcpListener::bind("127.0.0.1:0").unwrap()),
+    );
+    let srv = ServerProcess::start(
+        "",
+        &["-b".into(), "localhost".into(), "-p".into(), a.to_string()],
+    );
+    assert_eq!(srv.addr.port(), a);
+    assert!(srv.addr.ip().is_loopback());
+    drop(srv);
+    let srv = ServerProcess::start(&b.to_string(), &[]);
+    assert_eq!(srv.addr.port(), b);
+    drop(srv);
+    // -c and -d no longer mean --config and --description (qemu-nbd's connect/disconnect).
+    let out = Command::new(BIN).args(["-c", "x.toml"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unexpected argument '-c'"));
+}
