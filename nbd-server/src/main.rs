@@ -59,6 +59,11 @@ struct Cli {
     /// Export every image read-only.
     #[arg(short, long)]
     read_only: bool,
+    /// Take no image locks (qemu's -U): serve an image that qemu or another server has open.
+    /// Without it, a writable export is refused while anyone else uses the image, and a
+    /// read-only one while anyone writes it, as qemu-nbd does.
+    #[arg(short = 'U', long)]
+    force_share: bool,
     /// Create missing images, sparse, with this size (e.g. 1G, 512M).
     #[arg(long, value_name = "SIZE")]
     create: Option<String>,
@@ -278,6 +283,11 @@ fn run(cli: Cli) -> Result<()> {
                 e.path.display()
             ))
         })?;
+        if !demo && !cli.force_share {
+            image
+                .lock()
+                .with_context(|| format!("export {}: {}", e.name, e.path.display()))?;
+        }
         if let Some(size) = create
             && !demo
         {

@@ -139,3 +139,43 @@ fn port_bind_and_bare_port_listen_like_qemu_nbd() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("unexpected argument '-c'"));
 }
+
+#[test]
+fn images_are_locked_the_way_qemu_locks_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", 1 << 20);
+    let spec = format!("disk={}", img.display());
+    let writer = ServerProcess::start_v4(&["--export".into(), spec.clone()]);
+    // A second writer and a reader are refused while the first writes.
+    refused(
+        &["--export", &spec, "--listen", "127.0.0.1:0"],
+        1,
+        &["disk.img", "in use", "--force-share"],
+    );
+    refused(
+        &["-r", "--export", &spec, "--listen", "127.0.0.1:0"],
+        1,
+        &["disk.img", "in use"],
+    );
+    // ... unless told to share.
+    let shared = ServerProcess::start_v4(&["-U".into(), "--export".into(), spec.clone()]);
+    drop(shared);
+    // qemu sees our locks.
+    if require(&["qemu-io"]) {
+        let out = run_with_timeout(
+            Command::new("qemu-io").args(["-f", "raw", "-c", "read 0 512", img.to_str().unwrap()]),
+            std::time::Duration::from_secs(20),
+        );
+        assert!(!out.status.success());
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("lock"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    drop(writer);
+    // Readers share with readers.
+    let r1 = ServerProcess::start_v4(&["-r".into(), "--export".into(), spec.clone()]);
+    let r2 = ServerProcess::start_v4(&["-r".into(), "--export".into(), spec.clone()]);
+    drop((r1, r2));
+}
