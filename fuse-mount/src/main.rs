@@ -299,7 +299,7 @@ fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
         writeback_cache: !cli.no_writeback_cache,
         read_only: caps.read_only,
     };
-    let session = match Session::init(dev, fs, nic.clone(), config) {
+    let mut session = match Session::init(dev, fs, nic.clone(), config) {
         Ok(s) => s,
         Err(e) => {
             let _ = mountpoint::unmount(mnt);
@@ -308,20 +308,21 @@ fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
             );
         }
     };
-    let started = &session.started;
-    if let Some(why) = &started.fallback {
+    if let Some(why) = &session.started.fallback {
         tracing::warn!("FUSE over /dev/fuse instead of io_uring: {why}");
     }
-    if cli.read_ahead_kb > 0 {
-        match mount::device_of(mnt) {
-            Some(d) => {
-                if let Err(e) = mount::set_read_ahead(d, cli.read_ahead_kb) {
-                    tracing::warn!("setting the read-ahead window: {e}");
-                }
+    match mount::device_of(mnt) {
+        Some(d) => {
+            session.set_device(d);
+            if cli.read_ahead_kb > 0
+                && let Err(e) = mount::set_read_ahead(d, cli.read_ahead_kb)
+            {
+                tracing::warn!("setting the read-ahead window: {e}");
             }
-            None => tracing::warn!("{}: no device number in mountinfo", mnt.display()),
         }
+        None => tracing::warn!("{}: no device number in mountinfo", mnt.display()),
     }
+    let started = &session.started;
     tracing::info!(
         %uri,
         file = %mnt.join(&name).display(),
@@ -347,6 +348,13 @@ fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
     match Arc::try_unwrap(backend) {
         Ok(b) => b.close(),
         Err(_) => tracing::warn!("connections still in use at exit"),
+    }
+    if result.is_err() && mountpoint::is_mount_point(mnt).unwrap_or(false) {
+        // An aborted connection leaves a dead mount behind (ENOTCONN): take it away.
+        // SAFETY: a valid NUL-terminated path.
+        if let Ok(c) = std::ffi::CString::new(mnt.as_os_str().as_encoded_bytes()) {
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        }
     }
     result.with_context(|| format!("serving {}", mnt.display()))?;
     tracing::info!(mountpoint = %mnt.display(), "unmounted");

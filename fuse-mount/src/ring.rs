@@ -70,6 +70,8 @@ fn possible_cpus(list: &str) -> Option<usize> {
 /// One ring entry with its io_uring, ready to register.
 pub struct Entry {
     ring: IoUring<squeue::Entry128>,
+    /// Created disabled: the serving thread enables it (and so becomes its only issuer).
+    disabled: bool,
     mr: MemoryRegion,
     qid: u16,
     payload_len: usize,
@@ -84,7 +86,20 @@ impl Entry {
     /// Sets up an entry for queue `qid` whose payload holds `payload_len` bytes (at least the
     /// kernel's max(max_write, max_pages × page size)). Fails where io_uring is not allowed.
     pub fn new(nic: &Nic, qid: u16, payload_len: usize) -> io::Result<Entry> {
-        let ring = IoUring::<squeue::Entry128>::builder().build(4)?;
+        // One thread submits and waits on this ring: the kernel's work for it (copying the
+        // next request into the entry) can wait until that thread asks for completions,
+        // instead of interrupting it (DEFER_TASKRUN, Linux 6.1+; plain setup otherwise). A
+        // single-issuer ring belongs to the task that enables it, so it is created disabled
+        // here and enabled by the entry's thread.
+        let (ring, disabled) = match IoUring::<squeue::Entry128>::builder()
+            .setup_single_issuer()
+            .setup_defer_taskrun()
+            .setup_r_disabled()
+            .build(4)
+        {
+            Ok(r) => (r, true),
+            Err(_) => (IoUring::<squeue::Entry128>::builder().build(4)?, false),
+        };
         let mr = nic.alloc_region(PAYLOAD + payload_len, Access::READ_WRITE);
         let iov = Box::new([
             libc::iovec {
@@ -99,6 +114,7 @@ impl Entry {
         ]);
         Ok(Entry {
             ring,
+            disabled,
             mr,
             qid,
             payload_len,
@@ -149,9 +165,17 @@ impl Entry {
         }
     }
 
-    /// Registers the entry and serves requests until the connection ends. Err: REGISTER
-    /// failed (the kernel then serves everything over /dev/fuse) or a commit failed.
+    /// Registers the entry and serves requests until the connection ends. Err: the entry
+    /// could not be registered or a commit failed. The kernel holds every request until all
+    /// queues have entries, so an entry that never registers must end the connection (the
+    /// caller aborts it).
     pub fn serve(mut self, fd: RawFd, fs: &NbdFs) -> io::Result<()> {
+        if self.disabled {
+            self.ring
+                .submitter()
+                .register_enable_rings()
+                .map_err(|e| io::Error::new(e.kind(), format!("enabling the io_uring: {e}")))?;
+        }
         let reg = self.command(fd, abi::IO_URING_CMD_REGISTER, 0);
         let mut got = self
             .submit_wait(&reg)

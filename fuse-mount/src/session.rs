@@ -110,6 +110,8 @@ pub struct Session {
     nic: Nic,
     entries: Vec<ring::Entry>,
     config: Config,
+    /// The mount's device (major, minor), to abort the connection if the ring fails.
+    device: Option<(u32, u32)>,
     pub started: Started,
 }
 
@@ -201,6 +203,7 @@ impl Session {
             nic,
             entries,
             config,
+            device: None,
             started: Started {
                 uring,
                 agreed,
@@ -209,16 +212,37 @@ impl Session {
         })
     }
 
+    /// The mount's device number: a ring failure then aborts the connection instead of
+    /// leaving the kernel waiting for the ring forever.
+    pub fn set_device(&mut self, dev: (u32, u32)) {
+        self.device = Some(dev);
+    }
+
     /// Serves until the file system is unmounted.
     pub fn run(self) -> io::Result<()> {
         let mut handles = Vec::new();
+        let device = self.device;
         for (i, e) in self.entries.into_iter().enumerate() {
             let fd = self.fd.clone();
             let fs = self.fs.clone();
             handles.push(
                 std::thread::Builder::new()
                     .name(format!("fuse-ring-{i}"))
-                    .spawn(move || e.serve(fd.as_raw_fd(), &fs))?,
+                    .spawn(move || {
+                        let r = e.serve(fd.as_raw_fd(), &fs);
+                        if let Err(err) = &r {
+                            tracing::error!("FUSE io_uring: {err}; aborting the connection");
+                            match device {
+                                Some(d) => {
+                                    if let Err(e) = crate::mount::abort_connection(d) {
+                                        tracing::error!("aborting the FUSE connection: {e}");
+                                    }
+                                }
+                                None => tracing::error!("no device number to abort"),
+                            }
+                        }
+                        r
+                    })?,
             );
         }
         // On the ring only FORGET and INTERRUPT use /dev/fuse, and its readers see the end.
