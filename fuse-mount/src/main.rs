@@ -317,7 +317,12 @@ fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
             if cli.read_ahead_kb > 0
                 && let Err(e) = mount::set_read_ahead(d, cli.read_ahead_kb)
             {
-                tracing::warn!("setting the read-ahead window: {e}");
+                // SAFETY: plain getter.
+                if unsafe { libc::geteuid() } == 0 {
+                    tracing::warn!("setting the read-ahead window: {e}");
+                } else {
+                    tracing::info!("the read-ahead window stays the kernel's ({e}; needs root)");
+                }
             }
         }
         None => tracing::warn!("{}: no device number in mountinfo", mnt.display()),
