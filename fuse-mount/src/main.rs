@@ -299,7 +299,7 @@ fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
         writeback_cache: !cli.no_writeback_cache,
         read_only: caps.read_only,
     };
-    let mut session = match Session::init(dev, fs, nic.clone(), config) {
+    let session = match Session::init(dev, fs, nic.clone(), config) {
         Ok(s) => s,
         Err(e) => {
             let _ = mountpoint::unmount(mnt);
@@ -313,7 +313,6 @@ fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
     }
     match mount::device_of(mnt) {
         Some(d) => {
-            session.set_device(d);
             if cli.read_ahead_kb > 0
                 && let Err(e) = mount::set_read_ahead(d, cli.read_ahead_kb)
             {
@@ -353,13 +352,6 @@ fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
     match Arc::try_unwrap(backend) {
         Ok(b) => b.close(),
         Err(_) => tracing::warn!("connections still in use at exit"),
-    }
-    if result.is_err() && mountpoint::is_mount_point(mnt).unwrap_or(false) {
-        // An aborted connection leaves a dead mount behind (ENOTCONN): take it away.
-        // SAFETY: a valid NUL-terminated path.
-        if let Ok(c) = std::ffi::CString::new(mnt.as_os_str().as_encoded_bytes()) {
-            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-        }
     }
     result.with_context(|| format!("serving {}", mnt.display()))?;
     tracing::info!(mountpoint = %mnt.display(), "unmounted");

@@ -179,13 +179,3 @@ pub fn set_read_ahead(dev: (u32, u32), kb: u32) -> io::Result<()> {
     let p = format!("/sys/class/bdi/{}:{}/read_ahead_kb", dev.0, dev.1);
     std::fs::write(&p, format!("{kb}\n")).map_err(|e| io::Error::other(format!("{p}: {e}")))
 }
-
-/// Aborts the FUSE connection of the mount with device `dev`
-/// (/sys/fs/fuse/connections/N/abort): every request waiting fails with ENOTCONN and the
-/// mount's threads see the end. For when the connection cannot be served.
-pub fn abort_connection(dev: (u32, u32)) -> io::Result<()> {
-    // The kernel names the connection by its dev_t ((major << 20) | minor).
-    let id = (u64::from(dev.0) << 20) | u64::from(dev.1);
-    let p = format!("/sys/fs/fuse/connections/{id}/abort");
-    std::fs::write(&p, "1").map_err(|e| io::Error::other(format!("{p}: {e}")))
-}

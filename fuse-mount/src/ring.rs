@@ -5,7 +5,8 @@
 //! Its completion brings a request; one COMMIT_AND_FETCH submission then both answers it and
 //! takes the next.
 //!
-//! Here every entry has its own thread and its own small io_uring, so a request that waits
+//! Here every entry has its own thread and its own small io_uring (set up by that thread,
+//! checked before INIT is answered), so a request that waits
 //! for the server blocks nothing else; the kernel copies a request into an entry in the task
 //! that submitted the entry's command, which is that thread. Each entry lives in one
 //! registered memory region: the header area, then the payload, where the kernel puts WRITE
@@ -70,8 +71,6 @@ fn possible_cpus(list: &str) -> Option<usize> {
 /// One ring entry with its io_uring, ready to register.
 pub struct Entry {
     ring: IoUring<squeue::Entry128>,
-    /// Created disabled: the serving thread enables it (and so becomes its only issuer).
-    disabled: bool,
     mr: MemoryRegion,
     qid: u16,
     payload_len: usize,
@@ -79,27 +78,20 @@ pub struct Entry {
     iov: Box<[libc::iovec; 2]>,
 }
 
-// SAFETY: the iovecs point into the entry's own region, which moves with it.
-unsafe impl Send for Entry {}
-
 impl Entry {
     /// Sets up an entry for queue `qid` whose payload holds `payload_len` bytes (at least the
-    /// kernel's max(max_write, max_pages × page size)). Fails where io_uring is not allowed.
+    /// kernel's max(max_write, max_pages × page size)), to be served by the calling thread.
+    /// Fails where io_uring is not allowed.
     pub fn new(nic: &Nic, qid: u16, payload_len: usize) -> io::Result<Entry> {
-        // One thread submits and waits on this ring: the kernel's work for it (copying the
-        // next request into the entry) can wait until that thread asks for completions,
-        // instead of interrupting it (DEFER_TASKRUN, Linux 6.1+; plain setup otherwise). A
-        // single-issuer ring belongs to the task that enables it, so it is created disabled
-        // here and enabled by the entry's thread.
-        let (ring, disabled) = match IoUring::<squeue::Entry128>::builder()
+        // One thread (the caller's: a single-issuer ring belongs to the task that creates
+        // it) submits and waits on this ring: the kernel's work for it (copying the next
+        // request into the entry) can wait until that thread asks for completions, instead
+        // of interrupting it (DEFER_TASKRUN, Linux 6.1+; plain setup otherwise).
+        let ring = IoUring::<squeue::Entry128>::builder()
             .setup_single_issuer()
             .setup_defer_taskrun()
-            .setup_r_disabled()
             .build(4)
-        {
-            Ok(r) => (r, true),
-            Err(_) => (IoUring::<squeue::Entry128>::builder().build(4)?, false),
-        };
+            .or_else(|_| IoUring::<squeue::Entry128>::builder().build(4))?;
         let mr = nic.alloc_region(PAYLOAD + payload_len, Access::READ_WRITE);
         let iov = Box::new([
             libc::iovec {
@@ -112,14 +104,18 @@ impl Entry {
                 iov_len: payload_len,
             },
         ]);
-        Ok(Entry {
+        let mut e = Entry {
             ring,
-            disabled,
             mr,
             qid,
             payload_len,
             iov,
-        })
+        };
+        // A no-op round trip: the ring works for this thread (seccomp filters and
+        // io_uring_disabled let io_uring_setup succeed and fail later, or fail at once).
+        let nop = squeue::Entry128::from(opcode::Nop::new().build().user_data(0));
+        e.submit_wait(&nop)?;
+        Ok(e)
     }
 
     fn command(&self, fd: RawFd, cmd_op: u32, commit_id: u64) -> squeue::Entry128 {
@@ -166,16 +162,9 @@ impl Entry {
     }
 
     /// Registers the entry and serves requests until the connection ends. Err: the entry
-    /// could not be registered or a commit failed. The kernel holds every request until all
-    /// queues have entries, so an entry that never registers must end the connection (the
-    /// caller aborts it).
+    /// could not be registered (the kernel then goes back to /dev/fuse for every request) or
+    /// a commit failed.
     pub fn serve(mut self, fd: RawFd, fs: &NbdFs) -> io::Result<()> {
-        if self.disabled {
-            self.ring
-                .submitter()
-                .register_enable_rings()
-                .map_err(|e| io::Error::new(e.kind(), format!("enabling the io_uring: {e}")))?;
-        }
         let reg = self.command(fd, abi::IO_URING_CMD_REGISTER, 0);
         let mut got = self
             .submit_wait(&reg)

@@ -3,7 +3,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::Arc;
+use std::sync::{Arc, mpsc};
 
 use qpip_core::Nic;
 
@@ -108,11 +108,106 @@ pub struct Session {
     fd: Arc<OwnedFd>,
     fs: Arc<NbdFs>,
     nic: Nic,
-    entries: Vec<ring::Entry>,
+    /// The ring entries' threads, waiting to register until [`Session::run`] (the kernel
+    /// holds requests until then).
+    rings: Option<RingThreads>,
     config: Config,
-    /// The mount's device (major, minor), to abort the connection if the ring fails.
-    device: Option<(u32, u32)>,
     pub started: Started,
+}
+
+/// The threads of the ring entries, each with its entry set up and checked, waiting for the
+/// word to register (true) or to end (false).
+struct RingThreads {
+    handles: Vec<std::thread::JoinHandle<io::Result<()>>>,
+    go: Vec<mpsc::Sender<bool>>,
+}
+
+impl RingThreads {
+    /// Starts `per_queue` entries on every queue. Err: some entry could not be set up (the
+    /// others are stopped).
+    fn start(
+        fd: &Arc<OwnedFd>,
+        fs: &Arc<NbdFs>,
+        nic: &Nic,
+        per_queue: usize,
+    ) -> Result<RingThreads, String> {
+        let payload = MAX_IO as usize + 4096;
+        let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+        let mut t = RingThreads {
+            handles: Vec::new(),
+            go: Vec::new(),
+        };
+        for qid in 0..ring::queue_count() {
+            for k in 0..per_queue.max(1) {
+                let (go_tx, go_rx) = mpsc::channel::<bool>();
+                let (fd, fs, nic, ready) = (fd.clone(), fs.clone(), nic.clone(), ready_tx.clone());
+                let spawned = std::thread::Builder::new()
+                    .name(format!("fuse-ring-{qid}.{k}"))
+                    .spawn(move || {
+                        let entry = match ring::Entry::new(&nic, qid as u16, payload) {
+                            Ok(e) => {
+                                let _ = ready.send(Ok(()));
+                                e
+                            }
+                            Err(e) => {
+                                let _ = ready.send(Err(e.to_string()));
+                                return Ok(());
+                            }
+                        };
+                        drop(ready);
+                        if go_rx.recv() != Ok(true) {
+                            return Ok(());
+                        }
+                        // A failed REGISTER sends the kernel back to /dev/fuse, whose
+                        // readers carry on; either way the mount keeps being served.
+                        if let Err(e) = entry.serve(fd.as_raw_fd(), &fs) {
+                            tracing::warn!("FUSE io_uring entry {qid}.{k} stopped: {e}");
+                        }
+                        Ok(())
+                    });
+                match spawned {
+                    Ok(h) => {
+                        t.handles.push(h);
+                        t.go.push(go_tx);
+                    }
+                    Err(e) => {
+                        t.stop();
+                        return Err(format!("starting a ring thread: {e}"));
+                    }
+                }
+            }
+        }
+        drop(ready_tx);
+        let mut result = Ok(());
+        for r in ready_rx.iter().take(t.handles.len()) {
+            if let Err(e) = r {
+                result = Err(e);
+            }
+        }
+        match result {
+            Ok(()) => Ok(t),
+            Err(e) => {
+                t.stop();
+                Err(e)
+            }
+        }
+    }
+
+    fn stop(self) {
+        for g in &self.go {
+            let _ = g.send(false);
+        }
+        for h in self.handles {
+            let _ = h.join();
+        }
+    }
+
+    fn go(self) -> Vec<std::thread::JoinHandle<io::Result<()>>> {
+        for g in &self.go {
+            let _ = g.send(true);
+        }
+        self.handles
+    }
 }
 
 fn init_error(what: String) -> io::Error {
@@ -122,6 +217,7 @@ fn init_error(what: String) -> io::Error {
 impl Session {
     /// Reads the kernel's INIT from `fd` and answers it.
     pub fn init(fd: OwnedFd, fs: Arc<NbdFs>, nic: Nic, config: Config) -> io::Result<Session> {
+        let fd = Arc::new(fd);
         let buf = dev::buffer(&nic);
         let (h, init) = loop {
             let Some(n) = dev::read_message(fd.as_raw_fd(), &buf)? else {
@@ -142,23 +238,15 @@ impl Session {
             }
         };
         let kernel_offers = proto::offers_io_uring(&init);
-        // Rings are set up before INIT is answered: once the kernel is told io_uring, it
-        // holds every request until all queues have entries.
-        let mut entries = Vec::new();
+        // Rings are set up (each by the thread that will serve it) before INIT is answered:
+        // once the kernel is told io_uring, it holds every request until all queues have
+        // entries.
+        let mut rings = None;
         let mut ring_ok = Ok(());
         if config.transport != Transport::Dev && kernel_offers {
-            let payload = MAX_IO as usize + 4096;
-            'setup: for qid in 0..ring::queue_count() {
-                for _ in 0..config.ring_depth.max(1) {
-                    match ring::Entry::new(&nic, qid as u16, payload) {
-                        Ok(e) => entries.push(e),
-                        Err(e) => {
-                            ring_ok = Err(e.to_string());
-                            entries.clear();
-                            break 'setup;
-                        }
-                    }
-                }
+            match RingThreads::start(&fd, &fs, &nic, config.ring_depth) {
+                Ok(t) => rings = Some(t),
+                Err(e) => ring_ok = Err(e),
             }
         }
         let (uring, fallback) = match decide(
@@ -170,6 +258,9 @@ impl Session {
             Ok(x) => x,
             Err(why) => {
                 dev::reply(fd.as_raw_fd(), h.unique, Err(libc::EPROTO));
+                if let Some(t) = rings {
+                    t.stop();
+                }
                 return Err(init_error(format!("--fuse-transport uring: {why}")));
             }
         };
@@ -185,6 +276,9 @@ impl Session {
             Ok(a) => a,
             Err(e) => {
                 dev::reply(fd.as_raw_fd(), h.unique, Err(libc::EPROTO));
+                if let Some(t) = rings {
+                    t.stop();
+                }
                 return Err(init_error(e.to_string()));
             }
         };
@@ -194,16 +288,20 @@ impl Session {
             h.unique,
             Ok((&buf, dev::IN_CAP, size_of::<abi::fuse_init_out>())),
         );
-        if !uring {
-            entries.clear();
-        }
+        let rings = match rings {
+            Some(t) if uring => Some(t),
+            Some(t) => {
+                t.stop();
+                None
+            }
+            None => None,
+        };
         Ok(Session {
-            fd: Arc::new(fd),
+            fd,
             fs,
             nic,
-            entries,
+            rings,
             config,
-            device: None,
             started: Started {
                 uring,
                 agreed,
@@ -212,45 +310,14 @@ impl Session {
         })
     }
 
-    /// The mount's device number: a ring failure then aborts the connection instead of
-    /// leaving the kernel waiting for the ring forever.
-    pub fn set_device(&mut self, dev: (u32, u32)) {
-        self.device = Some(dev);
-    }
-
     /// Serves until the file system is unmounted.
     pub fn run(self) -> io::Result<()> {
-        let mut handles = Vec::new();
-        let device = self.device;
-        for (i, e) in self.entries.into_iter().enumerate() {
-            let fd = self.fd.clone();
-            let fs = self.fs.clone();
-            handles.push(
-                std::thread::Builder::new()
-                    .name(format!("fuse-ring-{i}"))
-                    .spawn(move || {
-                        let r = e.serve(fd.as_raw_fd(), &fs);
-                        if let Err(err) = &r {
-                            tracing::error!("FUSE io_uring: {err}; aborting the connection");
-                            match device {
-                                Some(d) => {
-                                    if let Err(e) = crate::mount::abort_connection(d) {
-                                        tracing::error!("aborting the FUSE connection: {e}");
-                                    }
-                                }
-                                None => tracing::error!("no device number to abort"),
-                            }
-                        }
-                        r
-                    })?,
-            );
-        }
-        // On the ring only FORGET and INTERRUPT use /dev/fuse, and its readers see the end.
-        let readers = if self.started.uring {
-            1
-        } else {
-            self.config.threads.max(1)
-        };
+        // REGISTER needs the connection initialised, which the INIT answer did.
+        let mut handles = self.rings.map(RingThreads::go).unwrap_or_default();
+        // On the ring only FORGET and INTERRUPT use /dev/fuse, and its readers see the end;
+        // but if an entry fails to register, the kernel takes every request back to
+        // /dev/fuse, so the readers are as many as on that transport (idle otherwise).
+        let readers = self.config.threads.max(1);
         for i in 0..readers {
             let fd = self.fd.clone();
             let fs = self.fs.clone();
