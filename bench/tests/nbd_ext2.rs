@@ -134,6 +134,8 @@ fn ext2_json_has_positive_figures_for_every_stack_and_leaves_nothing_behind() {
             "read_MBps",
             "write_MB_per_cpu_s",
             "read_MB_per_cpu_s",
+            "write_MB_per_host_cpu_s",
+            "read_MB_per_host_cpu_s",
             "write_cpu_s_per_GB_machine",
             "read_cpu_s_per_GB_machine",
             "write_cpu_s_per_GB_client",
@@ -150,7 +152,7 @@ fn ext2_json_has_positive_figures_for_every_stack_and_leaves_nothing_behind() {
         .as_f64()
         .unwrap();
     assert!(nic >= 0.0);
-    assert_eq!(v["targets"].as_array().map(Vec::len), Some(4), "{v}");
+    assert_eq!(v["targets"].as_array().map(Vec::len), Some(6), "{v}");
 }
 
 #[test]

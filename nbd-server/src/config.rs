@@ -35,6 +35,15 @@ pub struct Config {
     pub default_export: Option<String>,
     #[serde(default)]
     pub max_connections: Option<usize>,
+    /// Connections in their handshake at once; beyond it the oldest is dropped.
+    #[serde(default)]
+    pub max_handshakes: Option<usize>,
+    /// Seconds without a request after which a connection with nothing in flight is closed.
+    #[serde(default)]
+    pub idle_timeout: Option<u64>,
+    /// Receive-buffer memory shared by busy connections ("1G").
+    #[serde(default)]
+    pub buffer_memory: Option<String>,
     /// Advertise the list of exports (NBD_OPT_LIST); on by default.
     #[serde(default)]
     pub list_exports: Option<bool>,

@@ -55,13 +55,19 @@ impl Image {
     }
 
     /// Creates a sparse image of `size` bytes, or opens the existing one if it has that size.
+    /// A new file is created with O_EXCL, which never follows a symlink.
     pub fn create(path: &Path, size: u64) -> io::Result<Image> {
-        let file = OpenOptions::new()
+        let file = match OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)?;
+            .create_new(true)
+            .open(path)
+        {
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                OpenOptions::new().read(true).write(true).open(path)?
+            }
+            r => r?,
+        };
         let len = file.metadata()?.len();
         if len != size {
             if len != 0 {
@@ -73,6 +79,23 @@ impl Image {
             file.set_len(size)?;
         }
         Self::from_file(path, file, size, false)
+    }
+
+    /// A sparse image of `size` bytes in anonymous memory (a memfd): no path anyone else can
+    /// reach or plant a symlink at, gone when the server exits. `name` shows in
+    /// /proc/PID/fd and is the image's path in logs.
+    pub fn anonymous(name: &str, size: u64) -> io::Result<Image> {
+        let cname = std::ffi::CString::new(name)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in memfd name"))?;
+        // SAFETY: cname is a valid C string; the returned descriptor is owned by the File.
+        let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd is a fresh descriptor that nothing else owns.
+        let file = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        file.set_len(size)?;
+        Self::from_file(Path::new(&format!("memfd:{name}")), file, size, false)
     }
 
     fn from_file(path: &Path, file: File, size: u64, read_only: bool) -> io::Result<Image> {
@@ -105,6 +128,15 @@ impl Image {
     /// The whole image, mapped read-only (None for an empty image).
     pub fn mapping(&self) -> Option<(*const u8, usize)> {
         self.map.as_ref().map(|m| (m.as_ptr(), m.len()))
+    }
+
+    /// Whether the file still holds `end` bytes. Another process may truncate an image
+    /// under the server; reading the mapping past the new end would fail the send (the
+    /// kernel's copy faults) and with it the connection, so READ checks first and answers
+    /// EIO, as qemu-nbd does. Block devices cannot shrink under an open descriptor.
+    pub fn still_holds(&self, end: u64) -> io::Result<bool> {
+        let meta = self.file.metadata()?;
+        Ok(!meta.file_type().is_file() || meta.len() >= end)
     }
 
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {

@@ -27,8 +27,8 @@ use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
         firmware on an emulated LANai 9 NIC; see docs/lanai.md): requests land in registered receive \
         buffers and read replies are sent straight from the image's registered mapping. The \
         wire is plain NBD (fixed newstyle), so any NBD client works.\n\n\
-        With no arguments it creates a 64 MiB sparse demo image and serves it as export \
-        \"demo\" (also the default export) on [::1]:10809 and 127.0.0.1:10809.",
+        With no arguments it creates a 64 MiB demo image in memory (gone when the server \
+        exits) and serves it as export \"demo\" (also the default export) on [::1]:10809 and 127.0.0.1:10809.",
     after_help = "Examples:\n  \
         qpip-nbd-server --export disk=/var/lib/images/disk.img\n  \
         qpip-nbd-server --listen 0.0.0.0:10809 --export scratch=/tmp/s.img --create 4G\n  \
@@ -59,9 +59,24 @@ struct Cli {
     /// The export a client gets when it asks for the empty name.
     #[arg(long, value_name = "NAME")]
     default_export: Option<String>,
-    /// Refuse connections beyond this many at once.
+    /// Serve at most this many clients at once (default 64); only clients past the NBD
+    /// handshake count, and one more is refused (its connection closed) with a log line.
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
+    /// Connections still in their handshake at once (default 256); a new one beyond this
+    /// drops the oldest, so idle or slow sockets cannot lock clients out. A handshake that
+    /// takes longer than 10 s is dropped in any case.
+    #[arg(long, value_name = "N")]
+    max_handshakes: Option<usize>,
+    /// Close a client's connection after SECS without a request while nothing is in flight
+    /// (default: never). The client sees its server go away, as after a restart.
+    #[arg(long, value_name = "SECS")]
+    idle_timeout: Option<u64>,
+    /// Memory for receive buffers shared by busy connections (default 256M). Each connection
+    /// has 4 MiB of its own; one whose client pipelines deeper takes more from this pool, up
+    /// to 32 MiB, and TCP flow control holds clients once it is spent.
+    #[arg(long, value_name = "SIZE")]
+    buffer_memory: Option<String>,
     /// Do not answer NBD_OPT_LIST with the export names.
     #[arg(long)]
     no_list: bool,
@@ -77,24 +92,18 @@ fn split_pair<'a>(s: &'a str, what: &str) -> Result<(&'a str, &'a str)> {
         .with_context(|| format!("{what} {s:?} is not NAME=VALUE"))
 }
 
-fn demo_export() -> Result<ExportConfig> {
-    let dir = std::env::temp_dir().join(format!("qpip-demo-{}", unsafe { libc::getuid() }));
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let path = dir.join("demo.img");
-    if !path.exists() {
-        let img = Image::create(&path, 64 << 20)
-            .with_context(|| format!("creating demo image {}", path.display()))?;
-        let banner = b"qpip demo image: served by qpip-nbd-server over Queue Pair IP\n";
-        img.write_at(banner, 0, true)?;
-    }
-    Ok(ExportConfig {
-        name: "demo".into(),
-        path,
-        description: "generated 64 MiB demo image".into(),
-        read_only: false,
-        create_size: None,
-    })
+/// The demo export: a generated image in anonymous memory (a memfd). Not a file under
+/// $TMPDIR: a predictable path there lets any local user plant a symlink to a file of
+/// root's, which the server would then export read-write.
+fn demo_image() -> Result<Image> {
+    let img = Image::anonymous("qpip-demo.img", DEMO_SIZE).context("creating the demo image")?;
+    let banner = b"qpip demo image: served by qpip-nbd-server over Queue Pair IP\n";
+    img.write_at(banner, 0, false)
+        .context("writing the demo image")?;
+    Ok(img)
 }
+
+const DEMO_SIZE: u64 = 64 << 20;
 
 fn main() {
     let cli = Cli::parse();
@@ -139,7 +148,13 @@ fn run(cli: Cli) -> Result<()> {
     }
     let demo = cfg.exports.is_empty();
     if demo {
-        cfg.exports.push(demo_export()?);
+        cfg.exports.push(ExportConfig {
+            name: "demo".into(),
+            path: "(memory)".into(),
+            description: "generated 64 MiB demo image, in memory".into(),
+            read_only: false,
+            create_size: None,
+        });
         cfg.default_export.get_or_insert_with(|| "demo".into());
     }
     let lanai_addr = cli.backend.lanai_addr(DEFAULT_SERVER_NODE)?;
@@ -182,6 +197,7 @@ fn run(cli: Cli) -> Result<()> {
         let create = cli.create.as_deref().or(e.create_size.as_deref());
         let read_only = cli.read_only || e.read_only;
         let image = match create {
+            _ if demo => Ok(demo_image()?),
             Some(size) if !e.path.exists() => {
                 let size = parse_size(size)?;
                 Image::create(&e.path, size).with_context(|| {
@@ -215,6 +231,20 @@ fn run(cli: Cli) -> Result<()> {
         ServerOptions {
             listen,
             max_connections: cli.max_connections.or(cfg.max_connections).unwrap_or(64),
+            max_handshakes: cli.max_handshakes.or(cfg.max_handshakes).unwrap_or(256),
+            buffer_memory: match cli
+                .buffer_memory
+                .as_deref()
+                .or(cfg.buffer_memory.as_deref())
+            {
+                Some(s) => parse_size(s).context("--buffer-memory")?,
+                None => 256 << 20,
+            },
+            idle_timeout: match cli.idle_timeout.or(cfg.idle_timeout) {
+                None => None,
+                Some(0) => bail!("--idle-timeout 0: give a number of seconds above 0"),
+                Some(s) => Some(Duration::from_secs(s)),
+            },
             default_export: cfg.default_export.clone(),
             list_exports: cfg.list_exports.unwrap_or(true) && !cli.no_list,
         },

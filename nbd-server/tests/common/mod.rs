@@ -63,9 +63,15 @@ impl ServerProcess {
     /// Starts the server listening on `listen` (e.g. "127.0.0.1:0" or "[::1]:0") with the
     /// extra `args`, and waits for its "listening on ADDR" line.
     pub fn start(listen: &str, args: &[String]) -> ServerProcess {
+        Self::start_env(listen, args, &[])
+    }
+
+    /// As [`Self::start`], with extra environment variables for the server.
+    pub fn start_env(listen: &str, args: &[String], env: &[(&str, &Path)]) -> ServerProcess {
         let logdir = tempfile::tempdir().unwrap();
         let stderr_log = logdir.path().join("server.stderr");
         let mut child = Command::new(BIN)
+            .envs(env.iter().copied())
             .arg("--listen")
             .arg(listen)
             .args(args)
