@@ -7,9 +7,16 @@
 //! connection. A request is reported done only when the server answered it; when the
 //! connection cannot be restored in time, every unanswered request fails with EIO.
 //!
-//! Copies per request (user space): WRITE 1 (caller buffer → send slot); READ 1 (receive slot
-//! → caller buffer). The NIC reads replies from the socket straight into the receive slot
-//! (header and data in one receive WR) and sends requests straight from the send slot.
+//! Copies per request (user space): WRITE 1 (caller buffer → send slot); READ 2 (receive slot
+//! → the request's buffer → caller buffer). The NIC reads replies from the socket straight
+//! into the receive slot (header and data in one receive WR) and sends requests straight from
+//! the send slot. With the caller's buffer in registered memory ([`Op::WriteFrom`],
+//! [`Client::write_at_mr`]) a WRITE costs no copy: its send WR has two SGEs, the header in the
+//! send slot and the data where the caller has it, which must stay untouched until the
+//! request is answered (a reissue after reconnection sends it again). A READ into registered
+//! memory ([`Op::ReadInto`], [`Client::read_at_mr`]) costs one copy (receive slot → caller's
+//! region): receive WRs are taken in the order they were posted while replies may come in any
+//! order, so the NIC cannot yet be told to place one reply's data into one caller's buffer.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -106,6 +113,23 @@ pub enum Op<'a> {
         offset: u64,
         len: u32,
     },
+    /// A READ whose data goes to registered memory: `mr` from `at` (its reply is
+    /// [`Output::Done`]).
+    ReadInto {
+        offset: u64,
+        len: u32,
+        mr: &'a MemoryRegion,
+        at: usize,
+    },
+    /// A WRITE sent from registered memory without a copy: `len` bytes of `mr` from `at`,
+    /// which must stay unchanged until the request is answered.
+    WriteFrom {
+        offset: u64,
+        len: u32,
+        mr: &'a MemoryRegion,
+        at: usize,
+        fua: bool,
+    },
 }
 
 /// The result of a successful request.
@@ -144,6 +168,9 @@ struct Inflight {
     req: Request,
     slot: usize,
     data: Vec<u8>,
+    /// READ data goes here instead of `data`; WRITE data is sent from here instead of the
+    /// send slot.
+    region: Option<(MemoryRegion, usize)>,
     /// Which bytes of a READ the reply has filled (always empty for other commands).
     coverage: ReadCoverage,
     extents: Vec<Extent>,
@@ -151,6 +178,22 @@ struct Inflight {
 }
 
 impl Inflight {
+    /// Copies `n` bytes of a reply from the receive region at `src` to the request's data at
+    /// `start` (the caller checked `start + n <= req.length`).
+    fn place(&mut self, recv: &MemoryRegion, src: usize, start: usize, n: usize) {
+        match &self.region {
+            Some((mr, at)) => copy_region(recv, src, mr, at + start, n),
+            None => recv.read_at(src, &mut self.data[start..start + n]),
+        }
+    }
+
+    fn zero(&mut self, start: usize, n: usize) {
+        match &self.region {
+            Some((mr, at)) => mr.write_at(at + start, &vec![0; n]),
+            None => self.data[start..start + n].fill(0),
+        }
+    }
+
     fn reset(&mut self) {
         if self.req.command == Command::Read {
             self.data.iter_mut().for_each(|b| *b = 0);
@@ -222,6 +265,22 @@ impl std::fmt::Debug for Client {
             .field("in_flight", &self.inflight.len())
             .finish()
     }
+}
+
+/// Copies `n` bytes between registered regions.
+///
+/// # Panics
+/// If either range is outside its region (the callers check the ranges first).
+fn copy_region(src: &MemoryRegion, from: usize, dst: &MemoryRegion, to: usize, n: usize) {
+    assert!(
+        from.checked_add(n).is_some_and(|e| e <= src.len())
+            && to.checked_add(n).is_some_and(|e| e <= dst.len()),
+        "copy_region out of bounds"
+    );
+    // SAFETY: both ranges are inside their regions (checked above); the source is a
+    // completed receive and the destination belongs to an unanswered request, which no WR
+    // names, so nothing else writes either range meanwhile. Distinct regions do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().add(from), dst.as_ptr().add(to), n) }
 }
 
 fn round_down(v: u64, to: u64) -> u64 {
@@ -464,6 +523,30 @@ impl Client {
                 (Command::WriteZeroes, offset, len)
             }
             Op::BlockStatus { offset, len } => (Command::BlockStatus, offset, len),
+            Op::ReadInto {
+                offset,
+                len,
+                mr,
+                at,
+            } => {
+                if at.checked_add(len as usize).is_none_or(|e| e > mr.len()) {
+                    return Err(Error::Invalid("read buffer outside its region"));
+                }
+                (Command::Read, offset, len)
+            }
+            Op::WriteFrom {
+                offset,
+                len,
+                mr,
+                at,
+                fua,
+            } => {
+                if at.checked_add(len as usize).is_none_or(|e| e > mr.len()) {
+                    return Err(Error::Invalid("write data outside its region"));
+                }
+                flags.set(CmdFlags::FUA, fua && self.can_fua());
+                (Command::Write, offset, len)
+            }
         };
         if command.is_write() && self.is_read_only() {
             return Err(Error::Server {
@@ -523,7 +606,11 @@ impl Client {
         if let Op::Write { data, .. } = op {
             self.send_mr.write_at(base + c::REQUEST_LEN, data);
         }
-        let data = if req.command == Command::Read {
+        let region = match op {
+            Op::ReadInto { mr, at, .. } | Op::WriteFrom { mr, at, .. } => Some((mr.clone(), at)),
+            _ => None,
+        };
+        let data = if req.command == Command::Read && region.is_none() {
             vec![0; req.length as usize]
         } else {
             Vec::new()
@@ -535,6 +622,7 @@ impl Client {
                 req,
                 slot,
                 data,
+                region,
                 coverage: ReadCoverage::new(req.offset, u64::from(req.length)),
                 extents: Vec::new(),
                 error: None,
@@ -553,11 +641,20 @@ impl Client {
         if inf.req.command == Command::Read && !self.structured {
             conn.reads.lock().insert(cookie, inf.req.length);
         }
-        let len = c::REQUEST_LEN + inf.req.payload_len() as usize;
-        conn.qp.post_send(SendWr::new(
-            cookie,
-            &[self.send_mr.sge(inf.slot * self.slot_len, len)],
-        ))?;
+        let header = self.send_mr.sge(inf.slot * self.slot_len, c::REQUEST_LEN);
+        let payload = inf.req.payload_len() as usize;
+        let wr = match &inf.region {
+            Some((mr, at)) if inf.req.command == Command::Write => {
+                SendWr::new(cookie, &[header, mr.sge(*at, payload)])
+            }
+            _ => SendWr::new(
+                cookie,
+                &[self
+                    .send_mr
+                    .sge(inf.slot * self.slot_len, c::REQUEST_LEN + payload)],
+            ),
+        };
+        conn.qp.post_send(wr)?;
         Ok(())
     }
 
@@ -718,18 +815,22 @@ impl Client {
                 });
             } else if inf.req.command == Command::Read {
                 let body = len.saturating_sub(c::SIMPLE_REPLY_LEN);
-                if body != inf.data.len() {
+                if body != inf.req.length as usize {
                     return Err(format!(
                         "a read of {} bytes answered with {body}",
-                        inf.data.len()
+                        inf.req.length
                     ));
                 }
                 let place = inf
                     .coverage
                     .place(inf.req.offset, body as u64)
                     .map_err(|e| e.to_string())?;
-                conn.recv_mr
-                    .read_at(base + c::SIMPLE_REPLY_LEN, &mut inf.data[place]);
+                inf.place(
+                    &conn.recv_mr,
+                    base + c::SIMPLE_REPLY_LEN,
+                    place.start,
+                    place.len(),
+                );
             }
             self.finish(r.cookie);
             return Ok(());
@@ -757,9 +858,11 @@ impl Client {
                     .coverage
                     .place(off, (payload_len - 8) as u64)
                     .map_err(|e| e.to_string())?;
-                conn.recv_mr.read_at(
+                inf.place(
+                    &conn.recv_mr,
                     base + c::STRUCTURED_REPLY_HEADER_LEN + 8,
-                    &mut inf.data[place],
+                    place.start,
+                    place.len(),
                 );
             } else {
                 let mut payload = vec![0u8; payload_len];
@@ -775,7 +878,7 @@ impl Client {
                             .coverage
                             .place(offset, u64::from(length))
                             .map_err(|e| e.to_string())?;
-                        inf.data[place].fill(0);
+                        inf.zero(place.start, place.len());
                     }
                     Chunk::BlockStatus {
                         context_id,
@@ -843,6 +946,7 @@ impl Client {
                         inf.coverage.covered()
                     ),
                 }),
+                Command::Read if inf.region.is_some() => Ok(Output::Done),
                 Command::Read => Ok(Output::Data(inf.data)),
                 Command::BlockStatus if inf.extents.is_empty() => Err(Error::Protocol {
                     uri: self.uri.to_string(),
@@ -1043,6 +1147,58 @@ impl Client {
             .map(|(i, d)| Op::Write {
                 offset: offset + (i * max) as u64,
                 data: d,
+                fua,
+            })
+            .collect();
+        self.run(ops, |_, _| {})
+    }
+
+    /// Reads `len` bytes at `offset` into registered memory (`mr` from `at`): one copy, from
+    /// the receive slot into `mr`, instead of two.
+    pub fn read_at_mr(
+        &mut self,
+        offset: u64,
+        mr: &MemoryRegion,
+        at: usize,
+        len: usize,
+    ) -> Result<()> {
+        self.check_range(offset, len as u64)?;
+        if at.checked_add(len).is_none_or(|e| e > mr.len()) {
+            return Err(Error::Invalid("read buffer outside its region"));
+        }
+        let max = u64::from(self.max_io);
+        let ops: Vec<Op> = Self::pieces(offset, len as u64, max)
+            .map(|(o, n)| Op::ReadInto {
+                offset: o,
+                len: n,
+                mr,
+                at: at + (o - offset) as usize,
+            })
+            .collect();
+        self.run(ops, |_, _| {})
+    }
+
+    /// Writes `len` bytes of registered memory (`mr` from `at`) at `offset` without copying
+    /// them: the NIC sends them from `mr`.
+    pub fn write_at_mr(
+        &mut self,
+        offset: u64,
+        mr: &MemoryRegion,
+        at: usize,
+        len: usize,
+        fua: bool,
+    ) -> Result<()> {
+        self.check_range(offset, len as u64)?;
+        if at.checked_add(len).is_none_or(|e| e > mr.len()) {
+            return Err(Error::Invalid("write data outside its region"));
+        }
+        let max = u64::from(self.max_io);
+        let ops: Vec<Op> = Self::pieces(offset, len as u64, max)
+            .map(|(o, n)| Op::WriteFrom {
+                offset: o,
+                len: n,
+                mr,
+                at: at + (o - offset) as usize,
                 fua,
             })
             .collect();
