@@ -265,8 +265,9 @@ mod tests {
     fn other_thread_clock_matches_its_own_view() {
         let (tx, rx) = std::sync::mpsc::channel();
         let h = std::thread::spawn(move || {
-            let t0 = std::time::Instant::now();
-            while t0.elapsed() < Duration::from_millis(50) {}
+            // Busy until the thread itself has used 50 ms of CPU: wall time would give less
+            // CPU on a loaded machine.
+            while this_thread() < Duration::from_millis(50) {}
             tx.send((tid(), this_thread())).unwrap();
             std::thread::sleep(Duration::from_millis(200));
         });

@@ -249,7 +249,9 @@ fn read_only_export_and_read_only_option_refuse_writes() {
         .write_all_at(&pattern(0, 4096), 0)
         .unwrap();
     let ro_server = qpip_server("ro", &img, &["--read-only"]);
-    let rw_server = qpip_server("rw", &img, &[]);
+    // One image served read-only and writable at once: the writable server must be told to
+    // share it (-U), since image locks forbid exactly that.
+    let rw_server = qpip_server("rw", &img, &["-U"]);
     for (uri, name, extra) in [
         (&ro_server.uri, "ro", &[][..]),
         (&rw_server.uri, "rw", &["--read-only"][..]),
