@@ -8,10 +8,12 @@
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU32;
 
 use crate::framer::Framer;
-use crate::qp::QpShared;
+use crate::mr::MemoryTable;
 use crate::reply::ReplySender;
+use crate::shared::QpShared;
 use crate::wr::QpNum;
 
 /// Identifies a listening port on a NIC.
@@ -86,4 +88,29 @@ pub trait NicBackend: Send + Sync + 'static {
     fn engine_threads(&self) -> Vec<i32>;
     /// Stops the NIC; called when the last handle is gone.
     fn shutdown(&self);
+}
+
+/// An open NIC as the verbs hold it: the backend, the memory table it resolves SGEs
+/// through, and the numbering of QPs and listeners. The backend stops when the last QP,
+/// listener and `Nic` handle are gone.
+pub(crate) struct NicHandle {
+    pub(crate) backend: Box<dyn NicBackend>,
+    pub(crate) memory: Arc<MemoryTable>,
+    pub(crate) next_qp: AtomicU32,
+    pub(crate) next_listener: AtomicU32,
+}
+
+impl NicHandle {
+    pub(crate) fn manage(&self, cmd: Command) {
+        self.backend.manage(cmd);
+    }
+    pub(crate) fn ring_doorbell(&self, qp: &Arc<QpShared>) {
+        self.backend.ring_doorbell(qp);
+    }
+}
+
+impl Drop for NicHandle {
+    fn drop(&mut self) {
+        self.backend.shutdown();
+    }
 }

@@ -1,12 +1,12 @@
 //! Completion queues: where the NIC reports every finished work request.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crossbeam_queue::ArrayQueue;
-use event_listener::{Event, Listener};
+use event_listener::Listener;
 
+use crate::shared::CqShared;
 use crate::wr::Completion;
 
 /// A completion queue failed.
@@ -17,15 +17,6 @@ pub enum CqError {
     /// stays in this state: size CQs for the WRs that can be outstanding on them.
     #[error("completion queue overflowed: {lost} completions lost (depth {depth})")]
     Overflow { lost: u64, depth: usize },
-}
-
-pub(crate) struct CqShared {
-    ring: ArrayQueue<Completion>,
-    lost: AtomicU64,
-    overflowed: AtomicBool,
-    event: Event,
-    /// How long `wait` polls before it sleeps.
-    spin_nanos: AtomicU64,
 }
 
 /// A completion queue. Clones share the queue; one CQ may serve any number of QPs.
@@ -43,20 +34,10 @@ impl std::fmt::Debug for CompletionQueue {
     }
 }
 
-/// Default spin before sleeping in `wait`: long enough to cover a loopback round trip, short
-/// enough that an idle waiter costs nothing.
-const DEFAULT_SPIN: Duration = Duration::from_micros(50);
-
 impl CompletionQueue {
     pub(crate) fn new(depth: usize) -> Self {
         CompletionQueue {
-            shared: Arc::new(CqShared {
-                ring: ArrayQueue::new(depth.max(1)),
-                lost: AtomicU64::new(0),
-                overflowed: AtomicBool::new(false),
-                event: Event::new(),
-                spin_nanos: AtomicU64::new(DEFAULT_SPIN.as_nanos() as u64),
-            }),
+            shared: Arc::new(CqShared::new(depth)),
         }
     }
 
@@ -169,23 +150,6 @@ impl CompletionQueue {
                 std::hint::spin_loop();
             }
         }
-    }
-}
-
-impl CqShared {
-    /// Adds a completion (backend side). A full queue records the loss and wakes waiters so
-    /// that the overflow is reported.
-    pub(crate) fn push(&self, c: Completion) {
-        if self.ring.push(c).is_err() {
-            self.lost.fetch_add(1, Ordering::Relaxed);
-            self.overflowed.store(true, Ordering::Release);
-            tracing::error!(qp = c.qp_num, wr_id = c.wr_id, "completion queue overflow");
-        }
-    }
-
-    /// Wakes sleeping waiters; call once after a batch of pushes.
-    pub(crate) fn notify(&self) {
-        self.event.notify(usize::MAX);
     }
 }
 

@@ -3,7 +3,7 @@
 use std::io;
 use std::net::SocketAddr;
 
-use crate::qp::QpState;
+use crate::shared::QpState;
 
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -7,14 +7,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::backend::{Command, ListenerId, NicBackend};
+use crate::backend::{Command, ListenerId, NicBackend, NicHandle};
 use crate::cq::CompletionQueue;
 use crate::error::{Error, Result};
 use crate::lanai::LanaiConfig;
 use crate::lanai::realtime::LanaiBackend;
 use crate::mr::{Access, MemoryRegion, MemoryTable};
-use crate::qp::{QpAttr, QpKind, QpShared, QueuePair};
+use crate::qp::{QpAttr, QueuePair};
 use crate::reply::{ReplyReceiver, reply_channel};
+use crate::shared::QpKind;
 use crate::soft::{SoftBackend, SoftConfig};
 
 /// Which NIC to open.
@@ -36,33 +37,11 @@ impl Default for Backend {
     }
 }
 
-pub(crate) struct NicInner {
-    backend: Box<dyn NicBackend>,
-    memory: Arc<MemoryTable>,
-    next_qp: AtomicU32,
-    next_listener: AtomicU32,
-}
-
-impl NicInner {
-    pub(crate) fn manage(&self, cmd: Command) {
-        self.backend.manage(cmd);
-    }
-    pub(crate) fn ring_doorbell(&self, qp: &Arc<QpShared>) {
-        self.backend.ring_doorbell(qp);
-    }
-}
-
-impl Drop for NicInner {
-    fn drop(&mut self) {
-        self.backend.shutdown();
-    }
-}
-
 /// A handle on a NIC. Clones share it; the NIC stops when the last handle, QP and listener
 /// are gone.
 #[derive(Clone)]
 pub struct Nic {
-    inner: Arc<NicInner>,
+    inner: Arc<NicHandle>,
 }
 
 impl std::fmt::Debug for Nic {
@@ -92,7 +71,7 @@ impl Nic {
     /// Wraps a backend built elsewhere (it must resolve SGEs through `memory`).
     pub fn with_backend(backend: Box<dyn NicBackend>, memory: Arc<MemoryTable>) -> Nic {
         Nic {
-            inner: Arc::new(NicInner {
+            inner: Arc::new(NicHandle {
                 backend,
                 memory,
                 next_qp: AtomicU32::new(1),
@@ -215,7 +194,7 @@ fn wait_mgmt(
 pub struct Listener {
     id: ListenerId,
     local: SocketAddr,
-    nic: Arc<NicInner>,
+    nic: Arc<NicHandle>,
 }
 
 impl std::fmt::Debug for Listener {

@@ -3,178 +3,15 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use crossbeam_queue::ArrayQueue;
-
-use crate::backend::{Command, MgmtResult};
-use crate::cq::{CompletionQueue, CqShared};
+use crate::backend::{Command, MgmtResult, NicHandle};
+use crate::cq::CompletionQueue;
 use crate::error::{Error, Result};
 use crate::framer::{Framer, LengthPrefixed};
-use crate::nic::NicInner;
 use crate::reply::reply_channel;
-use crate::wr::{Completion, Opcode, QpNum, RecvWr, SendWr, WcStatus};
-
-/// Reliable (TCP) or unreliable (UDP).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum QpKind {
-    Reliable,
-    Unreliable,
-}
-
-/// Where a QP is in its life.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-#[non_exhaustive]
-pub enum QpState {
-    /// Created; WRs may be posted, nothing moves until it is connected (or accepted).
-    Init = 0,
-    Connecting = 1,
-    /// Connected (reliable) or bound (unreliable): WRs are carried out.
-    Ready = 2,
-    /// An orderly close is under way: posted sends finish, new ones are refused.
-    Closing = 3,
-    Closed = 4,
-    /// A fatal error; every outstanding WR was flushed.
-    Error = 5,
-}
-
-impl QpState {
-    fn from_u8(v: u8) -> QpState {
-        match v {
-            0 => QpState::Init,
-            1 => QpState::Connecting,
-            2 => QpState::Ready,
-            3 => QpState::Closing,
-            4 => QpState::Closed,
-            _ => QpState::Error,
-        }
-    }
-}
-
-/// The part of a QP that the host and the NIC share: the work queues (rings in memory both
-/// see), the CQs, the state and the doorbell flag.
-pub struct QpShared {
-    pub num: QpNum,
-    pub kind: QpKind,
-    pub sq: ArrayQueue<SendWr>,
-    pub rq: ArrayQueue<RecvWr>,
-    sq_outstanding: AtomicUsize,
-    rq_outstanding: AtomicUsize,
-    pub(crate) send_cq: Arc<CqShared>,
-    pub(crate) recv_cq: Arc<CqShared>,
-    state: AtomicU8,
-    /// Set by the host when it rings the doorbell, cleared by the NIC when it looks: one
-    /// doorbell entry per QP however many WRs were posted meanwhile.
-    pub doorbell: AtomicBool,
-    /// (local, peer), as the NIC last set them.
-    addrs: parking_lot::Mutex<(Option<SocketAddr>, Option<SocketAddr>)>,
-}
-
-impl QpShared {
-    pub(crate) fn new(num: QpNum, kind: QpKind, attr: &QpAttr) -> Self {
-        QpShared {
-            num,
-            kind,
-            sq: ArrayQueue::new(attr.max_send_wr),
-            rq: ArrayQueue::new(attr.max_recv_wr),
-            sq_outstanding: AtomicUsize::new(0),
-            rq_outstanding: AtomicUsize::new(0),
-            send_cq: attr.send_cq.shared.clone(),
-            recv_cq: attr.recv_cq.shared.clone(),
-            state: AtomicU8::new(QpState::Init as u8),
-            doorbell: AtomicBool::new(false),
-            addrs: parking_lot::Mutex::new((None, None)),
-        }
-    }
-
-    /// Puts a receive WR on the ring as `post_recv` does (tests of the NIC machines, and the
-    /// virtual-time simulation, which writes rings at the host's time). False if full.
-    pub(crate) fn push_recv(&self, wr: RecvWr) -> bool {
-        self.rq_outstanding.fetch_add(1, Ordering::AcqRel);
-        let ok = self.rq.push(wr).is_ok();
-        if !ok {
-            self.rq_outstanding.fetch_sub(1, Ordering::AcqRel);
-        }
-        ok
-    }
-
-    /// Puts a send WR on the ring as `post_send` does (the virtual-time simulation). False if
-    /// full.
-    pub(crate) fn push_send(&self, wr: SendWr) -> bool {
-        self.sq_outstanding.fetch_add(1, Ordering::AcqRel);
-        let ok = self.sq.push(wr).is_ok();
-        if !ok {
-            self.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
-        }
-        ok
-    }
-
-    pub fn state(&self) -> QpState {
-        QpState::from_u8(self.state.load(Ordering::Acquire))
-    }
-    pub fn set_state(&self, s: QpState) {
-        self.state.store(s as u8, Ordering::Release);
-    }
-
-    pub fn set_addrs(&self, local: Option<SocketAddr>, peer: Option<SocketAddr>) {
-        *self.addrs.lock() = (local, peer);
-    }
-
-    /// Posts a completion for a send WR (NIC side).
-    pub fn complete_send(&self, wr_id: u64, status: WcStatus, byte_len: u32, os_error: i32) {
-        self.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
-        self.send_cq.push(Completion {
-            wr_id,
-            qp_num: self.num,
-            opcode: Opcode::Send,
-            status,
-            byte_len,
-            src: None,
-            os_error,
-        });
-    }
-
-    /// Posts a completion for a receive WR (NIC side).
-    pub fn complete_recv(
-        &self,
-        wr_id: u64,
-        status: WcStatus,
-        byte_len: u32,
-        src: Option<SocketAddr>,
-        os_error: i32,
-    ) {
-        self.rq_outstanding.fetch_sub(1, Ordering::AcqRel);
-        self.recv_cq.push(Completion {
-            wr_id,
-            qp_num: self.num,
-            opcode: Opcode::Recv,
-            status,
-            byte_len,
-            src,
-            os_error,
-        });
-    }
-
-    /// Flushes every WR still in the rings (NIC side; WRs it already took are its own business).
-    pub fn flush_queues(&self) {
-        while let Some(wr) = self.sq.pop() {
-            self.complete_send(wr.wr_id, WcStatus::Flushed, 0, 0);
-        }
-        while let Some(wr) = self.rq.pop() {
-            self.complete_recv(wr.wr_id, WcStatus::Flushed, 0, None, 0);
-        }
-    }
-
-    /// Wakes whoever waits on this QP's CQs (after a batch of completions).
-    pub fn notify_cqs(&self) {
-        self.send_cq.notify();
-        if !Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
-            self.recv_cq.notify();
-        }
-    }
-}
+use crate::shared::{QpKind, QpShared, QpState, QueueFull};
+use crate::wr::{QpNum, RecvWr, SendWr};
 
 /// How to build a QP.
 pub struct QpAttr {
@@ -214,7 +51,7 @@ impl QpAttr {
 /// A queue pair. Dropping it disconnects and destroys it; outstanding WRs are flushed.
 pub struct QueuePair {
     pub(crate) shared: Arc<QpShared>,
-    pub(crate) nic: Arc<NicInner>,
+    pub(crate) nic: Arc<NicHandle>,
 }
 
 impl std::fmt::Debug for QueuePair {
@@ -229,12 +66,17 @@ impl std::fmt::Debug for QueuePair {
 
 impl QueuePair {
     pub(crate) fn create(
-        nic: &Arc<NicInner>,
+        nic: &Arc<NicHandle>,
         num: QpNum,
         kind: QpKind,
         attr: QpAttr,
     ) -> (QueuePair, Box<dyn Framer>) {
-        let shared = Arc::new(QpShared::new(num, kind, &attr));
+        let shared = Arc::new(QpShared::new(
+            num,
+            kind,
+            (attr.send_cq.shared.clone(), attr.recv_cq.shared.clone()),
+            (attr.max_send_wr, attr.max_recv_wr),
+        ));
         (
             QueuePair {
                 shared,
@@ -257,14 +99,7 @@ impl QueuePair {
     /// Posts a send WR: writes it into the send ring and rings the doorbell. No system call
     /// unless the NIC engine sleeps.
     pub fn post_send(&self, wr: SendWr) -> Result<()> {
-        let state = self.state();
-        if !matches!(state, QpState::Init | QpState::Connecting | QpState::Ready) {
-            return Err(Error::BadState {
-                qp: self.num(),
-                state,
-                op: "post a send",
-            });
-        }
+        self.check_postable("post a send")?;
         if wr.len() > u64::from(u32::MAX) {
             return Err(Error::InvalidWr("a message is at most 4 GiB - 1"));
         }
@@ -273,60 +108,51 @@ impl QueuePair {
                 "a send on an unreliable QP needs a destination",
             ));
         }
-        Self::reserve(
-            &self.shared.sq_outstanding,
-            self.shared.sq.capacity(),
-            self.num(),
-            "send",
-        )?;
-        // Cannot fail: outstanding WRs never exceed the ring's capacity.
-        let _ = self.shared.sq.push(wr);
+        self.shared
+            .push_send(wr)
+            .map_err(|full| self.queue_full("send", full))?;
         self.nic.ring_doorbell(&self.shared);
         Ok(())
     }
 
     /// Posts a receive WR: memory for the next arriving message.
     pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
-        let state = self.state();
-        if !matches!(state, QpState::Init | QpState::Connecting | QpState::Ready) {
-            return Err(Error::BadState {
-                qp: self.num(),
-                state,
-                op: "post a receive",
-            });
-        }
-        Self::reserve(
-            &self.shared.rq_outstanding,
-            self.shared.rq.capacity(),
-            self.num(),
-            "receive",
-        )?;
-        let _ = self.shared.rq.push(wr);
+        self.check_postable("post a receive")?;
+        self.shared
+            .push_recv(wr)
+            .map_err(|full| self.queue_full("receive", full))?;
         self.nic.ring_doorbell(&self.shared);
         Ok(())
     }
 
-    fn reserve(
-        outstanding: &AtomicUsize,
-        depth: usize,
-        qp: u32,
-        queue: &'static str,
-    ) -> Result<()> {
-        outstanding
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < depth).then_some(n + 1)
+    fn check_postable(&self, op: &'static str) -> Result<()> {
+        let state = self.state();
+        if state.accepts_posts() {
+            Ok(())
+        } else {
+            Err(Error::BadState {
+                qp: self.num(),
+                state,
+                op,
             })
-            .map(|_| ())
-            .map_err(|_| Error::QueueFull { qp, queue, depth })
+        }
+    }
+
+    fn queue_full(&self, queue: &'static str, QueueFull(depth): QueueFull) -> Error {
+        Error::QueueFull {
+            qp: self.num(),
+            queue,
+            depth,
+        }
     }
 
     /// Send WRs posted and not yet completed.
     pub fn outstanding_sends(&self) -> usize {
-        self.shared.sq_outstanding.load(Ordering::Acquire)
+        self.shared.outstanding_sends()
     }
     /// Receive WRs posted and not yet completed.
     pub fn outstanding_recvs(&self) -> usize {
-        self.shared.rq_outstanding.load(Ordering::Acquire)
+        self.shared.outstanding_recvs()
     }
 
     /// Connects a reliable QP to a listening peer (a QP listener or any TCP server).
@@ -403,12 +229,12 @@ impl QueuePair {
 
     /// Address of the peer of a connected QP.
     pub fn peer_addr(&self) -> Option<SocketAddr> {
-        self.shared.addrs.lock().1
+        self.shared.peer_addr()
     }
 
     /// Local address of a connected or bound QP.
     pub fn local_addr(&self) -> Option<SocketAddr> {
-        self.shared.addrs.lock().0
+        self.shared.local_addr()
     }
 }
 

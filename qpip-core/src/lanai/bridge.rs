@@ -15,9 +15,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use super::frame;
+use super::frame::{self, summary};
 use super::params::{BridgeParams, FabricParams};
-use super::realtime::crossbar;
 
 /// Why the bridge could not start or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -203,7 +202,7 @@ impl Bridge {
             "bridge up"
         );
         Ok(Bridge {
-            routes: crossbar(&fabric),
+            routes: fabric.crossbar(),
             fabric,
             params,
             tun,
@@ -301,40 +300,6 @@ impl Bridge {
                 Err(e) => tracing::debug!(len = n, "bad frame from the fabric: {e}"),
             }
         }
-    }
-}
-
-/// A one-line summary of an IPv6 packet for trace logs (TCP: ports, seq, ack, flags, length).
-pub(crate) fn summary(p: &[u8]) -> String {
-    if p.len() < 40 {
-        return format!("{} bytes", p.len());
-    }
-    let tcp = &p[40..];
-    if p[6] == 6 && tcp.len() >= 20 {
-        let be32 = |b: &[u8]| u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
-        let hl = usize::from(tcp[12] >> 4) * 4;
-        let flags: String = [
-            (0x02, 'S'),
-            (0x10, '.'),
-            (0x08, 'P'),
-            (0x01, 'F'),
-            (0x04, 'R'),
-        ]
-        .iter()
-        .filter(|(b, _)| tcp[13] & b != 0)
-        .map(|(_, c)| *c)
-        .collect();
-        format!(
-            "tcp {}>{} [{flags}] seq {} ack {} win {} len {}",
-            u16::from_be_bytes([tcp[0], tcp[1]]),
-            u16::from_be_bytes([tcp[2], tcp[3]]),
-            be32(&tcp[4..]),
-            be32(&tcp[8..]),
-            u16::from_be_bytes([tcp[14], tcp[15]]),
-            tcp.len().saturating_sub(hl)
-        )
-    } else {
-        format!("next header {} len {}", p[6], p.len())
     }
 }
 

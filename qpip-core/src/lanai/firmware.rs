@@ -51,9 +51,10 @@ use super::meter::{CostModel, Dir, Kind, Meter, Nanos, Stage};
 use super::params::{FabricParams, LanaiParams};
 use super::sram::Sram;
 use crate::backend::{Command, ListenerId, MgmtResult};
+use crate::machines::mgmt::dispatch;
 use crate::mr::MemoryTable;
-use crate::qp::{QpKind, QpState};
 use crate::reply::ReplySender;
+use crate::shared::{QpKind, QpState};
 use crate::wr::{QpNum, WcStatus};
 
 /// What a NIC needs to know about itself.
@@ -142,10 +143,6 @@ fn unsupported_v4() -> io::Error {
     )
 }
 
-fn no_qp(qp: QpNum) -> io::Error {
-    io::Error::new(io::ErrorKind::NotFound, format!("no QP {qp}"))
-}
-
 impl Firmware {
     pub fn new(cfg: FirmwareConfig, memory: Arc<MemoryTable>) -> Firmware {
         let meter = Meter::new(CostModel::new(&cfg.params));
@@ -201,43 +198,7 @@ impl Firmware {
     /// Management state machine: a privileged command from the host.
     pub fn command(&mut self, now: Nanos, cmd: Command) {
         self.meter.begin(now);
-        match cmd {
-            Command::CreateQp { qp, framer } => self.create_qp(FwQp::new(qp, framer)),
-            Command::BindUdp { qp, addr, reply } => {
-                let r = self.bind_udp(qp, addr);
-                reply.send(r);
-            }
-            Command::Connect { qp, addr, reply } => self.connect(qp, addr, reply),
-            Command::Listen {
-                id,
-                addr,
-                backlog,
-                reply,
-            } => {
-                let r = self.listen(id, addr, backlog);
-                reply.send(r);
-            }
-            Command::Accept {
-                listener,
-                qp,
-                reply,
-            } => match self.listeners.get_mut(&listener) {
-                Some(l) => l.accepts.push_back((qp, reply)),
-                None => reply.send(Err(io::Error::new(
-                    io::ErrorKind::NotFound,
-                    "no such listener",
-                ))),
-            },
-            Command::CloseListener { listener } => self.close_listener(listener),
-            Command::Close { qp } => self.close(qp),
-            Command::Disconnect { qp } => self.with_qp(qp, |q, cx| {
-                let gone = matches!(q.shared.state(), QpState::Closed | QpState::Error);
-                if !(matches!(q.link, Link::Down) && gone) {
-                    q.fail(cx, QpState::Closed, WcStatus::Flushed);
-                }
-            }),
-            Command::Destroy { qp } => self.destroy(qp),
-        }
+        dispatch(self, cmd);
         self.run();
     }
 

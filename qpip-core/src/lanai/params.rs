@@ -170,6 +170,20 @@ pub struct BridgeParams {
 }
 
 impl FabricParams {
+    /// The emulated crossbar: switch output port (first route byte) to the datagram socket
+    /// of the node or bridge behind it.
+    pub(crate) fn crossbar(&self) -> std::collections::HashMap<u8, SocketAddr> {
+        let mut ports = std::collections::HashMap::new();
+        let nodes = self.node.iter().map(|n| (&n.route, n.port));
+        let bridge = self.bridge.iter().map(|b| (&b.route, b.port));
+        for (route, port) in nodes.chain(bridge) {
+            if let (Some(&out), Some(port)) = (route.first(), port) {
+                ports.entry(out).or_insert(port);
+            }
+        }
+        ports
+    }
+
     /// Nanoseconds a link needs to serialise `bytes`.
     pub fn wire_ns(&self, bytes: usize) -> u64 {
         (bytes as f64 * 8.0 / self.link_gbps).ceil() as u64

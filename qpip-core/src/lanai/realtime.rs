@@ -26,7 +26,7 @@ use super::params::{FabricParams, LanaiParams, NodeParams, ParamsError};
 use crate::backend::{Command, NicBackend};
 use crate::error::{Error, Result};
 use crate::mr::MemoryTable;
-use crate::qp::QpShared;
+use crate::shared::QpShared;
 
 /// The node a server takes when none is named.
 pub const DEFAULT_SERVER_NODE: &str = "server";
@@ -187,20 +187,6 @@ fn claim_node(cfg: &LanaiConfig) -> Result<(NodeParams, UdpSocket)> {
     )))
 }
 
-/// The emulated crossbar: switch output port (first route byte) to the datagram socket of
-/// the node or bridge behind it.
-pub(crate) fn crossbar(fabric: &FabricParams) -> HashMap<u8, SocketAddr> {
-    let mut ports = HashMap::new();
-    let nodes = fabric.node.iter().map(|n| (&n.route, n.port));
-    let bridge = fabric.bridge.iter().map(|b| (&b.route, b.port));
-    for (route, port) in nodes.chain(bridge) {
-        if let (Some(&out), Some(port)) = (route.first(), port) {
-            ports.entry(out).or_insert(port);
-        }
-    }
-    ports
-}
-
 /// A seed that differs between runs, so a restarted NIC does not reuse the sequence numbers
 /// a peer may still remember.
 fn fresh_seed(addr: &Ipv6Addr) -> u64 {
@@ -249,7 +235,7 @@ impl LanaiBackend {
             params: cfg.params,
             fabric: cfg.fabric,
         };
-        let routes = crossbar(&fw_cfg.fabric);
+        let routes = fw_cfg.fabric.crossbar();
         let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()
             .name("qpip-lanai-nic".into())
@@ -499,7 +485,7 @@ impl Processor {
                     let now = self.now();
                     if tracing::enabled!(tracing::Level::TRACE) {
                         let packet = frame::decode(&buf[..n]).unwrap_or_default();
-                        tracing::trace!(node = %self.node, now, "in: {}", super::bridge::summary(packet));
+                        tracing::trace!(node = %self.node, now, "in: {}", frame::summary(packet));
                     }
                     self.fw.receive(now, &buf[..n]);
                 }
@@ -535,7 +521,7 @@ impl Processor {
                 let packet = bytes
                     .get(3..bytes.len().saturating_sub(4))
                     .unwrap_or_default();
-                tracing::trace!(node = %self.node, ready_at = out.ready_at, "out: {}", super::bridge::summary(packet));
+                tracing::trace!(node = %self.node, ready_at = out.ready_at, "out: {}", frame::summary(packet));
             }
             // A lost frame is the wire's loss: TCP in the firmware retransmits.
             if let Err(e) = self.sock.send_to(&bytes, *dst) {
@@ -568,7 +554,7 @@ mod tests {
     #[test]
     fn crossbar_maps_first_route_bytes_to_ports() {
         let f = FabricParams::default();
-        let x = crossbar(&f);
+        let x = f.crossbar();
         assert_eq!(x.get(&1), Some(&"127.0.0.1:47801".parse().unwrap()));
         assert_eq!(x.get(&0), Some(&"127.0.0.1:47800".parse().unwrap()));
         assert_eq!(x.get(&9), None);

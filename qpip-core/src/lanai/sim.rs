@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use crate::backend::{Command, MgmtResult};
 use crate::mr::MemoryTable;
-use crate::qp::QpShared;
+use crate::shared::QpShared;
 use crate::wr::{Completion, Opcode, QpNum, RecvWr, SendWr};
 
 use super::firmware::{Firmware, FirmwareConfig, OutFrame};
@@ -392,7 +392,7 @@ impl Sim {
                     Posted::Send(wr) => qp.push_send(wr),
                     Posted::Recv(wr) => qp.push_recv(wr),
                 };
-                if !ok {
+                if ok.is_err() {
                     return Err(SimError::App {
                         node: self.nodes[node].name.clone(),
                         message: format!("QP {}: more WRs posted than its rings hold", qp.num),

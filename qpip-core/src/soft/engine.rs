@@ -1,23 +1,28 @@
-//! The engine thread: the soft NIC's processor. Each turn it runs the management commands,
-//! the doorbell FIFO, and the sockets that became ready; it spins briefly after work and
-//! then sleeps in epoll until a doorbell, a command or a socket wakes it.
+//! The soft NIC's processor: the physical layer (kernel sockets through io_uring or epoll) and
+//! the QPs' links over it. The NIC thread shell ([`crate::machines::shell`]) hands it
+//! commands and doorbells; its `step` looks at the sockets without blocking, its `sleep`
+//! waits in epoll (or io_uring) until a doorbell, a command or a socket wakes it.
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{Ordering, fence};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
 
 use super::link::EngineQp;
 use super::uring::{Event, Ring};
-use super::{IoMode, Shared, SoftConfig, WAKER_TOKEN};
+use super::{IoMode, SoftConfig, WAKER_TOKEN};
 use crate::backend::{Command, ListenerId, MgmtResult};
+use crate::framer::Framer;
+use crate::machines::mgmt::{self, Management, no_qp, not_idle};
+use crate::machines::shell::Processor;
 use crate::mr::MemoryTable;
 use crate::reply::ReplySender;
+use crate::shared::QpShared;
 use crate::wr::QpNum;
 
 /// Listener tokens live above every QP number.
@@ -35,9 +40,10 @@ struct EngineListener {
 
 pub(super) struct Engine {
     poll: Poll,
-    shared: Arc<Shared>,
     memory: Arc<MemoryTable>,
-    cfg: SoftConfig,
+    /// Taken while a turn hands its events out.
+    events: Option<Events>,
+    completions: Vec<Event>,
     /// Boxed: an io_uring operation may point into a QP's buffers, which must not move.
     qps: HashMap<QpNum, Box<EngineQp>>,
     /// Destroyed QPs whose io_uring operations have not completed yet.
@@ -47,89 +53,40 @@ pub(super) struct Engine {
 }
 
 impl Engine {
+    /// Opens io_uring if `cfg` allows it and the kernel lets us (containers often forbid
+    /// it); epoll otherwise. `uring` tells the host which it got.
     pub(super) fn new(
         poll: Poll,
-        shared: Arc<Shared>,
         memory: Arc<MemoryTable>,
         cfg: SoftConfig,
+        uring: &AtomicBool,
     ) -> Self {
+        let ring = open_ring(&poll, cfg.io);
+        uring.store(ring.is_some(), Ordering::Release);
         Engine {
             poll,
-            shared,
             memory,
-            cfg,
+            events: Some(Events::with_capacity(1024)),
+            completions: Vec::new(),
             qps: HashMap::new(),
             zombies: HashMap::new(),
             listeners: HashMap::new(),
-            ring: None,
+            ring,
         }
     }
 
-    /// io_uring if the configuration allows it and the kernel lets us (containers often
-    /// forbid it); epoll otherwise.
-    fn open_ring(&self) -> Option<Ring> {
-        if self.cfg.io == IoMode::Epoll {
-            return None;
-        }
-        use std::os::fd::AsRawFd;
-        match Ring::new(self.poll.as_raw_fd()) {
-            Ok(ring) => Some(ring),
-            Err(e) => {
-                tracing::info!("io_uring unavailable ({e}); the soft NIC uses epoll");
-                None
-            }
-        }
-    }
-
-    pub(super) fn run(mut self) {
-        // SAFETY: gettid has no preconditions.
-        self.shared
-            .engine_tid
-            .store(unsafe { libc::gettid() }, Ordering::Release);
-        self.ring = self.open_ring();
-        self.shared
-            .uring
-            .store(self.ring.is_some(), Ordering::Release);
-        let mut events = Events::with_capacity(1024);
-        let mut completions = Vec::new();
-        let mut last_work = Instant::now();
-        loop {
-            let mut worked = self.run_commands();
-            worked |= self.run_doorbells();
-            if self.shared.stop.load(Ordering::Acquire) {
-                break;
-            }
-            if worked {
-                last_work = Instant::now();
-            }
-            let spinning = last_work.elapsed() < self.cfg.spin;
-            if !spinning {
-                self.shared.sleeping.store(true, Ordering::Relaxed);
-                // Pairs with the fence in ring_doorbell: either the host sees `sleeping` and
-                // wakes us, or we see its doorbell here.
-                fence(Ordering::SeqCst);
-                if !self.shared.doorbells.is_empty() || !self.shared.commands.is_empty() {
-                    self.shared.sleeping.store(false, Ordering::Relaxed);
-                    continue;
-                }
-            }
-            let any = if self.ring.is_some() {
-                self.turn_uring(!spinning, &mut events, &mut completions)
-            } else {
-                self.turn_epoll(!spinning, &mut events)
-            };
-            self.shared.sleeping.store(false, Ordering::Relaxed);
-            if any {
-                last_work = Instant::now();
-            } else if spinning && !worked {
-                // Spinning: let the application threads have the core (two-core machines).
-                std::thread::yield_now();
-            }
-        }
-        let registry = self.poll.registry();
-        for qp in self.qps.values_mut() {
-            qp.disconnect(registry);
-        }
+    /// One turn of the physical layer: wait (or just look) for socket events and run them.
+    fn turn(&mut self, sleep: bool) -> bool {
+        let Some(mut events) = self.events.take() else {
+            return false;
+        };
+        let any = if self.ring.is_some() {
+            self.turn_uring(sleep, &mut events)
+        } else {
+            self.turn_epoll(sleep, &mut events)
+        };
+        self.events = Some(events);
+        any
     }
 
     /// One turn of the epoll engine: wait (or just look) for socket readiness.
@@ -151,15 +108,11 @@ impl Engine {
 
     /// One turn of the io_uring engine: submit every QP's queued I/O and wait (or just look)
     /// for completions; epoll readiness arrives as a completion too.
-    fn turn_uring(
-        &mut self,
-        sleep: bool,
-        events: &mut Events,
-        completions: &mut Vec<Event>,
-    ) -> bool {
+    fn turn_uring(&mut self, sleep: bool, events: &mut Events) -> bool {
         let Some(ring) = self.ring.as_mut() else {
             return false;
         };
+        let mut completions = std::mem::take(&mut self.completions);
         for q in self.qps.values_mut() {
             if let Some(io) = q.uring.as_mut() {
                 for e in io.outbox.drain(..) {
@@ -173,7 +126,7 @@ impl Engine {
             tracing::error!("soft NIC engine: io_uring_enter failed: {e}");
             std::thread::sleep(Duration::from_millis(1));
         }
-        ring.completions(completions);
+        ring.completions(&mut completions);
         let any = !completions.is_empty();
         for ev in completions.drain(..) {
             let registry = self.poll.registry();
@@ -193,6 +146,7 @@ impl Engine {
                 }
             }
         }
+        self.completions = completions;
         any
     }
 
@@ -209,124 +163,6 @@ impl Engine {
             self.mate(id);
         } else if let Some(qp) = self.qps.get_mut(&(t as QpNum)) {
             qp.on_event(self.poll.registry(), event, &self.memory);
-        }
-    }
-
-    fn run_doorbells(&mut self) -> bool {
-        let mut worked = false;
-        while let Some(num) = self.shared.doorbells.pop() {
-            worked = true;
-            if !self.qps.contains_key(&num) {
-                // The QP's creation may still be in the command queue.
-                self.run_commands();
-            }
-            if let Some(qp) = self.qps.get_mut(&num) {
-                // Clear before draining: a WR posted after this point rings again.
-                qp.shared.doorbell.store(false, Ordering::SeqCst);
-                qp.service(self.poll.registry(), &self.memory);
-            }
-        }
-        worked
-    }
-
-    fn run_commands(&mut self) -> bool {
-        let mut worked = false;
-        while let Some(cmd) = self.shared.commands.pop() {
-            worked = true;
-            self.command(cmd);
-        }
-        worked
-    }
-
-    fn command(&mut self, cmd: Command) {
-        let registry = self.poll.registry();
-        match cmd {
-            Command::CreateQp { qp, framer } => {
-                let num = qp.num;
-                let mut eq = Box::new(EngineQp::new(qp, framer, self.ring.is_some()));
-                eq.service(registry, &self.memory);
-                self.qps.insert(num, eq);
-            }
-            Command::BindUdp { qp, addr, reply } => match self.qps.get_mut(&qp) {
-                Some(q) => {
-                    let r = q.bind_udp(registry, addr);
-                    reply.send(r);
-                    q.service(registry, &self.memory);
-                }
-                None => reply.send(Err(no_qp(qp))),
-            },
-            Command::Connect { qp, addr, reply } => match self.qps.get_mut(&qp) {
-                Some(q) => q.connect(registry, addr, reply),
-                None => reply.send(Err(no_qp(qp))),
-            },
-            Command::Listen {
-                id,
-                addr,
-                backlog,
-                reply,
-            } => {
-                let result = TcpListener::bind(addr).and_then(|mut sock| {
-                    registry.register(
-                        &mut sock,
-                        Token(LISTENER_BASE + id as usize),
-                        Interest::READABLE,
-                    )?;
-                    let local = sock.local_addr()?;
-                    let l = EngineListener {
-                        sock,
-                        backlog: backlog as usize,
-                        pending: VecDeque::new(),
-                        accepts: VecDeque::new(),
-                        readable: true,
-                    };
-                    self.listeners.insert(id, l);
-                    Ok(local)
-                });
-                reply.send(result);
-            }
-            Command::Accept {
-                listener,
-                qp,
-                reply,
-            } => match self.listeners.get_mut(&listener) {
-                Some(l) => {
-                    l.accepts.push_back((qp, reply));
-                    self.mate(listener);
-                }
-                None => reply.send(Err(io::Error::new(
-                    io::ErrorKind::NotFound,
-                    "no such listener",
-                ))),
-            },
-            Command::CloseListener { listener } => {
-                if let Some(mut l) = self.listeners.remove(&listener) {
-                    let _ = registry.deregister(&mut l.sock);
-                    for (_, reply) in l.accepts.drain(..) {
-                        reply.send(Err(io::Error::new(
-                            io::ErrorKind::ConnectionAborted,
-                            "listener closed",
-                        )));
-                    }
-                }
-            }
-            Command::Close { qp } => {
-                if let Some(q) = self.qps.get_mut(&qp) {
-                    q.start_close(registry, &self.memory);
-                }
-            }
-            Command::Disconnect { qp } => {
-                if let Some(q) = self.qps.get_mut(&qp) {
-                    q.disconnect(registry);
-                }
-            }
-            Command::Destroy { qp } => {
-                if let Some(mut q) = self.qps.remove(&qp) {
-                    q.disconnect(registry);
-                    if q.io_in_flight() {
-                        self.zombies.insert(qp, q);
-                    }
-                }
-            }
         }
     }
 
@@ -370,14 +206,140 @@ impl Engine {
                 },
                 _ => {
                     l.pending.push_front((stream, peer));
-                    let msg = format!("QP {qp_num} is not an idle reliable QP");
-                    reply.send(Err(io::Error::new(io::ErrorKind::InvalidInput, msg)));
+                    reply.send(Err(not_idle(qp_num, "reliable")));
                 }
             }
         }
     }
 }
 
-fn no_qp(qp: QpNum) -> io::Error {
-    io::Error::new(io::ErrorKind::NotFound, format!("no QP {qp}"))
+/// io_uring if `mode` allows it and the kernel lets us; epoll otherwise.
+fn open_ring(poll: &Poll, mode: IoMode) -> Option<Ring> {
+    if mode == IoMode::Epoll {
+        return None;
+    }
+    use std::os::fd::AsRawFd;
+    match Ring::new(poll.as_raw_fd()) {
+        Ok(ring) => Some(ring),
+        Err(e) => {
+            tracing::info!("io_uring unavailable ({e}); the soft NIC uses epoll");
+            None
+        }
+    }
+}
+
+impl Processor for Engine {
+    fn command(&mut self, cmd: Command) {
+        mgmt::dispatch(self, cmd);
+    }
+
+    fn doorbell(&mut self, num: QpNum) {
+        if let Some(qp) = self.qps.get_mut(&num) {
+            // Clear before draining: a WR posted after this point rings again.
+            qp.shared.doorbell.store(false, Ordering::SeqCst);
+            qp.service(self.poll.registry(), &self.memory);
+        }
+    }
+
+    fn step(&mut self) -> bool {
+        self.turn(false)
+    }
+
+    fn sleep(&mut self) -> bool {
+        self.turn(true)
+    }
+
+    fn stop(&mut self) {
+        let registry = self.poll.registry();
+        for qp in self.qps.values_mut() {
+            qp.disconnect(registry);
+        }
+    }
+}
+
+impl Management for Engine {
+    fn create_qp(&mut self, qp: Arc<QpShared>, framer: Box<dyn Framer>) {
+        let num = qp.num;
+        let mut eq = Box::new(EngineQp::new(qp, framer, self.ring.is_some()));
+        eq.service(self.poll.registry(), &self.memory);
+        self.qps.insert(num, eq);
+    }
+
+    fn bind_udp(&mut self, qp: QpNum, addr: SocketAddr) -> MgmtResult {
+        let registry = self.poll.registry();
+        let q = self.qps.get_mut(&qp).ok_or_else(|| no_qp(qp))?;
+        let local = q.bind_udp(registry, addr)?;
+        q.service(registry, &self.memory);
+        Ok(local)
+    }
+
+    fn connect(&mut self, qp: QpNum, addr: SocketAddr, reply: ReplySender<MgmtResult>) {
+        match self.qps.get_mut(&qp) {
+            Some(q) => q.connect(self.poll.registry(), addr, reply),
+            None => reply.send(Err(no_qp(qp))),
+        }
+    }
+
+    fn listen(&mut self, id: ListenerId, addr: SocketAddr, backlog: u32) -> MgmtResult {
+        let mut sock = TcpListener::bind(addr)?;
+        self.poll.registry().register(
+            &mut sock,
+            Token(LISTENER_BASE + id as usize),
+            Interest::READABLE,
+        )?;
+        let local = sock.local_addr()?;
+        let l = EngineListener {
+            sock,
+            backlog: backlog as usize,
+            pending: VecDeque::new(),
+            accepts: VecDeque::new(),
+            readable: true,
+        };
+        self.listeners.insert(id, l);
+        Ok(local)
+    }
+
+    fn has_listener(&self, listener: ListenerId) -> bool {
+        self.listeners.contains_key(&listener)
+    }
+
+    fn accept(&mut self, listener: ListenerId, qp: QpNum, reply: ReplySender<MgmtResult>) {
+        if let Some(l) = self.listeners.get_mut(&listener) {
+            l.accepts.push_back((qp, reply));
+            self.mate(listener);
+        }
+    }
+
+    fn close_listener(&mut self, listener: ListenerId) {
+        if let Some(mut l) = self.listeners.remove(&listener) {
+            let _ = self.poll.registry().deregister(&mut l.sock);
+            for (_, reply) in l.accepts.drain(..) {
+                reply.send(Err(io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    "listener closed",
+                )));
+            }
+        }
+    }
+
+    fn close(&mut self, qp: QpNum) {
+        if let Some(q) = self.qps.get_mut(&qp) {
+            q.start_close(self.poll.registry(), &self.memory);
+        }
+    }
+
+    fn disconnect(&mut self, qp: QpNum) {
+        if let Some(q) = self.qps.get_mut(&qp) {
+            q.disconnect(self.poll.registry());
+        }
+    }
+
+    fn destroy(&mut self, qp: QpNum) {
+        if let Some(mut q) = self.qps.remove(&qp) {
+            q.disconnect(self.poll.registry());
+            if q.io_in_flight() {
+                self.zombies.insert(qp, q);
+            }
+        }
+    }
 }

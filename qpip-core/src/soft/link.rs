@@ -12,14 +12,15 @@ use mio::net::{TcpStream, UdpSocket};
 use mio::{Interest, Registry, Token};
 use smallvec::SmallVec;
 
-use super::rx::{RxMachine, RxStop};
 use super::tx::{TxMachine, TxStop};
 use super::uring::UringIo;
 use crate::backend::MgmtResult;
 use crate::framer::Framer;
-use crate::mr::{MemoryTable, Segment};
-use crate::qp::{QpKind, QpShared, QpState};
+use crate::machines::mgmt::not_idle;
+use crate::machines::rx::{RecvTarget, RxMachine, RxStop};
+use crate::mr::MemoryTable;
 use crate::reply::ReplySender;
+use crate::shared::{QpKind, QpShared, QpState};
 use crate::wr::WcStatus;
 
 pub(super) enum Link {
@@ -35,12 +36,6 @@ pub(super) enum Link {
     /// so that closing never turns into a reset that could destroy data still on its way.
     Draining(TcpStream),
     Down,
-}
-
-/// A receive WR taken for the next datagram.
-struct PendingDatagram {
-    wr_id: u64,
-    segs: SmallVec<[Segment; 4]>,
 }
 
 /// A teardown waiting for io_uring operations to finish: the kernel may still be writing into
@@ -65,7 +60,8 @@ pub(super) struct EngineQp {
     pub(super) link: Link,
     tx: TxMachine,
     rx: RxMachine,
-    next_datagram: Option<PendingDatagram>,
+    /// The receive WR taken for the next datagram.
+    next_datagram: Option<RecvTarget>,
     readable: bool,
     writable: bool,
     closing: bool,
@@ -164,8 +160,7 @@ impl EngineQp {
         reply: ReplySender<MgmtResult>,
     ) {
         if self.shared.kind != QpKind::Reliable || !self.is_idle() {
-            let msg = format!("QP {} is not an idle reliable QP", self.shared.num);
-            reply.send(Err(io::Error::new(io::ErrorKind::InvalidInput, msg)));
+            reply.send(Err(not_idle(self.shared.num, "reliable")));
             return;
         }
         let mut stream = match TcpStream::connect(addr) {
@@ -221,8 +216,7 @@ impl EngineQp {
         addr: SocketAddr,
     ) -> io::Result<SocketAddr> {
         if self.shared.kind != QpKind::Unreliable || !self.is_idle() {
-            let msg = format!("QP {} is not an idle unreliable QP", self.shared.num);
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, msg));
+            return Err(not_idle(self.shared.num, "unreliable"));
         }
         let mut sock = UdpSocket::bind(addr)?;
         registry.register(
@@ -393,32 +387,17 @@ impl EngineQp {
     fn receive_datagrams(
         shared: &QpShared,
         memory: &MemoryTable,
-        next: &mut Option<PendingDatagram>,
+        next: &mut Option<RecvTarget>,
         readable: &mut bool,
         sock: &UdpSocket,
     ) {
         let sock = socket2::SockRef::from(sock);
         loop {
             if next.is_none() {
-                let Some(wr) = shared.rq.pop() else { return };
-                let segs: Result<SmallVec<[Segment; 4]>, _> =
-                    wr.sg_list.iter().map(|s| memory.resolve(s, true)).collect();
-                match segs {
-                    Ok(segs) => {
-                        *next = Some(PendingDatagram {
-                            wr_id: wr.wr_id,
-                            segs,
-                        })
-                    }
-                    Err(fault) => {
-                        tracing::warn!(
-                            qp = shared.num,
-                            wr_id = wr.wr_id,
-                            "receive WR refused: {fault}"
-                        );
-                        shared.complete_recv(wr.wr_id, WcStatus::ProtectionError, 0, None, 0);
-                        continue;
-                    }
+                match RecvTarget::take(shared, memory) {
+                    None => return,
+                    Some(Ok(wr)) => *next = Some(wr),
+                    Some(Err(_refused)) => continue,
                 }
             }
             let Some(pending) = next.as_ref() else { return };

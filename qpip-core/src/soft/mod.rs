@@ -2,28 +2,24 @@
 //! transmit and receive state machines over the kernel's TCP and UDP sockets.
 //!
 //! The host side only writes WRs into rings and polls CQs. Ringing the doorbell costs an atomic
-//! swap, plus one `eventfd` write when the engine sleeps. The engine spins for a short while
-//! after its last work (so a busy stream never pays a wake-up), then sleeps in `epoll_wait`.
+//! swap, plus one `eventfd` write when the engine sleeps. The engine runs in the shared NIC
+//! thread shell ([`crate::machines::shell`]): it spins for a short while after its last work
+//! (so a busy stream never pays a wake-up), then sleeps in `epoll_wait` (or io_uring).
 
 mod engine;
 mod link;
-pub(crate) mod rx;
-pub(crate) mod tx;
+mod tx;
 mod uring;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering, fence};
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
-
-use crossbeam_queue::SegQueue;
-use parking_lot::Mutex;
 
 use crate::backend::{Command, NicBackend};
 use crate::error::{Error, Result};
+use crate::machines::shell::{NicThread, ShellConfig};
 use crate::mr::MemoryTable;
-use crate::qp::QpShared;
-use crate::wr::QpNum;
+use crate::shared::QpShared;
 
 /// How the engine moves bytes through the kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,41 +57,10 @@ impl Default for SoftConfig {
     }
 }
 
-/// What the host threads and the engine thread share.
-struct Shared {
-    commands: SegQueue<Command>,
-    /// The doorbell FIFO: QPs with newly posted WRs.
-    doorbells: SegQueue<QpNum>,
-    sleeping: AtomicBool,
-    stop: AtomicBool,
-    waker: mio::Waker,
-    engine_tid: AtomicI32,
-    /// Whether the engine got an io_uring (set once it has started).
-    uring: AtomicBool,
-}
-
-impl Shared {
-    fn wake(&self) {
-        if let Err(e) = self.waker.wake() {
-            tracing::error!("cannot wake the soft NIC engine: {e}");
-        }
-    }
-}
-
 pub(crate) struct SoftBackend {
-    shared: Arc<Shared>,
-    thread: Mutex<Option<JoinHandle<()>>>,
-}
-
-/// The completion status for a failed socket operation.
-fn status_of(e: &std::io::Error) -> crate::wr::WcStatus {
-    use std::io::ErrorKind::*;
-    match e.kind() {
-        ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof => {
-            crate::wr::WcStatus::RemoteClosed
-        }
-        _ => crate::wr::WcStatus::TransportError,
-    }
+    thread: NicThread,
+    /// Whether the engine got an io_uring (set once it has started).
+    uring: Arc<AtomicBool>,
 }
 
 const WAKER_TOKEN: mio::Token = mio::Token(usize::MAX);
@@ -105,24 +70,17 @@ impl SoftBackend {
         let poll = mio::Poll::new().map_err(|e| Error::Engine(format!("epoll: {e}")))?;
         let waker = mio::Waker::new(poll.registry(), WAKER_TOKEN)
             .map_err(|e| Error::Engine(format!("eventfd: {e}")))?;
-        let shared = Arc::new(Shared {
-            commands: SegQueue::new(),
-            doorbells: SegQueue::new(),
-            sleeping: AtomicBool::new(false),
-            stop: AtomicBool::new(false),
-            waker,
-            engine_tid: AtomicI32::new(0),
-            uring: AtomicBool::new(false),
-        });
-        let engine = engine::Engine::new(poll, shared.clone(), memory, cfg);
-        let thread = std::thread::Builder::new()
-            .name("qpip-soft-nic".into())
-            .spawn(move || engine.run())
-            .map_err(|e| Error::Engine(format!("cannot start the engine thread: {e}")))?;
-        Ok(SoftBackend {
-            shared,
-            thread: Mutex::new(Some(thread)),
-        })
+        let uring = Arc::new(AtomicBool::new(false));
+        let shell = ShellConfig {
+            name: "qpip-soft-nic",
+            spin: cfg.spin,
+            doorbell_fifo: None,
+        };
+        let engine_uring = uring.clone();
+        let thread = NicThread::spawn(shell, waker, move || {
+            engine::Engine::new(poll, memory, cfg, &engine_uring)
+        })?;
+        Ok(SoftBackend { thread, uring })
     }
 }
 
@@ -132,24 +90,15 @@ impl NicBackend for SoftBackend {
     }
 
     fn manage(&self, cmd: Command) {
-        self.shared.commands.push(cmd);
-        self.shared.wake();
+        self.thread.manage(cmd);
     }
 
     fn ring_doorbell(&self, qp: &Arc<QpShared>) {
-        if qp.doorbell.swap(true, Ordering::AcqRel) {
-            return; // already in the FIFO; the engine drains the rings after clearing the flag
-        }
-        self.shared.doorbells.push(qp.num);
-        // Pairs with the engine's fence between announcing sleep and re-checking the FIFO.
-        fence(Ordering::SeqCst);
-        if self.shared.sleeping.load(Ordering::Relaxed) {
-            self.shared.wake();
-        }
+        self.thread.ring_doorbell(qp);
     }
 
     fn io_path(&self) -> &'static str {
-        if self.shared.uring.load(Ordering::Acquire) {
+        if self.uring.load(Ordering::Acquire) {
             "io_uring"
         } else {
             "epoll"
@@ -157,19 +106,10 @@ impl NicBackend for SoftBackend {
     }
 
     fn engine_threads(&self) -> Vec<i32> {
-        match self.shared.engine_tid.load(Ordering::Acquire) {
-            0 => vec![],
-            tid => vec![tid],
-        }
+        self.thread.engine_threads()
     }
 
     fn shutdown(&self) {
-        self.shared.stop.store(true, Ordering::Release);
-        self.shared.wake();
-        if let Some(t) = self.thread.lock().take()
-            && t.join().is_err()
-        {
-            tracing::error!("the soft NIC engine thread panicked");
-        }
+        self.thread.shutdown();
     }
 }

@@ -9,62 +9,15 @@ use std::net::SocketAddr;
 
 use smallvec::SmallVec;
 
-use crate::framer::{Framer, MAX_HEADER};
-use crate::mr::{MemoryTable, ProtectionFault, Segment};
-use crate::qp::QpShared;
-use crate::wr::{SendWr, WcStatus};
+use crate::framer::Framer;
+use crate::machines::status_of;
+use crate::machines::tx::SendMessage;
+use crate::mr::MemoryTable;
+use crate::shared::QpShared;
+use crate::wr::WcStatus;
 
 /// Most iovecs handed to one `writev`.
 const MAX_IOV: usize = 64;
-
-/// A send WR resolved for the wire: its memory checked against the region table and the
-/// framer's header built. Both backends' transmit machines queue these.
-pub(crate) struct SendMessage {
-    pub wr_id: u64,
-    hdr: [u8; MAX_HEADER],
-    pub hdr_len: usize,
-    segs: SmallVec<[Segment; 4]>,
-    pub body_len: usize,
-    pub dest: Option<SocketAddr>,
-}
-
-impl SendMessage {
-    /// Checks every SGE (Err: the WR's id and the fault) and asks the framer for a header.
-    pub(crate) fn prepare(
-        wr: SendWr,
-        memory: &MemoryTable,
-        framer: Option<&mut dyn Framer>,
-    ) -> Result<SendMessage, (u64, ProtectionFault)> {
-        let mut segs = SmallVec::new();
-        for sge in &wr.sg_list {
-            segs.push(memory.resolve(sge, false).map_err(|f| (wr.wr_id, f))?);
-        }
-        let body_len = segs.iter().map(Segment::len).sum();
-        let mut hdr = [0u8; MAX_HEADER];
-        let hdr_len = framer.map_or(0, |f| f.encode_header(body_len, &mut hdr).min(MAX_HEADER));
-        Ok(SendMessage {
-            wr_id: wr.wr_id,
-            hdr,
-            hdr_len,
-            segs,
-            body_len,
-            dest: wr.dest,
-        })
-    }
-
-    /// Header plus body.
-    pub(crate) fn total(&self) -> usize {
-        self.hdr_len + self.body_len
-    }
-
-    /// The message's parts: framing header, then each segment.
-    pub(crate) fn parts(&self) -> impl Iterator<Item = &[u8]> {
-        std::iter::once(&self.hdr[..self.hdr_len]).chain(self.segs.iter().map(|s| {
-            // SAFETY: the NIC owns the WR's memory until it completes it.
-            unsafe { s.bytes() }
-        }))
-    }
-}
 
 struct OutMsg {
     msg: SendMessage,
@@ -177,11 +130,7 @@ impl TxMachine {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return TxStop::WouldBlock,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
-                    return self.fail_front(
-                        qp,
-                        super::status_of(&e),
-                        e.raw_os_error().unwrap_or(0),
-                    );
+                    return self.fail_front(qp, status_of(&e), e.raw_os_error().unwrap_or(0));
                 }
             }
         }

@@ -6,7 +6,6 @@ use std::io::{self, IoSliceMut};
 use std::net::{SocketAddr, SocketAddrV6};
 use std::sync::Arc;
 
-use smallvec::SmallVec;
 use smoltcp::iface::{SocketHandle, SocketSet};
 use smoltcp::socket::{tcp, udp};
 use smoltcp::wire::{IpAddress, IpEndpoint};
@@ -17,11 +16,11 @@ use crate::framer::Framer;
 use crate::lanai::meter::{Dir, Kind, Meter, Nanos, Stage};
 use crate::lanai::params::DeviceParams;
 use crate::lanai::sram::Sram;
-use crate::mr::{MemoryTable, ProtectionFault, Segment};
-use crate::qp::{QpShared, QpState};
+use crate::machines::rx::{RecvTarget, RxMachine, RxStop};
+use crate::machines::tx::SendMessage;
+use crate::mr::{MemoryTable, ProtectionFault};
 use crate::reply::ReplySender;
-use crate::soft::rx::{RxMachine, RxStop};
-use crate::soft::tx::SendMessage;
+use crate::shared::{QpShared, QpState};
 use crate::wr::{SendWr, WcStatus};
 
 /// How long a peer may stay silent before its connection is declared dead.
@@ -474,37 +473,20 @@ impl FwQp {
         }
         // Each datagram fills one receive WR.
         while sock.can_recv() {
-            let Some(wr) = shared.rq.pop() else { break };
-            progress = true;
-            let segs: Result<SmallVec<[Segment; 4]>, _> = wr
-                .sg_list
-                .iter()
-                .map(|s| cx.memory.resolve(s, true))
-                .collect();
-            let segs = match segs {
-                Ok(s) => s,
-                Err(fault) => {
-                    tracing::warn!(
-                        qp = shared.num,
-                        wr_id = wr.wr_id,
-                        "receive WR refused: {fault}"
-                    );
-                    shared.complete_recv(wr.wr_id, WcStatus::ProtectionError, 0, None, 0);
+            let wr = match RecvTarget::take(shared, cx.memory) {
+                None => break,
+                Some(Ok(wr)) => wr,
+                Some(Err(_refused)) => {
+                    progress = true;
                     to_host!(cx, CQ_ENTRY_BYTES);
                     continue;
                 }
             };
+            progress = true;
             let Ok((data, meta)) = sock.recv() else {
                 break;
             };
-            let mut off = 0;
-            for seg in &segs {
-                // SAFETY: the NIC owns the WR's memory until it completes it.
-                let dst = unsafe { seg.bytes_mut() };
-                let n = dst.len().min(data.len() - off);
-                dst[..n].copy_from_slice(&data[off..off + n]);
-                off += n;
-            }
+            let off = wr.scatter(0, data);
             let status = if off < data.len() {
                 WcStatus::LengthError
             } else {

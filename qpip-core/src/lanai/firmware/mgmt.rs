@@ -2,9 +2,13 @@
 //! close and destroy, and the timers that go with them.
 
 use super::*;
+use crate::framer::Framer;
+use crate::machines::mgmt::{Management, no_qp, not_idle};
+use crate::shared::QpShared;
 
-impl Firmware {
-    pub(super) fn create_qp(&mut self, mut q: FwQp) {
+impl Management for Firmware {
+    fn create_qp(&mut self, qp: Arc<QpShared>, framer: Box<dyn Framer>) {
+        let mut q = FwQp::new(qp, framer);
         let d = &self.params.device;
         let need = d.qp_state_bytes + d.wr_cache_entries * d.wr_entry_bytes;
         match self.sram.alloc(need) {
@@ -20,6 +24,174 @@ impl Firmware {
         self.qps.insert(q.shared.num, q);
     }
 
+    fn bind_udp(&mut self, qp: QpNum, addr: SocketAddr) -> MgmtResult {
+        let q = self.qps.get(&qp).ok_or_else(|| no_qp(qp))?;
+        if q.shared.kind != QpKind::Unreliable || !q.is_idle() {
+            return Err(not_idle(qp, "unreliable"));
+        }
+        let port = self.local_port(addr)?;
+        let d = &self.params.device;
+        let need = 2 * d.udp_buffer as u64;
+        self.sram.alloc(need)?;
+        // A datagram needs a metadata slot; small ones should not run out of slots first.
+        let slots = (d.udp_buffer / 256).max(4);
+        let buf = || {
+            udp::PacketBuffer::new(
+                vec![udp::PacketMetadata::EMPTY; slots],
+                vec![0u8; d.udp_buffer],
+            )
+        };
+        let mut s = udp::Socket::new(buf(), buf());
+        if let Err(e) = s.bind(IpListenEndpoint {
+            addr: Some(IpAddress::Ipv6(self.addr)),
+            port,
+        }) {
+            self.sram.release(need);
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, e.to_string()));
+        }
+        let h = self.sockets.add(s);
+        let local = SocketAddrV6::new(self.addr, port, 0, 0);
+        // Invariant: checked above that the QP exists.
+        if let Some(q) = self.qps.get_mut(&qp) {
+            q.sram += need;
+            q.link = Link::Udp(Box::new(UdpLink::new(h)));
+            q.shared.set_addrs(Some(SocketAddr::V6(local)), None);
+            q.shared.set_state(QpState::Ready);
+        }
+        Ok(SocketAddr::V6(local))
+    }
+
+    fn connect(&mut self, qp: QpNum, addr: SocketAddr, reply: ReplySender<MgmtResult>) {
+        let r = (|| {
+            let q = self.qps.get(&qp).ok_or_else(|| no_qp(qp))?;
+            if q.shared.kind != QpKind::Reliable || !q.is_idle() {
+                return Err(not_idle(qp, "reliable"));
+            }
+            let SocketAddr::V6(remote) = addr else {
+                return Err(unsupported_v4());
+            };
+            if remote.ip().is_unspecified() || remote.port() == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("cannot connect to {addr}"),
+                ));
+            }
+            let port = self.ephemeral_port()?;
+            let h = self.new_tcp_socket()?;
+            let sock = self.sockets.get_mut::<tcp::Socket>(h);
+            let remote_ep = IpEndpoint::new(IpAddress::Ipv6(*remote.ip()), remote.port());
+            let local_ep = IpEndpoint::new(IpAddress::Ipv6(self.addr), port);
+            if let Err(e) = sock.connect(self.iface.context(), remote_ep, local_ep) {
+                self.free_tcp_socket(h);
+                return Err(io::Error::new(io::ErrorKind::InvalidInput, e.to_string()));
+            }
+            Ok(h)
+        })();
+        match r {
+            Ok(handle) => {
+                let deadline = self.meter.now() + CONNECT_TIMEOUT_NS;
+                if let Some(q) = self.qps.get_mut(&qp) {
+                    q.shared.set_state(QpState::Connecting);
+                    q.link = Link::Connecting {
+                        handle,
+                        reply,
+                        deadline,
+                    };
+                }
+            }
+            Err(e) => reply.send(Err(e)),
+        }
+    }
+
+    fn listen(&mut self, id: ListenerId, addr: SocketAddr, backlog: u32) -> MgmtResult {
+        let port = self.local_port(addr)?;
+        let mut l = Listener {
+            port,
+            backlog: (backlog as usize).max(1),
+            listening: Vec::new(),
+            pending: VecDeque::new(),
+            accepts: VecDeque::new(),
+        };
+        // At least one listening socket must fit, or the listen fails.
+        let h = self.new_tcp_socket()?;
+        if let Err(e) = self.sockets.get_mut::<tcp::Socket>(h).listen(port) {
+            self.free_tcp_socket(h);
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, e.to_string()));
+        }
+        l.listening.push(h);
+        self.listeners.insert(id, l);
+        self.replenish(id);
+        Ok(self.local(port))
+    }
+
+    fn close_listener(&mut self, id: ListenerId) {
+        let Some(l) = self.listeners.remove(&id) else {
+            return;
+        };
+        for (_, reply) in l.accepts {
+            reply.send(Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "listener closed",
+            )));
+        }
+        for h in l.listening {
+            self.free_tcp_socket(h);
+        }
+        for h in l.pending {
+            // Connections nobody accepted are reset.
+            self.sockets.get_mut::<tcp::Socket>(h).abort();
+            self.dying.push(h);
+        }
+    }
+
+    fn close(&mut self, qp: QpNum) {
+        self.with_qp(qp, |q, cx| match &mut q.link {
+            Link::Tcp(t) => {
+                if !t.closing {
+                    t.closing = true;
+                    q.shared.set_state(QpState::Closing);
+                }
+            }
+            Link::Down => {}
+            _ => q.fail(cx, QpState::Closed, WcStatus::Flushed),
+        });
+    }
+
+    fn destroy(&mut self, qp: QpNum) {
+        let mut orphan = None;
+        self.with_qp(qp, |q, cx| orphan = q.destroy(cx));
+        if let Some(q) = self.qps.remove(&qp) {
+            self.sram.release(q.sram);
+        }
+        if let Some(handle) = orphan {
+            self.orphans.push(Orphan {
+                handle,
+                deadline: self.meter.now() + ORPHAN_TIMEOUT_NS,
+            });
+        }
+    }
+
+    fn has_listener(&self, listener: ListenerId) -> bool {
+        self.listeners.contains_key(&listener)
+    }
+
+    fn accept(&mut self, listener: ListenerId, qp: QpNum, reply: ReplySender<MgmtResult>) {
+        if let Some(l) = self.listeners.get_mut(&listener) {
+            l.accepts.push_back((qp, reply));
+        }
+    }
+
+    fn disconnect(&mut self, qp: QpNum) {
+        self.with_qp(qp, |q, cx| {
+            let gone = matches!(q.shared.state(), QpState::Closed | QpState::Error);
+            if !(matches!(q.link, Link::Down) && gone) {
+                q.fail(cx, QpState::Closed, WcStatus::Flushed);
+            }
+        });
+    }
+}
+
+impl Firmware {
     pub(super) fn port_in_use(&self, port: u16) -> bool {
         self.listeners.values().any(|l| l.port == port)
             || self.sockets.iter().any(|(_, s)| match s {
@@ -88,112 +260,6 @@ impl Firmware {
         self.sram.release(self.conn_sram());
     }
 
-    pub(super) fn bind_udp(&mut self, qp: QpNum, addr: SocketAddr) -> MgmtResult {
-        let q = self.qps.get(&qp).ok_or_else(|| no_qp(qp))?;
-        if q.shared.kind != QpKind::Unreliable || !q.is_idle() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("QP {qp} is not an idle unreliable QP"),
-            ));
-        }
-        let port = self.local_port(addr)?;
-        let d = &self.params.device;
-        let need = 2 * d.udp_buffer as u64;
-        self.sram.alloc(need)?;
-        // A datagram needs a metadata slot; small ones should not run out of slots first.
-        let slots = (d.udp_buffer / 256).max(4);
-        let buf = || {
-            udp::PacketBuffer::new(
-                vec![udp::PacketMetadata::EMPTY; slots],
-                vec![0u8; d.udp_buffer],
-            )
-        };
-        let mut s = udp::Socket::new(buf(), buf());
-        if let Err(e) = s.bind(IpListenEndpoint {
-            addr: Some(IpAddress::Ipv6(self.addr)),
-            port,
-        }) {
-            self.sram.release(need);
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, e.to_string()));
-        }
-        let h = self.sockets.add(s);
-        let local = SocketAddrV6::new(self.addr, port, 0, 0);
-        // Invariant: checked above that the QP exists.
-        if let Some(q) = self.qps.get_mut(&qp) {
-            q.sram += need;
-            q.link = Link::Udp(Box::new(UdpLink::new(h)));
-            q.shared.set_addrs(Some(SocketAddr::V6(local)), None);
-            q.shared.set_state(QpState::Ready);
-        }
-        Ok(SocketAddr::V6(local))
-    }
-
-    pub(super) fn connect(&mut self, qp: QpNum, addr: SocketAddr, reply: ReplySender<MgmtResult>) {
-        let r = (|| {
-            let q = self.qps.get(&qp).ok_or_else(|| no_qp(qp))?;
-            if q.shared.kind != QpKind::Reliable || !q.is_idle() {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!("QP {qp} is not an idle reliable QP"),
-                ));
-            }
-            let SocketAddr::V6(remote) = addr else {
-                return Err(unsupported_v4());
-            };
-            if remote.ip().is_unspecified() || remote.port() == 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!("cannot connect to {addr}"),
-                ));
-            }
-            let port = self.ephemeral_port()?;
-            let h = self.new_tcp_socket()?;
-            let sock = self.sockets.get_mut::<tcp::Socket>(h);
-            let remote_ep = IpEndpoint::new(IpAddress::Ipv6(*remote.ip()), remote.port());
-            let local_ep = IpEndpoint::new(IpAddress::Ipv6(self.addr), port);
-            if let Err(e) = sock.connect(self.iface.context(), remote_ep, local_ep) {
-                self.free_tcp_socket(h);
-                return Err(io::Error::new(io::ErrorKind::InvalidInput, e.to_string()));
-            }
-            Ok(h)
-        })();
-        match r {
-            Ok(handle) => {
-                let deadline = self.meter.now() + CONNECT_TIMEOUT_NS;
-                if let Some(q) = self.qps.get_mut(&qp) {
-                    q.shared.set_state(QpState::Connecting);
-                    q.link = Link::Connecting {
-                        handle,
-                        reply,
-                        deadline,
-                    };
-                }
-            }
-            Err(e) => reply.send(Err(e)),
-        }
-    }
-
-    pub(super) fn listen(&mut self, id: ListenerId, addr: SocketAddr, backlog: u32) -> MgmtResult {
-        let port = self.local_port(addr)?;
-        let mut l = Listener {
-            port,
-            backlog: (backlog as usize).max(1),
-            listening: Vec::new(),
-            pending: VecDeque::new(),
-            accepts: VecDeque::new(),
-        };
-        // At least one listening socket must fit, or the listen fails.
-        let h = self.new_tcp_socket()?;
-        if let Err(e) = self.sockets.get_mut::<tcp::Socket>(h).listen(port) {
-            self.free_tcp_socket(h);
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, e.to_string()));
-        }
-        l.listening.push(h);
-        self.listeners.insert(id, l);
-        self.replenish(id);
-        Ok(self.local(port))
-    }
-
     /// Keeps `LISTEN_SPARES` sockets listening (within the backlog and the SRAM).
     pub(super) fn replenish(&mut self, id: ListenerId) {
         loop {
@@ -216,53 +282,6 @@ impl Firmware {
             if let Some(l) = self.listeners.get_mut(&id) {
                 l.listening.push(h);
             }
-        }
-    }
-
-    pub(super) fn close_listener(&mut self, id: ListenerId) {
-        let Some(l) = self.listeners.remove(&id) else {
-            return;
-        };
-        for (_, reply) in l.accepts {
-            reply.send(Err(io::Error::new(
-                io::ErrorKind::ConnectionAborted,
-                "listener closed",
-            )));
-        }
-        for h in l.listening {
-            self.free_tcp_socket(h);
-        }
-        for h in l.pending {
-            // Connections nobody accepted are reset.
-            self.sockets.get_mut::<tcp::Socket>(h).abort();
-            self.dying.push(h);
-        }
-    }
-
-    pub(super) fn close(&mut self, qp: QpNum) {
-        self.with_qp(qp, |q, cx| match &mut q.link {
-            Link::Tcp(t) => {
-                if !t.closing {
-                    t.closing = true;
-                    q.shared.set_state(QpState::Closing);
-                }
-            }
-            Link::Down => {}
-            _ => q.fail(cx, QpState::Closed, WcStatus::Flushed),
-        });
-    }
-
-    pub(super) fn destroy(&mut self, qp: QpNum) {
-        let mut orphan = None;
-        self.with_qp(qp, |q, cx| orphan = q.destroy(cx));
-        if let Some(q) = self.qps.remove(&qp) {
-            self.sram.release(q.sram);
-        }
-        if let Some(handle) = orphan {
-            self.orphans.push(Orphan {
-                handle,
-                deadline: self.meter.now() + ORPHAN_TIMEOUT_NS,
-            });
         }
     }
 
@@ -416,10 +435,7 @@ impl Firmware {
                     q.shared.set_state(QpState::Ready);
                     reply.send(peer.ok_or_else(|| io::Error::other("no peer address")));
                 }
-                Some(_) => reply.send(Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!("QP {qp} is not an idle reliable QP"),
-                ))),
+                Some(_) => reply.send(Err(not_idle(qp, "reliable"))),
                 None => reply.send(Err(no_qp(qp))),
             }
         }

@@ -8,8 +8,8 @@ use super::*;
 use crate::cq::CompletionQueue;
 use crate::framer::{Framer, LengthPrefixed, RawStream};
 use crate::mr::{Access, MemoryRegion};
-use crate::qp::{QpAttr, QpShared};
 use crate::reply::{ReplyReceiver, reply_channel};
+use crate::shared::QpShared;
 use crate::wr::{Completion, RecvWr, SendWr};
 
 const SERVER: usize = 0;
@@ -93,8 +93,8 @@ impl Net {
         let side = &mut self.sides[s];
         let num = side.next_qp;
         side.next_qp += 1;
-        let attr = QpAttr::new(&side.cq).depths(1024, 1024);
-        let shared = Arc::new(QpShared::new(num, kind, &attr));
+        let cqs = (side.cq.shared.clone(), side.cq.shared.clone());
+        let shared = Arc::new(QpShared::new(num, kind, cqs, (1024, 1024)));
         side.fw.command(
             self.now,
             Command::CreateQp {
@@ -180,12 +180,12 @@ impl Net {
     }
 
     fn post_send(&mut self, s: usize, qp: &QpShared, wr: SendWr) {
-        qp.push_send(wr);
+        qp.push_send(wr).expect("room in the send ring");
         self.sides[s].fw.doorbell(self.now, qp.num);
     }
 
     fn post_recv(&mut self, s: usize, qp: &QpShared, wr: RecvWr) {
-        qp.push_recv(wr);
+        qp.push_recv(wr).expect("room in the receive ring");
         self.sides[s].fw.doorbell(self.now, qp.num);
     }
 
@@ -607,10 +607,14 @@ fn a_bad_lkey_is_a_protection_error_and_the_reliable_qp_fails() {
     let src = net.region(CLIENT, 100);
     let mut bad = src.sge(0, 10);
     bad.lkey += 1000;
-    c.push_send(SendWr::new(1, &[src.sge(0, 10)]));
-    c.push_send(SendWr::new(2, &[bad]));
-    c.push_send(SendWr::new(3, &[src.sge(0, 10)]));
-    c.push_recv(RecvWr::new(4, &[src.sge(0, 10)]));
+    for wr in [
+        SendWr::new(1, &[src.sge(0, 10)]),
+        SendWr::new(2, &[bad]),
+        SendWr::new(3, &[src.sge(0, 10)]),
+    ] {
+        c.push_send(wr).unwrap();
+    }
+    c.push_recv(RecvWr::new(4, &[src.sge(0, 10)])).unwrap();
     net.sides[CLIENT].fw.doorbell(net.now, c.num);
     let mut done = Vec::new();
     net.run_until(|n| {

@@ -18,8 +18,9 @@ use crate::lanai::meter::Nanos;
 use crate::lanai::params::HostParams;
 use crate::mr::MemoryTable;
 use crate::nic::Nic;
-use crate::qp::{QpAttr, QpKind, QpShared, QpState, QueuePair};
+use crate::qp::{QpAttr, QueuePair};
 use crate::reply::{ReplyReceiver, reply_channel};
+use crate::shared::{QpKind, QpShared, QpState};
 use crate::wr::{Completion, QpNum, RecvWr, SendWr};
 
 /// What the host did toward the NIC: a management command or a doorbell across PCI, a WR

@@ -11,7 +11,7 @@ use super::*;
 use crate::framer::Framer;
 use crate::lanai::frame;
 use crate::lanai::meter::{CostModel, Dir, Kind, Stage};
-use crate::qp::QpShared;
+use crate::shared::QpShared;
 use crate::wr::WcStatus;
 
 /// A QP, its framer (unused) and its bound port.
@@ -51,7 +51,7 @@ impl SimNic for EchoNic {
             Command::BindUdp { qp, addr, reply } => {
                 if let Some(q) = self.qps.get_mut(&qp) {
                     q.2 = addr.port();
-                    q.0.set_state(crate::qp::QpState::Ready);
+                    q.0.set_state(crate::shared::QpState::Ready);
                 }
                 reply.send(Ok(addr));
             }

@@ -1,6 +1,8 @@
-//! The receive state machine of a reliable QP: finds message boundaries with the QP's framer
-//! and places each message into the next receive WR, the body straight from the socket into
-//! the WR's memory. The socket is a `read` closure, so the machine is tested without one.
+//! The receive state machine: takes receive WRs off the ring ([`RecvTarget`], for datagrams
+//! and streams alike) and, on a reliable QP, finds message boundaries with the QP's framer
+//! and places each message into the next receive WR, the body straight from the connection
+//! into the WR's memory. The connection is a `read` closure (a kernel socket for the soft NIC,
+//! the firmware's TCP receive buffer for the LANai), so the machine is tested without one.
 
 use std::io::{self, IoSliceMut};
 
@@ -9,8 +11,52 @@ use smallvec::SmallVec;
 use super::status_of;
 use crate::framer::{Frame, Framer, MAX_HEADER};
 use crate::mr::{MemoryTable, Segment};
-use crate::qp::QpShared;
+use crate::shared::QpShared;
 use crate::wr::WcStatus;
+
+/// A receive WR taken off the ring, its memory checked: where the next message goes.
+pub(crate) struct RecvTarget {
+    pub wr_id: u64,
+    pub segs: SmallVec<[Segment; 4]>,
+}
+
+/// A receive WR failed the key check; it was completed with a protection error.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct WrRefused;
+
+impl RecvTarget {
+    /// Takes the next receive WR; `None` if none is posted. A WR naming memory it may not
+    /// write is completed with a protection error at once.
+    pub(crate) fn take(
+        qp: &QpShared,
+        memory: &MemoryTable,
+    ) -> Option<Result<RecvTarget, WrRefused>> {
+        let wr = qp.rq.pop()?;
+        let segs: Result<SmallVec<[Segment; 4]>, _> =
+            wr.sg_list.iter().map(|s| memory.resolve(s, true)).collect();
+        Some(match segs {
+            Ok(segs) => Ok(RecvTarget {
+                wr_id: wr.wr_id,
+                segs,
+            }),
+            Err(fault) => {
+                tracing::warn!(qp = qp.num, wr_id = wr.wr_id, "receive WR refused: {fault}");
+                qp.complete_recv(wr.wr_id, WcStatus::ProtectionError, 0, None, 0);
+                Err(WrRefused)
+            }
+        })
+    }
+
+    /// Bytes the WR can take.
+    pub(crate) fn capacity(&self) -> usize {
+        self.segs.iter().map(Segment::len).sum()
+    }
+
+    /// Copies `data` into the WR's memory from byte `offset`; returns how much fit.
+    pub(crate) fn scatter(&self, offset: usize, data: &[u8]) -> usize {
+        scatter(&self.segs, offset, data)
+    }
+}
 
 /// Why the machine stopped.
 #[derive(Debug, PartialEq, Eq)]
@@ -25,8 +71,7 @@ pub(crate) enum RxStop {
 
 /// A message being placed into a receive WR.
 struct InMsg {
-    wr_id: u64,
-    segs: SmallVec<[Segment; 4]>,
+    wr: RecvTarget,
     /// Bytes placed so far.
     filled: usize,
     /// Bytes the message has (a raw-stream WR: its capacity).
@@ -47,11 +92,12 @@ fn os_error(e: &io::Error) -> i32 {
     e.raw_os_error().unwrap_or(0)
 }
 
-/// Copies `data` into the segments starting at byte `offset` of the WR.
-fn scatter(segs: &[Segment], mut offset: usize, mut data: &[u8]) {
+/// Copies `data` into the segments starting at byte `offset` of the WR; returns how much fit.
+fn scatter(segs: &[Segment], mut offset: usize, mut data: &[u8]) -> usize {
+    let len = data.len();
     for seg in segs {
         if data.is_empty() {
-            return;
+            break;
         }
         if offset >= seg.len() {
             offset -= seg.len();
@@ -64,6 +110,7 @@ fn scatter(segs: &[Segment], mut offset: usize, mut data: &[u8]) {
         data = &data[n..];
         offset = 0;
     }
+    len - data.len()
 }
 
 /// The WR's memory from `from` to `to`, as iovecs.
@@ -184,7 +231,7 @@ impl RxMachine {
             // it (the next header) land in `hdr`, which is empty here.
             debug_assert_eq!(self.hdr_len, 0);
             let (filled, total, stream) = (cur.filled, cur.total, cur.stream);
-            let mut iov = segs_mut(&cur.segs, filled, total);
+            let mut iov = segs_mut(&cur.wr.segs, filled, total);
             if !stream {
                 iov.push(IoSliceMut::new(&mut self.hdr[..]));
             }
@@ -225,21 +272,12 @@ impl RxMachine {
         total: usize,
         stream: bool,
     ) -> Result<(), RxStop> {
-        let Some(wr) = qp.rq.pop() else {
-            return Err(RxStop::NoWr);
+        let wr = match RecvTarget::take(qp, memory) {
+            None => return Err(RxStop::NoWr),
+            Some(Err(WrRefused)) => return Err(RxStop::Failed),
+            Some(Ok(wr)) => wr,
         };
-        let mut segs = SmallVec::new();
-        for sge in &wr.sg_list {
-            match memory.resolve(sge, true) {
-                Ok(seg) => segs.push(seg),
-                Err(fault) => {
-                    tracing::warn!(qp = qp.num, wr_id = wr.wr_id, "receive WR refused: {fault}");
-                    qp.complete_recv(wr.wr_id, WcStatus::ProtectionError, 0, None, 0);
-                    return Err(RxStop::Failed);
-                }
-            }
-        }
-        let capacity: usize = segs.iter().map(Segment::len).sum();
+        let capacity = wr.capacity();
         let total = if stream { capacity } else { total };
         if total > capacity {
             tracing::warn!(
@@ -253,8 +291,7 @@ impl RxMachine {
             return Err(RxStop::Failed);
         }
         self.cur = Some(InMsg {
-            wr_id: wr.wr_id,
-            segs,
+            wr,
             filled: 0,
             total,
             stream,
@@ -266,7 +303,7 @@ impl RxMachine {
     fn take_hdr(&mut self, strip: usize, end: usize) {
         if let Some(cur) = self.cur.as_mut() {
             let data = &self.hdr[strip.min(end)..end];
-            scatter(&cur.segs, cur.filled, data);
+            cur.wr.scatter(cur.filled, data);
             cur.filled += data.len();
         }
         self.hdr.copy_within(end..self.hdr_len, 0);
@@ -275,7 +312,7 @@ impl RxMachine {
 
     fn complete_cur(&mut self, qp: &QpShared, status: WcStatus, os_error: i32) {
         if let Some(cur) = self.cur.take() {
-            qp.complete_recv(cur.wr_id, status, cur.filled as u32, None, os_error);
+            qp.complete_recv(cur.wr.wr_id, status, cur.filled as u32, None, os_error);
         }
     }
 
@@ -299,7 +336,7 @@ impl RxMachine {
 mod tests {
     use super::*;
     use crate::framer::{LengthPrefixed, RawStream};
-    use crate::qp::{QpAttr, QpKind};
+    use crate::shared::QpKind;
     use crate::wr::{Completion, RecvWr};
     use crate::{CompletionQueue, MemoryRegion};
 
@@ -340,13 +377,14 @@ mod tests {
         MemoryRegion,
     ) {
         let cq = CompletionQueue::new(1024);
-        let qp = QpShared::new(1, QpKind::Reliable, &QpAttr::new(&cq).depths(slots, slots));
+        let cqs = (cq.shared.clone(), cq.shared.clone());
+        let qp = QpShared::new(1, QpKind::Reliable, cqs, (slots, slots));
         let table = MemoryTable::new();
         let mr = table.register_owned(slots * slot, crate::Access::READ_WRITE);
         for i in 0..slots {
             let half = slot / 2;
             let sges = [mr.sge(i * slot, half), mr.sge(i * slot + half, slot - half)];
-            qp.push_recv(RecvWr::new(i as u64, &sges));
+            qp.push_recv(RecvWr::new(i as u64, &sges)).unwrap();
         }
         (qp, cq, table, mr)
     }
