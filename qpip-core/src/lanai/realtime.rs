@@ -1,8 +1,8 @@
 //! The lanai backend in real time: the firmware as a working [`NicBackend`].
 //!
-//! One thread, `qpip-lanai-nic`, plays the LANai processor: it owns the [`Firmware`] and
-//! feeds it management commands, doorbells and frames at wall-clock time (nanoseconds since
-//! the NIC started). The Myrinet port is a UDP socket on this machine (the node's `port` in
+//! One thread, `qpip-lanai-nic` (the shared NIC thread shell, [`crate::machines::shell`]),
+//! plays the LANai processor: it owns the [`Firmware`] and feeds it management commands,
+//! doorbells and frames at wall-clock time (nanoseconds since the NIC started). The Myrinet port is a UDP socket on this machine (the node's `port` in
 //! the fabric config); the crossbar is emulated at the sender: a frame's first route byte
 //! names the switch output, so the frame, with that byte consumed, goes to the datagram
 //! socket of the node (or bridge) whose route starts with it.
@@ -12,12 +12,7 @@ use std::io;
 use std::net::{Ipv6Addr, SocketAddr, UdpSocket};
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering, fence};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-use crossbeam_queue::{ArrayQueue, SegQueue};
-use parking_lot::Mutex;
 
 use super::firmware::{Firmware, FirmwareConfig};
 use super::frame;
@@ -25,8 +20,10 @@ use super::meter::Nanos;
 use super::params::{FabricParams, LanaiParams, NodeParams, ParamsError};
 use crate::backend::{Command, NicBackend};
 use crate::error::{Error, Result};
+use crate::machines::shell::{NicThread, Processor, ShellConfig};
 use crate::mr::MemoryTable;
 use crate::shared::QpShared;
+use crate::wr::QpNum;
 
 /// The node a server takes when none is named.
 pub const DEFAULT_SERVER_NODE: &str = "server";
@@ -101,36 +98,8 @@ const RX_BATCH: usize = 64;
 /// Socket buffers of the emulated port: a burst of 16 KB frames must not overflow them.
 const PORT_BUFFER: usize = 4 << 20;
 
-/// What the host threads and the NIC thread share.
-struct Shared {
-    commands: SegQueue<Command>,
-    /// The doorbell FIFO in SRAM: bounded like the device's.
-    doorbells: ArrayQueue<Arc<QpShared>>,
-    sleeping: AtomicBool,
-    stop: AtomicBool,
-    waker: mio::Waker,
-    tid: AtomicI32,
-    /// The NIC thread has ended (stopped or panicked): commands get no reply.
-    dead: AtomicBool,
-}
-
-impl Shared {
-    /// Drops queued commands, so their reply senders go and the waiting hosts get an error
-    /// instead of waiting forever.
-    fn drop_commands(&self) {
-        while self.commands.pop().is_some() {}
-    }
-
-    fn wake(&self) {
-        if let Err(e) = self.waker.wake() {
-            tracing::error!("cannot wake the lanai NIC thread: {e}");
-        }
-    }
-}
-
 pub(crate) struct LanaiBackend {
-    shared: Arc<Shared>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    thread: NicThread,
 }
 
 /// Binds the node's fabric port; `AddrInUse` becomes an error that says what to do.
@@ -214,15 +183,6 @@ impl LanaiBackend {
         poll.registry()
             .register(&mut sock, FABRIC, mio::Interest::READABLE)
             .map_err(|e| Error::Engine(format!("epoll: {e}")))?;
-        let shared = Arc::new(Shared {
-            commands: SegQueue::new(),
-            doorbells: ArrayQueue::new(cfg.params.device.doorbell_fifo_entries.max(1)),
-            sleeping: AtomicBool::new(false),
-            stop: AtomicBool::new(false),
-            waker,
-            tid: AtomicI32::new(0),
-            dead: AtomicBool::new(false),
-        });
         tracing::info!(
             node = %node.name,
             addr = %node.addr,
@@ -236,30 +196,24 @@ impl LanaiBackend {
             fabric: cfg.fabric,
         };
         let routes = fw_cfg.fabric.crossbar();
-        let thread_shared = shared.clone();
-        let thread = std::thread::Builder::new()
-            .name("qpip-lanai-nic".into())
-            .spawn(move || {
-                // Also on unwinding: a panicking firmware must not leave hosts waiting.
-                let _guard = DeadGuard(thread_shared.clone());
-                // Built on its own thread: the firmware need not be Send.
-                let fw = Firmware::new(fw_cfg, memory);
-                Processor {
-                    fw,
-                    shared: thread_shared,
-                    poll,
-                    sock,
-                    routes,
-                    epoch: Instant::now(),
-                    node: node.name,
-                }
-                .run()
-            })
-            .map_err(|e| Error::Engine(format!("cannot start the lanai NIC thread: {e}")))?;
-        Ok(LanaiBackend {
-            shared,
-            thread: Mutex::new(Some(thread)),
-        })
+        let shell = ShellConfig {
+            name: "qpip-lanai-nic",
+            spin: SPIN,
+            doorbell_fifo: Some(fw_cfg.params.device.doorbell_fifo_entries),
+        };
+        let thread = NicThread::spawn(shell, waker, move || RealtimeNic {
+            // Built on its own thread: the firmware need not be Send.
+            fw: Firmware::new(fw_cfg, memory),
+            poll,
+            events: mio::Events::with_capacity(16),
+            sock,
+            // The largest datagram; frames are at most MTU plus a few bytes.
+            buf: vec![0u8; 65536],
+            routes,
+            epoch: Instant::now(),
+            node: node.name,
+        })?;
+        Ok(LanaiBackend { thread })
     }
 }
 
@@ -270,18 +224,6 @@ fn ipv6_only(addr: &SocketAddr) -> io::Error {
             "the lanai NIC speaks IPv6 only ({addr} is IPv4); use a fabric address such as [fd00:4c41:4e41::1]:10809"
         ),
     )
-}
-
-struct DeadGuard(Arc<Shared>);
-
-impl Drop for DeadGuard {
-    fn drop(&mut self) {
-        self.0.dead.store(true, Ordering::SeqCst);
-        self.0.drop_commands();
-        if std::thread::panicking() {
-            tracing::error!("the lanai NIC thread panicked; the NIC is gone");
-        }
-    }
 }
 
 /// The firmware speaks IPv6 only: an IPv4 address is refused before it reaches the NIC.
@@ -310,35 +252,12 @@ impl NicBackend for LanaiBackend {
 
     fn manage(&self, cmd: Command) {
         if let Some(cmd) = refuse_ipv4(cmd) {
-            self.shared.commands.push(cmd);
-            if self.shared.dead.load(Ordering::SeqCst) {
-                self.shared.drop_commands();
-                return;
-            }
-            self.shared.wake();
+            self.thread.manage(cmd);
         }
     }
 
     fn ring_doorbell(&self, qp: &Arc<QpShared>) {
-        if qp.doorbell.swap(true, Ordering::AcqRel) {
-            return; // already in the FIFO; the NIC clears the flag before it reads the rings
-        }
-        let mut entry = qp.clone();
-        // A full FIFO holds the host's PIO write back until the NIC makes room.
-        while let Err(back) = self.shared.doorbells.push(entry) {
-            if self.shared.stop.load(Ordering::Acquire) || self.shared.dead.load(Ordering::Acquire)
-            {
-                return;
-            }
-            entry = back;
-            self.shared.wake();
-            std::thread::yield_now();
-        }
-        // Pairs with the NIC's fence between announcing sleep and re-checking the FIFO.
-        fence(Ordering::SeqCst);
-        if self.shared.sleeping.load(Ordering::Relaxed) {
-            self.shared.wake();
-        }
+        self.thread.ring_doorbell(qp);
     }
 
     fn io_path(&self) -> &'static str {
@@ -346,35 +265,76 @@ impl NicBackend for LanaiBackend {
     }
 
     fn engine_threads(&self) -> Vec<i32> {
-        match self.shared.tid.load(Ordering::Acquire) {
-            0 => vec![],
-            tid => vec![tid],
-        }
+        self.thread.engine_threads()
     }
 
     fn shutdown(&self) {
-        self.shared.stop.store(true, Ordering::Release);
-        self.shared.wake();
-        if let Some(t) = self.thread.lock().take()
-            && t.join().is_err()
-        {
-            tracing::error!("the lanai NIC thread panicked");
-        }
+        self.thread.shutdown();
     }
 }
 
-/// The NIC processor: the firmware and its I/O.
-struct Processor {
+/// The NIC processor: the firmware and its physical layer, a datagram socket standing for
+/// the Myrinet port, on the wall clock.
+struct RealtimeNic {
     fw: Firmware,
-    shared: Arc<Shared>,
     poll: mio::Poll,
+    events: mio::Events,
     sock: mio::net::UdpSocket,
+    buf: Vec<u8>,
     routes: HashMap<u8, SocketAddr>,
     epoch: Instant,
     node: String,
 }
 
-impl Processor {
+impl Processor for RealtimeNic {
+    fn command(&mut self, cmd: Command) {
+        let now = self.now();
+        self.fw.command(now, cmd);
+    }
+
+    fn doorbell(&mut self, qp: QpNum) {
+        let now = self.now();
+        tracing::trace!(node = %self.node, now, qp, "doorbell");
+        self.fw.doorbell(now, qp);
+    }
+
+    fn step(&mut self) -> bool {
+        let mut worked = self.receive_frames();
+        let now = self.timer_now();
+        if self.fw.poll_at().is_some_and(|t| t <= now) {
+            tracing::trace!(node = %self.node, now, "poll");
+            self.fw.poll(now);
+            worked = true;
+        }
+        worked | self.send_frames()
+    }
+
+    fn sleep(&mut self) -> bool {
+        // Until the firmware's next timer, a frame or the waker.
+        let timeout = self
+            .fw
+            .poll_at()
+            .map(|t| Duration::from_nanos(t.saturating_sub(self.timer_now())));
+        if let Err(e) = self.poll.poll(&mut self.events, timeout)
+            && e.kind() != io::ErrorKind::Interrupted
+        {
+            tracing::error!("lanai NIC thread: epoll failed: {e}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        false
+    }
+
+    fn stop(&mut self) {
+        // The last commands' RSTs and FINs go on the wire, so peers are not left waiting
+        // for a node that is gone.
+        let now = self.timer_now();
+        self.fw.poll(now);
+        self.send_frames();
+        tracing::debug!(node = %self.node, "lanai NIC stopped");
+    }
+}
+
+impl RealtimeNic {
     fn now(&self) -> Nanos {
         self.epoch.elapsed().as_nanos() as Nanos
     }
@@ -386,108 +346,22 @@ impl Processor {
         self.now().max(self.fw.meter().now())
     }
 
-    fn run(mut self) {
-        // SAFETY: gettid has no preconditions.
-        self.shared
-            .tid
-            .store(unsafe { libc::gettid() }, Ordering::Release);
-        let mut events = mio::Events::with_capacity(16);
-        // The largest datagram; frames are at most MTU plus a few bytes.
-        let mut buf = vec![0u8; 65536];
-        let mut last_work = Instant::now();
-        loop {
-            let mut worked = self.run_commands();
-            worked |= self.run_doorbells();
-            worked |= self.receive_frames(&mut buf);
-            let now = self.timer_now();
-            if self.fw.poll_at().is_some_and(|t| t <= now) {
-                tracing::trace!(node = %self.node, now, "poll");
-                self.fw.poll(now);
-                worked = true;
-            }
-            worked |= self.send_frames();
-            if self.shared.stop.load(Ordering::Acquire) {
-                break;
-            }
-            if worked {
-                last_work = Instant::now();
-                continue;
-            }
-            if last_work.elapsed() < SPIN {
-                // Spinning: let the application threads have the core (two-core machines).
-                std::thread::yield_now();
-                continue;
-            }
-            self.shared.sleeping.store(true, Ordering::Relaxed);
-            // Pairs with the fence in ring_doorbell: either the host sees `sleeping` and
-            // wakes us, or we see its doorbell here.
-            fence(Ordering::SeqCst);
-            if !self.shared.doorbells.is_empty() || !self.shared.commands.is_empty() {
-                self.shared.sleeping.store(false, Ordering::Relaxed);
-                continue;
-            }
-            let timeout = self
-                .fw
-                .poll_at()
-                .map(|t| Duration::from_nanos(t.saturating_sub(self.timer_now())));
-            if let Err(e) = self.poll.poll(&mut events, timeout)
-                && e.kind() != io::ErrorKind::Interrupted
-            {
-                tracing::error!("lanai NIC thread: epoll failed: {e}");
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            self.shared.sleeping.store(false, Ordering::Relaxed);
-        }
-        // Last commands (QPs destroyed as the NIC's handles went) still put their RSTs and
-        // FINs on the wire, so peers are not left waiting for a node that is gone.
-        self.run_commands();
-        let now = self.timer_now();
-        self.fw.poll(now);
-        self.send_frames();
-        tracing::debug!(node = %self.node, "lanai NIC stopped");
-    }
-
-    fn run_commands(&mut self) -> bool {
-        let mut worked = false;
-        while let Some(cmd) = self.shared.commands.pop() {
-            worked = true;
-            let now = self.now();
-            self.fw.command(now, cmd);
-        }
-        worked
-    }
-
-    fn run_doorbells(&mut self) -> bool {
-        let mut worked = false;
-        while let Some(qp) = self.shared.doorbells.pop() {
-            worked = true;
-            // The QP's creation may have been queued after our last look at the commands.
-            self.run_commands();
-            // Clear before the firmware reads the rings: a WR posted after this rings again.
-            qp.doorbell.store(false, Ordering::SeqCst);
-            let now = self.now();
-            tracing::trace!(node = %self.node, now, qp = qp.num, "doorbell");
-            self.fw.doorbell(now, qp.num);
-        }
-        worked
-    }
-
     /// Every datagram waiting on the fabric port goes to the receive state machine.
-    fn receive_frames(&mut self, buf: &mut [u8]) -> bool {
+    fn receive_frames(&mut self) -> bool {
         let mut worked = false;
         // A bounded batch, so a stream of arrivals does not starve the transmit side; the
         // caller comes straight back after a turn with work, so the port is still drained
         // to WouldBlock (it is edge-triggered) before the thread sleeps.
         for _ in 0..RX_BATCH {
-            match self.sock.recv_from(buf) {
+            match self.sock.recv_from(&mut self.buf) {
                 Ok((n, _)) => {
                     worked = true;
                     let now = self.now();
                     if tracing::enabled!(tracing::Level::TRACE) {
-                        let packet = frame::decode(&buf[..n]).unwrap_or_default();
+                        let packet = frame::decode(&self.buf[..n]).unwrap_or_default();
                         tracing::trace!(node = %self.node, now, "in: {}", frame::summary(packet));
                     }
-                    self.fw.receive(now, &buf[..n]);
+                    self.fw.receive(now, &self.buf[..n]);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return worked,
                 // ICMP errors from an earlier send (a peer port not bound yet) land here; they
