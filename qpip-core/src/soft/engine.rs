@@ -7,7 +7,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use mio::net::{TcpListener, TcpStream};
@@ -15,7 +15,7 @@ use mio::{Events, Interest, Poll, Token};
 
 use super::link::EngineQp;
 use super::uring::{Event, Ring};
-use super::{IoMode, SoftConfig, WAKER_TOKEN};
+use super::{IoMode, WAKER_TOKEN};
 use crate::backend::{Command, ListenerId, MgmtResult};
 use crate::framer::Framer;
 use crate::machines::mgmt::{self, Management, no_qp, not_idle};
@@ -53,16 +53,8 @@ pub(super) struct Engine {
 }
 
 impl Engine {
-    /// Opens io_uring if `cfg` allows it and the kernel lets us (containers often forbid
-    /// it); epoll otherwise. `uring` tells the host which it got.
-    pub(super) fn new(
-        poll: Poll,
-        memory: Arc<MemoryTable>,
-        cfg: SoftConfig,
-        uring: &AtomicBool,
-    ) -> Self {
-        let ring = open_ring(&poll, cfg.io);
-        uring.store(ring.is_some(), Ordering::Release);
+    /// The engine over `poll`, with the io_uring `ring` carrying TCP data if there is one.
+    pub(super) fn new(poll: Poll, memory: Arc<MemoryTable>, ring: Option<Ring>) -> Self {
         Engine {
             poll,
             memory,
@@ -213,8 +205,9 @@ impl Engine {
     }
 }
 
-/// io_uring if `mode` allows it and the kernel lets us; epoll otherwise.
-fn open_ring(poll: &Poll, mode: IoMode) -> Option<Ring> {
+/// io_uring if `mode` allows it and the kernel lets us (containers often forbid it); epoll
+/// otherwise.
+pub(super) fn open_ring(poll: &Poll, mode: IoMode) -> Option<Ring> {
     if mode == IoMode::Epoll {
         return None;
     }

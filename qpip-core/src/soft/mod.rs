@@ -12,7 +12,6 @@ mod tx;
 mod uring;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use crate::backend::{Command, NicBackend};
@@ -59,8 +58,8 @@ impl Default for SoftConfig {
 
 pub(crate) struct SoftBackend {
     thread: NicThread,
-    /// Whether the engine got an io_uring (set once it has started).
-    uring: Arc<AtomicBool>,
+    /// "io_uring" or "epoll": decided before the engine starts.
+    io_path: &'static str,
 }
 
 const WAKER_TOKEN: mio::Token = mio::Token(usize::MAX);
@@ -70,17 +69,17 @@ impl SoftBackend {
         let poll = mio::Poll::new().map_err(|e| Error::Engine(format!("epoll: {e}")))?;
         let waker = mio::Waker::new(poll.registry(), WAKER_TOKEN)
             .map_err(|e| Error::Engine(format!("eventfd: {e}")))?;
-        let uring = Arc::new(AtomicBool::new(false));
+        let ring = engine::open_ring(&poll, cfg.io);
+        let io_path = if ring.is_some() { "io_uring" } else { "epoll" };
         let shell = ShellConfig {
             name: "qpip-soft-nic",
             spin: cfg.spin,
             doorbell_fifo: None,
         };
-        let engine_uring = uring.clone();
         let thread = NicThread::spawn(shell, waker, move || {
-            engine::Engine::new(poll, memory, cfg, &engine_uring)
+            engine::Engine::new(poll, memory, ring)
         })?;
-        Ok(SoftBackend { thread, uring })
+        Ok(SoftBackend { thread, io_path })
     }
 }
 
@@ -98,11 +97,7 @@ impl NicBackend for SoftBackend {
     }
 
     fn io_path(&self) -> &'static str {
-        if self.uring.load(Ordering::Acquire) {
-            "io_uring"
-        } else {
-            "epoll"
-        }
+        self.io_path
     }
 
     fn engine_threads(&self) -> Vec<i32> {
