@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::*;
+use crate::sim::fabric::{Fabric, Faults};
 use qpip_verbs::cq::CompletionQueue;
 use qpip_verbs::framer::{Framer, LengthPrefixed, RawStream};
 use qpip_verbs::mr::{Access, MemoryRegion};
@@ -26,15 +27,11 @@ struct Side {
 struct Net {
     sides: [Side; 2],
     now: Nanos,
+    /// The simulator's fabric: link and switch timing, losses.
+    fabric: Fabric,
     /// (arrival, sequence, destination side, frame)
     flight: Vec<(Nanos, u64, usize, Vec<u8>)>,
     seq: u64,
-    link_free: [Nanos; 2],
-    /// Drop every n-th frame (0: none).
-    drop_every: u64,
-    /// Drop everything a side sends.
-    blackhole: [bool; 2],
-    frames: u64,
 }
 
 fn fabric() -> FabricParams {
@@ -69,15 +66,39 @@ impl Net {
     }
 
     fn with_params(p: LanaiParams) -> Self {
+        let mut fabric = Fabric::new(self::fabric(), 7);
+        for (side, name) in [(SERVER, "server"), (CLIENT, "client")] {
+            let route = &fabric.params.node(name).expect("node in fabric.toml").route;
+            let port = *route.first().expect("a route");
+            fabric.attach(side, port);
+        }
         Net {
             sides: [side("server", 1, &p), side("client", 2, &p)],
             now: 0,
+            fabric,
             flight: Vec::new(),
             seq: 0,
-            link_free: [0; 2],
-            drop_every: 0,
-            blackhole: [false; 2],
-            frames: 0,
+        }
+    }
+
+    /// Everything `side` sends is lost (or, with `false`, arrives again).
+    fn blackhole(&mut self, side: usize, lost: bool) {
+        let drop = if lost { 1.0 } else { 0.0 };
+        let faults = Faults {
+            drop,
+            ..Faults::none()
+        };
+        self.fabric.set_faults(side, 1 - side, faults);
+    }
+
+    /// Each frame, either way, is lost with probability `p` (seeded: runs repeat).
+    fn lose(&mut self, p: f64) {
+        for side in [SERVER, CLIENT] {
+            let faults = Faults {
+                drop: p,
+                ..Faults::none()
+            };
+            self.fabric.set_faults(side, 1 - side, faults);
         }
     }
 
@@ -200,24 +221,13 @@ impl Net {
     fn step(&mut self) -> bool {
         for i in 0..2 {
             while let Some(f) = self.sides[i].fw.transmit() {
-                self.frames += 1;
-                if self.blackhole[i]
-                    || (self.drop_every > 0 && self.frames.is_multiple_of(self.drop_every))
-                {
-                    continue;
+                // Switched at once rather than when its head reaches the switch: each side
+                // has an output port of its own, so no two senders contend for one.
+                let head = self.fabric.send(i, f.ready_at, f.bytes.len());
+                for d in self.fabric.switch(head, i, &f.bytes) {
+                    self.seq += 1;
+                    self.flight.push((d.at, self.seq, d.node, d.frame));
                 }
-                let (port, f2) = frame::switch(&f.bytes).expect("firmware frames are valid");
-                let dst = match port {
-                    1 => SERVER,
-                    2 => CLIENT,
-                    _ => continue,
-                };
-                let fab = fabric();
-                let start = f.ready_at.max(self.link_free[i]);
-                self.link_free[i] = start + fab.wire_ns(f.bytes.len());
-                let arrival = self.link_free[i] + fab.switch_latency_ns + 2 * fab.cable_ns;
-                self.seq += 1;
-                self.flight.push((arrival, self.seq, dst, f2));
             }
         }
         let next = self
@@ -418,9 +428,9 @@ fn a_thousand_messages_of_mixed_sizes_arrive_in_order_and_intact() {
 }
 
 #[test]
-fn data_survives_losing_every_seventh_frame() {
+fn data_survives_losing_a_seventh_of_the_frames() {
     let mut net = Net::new();
-    net.drop_every = 7;
+    net.lose(1.0 / 7.0);
     transfer(&mut net, &mixed_sizes(60));
 }
 
@@ -509,7 +519,7 @@ fn a_send_completes_only_when_the_peer_acknowledges_it() {
     net.post_recv(SERVER, &s, RecvWr::new(1, &[dst.sge(0, 100)]));
     let src = net.region(CLIENT, 100);
     src.write_at(0, b"hello");
-    net.blackhole[SERVER] = true; // the server's ACKs never arrive
+    net.blackhole(SERVER, true); // the server's ACKs never arrive
     net.post_send(CLIENT, &c, SendWr::new(7, &[src.sge(0, 5)]));
     net.run_until(|n| n.now > 200_000_000);
     assert_eq!(net.completions(SERVER).len(), 1, "the data arrived");
@@ -517,7 +527,7 @@ fn a_send_completes_only_when_the_peer_acknowledges_it() {
         net.completions(CLIENT).is_empty(),
         "but is not acknowledged"
     );
-    net.blackhole[SERVER] = false;
+    net.blackhole(SERVER, false);
     let mut done = Vec::new();
     assert!(net.run_until(|n| {
         done.extend(n.completions(CLIENT));
@@ -745,7 +755,7 @@ fn identical_runs_are_identical() {
             net.sides[SERVER].fw.meter().busy_ns(),
             net.sides[CLIENT].fw.meter().busy_ns(),
             net.sides[SERVER].fw.host_visible_at(),
-            net.frames,
+            net.fabric.stats.clone(),
         )
     };
     let a = run();
@@ -779,7 +789,8 @@ fn a_dead_peer_fails_the_qp_instead_of_hanging() {
     let mut net = Net::new();
     let (_s, c) = net.pair();
     let src = net.region(CLIENT, 10);
-    net.blackhole = [true, true];
+    net.blackhole(SERVER, true);
+    net.blackhole(CLIENT, true);
     net.post_send(CLIENT, &c, SendWr::new(1, &[src.sge(0, 10)]));
     let mut done = Vec::new();
     // The harness gives up after a virtual minute per call; the peer is declared dead at 120 s.
@@ -805,7 +816,8 @@ fn an_idle_connection_to_a_vanished_peer_is_reclaimed() {
     let dst = net.region(SERVER, 16);
     net.post_recv(SERVER, &s, RecvWr::new(1, &[dst.sge(0, 16)]));
     let used = net.sides[SERVER].fw.sram_used();
-    net.blackhole = [true, true];
+    net.blackhole(SERVER, true);
+    net.blackhole(CLIENT, true);
     let mut done = Vec::new();
     for _ in 0..4 {
         if net.run_until(|n| {
