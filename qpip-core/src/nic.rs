@@ -89,8 +89,8 @@ impl Nic {
     /// Registers memory the caller owns (an mmap of a disk image, say).
     ///
     /// # Safety
-    /// `ptr..ptr+len` must stay valid until the last clone of the region and every WR naming
-    /// it are gone. `keep_alive` is dropped only then, so it may own the memory.
+    /// As for [`qpip_verbs::Nic::register_raw`]: the memory outlives every region and WR
+    /// naming it.
     pub unsafe fn register_raw(
         &self,
         ptr: *mut u8,

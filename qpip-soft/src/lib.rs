@@ -12,6 +12,7 @@ mod tx;
 mod uring;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use qpip_verbs::backend::{Command, NicBackend};
@@ -69,16 +70,25 @@ impl SoftBackend {
         let poll = mio::Poll::new().map_err(|e| Error::Engine(format!("epoll: {e}")))?;
         let waker = mio::Waker::new(poll.registry(), WAKER_TOKEN)
             .map_err(|e| Error::Engine(format!("eventfd: {e}")))?;
-        let ring = engine::open_ring(&poll, cfg.io);
-        let io_path = if ring.is_some() { "io_uring" } else { "epoll" };
         let shell = ShellConfig {
             name: "qpip-soft-nic",
             spin: cfg.spin,
             doorbell_fifo: None,
         };
+        let uring = Arc::new(AtomicBool::new(false));
+        let engine_uring = uring.clone();
+        // The ring is opened on the engine thread: the kernel ties a ring to the task that
+        // creates it, and tearing it down interrupts that task's blocking system calls.
         let thread = NicThread::spawn(shell, waker, move || {
+            let ring = engine::open_ring(&poll, cfg.io);
+            engine_uring.store(ring.is_some(), Ordering::Release);
             engine::Engine::new(poll, memory, ring)
         })?;
+        let io_path = if uring.load(Ordering::Acquire) {
+            "io_uring"
+        } else {
+            "epoll"
+        };
         Ok(SoftBackend { thread, io_path })
     }
 }

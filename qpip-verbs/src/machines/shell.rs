@@ -117,8 +117,9 @@ pub struct NicThread {
 }
 
 impl NicThread {
-    /// Starts the thread. `waker` must interrupt the processor's `sleep`; `build` makes the
-    /// processor on the new thread (it need not be `Send`).
+    /// Starts the thread and returns once `build` has made the processor on it (it need not
+    /// be `Send`, and what it sets up — an io_uring, say — belongs to the NIC thread, not to
+    /// the caller's). `waker` must interrupt the processor's `sleep`.
     pub fn spawn<P: Processor>(
         cfg: ShellConfig,
         waker: mio::Waker,
@@ -139,14 +140,21 @@ impl NicThread {
         });
         let thread_shared = shared.clone();
         let spin = cfg.spin;
+        let (started, is_started) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new()
             .name(cfg.name.into())
             .spawn(move || {
                 // Also on unwinding: a panicking NIC must not leave hosts waiting.
                 let _guard = DeadGuard(thread_shared.clone());
-                run(&thread_shared, spin, build());
+                let nic = build();
+                let _ = started.send(());
+                run(&thread_shared, spin, nic);
             })
             .map_err(|e| Error::Engine(format!("cannot start {}: {e}", cfg.name)))?;
+        if is_started.recv().is_err() {
+            let _ = thread.join();
+            return Err(Error::Engine(format!("{} failed to start", cfg.name)));
+        }
         Ok(NicThread {
             shared,
             thread: Mutex::new(Some(thread)),
