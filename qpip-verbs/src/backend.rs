@@ -93,18 +93,18 @@ pub trait NicBackend: Send + Sync + 'static {
 /// An open NIC as the verbs hold it: the backend, the memory table it resolves SGEs
 /// through, and the numbering of QPs and listeners. The backend stops when the last QP,
 /// listener and `Nic` handle are gone.
-pub struct NicHandle {
-    pub backend: Box<dyn NicBackend>,
-    pub memory: Arc<MemoryTable>,
-    pub next_qp: AtomicU32,
-    pub next_listener: AtomicU32,
+pub(crate) struct NicHandle {
+    pub(crate) backend: Box<dyn NicBackend>,
+    pub(crate) memory: Arc<MemoryTable>,
+    pub(crate) next_qp: AtomicU32,
+    pub(crate) next_listener: AtomicU32,
 }
 
 impl NicHandle {
-    pub fn manage(&self, cmd: Command) {
+    pub(crate) fn manage(&self, cmd: Command) {
         self.backend.manage(cmd);
     }
-    pub fn ring_doorbell(&self, qp: &Arc<QpShared>) {
+    pub(crate) fn ring_doorbell(&self, qp: &Arc<QpShared>) {
         self.backend.ring_doorbell(qp);
     }
 }

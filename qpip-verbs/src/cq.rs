@@ -22,7 +22,7 @@ pub enum CqError {
 /// A completion queue. Clones share the queue; one CQ may serve any number of QPs.
 #[derive(Clone)]
 pub struct CompletionQueue {
-    pub shared: Arc<CqShared>,
+    pub(crate) shared: Arc<CqShared>,
 }
 
 impl std::fmt::Debug for CompletionQueue {
@@ -39,6 +39,11 @@ impl CompletionQueue {
         CompletionQueue {
             shared: Arc::new(CqShared::new(depth)),
         }
+    }
+
+    /// The ring the NIC completes into (for backends and simulators that build QPs).
+    pub fn shared(&self) -> &Arc<CqShared> {
+        &self.shared
     }
 
     pub fn depth(&self) -> usize {

@@ -53,7 +53,7 @@ enum Owner {
     Borrowed(#[allow(dead_code)] Option<Box<dyn Any + Send + Sync>>),
 }
 
-pub struct Region {
+pub(crate) struct Region {
     lkey: u32,
     ptr: *mut u8,
     len: usize,
@@ -248,7 +248,7 @@ impl MemoryTable {
     /// `ptr..ptr+len` must stay valid for reads (and writes, with `local_write`) until the last
     /// clone of the returned region and every WR naming it are gone; `keep_alive` is dropped
     /// only then, so it may own the memory (an mmap, say).
-    pub unsafe fn register_borrowed(
+    pub(crate) unsafe fn register_borrowed(
         self: &Arc<Self>,
         ptr: *mut u8,
         len: usize,

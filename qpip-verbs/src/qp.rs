@@ -50,8 +50,8 @@ impl QpAttr {
 
 /// A queue pair. Dropping it disconnects and destroys it; outstanding WRs are flushed.
 pub struct QueuePair {
-    pub shared: Arc<QpShared>,
-    pub nic: Arc<NicHandle>,
+    pub(crate) shared: Arc<QpShared>,
+    pub(crate) nic: Arc<NicHandle>,
 }
 
 impl std::fmt::Debug for QueuePair {
@@ -65,7 +65,7 @@ impl std::fmt::Debug for QueuePair {
 }
 
 impl QueuePair {
-    pub fn create(
+    pub(crate) fn create(
         nic: &Arc<NicHandle>,
         num: QpNum,
         kind: QpKind,
@@ -84,6 +84,11 @@ impl QueuePair {
             },
             attr.framer,
         )
+    }
+
+    /// The rings this QP shares with the NIC (for simulators that post at virtual time).
+    pub fn shared(&self) -> &Arc<QpShared> {
+        &self.shared
     }
 
     pub fn num(&self) -> QpNum {

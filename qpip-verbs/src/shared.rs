@@ -60,16 +60,16 @@ const DEFAULT_CQ_SPIN: Duration = Duration::from_micros(50);
 
 /// The completion ring of a CQ: the NIC pushes, the host polls.
 pub struct CqShared {
-    pub ring: ArrayQueue<Completion>,
-    pub lost: AtomicU64,
-    pub overflowed: AtomicBool,
-    pub event: Event,
+    pub(crate) ring: ArrayQueue<Completion>,
+    pub(crate) lost: AtomicU64,
+    pub(crate) overflowed: AtomicBool,
+    pub(crate) event: Event,
     /// How long a host waiter polls before it sleeps.
-    pub spin_nanos: AtomicU64,
+    pub(crate) spin_nanos: AtomicU64,
 }
 
 impl CqShared {
-    pub fn new(depth: usize) -> Self {
+    pub(crate) fn new(depth: usize) -> Self {
         CqShared {
             ring: ArrayQueue::new(depth.max(1)),
             lost: AtomicU64::new(0),
@@ -81,7 +81,7 @@ impl CqShared {
 
     /// Adds a completion (NIC side). A full queue records the loss and wakes waiters so
     /// that the overflow is reported.
-    pub fn push(&self, c: Completion) {
+    pub(crate) fn push(&self, c: Completion) {
         if self.ring.push(c).is_err() {
             self.lost.fetch_add(1, Ordering::Relaxed);
             self.overflowed.store(true, Ordering::Release);
@@ -90,7 +90,7 @@ impl CqShared {
     }
 
     /// Wakes sleeping waiters; call once after a batch of pushes.
-    pub fn notify(&self) {
+    pub(crate) fn notify(&self) {
         self.event.notify(usize::MAX);
     }
 }
@@ -104,8 +104,8 @@ pub struct QpShared {
     pub rq: ArrayQueue<RecvWr>,
     sq_outstanding: AtomicUsize,
     rq_outstanding: AtomicUsize,
-    pub send_cq: Arc<CqShared>,
-    pub recv_cq: Arc<CqShared>,
+    pub(crate) send_cq: Arc<CqShared>,
+    pub(crate) recv_cq: Arc<CqShared>,
     state: AtomicU8,
     /// Set by the host when it rings the doorbell, cleared by the NIC when it looks: one
     /// doorbell entry per QP however many WRs were posted meanwhile.

@@ -114,7 +114,7 @@ impl Net {
         let side = &mut self.sides[s];
         let num = side.next_qp;
         side.next_qp += 1;
-        let cqs = (side.cq.shared.clone(), side.cq.shared.clone());
+        let cqs = (side.cq.shared().clone(), side.cq.shared().clone());
         let shared = Arc::new(QpShared::new(num, kind, cqs, (1024, 1024)));
         side.fw.command(
             self.now,

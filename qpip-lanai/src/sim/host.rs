@@ -257,7 +257,7 @@ impl Host {
         self.compute(us_to_ns(self.params.send_overhead_us));
         self.stamp();
         self.out
-            .push((self.clock, Outbound::PostSend(qp.shared.clone(), wr)));
+            .push((self.clock, Outbound::PostSend(qp.shared().clone(), wr)));
         Ok(())
     }
 
@@ -267,7 +267,7 @@ impl Host {
         check_post(qp, "post a receive")?;
         self.stamp();
         self.out
-            .push((self.clock, Outbound::PostRecv(qp.shared.clone(), wr)));
+            .push((self.clock, Outbound::PostRecv(qp.shared().clone(), wr)));
         Ok(())
     }
 
