@@ -11,7 +11,7 @@ use smallvec::SmallVec;
 
 use qpip_verbs::framer::Framer;
 use qpip_verbs::machines::status_of;
-use qpip_verbs::machines::tx::SendMessage;
+use qpip_verbs::machines::tx::OutMsg;
 use qpip_verbs::mr::MemoryTable;
 use qpip_verbs::shared::QpShared;
 use qpip_verbs::wr::WcStatus;
@@ -19,34 +19,13 @@ use qpip_verbs::wr::WcStatus;
 /// Most iovecs handed to one `writev`.
 const MAX_IOV: usize = 64;
 
-struct OutMsg {
-    msg: SendMessage,
-    /// Bytes (header included) the kernel has taken.
-    sent: usize,
-}
-
-impl std::ops::Deref for OutMsg {
-    type Target = SendMessage;
-    fn deref(&self) -> &SendMessage {
-        &self.msg
-    }
-}
-
-impl OutMsg {
-    /// The unsent bytes, as slices.
-    fn pending<'a>(&'a self, out: &mut SmallVec<[IoSlice<'a>; MAX_IOV]>) {
-        let mut skip = self.sent;
-        for part in self.msg.parts() {
-            if out.len() == MAX_IOV {
-                return;
-            }
-            if skip >= part.len() {
-                skip -= part.len();
-                continue;
-            }
-            out.push(IoSlice::new(&part[skip..]));
-            skip = 0;
+/// The unsent bytes of `msg`, as slices (at most `MAX_IOV` in all).
+fn pending<'a>(msg: &'a OutMsg, out: &mut SmallVec<[IoSlice<'a>; MAX_IOV]>) {
+    for part in msg.unsent() {
+        if out.len() == MAX_IOV {
+            return;
         }
+        out.push(IoSlice::new(part));
     }
 }
 
@@ -86,8 +65,8 @@ impl TxMachine {
     ) -> bool {
         let mut framer = framer;
         while let Some(wr) = qp.sq.pop() {
-            match SendMessage::prepare(wr, memory, framer.as_deref_mut()) {
-                Ok(msg) => self.inflight.push_back(OutMsg { msg, sent: 0 }),
+            match OutMsg::prepare(wr, memory, framer.as_deref_mut()) {
+                Ok(msg) => self.inflight.push_back(msg),
                 Err((wr_id, fault)) => {
                     tracing::warn!(qp = qp.num, wr_id, "send WR refused: {fault}");
                     qp.complete_send(wr_id, WcStatus::ProtectionError, 0, 0);
@@ -115,7 +94,7 @@ impl TxMachine {
                 if iov.len() == MAX_IOV {
                     break;
                 }
-                msg.pending(&mut iov);
+                pending(msg, &mut iov);
             }
             if iov.is_empty() {
                 drop(iov);
@@ -150,7 +129,7 @@ impl TxMachine {
                 continue;
             };
             let mut iov = SmallVec::<[IoSlice<'_>; MAX_IOV]>::new();
-            msg.pending(&mut iov);
+            pending(msg, &mut iov);
             let result = send_to(&iov, dest);
             drop(iov);
             match result {

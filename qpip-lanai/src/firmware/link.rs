@@ -17,11 +17,11 @@ use crate::sram::Sram;
 use qpip_verbs::backend::MgmtResult;
 use qpip_verbs::framer::Framer;
 use qpip_verbs::machines::rx::{RecvTarget, RxMachine, RxStop};
-use qpip_verbs::machines::tx::SendMessage;
-use qpip_verbs::mr::{MemoryTable, ProtectionFault};
+use qpip_verbs::machines::tx::OutMsg;
+use qpip_verbs::mr::MemoryTable;
 use qpip_verbs::reply::ReplySender;
 use qpip_verbs::shared::{QpShared, QpState};
-use qpip_verbs::wr::{SendWr, WcStatus};
+use qpip_verbs::wr::WcStatus;
 
 /// How long a peer may stay silent before its connection is declared dead.
 const DEAD_PEER: smoltcp::time::Duration = smoltcp::time::Duration::from_secs(120);
@@ -58,36 +58,6 @@ macro_rules! to_host {
 /// SRAM of one TCP connection or listening socket: its control block and both buffers.
 pub(super) fn tcp_sram(dev: &DeviceParams) -> u64 {
     dev.tcb_bytes + dev.tcp_send_buffer as u64 + dev.tcp_recv_buffer as u64
-}
-
-/// A send WR taken from the ring, its memory checked.
-struct OutMsg {
-    msg: SendMessage,
-    /// Bytes (header included) moved into the socket's send buffer.
-    pushed: usize,
-    /// Stream offset just past the message, once all of it is pushed.
-    end: Option<u64>,
-}
-
-impl std::ops::Deref for OutMsg {
-    type Target = SendMessage;
-    fn deref(&self) -> &SendMessage {
-        &self.msg
-    }
-}
-
-impl OutMsg {
-    fn prepare(
-        wr: SendWr,
-        memory: &MemoryTable,
-        framer: Option<&mut dyn Framer>,
-    ) -> Result<OutMsg, (u64, ProtectionFault)> {
-        SendMessage::prepare(wr, memory, framer).map(|msg| OutMsg {
-            msg,
-            pushed: 0,
-            end: None,
-        })
-    }
 }
 
 /// A reliable QP's connection.
@@ -131,7 +101,7 @@ impl TcpLink {
                 .tx
                 .iter()
                 .filter(|m| m.end.is_none())
-                .map(|m| m.total() - m.pushed)
+                .map(|m| m.total() - m.sent)
                 .sum();
             if room < unpushed {
                 return false;
@@ -139,23 +109,17 @@ impl TcpLink {
         }
         let mut progress = false;
         for msg in self.tx.iter_mut().filter(|m| m.end.is_none()) {
-            let mut skip = msg.pushed;
             let mut blocked = false;
             let mut moved = 0;
-            for part in msg.parts() {
-                if skip >= part.len() {
-                    skip -= part.len();
-                    continue;
-                }
-                let n = sock.send_slice(&part[skip..]).unwrap_or(0);
+            for part in msg.unsent() {
+                let n = sock.send_slice(part).unwrap_or(0);
                 moved += n;
-                if n < part.len() - skip {
+                if n < part.len() {
                     blocked = true;
                     break;
                 }
-                skip = 0;
             }
-            msg.pushed += moved;
+            msg.sent += moved;
             self.pushed += moved as u64;
             progress |= moved > 0;
             if blocked {

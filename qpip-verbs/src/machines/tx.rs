@@ -1,6 +1,7 @@
 //! The transmit machine's outgoing message: a send WR taken off the ring, its memory checked
-//! against the region table and its framing header built. How the bytes leave (a kernel
-//! socket's `writev`, the firmware's TCP send buffer) is the backend's.
+//! against the region table and its framing header built ([`SendMessage`]), and how much of
+//! it the link has taken ([`OutMsg`]). How the bytes leave (a kernel socket's `writev`, the
+//! firmware's TCP send buffer) is the backend's.
 
 use std::net::SocketAddr;
 
@@ -56,5 +57,51 @@ impl SendMessage {
             // SAFETY: the NIC owns the WR's memory until it completes it.
             unsafe { s.bytes() }
         }))
+    }
+}
+
+/// A message on its way out: the resolved WR and how much of it the link has taken.
+pub struct OutMsg {
+    pub msg: SendMessage,
+    /// Bytes (header included) the link has taken.
+    pub sent: usize,
+    /// On a link that completes sends when the peer acknowledges them: the stream offset
+    /// just past the message, once the link has taken all of it.
+    pub end: Option<u64>,
+}
+
+impl std::ops::Deref for OutMsg {
+    type Target = SendMessage;
+    fn deref(&self) -> &SendMessage {
+        &self.msg
+    }
+}
+
+impl OutMsg {
+    /// Resolves a send WR as [`SendMessage::prepare`] does; nothing is taken yet.
+    pub fn prepare(
+        wr: SendWr,
+        memory: &MemoryTable,
+        framer: Option<&mut dyn Framer>,
+    ) -> Result<OutMsg, (u64, ProtectionFault)> {
+        SendMessage::prepare(wr, memory, framer).map(|msg| OutMsg {
+            msg,
+            sent: 0,
+            end: None,
+        })
+    }
+
+    /// The bytes the link has not taken yet, part by part.
+    pub fn unsent(&self) -> impl Iterator<Item = &[u8]> {
+        let mut skip = self.sent;
+        self.msg.parts().filter_map(move |part| {
+            if skip >= part.len() {
+                skip -= part.len();
+                return None;
+            }
+            let rest = &part[skip..];
+            skip = 0;
+            Some(rest)
+        })
     }
 }
