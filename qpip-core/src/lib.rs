@@ -22,26 +22,43 @@
 //! }
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+//!
+//! # Where the NIC lives
+//!
+//! This crate opens a NIC on a backend ([`Nic::open`]) and holds the command-line helpers
+//! ([`cli`]); everything else is in the crates under it, and no backend imports another:
+//!
+//! | crate | what |
+//! |---|---|
+//! | `qpip-verbs` | the verbs; `shared`: what host and NIC share (rings, QP/CQ state); `backend`: the backend trait and the management `Command`; `machines`: the NIC machines once |
+//! | `qpip-soft` | the soft NIC's physical layer: kernel sockets through io_uring or epoll |
+//! | `qpip-lanai` | the LANai's physical layer: the firmware (its own IPv6/UDP/TCP on smoltcp), the device's costs and clock, the Myrinet fabric, the virtual-time simulator |
+//!
+//! The four machines of the paper:
+//!
+//! | machine | written once (`qpip-verbs`) | soft | LANai |
+//! |---|---|---|---|
+//! | doorbell | `machines::shell` (doorbell FIFO, sleep/wake pairing; `NicThread::ring_doorbell`) | `Engine::doorbell` services the QP | `Firmware::doorbell` charges the stage, services |
+//! | management | `machines::mgmt::dispatch` over the `Management` trait | `impl Management for Engine` (kernel listeners, connects) | `impl Management for Firmware` (`firmware/mgmt.rs`: smoltcp sockets, SRAM) |
+//! | transmit | `machines::tx`: `SendMessage` (a send WR resolved for the wire), `OutMsg` (its progress on the link) | `tx.rs`: `writev`/`sendmsg` until the kernel takes it | `firmware/link.rs`: into the TCP send buffer, complete on ACK |
+//! | receive | `machines::rx`: `RecvTarget` (receive WR resolution), `RxMachine` (framing, placement) | `link.rs`: socket reads feed `RxMachine`; datagrams fill a `RecvTarget` | `firmware/link.rs`: the TCP receive buffer feeds `RxMachine`; datagrams fill a `RecvTarget` |
+//!
+//! The NIC thread (`machines::shell`) runs both real-time backends: it drains commands and
+//! doorbells, then the backend's `step` (the soft engine's sockets; the LANai's fabric port,
+//! timers and outgoing frames) and, once idle for the spin window, its `sleep`.
 
-pub mod backend;
 pub mod cli;
-mod cq;
-mod error;
-pub mod framer;
-pub mod lanai;
-mod mr;
 mod nic;
-mod qp;
-mod reply;
-pub mod soft;
-mod wr;
 
-pub use cq::{CompletionQueue, CqError};
-pub use error::{Error, Result};
-pub use framer::{Frame, Framer, LengthPrefixed, RawStream};
-pub use mr::{Access, MemoryRegion, MemoryTable, ProtectionFault, Segment, Sge};
-pub use nic::{Backend, Listener, Nic};
-pub use qp::{QpAttr, QpKind, QpShared, QpState, QueuePair};
-pub use reply::{ReplyReceiver, ReplySender, reply_channel};
-pub use soft::{IoMode, SoftConfig};
-pub use wr::{Completion, Opcode, QpNum, RecvWr, SendWr, SgList, WcStatus};
+pub use nic::{Backend, Nic};
+pub use qpip_lanai as lanai;
+pub use qpip_soft as soft;
+pub use qpip_soft::{IoMode, SoftConfig};
+pub use qpip_verbs::backend;
+pub use qpip_verbs::framer;
+pub use qpip_verbs::{
+    Access, Completion, CompletionQueue, CqError, Error, Frame, Framer, LengthPrefixed, Listener,
+    MemoryRegion, MemoryTable, Opcode, ProtectionFault, QpAttr, QpKind, QpNum, QpShared, QpState,
+    QueuePair, RawStream, RecvWr, ReplyReceiver, ReplySender, Result, Segment, SendWr, SgList, Sge,
+    WcStatus, reply_channel,
+};

@@ -1,32 +1,167 @@
-//! The QP contract over the soft NIC, end to end on loopback.
+//! The QP contract, instantiated once per backend: the soft NIC on loopback, and the LANai
+//! firmware in real time on a private emulated fabric (two NICs, one per node). Tests wait on
+//! CQs with deadlines, never for a fixed time.
 
 mod common;
+mod lanai_common;
 
-use std::time::Duration;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
 
 use common::*;
-use qpip_core::{Access, Completion, Nic, Opcode, QpAttr, QpState, RecvWr, SendWr, Sge, WcStatus};
+use lanai_common::{TestFabric, test_fabric};
+use qpip_core::{
+    Access, Backend, Completion, CompletionQueue, CqError, Framer, LengthPrefixed, Nic, Opcode,
+    QpAttr, QpState, QueuePair, RecvWr, SendWr, Sge, WcStatus,
+};
 
 const T: Duration = Duration::from_secs(30);
 
-/// 100 000 length-prefixed messages of mixed sizes (0 B to 64 KiB) arrive in order and intact,
-/// with a bounded window of WRs posted on each side.
-#[test]
-fn hundred_thousand_messages_of_mixed_sizes_arrive_in_order() {
-    const COUNT: u64 = 100_000;
+/// Where a contract test runs: a server and a client NIC (one and the same soft NIC) and the
+/// addresses their QPs use.
+struct Net {
+    server: Nic,
+    client: Nic,
+    /// Pairs of local addresses (server side, client side) to bind or listen on; port 0.
+    locals: Vec<(SocketAddr, SocketAddr)>,
+    /// A port on the server side that nobody listens on.
+    closed: SocketAddr,
+    /// Kernel sockets on this machine reach the QPs (not so on the emulated fabric).
+    kernel_peers: bool,
+    /// Sizes of the heavy tests: the emulated LANai is slower, and its SRAM holds only a
+    /// handful of connections.
+    messages: u64,
+    qps: usize,
+    /// MiB the flow-control test sends (far more than every buffer on the way holds).
+    bulk_mib: usize,
+    _fabric: Option<TestFabric>,
+}
+
+fn soft() -> Net {
+    let nic = Nic::soft().unwrap();
+    let port = std::net::TcpListener::bind(V4)
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port();
+    Net {
+        server: nic.clone(),
+        client: nic,
+        locals: vec![(addr(V6), addr(V6)), (addr(V4), addr(V4))],
+        closed: SocketAddr::from(([127, 0, 0, 1], port)),
+        kernel_peers: true,
+        messages: 100_000,
+        qps: 64,
+        bulk_mib: 64,
+        _fabric: None,
+    }
+}
+
+fn lanai() -> Net {
+    let fabric = test_fabric();
+    let open = |node: &str| Nic::open(Backend::Lanai(fabric.config(node))).unwrap();
+    let at = |node: &str, port: u16| SocketAddr::from((fabric.addr(node), port));
+    Net {
+        server: open("server"),
+        client: open("client"),
+        locals: vec![(at("server", 0), at("client", 0))],
+        closed: at("server", 7),
+        kernel_peers: false,
+        messages: 5_000,
+        qps: 4,
+        bulk_mib: 8,
+        _fabric: Some(fabric),
+    }
+}
+
+impl Net {
+    /// A connected pair of reliable QPs, (client, server), both completing into `cq`.
+    fn pair(&self, cq: &CompletionQueue) -> (QueuePair, QueuePair) {
+        self.pair_with(cq, cq, LengthPrefixed::default, 256)
+    }
+
+    fn pair_with<F: Framer>(
+        &self,
+        client_cq: &CompletionQueue,
+        server_cq: &CompletionQueue,
+        framer: impl Fn() -> F,
+        depth: usize,
+    ) -> (QueuePair, QueuePair) {
+        let listener = self.server.listen(self.locals[0].0).unwrap();
+        let attr = |cq| QpAttr::new(cq).framer(framer()).depths(depth, depth);
+        let server = self.server.create_qp(attr(server_cq));
+        let client = self.client.create_qp(attr(client_cq));
+        client.connect_timeout(listener.local_addr(), T).unwrap();
+        listener.accept_timeout(&server, T).unwrap();
+        (client, server)
+    }
+}
+
+/// Every contract test, once per backend.
+macro_rules! contract {
+    ($($test:ident),* $(,)?) => {
+        mod soft {
+            $( #[test] fn $test() { super::$test(super::soft()) } )*
+        }
+        mod lanai {
+            $( #[test] fn $test() { super::$test(super::lanai()) } )*
+        }
+    };
+}
+
+contract!(
+    many_messages_of_mixed_sizes_arrive_in_order,
+    many_qps_on_one_cq,
+    flow_control_holds_the_sender_until_receives_are_posted,
+    too_small_receive_wr_gets_a_length_error,
+    bad_keys_and_bounds_give_protection_errors,
+    udp_reports_sources_and_length_errors,
+    orderly_close_delivers_then_flushes,
+    connect_refused_names_the_address,
+    cq_overflow_is_reported,
+    queue_depth_is_enforced,
+    async_verbs_under_tokio,
+);
+
+/// Collects completions until none arrives for `quiet` (the sender has stopped); panics if
+/// that takes longer than `deadline`.
+fn settle(cq: &CompletionQueue, quiet: Duration, deadline: Duration) -> Vec<Completion> {
+    let end = Instant::now() + deadline;
+    let mut out = Vec::new();
+    let mut buf = [Completion::default(); 64];
+    loop {
+        assert!(Instant::now() < end, "completions never stopped");
+        match cq.wait(&mut buf, Some(quiet)).unwrap() {
+            0 => return out,
+            n => out.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+/// Waits (on the CQ, without draining it) until it reports `lost` lost completions.
+fn wait_overflow(cq: &CompletionQueue, lost: u64) {
+    let end = Instant::now() + T;
+    loop {
+        let left = end.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "no overflow of {lost} reported");
+        match cq.wait(&mut [], Some(left)) {
+            Err(CqError::Overflow { lost: l, .. }) if l >= lost => return,
+            _ => std::thread::yield_now(),
+        }
+    }
+}
+
+/// Many (100 000 on the soft NIC) length-prefixed messages of mixed sizes (0 B to 64 KiB)
+/// arrive in order and intact, with a bounded window of WRs posted on each side.
+fn many_messages_of_mixed_sizes_arrive_in_order(net: Net) {
     const WINDOW: usize = 64;
     const SLOT: usize = 64 * 1024;
-    let nic = Nic::soft().unwrap();
-    let send_cq = nic.create_cq(WINDOW * 2);
-    let recv_cq = nic.create_cq(WINDOW * 2);
-    let listener = nic.listen(addr(V6)).unwrap();
-    let server = nic.create_qp(QpAttr::new(&recv_cq).depths(WINDOW, WINDOW));
-    let client = nic.create_qp(QpAttr::new(&send_cq).depths(WINDOW, WINDOW));
-    client.connect(listener.local_addr()).unwrap();
-    listener.accept(&server).unwrap();
+    let count = net.messages;
+    let send_cq = net.client.create_cq(WINDOW * 2);
+    let recv_cq = net.server.create_cq(WINDOW * 2);
+    let (client, server) = net.pair_with(&send_cq, &recv_cq, LengthPrefixed::default, WINDOW);
 
-    let tx_mr = nic.alloc_region(WINDOW * SLOT, Access::READ);
-    let rx_mr = nic.alloc_region(WINDOW * SLOT, Access::READ_WRITE);
+    let tx_mr = net.client.alloc_region(WINDOW * SLOT, Access::READ);
+    let rx_mr = net.server.alloc_region(WINDOW * SLOT, Access::READ_WRITE);
     for slot in 0..WINDOW {
         server
             .post_recv(RecvWr::new(slot as u64, &[rx_mr.sge(slot * SLOT, SLOT)]))
@@ -49,8 +184,8 @@ fn hundred_thousand_messages_of_mixed_sizes_arrive_in_order() {
         let mut done = 0u64;
         let mut buf = [Completion::default(); 64];
         let mut scratch = vec![0u8; SLOT];
-        while done < COUNT {
-            while next < COUNT && !free.is_empty() {
+        while done < count {
+            while next < count && !free.is_empty() {
                 let slot = free.pop().unwrap();
                 let len = size_of(next);
                 for (i, b) in scratch[..len].iter_mut().enumerate() {
@@ -76,7 +211,7 @@ fn hundred_thousand_messages_of_mixed_sizes_arrive_in_order() {
     let mut expect = 0u64;
     let mut buf = [Completion::default(); 64];
     let mut got = vec![0u8; SLOT];
-    while expect < COUNT {
+    while expect < count {
         let n = recv_cq.wait(&mut buf, Some(T)).unwrap();
         assert!(n > 0, "receive completions stalled at {expect}");
         for c in &buf[..n] {
@@ -101,24 +236,17 @@ fn hundred_thousand_messages_of_mixed_sizes_arrive_in_order() {
     sender.join().unwrap();
 }
 
-/// 64 QPs share one CQ; every completion names its QP and each QP's messages stay in order.
-#[test]
-fn sixty_four_qps_on_one_cq() {
-    const QPS: usize = 64;
+/// Many QPs (64 on the soft NIC) share one CQ; every completion names its QP and each QP's
+/// messages stay in order.
+fn many_qps_on_one_cq(net: Net) {
     const MSGS: usize = 50;
-    let nic = Nic::soft().unwrap();
-    let cq = nic.create_cq(QPS * MSGS * 2);
-    let mr = nic.alloc_region(QPS * MSGS * 16, Access::READ_WRITE);
-    let src = nic.alloc_region(QPS * MSGS * 8, Access::READ);
+    let qps = net.qps;
+    let cq = net.server.create_cq(qps * MSGS * 2);
+    let mr = net.server.alloc_region(qps * MSGS * 16, Access::READ_WRITE);
+    let src = net.client.alloc_region(qps * MSGS * 8, Access::READ);
     let mut pairs = Vec::new();
-    for _ in 0..QPS {
-        pairs.push(pair_with(
-            &nic,
-            &cq,
-            V4,
-            qpip_core::LengthPrefixed::default,
-            MSGS,
-        ));
+    for _ in 0..qps {
+        pairs.push(net.pair_with(&cq, &cq, LengthPrefixed::default, MSGS));
     }
     for (q, (_, server)) in pairs.iter().enumerate() {
         for m in 0..MSGS {
@@ -137,14 +265,14 @@ fn sixty_four_qps_on_one_cq() {
                 .unwrap();
         }
     }
-    let all = wait_n(&cq, QPS * MSGS * 2, T);
+    let all = wait_n(&cq, qps * MSGS * 2, T);
     let server_nums: std::collections::HashMap<u32, usize> = pairs
         .iter()
         .enumerate()
         .map(|(q, (_, s))| (s.num(), q))
         .collect();
     let client_nums: std::collections::HashSet<u32> = pairs.iter().map(|(c, _)| c.num()).collect();
-    let mut next_per_qp = vec![0usize; QPS];
+    let mut next_per_qp = vec![0usize; qps];
     for c in all {
         assert_eq!(c.status, WcStatus::Success, "{c:?}");
         match c.opcode {
@@ -169,44 +297,37 @@ fn sixty_four_qps_on_one_cq() {
 
 /// With no receive WR posted the receiver reads nothing, so TCP flow control stops the sender:
 /// its WRs do not complete. Once receives are posted everything arrives intact.
-#[test]
-fn flow_control_holds_the_sender_until_receives_are_posted() {
-    const MSGS: usize = 64;
+fn flow_control_holds_the_sender_until_receives_are_posted(net: Net) {
     const LEN: usize = 1 << 20;
-    let nic = Nic::soft().unwrap();
-    let send_cq = nic.create_cq(256);
-    let recv_cq = nic.create_cq(256);
-    let listener = nic.listen(addr(V4)).unwrap();
-    let server = nic.create_qp(QpAttr::new(&recv_cq));
-    let client = nic.create_qp(QpAttr::new(&send_cq));
-    client.connect(listener.local_addr()).unwrap();
-    listener.accept(&server).unwrap();
-    let src = nic.alloc_region(MSGS * LEN, Access::READ);
-    for m in 0..MSGS {
+    let msgs = net.bulk_mib;
+    let send_cq = net.client.create_cq(256);
+    let recv_cq = net.server.create_cq(256);
+    let (client, server) = net.pair_with(&send_cq, &recv_cq, LengthPrefixed::default, 256);
+    let src = net.client.alloc_region(msgs * LEN, Access::READ);
+    for m in 0..msgs {
         let chunk: Vec<u8> = (0..LEN).map(|i| pattern(m as u64, i)).collect();
         src.write_at(m * LEN, &chunk);
         client
             .post_send(SendWr::new(m as u64, &[src.sge(m * LEN, LEN)]))
             .unwrap();
     }
-    std::thread::sleep(Duration::from_millis(500));
-    let early = quiet(&send_cq, Duration::from_millis(10));
-    // Kernel socket buffers absorb a few MiB at most; 64 MiB cannot all be "sent".
+    // Socket buffers absorb a few MiB at most; far more cannot all be "sent".
+    let early = settle(&send_cq, Duration::from_millis(200), T);
     assert!(
-        early.len() < MSGS / 2,
-        "{} of {MSGS} sends completed with nothing posted",
+        early.len() < msgs / 2,
+        "{} of {msgs} sends completed with nothing posted",
         early.len()
     );
     assert_eq!(recv_cq.len(), 0);
 
-    let dst = nic.alloc_region(MSGS * LEN, Access::READ_WRITE);
-    for m in 0..MSGS {
+    let dst = net.server.alloc_region(msgs * LEN, Access::READ_WRITE);
+    for m in 0..msgs {
         server
             .post_recv(RecvWr::new(m as u64, &[dst.sge(m * LEN, LEN)]))
             .unwrap();
     }
-    let recvs = wait_n(&recv_cq, MSGS, T);
-    let sends = wait_n(&send_cq, MSGS - early.len(), T);
+    let recvs = wait_n(&recv_cq, msgs, T);
+    let sends = wait_n(&send_cq, msgs - early.len(), T);
     assert!(sends.iter().chain(&early).all(|c| c.is_ok()));
     let mut got = vec![0u8; LEN];
     for (m, c) in recvs.iter().enumerate() {
@@ -226,18 +347,17 @@ fn flow_control_holds_the_sender_until_receives_are_posted() {
 
 /// A message longer than its receive WR completes that WR with a length error and takes the
 /// QP to the error state, flushing the rest.
-#[test]
-fn too_small_receive_wr_gets_a_length_error() {
-    let nic = Nic::soft().unwrap();
-    let cq = nic.create_cq(64);
-    let (client, server) = pair(&nic, &cq, V6);
-    let mr = nic.alloc_region(4096, Access::READ_WRITE);
+fn too_small_receive_wr_gets_a_length_error(net: Net) {
+    let cq = net.server.create_cq(64);
+    let (client, server) = net.pair(&cq);
+    let mr = net.server.alloc_region(4096, Access::READ_WRITE);
+    let src = net.client.alloc_region(4096, Access::READ_WRITE);
     server.post_recv(RecvWr::new(1, &[mr.sge(0, 100)])).unwrap();
     server
         .post_recv(RecvWr::new(2, &[mr.sge(100, 100)]))
         .unwrap();
     client
-        .post_send(SendWr::new(9, &[mr.sge(1000, 101)]))
+        .post_send(SendWr::new(9, &[src.sge(1000, 101)]))
         .unwrap();
     let mut got = wait_n(&cq, 3, T);
     got.sort_by_key(|c| c.wr_id);
@@ -250,14 +370,11 @@ fn too_small_receive_wr_gets_a_length_error() {
 
 /// An SGE with an unknown key, or reaching outside its region, or a receive into read-only
 /// memory, completes with a protection error.
-#[test]
-fn bad_keys_and_bounds_give_protection_errors() {
-    let nic = Nic::soft().unwrap();
-    let cq = nic.create_cq(64);
-    let (client, server) = pair(&nic, &cq, V4);
-    let mr = nic.alloc_region(64, Access::READ_WRITE);
-    let ro = nic.alloc_region(64, Access::READ);
-
+fn bad_keys_and_bounds_give_protection_errors(net: Net) {
+    let cq = net.server.create_cq(64);
+    let (client, server) = net.pair(&cq);
+    let mr = net.client.alloc_region(64, Access::READ_WRITE);
+    let ro = net.server.alloc_region(64, Access::READ);
     let bad_key = Sge {
         lkey: 0xdead_beef,
         ..mr.sge(0, 8)
@@ -275,14 +392,14 @@ fn bad_keys_and_bounds_give_protection_errors() {
     );
 
     // Out of bounds on a fresh pair, on the send side.
-    let (client, server2) = pair(&nic, &cq, V4);
+    let (client, server2) = net.pair(&cq);
     client.post_send(SendWr::new(2, &[mr.sge(60, 8)])).unwrap();
     let c = wait_n(&cq, 1, T)[0];
     assert_eq!((c.wr_id, c.status), (2, WcStatus::ProtectionError));
     drop((client, server2));
 
     // A receive into read-only memory fails when a message arrives for it.
-    let (client, server3) = pair(&nic, &cq, V6);
+    let (client, server3) = net.pair(&cq);
     server3.post_recv(RecvWr::new(3, &[ro.sge(0, 64)])).unwrap();
     client.post_send(SendWr::new(4, &[mr.sge(0, 8)])).unwrap();
     let got = wait_n(&cq, 2, T);
@@ -291,24 +408,24 @@ fn bad_keys_and_bounds_give_protection_errors() {
     drop(server);
 }
 
-/// Unreliable QPs: each datagram fills one receive WR and reports its source, over IPv4 and
-/// IPv6; a datagram bigger than the WR gives a length error and the QP goes on.
-#[test]
-fn udp_reports_sources_and_length_errors() {
-    for local in [V4, V6] {
-        let nic = Nic::soft().unwrap();
-        let cq = nic.create_cq(64);
-        let a = nic.create_udp_qp(addr(local), QpAttr::new(&cq)).unwrap();
-        let b = nic.create_udp_qp(addr(local), QpAttr::new(&cq)).unwrap();
+/// Unreliable QPs: each datagram fills one receive WR and reports its source (over IPv4 and
+/// IPv6 where the backend has both); a datagram bigger than the WR gives a length error and
+/// the QP goes on. Where kernel sockets reach the QPs, a plain socket is a peer too.
+fn udp_reports_sources_and_length_errors(net: Net) {
+    for &(a_local, b_local) in &net.locals {
+        let cq = net.server.create_cq(64);
+        let a = net.server.create_udp_qp(a_local, QpAttr::new(&cq)).unwrap();
+        let b = net.client.create_udp_qp(b_local, QpAttr::new(&cq)).unwrap();
         let (a_addr, b_addr) = (a.local_addr().unwrap(), b.local_addr().unwrap());
         assert_ne!(a_addr.port(), 0);
-        let mr = nic.alloc_region(4096, Access::READ_WRITE);
-        b.post_recv(RecvWr::new(10, &[mr.sge(0, 4), mr.sge(100, 4)]))
+        let ma = net.server.alloc_region(4096, Access::READ_WRITE);
+        let mb = net.client.alloc_region(4096, Access::READ_WRITE);
+        b.post_recv(RecvWr::new(10, &[mb.sge(0, 4), mb.sge(100, 4)]))
             .unwrap();
-        b.post_recv(RecvWr::new(11, &[mr.sge(200, 4)])).unwrap();
-        b.post_recv(RecvWr::new(12, &[mr.sge(300, 16)])).unwrap();
-        mr.write_at(1000, b"datagram");
-        a.post_send(SendWr::new(1, &[mr.sge(1000, 8)]).to(b_addr))
+        b.post_recv(RecvWr::new(11, &[mb.sge(200, 4)])).unwrap();
+        b.post_recv(RecvWr::new(12, &[mb.sge(300, 16)])).unwrap();
+        ma.write_at(1000, b"datagram");
+        a.post_send(SendWr::new(1, &[ma.sge(1000, 8)]).to(b_addr))
             .unwrap();
         let got = wait_n(&cq, 2, T);
         let r = got.iter().find(|c| c.opcode == Opcode::Recv).unwrap();
@@ -317,14 +434,14 @@ fn udp_reports_sources_and_length_errors() {
             (10, WcStatus::Success, 8, Some(a_addr))
         );
         let mut v = [0u8; 8];
-        mr.read_at(0, &mut v[..4]);
-        mr.read_at(100, &mut v[4..]);
+        mb.read_at(0, &mut v[..4]);
+        mb.read_at(100, &mut v[4..]);
         assert_eq!(&v, b"datagram", "scattered over two SGEs");
 
         // Too big for WR 11: length error; the next datagram still lands in WR 12.
-        a.post_send(SendWr::new(2, &[mr.sge(1000, 8)]).to(b_addr))
+        a.post_send(SendWr::new(2, &[ma.sge(1000, 8)]).to(b_addr))
             .unwrap();
-        a.post_send(SendWr::new(3, &[mr.sge(1000, 3)]).to(b_addr))
+        a.post_send(SendWr::new(3, &[ma.sge(1000, 3)]).to(b_addr))
             .unwrap();
         let got = wait_n(&cq, 4, T);
         let mut recvs: Vec<_> = got.iter().filter(|c| c.opcode == Opcode::Recv).collect();
@@ -339,16 +456,19 @@ fn udp_reports_sources_and_length_errors() {
         );
         assert_eq!(b.state(), QpState::Ready);
 
+        if !net.kernel_peers {
+            continue;
+        }
         // A plain socket is a peer too, and its address is the source.
-        let sock = std::net::UdpSocket::bind(addr(local)).unwrap();
-        b.post_recv(RecvWr::new(13, &[mr.sge(400, 64)])).unwrap();
+        let sock = std::net::UdpSocket::bind(SocketAddr::new(b_local.ip(), 0)).unwrap();
+        b.post_recv(RecvWr::new(13, &[mb.sge(400, 64)])).unwrap();
         sock.send_to(b"from a socket", b_addr).unwrap();
         let r = wait_n(&cq, 1, T)[0];
         assert_eq!(
             (r.wr_id, r.byte_len, r.src),
             (13, 13, Some(sock.local_addr().unwrap()))
         );
-        a.post_send(SendWr::new(4, &[mr.sge(1000, 8)]).to(sock.local_addr().unwrap()))
+        a.post_send(SendWr::new(4, &[ma.sge(1000, 8)]).to(sock.local_addr().unwrap()))
             .unwrap();
         let mut buf = [0u8; 64];
         sock.set_read_timeout(Some(T)).unwrap();
@@ -360,22 +480,21 @@ fn udp_reports_sources_and_length_errors() {
 
 /// Orderly close: posted sends are delivered, then the peer's receives complete with
 /// remote-closed and the closer's own receives are flushed.
-#[test]
-fn orderly_close_delivers_then_flushes() {
-    let nic = Nic::soft().unwrap();
-    let cq = nic.create_cq(64);
-    let (client, server) = pair(&nic, &cq, V6);
-    let mr = nic.alloc_region(1024, Access::READ_WRITE);
+fn orderly_close_delivers_then_flushes(net: Net) {
+    let cq = net.server.create_cq(64);
+    let (client, server) = net.pair(&cq);
+    let mr = net.server.alloc_region(1024, Access::READ_WRITE);
+    let mc = net.client.alloc_region(1024, Access::READ_WRITE);
     server.post_recv(RecvWr::new(1, &[mr.sge(0, 100)])).unwrap();
     server
         .post_recv(RecvWr::new(2, &[mr.sge(100, 100)]))
         .unwrap();
     client
-        .post_recv(RecvWr::new(3, &[mr.sge(200, 100)]))
+        .post_recv(RecvWr::new(3, &[mc.sge(200, 100)]))
         .unwrap();
-    mr.write_at(500, b"last words");
+    mc.write_at(500, b"last words");
     client
-        .post_send(SendWr::new(4, &[mr.sge(500, 10)]))
+        .post_send(SendWr::new(4, &[mc.sge(500, 10)]))
         .unwrap();
     client.close();
     let mut got = wait_n(&cq, 4, T);
@@ -398,21 +517,11 @@ fn orderly_close_delivers_then_flushes() {
 }
 
 /// Connecting to a port nobody listens on fails with an error naming the address.
-#[test]
-fn connect_refused_names_the_address() {
-    let nic = Nic::soft().unwrap();
-    let cq = nic.create_cq(4);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let qp = nic.create_qp(QpAttr::new(&cq));
-    let err = qp
-        .connect(addr(&format!("127.0.0.1:{port}")))
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains(&format!("127.0.0.1:{port}")), "{err}");
+fn connect_refused_names_the_address(net: Net) {
+    let cq = net.client.create_cq(4);
+    let qp = net.client.create_qp(QpAttr::new(&cq));
+    let err = qp.connect_timeout(net.closed, T).unwrap_err().to_string();
+    assert!(err.contains(&net.closed.to_string()), "{err}");
     assert_eq!(
         qp.state(),
         QpState::Init,
@@ -420,33 +529,30 @@ fn connect_refused_names_the_address() {
     );
 }
 
-/// A CQ too small for what completes into it reports the overflow.
-#[test]
-fn cq_overflow_is_reported() {
-    let nic = Nic::soft().unwrap();
-    let cq = nic.create_cq(4);
-    let (client, server) = pair(&nic, &cq, V4);
-    let mr = nic.alloc_region(64, Access::READ_WRITE);
+/// A CQ too small for what completes into it reports the overflow, after what did fit.
+fn cq_overflow_is_reported(net: Net) {
+    let cq = net.client.create_cq(4);
+    let server_cq = net.server.create_cq(16);
+    let (client, server) = net.pair_with(&cq, &server_cq, LengthPrefixed::default, 16);
+    let mr = net.client.alloc_region(64, Access::READ_WRITE);
     for i in 0..8 {
         client.post_send(SendWr::new(i, &[mr.sge(0, 1)])).unwrap();
     }
-    std::thread::sleep(Duration::from_millis(300));
+    wait_overflow(&cq, 4);
     let mut buf = [Completion::default(); 16];
     assert_eq!(cq.poll(&mut buf), Ok(4));
-    assert!(matches!(
+    assert_eq!(
         cq.poll(&mut buf),
-        Err(qpip_core::CqError::Overflow { lost: 4, depth: 4 })
-    ));
+        Err(CqError::Overflow { lost: 4, depth: 4 })
+    );
     drop(server);
 }
 
 /// Posting more WRs than the queue depth is refused, not silently queued.
-#[test]
-fn queue_depth_is_enforced() {
-    let nic = Nic::soft().unwrap();
-    let cq = nic.create_cq(16);
-    let qp = nic.create_qp(QpAttr::new(&cq).depths(2, 2));
-    let mr = nic.alloc_region(8, Access::READ_WRITE);
+fn queue_depth_is_enforced(net: Net) {
+    let cq = net.client.create_cq(16);
+    let qp = net.client.create_qp(QpAttr::new(&cq).depths(2, 2));
+    let mr = net.client.alloc_region(8, Access::READ_WRITE);
     qp.post_recv(RecvWr::new(1, &[mr.sge(0, 8)])).unwrap();
     qp.post_recv(RecvWr::new(2, &[mr.sge(0, 8)])).unwrap();
     assert!(matches!(
@@ -460,28 +566,27 @@ fn queue_depth_is_enforced() {
 }
 
 /// Async use from tokio: connect, accept and wait on the CQ without blocking the runtime.
-#[test]
-fn async_verbs_under_tokio() {
+fn async_verbs_under_tokio(net: Net) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
     rt.block_on(async {
-        let nic = Nic::soft().unwrap();
-        let cq = nic.create_cq(16);
-        let listener = nic.listen(addr(V6)).unwrap();
-        let server = nic.create_qp(QpAttr::new(&cq));
-        let client = nic.create_qp(QpAttr::new(&cq));
+        let cq = net.server.create_cq(16);
+        let listener = net.server.listen(net.locals[0].0).unwrap();
+        let server = net.server.create_qp(QpAttr::new(&cq));
+        let client = net.client.create_qp(QpAttr::new(&cq));
         let (a, b) = tokio::join!(
             client.connect_async(listener.local_addr()),
             listener.accept_async(&server)
         );
         a.unwrap();
         assert_eq!(b.unwrap(), client.local_addr().unwrap());
-        let mr = nic.alloc_region(64, Access::READ_WRITE);
-        server.post_recv(RecvWr::new(1, &[mr.sge(0, 32)])).unwrap();
-        mr.write_at(32, b"async");
-        client.post_send(SendWr::new(2, &[mr.sge(32, 5)])).unwrap();
+        let ms = net.server.alloc_region(64, Access::READ_WRITE);
+        let mc = net.client.alloc_region(64, Access::READ_WRITE);
+        server.post_recv(RecvWr::new(1, &[ms.sge(0, 32)])).unwrap();
+        mc.write_at(32, b"async");
+        client.post_send(SendWr::new(2, &[mc.sge(32, 5)])).unwrap();
         let mut seen = 0;
         let mut buf = [Completion::default(); 4];
         while seen < 2 {
@@ -493,15 +598,12 @@ fn async_verbs_under_tokio() {
     });
 }
 
-/// The engine reports which kernel path it drives; io_uring is the default where the kernel
-/// allows it, and `QPIP_SOFT_IO=epoll` forces the fallback (CI runs the suite both ways).
+/// The soft engine reports which kernel path it drives, from the moment the NIC is open;
+/// io_uring is the default where the kernel allows it, and `QPIP_SOFT_IO=epoll` forces the
+/// fallback (CI runs the suite both ways).
 #[test]
-fn io_path_is_reported() {
+fn soft_io_path_is_reported() {
     let nic = Nic::soft().unwrap();
-    // The engine thread decides when it starts: give it a moment.
-    let cq = nic.create_cq(4);
-    let _ = nic.create_qp(QpAttr::new(&cq));
-    std::thread::sleep(Duration::from_millis(50));
     let want = match std::env::var("QPIP_SOFT_IO").as_deref() {
         Ok("epoll") => "epoll",
         _ if std::env::var("CI").is_ok() => "io_uring", // CI machines allow io_uring

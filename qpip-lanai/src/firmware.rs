@@ -1,0 +1,422 @@
+//! The QPIP firmware: the doorbell, management, transmit and receive state machines of the
+//! LANai NIC, with its own IPv6, UDP and TCP (smoltcp as the base), over the device model.
+//!
+//! Sans-IO: no sockets, no threads, no clock. Time is an argument (`Nanos`), frames go out
+//! through [`Firmware::transmit`] and come in through [`Firmware::receive`]. Every stage is
+//! charged to the [`Meter`], so the same code runs under the virtual-time simulation
+//! (`sim`) and as the real-time backend (`realtime`).
+//!
+//! Choices worth knowing:
+//! - TCP is smoltcp's: RFC 1323 timestamps (from the NIC clock), window scaling (64 KiB
+//!   buffers give a shift of 1), Reno, Nagle off. ACKs are not delayed: like the paper's
+//!   firmware, every data segment received is acknowledged at once (the ACK rides on data
+//!   when the QP has some to send in the same poll).
+//! - smoltcp may carry several small QP messages in one segment, or split a message over
+//!   several; the paper's firmware sent one message per segment. The wire bytes are the same
+//!   stream either way; only the per-packet costs shift.
+//! - Host data is fetched by DMA per transmitted segment (retransmissions fetch again, as the
+//!   WR's memory stays the NIC's until the peer ACKs it); the smoltcp send buffer stands for
+//!   the SRAM staging of that data.
+//! - Per-packet receive stages (get WR, put data, update) are charged when the packet
+//!   arrives; the NIC->host DMA of its bytes happens when they are placed into a receive WR.
+//! - smoltcp keeps a few out-of-order segments (the paper's TCP subset dropped them).
+//! - A listener keeps two sockets in LISTEN (each costs a TCB and both buffers of SRAM) and
+//!   makes more as they are used, up to the backlog and the SRAM.
+//! - Timers: a connect fails with `TimedOut` after 20 s; a peer silent for 120 s fails the
+//!   QP (idle connections send keep-alives every 30 s, so a crashed peer is found); a
+//!   connection the host dropped gets 60 s to finish closing.
+//! - Handlers start at `max(now, processor free)` and smoltcp sees the processor's clock, so
+//!   in real time a saturated NIC's clock runs ahead of the wall clock (the model's speed
+//!   limit shows up as delay).
+
+mod link;
+mod mgmt;
+mod port;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::io;
+use std::net::{Ipv6Addr, SocketAddr, SocketAddrV6};
+use std::sync::Arc;
+
+use smoltcp::iface::{Config, Interface, PollResult, SocketHandle, SocketSet};
+use smoltcp::socket::{tcp, udp};
+use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpEndpoint, IpListenEndpoint};
+
+use self::link::{Ctx, FwQp, Link, TcpLink, UdpLink, tcp_sram, v6};
+use self::port::{Carried, Dma, Port, Wire, classify, instant, nanos, set_tsval_clock};
+use super::frame;
+use super::meter::{CostModel, Dir, Kind, Meter, Nanos, Stage};
+use super::params::{FabricParams, LanaiParams};
+use super::sram::Sram;
+use qpip_verbs::backend::{Command, ListenerId, MgmtResult};
+use qpip_verbs::machines::mgmt::dispatch;
+use qpip_verbs::mr::MemoryTable;
+use qpip_verbs::reply::ReplySender;
+use qpip_verbs::shared::{QpKind, QpState};
+use qpip_verbs::wr::{QpNum, WcStatus};
+
+/// What a NIC needs to know about itself.
+#[derive(Clone, Debug)]
+pub struct FirmwareConfig {
+    /// The NIC's IPv6 address.
+    pub addr: Ipv6Addr,
+    pub params: LanaiParams,
+    /// MTU and the route table.
+    pub fabric: FabricParams,
+    /// Seeds the TCP initial sequence numbers (deterministic runs).
+    pub seed: u64,
+}
+
+/// A frame ready for the network send DMA.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutFrame {
+    /// The whole Myrinet frame (route included).
+    pub bytes: Vec<u8>,
+    /// When the frame is in SRAM and the processor has handed it to the send DMA engine.
+    pub ready_at: Nanos,
+}
+
+/// Listening sockets kept ready per listener: each holds a TCB and both buffers in SRAM, so
+/// only a couple wait for SYNs; more are made as they are used, up to the backlog.
+const LISTEN_SPARES: usize = 2;
+/// How long a connect may take before it fails with `TimedOut`.
+const CONNECT_TIMEOUT_NS: Nanos = 20_000_000_000;
+/// How long a connection the host let go of may take to finish closing.
+const ORPHAN_TIMEOUT_NS: Nanos = 60_000_000_000;
+/// Rounds of service + poll per event before the firmware yields.
+const MAX_ROUNDS: usize = 32;
+/// First ephemeral port.
+const EPHEMERAL: u16 = 49152;
+
+struct Listener {
+    port: u16,
+    backlog: usize,
+    /// Sockets in LISTEN.
+    listening: Vec<SocketHandle>,
+    /// Sockets past LISTEN and not yet mated to a QP.
+    pending: VecDeque<SocketHandle>,
+    /// QPs waiting for a connection.
+    accepts: VecDeque<(QpNum, ReplySender<MgmtResult>)>,
+}
+
+struct Orphan {
+    handle: SocketHandle,
+    deadline: Nanos,
+}
+
+/// Counters of things the firmware dropped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FirmwareStats {
+    /// Packets to addresses without a route.
+    pub no_route: u64,
+    /// Frames that failed to decode (CRC, type, leftover route) or were not for this NIC.
+    pub bad_frames: u64,
+}
+
+/// The firmware of one NIC.
+pub struct Firmware {
+    addr: Ipv6Addr,
+    params: LanaiParams,
+    fabric: FabricParams,
+    meter: Meter,
+    memory: Arc<MemoryTable>,
+    sram: Sram,
+    iface: Interface,
+    sockets: SocketSet<'static>,
+    out: VecDeque<OutFrame>,
+    dma: Dma,
+    qps: BTreeMap<QpNum, FwQp>,
+    listeners: BTreeMap<ListenerId, Listener>,
+    orphans: Vec<Orphan>,
+    dying: Vec<SocketHandle>,
+    next_port: u16,
+    stats: FirmwareStats,
+    next_poll: Option<Nanos>,
+}
+
+fn unsupported_v4() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        "the lanai firmware speaks IPv6 only",
+    )
+}
+
+impl Firmware {
+    pub fn new(cfg: FirmwareConfig, memory: Arc<MemoryTable>) -> Firmware {
+        let meter = Meter::new(CostModel::new(&cfg.params));
+        let mut out = VecDeque::new();
+        let mut dma = Dma::default();
+        let mut meter_tmp = meter.clone();
+        let mut no_route = 0;
+        let mut port = Port {
+            rx: None,
+            wire: Wire {
+                meter: &mut meter_tmp,
+                out: &mut out,
+                fabric: &cfg.fabric,
+                dev: &cfg.params.device,
+                dma: &mut dma,
+                no_route: &mut no_route,
+            },
+        };
+        let mut config = Config::new(HardwareAddress::Ip);
+        config.random_seed = cfg.seed;
+        let mut iface = Interface::new(config, &mut port, instant(0));
+        iface.update_ip_addrs(|addrs| {
+            // Invariant: a fresh interface has room for its one address.
+            let _ = addrs.push(IpCidr::new(IpAddress::Ipv6(cfg.addr), 64));
+        });
+        // Every destination is reached through the fabric; the port routes by address.
+        let _ = iface.routes_mut().add_default_ipv6_route(cfg.addr);
+        let sram = Sram::new(
+            cfg.params.device.sram_bytes,
+            cfg.params.device.firmware_bytes,
+        );
+        Firmware {
+            addr: cfg.addr,
+            params: cfg.params,
+            fabric: cfg.fabric,
+            meter,
+            memory,
+            sram,
+            iface,
+            sockets: SocketSet::new(Vec::new()),
+            out,
+            dma,
+            qps: BTreeMap::new(),
+            listeners: BTreeMap::new(),
+            orphans: Vec::new(),
+            dying: Vec::new(),
+            next_port: EPHEMERAL + (cfg.seed % 8192) as u16,
+            stats: FirmwareStats::default(),
+            next_poll: None,
+        }
+    }
+
+    /// Management state machine: a privileged command from the host.
+    pub fn command(&mut self, now: Nanos, cmd: Command) {
+        self.meter.begin(now);
+        dispatch(self, cmd);
+        self.run();
+    }
+
+    /// Doorbell state machine: the doorbell FIFO held `qp` (new WRs in its rings).
+    pub fn doorbell(&mut self, now: Nanos, qp: QpNum) {
+        self.meter.begin(now);
+        if let Some(q) = self.qps.get_mut(&qp) {
+            q.shared
+                .doorbell
+                .store(false, std::sync::atomic::Ordering::SeqCst);
+            if !q.shared.sq.is_empty() {
+                self.meter.charge(Dir::Send, Kind::Data, Stage::Doorbell, 0);
+            }
+            if q.shared.rq.len() > q.rq_seen {
+                self.meter.charge(Dir::Recv, Kind::Data, Stage::Doorbell, 0);
+            }
+        }
+        self.run();
+    }
+
+    /// Receive state machine: a frame finished arriving from the network at `now`.
+    pub fn receive(&mut self, now: Nanos, frame: &[u8]) {
+        self.meter.begin(now);
+        let pkt = match frame::decode(frame) {
+            Ok(p) => p,
+            Err(e) => {
+                self.stats.bad_frames += 1;
+                tracing::debug!("lanai: frame dropped: {e}");
+                return;
+            }
+        };
+        let Some((dst, carried)) = classify(pkt) else {
+            self.stats.bad_frames += 1;
+            return;
+        };
+        let kind = carried.kind();
+        let m = &mut self.meter;
+        m.count_packet(Dir::Recv, kind);
+        m.charge(Dir::Recv, kind, Stage::MediaReceive, 0);
+        m.charge(Dir::Recv, kind, Stage::IpParse, 0);
+        if dst != self.addr {
+            self.stats.bad_frames += 1;
+            return;
+        }
+        match carried {
+            Carried::Tcp { .. } => m.charge(Dir::Recv, kind, Stage::TcpParse, 0),
+            Carried::Udp { .. } => m.charge(Dir::Recv, kind, Stage::UdpParse, 0),
+            Carried::Other => {}
+        }
+        m.charge(Dir::Recv, kind, Stage::Checksum, carried.payload());
+        if kind == Kind::Data {
+            m.charge(Dir::Recv, kind, Stage::GetWr, 0);
+            m.charge(Dir::Recv, kind, Stage::PutData, 0);
+        }
+        m.charge(Dir::Recv, kind, Stage::Update, 0);
+        self.poll_iface(Some(pkt));
+        self.run();
+    }
+
+    /// Transmit scheduler and timers: run whatever is due at `now`.
+    pub fn poll(&mut self, now: Nanos) {
+        self.meter.begin(now);
+        self.timers();
+        self.run();
+    }
+
+    /// When `poll` next has something to do (a retransmission or delayed-ACK timer, a
+    /// QP with sendable work), if ever.
+    pub fn poll_at(&self) -> Option<Nanos> {
+        self.next_poll
+    }
+
+    /// The next frame to put on the wire, in the order they were built.
+    pub fn transmit(&mut self) -> Option<OutFrame> {
+        self.out.pop_front()
+    }
+
+    /// When everything written to host memory so far (received data, CQ entries) is visible
+    /// to the host: the NIC->host DMA engine's last completion.
+    pub fn host_visible_at(&self) -> Nanos {
+        self.dma.nic_to_host
+    }
+
+    pub fn meter(&self) -> &Meter {
+        &self.meter
+    }
+
+    pub fn meter_mut(&mut self) -> &mut Meter {
+        &mut self.meter
+    }
+
+    /// SRAM in use by QPs, connections and listeners (the firmware image not counted).
+    pub fn sram_used(&self) -> u64 {
+        self.sram.used()
+    }
+
+    pub fn stats(&self) -> FirmwareStats {
+        self.stats
+    }
+
+    /// The NIC's IPv6 address.
+    pub fn addr(&self) -> Ipv6Addr {
+        self.addr
+    }
+
+    // ---- internals ----
+
+    fn local(&self, port: u16) -> SocketAddr {
+        SocketAddr::V6(SocketAddrV6::new(self.addr, port, 0, 0))
+    }
+
+    fn conn_sram(&self) -> u64 {
+        tcp_sram(&self.params.device)
+    }
+
+    /// Runs `f` on a QP with the machines' context.
+    fn with_qp(&mut self, qp: QpNum, f: impl FnOnce(&mut FwQp, &mut Ctx<'_>)) {
+        let (qps, mut cx) = self.split();
+        if let Some(q) = qps.get_mut(&qp) {
+            f(q, &mut cx);
+        }
+    }
+
+    /// The QP table beside the machines' context (they borrow different parts of `self`).
+    fn split(&mut self) -> (&mut BTreeMap<QpNum, FwQp>, Ctx<'_>) {
+        let Firmware {
+            sockets,
+            memory,
+            meter,
+            dma,
+            params,
+            sram,
+            dying,
+            qps,
+            fabric,
+            ..
+        } = self;
+        let cx = Ctx {
+            sockets,
+            memory,
+            meter,
+            dma,
+            dev: &params.device,
+            mtu: fabric.mtu,
+            sram,
+            dying,
+        };
+        (qps, cx)
+    }
+
+    /// Moves an arriving packet through smoltcp (ingress), or just lets sockets transmit.
+    fn poll_iface(&mut self, rx: Option<&[u8]>) -> PollResult {
+        let t = self.meter.now();
+        set_tsval_clock(t);
+        let mut port = Port {
+            rx,
+            wire: Wire {
+                meter: &mut self.meter,
+                out: &mut self.out,
+                fabric: &self.fabric,
+                dev: &self.params.device,
+                dma: &mut self.dma,
+                no_route: &mut self.stats.no_route,
+            },
+        };
+        let r = self.iface.poll(instant(t), &mut port, &mut self.sockets);
+        // Aborted sockets have sent their RST by now.
+        for h in std::mem::take(&mut self.dying) {
+            self.free_tcp_socket(h);
+        }
+        r
+    }
+
+    /// Service and transmit until nothing moves.
+    fn run(&mut self) {
+        let mut busy = true;
+        for _ in 0..MAX_ROUNDS {
+            let progress = self.service_all();
+            let r = self.poll_iface(None);
+            if !progress && r == PollResult::None {
+                busy = false;
+                break;
+            }
+        }
+        self.update_poll_at();
+        if busy {
+            // Work left over: come back at once rather than wait for an event.
+            self.next_poll = Some(self.meter.now());
+        }
+    }
+
+    fn update_poll_at(&mut self) {
+        let now = self.meter.now();
+        let mut at = self
+            .iface
+            .poll_at(instant(now), &self.sockets)
+            .map(|i| nanos(i).max(now));
+        let mut earliest = |t: Nanos| at = Some(at.map_or(t, |a| a.min(t)));
+        for q in self.qps.values() {
+            if let Link::Connecting { deadline, .. } = q.link {
+                earliest(deadline);
+            }
+        }
+        for o in &self.orphans {
+            earliest(o.deadline);
+        }
+        self.next_poll = at;
+    }
+
+    /// One pass of every machine: listeners, connects, QPs, orphans.
+    fn service_all(&mut self) -> bool {
+        let mut progress = self.service_listeners();
+        progress |= self.service_connects();
+        let (qps, mut cx) = self.split();
+        for q in qps.values_mut() {
+            progress |= q.service(&mut cx);
+        }
+        progress |= self.service_orphans();
+        progress
+    }
+}

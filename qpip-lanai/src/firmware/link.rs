@@ -1,0 +1,538 @@
+//! One QP inside the firmware: its link (idle, connecting, a TCP connection, a UDP port) and
+//! its transmit and receive state machines over the smoltcp sockets.
+
+use std::collections::VecDeque;
+use std::io::{self, IoSliceMut};
+use std::net::{SocketAddr, SocketAddrV6};
+use std::sync::Arc;
+
+use smoltcp::iface::{SocketHandle, SocketSet};
+use smoltcp::socket::{tcp, udp};
+use smoltcp::wire::{IpAddress, IpEndpoint};
+
+use super::port::Dma;
+use crate::meter::{Dir, Kind, Meter, Nanos, Stage};
+use crate::params::DeviceParams;
+use crate::sram::Sram;
+use qpip_verbs::backend::MgmtResult;
+use qpip_verbs::framer::Framer;
+use qpip_verbs::machines::rx::{RecvTarget, RxMachine, RxStop};
+use qpip_verbs::machines::tx::OutMsg;
+use qpip_verbs::mr::MemoryTable;
+use qpip_verbs::reply::ReplySender;
+use qpip_verbs::shared::{QpShared, QpState};
+use qpip_verbs::wr::WcStatus;
+
+/// How long a peer may stay silent before its connection is declared dead.
+const DEAD_PEER: smoltcp::time::Duration = smoltcp::time::Duration::from_secs(120);
+
+/// An idle connection probes its peer this often, so a crashed peer (a killed process on
+/// the fabric, which sends no RST) is found within `DEAD_PEER`.
+pub(super) const KEEP_ALIVE: smoltcp::time::Duration = smoltcp::time::Duration::from_secs(30);
+
+/// Bytes of one completion entry written to the host's CQ.
+const CQ_ENTRY_BYTES: usize = 32;
+
+/// What the QP machines borrow from the firmware while they run.
+pub(super) struct Ctx<'a> {
+    pub sockets: &'a mut SocketSet<'static>,
+    pub memory: &'a MemoryTable,
+    pub meter: &'a mut Meter,
+    pub dma: &'a mut Dma,
+    pub dev: &'a DeviceParams,
+    /// Largest IPv6 packet on the fabric.
+    pub mtu: usize,
+    pub sram: &'a mut Sram,
+    /// Aborted TCP sockets: removed after the next egress poll has sent their RST.
+    pub dying: &'a mut Vec<SocketHandle>,
+}
+
+/// A NIC->host DMA of `len` bytes issued now (received data, CQ entries). A macro so that
+/// it borrows only the fields it uses while a socket is borrowed from the set.
+macro_rules! to_host {
+    ($cx:expr, $len:expr) => {
+        Dma::transfer(&mut $cx.dma.nic_to_host, $cx.dev, $cx.meter.now(), $len)
+    };
+}
+
+/// SRAM of one TCP connection or listening socket: its control block and both buffers.
+pub(super) fn tcp_sram(dev: &DeviceParams) -> u64 {
+    dev.tcb_bytes + dev.tcp_send_buffer as u64 + dev.tcp_recv_buffer as u64
+}
+
+/// A reliable QP's connection.
+pub(super) struct TcpLink {
+    pub handle: SocketHandle,
+    tx: VecDeque<OutMsg>,
+    /// Bytes moved into the send buffer since the connection opened.
+    pushed: u64,
+    rx: RxMachine,
+    /// Orderly close asked for: send what is posted, then FIN.
+    pub closing: bool,
+    pub fin_sent: bool,
+    /// Closed on our side with everything acknowledged: discard what still arrives until the
+    /// connection is gone.
+    draining: bool,
+}
+
+impl TcpLink {
+    pub(super) fn new(handle: SocketHandle) -> Self {
+        TcpLink {
+            handle,
+            tx: VecDeque::new(),
+            pushed: 0,
+            rx: RxMachine::new(),
+            closing: false,
+            fin_sent: false,
+            draining: false,
+        }
+    }
+
+    /// Moves message bytes into the socket's send buffer; true if any moved.
+    ///
+    /// Only when a full segment's worth fits (or all that is left does): with Nagle off,
+    /// refilling the buffer by whatever each ACK freed would send as many small segments
+    /// (sender-side silly window avoidance, RFC 1122 4.2.3.4).
+    fn push(&mut self, sock: &mut tcp::Socket<'_>, mss: usize) -> bool {
+        let room = sock.send_capacity() - sock.send_queue();
+        // Summed only when less than a segment fits (the queue is walked on every service).
+        if room < mss {
+            let unpushed: usize = self
+                .tx
+                .iter()
+                .filter(|m| m.end.is_none())
+                .map(|m| m.total() - m.sent)
+                .sum();
+            if room < unpushed {
+                return false;
+            }
+        }
+        let mut progress = false;
+        for msg in self.tx.iter_mut().filter(|m| m.end.is_none()) {
+            let mut blocked = false;
+            let mut moved = 0;
+            for part in msg.unsent() {
+                let n = sock.send_slice(part).unwrap_or(0);
+                moved += n;
+                if n < part.len() {
+                    blocked = true;
+                    break;
+                }
+            }
+            msg.sent += moved;
+            self.pushed += moved as u64;
+            progress |= moved > 0;
+            if blocked {
+                break;
+            }
+            msg.end = Some(self.pushed);
+            progress = true;
+        }
+        progress
+    }
+
+    fn all_pushed(&self) -> bool {
+        self.tx.iter().all(|m| m.end.is_some())
+    }
+}
+
+/// An unreliable QP's port.
+pub(super) struct UdpLink {
+    pub handle: SocketHandle,
+    tx: VecDeque<OutMsg>,
+    /// Payload bytes handed to the socket so far.
+    pushed: u64,
+}
+
+impl UdpLink {
+    pub(super) fn new(handle: SocketHandle) -> Self {
+        UdpLink {
+            handle,
+            tx: VecDeque::new(),
+            pushed: 0,
+        }
+    }
+}
+
+pub(super) enum Link {
+    /// Created, not yet connected, accepted or bound.
+    Idle,
+    Connecting {
+        handle: SocketHandle,
+        reply: ReplySender<MgmtResult>,
+        deadline: Nanos,
+    },
+    Tcp(Box<TcpLink>),
+    Udp(Box<UdpLink>),
+    /// Closed or failed: anything posted is flushed.
+    Down,
+}
+
+pub(super) struct FwQp {
+    pub shared: Arc<QpShared>,
+    pub framer: Box<dyn Framer>,
+    /// SRAM charged to the QP itself (state, WR cache, UDP buffers).
+    pub sram: u64,
+    pub link: Link,
+    /// Receive WRs in the ring when the QP was last serviced (doorbell classification).
+    pub rq_seen: usize,
+}
+
+pub(super) fn v6(ep: IpEndpoint) -> SocketAddr {
+    match ep.addr {
+        IpAddress::Ipv6(a) => SocketAddr::V6(SocketAddrV6::new(a, ep.port, 0, 0)),
+    }
+}
+
+/// What the TCP machine decided once its socket borrow ended.
+enum After {
+    Nothing,
+    Fail { state: QpState, send: WcStatus },
+    Release,
+}
+
+impl FwQp {
+    pub(super) fn new(shared: Arc<QpShared>, framer: Box<dyn Framer>) -> Self {
+        FwQp {
+            shared,
+            framer,
+            sram: 0,
+            link: Link::Idle,
+            rq_seen: 0,
+        }
+    }
+
+    pub(super) fn is_idle(&self) -> bool {
+        matches!(self.link, Link::Idle) && self.shared.state() == QpState::Init
+    }
+
+    /// Runs the QP's machines as far as they go; true if anything moved.
+    pub(super) fn service(&mut self, cx: &mut Ctx<'_>) -> bool {
+        let progress = match &self.link {
+            Link::Tcp(_) => self.service_tcp(cx),
+            Link::Udp(_) => self.service_udp(cx),
+            Link::Down => {
+                let any = !self.shared.sq.is_empty() || !self.shared.rq.is_empty();
+                self.shared.flush_queues();
+                any
+            }
+            Link::Idle | Link::Connecting { .. } => false,
+        };
+        self.rq_seen = self.shared.rq.len();
+        if progress {
+            self.shared.notify_cqs();
+        }
+        progress
+    }
+
+    fn service_tcp(&mut self, cx: &mut Ctx<'_>) -> bool {
+        let FwQp {
+            shared,
+            framer,
+            link,
+            ..
+        } = self;
+        let Link::Tcp(t) = link else { return false };
+        let mut progress = false;
+        let sock = cx.sockets.get_mut::<tcp::Socket>(t.handle);
+        let after = 'm: {
+            if t.draining {
+                while let Ok(n) = sock.recv(|b| (b.len(), b.len())) {
+                    if n == 0 {
+                        break;
+                    }
+                }
+                progress |= !shared.rq.is_empty() || !shared.sq.is_empty();
+                shared.flush_queues();
+                if matches!(sock.state(), tcp::State::Closed | tcp::State::TimeWait) {
+                    break 'm After::Release;
+                }
+                break 'm After::Nothing;
+            }
+            // Transmit: take posted WRs while the connection may still carry them.
+            if !t.fin_sent {
+                while let Some(wr) = shared.sq.pop() {
+                    progress = true;
+                    cx.meter.charge(Dir::Send, Kind::Data, Stage::GetWr, 0);
+                    match OutMsg::prepare(wr, cx.memory, Some(framer.as_mut())) {
+                        Ok(msg) => t.tx.push_back(msg),
+                        Err((wr_id, fault)) => {
+                            tracing::warn!(qp = shared.num, wr_id, "send WR refused: {fault}");
+                            shared.complete_send(wr_id, WcStatus::ProtectionError, 0, 0);
+                            to_host!(cx, CQ_ENTRY_BYTES);
+                            break 'm After::Fail {
+                                state: QpState::Error,
+                                send: WcStatus::Flushed,
+                            };
+                        }
+                    }
+                }
+            }
+            // IPv6 (40) + TCP (20) + timestamps (12): the payload of a full segment.
+            progress |= t.push(sock, cx.mtu.saturating_sub(72));
+            // A send WR completes when the peer has acknowledged all of its bytes.
+            // (A reset socket acknowledges nothing, whatever its buffer says.)
+            let reset = sock.state() == tcp::State::Closed;
+            let acked = t.pushed.saturating_sub(sock.send_queue() as u64);
+            while !reset
+                && let Some(m) = t.tx.front()
+                && m.end.is_some_and(|end| end <= acked)
+            {
+                shared.complete_send(m.wr_id, WcStatus::Success, m.body_len as u32, 0);
+                to_host!(cx, CQ_ENTRY_BYTES);
+                t.tx.pop_front();
+                progress = true;
+            }
+            // A peer silent this long is dead: the QP fails instead of hanging, and its SRAM
+            // comes back. A live peer is never that quiet: it answers zero-window probes
+            // (backed off to 60 s at most) and the keep-alives an idle connection sends.
+            sock.set_timeout(Some(DEAD_PEER));
+            // Receive: the framer finds messages in the byte stream, bodies go to WRs. With
+            // no WR posted the bytes stay in the socket and the window closes.
+            let Ctx {
+                meter, dma, dev, ..
+            } = cx;
+            // Bytes placed count as progress even when no WR was taken: the tail of a message
+            // split over segments completes a WR taken earlier, and its CQ must be notified.
+            let mut placed = 0usize;
+            let mut read = |iov: &mut [IoSliceMut<'_>]| -> io::Result<usize> {
+                let mut total = 0;
+                'bufs: for buf in iov.iter_mut() {
+                    let want = buf.len();
+                    let mut off = 0;
+                    while off < want {
+                        match sock.recv_slice(&mut buf[off..]) {
+                            Ok(0) | Err(_) => {
+                                total += off;
+                                break 'bufs;
+                            }
+                            Ok(n) => off += n,
+                        }
+                    }
+                    total += off;
+                }
+                if total > 0 {
+                    placed += total;
+                    Dma::transfer(&mut dma.nic_to_host, dev, meter.now(), total);
+                    return Ok(total);
+                }
+                match sock.recv_slice(&mut []) {
+                    Ok(_) => Err(io::ErrorKind::WouldBlock.into()),
+                    Err(tcp::RecvError::Finished) => Ok(0),
+                    Err(_) => Err(io::ErrorKind::ConnectionReset.into()),
+                }
+            };
+            let before = shared.rq.len();
+            let stop = t.rx.pump(shared, cx.memory, framer.as_mut(), &mut read);
+            progress |= shared.rq.len() != before || placed > 0;
+            if stop == RxStop::Failed {
+                to_host!(cx, CQ_ENTRY_BYTES);
+                break 'm After::Fail {
+                    state: QpState::Error,
+                    send: WcStatus::RemoteClosed,
+                };
+            }
+            if sock.state() == tcp::State::Closed {
+                // Reset by the peer (or timed out) under us.
+                tracing::debug!(qp = shared.num, "connection reset");
+                break 'm After::Fail {
+                    state: QpState::Error,
+                    send: WcStatus::RemoteClosed,
+                };
+            }
+            // Orderly close: FIN once every posted send is in the buffer; closed once all of
+            // it is acknowledged, receives flushed.
+            if t.closing && !t.fin_sent && t.all_pushed() && shared.sq.is_empty() {
+                sock.close();
+                t.fin_sent = true;
+                progress = true;
+            }
+            if t.fin_sent && t.tx.is_empty() {
+                t.draining = true;
+                shared.set_state(QpState::Closed);
+                t.rx.flush(shared);
+                shared.flush_queues();
+                progress = true;
+            }
+            After::Nothing
+        };
+        match after {
+            After::Nothing => {}
+            After::Fail { state, send } => {
+                self.fail(cx, state, send);
+                progress = true;
+            }
+            After::Release => {
+                if let Link::Tcp(t) = std::mem::replace(&mut self.link, Link::Down) {
+                    cx.sockets.remove(t.handle);
+                    cx.sram.release(tcp_sram(cx.dev));
+                }
+                progress = true;
+            }
+        }
+        progress
+    }
+
+    fn service_udp(&mut self, cx: &mut Ctx<'_>) -> bool {
+        let FwQp { shared, link, .. } = self;
+        let Link::Udp(u) = link else { return false };
+        let mut progress = false;
+        let sock = cx.sockets.get_mut::<udp::Socket>(u.handle);
+        while let Some(wr) = shared.sq.pop() {
+            progress = true;
+            cx.meter.charge(Dir::Send, Kind::Data, Stage::GetWr, 0);
+            match OutMsg::prepare(wr, cx.memory, None) {
+                Ok(msg) => {
+                    // No IPv6 fragmentation: a datagram fits one packet (IPv6 + UDP headers).
+                    let room = sock.payload_send_capacity().min(cx.mtu.saturating_sub(48));
+                    if !matches!(msg.dest, Some(SocketAddr::V6(_))) || msg.body_len > room {
+                        tracing::warn!(
+                            qp = shared.num,
+                            wr_id = msg.wr_id,
+                            dest = ?msg.dest,
+                            len = msg.body_len,
+                            "datagram cannot be sent (IPv6 destination, at most {room} bytes)"
+                        );
+                        shared.complete_send(msg.wr_id, WcStatus::InvalidRequest, 0, 0);
+                        to_host!(cx, CQ_ENTRY_BYTES);
+                    } else {
+                        u.tx.push_back(msg);
+                    }
+                }
+                Err((wr_id, fault)) => {
+                    // Not fatal on an unreliable QP.
+                    tracing::warn!(qp = shared.num, wr_id, "send WR refused: {fault}");
+                    shared.complete_send(wr_id, WcStatus::ProtectionError, 0, 0);
+                    to_host!(cx, CQ_ENTRY_BYTES);
+                }
+            }
+        }
+        // Hand datagrams to the socket while its buffer has room.
+        for msg in u.tx.iter_mut().filter(|m| m.end.is_none()) {
+            let Some(SocketAddr::V6(dest)) = msg.dest else {
+                break;
+            };
+            let ep = IpEndpoint::new(IpAddress::Ipv6(*dest.ip()), dest.port());
+            let Ok(buf) = sock.send(msg.body_len, ep) else {
+                break;
+            };
+            let mut off = 0;
+            for part in msg.parts().skip(1) {
+                buf[off..off + part.len()].copy_from_slice(part);
+                off += part.len();
+            }
+            u.pushed += msg.body_len as u64;
+            msg.end = Some(u.pushed);
+            progress = true;
+        }
+        // A datagram's send completes once it has left the socket for the wire.
+        let sent = u.pushed - sock.send_queue() as u64;
+        while let Some(m) = u.tx.front()
+            && m.end.is_some_and(|end| end <= sent)
+        {
+            shared.complete_send(m.wr_id, WcStatus::Success, m.body_len as u32, 0);
+            to_host!(cx, CQ_ENTRY_BYTES);
+            u.tx.pop_front();
+            progress = true;
+        }
+        // Each datagram fills one receive WR.
+        while sock.can_recv() {
+            let wr = match RecvTarget::take(shared, cx.memory) {
+                None => break,
+                Some(Ok(wr)) => wr,
+                Some(Err(_refused)) => {
+                    progress = true;
+                    to_host!(cx, CQ_ENTRY_BYTES);
+                    continue;
+                }
+            };
+            progress = true;
+            let Ok((data, meta)) = sock.recv() else {
+                break;
+            };
+            let off = wr.scatter(0, data);
+            let status = if off < data.len() {
+                WcStatus::LengthError
+            } else {
+                WcStatus::Success
+            };
+            Dma::transfer(&mut cx.dma.nic_to_host, cx.dev, cx.meter.now(), off);
+            shared.complete_recv(wr.wr_id, status, off as u32, Some(v6(meta.endpoint)), 0);
+            to_host!(cx, CQ_ENTRY_BYTES);
+        }
+        progress
+    }
+
+    /// Fatal error or abortive close: the link goes down, every outstanding WR completes
+    /// (in-flight sends with `send`, the rest flushed), a TCP connection is reset.
+    pub(super) fn fail(&mut self, cx: &mut Ctx<'_>, state: QpState, send: WcStatus) {
+        self.shared.set_state(state);
+        match std::mem::replace(&mut self.link, Link::Down) {
+            Link::Tcp(mut t) => {
+                for m in t.tx.drain(..) {
+                    self.shared.complete_send(m.wr_id, send, 0, 0);
+                }
+                t.rx.flush(&self.shared);
+                cx.sockets.get_mut::<tcp::Socket>(t.handle).abort();
+                cx.dying.push(t.handle);
+            }
+            Link::Connecting { handle, reply, .. } => {
+                reply.send(Err(io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    "connect aborted",
+                )));
+                cx.sockets.get_mut::<tcp::Socket>(handle).abort();
+                cx.dying.push(handle);
+            }
+            Link::Udp(u) => {
+                for m in &u.tx {
+                    self.shared.complete_send(m.wr_id, WcStatus::Flushed, 0, 0);
+                }
+                cx.sockets.remove(u.handle);
+            }
+            Link::Idle | Link::Down => {}
+        }
+        self.shared.flush_queues();
+        to_host!(cx, CQ_ENTRY_BYTES);
+        self.shared.notify_cqs();
+    }
+
+    /// Destroy: the host forgets the QP. A connection it did not reset is closed the way a
+    /// kernel closes a dropped socket: FIN after the data already buffered (RST if unread
+    /// data is left); returns that socket so it can finish as an orphan.
+    pub(super) fn destroy(&mut self, cx: &mut Ctx<'_>) -> Option<SocketHandle> {
+        let orphan = match &mut self.link {
+            Link::Tcp(t) => {
+                let sock = cx.sockets.get_mut::<tcp::Socket>(t.handle);
+                let graceful = t.fin_sent || (sock.may_send() && sock.recv_queue() == 0);
+                if graceful {
+                    if !t.fin_sent {
+                        sock.close();
+                    }
+                    Some(t.handle)
+                } else {
+                    None
+                }
+            }
+            _ => None,
+        };
+        match orphan {
+            Some(handle) => {
+                self.shared.set_state(QpState::Closed);
+                if let Link::Tcp(mut t) = std::mem::replace(&mut self.link, Link::Down) {
+                    for m in t.tx.drain(..) {
+                        self.shared.complete_send(m.wr_id, WcStatus::Flushed, 0, 0);
+                    }
+                    t.rx.flush(&self.shared);
+                }
+                self.shared.flush_queues();
+                self.shared.notify_cqs();
+                Some(handle)
+            }
+            None => {
+                self.fail(cx, QpState::Closed, WcStatus::Flushed);
+                None
+            }
+        }
+    }
+}

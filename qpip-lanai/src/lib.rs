@@ -1,0 +1,25 @@
+//! The lanai backend: the QPIP firmware on an emulated LANai 9 NIC and Myrinet fabric.
+//!
+//! - [`params`]: the model's inputs (`configs/lanai.toml`, `configs/fabric.toml`);
+//! - [`meter`]: the NIC processor's clock, charging each firmware stage its cost;
+//! - [`frame`]: Myrinet frames, source routes and switches;
+//! - [`sram`]: the NIC's SRAM as an allocator (QPs, TCBs and socket buffers must fit);
+//! - [`firmware`]: the doorbell, management, transmit and receive state machines with the
+//!   firmware's own IPv6/UDP/TCP, sans-IO;
+//! - [`sim`]: two hosts, their NICs and the fabric on a virtual clock (discrete events);
+//! - `realtime`: the firmware as a working [`qpip_verbs::backend::NicBackend`], frames carried
+//!   between processes by datagram sockets, with a TUN bridge to the host's own IP stack.
+
+pub mod bridge;
+pub mod firmware;
+pub mod frame;
+pub mod meter;
+pub mod params;
+pub mod realtime;
+pub mod sim;
+pub mod sram;
+
+pub use firmware::{Firmware, FirmwareConfig, FirmwareStats, OutFrame};
+pub use meter::{CostModel, Dir, Kind, Meter, Nanos, Occupancy, Stage};
+pub use params::{FabricParams, LanaiParams, ParamsError};
+pub use realtime::{LanaiBackend, LanaiConfig};

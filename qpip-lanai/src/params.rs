@@ -1,0 +1,294 @@
+//! The model's inputs: device, per-stage costs, host and fabric parameters, read from TOML
+//! (`configs/lanai.toml`, `configs/fabric.toml`; both are embedded as the defaults).
+
+use std::net::{Ipv6Addr, SocketAddr};
+use std::path::Path;
+
+use serde::Deserialize;
+
+/// The device, cost table and host of `configs/lanai.toml`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LanaiParams {
+    pub device: DeviceParams,
+    pub cost: CostTable,
+    pub host: HostParams,
+}
+
+/// Where the receive checksum is computed.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ChecksumAt {
+    Hardware,
+    Firmware,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceParams {
+    pub clock_mhz: f64,
+    pub sram_bytes: u64,
+    pub firmware_bytes: u64,
+    pub pci_width_bits: u32,
+    pub pci_clock_mhz: f64,
+    pub dma_setup_ns: u64,
+    pub pio_write_ns: u64,
+    pub doorbell_fifo_entries: usize,
+    pub recv_checksum: ChecksumAt,
+    pub firmware_checksum_ns_per_byte: f64,
+    pub qp_state_bytes: u64,
+    pub tcb_bytes: u64,
+    pub wr_cache_entries: u64,
+    pub wr_entry_bytes: u64,
+    pub tcp_send_buffer: usize,
+    pub tcp_recv_buffer: usize,
+    pub udp_buffer: usize,
+    /// What-if hardware support (all off on the LANai 9): doorbells decoded in hardware
+    /// (no firmware doorbell stage), connection demultiplexing in hardware, a hardware
+    /// multiplier for the RTT estimators.
+    #[serde(default)]
+    pub hw_doorbell: bool,
+    #[serde(default)]
+    pub hw_demux: bool,
+    #[serde(default)]
+    pub hw_multiply: bool,
+}
+
+impl DeviceParams {
+    /// Nanoseconds the PCI DMA engine needs to move `bytes` (setup plus transfer).
+    pub fn dma_ns(&self, bytes: usize) -> u64 {
+        let bytes_per_us = f64::from(self.pci_width_bits) / 8.0 * self.pci_clock_mhz;
+        self.dma_setup_ns + (bytes as f64 * 1000.0 / bytes_per_us).ceil() as u64
+    }
+}
+
+/// Microseconds per firmware stage (DESIGN.md section 4).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CostTable {
+    pub send: SendCosts,
+    pub recv: RecvCosts,
+    pub udp: UdpCosts,
+    pub split: SplitCosts,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SendCosts {
+    pub data: SendStages,
+    pub ack: SendStages,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RecvCosts {
+    pub data: RecvStages,
+    pub ack: RecvStages,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SendStages {
+    pub doorbell: f64,
+    pub schedule: f64,
+    pub get_wr: f64,
+    pub get_data: f64,
+    pub build_tcp_header: f64,
+    pub build_ip_header: f64,
+    pub send: f64,
+    pub update: f64,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RecvStages {
+    pub doorbell: f64,
+    pub media_receive: f64,
+    pub ip_parse: f64,
+    pub tcp_parse: f64,
+    pub get_wr: f64,
+    pub put_data: f64,
+    pub update: f64,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct UdpCosts {
+    pub build_udp_header: f64,
+    pub udp_parse: f64,
+}
+
+/// Parts of the stages that hardware support would remove (the what-if table).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SplitCosts {
+    pub ack_parse_multiply: f64,
+    pub ack_update_multiply: f64,
+    pub tcp_demux: f64,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct HostParams {
+    pub cpu_mhz: f64,
+    pub send_overhead_us: f64,
+    pub recv_overhead_us: f64,
+}
+
+/// The fabric of `configs/fabric.toml`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FabricParams {
+    pub link_gbps: f64,
+    pub switch_latency_ns: u64,
+    pub cable_ns: u64,
+    pub mtu: usize,
+    #[serde(default)]
+    pub node: Vec<NodeParams>,
+    pub bridge: Option<BridgeParams>,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NodeParams {
+    pub name: String,
+    pub addr: Ipv6Addr,
+    pub route: Vec<u8>,
+    /// Real-time mode: where this node's emulated NIC port binds on the local machine.
+    pub port: Option<SocketAddr>,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BridgeParams {
+    pub name: String,
+    pub route: Vec<u8>,
+    pub port: Option<SocketAddr>,
+    pub tun: String,
+    pub host_addr: Ipv6Addr,
+    pub prefix_len: u8,
+}
+
+impl FabricParams {
+    /// The emulated crossbar: switch output port (first route byte) to the datagram socket
+    /// of the node or bridge behind it.
+    pub(crate) fn crossbar(&self) -> std::collections::HashMap<u8, SocketAddr> {
+        let mut ports = std::collections::HashMap::new();
+        let nodes = self.node.iter().map(|n| (&n.route, n.port));
+        let bridge = self.bridge.iter().map(|b| (&b.route, b.port));
+        for (route, port) in nodes.chain(bridge) {
+            if let (Some(&out), Some(port)) = (route.first(), port) {
+                ports.entry(out).or_insert(port);
+            }
+        }
+        ports
+    }
+
+    /// Nanoseconds a link needs to serialise `bytes`.
+    pub fn wire_ns(&self, bytes: usize) -> u64 {
+        (bytes as f64 * 8.0 / self.link_gbps).ceil() as u64
+    }
+    pub fn node(&self, name: &str) -> Option<&NodeParams> {
+        self.node.iter().find(|n| n.name == name)
+    }
+    pub fn node_by_addr(&self, addr: &Ipv6Addr) -> Option<&NodeParams> {
+        self.node.iter().find(|n| n.addr == *addr)
+    }
+    /// The source route to `addr`: its node's, or the bridge's for addresses no node owns.
+    pub fn route_to(&self, addr: &Ipv6Addr) -> Option<&[u8]> {
+        match self.node_by_addr(addr) {
+            Some(n) => Some(&n.route),
+            None => self.bridge.as_ref().map(|b| b.route.as_slice()),
+        }
+    }
+}
+
+/// Why a parameter file could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ParamsError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: String, message: String },
+}
+
+const DEFAULT_LANAI: &str = include_str!("../../configs/lanai.toml");
+const DEFAULT_FABRIC: &str = include_str!("../../configs/fabric.toml");
+
+fn parse<T: for<'de> Deserialize<'de>>(text: &str, path: &str) -> Result<T, ParamsError> {
+    toml::from_str(text).map_err(|e| ParamsError::Parse {
+        path: path.to_string(),
+        message: e.to_string(),
+    })
+}
+
+fn load<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, ParamsError> {
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| ParamsError::Read {
+        path: shown.clone(),
+        source,
+    })?;
+    parse(&text, &shown)
+}
+
+impl Default for LanaiParams {
+    /// The embedded `configs/lanai.toml`.
+    fn default() -> Self {
+        // Invariant: the embedded file is checked by the `embedded_defaults_parse` test.
+        parse(DEFAULT_LANAI, "configs/lanai.toml").expect("embedded configs/lanai.toml")
+    }
+}
+
+impl LanaiParams {
+    pub fn load(path: &Path) -> Result<Self, ParamsError> {
+        load(path)
+    }
+}
+
+impl Default for FabricParams {
+    /// The embedded `configs/fabric.toml`.
+    fn default() -> Self {
+        parse(DEFAULT_FABRIC, "configs/fabric.toml").expect("embedded configs/fabric.toml")
+    }
+}
+
+impl FabricParams {
+    pub fn load(path: &Path) -> Result<Self, ParamsError> {
+        load(path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_defaults_parse() {
+        let p = LanaiParams::default();
+        assert_eq!(p.device.sram_bytes, 2 << 20);
+        assert_eq!(p.cost.recv.ack.tcp_parse, 14.0);
+        let f = FabricParams::default();
+        assert_eq!(f.mtu, 16384);
+        assert!(f.node("server").is_some());
+    }
+
+    #[test]
+    fn dma_and_wire_times_follow_the_bus_and_link_rates() {
+        let p = LanaiParams::default();
+        // 264 bytes/us on 64-bit/33 MHz PCI: 16 KiB takes ~62 us plus setup.
+        let ns = p.device.dma_ns(16384) - p.device.dma_setup_ns;
+        assert!((62_000..62_100).contains(&ns), "{ns}");
+        let f = FabricParams::default();
+        assert_eq!(f.wire_ns(250), 1000);
+    }
+
+    #[test]
+    fn unknown_addresses_route_to_the_bridge() {
+        let f = FabricParams::default();
+        let kernel: Ipv6Addr = "fd00:4c41:4e41::fe".parse().unwrap();
+        assert_eq!(f.route_to(&kernel), Some(&[0u8][..]));
+    }
+}

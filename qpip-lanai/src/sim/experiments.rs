@@ -1,0 +1,183 @@
+//! The paper's measurements on two simulated hosts ("client" and "server" of the fabric):
+//! 1-byte round-trip time over UDP and TCP, and ttcp throughput with NIC occupancy and host
+//! CPU utilisation. Everything is predicted from the model's inputs.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use crate::meter::{Dir, Kind, Nanos, Occupancy};
+use crate::params::{FabricParams, LanaiParams};
+
+use super::apps::{Bulk, BulkConfig, PingPong, Proto, Role};
+use super::{FabricStats, Faults, Sim, SimError};
+
+/// The inputs of one run.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    pub params: LanaiParams,
+    pub fabric: FabricParams,
+    /// Seeds the firmware (TCP initial sequence numbers) and fault injection.
+    pub seed: u64,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Setup {
+            params: LanaiParams::default(),
+            fabric: FabricParams::default(),
+            seed: 1,
+        }
+    }
+}
+
+/// More virtual time than any run needs (a hang shows as an error, not a stuck test).
+pub const LIMIT: Nanos = 600_000_000_000;
+
+/// Two nodes: (sim, server, client).
+pub fn pair(setup: &Setup) -> Result<(Sim, usize, usize), SimError> {
+    let mut sim = Sim::new(setup.fabric.clone(), setup.seed);
+    let server = sim.add_lanai_node("server", &setup.params, setup.seed)?;
+    let client = sim.add_lanai_node("client", &setup.params, setup.seed.wrapping_add(1))?;
+    Ok((sim, server, client))
+}
+
+fn server_addr(setup: &Setup, port: u16) -> Result<SocketAddr, SimError> {
+    let n = setup
+        .fabric
+        .node("server")
+        .ok_or_else(|| SimError::UnknownNode("server".into()))?;
+    Ok(SocketAddr::new(n.addr.into(), port))
+}
+
+/// Mean 1-byte round-trip time in microseconds over `rounds` round trips.
+pub fn rtt_us(setup: &Setup, proto: Proto, rounds: u64) -> Result<f64, SimError> {
+    let (mut sim, s, c) = pair(setup)?;
+    let port = 7000;
+    let server = server_addr(setup, port)?;
+    sim.set_app(
+        s,
+        Box::new(PingPong::new(proto, Role::Server, port, rounds)),
+    );
+    sim.set_app(
+        c,
+        Box::new(PingPong::new(proto, Role::Client { server }, port, rounds)),
+    );
+    sim.run(LIMIT)?;
+    sim.app::<PingPong>(c)
+        .and_then(|p| p.mean_rtt_ns())
+        .map(|ns| ns / 1000.0)
+        .ok_or_else(|| SimError::App {
+            node: "client".into(),
+            message: "no round-trip time measured".into(),
+        })
+}
+
+/// Mean µs per packet for each stage, and their total.
+pub type StageUs = BTreeMap<&'static str, f64>;
+
+/// NIC occupancy during a transfer, per packet, summed over both NICs (the sender's NIC
+/// transmits data and receives ACKs; the receiver's receives data and transmits ACKs).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct OccupancyReport {
+    pub send_data: StageUs,
+    pub send_ack: StageUs,
+    pub recv_data: StageUs,
+    pub recv_ack: StageUs,
+    /// Packets behind each figure: send data, send ACK, receive data, receive ACK.
+    pub packets: [u64; 4],
+}
+
+fn merged(a: Occupancy, b: Occupancy) -> (StageUs, u64) {
+    let mut sum = a.clone();
+    sum.packets += b.packets;
+    for (s, ns) in b.stage_ns {
+        *sum.stage_ns.entry(s).or_default() += ns;
+    }
+    let mut us = sum.per_packet_us();
+    let total = us.values().sum();
+    us.insert("total", total);
+    (us, sum.packets)
+}
+
+/// What one ttcp run predicts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TtcpResult {
+    pub bytes: u64,
+    /// From the sender's first post to the receiver handling the last message.
+    pub elapsed_ns: Nanos,
+    /// Megabytes (10^6 bytes) per second.
+    pub mbps: f64,
+    pub sender_cpu_pct: f64,
+    pub receiver_cpu_pct: f64,
+    pub occupancy: OccupancyReport,
+    /// Frames the sender's NIC put on the wire toward the receiver, and back.
+    pub frames_to_server: u64,
+    pub frames_to_client: u64,
+    /// Everything the fabric counted (bytes per direction, faults injected).
+    pub fabric: FabricStats,
+}
+
+/// Bulk transfer client to server with `cfg`, optionally with `faults` on both directions.
+pub fn bulk(
+    setup: &Setup,
+    cfg: BulkConfig,
+    faults: Option<Faults>,
+) -> Result<TtcpResult, SimError> {
+    let (mut sim, s, c) = pair(setup)?;
+    let server = server_addr(setup, cfg.port)?;
+    if let Some(f) = faults {
+        sim.set_faults(c, s, f);
+        sim.set_faults(s, c, f);
+    }
+    sim.set_app(s, Box::new(Bulk::new(cfg, Role::Server)));
+    sim.set_app(c, Box::new(Bulk::new(cfg, Role::Client { server })));
+    sim.run(LIMIT)?;
+    let missing = |what: &str| SimError::App {
+        node: "client".into(),
+        message: format!("no {what}"),
+    };
+    let receiver = sim.app::<Bulk>(s).ok_or_else(|| missing("receiver"))?;
+    let start = sim.mark_at().ok_or_else(|| missing("start mark"))?;
+    let end = receiver.finished_at().ok_or_else(|| missing("end"))?;
+    let elapsed = end.saturating_sub(start).max(1);
+    let pct = |busy: Nanos| 100.0 * busy as f64 / elapsed as f64;
+    let (sn, cn) = (sim.nic(s).meter(), sim.nic(c).meter());
+    let (send_data, p0) = merged(
+        cn.occupancy(Dir::Send, Kind::Data),
+        sn.occupancy(Dir::Send, Kind::Data),
+    );
+    let (send_ack, p1) = merged(
+        sn.occupancy(Dir::Send, Kind::Ack),
+        cn.occupancy(Dir::Send, Kind::Ack),
+    );
+    let (recv_data, p2) = merged(
+        sn.occupancy(Dir::Recv, Kind::Data),
+        cn.occupancy(Dir::Recv, Kind::Data),
+    );
+    let (recv_ack, p3) = merged(
+        cn.occupancy(Dir::Recv, Kind::Ack),
+        sn.occupancy(Dir::Recv, Kind::Ack),
+    );
+    Ok(TtcpResult {
+        bytes: receiver.bytes(),
+        elapsed_ns: elapsed,
+        mbps: receiver.bytes() as f64 / 1e6 / (elapsed as f64 / 1e9),
+        sender_cpu_pct: pct(sim.host(c).busy_ns()),
+        receiver_cpu_pct: pct(sim.host(s).busy_ns()),
+        occupancy: OccupancyReport {
+            send_data,
+            send_ack,
+            recv_data,
+            recv_ack,
+            packets: [p0, p1, p2, p3],
+        },
+        frames_to_server: sim.fabric_stats().frames_between(c, s),
+        frames_to_client: sim.fabric_stats().frames_between(s, c),
+        fabric: sim.fabric_stats().clone(),
+    })
+}
+
+/// ttcp: `total` bytes in `msg`-byte messages over TCP.
+pub fn ttcp(setup: &Setup, total: u64, msg: usize) -> Result<TtcpResult, SimError> {
+    bulk(setup, BulkConfig::ttcp(total, msg), None)
+}

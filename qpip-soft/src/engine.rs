@@ -1,0 +1,338 @@
+//! The soft NIC's processor: the physical layer (kernel sockets through io_uring or epoll) and
+//! the QPs' links over it. The NIC thread shell ([`qpip_verbs::machines::shell`]) hands it
+//! commands and doorbells; its `step` looks at the sockets without blocking, its `sleep`
+//! waits in epoll (or io_uring) until a doorbell, a command or a socket wakes it.
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token};
+
+use super::link::EngineQp;
+use super::uring::{Event, Ring};
+use super::{IoMode, WAKER_TOKEN};
+use qpip_verbs::backend::{Command, ListenerId, MgmtResult};
+use qpip_verbs::framer::Framer;
+use qpip_verbs::machines::mgmt::{self, Management, no_qp, not_idle};
+use qpip_verbs::machines::shell::Processor;
+use qpip_verbs::mr::MemoryTable;
+use qpip_verbs::reply::ReplySender;
+use qpip_verbs::shared::QpShared;
+use qpip_verbs::wr::QpNum;
+
+/// Listener tokens live above every QP number.
+const LISTENER_BASE: usize = 1 << 40;
+
+struct EngineListener {
+    sock: TcpListener,
+    backlog: usize,
+    /// Connections accepted from the kernel and not yet mated to a QP.
+    pending: VecDeque<(TcpStream, SocketAddr)>,
+    /// QPs waiting for a connection.
+    accepts: VecDeque<(QpNum, ReplySender<MgmtResult>)>,
+    readable: bool,
+}
+
+pub(super) struct Engine {
+    poll: Poll,
+    memory: Arc<MemoryTable>,
+    /// Taken while a turn hands its events out.
+    events: Option<Events>,
+    completions: Vec<Event>,
+    /// Boxed: an io_uring operation may point into a QP's buffers, which must not move.
+    qps: HashMap<QpNum, Box<EngineQp>>,
+    /// Destroyed QPs whose io_uring operations have not completed yet.
+    zombies: HashMap<QpNum, Box<EngineQp>>,
+    listeners: HashMap<ListenerId, EngineListener>,
+    ring: Option<Ring>,
+}
+
+impl Engine {
+    /// The engine over `poll`, with the io_uring `ring` carrying TCP data if there is one.
+    pub(super) fn new(poll: Poll, memory: Arc<MemoryTable>, ring: Option<Ring>) -> Self {
+        Engine {
+            poll,
+            memory,
+            events: Some(Events::with_capacity(1024)),
+            completions: Vec::new(),
+            qps: HashMap::new(),
+            zombies: HashMap::new(),
+            listeners: HashMap::new(),
+            ring,
+        }
+    }
+
+    /// One turn of the physical layer: wait (or just look) for socket events and run them.
+    fn turn(&mut self, sleep: bool) -> bool {
+        let Some(mut events) = self.events.take() else {
+            return false;
+        };
+        let any = if self.ring.is_some() {
+            self.turn_uring(sleep, &mut events)
+        } else {
+            self.turn_epoll(sleep, &mut events)
+        };
+        self.events = Some(events);
+        any
+    }
+
+    /// One turn of the epoll engine: wait (or just look) for socket readiness.
+    fn turn_epoll(&mut self, sleep: bool, events: &mut Events) -> bool {
+        let timeout = if sleep { None } else { Some(Duration::ZERO) };
+        if let Err(e) = self.poll.poll(events, timeout)
+            && e.kind() != io::ErrorKind::Interrupted
+        {
+            tracing::error!("soft NIC engine: epoll failed: {e}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut any = false;
+        for event in events.iter() {
+            any = true;
+            self.dispatch(event);
+        }
+        any
+    }
+
+    /// One turn of the io_uring engine: submit every QP's queued I/O and wait (or just look)
+    /// for completions; epoll readiness arrives as a completion too.
+    fn turn_uring(&mut self, sleep: bool, events: &mut Events) -> bool {
+        let Some(ring) = self.ring.as_mut() else {
+            return false;
+        };
+        let mut completions = std::mem::take(&mut self.completions);
+        for q in self.qps.values_mut() {
+            if let Some(io) = q.uring.as_mut() {
+                for e in io.outbox.drain(..) {
+                    if let Err(err) = ring.push(&e) {
+                        tracing::error!("io_uring submit failed: {err}");
+                    }
+                }
+            }
+        }
+        if let Err(e) = ring.submit(sleep) {
+            tracing::error!("soft NIC engine: io_uring_enter failed: {e}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        ring.completions(&mut completions);
+        let any = !completions.is_empty();
+        for ev in completions.drain(..) {
+            let registry = self.poll.registry();
+            match ev {
+                Event::Epoll => {
+                    self.turn_epoll(false, events);
+                }
+                Event::Io { qp, op, result } => {
+                    if let Some(q) = self.qps.get_mut(&qp) {
+                        q.on_uring(registry, &self.memory, op, result);
+                    } else if let Some(z) = self.zombies.get_mut(&qp) {
+                        z.on_uring(registry, &self.memory, op, result);
+                        if !z.io_in_flight() {
+                            self.zombies.remove(&qp);
+                        }
+                    }
+                }
+            }
+        }
+        self.completions = completions;
+        any
+    }
+
+    fn dispatch(&mut self, event: &mio::event::Event) {
+        let Token(t) = event.token();
+        if event.token() == WAKER_TOKEN {
+            return;
+        }
+        if t >= LISTENER_BASE {
+            let id = (t - LISTENER_BASE) as ListenerId;
+            if let Some(l) = self.listeners.get_mut(&id) {
+                l.readable = true;
+            }
+            self.mate(id);
+        } else if let Some(qp) = self.qps.get_mut(&(t as QpNum)) {
+            qp.on_event(self.poll.registry(), event, &self.memory);
+        }
+    }
+
+    /// Takes connections from the kernel and mates them to waiting QPs.
+    fn mate(&mut self, id: ListenerId) {
+        let registry = self.poll.registry();
+        let Some(l) = self.listeners.get_mut(&id) else {
+            return;
+        };
+        loop {
+            while l.readable && l.pending.len() < l.backlog {
+                match l.sock.accept() {
+                    Ok(conn) => l.pending.push_back(conn),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => l.readable = false,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        // EMFILE and friends: leave the connection in the kernel's backlog.
+                        tracing::warn!("accept failed: {e}");
+                        break;
+                    }
+                }
+            }
+            while l.accepts.front().is_some_and(|(_, r)| r.is_abandoned()) {
+                l.accepts.pop_front();
+            }
+            if l.pending.is_empty() || l.accepts.is_empty() {
+                return;
+            }
+            let (Some((qp_num, reply)), Some((stream, peer))) =
+                (l.accepts.pop_front(), l.pending.pop_front())
+            else {
+                return;
+            };
+            match self.qps.get_mut(&qp_num) {
+                Some(qp) if qp.is_idle() => match qp.attach(registry, stream, peer) {
+                    Ok(()) => {
+                        reply.send(Ok(peer));
+                        qp.service(registry, &self.memory);
+                    }
+                    Err(e) => reply.send(Err(e)),
+                },
+                _ => {
+                    l.pending.push_front((stream, peer));
+                    reply.send(Err(not_idle(qp_num, "reliable")));
+                }
+            }
+        }
+    }
+}
+
+/// io_uring if `mode` allows it and the kernel lets us (containers often forbid it); epoll
+/// otherwise.
+pub(super) fn open_ring(poll: &Poll, mode: IoMode) -> Option<Ring> {
+    if mode == IoMode::Epoll {
+        return None;
+    }
+    use std::os::fd::AsRawFd;
+    match Ring::new(poll.as_raw_fd()) {
+        Ok(ring) => Some(ring),
+        Err(e) => {
+            tracing::info!("io_uring unavailable ({e}); the soft NIC uses epoll");
+            None
+        }
+    }
+}
+
+impl Processor for Engine {
+    fn command(&mut self, cmd: Command) {
+        mgmt::dispatch(self, cmd);
+    }
+
+    fn doorbell(&mut self, num: QpNum) {
+        if let Some(qp) = self.qps.get_mut(&num) {
+            // Clear before draining: a WR posted after this point rings again.
+            qp.shared.doorbell.store(false, Ordering::SeqCst);
+            qp.service(self.poll.registry(), &self.memory);
+        }
+    }
+
+    fn step(&mut self) -> bool {
+        self.turn(false)
+    }
+
+    fn sleep(&mut self) -> bool {
+        self.turn(true)
+    }
+
+    fn stop(&mut self) {
+        let registry = self.poll.registry();
+        for qp in self.qps.values_mut() {
+            qp.disconnect(registry);
+        }
+    }
+}
+
+impl Management for Engine {
+    fn create_qp(&mut self, qp: Arc<QpShared>, framer: Box<dyn Framer>) {
+        let num = qp.num;
+        let mut eq = Box::new(EngineQp::new(qp, framer, self.ring.is_some()));
+        eq.service(self.poll.registry(), &self.memory);
+        self.qps.insert(num, eq);
+    }
+
+    fn bind_udp(&mut self, qp: QpNum, addr: SocketAddr) -> MgmtResult {
+        let registry = self.poll.registry();
+        let q = self.qps.get_mut(&qp).ok_or_else(|| no_qp(qp))?;
+        let local = q.bind_udp(registry, addr)?;
+        q.service(registry, &self.memory);
+        Ok(local)
+    }
+
+    fn connect(&mut self, qp: QpNum, addr: SocketAddr, reply: ReplySender<MgmtResult>) {
+        match self.qps.get_mut(&qp) {
+            Some(q) => q.connect(self.poll.registry(), addr, reply),
+            None => reply.send(Err(no_qp(qp))),
+        }
+    }
+
+    fn listen(&mut self, id: ListenerId, addr: SocketAddr, backlog: u32) -> MgmtResult {
+        let mut sock = TcpListener::bind(addr)?;
+        self.poll.registry().register(
+            &mut sock,
+            Token(LISTENER_BASE + id as usize),
+            Interest::READABLE,
+        )?;
+        let local = sock.local_addr()?;
+        let l = EngineListener {
+            sock,
+            backlog: backlog as usize,
+            pending: VecDeque::new(),
+            accepts: VecDeque::new(),
+            readable: true,
+        };
+        self.listeners.insert(id, l);
+        Ok(local)
+    }
+
+    fn has_listener(&self, listener: ListenerId) -> bool {
+        self.listeners.contains_key(&listener)
+    }
+
+    fn accept(&mut self, listener: ListenerId, qp: QpNum, reply: ReplySender<MgmtResult>) {
+        if let Some(l) = self.listeners.get_mut(&listener) {
+            l.accepts.push_back((qp, reply));
+            self.mate(listener);
+        }
+    }
+
+    fn close_listener(&mut self, listener: ListenerId) {
+        if let Some(mut l) = self.listeners.remove(&listener) {
+            let _ = self.poll.registry().deregister(&mut l.sock);
+            for (_, reply) in l.accepts.drain(..) {
+                reply.send(Err(io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    "listener closed",
+                )));
+            }
+        }
+    }
+
+    fn close(&mut self, qp: QpNum) {
+        if let Some(q) = self.qps.get_mut(&qp) {
+            q.start_close(self.poll.registry(), &self.memory);
+        }
+    }
+
+    fn disconnect(&mut self, qp: QpNum) {
+        if let Some(q) = self.qps.get_mut(&qp) {
+            q.disconnect(self.poll.registry());
+        }
+    }
+
+    fn destroy(&mut self, qp: QpNum) {
+        if let Some(mut q) = self.qps.remove(&qp) {
+            q.disconnect(self.poll.registry());
+            if q.io_in_flight() {
+                self.zombies.insert(qp, q);
+            }
+        }
+    }
+}

@@ -1,0 +1,524 @@
+//! One QP as the engine sees it: its socket (the link), its framer, and its transmit and
+//! receive machines. The engine drives it from doorbells, management commands and socket
+//! readiness.
+
+use std::io::{self, IoSlice, Read, Write};
+use std::mem::MaybeUninit;
+use std::net::{Shutdown, SocketAddr};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+use mio::net::{TcpStream, UdpSocket};
+use mio::{Interest, Registry, Token};
+use smallvec::SmallVec;
+
+use super::tx::{TxMachine, TxStop};
+use super::uring::UringIo;
+use qpip_verbs::backend::MgmtResult;
+use qpip_verbs::framer::Framer;
+use qpip_verbs::machines::mgmt::not_idle;
+use qpip_verbs::machines::rx::{RecvTarget, RxMachine, RxStop};
+use qpip_verbs::mr::MemoryTable;
+use qpip_verbs::reply::ReplySender;
+use qpip_verbs::shared::{QpKind, QpShared, QpState};
+use qpip_verbs::wr::WcStatus;
+
+pub(super) enum Link {
+    /// No socket yet: WRs wait in the rings.
+    Idle,
+    Connecting {
+        stream: TcpStream,
+        reply: ReplySender<MgmtResult>,
+    },
+    Tcp(TcpStream),
+    Udp(UdpSocket),
+    /// Closed in order: our side is shut; the peer's bytes are read and dropped until its EOF,
+    /// so that closing never turns into a reset that could destroy data still on its way.
+    Draining(TcpStream),
+    Down,
+}
+
+/// A teardown waiting for io_uring operations to finish: the kernel may still be writing into
+/// WR memory, so those WRs cannot be handed back (flushed) yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Deferred {
+    Fail,
+    Disconnect,
+    FinishClose,
+}
+
+/// What `service` must do once the machines have run.
+enum After {
+    Nothing,
+    Fail,
+    DropLink,
+}
+
+pub(super) struct EngineQp {
+    pub(super) shared: Arc<QpShared>,
+    framer: Box<dyn Framer>,
+    pub(super) link: Link,
+    tx: TxMachine,
+    rx: RxMachine,
+    /// The receive WR taken for the next datagram.
+    next_datagram: Option<RecvTarget>,
+    readable: bool,
+    writable: bool,
+    closing: bool,
+    /// Some when the TCP data path goes through io_uring.
+    pub(super) uring: Option<UringIo>,
+    deferred: Option<Deferred>,
+}
+
+fn token(qp: &QpShared) -> Token {
+    Token(qp.num as usize)
+}
+
+impl EngineQp {
+    pub(super) fn new(shared: Arc<QpShared>, framer: Box<dyn Framer>, uring: bool) -> Self {
+        let uring = (uring && shared.kind == QpKind::Reliable).then(|| UringIo::new(shared.num));
+        EngineQp {
+            shared,
+            framer,
+            link: Link::Idle,
+            tx: TxMachine::new(),
+            rx: RxMachine::new(),
+            next_datagram: None,
+            readable: false,
+            writable: false,
+            closing: false,
+            uring,
+            deferred: None,
+        }
+    }
+
+    /// io_uring operations of this QP are still in the kernel.
+    pub(super) fn io_in_flight(&self) -> bool {
+        self.uring.as_ref().is_some_and(UringIo::in_flight)
+    }
+
+    /// An io_uring completion for this QP.
+    pub(super) fn on_uring(
+        &mut self,
+        registry: &Registry,
+        memory: &MemoryTable,
+        op: u64,
+        result: i32,
+    ) {
+        let Some(io) = self.uring.as_mut() else {
+            return;
+        };
+        io.complete(op, result);
+        if let Some(d) = self.deferred {
+            if !self.io_in_flight() {
+                // The result is of no use any more; the teardown can now hand WRs back.
+                self.uring = Some(UringIo::new(self.shared.num));
+                self.deferred = None;
+                match d {
+                    Deferred::Fail => self.fail(registry),
+                    Deferred::Disconnect => self.disconnect(registry),
+                    Deferred::FinishClose => self.finish_close(registry),
+                }
+            }
+            return;
+        }
+        match op {
+            super::uring::OP_READ => self.readable = true,
+            _ => self.writable = true,
+        }
+        self.service(registry, memory);
+    }
+
+    /// Postpones a teardown until in-flight io_uring operations end; shutting the socket down
+    /// makes them end at once. True if postponed.
+    fn defer(&mut self, what: Deferred) -> bool {
+        if !self.io_in_flight() {
+            return false;
+        }
+        if let Link::Tcp(stream) | Link::Draining(stream) = &self.link {
+            let how = match what {
+                Deferred::FinishClose => Shutdown::Read,
+                _ => Shutdown::Both,
+            };
+            let _ = stream.shutdown(how);
+        }
+        if self.deferred != Some(Deferred::Fail) {
+            self.deferred = Some(what);
+        }
+        true
+    }
+
+    pub(super) fn is_idle(&self) -> bool {
+        matches!(self.link, Link::Idle) && self.shared.state() == QpState::Init
+    }
+
+    /// Starts a connection (management: connect).
+    pub(super) fn connect(
+        &mut self,
+        registry: &Registry,
+        addr: SocketAddr,
+        reply: ReplySender<MgmtResult>,
+    ) {
+        if self.shared.kind != QpKind::Reliable || !self.is_idle() {
+            reply.send(Err(not_idle(self.shared.num, "reliable")));
+            return;
+        }
+        let mut stream = match TcpStream::connect(addr) {
+            Ok(s) => s,
+            Err(e) => return reply.send(Err(e)),
+        };
+        if let Err(e) = registry.register(
+            &mut stream,
+            token(&self.shared),
+            Interest::READABLE | Interest::WRITABLE,
+        ) {
+            return reply.send(Err(e));
+        }
+        self.shared.set_state(QpState::Connecting);
+        self.link = Link::Connecting { stream, reply };
+    }
+
+    /// Gives the QP an established connection (management: accept).
+    pub(super) fn attach(
+        &mut self,
+        registry: &Registry,
+        mut stream: TcpStream,
+        peer: SocketAddr,
+    ) -> io::Result<()> {
+        if self.uring.is_none() {
+            registry.register(
+                &mut stream,
+                token(&self.shared),
+                Interest::READABLE | Interest::WRITABLE,
+            )?;
+        }
+        self.established(stream, Some(peer));
+        Ok(())
+    }
+
+    fn established(&mut self, stream: TcpStream, peer: Option<SocketAddr>) {
+        // Each message should leave as soon as it is posted; batching is done by writev.
+        let _ = stream.set_nodelay(true);
+        self.shared.set_addrs(
+            stream.local_addr().ok(),
+            peer.or_else(|| stream.peer_addr().ok()),
+        );
+        self.shared.set_state(QpState::Ready);
+        self.link = Link::Tcp(stream);
+        self.readable = true;
+        self.writable = true;
+    }
+
+    /// Binds an unreliable QP (management: bind).
+    pub(super) fn bind_udp(
+        &mut self,
+        registry: &Registry,
+        addr: SocketAddr,
+    ) -> io::Result<SocketAddr> {
+        if self.shared.kind != QpKind::Unreliable || !self.is_idle() {
+            return Err(not_idle(self.shared.num, "unreliable"));
+        }
+        let mut sock = UdpSocket::bind(addr)?;
+        registry.register(
+            &mut sock,
+            token(&self.shared),
+            Interest::READABLE | Interest::WRITABLE,
+        )?;
+        let local = sock.local_addr()?;
+        self.shared.set_addrs(Some(local), None);
+        self.shared.set_state(QpState::Ready);
+        self.link = Link::Udp(sock);
+        self.readable = true;
+        self.writable = true;
+        Ok(local)
+    }
+
+    /// Socket readiness.
+    pub(super) fn on_event(
+        &mut self,
+        registry: &Registry,
+        event: &mio::event::Event,
+        memory: &MemoryTable,
+    ) {
+        if event.is_readable() || event.is_read_closed() || event.is_error() {
+            self.readable = true;
+        }
+        if event.is_writable() || event.is_write_closed() || event.is_error() {
+            self.writable = true;
+        }
+        if let Link::Connecting { stream, .. } = &self.link {
+            let outcome = match stream.take_error() {
+                Ok(Some(e)) | Err(e) => Err(e),
+                Ok(None) => match stream.peer_addr() {
+                    Ok(peer) => Ok(peer),
+                    Err(e) if e.kind() == io::ErrorKind::NotConnected => return, // not yet
+                    Err(e) => Err(e),
+                },
+            };
+            let Link::Connecting { mut stream, reply } =
+                std::mem::replace(&mut self.link, Link::Idle)
+            else {
+                return;
+            };
+            match outcome {
+                Ok(peer) => {
+                    if self.uring.is_some() {
+                        // From here on the ring carries this socket's data.
+                        let _ = registry.deregister(&mut stream);
+                    }
+                    let local = stream.local_addr();
+                    self.established(stream, Some(peer));
+                    reply.send(local);
+                }
+                Err(e) => {
+                    let _ = registry.deregister(&mut stream);
+                    self.shared.set_state(QpState::Init);
+                    self.readable = false;
+                    self.writable = false;
+                    reply.send(Err(e));
+                    return;
+                }
+            }
+        }
+        self.service(registry, memory);
+    }
+
+    /// Runs the transmit and receive machines as far as they can go.
+    pub(super) fn service(&mut self, registry: &Registry, memory: &MemoryTable) {
+        if self.deferred.is_some() {
+            return; // going down: nothing new starts
+        }
+        let EngineQp {
+            shared,
+            framer,
+            link,
+            tx,
+            rx,
+            readable,
+            writable,
+            next_datagram,
+            uring,
+            ..
+        } = self;
+        let after = match link {
+            Link::Tcp(stream) => {
+                let fd = stream.as_raw_fd();
+                let mut failed = !tx.take_posted(shared, memory, Some(framer.as_mut()), true);
+                if !failed && *writable {
+                    let stop = match uring {
+                        Some(io) => tx.pump_stream(shared, &mut |iov| io.write(fd, iov)),
+                        None => tx.pump_stream(shared, &mut |iov| (&*stream).write_vectored(iov)),
+                    };
+                    match stop {
+                        TxStop::WouldBlock => *writable = false,
+                        TxStop::Failed => failed = true,
+                        TxStop::Idle => {}
+                    }
+                }
+                if !failed && *readable {
+                    let stop = match uring {
+                        Some(io) => {
+                            rx.pump(shared, memory, framer.as_mut(), &mut |iov| io.read(fd, iov))
+                        }
+                        None => rx.pump(shared, memory, framer.as_mut(), &mut |iov| {
+                            (&*stream).read_vectored(iov)
+                        }),
+                    };
+                    match stop {
+                        RxStop::WouldBlock => *readable = false,
+                        RxStop::Failed => failed = true,
+                        RxStop::NoWr => {}
+                    }
+                }
+                if failed { After::Fail } else { After::Nothing }
+            }
+            Link::Udp(sock) => {
+                tx.take_posted(shared, memory, None, false);
+                if *writable {
+                    let sock2 = socket2::SockRef::from(&*sock);
+                    let mut send = |iov: &[IoSlice<'_>], dest: SocketAddr| {
+                        sock2.send_to_vectored(iov, &dest.into())
+                    };
+                    if tx.pump_datagrams(shared, &mut send) == TxStop::WouldBlock {
+                        *writable = false;
+                    }
+                }
+                if *readable {
+                    let sock = &*sock;
+                    Self::receive_datagrams(shared, memory, next_datagram, readable, sock);
+                }
+                After::Nothing
+            }
+            Link::Draining(stream) => {
+                let mut sink = [0u8; 4096];
+                let done = loop {
+                    match (&*stream).read(&mut sink) {
+                        Ok(0) => break true,
+                        Ok(_) => {}
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break false,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(_) => break true,
+                    }
+                };
+                shared.flush_queues();
+                if done {
+                    After::DropLink
+                } else {
+                    After::Nothing
+                }
+            }
+            Link::Down => {
+                shared.flush_queues();
+                After::Nothing
+            }
+            Link::Idle | Link::Connecting { .. } => After::Nothing,
+        };
+        match after {
+            After::Fail => self.fail(registry),
+            After::DropLink => self.drop_link(registry),
+            After::Nothing => {}
+        }
+        if self.closing && self.tx.is_idle() && self.shared.sq.is_empty() {
+            self.finish_close(registry);
+        }
+        self.shared.notify_cqs();
+    }
+
+    fn receive_datagrams(
+        shared: &QpShared,
+        memory: &MemoryTable,
+        next: &mut Option<RecvTarget>,
+        readable: &mut bool,
+        sock: &UdpSocket,
+    ) {
+        let sock = socket2::SockRef::from(sock);
+        loop {
+            if next.is_none() {
+                match RecvTarget::take(shared, memory) {
+                    None => return,
+                    Some(Ok(wr)) => *next = Some(wr),
+                    Some(Err(_refused)) => continue,
+                }
+            }
+            let Some(pending) = next.as_ref() else { return };
+            let mut bufs: SmallVec<[socket2::MaybeUninitSlice<'_>; 4]> = pending
+                .segs
+                .iter()
+                .map(|s| {
+                    // SAFETY: the NIC owns the WR's memory; u8 and MaybeUninit<u8> share a layout.
+                    let bytes = unsafe { s.bytes_mut() };
+                    let uninit = unsafe { &mut *(bytes as *mut [u8] as *mut [MaybeUninit<u8>]) };
+                    socket2::MaybeUninitSlice::new(uninit)
+                })
+                .collect();
+            let result = sock.recv_from_vectored(&mut bufs);
+            drop(bufs);
+            match result {
+                Ok((n, flags, from)) => {
+                    let Some(pending) = next.take() else { return };
+                    let status = if flags.is_truncated() {
+                        WcStatus::LengthError
+                    } else {
+                        WcStatus::Success
+                    };
+                    shared.complete_recv(pending.wr_id, status, n as u32, from.as_socket(), 0);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    *readable = false;
+                    return;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // An ICMP error from an earlier send, say: the socket goes on.
+                    tracing::debug!(qp = shared.num, "datagram receive: {e}");
+                }
+            }
+        }
+    }
+
+    /// Fatal error: every outstanding WR is flushed and the socket dropped.
+    pub(super) fn fail(&mut self, registry: &Registry) {
+        self.shared.set_state(QpState::Error);
+        if self.defer(Deferred::Fail) {
+            return;
+        }
+        self.flush_all();
+        self.drop_link(registry);
+    }
+
+    fn flush_all(&mut self) {
+        self.tx.flush(&self.shared);
+        self.rx.flush(&self.shared);
+        if let Some(d) = self.next_datagram.take() {
+            self.shared
+                .complete_recv(d.wr_id, WcStatus::Flushed, 0, None, 0);
+        }
+        self.shared.flush_queues();
+        self.shared.notify_cqs();
+    }
+
+    fn drop_link(&mut self, registry: &Registry) {
+        match std::mem::replace(&mut self.link, Link::Down) {
+            Link::Tcp(mut s) | Link::Draining(mut s) => {
+                let _ = registry.deregister(&mut s);
+            }
+            Link::Connecting { mut stream, reply } => {
+                let _ = registry.deregister(&mut stream);
+                reply.send(Err(io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    "connect aborted",
+                )));
+            }
+            Link::Udp(mut s) => {
+                let _ = registry.deregister(&mut s);
+            }
+            Link::Idle | Link::Down => {}
+        }
+    }
+
+    /// Orderly close (management: close).
+    pub(super) fn start_close(&mut self, registry: &Registry, memory: &MemoryTable) {
+        match self.link {
+            Link::Tcp(_) => {
+                self.closing = true;
+                self.shared.set_state(QpState::Closing);
+                self.service(registry, memory);
+            }
+            Link::Draining(_) | Link::Down => {}
+            _ => self.disconnect(registry),
+        }
+    }
+
+    fn finish_close(&mut self, registry: &Registry) {
+        if self.defer(Deferred::FinishClose) {
+            return;
+        }
+        self.closing = false;
+        if let Link::Tcp(mut stream) = std::mem::replace(&mut self.link, Link::Down) {
+            let _ = stream.shutdown(Shutdown::Write);
+            if self.uring.is_some() {
+                // Draining reads synchronously on epoll readiness.
+                let _ = registry.register(&mut stream, token(&self.shared), Interest::READABLE);
+            }
+            self.link = Link::Draining(stream);
+        }
+        self.shared.set_state(QpState::Closed);
+        self.flush_all();
+    }
+
+    /// Abortive close (management: disconnect, destroy, NIC shutdown).
+    pub(super) fn disconnect(&mut self, registry: &Registry) {
+        if matches!(self.link, Link::Down)
+            && matches!(self.shared.state(), QpState::Closed | QpState::Error)
+        {
+            return;
+        }
+        self.shared.set_state(QpState::Closed);
+        if self.defer(Deferred::Disconnect) {
+            return;
+        }
+        self.closing = false;
+        self.flush_all();
+        self.drop_link(registry);
+    }
+}

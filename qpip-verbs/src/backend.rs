@@ -1,0 +1,116 @@
+//! The NIC backend trait: what sits under the verbs.
+//!
+//! The host side of a QP is its rings ([`QpShared`]): posting writes a WR there and rings the
+//! doorbell. Everything else is the backend's: the doorbell, management, transmit and receive
+//! state machines of a NIC. `soft` runs them on an engine thread over kernel sockets; `lanai`
+//! runs firmware on an emulated LANai 9.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU32;
+
+use crate::framer::Framer;
+use crate::mr::MemoryTable;
+use crate::reply::ReplySender;
+use crate::shared::QpShared;
+use crate::wr::QpNum;
+
+/// Identifies a listening port on a NIC.
+pub type ListenerId = u32;
+
+/// The result of a management command that yields an address.
+pub type MgmtResult = io::Result<SocketAddr>;
+
+/// Privileged commands for the management state machine.
+#[non_exhaustive]
+pub enum Command {
+    /// A new QP: its rings and the framer that delimits its incoming messages.
+    CreateQp {
+        qp: Arc<QpShared>,
+        framer: Box<dyn Framer>,
+    },
+    /// Bind an unreliable QP to a UDP address; replies with the bound address.
+    BindUdp {
+        qp: QpNum,
+        addr: SocketAddr,
+        reply: ReplySender<MgmtResult>,
+    },
+    /// Connect a reliable QP; replies with the local address once the connection is up.
+    Connect {
+        qp: QpNum,
+        addr: SocketAddr,
+        reply: ReplySender<MgmtResult>,
+    },
+    /// Listen for connections; replies with the bound address.
+    Listen {
+        id: ListenerId,
+        addr: SocketAddr,
+        backlog: u32,
+        reply: ReplySender<MgmtResult>,
+    },
+    /// Mate the next incoming connection on `listener` to the idle QP `qp`; replies with the
+    /// peer's address.
+    Accept {
+        listener: ListenerId,
+        qp: QpNum,
+        reply: ReplySender<MgmtResult>,
+    },
+    CloseListener {
+        listener: ListenerId,
+    },
+    /// Orderly close: finish posted sends, shut the connection, flush receives.
+    Close {
+        qp: QpNum,
+    },
+    /// Abortive close: flush everything now.
+    Disconnect {
+        qp: QpNum,
+    },
+    /// Disconnect and forget the QP.
+    Destroy {
+        qp: QpNum,
+    },
+}
+
+/// A NIC implementation under the verbs.
+pub trait NicBackend: Send + Sync + 'static {
+    /// Short name for messages ("soft", "lanai").
+    fn name(&self) -> &'static str;
+    /// Hands a command to the management state machine.
+    fn manage(&self, cmd: Command);
+    /// Tells the doorbell state machine that `qp` has new WRs. Called on every post; it must
+    /// be cheap (no system call unless the NIC sleeps).
+    fn ring_doorbell(&self, qp: &Arc<QpShared>);
+    /// How the NIC moves data ("io_uring", "epoll", "firmware", ...), for reports.
+    fn io_path(&self) -> &'static str;
+    /// Kernel thread ids of the threads that play the NIC processor (for CPU accounting).
+    fn engine_threads(&self) -> Vec<i32>;
+    /// Stops the NIC; called when the last handle is gone.
+    fn shutdown(&self);
+}
+
+/// An open NIC as the verbs hold it: the backend, the memory table it resolves SGEs
+/// through, and the numbering of QPs and listeners. The backend stops when the last QP,
+/// listener and `Nic` handle are gone.
+pub(crate) struct NicHandle {
+    pub(crate) backend: Box<dyn NicBackend>,
+    pub(crate) memory: Arc<MemoryTable>,
+    pub(crate) next_qp: AtomicU32,
+    pub(crate) next_listener: AtomicU32,
+}
+
+impl NicHandle {
+    pub(crate) fn manage(&self, cmd: Command) {
+        self.backend.manage(cmd);
+    }
+    pub(crate) fn ring_doorbell(&self, qp: &Arc<QpShared>) {
+        self.backend.ring_doorbell(qp);
+    }
+}
+
+impl Drop for NicHandle {
+    fn drop(&mut self) {
+        self.backend.shutdown();
+    }
+}

@@ -1,0 +1,233 @@
+//! Completion queues: where the NIC reports every finished work request.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use event_listener::Listener;
+
+use crate::shared::CqShared;
+use crate::wr::Completion;
+
+/// A completion queue failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CqError {
+    /// More completions arrived than the queue could hold; `lost` of them were dropped. The CQ
+    /// stays in this state: size CQs for the WRs that can be outstanding on them.
+    #[error("completion queue overflowed: {lost} completions lost (depth {depth})")]
+    Overflow { lost: u64, depth: usize },
+}
+
+/// A completion queue. Clones share the queue; one CQ may serve any number of QPs.
+#[derive(Clone)]
+pub struct CompletionQueue {
+    pub(crate) shared: Arc<CqShared>,
+}
+
+impl std::fmt::Debug for CompletionQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompletionQueue")
+            .field("depth", &self.depth())
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+impl CompletionQueue {
+    pub fn new(depth: usize) -> Self {
+        CompletionQueue {
+            shared: Arc::new(CqShared::new(depth)),
+        }
+    }
+
+    /// The ring the NIC completes into (for backends and simulators that build QPs).
+    pub fn shared(&self) -> &Arc<CqShared> {
+        &self.shared
+    }
+
+    pub fn depth(&self) -> usize {
+        self.shared.ring.capacity()
+    }
+
+    /// Completions waiting to be polled.
+    pub fn len(&self) -> usize {
+        self.shared.ring.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.shared.ring.is_empty()
+    }
+
+    /// How long [`Self::wait`] and [`Self::wait_async`] poll before sleeping. Zero sleeps at
+    /// once (lowest CPU); a few tens of µs trade CPU for latency.
+    pub fn set_spin(&self, spin: Duration) {
+        self.shared
+            .spin_nanos
+            .store(spin.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Moves up to `out.len()` completions into `out` without blocking. Returns how many.
+    /// Once the queue has overflowed, the completions that did fit are still returned, then
+    /// every call reports the overflow.
+    pub fn poll(&self, out: &mut [Completion]) -> Result<usize, CqError> {
+        let mut n = 0;
+        while n < out.len() {
+            match self.shared.ring.pop() {
+                Some(c) => {
+                    out[n] = c;
+                    n += 1;
+                }
+                None => break,
+            }
+        }
+        if n == 0 && self.shared.overflowed.load(Ordering::Acquire) {
+            return Err(CqError::Overflow {
+                lost: self.shared.lost.load(Ordering::Relaxed),
+                depth: self.depth(),
+            });
+        }
+        Ok(n)
+    }
+
+    /// Blocks until at least one completion is available (or `timeout` passes: then `Ok(0)`).
+    pub fn wait(
+        &self,
+        out: &mut [Completion],
+        timeout: Option<Duration>,
+    ) -> Result<usize, CqError> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let n = self.spin_poll(out)?;
+        if n > 0 {
+            return Ok(n);
+        }
+        loop {
+            let listener = self.shared.event.listen();
+            let n = self.poll(out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            match deadline {
+                Some(d) => {
+                    if listener.wait_deadline(d).is_none() {
+                        return self.poll(out);
+                    }
+                }
+                None => listener.wait(),
+            }
+        }
+    }
+
+    /// Waits for completions from async code (tokio or any executor).
+    pub async fn wait_async(&self, out: &mut [Completion]) -> Result<usize, CqError> {
+        loop {
+            let n = self.poll(out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            let listener = self.shared.event.listen();
+            let n = self.poll(out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            listener.await;
+        }
+    }
+
+    fn spin_poll(&self, out: &mut [Completion]) -> Result<usize, CqError> {
+        let spin = Duration::from_nanos(self.shared.spin_nanos.load(Ordering::Relaxed));
+        if spin.is_zero() {
+            return self.poll(out);
+        }
+        let start = Instant::now();
+        let mut rounds = 0u32;
+        loop {
+            let n = self.poll(out)?;
+            // Reading the clock costs more than a poll: look at it every 16 rounds.
+            if n > 0 || (rounds.is_multiple_of(16) && start.elapsed() >= spin) {
+                return Ok(n);
+            }
+            rounds += 1;
+            if rounds.is_multiple_of(64) {
+                // On two cores the thread we wait for may need ours.
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overflow_is_reported_after_what_fit() {
+        let cq = CompletionQueue::new(2);
+        for i in 0..5 {
+            cq.shared.push(Completion {
+                wr_id: i,
+                ..Default::default()
+            });
+        }
+        let mut out = [Completion::default(); 8];
+        assert_eq!(cq.poll(&mut out), Ok(2));
+        assert_eq!(
+            cq.poll(&mut out),
+            Err(CqError::Overflow { lost: 3, depth: 2 })
+        );
+    }
+
+    #[test]
+    fn wait_times_out_with_zero() {
+        let cq = CompletionQueue::new(4);
+        let mut out = [Completion::default(); 1];
+        let t = Instant::now();
+        assert_eq!(cq.wait(&mut out, Some(Duration::from_millis(20))), Ok(0));
+        assert!(t.elapsed() >= Duration::from_millis(20));
+    }
+
+    #[test]
+    fn wait_wakes_on_push_from_another_thread() {
+        let cq = CompletionQueue::new(4);
+        cq.set_spin(Duration::ZERO);
+        let cq2 = cq.clone();
+        let h = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(10));
+            cq2.shared.push(Completion {
+                wr_id: 9,
+                ..Default::default()
+            });
+            cq2.shared.notify();
+        });
+        let mut out = [Completion::default(); 1];
+        assert_eq!(cq.wait(&mut out, Some(Duration::from_secs(5))), Ok(1));
+        assert_eq!(out[0].wr_id, 9);
+        h.join().unwrap();
+    }
+
+    #[test]
+    fn wait_async_wakes_from_tokio() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let cq = CompletionQueue::new(4);
+        let cq2 = cq.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(10));
+            cq2.shared.push(Completion {
+                wr_id: 3,
+                ..Default::default()
+            });
+            cq2.shared.notify();
+        });
+        let got = rt.block_on(async {
+            let mut out = [Completion::default(); 2];
+            let n = cq.wait_async(&mut out).await.unwrap();
+            (n, out[0].wr_id)
+        });
+        assert_eq!(got, (1, 3));
+    }
+}

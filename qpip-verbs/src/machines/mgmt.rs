@@ -1,0 +1,81 @@
+//! The management state machine's one dispatcher: every backend answers the same privileged
+//! commands ([`Command`]); this decides which answer runs and when the host gets its reply.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use crate::backend::{Command, ListenerId, MgmtResult};
+use crate::framer::Framer;
+use crate::reply::ReplySender;
+use crate::shared::QpShared;
+use crate::wr::QpNum;
+
+/// What a NIC does for each management command.
+pub trait Management {
+    /// A new QP: its rings and the framer of its incoming messages.
+    fn create_qp(&mut self, qp: Arc<QpShared>, framer: Box<dyn Framer>);
+    /// Binds an unreliable QP; the bound address.
+    fn bind_udp(&mut self, qp: QpNum, addr: SocketAddr) -> MgmtResult;
+    /// Starts connecting a reliable QP; `reply` is answered once the connection is up.
+    fn connect(&mut self, qp: QpNum, addr: SocketAddr, reply: ReplySender<MgmtResult>);
+    /// Opens a listener; the bound address.
+    fn listen(&mut self, id: ListenerId, addr: SocketAddr, backlog: u32) -> MgmtResult;
+    /// Queues `qp` for the next connection on `listener`; `reply` gets the peer. Only called
+    /// for a listener that exists.
+    fn accept(&mut self, listener: ListenerId, qp: QpNum, reply: ReplySender<MgmtResult>);
+    fn has_listener(&self, listener: ListenerId) -> bool;
+    fn close_listener(&mut self, listener: ListenerId);
+    /// Orderly close.
+    fn close(&mut self, qp: QpNum);
+    /// Abortive close.
+    fn disconnect(&mut self, qp: QpNum);
+    /// Disconnect and forget.
+    fn destroy(&mut self, qp: QpNum);
+}
+
+/// Runs one command on `nic`.
+pub fn dispatch(nic: &mut impl Management, cmd: Command) {
+    match cmd {
+        Command::CreateQp { qp, framer } => nic.create_qp(qp, framer),
+        Command::BindUdp { qp, addr, reply } => reply.send(nic.bind_udp(qp, addr)),
+        Command::Connect { qp, addr, reply } => nic.connect(qp, addr, reply),
+        Command::Listen {
+            id,
+            addr,
+            backlog,
+            reply,
+        } => reply.send(nic.listen(id, addr, backlog)),
+        Command::Accept {
+            listener,
+            qp,
+            reply,
+        } => {
+            if nic.has_listener(listener) {
+                nic.accept(listener, qp, reply);
+            } else {
+                reply.send(Err(io::Error::new(
+                    io::ErrorKind::NotFound,
+                    "no such listener",
+                )));
+            }
+        }
+        Command::CloseListener { listener } => nic.close_listener(listener),
+        Command::Close { qp } => nic.close(qp),
+        Command::Disconnect { qp } => nic.disconnect(qp),
+        Command::Destroy { qp } => nic.destroy(qp),
+    }
+}
+
+/// The error for a command naming a QP the NIC does not have.
+pub fn no_qp(qp: QpNum) -> io::Error {
+    io::Error::new(io::ErrorKind::NotFound, format!("no QP {qp}"))
+}
+
+/// The error for connect, bind or accept on a QP that is not idle or of the wrong kind.
+pub fn not_idle(qp: QpNum, kind: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("QP {qp} is not an idle {kind} QP"),
+    )
+}

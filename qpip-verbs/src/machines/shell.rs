@@ -1,0 +1,289 @@
+//! The NIC thread: the one loop that plays the NIC processor for every threaded backend.
+//!
+//! The host side hands it management commands (a queue) and doorbells (the doorbell FIFO,
+//! one entry per QP however many WRs were posted). The loop runs commands, then doorbells,
+//! then one non-blocking `step` of the backend's physical layer; after `spin` without work it
+//! announces that it sleeps and calls the backend's blocking `sleep`. A backend supplies only
+//! [`Processor`]: where its commands and doorbells go, `step` and `sleep`.
+//!
+//! Batching belongs here: the doorbells are drained as one batch per turn before the
+//! physical layer runs, and the poll window before sleeping is [`ShellConfig::spin`].
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering, fence};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::{ArrayQueue, SegQueue};
+use parking_lot::Mutex;
+
+use crate::backend::Command;
+use crate::error::{Error, Result};
+use crate::shared::QpShared;
+use crate::wr::QpNum;
+
+/// What a backend's NIC processor does with the work the shell hands it.
+pub trait Processor {
+    /// Management: one privileged command (through [`super::mgmt::dispatch`]).
+    fn command(&mut self, cmd: Command);
+    /// Doorbell: `qp` has new WRs. Clear its doorbell flag before reading its rings, so a WR
+    /// posted after that rings again.
+    fn doorbell(&mut self, qp: QpNum);
+    /// Moves whatever the physical layer has ready, without blocking; true if anything moved.
+    fn step(&mut self) -> bool;
+    /// Blocks until the physical layer has something or the waker rings; true if it already
+    /// handled work (the shell then counts the turn as busy).
+    fn sleep(&mut self) -> bool;
+    /// The NIC stops (the last commands have run): last frames out, connections down.
+    fn stop(&mut self);
+}
+
+/// How the shell runs.
+pub struct ShellConfig {
+    /// The thread's name.
+    pub name: &'static str,
+    /// How long the thread keeps polling after its last piece of work before it sleeps.
+    pub spin: Duration,
+    /// Entries of the doorbell FIFO: `Some` for a device's bounded FIFO (a full one holds
+    /// the host back), `None` for unbounded.
+    pub doorbell_fifo: Option<usize>,
+}
+
+/// The doorbell FIFO.
+enum Doorbells {
+    Bounded(ArrayQueue<QpNum>),
+    Unbounded(SegQueue<QpNum>),
+}
+
+impl Doorbells {
+    fn push(&self, qp: QpNum) -> bool {
+        match self {
+            Doorbells::Bounded(q) => q.push(qp).is_ok(),
+            Doorbells::Unbounded(q) => {
+                q.push(qp);
+                true
+            }
+        }
+    }
+    fn pop(&self) -> Option<QpNum> {
+        match self {
+            Doorbells::Bounded(q) => q.pop(),
+            Doorbells::Unbounded(q) => q.pop(),
+        }
+    }
+    fn is_empty(&self) -> bool {
+        match self {
+            Doorbells::Bounded(q) => q.is_empty(),
+            Doorbells::Unbounded(q) => q.is_empty(),
+        }
+    }
+}
+
+/// What the host threads and the NIC thread share.
+struct Shared {
+    commands: SegQueue<Command>,
+    doorbells: Doorbells,
+    sleeping: AtomicBool,
+    stop: AtomicBool,
+    waker: mio::Waker,
+    tid: AtomicI32,
+    /// The NIC thread has ended (stopped or panicked): commands get no reply.
+    dead: AtomicBool,
+}
+
+impl Shared {
+    fn wake(&self) {
+        if let Err(e) = self.waker.wake() {
+            tracing::error!("cannot wake the NIC thread: {e}");
+        }
+    }
+
+    /// Drops queued commands, so their reply senders go and the waiting hosts get an error
+    /// instead of waiting forever.
+    fn drop_commands(&self) {
+        while self.commands.pop().is_some() {}
+    }
+
+    fn has_work(&self) -> bool {
+        !self.doorbells.is_empty() || !self.commands.is_empty()
+    }
+}
+
+/// The host's handle on a running NIC thread.
+pub struct NicThread {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    name: &'static str,
+}
+
+impl NicThread {
+    /// Starts the thread and returns once `build` has made the processor on it (it need not
+    /// be `Send`, and what it sets up — an io_uring, say — belongs to the NIC thread, not to
+    /// the caller's). `waker` must interrupt the processor's `sleep`.
+    pub fn spawn<P: Processor>(
+        cfg: ShellConfig,
+        waker: mio::Waker,
+        build: impl FnOnce() -> P + Send + 'static,
+    ) -> Result<NicThread> {
+        let doorbells = match cfg.doorbell_fifo {
+            Some(n) => Doorbells::Bounded(ArrayQueue::new(n.max(1))),
+            None => Doorbells::Unbounded(SegQueue::new()),
+        };
+        let shared = Arc::new(Shared {
+            commands: SegQueue::new(),
+            doorbells,
+            sleeping: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            waker,
+            tid: AtomicI32::new(0),
+            dead: AtomicBool::new(false),
+        });
+        let thread_shared = shared.clone();
+        let spin = cfg.spin;
+        let (started, is_started) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name(cfg.name.into())
+            .spawn(move || {
+                // Also on unwinding: a panicking NIC must not leave hosts waiting.
+                let _guard = DeadGuard(thread_shared.clone());
+                let nic = build();
+                let _ = started.send(());
+                run(&thread_shared, spin, nic);
+            })
+            .map_err(|e| Error::Engine(format!("cannot start {}: {e}", cfg.name)))?;
+        if is_started.recv().is_err() {
+            let _ = thread.join();
+            return Err(Error::Engine(format!("{} failed to start", cfg.name)));
+        }
+        Ok(NicThread {
+            shared,
+            thread: Mutex::new(Some(thread)),
+            name: cfg.name,
+        })
+    }
+
+    /// Queues a management command and wakes the thread.
+    pub fn manage(&self, cmd: Command) {
+        self.shared.commands.push(cmd);
+        if self.shared.dead.load(Ordering::SeqCst) {
+            self.shared.drop_commands();
+            return;
+        }
+        self.shared.wake();
+    }
+
+    /// Puts `qp` in the doorbell FIFO unless it is there already. An atomic swap and a fence;
+    /// a system call only when the thread sleeps (or a bounded FIFO is full).
+    #[inline]
+    pub fn ring_doorbell(&self, qp: &QpShared) {
+        if qp.doorbell.swap(true, Ordering::AcqRel) {
+            return; // already in the FIFO; the NIC clears the flag before it reads the rings
+        }
+        // A full FIFO holds the host's write back until the NIC makes room.
+        while !self.shared.doorbells.push(qp.num) {
+            if self.shared.stop.load(Ordering::Acquire) || self.shared.dead.load(Ordering::Acquire)
+            {
+                return;
+            }
+            self.shared.wake();
+            std::thread::yield_now();
+        }
+        // Pairs with the NIC's fence between announcing sleep and re-checking the FIFO.
+        fence(Ordering::SeqCst);
+        if self.shared.sleeping.load(Ordering::Relaxed) {
+            self.shared.wake();
+        }
+    }
+
+    /// Kernel thread id of the NIC thread, once it runs.
+    pub fn engine_threads(&self) -> Vec<i32> {
+        match self.shared.tid.load(Ordering::Acquire) {
+            0 => vec![],
+            tid => vec![tid],
+        }
+    }
+
+    /// Stops the thread and waits for it.
+    pub fn shutdown(&self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.wake();
+        if let Some(t) = self.thread.lock().take()
+            && t.join().is_err()
+        {
+            tracing::error!("{} panicked", self.name);
+        }
+    }
+}
+
+struct DeadGuard(Arc<Shared>);
+
+impl Drop for DeadGuard {
+    fn drop(&mut self) {
+        self.0.dead.store(true, Ordering::SeqCst);
+        self.0.drop_commands();
+        if std::thread::panicking() {
+            tracing::error!("the NIC thread panicked; the NIC is gone");
+        }
+    }
+}
+
+fn run<P: Processor>(shared: &Shared, spin: Duration, mut nic: P) {
+    // SAFETY: gettid has no preconditions.
+    shared
+        .tid
+        .store(unsafe { libc::gettid() }, Ordering::Release);
+    let mut last_work = Instant::now();
+    loop {
+        let mut worked = run_commands(shared, &mut nic);
+        worked |= run_doorbells(shared, &mut nic);
+        if shared.stop.load(Ordering::Acquire) {
+            break;
+        }
+        worked |= nic.step();
+        if worked {
+            last_work = Instant::now();
+            continue;
+        }
+        if last_work.elapsed() < spin {
+            // Spinning: let the application threads have the core (two-core machines).
+            std::thread::yield_now();
+            continue;
+        }
+        shared.sleeping.store(true, Ordering::Relaxed);
+        // Pairs with the fence in ring_doorbell: either the host sees `sleeping` and wakes
+        // us, or we see its doorbell here.
+        fence(Ordering::SeqCst);
+        if shared.has_work() {
+            shared.sleeping.store(false, Ordering::Relaxed);
+            continue;
+        }
+        let worked = nic.sleep();
+        shared.sleeping.store(false, Ordering::Relaxed);
+        if worked {
+            last_work = Instant::now();
+        }
+    }
+    // Last commands (QPs destroyed as the NIC's handles went) still run, so peers are told.
+    run_commands(shared, &mut nic);
+    nic.stop();
+}
+
+fn run_commands(shared: &Shared, nic: &mut impl Processor) -> bool {
+    let mut worked = false;
+    while let Some(cmd) = shared.commands.pop() {
+        worked = true;
+        nic.command(cmd);
+    }
+    worked
+}
+
+fn run_doorbells(shared: &Shared, nic: &mut impl Processor) -> bool {
+    let mut worked = false;
+    while let Some(qp) = shared.doorbells.pop() {
+        worked = true;
+        // The QP's creation may have been queued after our last look at the commands.
+        run_commands(shared, nic);
+        nic.doorbell(qp);
+    }
+    worked
+}

@@ -1,0 +1,223 @@
+//! The NIC handle over a running backend: it registers memory and creates CQs, QPs and
+//! listeners. Which backend runs is chosen above the backends (`qpip_core::Nic::open`).
+
+use std::any::Any;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::backend::{Command, ListenerId, NicBackend, NicHandle};
+use crate::cq::CompletionQueue;
+use crate::error::{Error, Result};
+use crate::mr::{Access, MemoryRegion, MemoryTable};
+use crate::qp::{QpAttr, QueuePair};
+use crate::reply::{ReplyReceiver, reply_channel};
+use crate::shared::QpKind;
+
+/// A handle on a NIC. Clones share it; the NIC stops when the last handle, QP and listener
+/// are gone.
+#[derive(Clone)]
+pub struct Nic {
+    inner: Arc<NicHandle>,
+}
+
+impl std::fmt::Debug for Nic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Nic")
+            .field("backend", &self.inner.backend.name())
+            .finish()
+    }
+}
+
+impl Nic {
+    /// Wraps a backend built elsewhere (it must resolve SGEs through `memory`).
+    pub fn with_backend(backend: Box<dyn NicBackend>, memory: Arc<MemoryTable>) -> Nic {
+        Nic {
+            inner: Arc::new(NicHandle {
+                backend,
+                memory,
+                next_qp: AtomicU32::new(1),
+                next_listener: AtomicU32::new(1),
+            }),
+        }
+    }
+
+    pub fn backend_name(&self) -> &'static str {
+        self.inner.backend.name()
+    }
+
+    /// How the NIC moves data ("io_uring" or "epoll" for the soft NIC).
+    pub fn io_path(&self) -> &'static str {
+        self.inner.backend.io_path()
+    }
+
+    /// Kernel thread ids of the NIC engine's threads, for CPU accounting.
+    pub fn engine_threads(&self) -> Vec<i32> {
+        self.inner.backend.engine_threads()
+    }
+
+    /// Registers `len` zeroed bytes, allocated and owned by the region.
+    pub fn alloc_region(&self, len: usize, access: Access) -> MemoryRegion {
+        self.inner.memory.register_owned(len, access)
+    }
+
+    /// Registers memory the caller owns (an mmap of a disk image, say).
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must stay valid until the last clone of the region and every WR naming
+    /// it are gone. `keep_alive` is dropped only then, so it may own the memory.
+    pub unsafe fn register_raw(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+        keep_alive: Option<Box<dyn Any + Send + Sync>>,
+    ) -> MemoryRegion {
+        unsafe {
+            self.inner
+                .memory
+                .register_borrowed(ptr, len, access, keep_alive)
+        }
+    }
+
+    /// Creates a completion queue holding up to `depth` completions.
+    pub fn create_cq(&self, depth: usize) -> CompletionQueue {
+        CompletionQueue::new(depth)
+    }
+
+    /// Creates a reliable (TCP) QP, idle until it is connected or accepted.
+    pub fn create_qp(&self, attr: QpAttr) -> QueuePair {
+        self.new_qp(QpKind::Reliable, attr)
+    }
+
+    pub fn new_qp(&self, kind: QpKind, attr: QpAttr) -> QueuePair {
+        let num = self.inner.next_qp.fetch_add(1, Ordering::Relaxed);
+        let (qp, framer) = QueuePair::create(&self.inner, num, kind, attr);
+        self.inner.manage(Command::CreateQp {
+            qp: qp.shared.clone(),
+            framer,
+        });
+        qp
+    }
+
+    /// Creates an unreliable (UDP) QP bound to `addr` (port 0 picks one). Every send WR names
+    /// its destination; every receive completion reports its source. The framer is unused:
+    /// a datagram is a message.
+    pub fn create_udp_qp(&self, addr: SocketAddr, attr: QpAttr) -> Result<QueuePair> {
+        let qp = self.new_qp(QpKind::Unreliable, attr);
+        let (tx, rx) = reply_channel();
+        self.inner.manage(Command::BindUdp {
+            qp: qp.num(),
+            addr,
+            reply: tx,
+        });
+        wait_mgmt(rx, None, "bind UDP", addr)?;
+        Ok(qp)
+    }
+
+    /// Listens for TCP connections on `addr`; incoming connections wait until a QP accepts
+    /// them.
+    pub fn listen(&self, addr: SocketAddr) -> Result<Listener> {
+        let id = self.inner.next_listener.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = reply_channel();
+        self.inner.manage(Command::Listen {
+            id,
+            addr,
+            backlog: 1024,
+            reply: tx,
+        });
+        let local = wait_mgmt(rx, None, "listen on", addr)?;
+        Ok(Listener {
+            id,
+            local,
+            nic: self.inner.clone(),
+        })
+    }
+}
+
+fn wait_mgmt(
+    rx: ReplyReceiver<std::io::Result<SocketAddr>>,
+    timeout: Option<Duration>,
+    op: &'static str,
+    addr: SocketAddr,
+) -> Result<SocketAddr> {
+    match rx.wait_until(timeout.map(|t| Instant::now() + t)) {
+        Some(r) => r.map_err(|source| Error::Net { op, addr, source }),
+        None => match timeout {
+            Some(after) => Err(Error::Timeout { op, after }),
+            None => Err(Error::Engine(format!(
+                "{op} {addr}: no reply from the NIC engine"
+            ))),
+        },
+    }
+}
+
+/// A listening port. Each `accept` mates one incoming connection to an idle QP.
+pub struct Listener {
+    id: ListenerId,
+    local: SocketAddr,
+    nic: Arc<NicHandle>,
+}
+
+impl std::fmt::Debug for Listener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Listener")
+            .field("local", &self.local)
+            .finish()
+    }
+}
+
+impl Listener {
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// Waits for a connection and mates it to `qp` (which must be idle); returns the peer.
+    pub fn accept(&self, qp: &QueuePair) -> Result<SocketAddr> {
+        self.accept_until(qp, None)
+    }
+
+    /// [`Self::accept`] that gives up after `timeout` (the QP stays idle).
+    pub fn accept_timeout(&self, qp: &QueuePair, timeout: Duration) -> Result<SocketAddr> {
+        self.accept_until(qp, Some(timeout))
+    }
+
+    fn accept_until(&self, qp: &QueuePair, timeout: Option<Duration>) -> Result<SocketAddr> {
+        let (tx, rx) = reply_channel();
+        self.nic.manage(Command::Accept {
+            listener: self.id,
+            qp: qp.num(),
+            reply: tx,
+        });
+        wait_mgmt(rx, timeout, "accept on", self.local)
+    }
+
+    /// Accepts from async code.
+    pub async fn accept_async(&self, qp: &QueuePair) -> Result<SocketAddr> {
+        let (tx, rx) = reply_channel();
+        self.nic.manage(Command::Accept {
+            listener: self.id,
+            qp: qp.num(),
+            reply: tx,
+        });
+        match rx.wait_async().await {
+            Some(r) => r.map_err(|source| Error::Net {
+                op: "accept on",
+                addr: self.local,
+                source,
+            }),
+            None => Err(Error::Engine(format!(
+                "accept on {}: no reply from the NIC engine",
+                self.local
+            ))),
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.nic
+            .manage(Command::CloseListener { listener: self.id });
+    }
+}

@@ -1,0 +1,254 @@
+//! What the host and the NIC share: the work rings of a QP, its CQs' rings, its state and its
+//! doorbell flag. The verbs write here and read completions; every backend reads WRs and
+//! writes completions. A leaf: it knows neither the verbs nor any backend.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use crossbeam_queue::ArrayQueue;
+use event_listener::Event;
+
+use crate::wr::{Completion, Opcode, QpNum, RecvWr, SendWr, WcStatus};
+
+/// Reliable (TCP) or unreliable (UDP).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QpKind {
+    Reliable,
+    Unreliable,
+}
+
+/// Where a QP is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+#[non_exhaustive]
+pub enum QpState {
+    /// Created; WRs may be posted, nothing moves until it is connected (or accepted).
+    Init = 0,
+    Connecting = 1,
+    /// Connected (reliable) or bound (unreliable): WRs are carried out.
+    Ready = 2,
+    /// An orderly close is under way: posted sends finish, new ones are refused.
+    Closing = 3,
+    Closed = 4,
+    /// A fatal error; every outstanding WR was flushed.
+    Error = 5,
+}
+
+impl QpState {
+    fn from_u8(v: u8) -> QpState {
+        match v {
+            0 => QpState::Init,
+            1 => QpState::Connecting,
+            2 => QpState::Ready,
+            3 => QpState::Closing,
+            4 => QpState::Closed,
+            _ => QpState::Error,
+        }
+    }
+
+    /// WRs may still be posted (they are carried out, or wait for the connection).
+    pub fn accepts_posts(self) -> bool {
+        matches!(self, QpState::Init | QpState::Connecting | QpState::Ready)
+    }
+}
+
+/// Default spin before sleeping in a CQ wait: long enough to cover a loopback round trip,
+/// short enough that an idle waiter costs nothing.
+const DEFAULT_CQ_SPIN: Duration = Duration::from_micros(50);
+
+/// The completion ring of a CQ: the NIC pushes, the host polls.
+pub struct CqShared {
+    pub(crate) ring: ArrayQueue<Completion>,
+    pub(crate) lost: AtomicU64,
+    pub(crate) overflowed: AtomicBool,
+    pub(crate) event: Event,
+    /// How long a host waiter polls before it sleeps.
+    pub(crate) spin_nanos: AtomicU64,
+}
+
+impl CqShared {
+    pub(crate) fn new(depth: usize) -> Self {
+        CqShared {
+            ring: ArrayQueue::new(depth.max(1)),
+            lost: AtomicU64::new(0),
+            overflowed: AtomicBool::new(false),
+            event: Event::new(),
+            spin_nanos: AtomicU64::new(DEFAULT_CQ_SPIN.as_nanos() as u64),
+        }
+    }
+
+    /// Adds a completion (NIC side). A full queue records the loss and wakes waiters so
+    /// that the overflow is reported.
+    pub(crate) fn push(&self, c: Completion) {
+        if self.ring.push(c).is_err() {
+            self.lost.fetch_add(1, Ordering::Relaxed);
+            self.overflowed.store(true, Ordering::Release);
+            tracing::error!(qp = c.qp_num, wr_id = c.wr_id, "completion queue overflow");
+        }
+    }
+
+    /// Wakes sleeping waiters; call once after a batch of pushes.
+    pub(crate) fn notify(&self) {
+        self.event.notify(usize::MAX);
+    }
+}
+
+/// The part of a QP that the host and the NIC share: the work queues (rings in memory both
+/// see), the CQs, the state and the doorbell flag.
+pub struct QpShared {
+    pub num: QpNum,
+    pub kind: QpKind,
+    pub sq: ArrayQueue<SendWr>,
+    pub rq: ArrayQueue<RecvWr>,
+    sq_outstanding: AtomicUsize,
+    rq_outstanding: AtomicUsize,
+    pub(crate) send_cq: Arc<CqShared>,
+    pub(crate) recv_cq: Arc<CqShared>,
+    state: AtomicU8,
+    /// Set by the host when it rings the doorbell, cleared by the NIC when it looks: one
+    /// doorbell entry per QP however many WRs were posted meanwhile.
+    pub doorbell: AtomicBool,
+    /// (local, peer), as the NIC last set them.
+    addrs: parking_lot::Mutex<(Option<SocketAddr>, Option<SocketAddr>)>,
+}
+
+/// A queue of a QP is full (its depth is returned).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueueFull(pub usize);
+
+impl QpShared {
+    pub fn new(
+        num: QpNum,
+        kind: QpKind,
+        (send_cq, recv_cq): (Arc<CqShared>, Arc<CqShared>),
+        (max_send_wr, max_recv_wr): (usize, usize),
+    ) -> Self {
+        QpShared {
+            num,
+            kind,
+            sq: ArrayQueue::new(max_send_wr.max(1)),
+            rq: ArrayQueue::new(max_recv_wr.max(1)),
+            sq_outstanding: AtomicUsize::new(0),
+            rq_outstanding: AtomicUsize::new(0),
+            send_cq,
+            recv_cq,
+            state: AtomicU8::new(QpState::Init as u8),
+            doorbell: AtomicBool::new(false),
+            addrs: parking_lot::Mutex::new((None, None)),
+        }
+    }
+
+    /// Puts a send WR on the ring (host side). Fails when as many WRs as the ring holds are
+    /// outstanding (posted and not yet completed), so a completion always has room.
+    #[inline]
+    pub fn push_send(&self, wr: SendWr) -> Result<(), QueueFull> {
+        reserve(&self.sq_outstanding, self.sq.capacity())?;
+        // Cannot fail: outstanding WRs never exceed the ring's capacity.
+        let _ = self.sq.push(wr);
+        Ok(())
+    }
+
+    /// Puts a receive WR on the ring (host side), as [`Self::push_send`].
+    #[inline]
+    pub fn push_recv(&self, wr: RecvWr) -> Result<(), QueueFull> {
+        reserve(&self.rq_outstanding, self.rq.capacity())?;
+        let _ = self.rq.push(wr);
+        Ok(())
+    }
+
+    /// Send WRs posted and not yet completed.
+    pub fn outstanding_sends(&self) -> usize {
+        self.sq_outstanding.load(Ordering::Acquire)
+    }
+    /// Receive WRs posted and not yet completed.
+    pub fn outstanding_recvs(&self) -> usize {
+        self.rq_outstanding.load(Ordering::Acquire)
+    }
+
+    #[inline]
+    pub fn state(&self) -> QpState {
+        QpState::from_u8(self.state.load(Ordering::Acquire))
+    }
+    #[inline]
+    pub fn set_state(&self, s: QpState) {
+        self.state.store(s as u8, Ordering::Release);
+    }
+
+    pub fn set_addrs(&self, local: Option<SocketAddr>, peer: Option<SocketAddr>) {
+        *self.addrs.lock() = (local, peer);
+    }
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.addrs.lock().0
+    }
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.addrs.lock().1
+    }
+
+    /// Posts a completion for a send WR (NIC side).
+    #[inline]
+    pub fn complete_send(&self, wr_id: u64, status: WcStatus, byte_len: u32, os_error: i32) {
+        self.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
+        self.send_cq.push(Completion {
+            wr_id,
+            qp_num: self.num,
+            opcode: Opcode::Send,
+            status,
+            byte_len,
+            src: None,
+            os_error,
+        });
+    }
+
+    /// Posts a completion for a receive WR (NIC side).
+    #[inline]
+    pub fn complete_recv(
+        &self,
+        wr_id: u64,
+        status: WcStatus,
+        byte_len: u32,
+        src: Option<SocketAddr>,
+        os_error: i32,
+    ) {
+        self.rq_outstanding.fetch_sub(1, Ordering::AcqRel);
+        self.recv_cq.push(Completion {
+            wr_id,
+            qp_num: self.num,
+            opcode: Opcode::Recv,
+            status,
+            byte_len,
+            src,
+            os_error,
+        });
+    }
+
+    /// Flushes every WR still in the rings (NIC side; WRs it already took are its own business).
+    pub fn flush_queues(&self) {
+        while let Some(wr) = self.sq.pop() {
+            self.complete_send(wr.wr_id, WcStatus::Flushed, 0, 0);
+        }
+        while let Some(wr) = self.rq.pop() {
+            self.complete_recv(wr.wr_id, WcStatus::Flushed, 0, None, 0);
+        }
+    }
+
+    /// Wakes whoever waits on this QP's CQs (after a batch of completions).
+    #[inline]
+    pub fn notify_cqs(&self) {
+        self.send_cq.notify();
+        if !Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
+            self.recv_cq.notify();
+        }
+    }
+}
+
+/// Counts one more outstanding WR unless `depth` already are.
+fn reserve(outstanding: &AtomicUsize, depth: usize) -> Result<(), QueueFull> {
+    outstanding
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < depth).then_some(n + 1)
+        })
+        .map(|_| ())
+        .map_err(|_| QueueFull(depth))
+}
