@@ -13,6 +13,7 @@
 //! | [`handshake::client`] | [`ClientHandshake`] state machine |
 //! | [`transmission`] | [`Request`] header, [`validate_request`] (which error to send) |
 //! | [`reply`] | simple replies, structured chunks, block-status builders |
+//! | [`reply_check`] | a client's checks of one request's reply chunks ([`reply_check::ReplyCheck`]) |
 //! | [`framing`] | "where does this message end?" for message-based transports |
 //!
 //! # Driving the handshake
@@ -137,6 +138,7 @@ pub mod fuzzing;
 pub mod handshake;
 pub mod peer_text;
 pub mod reply;
+pub mod reply_check;
 pub mod transmission;
 mod wire;
 

@@ -6,16 +6,25 @@
 pub const MAX_SHOWN: usize = 512;
 
 /// `bytes` as printable text: invalid UTF-8 replaced, control characters (escape sequences,
-/// newlines, bidi overrides) escaped as `\u{..}`, and cut after [`MAX_SHOWN`] characters.
+/// newlines, bidi overrides) escaped as `\u{..}`, and cut so that at most [`MAX_SHOWN`]
+/// characters are shown (escapes included; an escape is never split), then marked `[…]`.
 pub fn printable(bytes: &[u8]) -> String {
     let text = String::from_utf8_lossy(bytes);
-    let mut out = String::with_capacity(text.len().min(MAX_SHOWN + 16));
-    for (i, ch) in text.chars().enumerate() {
-        if i == MAX_SHOWN {
+    let mut out = String::with_capacity(text.len().min(4 * MAX_SHOWN));
+    let mut shown = 0;
+    for ch in text.chars() {
+        let escaped = ch.is_control() || is_bidi_control(ch);
+        let n = if escaped {
+            ch.escape_unicode().count()
+        } else {
+            1
+        };
+        if shown + n > MAX_SHOWN {
             out.push_str("[…]");
             break;
         }
-        if ch.is_control() || is_bidi_control(ch) {
+        shown += n;
+        if escaped {
             out.extend(ch.escape_unicode());
         } else {
             out.push(ch);
@@ -43,5 +52,14 @@ mod tests {
         let long = printable(&[b'x'; 60_000]);
         assert_eq!(long.chars().count(), MAX_SHOWN + 3);
         assert!(long.ends_with("[…]"));
+        // escapes count toward the cap (each control byte shows as 6 characters)
+        let escapes = printable(&[0x1b; 60_000]);
+        assert!(
+            escapes.chars().count() <= MAX_SHOWN + 3,
+            "{}",
+            escapes.len()
+        );
+        assert!(escapes.starts_with("\\u{1b}\\u{1b}") && escapes.ends_with("}[…]"));
+        assert_eq!(printable(&[b'x'; MAX_SHOWN]).chars().count(), MAX_SHOWN);
     }
 }
