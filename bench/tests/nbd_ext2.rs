@@ -138,13 +138,19 @@ fn ext2_json_has_positive_figures_for_every_stack_and_leaves_nothing_behind() {
             "read_MB_per_host_cpu_s",
             "write_cpu_s_per_GB_machine",
             "read_cpu_s_per_GB_machine",
-            "write_cpu_s_per_GB_client",
-            "read_cpu_s_per_GB_server",
         ] {
             let x = v["stacks"][stack][measure]["median"]
                 .as_f64()
                 .unwrap_or_else(|| panic!("stacks.{stack}.{measure} missing in {v}"));
             assert!(x.is_finite() && x > 0.0, "stacks.{stack}.{measure} = {x}");
+        }
+        // One process's share can be below the 10 ms tick of /proc's accounting at this tiny
+        // size (qpip's server threads barely run on reads the NIC serves from the mapping).
+        for measure in ["write_cpu_s_per_GB_client", "read_cpu_s_per_GB_server"] {
+            let x = v["stacks"][stack][measure]["median"]
+                .as_f64()
+                .unwrap_or_else(|| panic!("stacks.{stack}.{measure} missing in {v}"));
+            assert!(x.is_finite() && x >= 0.0, "stacks.{stack}.{measure} = {x}");
         }
     }
     // qpip's NIC engine threads did run.

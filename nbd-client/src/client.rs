@@ -22,14 +22,14 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use nbd_proto::consts as c;
-use nbd_proto::coverage::ReadCoverage;
 use nbd_proto::flags::{CmdFlags, TransmissionFlags};
 use nbd_proto::handshake::{
     BlockSize, ClientConfig, ClientError, ClientEvent, ClientHandshake, ExportDetails,
     ExportListing,
 };
 use nbd_proto::peer_text::printable;
-use nbd_proto::reply::{Chunk, SimpleReply, StructuredReplyHeader};
+use nbd_proto::reply::{SimpleReply, StructuredReplyHeader};
+use nbd_proto::reply_check::{ReplyCheck, Step, Unanswered};
 use nbd_proto::transmission::{Command, ErrorValue, Request};
 use qpip_core::{Access, Completion, MemoryRegion, Nic, Opcode, SendWr, WcStatus};
 
@@ -171,26 +171,38 @@ struct Inflight {
     /// READ data goes here instead of `data`; WRITE data is sent from here instead of the
     /// send slot.
     region: Option<(MemoryRegion, usize)>,
-    /// Which bytes of a READ the reply has filled (always empty for other commands).
-    coverage: ReadCoverage,
+    /// The reply so far, checked against the request (nbd-proto's sans-IO rules).
+    check: ReplyCheck,
     extents: Vec<Extent>,
+    /// The server's first error, with its message.
     error: Option<Error>,
 }
 
 impl Inflight {
-    /// Copies `n` bytes of a reply from the receive region at `src` to the request's data at
-    /// `start` (the caller checked `start + n <= req.length`).
-    fn place(&mut self, recv: &MemoryRegion, src: usize, start: usize, n: usize) {
-        match &self.region {
-            Some((mr, at)) => copy_region(recv, src, mr, at + start, n),
-            None => recv.read_at(src, &mut self.data[start..start + n]),
-        }
-    }
-
-    fn zero(&mut self, start: usize, n: usize) {
-        match &self.region {
-            Some((mr, at)) => mr.write_at(at + start, &vec![0; n]),
-            None => self.data[start..start + n].fill(0),
+    /// Carries out what the reply check accepted; `payload` is the message after its header.
+    fn apply(&mut self, step: Step, payload: &[u8]) {
+        match step {
+            Step::Data { src, dst } => match &self.region {
+                Some((mr, at)) => mr.write_at(at + dst.start, &payload[src]),
+                None => self.data[dst].copy_from_slice(&payload[src]),
+            },
+            Step::Zero { dst } => match &self.region {
+                Some((mr, at)) => mr.write_at(at + dst.start, &vec![0; dst.len()]),
+                None => self.data[dst].fill(0),
+            },
+            Step::Extents(extents) => self.extents.extend(extents.iter().map(|e| Extent {
+                offset: e.offset,
+                length: e.length,
+                hole: e.flags & c::STATE_HOLE != 0,
+                zero: e.flags & c::STATE_ZERO != 0,
+            })),
+            Step::Error { error, message } => {
+                self.error.get_or_insert(Error::Server {
+                    error,
+                    message: printable(message),
+                });
+            }
+            _ => {}
         }
     }
 
@@ -198,7 +210,7 @@ impl Inflight {
         if self.req.command == Command::Read {
             self.data.iter_mut().for_each(|b| *b = 0);
         }
-        self.coverage.clear();
+        self.check.restart();
         self.extents.clear();
         self.error = None;
     }
@@ -271,16 +283,18 @@ impl std::fmt::Debug for Client {
 ///
 /// # Panics
 /// If either range is outside its region (the callers check the ranges first).
-fn copy_region(src: &MemoryRegion, from: usize, dst: &MemoryRegion, to: usize, n: usize) {
+/// `len` bytes at `offset` of a receive region, read in place.
+///
+/// # Safety
+/// The bytes must belong to a receive WR that has completed and is not posted again while
+/// the slice lives, so that the NIC does not write them meanwhile.
+unsafe fn completed_bytes(region: &MemoryRegion, offset: usize, len: usize) -> &[u8] {
     assert!(
-        from.checked_add(n).is_some_and(|e| e <= src.len())
-            && to.checked_add(n).is_some_and(|e| e <= dst.len()),
-        "copy_region out of bounds"
+        offset.checked_add(len).is_some_and(|e| e <= region.len()),
+        "receive bytes out of bounds"
     );
-    // SAFETY: both ranges are inside their regions (checked above); the source is a
-    // completed receive and the destination belongs to an unanswered request, which no WR
-    // names, so nothing else writes either range meanwhile. Distinct regions do not overlap.
-    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().add(from), dst.as_ptr().add(to), n) }
+    // SAFETY: in bounds (checked above); the caller guarantees nothing writes them.
+    unsafe { std::slice::from_raw_parts(region.as_ptr().add(offset), len) }
 }
 
 fn round_down(v: u64, to: u64) -> u64 {
@@ -623,7 +637,7 @@ impl Client {
                 slot,
                 data,
                 region,
-                coverage: ReadCoverage::new(req.offset, u64::from(req.length)),
+                check: ReplyCheck::new(&req),
                 extents: Vec::new(),
                 error: None,
             },
@@ -789,143 +803,59 @@ impl Client {
     }
 
     /// Handles one reply message in receive slot `slot`. Err: the server broke the
-    /// protocol. Every number in the reply is checked before it is used: nothing the server
-    /// sends can make the client panic or write outside the request's buffer.
+    /// protocol. nbd-proto's [`ReplyCheck`] decides whether the message may answer its
+    /// request and where its bytes go, checking every number the server sent first: nothing
+    /// it sends can make the client panic or write outside the request's buffer.
     fn on_reply(&mut self, slot: usize, len: usize) -> Result<(), String> {
         let conn = self.conn.as_ref().ok_or("no connection")?;
-        let base = slot * RECV_SLOT;
-        let mut hdr = [0u8; c::STRUCTURED_REPLY_HEADER_LEN + 8];
-        let hlen = len.min(hdr.len());
-        conn.recv_mr.read_at(base, &mut hdr[..hlen]);
-        let hdr = &hdr[..hlen];
-        let magic = hdr
-            .get(..4)
-            .map(|m| u32::from_be_bytes([m[0], m[1], m[2], m[3]]));
-        if magic == Some(c::SIMPLE_REPLY_MAGIC) {
-            let r = SimpleReply::parse(hdr).map_err(|e| e.to_string())?;
+        // SAFETY: the slot's receive WR has completed; it is posted again only after this
+        // function returns (`pump`), so the NIC does not write these bytes meanwhile.
+        let msg = unsafe { completed_bytes(&conn.recv_mr, slot * RECV_SLOT, len) };
+        let magic = msg.first_chunk::<4>().map(|m| u32::from_be_bytes(*m));
+        let (cookie, accepted, payload) = if magic == Some(c::SIMPLE_REPLY_MAGIC) {
+            let r = SimpleReply::parse(msg).map_err(|e| e.to_string())?;
             conn.reads.lock().remove(&r.cookie);
+            let payload = &msg[c::SIMPLE_REPLY_LEN..];
             let inf = self
                 .inflight
                 .get_mut(&r.cookie)
                 .ok_or_else(|| format!("a reply for unknown cookie {}", r.cookie))?;
-            if let Some(e) = r.error_value() {
-                inf.error = Some(Error::Server {
-                    error: e,
-                    message: String::new(),
-                });
-            } else if inf.req.command == Command::Read {
-                let body = len.saturating_sub(c::SIMPLE_REPLY_LEN);
-                if body != inf.req.length as usize {
-                    return Err(format!(
-                        "a read of {} bytes answered with {body}",
-                        inf.req.length
-                    ));
-                }
-                let place = inf
-                    .coverage
-                    .place(inf.req.offset, body as u64)
-                    .map_err(|e| e.to_string())?;
-                inf.place(
-                    &conn.recv_mr,
-                    base + c::SIMPLE_REPLY_LEN,
-                    place.start,
-                    place.len(),
-                );
-            }
-            self.finish(r.cookie);
-            return Ok(());
-        }
-        if self.structured && magic == Some(c::STRUCTURED_REPLY_MAGIC) {
-            let h = StructuredReplyHeader::parse(hdr).map_err(|e| e.to_string())?;
-            let payload_len = len.saturating_sub(c::STRUCTURED_REPLY_HEADER_LEN);
-            if payload_len != h.length as usize {
+            let accepted = inf
+                .check
+                .simple(&r, payload.len())
+                .map_err(|e| e.to_string())?;
+            (r.cookie, accepted, payload)
+        } else if self.structured && magic == Some(c::STRUCTURED_REPLY_MAGIC) {
+            let h = StructuredReplyHeader::parse(msg).map_err(|e| e.to_string())?;
+            let payload = &msg[c::STRUCTURED_REPLY_HEADER_LEN..];
+            if payload.len() != h.length as usize {
                 return Err(format!(
-                    "a chunk that says it has {} bytes of payload has {payload_len}",
-                    h.length
+                    "a chunk that says it has {} bytes of payload has {}",
+                    h.length,
+                    payload.len()
                 ));
             }
             let inf = self
                 .inflight
                 .get_mut(&h.cookie)
                 .ok_or_else(|| format!("a reply for unknown cookie {}", h.cookie))?;
-            let req = inf.req;
-            if h.reply_type == c::REPLY_TYPE_OFFSET_DATA {
-                if req.command != Command::Read || payload_len < 9 {
-                    return Err("an OFFSET_DATA chunk that does not answer a read".into());
-                }
-                let off = u64::from_be_bytes(hdr[20..28].try_into().expect("8 bytes"));
-                let place = inf
-                    .coverage
-                    .place(off, (payload_len - 8) as u64)
-                    .map_err(|e| e.to_string())?;
-                inf.place(
-                    &conn.recv_mr,
-                    base + c::STRUCTURED_REPLY_HEADER_LEN + 8,
-                    place.start,
-                    place.len(),
-                );
-            } else {
-                let mut payload = vec![0u8; payload_len];
-                conn.recv_mr
-                    .read_at(base + c::STRUCTURED_REPLY_HEADER_LEN, &mut payload);
-                match Chunk::parse(&h, &payload).map_err(|e| e.to_string())? {
-                    Chunk::None => {}
-                    Chunk::OffsetHole { offset, length } => {
-                        if req.command != Command::Read {
-                            return Err("an OFFSET_HOLE chunk that does not answer a read".into());
-                        }
-                        let place = inf
-                            .coverage
-                            .place(offset, u64::from(length))
-                            .map_err(|e| e.to_string())?;
-                        inf.zero(place.start, place.len());
-                    }
-                    Chunk::BlockStatus {
-                        context_id,
-                        extents,
-                    } if Some(context_id) == self.allocation_ctx => {
-                        if req.command != Command::BlockStatus {
-                            return Err("a BLOCK_STATUS chunk that does not answer one".into());
-                        }
-                        // The request was checked against the export's size: no overflow.
-                        let end = req.offset + u64::from(req.length);
-                        let mut at = inf
-                            .extents
-                            .last()
-                            .map_or(req.offset, |e| e.offset + e.length);
-                        for e in extents {
-                            if at >= end {
-                                break;
-                            }
-                            let length = u64::from(e.length).min(end - at);
-                            inf.extents.push(Extent {
-                                offset: at,
-                                length,
-                                hole: e.flags & c::STATE_HOLE != 0,
-                                zero: e.flags & c::STATE_ZERO != 0,
-                            });
-                            at += length;
-                        }
-                    }
-                    Chunk::Error { error, message, .. }
-                    | Chunk::ErrorOffset { error, message, .. } => {
-                        inf.error.get_or_insert(Error::Server {
-                            error: ErrorValue::from_wire(error).unwrap_or(ErrorValue::Inval),
-                            message: printable(message),
-                        });
-                    }
-                    _ => {}
-                }
-            }
-            if h.is_done() {
-                self.finish(h.cookie);
-            }
-            return Ok(());
+            let accepted = inf
+                .check
+                .chunk(&h, payload, self.allocation_ctx)
+                .map_err(|e| e.to_string())?;
+            (h.cookie, accepted, payload)
+        } else {
+            return Err(match magic {
+                Some(m) => format!("a reply with unknown magic {m:#010x}"),
+                None => format!("a reply of {len} bytes, too short for a header"),
+            });
+        };
+        let inf = self.inflight.get_mut(&cookie).expect("found above");
+        inf.apply(accepted.step, payload);
+        if accepted.done {
+            self.finish(cookie);
         }
-        match magic {
-            Some(m) => Err(format!("a reply with unknown magic {m:#010x}")),
-            None => Err(format!("a reply of {len} bytes, too short for a header")),
-        }
+        Ok(())
     }
 
     fn finish(&mut self, cookie: u64) {
@@ -935,23 +865,18 @@ impl Client {
         // A whole answer ends an outage; a chunk that never leads to one does not.
         self.outage = None;
         self.free_slots.push(inf.slot);
-        let result = match inf.error {
-            Some(e) => Err(e),
-            None => match inf.req.command {
-                Command::Read if !inf.coverage.is_complete() => Err(Error::Protocol {
-                    uri: self.uri.to_string(),
-                    why: format!(
-                        "read of {} bytes answered with {} bytes",
-                        inf.req.length,
-                        inf.coverage.covered()
-                    ),
-                }),
+        let result = match inf.check.finish() {
+            Err(Unanswered::Server(error)) => Err(inf.error.unwrap_or(Error::Server {
+                error,
+                message: String::new(),
+            })),
+            Err(why) => Err(Error::Protocol {
+                uri: self.uri.to_string(),
+                why: why.to_string(),
+            }),
+            Ok(()) => match inf.req.command {
                 Command::Read if inf.region.is_some() => Ok(Output::Done),
                 Command::Read => Ok(Output::Data(inf.data)),
-                Command::BlockStatus if inf.extents.is_empty() => Err(Error::Protocol {
-                    uri: self.uri.to_string(),
-                    why: "block status reply without base:allocation extents".into(),
-                }),
                 Command::BlockStatus => Ok(Output::Extents(inf.extents)),
                 _ => Ok(Output::Done),
             },
