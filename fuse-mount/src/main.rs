@@ -5,6 +5,7 @@ use std::io::{Read, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
@@ -70,6 +71,16 @@ struct Cli {
     /// write(2) waits for the server.
     #[arg(long)]
     no_writeback_cache: bool,
+    /// How long to keep reconnecting after the server was lost (reset, closed, silent) before
+    /// unanswered requests fail with EIO; the clock runs from the server's last answer, so
+    /// a server that accepts connections and drops them cannot keep it going. A server that
+    /// breaks the protocol is not reconnected to: its requests fail with EIO at once.
+    #[arg(long, default_value_t = 30.0, value_name = "SECS")]
+    reconnect_timeout: f64,
+    /// With requests in flight and no reply for this long, the server counts as lost (as
+    /// above); 0 waits forever.
+    #[arg(long, default_value_t = 60.0, value_name = "SECS")]
+    request_timeout: f64,
     /// Detach into the background once mounted (errors before that still exit non-zero).
     #[arg(long)]
     daemon: bool,
@@ -92,6 +103,7 @@ fn main() {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level)),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let code = match run(cli) {
         Ok(()) => 0,
@@ -214,8 +226,15 @@ fn run(cli: Cli) -> Result<()> {
 /// Connects: the server unreachable, the export unknown (naming the ones there are) and
 /// the like are errors here, before anything is mounted.
 fn connect(cli: &Cli, uri: &NbdUri, nic: &Nic) -> Result<Vec<Client>> {
+    let secs = |what: &str, s: f64| -> Result<Duration> {
+        Duration::try_from_secs_f64(s)
+            .map_err(|_| anyhow::anyhow!("--{what} {s}: give a number of seconds, 0 or more"))
+    };
+    let request_timeout = secs("request-timeout", cli.request_timeout)?;
     let opts = ClientOptions {
         nic: Some(nic.clone()),
+        reconnect_timeout: secs("reconnect-timeout", cli.reconnect_timeout)?,
+        request_timeout: (!request_timeout.is_zero()).then_some(request_timeout),
         ..Default::default()
     };
     let first = match Client::connect_with(&cli.uri, opts.clone()) {

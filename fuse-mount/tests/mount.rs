@@ -34,6 +34,7 @@ macro_rules! on_both_transports {
 
 on_both_transports!(
     io_continues_across_a_server_restart,
+    a_server_gone_for_good_fails_io_with_eio_after_the_reconnect_timeout,
     write_through_refuses_writes_past_the_end_at_once,
     file_size_pattern_io_fsync_punch_hole_and_fusermount_exit,
     ext2_on_a_loop_device_over_the_fuse_file_survives_a_remount,
@@ -544,6 +545,37 @@ fn io_continues_across_a_server_restart() {
     assert!(
         on_disk == second,
         "a write after the reconnection is not in the image"
+    );
+}
+
+/// The server goes away and does not come back: after `--reconnect-timeout` the request
+/// fails with EIO (no hang), and the mount stays usable enough to be unmounted.
+fn a_server_gone_for_good_fails_io_with_eio_after_the_reconnect_timeout() {
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_image(dir.path(), "g.img", 16 * MIB);
+    let server = qpip_server("g", &img, &[]);
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let _m = mount(
+        &server.uri,
+        &mnt,
+        "g",
+        &["--connections", "1", "--reconnect-timeout", "1"],
+    );
+    // Nothing of the file was read yet: the read below must go to the server.
+    let f = std::fs::File::open(mnt.join("g")).unwrap();
+    drop(server);
+    let t = std::time::Instant::now();
+    let mut buf = vec![0u8; 4096];
+    let e = f.read_exact_at(&mut buf, 8 * MIB).unwrap_err();
+    assert_eq!(errno(&e), libc::EIO, "{e}");
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(20),
+        "EIO after {:?}",
+        t.elapsed()
     );
 }
 
