@@ -72,6 +72,8 @@ pub struct CqShared {
     pub(crate) seq: AtomicU32,
     /// Blocking waiters that are asleep or about to be.
     pub(crate) sleepers: AtomicU32,
+    /// Completions were pushed since the last notify: a notify without news wakes nobody.
+    unnotified: AtomicBool,
     /// Async waiters.
     pub(crate) event: Event,
     /// How long a host waiter polls before it sleeps.
@@ -86,6 +88,7 @@ impl CqShared {
             overflowed: AtomicBool::new(false),
             seq: AtomicU32::new(0),
             sleepers: AtomicU32::new(0),
+            unnotified: AtomicBool::new(false),
             event: Event::new(),
             spin_nanos: AtomicU64::new(DEFAULT_CQ_SPIN.as_nanos() as u64),
         }
@@ -99,11 +102,18 @@ impl CqShared {
             self.overflowed.store(true, Ordering::Release);
             tracing::error!(qp = c.qp_num, wr_id = c.wr_id, "completion queue overflow");
         }
+        self.unnotified.store(true, Ordering::Release);
     }
 
     /// Wakes sleeping waiters; call once after a batch of pushes. No system call unless a
     /// blocking waiter sleeps.
     pub(crate) fn notify(&self) {
+        // A NIC turn that completed nothing (a doorbell for receive WRs, say) wakes nobody.
+        if !self.unnotified.load(Ordering::Relaxed)
+            || !self.unnotified.swap(false, Ordering::AcqRel)
+        {
+            return;
+        }
         // Pairs with the waiter's count-then-poll: either we see it counted, or it sees
         // what we pushed.
         fence(Ordering::SeqCst);
