@@ -69,6 +69,10 @@ impl Ring {
         }
         let r = if wait {
             self.ring.submit_and_wait(1)
+        } else if self.ring.submission().is_empty() {
+            // Nothing to hand over: completions are read from the ring's memory, and the
+            // kernel kicks this thread itself to run the work behind them.
+            return Ok(());
         } else {
             self.ring.submit()
         };
