@@ -816,9 +816,13 @@ fn record(s: &mut Samples, dir: &str, bytes: u64, ph: &Phase) {
     let gb = bytes as f64 / 1e9;
     let x = &ph.split;
     let ours = (x.machine - x.other).max(1e-9);
+    // The paper counts the NIC's work apart from the host's: the soft NIC's engine threads
+    // play the NIC processor, so the host's CPU is everything else.
+    let host = (x.machine - x.other - x.nic).max(1e-9);
     s.push(&format!("{dir}_seconds"), ph.seconds);
     s.push(&format!("{dir}_MBps"), mb / ph.seconds);
     s.push(&format!("{dir}_MB_per_cpu_s"), mb / ours);
+    s.push(&format!("{dir}_MB_per_host_cpu_s"), mb / host);
     s.push(
         &format!("{dir}_MB_per_machine_cpu_s"),
         mb / x.machine.max(1e-9),
@@ -874,6 +878,7 @@ pub fn run_all(o: Options, progress: &Progress) -> Result<Ext2Report> {
         cpu_accounting: "machine = /proc/stat user+nice+system+irq+softirq; server and client = \
              process trees minus their qpip-soft-nic threads (= nic); bench = qpip-bench \
              (writer/reader); other = user processes not ours (excluded from MB per CPU-s); \
+             MB per host CPU-s also excludes nic; \
              kernel = machine - server - nic - client - bench - other",
     };
     let mut samples: BTreeMap<Stack, Samples> = BTreeMap::new();
@@ -935,8 +940,10 @@ fn targets(stacks: &BTreeMap<String, BTreeMap<String, Stat>>) -> Targets {
     for (measure, threshold) in [
         ("write_MBps", 1.5),
         ("read_MBps", 1.5),
-        ("write_MB_per_cpu_s", 2.0),
-        ("read_MB_per_cpu_s", 2.0),
+        ("write_MB_per_host_cpu_s", 2.0),
+        ("read_MB_per_host_cpu_s", 2.0),
+        ("write_MB_per_cpu_s", 1.0),
+        ("read_MB_per_cpu_s", 1.0),
     ] {
         let Some((name, peer)) = stacks
             .iter()
@@ -971,10 +978,11 @@ pub fn table(r: &Ext2Report) -> String {
         p.repeat
     );
     s += &format!(
-        "{:<11} {:<5} {:>17} {:>15} | {:>6} {:>6} {:>6} {:>6} {:>6} | {:>6} {:>6}\n",
+        "{:<11} {:<5} {:>17} {:>15} {:>15} | {:>6} {:>6} {:>6} {:>6} {:>6} | {:>6} {:>6}\n",
         "stack",
         "dir",
         "MB/s",
+        "MB/host-CPU-s",
         "MB/CPU-s",
         "server",
         "NIC",
@@ -994,10 +1002,11 @@ pub fn table(r: &Ext2Report) -> String {
             wide |= g("MBps").wide(0.15);
             let c = |k: &str| g(&format!("cpu_s_per_GB_{k}")).median;
             s += &format!(
-                "{:<11} {:<5} {:>17} {:>15} | {:>6.2} {:>6.2} {:>6.2} {:>6.2} {:>6.2} | {:>6.2} {:>8.2}\n",
+                "{:<11} {:<5} {:>17} {:>15} {:>15} | {:>6.2} {:>6.2} {:>6.2} {:>6.2} {:>6.2} | {:>6.2} {:>8.2}\n",
                 stack.name(),
                 dir,
                 g("MBps").cell(0),
+                g("MB_per_host_cpu_s").cell(0),
                 g("MB_per_cpu_s").cell(0),
                 c("server"),
                 c("nic"),
@@ -1012,7 +1021,9 @@ pub fn table(r: &Ext2Report) -> String {
     s += "\nclients: qpip = qpip-nbd-mount (QPs); the others = qemu-storage-daemon FUSE export \
           (TCP socket)\n";
     s += "MB/CPU-s = MB moved per CPU-second of the machine, other processes left out \
-          (kernel includes loop/writeback workers and interrupt work)\n";
+          (kernel includes loop/writeback workers and interrupt work); MB/host-CPU-s leaves \
+          out the NIC column too (the soft NIC's engine threads, the paper's NIC processor; \
+          socket stacks have none)\n";
     if p.loop_direct_io && r.loop_direct_io.values().any(|d| !d) {
         s += &format!(
             "note: the loop device fell back to buffered I/O on: {:?}\n",

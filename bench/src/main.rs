@@ -13,7 +13,7 @@ mod sweep;
 
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -180,12 +180,31 @@ enum NbdCmd {
     },
 }
 
-fn main() -> Result<()> {
+fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    // One line per error, never a backtrace.
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("qpip-bench: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+/// A plot directory is checked before a run of minutes, not after it.
+fn check_plot_dir(dir: &std::path::Path, no_plot: bool) -> Result<()> {
+    if no_plot {
+        return Ok(());
+    }
+    let probe = dir.join(format!(".qpip-bench-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"")
+        .with_context(|| format!("--plot-dir {}: cannot write there", dir.display()))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Micro {
             json,
@@ -274,6 +293,7 @@ fn main() -> Result<()> {
                     no_plot,
                 },
         } => {
+            check_plot_dir(&plot_dir, no_plot)?;
             let progress = progress::Progress::new("qpip-bench nbd ext2");
             let opts = ext2::Options {
                 file_size,
@@ -285,17 +305,18 @@ fn main() -> Result<()> {
                 loop_direct_io: loop_direct_io == "on",
             };
             let report = ext2::run_all(opts, &progress)?;
-            if !no_plot {
-                let path = plot_dir.join("qpip-bench-ext2.svg");
-                plot::ext2(&report, &path)?;
-                progress.line(&format!("plot written to {}", path.display()));
-            }
             if json {
                 // The table still goes to the terminal, on stderr.
                 eprint!("{}", ext2::table(&report));
                 println!("{}", serde_json::to_string(&report)?);
             } else {
                 print!("{}", ext2::table(&report));
+            }
+            if !no_plot {
+                let path = plot_dir.join("qpip-bench-ext2.svg");
+                plot::ext2(&report, &path)
+                    .with_context(|| format!("writing the plot {}", path.display()))?;
+                progress.line(&format!("plot written to {}", path.display()));
             }
         }
         Cmd::Nbd {
@@ -313,6 +334,7 @@ fn main() -> Result<()> {
                     no_plot,
                 },
         } => {
+            check_plot_dir(&plot_dir, no_plot)?;
             let progress = progress::Progress::new("qpip-bench nbd sweep");
             let opts = sweep::Options {
                 repeat,
@@ -324,21 +346,22 @@ fn main() -> Result<()> {
                 dir,
             };
             let report = sweep::run_all(opts, &progress)?;
-            if !no_plot {
-                for (dir, path) in [
-                    ("write", plot_dir.join("qpip-bench-sweep-write.svg")),
-                    ("read", plot_dir.join("qpip-bench-sweep-read.svg")),
-                ] {
-                    plot::sweep(&report, dir, &path)?;
-                    progress.line(&format!("plot written to {}", path.display()));
-                }
-            }
             if json {
                 // The table still goes to the terminal, on stderr.
                 eprint!("{}", sweep::table(&report));
                 println!("{}", serde_json::to_string(&report)?);
             } else {
                 print!("{}", sweep::table(&report));
+            }
+            if !no_plot {
+                for (dir, path) in [
+                    ("write", plot_dir.join("qpip-bench-sweep-write.svg")),
+                    ("read", plot_dir.join("qpip-bench-sweep-read.svg")),
+                ] {
+                    plot::sweep(&report, dir, &path)
+                        .with_context(|| format!("writing the plot {}", path.display()))?;
+                    progress.line(&format!("plot written to {}", path.display()));
+                }
             }
         }
     }

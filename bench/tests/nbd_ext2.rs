@@ -134,6 +134,8 @@ fn ext2_json_has_positive_figures_for_every_stack_and_leaves_nothing_behind() {
             "read_MBps",
             "write_MB_per_cpu_s",
             "read_MB_per_cpu_s",
+            "write_MB_per_host_cpu_s",
+            "read_MB_per_host_cpu_s",
             "write_cpu_s_per_GB_machine",
             "read_cpu_s_per_GB_machine",
             "write_cpu_s_per_GB_client",
@@ -150,7 +152,7 @@ fn ext2_json_has_positive_figures_for_every_stack_and_leaves_nothing_behind() {
         .as_f64()
         .unwrap();
     assert!(nic >= 0.0);
-    assert_eq!(v["targets"].as_array().map(Vec::len), Some(4), "{v}");
+    assert_eq!(v["targets"].as_array().map(Vec::len), Some(6), "{v}");
 }
 
 #[test]
@@ -204,4 +206,22 @@ fn sweep_runs_at_a_tiny_size() {
             && p["nbd_requests_per_request"] == pieces),
         "{v}"
     );
+}
+
+#[test]
+fn a_plot_dir_that_cannot_be_written_fails_before_the_run_in_one_line() {
+    for sub in ["ext2", "sweep"] {
+        let t = std::time::Instant::now();
+        let out = Command::new(env!("CARGO_BIN_EXE_qpip-bench"))
+            .args(["nbd", sub, "--plot-dir", "/nonexistent/plots"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{sub}: {stderr}");
+        assert!(
+            stderr.trim().lines().count() == 1 && stderr.contains("/nonexistent/plots"),
+            "{sub}: {stderr}"
+        );
+        assert!(t.elapsed().as_secs() < 10, "{sub} ran before checking");
+    }
 }

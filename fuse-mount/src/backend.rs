@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use nbd_client::{Client, Error};
 use parking_lot::{Mutex, RwLock};
+use qpip_core::MemoryRegion;
 
 /// An errno for the application.
 pub type Errno = i32;
@@ -146,6 +147,61 @@ impl Backend {
             buf.truncate(len as usize);
         }
         Ok(buf)
+    }
+
+    /// Reads `len` bytes at `offset` into registered memory: `mr` from `at` (the caller keeps
+    /// the range inside the export and inside `mr`, and nothing else uses those bytes
+    /// meanwhile).
+    pub fn read_into(
+        &self,
+        offset: u64,
+        len: u64,
+        mr: &MemoryRegion,
+        at: usize,
+    ) -> Result<(), Errno> {
+        let min = self.caps.min_block;
+        if at
+            .checked_add(len as usize)
+            .is_none_or(|end| end > mr.len())
+        {
+            return Err(libc::EINVAL);
+        }
+        if offset.is_multiple_of(min) && len.is_multiple_of(min) {
+            return self
+                .with(|c| c.read_at_mr(offset, mr, at, len as usize))
+                .map_err(|e| log_err("read", offset, len, &e));
+        }
+        let buf = self.read(offset, len)?;
+        mr.write_at(at, &buf);
+        Ok(())
+    }
+
+    /// Writes `len` bytes of registered memory (`mr` from `at`) at `offset`; the NIC sends
+    /// them from there.
+    pub fn write_from(
+        &self,
+        offset: u64,
+        mr: &MemoryRegion,
+        at: usize,
+        len: usize,
+    ) -> Result<(), Errno> {
+        if self.caps.read_only {
+            return Err(libc::EROFS);
+        }
+        if at.checked_add(len).is_none_or(|end| end > mr.len()) {
+            return Err(libc::EINVAL);
+        }
+        let min = self.caps.min_block;
+        if offset.is_multiple_of(min) && (len as u64).is_multiple_of(min) {
+            let _shared = self.rmw.read();
+            return self
+                .with(|c| c.write_at_mr(offset, mr, at, len, false))
+                .map_err(|e| log_err("write", offset, len as u64, &e));
+        }
+        // SAFETY: the range is inside the region (checked above) and the caller leaves those
+        // bytes alone until this returns; no receive WR names them.
+        let data = unsafe { std::slice::from_raw_parts(mr.as_ptr().add(at), len) };
+        self.write(offset, data)
     }
 
     /// Writes `data` at `offset` (inside the export).

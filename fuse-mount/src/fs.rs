@@ -1,84 +1,129 @@
-//! The FUSE filesystem: a directory (inode 1) holding one regular file (inode 2), the export.
+//! The filesystem: a directory (node 1) holding one regular file (node 2), the export.
 //!
-//! fuser runs several event-loop threads over the one /dev/fuse connection; every request is
-//! handled and answered on the thread that read it, which takes a connection from the
-//! [`Backend`]'s pool. Metadata never reaches the server: it is fixed at mount time.
+//! [`NbdFs::handle`] answers one parsed request ([`crate::proto::Op`]) whichever transport
+//! brought it. Its buffers are registered memory ([`Buffers`]): READ data is asked of the
+//! server straight into the buffer that goes back to the kernel, WRITE data is sent to the
+//! server from the buffer the kernel filled. Metadata never reaches the server: it is fixed at
+//! mount time.
 
-use std::ffi::{OsStr, OsString};
-use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
-    KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,
-    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
-};
+use qpip_core::MemoryRegion;
 
+use crate::abi::{self, bytes_of, fuse_attr, fuse_in_header};
 use crate::backend::Backend;
+use crate::proto::Op;
+use std::sync::Arc;
 
 /// Attributes never change while mounted (the export's size is fixed), so the kernel may keep
 /// them long.
 const TTL: Duration = Duration::from_secs(3600);
-const DIR: INodeNo = INodeNo::ROOT;
-const FILE: INodeNo = INodeNo(2);
+pub const DIR: u64 = abi::ROOT_ID;
+pub const FILE: u64 = 2;
 
 /// Largest FUSE READ/WRITE asked of the kernel (its `fs.fuse.max_pages_limit` caps it; 1 MiB
 /// by default).
 pub const MAX_IO: u32 = 1 << 20;
 
-pub struct NbdFs {
-    backend: Arc<Backend>,
-    name: OsString,
-    dir: FileAttr,
-    file: FileAttr,
+/// What a request comes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Success with this many reply bytes at the start of the output buffer.
+    Reply(usize),
+    /// An errno for the application.
+    Error(i32),
+    /// The kernel expects no answer (FORGET, INTERRUPT).
+    Silent,
 }
 
-fn errno(e: i32) -> Errno {
-    Errno::from_i32(e)
+/// Where a request's bytes are and where its reply goes: offsets into one registered region.
+/// On the ring both are the entry's payload buffer (the input is used up before the reply is
+/// written); on /dev/fuse they are two halves of the worker's buffer.
+pub struct Buffers<'a> {
+    pub mr: &'a MemoryRegion,
+    /// Where the bytes after the op struct (WRITE data) start.
+    pub input: usize,
+    pub input_len: usize,
+    /// Where the reply goes, and how much fits.
+    pub out: usize,
+    pub out_cap: usize,
+}
+
+impl Buffers<'_> {
+    /// Copies a small reply struct into the output buffer.
+    fn put(&self, bytes: &[u8]) -> Outcome {
+        if bytes.len() > self.out_cap {
+            return Outcome::Error(libc::EIO);
+        }
+        self.mr.write_at(self.out, bytes);
+        Outcome::Reply(bytes.len())
+    }
+}
+
+pub struct NbdFs {
+    backend: Arc<Backend>,
+    name: Vec<u8>,
+    dir: fuse_attr,
+    file: fuse_attr,
+}
+
+fn entry_out(attr: &fuse_attr) -> abi::fuse_entry_out {
+    abi::fuse_entry_out {
+        nodeid: attr.ino,
+        generation: 0,
+        entry_valid: TTL.as_secs(),
+        attr_valid: TTL.as_secs(),
+        entry_valid_nsec: 0,
+        attr_valid_nsec: 0,
+        attr: *attr,
+    }
 }
 
 impl NbdFs {
     /// `name`: the file's name in the mount point.
     pub fn new(backend: Arc<Backend>, name: &str) -> NbdFs {
-        let now = SystemTime::now();
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
         // SAFETY: plain getters without arguments.
         let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
         let caps = *backend.caps();
-        let dir = FileAttr {
+        let dir = fuse_attr {
             ino: DIR,
-            size: 0,
-            blocks: 0,
-            atime: now,
-            mtime: now,
-            ctime: now,
-            crtime: now,
-            kind: FileType::Directory,
-            perm: 0o755,
+            atime: now.as_secs(),
+            mtime: now.as_secs(),
+            ctime: now.as_secs(),
+            atimensec: now.subsec_nanos(),
+            mtimensec: now.subsec_nanos(),
+            ctimensec: now.subsec_nanos(),
+            mode: libc::S_IFDIR | 0o755,
             nlink: 2,
             uid,
             gid,
-            rdev: 0,
             blksize: 4096,
-            flags: 0,
+            ..Default::default()
         };
-        let file = FileAttr {
+        let file = fuse_attr {
             ino: FILE,
             size: caps.size,
             blocks: caps.size / 512,
-            kind: FileType::RegularFile,
-            perm: if caps.read_only { 0o444 } else { 0o644 },
+            mode: libc::S_IFREG | if caps.read_only { 0o444 } else { 0o644 },
             nlink: 1,
             ..dir
         };
         NbdFs {
             backend,
-            name: name.into(),
+            name: name.as_bytes().to_vec(),
             dir,
             file,
         }
     }
 
-    fn attr(&self, ino: INodeNo) -> Option<&FileAttr> {
+    pub fn backend(&self) -> &Arc<Backend> {
+        &self.backend
+    }
+
+    fn attr(&self, ino: u64) -> Option<&fuse_attr> {
         match ino {
             DIR => Some(&self.dir),
             FILE => Some(&self.file),
@@ -93,264 +138,221 @@ impl NbdFs {
     fn read_only(&self) -> bool {
         self.backend.caps().read_only
     }
-}
 
-impl Filesystem for NbdFs {
-    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        // On Err the setters report the nearest value the kernel allows: take that one.
-        let max_write = config.set_max_write(MAX_IO).map_or_else(
-            |max| {
-                let _ = config.set_max_write(max);
-                max
+    /// Answers one request (INIT is the transport's business and answered there).
+    pub fn handle(&self, h: &fuse_in_header, op: &Op, buf: &Buffers) -> Outcome {
+        use Outcome::{Error, Reply, Silent};
+        let ino = h.nodeid;
+        match op {
+            Op::Forget | Op::Interrupt { .. } => Silent,
+            Op::Lookup { name } => {
+                if ino == DIR && *name == self.name {
+                    buf.put(bytes_of(&entry_out(&self.file)))
+                } else {
+                    Error(libc::ENOENT)
+                }
+            }
+            Op::Getattr => match self.attr(ino) {
+                Some(a) => buf.put(bytes_of(&abi::fuse_attr_out {
+                    attr_valid: TTL.as_secs(),
+                    attr: *a,
+                    ..Default::default()
+                })),
+                None => Error(libc::ENOENT),
             },
-            |_| MAX_IO,
-        );
-        let max_readahead = config.set_max_readahead(MAX_IO).map_or_else(
-            |max| {
-                let _ = config.set_max_readahead(max);
-                max
+            Op::Setattr(s) => match self.setattr(ino, s) {
+                Ok(a) => buf.put(bytes_of(&abi::fuse_attr_out {
+                    attr_valid: TTL.as_secs(),
+                    attr: *a,
+                    ..Default::default()
+                })),
+                Err(e) => Error(e),
             },
-            |_| MAX_IO,
-        );
-        let _ = config.set_max_background(64);
-        let _ = config.set_congestion_threshold(48);
-        tracing::debug!(max_write, max_readahead, "FUSE connection initialised");
-        Ok(())
-    }
-
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        if parent == DIR && name == self.name.as_os_str() {
-            reply.entry(&TTL, &self.file, Generation(0));
-        } else {
-            reply.error(Errno::ENOENT);
-        }
-    }
-
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match self.attr(ino) {
-            Some(a) => reply.attr(&TTL, a),
-            None => reply.error(Errno::ENOENT),
+            Op::Open { flags } => {
+                if ino != FILE {
+                    return Error(libc::EISDIR);
+                }
+                let flags = *flags as i32;
+                if flags & libc::O_ACCMODE != libc::O_RDONLY && self.read_only() {
+                    return Error(libc::EROFS);
+                }
+                if flags & libc::O_TRUNC != 0 && self.size() != 0 {
+                    return Error(libc::EINVAL);
+                }
+                buf.put(bytes_of(&abi::fuse_open_out::default()))
+            }
+            Op::Opendir => {
+                if ino != DIR {
+                    return Error(libc::ENOTDIR);
+                }
+                buf.put(bytes_of(&abi::fuse_open_out::default()))
+            }
+            Op::Read { offset, size } => self.read(ino, *offset, *size, buf),
+            Op::Write { offset, size, data } => self.write(ino, *offset, *size, *data, buf),
+            // close(2): writes already went to the server when they were acknowledged;
+            // durability is fsync's business.
+            Op::Flush | Op::Release | Op::Releasedir | Op::Fsyncdir | Op::Access => Reply(0),
+            Op::Destroy => Reply(0),
+            // fsync / fdatasync → NBD FLUSH.
+            Op::Fsync => match self.backend.flush() {
+                Ok(()) => Reply(0),
+                Err(e) => Error(e),
+            },
+            Op::Readdir { offset, size, plus } => self.readdir(ino, *offset, *size, *plus, buf),
+            Op::Statfs => {
+                let blocks = self.size().div_ceil(4096);
+                buf.put(bytes_of(&abi::fuse_statfs_out {
+                    st: abi::fuse_kstatfs {
+                        blocks,
+                        files: 2,
+                        bsize: 4096,
+                        namelen: 255,
+                        frsize: 4096,
+                        ..Default::default()
+                    },
+                }))
+            }
+            Op::Fallocate(f) => match self.fallocate(ino, f.offset, f.length, f.mode as i32) {
+                Ok(()) => Reply(0),
+                Err(e) => Error(e),
+            },
+            Op::Init(_) | Op::Other(_) => Error(libc::ENOSYS),
         }
     }
 
     /// The size is the export's: truncation to any other size is EINVAL (as for a block
     /// device); ownership and mode cannot change (EPERM); times are accepted and ignored.
-    fn setattr(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        mode: Option<u32>,
-        uid: Option<u32>,
-        gid: Option<u32>,
-        size: Option<u64>,
-        _atime: Option<TimeOrNow>,
-        _mtime: Option<TimeOrNow>,
-        _ctime: Option<SystemTime>,
-        _fh: Option<FileHandle>,
-        _crtime: Option<SystemTime>,
-        _chgtime: Option<SystemTime>,
-        _bkuptime: Option<SystemTime>,
-        _flags: Option<fuser::BsdFileFlags>,
-        reply: ReplyAttr,
-    ) {
-        let Some(attr) = self.attr(ino) else {
-            return reply.error(Errno::ENOENT);
-        };
-        if let Some(s) = size {
+    fn setattr(&self, ino: u64, s: &abi::fuse_setattr_in) -> Result<&fuse_attr, i32> {
+        let attr = self.attr(ino).ok_or(libc::ENOENT)?;
+        if s.valid & abi::FATTR_SIZE != 0 {
             if ino != FILE {
-                return reply.error(Errno::EISDIR);
+                return Err(libc::EISDIR);
             }
             if self.read_only() {
-                return reply.error(Errno::EROFS);
+                return Err(libc::EROFS);
             }
-            if s != self.size() {
-                return reply.error(Errno::EINVAL);
+            if s.size != self.size() {
+                return Err(libc::EINVAL);
             }
         }
-        if mode.is_some_and(|m| m & 0o7777 != u32::from(attr.perm))
-            || uid.is_some_and(|u| u != attr.uid)
-            || gid.is_some_and(|g| g != attr.gid)
+        if (s.valid & abi::FATTR_MODE != 0 && s.mode & 0o7777 != attr.mode & 0o7777)
+            || (s.valid & abi::FATTR_UID != 0 && s.uid != attr.uid)
+            || (s.valid & abi::FATTR_GID != 0 && s.gid != attr.gid)
         {
-            return reply.error(Errno::EPERM);
+            return Err(libc::EPERM);
         }
-        reply.attr(&TTL, attr);
+        Ok(attr)
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+    fn read(&self, ino: u64, offset: u64, size: u32, buf: &Buffers) -> Outcome {
         if ino != FILE {
-            return reply.error(Errno::EISDIR);
+            return Outcome::Error(libc::EISDIR);
         }
-        if flags.acc_mode() != OpenAccMode::O_RDONLY && self.read_only() {
-            return reply.error(Errno::EROFS);
-        }
-        if flags.0 & libc::O_TRUNC != 0 && self.size() != 0 {
-            return reply.error(Errno::EINVAL);
-        }
-        reply.opened(FileHandle(0), FopenFlags::empty());
-    }
-
-    fn read(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        size: u32,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        reply: ReplyData,
-    ) {
-        if ino != FILE {
-            return reply.error(Errno::EISDIR);
-        }
-        let len = u64::from(size).min(self.size().saturating_sub(offset));
+        let len = u64::from(size)
+            .min(self.size().saturating_sub(offset))
+            .min(buf.out_cap as u64);
         if len == 0 {
-            return reply.data(&[]);
+            return Outcome::Reply(0);
         }
-        match self.backend.read(offset, len) {
-            Ok(buf) => reply.data(&buf),
-            Err(e) => reply.error(errno(e)),
+        match self.backend.read_into(offset, len, buf.mr, buf.out) {
+            Ok(()) => Outcome::Reply(len as usize),
+            Err(e) => Outcome::Error(e),
         }
     }
 
     /// Writes past the end are ENOSPC; one that straddles the end is short, as on a block
     /// device.
-    fn write(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        data: &[u8],
-        _write_flags: WriteFlags,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        reply: ReplyWrite,
-    ) {
+    fn write(&self, ino: u64, offset: u64, size: u32, data: usize, buf: &Buffers) -> Outcome {
         if ino != FILE {
-            return reply.error(Errno::EISDIR);
+            return Outcome::Error(libc::EISDIR);
         }
         if self.read_only() {
-            return reply.error(Errno::EROFS);
+            return Outcome::Error(libc::EROFS);
         }
-        let len = (data.len() as u64).min(self.size().saturating_sub(offset));
+        if data + size as usize > buf.input_len {
+            return Outcome::Error(libc::EINVAL);
+        }
+        let len = u64::from(size).min(self.size().saturating_sub(offset));
         if len == 0 {
-            return if data.is_empty() {
-                reply.written(0)
+            return if size == 0 {
+                buf.put(bytes_of(&abi::fuse_write_out::default()))
             } else {
-                reply.error(Errno::ENOSPC)
+                Outcome::Error(libc::ENOSPC)
             };
         }
-        match self.backend.write(offset, &data[..len as usize]) {
-            Ok(()) => reply.written(len as u32),
-            Err(e) => reply.error(errno(e)),
+        match self
+            .backend
+            .write_from(offset, buf.mr, buf.input + data, len as usize)
+        {
+            Ok(()) => buf.put(bytes_of(&abi::fuse_write_out {
+                size: len as u32,
+                padding: 0,
+            })),
+            Err(e) => Outcome::Error(e),
         }
     }
 
-    /// close(2): writes already went to the server when they were acknowledged; durability is
-    /// fsync's business.
-    fn flush(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _lock_owner: LockOwner,
-        reply: ReplyEmpty,
-    ) {
-        reply.ok();
-    }
-
-    /// fsync / fdatasync → NBD FLUSH.
-    fn fsync(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _datasync: bool,
-        reply: ReplyEmpty,
-    ) {
-        match self.backend.flush() {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
-    }
-
-    fn fsyncdir(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _datasync: bool,
-        reply: ReplyEmpty,
-    ) {
-        reply.ok();
-    }
-
-    fn readdir(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        mut reply: ReplyDirectory,
-    ) {
+    fn readdir(&self, ino: u64, offset: u64, size: u32, plus: bool, buf: &Buffers) -> Outcome {
         if ino != DIR {
-            return reply.error(Errno::ENOTDIR);
+            return Outcome::Error(libc::ENOTDIR);
         }
-        let entries = [
-            (DIR, FileType::Directory, OsStr::new(".")),
-            (DIR, FileType::Directory, OsStr::new("..")),
-            (FILE, FileType::RegularFile, self.name.as_os_str()),
+        let entries: [(&fuse_attr, &[u8], u32); 3] = [
+            (&self.dir, b".", libc::DT_DIR.into()),
+            (&self.dir, b"..", libc::DT_DIR.into()),
+            (&self.file, &self.name, libc::DT_REG.into()),
         ];
-        for (i, (ino, kind, name)) in entries.into_iter().enumerate().skip(offset as usize) {
-            if reply.add(ino, (i + 1) as u64, kind, name) {
+        let cap = (size as usize).min(buf.out_cap);
+        let mut out = Vec::with_capacity(512);
+        for (i, (attr, name, typ)) in entries.iter().enumerate().skip(offset as usize) {
+            let mut one = Vec::with_capacity(256);
+            if plus {
+                // "." and ".." carry no entry (node id 0): the kernel skips them.
+                let e = if i < 2 {
+                    abi::fuse_entry_out::default()
+                } else {
+                    entry_out(attr)
+                };
+                one.extend_from_slice(bytes_of(&e));
+            }
+            one.extend_from_slice(bytes_of(&abi::fuse_dirent {
+                ino: attr.ino,
+                off: i as u64 + 1,
+                namelen: name.len() as u32,
+                typ: *typ,
+            }));
+            one.extend_from_slice(name);
+            one.resize(one.len().next_multiple_of(8), 0);
+            if out.len() + one.len() > cap {
                 break;
             }
+            out.extend_from_slice(&one);
         }
-        reply.ok();
-    }
-
-    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let blocks = self.size().div_ceil(4096);
-        reply.statfs(blocks, 0, 0, 2, 0, 4096, 255, 4096);
+        buf.put(&out)
     }
 
     /// mode 0 / KEEP_SIZE inside the export: the blocks exist already. PUNCH_HOLE → TRIM (then
     /// zeroes wherever the server does not report them); ZERO_RANGE → WRITE_ZEROES. Nothing can
     /// grow the file; other modes are EOPNOTSUPP.
-    fn fallocate(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        length: u64,
-        mode: i32,
-        reply: ReplyEmpty,
-    ) {
+    fn fallocate(&self, ino: u64, offset: u64, length: u64, mode: i32) -> Result<(), i32> {
         if ino != FILE {
-            return reply.error(Errno::EISDIR);
+            return Err(libc::EISDIR);
         }
         if self.read_only() {
-            return reply.error(Errno::EROFS);
+            return Err(libc::EROFS);
         }
         let keep_size = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
         let kind = mode & !libc::FALLOC_FL_KEEP_SIZE;
         let end = offset.saturating_add(length);
         if end > self.size() && !keep_size {
-            return reply.error(Errno::EOPNOTSUPP);
+            return Err(libc::EOPNOTSUPP);
         }
         let len = end.min(self.size()).saturating_sub(offset);
-        let result = match kind {
+        match kind {
             0 => Ok(()),
             _ if len == 0 => Ok(()),
             libc::FALLOC_FL_PUNCH_HOLE => self.backend.punch(offset, len),
             libc::FALLOC_FL_ZERO_RANGE => self.backend.zero(offset, len),
             _ => Err(libc::EOPNOTSUPP),
-        };
-        match result {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
         }
     }
 }

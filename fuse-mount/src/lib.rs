@@ -1,12 +1,20 @@
 //! qpip-nbd-mount: an NBD export (over Queue Pair IP) as one regular file in a FUSE mount.
 //!
 //! [`backend::Backend`] holds the NBD connections and turns byte ranges into NBD requests;
-//! [`fs::NbdFs`] is the FUSE side (a directory with one file); [`mountpoint`] checks where
-//! the mount goes and unmounts it.
+//! [`fs::NbdFs`] answers FUSE requests (a directory with one file); [`proto`] parses them
+//! (with [`abi`], the kernel's structs); [`session`] runs a connection over one of two
+//! transports, [`ring`] (FUSE over io_uring) or [`dev`] (/dev/fuse); [`mount`] mounts and
+//! [`mountpoint`] checks where the mount goes and unmounts it.
 
+pub mod abi;
 pub mod backend;
+pub mod dev;
 pub mod fs;
+pub mod mount;
 pub mod mountpoint;
+pub mod proto;
+pub mod ring;
+pub mod session;
 
 /// The file's name in the mount point: the export's name (`nbd` when it is empty), with `/`
 /// (not allowed in a file name) replaced by `_`.

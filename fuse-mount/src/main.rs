@@ -10,8 +10,8 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use fuse_mount::backend::Backend;
 use fuse_mount::fs::NbdFs;
-use fuse_mount::{file_name, mountpoint};
-use fuser::{Config, MountOption, Session, SessionACL};
+use fuse_mount::session::{Config, Session, Transport};
+use fuse_mount::{file_name, mount, mountpoint};
 use nbd_client::{Client, ClientOptions, Error as NbdError, NbdUri, Nic};
 use nbd_proto::handshake::ClientError;
 use qpip_core::cli::BackendArgs;
@@ -53,9 +53,23 @@ struct Cli {
     /// Connections to the server when it allows multi-conn (one otherwise).
     #[arg(short = 'C', long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     connections: u16,
-    /// FUSE request threads [default: connections + 2].
+    /// FUSE request threads [default: connections + 2]: /dev/fuse readers, or on io_uring
+    /// the ring entries (each with its thread) per queue (one queue per CPU).
     #[arg(short = 'T', long, value_parser = clap::value_parser!(u16).range(1..=256))]
     threads: Option<u16>,
+    /// How the kernel hands FUSE requests over: io_uring (Linux 6.14+ with
+    /// /sys/module/fuse/parameters/enable_uring on), /dev/fuse, or auto (io_uring when the
+    /// kernel offers it, else /dev/fuse, saying why).
+    #[arg(long, value_enum, default_value_t = Transport::Auto)]
+    fuse_transport: Transport,
+    /// The mount's read-ahead window in KiB (/sys/class/bdi/MAJ:MIN/read_ahead_kb; the
+    /// kernel's default is 128). 0 leaves the kernel's value.
+    #[arg(long, default_value_t = 4096, value_name = "KIB")]
+    read_ahead_kb: u32,
+    /// Write-through instead of the kernel's writeback cache (FUSE_WRITEBACK_CACHE): every
+    /// write(2) waits for the server.
+    #[arg(long)]
+    no_writeback_cache: bool,
     /// Detach into the background once mounted (errors before that still exit non-zero).
     #[arg(long)]
     daemon: bool,
@@ -71,9 +85,7 @@ struct Cli {
 
 fn main() {
     let cli = Cli::parse();
-    // fuser warns about every operation it answers ENOSYS for (xattrs): quiet below -vv.
-    let level =
-        ["warn,fuser=error", "info,fuser=error", "debug", "trace"][usize::from(cli.verbose.min(3))];
+    let level = ["warn", "info", "debug", "trace"][usize::from(cli.verbose.min(3))];
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -269,33 +281,52 @@ fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
         .map_or(backend.connections() + 2, usize::from)
         .max(1);
 
-    let options = vec![
-        MountOption::FSName(uri.to_string()),
-        MountOption::Subtype("qpip-nbd".into()),
-        MountOption::DefaultPermissions,
-        MountOption::NoSuid,
-        MountOption::NoDev,
-        MountOption::NoAtime,
-        if caps.read_only {
-            MountOption::RO
-        } else {
-            MountOption::RW
+    let fs = Arc::new(NbdFs::new(backend.clone(), &name));
+    let dev = mount::mount(
+        mnt,
+        &mount::Options {
+            fsname: uri.to_string(),
+            subtype: "qpip-nbd".into(),
+            read_only: caps.read_only,
+            allow_other: cli.allow_other,
         },
-    ];
-    let mut config = Config::default();
-    config.mount_options = options;
-    // SessionACL::All is the allow_other mount option.
-    config.acl = if cli.allow_other {
-        SessionACL::All
-    } else {
-        SessionACL::Owner
+    )
+    .with_context(|| format!("mounting on {}", mnt.display()))?;
+    let config = Config {
+        transport: cli.fuse_transport,
+        threads,
+        ring_depth: threads,
+        writeback_cache: !cli.no_writeback_cache,
+        read_only: caps.read_only,
     };
-    config.n_threads = Some(threads);
-    config.clone_fd = true;
-
-    let fs = NbdFs::new(backend.clone(), &name);
-    let session =
-        Session::new(fs, mnt, &config).with_context(|| format!("mounting on {}", mnt.display()))?;
+    let session = match Session::init(dev, fs, nic.clone(), config) {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = mountpoint::unmount(mnt);
+            return Err(
+                anyhow::Error::new(e).context(format!("starting FUSE on {}", mnt.display()))
+            );
+        }
+    };
+    if let Some(why) = &session.started.fallback {
+        tracing::warn!("FUSE over /dev/fuse instead of io_uring: {why}");
+    }
+    match mount::device_of(mnt) {
+        Some(d) => {
+            if cli.read_ahead_kb > 0
+                && let Err(e) = mount::set_read_ahead(d, cli.read_ahead_kb)
+            {
+                // SAFETY: plain getter.
+                if unsafe { libc::geteuid() } == 0 {
+                    tracing::warn!("setting the read-ahead window: {e}");
+                } else {
+                    tracing::info!("the read-ahead window stays the kernel's ({e}; needs root)");
+                }
+            }
+        }
+        None => tracing::warn!("{}: no device number in mountinfo", mnt.display()),
+    }
+    let started = &session.started;
     tracing::info!(
         %uri,
         file = %mnt.join(&name).display(),
@@ -303,6 +334,8 @@ fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
         connections = backend.connections(),
         threads,
         read_only = caps.read_only,
+        transport = if started.uring { "io_uring" } else { "/dev/fuse" },
+        writeback_cache = started.agreed.has(fuse_mount::abi::WRITEBACK_CACHE),
         "mounted"
     );
     if let Some(p) = &cli.pid_file {

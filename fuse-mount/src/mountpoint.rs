@@ -23,7 +23,7 @@ pub enum MountpointError {
 }
 
 /// Decodes the octal escapes (`\040` for a space, ...) of /proc/self/mountinfo.
-fn unescape(s: &str) -> Vec<u8> {
+pub(crate) fn unescape(s: &str) -> Vec<u8> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;

@@ -11,6 +11,40 @@ use common::*;
 
 const MIB: u64 = 1 << 20;
 
+/// Every mount test runs twice: over /dev/fuse (`NAME::dev`) and over FUSE io_uring
+/// (`NAME::uring`).
+macro_rules! on_both_transports {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn dev() {
+                if super::common::use_transport("dev") {
+                    super::$name()
+                }
+            }
+            #[test]
+            fn uring() {
+                if super::common::use_transport("uring") {
+                    super::$name()
+                }
+            }
+        }
+    )*};
+}
+
+on_both_transports!(
+    io_continues_across_a_server_restart,
+    write_through_refuses_writes_past_the_end_at_once,
+    file_size_pattern_io_fsync_punch_hole_and_fusermount_exit,
+    ext2_on_a_loop_device_over_the_fuse_file_survives_a_remount,
+    read_only_export_and_read_only_option_refuse_writes,
+    sigterm_and_sigint_unmount_and_exit_zero,
+    daemon_mode_returns_once_mounted,
+    errors_are_clear_and_exit_non_zero,
+    server_eio_reaches_the_application_as_eio,
+    unaligned_io_against_a_4k_minimum_block_size,
+);
+
 fn errno(e: &std::io::Error) -> i32 {
     e.raw_os_error().unwrap_or(0)
 }
@@ -25,7 +59,6 @@ fn fallocate(f: &std::fs::File, mode: i32, offset: u64, len: u64) -> std::io::Re
     }
 }
 
-#[test]
 fn file_size_pattern_io_fsync_punch_hole_and_fusermount_exit() {
     if !can_fuse() {
         return;
@@ -111,11 +144,17 @@ fn file_size_pattern_io_fsync_punch_hole_and_fusermount_exit() {
     assert!(z[1..=zr_len as usize].iter().all(|&b| b == 0));
     assert_eq!(z[zr_len as usize + 1], pattern(zr + zr_len, 1)[0]);
 
-    // The size cannot change; writing past the end is ENOSPC.
+    // The size cannot change; writing past the end is ENOSPC: with the writeback cache (the
+    // default) the page cache takes the byte and its writeback fails, which fsync reports.
     let e = f.set_len(MIB).unwrap_err();
     assert_eq!(errno(&e), libc::EINVAL, "{e}");
-    let e = f.write_at(b"x", 64 * MIB).unwrap_err();
-    assert_eq!(errno(&e), libc::ENOSPC, "{e}");
+    match f.write_at(b"x", 64 * MIB) {
+        Err(e) => assert_eq!(errno(&e), libc::ENOSPC, "{e}"),
+        Ok(_) => {
+            let e = f.sync_all().unwrap_err();
+            assert_eq!(errno(&e), libc::ENOSPC, "{e}");
+        }
+    }
     drop(f);
 
     run("fusermount3", &["-u", mnt.to_str().unwrap()]);
@@ -123,7 +162,34 @@ fn file_size_pattern_io_fsync_punch_hole_and_fusermount_exit() {
     assert!(status.success(), "{status}");
 }
 
-#[test]
+/// Without the writeback cache every write(2) goes to the server before it returns: one past
+/// the end fails at once.
+fn write_through_refuses_writes_past_the_end_at_once() {
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_image(dir.path(), "w.img", 8 * MIB);
+    let server = qpip_server("w", &img, &[]);
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let m = mount(&server.uri, &mnt, "w", &["--no-writeback-cache"]);
+    let f = OpenOptions::new().write(true).open(&m.file).unwrap();
+    let e = f.write_at(b"x", 8 * MIB).unwrap_err();
+    assert_eq!(errno(&e), libc::ENOSPC, "{e}");
+    f.write_all_at(&pattern(4096, 8192), 4096).unwrap();
+    let mut back = vec![0u8; 8192];
+    std::fs::File::open(&img)
+        .unwrap()
+        .read_exact_at(&mut back, 4096)
+        .unwrap();
+    assert!(
+        back == pattern(4096, 8192),
+        "written through before write(2) returned"
+    );
+    assert_eq!(std::fs::metadata(&m.file).unwrap().len(), 8 * MIB);
+}
+
 fn ext2_on_a_loop_device_over_the_fuse_file_survives_a_remount() {
     if !can_fuse() || !have("losetup") || !have("mkfs.ext2") || !have("mount") {
         return;
@@ -170,7 +236,6 @@ fn ext2_on_a_loop_device_over_the_fuse_file_survives_a_remount() {
     assert!(m.wait_exit().success());
 }
 
-#[test]
 fn read_only_export_and_read_only_option_refuse_writes() {
     if !can_fuse() {
         return;
@@ -210,7 +275,6 @@ fn read_only_export_and_read_only_option_refuse_writes() {
     }
 }
 
-#[test]
 fn sigterm_and_sigint_unmount_and_exit_zero() {
     if !can_fuse() {
         return;
@@ -232,7 +296,6 @@ fn sigterm_and_sigint_unmount_and_exit_zero() {
     }
 }
 
-#[test]
 fn daemon_mode_returns_once_mounted() {
     if !can_fuse() {
         return;
@@ -244,6 +307,7 @@ fn daemon_mode_returns_once_mounted() {
     std::fs::create_dir(&mnt).unwrap();
     let pid_file = dir.path().join("pid");
     let out = std::process::Command::new(mount_bin())
+        .args(transport_args())
         .args(["--daemon", "--pid-file", pid_file.to_str().unwrap()])
         .arg(&server.uri)
         .arg(&mnt)
@@ -276,7 +340,6 @@ fn daemon_mode_returns_once_mounted() {
     drop(guard);
 }
 
-#[test]
 fn errors_are_clear_and_exit_non_zero() {
     if !can_fuse() {
         return;
@@ -330,7 +393,6 @@ fn errors_are_clear_and_exit_non_zero() {
 
 /// nbdkit's error filter switched on after mounting (by creating its error file): reads fail
 /// with EIO; switched off again, they return the right data.
-#[test]
 fn server_eio_reaches_the_application_as_eio() {
     if !can_fuse() {
         return;
@@ -380,7 +442,6 @@ fn server_eio_reaches_the_application_as_eio() {
 /// A server with a 4 KiB minimum block size that refuses anything unaligned (nbdkit's
 /// blocksize-policy filter): byte-granular I/O through the file is widened and
 /// read-modify-written, and every byte lands where it should.
-#[test]
 fn unaligned_io_against_a_4k_minimum_block_size() {
     if !can_fuse() {
         return;
@@ -430,4 +491,124 @@ fn unaligned_io_against_a_4k_minimum_block_size() {
     unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
     f.read_exact_at(&mut back, 0).unwrap();
     assert!(back == model, "contents differ after zero range");
+}
+
+/// The server goes away and comes back on the same port: the mount reconnects and the data
+/// written before is there, and new writes reach the new server.
+fn io_continues_across_a_server_restart() {
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_image(dir.path(), "r.img", 16 * MIB);
+    let server = qpip_server("r", &img, &[]);
+    let port: u16 = server
+        .uri
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let _m = mount(&server.uri, &mnt, "r", &["--connections", "1"]);
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(mnt.join("r"))
+        .unwrap();
+    let first = pattern(MIB, 2 * MIB as usize);
+    f.write_all_at(&first, MIB).unwrap();
+    f.sync_all().unwrap();
+
+    drop(server);
+    let _server = qpip_server_on(port, "r", &img, &[]);
+    // SAFETY: plain syscall on an open fd: the reads below go to the server.
+    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    let mut back = vec![0u8; first.len()];
+    f.read_exact_at(&mut back, MIB).unwrap();
+    assert!(back == first, "data differs after the reconnection");
+    let second = pattern(8 * MIB, MIB as usize);
+    f.write_all_at(&second, 8 * MIB).unwrap();
+    f.sync_all().unwrap();
+    let mut on_disk = vec![0u8; second.len()];
+    std::fs::File::open(&img)
+        .unwrap()
+        .read_exact_at(&mut on_disk, 8 * MIB)
+        .unwrap();
+    assert!(
+        on_disk == second,
+        "a write after the reconnection is not in the image"
+    );
+}
+
+/// With the kernel's io_uring switch off, the default transport (auto) is /dev/fuse and one
+/// log line says why; `--fuse-transport uring` refuses to mount; switched back on, auto takes
+/// the ring. The switch is restored even if the test fails, and tests that need it on wait
+/// (a lock across test processes) while it is off.
+#[test]
+fn auto_falls_back_to_dev_fuse_while_enable_uring_is_off() {
+    if !can_fuse() {
+        return;
+    }
+    let Ok(orig) = std::fs::read_to_string(ENABLE_URING) else {
+        missing(&format!("FUSE over io_uring ({ENABLE_URING})"));
+        return;
+    };
+    let _lock = UringLock::take(true);
+    struct Restore(String);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let _ = std::fs::write(ENABLE_URING, &self.0);
+        }
+    }
+    let _restore = Restore(orig.trim().to_string());
+
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_image(dir.path(), "f.img", 8 * MIB);
+    let server = qpip_server("f", &img, &[]);
+    std::fs::write(ENABLE_URING, "N").unwrap();
+    let mnt = dir.path().join("off");
+    std::fs::create_dir(&mnt).unwrap();
+    let mut m = mount(&server.uri, &mnt, "f", &[]);
+    OpenOptions::new()
+        .write(true)
+        .open(&m.file)
+        .unwrap()
+        .write_all_at(b"still works", 0)
+        .unwrap();
+    run("fusermount3", &["-u", mnt.to_str().unwrap()]);
+    assert!(m.wait_exit().success());
+    let log = std::fs::read_to_string(mount_log(&mnt)).unwrap();
+    assert_eq!(transport_in_log(&log), Some("dev"), "{log}");
+    let why: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("instead of io_uring"))
+        .collect();
+    assert_eq!(why.len(), 1, "{log}");
+    assert!(why[0].contains("enable_uring is N"), "{log}");
+
+    let (s, err) = mount_fails(&[
+        "--fuse-transport",
+        "uring",
+        &server.uri,
+        mnt.to_str().unwrap(),
+    ]);
+    assert!(!s.success());
+    assert!(err.contains("enable_uring is N"), "{err}");
+    assert!(!mnt.join("f").exists(), "left mounted after refusing");
+
+    std::fs::write(ENABLE_URING, "Y").unwrap();
+    let mnt = dir.path().join("on");
+    std::fs::create_dir(&mnt).unwrap();
+    let mut m = mount(&server.uri, &mnt, "f", &[]);
+    assert_eq!(std::fs::read(&m.file).unwrap()[..11], *b"still works");
+    run("fusermount3", &["-u", mnt.to_str().unwrap()]);
+    assert!(m.wait_exit().success());
+    let log = std::fs::read_to_string(mount_log(&mnt)).unwrap();
+    assert_eq!(transport_in_log(&log), Some("uring"), "{log}");
+    assert!(!log.contains("instead of io_uring"), "{log}");
 }

@@ -7,19 +7,28 @@
 //! connection. A request is reported done only when the server answered it; when the
 //! connection cannot be restored in time, every unanswered request fails with EIO.
 //!
-//! Copies per request (user space): WRITE 1 (caller buffer → send slot); READ 1 (receive slot
-//! → caller buffer). The NIC reads replies from the socket straight into the receive slot
-//! (header and data in one receive WR) and sends requests straight from the send slot.
+//! Copies per request (user space): WRITE 1 (caller buffer → send slot); READ 2 (receive slot
+//! → the request's buffer → caller buffer). The NIC reads replies from the socket straight
+//! into the receive slot (header and data in one receive WR) and sends requests straight from
+//! the send slot. With the caller's buffer in registered memory ([`Op::WriteFrom`],
+//! [`Client::write_at_mr`]) a WRITE costs no copy: its send WR has two SGEs, the header in the
+//! send slot and the data where the caller has it, which must stay untouched until the
+//! request is answered (a reissue after reconnection sends it again). A READ into registered
+//! memory ([`Op::ReadInto`], [`Client::read_at_mr`]) costs one copy (receive slot → caller's
+//! region): receive WRs are taken in the order they were posted while replies may come in any
+//! order, so the NIC cannot yet be told to place one reply's data into one caller's buffer.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use nbd_proto::consts as c;
+use nbd_proto::coverage::ReadCoverage;
 use nbd_proto::flags::{CmdFlags, TransmissionFlags};
 use nbd_proto::handshake::{
     BlockSize, ClientConfig, ClientError, ClientEvent, ClientHandshake, ExportDetails,
     ExportListing,
 };
+use nbd_proto::peer_text::printable;
 use nbd_proto::reply::{Chunk, SimpleReply, StructuredReplyHeader};
 use nbd_proto::transmission::{Command, ErrorValue, Request};
 use qpip_core::{Access, Completion, MemoryRegion, Nic, Opcode, SendWr, WcStatus};
@@ -104,6 +113,23 @@ pub enum Op<'a> {
         offset: u64,
         len: u32,
     },
+    /// A READ whose data goes to registered memory: `mr` from `at` (its reply is
+    /// [`Output::Done`]).
+    ReadInto {
+        offset: u64,
+        len: u32,
+        mr: &'a MemoryRegion,
+        at: usize,
+    },
+    /// A WRITE sent from registered memory without a copy: `len` bytes of `mr` from `at`,
+    /// which must stay unchanged until the request is answered.
+    WriteFrom {
+        offset: u64,
+        len: u32,
+        mr: &'a MemoryRegion,
+        at: usize,
+        fua: bool,
+    },
 }
 
 /// The result of a successful request.
@@ -121,6 +147,19 @@ pub struct Reply {
     pub result: Result<Output>,
 }
 
+/// Why a client gave up on its server.
+#[derive(Clone, Debug)]
+enum Failure {
+    /// The connection was lost and could not be restored in time.
+    Lost(String),
+    /// The server broke the protocol.
+    Violation(String),
+}
+
+/// The largest export the client accepts: offsets are `off_t` (signed 64-bit) in every file
+/// and block device API.
+const MAX_EXPORT_SIZE: u64 = i64::MAX as u64;
+
 /// Tags of requests the blocking calls issue for themselves.
 const INTERNAL: u64 = 1 << 63;
 
@@ -129,17 +168,37 @@ struct Inflight {
     req: Request,
     slot: usize,
     data: Vec<u8>,
-    covered: u64,
+    /// READ data goes here instead of `data`; WRITE data is sent from here instead of the
+    /// send slot.
+    region: Option<(MemoryRegion, usize)>,
+    /// Which bytes of a READ the reply has filled (always empty for other commands).
+    coverage: ReadCoverage,
     extents: Vec<Extent>,
     error: Option<Error>,
 }
 
 impl Inflight {
+    /// Copies `n` bytes of a reply from the receive region at `src` to the request's data at
+    /// `start` (the caller checked `start + n <= req.length`).
+    fn place(&mut self, recv: &MemoryRegion, src: usize, start: usize, n: usize) {
+        match &self.region {
+            Some((mr, at)) => copy_region(recv, src, mr, at + start, n),
+            None => recv.read_at(src, &mut self.data[start..start + n]),
+        }
+    }
+
+    fn zero(&mut self, start: usize, n: usize) {
+        match &self.region {
+            Some((mr, at)) => mr.write_at(at + start, &vec![0; n]),
+            None => self.data[start..start + n].fill(0),
+        }
+    }
+
     fn reset(&mut self) {
         if self.req.command == Command::Read {
             self.data.iter_mut().for_each(|b| *b = 0);
         }
-        self.covered = 0;
+        self.coverage.clear();
         self.extents.clear();
         self.error = None;
     }
@@ -160,13 +219,42 @@ pub struct Client {
     inflight: HashMap<u64, Inflight>,
     next_cookie: u64,
     done: VecDeque<Reply>,
-    failed: Option<String>,
+    /// Why the client gave up for good, if it has.
+    failed: Option<Failure>,
     max_io: u32,
     reconnects: u64,
     /// When a reply last arrived (or the first request after an idle spell was issued).
     last_progress: Instant,
     /// When the server first let a request time out, if it has not replied since.
     stalled_since: Option<Instant>,
+    /// The connection trouble that no reply has ended yet, if any.
+    outage: Option<Outage>,
+}
+
+/// Connection losses since the server last answered. It outlives a successful reconnect, so
+/// a server that accepts connections and then breaks each one cannot restart the clock.
+#[derive(Clone, Copy, Debug)]
+struct Outage {
+    since: Instant,
+    /// Wait before the next connection attempt (0 for the first).
+    backoff: Duration,
+}
+
+impl Outage {
+    const FIRST: Duration = Duration::from_millis(50);
+    const MAX: Duration = Duration::from_secs(2);
+
+    /// The wait before the next attempt, with jitter (half to all of the back-off, so many
+    /// clients of one server do not reconnect in step), and doubles the back-off.
+    fn next_wait(&mut self) -> Duration {
+        use std::hash::{BuildHasher, Hasher};
+        let wait = self.backoff;
+        self.backoff = (self.backoff * 2).clamp(Self::FIRST, Self::MAX);
+        let random = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        wait.mul_f64(0.5 + (random % 1024) as f64 / 2048.0)
+    }
 }
 
 impl std::fmt::Debug for Client {
@@ -177,6 +265,22 @@ impl std::fmt::Debug for Client {
             .field("in_flight", &self.inflight.len())
             .finish()
     }
+}
+
+/// Copies `n` bytes between registered regions.
+///
+/// # Panics
+/// If either range is outside its region (the callers check the ranges first).
+fn copy_region(src: &MemoryRegion, from: usize, dst: &MemoryRegion, to: usize, n: usize) {
+    assert!(
+        from.checked_add(n).is_some_and(|e| e <= src.len())
+            && to.checked_add(n).is_some_and(|e| e <= dst.len()),
+        "copy_region out of bounds"
+    );
+    // SAFETY: both ranges are inside their regions (checked above); the source is a
+    // completed receive and the destination belongs to an unanswered request, which no WR
+    // names, so nothing else writes either range meanwhile. Distinct regions do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().add(from), dst.as_ptr().add(to), n) }
 }
 
 fn round_down(v: u64, to: u64) -> u64 {
@@ -212,6 +316,17 @@ impl Client {
             });
         };
         let info = neg.export.clone();
+        if info.size > MAX_EXPORT_SIZE {
+            // Files, block devices and every offset we hand to the kernel are signed 64-bit:
+            // such an export cannot be used, whatever it holds (qemu refuses it too).
+            return Err(Error::Protocol {
+                uri: uri.to_string(),
+                why: format!(
+                    "it reports an export of {} bytes, more than the 2^63 - 1 any file or block device can address",
+                    info.size
+                ),
+            });
+        }
         let bs = info.block_size;
         let max = u64::from(bs.max).min(MAX_IO as u64);
         let max_io = round_down(max, u64::from(bs.min)).max(u64::from(bs.min)) as u32;
@@ -236,6 +351,7 @@ impl Client {
             reconnects: 0,
             last_progress: Instant::now(),
             stalled_since: None,
+            outage: None,
             opts,
         })
     }
@@ -407,6 +523,30 @@ impl Client {
                 (Command::WriteZeroes, offset, len)
             }
             Op::BlockStatus { offset, len } => (Command::BlockStatus, offset, len),
+            Op::ReadInto {
+                offset,
+                len,
+                mr,
+                at,
+            } => {
+                if at.checked_add(len as usize).is_none_or(|e| e > mr.len()) {
+                    return Err(Error::Invalid("read buffer outside its region"));
+                }
+                (Command::Read, offset, len)
+            }
+            Op::WriteFrom {
+                offset,
+                len,
+                mr,
+                at,
+                fua,
+            } => {
+                if at.checked_add(len as usize).is_none_or(|e| e > mr.len()) {
+                    return Err(Error::Invalid("write data outside its region"));
+                }
+                flags.set(CmdFlags::FUA, fua && self.can_fua());
+                (Command::Write, offset, len)
+            }
         };
         if command.is_write() && self.is_read_only() {
             return Err(Error::Server {
@@ -446,8 +586,8 @@ impl Client {
     /// Submits a request; blocks (processing replies) while the window is full. Its reply
     /// comes out of [`Self::reap`] with `tag` (tags must be below 2^63).
     pub fn submit(&mut self, tag: u64, op: Op) -> Result<()> {
-        if let Some(why) = &self.failed {
-            return Err(self.lost(why.clone()));
+        if let Some(f) = &self.failed {
+            return Err(self.failure_error(f));
         }
         let mut req = self.check_op(&op)?;
         while self.free_slots.is_empty() {
@@ -466,7 +606,11 @@ impl Client {
         if let Op::Write { data, .. } = op {
             self.send_mr.write_at(base + c::REQUEST_LEN, data);
         }
-        let data = if req.command == Command::Read {
+        let region = match op {
+            Op::ReadInto { mr, at, .. } | Op::WriteFrom { mr, at, .. } => Some((mr.clone(), at)),
+            _ => None,
+        };
+        let data = if req.command == Command::Read && region.is_none() {
             vec![0; req.length as usize]
         } else {
             Vec::new()
@@ -478,7 +622,8 @@ impl Client {
                 req,
                 slot,
                 data,
-                covered: 0,
+                region,
+                coverage: ReadCoverage::new(req.offset, u64::from(req.length)),
                 extents: Vec::new(),
                 error: None,
             },
@@ -496,11 +641,20 @@ impl Client {
         if inf.req.command == Command::Read && !self.structured {
             conn.reads.lock().insert(cookie, inf.req.length);
         }
-        let len = c::REQUEST_LEN + inf.req.payload_len() as usize;
-        conn.qp.post_send(SendWr::new(
-            cookie,
-            &[self.send_mr.sge(inf.slot * self.slot_len, len)],
-        ))?;
+        let header = self.send_mr.sge(inf.slot * self.slot_len, c::REQUEST_LEN);
+        let payload = inf.req.payload_len() as usize;
+        let wr = match &inf.region {
+            Some((mr, at)) if inf.req.command == Command::Write => {
+                SendWr::new(cookie, &[header, mr.sge(*at, payload)])
+            }
+            _ => SendWr::new(
+                cookie,
+                &[self
+                    .send_mr
+                    .sge(inf.slot * self.slot_len, c::REQUEST_LEN + payload)],
+            ),
+        };
+        conn.qp.post_send(wr)?;
         Ok(())
     }
 
@@ -535,12 +689,22 @@ impl Client {
         }
     }
 
+    fn failure_error(&self, f: &Failure) -> Error {
+        match f {
+            Failure::Lost(why) => self.lost(why.clone()),
+            Failure::Violation(why) => Error::Protocol {
+                uri: self.uri.to_string(),
+                why: why.clone(),
+            },
+        }
+    }
+
     /// Processes completions: one wait (up to 1 s) if `block`, else what is there.
     fn pump(&mut self, block: bool) -> Result<()> {
-        if let Some(why) = &self.failed
+        if let Some(f) = &self.failed
             && self.inflight.is_empty()
         {
-            return Err(self.lost(why.clone()));
+            return Err(self.failure_error(f));
         }
         let Some(conn) = &self.conn else {
             self.recover("no connection".into());
@@ -563,42 +727,70 @@ impl Client {
             self.last_progress = Instant::now();
             self.stalled_since = None;
         }
-        let mut lost = None;
+        let mut fault = None;
         for comp in &buf[..n] {
-            if lost.is_some() {
+            if fault.is_some() {
                 break;
             }
             if comp.opcode == Opcode::Send {
                 if !comp.is_ok() {
-                    lost = Some(format!("a request could not be sent ({:?})", comp.status));
+                    fault = Some(Failure::Lost(format!(
+                        "a request could not be sent ({:?})",
+                        comp.status
+                    )));
                 }
                 continue;
             }
             if comp.status != WcStatus::Success {
-                lost = Some(match comp.status {
-                    WcStatus::RemoteClosed => "the server closed the connection".to_string(),
-                    s => format!("receive failed ({s:?}, os error {})", comp.os_error),
+                fault = Some(match comp.status {
+                    WcStatus::RemoteClosed => {
+                        Failure::Lost("the server closed the connection".into())
+                    }
+                    WcStatus::FramingError => Failure::Violation(
+                        "it sent a reply the client cannot frame (bad magic or an oversize chunk)"
+                            .into(),
+                    ),
+                    WcStatus::LengthError => {
+                        Failure::Violation("it sent a reply longer than any request allows".into())
+                    }
+                    s => Failure::Lost(format!(
+                        "receive failed ({s:?}, os error {})",
+                        comp.os_error
+                    )),
                 });
                 continue;
             }
             let slot = (comp.wr_id & !RECV_BIT) as usize;
             if let Err(why) = self.on_reply(slot, comp.byte_len as usize) {
-                lost = Some(why);
+                fault = Some(Failure::Violation(why));
                 continue;
             }
             if let Some(conn) = &self.conn
                 && let Err(e) = conn.repost(slot)
             {
-                lost = Some(format!("reposting a receive failed: {e}"));
+                fault = Some(Failure::Lost(format!("reposting a receive failed: {e}")));
             }
         }
-        if let Some(why) = lost {
-            self.recover(why);
+        match fault {
+            Some(Failure::Lost(why)) => self.recover(why),
+            Some(Failure::Violation(why)) => self.give_up(why),
+            None => {}
         }
         Ok(())
     }
 
-    /// Handles one reply message in receive slot `slot`. Err: the connection is unusable.
+    /// The server broke the protocol: that is no network fault, and a new connection to the
+    /// same server would most likely break the same way. Drop the connection and fail every
+    /// request in flight, and every later one, with the violation.
+    fn give_up(&mut self, why: String) {
+        tracing::error!(uri = %self.uri, "giving up on the server: it broke the protocol: {why}");
+        self.conn = None;
+        self.fail_all(Failure::Violation(why));
+    }
+
+    /// Handles one reply message in receive slot `slot`. Err: the server broke the
+    /// protocol. Every number in the reply is checked before it is used: nothing the server
+    /// sends can make the client panic or write outside the request's buffer.
     fn on_reply(&mut self, slot: usize, len: usize) -> Result<(), String> {
         let conn = self.conn.as_ref().ok_or("no connection")?;
         let base = slot * RECV_SLOT;
@@ -615,47 +807,63 @@ impl Client {
             let inf = self
                 .inflight
                 .get_mut(&r.cookie)
-                .ok_or_else(|| format!("reply for unknown cookie {}", r.cookie))?;
+                .ok_or_else(|| format!("a reply for unknown cookie {}", r.cookie))?;
             if let Some(e) = r.error_value() {
                 inf.error = Some(Error::Server {
                     error: e,
                     message: String::new(),
                 });
             } else if inf.req.command == Command::Read {
-                let body = len - c::SIMPLE_REPLY_LEN;
-                if body != inf.data.len() {
-                    return Err("read reply of the wrong length".into());
+                let body = len.saturating_sub(c::SIMPLE_REPLY_LEN);
+                if body != inf.req.length as usize {
+                    return Err(format!(
+                        "a read of {} bytes answered with {body}",
+                        inf.req.length
+                    ));
                 }
-                conn.recv_mr
-                    .read_at(base + c::SIMPLE_REPLY_LEN, &mut inf.data);
-                inf.covered = body as u64;
+                let place = inf
+                    .coverage
+                    .place(inf.req.offset, body as u64)
+                    .map_err(|e| e.to_string())?;
+                inf.place(
+                    &conn.recv_mr,
+                    base + c::SIMPLE_REPLY_LEN,
+                    place.start,
+                    place.len(),
+                );
             }
             self.finish(r.cookie);
             return Ok(());
         }
         if self.structured && magic == Some(c::STRUCTURED_REPLY_MAGIC) {
             let h = StructuredReplyHeader::parse(hdr).map_err(|e| e.to_string())?;
-            let payload_len = len - c::STRUCTURED_REPLY_HEADER_LEN;
+            let payload_len = len.saturating_sub(c::STRUCTURED_REPLY_HEADER_LEN);
+            if payload_len != h.length as usize {
+                return Err(format!(
+                    "a chunk that says it has {} bytes of payload has {payload_len}",
+                    h.length
+                ));
+            }
             let inf = self
                 .inflight
                 .get_mut(&h.cookie)
-                .ok_or_else(|| format!("reply for unknown cookie {}", h.cookie))?;
+                .ok_or_else(|| format!("a reply for unknown cookie {}", h.cookie))?;
             let req = inf.req;
             if h.reply_type == c::REPLY_TYPE_OFFSET_DATA {
                 if req.command != Command::Read || payload_len < 9 {
-                    return Err("unexpected OFFSET_DATA chunk".into());
+                    return Err("an OFFSET_DATA chunk that does not answer a read".into());
                 }
                 let off = u64::from_be_bytes(hdr[20..28].try_into().expect("8 bytes"));
-                let n = (payload_len - 8) as u64;
-                let start = off
-                    .checked_sub(req.offset)
-                    .filter(|s| s + n <= u64::from(req.length))
-                    .ok_or("OFFSET_DATA chunk outside the request")?;
-                conn.recv_mr.read_at(
+                let place = inf
+                    .coverage
+                    .place(off, (payload_len - 8) as u64)
+                    .map_err(|e| e.to_string())?;
+                inf.place(
+                    &conn.recv_mr,
                     base + c::STRUCTURED_REPLY_HEADER_LEN + 8,
-                    &mut inf.data[start as usize..(start + n) as usize],
+                    place.start,
+                    place.len(),
                 );
-                inf.covered += n;
             } else {
                 let mut payload = vec![0u8; payload_len];
                 conn.recv_mr
@@ -663,22 +871,28 @@ impl Client {
                 match Chunk::parse(&h, &payload).map_err(|e| e.to_string())? {
                     Chunk::None => {}
                     Chunk::OffsetHole { offset, length } => {
-                        let start = offset
-                            .checked_sub(req.offset)
-                            .filter(|s| s + u64::from(length) <= u64::from(req.length))
-                            .ok_or("OFFSET_HOLE chunk outside the request")?;
                         if req.command != Command::Read {
-                            return Err("unexpected OFFSET_HOLE chunk".into());
+                            return Err("an OFFSET_HOLE chunk that does not answer a read".into());
                         }
-                        inf.data[start as usize..(start + u64::from(length)) as usize].fill(0);
-                        inf.covered += u64::from(length);
+                        let place = inf
+                            .coverage
+                            .place(offset, u64::from(length))
+                            .map_err(|e| e.to_string())?;
+                        inf.zero(place.start, place.len());
                     }
                     Chunk::BlockStatus {
                         context_id,
                         extents,
                     } if Some(context_id) == self.allocation_ctx => {
+                        if req.command != Command::BlockStatus {
+                            return Err("a BLOCK_STATUS chunk that does not answer one".into());
+                        }
+                        // The request was checked against the export's size: no overflow.
                         let end = req.offset + u64::from(req.length);
-                        let mut at = req.offset;
+                        let mut at = inf
+                            .extents
+                            .last()
+                            .map_or(req.offset, |e| e.offset + e.length);
                         for e in extents {
                             if at >= end {
                                 break;
@@ -697,7 +911,7 @@ impl Client {
                     | Chunk::ErrorOffset { error, message, .. } => {
                         inf.error.get_or_insert(Error::Server {
                             error: ErrorValue::from_wire(error).unwrap_or(ErrorValue::Inval),
-                            message: String::from_utf8_lossy(message).into_owned(),
+                            message: printable(message),
                         });
                     }
                     _ => {}
@@ -708,24 +922,31 @@ impl Client {
             }
             return Ok(());
         }
-        Err(format!("unexpected reply magic {magic:x?}"))
+        match magic {
+            Some(m) => Err(format!("a reply with unknown magic {m:#010x}")),
+            None => Err(format!("a reply of {len} bytes, too short for a header")),
+        }
     }
 
     fn finish(&mut self, cookie: u64) {
         let Some(inf) = self.inflight.remove(&cookie) else {
             return;
         };
+        // A whole answer ends an outage; a chunk that never leads to one does not.
+        self.outage = None;
         self.free_slots.push(inf.slot);
         let result = match inf.error {
             Some(e) => Err(e),
             None => match inf.req.command {
-                Command::Read if inf.covered != u64::from(inf.req.length) => Err(Error::Protocol {
+                Command::Read if !inf.coverage.is_complete() => Err(Error::Protocol {
                     uri: self.uri.to_string(),
                     why: format!(
                         "read of {} bytes answered with {} bytes",
-                        inf.req.length, inf.covered
+                        inf.req.length,
+                        inf.coverage.covered()
                     ),
                 }),
+                Command::Read if inf.region.is_some() => Ok(Output::Done),
                 Command::Read => Ok(Output::Data(inf.data)),
                 Command::BlockStatus if inf.extents.is_empty() => Err(Error::Protocol {
                     uri: self.uri.to_string(),
@@ -755,15 +976,16 @@ impl Client {
         if since.elapsed() >= self.opts.reconnect_timeout {
             tracing::error!(uri = %self.uri, "giving up: {why}");
             self.conn = None;
-            self.fail_all(why);
+            self.fail_all(Failure::Lost(why));
             return;
         }
         self.recover(why);
         self.last_progress = Instant::now();
     }
 
-    /// The connection is gone: reconnect with exponential backoff and reissue every request
-    /// not yet answered, or, after `reconnect_timeout`, fail them all with EIO.
+    /// The connection is gone: reconnect with exponential back-off and jitter, and reissue
+    /// every request not yet answered; once `reconnect_timeout` has passed since the server
+    /// last answered anything, fail them all with EIO.
     fn recover(&mut self, why: String) {
         if self.failed.is_some() {
             return;
@@ -771,10 +993,19 @@ impl Client {
         tracing::warn!(uri = %self.uri, in_flight = self.inflight.len(), "connection lost: {why}; reconnecting");
         self.conn = None;
         let start = Instant::now();
-        let mut delay = Duration::from_millis(50);
+        let outage = self.outage.get_or_insert(Outage {
+            since: start,
+            backoff: Duration::ZERO,
+        });
+        let deadline = outage.since + self.opts.reconnect_timeout;
         let mut last = why.clone();
         loop {
-            let left = self.opts.reconnect_timeout.saturating_sub(start.elapsed());
+            let wait = self
+                .outage
+                .as_mut()
+                .map_or(Duration::ZERO, Outage::next_wait);
+            std::thread::sleep(wait.min(deadline.saturating_duration_since(Instant::now())));
+            let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
             }
@@ -819,29 +1050,25 @@ impl Client {
                 Ok(_) => last = "handshake ended without transmission".into(),
                 Err(e) => last = e.to_string(),
             }
-            std::thread::sleep(
-                delay.min(self.opts.reconnect_timeout.saturating_sub(start.elapsed())),
-            );
-            delay = (delay * 2).min(Duration::from_secs(2));
         }
         let why = format!("{why}; last attempt: {last}");
         tracing::error!(uri = %self.uri, "giving up: {why}");
-        self.fail_all(why);
+        self.fail_all(Failure::Lost(why));
     }
 
-    /// Fails every request in flight with EIO (`ConnectionLost`); the client stays failed.
-    fn fail_all(&mut self, why: String) {
+    /// Fails every request in flight with `failure` (EIO); the client stays failed.
+    fn fail_all(&mut self, failure: Failure) {
         let cookies: Vec<u64> = self.inflight.keys().copied().collect();
         for cookie in cookies {
             if let Some(inf) = self.inflight.remove(&cookie) {
                 self.free_slots.push(inf.slot);
                 self.done.push_back(Reply {
                     tag: inf.tag,
-                    result: Err(self.lost(why.clone())),
+                    result: Err(self.failure_error(&failure)),
                 });
             }
         }
-        self.failed = Some(why);
+        self.failed = Some(failure);
     }
 
     /// Runs `ops` with the window full; `on_done(index, output)` for each success. The first
@@ -920,6 +1147,58 @@ impl Client {
             .map(|(i, d)| Op::Write {
                 offset: offset + (i * max) as u64,
                 data: d,
+                fua,
+            })
+            .collect();
+        self.run(ops, |_, _| {})
+    }
+
+    /// Reads `len` bytes at `offset` into registered memory (`mr` from `at`): one copy, from
+    /// the receive slot into `mr`, instead of two.
+    pub fn read_at_mr(
+        &mut self,
+        offset: u64,
+        mr: &MemoryRegion,
+        at: usize,
+        len: usize,
+    ) -> Result<()> {
+        self.check_range(offset, len as u64)?;
+        if at.checked_add(len).is_none_or(|e| e > mr.len()) {
+            return Err(Error::Invalid("read buffer outside its region"));
+        }
+        let max = u64::from(self.max_io);
+        let ops: Vec<Op> = Self::pieces(offset, len as u64, max)
+            .map(|(o, n)| Op::ReadInto {
+                offset: o,
+                len: n,
+                mr,
+                at: at + (o - offset) as usize,
+            })
+            .collect();
+        self.run(ops, |_, _| {})
+    }
+
+    /// Writes `len` bytes of registered memory (`mr` from `at`) at `offset` without copying
+    /// them: the NIC sends them from `mr`.
+    pub fn write_at_mr(
+        &mut self,
+        offset: u64,
+        mr: &MemoryRegion,
+        at: usize,
+        len: usize,
+        fua: bool,
+    ) -> Result<()> {
+        self.check_range(offset, len as u64)?;
+        if at.checked_add(len).is_none_or(|e| e > mr.len()) {
+            return Err(Error::Invalid("write data outside its region"));
+        }
+        let max = u64::from(self.max_io);
+        let ops: Vec<Op> = Self::pieces(offset, len as u64, max)
+            .map(|(o, n)| Op::WriteFrom {
+                offset: o,
+                len: n,
+                mr,
+                at: at + (o - offset) as usize,
                 fua,
             })
             .collect();

@@ -93,8 +93,9 @@ impl From<Error> for io::Error {
             Error::Uri(_) => io::ErrorKind::InvalidInput,
             Error::Resolve { .. } => io::ErrorKind::NotFound,
             Error::Connect { .. } => io::ErrorKind::ConnectionRefused,
-            // EIO: the outcome of unacknowledged requests is unknown.
-            Error::ConnectionLost { .. } => {
+            // EIO: the outcome of unacknowledged requests is unknown (a server that broke the
+            // protocol may have carried them out or not).
+            Error::ConnectionLost { .. } | Error::Protocol { .. } => {
                 return io::Error::new(
                     io::Error::from_raw_os_error(libc::EIO).kind(),
                     e.to_string(),

@@ -128,12 +128,14 @@
 #![warn(missing_docs)]
 
 pub mod consts;
+pub mod coverage;
 mod error;
 pub mod flags;
 pub mod framing;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod handshake;
+pub mod peer_text;
 pub mod reply;
 pub mod transmission;
 mod wire;

@@ -266,7 +266,8 @@ impl TransmissionInfo {
 ///    negotiation (`FUA` needs `SEND_FUA`; `DF` only on `READ` and needs `SEND_DF`;
 ///    `NO_HOLE` only on `WRITE_ZEROES`; `FAST_ZERO` only on `WRITE_ZEROES` and needs
 ///    `SEND_FAST_ZERO`; `REQ_ONE` only on `BLOCK_STATUS`) → `EINVAL`.
-/// 4. `WRITE`/`TRIM`/`WRITE_ZEROES`/`RESIZE` on a read-only export → `EPERM`.
+/// 4. `WRITE`/`TRIM`/`WRITE_ZEROES`/`RESIZE` on a read-only export → `EPERM`, checked
+///    before all the others (also where the command is not advertised, as qemu-nbd does).
 /// 5. `FLUSH` with nonzero offset or length → `EINVAL` (they "MUST be set to all-zero").
 /// 6. Offset or length not a multiple of the minimum block size → `EINVAL`.
 /// 7. `READ`/`WRITE`/`CACHE`, and `WRITE_ZEROES` without `FAST_ZERO`, longer than the
@@ -290,6 +291,13 @@ pub fn validate_request(req: &Request, info: &TransmissionInfo) -> Result<(), Er
     use Command as C;
     let tf = info.flags;
     let f = req.flags;
+
+    // 4 first: a writing command on a read-only export is EPERM even where the export does
+    // not advertise the command (a read-only export offers no TRIM or WRITE_ZEROES), as
+    // qemu-nbd answers.
+    if req.command.is_write() && tf.contains(TransmissionFlags::READ_ONLY) {
+        return Err(ErrorValue::Perm);
+    }
 
     // 2. command support
     let supported = match req.command {
@@ -331,11 +339,6 @@ pub fn validate_request(req: &Request, info: &TransmissionInfo) -> Result<(), Er
     }
     if f.contains(CmdFlags::REQ_ONE) && req.command != C::BlockStatus {
         return Err(ErrorValue::Inval);
-    }
-
-    // 4. read-only
-    if req.command.is_write() && tf.contains(TransmissionFlags::READ_ONLY) {
-        return Err(ErrorValue::Perm);
     }
 
     match req.command {
@@ -585,6 +588,15 @@ mod tests {
         for cmd in [Command::Write, Command::Trim, Command::WriteZeroes] {
             assert_eq!(
                 validate_request(&req(cmd, 0, 0, 512), &i),
+                Err(ErrorValue::Perm)
+            );
+        }
+        // A read-only export advertises no TRIM or WRITE_ZEROES: still EPERM, not EINVAL.
+        let mut ro = i.clone();
+        ro.flags = TF::HAS_FLAGS | TF::READ_ONLY | TF::SEND_FLUSH;
+        for cmd in [Command::Trim, Command::WriteZeroes] {
+            assert_eq!(
+                validate_request(&req(cmd, 0, 0, 512), &ro),
                 Err(ErrorValue::Perm)
             );
         }

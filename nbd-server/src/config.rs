@@ -35,6 +35,15 @@ pub struct Config {
     pub default_export: Option<String>,
     #[serde(default)]
     pub max_connections: Option<usize>,
+    /// Connections in their handshake at once; beyond it the oldest is dropped.
+    #[serde(default)]
+    pub max_handshakes: Option<usize>,
+    /// Seconds without a request after which a connection with nothing in flight is closed.
+    #[serde(default)]
+    pub idle_timeout: Option<u64>,
+    /// Receive-buffer memory shared by busy connections ("1G").
+    #[serde(default)]
+    pub buffer_memory: Option<String>,
     /// Advertise the list of exports (NBD_OPT_LIST); on by default.
     #[serde(default)]
     pub list_exports: Option<bool>,
@@ -48,19 +57,52 @@ impl Config {
     }
 }
 
-/// Parses `ADDR:PORT`, `[V6]:PORT`, `HOST` or `[V6]` (default port 10809).
-pub fn parse_listen(s: &str) -> Result<SocketAddr> {
+/// The addresses served when none is given: loopback only, IPv6 and IPv4.
+pub fn default_listen(port: u16) -> Vec<SocketAddr> {
+    vec![
+        SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port)),
+        SocketAddr::from(([127, 0, 0, 1], port)),
+    ]
+}
+
+/// Parses a listen address: `ADDR:PORT` (IPv6 in brackets), `ADDR`, `HOST:PORT` or `HOST`
+/// (every address the name resolves to), or a bare `PORT` (the default loopback addresses).
+/// The port is 10809 where none is given.
+pub fn parse_listen(s: &str) -> Result<Vec<SocketAddr>> {
     if let Ok(a) = s.parse::<SocketAddr>() {
-        return Ok(a);
+        return Ok(vec![a]);
+    }
+    if let Ok(port) = s.parse::<u16>() {
+        return Ok(default_listen(port));
     }
     let bare = s.trim_start_matches('[').trim_end_matches(']');
     if let Ok(ip) = bare.parse::<std::net::IpAddr>() {
-        return Ok(SocketAddr::new(ip, DEFAULT_PORT));
+        return Ok(vec![SocketAddr::new(ip, DEFAULT_PORT)]);
     }
-    if s == "localhost" {
-        return Ok(SocketAddr::from(([127, 0, 0, 1], DEFAULT_PORT)));
+    let (host, port) = match s.rsplit_once(':') {
+        Some((h, p)) => (
+            h,
+            p.parse::<u16>()
+                .with_context(|| format!("listen address {s:?}: port {p:?} is not a number"))?,
+        ),
+        None => (s, DEFAULT_PORT),
+    };
+    if host.is_empty() || host.contains([':', '[', ']']) {
+        bail!(
+            "listen address {s:?} is not ADDR:PORT, HOST:PORT or PORT (IPv6 in brackets: [::1]:10809)"
+        );
     }
-    bail!("listen address {s:?} is not ADDR:PORT (IPv6 in brackets: [::1]:10809)")
+    use std::net::ToSocketAddrs;
+    let mut addrs: Vec<SocketAddr> = (host, port)
+        .to_socket_addrs()
+        .with_context(|| format!("listen address {s:?}: cannot resolve {host:?}"))?
+        .collect();
+    addrs.sort();
+    addrs.dedup();
+    if addrs.is_empty() {
+        bail!("listen address {s:?}: {host:?} resolves to no address");
+    }
+    Ok(addrs)
 }
 
 /// Parses a size: bytes, or a number with K, M, G or T (powers of 1024).
@@ -99,10 +141,31 @@ mod tests {
         assert_eq!(parse_size("1G").unwrap(), 1 << 30);
         assert_eq!(parse_size("64MiB").unwrap(), 64 << 20);
         assert!(parse_size("12Q").is_err());
-        assert_eq!(parse_listen("[::1]:10809").unwrap().port(), 10809);
-        assert_eq!(parse_listen("127.0.0.1").unwrap().port(), DEFAULT_PORT);
-        assert_eq!(parse_listen("[::1]").unwrap().to_string(), "[::1]:10809");
+        let one = |s: &str| {
+            let v = parse_listen(s).unwrap();
+            assert_eq!(v.len(), 1, "{s}: {v:?}");
+            v[0].to_string()
+        };
+        assert_eq!(one("[::1]:10810"), "[::1]:10810");
+        assert_eq!(one("127.0.0.1"), "127.0.0.1:10809");
+        assert_eq!(one("[::1]"), "[::1]:10809");
+        assert_eq!(parse_listen("10910").unwrap(), default_listen(10910));
+        let local = parse_listen("localhost:10911").unwrap();
+        assert!(
+            !local.is_empty()
+                && local
+                    .iter()
+                    .all(|a| a.ip().is_loopback() && a.port() == 10911)
+        );
+        assert!(
+            parse_listen("localhost")
+                .unwrap()
+                .iter()
+                .all(|a| a.port() == DEFAULT_PORT)
+        );
         assert!(parse_listen("nowhere:x").is_err());
+        // A bare IPv6 address is an address, on the default port.
+        assert_eq!(one("::1:80"), "[::1:80]:10809");
     }
 
     #[test]

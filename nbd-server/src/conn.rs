@@ -12,7 +12,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -27,10 +27,12 @@ use qpip_core::{
 };
 
 use crate::export::Export;
+use crate::recv_window::RecvWindow;
 use crate::server::ServerShared;
 
-/// Receive WRs posted in the transmission phase: requests the client may have in flight
-/// before TCP flow control holds it.
+/// Receive slots a connection may post at most in the transmission phase (how many it does
+/// post: [`RecvWindow`]): requests the client may have in flight before TCP flow control
+/// holds it.
 pub const RECV_SLOTS: usize = 32;
 /// Largest payload piece placed in one receive WR (longer writes arrive in pieces).
 pub const CHUNK: usize = 1 << 20;
@@ -44,6 +46,8 @@ const MAX_EXTENTS: usize = 32;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// After SIGTERM: how long new requests get ESHUTDOWN before the connection is closed.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+/// How often a connection in its handshake looks whether it has been evicted.
+const EVICT_POLL: Duration = Duration::from_millis(100);
 
 const REPLY_WR: u64 = 1 << 32;
 const HANDSHAKE_WR: u64 = 2 << 32;
@@ -62,6 +66,9 @@ pub struct Connection {
     /// Handshake replies in flight, kept alive until their send completes.
     handshake_sends: HashMap<u64, MemoryRegion>,
     next_wr: u64,
+    /// Set by the accept loop when too many handshakes are under way and this is the oldest;
+    /// dropped when the handshake ends.
+    evict: Option<Arc<AtomicBool>>,
 }
 
 fn io_error_value(e: &io::Error) -> ErrorValue {
@@ -81,6 +88,7 @@ impl Connection {
         cq: CompletionQueue,
         phase: Arc<AtomicU8>,
         peer: SocketAddr,
+        evict: Arc<AtomicBool>,
     ) -> Self {
         Connection {
             shared,
@@ -91,11 +99,20 @@ impl Connection {
             stash: VecDeque::new(),
             handshake_sends: HashMap::new(),
             next_wr: 0,
+            evict: Some(evict),
         }
     }
 
     pub fn run(mut self) -> Result<()> {
-        let Some((neg, last_reply)) = self.handshake()? else {
+        let handshake = self.handshake();
+        self.evict = None;
+        let Some((neg, last_reply)) = handshake? else {
+            return Ok(());
+        };
+        // Only clients past the handshake count toward --max-connections; the final reply
+        // has not gone out, so a refused client sees the connection close in the handshake.
+        let Some(_place) = self.shared.admit(self.peer) else {
+            self.qp.close();
             return Ok(());
         };
         let export = self.shared.exports[neg.export_index].clone();
@@ -112,11 +129,21 @@ impl Connection {
         }
         let mut buf = [Completion::default(); 1];
         loop {
+            if self
+                .evict
+                .as_ref()
+                .is_some_and(|f| f.load(Ordering::Acquire))
+            {
+                bail!(
+                    "{what}: dropped to make room for newer clients (too many unfinished handshakes)"
+                );
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 bail!("{what}: timed out");
             }
-            if self.cq.wait(&mut buf, Some(left))? == 1 {
+            // In slices, so that an eviction is noticed soon.
+            if self.cq.wait(&mut buf, Some(left.min(EVICT_POLL)))? == 1 {
                 return Ok(buf[0]);
             }
         }
@@ -135,6 +162,20 @@ impl Connection {
             .post_send(SendWr::new(id, &[mr.sge(0, bytes.len())]))?;
         self.handshake_sends.insert(id, mr);
         Ok(())
+    }
+
+    /// Waits (until `deadline`) for the handshake replies still being sent, so that their
+    /// memory is not deregistered under the NIC.
+    fn finish_handshake_sends(&mut self, deadline: Instant) {
+        while !self.handshake_sends.is_empty() {
+            match self.wait_one(deadline, "the last handshake reply") {
+                Ok(c) if c.opcode == Opcode::Send => {
+                    self.handshake_sends.remove(&c.wr_id);
+                }
+                Ok(_) => {}
+                Err(_) => return,
+            }
+        }
     }
 
     fn on_handshake_send(&mut self, c: &Completion) -> Result<()> {
@@ -187,6 +228,8 @@ impl Connection {
                 }
                 ServerEvent::Abort => {
                     self.send_bytes(&out)?;
+                    // The ACK's memory must outlive its send: the NIC reads it later.
+                    self.finish_handshake_sends(deadline);
                     self.qp.close();
                     return Ok(None);
                 }
@@ -211,10 +254,17 @@ struct Transmission<'a> {
     allocation_ctx: Option<u32>,
     recv_mr: MemoryRegion,
     stride: usize,
+    window: RecvWindow,
     reply_mr: MemoryRegion,
     free_replies: Vec<usize>,
     pending_write: Option<PendingWrite>,
     shutdown_since: Option<Instant>,
+}
+
+impl Drop for Transmission<'_> {
+    fn drop(&mut self) {
+        self.window.release(&self.conn.shared.slot_budget);
+    }
 }
 
 impl<'a> Transmission<'a> {
@@ -228,7 +278,8 @@ impl<'a> Transmission<'a> {
             .shared
             .nic
             .alloc_region(REPLY_SLOTS * REPLY_SLOT_LEN, Access::READ);
-        for slot in 0..RECV_SLOTS {
+        let (window, first) = RecvWindow::new(RECV_SLOTS);
+        for slot in first {
             conn.qp.post_recv(RecvWr::new(
                 slot as u64,
                 &[recv_mr.sge(slot * stride, stride)],
@@ -247,6 +298,7 @@ impl<'a> Transmission<'a> {
             allocation_ctx,
             recv_mr,
             stride,
+            window,
             reply_mr,
             free_replies: (0..REPLY_SLOTS).rev().collect(),
             pending_write: None,
@@ -257,7 +309,17 @@ impl<'a> Transmission<'a> {
     fn run(mut self) -> Result<()> {
         let mut buf = [Completion::default(); 32];
         let mut batch = Vec::with_capacity(buf.len());
+        let mut last_request = Instant::now();
         loop {
+            if let Some(limit) = self.conn.shared.idle_timeout
+                && last_request.elapsed() >= limit
+                && self.pending_write.is_none()
+                && self.free_replies.len() == REPLY_SLOTS
+            {
+                tracing::info!(peer = %self.conn.peer, "closing: idle for {} s (--idle-timeout)", limit.as_secs_f64());
+                self.conn.qp.close();
+                return Ok(());
+            }
             if self.shutdown_since.is_none() && self.conn.shared.shutting_down() {
                 self.shutdown_since = Some(Instant::now());
             }
@@ -281,8 +343,8 @@ impl<'a> Transmission<'a> {
                 batch.extend(self.conn.stash.drain(..));
             }
             // The whole batch is handled before the NIC hears of it: its replies and the
-            // reposted receive slots go out with one doorbell.
-            let more = self.handle_batch(&batch);
+            // receive slots posted again go out with one doorbell.
+            let more = self.handle_batch(&batch, &mut last_request);
             self.conn.qp.ring_doorbell();
             if !more? {
                 return Ok(());
@@ -291,7 +353,9 @@ impl<'a> Transmission<'a> {
     }
 
     /// Handles completions, posting replies and receive slots quietly. False: disconnect.
-    fn handle_batch(&mut self, batch: &[Completion]) -> Result<bool> {
+    fn handle_batch(&mut self, batch: &[Completion], last_request: &mut Instant) -> Result<bool> {
+        let arrived = batch.iter().filter(|c| c.opcode != Opcode::Send).count();
+        self.window.arrived(arrived, &self.conn.shared.slot_budget);
         for &c in batch {
             if c.opcode == Opcode::Send {
                 self.on_send(&c)?;
@@ -307,16 +371,27 @@ impl<'a> Transmission<'a> {
                 }
                 s => bail!("request refused by the NIC ({s:?}): malformed or oversized"),
             }
+            *last_request = Instant::now();
             let slot = c.wr_id as usize;
             if !self.on_message(slot, c.byte_len as usize)? {
                 return Ok(false);
             }
-            self.conn.qp.post_recv_quiet(RecvWr::new(
-                c.wr_id,
-                &[self.recv_mr.sge(slot * self.stride, self.stride)],
-            ))?;
+            let slot = self.window.reuse(slot);
+            self.post_slot(slot)?;
+        }
+        for slot in self.window.top_up() {
+            self.post_slot(slot)?;
         }
         Ok(true)
+    }
+
+    /// Posts a receive slot quietly (the batch loop rings).
+    fn post_slot(&self, slot: usize) -> Result<()> {
+        self.conn.qp.post_recv_quiet(RecvWr::new(
+            slot as u64,
+            &[self.recv_mr.sge(slot * self.stride, self.stride)],
+        ))?;
+        Ok(())
     }
 
     fn on_send(&mut self, c: &Completion) -> Result<()> {
@@ -438,10 +513,7 @@ impl<'a> Transmission<'a> {
                 if req.length == 0 {
                     return Ok(None);
                 }
-                self.send_read(req).map_err(|e| {
-                    tracing::warn!("read reply: {e:#}");
-                    ErrorValue::Io
-                })?;
+                self.send_read(req)?;
                 Ok(Some(()))
             }
             Command::Flush => io(image.flush()).map(|()| None),
@@ -539,7 +611,19 @@ impl<'a> Transmission<'a> {
     }
 
     /// READ: the reply header from a slot, the data straight from the image's mapping.
-    fn send_read(&mut self, req: &Request) -> Result<()> {
+    fn send_read(&mut self, req: &Request) -> Result<(), ErrorValue> {
+        let end = req.offset + u64::from(req.length); // validated against the size
+        if !self.export.image.still_holds(end).unwrap_or(false) {
+            tracing::warn!(export = %self.export.name, "read at {} of {} bytes: {} is shorter than that now (truncated by another process?)", req.offset, req.length, self.export.image.path().display());
+            return Err(ErrorValue::Io);
+        }
+        self.post_read_reply(req).map_err(|e| {
+            tracing::warn!("read reply: {e:#}");
+            ErrorValue::Io
+        })
+    }
+
+    fn post_read_reply(&mut self, req: &Request) -> Result<()> {
         let region = self.export.region.as_ref().context("empty image")?;
         let data = region.sge(req.offset as usize, req.length as usize);
         if self.structured {

@@ -14,6 +14,21 @@ use std::path::{Path, PathBuf};
 
 use memmap2::{Mmap, MmapOptions};
 
+/// Why an image could not be locked.
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    /// Another program (qemu, or another server) holds the image in a way ours conflicts with.
+    #[error(
+        "the image is in use: another program {what} its {permission} permission (qemu-nbd, qemu-img, another qpip-nbd-server?); --force-share skips locking"
+    )]
+    InUse {
+        what: &'static str,
+        permission: &'static str,
+    },
+    #[error("locking: {0}")]
+    Io(io::Error),
+}
+
 /// One extent of a block-status answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Extent {
@@ -55,13 +70,19 @@ impl Image {
     }
 
     /// Creates a sparse image of `size` bytes, or opens the existing one if it has that size.
+    /// A new file is created with O_EXCL, which never follows a symlink.
     pub fn create(path: &Path, size: u64) -> io::Result<Image> {
-        let file = OpenOptions::new()
+        let file = match OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)?;
+            .create_new(true)
+            .open(path)
+        {
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                OpenOptions::new().read(true).write(true).open(path)?
+            }
+            r => r?,
+        };
         let len = file.metadata()?.len();
         if len != size {
             if len != 0 {
@@ -73,6 +94,23 @@ impl Image {
             file.set_len(size)?;
         }
         Self::from_file(path, file, size, false)
+    }
+
+    /// A sparse image of `size` bytes in anonymous memory (a memfd): no path anyone else can
+    /// reach or plant a symlink at, gone when the server exits. `name` shows in
+    /// /proc/PID/fd and is the image's path in logs.
+    pub fn anonymous(name: &str, size: u64) -> io::Result<Image> {
+        let cname = std::ffi::CString::new(name)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in memfd name"))?;
+        // SAFETY: cname is a valid C string; the returned descriptor is owned by the File.
+        let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd is a fresh descriptor that nothing else owns.
+        let file = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        file.set_len(size)?;
+        Self::from_file(Path::new(&format!("memfd:{name}")), file, size, false)
     }
 
     fn from_file(path: &Path, file: File, size: u64, read_only: bool) -> io::Result<Image> {
@@ -105,6 +143,79 @@ impl Image {
     /// The whole image, mapped read-only (None for an empty image).
     pub fn mapping(&self) -> Option<(*const u8, usize)> {
         self.map.as_ref().map(|m| (m.as_ptr(), m.len()))
+    }
+
+    /// Whether the file still holds `end` bytes. Another process may truncate an image
+    /// under the server; reading the mapping past the new end would fail the send (the
+    /// kernel's copy faults) and with it the connection, so READ checks first and answers
+    /// EIO, as qemu-nbd does. Block devices cannot shrink under an open descriptor.
+    pub fn still_holds(&self, end: u64) -> io::Result<bool> {
+        let meta = self.file.metadata()?;
+        Ok(!meta.file_type().is_file() || meta.len() >= end)
+    }
+
+    /// Takes qemu's image locks, so that qemu (qemu-nbd, qemu-img, qemu-storage-daemon) and a
+    /// second qpip-nbd-server see the image as in use, and we see theirs. qemu holds open
+    /// file description locks on single bytes: 100 + p while it uses permission p, 200 + p
+    /// while it forbids others p (p = 0 consistent read, 1 write, ...). A writable export
+    /// uses and forbids write; a read-only one uses consistent read and forbids write, as
+    /// qemu's readers do. The locks last as long as the image is open.
+    pub fn lock(&self) -> Result<(), LockError> {
+        const CONSISTENT_READ: i64 = 0;
+        const WRITE: i64 = 1;
+        let (uses, forbids): (&[i64], &[i64]) = if self.read_only {
+            (&[CONSISTENT_READ], &[WRITE])
+        } else {
+            (&[CONSISTENT_READ, WRITE], &[WRITE])
+        };
+        // Someone forbids what we use, or uses what we forbid.
+        for &p in uses {
+            self.ofd_lock_free(200 + p, "forbids", p)?;
+        }
+        for &p in forbids {
+            self.ofd_lock_free(100 + p, "uses", p)?;
+        }
+        for byte in uses
+            .iter()
+            .map(|p| 100 + p)
+            .chain(forbids.iter().map(|p| 200 + p))
+        {
+            self.ofd_lock(libc::F_OFD_SETLK, libc::F_RDLCK as i16, byte)
+                .map_err(LockError::Io)?;
+        }
+        Ok(())
+    }
+
+    /// Err when another open file description holds a lock on `byte`.
+    fn ofd_lock_free(&self, byte: i64, what: &'static str, perm: i64) -> Result<(), LockError> {
+        let l = self
+            .ofd_lock(libc::F_OFD_GETLK, libc::F_WRLCK as i16, byte)
+            .map_err(LockError::Io)?;
+        if l.l_type == libc::F_UNLCK as i16 {
+            return Ok(());
+        }
+        Err(LockError::InUse {
+            what,
+            permission: if perm == 1 {
+                "write"
+            } else {
+                "consistent read"
+            },
+        })
+    }
+
+    fn ofd_lock(&self, cmd: libc::c_int, ty: i16, byte: i64) -> io::Result<libc::flock> {
+        // SAFETY: an all-zero flock is valid; l_pid must be 0 for OFD locks.
+        let mut l: libc::flock = unsafe { std::mem::zeroed() };
+        l.l_type = ty;
+        l.l_whence = libc::SEEK_SET as i16;
+        l.l_start = byte;
+        l.l_len = 1;
+        // SAFETY: the descriptor is open and `l` a valid flock for the duration of the call.
+        if unsafe { libc::fcntl(self.file.as_raw_fd(), cmd, &mut l) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(l)
     }
 
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {

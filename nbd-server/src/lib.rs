@@ -6,6 +6,7 @@ mod conn;
 pub mod export;
 mod framer;
 pub mod image;
+pub mod recv_window;
 pub mod server;
 
 pub use conn::{CHUNK, RECV_SLOTS};

@@ -27,8 +27,8 @@ use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
         firmware on an emulated LANai 9 NIC; see docs/lanai.md): requests land in registered receive \
         buffers and read replies are sent straight from the image's registered mapping. The \
         wire is plain NBD (fixed newstyle), so any NBD client works.\n\n\
-        With no arguments it creates a 64 MiB sparse demo image and serves it as export \
-        \"demo\" (also the default export) on [::1]:10809 and 127.0.0.1:10809.",
+        With no arguments it creates a 64 MiB demo image in memory (gone when the server \
+        exits) and serves it as export \"demo\" (also the default export) on [::1]:10809 and 127.0.0.1:10809.",
     after_help = "Examples:\n  \
         qpip-nbd-server --export disk=/var/lib/images/disk.img\n  \
         qpip-nbd-server --listen 0.0.0.0:10809 --export scratch=/tmp/s.img --create 4G\n  \
@@ -36,32 +36,61 @@ use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
         qemu-img info nbd://127.0.0.1/disk"
 )]
 struct Cli {
-    /// Address to listen on, ADDR:PORT (IPv6 in brackets); repeat for several.
-    /// Default: [::1]:10809 and 127.0.0.1:10809; with --backend lanai, the node's
-    /// fabric address, [fd00:4c41:4e41::1]:10809 for node "server".
+    /// Address to listen on: ADDR:PORT (IPv6 in brackets), HOST:PORT, HOST (port 10809) or a
+    /// bare PORT (the default addresses); repeat for several. Default: [::1]:10809 and
+    /// 127.0.0.1:10809; with --backend lanai, the node's fabric address,
+    /// [fd00:4c41:4e41::1]:10809 for node "server".
     #[arg(short, long, value_name = "ADDR:PORT")]
     listen: Vec<String>,
+    /// The port, as qemu-nbd and nbdkit spell it: for every --bind address, or for the
+    /// default addresses.
+    #[arg(short, long, value_name = "PORT")]
+    port: Option<u16>,
+    /// An address or host name to listen on at --port (default 10809), as qemu-nbd and
+    /// nbdkit spell it; repeat for several.
+    #[arg(short, long, value_name = "ADDR")]
+    bind: Vec<String>,
     /// An export: NAME=PATH of an image file or block device; repeat for several.
     #[arg(short, long, value_name = "NAME=PATH")]
     export: Vec<String>,
     /// A TOML configuration file (see configs/server.toml); flags add to it.
-    #[arg(short, long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Export every image read-only.
     #[arg(short, long)]
     read_only: bool,
+    /// Take no image locks (qemu's -U): serve an image that qemu or another server has open.
+    /// Without it, a writable export is refused while anyone else uses the image, and a
+    /// read-only one while anyone writes it, as qemu-nbd does.
+    #[arg(short = 'U', long)]
+    force_share: bool,
     /// Create missing images, sparse, with this size (e.g. 1G, 512M).
     #[arg(long, value_name = "SIZE")]
     create: Option<String>,
     /// A description for an export, shown by `nbdinfo --list`: NAME=TEXT.
-    #[arg(short, long, value_name = "NAME=TEXT")]
+    #[arg(long, value_name = "NAME=TEXT")]
     description: Vec<String>,
     /// The export a client gets when it asks for the empty name.
     #[arg(long, value_name = "NAME")]
     default_export: Option<String>,
-    /// Refuse connections beyond this many at once.
+    /// Serve at most this many clients at once (default 64); only clients past the NBD
+    /// handshake count, and one more is refused (its connection closed) with a log line.
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
+    /// Connections still in their handshake at once (default 256); a new one beyond this
+    /// drops the oldest, so idle or slow sockets cannot lock clients out. A handshake that
+    /// takes longer than 10 s is dropped in any case.
+    #[arg(long, value_name = "N")]
+    max_handshakes: Option<usize>,
+    /// Close a client's connection after SECS without a request while nothing is in flight
+    /// (default: never). The client sees its server go away, as after a restart.
+    #[arg(long, value_name = "SECS")]
+    idle_timeout: Option<u64>,
+    /// Memory for receive buffers shared by busy connections (default 256M). Each connection
+    /// has 4 MiB of its own; one whose client pipelines deeper takes more from this pool, up
+    /// to 32 MiB, and TCP flow control holds clients once it is spent.
+    #[arg(long, value_name = "SIZE")]
+    buffer_memory: Option<String>,
     /// Do not answer NBD_OPT_LIST with the export names.
     #[arg(long)]
     no_list: bool,
@@ -77,29 +106,41 @@ fn split_pair<'a>(s: &'a str, what: &str) -> Result<(&'a str, &'a str)> {
         .with_context(|| format!("{what} {s:?} is not NAME=VALUE"))
 }
 
-fn demo_export() -> Result<ExportConfig> {
-    let dir = std::env::temp_dir().join(format!("qpip-demo-{}", unsafe { libc::getuid() }));
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let path = dir.join("demo.img");
-    if !path.exists() {
-        let img = Image::create(&path, 64 << 20)
-            .with_context(|| format!("creating demo image {}", path.display()))?;
-        let banner = b"qpip demo image: served by qpip-nbd-server over Queue Pair IP\n";
-        img.write_at(banner, 0, true)?;
+/// The demo export: a generated image in anonymous memory (a memfd). Not a file under
+/// $TMPDIR: a predictable path there lets any local user plant a symlink to a file of
+/// root's, which the server would then export read-write.
+fn demo_image() -> Result<Image> {
+    let img = Image::anonymous("qpip-demo.img", DEMO_SIZE).context("creating the demo image")?;
+    let banner = b"qpip demo image: served by qpip-nbd-server over Queue Pair IP\n";
+    img.write_at(banner, 0, false)
+        .context("writing the demo image")?;
+    Ok(img)
+}
+
+const DEMO_SIZE: u64 = 64 << 20;
+
+/// `--log`: a level, or tracing directives (`nbd_server=debug,info`); anything else would
+/// silently turn logging off.
+fn log_filter(value: &str) -> Result<tracing_subscriber::EnvFilter> {
+    use tracing_subscriber::filter::LevelFilter;
+    let ok = value.parse::<LevelFilter>().is_ok() || value.contains('=');
+    match tracing_subscriber::EnvFilter::try_new(value) {
+        Ok(f) if ok => Ok(f),
+        _ => bail!(
+            "--log {value:?}: give a level (error, warn, info, debug, trace) or directives like nbd_server=debug"
+        ),
     }
-    Ok(ExportConfig {
-        name: "demo".into(),
-        path,
-        description: "generated 64 MiB demo image".into(),
-        read_only: false,
-        create_size: None,
-    })
 }
 
 fn main() {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log));
+    let filter = match tracing_subscriber::EnvFilter::try_from_default_env() {
+        Ok(f) => f,
+        Err(_) => log_filter(&cli.log).unwrap_or_else(|e| {
+            eprintln!("qpip-nbd-server: {e}");
+            std::process::exit(2);
+        }),
+    };
     use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -139,14 +180,32 @@ fn run(cli: Cli) -> Result<()> {
     }
     let demo = cfg.exports.is_empty();
     if demo {
-        cfg.exports.push(demo_export()?);
+        cfg.exports.push(ExportConfig {
+            name: "demo".into(),
+            path: "(memory)".into(),
+            description: "generated 64 MiB demo image, in memory".into(),
+            read_only: false,
+            create_size: None,
+        });
         cfg.default_export.get_or_insert_with(|| "demo".into());
     }
     let lanai_addr = cli.backend.lanai_addr(DEFAULT_SERVER_NODE)?;
+    let port = cli.port.unwrap_or(nbd_server::config::DEFAULT_PORT);
+    if cli.port.is_some() && !cli.listen.is_empty() {
+        bail!("--port goes with --bind or the default addresses; --listen names its own port");
+    }
+    for b in &cli.bind {
+        let host = if b.contains(':') && !b.starts_with('[') {
+            format!("[{b}]") // a bare IPv6 address
+        } else {
+            b.clone()
+        };
+        cfg.listen.push(format!("{host}:{port}"));
+    }
     if cfg.listen.is_empty() {
         cfg.listen = match lanai_addr {
-            Some(a) => vec![format!("[{a}]:10809")],
-            None => vec!["[::1]:10809".into(), "127.0.0.1:10809".into()],
+            Some(a) => vec![format!("[{a}]:{port}")],
+            None => vec![port.to_string()],
         };
     }
     if let Some(d) = cli.default_export.clone() {
@@ -159,11 +218,14 @@ fn run(cli: Cli) -> Result<()> {
     }
 
     // Addresses are checked before any image is opened or created.
-    let listen = cfg
-        .listen
-        .iter()
-        .map(|s| parse_listen(s))
-        .collect::<Result<Vec<_>>>()?;
+    let mut listen = Vec::new();
+    for s in &cfg.listen {
+        for a in parse_listen(s)? {
+            if !listen.contains(&a) {
+                listen.push(a);
+            }
+        }
+    }
     if let Some(node) = lanai_addr
         && let Some(v4) = listen.iter().find(|a| a.is_ipv4())
     {
@@ -174,6 +236,11 @@ fn run(cli: Cli) -> Result<()> {
     let backend = cli.backend.backend(Some(DEFAULT_SERVER_NODE))?;
     let nic = Nic::open(backend)
         .with_context(|| format!("starting the {} NIC", cli.backend.backend.name()))?;
+    // Bound before any image is opened or created: an address in use fails first.
+    let listen = listen
+        .iter()
+        .map(|a| nic.listen(*a)) // the error names the address
+        .collect::<Result<Vec<_>, _>>()?;
     let mut exports = Vec::new();
     for e in &cfg.exports {
         if exports.iter().any(|x: &Arc<Export>| x.name == e.name) {
@@ -182,8 +249,15 @@ fn run(cli: Cli) -> Result<()> {
         let create = cli.create.as_deref().or(e.create_size.as_deref());
         let read_only = cli.read_only || e.read_only;
         let image = match create {
+            _ if demo => Ok(demo_image()?),
             Some(size) if !e.path.exists() => {
                 let size = parse_size(size)?;
+                if size == 0 {
+                    bail!(
+                        "export {}: --create 0: an export needs at least one byte",
+                        e.name
+                    );
+                }
                 Image::create(&e.path, size).with_context(|| {
                     format!(
                         "export {}: creating {} ({size} bytes)",
@@ -195,7 +269,38 @@ fn run(cli: Cli) -> Result<()> {
             }
             _ => Image::open(&e.path, read_only),
         }
-        .with_context(|| format!("export {}: opening {}", e.name, e.path.display()))?;
+        .map_err(|err| {
+            // A read-only file or file system: say how to serve it anyway.
+            let hint = match err.raw_os_error() {
+                Some(libc::EROFS | libc::EACCES | libc::EPERM) if !read_only => {
+                    " (to export it read-only, add --read-only)"
+                }
+                _ => "",
+            };
+            anyhow::Error::new(err).context(format!(
+                "export {}: opening {}{hint}",
+                e.name,
+                e.path.display()
+            ))
+        })?;
+        if !demo && !cli.force_share {
+            image
+                .lock()
+                .with_context(|| format!("export {}: {}", e.name, e.path.display()))?;
+        }
+        if let Some(size) = create
+            && !demo
+        {
+            let size = parse_size(size)?;
+            if image.size() != size {
+                bail!(
+                    "export {}: {} has {} bytes, not the {size} that --create asks for (drop --create to serve it as it is)",
+                    e.name,
+                    e.path.display(),
+                    image.size()
+                );
+            }
+        }
         tracing::info!(export = %e.name, "{} ({} bytes{})", e.path.display(), image.size(), if read_only { ", read-only" } else { "" });
         exports.push(Export::new(
             &nic,
@@ -215,6 +320,20 @@ fn run(cli: Cli) -> Result<()> {
         ServerOptions {
             listen,
             max_connections: cli.max_connections.or(cfg.max_connections).unwrap_or(64),
+            max_handshakes: cli.max_handshakes.or(cfg.max_handshakes).unwrap_or(256),
+            buffer_memory: match cli
+                .buffer_memory
+                .as_deref()
+                .or(cfg.buffer_memory.as_deref())
+            {
+                Some(s) => parse_size(s).context("--buffer-memory")?,
+                None => 256 << 20,
+            },
+            idle_timeout: match cli.idle_timeout.or(cfg.idle_timeout) {
+                None => None,
+                Some(0) => bail!("--idle-timeout 0: give a number of seconds above 0"),
+                Some(s) => Some(Duration::from_secs(s)),
+            },
             default_export: cfg.default_export.clone(),
             list_exports: cfg.list_exports.unwrap_or(true) && !cli.no_list,
         },

@@ -1,6 +1,7 @@
 //! The server: exports, listeners on every address, an accept loop per listener, a thread per
 //! connection, and an orderly shutdown.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
@@ -17,6 +18,7 @@ use qpip_core::{Listener, Nic, QpAttr};
 use crate::conn::{self, Connection};
 use crate::export::Export;
 use crate::framer::ServerFramer;
+use crate::recv_window::SlotBudget;
 
 /// What the accept loops and connections share.
 pub struct ServerShared {
@@ -25,19 +27,108 @@ pub struct ServerShared {
     pub proto: ServerConfig,
     pub limits: FrameLimits,
     shutdown: AtomicBool,
+    /// Connections past the handshake (in the transmission phase).
     active: AtomicUsize,
     max_connections: usize,
+    /// Eviction flags of the connections still in their handshake, oldest first.
+    handshakes: Mutex<VecDeque<Arc<AtomicBool>>>,
+    max_handshakes: usize,
+    pub idle_timeout: Option<Duration>,
+    refusals: Mutex<RateLimitedLog>,
+    /// Receive slots connections may take beyond their base ones.
+    pub slot_budget: SlotBudget,
 }
 
 impl ServerShared {
     pub fn shutting_down(&self) -> bool {
         self.shutdown.load(Ordering::Acquire)
     }
+
+    /// Takes one of the `max_connections` transmission-phase places, or None when all are
+    /// taken (the place is given back when the returned guard drops).
+    pub fn admit(self: &Arc<Self>, peer: SocketAddr) -> Option<Admitted> {
+        if self.active.fetch_add(1, Ordering::AcqRel) >= self.max_connections {
+            self.active.fetch_sub(1, Ordering::AcqRel);
+            let max = self.max_connections;
+            self.refusals.lock().log(|suppressed| {
+                tracing::warn!(%peer, "refusing a client: already serving {max} (--max-connections){suppressed}");
+            });
+            return None;
+        }
+        Some(Admitted(self.clone()))
+    }
+
+    /// Registers a connection that starts its handshake. When `max_handshakes` are already
+    /// under way, the oldest is told to give up: idle or slow sockets cannot lock out a
+    /// client that completes its handshake in milliseconds.
+    fn start_handshake(&self, peer: SocketAddr) -> Arc<AtomicBool> {
+        let evict = Arc::new(AtomicBool::new(false));
+        let mut pending = self.handshakes.lock();
+        // A flag nobody else holds belongs to a handshake that has ended.
+        pending.retain(|f| Arc::strong_count(f) > 1);
+        if pending.len() >= self.max_handshakes
+            && let Some(oldest) = pending.pop_front()
+        {
+            oldest.store(true, Ordering::Release);
+            let max = self.max_handshakes;
+            self.refusals.lock().log(|suppressed| {
+                tracing::warn!(%peer, "{max} handshakes unfinished: dropping the oldest to admit a new client{suppressed}");
+            });
+        }
+        pending.push_back(evict.clone());
+        evict
+    }
+}
+
+/// A place among the `max_connections`; given back on drop.
+pub struct Admitted(Arc<ServerShared>);
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// At most one log line a second for a condition a flood can trigger thousands of times;
+/// the next line says how many were left out.
+#[derive(Default)]
+struct RateLimitedLog {
+    last: Option<Instant>,
+    suppressed: u64,
+}
+
+impl RateLimitedLog {
+    fn log(&mut self, emit: impl FnOnce(&str)) {
+        if self
+            .last
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
+            self.suppressed += 1;
+            return;
+        }
+        let note = match self.suppressed {
+            0 => String::new(),
+            n => format!(" ({n} more like this not logged)"),
+        };
+        emit(&note);
+        self.last = Some(Instant::now());
+        self.suppressed = 0;
+    }
 }
 
 pub struct ServerOptions {
-    pub listen: Vec<SocketAddr>,
+    /// Where to accept clients: bound before the images are opened, so that an address in
+    /// use is reported before any image is touched.
+    pub listen: Vec<Listener>,
+    /// Clients served at once (past the handshake); more are refused after their handshake.
     pub max_connections: usize,
+    /// Connections in their handshake at once; a new one beyond this drops the oldest.
+    pub max_handshakes: usize,
+    /// Close a connection with nothing in flight after this long without a request.
+    pub idle_timeout: Option<Duration>,
+    /// Bytes of receive buffers that connections may share beyond their base slots (see
+    /// [`crate::recv_window`]).
+    pub buffer_memory: u64,
     pub default_export: Option<String>,
     pub list_exports: bool,
 }
@@ -86,14 +177,22 @@ impl Server {
             shutdown: AtomicBool::new(false),
             active: AtomicUsize::new(0),
             max_connections: opts.max_connections,
+            handshakes: Mutex::new(VecDeque::new()),
+            max_handshakes: opts.max_handshakes.max(1),
+            idle_timeout: opts.idle_timeout,
+            refusals: Mutex::new(RateLimitedLog::default()),
+            slot_budget: SlotBudget::new(
+                (opts.buffer_memory / (nbd_proto::consts::REQUEST_LEN + conn::CHUNK) as u64)
+                    as usize,
+            ),
         });
         let connections = Arc::new(Mutex::new(Vec::new()));
         let mut accept_threads = Vec::new();
         let mut local = Vec::new();
-        for addr in &opts.listen {
-            let listener = nic.listen(*addr)?; // the error names the address
-            local.push(listener.local_addr());
-            tracing::info!("listening on {}", listener.local_addr());
+        for listener in opts.listen {
+            let addr = listener.local_addr();
+            local.push(addr);
+            tracing::debug!("listening on {}", listener.local_addr()); // main prints it
             let shared = shared.clone();
             let connections = connections.clone();
             accept_threads.push(
@@ -177,20 +276,14 @@ fn accept_loop(
                 continue;
             }
         };
-        if shared.active.load(Ordering::Acquire) >= shared.max_connections {
-            tracing::warn!(%peer, "refusing connection: {} connections already open", shared.max_connections);
-            qp.disconnect();
-            continue;
-        }
-        shared.active.fetch_add(1, Ordering::AcqRel);
+        let evict = shared.start_handshake(peer);
         let s = shared.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("nbd-{peer}"))
             .spawn(move || {
-                if let Err(e) = Connection::new(s.clone(), qp, cq, phase, peer).run() {
+                if let Err(e) = Connection::new(s, qp, cq, phase, peer, evict).run() {
                     tracing::warn!(%peer, "connection ended: {e:#}");
                 }
-                s.active.fetch_sub(1, Ordering::AcqRel);
             });
         match spawned {
             Ok(t) => {
@@ -198,10 +291,7 @@ fn accept_loop(
                 list.retain(|t| !t.is_finished());
                 list.push(t);
             }
-            Err(e) => {
-                tracing::error!(%peer, "cannot start a connection thread: {e}");
-                shared.active.fetch_sub(1, Ordering::AcqRel);
-            }
+            Err(e) => tracing::error!(%peer, "cannot start a connection thread: {e}"),
         }
     }
 }

@@ -24,6 +24,16 @@ fn server(dir: &std::path::Path) -> ServerProcess {
     ServerProcess::start_v4(&["--export".into(), format!("disk={}", img.display())])
 }
 
+/// A server on a fresh `SIZE` image "disk", with extra flags.
+fn server_with(flags: &[&str]) -> (tempfile::TempDir, ServerProcess) {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", SIZE);
+    let mut args: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
+    args.extend(["--export".into(), format!("disk={}", img.display())]);
+    let srv = ServerProcess::start_v4(&args);
+    (dir, srv)
+}
+
 fn connect(addr: SocketAddr) -> TcpStream {
     let s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
@@ -454,4 +464,172 @@ fn connections_beyond_max_connections_are_refused_then_served_again() {
     }
     srv.assert_alive("after refusing connections");
     drop(b);
+}
+
+#[test]
+fn image_truncated_under_the_server_fails_reads_with_eio_and_keeps_the_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", SIZE);
+    let mut srv = ServerProcess::start_v4(&["--export".into(), format!("disk={}", img.display())]);
+    let mut s = transmission(srv.addr);
+    let (e, _) = roundtrip(&mut s, Cmd::Write, 1, SIZE - 4096, 4096, &[0x42; 4096]);
+    assert_eq!(e, None);
+    // Another process cuts the image in half.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .unwrap()
+        .set_len(SIZE / 2)
+        .unwrap();
+    let (e, _) = roundtrip(&mut s, Cmd::Read, 2, SIZE - 4096, 4096, &[]);
+    assert_eq!(e, Some(ErrorValue::Io), "read past the new end");
+    // The connection goes on: the part that is still there reads.
+    let (e, d) = roundtrip(&mut s, Cmd::Read, 3, 0, 4096, &[]);
+    assert_eq!(e, None);
+    assert_eq!(d.len(), 4096);
+    srv.assert_alive("after the image shrank");
+}
+
+#[test]
+fn read_only_export_answers_eperm_to_every_writing_command() {
+    let (_dir, mut srv) = server_with(&["--read-only"]);
+    let mut s = transmission(srv.addr);
+    for (cookie, cmd) in [(1, Cmd::Trim), (2, Cmd::WriteZeroes)] {
+        let (e, _) = roundtrip(&mut s, cmd, cookie, 0, 4096, &[]);
+        assert_eq!(e, Some(ErrorValue::Perm), "{cmd:?}");
+    }
+    let (e, _) = roundtrip(&mut s, Cmd::Write, 3, 0, 4096, &[1; 4096]);
+    assert_eq!(e, Some(ErrorValue::Perm));
+    srv.assert_alive("after writes to a read-only export");
+}
+
+/// VmRSS of a process, in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+#[test]
+fn idle_sockets_cannot_lock_out_a_client() {
+    // 400 sockets that connect and never send a byte (slowloris), against 64 handshake places:
+    // the oldest are dropped as new ones come, and a real client still gets in at once.
+    let (_dir, mut srv) = server_with(&["--max-handshakes", "64"]);
+    let idle: Vec<TcpStream> = (0..400).map(|_| connect(srv.addr)).collect();
+    let t = Instant::now();
+    let mut s = transmission(srv.addr);
+    let (e, _) = roundtrip(&mut s, Cmd::Read, 1, 0, 4096, &[]);
+    assert_eq!(e, None);
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_secs(3),
+        "a real client waited {took:?}"
+    );
+    let rss = rss(srv.pid);
+    assert!(
+        rss < 256 << 20,
+        "server RSS {} MiB with 400 idle sockets",
+        rss >> 20
+    );
+    assert!(
+        srv.log().contains("handshakes unfinished"),
+        "no log line about the evictions:\n{}",
+        srv.log()
+    );
+    drop(idle);
+    srv.assert_alive("after 400 idle sockets");
+}
+
+#[test]
+fn max_connections_counts_clients_past_the_handshake() {
+    let (_dir, mut srv) = server_with(&["--max-connections", "2"]);
+    // Unfinished handshakes do not take places.
+    let _pending: Vec<TcpStream> = (0..5).map(|_| start(srv.addr)).collect();
+    let a = transmission(srv.addr);
+    let mut b = transmission(srv.addr);
+    // A third client is refused: its connection closes before the handshake ends.
+    let mut c = start(srv.addr);
+    let data = InfoRequest {
+        name: "disk",
+        items: vec![],
+    }
+    .encode()
+    .unwrap();
+    send_opt(&mut c, c::OPT_GO, &data);
+    let mut got = Vec::new();
+    let r = c.read_to_end(&mut got);
+    assert!(
+        r.is_ok()
+            || r.as_ref()
+                .is_err_and(|e| e.kind() == ErrorKind::ConnectionReset),
+        "{r:?}"
+    );
+    assert!(
+        srv.log().contains("already serving 2"),
+        "no log line for the refusal:\n{}",
+        srv.log()
+    );
+    // The two admitted ones work; when one leaves, a new client gets its place.
+    let (e, _) = roundtrip(&mut b, Cmd::Read, 1, 0, 512, &[]);
+    assert_eq!(e, None);
+    drop(a);
+    let t = Instant::now();
+    loop {
+        let mut d = start(srv.addr);
+        send_opt(&mut d, c::OPT_GO, &data);
+        let mut h = [0u8; c::OPTION_REPLY_HEADER_LEN];
+        if d.read_exact(&mut h).is_ok() {
+            break;
+        }
+        // The first client's departure is noticed by its connection thread, not at once.
+        assert!(t.elapsed() < Duration::from_secs(5), "no place freed");
+    }
+    srv.assert_alive("after refusing a client");
+}
+
+#[test]
+fn idle_timeout_closes_a_quiet_connection() {
+    let (_dir, mut srv) = server_with(&["--idle-timeout", "1"]);
+    let mut s = transmission(srv.addr);
+    let (e, _) = roundtrip(&mut s, Cmd::Read, 1, 0, 512, &[]);
+    assert_eq!(e, None);
+    let t = Instant::now();
+    let mut rest = Vec::new();
+    let r = s.read_to_end(&mut rest);
+    let took = t.elapsed();
+    assert!(r.is_ok() && rest.is_empty(), "{r:?} {rest:?}");
+    assert!(
+        took >= Duration::from_millis(800) && took < Duration::from_secs(5),
+        "closed after {took:?}"
+    );
+    assert!(srv.log().contains("idle-timeout"), "{}", srv.log());
+    srv.assert_alive("after an idle close");
+}
+
+#[test]
+fn one_write_at_a_time_touches_a_few_receive_slots_not_all() {
+    // 64 writes of 1 MiB, one in flight at a time: the connection reuses the slot it just
+    // emptied, so the server's RSS grows by a few MiB, not by its 32 slots of 1 MiB.
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", 64 * MIB);
+    let srv = ServerProcess::start_v4(&["--export".into(), format!("disk={}", img.display())]);
+    let mut s = start(srv.addr);
+    assert_eq!(go(&mut s, "disk"), 64 * MIB);
+    let before = rss(srv.pid);
+    let data = vec![0x5au8; MIB as usize];
+    for i in 0..64u64 {
+        let (e, _) = roundtrip(&mut s, Cmd::Write, i, i * MIB, MIB as u32, &data);
+        assert_eq!(e, None);
+    }
+    let grown = rss(srv.pid).saturating_sub(before);
+    assert!(
+        grown < 12 * MIB,
+        "RSS grew by {} MiB for one write in flight",
+        grown / MIB
+    );
 }

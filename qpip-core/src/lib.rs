@@ -40,7 +40,7 @@
 //! |---|---|---|---|
 //! | doorbell | `machines::shell` (doorbell FIFO, sleep/wake pairing; `NicThread::ring_doorbell`) | `Engine::doorbell` services the QP | `Firmware::doorbell` charges the stage, services |
 //! | management | `machines::mgmt::dispatch` over the `Management` trait | `impl Management for Engine` (kernel listeners, connects) | `impl Management for Firmware` (`firmware/mgmt.rs`: smoltcp sockets, SRAM) |
-//! | transmit | `machines::tx::SendMessage` (the outgoing message) | `tx.rs`: `writev`/`sendmsg` until the kernel takes it | `firmware/link.rs`: into the TCP send buffer, complete on ACK |
+//! | transmit | `machines::tx`: `SendMessage` (a send WR resolved for the wire), `OutMsg` (its progress on the link) | `tx.rs`: `writev`/`sendmsg` until the kernel takes it | `firmware/link.rs`: into the TCP send buffer, complete on ACK |
 //! | receive | `machines::rx`: `RecvTarget` (receive WR resolution), `RxMachine` (framing, placement) | `link.rs`: socket reads feed `RxMachine`; datagrams fill a `RecvTarget` | `firmware/link.rs`: the TCP receive buffer feeds `RxMachine`; datagrams fill a `RecvTarget` |
 //!
 //! The NIC thread (`machines::shell`) runs both real-time backends: it drains commands and

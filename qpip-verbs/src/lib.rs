@@ -2,6 +2,10 @@
 //! share ([`shared`]), the NIC backend contract ([`backend`]) and the NIC state machines every
 //! backend runs ([`machines`]). The backends (`qpip-soft`, `qpip-lanai`) build on this crate
 //! and on nothing of each other; `qpip-core` opens them and is what applications use.
+//!
+//! The small functions a backend calls on every WR (ring pushes, completions, the doorbell)
+//! are `#[inline]`: the backends are other crates, and without it they could not be
+//! inlined there as they were when everything was one crate.
 
 pub mod backend;
 pub mod cq;

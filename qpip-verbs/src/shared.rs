@@ -173,6 +173,7 @@ impl QpShared {
 
     /// Puts a send WR on the ring (host side). Fails when as many WRs as the ring holds are
     /// outstanding (posted and not yet completed), so a completion always has room.
+    #[inline]
     pub fn push_send(&self, wr: SendWr) -> Result<(), QueueFull> {
         reserve(&self.sq_outstanding, self.sq.capacity())?;
         // Cannot fail: outstanding WRs never exceed the ring's capacity.
@@ -181,6 +182,7 @@ impl QpShared {
     }
 
     /// Puts a receive WR on the ring (host side), as [`Self::push_send`].
+    #[inline]
     pub fn push_recv(&self, wr: RecvWr) -> Result<(), QueueFull> {
         reserve(&self.rq_outstanding, self.rq.capacity())?;
         let _ = self.rq.push(wr);
@@ -196,9 +198,11 @@ impl QpShared {
         self.rq_outstanding.load(Ordering::Acquire)
     }
 
+    #[inline]
     pub fn state(&self) -> QpState {
         QpState::from_u8(self.state.load(Ordering::Acquire))
     }
+    #[inline]
     pub fn set_state(&self, s: QpState) {
         self.state.store(s as u8, Ordering::Release);
     }
@@ -214,6 +218,7 @@ impl QpShared {
     }
 
     /// Posts a completion for a send WR (NIC side).
+    #[inline]
     pub fn complete_send(&self, wr_id: u64, status: WcStatus, byte_len: u32, os_error: i32) {
         self.sq_outstanding.fetch_sub(1, Ordering::AcqRel);
         self.send_cq.push(Completion {
@@ -228,6 +233,7 @@ impl QpShared {
     }
 
     /// Posts a completion for a receive WR (NIC side).
+    #[inline]
     pub fn complete_recv(
         &self,
         wr_id: u64,
@@ -259,6 +265,7 @@ impl QpShared {
     }
 
     /// Wakes whoever waits on this QP's CQs (after a batch of completions).
+    #[inline]
     pub fn notify_cqs(&self) {
         self.send_cq.notify();
         if !Arc::ptr_eq(&self.send_cq, &self.recv_cq) {

@@ -4,8 +4,10 @@
 //! (CI=true) where it fails it.
 #![allow(dead_code)]
 
+use std::cell::RefCell;
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::OnceLock;
@@ -15,7 +17,7 @@ fn in_ci() -> bool {
     std::env::var("CI").as_deref() == Ok("true")
 }
 
-fn missing(what: &str) -> bool {
+pub fn missing(what: &str) -> bool {
     if in_ci() {
         panic!("{what} is required in CI but is missing");
     }
@@ -44,6 +46,75 @@ pub fn can_fuse() -> bool {
         return missing("/dev/fuse");
     }
     have("fusermount3")
+}
+
+pub const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
+
+thread_local! {
+    /// The FUSE transport this test's mounts use ("dev" or "uring"; None: the mount's
+    /// default, auto) and the lock on the io_uring switch held meanwhile.
+    static TRANSPORT: RefCell<Option<(&'static str, Option<UringLock>)>> = const { RefCell::new(None) };
+}
+
+/// A lock on the kernel's enable_uring switch, across test processes: tests that need it on
+/// hold it shared, the test that switches it off for a moment holds it exclusively.
+pub struct UringLock(std::fs::File);
+
+impl UringLock {
+    pub fn take(exclusive: bool) -> UringLock {
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open("/tmp/qpip-nbd-mount-enable-uring.lock")
+            .unwrap();
+        let op = if exclusive {
+            libc::LOCK_EX
+        } else {
+            libc::LOCK_SH
+        };
+        // SAFETY: plain syscall on an open fd; released when the file closes.
+        assert_eq!(unsafe { libc::flock(f.as_raw_fd(), op) }, 0);
+        UringLock(f)
+    }
+}
+
+/// Makes this test's mounts use `transport`. For "uring" the kernel must offer FUSE over
+/// io_uring (scripts/setup switches it on): false (skip) when it does not, a failure in CI.
+pub fn use_transport(transport: &'static str) -> bool {
+    let lock = if transport == "uring" {
+        let lock = UringLock::take(false);
+        match std::fs::read_to_string(ENABLE_URING) {
+            Ok(v) if v.trim() == "Y" => {}
+            Ok(_) => return missing(&format!("FUSE over io_uring ({ENABLE_URING} is N)")),
+            Err(_) => return missing(&format!("FUSE over io_uring ({ENABLE_URING})")),
+        }
+        Some(lock)
+    } else {
+        None
+    };
+    TRANSPORT.with(|t| *t.borrow_mut() = Some((transport, lock)));
+    true
+}
+
+/// The mount arguments that select this test's transport.
+pub fn transport_args() -> Vec<&'static str> {
+    TRANSPORT.with(|t| match &*t.borrow() {
+        Some((name, _)) => vec!["--fuse-transport", name],
+        None => vec![],
+    })
+}
+
+/// Which transport a mount's log (at -v) says it uses.
+pub fn transport_in_log(log: &str) -> Option<&'static str> {
+    let line = log.lines().find(|l| l.contains("mounted"))?;
+    if line.contains("\"io_uring\"") {
+        Some("uring")
+    } else if line.contains("\"/dev/fuse\"") {
+        Some("dev")
+    } else {
+        None
+    }
 }
 
 pub fn free_port() -> u16 {
@@ -119,8 +190,13 @@ pub fn qpip_server_bin() -> PathBuf {
 
 /// qpip-nbd-server on a free port exporting `name` = `path`, with `extra` arguments.
 pub fn qpip_server(name: &str, path: &Path, extra: &[&str]) -> Server {
+    qpip_server_on(0, name, path, extra)
+}
+
+/// [`qpip_server`] on `port` (0: a free one).
+pub fn qpip_server_on(port: u16, name: &str, path: &Path, extra: &[&str]) -> Server {
     let mut child = Command::new(qpip_server_bin())
-        .args(["--listen", "127.0.0.1:0", "--log", "warn"])
+        .args(["--listen", &format!("127.0.0.1:{port}"), "--log", "warn"])
         .arg("--export")
         .arg(format!("{name}={}", path.display()))
         .args(extra)
@@ -185,6 +261,11 @@ pub struct Mount {
     pub file: PathBuf,
 }
 
+/// The log file of a mount on `dir`.
+pub fn mount_log(dir: &Path) -> PathBuf {
+    dir.with_extension("log")
+}
+
 impl Mount {
     /// Waits for the process to exit (after an unmount or a signal); returns its status.
     pub fn wait_exit(&mut self) -> ExitStatus {
@@ -229,8 +310,10 @@ pub fn mount_bin() -> &'static str {
 /// Mounts `uri` on `dir` and waits until the file `name` appears.
 pub fn mount(uri: &str, dir: &Path, name: &str, extra: &[&str]) -> Mount {
     // Its log goes to a file beside the mount point (a pipe nobody reads could fill up).
-    let log = dir.with_extension("log");
+    let log = mount_log(dir);
     let mut child = Command::new(mount_bin())
+        .arg("-v")
+        .args(transport_args())
         .args(extra)
         .arg(uri)
         .arg(dir)
@@ -250,6 +333,11 @@ pub fn mount(uri: &str, dir: &Path, name: &str, extra: &[&str]) -> Mount {
             file.display()
         );
         std::thread::sleep(Duration::from_millis(20));
+    }
+    // The transport asked for is the one in use (the "mounted" line precedes serving).
+    if let Some((want, _)) = TRANSPORT.with(|t| t.borrow().as_ref().map(|(n, _)| (*n, ()))) {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        assert_eq!(transport_in_log(&text), Some(want), "mount log: {text}");
     }
     Mount {
         child: Some(child),
@@ -288,8 +376,17 @@ impl LoopDev {
 }
 
 impl Drop for LoopDev {
+    /// Detaches the device and waits until it has let go of its file: a detach while
+    /// something (udev's probe after the file system's unmount) still has the device open
+    /// only marks it for auto-clear, and the file stays busy until that opener is gone.
     fn drop(&mut self) {
         let _ = Command::new("losetup").args(["-d", &self.0]).status();
+        let name = self.0.trim_start_matches("/dev/");
+        let backing = PathBuf::from(format!("/sys/block/{name}/loop/backing_file"));
+        let t = Instant::now();
+        while backing.exists() && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 }
 

@@ -524,7 +524,7 @@ impl ClientHandshake {
                         Err(ClientError::Rejected {
                             option: h.option,
                             reply: h.reply_type,
-                            message: String::from_utf8_lossy(data).into_owned(),
+                            message: crate::peer_text::printable(data),
                         })
                     }
                     _ => unexpected,
@@ -552,7 +552,7 @@ impl ClientHandshake {
                     Err(ClientError::Rejected {
                         option: h.option,
                         reply: h.reply_type,
-                        message: String::from_utf8_lossy(data).into_owned(),
+                        message: crate::peer_text::printable(data),
                     })
                 }
                 _ => unexpected,

@@ -60,14 +60,24 @@ pub struct ServerProcess {
 }
 
 impl ServerProcess {
-    /// Starts the server listening on `listen` (e.g. "127.0.0.1:0" or "[::1]:0") with the
-    /// extra `args`, and waits for its "listening on ADDR" line.
+    /// Starts the server listening on `listen` (e.g. "127.0.0.1:0" or "[::1]:0"; "" for none:
+    /// the args say where) with the extra `args`, and waits for its "listening on ADDR" line.
     pub fn start(listen: &str, args: &[String]) -> ServerProcess {
+        Self::start_env(listen, args, &[])
+    }
+
+    /// As [`Self::start`], with extra environment variables for the server.
+    pub fn start_env(listen: &str, args: &[String], env: &[(&str, &Path)]) -> ServerProcess {
         let logdir = tempfile::tempdir().unwrap();
         let stderr_log = logdir.path().join("server.stderr");
+        let listen_args: &[&str] = if listen.is_empty() {
+            &[]
+        } else {
+            &["--listen", listen]
+        };
         let mut child = Command::new(BIN)
-            .arg("--listen")
-            .arg(listen)
+            .envs(env.iter().copied())
+            .args(listen_args)
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

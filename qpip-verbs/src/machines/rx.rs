@@ -45,6 +45,7 @@ impl RecvTarget {
     }
 
     /// Bytes the WR can take.
+    #[inline]
     pub fn capacity(&self) -> usize {
         self.segs.iter().map(Segment::len).sum()
     }

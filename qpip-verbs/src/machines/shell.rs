@@ -174,6 +174,7 @@ impl NicThread {
 
     /// Puts `qp` in the doorbell FIFO unless it is there already. An atomic swap and a fence;
     /// a system call only when the thread sleeps (or a bounded FIFO is full).
+    #[inline]
     pub fn ring_doorbell(&self, qp: &QpShared) {
         if qp.doorbell.swap(true, Ordering::AcqRel) {
             return; // already in the FIFO; the NIC clears the flag before it reads the rings

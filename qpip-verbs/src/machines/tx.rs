@@ -47,11 +47,13 @@ impl SendMessage {
     }
 
     /// Header plus body.
+    #[inline]
     pub fn total(&self) -> usize {
         self.hdr_len + self.body_len
     }
 
     /// The message's parts: framing header, then each segment.
+    #[inline]
     pub fn parts(&self) -> impl Iterator<Item = &[u8]> {
         std::iter::once(&self.hdr[..self.hdr_len]).chain(self.segs.iter().map(|s| {
             // SAFETY: the NIC owns the WR's memory until it completes it.
@@ -92,6 +94,7 @@ impl OutMsg {
     }
 
     /// The bytes the link has not taken yet, part by part.
+    #[inline]
     pub fn unsent(&self) -> impl Iterator<Item = &[u8]> {
         let mut skip = self.sent;
         self.msg.parts().filter_map(move |part| {

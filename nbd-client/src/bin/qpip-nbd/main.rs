@@ -3,6 +3,7 @@
 
 mod copy;
 
+use nbd_proto::peer_text::printable;
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
@@ -139,7 +140,7 @@ fn print_info(uri: &str, info: &ExportInfo, json: bool) -> Result<()> {
     } else {
         println!("uri:         {uri}");
         if let Some(n) = &info.name {
-            println!("name:        {n}");
+            println!("name:        {}", printable(n.as_bytes()));
         }
         println!("size:        {} ({})", info.size, human(info.size));
         println!("flags:       {}", flag_names(info.flags).join(" "));
@@ -155,7 +156,7 @@ fn print_info(uri: &str, info: &ExportInfo, json: bool) -> Result<()> {
             }
         );
         if let Some(d) = info.description.as_deref().filter(|d| !d.is_empty()) {
-            println!("description: {d}");
+            println!("description: {}", printable(d.as_bytes()));
         }
     }
     Ok(())
@@ -216,10 +217,13 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
                 for e in &list {
+                    // Text from the server: escaped before it reaches the terminal (JSON
+                    // output escapes it by itself).
+                    let name = printable(e.name.as_bytes());
                     if e.description.is_empty() {
-                        println!("{}", e.name);
+                        println!("{name}");
                     } else {
-                        println!("{}\t{}", e.name, e.description);
+                        println!("{name}\t{}", printable(e.description.as_bytes()));
                     }
                 }
             }

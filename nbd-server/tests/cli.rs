@@ -1,0 +1,181 @@
+//! The command line as a user meets it: bad values give one clear line naming what is wrong
+//! and a non-zero exit, before anything is served.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+
+/// Runs the server with `args`; it must fail at once with `code` and one line of stderr
+/// containing every one of `words`.
+fn refused(args: &[&str], code: i32, words: &[&str]) {
+    let out = run_with_timeout(
+        Command::new(BIN).args(args),
+        std::time::Duration::from_secs(20),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(code), "{args:?}: {stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.contains(" INFO ")).collect();
+    assert_eq!(lines.len(), 1, "{args:?}: {stderr}");
+    for w in words {
+        assert!(lines[0].contains(w), "{args:?}: {w:?} not in {stderr}");
+    }
+}
+
+#[test]
+fn a_bad_log_level_is_refused_not_silently_off() {
+    refused(&["--log", "verbose"], 2, &["--log", "verbose", "level"]);
+}
+
+#[test]
+fn create_zero_and_create_of_another_size_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let new = dir.path().join("new.img");
+    let spec = format!("disk={}", new.display());
+    refused(
+        &[
+            "--export",
+            &spec,
+            "--create",
+            "0",
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        1,
+        &["--create 0"],
+    );
+    assert!(!new.exists(), "a 0-byte image was created");
+    let old = image(dir.path(), "old.img", 1 << 20);
+    let spec = format!("disk={}", old.display());
+    refused(
+        &[
+            "--export",
+            &spec,
+            "--create",
+            "2M",
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        1,
+        &["old.img", "1048576", "2097152"],
+    );
+}
+
+#[test]
+fn an_image_on_a_read_only_file_system_suggests_read_only() {
+    if unsafe { libc::geteuid() } != 0 {
+        assert!(!in_ci(), "CI runs as root");
+        eprintln!("skipping: mounting a read-only tmpfs needs root");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", 1 << 20);
+    // A read-only bind mount of the directory: the file exists but cannot be opened to write.
+    let ro = tempfile::tempdir().unwrap();
+    let mount = |args: &[&str]| {
+        let st = Command::new("mount").args(args).status().unwrap();
+        assert!(st.success(), "mount {args:?}");
+    };
+    mount(&[
+        "--bind",
+        dir.path().to_str().unwrap(),
+        ro.path().to_str().unwrap(),
+    ]);
+    mount(&["-o", "remount,bind,ro", ro.path().to_str().unwrap()]);
+    let spec = format!("disk={}", ro.path().join("disk.img").display());
+    let out = run_with_timeout(
+        Command::new(BIN).args(["--export", &spec, "--listen", "127.0.0.1:0"]),
+        std::time::Duration::from_secs(20),
+    );
+    let _ = Command::new("umount").arg(ro.path()).status();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("disk.img") && stderr.contains("--read-only"),
+        "{stderr}"
+    );
+    drop(img);
+}
+
+#[test]
+fn an_address_in_use_fails_before_any_image_is_created() {
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("new.img");
+    let spec = format!("disk={}", img.display());
+    refused(
+        &["--export", &spec, "--create", "1M", "--listen", &addr],
+        1,
+        &[&addr, "in use"],
+    );
+    assert!(
+        !img.exists(),
+        "the image was created before the address was tried"
+    );
+}
+
+#[test]
+fn port_bind_and_bare_port_listen_like_qemu_nbd() {
+    let port = |p: std::net::TcpListener| p.local_addr().unwrap().port();
+    // Free ports: bind, read, release (the server binds them a moment later).
+    let (a, b) = (
+        port(std::net::TcpListener::bind("127.0.0.1:0").unwrap()),
+        port(std::net::TcpListener::bind("127.0.0.1:0").unwrap()),
+    );
+    let srv = ServerProcess::start(
+        "",
+        &["-b".into(), "localhost".into(), "-p".into(), a.to_string()],
+    );
+    assert_eq!(srv.addr.port(), a);
+    assert!(srv.addr.ip().is_loopback());
+    drop(srv);
+    let srv = ServerProcess::start(&b.to_string(), &[]);
+    assert_eq!(srv.addr.port(), b);
+    drop(srv);
+    // -c and -d no longer mean --config and --description (qemu-nbd's connect/disconnect).
+    let out = Command::new(BIN).args(["-c", "x.toml"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unexpected argument '-c'"));
+}
+
+#[test]
+fn images_are_locked_the_way_qemu_locks_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", 1 << 20);
+    let spec = format!("disk={}", img.display());
+    let writer = ServerProcess::start_v4(&["--export".into(), spec.clone()]);
+    // A second writer and a reader are refused while the first writes.
+    refused(
+        &["--export", &spec, "--listen", "127.0.0.1:0"],
+        1,
+        &["disk.img", "in use", "--force-share"],
+    );
+    refused(
+        &["-r", "--export", &spec, "--listen", "127.0.0.1:0"],
+        1,
+        &["disk.img", "in use"],
+    );
+    // ... unless told to share.
+    let shared = ServerProcess::start_v4(&["-U".into(), "--export".into(), spec.clone()]);
+    drop(shared);
+    // qemu sees our locks.
+    if require(&["qemu-io"]) {
+        let out = run_with_timeout(
+            Command::new("qemu-io").args(["-f", "raw", "-c", "read 0 512", img.to_str().unwrap()]),
+            std::time::Duration::from_secs(20),
+        );
+        assert!(!out.status.success());
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("lock"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    drop(writer);
+    // Readers share with readers.
+    let r1 = ServerProcess::start_v4(&["-r".into(), "--export".into(), spec.clone()]);
+    let r2 = ServerProcess::start_v4(&["-r".into(), "--export".into(), spec.clone()]);
+    drop((r1, r2));
+}
