@@ -308,6 +308,7 @@ impl<'a> Transmission<'a> {
 
     fn run(mut self) -> Result<()> {
         let mut buf = [Completion::default(); 32];
+        let mut batch = Vec::with_capacity(buf.len());
         let mut last_request = Instant::now();
         loop {
             if let Some(limit) = self.conn.shared.idle_timeout
@@ -331,48 +332,62 @@ impl<'a> Transmission<'a> {
                 self.conn.qp.close();
                 return Ok(());
             }
-            let batch: Vec<Completion> = if self.conn.stash.is_empty() {
+            batch.clear();
+            if self.conn.stash.is_empty() {
                 let n = self
                     .conn
                     .cq
                     .wait(&mut buf, Some(Duration::from_millis(200)))?;
-                buf[..n].to_vec()
+                batch.extend_from_slice(&buf[..n]);
             } else {
-                self.conn.stash.drain(..).collect()
-            };
-            let arrived = batch.iter().filter(|c| c.opcode != Opcode::Send).count();
-            self.window.arrived(arrived, &self.conn.shared.slot_budget);
-            for c in batch {
-                if c.opcode == Opcode::Send {
-                    self.on_send(&c)?;
-                    continue;
-                }
-                match c.status {
-                    WcStatus::Success => {}
-                    WcStatus::RemoteClosed | WcStatus::Flushed => {
-                        if self.pending_write.is_some() {
-                            tracing::warn!(peer = %self.conn.peer, "client vanished in the middle of a write");
-                        }
-                        return Ok(());
-                    }
-                    s => bail!("request refused by the NIC ({s:?}): malformed or oversized"),
-                }
-                last_request = Instant::now();
-                let slot = c.wr_id as usize;
-                if !self.on_message(slot, c.byte_len as usize)? {
-                    return Ok(());
-                }
-                let slot = self.window.reuse(slot);
-                self.post_slot(slot)?;
+                batch.extend(self.conn.stash.drain(..));
             }
-            for slot in self.window.top_up() {
-                self.post_slot(slot)?;
+            // The whole batch is handled before the NIC hears of it: its replies and the
+            // receive slots posted again go out with one doorbell.
+            let more = self.handle_batch(&batch, &mut last_request);
+            self.conn.qp.ring_doorbell();
+            if !more? {
+                return Ok(());
             }
         }
     }
 
+    /// Handles completions, posting replies and receive slots quietly. False: disconnect.
+    fn handle_batch(&mut self, batch: &[Completion], last_request: &mut Instant) -> Result<bool> {
+        let arrived = batch.iter().filter(|c| c.opcode != Opcode::Send).count();
+        self.window.arrived(arrived, &self.conn.shared.slot_budget);
+        for &c in batch {
+            if c.opcode == Opcode::Send {
+                self.on_send(&c)?;
+                continue;
+            }
+            match c.status {
+                WcStatus::Success => {}
+                WcStatus::RemoteClosed | WcStatus::Flushed => {
+                    if self.pending_write.is_some() {
+                        tracing::warn!(peer = %self.conn.peer, "client vanished in the middle of a write");
+                    }
+                    return Ok(false);
+                }
+                s => bail!("request refused by the NIC ({s:?}): malformed or oversized"),
+            }
+            *last_request = Instant::now();
+            let slot = c.wr_id as usize;
+            if !self.on_message(slot, c.byte_len as usize)? {
+                return Ok(false);
+            }
+            let slot = self.window.reuse(slot);
+            self.post_slot(slot)?;
+        }
+        for slot in self.window.top_up() {
+            self.post_slot(slot)?;
+        }
+        Ok(true)
+    }
+
+    /// Posts a receive slot quietly (the batch loop rings).
     fn post_slot(&self, slot: usize) -> Result<()> {
-        self.conn.qp.post_recv(RecvWr::new(
+        self.conn.qp.post_recv_quiet(RecvWr::new(
             slot as u64,
             &[self.recv_mr.sge(slot * self.stride, self.stride)],
         ))?;
@@ -536,7 +551,9 @@ impl<'a> Transmission<'a> {
             if let Some(s) = self.free_replies.pop() {
                 return Ok(s);
             }
-            // All reply slots are in flight: the client is slow to read. Wait for sends.
+            // All reply slots are in flight: the client is slow to read. Wait for sends
+            // (the NIC must know of the replies posted quietly).
+            self.conn.qp.ring_doorbell();
             let mut buf = [Completion::default(); 32];
             let n = self.conn.cq.wait(&mut buf, Some(Duration::from_secs(60)))?;
             if n == 0 {
@@ -564,7 +581,8 @@ impl<'a> Transmission<'a> {
             Some(d) => SendWr::new(REPLY_WR + slot as u64, &[head, d]),
             None => SendWr::new(REPLY_WR + slot as u64, &[head]),
         };
-        self.conn.qp.post_send(wr)?;
+        // Quietly: the batch loop rings once for all replies of a batch.
+        self.conn.qp.post_send_quiet(wr)?;
         Ok(())
     }
 

@@ -120,6 +120,7 @@ contract!(
     cq_overflow_is_reported,
     queue_depth_is_enforced,
     async_verbs_under_tokio,
+    quiet_posts_go_out_at_the_doorbell,
 );
 
 /// Collects completions until none arrives for `quiet` (the sender has stopped); panics if
@@ -293,6 +294,40 @@ fn many_qps_on_one_cq(net: Net) {
         }
     }
     assert!(next_per_qp.iter().all(|&n| n == MSGS));
+}
+
+/// WRs posted quietly (a burst, then one doorbell) are all carried out, in order.
+fn quiet_posts_go_out_at_the_doorbell(net: Net) {
+    const MSGS: usize = 32;
+    let cq = net.server.create_cq(MSGS * 4);
+    let (client, server) = net.pair(&cq);
+    let mr = net.server.alloc_region(MSGS * 8, Access::READ_WRITE);
+    let src = net.client.alloc_region(MSGS * 8, Access::READ);
+    for m in 0..MSGS {
+        server
+            .post_recv_quiet(RecvWr::new(m as u64, &[mr.sge(m * 8, 8)]))
+            .unwrap();
+        src.write_at(m * 8, &(m as u64).to_be_bytes());
+        client
+            .post_send_quiet(SendWr::new(m as u64, &[src.sge(m * 8, 8)]))
+            .unwrap();
+    }
+    server.ring_doorbell();
+    client.ring_doorbell();
+    let all = wait_n(&cq, MSGS * 2, T);
+    let mut next = [0u64; 2];
+    for c in all {
+        assert_eq!(c.status, WcStatus::Success, "{c:?}");
+        let k = usize::from(c.opcode == Opcode::Recv);
+        assert_eq!(c.wr_id, next[k], "completions in posting order");
+        next[k] += 1;
+        if c.opcode == Opcode::Recv {
+            let mut v = [0u8; 8];
+            mr.read_at(c.wr_id as usize * 8, &mut v);
+            assert_eq!(u64::from_be_bytes(v), c.wr_id);
+        }
+    }
+    assert_eq!(next, [MSGS as u64; 2]);
 }
 
 /// With no receive WR posted the receiver reads nothing, so TCP flow control stops the sender:

@@ -69,6 +69,10 @@ impl Ring {
         }
         let r = if wait {
             self.ring.submit_and_wait(1)
+        } else if self.ring.submission().is_empty() {
+            // Nothing to hand over: completions are read from the ring's memory, and the
+            // kernel kicks this thread itself to run the work behind them.
+            return Ok(());
         } else {
             self.ring.submit()
         };
@@ -123,6 +127,11 @@ pub(super) struct UringIo {
     write_msg: libc::msghdr,
     /// Entries to hand to the ring after this turn of the machines.
     pub(super) outbox: Vec<squeue::Entry>,
+    /// The last read through the ring came back short of what it asked: the socket is
+    /// most likely empty, so the next read goes to the ring without a `readv` first.
+    drained: bool,
+    /// Bytes the read in flight asked for.
+    read_asked: usize,
 }
 
 // SAFETY: the raw pointers name memory the NIC owns for the duration of an operation; a
@@ -151,6 +160,8 @@ impl UringIo {
             // SAFETY: an all-zero msghdr is a valid empty one.
             write_msg: unsafe { std::mem::zeroed() },
             outbox: Vec::new(),
+            drained: false,
+            read_asked: 0,
         }
     }
 
@@ -165,14 +176,16 @@ impl UringIo {
         if let Some(r) = take_result(&mut self.read) {
             return r;
         }
-        // SAFETY: IoSliceMut is ABI-compatible with iovec on Unix; the buffers are live.
-        let n = unsafe { libc::readv(fd, iov.as_ptr().cast(), iov.len() as libc::c_int) };
-        if n >= 0 {
-            return Ok(n as usize);
-        }
-        let err = io::Error::last_os_error();
-        if err.kind() != io::ErrorKind::WouldBlock {
-            return Err(err);
+        if !std::mem::take(&mut self.drained) {
+            // SAFETY: IoSliceMut is ABI-compatible with iovec on Unix; the buffers are live.
+            let n = unsafe { libc::readv(fd, iov.as_ptr().cast(), iov.len() as libc::c_int) };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let err = io::Error::last_os_error();
+            if err.kind() != io::ErrorKind::WouldBlock {
+                return Err(err);
+            }
         }
         self.read_iov.clear();
         self.read_iov.extend(iov.iter_mut().map(|b| libc::iovec {
@@ -187,6 +200,7 @@ impl UringIo {
         .build()
         .user_data(user_data(self.qp, OP_READ));
         self.outbox.push(e);
+        self.read_asked = iov.iter().map(|b| b.len()).sum();
         self.read = Op::InFlight;
         Err(io::ErrorKind::WouldBlock.into())
     }
@@ -243,7 +257,11 @@ impl UringIo {
             Ok(result as usize)
         };
         match op {
-            OP_READ => self.read = Op::Done(r),
+            OP_READ => {
+                // A short read most likely emptied the socket (the kernel gives what it has).
+                self.drained = matches!(r, Ok(n) if n < self.read_asked);
+                self.read = Op::Done(r);
+            }
             OP_WRITE => self.write = Op::Done(r),
             _ => {}
         }

@@ -4,8 +4,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use event_listener::Listener;
-
 use crate::shared::CqShared;
 use crate::wr::Completion;
 
@@ -91,6 +89,8 @@ impl CompletionQueue {
     }
 
     /// Blocks until at least one completion is available (or `timeout` passes: then `Ok(0)`).
+    /// Polls for the spin window first, then sleeps on the CQ's futex; the NIC wakes it only
+    /// because it counted itself as a sleeper.
     pub fn wait(
         &self,
         out: &mut [Completion],
@@ -101,19 +101,31 @@ impl CompletionQueue {
         if n > 0 {
             return Ok(n);
         }
+        let shared = &*self.shared;
         loop {
-            let listener = self.shared.event.listen();
+            let left = match deadline {
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return self.poll(out);
+                    }
+                    Some(left)
+                }
+                None => None,
+            };
+            // Count ourselves before the last look: pairs with the fence in notify.
+            shared.sleepers.fetch_add(1, Ordering::SeqCst);
+            let seq = shared.seq.load(Ordering::SeqCst);
+            let n = self.poll(out);
+            if !matches!(n, Ok(0)) {
+                shared.sleepers.fetch_sub(1, Ordering::Relaxed);
+                return n;
+            }
+            crate::futex::wait(&shared.seq, seq, left);
+            shared.sleepers.fetch_sub(1, Ordering::Relaxed);
             let n = self.poll(out)?;
             if n > 0 {
                 return Ok(n);
-            }
-            match deadline {
-                Some(d) => {
-                    if listener.wait_deadline(d).is_none() {
-                        return self.poll(out);
-                    }
-                }
-                None => listener.wait(),
             }
         }
     }
@@ -205,6 +217,38 @@ mod tests {
         assert_eq!(cq.wait(&mut out, Some(Duration::from_secs(5))), Ok(1));
         assert_eq!(out[0].wr_id, 9);
         h.join().unwrap();
+    }
+
+    /// Two threads hand a token back and forth through two CQs, both sleeping at once each
+    /// time: a lost wake-up would leave both asleep (the long timeout only keeps a failure
+    /// from hanging the run).
+    #[test]
+    fn ping_pong_loses_no_wake_up() {
+        const ROUNDS: u64 = 20_000;
+        let (ping, pong) = (CompletionQueue::new(4), CompletionQueue::new(4));
+        ping.set_spin(Duration::ZERO);
+        pong.set_spin(Duration::ZERO);
+        let (ping2, pong2) = (ping.clone(), pong.clone());
+        let echo = std::thread::spawn(move || {
+            let mut out = [Completion::default(); 4];
+            for i in 0..ROUNDS {
+                assert_eq!(ping2.wait(&mut out, Some(Duration::from_secs(60))), Ok(1));
+                assert_eq!(out[0].wr_id, i);
+                pong2.shared.push(out[0]);
+                pong2.shared.notify();
+            }
+        });
+        let mut out = [Completion::default(); 4];
+        for i in 0..ROUNDS {
+            ping.shared.push(Completion {
+                wr_id: i,
+                ..Default::default()
+            });
+            ping.shared.notify();
+            assert_eq!(pong.wait(&mut out, Some(Duration::from_secs(60))), Ok(1));
+            assert_eq!(out[0].wr_id, i);
+        }
+        echo.join().unwrap();
     }
 
     #[test]

@@ -11,6 +11,7 @@ pub mod backend;
 pub mod cq;
 pub mod error;
 pub mod framer;
+mod futex;
 pub mod machines;
 pub mod mr;
 pub mod nic;

@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering, fence};
 use std::time::Duration;
 
 use crossbeam_queue::ArrayQueue;
@@ -59,10 +59,22 @@ impl QpState {
 const DEFAULT_CQ_SPIN: Duration = Duration::from_micros(50);
 
 /// The completion ring of a CQ: the NIC pushes, the host polls.
+///
+/// Blocking waiters sleep on a futex, `seq`, after counting themselves in `sleepers`; the NIC
+/// makes a system call (bumps `seq`, wakes the futex) only when that count is non-zero, so a
+/// consumer that is polling costs the NIC a fence and a load. Async waiters use `event`, whose
+/// notify is as cheap when nobody listens.
 pub struct CqShared {
     pub(crate) ring: ArrayQueue<Completion>,
     pub(crate) lost: AtomicU64,
     pub(crate) overflowed: AtomicBool,
+    /// The futex word of blocking waiters: changes whenever a notify finds sleepers.
+    pub(crate) seq: AtomicU32,
+    /// Blocking waiters that are asleep or about to be.
+    pub(crate) sleepers: AtomicU32,
+    /// Completions were pushed since the last notify: a notify without news wakes nobody.
+    unnotified: AtomicBool,
+    /// Async waiters.
     pub(crate) event: Event,
     /// How long a host waiter polls before it sleeps.
     pub(crate) spin_nanos: AtomicU64,
@@ -74,6 +86,9 @@ impl CqShared {
             ring: ArrayQueue::new(depth.max(1)),
             lost: AtomicU64::new(0),
             overflowed: AtomicBool::new(false),
+            seq: AtomicU32::new(0),
+            sleepers: AtomicU32::new(0),
+            unnotified: AtomicBool::new(false),
             event: Event::new(),
             spin_nanos: AtomicU64::new(DEFAULT_CQ_SPIN.as_nanos() as u64),
         }
@@ -87,10 +102,26 @@ impl CqShared {
             self.overflowed.store(true, Ordering::Release);
             tracing::error!(qp = c.qp_num, wr_id = c.wr_id, "completion queue overflow");
         }
+        self.unnotified.store(true, Ordering::Release);
     }
 
-    /// Wakes sleeping waiters; call once after a batch of pushes.
+    /// Wakes sleeping waiters; call once after a batch of pushes. No system call unless a
+    /// blocking waiter sleeps.
     pub(crate) fn notify(&self) {
+        // A NIC turn that completed nothing (a doorbell for receive WRs, say) wakes nobody.
+        if !self.unnotified.load(Ordering::Relaxed)
+            || !self.unnotified.swap(false, Ordering::AcqRel)
+        {
+            return;
+        }
+        // Pairs with the waiter's count-then-poll: either we see it counted, or it sees
+        // what we pushed.
+        fence(Ordering::SeqCst);
+        if self.sleepers.load(Ordering::Relaxed) > 0 {
+            self.seq.fetch_add(1, Ordering::Release);
+            crate::futex::wake_all(&self.seq);
+        }
+        // Async waiters; a load when nobody listens.
         self.event.notify(usize::MAX);
     }
 }
