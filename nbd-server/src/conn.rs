@@ -28,7 +28,7 @@ use qpip_core::{
 
 use crate::export::Export;
 use crate::recv_window::RecvWindow;
-use crate::server::ServerShared;
+use crate::shared::ServerShared;
 
 /// Receive slots a connection may post at most in the transmission phase (how many it does
 /// post: [`RecvWindow`]): requests the client may have in flight before TCP flow control

@@ -8,5 +8,6 @@ mod framer;
 pub mod image;
 pub mod recv_window;
 pub mod server;
+pub mod shared;
 
 pub use conn::{CHUNK, RECV_SLOTS};
