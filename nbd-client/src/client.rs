@@ -1078,6 +1078,24 @@ impl Client {
         self.run(ops, |_, _| {})
     }
 
+    /// `len` bytes at `offset` of the export, to or from `mr` at `at`, checked and cut into
+    /// requests of at most `max_io`: (export offset, length, offset in `mr`).
+    fn region_pieces(
+        &self,
+        offset: u64,
+        mr: &MemoryRegion,
+        at: usize,
+        len: usize,
+        outside: &'static str,
+    ) -> Result<impl Iterator<Item = (u64, u32, usize)> + use<>> {
+        self.check_range(offset, len as u64)?;
+        if at.checked_add(len).is_none_or(|e| e > mr.len()) {
+            return Err(Error::Invalid(outside));
+        }
+        Ok(Self::pieces(offset, len as u64, u64::from(self.max_io))
+            .map(move |(o, n)| (o, n, at + (o - offset) as usize)))
+    }
+
     /// Reads `len` bytes at `offset` into registered memory (`mr` from `at`): one copy, from
     /// the receive slot into `mr`, instead of two.
     pub fn read_at_mr(
@@ -1087,17 +1105,13 @@ impl Client {
         at: usize,
         len: usize,
     ) -> Result<()> {
-        self.check_range(offset, len as u64)?;
-        if at.checked_add(len).is_none_or(|e| e > mr.len()) {
-            return Err(Error::Invalid("read buffer outside its region"));
-        }
-        let max = u64::from(self.max_io);
-        let ops: Vec<Op> = Self::pieces(offset, len as u64, max)
-            .map(|(o, n)| Op::ReadInto {
-                offset: o,
-                len: n,
+        let ops: Vec<Op> = self
+            .region_pieces(offset, mr, at, len, "read buffer outside its region")?
+            .map(|(offset, len, at)| Op::ReadInto {
+                offset,
+                len,
                 mr,
-                at: at + (o - offset) as usize,
+                at,
             })
             .collect();
         self.run(ops, |_, _| {})
@@ -1113,17 +1127,13 @@ impl Client {
         len: usize,
         fua: bool,
     ) -> Result<()> {
-        self.check_range(offset, len as u64)?;
-        if at.checked_add(len).is_none_or(|e| e > mr.len()) {
-            return Err(Error::Invalid("write data outside its region"));
-        }
-        let max = u64::from(self.max_io);
-        let ops: Vec<Op> = Self::pieces(offset, len as u64, max)
-            .map(|(o, n)| Op::WriteFrom {
-                offset: o,
-                len: n,
+        let ops: Vec<Op> = self
+            .region_pieces(offset, mr, at, len, "write data outside its region")?
+            .map(|(offset, len, at)| Op::WriteFrom {
+                offset,
+                len,
                 mr,
-                at: at + (o - offset) as usize,
+                at,
                 fua,
             })
             .collect();
