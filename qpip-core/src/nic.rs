@@ -1,15 +1,11 @@
 //! The NIC an application opens: the backend is chosen here, above the backends.
 
-use std::any::Any;
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use qpip_lanai::LanaiConfig;
 use qpip_soft::SoftConfig;
 use qpip_verbs::backend::NicBackend;
-use qpip_verbs::{
-    Access, CompletionQueue, Listener, MemoryRegion, MemoryTable, QpAttr, QueuePair, Result,
-};
+use qpip_verbs::{MemoryTable, Result};
 
 /// Which NIC to open.
 #[derive(Clone, Debug)]
@@ -66,61 +62,14 @@ impl Nic {
     pub fn verbs(&self) -> &qpip_verbs::Nic {
         &self.0
     }
+}
 
-    pub fn backend_name(&self) -> &'static str {
-        self.0.backend_name()
-    }
+/// Every verb (`alloc_region`, `create_cq`, `create_qp`, `listen`, ...) is the verbs NIC's
+/// own: this facade adds only the choice of backend.
+impl std::ops::Deref for Nic {
+    type Target = qpip_verbs::Nic;
 
-    /// How the NIC moves data ("io_uring" or "epoll" for the soft NIC).
-    pub fn io_path(&self) -> &'static str {
-        self.0.io_path()
-    }
-
-    /// Kernel thread ids of the NIC engine's threads, for CPU accounting.
-    pub fn engine_threads(&self) -> Vec<i32> {
-        self.0.engine_threads()
-    }
-
-    /// Registers `len` zeroed bytes, allocated and owned by the region.
-    pub fn alloc_region(&self, len: usize, access: Access) -> MemoryRegion {
-        self.0.alloc_region(len, access)
-    }
-
-    /// Registers memory the caller owns (an mmap of a disk image, say).
-    ///
-    /// # Safety
-    /// As for [`qpip_verbs::Nic::register_raw`]: the memory outlives every region and WR
-    /// naming it.
-    pub unsafe fn register_raw(
-        &self,
-        ptr: *mut u8,
-        len: usize,
-        access: Access,
-        keep_alive: Option<Box<dyn Any + Send + Sync>>,
-    ) -> MemoryRegion {
-        // SAFETY: the caller's promise, passed on.
-        unsafe { self.0.register_raw(ptr, len, access, keep_alive) }
-    }
-
-    /// Creates a completion queue holding up to `depth` completions.
-    pub fn create_cq(&self, depth: usize) -> CompletionQueue {
-        self.0.create_cq(depth)
-    }
-
-    /// Creates a reliable (TCP) QP, idle until it is connected or accepted.
-    pub fn create_qp(&self, attr: QpAttr) -> QueuePair {
-        self.0.create_qp(attr)
-    }
-
-    /// Creates an unreliable (UDP) QP bound to `addr` (port 0 picks one). Every send WR names
-    /// its destination; every receive completion reports its source.
-    pub fn create_udp_qp(&self, addr: SocketAddr, attr: QpAttr) -> Result<QueuePair> {
-        self.0.create_udp_qp(addr, attr)
-    }
-
-    /// Listens for TCP connections on `addr`; incoming connections wait until a QP accepts
-    /// them.
-    pub fn listen(&self, addr: SocketAddr) -> Result<Listener> {
-        self.0.listen(addr)
+    fn deref(&self) -> &qpip_verbs::Nic {
+        &self.0
     }
 }
