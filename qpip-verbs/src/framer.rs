@@ -4,7 +4,12 @@
 //! each message ends: the QP's framer. It is consulted with the header bytes received so far
 //! of the next message and answers how many more it needs or how long the message is. The
 //! NIC then places the message (header, then body) into one receive WR; the body goes straight
-//! from the socket into the WR's memory.
+//! from the socket into the WR's memory. A framer that knows where a body belongs (an NBD
+//! client knows which buffer waits for a READ's data) may name that memory instead
+//! ([`Frame::MessageAt`]): the NIC places the body there and only the header in the WR, the
+//! way an RDMA NIC places a tagged message.
+
+use crate::mr::Sge;
 
 /// Most header bytes a framer may ask for before it must decide.
 pub const MAX_HEADER: usize = 64;
@@ -21,6 +26,15 @@ pub enum Frame {
         header_len: usize,
         strip: usize,
         body_len: usize,
+    },
+    /// As `Message`, but the body (`body.len` bytes) goes to `body`, registered memory the
+    /// application named, checked like a receive WR's SGE (its key, bounds and local-write
+    /// access); the receive WR takes only the header. The completion's `placed` counts the
+    /// body bytes that arrived, its `byte_len` the header bytes in the WR.
+    MessageAt {
+        header_len: usize,
+        strip: usize,
+        body: Sge,
     },
     /// No message boundaries: each receive WR takes whatever bytes have arrived (raw stream).
     Stream,

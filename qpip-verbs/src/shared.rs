@@ -227,6 +227,7 @@ impl QpShared {
             opcode: Opcode::Send,
             status,
             byte_len,
+            placed: 0,
             src: None,
             os_error,
         });
@@ -242,6 +243,21 @@ impl QpShared {
         src: Option<SocketAddr>,
         os_error: i32,
     ) {
+        self.complete_recv_placed(wr_id, status, byte_len, 0, src, os_error);
+    }
+
+    /// Posts a completion for a receive WR whose message body went elsewhere (`placed`
+    /// bytes, [`crate::Frame::MessageAt`]) (NIC side).
+    #[inline]
+    pub fn complete_recv_placed(
+        &self,
+        wr_id: u64,
+        status: WcStatus,
+        byte_len: u32,
+        placed: u32,
+        src: Option<SocketAddr>,
+        os_error: i32,
+    ) {
         self.rq_outstanding.fetch_sub(1, Ordering::AcqRel);
         self.recv_cq.push(Completion {
             wr_id,
@@ -249,6 +265,7 @@ impl QpShared {
             opcode: Opcode::Recv,
             status,
             byte_len,
+            placed,
             src,
             os_error,
         });

@@ -104,6 +104,9 @@ pub struct Completion {
     pub status: WcStatus,
     /// Bytes sent, or bytes placed into the receive WR's memory.
     pub byte_len: u32,
+    /// Bytes of a received message that the NIC placed where its framer said
+    /// ([`crate::Frame::MessageAt`]), outside the receive WR; 0 otherwise.
+    pub placed: u32,
     /// Source of a datagram (unreliable QPs).
     pub src: Option<SocketAddr>,
     /// The OS error behind a `TransportError` or `RemoteClosed`, when there was one.
@@ -118,6 +121,7 @@ impl Default for Completion {
             opcode: Opcode::Send,
             status: WcStatus::Success,
             byte_len: 0,
+            placed: 0,
             src: None,
             os_error: 0,
         }

@@ -10,7 +10,7 @@ use smallvec::SmallVec;
 
 use super::status_of;
 use crate::framer::{Frame, Framer, MAX_HEADER};
-use crate::mr::{MemoryTable, Segment};
+use crate::mr::{MemoryTable, Segment, Sge};
 use crate::shared::QpShared;
 use crate::wr::WcStatus;
 
@@ -67,15 +67,46 @@ pub enum RxStop {
     Failed,
 }
 
-/// A message being placed into a receive WR.
+/// A message being placed: its first `in_wr` bytes into a receive WR, the rest into `body`
+/// when the framer named memory for it ([`Frame::MessageAt`]).
 struct InMsg {
     wr: RecvTarget,
+    body: Option<Segment>,
+    /// Bytes of the message that go into the WR (all of them without `body`).
+    in_wr: usize,
     /// Bytes placed so far.
     filled: usize,
     /// Bytes the message has (a raw-stream WR: its capacity).
     total: usize,
     /// Raw stream: complete after every read, whatever it brought.
     stream: bool,
+}
+
+impl InMsg {
+    /// Copies `data` to byte `pos` of the message (the WR's part, then the body's).
+    fn place(&self, pos: usize, data: &[u8]) {
+        let to_wr = self.in_wr.saturating_sub(pos).min(data.len());
+        self.wr.scatter(pos, &data[..to_wr]);
+        if let Some(body) = &self.body {
+            scatter(
+                std::slice::from_ref(body),
+                pos + to_wr - self.in_wr,
+                &data[to_wr..],
+            );
+        }
+    }
+
+    /// The message's memory from byte `from` to `to`, as iovecs (the WR's, then the body's).
+    fn iov(&self, from: usize, to: usize) -> SmallVec<[IoSliceMut<'_>; 6]> {
+        let mut out = segs_mut(&self.wr.segs, from.min(self.in_wr), to.min(self.in_wr));
+        if let Some(body) = &self.body
+            && to > self.in_wr
+        {
+            let (a, b) = (from.max(self.in_wr) - self.in_wr, to - self.in_wr);
+            out.extend(segs_mut(std::slice::from_ref(body), a, b));
+        }
+        out
+    }
 }
 
 pub struct RxMachine {
@@ -112,7 +143,7 @@ fn scatter(segs: &[Segment], mut offset: usize, mut data: &[u8]) -> usize {
 }
 
 /// The WR's memory from `from` to `to`, as iovecs.
-fn segs_mut(segs: &[Segment], mut from: usize, mut to: usize) -> SmallVec<[IoSliceMut<'_>; 5]> {
+fn segs_mut(segs: &[Segment], mut from: usize, mut to: usize) -> SmallVec<[IoSliceMut<'_>; 6]> {
     let mut out = SmallVec::new();
     for seg in segs {
         if to == 0 {
@@ -162,33 +193,41 @@ impl RxMachine {
                 if qp.rq.is_empty() {
                     return RxStop::NoWr;
                 }
-                let need = match framer.frame(&self.hdr[..self.hdr_len]) {
+                let frame = framer.frame(&self.hdr[..self.hdr_len]);
+                let need = match frame {
                     Frame::NeedHeader(n) => n,
-                    Frame::Message { header_len, .. } if header_len > self.hdr_len => header_len,
+                    Frame::Message { header_len, .. } | Frame::MessageAt { header_len, .. }
+                        if header_len > self.hdr_len =>
+                    {
+                        header_len
+                    }
                     Frame::Message {
                         header_len,
                         strip,
                         body_len,
                     } => {
-                        if strip > header_len {
-                            return self.fail_next(
-                                qp,
-                                WcStatus::FramingError,
-                                0,
-                                "framer strips more than the header",
-                            );
-                        }
-                        let total = header_len - strip + body_len;
-                        if let Err(stop) = self.start_message(qp, memory, total, false) {
+                        if let Err(stop) =
+                            self.start_framed(qp, memory, header_len, strip, body_len, None)
+                        {
                             return stop;
                         }
-                        // Header bytes (and any body bytes read ahead) go in first.
-                        let in_hdr = self.hdr_len.min(header_len.saturating_add(body_len));
-                        self.take_hdr(strip, in_hdr);
+                        continue;
+                    }
+                    Frame::MessageAt {
+                        header_len,
+                        strip,
+                        body,
+                    } => {
+                        let body_len = body.len as usize;
+                        if let Err(stop) =
+                            self.start_framed(qp, memory, header_len, strip, body_len, Some(body))
+                        {
+                            return stop;
+                        }
                         continue;
                     }
                     Frame::Stream => {
-                        if let Err(stop) = self.start_message(qp, memory, usize::MAX, true) {
+                        if let Err(stop) = self.start_message(qp, memory, usize::MAX, None, true) {
                             return stop;
                         }
                         let in_hdr = self.hdr_len.min(self.cur.as_ref().map_or(0, |c| c.total));
@@ -235,7 +274,7 @@ impl RxMachine {
             // it (the next header) land in `hdr`, which is empty here.
             debug_assert_eq!(self.hdr_len, 0);
             let (filled, total, stream) = (cur.filled, cur.total, cur.stream);
-            let mut iov = segs_mut(&cur.wr.segs, filled, total);
+            let mut iov = cur.iov(filled, total);
             if !stream {
                 iov.push(IoSliceMut::new(&mut self.hdr[..]));
             }
@@ -268,12 +307,49 @@ impl RxMachine {
         }
     }
 
-    /// Takes the next receive WR for a message of `total` bytes (`usize::MAX`: raw stream).
+    /// Starts a framed message whose header (`header_len` bytes, `hdr` holds them) is
+    /// followed by `body_len` bytes, placed into `body` if the framer named it.
+    fn start_framed(
+        &mut self,
+        qp: &QpShared,
+        memory: &MemoryTable,
+        header_len: usize,
+        strip: usize,
+        body_len: usize,
+        body: Option<Sge>,
+    ) -> Result<(), RxStop> {
+        if strip > header_len {
+            let why = "framer strips more than the header";
+            return Err(self.fail_next(qp, WcStatus::FramingError, 0, why));
+        }
+        let body = match body.map(|sge| memory.resolve(&sge, true)) {
+            None => None,
+            Some(Ok(seg)) => Some(seg),
+            Some(Err(fault)) => {
+                tracing::warn!(
+                    qp = qp.num,
+                    "framer named memory the NIC may not write: {fault}"
+                );
+                let why = "body placement refused";
+                return Err(self.fail_next(qp, WcStatus::ProtectionError, 0, why));
+            }
+        };
+        let total = header_len - strip + body_len;
+        self.start_message(qp, memory, total, body, false)?;
+        // Header bytes (and any body bytes read ahead) go in first.
+        let in_hdr = self.hdr_len.min(header_len.saturating_add(body_len));
+        self.take_hdr(strip, in_hdr);
+        Ok(())
+    }
+
+    /// Takes the next receive WR for a message of `total` bytes (`usize::MAX`: raw stream),
+    /// of which the last `body.len()` go to `body` if there is one.
     fn start_message(
         &mut self,
         qp: &QpShared,
         memory: &MemoryTable,
         total: usize,
+        body: Option<Segment>,
         stream: bool,
     ) -> Result<(), RxStop> {
         let wr = match RecvTarget::take(qp, memory) {
@@ -283,11 +359,12 @@ impl RxMachine {
         };
         let capacity = wr.capacity();
         let total = if stream { capacity } else { total };
-        if total > capacity {
+        let in_wr = total - body.as_ref().map_or(0, Segment::len);
+        if in_wr > capacity {
             tracing::warn!(
                 qp = qp.num,
                 wr_id = wr.wr_id,
-                total,
+                total = in_wr,
                 capacity,
                 "message longer than its receive WR"
             );
@@ -296,6 +373,8 @@ impl RxMachine {
         }
         self.cur = Some(InMsg {
             wr,
+            body,
+            in_wr,
             filled: 0,
             total,
             stream,
@@ -307,7 +386,7 @@ impl RxMachine {
     fn take_hdr(&mut self, strip: usize, end: usize) {
         if let Some(cur) = self.cur.as_mut() {
             let data = &self.hdr[strip.min(end)..end];
-            cur.wr.scatter(cur.filled, data);
+            cur.place(cur.filled, data);
             cur.filled += data.len();
         }
         self.hdr.copy_within(end..self.hdr_len, 0);
@@ -316,7 +395,9 @@ impl RxMachine {
 
     fn complete_cur(&mut self, qp: &QpShared, status: WcStatus, os_error: i32) {
         if let Some(cur) = self.cur.take() {
-            qp.complete_recv(cur.wr.wr_id, status, cur.filled as u32, None, os_error);
+            let in_wr = cur.filled.min(cur.in_wr);
+            let placed = (cur.filled - in_wr) as u32;
+            qp.complete_recv_placed(cur.wr.wr_id, status, in_wr as u32, placed, None, os_error);
         }
     }
 
@@ -439,6 +520,85 @@ mod tests {
                 assert!(sock.reads < 40, "{} reads", sock.reads);
             }
         }
+    }
+
+    /// Length-prefixed messages whose bodies go to consecutive places of `dst` (the prefix
+    /// stays in the receive WR), as an NBD client places READ data.
+    struct PlaceInto {
+        dst: MemoryRegion,
+        next: usize,
+    }
+
+    impl Framer for PlaceInto {
+        fn frame(&mut self, header: &[u8]) -> Frame {
+            let Some(prefix) = header.first_chunk::<4>() else {
+                return Frame::NeedHeader(4);
+            };
+            let len = u32::from_be_bytes(*prefix) as usize;
+            let body = self.dst.sge(self.next, len);
+            self.next += len;
+            Frame::MessageAt {
+                header_len: 4,
+                strip: 0,
+                body,
+            }
+        }
+    }
+
+    #[test]
+    fn bodies_go_where_the_framer_says_and_headers_into_the_wr() {
+        let msgs: Vec<Vec<u8>> = (1..20).map(|i| vec![i as u8; (i * 53) % 300]).collect();
+        let refs: Vec<&[u8]> = msgs.iter().map(|m| m.as_slice()).collect();
+        let wire = framed(&refs);
+        for step in [1, 3, 4, 5, 64, 1 << 20] {
+            let (qp, cq, table, mr) = setup(19, 8);
+            let dst = table.register_owned(8192, crate::Access::READ_WRITE);
+            let mut framer = PlaceInto {
+                dst: dst.clone(),
+                next: 0,
+            };
+            let mut rx = RxMachine::new();
+            let mut sock = Trickle {
+                wire: wire.clone(),
+                pos: 0,
+                step,
+                reads: 0,
+            };
+            let stop = rx.pump(&qp, &table, &mut framer, &mut |iov| sock.read(iov));
+            assert_eq!(stop, RxStop::NoWr, "step {step}");
+            let done = drain(&cq);
+            assert_eq!(done.len(), msgs.len(), "step {step}");
+            let mut at = 0;
+            for (i, c) in done.iter().enumerate() {
+                let want = (WcStatus::Success, 4, msgs[i].len() as u32);
+                assert_eq!((c.status, c.byte_len, c.placed), want, "step {step}");
+                let mut prefix = [0u8; 4];
+                mr.read_at(i * 8, &mut prefix);
+                assert_eq!(u32::from_be_bytes(prefix) as usize, msgs[i].len());
+                let mut got = vec![0u8; msgs[i].len()];
+                dst.read_at(at, &mut got);
+                assert_eq!(got, msgs[i], "message {i}, step {step}");
+                at += msgs[i].len();
+            }
+        }
+    }
+
+    #[test]
+    fn a_body_placed_in_read_only_memory_is_a_protection_error() {
+        let (qp, cq, table, _mr) = setup(2, 64);
+        let dst = table.register_owned(64, crate::Access::READ);
+        let mut framer = PlaceInto { dst, next: 0 };
+        let mut rx = RxMachine::new();
+        let mut sock = Trickle {
+            wire: framed(&[b"secret"]),
+            pos: 0,
+            step: 100,
+            reads: 0,
+        };
+        let stop = rx.pump(&qp, &table, &mut framer, &mut |iov| sock.read(iov));
+        assert_eq!(stop, RxStop::Failed);
+        let c = drain(&cq);
+        assert_eq!((c[0].status, c[0].placed), (WcStatus::ProtectionError, 0));
     }
 
     #[test]
