@@ -15,7 +15,7 @@
 //! client may pipeline its first request right after.
 
 use crate::consts as c;
-use crate::wire::{be_u32, be_u64};
+use crate::wire::{be_u16, be_u32, be_u64};
 
 /// Limits enforced by the framers (bounded memory).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -315,6 +315,89 @@ pub fn client_need(
     }
 }
 
+/// Where a reply message's READ data go, for a NIC that places them straight into the
+/// read's buffer ([`client_data_at`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataAt {
+    /// The message is READ data for a placed read, but its offset is still to come: wait
+    /// until this many bytes of the message are available.
+    Header(usize),
+    /// The message's first `header_len` bytes are its header; the `len` bytes after them are
+    /// data for bytes `at..at + len` of the read's buffer (checked to lie inside it).
+    Data {
+        /// Bytes of header (with an OFFSET_DATA chunk's 8-byte offset).
+        header_len: usize,
+        /// Where the data start in the read's buffer.
+        at: usize,
+        /// Bytes of data.
+        len: usize,
+    },
+    /// Nothing to place: the message is delivered whole (and checked by
+    /// [`crate::reply_check::ReplyCheck`] as usual, which refuses what is wrong with it).
+    Whole,
+}
+
+/// For a transmission-phase server message on which [`client_need`] answered `Message`:
+/// whether it carries data for a READ that the client wants placed straight into its buffer.
+/// `placed_read(cookie)` gives `(offset, length)` of such a read, `None` for any other
+/// cookie. A successful simple reply to it (its data is the whole read) and an OFFSET_DATA
+/// chunk whose data lie inside the read qualify; everything else, and every chunk whose
+/// numbers do not fit the read, is delivered whole so that nothing the server sends can put
+/// data outside the read's buffer.
+pub fn client_data_at(
+    prefix: &[u8],
+    mut placed_read: impl FnMut(u64) -> Option<(u64, u32)>,
+) -> DataAt {
+    match be_u32(prefix, 0) {
+        Some(c::SIMPLE_REPLY_MAGIC) => {
+            let (Some(0), Some(cookie)) = (be_u32(prefix, 4), be_u64(prefix, 8)) else {
+                return DataAt::Whole;
+            };
+            match placed_read(cookie) {
+                Some((_, len)) if len > 0 => DataAt::Data {
+                    header_len: c::SIMPLE_REPLY_LEN,
+                    at: 0,
+                    len: len as usize,
+                },
+                _ => DataAt::Whole,
+            }
+        }
+        Some(c::STRUCTURED_REPLY_MAGIC) => {
+            let (Some(ty), Some(cookie), Some(length)) =
+                (be_u16(prefix, 6), be_u64(prefix, 8), be_u32(prefix, 16))
+            else {
+                return DataAt::Whole;
+            };
+            if ty != c::REPLY_TYPE_OFFSET_DATA || length <= 8 {
+                return DataAt::Whole;
+            }
+            let Some((offset, read_len)) = placed_read(cookie) else {
+                return DataAt::Whole;
+            };
+            let header_len = c::STRUCTURED_REPLY_HEADER_LEN + 8;
+            let Some(chunk_offset) = be_u64(prefix, c::STRUCTURED_REPLY_HEADER_LEN) else {
+                return DataAt::Header(header_len);
+            };
+            let len = u64::from(length - 8);
+            match chunk_offset.checked_sub(offset) {
+                Some(at)
+                    if at
+                        .checked_add(len)
+                        .is_some_and(|e| e <= u64::from(read_len)) =>
+                {
+                    DataAt::Data {
+                        header_len,
+                        at: at as usize,
+                        len: len as usize,
+                    }
+                }
+                _ => DataAt::Whole,
+            }
+        }
+        _ => DataAt::Whole,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -526,5 +609,60 @@ mod tests {
             client_need(ClientPhase::Transmission, &[1, 2, 3, 4], &L, lookup),
             Need::Invalid(FrameError::BadMagic { .. })
         ));
+    }
+
+    #[test]
+    fn read_data_is_placed_only_inside_its_read() {
+        use crate::flags::ReplyFlags;
+        use crate::reply::{SimpleReply, StructuredReplyHeader};
+        // Cookie 7: a placed read of 4096 bytes at offset 1 MiB.
+        let reads = |cookie| (cookie == 7).then_some((1u64 << 20, 4096u32));
+        let simple = |error, cookie| SimpleReply { error, cookie }.encode();
+        assert_eq!(
+            client_data_at(&simple(0, 7), reads),
+            DataAt::Data {
+                header_len: 16,
+                at: 0,
+                len: 4096
+            }
+        );
+        assert_eq!(client_data_at(&simple(5, 7), reads), DataAt::Whole);
+        assert_eq!(client_data_at(&simple(0, 8), reads), DataAt::Whole);
+
+        let chunk = |ty, cookie, length, offset: u64| {
+            let mut m = StructuredReplyHeader {
+                flags: ReplyFlags::DONE,
+                reply_type: ty,
+                cookie,
+                length,
+            }
+            .encode()
+            .to_vec();
+            m.extend_from_slice(&offset.to_be_bytes());
+            m
+        };
+        let data = c::REPLY_TYPE_OFFSET_DATA;
+        let inside = chunk(data, 7, 8 + 1000, (1 << 20) + 3096);
+        assert_eq!(client_data_at(&inside[..20], reads), DataAt::Header(28));
+        assert_eq!(
+            client_data_at(&inside, reads),
+            DataAt::Data {
+                header_len: 28,
+                at: 3096,
+                len: 1000
+            }
+        );
+        // One byte past the read's end, before its start, wrapping, no data, another type,
+        // another cookie: delivered whole (the reply check refuses or handles them).
+        for m in [
+            chunk(data, 7, 8 + 1001, (1 << 20) + 3096),
+            chunk(data, 7, 8 + 10, (1 << 20) - 1),
+            chunk(data, 7, 8 + 10, u64::MAX - 3),
+            chunk(data, 7, 8, 1 << 20),
+            chunk(c::REPLY_TYPE_OFFSET_HOLE, 7, 12, 1 << 20),
+            chunk(data, 8, 8 + 10, 1 << 20),
+        ] {
+            assert_eq!(client_data_at(&m, reads), DataAt::Whole, "{m:?}");
+        }
     }
 }

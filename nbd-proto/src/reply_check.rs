@@ -12,6 +12,7 @@
 use std::ops::Range;
 
 use crate::ProtoError;
+use crate::consts as c;
 use crate::coverage::{ChunkError, ReadCoverage};
 use crate::reply::{Chunk, SimpleReply, StructuredReplyHeader};
 use crate::transmission::{Command, ErrorValue, Request};
@@ -273,6 +274,46 @@ impl ReplyCheck {
         })
     }
 
+    /// An OFFSET_DATA chunk whose `data_len` bytes of data the NIC already placed in the
+    /// request's buffer where [`crate::framing::client_data_at`] said; `offset` is the chunk's
+    /// (its first 8 payload bytes). The same rules as [`Self::chunk`]: the data must lie
+    /// inside the request and overlap no earlier chunk. Step::Data's `dst` is where they are.
+    pub fn placed_chunk(
+        &mut self,
+        header: &StructuredReplyHeader,
+        offset: u64,
+        data_len: usize,
+    ) -> Result<Accepted<'static>, ReplyError> {
+        if self.done {
+            return Err(ReplyError::AfterDone);
+        }
+        if header.reply_type != c::REPLY_TYPE_OFFSET_DATA
+            || data_len == 0
+            || u64::from(header.length) != 8 + data_len as u64
+        {
+            return Err(ProtoError::Invalid(
+                "a placed chunk that is not OFFSET_DATA of its length",
+            )
+            .into());
+        }
+        if self.command != Command::Read {
+            return Err(ReplyError::WrongCommand {
+                chunk: "OFFSET_DATA",
+                command: self.command,
+            });
+        }
+        let dst = self.coverage.place(offset, data_len as u64)?;
+        self.structured = true;
+        self.done = header.is_done();
+        Ok(Accepted {
+            step: Step::Data {
+                src: 8..8 + data_len,
+                dst,
+            },
+            done: self.done,
+        })
+    }
+
     /// The reply is complete: did the request succeed? A read succeeds only if its chunks
     /// covered every byte; a block status only with at least one `base:allocation` extent.
     pub fn finish(&self) -> Result<(), Unanswered> {
@@ -340,6 +381,45 @@ mod tests {
         let mut p = offset.to_be_bytes().to_vec();
         p.resize(8 + n, 0xab);
         p
+    }
+
+    #[test]
+    fn placed_chunks_follow_the_chunk_rules() {
+        let mut r = ReplyCheck::new(&req(Command::Read, 4096, 300));
+        let h = |flags, length| StructuredReplyHeader {
+            flags,
+            reply_type: c::REPLY_TYPE_OFFSET_DATA,
+            cookie: 7,
+            length,
+        };
+        let a = r.placed_chunk(&h(ReplyFlags::empty(), 208), 4096 + 100, 200);
+        assert_eq!(
+            a.unwrap().step,
+            Step::Data {
+                src: 8..208,
+                dst: 100..300
+            }
+        );
+        // Overlapping what arrived, a length that is not the chunk's, no data: refused.
+        assert!(
+            r.placed_chunk(&h(ReplyFlags::empty(), 58), 4096 + 250, 50)
+                .is_err()
+        );
+        assert!(
+            r.placed_chunk(&h(ReplyFlags::empty(), 58), 4096, 40)
+                .is_err()
+        );
+        assert!(r.placed_chunk(&h(ReplyFlags::empty(), 8), 4096, 0).is_err());
+        let last = r
+            .placed_chunk(&h(ReplyFlags::DONE, 108), 4096, 100)
+            .unwrap();
+        assert!(last.done);
+        assert_eq!(r.finish(), Ok(()));
+        let mut w = ReplyCheck::new(&req(Command::Write, 0, 10));
+        assert!(matches!(
+            w.placed_chunk(&h(ReplyFlags::DONE, 18), 0, 10),
+            Err(ReplyError::WrongCommand { .. })
+        ));
     }
 
     #[test]

@@ -48,6 +48,8 @@ pub(super) struct Engine {
     qps: HashMap<QpNum, Box<EngineQp>>,
     /// Destroyed QPs whose io_uring operations have not completed yet.
     zombies: HashMap<QpNum, Box<EngineQp>>,
+    /// Fences waiting for the zombies' I/O to finish.
+    fences: Vec<ReplySender<()>>,
     listeners: HashMap<ListenerId, EngineListener>,
     ring: Option<Ring>,
 }
@@ -62,6 +64,7 @@ impl Engine {
             completions: Vec::new(),
             qps: HashMap::new(),
             zombies: HashMap::new(),
+            fences: Vec::new(),
             listeners: HashMap::new(),
             ring,
         }
@@ -133,6 +136,9 @@ impl Engine {
                         z.on_uring(registry, &self.memory, op, result);
                         if !z.io_in_flight() {
                             self.zombies.remove(&qp);
+                            if self.zombies.is_empty() {
+                                self.fences.drain(..).for_each(|f| f.send(()));
+                            }
                         }
                     }
                 }
@@ -333,6 +339,14 @@ impl Management for Engine {
             if q.io_in_flight() {
                 self.zombies.insert(qp, q);
             }
+        }
+    }
+
+    fn fence(&mut self, reply: ReplySender<()>) {
+        if self.zombies.is_empty() {
+            reply.send(());
+        } else {
+            self.fences.push(reply);
         }
     }
 }

@@ -71,6 +71,12 @@ pub enum Command {
     Destroy {
         qp: QpNum,
     },
+    /// Answered once every command before it has run and the NIC writes no more into the
+    /// memory of any QP destroyed before it (I/O it had under way has finished): after that,
+    /// memory those QPs' WRs or framers named is the host's again.
+    Fence {
+        reply: ReplySender<()>,
+    },
 }
 
 /// A NIC implementation under the verbs.

@@ -57,6 +57,15 @@ impl Nic {
         self.inner.backend.engine_threads()
     }
 
+    /// Waits (up to `timeout`) until the NIC has run every command issued before this call
+    /// and writes no more into memory named by QPs dropped before it ([`Command::Fence`]).
+    /// False if the NIC did not answer in time (or is gone).
+    pub fn fence(&self, timeout: Duration) -> bool {
+        let (tx, rx) = reply_channel();
+        self.inner.manage(Command::Fence { reply: tx });
+        rx.wait_until(Some(Instant::now() + timeout)).is_some()
+    }
+
     /// Registers `len` zeroed bytes, allocated and owned by the region.
     pub fn alloc_region(&self, len: usize, access: Access) -> MemoryRegion {
         self.inner.memory.register_owned(len, access)

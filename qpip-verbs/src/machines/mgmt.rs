@@ -32,6 +32,11 @@ pub trait Management {
     fn disconnect(&mut self, qp: QpNum);
     /// Disconnect and forget.
     fn destroy(&mut self, qp: QpNum);
+    /// Answers `reply` once no destroyed QP's I/O is under way ([`Command::Fence`]). A NIC
+    /// whose reads finish within the turn that starts them answers at once.
+    fn fence(&mut self, reply: ReplySender<()>) {
+        reply.send(());
+    }
 }
 
 /// Runs one command on `nic`.
@@ -64,6 +69,7 @@ pub fn dispatch(nic: &mut impl Management, cmd: Command) {
         Command::Close { qp } => nic.close(qp),
         Command::Disconnect { qp } => nic.disconnect(qp),
         Command::Destroy { qp } => nic.destroy(qp),
+        Command::Fence { reply } => nic.fence(reply),
     }
 }
 
