@@ -14,9 +14,12 @@
 //! [`Client::write_at_mr`]) a WRITE costs no copy: its send WR has two SGEs, the header in the
 //! send slot and the data where the caller has it, which must stay untouched until the
 //! request is answered (a reissue after reconnection sends it again). A READ into registered
-//! memory ([`Op::ReadInto`], [`Client::read_at_mr`]) costs one copy (receive slot → caller's
-//! region): receive WRs are taken in the order they were posted while replies may come in any
-//! order, so the NIC cannot yet be told to place one reply's data into one caller's buffer.
+//! memory ([`Op::ReadInto`], [`Client::read_at_mr`]) costs no copy either: the framer tells
+//! the NIC where each reply's data belong (by cookie, checked to lie inside the read,
+//! [`nbd_proto::framing::client_data_at`]), so the NIC places them straight into the caller's
+//! region and only the reply header into the receive slot. The caller's region belongs to
+//! the NIC until the request is answered; when a connection is dropped with such reads in
+//! flight, the client waits for the NIC's [`Nic::fence`] before it hands anything back.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -35,6 +38,7 @@ use qpip_core::{Access, Completion, MemoryRegion, Nic, Opcode, SendWr, WcStatus}
 
 use crate::conn::{Conn, MAX_IO, MAX_WINDOW, RECV_BIT, RECV_SLOT};
 use crate::error::{Error, Result};
+use crate::framer::PendingRead;
 use crate::uri::NbdUri;
 
 /// How a [`Client`] connects and recovers.
@@ -241,6 +245,8 @@ pub struct Client {
     stalled_since: Option<Instant>,
     /// The connection trouble that no reply has ended yet, if any.
     outage: Option<Outage>,
+    /// READ data the NIC placed straight into callers' regions.
+    bytes_placed: u64,
 }
 
 /// Connection losses since the server last answered. It outlives a successful reconnect, so
@@ -366,6 +372,7 @@ impl Client {
             last_progress: Instant::now(),
             stalled_since: None,
             outage: None,
+            bytes_placed: 0,
             opts,
         })
     }
@@ -471,6 +478,18 @@ impl Client {
         self.inflight.len()
     }
     /// How many times the connection was restored.
+    /// The NIC the client's connections run on (to register memory for
+    /// [`Op::ReadInto`] and [`Op::WriteFrom`]).
+    pub fn nic(&self) -> &Nic {
+        &self.nic
+    }
+
+    /// Bytes of READ data the NIC placed straight into callers' registered regions
+    /// ([`Op::ReadInto`], [`Self::read_at_mr`]) without a copy.
+    pub fn bytes_placed(&self) -> u64 {
+        self.bytes_placed
+    }
+
     pub fn reconnects(&self) -> u64 {
         self.reconnects
     }
@@ -652,8 +671,18 @@ impl Client {
         let (Some(conn), Some(inf)) = (&self.conn, self.inflight.get(&cookie)) else {
             return Err(Error::Invalid("no connection"));
         };
-        if inf.req.command == Command::Read && !self.structured {
-            conn.reads.lock().insert(cookie, inf.req.length);
+        if inf.req.command == Command::Read && (!self.structured || inf.region.is_some()) {
+            let read = PendingRead {
+                offset: inf.req.offset,
+                length: inf.req.length,
+                simple: !self.structured,
+                into: inf
+                    .region
+                    .as_ref()
+                    .filter(|_| inf.req.length > 0)
+                    .map(|(mr, at)| mr.sge(*at, inf.req.length as usize)),
+            };
+            conn.reads.lock().insert(cookie, read);
         }
         let header = self.send_mr.sge(inf.slot * self.slot_len, c::REQUEST_LEN);
         let payload = inf.req.payload_len() as usize;
@@ -775,7 +804,7 @@ impl Client {
                 continue;
             }
             let slot = (comp.wr_id & !RECV_BIT) as usize;
-            if let Err(why) = self.on_reply(slot, comp.byte_len as usize) {
+            if let Err(why) = self.on_reply(slot, comp.byte_len as usize, comp.placed as usize) {
                 fault = Some(Failure::Violation(why));
                 continue;
             }
@@ -798,7 +827,7 @@ impl Client {
     /// request in flight, and every later one, with the violation.
     fn give_up(&mut self, why: String) {
         tracing::error!(uri = %self.uri, "giving up on the server: it broke the protocol: {why}");
-        self.conn = None;
+        self.drop_conn();
         self.fail_all(Failure::Violation(why));
     }
 
@@ -806,15 +835,23 @@ impl Client {
     /// protocol. nbd-proto's [`ReplyCheck`] decides whether the message may answer its
     /// request and where its bytes go, checking every number the server sent first: nothing
     /// it sends can make the client panic or write outside the request's buffer.
-    fn on_reply(&mut self, slot: usize, len: usize) -> Result<(), String> {
+    /// `placed` bytes of READ data went straight to the request's region (the framer said
+    /// where); `len` bytes, the rest of the message, are in the slot.
+    fn on_reply(&mut self, slot: usize, len: usize, placed: usize) -> Result<(), String> {
         let conn = self.conn.as_ref().ok_or("no connection")?;
         // SAFETY: the slot's receive WR has completed; it is posted again only after this
         // function returns (`pump`), so the NIC does not write these bytes meanwhile.
         let msg = unsafe { completed_bytes(&conn.recv_mr, slot * RECV_SLOT, len) };
         let magic = msg.first_chunk::<4>().map(|m| u32::from_be_bytes(*m));
+        if placed > 0 {
+            // Only the header is in the slot (at most a chunk header and its offset).
+            let mut hdr = [0u8; c::STRUCTURED_REPLY_HEADER_LEN + 8];
+            let n = msg.len().min(hdr.len());
+            hdr[..n].copy_from_slice(&msg[..n]);
+            return self.on_placed_reply(&hdr[..n], placed);
+        }
         let (cookie, accepted, payload) = if magic == Some(c::SIMPLE_REPLY_MAGIC) {
             let r = SimpleReply::parse(msg).map_err(|e| e.to_string())?;
-            conn.reads.lock().remove(&r.cookie);
             let payload = &msg[c::SIMPLE_REPLY_LEN..];
             let inf = self
                 .inflight
@@ -852,6 +889,48 @@ impl Client {
         };
         let inf = self.inflight.get_mut(&cookie).expect("found above");
         inf.apply(accepted.step, payload);
+        if accepted.done {
+            self.finish(cookie);
+        }
+        Ok(())
+    }
+
+    /// A reply whose READ data (`placed` bytes) the NIC put into the request's region; `msg`
+    /// is its header. The same checks as a reply delivered whole, and the data must be
+    /// where the checks say they belong (the framer computed the same place).
+    fn on_placed_reply(&mut self, msg: &[u8], placed: usize) -> Result<(), String> {
+        let (cookie, accepted, at) = if self.structured {
+            let h = StructuredReplyHeader::parse(msg).map_err(|e| e.to_string())?;
+            let offset = msg
+                .get(c::STRUCTURED_REPLY_HEADER_LEN..)
+                .and_then(|p| p.first_chunk::<8>())
+                .map(|o| u64::from_be_bytes(*o))
+                .ok_or("a placed chunk without its offset")?;
+            let inf = self
+                .inflight
+                .get_mut(&h.cookie)
+                .ok_or_else(|| format!("a reply for unknown cookie {}", h.cookie))?;
+            let at = offset.wrapping_sub(inf.req.offset) as usize;
+            let accepted = inf
+                .check
+                .placed_chunk(&h, offset, placed)
+                .map_err(|e| e.to_string())?;
+            (h.cookie, accepted, at)
+        } else {
+            let r = SimpleReply::parse(msg).map_err(|e| e.to_string())?;
+            let inf = self
+                .inflight
+                .get_mut(&r.cookie)
+                .ok_or_else(|| format!("a reply for unknown cookie {}", r.cookie))?;
+            let accepted = inf.check.simple(&r, placed).map_err(|e| e.to_string())?;
+            (r.cookie, accepted, 0)
+        };
+        let inf = self.inflight.get(&cookie).expect("found above");
+        match (&accepted.step, &inf.region) {
+            (Step::Data { dst, .. }, Some(_)) if dst.start == at && dst.len() == placed => {}
+            _ => return Err("READ data placed where the reply check does not put them".into()),
+        }
+        self.bytes_placed += placed as u64;
         if accepted.done {
             self.finish(cookie);
         }
@@ -900,7 +979,7 @@ impl Client {
         let why = format!("no reply from the server for {} s", limit.as_secs_f64());
         if since.elapsed() >= self.opts.reconnect_timeout {
             tracing::error!(uri = %self.uri, "giving up: {why}");
-            self.conn = None;
+            self.drop_conn();
             self.fail_all(Failure::Lost(why));
             return;
         }
@@ -916,7 +995,7 @@ impl Client {
             return;
         }
         tracing::warn!(uri = %self.uri, in_flight = self.inflight.len(), "connection lost: {why}; reconnecting");
-        self.conn = None;
+        self.drop_conn();
         let start = Instant::now();
         let outage = self.outage.get_or_insert(Outage {
             since: start,
@@ -970,7 +1049,7 @@ impl Client {
                         tracing::info!(uri = %self.uri, reissued = self.inflight.len(), after = ?start.elapsed(), "reconnected");
                         return;
                     }
-                    self.conn = None;
+                    self.drop_conn();
                 }
                 Ok(_) => last = "handshake ended without transmission".into(),
                 Err(e) => last = e.to_string(),
@@ -979,6 +1058,23 @@ impl Client {
         let why = format!("{why}; last attempt: {last}");
         tracing::error!(uri = %self.uri, "giving up: {why}");
         self.fail_all(Failure::Lost(why));
+    }
+
+    /// Drops the connection. Its NIC may be placing READ data into callers' regions right
+    /// now; those regions are the callers' again only once the NIC's fence says it has
+    /// stopped, so the client waits for that before it reissues or fails such reads.
+    fn drop_conn(&mut self) {
+        let Some(conn) = self.conn.take() else {
+            return;
+        };
+        drop(conn);
+        let placing = self
+            .inflight
+            .values()
+            .any(|f| f.req.command == Command::Read && f.region.is_some());
+        if placing && !self.nic.fence(Duration::from_secs(10)) {
+            tracing::error!(uri = %self.uri, "the NIC did not confirm in 10 s that it stopped writing into READ buffers");
+        }
     }
 
     /// Fails every request in flight with `failure` (EIO); the client stays failed.
@@ -1096,8 +1192,8 @@ impl Client {
             .map(move |(o, n)| (o, n, at + (o - offset) as usize)))
     }
 
-    /// Reads `len` bytes at `offset` into registered memory (`mr` from `at`): one copy, from
-    /// the receive slot into `mr`, instead of two.
+    /// Reads `len` bytes at `offset` into registered memory (`mr` from `at`): the NIC places
+    /// the data there, no copy (holes are zero-filled by the client).
     pub fn read_at_mr(
         &mut self,
         offset: u64,

@@ -15,7 +15,7 @@ use qpip_core::{
 };
 
 use crate::error::{Error, Result};
-use crate::framer::{ClientFramer, ReadLengths};
+use crate::framer::{ClientFramer, Reads};
 use crate::uri::NbdUri;
 
 /// Largest READ or WRITE sent as one request (longer ones are split; the server's maximum
@@ -37,7 +37,7 @@ pub struct Conn {
     pub qp: QueuePair,
     pub cq: CompletionQueue,
     pub phase: Arc<AtomicU8>,
-    pub reads: ReadLengths,
+    pub reads: Reads,
     pub recv_mr: MemoryRegion,
     /// Handshake messages sent, kept registered until the connection goes.
     _sent: Vec<MemoryRegion>,
@@ -97,7 +97,7 @@ impl Conn {
         for addr in addrs {
             let cq = nic.create_cq(2 * (MAX_WINDOW + RECV_SLOTS) + 16);
             let phase = Arc::new(AtomicU8::new(ClientPhase::Greeting.to_u8()));
-            let reads = ReadLengths::default();
+            let reads = Reads::default();
             let qp = nic.create_qp(
                 QpAttr::new(&cq)
                     .framer(ClientFramer::new(phase.clone(), reads.clone(), limits))

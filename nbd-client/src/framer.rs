@@ -1,31 +1,52 @@
 //! The client side of NBD framing for a QP: it tells the NIC where each server message ends,
-//! so that every reply (header plus read data) lands in one receive WR.
+//! so that every reply (header plus read data) lands in one receive WR — or, for a READ into
+//! registered memory ([`crate::Op::ReadInto`]), where its data go: the NIC then places them
+//! straight into the caller's buffer and only the reply header into the WR.
 //!
 //! The phase lives in an `AtomicU8` shared with the connection, which updates it after each
 //! handshake message and before it posts the next receive WR (the NIC consults the framer only
-//! when a receive WR is posted). Simple replies do not say how long their data is: the
-//! connection records the length of every outstanding simple-reply READ by cookie in `reads`
-//! *before* it posts the request.
+//! when a receive WR is posted). Simple replies do not say how long their data is, and only
+//! the client knows where a READ's data belong: the connection records every outstanding
+//! simple-reply READ, and every READ into registered memory, by cookie in `reads` *before*
+//! it posts the request.
+//!
+//! A read's entry leaves the table when the framer sees the read's last message (a simple
+//! reply, or a chunk with the DONE flag), so once the client has handled that message no
+//! later message can be placed into the buffer, whatever the server sends.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use nbd_proto::framing::{ClientPhase, FrameLimits, Need, client_need};
+use nbd_proto::framing::{
+    ClientPhase, DataAt, FrameLimits, Need, client_data_at, client_need, reply_cookie,
+};
 use parking_lot::Mutex;
-use qpip_core::{Frame, Framer};
+use qpip_core::{Frame, Framer, Sge};
 
-/// Cookie → length of each outstanding READ (simple replies only).
-pub type ReadLengths = Arc<Mutex<HashMap<u64, u32>>>;
+/// An outstanding READ, as the framer needs it.
+#[derive(Clone, Copy, Debug)]
+pub struct PendingRead {
+    pub offset: u64,
+    pub length: u32,
+    /// Answered by a simple reply (no structured replies negotiated): the reply's data
+    /// length is the read's.
+    pub simple: bool,
+    /// Registered memory for the read's data (`length` bytes), where the NIC places them.
+    pub into: Option<Sge>,
+}
+
+/// Cookie → outstanding READs that need the framer (simple-reply reads, placed reads).
+pub type Reads = Arc<Mutex<HashMap<u64, PendingRead>>>;
 
 pub struct ClientFramer {
     phase: Arc<AtomicU8>,
-    reads: ReadLengths,
+    reads: Reads,
     limits: FrameLimits,
 }
 
 impl ClientFramer {
-    pub fn new(phase: Arc<AtomicU8>, reads: ReadLengths, limits: FrameLimits) -> Self {
+    pub fn new(phase: Arc<AtomicU8>, reads: Reads, limits: FrameLimits) -> Self {
         ClientFramer {
             phase,
             reads,
@@ -38,20 +59,59 @@ impl Framer for ClientFramer {
     fn frame(&mut self, header: &[u8]) -> Frame {
         let phase =
             ClientPhase::from_u8(self.phase.load(Ordering::Acquire)).unwrap_or(ClientPhase::Closed);
-        let reads = &self.reads;
-        match client_need(phase, header, &self.limits, |cookie| {
-            reads.lock().get(&cookie).copied()
-        }) {
-            Need::Header(n) => Frame::NeedHeader(n),
+        let mut reads = self.reads.lock();
+        let need = client_need(phase, header, &self.limits, |cookie| {
+            reads.get(&cookie).filter(|r| r.simple).map(|r| r.length)
+        });
+        let (header_len, body_len) = match need {
+            Need::Header(n) => return Frame::NeedHeader(n),
+            Need::Invalid(e) => return Frame::Invalid(e.to_string()),
             Need::Message {
                 header_len,
                 body_len,
-            } => Frame::Message {
+            } => (header_len, body_len),
+        };
+        let whole = Frame::Message {
+            header_len,
+            strip: 0,
+            body_len,
+        };
+        if phase != ClientPhase::Transmission || reads.is_empty() {
+            return whole;
+        }
+        let place = client_data_at(header, |cookie| {
+            reads
+                .get(&cookie)
+                .filter(|r| r.into.is_some())
+                .map(|r| (r.offset, r.length))
+        });
+        if let DataAt::Header(n) = place {
+            return Frame::NeedHeader(n);
+        }
+        // The message is committed: the read's last one takes its entry out of the table.
+        let last = match reply_cookie(header) {
+            Some((cookie, last)) if last => reads.remove(&cookie),
+            Some((cookie, _)) => reads.get(&cookie).copied(),
+            None => None,
+        };
+        match (place, last.and_then(|r| r.into)) {
+            (
+                DataAt::Data {
+                    header_len,
+                    at,
+                    len,
+                },
+                Some(into),
+            ) => Frame::MessageAt {
                 header_len,
                 strip: 0,
-                body_len,
+                body: Sge {
+                    addr: into.addr + at as u64,
+                    len: len as u32,
+                    lkey: into.lkey,
+                },
             },
-            Need::Invalid(e) => Frame::Invalid(e.to_string()),
+            _ => whole,
         }
     }
 }
@@ -64,14 +124,22 @@ mod tests {
     #[test]
     fn simple_read_replies_use_the_recorded_length() {
         let phase = Arc::new(AtomicU8::new(ClientPhase::Greeting.to_u8()));
-        let reads: ReadLengths = Default::default();
+        let reads: Reads = Default::default();
         let mut f = ClientFramer::new(phase.clone(), reads.clone(), FrameLimits::default());
         assert!(matches!(
             f.frame(&[]),
             Frame::Message { header_len: 18, .. }
         ));
         phase.store(ClientPhase::Transmission.to_u8(), Ordering::Release);
-        reads.lock().insert(7, 4096);
+        reads.lock().insert(
+            7,
+            PendingRead {
+                offset: 0,
+                length: 4096,
+                simple: true,
+                into: None,
+            },
+        );
         let ok = SimpleReply::ok(7).encode();
         assert_eq!(f.frame(&ok[..4]), Frame::NeedHeader(16));
         assert_eq!(

@@ -13,7 +13,8 @@
 //!
 //! Every request travels as a send WR from registered memory; every reply lands, header and
 //! data, in one registered receive WR, delimited by [`framer::ClientFramer`] (nbd-proto's
-//! `client_need`). Requests are pipelined (a window of up to 64), split at the server's
+//! `client_need`) — except the data of a READ into registered memory, which the NIC places
+//! straight into the caller's buffer (nbd-proto's `client_data_at`). Requests are pipelined (a window of up to 64), split at the server's
 //! maximum block size, and reissued on a new connection when the old one is lost.
 
 pub mod client;

@@ -142,8 +142,10 @@ fn options() -> ClientOptions {
     }
 }
 
-/// Reads 4 KiB at 64 KiB into the middle of a guarded buffer; returns the error. The guard
-/// bytes around it must be untouched, and the client must not have reconnected.
+/// Reads 4 KiB at 64 KiB into the middle of a guarded buffer, once into memory of the
+/// caller's (the client copies) and once into registered memory (the NIC places READ data
+/// there itself); returns the error, which must be the same both ways. The guard bytes
+/// around the buffer must be untouched, and the client must not have reconnected.
 fn read_fails(h: &Hostile) -> Error {
     let mut client = Client::connect_with(&h.uri(), options()).unwrap();
     let mut buf = vec![0x55u8; 3 * 4096];
@@ -156,14 +158,7 @@ fn read_fails(h: &Hostile) -> Error {
         "took {:?}",
         t.elapsed()
     );
-    assert!(
-        buf[..4096].iter().all(|&b| b == 0x55),
-        "wrote before the buffer"
-    );
-    assert!(
-        buf[8192..].iter().all(|&b| b == 0x55),
-        "wrote after the buffer"
-    );
+    assert_guarded(&buf);
     // Later requests fail at once, without reconnecting to the server.
     let again = client.read_at(0, &mut buf[..4096]).unwrap_err();
     assert!(matches!(again, Error::Protocol { .. }), "{again}");
@@ -172,7 +167,40 @@ fn read_fails(h: &Hostile) -> Error {
         1,
         "the client reconnected to a broken server"
     );
+
+    let mut client = Client::connect_with(&h.uri(), options()).unwrap();
+    let mr = client
+        .nic()
+        .alloc_region(3 * 4096, qpip_core::Access::READ_WRITE);
+    mr.write_at(0, &[0x55u8; 3 * 4096]);
+    let placed = client
+        .read_at_mr(64 << 10, &mr, 4096, 4096)
+        .expect_err("a hostile reply must fail the read into registered memory");
+    assert_eq!(
+        placed.to_string(),
+        e.to_string(),
+        "placed and copied reads differ"
+    );
+    let mut back = vec![0u8; 3 * 4096];
+    mr.read_at(0, &mut back);
+    assert_guarded(&back);
+    assert_eq!(
+        h.connections(),
+        2,
+        "the client reconnected to a broken server"
+    );
     e
+}
+
+fn assert_guarded(buf: &[u8]) {
+    assert!(
+        buf[..4096].iter().all(|&b| b == 0x55),
+        "wrote before the buffer"
+    );
+    assert!(
+        buf[8192..].iter().all(|&b| b == 0x55),
+        "wrote after the buffer"
+    );
 }
 
 fn assert_violation(e: &Error, words: &str) {

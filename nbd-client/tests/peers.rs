@@ -19,6 +19,20 @@ fn exercise(uri: &str, size: u64) -> Client {
     let mut back = vec![0u8; data.len()];
     c.read_at(off, &mut back).unwrap();
     assert!(back == data, "{uri}: read after write differs");
+    // Into registered memory, the NIC places the data without a copy (simple replies and
+    // OFFSET_DATA chunks alike, however the server splits them).
+    let nic = c.nic().clone();
+    let into = nic.alloc_region(data.len() + 3, qpip_core::Access::READ_WRITE);
+    let placed = c.bytes_placed();
+    c.read_at_mr(off, &into, 3, data.len()).unwrap();
+    let mut got = vec![0u8; data.len()];
+    into.read_at(3, &mut got);
+    assert!(got == data, "{uri}: read into a region differs");
+    assert_eq!(
+        c.bytes_placed() - placed,
+        data.len() as u64,
+        "{uri}: bytes placed"
+    );
     // FUA write of one block
     c.write_at(0, &pattern(0, 4096), true).unwrap();
     let mut b = vec![0u8; 4096];
@@ -134,7 +148,13 @@ fn qpip_server_registered_memory_reads_and_writes() {
         c.read_at(off, &mut back).unwrap();
         assert!(back == data, "structured {structured}: write from a region");
         let into = nic.alloc_region(len + 7, qpip_core::Access::READ_WRITE);
+        let placed = c.bytes_placed();
         c.read_at_mr(off, &into, 7, len).unwrap();
+        assert_eq!(
+            c.bytes_placed() - placed,
+            len as u64,
+            "structured {structured}"
+        );
         let mut got = vec![0u8; len];
         into.read_at(7, &mut got);
         assert!(got == data, "structured {structured}: read into a region");

@@ -315,6 +315,20 @@ pub fn client_need(
     }
 }
 
+/// The cookie of the transmission-phase server message that starts with `prefix` (its
+/// header complete), and whether it is that request's last message: a simple reply, or a
+/// structured chunk with the DONE flag. `None` for anything else.
+pub fn reply_cookie(prefix: &[u8]) -> Option<(u64, bool)> {
+    match be_u32(prefix, 0)? {
+        c::SIMPLE_REPLY_MAGIC => Some((be_u64(prefix, 8)?, true)),
+        c::STRUCTURED_REPLY_MAGIC => {
+            let flags = be_u16(prefix, 4)?;
+            Some((be_u64(prefix, 8)?, flags & c::REPLY_FLAG_DONE != 0))
+        }
+        _ => None,
+    }
+}
+
 /// Where a reply message's READ data go, for a NIC that places them straight into the
 /// read's buffer ([`client_data_at`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
