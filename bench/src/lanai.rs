@@ -7,8 +7,9 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use qpip_core::lanai::params::ChecksumAt;
+use qpip_core::lanai::pci::{PciBus, Use};
 use qpip_core::lanai::sim::apps::Proto;
-use qpip_core::lanai::sim::experiments::{self, Setup, StageUs, TtcpResult};
+use qpip_core::lanai::sim::experiments::{self, Setup, StageUs, TtcpResult, Utilisation};
 use qpip_core::lanai::{FabricParams, LanaiParams};
 use serde_json::{Value, json};
 
@@ -128,8 +129,8 @@ pub fn run(
     let bar = std::cell::RefCell::new(
         progress.steps("virtual-time runs".into(), 8 + 2 * rows.len() as u64),
     );
-    let rtt = |p: &LanaiParams, proto: Proto| -> Result<f64> {
-        let r = experiments::rtt_us(&setup(p.clone(), fabric), proto, sizes.rtt_rounds)
+    let rtt = |p: &LanaiParams, proto: Proto| -> Result<(f64, Utilisation)> {
+        let r = experiments::rtt(&setup(p.clone(), fabric), proto, sizes.rtt_rounds)
             .with_context(|| format!("{proto:?} round trip"))?;
         bar.borrow_mut().inc(1);
         Ok(r)
@@ -153,25 +154,41 @@ pub fn run(
     for (key, label, change) in &rows {
         let mut p = fw.clone();
         change(&mut p);
-        let r = rtt(&p, Proto::Tcp)?;
+        let (r, _) = rtt(&p, Proto::Tcp)?;
         let t = ttcp(&p, &with_mtu(fabric, 16384))?;
         what_if.insert(
             key.to_string(),
-            json!({"change": label, "tcp_rtt_us": r, "ttcp_MBps": t.mbps}),
+            json!({"change": label, "tcp_rtt_us": r, "ttcp_MBps": t.mbps,
+                   "ttcp_bound": bound(&t.utilisation)}),
         );
     }
     bar.into_inner().finish("done");
     let o = &t16.occupancy;
+    let bus = PciBus::new(&params.device);
     Ok(json!({
         "rtt_us": {
-            "udp": {"hw_csum": udp_hw, "fw_csum": udp_fw},
-            "tcp": {"hw_csum": tcp_hw, "fw_csum": tcp_fw},
+            "udp": {"hw_csum": udp_hw.0, "fw_csum": udp_fw.0},
+            "tcp": {"hw_csum": tcp_hw.0, "fw_csum": tcp_fw.0},
+        },
+        "rtt_bound": {
+            "udp": {"hw_csum": bound(&udp_hw.1), "fw_csum": bound(&udp_fw.1)},
+            "tcp": {"hw_csum": bound(&tcp_hw.1), "fw_csum": bound(&tcp_fw.1)},
         },
         "ttcp_MBps": {
             "mtu16384": t16.mbps,
             "mtu9000": t9.mbps,
             "mtu1500": t15.mbps,
             "mtu16384_fw_csum": t16fw.mbps,
+        },
+        "ttcp_bound": {
+            "mtu16384": bound(&t16.utilisation),
+            "mtu9000": bound(&t9.utilisation),
+            "mtu1500": bound(&t15.utilisation),
+            "mtu16384_fw_csum": bound(&t16fw.utilisation),
+        },
+        "ttcp_bytes_per_segment": {
+            "mtu16384": t16.bytes as f64 / t16.occupancy.packets[0].max(1) as f64,
+            "mtu1500": t15.bytes as f64 / t15.occupancy.packets[0].max(1) as f64,
         },
         "occupancy_us": {
             "send": {"data": stages(&o.send_data), "ack": stages(&o.send_ack)},
@@ -193,10 +210,32 @@ pub fn run(
             "ttcp_msg_bytes": sizes.ttcp_msg,
             "clock_mhz": params.device.clock_mhz,
             "link_gbps": fabric.link_gbps,
+            "pci_read_MBps": bus.rate_mbps(Use::Read),
+            "pci_write_MBps": bus.rate_mbps(Use::Write),
+            "send_staging_buffers": params.device.send_staging_buffers,
             "host_send_overhead_us": params.host.send_overhead_us,
             "host_recv_overhead_us": params.host.recv_overhead_us,
         },
     }))
+}
+
+/// The resource closest to saturation and every resource's utilisation.
+fn bound(u: &Utilisation) -> Value {
+    let (name, util) = experiments::bound(u);
+    json!({
+        "resource": name,
+        "utilisation": util,
+        "all": u.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+    })
+}
+
+/// "PCI read 83 %": what bounds a prediction.
+fn bound_cell(v: &Value) -> String {
+    format!(
+        "{} {:.0} %",
+        v["resource"].as_str().unwrap_or("?"),
+        100.0 * num(&v["utilisation"])
+    )
 }
 
 fn num(v: &Value) -> f64 {
@@ -205,28 +244,58 @@ fn num(v: &Value) -> f64 {
 
 /// The report as tables.
 pub fn table(r: &Value) -> String {
-    let mut s = String::from("LANai 9 / Myrinet, predicted in virtual time\n\n");
+    let mut s = String::from("LANai 9 / Myrinet, predicted in virtual time\n");
     s += &format!(
-        "{:<30} {:>14} {:>14}\n",
-        "1-byte round trip (µs)", "hw rx csum", "fw rx csum"
+        "PCI 64-bit/33 MHz: DMA read {:.0} MB/s, write {:.0} MB/s (one bus for both and PIO); \
+         {} send staging buffers\n\n",
+        num(&r["inputs"]["pci_read_MBps"]),
+        num(&r["inputs"]["pci_write_MBps"]),
+        r["inputs"]["send_staging_buffers"]
+    );
+    s += &format!(
+        "{:<30} {:>10} {:>10}   {}\n",
+        "1-byte round trip (µs)", "hw rx csum", "fw rx csum", "busiest resource (hw csum)"
     );
     for proto in ["udp", "tcp"] {
         s += &format!(
-            "{:<30} {:>14.1} {:>14.1}\n",
+            "{:<30} {:>10.1} {:>10.1}   {}\n",
             proto.to_uppercase(),
             num(&r["rtt_us"][proto]["hw_csum"]),
-            num(&r["rtt_us"][proto]["fw_csum"])
+            num(&r["rtt_us"][proto]["fw_csum"]),
+            bound_cell(&r["rtt_bound"][proto]["hw_csum"])
         );
     }
-    s += &format!("\n{:<30} {:>14}\n", "ttcp, 16 KiB messages", "MB/s");
+    s += &format!(
+        "\n{:<30} {:>10}   {}\n",
+        "ttcp, 16 KiB messages", "MB/s", "bound by (utilisation)"
+    );
     for (k, label) in [
         ("mtu16384", "MTU 16384"),
         ("mtu9000", "MTU 9000"),
         ("mtu1500", "MTU 1500"),
         ("mtu16384_fw_csum", "MTU 16384, fw rx csum"),
     ] {
-        s += &format!("{label:<30} {:>14.1}\n", num(&r["ttcp_MBps"][k]));
+        let b = &r["ttcp_bound"][k];
+        let all: Vec<String> = b["all"]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .map(|(n, v)| format!("{n} {:.0}", 100.0 * num(v)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        s += &format!(
+            "{label:<30} {:>10.1}   {}  [{} %]\n",
+            num(&r["ttcp_MBps"][k]),
+            bound_cell(b),
+            all.join(", ")
+        );
     }
+    s += &format!(
+        "payload per data segment: {:.0} B at MTU 1500, {:.0} B at MTU 16384\n",
+        num(&r["ttcp_bytes_per_segment"]["mtu1500"]),
+        num(&r["ttcp_bytes_per_segment"]["mtu16384"])
+    );
     s += &format!(
         "host CPU during ttcp (MTU 16384): receiver {:.1} %, sender {:.1} %\n",
         num(&r["host_cpu_pct_receiver"]),
@@ -250,16 +319,17 @@ pub fn table(r: &Value) -> String {
         }
     }
     s += &format!(
-        "\nWhat if (from the LANai 9 with its firmware receive checksum)\n{:<38} {:>12} {:>12}\n",
-        "change", "TCP RTT µs", "ttcp MB/s"
+        "\nWhat if (from the LANai 9 with its firmware receive checksum)\n{:<38} {:>10} {:>10}   {}\n",
+        "change", "TCP RTT µs", "ttcp MB/s", "ttcp bound by"
     );
     if let Some(m) = r["what_if"].as_object() {
         for (_, row) in what_if_order(m) {
             s += &format!(
-                "{:<38} {:>12.1} {:>12.1}\n",
+                "{:<38} {:>10.1} {:>10.1}   {}\n",
                 row["change"].as_str().unwrap_or("?"),
                 num(&row["tcp_rtt_us"]),
-                num(&row["ttcp_MBps"])
+                num(&row["ttcp_MBps"]),
+                bound_cell(&row["ttcp_bound"])
             );
         }
     }

@@ -37,6 +37,17 @@ fn lanai_json_has_every_prediction_and_is_deterministic() {
     for k in ["mtu16384", "mtu9000", "mtu1500", "mtu16384_fw_csum"] {
         positive(&v, &["ttcp_MBps", k]);
     }
+    // Each throughput names the resource that bounds it, with its utilisation.
+    for k in ["mtu16384", "mtu9000", "mtu1500", "mtu16384_fw_csum"] {
+        let b = &v["ttcp_bound"][k];
+        let name = b["resource"].as_str().unwrap_or("");
+        assert!(
+            ["wire", "PCI read", "PCI write", "NIC processor", "staging"].contains(&name),
+            "{k}: {b}"
+        );
+        let u = positive(b, &["utilisation"]);
+        assert!(u <= 1.01, "{k}: {u}");
+    }
     let big = positive(&v, &["ttcp_MBps", "mtu16384"]);
     let small = positive(&v, &["ttcp_MBps", "mtu1500"]);
     assert!(small < big, "MTU 1500 {small} MB/s vs MTU 16384 {big} MB/s");

@@ -8,17 +8,20 @@
 //!
 //! Choices worth knowing:
 //! - TCP is smoltcp's: RFC 1323 timestamps (from the NIC clock), window scaling (64 KiB
-//!   buffers give a shift of 1), Reno, Nagle off. ACKs are not delayed: like the paper's
+//!   buffers give a shift of 1), Reno, Nagle on (sender-side silly window avoidance). ACKs
+//!   are not delayed: like the paper's
 //!   firmware, every data segment received is acknowledged at once (the ACK rides on data
 //!   when the QP has some to send in the same poll).
 //! - smoltcp may carry several small QP messages in one segment, or split a message over
 //!   several; the paper's firmware sent one message per segment. The wire bytes are the same
 //!   stream either way; only the per-packet costs shift.
 //! - Host data is fetched by DMA per transmitted segment (retransmissions fetch again, as the
-//!   WR's memory stays the NIC's until the peer ACKs it); the smoltcp send buffer stands for
-//!   the SRAM staging of that data.
-//! - Per-packet receive stages (get WR, put data, update) are charged when the packet
-//!   arrives; the NIC->host DMA of its bytes happens when they are placed into a receive WR.
+//!   WR's memory stays the NIC's until the peer ACKs it) into one of a few SRAM staging
+//!   buffers, which frees when the frame's tail has left; the headers wait for the DMA's
+//!   checksum. The PCI bus is one, shared by both DMA engines and the host's PIO (`pci`).
+//! - Receive: per-packet stages (media receive, parse, update) when the packet arrives; get
+//!   WR per receive WR taken and put data per DMA to host memory. Bytes stay in the socket's
+//!   buffer (closing the window) until their DMA to host memory has finished.
 //! - smoltcp keeps a few out-of-order segments (the paper's TCP subset dropped them).
 //! - A listener keeps two sockets in LISTEN (each costs a TCB and both buffers of SRAM) and
 //!   makes more as they are used, up to the backlog and the SRAM.
@@ -32,6 +35,7 @@
 mod link;
 mod mgmt;
 mod port;
+mod staging;
 #[cfg(test)]
 mod tests;
 
@@ -45,10 +49,12 @@ use smoltcp::socket::{tcp, udp};
 use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpEndpoint, IpListenEndpoint};
 
 use self::link::{Ctx, FwQp, Link, TcpLink, UdpLink, tcp_sram, v6};
-use self::port::{Carried, Dma, Port, Wire, classify, instant, nanos, set_tsval_clock};
+use self::port::{Carried, Port, Wire, classify, instant, nanos, set_tsval_clock};
+use self::staging::SendStaging;
 use super::frame;
 use super::meter::{CostModel, Dir, Kind, Meter, Nanos, Stage};
 use super::params::{FabricParams, LanaiParams};
+use super::pci::{PciBus, Use};
 use super::sram::Sram;
 use qpip_verbs::backend::{Command, ListenerId, MgmtResult};
 use qpip_verbs::machines::mgmt::dispatch;
@@ -106,6 +112,18 @@ struct Orphan {
     deadline: Nanos,
 }
 
+/// Time each hardware resource was busy (the bench's bound and utilisation report).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub pci_read_ns: Nanos,
+    pub pci_write_ns: Nanos,
+    pub pci_pio_ns: Nanos,
+    pub processor_ns: Nanos,
+    /// Buffer-nanoseconds of send staging held.
+    pub staging_ns: Nanos,
+    pub staging_buffers: usize,
+}
+
 /// Counters of things the firmware dropped.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FirmwareStats {
@@ -126,7 +144,8 @@ pub struct Firmware {
     iface: Interface,
     sockets: SocketSet<'static>,
     out: VecDeque<OutFrame>,
-    dma: Dma,
+    bus: PciBus,
+    staging: SendStaging,
     qps: BTreeMap<QpNum, FwQp>,
     listeners: BTreeMap<ListenerId, Listener>,
     orphans: Vec<Orphan>,
@@ -147,7 +166,8 @@ impl Firmware {
     pub fn new(cfg: FirmwareConfig, memory: Arc<MemoryTable>) -> Firmware {
         let meter = Meter::new(CostModel::new(&cfg.params));
         let mut out = VecDeque::new();
-        let mut dma = Dma::default();
+        let mut bus = PciBus::new(&cfg.params.device);
+        let mut staging = SendStaging::new(cfg.params.device.send_staging_buffers);
         let mut meter_tmp = meter.clone();
         let mut no_route = 0;
         let mut port = Port {
@@ -156,8 +176,8 @@ impl Firmware {
                 meter: &mut meter_tmp,
                 out: &mut out,
                 fabric: &cfg.fabric,
-                dev: &cfg.params.device,
-                dma: &mut dma,
+                bus: &mut bus,
+                staging: &mut staging,
                 no_route: &mut no_route,
             },
         };
@@ -184,7 +204,8 @@ impl Firmware {
             iface,
             sockets: SocketSet::new(Vec::new()),
             out,
-            dma,
+            bus,
+            staging,
             qps: BTreeMap::new(),
             listeners: BTreeMap::new(),
             orphans: Vec::new(),
@@ -249,10 +270,7 @@ impl Firmware {
             Carried::Other => {}
         }
         m.charge(Dir::Recv, kind, Stage::Checksum, carried.payload());
-        if kind == Kind::Data {
-            m.charge(Dir::Recv, kind, Stage::GetWr, 0);
-            m.charge(Dir::Recv, kind, Stage::PutData, 0);
-        }
+        // Get WR and put data are charged where a WR is taken and a DMA set up (link.rs).
         m.charge(Dir::Recv, kind, Stage::Update, 0);
         self.poll_iface(Some(pkt));
         self.run();
@@ -277,9 +295,41 @@ impl Firmware {
     }
 
     /// When everything written to host memory so far (received data, CQ entries) is visible
-    /// to the host: the NIC->host DMA engine's last completion.
+    /// to the host: the last DMA write has crossed the bus (later reads do not delay it).
     pub fn host_visible_at(&self) -> Nanos {
-        self.dma.nic_to_host
+        self.bus.writes_done_at()
+    }
+
+    /// A host PIO write (doorbell, command) issued at `at` crosses the shared bus: returns
+    /// when it lands in the NIC.
+    pub fn pio(&mut self, at: Nanos) -> Nanos {
+        self.bus.pio(at)
+    }
+
+    /// Myrinet stop/go held the last frame on the link until its tail left at `tail` (the
+    /// fabric's back-pressure); its staging buffer is held as long.
+    pub fn stopped_until(&mut self, tail: Nanos) {
+        self.staging.stopped_until(tail);
+        self.update_poll_at();
+    }
+
+    /// How busy the hardware has been since the accounts were last reset.
+    pub fn usage(&self) -> Usage {
+        Usage {
+            pci_read_ns: self.bus.busy_ns(Use::Read),
+            pci_write_ns: self.bus.busy_ns(Use::Write),
+            pci_pio_ns: self.bus.busy_ns(Use::Pio),
+            processor_ns: self.meter.busy_ns(),
+            staging_ns: self.staging.held_ns(),
+            staging_buffers: self.staging.buffers(),
+        }
+    }
+
+    /// Starts a measurement window: processor, bus and staging accounts from zero.
+    pub fn reset_accounts(&mut self) {
+        self.meter.reset_accounts();
+        self.bus.reset_accounts();
+        self.staging.reset_accounts();
     }
 
     pub fn meter(&self) -> &Meter {
@@ -328,7 +378,7 @@ impl Firmware {
             sockets,
             memory,
             meter,
-            dma,
+            bus,
             params,
             sram,
             dying,
@@ -340,7 +390,7 @@ impl Firmware {
             sockets,
             memory,
             meter,
-            dma,
+            bus,
             dev: &params.device,
             mtu: fabric.mtu,
             sram,
@@ -359,8 +409,8 @@ impl Firmware {
                 meter: &mut self.meter,
                 out: &mut self.out,
                 fabric: &self.fabric,
-                dev: &self.params.device,
-                dma: &mut self.dma,
+                bus: &mut self.bus,
+                staging: &mut self.staging,
                 no_route: &mut self.stats.no_route,
             },
         };
@@ -385,8 +435,10 @@ impl Firmware {
         }
         self.update_poll_at();
         if busy {
-            // Work left over: come back at once rather than wait for an event.
-            self.next_poll = Some(self.meter.now());
+            // Work left over: come back at once (or when a staging buffer frees) rather than
+            // wait for an event.
+            let now = self.meter.now();
+            self.next_poll = Some(self.staging.next_free(now).unwrap_or(now));
         }
     }
 
@@ -398,12 +450,22 @@ impl Firmware {
             .map(|i| nanos(i).max(now));
         let mut earliest = |t: Nanos| at = Some(at.map_or(t, |a| a.min(t)));
         for q in self.qps.values() {
-            if let Link::Connecting { deadline, .. } = q.link {
-                earliest(deadline);
+            match &q.link {
+                Link::Connecting { deadline, .. } => earliest(*deadline),
+                Link::Tcp(t) => {
+                    if let Some(t) = t.next_release() {
+                        earliest(t);
+                    }
+                }
+                _ => {}
             }
         }
         for o in &self.orphans {
             earliest(o.deadline);
+        }
+        // Nothing leaves before a staging buffer frees: come back then, not in a busy loop.
+        if let (Some(t), Some(free)) = (at, self.staging.next_free(now)) {
+            at = Some(t.max(free));
         }
         self.next_poll = at;
     }

@@ -3,6 +3,7 @@
 //! - [`params`]: the model's inputs (`configs/lanai.toml`, `configs/fabric.toml`);
 //! - [`meter`]: the NIC processor's clock, charging each firmware stage its cost;
 //! - [`frame`]: Myrinet frames, source routes and switches;
+//! - [`pci`]: the host's PCI bus, shared by both DMA engines and PIO;
 //! - [`sram`]: the NIC's SRAM as an allocator (QPs, TCBs and socket buffers must fit);
 //! - [`firmware`]: the doorbell, management, transmit and receive state machines with the
 //!   firmware's own IPv6/UDP/TCP, sans-IO;
@@ -15,11 +16,12 @@ pub mod firmware;
 pub mod frame;
 pub mod meter;
 pub mod params;
+pub mod pci;
 pub mod realtime;
 pub mod sim;
 pub mod sram;
 
-pub use firmware::{Firmware, FirmwareConfig, FirmwareStats, OutFrame};
+pub use firmware::{Firmware, FirmwareConfig, FirmwareStats, OutFrame, Usage};
 pub use meter::{CostModel, Dir, Kind, Meter, Nanos, Occupancy, Stage};
 pub use params::{FabricParams, LanaiParams, ParamsError};
 pub use realtime::{LanaiBackend, LanaiConfig};

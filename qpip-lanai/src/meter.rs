@@ -137,9 +137,9 @@ impl CostModel {
                     Stage::UdpParse => c.udp.udp_parse,
                     Stage::Checksum => match d.recv_checksum {
                         ChecksumAt::Hardware => 0.0,
-                        // Per-byte cost is for 133 MHz like the rest; scaled below.
+                        // Cycles at the table's 133 MHz, in µs; scaled to the clock below.
                         ChecksumAt::Firmware => {
-                            d.firmware_checksum_ns_per_byte * payload as f64 / 1000.0
+                            d.firmware_checksum_instructions_per_word / 4.0 * payload as f64 / 133.0
                         }
                     },
                     Stage::GetWr => s.get_wr,

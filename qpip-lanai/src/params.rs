@@ -31,11 +31,22 @@ pub struct DeviceParams {
     pub firmware_bytes: u64,
     pub pci_width_bits: u32,
     pub pci_clock_mhz: f64,
-    pub dma_setup_ns: u64,
+    /// Bytes per PCI burst the DMA engines are programmed for.
+    pub dma_burst_bytes: usize,
+    /// Bus clocks each burst spends outside its data phases (address, DEVSEL, turnaround).
+    pub pci_burst_overhead_clocks: u64,
+    /// Bus clocks the host bridge takes to deliver the first data of a read burst.
+    pub pci_read_latency_clocks: u64,
+    /// Bus clocks one PIO write holds the bus.
+    pub pio_bus_clocks: u64,
+    /// From the host's store to the write landing in the NIC.
     pub pio_write_ns: u64,
     pub doorbell_fifo_entries: usize,
+    /// SRAM buffers a segment is staged in between its PCI DMA and the wire.
+    pub send_staging_buffers: usize,
     pub recv_checksum: ChecksumAt,
-    pub firmware_checksum_ns_per_byte: f64,
+    /// Instructions the firmware's checksum loop spends per 32-bit word (one per cycle).
+    pub firmware_checksum_instructions_per_word: f64,
     pub qp_state_bytes: u64,
     pub tcb_bytes: u64,
     pub wr_cache_entries: u64,
@@ -55,10 +66,9 @@ pub struct DeviceParams {
 }
 
 impl DeviceParams {
-    /// Nanoseconds the PCI DMA engine needs to move `bytes` (setup plus transfer).
-    pub fn dma_ns(&self, bytes: usize) -> u64 {
-        let bytes_per_us = f64::from(self.pci_width_bits) / 8.0 * self.pci_clock_mhz;
-        self.dma_setup_ns + (bytes as f64 * 1000.0 / bytes_per_us).ceil() as u64
+    /// Nanoseconds the firmware needs to checksum one byte at the NIC's clock.
+    pub fn firmware_checksum_ns_per_byte(&self) -> f64 {
+        self.firmware_checksum_instructions_per_word / 4.0 * 1000.0 / self.clock_mhz
     }
 }
 
@@ -276,13 +286,13 @@ mod tests {
     }
 
     #[test]
-    fn dma_and_wire_times_follow_the_bus_and_link_rates() {
-        let p = LanaiParams::default();
-        // 264 bytes/us on 64-bit/33 MHz PCI: 16 KiB takes ~62 us plus setup.
-        let ns = p.device.dma_ns(16384) - p.device.dma_setup_ns;
-        assert!((62_000..62_100).contains(&ns), "{ns}");
+    fn wire_time_follows_the_link_rate_and_checksum_the_clock() {
         let f = FabricParams::default();
         assert_eq!(f.wire_ns(250), 1000);
+        // 5 instructions per 4 bytes at 133 MHz.
+        let p = LanaiParams::default();
+        let ns = p.device.firmware_checksum_ns_per_byte();
+        assert!((ns - 5.0 / 4.0 * 1000.0 / 133.0).abs() < 1e-9, "{ns}");
     }
 
     #[test]

@@ -1,8 +1,8 @@
 //! Hosts, their LANai NICs and the Myrinet fabric on one virtual clock: a discrete-event
 //! scheduler in the spirit of quinn's test `Pair`, deterministic to the nanosecond.
 //!
-//! Events are ordered by (time, sequence number). A doorbell reaches the NIC
-//! `device.pio_write_ns` after the host posts; a frame reaches a NIC when its tail arrives;
+//! Events are ordered by (time, sequence number). A doorbell reaches the NIC once its PIO
+//! write has crossed the NIC's PCI bus (shared with its DMA engines); a frame reaches a NIC when its tail arrives;
 //! the firmware's timers fire at `poll_at`; the host sees completions at the firmware's
 //! `host_visible_at` and pays its per-operation overhead for each.
 //!
@@ -28,7 +28,7 @@ use qpip_verbs::mr::MemoryTable;
 use qpip_verbs::shared::QpShared;
 use qpip_verbs::wr::{Completion, Opcode, QpNum, RecvWr, SendWr};
 
-use super::firmware::{Firmware, FirmwareConfig, OutFrame};
+use super::firmware::{Firmware, FirmwareConfig, OutFrame, Usage};
 use super::meter::{Meter, Nanos};
 use super::params::{FabricParams, LanaiParams};
 
@@ -50,6 +50,23 @@ pub trait SimNic {
     fn host_visible_at(&self) -> Nanos;
     fn meter(&self) -> &Meter;
     fn meter_mut(&mut self) -> &mut Meter;
+    /// A host PIO write issued at `at`: when it lands in the NIC (a stand-in NIC has no bus
+    /// to wait for).
+    fn pio(&mut self, at: Nanos) -> Nanos {
+        at + self.meter().costs().params().device.pio_write_ns
+    }
+    /// The fabric's stop/go held the last frame until its tail left at `tail`.
+    fn stopped_until(&mut self, _tail: Nanos) {}
+    /// Hardware busy time since the last reset (processor only for a stand-in NIC).
+    fn usage(&self) -> Usage {
+        Usage {
+            processor_ns: self.meter().busy_ns(),
+            ..Usage::default()
+        }
+    }
+    fn reset_accounts(&mut self) {
+        self.meter_mut().reset_accounts();
+    }
 }
 
 impl SimNic for Firmware {
@@ -79,6 +96,18 @@ impl SimNic for Firmware {
     }
     fn meter_mut(&mut self) -> &mut Meter {
         Firmware::meter_mut(self)
+    }
+    fn pio(&mut self, at: Nanos) -> Nanos {
+        Firmware::pio(self, at)
+    }
+    fn stopped_until(&mut self, tail: Nanos) {
+        Firmware::stopped_until(self, tail)
+    }
+    fn usage(&self) -> Usage {
+        Firmware::usage(self)
+    }
+    fn reset_accounts(&mut self) {
+        Firmware::reset_accounts(self)
     }
 }
 
@@ -173,7 +202,6 @@ struct Node {
     host: Host,
     app: Option<Box<dyn App>>,
     started: bool,
-    pio_write_ns: Nanos,
     /// Completions and replies written by the NIC, with when the host can see them.
     visible: VecDeque<(Nanos, Visible)>,
     /// The pending firmware timer, if one is scheduled.
@@ -261,7 +289,6 @@ impl Sim {
             host: Host::new(memory, params.host.clone(), addr),
             app: None,
             started: false,
-            pio_write_ns: params.device.pio_write_ns,
             visible: VecDeque::new(),
             timer: None,
         });
@@ -291,6 +318,11 @@ impl Sim {
 
     pub fn nic(&self, node: usize) -> &dyn SimNic {
         self.nodes[node].nic.as_ref()
+    }
+
+    /// Time node `node`'s link to the switch was busy since the measurement mark.
+    pub fn link_busy_ns(&self, node: usize) -> Nanos {
+        self.fabric.link_busy_ns(node)
     }
 
     pub fn fabric_stats(&self) -> &FabricStats {
@@ -400,8 +432,8 @@ impl Sim {
                 }
                 qp.doorbell
                     .store(true, std::sync::atomic::Ordering::Release);
-                let pio = self.nodes[node].pio_write_ns;
-                self.schedule(now + pio, Event::Doorbell { node, qp: qp.num });
+                let at = self.nodes[node].nic.pio(now);
+                self.schedule(at, Event::Doorbell { node, qp: qp.num });
             }
         }
         Ok(())
@@ -411,9 +443,13 @@ impl Sim {
     /// the host, the next timer.
     fn after_nic(&mut self, i: usize) {
         while let Some(f) = self.nodes[i].nic.transmit() {
-            let at = self.fabric.send(i, f.ready_at, f.bytes.len());
+            let sent = self.fabric.send(i, f.ready_at, &f.bytes);
+            let unstopped = f.ready_at + self.fabric.params.wire_ns(f.bytes.len());
+            if sent.tail_left > unstopped {
+                self.nodes[i].nic.stopped_until(sent.tail_left);
+            }
             self.schedule(
-                at,
+                sent.head,
                 Event::Switch {
                     from: i,
                     frame: f.bytes,
@@ -494,14 +530,19 @@ impl Sim {
                 message,
             });
         }
-        let pio = node.pio_write_ns;
         let out: Vec<_> = node.host.out.drain(..).collect();
         let mark = std::mem::take(&mut node.host.mark);
         let mark_time = node.host.clock;
         for (at, o) in out {
             match o {
-                Outbound::Command(cmd) => self.schedule(at + pio, Event::Command { node: i, cmd }),
-                Outbound::Doorbell(qp) => self.schedule(at + pio, Event::Doorbell { node: i, qp }),
+                Outbound::Command(cmd) => {
+                    let at = self.nodes[i].nic.pio(at);
+                    self.schedule(at, Event::Command { node: i, cmd })
+                }
+                Outbound::Doorbell(qp) => {
+                    let at = self.nodes[i].nic.pio(at);
+                    self.schedule(at, Event::Doorbell { node: i, qp })
+                }
                 Outbound::PostSend(qp, wr) => self.schedule(
                     at,
                     Event::Post {
@@ -523,9 +564,10 @@ impl Sim {
         if mark {
             self.mark_at = Some(mark_time);
             for n in &mut self.nodes {
-                n.nic.meter_mut().reset_accounts();
+                n.nic.reset_accounts();
                 n.host.busy = 0;
             }
+            self.fabric.reset_accounts();
         }
         Ok(())
     }

@@ -10,9 +10,9 @@ use smoltcp::iface::{SocketHandle, SocketSet};
 use smoltcp::socket::{tcp, udp};
 use smoltcp::wire::{IpAddress, IpEndpoint};
 
-use super::port::Dma;
 use crate::meter::{Dir, Kind, Meter, Nanos, Stage};
 use crate::params::DeviceParams;
+use crate::pci::{PciBus, Use};
 use crate::sram::Sram;
 use qpip_verbs::backend::MgmtResult;
 use qpip_verbs::framer::Framer;
@@ -38,7 +38,7 @@ pub(super) struct Ctx<'a> {
     pub sockets: &'a mut SocketSet<'static>,
     pub memory: &'a MemoryTable,
     pub meter: &'a mut Meter,
-    pub dma: &'a mut Dma,
+    pub bus: &'a mut PciBus,
     pub dev: &'a DeviceParams,
     /// Largest IPv6 packet on the fabric.
     pub mtu: usize,
@@ -51,7 +51,7 @@ pub(super) struct Ctx<'a> {
 /// it borrows only the fields it uses while a socket is borrowed from the set.
 macro_rules! to_host {
     ($cx:expr, $len:expr) => {
-        Dma::transfer(&mut $cx.dma.nic_to_host, $cx.dev, $cx.meter.now(), $len)
+        $cx.bus.dma(Use::Write, $cx.meter.now(), $len)
     };
 }
 
@@ -67,6 +67,11 @@ pub(super) struct TcpLink {
     /// Bytes moved into the send buffer since the connection opened.
     pushed: u64,
     rx: RxMachine,
+    /// Received bytes copied toward host memory whose DMA has not finished: they stay in
+    /// the socket's buffer (and out of the window the peer is offered) until it has.
+    held: usize,
+    /// Those DMAs: when each finishes and how many bytes it moves.
+    placing: VecDeque<(Nanos, usize)>,
     /// Orderly close asked for: send what is posted, then FIN.
     pub closing: bool,
     pub fin_sent: bool,
@@ -82,6 +87,8 @@ impl TcpLink {
             tx: VecDeque::new(),
             pushed: 0,
             rx: RxMachine::new(),
+            held: 0,
+            placing: VecDeque::new(),
             closing: false,
             fin_sent: false,
             draining: false,
@@ -134,6 +141,57 @@ impl TcpLink {
     fn all_pushed(&self) -> bool {
         self.tx.iter().all(|m| m.end.is_some())
     }
+
+    /// Bytes whose DMA to host memory has finished by `now` leave the socket's buffer, so
+    /// the window reopens only for data the host really has; true if any left.
+    fn release_placed(&mut self, sock: &mut tcp::Socket<'_>, now: Nanos) -> bool {
+        let mut any = false;
+        while let Some(&(done, n)) = self.placing.front()
+            && done <= now
+        {
+            self.placing.pop_front();
+            let mut left = n;
+            while left > 0 {
+                match sock.recv(|b| {
+                    let k = b.len().min(left);
+                    (k, k)
+                }) {
+                    Ok(k) if k > 0 => left -= k,
+                    _ => break,
+                }
+            }
+            self.held = self.held.saturating_sub(n);
+            any = true;
+        }
+        any
+    }
+
+    /// When the next placed DMA finishes (the window reopens then).
+    pub(super) fn next_release(&self) -> Option<Nanos> {
+        self.placing.front().map(|&(t, _)| t)
+    }
+}
+
+/// Copies up to `want` received bytes that follow the `held` ones into `iov`, without
+/// taking them from the socket; returns how many.
+fn peek_past(sock: &mut tcp::Socket<'_>, held: usize, iov: &mut [IoSliceMut<'_>]) -> usize {
+    let want: usize = iov.iter().map(|b| b.len()).sum();
+    let n = want.min(sock.recv_queue().saturating_sub(held));
+    if n == 0 {
+        return 0;
+    }
+    let mut tmp = vec![0u8; held + n];
+    let got = sock.peek_slice(&mut tmp).unwrap_or(0).saturating_sub(held);
+    let mut src = &tmp[held..held + got];
+    for buf in iov.iter_mut() {
+        let k = buf.len().min(src.len());
+        buf[..k].copy_from_slice(&src[..k]);
+        src = &src[k..];
+        if src.is_empty() {
+            break;
+        }
+    }
+    got
 }
 
 /// An unreliable QP's port.
@@ -237,6 +295,8 @@ impl FwQp {
         let sock = cx.sockets.get_mut::<tcp::Socket>(t.handle);
         let after = 'm: {
             if t.draining {
+                t.placing.clear();
+                t.held = 0;
                 while let Ok(n) = sock.recv(|b| (b.len(), b.len())) {
                     if n == 0 {
                         break;
@@ -289,32 +349,41 @@ impl FwQp {
             sock.set_timeout(Some(DEAD_PEER));
             // Receive: the framer finds messages in the byte stream, bodies go to WRs. With
             // no WR posted the bytes stay in the socket and the window closes.
-            let Ctx {
-                meter, dma, dev, ..
-            } = cx;
+            progress |= t.release_placed(sock, cx.meter.now());
+            let Ctx { meter, bus, .. } = cx;
+            let TcpLink {
+                rx, held, placing, ..
+            } = &mut **t;
             // Bytes placed count as progress even when no WR was taken: the tail of a message
             // split over segments completes a WR taken earlier, and its CQ must be notified.
             let mut placed = 0usize;
-            let mut read = |iov: &mut [IoSliceMut<'_>]| -> io::Result<usize> {
-                let mut total = 0;
-                'bufs: for buf in iov.iter_mut() {
-                    let want = buf.len();
-                    let mut off = 0;
-                    while off < want {
-                        match sock.recv_slice(&mut buf[off..]) {
-                            Ok(0) | Err(_) => {
-                                total += off;
-                                break 'bufs;
-                            }
-                            Ok(n) => off += n,
-                        }
-                    }
-                    total += off;
+            let before = shared.rq.len();
+            let rq_seen = std::cell::Cell::new(before);
+            let ring = shared.clone();
+            // Per receive WR the firmware fetches its descriptor (get WR); per DMA it sets up
+            // the move to host memory (put data): charged where that work happens, not per
+            // packet.
+            let take_wrs = |meter: &mut Meter| {
+                let now_len = ring.rq.len();
+                for _ in now_len..rq_seen.get() {
+                    meter.charge(Dir::Recv, Kind::Data, Stage::GetWr, 0);
                 }
+                rq_seen.set(now_len);
+            };
+            let mut read = |iov: &mut [IoSliceMut<'_>]| -> io::Result<usize> {
+                take_wrs(meter);
+                let total = peek_past(sock, *held, iov);
                 if total > 0 {
                     placed += total;
-                    Dma::transfer(&mut dma.nic_to_host, dev, meter.now(), total);
+                    meter.charge(Dir::Recv, Kind::Data, Stage::PutData, 0);
+                    let done = bus.dma(Use::Write, meter.now(), total);
+                    placing.push_back((done, total));
+                    *held += total;
                     return Ok(total);
+                }
+                if *held > 0 {
+                    // End of stream is seen once the held bytes are in host memory.
+                    return Err(io::ErrorKind::WouldBlock.into());
                 }
                 match sock.recv_slice(&mut []) {
                     Ok(_) => Err(io::ErrorKind::WouldBlock.into()),
@@ -322,8 +391,8 @@ impl FwQp {
                     Err(_) => Err(io::ErrorKind::ConnectionReset.into()),
                 }
             };
-            let before = shared.rq.len();
-            let stop = t.rx.pump(shared, cx.memory, framer.as_mut(), &mut read);
+            let stop = rx.pump(shared, cx.memory, framer.as_mut(), &mut read);
+            take_wrs(meter);
             progress |= shared.rq.len() != before || placed > 0;
             if stop == RxStop::Failed {
                 to_host!(cx, CQ_ENTRY_BYTES);
@@ -447,6 +516,7 @@ impl FwQp {
                 }
             };
             progress = true;
+            cx.meter.charge(Dir::Recv, Kind::Data, Stage::GetWr, 0);
             let Ok((data, meta)) = sock.recv() else {
                 break;
             };
@@ -456,7 +526,8 @@ impl FwQp {
             } else {
                 WcStatus::Success
             };
-            Dma::transfer(&mut cx.dma.nic_to_host, cx.dev, cx.meter.now(), off);
+            cx.meter.charge(Dir::Recv, Kind::Data, Stage::PutData, 0);
+            cx.bus.dma(Use::Write, cx.meter.now(), off);
             shared.complete_recv(wr.wr_id, status, off as u32, Some(v6(meta.endpoint)), 0);
             to_host!(cx, CQ_ENTRY_BYTES);
         }

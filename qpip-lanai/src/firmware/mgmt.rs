@@ -247,7 +247,9 @@ impl Firmware {
             tcp::SocketBuffer::new(vec![0u8; d.tcp_recv_buffer]),
             tcp::SocketBuffer::new(vec![0u8; d.tcp_send_buffer]),
         );
-        s.set_nagle_enabled(false);
+        // Sender-side silly window avoidance (RFC 1122 4.2.3.4): with data in flight only
+        // full segments go; ACKs are not delayed, so a short tail waits one round trip at most.
+        s.set_nagle_enabled(true);
         s.set_ack_delay(None);
         s.set_congestion_control(tcp::CongestionControl::Reno);
         s.set_tsval_generator(Some(port::tsval));

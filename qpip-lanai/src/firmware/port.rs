@@ -10,9 +10,11 @@ use smoltcp::phy::{self, DeviceCapabilities, Medium};
 use smoltcp::time::Instant;
 
 use super::OutFrame;
+use super::staging::SendStaging;
 use crate::frame;
 use crate::meter::{Dir, Kind, Meter, Nanos, Stage};
-use crate::params::{DeviceParams, FabricParams};
+use crate::params::FabricParams;
+use crate::pci::{PciBus, Use};
 
 /// IPv6 header bytes (smoltcp adds no extension headers to TCP or UDP).
 const IPV6_HEADER: usize = 40;
@@ -88,34 +90,13 @@ pub(super) fn classify(pkt: &[u8]) -> Option<(Ipv6Addr, Carried)> {
     Some((Ipv6Addr::from(dst), carried))
 }
 
-/// The two PCI DMA engines, as the times they are next free.
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct Dma {
-    pub host_to_nic: Nanos,
-    pub nic_to_host: Nanos,
-}
-
-impl Dma {
-    /// A transfer of `len` bytes on `engine` issued at `start`; returns its completion.
-    pub(super) fn transfer(
-        engine: &mut Nanos,
-        dev: &DeviceParams,
-        start: Nanos,
-        len: usize,
-    ) -> Nanos {
-        let begin = start.max(*engine);
-        *engine = begin + dev.dma_ns(len);
-        *engine
-    }
-}
-
 /// What the transmit side of the port needs from the firmware.
 pub(super) struct Wire<'a> {
     pub meter: &'a mut Meter,
     pub out: &'a mut VecDeque<OutFrame>,
     pub fabric: &'a FabricParams,
-    pub dev: &'a DeviceParams,
-    pub dma: &'a mut Dma,
+    pub bus: &'a mut PciBus,
+    pub staging: &'a mut SendStaging,
     pub no_route: &'a mut u64,
 }
 
@@ -144,8 +125,13 @@ impl<'a> phy::Device for Port<'a> {
         Some((Rx(pkt), Tx(&mut self.wire)))
     }
 
+    /// Store and forward: nothing is built while every staging buffer is taken.
     fn transmit(&mut self, _: Instant) -> Option<Tx<'_, 'a>> {
-        Some(Tx(&mut self.wire))
+        let now = self.wire.meter.now();
+        self.wire
+            .staging
+            .has_room(now)
+            .then_some(Tx(&mut self.wire))
     }
 
     fn capabilities(&self) -> DeviceCapabilities {
@@ -172,8 +158,9 @@ impl phy::TxToken for Tx<'_, '_> {
 }
 
 impl Wire<'_> {
-    /// The transmit stages for one packet: schedule, data from the host (DMA, which also sums
-    /// it), headers, hand-off to the network send DMA, state update.
+    /// The transmit stages for one packet: schedule, data from the host into a staging
+    /// buffer (the DMA also produces the TCP/UDP checksum), then the headers, which need
+    /// that checksum, the hand-off to the network send DMA and the state update.
     fn send(&mut self, pkt: &[u8]) {
         let Some((dst, carried)) = classify(pkt) else {
             tracing::debug!("lanai: smoltcp emitted a non-IPv6 packet; dropped");
@@ -186,30 +173,33 @@ impl Wire<'_> {
         };
         let kind = carried.kind();
         let m = &mut *self.meter;
+        let taken = m.now();
         m.count_packet(Dir::Send, kind);
         m.charge(Dir::Send, kind, Stage::Schedule, 0);
-        let mut data_ready = 0;
+        let mut summed = m.now();
         if carried.payload() > 0 {
             m.charge(Dir::Send, kind, Stage::GetData, 0);
-            data_ready = Dma::transfer(
-                &mut self.dma.host_to_nic,
-                self.dev,
-                m.now(),
-                carried.payload(),
-            );
+            summed = self.bus.dma(Use::Read, m.now(), carried.payload());
         }
         let header = match carried {
             Carried::Udp { .. } => Stage::BuildUdpHeader,
             _ => Stage::BuildTcpHeader,
         };
+        // The processor does not wait for the DMA (it serves other work meanwhile), but the
+        // header stages of this packet cannot start before its checksum exists.
+        let before = m.now();
         m.charge(Dir::Send, kind, header, 0);
         m.charge(Dir::Send, kind, Stage::BuildIpHeader, 0);
         m.charge(Dir::Send, kind, Stage::Send, 0);
-        let ready_at = m.now().max(data_ready);
+        let ready_at = m.now().max(summed + (m.now() - before));
         m.charge(Dir::Send, kind, Stage::Update, 0);
+        let bytes = frame::encode(route, pkt);
+        let depart = self
+            .staging
+            .stage(taken, ready_at, self.fabric.wire_ns(bytes.len()));
         self.out.push_back(OutFrame {
-            bytes: frame::encode(route, pkt),
-            ready_at,
+            bytes,
+            ready_at: depart,
         });
     }
 }

@@ -295,6 +295,8 @@ pub struct Bulk {
     bytes: u64,
     started_at: Option<Nanos>,
     finished_at: Option<Nanos>,
+    /// The tag of the client's connect: its reply starts the transfer.
+    connect_tag: Option<u64>,
     error: Option<String>,
 }
 
@@ -312,6 +314,7 @@ impl Bulk {
             bytes: 0,
             started_at: None,
             finished_at: None,
+            connect_tag: None,
             error: None,
         }
     }
@@ -417,20 +420,18 @@ impl App for Bulk {
                 }
             }
             Role::Client { server } => {
-                host.connect(&qp, server);
+                self.connect_tag = Some(host.connect(&qp, server));
                 self.qp = Some(qp);
                 self.free_slots = (0..slots).rev().collect();
             }
         }
     }
 
-    fn on_reply(&mut self, host: &mut Host, _tag: u64, result: MgmtResult) {
+    fn on_reply(&mut self, host: &mut Host, tag: u64, result: MgmtResult) {
         if let Err(e) = result {
             return self.fail(format!("management command failed: {e}"));
         }
-        if let Role::Client { .. } = self.role
-            && self.started_at.is_none()
-        {
+        if self.connect_tag == Some(tag) && self.started_at.is_none() {
             // Connected: the measurement starts here.
             host.mark();
             self.started_at = Some(host.now());

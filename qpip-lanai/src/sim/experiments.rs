@@ -49,8 +49,43 @@ fn server_addr(setup: &Setup, port: u16) -> Result<SocketAddr, SimError> {
     Ok(SocketAddr::new(n.addr.into(), port))
 }
 
+/// How busy each hardware resource was, as a fraction of the elapsed time, in the order
+/// wire, PCI read, PCI write, NIC processor, staging: the sender's link, the sender's bus
+/// reading, the receiver's bus writing, the busier processor, the sender's staging buffers.
+pub type Utilisation = Vec<(&'static str, f64)>;
+
+/// The resources of `sim` over `elapsed` ns, data flowing from `sender` to `receiver`.
+fn utilisation(sim: &Sim, sender: usize, receiver: usize, elapsed: Nanos) -> Utilisation {
+    let t = elapsed.max(1) as f64;
+    let (us, ur) = (sim.nic(sender).usage(), sim.nic(receiver).usage());
+    let staging = us.staging_ns as f64 / us.staging_buffers.max(1) as f64;
+    vec![
+        ("wire", sim.link_busy_ns(sender) as f64 / t),
+        ("PCI read", us.pci_read_ns as f64 / t),
+        ("PCI write", ur.pci_write_ns as f64 / t),
+        (
+            "NIC processor",
+            us.processor_ns.max(ur.processor_ns) as f64 / t,
+        ),
+        ("staging", staging / t),
+    ]
+}
+
+/// The resource closest to saturation.
+pub fn bound(u: &Utilisation) -> (&'static str, f64) {
+    u.iter()
+        .copied()
+        .fold(("none", 0.0), |a, b| if b.1 > a.1 { b } else { a })
+}
+
 /// Mean 1-byte round-trip time in microseconds over `rounds` round trips.
 pub fn rtt_us(setup: &Setup, proto: Proto, rounds: u64) -> Result<f64, SimError> {
+    rtt(setup, proto, rounds).map(|r| r.0)
+}
+
+/// Mean 1-byte round-trip time in microseconds, with the resources' utilisation over the
+/// run (client to server).
+pub fn rtt(setup: &Setup, proto: Proto, rounds: u64) -> Result<(f64, Utilisation), SimError> {
     let (mut sim, s, c) = pair(setup)?;
     let port = 7000;
     let server = server_addr(setup, port)?;
@@ -62,10 +97,11 @@ pub fn rtt_us(setup: &Setup, proto: Proto, rounds: u64) -> Result<f64, SimError>
         c,
         Box::new(PingPong::new(proto, Role::Client { server }, port, rounds)),
     );
-    sim.run(LIMIT)?;
+    let end = sim.run(LIMIT)?;
+    let u = utilisation(&sim, c, s, end);
     sim.app::<PingPong>(c)
         .and_then(|p| p.mean_rtt_ns())
-        .map(|ns| ns / 1000.0)
+        .map(|ns| (ns / 1000.0, u))
         .ok_or_else(|| SimError::App {
             node: "client".into(),
             message: "no round-trip time measured".into(),
@@ -115,6 +151,8 @@ pub struct TtcpResult {
     pub frames_to_client: u64,
     /// Everything the fabric counted (bytes per direction, faults injected).
     pub fabric: FabricStats,
+    /// How busy each resource was during the transfer.
+    pub utilisation: Utilisation,
 }
 
 /// Bulk transfer client to server with `cfg`, optionally with `faults` on both directions.
@@ -174,6 +212,7 @@ pub fn bulk(
         frames_to_server: sim.fabric_stats().frames_between(c, s),
         frames_to_client: sim.fabric_stats().frames_between(s, c),
         fabric: sim.fabric_stats().clone(),
+        utilisation: utilisation(&sim, c, s, elapsed),
     })
 }
 

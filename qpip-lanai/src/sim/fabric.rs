@@ -1,6 +1,10 @@
 //! The Myrinet fabric in virtual time: one link per node into a single cut-through crossbar
-//! switch, with contention on the sender's link and on the switch's output ports, and
-//! seeded fault injection (drop, duplicate, delay) per direction for tests.
+//! switch, and seeded fault injection (drop, duplicate, delay) per direction for tests.
+//!
+//! Myrinet links have stop/go flow control and the switch only a few bytes of slack: a frame
+//! whose output port is busy is not queued in the switch, it stops on its input link, and
+//! the sender's NIC holds it (and its staging buffer) until the port frees (wormhole
+//! blocking).
 
 use std::collections::BTreeMap;
 
@@ -88,10 +92,19 @@ pub(crate) struct Delivery {
     pub frame: Vec<u8>,
 }
 
+/// When a frame's tail left its sender and its head reached the switch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Sent {
+    pub tail_left: Nanos,
+    pub head: Nanos,
+}
+
 pub(crate) struct Fabric {
     pub params: FabricParams,
     /// When each node's link to the switch is next free.
     link_free: Vec<Nanos>,
+    /// Time each node's link carried frames (or was stopped holding one) since the reset.
+    link_busy: Vec<Nanos>,
     /// When each switch output port is next free.
     port_free: BTreeMap<u8, Nanos>,
     /// Switch port -> node index.
@@ -106,6 +119,7 @@ impl Fabric {
         Fabric {
             params,
             link_free: Vec::new(),
+            link_busy: Vec::new(),
             port_free: BTreeMap::new(),
             ports: BTreeMap::new(),
             faults: BTreeMap::new(),
@@ -118,29 +132,60 @@ impl Fabric {
     pub fn attach(&mut self, node: usize, port: u8) {
         if self.link_free.len() <= node {
             self.link_free.resize(node + 1, 0);
+            self.link_busy.resize(node + 1, 0);
         }
         self.ports.insert(port, node);
+    }
+
+    /// Time node `node`'s link was busy since the last reset.
+    pub fn link_busy_ns(&self, node: usize) -> Nanos {
+        self.link_busy.get(node).copied().unwrap_or(0)
+    }
+
+    pub fn reset_accounts(&mut self) {
+        self.link_busy.iter_mut().for_each(|b| *b = 0);
     }
 
     pub fn set_faults(&mut self, from: usize, to: usize, faults: Faults) {
         self.faults.insert((from, to), faults);
     }
 
-    /// The sender's NIC hands `len` bytes to its link at `ready_at`: returns when the head
-    /// reaches the switch and the switch has decided its output port (cut-through).
-    pub fn send(&mut self, from: usize, ready_at: Nanos, len: usize) -> Nanos {
+    /// The sender's NIC puts `frame` on its link from `ready_at`. The head goes as soon as
+    /// the link is free and, with stop/go, only when the switch's output port can take it;
+    /// the output port is reserved from then on.
+    pub fn send(&mut self, from: usize, ready_at: Nanos, frame: &[u8]) -> Sent {
         if self.link_free.len() <= from {
             self.link_free.resize(from + 1, 0);
+            self.link_busy.resize(from + 1, 0);
         }
-        let start = ready_at.max(self.link_free[from]);
-        self.link_free[from] = start + self.params.wire_ns(len);
-        start + self.params.cable_ns + self.params.switch_latency_ns
+        let hop = self.params.cable_ns + self.params.switch_latency_ns;
+        let out = super::super::frame::switch(frame).ok();
+        let port = out
+            .as_ref()
+            .map(|(p, _)| *p)
+            .filter(|p| self.ports.contains_key(p));
+        let mut start = ready_at.max(self.link_free[from]);
+        // From here the link is the frame's, carrying it or stopped holding it.
+        let taken = start;
+        if let Some(p) = port {
+            let free = self.port_free.get(&p).copied().unwrap_or(0);
+            start = start.max(free.saturating_sub(hop));
+        }
+        let tail_left = start + self.params.wire_ns(frame.len());
+        self.link_free[from] = tail_left;
+        self.link_busy[from] += tail_left - taken;
+        let head = start + hop;
+        if let (Some(p), Some((_, out))) = (port, out) {
+            self.port_free
+                .insert(p, head + self.params.wire_ns(out.len()));
+        }
+        Sent { tail_left, head }
     }
 
-    /// The switch routes a frame whose head it has decoded at `now`: the route byte is
-    /// consumed, faults are applied, the output port is reserved (frames queue behind each
-    /// other there) and the tail's arrival at the receiver is returned. Nothing, one or two
-    /// deliveries.
+    /// The switch routes a frame whose head it has decoded at `now` (its output port was
+    /// reserved by [`Fabric::send`]): the route byte is consumed, faults are applied and the
+    /// tail's arrival at the receiver is returned. Nothing, one or two deliveries (a
+    /// duplicate follows the original on the port).
     pub fn switch(&mut self, now: Nanos, from: usize, frame: &[u8]) -> Vec<Delivery> {
         let (port, out) = match super::super::frame::switch(frame) {
             Ok(x) => x,
@@ -174,9 +219,12 @@ impl Fabric {
         let wire = self.params.wire_ns(out.len());
         let mut deliveries = Vec::with_capacity(copies);
         for i in 0..copies {
-            let free = self.port_free.entry(port).or_default();
-            let start = now.max(*free);
-            *free = start + wire;
+            let mut start = now;
+            if i > 0 {
+                let free = self.port_free.entry(port).or_default();
+                start = now.max(*free);
+                *free = start + wire;
+            }
             let mut at = start + self.params.cable_ns + wire;
             if i == 0 && l < faults.delay {
                 self.stats.delayed += 1;
@@ -205,24 +253,32 @@ mod tests {
     }
 
     #[test]
-    fn cut_through_timing_and_output_contention() {
+    fn cut_through_timing_and_stop_go_back_pressure() {
         let mut f = fabric();
+        f.attach(2, 3);
         let p = f.params.clone();
         let fr = frame::encode(&[2], &[0u8; 996]);
-        let head = f.send(0, 1000, fr.len());
-        assert_eq!(head, 1000 + p.cable_ns + p.switch_latency_ns);
-        let d = f.switch(head, 0, &fr);
+        let hop = p.cable_ns + p.switch_latency_ns;
+        let sent = f.send(0, 1000, &fr);
+        assert_eq!(sent.head, 1000 + hop);
+        assert_eq!(sent.tail_left, 1000 + p.wire_ns(fr.len()));
+        let d = f.switch(sent.head, 0, &fr);
         assert_eq!(d.len(), 1);
         let wire = p.wire_ns(fr.len() - 1);
-        assert_eq!(d[0].at, head + p.cable_ns + wire);
+        assert_eq!(d[0].at, sent.head + p.cable_ns + wire);
         assert_eq!(d[0].node, 1);
-        // A second frame from the same sender at the same moment waits for the link.
-        let head2 = f.send(0, 1000, fr.len());
-        assert_eq!(head2, head + p.wire_ns(fr.len()));
-        // A frame from elsewhere to the same port queues behind the first.
-        let d2 = f.switch(head, 0, &fr);
-        assert_eq!(d2[0].at, d[0].at + wire);
         assert_eq!(frame::decode(&d[0].frame).unwrap(), &[0u8; 996][..]);
+        // Another node sends to the same output port at the same moment: stop/go holds it on
+        // its own link until the port is free, so it reaches the switch as the first frame's
+        // tail leaves it and nothing waits inside the switch.
+        let other = f.send(2, 1000, &fr);
+        assert_eq!(other.head, sent.head + wire);
+        assert_eq!(other.tail_left, other.head - hop + p.wire_ns(fr.len()));
+        let d2 = f.switch(other.head, 2, &fr);
+        assert_eq!(d2[0].at, d[0].at + wire);
+        // That sender's link stayed stopped: its next frame (to another port) goes after.
+        let next = f.send(2, 1000, &frame::encode(&[1], &[0u8; 10]));
+        assert_eq!(next.head, other.tail_left + hop);
     }
 
     #[test]
@@ -263,6 +319,9 @@ mod tests {
     fn unroutable_and_corrupt_frames_are_counted_not_delivered() {
         let mut f = fabric();
         assert!(f.switch(0, 0, &frame::encode(&[9], b"x")).is_empty());
+        // An unroutable frame still occupies its sender's link.
+        let sent = f.send(0, 0, &frame::encode(&[9], b"x"));
+        assert!(sent.tail_left > 0);
         let mut bad = frame::encode(&[2], b"x");
         bad[3] ^= 0xff;
         assert!(f.switch(0, 0, &bad).is_empty());

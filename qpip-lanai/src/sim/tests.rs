@@ -310,4 +310,161 @@ mod firmware {
         assert!(big.occupancy.packets[0] > 0 && big.occupancy.packets[1] > 0);
         assert!(big.receiver_cpu_pct > 0.0 && big.receiver_cpu_pct < 100.0);
     }
+
+    use super::super::apps::Bulk;
+    use crate::pci::{PciBus, Use};
+    use qpip_verbs::backend::MgmtResult;
+    use qpip_verbs::wr::{Completion, Opcode};
+
+    #[test]
+    fn one_staging_buffer_serialises_dma_checksum_headers_and_wire() {
+        let mut setup = Setup::default();
+        setup.params.device.send_staging_buffers = 1;
+        // Messages of exactly one segment's payload (MTU less IPv6, TCP and timestamps).
+        let mss = setup.fabric.mtu - 72;
+        let r = experiments::ttcp(&setup, 200 * mss as u64, mss).unwrap();
+        let (p, f) = (&setup.params, &setup.fabric);
+        let bus = PciBus::new(&p.device);
+        let dma = bus.dma_ns(Use::Read, mss);
+        let wire = f.wire_ns(mss + 72 + crate::frame::overhead(1));
+        let s = &p.cost.send.data;
+        // Before the DMA: schedule and get data; after it (the checksum): the headers and
+        // the hand-off; then the wire. Only then is the buffer free for the next segment.
+        let stages =
+            (s.schedule + s.get_data + s.build_tcp_header + s.build_ip_header + s.send) * 1000.0;
+        let serial_ns = dma as f64 + stages + wire as f64;
+        let predicted = mss as f64 / serial_ns * 1000.0;
+        assert!(
+            r.mbps <= predicted * 1.001 && r.mbps > predicted * 0.9,
+            "{} MB/s with one buffer, {predicted} MB/s predicted",
+            r.mbps
+        );
+        // Store and forward: slower than a NIC overlapping the DMA with the wire.
+        let overlapped = mss as f64 * 1000.0 / dma.max(wire) as f64;
+        assert!(r.mbps < 0.7 * overlapped, "{} vs {overlapped}", r.mbps);
+        // More buffers overlap them again.
+        setup.params.device.send_staging_buffers = 2;
+        let two = experiments::ttcp(&setup, 200 * mss as u64, mss).unwrap();
+        assert!(two.mbps > 1.2 * r.mbps, "{} vs {}", two.mbps, r.mbps);
+    }
+
+    #[test]
+    fn bulk_tcp_at_1500_mtu_fills_its_segments() {
+        let mut setup = Setup::default();
+        setup.fabric.mtu = 1500;
+        let r = experiments::ttcp(&setup, 256 * 16384, 16384).unwrap();
+        let segments = r.occupancy.packets[0];
+        let per = r.bytes as f64 / segments as f64;
+        // MSS: 1500 less the IPv6 (40) and TCP (20) headers.
+        assert!(
+            per >= 0.9 * 1440.0,
+            "{per} bytes per segment over {segments}"
+        );
+    }
+
+    #[test]
+    fn firmware_checksum_never_beats_the_hardware_one() {
+        let hw = Setup::default();
+        let mut fw = Setup::default();
+        fw.params.device.recv_checksum = crate::params::ChecksumAt::Firmware;
+        for mtu in [1500, 16384] {
+            let (mut h, mut f) = (hw.clone(), fw.clone());
+            h.fabric.mtu = mtu;
+            f.fabric.mtu = mtu;
+            let th = experiments::ttcp(&h, 64 * 16384, 16384).unwrap();
+            let tf = experiments::ttcp(&f, 64 * 16384, 16384).unwrap();
+            assert!(
+                tf.mbps <= th.mbps,
+                "MTU {mtu}: fw {} hw {}",
+                tf.mbps,
+                th.mbps
+            );
+        }
+        for proto in [Proto::Udp, Proto::Tcp] {
+            let rh = experiments::rtt_us(&hw, proto, 10).unwrap();
+            let rf = experiments::rtt_us(&fw, proto, 10).unwrap();
+            assert!(rf >= rh, "{proto:?}: fw {rf} hw {rh}");
+        }
+    }
+
+    /// Both ends of two opposite transfers on one node: its receiver and its sender.
+    struct BothWays {
+        rx: Bulk,
+        tx: Bulk,
+    }
+
+    impl App for BothWays {
+        fn start(&mut self, host: &mut Host) {
+            self.rx.start(host);
+            self.tx.start(host);
+        }
+        fn on_completion(&mut self, host: &mut Host, c: Completion) {
+            match c.opcode {
+                Opcode::Send => self.tx.on_completion(host, c),
+                _ => self.rx.on_completion(host, c),
+            }
+        }
+        fn on_reply(&mut self, host: &mut Host, tag: u64, r: MgmtResult) {
+            let copy = match &r {
+                Ok(a) => Ok(*a),
+                Err(e) => Err(std::io::Error::new(e.kind(), e.to_string())),
+            };
+            self.rx.on_reply(host, tag, copy);
+            self.tx.on_reply(host, tag, r);
+        }
+        fn done(&self) -> bool {
+            self.rx.done() && self.tx.done()
+        }
+        fn error(&self) -> Option<String> {
+            self.rx.error().or_else(|| self.tx.error())
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+
+    #[test]
+    fn a_bidirectional_transfer_gets_no_more_than_one_bus() {
+        let setup = Setup::default();
+        let (mut sim, s, c) = experiments::pair(&setup).unwrap();
+        let addr =
+            |name: &str, port| SocketAddr::new(setup.fabric.node(name).unwrap().addr.into(), port);
+        let cfg = |port| BulkConfig {
+            port,
+            ..BulkConfig::ttcp(128 * 16384, 16384)
+        };
+        for (node, me, peer) in [(s, 5001, ("client", 5002)), (c, 5002, ("server", 5001))] {
+            let both = BothWays {
+                rx: Bulk::new(cfg(me), Role::Server),
+                tx: Bulk::new(
+                    cfg(peer.1),
+                    Role::Client {
+                        server: addr(peer.0, peer.1),
+                    },
+                ),
+            };
+            sim.set_app(node, Box::new(both));
+        }
+        sim.run(experiments::LIMIT).unwrap();
+        let rate = |sender: usize, receiver: usize| {
+            let tx = &sim.app::<BothWays>(sender).unwrap().tx;
+            let rx = &sim.app::<BothWays>(receiver).unwrap().rx;
+            let ns = rx.finished_at().unwrap() - tx.started_at().unwrap();
+            rx.bytes() as f64 * 1000.0 / ns as f64
+        };
+        let (to_server, to_client) = (rate(c, s), rate(s, c));
+        let bus = PciBus::new(&setup.params.device);
+        let (r, w) = (bus.rate_mbps(Use::Read), bus.rate_mbps(Use::Write));
+        // Each node's one bus reads what it sends and writes what it receives.
+        for (out, inn) in [(to_server, to_client), (to_client, to_server)] {
+            let share = out / r + inn / w;
+            assert!(
+                share <= 1.0,
+                "{out} MB/s out, {inn} MB/s in: {share} of the bus"
+            );
+        }
+        // One way alone goes faster than each way of the pair.
+        let one = experiments::ttcp(&setup, 128 * 16384, 16384).unwrap();
+        assert!(to_server < one.mbps && to_client < one.mbps);
+    }
 }
