@@ -91,6 +91,8 @@ pub struct Params {
     pub stacks: Vec<String>,
     pub server_bin: PathBuf,
     pub mount_bin: PathBuf,
+    /// Extra arguments given to qpip-nbd-mount.
+    pub mount_args: Vec<String>,
     pub dir: PathBuf,
     pub io: &'static str,
     pub loop_device: &'static str,
@@ -282,14 +284,20 @@ struct FuseClient {
 }
 
 impl FuseClient {
-    fn start(stack: Stack, server: &Running, mount_bin: &Path, dir: &Path) -> Result<FuseClient> {
+    fn start(
+        stack: Stack,
+        server: &Running,
+        mount: (&Path, &[String]),
+        dir: &Path,
+    ) -> Result<FuseClient> {
+        let (mount_bin, mount_args) = mount;
         let log = dir.join(format!("{}-client.log", stack.name()));
         let logf = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
         let (mut cmd, mount, device) = if stack == Stack::Qpip {
             let mnt = dir.join("fuse");
             std::fs::create_dir_all(&mnt)?;
             let mut c = Command::new(mount_bin);
-            c.arg(server.uri()).arg(&mnt);
+            c.args(mount_args).arg(server.uri()).arg(&mnt);
             let dev = mnt.join(EXPORT);
             (c, mnt, dev)
         } else {
@@ -734,7 +742,7 @@ fn round(
         true,
     )?;
     stop.check()?;
-    let mut client = FuseClient::start(stack, &server, &p.mount_bin, &dir.0)?;
+    let mut client = FuseClient::start(stack, &server, (&p.mount_bin, &p.mount_args), &dir.0)?;
     stop.check()?;
     let mut lo = LoopDev::attach(&client.device, p.loop_direct_io)?;
     run(
@@ -807,6 +815,7 @@ pub struct Options {
     pub stacks: Vec<Stack>,
     pub server_bin: PathBuf,
     pub mount_bin: PathBuf,
+    pub mount_args: Vec<String>,
     pub dir: Option<PathBuf>,
     pub loop_direct_io: bool,
 }
@@ -869,6 +878,7 @@ pub fn run_all(o: Options, progress: &Progress) -> Result<Ext2Report> {
         stacks: o.stacks.iter().map(|s| s.name().to_string()).collect(),
         server_bin: o.server_bin,
         mount_bin: o.mount_bin,
+        mount_args: o.mount_args,
         dir: base.clone(),
         io: "1 MiB buffered write()s then sync(), timed together; read after umount + \
              drop_caches + mount, 1 MiB read()s, every block verified",

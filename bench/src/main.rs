@@ -127,6 +127,10 @@ enum NbdCmd {
         /// The qpip-nbd-mount to measure. Default: the one next to this executable.
         #[arg(long, value_name = "PATH")]
         mount_bin: Option<PathBuf>,
+        /// An extra argument for qpip-nbd-mount (repeatable), e.g.
+        /// `--mount-arg=--fuse-transport=dev` to measure the /dev/fuse transport.
+        #[arg(long, value_name = "ARG", allow_hyphen_values = true)]
+        mount_arg: Vec<String>,
         /// Work directory for images and mount points (default: a fresh one on /dev/shm);
         /// removed afterwards.
         #[arg(long, value_name = "DIR")]
@@ -288,6 +292,7 @@ fn run(cli: Cli) -> Result<()> {
                     stacks,
                     server_bin,
                     mount_bin,
+                    mount_arg,
                     dir,
                     loop_direct_io,
                     plot_dir,
@@ -302,6 +307,7 @@ fn run(cli: Cli) -> Result<()> {
                 stacks,
                 server_bin: server_bin.map_or_else(nbd::default_server_bin, Ok)?,
                 mount_bin: mount_bin.map_or_else(ext2::default_mount_bin, Ok)?,
+                mount_args: mount_arg,
                 dir,
                 loop_direct_io: loop_direct_io == "on",
             };
