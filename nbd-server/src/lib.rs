@@ -6,6 +6,7 @@ mod conn;
 pub mod export;
 mod framer;
 pub mod image;
+pub mod qcow2;
 pub mod recv_window;
 pub mod server;
 pub mod shared;

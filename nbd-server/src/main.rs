@@ -11,7 +11,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use nbd_server::config::{Config, ExportConfig, parse_listen, parse_size};
 use nbd_server::export::Export;
-use nbd_server::image::Image;
+use nbd_server::image::{Format, Image};
 use nbd_server::server::{Server, ServerOptions};
 use qpip_core::Nic;
 use qpip_core::cli::BackendArgs;
@@ -56,6 +56,13 @@ struct Cli {
     /// A TOML configuration file (see configs/server.toml); flags add to it.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
+    /// The images' format: raw (the file's bytes are the disk) or qcow2 (its virtual disk).
+    /// Default: probed from each image's first bytes, as qemu-nbd does; other formats
+    /// (vmdk, vdi, qcow version 1, luks, ...) are refused. `-f raw` serves any file's bytes
+    /// as they are, and is the safe choice for an image whose guest could write a qcow2
+    /// header into it.
+    #[arg(short, long, value_name = "FORMAT", value_enum)]
+    format: Option<Format>,
     /// Export every image read-only.
     #[arg(short, long)]
     read_only: bool,
@@ -167,6 +174,7 @@ fn run(cli: Cli) -> Result<()> {
             description: String::new(),
             read_only: false,
             create_size: None,
+            format: None,
         });
     }
     for d in &cli.description {
@@ -186,6 +194,7 @@ fn run(cli: Cli) -> Result<()> {
             description: "generated 64 MiB demo image, in memory".into(),
             read_only: false,
             create_size: None,
+            format: None,
         });
         cfg.default_export.get_or_insert_with(|| "demo".into());
     }
@@ -248,8 +257,14 @@ fn run(cli: Cli) -> Result<()> {
         }
         let create = cli.create.as_deref().or(e.create_size.as_deref());
         let read_only = cli.read_only || e.read_only;
+        let format = cli.format.or(e.format);
         let image = match create {
             _ if demo => Ok(demo_image()?),
+            Some(_) if !e.path.exists() && format == Some(Format::Qcow2) => bail!(
+                "export {}: {} does not exist, and --create makes raw images only (make a qcow2 one with qemu-img create -f qcow2)",
+                e.name,
+                e.path.display()
+            ),
             Some(size) if !e.path.exists() => {
                 let size = parse_size(size)?;
                 if size == 0 {
@@ -267,7 +282,7 @@ fn run(cli: Cli) -> Result<()> {
                 })?;
                 Image::open(&e.path, read_only)
             }
-            _ => Image::open(&e.path, read_only),
+            _ => Image::open_as(&e.path, read_only, format),
         }
         .map_err(|err| {
             // A read-only file or file system: say how to serve it anyway.
@@ -301,7 +316,7 @@ fn run(cli: Cli) -> Result<()> {
                 );
             }
         }
-        tracing::info!(export = %e.name, "{} ({} bytes{})", e.path.display(), image.size(), if read_only { ", read-only" } else { "" });
+        tracing::info!(export = %e.name, "{} ({}, {} bytes{})", e.path.display(), image.format().name(), image.size(), if read_only { ", read-only" } else { "" });
         exports.push(Export::new(
             &nic,
             e.name.clone(),
