@@ -3,6 +3,7 @@
 
 pub mod config;
 mod conn;
+pub mod daemon;
 pub mod export;
 mod framer;
 pub mod image;
