@@ -87,24 +87,19 @@ struct Cli {
     /// Write the process id to this file once mounted.
     #[arg(long, value_name = "FILE")]
     pid_file: Option<PathBuf>,
-    /// More log output (-v info, -vv debug, -vvv trace); RUST_LOG overrides.
-    #[arg(short = 'v', long, action = clap::ArgAction::Count)]
-    verbose: u8,
+    // Logging: -v/-q from the default, warn.
+    #[command(flatten)]
+    log: qpip_core::logging::LogArgs,
     #[command(flatten)]
     backend: BackendArgs,
 }
 
 fn main() {
     let cli = Cli::parse();
-    let level = ["warn", "info", "debug", "trace"][usize::from(cli.verbose.min(3))];
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level)),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    cli.log.init(
+        "qpip-nbd-mount",
+        tracing_subscriber::filter::LevelFilter::WARN,
+    );
     let code = match run(cli) {
         Ok(()) => 0,
         Err(e) => {

@@ -231,3 +231,33 @@ fn copy_one_gib_both_ways_then_cmp() {
         );
     }
 }
+
+#[test]
+fn logging_options_are_the_shared_ones_and_a_bad_rust_log_is_refused() {
+    // -q/-v are accepted (the error is the connection's, status 1, not a usage error).
+    let out = qpip_nbd(&["-q", "-vv", "info", "nbd://127.0.0.1:1/x"]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for (env, args) in [
+        (Some("loud"), vec!["info", "nbd://127.0.0.1:1/x"]),
+        (None, vec!["--log", "loud", "list", "nbd://127.0.0.1:1"]),
+    ] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_qpip-nbd"));
+        match env {
+            Some(v) => cmd.env("RUST_LOG", v),
+            None => cmd.env_remove("RUST_LOG"),
+        };
+        let out = cmd.args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(
+            err.starts_with("qpip-nbd: ") && err.contains("loud"),
+            "{err}"
+        );
+    }
+}

@@ -17,6 +17,7 @@ use nbd_server::server::{Server, ServerOptions};
 use qpip_core::Nic;
 use qpip_core::cli::BackendArgs;
 use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
+use qpip_core::logging::LogArgs;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -124,9 +125,9 @@ struct Cli {
     /// Shut down (as on SIGTERM) when the process that started the server exits.
     #[arg(long)]
     exit_with_parent: bool,
-    /// Log level (error, warn, info, debug, trace); RUST_LOG overrides.
-    #[arg(long, default_value = "info")]
-    log: String,
+    // Logging: -v/-q from the default, info.
+    #[command(flatten)]
+    log: LogArgs,
     #[command(flatten)]
     backend: BackendArgs,
 }
@@ -149,34 +150,12 @@ fn demo_image() -> Result<Image> {
 
 const DEMO_SIZE: u64 = 64 << 20;
 
-/// `--log`: a level, or tracing directives (`nbd_server=debug,info`); anything else would
-/// silently turn logging off.
-fn log_filter(value: &str) -> Result<tracing_subscriber::EnvFilter> {
-    use tracing_subscriber::filter::LevelFilter;
-    let ok = value.parse::<LevelFilter>().is_ok() || value.contains('=');
-    match tracing_subscriber::EnvFilter::try_new(value) {
-        Ok(f) if ok => Ok(f),
-        _ => bail!(
-            "--log {value:?}: give a level (error, warn, info, debug, trace) or directives like nbd_server=debug"
-        ),
-    }
-}
-
 fn main() {
     let cli = Cli::parse();
-    let filter = match tracing_subscriber::EnvFilter::try_from_default_env() {
-        Ok(f) => f,
-        Err(_) => log_filter(&cli.log).unwrap_or_else(|e| {
-            eprintln!("qpip-nbd-server: {e}");
-            std::process::exit(2);
-        }),
-    };
-    use std::io::IsTerminal;
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    cli.log.init(
+        "qpip-nbd-server",
+        tracing_subscriber::filter::LevelFilter::INFO,
+    );
     match run(cli) {
         Ok(code) => std::process::exit(code),
         Err(e) => {

@@ -48,6 +48,7 @@
 //! timers and outgoing frames) and, once idle for the spin window, its `sleep`.
 
 pub mod cli;
+pub mod logging;
 mod nic;
 
 pub use nic::{Backend, Nic};

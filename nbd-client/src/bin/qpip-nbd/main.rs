@@ -40,9 +40,9 @@ use qpip_core::cli::BackendArgs;
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
-    /// Log level (error, warn, info, debug, trace); RUST_LOG overrides.
-    #[arg(long, global = true, default_value = "warn")]
-    log: String,
+    // Logging: -v/-q from the default, warn.
+    #[command(flatten)]
+    log: qpip_core::logging::LogArgs,
     #[command(flatten)]
     backend: BackendArgs,
 }
@@ -175,14 +175,8 @@ fn human(n: u64) -> String {
 
 fn main() {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log)),
-        )
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    cli.log
+        .init("qpip-nbd", tracing_subscriber::filter::LevelFilter::WARN);
     if let Err(e) = run(cli) {
         eprintln!("qpip-nbd: {e:#}");
         std::process::exit(1);
