@@ -188,6 +188,7 @@ enum NbdCmd {
 }
 
 fn main() {
+    qpip_core::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
     let cli = Cli::parse();
     cli.log
         .init("qpip-bench", tracing_subscriber::filter::LevelFilter::WARN);

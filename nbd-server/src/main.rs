@@ -151,6 +151,7 @@ fn demo_image() -> Result<Image> {
 const DEMO_SIZE: u64 = 64 << 20;
 
 fn main() {
+    qpip_core::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
     let cli = Cli::parse();
     cli.log.init(
         "qpip-nbd-server",

@@ -49,6 +49,7 @@
 
 pub mod cli;
 pub mod logging;
+pub mod man;
 mod nic;
 
 pub use nic::{Backend, Nic};

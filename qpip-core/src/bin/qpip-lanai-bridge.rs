@@ -39,6 +39,7 @@ struct Cli {
 }
 
 fn main() {
+    qpip_core::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
     let cli = Cli::parse();
     cli.log.init(
         "qpip-lanai-bridge",

@@ -174,6 +174,7 @@ fn human(n: u64) -> String {
 }
 
 fn main() {
+    qpip_core::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
     let cli = Cli::parse();
     cli.log
         .init("qpip-nbd", tracing_subscriber::filter::LevelFilter::WARN);
