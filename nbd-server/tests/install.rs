@@ -69,3 +69,37 @@ fn install_puts_programs_and_man_pages_under_the_prefix() {
     assert!(out.status.success(), "{t}");
     assert!(t.contains("67108864") || t.contains("64 MiB"), "{t}");
 }
+
+/// README's commands use the installed names, and its links resolve inside the repository.
+#[test]
+fn readme_uses_installed_names_and_links_only_inside_the_repository() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let root = root.canonicalize().unwrap();
+    for doc in ["README.md", "docs/design.md"] {
+        let text = std::fs::read_to_string(root.join(doc)).unwrap();
+        assert!(
+            !text.contains("target/release/") && !text.contains("target/debug/"),
+            "{doc} runs a build-tree binary instead of the installed name"
+        );
+        for (i, _) in text.match_indices("](") {
+            let rest = &text[i + 2..];
+            let link = &rest[..rest.find(')').unwrap()];
+            if link.starts_with('#') || link.starts_with("http") {
+                continue;
+            }
+            let file = link.split('#').next().unwrap();
+            let dir = root.join(doc).parent().unwrap().to_owned();
+            let target = dir.join(file).canonicalize();
+            assert!(
+                target.as_ref().is_ok_and(|t| t.starts_with(&root)),
+                "{doc}: link {link:?} does not resolve inside the repository"
+            );
+        }
+    }
+    assert!(
+        std::fs::read_to_string(root.join("README.md"))
+            .unwrap()
+            .contains("./scripts/install"),
+        "README's opening has no install step"
+    );
+}
