@@ -14,7 +14,6 @@ use fuse_mount::fs::NbdFs;
 use fuse_mount::session::{Config, Session, Transport};
 use fuse_mount::{file_name, mount, mountpoint};
 use nbd_client::{Client, ClientOptions, Error as NbdError, NbdUri, Nic};
-use nbd_proto::handshake::ClientError;
 use qpip_core::cli::BackendArgs;
 
 #[derive(Parser, Debug)]
@@ -255,27 +254,8 @@ fn connect(cli: &Cli, uri: &NbdUri, nic: &Nic) -> Result<Vec<Client>> {
 }
 
 fn explain_connect_error(uri: &NbdUri, e: NbdError, opts: &ClientOptions) -> anyhow::Error {
-    if let NbdError::Handshake {
-        source: ClientError::Rejected { .. },
-        ..
-    } = &e
-    {
-        let mut base = uri.clone();
-        base.export.clear();
-        if let Ok(list) = Client::list_with(&base.to_string(), opts)
-            && !list.iter().any(|x| x.name == uri.export)
-        {
-            let names: Vec<String> = list.iter().map(|x| format!("{:?}", x.name)).collect();
-            return anyhow::anyhow!(
-                "{uri}: the server has no export named {:?}; its exports: {}",
-                uri.export,
-                if names.is_empty() {
-                    "(none listed)".to_string()
-                } else {
-                    names.join(", ")
-                }
-            );
-        }
+    if let Some(line) = Client::explain_unknown_export(&uri.to_string(), &e, opts) {
+        return anyhow::anyhow!(line);
     }
     match e {
         // Already names the URI and the address.
