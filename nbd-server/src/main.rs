@@ -27,7 +27,8 @@ use qpip_core::logging::LogArgs;
     long_about = "Export disk images over NBD, carried by Queue Pair IP.\n\n\
         Every connection runs on a QP of the soft NIC (or, with --backend lanai, of the QPIP \
         firmware on an emulated LANai 9 NIC; see docs/lanai.md): requests land in registered receive \
-        buffers and read replies are sent straight from the image's registered mapping. The \
+        buffers and read replies of raw images are sent straight from the image's registered \
+        mapping (a qcow2 image is served as its virtual disk, through its cluster tables). The \
         wire is plain NBD (fixed newstyle), so any NBD client works.\n\n\
         With no arguments it creates a 64 MiB demo image in memory (gone when the server \
         exits) and serves it as export \"demo\" (also the default export) on [::1]:10809 and 127.0.0.1:10809.",
