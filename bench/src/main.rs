@@ -25,6 +25,9 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+    // Logging: -v/-q from the default, warn.
+    #[command(flatten)]
+    log: qpip_core::logging::LogArgs,
 }
 
 #[derive(Subcommand)]
@@ -185,13 +188,12 @@ enum NbdCmd {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    qpip_core::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
+    let cli = Cli::parse();
+    cli.log
+        .init("qpip-bench", tracing_subscriber::filter::LevelFilter::WARN);
     // One line per error, never a backtrace.
-    if let Err(e) = run(Cli::parse()) {
+    if let Err(e) = run(cli) {
         eprintln!("qpip-bench: {e:#}");
         std::process::exit(1);
     }

@@ -14,7 +14,6 @@ use fuse_mount::fs::NbdFs;
 use fuse_mount::session::{Config, Session, Transport};
 use fuse_mount::{file_name, mount, mountpoint};
 use nbd_client::{Client, ClientOptions, Error as NbdError, NbdUri, Nic};
-use nbd_proto::handshake::ClientError;
 use qpip_core::cli::BackendArgs;
 
 #[derive(Parser, Debug)]
@@ -87,24 +86,20 @@ struct Cli {
     /// Write the process id to this file once mounted.
     #[arg(long, value_name = "FILE")]
     pid_file: Option<PathBuf>,
-    /// More log output (-v info, -vv debug, -vvv trace); RUST_LOG overrides.
-    #[arg(short = 'v', long, action = clap::ArgAction::Count)]
-    verbose: u8,
+    // Logging: -v/-q from the default, warn.
+    #[command(flatten)]
+    log: qpip_core::logging::LogArgs,
     #[command(flatten)]
     backend: BackendArgs,
 }
 
 fn main() {
+    qpip_core::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
     let cli = Cli::parse();
-    let level = ["warn", "info", "debug", "trace"][usize::from(cli.verbose.min(3))];
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level)),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    cli.log.init(
+        "qpip-nbd-mount",
+        tracing_subscriber::filter::LevelFilter::WARN,
+    );
     let code = match run(cli) {
         Ok(()) => 0,
         Err(e) => {
@@ -259,27 +254,8 @@ fn connect(cli: &Cli, uri: &NbdUri, nic: &Nic) -> Result<Vec<Client>> {
 }
 
 fn explain_connect_error(uri: &NbdUri, e: NbdError, opts: &ClientOptions) -> anyhow::Error {
-    if let NbdError::Handshake {
-        source: ClientError::Rejected { .. },
-        ..
-    } = &e
-    {
-        let mut base = uri.clone();
-        base.export.clear();
-        if let Ok(list) = Client::list_with(&base.to_string(), opts)
-            && !list.iter().any(|x| x.name == uri.export)
-        {
-            let names: Vec<String> = list.iter().map(|x| format!("{:?}", x.name)).collect();
-            return anyhow::anyhow!(
-                "{uri}: the server has no export named {:?}; its exports: {}",
-                uri.export,
-                if names.is_empty() {
-                    "(none listed)".to_string()
-                } else {
-                    names.join(", ")
-                }
-            );
-        }
+    if let Some(line) = Client::explain_unknown_export(&uri.to_string(), &e, opts) {
+        return anyhow::anyhow!(line);
     }
     match e {
         // Already names the URI and the address.

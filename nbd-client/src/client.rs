@@ -430,6 +430,35 @@ impl Client {
         Ok(info)
     }
 
+    /// When `err` is the server refusing the export `uri` names, and its export list (if
+    /// it gives one) lacks that name: one line naming the export and the exports it has.
+    pub fn explain_unknown_export(uri: &str, err: &Error, opts: &ClientOptions) -> Option<String> {
+        let Error::Handshake {
+            source: ClientError::Rejected { .. },
+            ..
+        } = err
+        else {
+            return None;
+        };
+        let parsed = NbdUri::parse(uri).ok()?;
+        let mut base = parsed.clone();
+        base.export.clear();
+        let list = Self::list_with(&base.to_string(), opts).ok()?;
+        if list.iter().any(|x| x.name == parsed.export) {
+            return None;
+        }
+        let names: Vec<String> = list.iter().map(|x| format!("{:?}", x.name)).collect();
+        Some(format!(
+            "{parsed}: the server has no export named {:?}; its exports: {}",
+            parsed.export,
+            if names.is_empty() {
+                "(none listed)".to_string()
+            } else {
+                names.join(", ")
+            }
+        ))
+    }
+
     /// The server's exports (NBD_OPT_LIST).
     pub fn list(uri: &str) -> Result<Vec<ExportListing>> {
         Self::list_with(uri, &ClientOptions::default())

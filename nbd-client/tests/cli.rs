@@ -231,3 +231,110 @@ fn copy_one_gib_both_ways_then_cmp() {
         );
     }
 }
+
+#[test]
+fn logging_options_are_the_shared_ones_and_a_bad_rust_log_is_refused() {
+    // -q/-v are accepted (the error is the connection's, status 1, not a usage error).
+    let out = qpip_nbd(&["-q", "-vv", "info", "nbd://127.0.0.1:1/x"]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for (env, args) in [
+        (Some("loud"), vec!["info", "nbd://127.0.0.1:1/x"]),
+        (None, vec!["--log", "loud", "list", "nbd://127.0.0.1:1"]),
+    ] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_qpip-nbd"));
+        match env {
+            Some(v) => cmd.env("RUST_LOG", v),
+            None => cmd.env_remove("RUST_LOG"),
+        };
+        let out = cmd.args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(
+            err.starts_with("qpip-nbd: ") && err.contains("loud"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn info_answers_size_can_is_and_map_like_nbdinfo() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "a.img", 4 * MIB, &[(0, MIB), (2 * MIB, MIB)]);
+    let server = qpip_server("disk", &img, 0);
+    let uri = server.uri.as_str();
+    assert_eq!(ok(&["info", "--size", uri]), "4194304\n");
+    let status = |args: &[&str]| {
+        let out = qpip_nbd(args);
+        assert!(out.stdout.is_empty(), "{args:?} printed something");
+        out.status.code()
+    };
+    for (args, want) in [
+        (vec!["--can", "write"], 0),
+        (vec!["--can", "trim"], 0),
+        (vec!["--can", "multi-conn"], 0),
+        (vec!["--can", "extents"], 0),
+        (vec!["--is", "read-only"], 2),
+        (vec!["--is", "tls"], 2),
+    ] {
+        let mut a = vec!["info"];
+        a.extend(&args);
+        a.push(uri);
+        assert_eq!(status(&a), Some(want), "{a:?}");
+    }
+    let map = ok(&["info", "--map", uri]);
+    let rows: Vec<Vec<&str>> = map
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        rows,
+        vec![
+            vec!["0", "1048576", "0", "data"],
+            vec!["1048576", "1048576", "3", "hole,zero"],
+            vec!["2097152", "1048576", "0", "data"],
+            vec!["3145728", "1048576", "3", "hole,zero"],
+        ],
+        "{map}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&ok(&["info", "--map", "--json", uri])).unwrap();
+    assert_eq!(json[1]["description"], "hole,zero");
+
+    // A read-only export, asked from the server's captive command.
+    let ro = Command::new(qpip_server_bin())
+        .args([
+            "--read-only",
+            "-U",
+            "--export",
+            &format!("r={}", img.display()),
+        ])
+        .args(["--log", "warn", "--run"])
+        .arg(format!(
+            "{q} info --is read-only \"$uri\" && {q} info --can write \"$uri\"",
+            q = env!("CARGO_BIN_EXE_qpip-nbd")
+        ))
+        .output()
+        .unwrap();
+    assert_eq!(
+        ro.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&ro.stderr)
+    );
+
+    // An unknown export: one line naming it and the exports there are.
+    let out = qpip_nbd(&["info", &format!("nbd://127.0.0.1:{}/nope", server.port)]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("no export named \"nope\"") && err.contains("\"disk\""),
+        "{err}"
+    );
+}

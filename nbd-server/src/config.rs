@@ -21,6 +21,9 @@ pub struct ExportConfig {
     /// Create the image, sparse, with this size if it does not exist ("1G", "512M", bytes).
     #[serde(default)]
     pub create_size: Option<String>,
+    /// The image's format ("raw" or "qcow2"); probed from its first bytes when absent.
+    #[serde(default)]
+    pub format: Option<crate::image::Format>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq, Default)]

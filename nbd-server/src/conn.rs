@@ -4,7 +4,8 @@
 //!
 //! Copies per request (user space / kernel):
 //! - READ: 0 / 1. The reply is a send WR whose data SGE points into the registered mapping of
-//!   the image; the NIC engine's `writev` copies page cache → socket.
+//!   the image; the NIC engine's `writev` copies page cache → socket. A qcow2 image has no
+//!   mapping of its virtual disk: its reads are read into a registered buffer first (1 / 1).
 //! - WRITE: 1 / 1. The NIC reads the payload from the socket straight into a registered receive
 //!   slot (kernel copy); `pwrite` copies the slot into the page cache.
 
@@ -259,6 +260,8 @@ struct Transmission<'a> {
     free_replies: Vec<usize>,
     pending_write: Option<PendingWrite>,
     shutdown_since: Option<Instant>,
+    /// Read data of images without a mapping (qcow2), by reply slot, until its send is done.
+    read_bufs: HashMap<usize, MemoryRegion>,
 }
 
 impl Drop for Transmission<'_> {
@@ -303,6 +306,7 @@ impl<'a> Transmission<'a> {
             free_replies: (0..REPLY_SLOTS).rev().collect(),
             pending_write: None,
             shutdown_since: None,
+            read_bufs: HashMap::new(),
         })
     }
 
@@ -401,7 +405,9 @@ impl<'a> Transmission<'a> {
         if !c.is_ok() {
             bail!("sending a reply failed: {:?}", c.status);
         }
-        self.free_replies.push((c.wr_id - REPLY_WR) as usize);
+        let slot = (c.wr_id - REPLY_WR) as usize;
+        self.read_bufs.remove(&slot);
+        self.free_replies.push(slot);
         Ok(())
     }
 
@@ -570,7 +576,7 @@ impl<'a> Transmission<'a> {
     }
 
     /// Posts a reply whose header is `hdr`, followed by `data` (an SGE into registered memory).
-    fn post_reply(&mut self, hdr: &[u8], data: Option<qpip_core::Sge>) -> Result<()> {
+    fn post_reply(&mut self, hdr: &[u8], data: Option<qpip_core::Sge>) -> Result<usize> {
         if hdr.len() > REPLY_SLOT_LEN {
             bail!("reply header of {} bytes does not fit a slot", hdr.len());
         }
@@ -583,7 +589,7 @@ impl<'a> Transmission<'a> {
         };
         // Quietly: the batch loop rings once for all replies of a batch.
         self.conn.qp.post_send_quiet(wr)?;
-        Ok(())
+        Ok(slot)
     }
 
     /// The reply to a request without data: success, or the error.
@@ -607,7 +613,7 @@ impl<'a> Transmission<'a> {
             (Ok(()), true) => out.extend_from_slice(&reply::none_chunk(req.cookie)),
             (Err(e), true) => reply::error_chunk(req.cookie, true, e, &format!("{e:?}"), &mut out),
         }
-        self.post_reply(&out, None)
+        self.post_reply(&out, None).map(drop)
     }
 
     /// READ: the reply header from a slot, the data straight from the image's mapping.
@@ -617,26 +623,48 @@ impl<'a> Transmission<'a> {
             tracing::warn!(export = %self.export.name, "read at {} of {} bytes: {} is shorter than that now (truncated by another process?)", req.offset, req.length, self.export.image.path().display());
             return Err(ErrorValue::Io);
         }
-        self.post_read_reply(req).map_err(|e| {
+        // No mapping (qcow2): read into registered memory, kept until the send is done.
+        let buffer = match self.export.region {
+            Some(_) => None,
+            None => {
+                let len = req.length as usize;
+                let mr = self.conn.shared.nic.alloc_region(len, Access::READ);
+                // SAFETY: the region is new and not posted yet: nothing else uses its bytes.
+                let buf = unsafe { &mut mr.as_mut_slice()[..len] };
+                if let Err(e) = self.export.image.read_at(buf, req.offset) {
+                    tracing::warn!(export = %self.export.name, "read at {} of {} bytes from {}: {e}", req.offset, req.length, self.export.image.path().display());
+                    return Err(io_error_value(&e));
+                }
+                Some(mr)
+            }
+        };
+        self.post_read_reply(req, buffer).map_err(|e| {
             tracing::warn!("read reply: {e:#}");
             ErrorValue::Io
         })
     }
 
-    fn post_read_reply(&mut self, req: &Request) -> Result<()> {
-        let region = self.export.region.as_ref().context("empty image")?;
-        let data = region.sge(req.offset as usize, req.length as usize);
-        if self.structured {
+    fn post_read_reply(&mut self, req: &Request, buffer: Option<MemoryRegion>) -> Result<()> {
+        let data = match (&buffer, &self.export.region) {
+            (Some(mr), _) => mr.sge(0, req.length as usize),
+            (None, Some(region)) => region.sge(req.offset as usize, req.length as usize),
+            (None, None) => bail!("empty image"),
+        };
+        let slot = if self.structured {
             let hdr = reply::offset_data_header(req.cookie, true, req.offset, req.length)?;
-            self.post_reply(&hdr, Some(data))
+            self.post_reply(&hdr, Some(data))?
         } else {
             let hdr = SimpleReply {
                 error: 0,
                 cookie: req.cookie,
             }
             .encode();
-            self.post_reply(&hdr, Some(data))
+            self.post_reply(&hdr, Some(data))?
+        };
+        if let Some(mr) = buffer {
+            self.read_bufs.insert(slot, mr);
         }
+        Ok(())
     }
 
     fn send_block_status(&mut self, req: &Request) -> Result<(), ErrorValue> {
@@ -667,7 +695,7 @@ impl<'a> Transmission<'a> {
         let mut out = Vec::new();
         reply::block_status_reply(req.cookie, req.flags, req.length, &[(ctx, &wire)], &mut out)
             .map_err(|_| ErrorValue::Io)?;
-        self.post_reply(&out, None).map_err(|e| {
+        self.post_reply(&out, None).map(drop).map_err(|e| {
             tracing::warn!("block status reply: {e:#}");
             ErrorValue::Io
         })

@@ -5,6 +5,9 @@
 //! use `pwrite` (a full disk then fails the request with ENOSPC instead of killing the server
 //! with SIGBUS, as a store into a mapping would), and the unified page cache keeps the mapping
 //! coherent with them.
+//!
+//! A qcow2 image (see [`crate::qcow2`]) is served as its virtual disk instead: no mapping,
+//! every request goes through the cluster tables.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -13,6 +16,28 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use memmap2::{Mmap, MmapOptions};
+
+use crate::qcow2::{self, Probed, Qcow2};
+
+/// An image file's format, as `--format` names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Format {
+    /// The file's bytes are the disk.
+    Raw,
+    /// A qcow2 image (version 3 as `qemu-img create -f qcow2` makes it; version 2
+    /// read-only): the disk is its virtual disk.
+    Qcow2,
+}
+
+impl Format {
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Raw => "raw",
+            Format::Qcow2 => "qcow2",
+        }
+    }
+}
 
 /// Why an image could not be locked.
 #[derive(Debug, thiserror::Error)]
@@ -43,6 +68,7 @@ pub struct Image {
     size: u64,
     read_only: bool,
     map: Option<Mmap>,
+    qcow2: Option<Qcow2>,
 }
 
 impl std::fmt::Debug for Image {
@@ -55,9 +81,51 @@ impl std::fmt::Debug for Image {
 }
 
 impl Image {
-    /// Opens an existing image (a regular file or a block device).
+    /// Opens an existing raw image (a regular file or a block device).
     pub fn open(path: &Path, read_only: bool) -> io::Result<Image> {
+        Self::open_as(path, read_only, Some(Format::Raw))
+    }
+
+    /// Opens an existing image in `format`, or probes its format from its first bytes as
+    /// qemu-nbd does (`None`): qcow2 by its magic, raw otherwise. A format we do not serve
+    /// (vmdk, vdi, qcow version 1, luks, ...) is refused unless `format` forces raw.
+    pub fn open_as(path: &Path, read_only: bool, format: Option<Format>) -> io::Result<Image> {
         let file = OpenOptions::new().read(true).write(!read_only).open(path)?;
+        let mut head = [0u8; 512];
+        let n = read_some(&file, &mut head)?;
+        let head = &head[..n];
+        let format = match format {
+            Some(f) => f,
+            None => match qcow2::probe(head) {
+                Probed::Raw => Format::Raw,
+                Probed::Qcow2 => Format::Qcow2,
+                Probed::Other(name) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::Unsupported,
+                        format!(
+                            "is a {name} image, which is not served (only raw and qcow2): convert it with qemu-img convert -O qcow2, or add --format raw to serve its bytes as they are"
+                        ),
+                    ));
+                }
+            },
+        };
+        if format == Format::Qcow2 {
+            if !head.starts_with(qcow2::MAGIC) {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "is not a qcow2 image (no qcow2 magic in its first bytes); drop --format qcow2 to serve it as raw",
+                ));
+            }
+            let q = Qcow2::open(file.try_clone()?, read_only)?;
+            return Ok(Image {
+                path: path.to_owned(),
+                file,
+                size: q.size(),
+                read_only,
+                map: None,
+                qcow2: Some(q),
+            });
+        }
         let meta = file.metadata()?;
         let size = if meta.file_type().is_file() {
             meta.len()
@@ -127,7 +195,17 @@ impl Image {
             size,
             read_only,
             map,
+            qcow2: None,
         })
+    }
+
+    /// The image's format.
+    pub fn format(&self) -> Format {
+        if self.qcow2.is_some() {
+            Format::Qcow2
+        } else {
+            Format::Raw
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -140,7 +218,8 @@ impl Image {
         self.read_only
     }
 
-    /// The whole image, mapped read-only (None for an empty image).
+    /// The whole image, mapped read-only (None for an empty image and for qcow2, whose
+    /// reads go through [`Image::read_at`]).
     pub fn mapping(&self) -> Option<(*const u8, usize)> {
         self.map.as_ref().map(|m| (m.as_ptr(), m.len()))
     }
@@ -150,6 +229,9 @@ impl Image {
     /// kernel's copy faults) and with it the connection, so READ checks first and answers
     /// EIO, as qemu-nbd does. Block devices cannot shrink under an open descriptor.
     pub fn still_holds(&self, end: u64) -> io::Result<bool> {
+        if self.qcow2.is_some() {
+            return Ok(true); // reads check the clusters' offsets themselves
+        }
         let meta = self.file.metadata()?;
         Ok(!meta.file_type().is_file() || meta.len() >= end)
     }
@@ -219,11 +301,17 @@ impl Image {
     }
 
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.file.read_exact_at(buf, offset)
+        match &self.qcow2 {
+            Some(q) => q.read_at(buf, offset),
+            None => self.file.read_exact_at(buf, offset),
+        }
     }
 
     pub fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()> {
-        self.file.write_all_at(data, offset)?;
+        match &self.qcow2 {
+            Some(q) => q.write_at(data, offset)?,
+            None => self.file.write_all_at(data, offset)?,
+        }
         if fua {
             self.flush_range(offset, data.len() as u64)?;
         }
@@ -243,6 +331,9 @@ impl Image {
 
     /// TRIM: punches a hole (the range then reads as zeroes).
     pub fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
+        if let Some(q) = &self.qcow2 {
+            return q.zero_range(offset, len);
+        }
         self.fallocate(
             libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
             offset,
@@ -254,6 +345,10 @@ impl Image {
     /// the file system cannot do it without writing (the caller decides whether that is
     /// allowed: FAST_ZERO says it is not).
     pub fn zero_range(&self, offset: u64, len: u64, may_write: bool) -> io::Result<bool> {
+        if let Some(q) = &self.qcow2 {
+            q.zero_range(offset, len)?;
+            return Ok(true);
+        }
         match self.fallocate(
             libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
             offset,
@@ -296,6 +391,9 @@ impl Image {
 
     /// CACHE: asks the kernel to read the range ahead.
     pub fn prefetch(&self, offset: u64, len: u64) -> io::Result<()> {
+        if self.qcow2.is_some() {
+            return Ok(()); // a hint; the clusters are not contiguous
+        }
         // SAFETY: plain system call on an owned descriptor.
         let r = unsafe {
             libc::posix_fadvise(
@@ -314,6 +412,13 @@ impl Image {
 
     /// Data and holes from `offset` for up to `len` bytes, from SEEK_DATA / SEEK_HOLE.
     pub fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+        if let Some(q) = &self.qcow2 {
+            return Ok(q
+                .extents(offset, len, 64)?
+                .into_iter()
+                .map(|(len, hole)| Extent { len, hole })
+                .collect());
+        }
         let end = offset.saturating_add(len).min(self.size);
         let fd = self.file.as_raw_fd();
         let seek = |pos: u64, whence: libc::c_int| -> io::Result<Option<u64>> {
@@ -359,6 +464,19 @@ impl Image {
         }
         Ok(out)
     }
+}
+
+fn read_some(file: &File, buf: &mut [u8]) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match file.read_at(&mut buf[n..], n as u64) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
 }
 
 #[cfg(test)]

@@ -3,9 +3,11 @@
 
 pub mod config;
 mod conn;
+pub mod daemon;
 pub mod export;
 mod framer;
 pub mod image;
+pub mod qcow2;
 pub mod recv_window;
 pub mod server;
 pub mod shared;

@@ -10,12 +10,14 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use nbd_server::config::{Config, ExportConfig, parse_listen, parse_size};
+use nbd_server::daemon;
 use nbd_server::export::Export;
-use nbd_server::image::Image;
+use nbd_server::image::{Format, Image};
 use nbd_server::server::{Server, ServerOptions};
 use qpip_core::Nic;
 use qpip_core::cli::BackendArgs;
 use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
+use qpip_core::logging::LogArgs;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -25,14 +27,19 @@ use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
     long_about = "Export disk images over NBD, carried by Queue Pair IP.\n\n\
         Every connection runs on a QP of the soft NIC (or, with --backend lanai, of the QPIP \
         firmware on an emulated LANai 9 NIC; see docs/lanai.md): requests land in registered receive \
-        buffers and read replies are sent straight from the image's registered mapping. The \
+        buffers and read replies of raw images are sent straight from the image's registered \
+        mapping (a qcow2 image is served as its virtual disk, through its cluster tables). The \
         wire is plain NBD (fixed newstyle), so any NBD client works.\n\n\
         With no arguments it creates a 64 MiB demo image in memory (gone when the server \
         exits) and serves it as export \"demo\" (also the default export) on [::1]:10809 and 127.0.0.1:10809.",
-    after_help = "Examples:\n  \
+    after_help = "Socket activation: started by systemd with LISTEN_PID and LISTEN_FDS set, the \
+        server serves on the sockets passed to it (from fd 3) instead of listening itself.\n\n\
+        Examples:\n  \
         qpip-nbd-server --export disk=/var/lib/images/disk.img\n  \
         qpip-nbd-server --listen 0.0.0.0:10809 --export scratch=/tmp/s.img --create 4G\n  \
         qpip-nbd-server --config configs/server.toml\n  \
+        qpip-nbd-server --fork --pid-file /run/qpip.pid -f qcow2 --export vm=vm.qcow2\n  \
+        qpip-nbd-server --export d=disk.img --run 'qemu-img info \"$uri\"'\n  \
         qemu-img info nbd://127.0.0.1/disk"
 )]
 struct Cli {
@@ -56,6 +63,13 @@ struct Cli {
     /// A TOML configuration file (see configs/server.toml); flags add to it.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
+    /// The images' format: raw (the file's bytes are the disk) or qcow2 (its virtual disk).
+    /// Default: probed from each image's first bytes, as qemu-nbd does; other formats
+    /// (vmdk, vdi, qcow version 1, luks, ...) are refused. `-f raw` serves any file's bytes
+    /// as they are, and is the safe choice for an image whose guest could write a qcow2
+    /// header into it.
+    #[arg(short, long, value_name = "FORMAT", value_enum)]
+    format: Option<Format>,
     /// Export every image read-only.
     #[arg(short, long)]
     read_only: bool,
@@ -94,9 +108,27 @@ struct Cli {
     /// Do not answer NBD_OPT_LIST with the export names.
     #[arg(long)]
     no_list: bool,
-    /// Log level (error, warn, info, debug, trace); RUST_LOG overrides.
-    #[arg(long, default_value = "info")]
-    log: String,
+    /// Run in the background once serving: the command returns (status 0) when the
+    /// listeners are bound and the images open, or fails with the server's error. The
+    /// server's stdout goes to /dev/null then, and so does its stderr (the log) if it is a
+    /// pipe; redirect it to a file to keep the log: `--fork 2>>server.log`.
+    #[arg(long)]
+    fork: bool,
+    /// Write the server's process id to FILE once it is serving (removed at a clean exit).
+    #[arg(long, value_name = "FILE")]
+    pid_file: Option<PathBuf>,
+    /// Captive mode, as nbdkit's: once serving, run CMD with `sh -c`, where $uri (and $nbd)
+    /// is the default export's nbd://HOST:PORT/EXPORT and $port the port; the server shuts
+    /// down when CMD exits and exits with CMD's status. With --run and no address given, it
+    /// listens on 127.0.0.1 at a free port.
+    #[arg(long, value_name = "CMD")]
+    run: Option<String>,
+    /// Shut down (as on SIGTERM) when the process that started the server exits.
+    #[arg(long)]
+    exit_with_parent: bool,
+    // Logging: -v/-q from the default, info.
+    #[command(flatten)]
+    log: LogArgs,
     #[command(flatten)]
     backend: BackendArgs,
 }
@@ -119,41 +151,37 @@ fn demo_image() -> Result<Image> {
 
 const DEMO_SIZE: u64 = 64 << 20;
 
-/// `--log`: a level, or tracing directives (`nbd_server=debug,info`); anything else would
-/// silently turn logging off.
-fn log_filter(value: &str) -> Result<tracing_subscriber::EnvFilter> {
-    use tracing_subscriber::filter::LevelFilter;
-    let ok = value.parse::<LevelFilter>().is_ok() || value.contains('=');
-    match tracing_subscriber::EnvFilter::try_new(value) {
-        Ok(f) if ok => Ok(f),
-        _ => bail!(
-            "--log {value:?}: give a level (error, warn, info, debug, trace) or directives like nbd_server=debug"
-        ),
-    }
-}
-
 fn main() {
+    qpip_core::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
     let cli = Cli::parse();
-    let filter = match tracing_subscriber::EnvFilter::try_from_default_env() {
-        Ok(f) => f,
-        Err(_) => log_filter(&cli.log).unwrap_or_else(|e| {
-            eprintln!("qpip-nbd-server: {e}");
-            std::process::exit(2);
-        }),
-    };
-    use std::io::IsTerminal;
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
-    if let Err(e) = run(cli) {
-        eprintln!("qpip-nbd-server: {e:#}");
-        std::process::exit(1);
+    cli.log.init(
+        "qpip-nbd-server",
+        tracing_subscriber::filter::LevelFilter::INFO,
+    );
+    match run(cli) {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("qpip-nbd-server: {e:#}");
+            std::process::exit(1);
+        }
     }
 }
 
-fn run(cli: Cli) -> Result<()> {
+/// Runs the server; the exit status (that of the --run command, or 0).
+fn run(cli: Cli) -> Result<i32> {
+    if cli.fork && (cli.exit_with_parent || cli.run.is_some()) {
+        bail!(
+            "--fork goes with neither --run nor --exit-with-parent, which need the server to stay the caller's child"
+        );
+    }
+    // Before any thread is started (the NIC is opened below).
+    let activated = daemon::socket_activation()?;
+    if activated.is_some() && (!cli.listen.is_empty() || cli.port.is_some() || !cli.bind.is_empty())
+    {
+        bail!(
+            "socket activation (LISTEN_FDS) passes the sockets: --listen, --port and --bind do not go with it"
+        );
+    }
     let mut cfg = match &cli.config {
         Some(path) => Config::load(path)?,
         None => Config::default(),
@@ -167,6 +195,7 @@ fn run(cli: Cli) -> Result<()> {
             description: String::new(),
             read_only: false,
             create_size: None,
+            format: None,
         });
     }
     for d in &cli.description {
@@ -186,6 +215,7 @@ fn run(cli: Cli) -> Result<()> {
             description: "generated 64 MiB demo image, in memory".into(),
             read_only: false,
             create_size: None,
+            format: None,
         });
         cfg.default_export.get_or_insert_with(|| "demo".into());
     }
@@ -201,6 +231,9 @@ fn run(cli: Cli) -> Result<()> {
             b.clone()
         };
         cfg.listen.push(format!("{host}:{port}"));
+    }
+    if cfg.listen.is_empty() && cli.run.is_some() && cli.port.is_none() {
+        cfg.listen = vec!["127.0.0.1:0".into()]; // captive: a free port, no clash
     }
     if cfg.listen.is_empty() {
         cfg.listen = match lanai_addr {
@@ -233,14 +266,29 @@ fn run(cli: Cli) -> Result<()> {
             "cannot listen on {v4}: the lanai NIC speaks IPv6 only (this node is {node}; try --listen [{node}]:10809)"
         );
     }
+    let mut readiness = if cli.fork {
+        Some(daemon::fork()?)
+    } else {
+        None
+    };
+    if cli.exit_with_parent {
+        daemon::exit_with_parent()?;
+    }
     let backend = cli.backend.backend(Some(DEFAULT_SERVER_NODE))?;
     let nic = Nic::open(backend)
         .with_context(|| format!("starting the {} NIC", cli.backend.backend.name()))?;
     // Bound before any image is opened or created: an address in use fails first.
-    let listen = listen
-        .iter()
-        .map(|a| nic.listen(*a)) // the error names the address
-        .collect::<Result<Vec<_>, _>>()?;
+    let listen = match activated {
+        Some(fds) => fds
+            .into_iter()
+            .map(|fd| nic.listen_fd(fd))
+            .collect::<Result<Vec<_>, _>>()
+            .context("socket activation")?,
+        None => listen
+            .iter()
+            .map(|a| nic.listen(*a)) // the error names the address
+            .collect::<Result<Vec<_>, _>>()?,
+    };
     let mut exports = Vec::new();
     for e in &cfg.exports {
         if exports.iter().any(|x: &Arc<Export>| x.name == e.name) {
@@ -248,8 +296,14 @@ fn run(cli: Cli) -> Result<()> {
         }
         let create = cli.create.as_deref().or(e.create_size.as_deref());
         let read_only = cli.read_only || e.read_only;
+        let format = cli.format.or(e.format);
         let image = match create {
             _ if demo => Ok(demo_image()?),
+            Some(_) if !e.path.exists() && format == Some(Format::Qcow2) => bail!(
+                "export {}: {} does not exist, and --create makes raw images only (make a qcow2 one with qemu-img create -f qcow2)",
+                e.name,
+                e.path.display()
+            ),
             Some(size) if !e.path.exists() => {
                 let size = parse_size(size)?;
                 if size == 0 {
@@ -267,7 +321,7 @@ fn run(cli: Cli) -> Result<()> {
                 })?;
                 Image::open(&e.path, read_only)
             }
-            _ => Image::open(&e.path, read_only),
+            _ => Image::open_as(&e.path, read_only, format),
         }
         .map_err(|err| {
             // A read-only file or file system: say how to serve it anyway.
@@ -301,7 +355,7 @@ fn run(cli: Cli) -> Result<()> {
                 );
             }
         }
-        tracing::info!(export = %e.name, "{} ({} bytes{})", e.path.display(), image.size(), if read_only { ", read-only" } else { "" });
+        tracing::info!(export = %e.name, "{} ({}, {} bytes{})", e.path.display(), image.format().name(), image.size(), if read_only { ", read-only" } else { "" });
         exports.push(Export::new(
             &nic,
             e.name.clone(),
@@ -351,10 +405,70 @@ fn run(cli: Cli) -> Result<()> {
             ),
         }
     }
+    let _pid_file = match &cli.pid_file {
+        Some(p) => Some(daemon::PidFile::write(p)?),
+        None => None,
+    };
+    let mut captive = match &cli.run {
+        Some(cmd) => {
+            let addrs = server.local_addrs();
+            let a = addrs
+                .iter()
+                .find(|a| a.is_ipv4())
+                .or(addrs.first())
+                .context("--run: no listening address")?;
+            let host = match a.ip() {
+                std::net::IpAddr::V4(ip) if ip.is_unspecified() => "127.0.0.1".to_string(),
+                std::net::IpAddr::V4(ip) => ip.to_string(),
+                std::net::IpAddr::V6(ip) if ip.is_unspecified() => "[::1]".to_string(),
+                std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+            };
+            let export = cfg
+                .default_export
+                .clone()
+                .unwrap_or_else(|| cfg.exports[0].name.clone());
+            let uri = format!("nbd://{host}:{}/{export}", a.port());
+            Some(
+                std::process::Command::new("sh")
+                    .arg("-c")
+                    .arg(cmd)
+                    .env("uri", &uri)
+                    .env("nbd", &uri)
+                    .env("port", a.port().to_string())
+                    .spawn()
+                    .with_context(|| format!("--run {cmd:?}: starting sh"))?,
+            )
+        }
+        None => None,
+    };
+    if let Some(r) = readiness.as_mut() {
+        r.ready();
+    }
+    let mut code = 0;
     while !stop.load(Ordering::Relaxed) {
-        std::thread::sleep(Duration::from_millis(100));
+        if let Some(child) = captive.as_mut()
+            && let Some(status) = child.try_wait().context("--run: waiting for the command")?
+        {
+            use std::os::unix::process::ExitStatusExt;
+            code = status
+                .code()
+                .unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
+            tracing::info!("--run command exited ({status}): shutting down");
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
     tracing::info!("shutting down: finishing in-flight requests");
     server.shutdown(Duration::from_secs(10));
-    Ok(())
+    if let Some(mut child) = captive
+        && child.try_wait().ok().flatten().is_none()
+    {
+        // A signal stopped the server first: the command gets SIGTERM too, and its status.
+        // SAFETY: kill(2) on our own child, not yet reaped.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        if let Ok(status) = child.wait() {
+            code = status.code().unwrap_or(1);
+        }
+    }
+    Ok(code)
 }

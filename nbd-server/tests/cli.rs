@@ -179,3 +179,55 @@ fn images_are_locked_the_way_qemu_locks_them() {
     let r2 = ServerProcess::start_v4(&["-r".into(), "--export".into(), spec.clone()]);
     drop((r1, r2));
 }
+
+#[test]
+fn logging_follows_the_one_convention_of_every_binary() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "d.img", 1 << 20);
+    let export = format!("d={}", img.display());
+    // The server logs at info by default; stderr is a pipe here, so no colour codes.
+    let run = |args: &[&str], rust_log: Option<&str>| {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["--export", &export, "--run", "exit 0"])
+            .args(args);
+        match rust_log {
+            Some(v) => cmd.env("RUST_LOG", v),
+            None => cmd.env_remove("RUST_LOG"),
+        };
+        let out = run_with_timeout(&mut cmd, std::time::Duration::from_secs(20));
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {}", text(&out));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let log = run(&[], None);
+    assert!(log.contains(" INFO "), "{log}");
+    assert!(
+        !log.contains('\x1b'),
+        "colour codes in a redirected log: {log:?}"
+    );
+    let log = run(&["-q"], None);
+    assert!(!log.contains(" INFO "), "-q: {log}");
+    let log = run(&["-qv"], None);
+    assert!(log.contains(" INFO "), "-qv: {log}");
+    let log = run(&["-vv"], None);
+    assert!(log.contains("TRACE") || log.contains("DEBUG"), "-vv: {log}");
+    let log = run(&["--log", "error", "-v"], None);
+    assert!(
+        !log.contains(" INFO ") && !log.contains("DEBUG"),
+        "--log error -v: {log}"
+    );
+    let log = run(&["-vv"], Some("warn"));
+    assert!(
+        !log.contains(" INFO "),
+        "RUST_LOG=warn overrides -vv: {log}"
+    );
+    for bad in ["loud", "nbd_server"] {
+        let out = run_with_timeout(
+            Command::new(BIN).env("RUST_LOG", bad),
+            std::time::Duration::from_secs(20),
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "RUST_LOG={bad}: {err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(err.contains("RUST_LOG") && err.contains(bad), "{err}");
+    }
+}

@@ -48,6 +48,8 @@
 //! timers and outgoing frames) and, once idle for the spin window, its `sleep`.
 
 pub mod cli;
+pub mod logging;
+pub mod man;
 mod nic;
 
 pub use nic::{Backend, Nic};

@@ -298,6 +298,29 @@ impl Management for Engine {
         Ok(local)
     }
 
+    fn listen_fd(&mut self, id: ListenerId, fd: std::os::fd::OwnedFd, backlog: u32) -> MgmtResult {
+        let std_sock = std::net::TcpListener::from(fd);
+        std_sock.set_nonblocking(true)?;
+        let local = std_sock.local_addr()?; // fails for anything but a TCP socket
+        let mut sock = TcpListener::from_std(std_sock);
+        self.poll.registry().register(
+            &mut sock,
+            Token(LISTENER_BASE + id as usize),
+            Interest::READABLE,
+        )?;
+        self.listeners.insert(
+            id,
+            EngineListener {
+                sock,
+                backlog: backlog as usize,
+                pending: VecDeque::new(),
+                accepts: VecDeque::new(),
+                readable: true,
+            },
+        );
+        Ok(local)
+    }
+
     fn has_listener(&self, listener: ListenerId) -> bool {
         self.listeners.contains_key(&listener)
     }

@@ -49,6 +49,14 @@ pub enum Command {
         backlog: u32,
         reply: ReplySender<MgmtResult>,
     },
+    /// Listen on a socket that is already bound and listening, handed over by its owner
+    /// (systemd socket activation); replies with its address. The NIC owns it from then on.
+    ListenFd {
+        id: ListenerId,
+        fd: std::os::fd::OwnedFd,
+        backlog: u32,
+        reply: ReplySender<MgmtResult>,
+    },
     /// Mate the next incoming connection on `listener` to the idle QP `qp`; replies with the
     /// peer's address.
     Accept {

@@ -143,6 +143,38 @@ impl Nic {
             nic: self.inner.clone(),
         })
     }
+
+    /// Listens on a TCP socket that is already bound and listening, such as one passed by
+    /// systemd socket activation: the NIC takes it over, as if [`Nic::listen`] had made it.
+    pub fn listen_fd(&self, fd: std::os::fd::OwnedFd) -> Result<Listener> {
+        use std::os::fd::AsRawFd;
+        let raw = fd.as_raw_fd();
+        let id = self.inner.next_listener.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = reply_channel();
+        self.inner.manage(Command::ListenFd {
+            id,
+            fd,
+            backlog: 1024,
+            reply: tx,
+        });
+        let local = match rx.wait_until(None) {
+            Some(r) => r.map_err(|source| {
+                Error::Engine(format!(
+                    "listening on inherited socket (fd {raw}): {source}"
+                ))
+            })?,
+            None => {
+                return Err(Error::Engine(format!(
+                    "listening on inherited socket (fd {raw}): no reply from the NIC engine"
+                )));
+            }
+        };
+        Ok(Listener {
+            id,
+            local,
+            nic: self.inner.clone(),
+        })
+    }
 }
 
 fn wait_mgmt(

@@ -34,21 +34,17 @@ struct Cli {
     /// The TUN device's name (default: [bridge].tun of the fabric config).
     #[arg(long, value_name = "NAME")]
     tun: Option<String>,
-    /// Log level (error, warn, info, debug, trace); RUST_LOG overrides.
-    #[arg(long, default_value = "info")]
-    log: String,
+    #[command(flatten)]
+    log: qpip_core::logging::LogArgs,
 }
 
 fn main() {
+    qpip_core::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log)),
-        )
-        .init();
+    cli.log.init(
+        "qpip-lanai-bridge",
+        tracing_subscriber::filter::LevelFilter::INFO,
+    );
     if let Err(e) = run(cli) {
         eprintln!("qpip-lanai-bridge: {e:#}");
         std::process::exit(1);

@@ -3,6 +3,7 @@
 
 use std::io;
 use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use crate::backend::{Command, ListenerId, MgmtResult};
@@ -21,6 +22,15 @@ pub trait Management {
     fn connect(&mut self, qp: QpNum, addr: SocketAddr, reply: ReplySender<MgmtResult>);
     /// Opens a listener; the bound address.
     fn listen(&mut self, id: ListenerId, addr: SocketAddr, backlog: u32) -> MgmtResult;
+    /// Takes over a listening socket bound by someone else; its address. NICs without host
+    /// sockets refuse it.
+    fn listen_fd(&mut self, id: ListenerId, fd: OwnedFd, backlog: u32) -> MgmtResult {
+        let _ = (id, fd, backlog);
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "this NIC cannot take over a host socket",
+        ))
+    }
     /// Queues `qp` for the next connection on `listener`; `reply` gets the peer. Only called
     /// for a listener that exists.
     fn accept(&mut self, listener: ListenerId, qp: QpNum, reply: ReplySender<MgmtResult>);
@@ -51,6 +61,12 @@ pub fn dispatch(nic: &mut impl Management, cmd: Command) {
             backlog,
             reply,
         } => reply.send(nic.listen(id, addr, backlog)),
+        Command::ListenFd {
+            id,
+            fd,
+            backlog,
+            reply,
+        } => reply.send(nic.listen_fd(id, fd, backlog)),
         Command::Accept {
             listener,
             qp,

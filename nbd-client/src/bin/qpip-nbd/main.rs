@@ -40,9 +40,9 @@ use qpip_core::cli::BackendArgs;
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
-    /// Log level (error, warn, info, debug, trace); RUST_LOG overrides.
-    #[arg(long, global = true, default_value = "warn")]
-    log: String,
+    // Logging: -v/-q from the default, warn.
+    #[command(flatten)]
+    log: qpip_core::logging::LogArgs,
     #[command(flatten)]
     backend: BackendArgs,
 }
@@ -50,12 +50,29 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Show an export's size, flags, block sizes and description.
+    ///
+    /// As nbdinfo: --size prints the size alone, --can and --is answer by the exit status
+    /// (0 yes, 2 no, 1 error), --map prints the allocation map.
     Info {
         /// nbd://HOST[:PORT][/EXPORT]
         uri: String,
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
+        /// Print only the size in bytes.
+        #[arg(long, conflicts_with_all = ["json", "can", "is", "map"])]
+        size: bool,
+        /// Exit 0 if the export can do FLAG, 2 if it cannot; print nothing.
+        #[arg(long, value_enum, value_name = "FLAG", conflicts_with_all = ["json", "is", "map"])]
+        can: Option<Can>,
+        /// Exit 0 if the export is PROPERTY, 2 if it is not; print nothing.
+        #[arg(long, value_enum, value_name = "PROPERTY", conflicts_with = "map")]
+        is: Option<Is>,
+        /// Print the allocation map (block status, base:allocation): offset, length, type
+        /// (0 data, 1 hole, 2 zero, 3 hole and zero) and description per extent; JSON with
+        /// --json.
+        #[arg(long)]
+        map: bool,
     },
     /// List a server's exports and their descriptions.
     List {
@@ -95,6 +112,119 @@ enum Cmd {
         #[arg(long)]
         no_progress: bool,
     },
+}
+
+/// What `info --can` asks, by nbdinfo's names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Can {
+    /// The export can be connected to.
+    Connect,
+    Read,
+    Write,
+    Flush,
+    Fua,
+    Trim,
+    /// WRITE_ZEROES.
+    Zero,
+    FastZero,
+    Df,
+    MultiConn,
+    Cache,
+    /// Block status (base:allocation).
+    Extents,
+}
+
+/// What `info --is` asks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Is {
+    ReadOnly,
+    Rotational,
+    /// Always no: QPs carry no TLS.
+    Tls,
+}
+
+/// --can and --is: true or false by the export's flags (or, for extents, a connection).
+fn answer_can(uri: &str, can: Can, info: &ExportInfo, base: &ClientOptions) -> Result<bool> {
+    let f = info.flags;
+    Ok(match can {
+        Can::Connect | Can::Read => true,
+        Can::Write => !f.contains(TF::READ_ONLY),
+        Can::Flush => f.contains(TF::SEND_FLUSH),
+        Can::Fua => f.contains(TF::SEND_FUA),
+        Can::Trim => f.contains(TF::SEND_TRIM),
+        Can::Zero => f.contains(TF::SEND_WRITE_ZEROES),
+        Can::FastZero => f.contains(TF::SEND_FAST_ZERO),
+        Can::Df => f.contains(TF::SEND_DF),
+        Can::MultiConn => f.contains(TF::CAN_MULTI_CONN),
+        Can::Cache => f.contains(TF::SEND_CACHE),
+        Can::Extents => {
+            let c = connect_one(uri, base)?;
+            let yes = c.can_block_status();
+            c.disconnect().ok();
+            yes
+        }
+    })
+}
+
+fn connect_one(uri: &str, base: &ClientOptions) -> Result<Client> {
+    Client::connect_with(
+        uri,
+        ClientOptions {
+            window: 1,
+            ..base.clone()
+        },
+    )
+    .with_context(|| format!("connecting to {uri}"))
+}
+
+/// `info --map`: the whole export's extents, adjacent ones of one type merged.
+fn print_map(uri: &str, base: &ClientOptions, json: bool) -> Result<()> {
+    let mut c = connect_one(uri, base)?;
+    if !c.can_block_status() {
+        anyhow::bail!("{uri}: the server offers no block status (base:allocation)");
+    }
+    let size = c.size();
+    let mut map: Vec<(u64, u64, u32)> = Vec::new();
+    let mut pos = 0;
+    while pos < size {
+        let ext = c
+            .block_status(pos, size - pos)
+            .with_context(|| format!("{uri}: block status at {pos}"))?;
+        let mut advanced = false;
+        let from = pos;
+        for e in ext
+            .iter()
+            .filter(|e| e.offset >= from && e.offset < size && e.length > 0)
+        {
+            let len = e.length.min(size - e.offset);
+            let ty = u32::from(e.hole) | (u32::from(e.zero) << 1);
+            match map.last_mut() {
+                Some((o, l, t)) if *t == ty && *o + *l == e.offset => *l += len,
+                _ => map.push((e.offset, len, ty)),
+            }
+            pos = e.offset + len;
+            advanced = true;
+        }
+        if !advanced {
+            anyhow::bail!("{uri}: block status at {pos} described nothing");
+        }
+    }
+    c.disconnect().ok();
+    let describe = |t: u32| ["data", "hole", "zero", "hole,zero"][t as usize & 3];
+    if json {
+        let v: Vec<_> = map
+            .iter()
+            .map(|(o, l, t)| {
+                serde_json::json!({"offset": o, "length": l, "type": t, "description": describe(*t)})
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        for (o, l, t) in &map {
+            println!("{o:>12} {l:>12}  {t}  {}", describe(*t));
+        }
+    }
+    Ok(())
 }
 
 const FLAG_NAMES: &[(TF, &str)] = &[
@@ -174,18 +304,16 @@ fn human(n: u64) -> String {
 }
 
 fn main() {
+    qpip_core::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log)),
-        )
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
-    if let Err(e) = run(cli) {
-        eprintln!("qpip-nbd: {e:#}");
-        std::process::exit(1);
+    cli.log
+        .init("qpip-nbd", tracing_subscriber::filter::LevelFilter::WARN);
+    match run(cli) {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("qpip-nbd: {e:#}");
+            std::process::exit(1);
+        }
     }
 }
 
@@ -200,12 +328,41 @@ fn client_options(args: &BackendArgs) -> Result<ClientOptions> {
     })
 }
 
-fn run(cli: Cli) -> Result<()> {
+/// Runs the command; the exit status (2: `info --can/--is` answered no).
+fn run(cli: Cli) -> Result<i32> {
     let base = client_options(&cli.backend)?;
     match cli.cmd {
-        Cmd::Info { uri, json } => {
-            let info = Client::info_with(&uri, &base).with_context(|| format!("querying {uri}"))?;
-            print_info(&uri, &info, json)
+        Cmd::Info {
+            uri,
+            json,
+            size,
+            can,
+            is,
+            map,
+        } => {
+            let info =
+                Client::info_with(&uri, &base).map_err(
+                    |e| match Client::explain_unknown_export(&uri, &e, &base) {
+                        Some(line) => anyhow::anyhow!(line),
+                        None => anyhow::Error::new(e).context(format!("querying {uri}")),
+                    },
+                )?;
+            let yes = match (can, is) {
+                (Some(c), _) => Some(answer_can(&uri, c, &info, &base)?),
+                (None, Some(Is::ReadOnly)) => Some(info.flags.contains(TF::READ_ONLY)),
+                (None, Some(Is::Rotational)) => Some(info.flags.contains(TF::ROTATIONAL)),
+                (None, Some(Is::Tls)) => Some(false),
+                (None, None) => None,
+            };
+            match yes {
+                Some(y) => Ok(if y { 0 } else { 2 }),
+                None if size => {
+                    println!("{}", info.size);
+                    Ok(0)
+                }
+                None if map => print_map(&uri, &base, json).map(|()| 0),
+                None => print_info(&uri, &info, json).map(|()| 0),
+            }
         }
         Cmd::List { uri, json } => {
             let list = Client::list_with(&uri, &base)
@@ -228,7 +385,7 @@ fn run(cli: Cli) -> Result<()> {
                     }
                 }
             }
-            Ok(())
+            Ok(0)
         }
         Cmd::Copy {
             src,
@@ -282,7 +439,7 @@ fn run(cli: Cli) -> Result<()> {
                 },
                 if verify { ", verified" } else { "" }
             );
-            Ok(())
+            Ok(0)
         }
     }
 }

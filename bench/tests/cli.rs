@@ -1,0 +1,32 @@
+//! qpip-bench's command line: the logging options every qpip binary shares.
+
+use std::process::Command;
+
+#[test]
+fn logging_options_are_the_shared_ones_and_a_bad_rust_log_is_refused() {
+    let bin = env!("CARGO_BIN_EXE_qpip-bench");
+    let out = Command::new(bin)
+        .args(["-v", "-q", "--help"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        help.contains("--verbose") && help.contains("--quiet"),
+        "{help}"
+    );
+    // Refused before any benchmark runs.
+    let out = Command::new(bin)
+        .env("RUST_LOG", "loud")
+        .arg("micro")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("qpip-bench: RUST_LOG"), "{err}");
+}

@@ -1,0 +1,221 @@
+//! Image formats as qemu-nbd users meet them: a qcow2 image made by `qemu-img create` is
+//! served as its virtual disk (written over NBD by qemu-io, then compared with the same writes
+//! made locally), other formats are refused by name, and `--format` forces one.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+/// The same writes, made by qemu-io over NBD and locally: patterns that cross cluster, L2
+/// table and refcount block boundaries (with 512-byte clusters), zeroes, discards, and
+/// partial clusters.
+const WRITES: &[&str] = &[
+    "write -P 0xab 0 1M",
+    "write -P 0xcd 3M 100k",
+    "write -z 5M 128k",
+    "write -P 0x11 10M 4096",
+    "write -P 0x22 10M 512",
+    "discard 10M 64k",
+    "write -P 0x33 31M 1M",
+    "write -P 0x44 20000 70000",
+    "write -P 0x55 11M 200k",
+    "write -z 11M 64k",
+    "write -P 0x66 11M 1000",
+    "write -z 11M 100",
+];
+
+fn qemu_io_writes(format: &str, target: &str) {
+    let mut cmd = Command::new("qemu-io");
+    cmd.args(["-f", format, target]);
+    for w in WRITES {
+        cmd.args(["-c", w]);
+    }
+    let out = peer_ok(&mut cmd);
+    assert!(!out.contains("error") && !out.contains("failed"), "{out}");
+}
+
+fn qemu_img_create(dir: &Path, name: &str, opts: &[&str]) -> String {
+    let path = dir.join(name);
+    let path = path.to_str().unwrap().to_string();
+    peer_ok(
+        Command::new("qemu-img")
+            .args(["create"])
+            .args(opts)
+            .args([&path, "32M"]),
+    );
+    path
+}
+
+fn written_over_nbd_equals_written_locally(cluster_opts: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = vec!["-f", "qcow2"];
+    opts.extend_from_slice(cluster_opts);
+    let served = qemu_img_create(dir.path(), "served.qcow2", &opts);
+    let local = qemu_img_create(dir.path(), "local.qcow2", &opts);
+    let mut srv = ServerProcess::start_v4(&["--export".into(), format!("d={served}")]);
+    let uri = srv.uri("d");
+
+    let info = peer_ok(Command::new("qemu-img").args(["info", &uri]));
+    assert!(
+        info.contains("virtual size: 32 MiB (33554432 bytes)"),
+        "the NBD disk is not the qcow2 virtual disk:\n{info}"
+    );
+    qemu_io_writes("raw", &uri);
+    qemu_io_writes("qcow2", &local);
+    let cmp = peer_ok(
+        Command::new("qemu-img").args(["compare", "-f", "raw", "-F", "qcow2", &uri, &local]),
+    );
+    assert!(cmp.contains("Images are identical"), "{cmp}");
+    // Block status: the untouched end of the disk is a hole, the written start is data.
+    let map = peer_ok(Command::new("qemu-img").args(["map", "-f", "raw", "--output=json", &uri]));
+    assert!(map.contains(r#""start": 0, "length": 1048576, "depth": 0, "present": true, "zero": false, "data": true"#), "{map}");
+    assert!(map.contains(r#""zero": true, "data": false"#), "{map}");
+
+    srv.signal(libc::SIGTERM);
+    assert!(
+        srv.wait_timeout(Duration::from_secs(20))
+            .is_some_and(|s| s.success()),
+        "{}",
+        srv.log()
+    );
+    // The file itself: consistent for qemu, and the same disk as the local one.
+    let check = peer_ok(Command::new("qemu-img").args(["check", &served]));
+    assert!(check.contains("No errors were found"), "{check}");
+    let cmp = peer_ok(Command::new("qemu-img").args(["compare", &served, &local]));
+    assert!(cmp.contains("Images are identical"), "{cmp}");
+}
+
+#[test]
+fn qcow2_is_served_as_its_virtual_disk() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    written_over_nbd_equals_written_locally(&[]);
+}
+
+#[test]
+fn qcow2_with_small_clusters_grows_l2_tables_and_refcount_blocks() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    written_over_nbd_equals_written_locally(&["-o", "cluster_size=512"]);
+}
+
+/// The server must fail at once, exit 1, with one line naming the file and every word.
+fn refused(args: &[&str], words: &[&str]) {
+    let out = run_with_timeout(
+        Command::new(BIN)
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args),
+        Duration::from_secs(20),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.contains(" INFO ")).collect();
+    assert_eq!(lines.len(), 1, "{args:?}: {stderr}");
+    for w in words {
+        assert!(lines[0].contains(w), "{args:?}: {w:?} not in {stderr}");
+    }
+}
+
+#[test]
+fn other_formats_and_unsupported_qcow2_features_are_refused_by_name() {
+    if !require(&["qemu-img"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    for (fmt, name) in [
+        ("vmdk", "vmdk"),
+        ("vdi", "vdi"),
+        ("vhdx", "vhdx"),
+        ("vpc", "vpc"),
+    ] {
+        let path = qemu_img_create(d, &format!("x.{fmt}"), &["-f", fmt]);
+        refused(
+            &["--export", &format!("x={path}")],
+            &[&path, name, "--format raw"],
+        );
+    }
+    let base = qemu_img_create(d, "base.qcow2", &["-f", "qcow2"]);
+    let overlay = qemu_img_create(
+        d,
+        "overlay.qcow2",
+        &["-f", "qcow2", "-b", &base, "-F", "qcow2"],
+    );
+    refused(
+        &["--export", &format!("x={overlay}")],
+        &[&overlay, "backing file"],
+    );
+    let v2 = qemu_img_create(d, "v2.qcow2", &["-f", "qcow2", "-o", "compat=0.10"]);
+    refused(
+        &["--export", &format!("x={v2}")],
+        &[&v2, "version 2", "--read-only"],
+    );
+    let raw = qemu_img_create(d, "plain.raw", &["-f", "raw"]);
+    refused(
+        &["-f", "qcow2", "--export", &format!("x={raw}")],
+        &[&raw, "not a qcow2 image"],
+    );
+    refused(
+        &[
+            "-f",
+            "qcow2",
+            "--create",
+            "1M",
+            "--export",
+            &format!("x={}/new.qcow2", d.display()),
+        ],
+        &["new.qcow2", "qemu-img create"],
+    );
+    let out = Command::new(BIN).args(["-f", "vmdk"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("'vmdk'") && err.contains("raw, qcow2"),
+        "{err}"
+    );
+}
+
+#[test]
+fn format_raw_serves_the_files_bytes_and_version_2_is_served_read_only() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let q = qemu_img_create(dir.path(), "a.qcow2", &["-f", "qcow2"]);
+    let v2 = qemu_img_create(
+        dir.path(),
+        "v2.qcow2",
+        &["-f", "qcow2", "-o", "compat=0.10"],
+    );
+    peer_ok(Command::new("qemu-io").args(["-f", "qcow2", &v2, "-c", "write -P 0x5a 1M 64k"]));
+    // qemu's block layer rounds the size up to whole sectors.
+    let file_len = std::fs::metadata(&q).unwrap().len().div_ceil(512) * 512;
+    let srv = ServerProcess::start_v4(&[
+        "-f".into(),
+        "raw".into(),
+        "--export".into(),
+        format!("q={q}"),
+    ]);
+    let info = peer_ok(Command::new("qemu-img").args(["info", "-f", "raw", &srv.uri("q")]));
+    assert!(info.contains(&format!("({file_len} bytes)")), "{info}");
+    drop(srv);
+    let srv =
+        ServerProcess::start_v4(&["--read-only".into(), "--export".into(), format!("v={v2}")]);
+    let out = peer_ok(Command::new("qemu-io").args([
+        "-r",
+        "-f",
+        "raw",
+        &srv.uri("v"),
+        "-c",
+        "read -P 0x5a 1M 64k",
+        "-c",
+        "read -P 0 0 1M",
+    ]));
+    assert!(!out.contains("fail"), "{out}");
+}
