@@ -507,6 +507,13 @@ impl Client {
         self.inflight.len()
     }
     /// How many times the connection was restored.
+    /// Lowers how long a lost connection is retried (never raises it): for a last flush on
+    /// the way out, which should not hold a process for the whole reconnect timeout when
+    /// the server is gone.
+    pub fn limit_reconnect_timeout(&mut self, limit: Duration) {
+        self.opts.reconnect_timeout = self.opts.reconnect_timeout.min(limit);
+    }
+
     /// The NIC the client's connections run on (to register memory for
     /// [`Op::ReadInto`] and [`Op::WriteFrom`]).
     pub fn nic(&self) -> &Nic {
