@@ -247,6 +247,8 @@ pub struct Client {
     outage: Option<Outage>,
     /// READ data the NIC placed straight into callers' regions.
     bytes_placed: u64,
+    /// A request was refused with ESHUTDOWN: reconnect once the batch is handled.
+    shutting_down: bool,
 }
 
 /// Connection losses since the server last answered. It outlives a successful reconnect, so
@@ -373,6 +375,7 @@ impl Client {
             stalled_since: None,
             outage: None,
             bytes_placed: 0,
+            shutting_down: false,
             opts,
         })
     }
@@ -853,6 +856,9 @@ impl Client {
         match fault {
             Some(Failure::Lost(why)) => self.recover(why),
             Some(Failure::Violation(why)) => self.give_up(why),
+            None if std::mem::take(&mut self.shutting_down) => {
+                self.recover("the server is shutting down (ESHUTDOWN)".into())
+            }
             None => {}
         }
         Ok(())
@@ -974,6 +980,16 @@ impl Client {
     }
 
     fn finish(&mut self, cookie: u64) {
+        if matches!(
+            self.inflight.get(&cookie).map(|f| f.check.finish()),
+            Some(Err(Unanswered::Server(ErrorValue::Shutdown)))
+        ) {
+            // The server is shutting down and did not carry the request out: it goes again
+            // on the next connection (a restarted server), like requests a lost connection
+            // leaves unanswered. It does not end an outage.
+            self.shutting_down = true;
+            return;
+        }
         let Some(inf) = self.inflight.remove(&cookie) else {
             return;
         };
