@@ -10,6 +10,7 @@ use anyhow::{Context, Result, bail};
 use indicatif::ProgressBar;
 use nbd_client::uri::looks_like_uri;
 use nbd_client::{Client, ClientOptions, Nic};
+use qpip_core::{Access, MemoryRegion};
 
 /// Bytes read then written per step of a worker (each step is many requests in flight).
 const BATCH: u64 = 4 << 20;
@@ -169,6 +170,30 @@ impl Side {
         }
     }
 
+    /// Reads `n` bytes at `off` into the start of the registered buffer: from an export, the
+    /// NIC places the data there without a copy.
+    fn read_mr(&mut self, off: u64, mr: &MemoryRegion, n: usize) -> Result<()> {
+        match self {
+            Side::Nbd(c) => c
+                .read_at_mr(off, mr, 0, n)
+                .with_context(|| format!("reading {} at {off}", c.uri())),
+            // SAFETY: the buffer is this worker's and no WR names it between its requests.
+            _ => self.read(off, unsafe { &mut mr.as_mut_slice()[..n] }),
+        }
+    }
+
+    /// Writes the first `n` bytes of the registered buffer at `off`: to an export, the send
+    /// WR points at the buffer, no copy.
+    fn write_mr(&mut self, off: u64, mr: &MemoryRegion, n: usize) -> Result<()> {
+        match self {
+            Side::Nbd(c) => c
+                .write_at_mr(off, mr, 0, n, false)
+                .with_context(|| format!("writing {} at {off}", c.uri())),
+            // SAFETY: as in read_mr.
+            _ => self.write(off, unsafe { &mr.as_slice()[..n] }),
+        }
+    }
+
     fn write(&mut self, off: u64, data: &[u8]) -> Result<()> {
         match self {
             // A fresh sparse destination: all-zero granules stay holes (the source may not
@@ -324,9 +349,10 @@ fn copy_range(
     start: u64,
     end: u64,
     opts: &CopyOptions,
+    nic: &Nic,
 ) -> Result<(u64, u64)> {
     let (mut data, mut zero) = (0, 0);
-    let mut buf = vec![0u8; BATCH as usize];
+    let buf = nic.alloc_region(BATCH as usize, Access::READ_WRITE);
     let mut pos = start;
     while pos < end {
         let (len, is_zero) = src.extent(pos, end - pos, opts.sparse)?;
@@ -338,8 +364,8 @@ fn copy_range(
             let mut at = pos;
             while at < pos + len {
                 let n = (pos + len - at).min(BATCH) as usize;
-                src.read(at, &mut buf[..n])?;
-                dst.write(at, &buf[..n])?;
+                src.read_mr(at, &buf, n)?;
+                dst.write_mr(at, &buf, n)?;
                 at += n as u64;
                 data += n as u64;
                 opts.progress.inc(n as u64);
@@ -357,7 +383,7 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopySt
         None => Nic::soft().context("starting the soft NIC")?,
     };
     let copts = ClientOptions {
-        nic: Some(nic),
+        nic: Some(nic.clone()),
         ..opts.client.clone()
     };
     let mut srcs = vec![Side::open_src(src, &copts)?];
@@ -382,10 +408,11 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopySt
             .zip(dsts.iter_mut())
             .enumerate()
             .map(|(i, (sr, ds))| {
+                let nic = &nic;
                 let start = (i as u64 * piece).min(size);
                 let end = ((i as u64 + 1) * piece).min(size);
                 s.spawn(move || {
-                    let r = copy_range(sr, ds, start, end, opts)?;
+                    let r = copy_range(sr, ds, start, end, opts, nic)?;
                     ds.flush()?;
                     Ok(r)
                 })
