@@ -15,7 +15,7 @@ use fuse_mount::session::{Config, Session, Transport};
 use fuse_mount::{file_name, mount, mountpoint};
 use nbd_client::{Client, ClientOptions, Error as NbdError, NbdUri, Nic};
 use nbd_proto::handshake::ClientError;
-use qpip_core::cli::BackendArgs;
+use qpip_cli::BackendArgs;
 
 #[derive(Parser, Debug)]
 #[command(

@@ -13,8 +13,8 @@ use nbd_server::config::{Config, ExportConfig, parse_listen, parse_size};
 use nbd_server::export::Export;
 use nbd_server::image::Image;
 use nbd_server::server::{Server, ServerOptions};
+use qpip_cli::BackendArgs;
 use qpip_core::Nic;
-use qpip_core::cli::BackendArgs;
 use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
 
 #[derive(Parser, Debug)]

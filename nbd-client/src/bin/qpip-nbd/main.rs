@@ -12,8 +12,8 @@ use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use nbd_client::{Client, ClientOptions, ExportInfo};
 use nbd_proto::flags::TransmissionFlags as TF;
+use qpip_cli::BackendArgs;
 use qpip_core::Nic;
-use qpip_core::cli::BackendArgs;
 
 #[derive(Parser, Debug)]
 #[command(

@@ -1,12 +1,14 @@
-//! The command-line options that choose a NIC backend, shared by every binary that opens a
-//! [`Nic`](crate::Nic) (`--backend soft|lanai`, `--lanai-node`, `--lanai-fabric`,
-//! `--lanai-params`). Flatten [`BackendArgs`] into a clap parser.
+//! What the QPIP binaries share, kept out of the libraries so that none of them needs a
+//! command-line dependency: the options that choose a NIC backend for every binary that opens
+//! a [`Nic`](qpip_core::Nic) (`--backend soft|lanai`, `--lanai-node`, `--lanai-fabric`,
+//! `--lanai-params`; flatten [`BackendArgs`] into a clap parser), and the `qpip-lanai-bridge`
+//! binary.
 
 use std::net::Ipv6Addr;
 use std::path::PathBuf;
 
-use crate::lanai::{LanaiConfig, ParamsError};
-use crate::nic::Backend;
+use qpip_core::Backend;
+use qpip_core::lanai::{LanaiConfig, ParamsError};
 
 /// Which NIC backend to run on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
