@@ -560,6 +560,18 @@ fn without_receive_wrs_the_window_closes_and_sends_wait() {
         early.len()
     );
     assert!(net.completions(SERVER).is_empty());
+    // And it stays stuck: a further virtual minute (window probes and all) completes
+    // nothing, and the connection is held, not failed. This is the proof of "nothing more
+    // completes" that the real-time contract test cannot give without waiting.
+    let from = net.now;
+    net.run_until(|n| n.now > from + 60_000_000_000);
+    assert!(
+        net.now > from + 30_000_000_000,
+        "the firmware's timers keep running"
+    );
+    assert!(net.completions(CLIENT).is_empty(), "a send completed later");
+    assert!(net.completions(SERVER).is_empty());
+    assert_eq!((s.state(), c.state()), (QpState::Ready, QpState::Ready));
     let dst = net.region(SERVER, N * LEN);
     for i in 0..N {
         net.post_recv(SERVER, &s, RecvWr::new(i as u64, &[dst.sge(i * LEN, LEN)]));
