@@ -153,28 +153,17 @@ mod tests {
             cli.backend.lanai_addr("server").unwrap(),
             Some("fd00:4c41:4e41::1".parse().unwrap())
         );
-        let cli = Cli::try_parse_from(["x", "--backend", "lanai", "--lanai-node", "zz"]).unwrap();
-        let err = cli
-            .backend
-            .backend(None)
-            .map(|_| ())
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("\"zz\""), "{err}");
-        let cli = Cli::try_parse_from([
-            "x",
-            "--backend",
-            "lanai",
-            "--lanai-fabric",
-            "/nonexistent.toml",
-        ])
-        .unwrap();
-        let err = cli
-            .backend
-            .backend(None)
-            .map(|_| ())
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("/nonexistent.toml"), "{err}");
+        let err = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["x", "--backend", "lanai"].iter().chain(args)).unwrap();
+            cli.backend
+                .backend(None)
+                .map(|_| ())
+                .unwrap_err()
+                .to_string()
+        };
+        let e = err(&["--lanai-node", "zz"]);
+        assert!(e.contains("\"zz\""), "{e}");
+        let e = err(&["--lanai-fabric", "/nonexistent.toml"]);
+        assert!(e.contains("/nonexistent.toml"), "{e}");
     }
 }
