@@ -27,7 +27,7 @@ struct Cli {
     cmd: Cmd,
     // Logging: -v/-q from the default, warn.
     #[command(flatten)]
-    log: qpip_core::logging::LogArgs,
+    log: qpip_cli::logging::LogArgs,
 }
 
 #[derive(Subcommand)]
@@ -188,7 +188,7 @@ enum NbdCmd {
 }
 
 fn main() {
-    qpip_core::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
+    qpip_cli::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
     let cli = Cli::parse();
     cli.log
         .init("qpip-bench", tracing_subscriber::filter::LevelFilter::WARN);

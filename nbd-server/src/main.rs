@@ -14,10 +14,10 @@ use nbd_server::daemon;
 use nbd_server::export::Export;
 use nbd_server::image::{Format, Image};
 use nbd_server::server::{Server, ServerOptions};
+use qpip_cli::BackendArgs;
+use qpip_cli::logging::LogArgs;
 use qpip_core::Nic;
-use qpip_core::cli::BackendArgs;
 use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
-use qpip_core::logging::LogArgs;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -152,7 +152,7 @@ fn demo_image() -> Result<Image> {
 const DEMO_SIZE: u64 = 64 << 20;
 
 fn main() {
-    qpip_core::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
+    qpip_cli::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
     let cli = Cli::parse();
     cli.log.init(
         "qpip-nbd-server",

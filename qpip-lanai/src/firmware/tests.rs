@@ -473,6 +473,73 @@ fn raw_stream_fills_each_receive_wr_with_what_arrived() {
     assert_eq!(got, sent, "no framing bytes added, stream intact");
 }
 
+/// A message split over two TCP segments (a socket peer through the bridge sends this way),
+/// its receive WR posted before the first, between the two, or after both have arrived: in
+/// virtual time each ordering is exact, and half a message, or a whole one without a WR,
+/// completes nothing in a virtual second after its last segment.
+#[test]
+fn a_message_split_over_segments_completes_whenever_its_wr_is_posted() {
+    let mut net = Net::new();
+    let (s, c) = net.pair_with(Box::new(LengthPrefixed::default()), Box::new(RawStream));
+    let src = net.region(CLIENT, 32);
+    let mut msg = 28u32.to_be_bytes().to_vec();
+    msg.extend((0..28u8).map(|i| i + 1));
+    src.write_at(0, &msg);
+    let dst = net.region(SERVER, 64 * 3);
+    // Sends one segment and runs until the server's firmware has acknowledged it, then a
+    // virtual second more: the server's CQ must still be empty.
+    let segment = |net: &mut Net, wr_id: u64, off: usize, len: usize| {
+        net.post_send(CLIENT, &c, SendWr::new(wr_id, &[src.sge(off, len)]));
+        let mut sent = Vec::new();
+        assert!(net.run_until(|n| {
+            sent.extend(n.completions(CLIENT));
+            !sent.is_empty()
+        }));
+        assert_eq!((sent[0].wr_id, sent[0].status), (wr_id, WcStatus::Success));
+        let until = net.now + 1_000_000_000;
+        net.run_until(|n| n.now > until);
+        assert!(net.completions(SERVER).is_empty(), "segment {wr_id}");
+    };
+    for (round, when) in ["before", "between", "after"].iter().enumerate() {
+        let wr = RecvWr::new(round as u64, &[dst.sge(64 * round, 64)]);
+        if *when == "before" {
+            net.post_recv(SERVER, &s, wr.clone());
+        }
+        segment(&mut net, 1, 0, 26);
+        if *when == "between" {
+            net.post_recv(SERVER, &s, wr.clone());
+        }
+        if *when == "after" {
+            segment(&mut net, 2, 26, 6);
+            net.post_recv(SERVER, &s, wr);
+        } else {
+            net.post_send(CLIENT, &c, SendWr::new(2, &[src.sge(26, 6)]));
+        }
+        let mut got = Vec::new();
+        assert!(net.run_until(|n| {
+            got.extend(n.completions(SERVER));
+            !got.is_empty()
+        }));
+        assert_eq!(
+            (got[0].wr_id, got[0].status, got[0].byte_len),
+            (round as u64, WcStatus::Success, 28),
+            "WR posted {when} the segments"
+        );
+        let mut placed = [0u8; 28];
+        dst.read_at(64 * round, &mut placed);
+        assert_eq!(&placed[..], &msg[4..], "WR posted {when} the segments");
+        if *when != "after" {
+            // The second segment's send completion, not awaited above.
+            let mut sent = Vec::new();
+            assert!(net.run_until(|n| {
+                sent.extend(n.completions(CLIENT));
+                !sent.is_empty()
+            }));
+            assert_eq!((sent[0].wr_id, sent[0].status), (2, WcStatus::Success));
+        }
+    }
+}
+
 #[test]
 fn without_receive_wrs_the_window_closes_and_sends_wait() {
     let mut net = Net::new();
@@ -493,6 +560,18 @@ fn without_receive_wrs_the_window_closes_and_sends_wait() {
         early.len()
     );
     assert!(net.completions(SERVER).is_empty());
+    // And it stays stuck: a further virtual minute (window probes and all) completes
+    // nothing, and the connection is held, not failed. This is the proof of "nothing more
+    // completes" that the real-time contract test cannot give without waiting.
+    let from = net.now;
+    net.run_until(|n| n.now > from + 60_000_000_000);
+    assert!(
+        net.now > from + 30_000_000_000,
+        "the firmware's timers keep running"
+    );
+    assert!(net.completions(CLIENT).is_empty(), "a send completed later");
+    assert!(net.completions(SERVER).is_empty());
+    assert_eq!((s.state(), c.state()), (QpState::Ready, QpState::Ready));
     let dst = net.region(SERVER, N * LEN);
     for i in 0..N {
         net.post_recv(SERVER, &s, RecvWr::new(i as u64, &[dst.sge(i * LEN, LEN)]));

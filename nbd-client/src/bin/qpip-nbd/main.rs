@@ -12,8 +12,8 @@ use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use nbd_client::{Client, ClientOptions, ExportInfo};
 use nbd_proto::flags::TransmissionFlags as TF;
+use qpip_cli::BackendArgs;
 use qpip_core::Nic;
-use qpip_core::cli::BackendArgs;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -42,7 +42,7 @@ struct Cli {
     cmd: Cmd,
     // Logging: -v/-q from the default, warn.
     #[command(flatten)]
-    log: qpip_core::logging::LogArgs,
+    log: qpip_cli::logging::LogArgs,
     #[command(flatten)]
     backend: BackendArgs,
 }
@@ -304,7 +304,7 @@ fn human(n: u64) -> String {
 }
 
 fn main() {
-    qpip_core::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
+    qpip_cli::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
     let cli = Cli::parse();
     cli.log
         .init("qpip-nbd", tracing_subscriber::filter::LevelFilter::WARN);
