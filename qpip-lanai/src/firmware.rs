@@ -218,14 +218,14 @@ impl Firmware {
 
     /// Management state machine: a privileged command from the host.
     pub fn command(&mut self, now: Nanos, cmd: Command) {
-        self.meter.begin(now);
+        self.begin(now);
         dispatch(self, cmd);
         self.run();
     }
 
     /// Doorbell state machine: the doorbell FIFO held `qp` (new WRs in its rings).
     pub fn doorbell(&mut self, now: Nanos, qp: QpNum) {
-        self.meter.begin(now);
+        self.begin(now);
         if let Some(q) = self.qps.get_mut(&qp) {
             q.shared
                 .doorbell
@@ -242,7 +242,7 @@ impl Firmware {
 
     /// Receive state machine: a frame finished arriving from the network at `now`.
     pub fn receive(&mut self, now: Nanos, frame: &[u8]) {
-        self.meter.begin(now);
+        self.begin(now);
         let pkt = match frame::decode(frame) {
             Ok(p) => p,
             Err(e) => {
@@ -278,7 +278,7 @@ impl Firmware {
 
     /// Transmit scheduler and timers: run whatever is due at `now`.
     pub fn poll(&mut self, now: Nanos) {
-        self.meter.begin(now);
+        self.begin(now);
         self.timers();
         self.run();
     }
@@ -355,6 +355,13 @@ impl Firmware {
     }
 
     // ---- internals ----
+
+    /// A handler for an event at `now`: the processor takes it when free; nothing will ask
+    /// the bus for a time before `now` again.
+    fn begin(&mut self, now: Nanos) {
+        self.meter.begin(now);
+        self.bus.retire(now);
+    }
 
     fn local(&self, port: u16) -> SocketAddr {
         SocketAddr::V6(SocketAddrV6::new(self.addr, port, 0, 0))
