@@ -32,6 +32,7 @@
 //!   in real time a saturated NIC's clock runs ahead of the wall clock (the model's speed
 //!   limit shows up as delay).
 
+mod cq;
 mod link;
 mod mgmt;
 mod port;
@@ -48,6 +49,7 @@ use smoltcp::iface::{Config, Interface, PollResult, SocketHandle, SocketSet};
 use smoltcp::socket::{tcp, udp};
 use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpEndpoint, IpListenEndpoint};
 
+use self::cq::CqWrites;
 use self::link::{Ctx, FwQp, Link, TcpLink, UdpLink, tcp_sram, v6};
 use self::port::{Carried, Port, Wire, classify, instant, nanos, set_tsval_clock};
 use self::staging::SendStaging;
@@ -146,6 +148,7 @@ pub struct Firmware {
     out: VecDeque<OutFrame>,
     bus: PciBus,
     staging: SendStaging,
+    cq: CqWrites,
     qps: BTreeMap<QpNum, FwQp>,
     listeners: BTreeMap<ListenerId, Listener>,
     orphans: Vec<Orphan>,
@@ -206,6 +209,7 @@ impl Firmware {
             out,
             bus,
             staging,
+            cq: CqWrites::default(),
             qps: BTreeMap::new(),
             listeners: BTreeMap::new(),
             orphans: Vec::new(),
@@ -300,6 +304,12 @@ impl Firmware {
         self.bus.writes_done_at()
     }
 
+    /// When the next completion of `qp` (receive side if `recv`) the last handler made is
+    /// visible to the host: its own CQ entry's DMA write has reached host memory.
+    pub fn completion_visible_at(&mut self, qp: QpNum, recv: bool) -> Option<Nanos> {
+        self.cq.visible_at(qp, recv)
+    }
+
     /// A host PIO write (doorbell, command) issued at `at` crosses the shared bus: returns
     /// when it lands in the NIC.
     pub fn pio(&mut self, at: Nanos) -> Nanos {
@@ -361,6 +371,7 @@ impl Firmware {
     fn begin(&mut self, now: Nanos) {
         self.meter.begin(now);
         self.bus.retire(now);
+        self.cq.begin();
     }
 
     fn local(&self, port: u16) -> SocketAddr {
@@ -391,6 +402,7 @@ impl Firmware {
             dying,
             qps,
             fabric,
+            cq,
             ..
         } = self;
         let cx = Ctx {
@@ -402,6 +414,7 @@ impl Firmware {
             mtu: fabric.mtu,
             sram,
             dying,
+            cq,
         };
         (qps, cx)
     }

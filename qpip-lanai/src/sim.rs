@@ -48,6 +48,11 @@ pub trait SimNic {
     fn poll_at(&self) -> Option<Nanos>;
     fn transmit(&mut self) -> Option<OutFrame>;
     fn host_visible_at(&self) -> Nanos;
+    /// When the next completion of `qp` (receive side if `recv`) made by the last handler is
+    /// visible to the host, if the NIC wrote it on its own (else `host_visible_at`).
+    fn completion_visible_at(&mut self, _qp: QpNum, _recv: bool) -> Option<Nanos> {
+        None
+    }
     fn meter(&self) -> &Meter;
     fn meter_mut(&mut self) -> &mut Meter;
     /// A host PIO write issued at `at`: when it lands in the NIC (a stand-in NIC has no bus
@@ -99,6 +104,9 @@ impl SimNic for Firmware {
     }
     fn pio(&mut self, at: Nanos) -> Nanos {
         Firmware::pio(self, at)
+    }
+    fn completion_visible_at(&mut self, qp: QpNum, recv: bool) -> Option<Nanos> {
+        Firmware::completion_visible_at(self, qp, recv)
     }
     fn stopped_until(&mut self, tail: Nanos) {
         Firmware::stopped_until(self, tail)
@@ -206,6 +214,13 @@ struct Node {
     visible: VecDeque<(Nanos, Visible)>,
     /// The pending firmware timer, if one is scheduled.
     timer: Option<Nanos>,
+}
+
+/// `v` becomes visible to the host at `at`: kept in time order (each completion has its own
+/// time), after those visible at the same time.
+fn show(visible: &mut VecDeque<(Nanos, Visible)>, at: Nanos, v: Visible) {
+    let i = visible.partition_point(|(t, _)| *t <= at);
+    visible.insert(i, (at, v));
 }
 
 /// Nodes, fabric and the event queue.
@@ -456,33 +471,41 @@ impl Sim {
                 },
             );
         }
+        let now = self.now;
         let node = &mut self.nodes[i];
-        let visible_at = node.nic.host_visible_at().max(self.now);
-        let before = node.visible.len();
+        let visible_at = node.nic.host_visible_at().max(now);
+        let mut wakes = Vec::new();
         let mut buf = [Completion::default(); 64];
-        for cq in &node.host.cqs {
+        let Node {
+            nic, host, visible, ..
+        } = node;
+        for cq in &host.cqs {
             // A CQ error is an overflow: the completions that fit are still delivered and
             // the application sees the loss as missing completions.
             while let Ok(n @ 1..) = cq.poll(&mut buf) {
-                node.visible.extend(
-                    buf[..n]
-                        .iter()
-                        .map(|c| (visible_at, Visible::Completion(*c))),
-                );
+                for c in &buf[..n] {
+                    let at = nic
+                        .completion_visible_at(c.qp_num, c.opcode == Opcode::Recv)
+                        .map_or(visible_at, |t| t.max(now));
+                    wakes.push(at);
+                    show(visible, at, Visible::Completion(*c));
+                }
             }
         }
         let mut k = 0;
-        while k < node.host.waiting.len() {
-            if let Some(r) = node.host.waiting[k].rx.try_recv() {
-                let w = node.host.waiting.remove(k);
-                node.visible
-                    .push_back((visible_at, Visible::Reply(w.tag, r)));
+        while k < host.waiting.len() {
+            if let Some(r) = host.waiting[k].rx.try_recv() {
+                let w = host.waiting.remove(k);
+                wakes.push(visible_at);
+                show(visible, visible_at, Visible::Reply(w.tag, r));
             } else {
                 k += 1;
             }
         }
-        if node.visible.len() > before {
-            self.schedule(visible_at, Event::HostWake { node: i });
+        wakes.sort_unstable();
+        wakes.dedup();
+        for at in wakes {
+            self.schedule(at, Event::HostWake { node: i });
         }
         let node = &mut self.nodes[i];
         if let Some(t) = node.nic.poll_at() {
