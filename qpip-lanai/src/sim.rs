@@ -60,8 +60,12 @@ pub trait SimNic {
     fn pio(&mut self, at: Nanos) -> Nanos {
         at + self.meter().costs().params().device.pio_write_ns
     }
-    /// The fabric's stop/go held the last frame until its tail left at `tail`.
-    fn stopped_until(&mut self, _tail: Nanos) {}
+    /// The oldest frame handed to the link has left: its tail at `tail`.
+    fn link_done(&mut self, _tail: Nanos) {}
+    /// When the NIC can take a frame off the wire (a free receive buffer), from `now` on.
+    fn rx_free_at(&mut self, now: Nanos) -> Nanos {
+        now
+    }
     /// Hardware busy time since the last reset (processor only for a stand-in NIC).
     fn usage(&self) -> Usage {
         Usage {
@@ -108,8 +112,11 @@ impl SimNic for Firmware {
     fn completion_visible_at(&mut self, qp: QpNum, recv: bool) -> Option<Nanos> {
         Firmware::completion_visible_at(self, qp, recv)
     }
-    fn stopped_until(&mut self, tail: Nanos) {
-        Firmware::stopped_until(self, tail)
+    fn link_done(&mut self, tail: Nanos) {
+        Firmware::link_done(self, tail)
+    }
+    fn rx_free_at(&mut self, now: Nanos) -> Nanos {
+        Firmware::rx_free_at(self, now)
     }
     fn usage(&self) -> Usage {
         Firmware::usage(self)
@@ -146,10 +153,17 @@ enum Event {
         node: usize,
         qp: QpNum,
     },
-    /// A frame's head has crossed the switch's decision point.
+    /// A frame's head, which left `from` at `sent`, has reached the switch's decision point.
     Switch {
         from: usize,
         frame: Vec<u8>,
+        sent: Nanos,
+    },
+    /// A frame's head has reached its receiver's NIC.
+    AtReceiver(fabric::ToReceiver),
+    /// A receive buffer of `node` has freed: a stopped frame may come in.
+    Admit {
+        node: usize,
     },
     /// A frame's tail has arrived at `node`.
     Arrive {
@@ -214,6 +228,8 @@ struct Node {
     visible: VecDeque<(Nanos, Visible)>,
     /// The pending firmware timer, if one is scheduled.
     timer: Option<Nanos>,
+    /// When a stopped frame is next offered a receive buffer, if it waits.
+    rx_retry: Option<Nanos>,
 }
 
 /// `v` becomes visible to the host at `at`: kept in time order (each completion has its own
@@ -306,6 +322,7 @@ impl Sim {
             started: false,
             visible: VecDeque::new(),
             timer: None,
+            rx_retry: None,
         });
         Ok(idx)
     }
@@ -411,8 +428,10 @@ impl Sim {
                 self.after_nic(node);
             }
             Event::Arrive { node, frame } => {
+                self.fabric.tail_in(node);
                 self.nodes[node].nic.receive(now, &frame);
                 self.after_nic(node);
+                self.admit(node);
             }
             Event::Timer { node } => {
                 if self.nodes[node].timer != Some(now) {
@@ -422,15 +441,24 @@ impl Sim {
                 self.nodes[node].nic.poll(now);
                 self.after_nic(node);
             }
-            Event::Switch { from, frame } => {
-                for d in self.fabric.switch(now, from, &frame) {
-                    self.schedule(
-                        d.at,
-                        Event::Arrive {
-                            node: d.node,
-                            frame: d.frame,
-                        },
-                    );
+            Event::Switch { from, frame, sent } => {
+                let (freed, heads) = self.fabric.switch(now, from, &frame, sent);
+                for h in heads {
+                    self.schedule(h.at, Event::AtReceiver(h));
+                }
+                if let Some((node, tail)) = freed {
+                    self.link_released(node, tail);
+                }
+            }
+            Event::AtReceiver(h) => {
+                let node = h.node;
+                self.fabric.arrive_head(node, h.head);
+                self.admit(node);
+            }
+            Event::Admit { node } => {
+                if self.nodes[node].rx_retry == Some(now) {
+                    self.nodes[node].rx_retry = None;
+                    self.admit(node);
                 }
             }
             Event::HostWake { node } => self.wake_host(node)?,
@@ -458,16 +486,15 @@ impl Sim {
     /// the host, the next timer.
     fn after_nic(&mut self, i: usize) {
         while let Some(f) = self.nodes[i].nic.transmit() {
-            let sent = self.fabric.send(i, f.ready_at, &f.bytes);
-            let unstopped = f.ready_at + self.fabric.params.wire_ns(f.bytes.len());
-            if sent.tail_left > unstopped {
-                self.nodes[i].nic.stopped_until(sent.tail_left);
-            }
+            self.fabric.offer(i, f);
+        }
+        if let Some((at, frame, sent)) = self.fabric.start(i) {
             self.schedule(
-                sent.head,
+                at,
                 Event::Switch {
                     from: i,
-                    frame: f.bytes,
+                    frame,
+                    sent,
                 },
             );
         }
@@ -516,6 +543,46 @@ impl Sim {
                 self.schedule(t, Event::Timer { node: i });
             }
         }
+    }
+
+    /// Node `i`'s NIC takes the first frame stopped at its input if it has a free receive
+    /// buffer now; otherwise it is offered one when the next buffer frees.
+    fn admit(&mut self, i: usize) {
+        if !self.fabric.wants_buffer(i) {
+            return;
+        }
+        let now = self.now;
+        let free = self.nodes[i].nic.rx_free_at(now);
+        if free > now {
+            if self.nodes[i].rx_retry.is_none_or(|t| free < t) {
+                self.nodes[i].rx_retry = Some(free);
+                self.schedule(free, Event::Admit { node: i });
+            }
+            return;
+        }
+        let Some(a) = self.fabric.admit(i, now) else {
+            return;
+        };
+        self.schedule(
+            a.tail,
+            Event::Arrive {
+                node: a.node,
+                frame: a.frame,
+            },
+        );
+        if let Some(next) = a.next {
+            self.schedule(next.at, Event::AtReceiver(next));
+        }
+        if let Some((node, tail)) = a.released {
+            self.link_released(node, tail);
+        }
+    }
+
+    /// The frame on node `i`'s link has left it at `tail`: its send staging buffer frees and
+    /// the link takes the next frame.
+    fn link_released(&mut self, i: usize, tail: Nanos) {
+        self.nodes[i].nic.link_done(tail);
+        self.after_nic(i);
     }
 
     /// The host handles what has become visible, on its CPU clock.

@@ -194,12 +194,8 @@ impl Wire<'_> {
         let ready_at = m.now().max(summed + (m.now() - before));
         m.charge(Dir::Send, kind, Stage::Update, 0);
         let bytes = frame::encode(route, pkt);
-        let depart = self
-            .staging
-            .stage(taken, ready_at, self.fabric.wire_ns(bytes.len()));
-        self.out.push_back(OutFrame {
-            bytes,
-            ready_at: depart,
-        });
+        // The link decides when it leaves (stop/go); it reports the tail back (`link_done`).
+        self.staging.stage(taken);
+        self.out.push_back(OutFrame { bytes, ready_at });
     }
 }

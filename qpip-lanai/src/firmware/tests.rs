@@ -217,18 +217,37 @@ impl Net {
         out
     }
 
+    /// Puts side `i`'s frames through the fabric. Switched at once rather than when each
+    /// head reaches the switch (each side has an output port of its own, so no two senders
+    /// contend for one), and every frame is taken at once (no receive back-pressure here).
+    fn carry(&mut self, i: usize) {
+        while let Some(f) = self.sides[i].fw.transmit() {
+            self.fabric.offer(i, f);
+        }
+        while let Some((at, frame, sent)) = self.fabric.start(i) {
+            let (freed, mut heads) = self.fabric.switch(at, i, &frame, sent);
+            let mut released: Vec<_> = freed.into_iter().collect();
+            while let Some(h) = heads.pop() {
+                let at = h.at;
+                self.fabric.arrive_head(h.node, h.head);
+                if let Some(a) = self.fabric.admit(h.node, at) {
+                    self.fabric.tail_in(a.node);
+                    self.seq += 1;
+                    self.flight.push((a.tail, self.seq, a.node, a.frame));
+                    released.extend(a.released);
+                    heads.extend(a.next);
+                }
+            }
+            for (n, t) in released {
+                self.sides[n].fw.link_done(t);
+            }
+        }
+    }
+
     /// Moves frames and runs timers until the next event; false when nothing is left to do.
     fn step(&mut self) -> bool {
         for i in 0..2 {
-            while let Some(f) = self.sides[i].fw.transmit() {
-                // Switched at once rather than when its head reaches the switch: each side
-                // has an output port of its own, so no two senders contend for one.
-                let sent = self.fabric.send(i, f.ready_at, &f.bytes);
-                for d in self.fabric.switch(sent.head, i, &f.bytes) {
-                    self.seq += 1;
-                    self.flight.push((d.at, self.seq, d.node, d.frame));
-                }
-            }
+            self.carry(i);
         }
         let next = self
             .flight

@@ -577,4 +577,46 @@ mod firmware {
         let one = experiments::ttcp(&setup, 128 * 16384, 16384).unwrap();
         assert!(to_server < one.mbps && to_client < one.mbps);
     }
+
+    #[test]
+    fn a_slow_receiver_stops_the_senders_link_and_sets_the_rate() {
+        let setup = Setup::default();
+        // The receiver: one receive buffer and a bus at a quarter of the clock, so its DMA
+        // to host memory is the slowest thing on the path.
+        let mut slow = setup.params.clone();
+        slow.device.pci_clock_mhz /= 4.0;
+        slow.device.recv_staging_buffers = 1;
+        let mut sim = Sim::new(setup.fabric.clone(), setup.seed);
+        let s = sim.add_lanai_node("server", &slow, 1).unwrap();
+        let c = sim.add_lanai_node("client", &setup.params, 2).unwrap();
+        let cfg = BulkConfig::ttcp(64 * 16384, 16384);
+        let server = SocketAddr::new(setup.fabric.node("server").unwrap().addr.into(), cfg.port);
+        sim.set_app(s, Box::new(Bulk::new(cfg, Role::Server)));
+        sim.set_app(c, Box::new(Bulk::new(cfg, Role::Client { server })));
+        sim.run(experiments::LIMIT).unwrap();
+        let rx = sim.app::<Bulk>(s).unwrap();
+        let tx = sim.app::<Bulk>(c).unwrap();
+        let ns = rx.finished_at().unwrap() - tx.started_at().unwrap();
+        let rate = rx.bytes() as f64 * 1000.0 / ns as f64;
+        // Throttled to the receiver's DMA rate, and not far below it.
+        let write = PciBus::new(&slow.device).rate_mbps(Use::Write);
+        assert!(
+            rate <= write && rate > 0.7 * write,
+            "{rate} MB/s, bus writes {write}"
+        );
+        // Frames waited on the wire for the receive buffer, one at a time (no queue).
+        let f = sim.fabric_stats();
+        assert!(f.stopped > 10 && f.stopped_ns > 0, "{f:?}");
+        assert_eq!(f.max_waiting, 1);
+        // Meanwhile the sender's link was held: busier than its frames' wire time.
+        let wire = setup.fabric.wire_ns(f.bytes[&(c, s)] as usize);
+        assert!(
+            sim.link_busy_ns(c) > wire + f.stopped_ns / 2,
+            "{}",
+            sim.link_busy_ns(c)
+        );
+        // The same transfer into a fast receiver is faster.
+        let fast = experiments::ttcp(&setup, 64 * 16384, 16384).unwrap();
+        assert!(fast.mbps > 1.5 * rate, "{} vs {rate}", fast.mbps);
+    }
 }
