@@ -341,6 +341,12 @@ impl Firmware {
         self.bus.pio(at)
     }
 
+    /// A network DMA engine moved `bytes` of a frame through SRAM over `[start, end)` (the
+    /// link's timing, which the fabric decides): its memory cycles slow the processor.
+    pub fn net_dma(&mut self, start: Nanos, end: Nanos, bytes: usize) {
+        self.meter.sram_dma(start, end, bytes);
+    }
+
     /// The oldest frame handed to the link has left: its tail at `tail` (later than its
     /// wire time when Myrinet stop/go held it). Its send staging buffer frees then.
     pub fn link_done(&mut self, tail: Nanos) {

@@ -16,7 +16,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::meter::Nanos;
+use crate::meter::{Meter, Nanos};
 use crate::params::DeviceParams;
 
 /// What a bus transaction is, for the utilisation accounts.
@@ -127,10 +127,22 @@ impl PciBus {
         self.booked.insert(s, e);
     }
 
+    /// A DMA of `len` bytes the firmware starts now: its bursts also take the NIC's SRAM
+    /// cycles from the processor while they run.
+    pub fn dma_now(&mut self, kind: Use, meter: &mut Meter, len: usize) -> Nanos {
+        self.dma(kind, meter.now(), len, |s, e, b| meter.sram_dma(s, e, b))
+    }
+
     /// A DMA of `len` bytes requested at `at`: its bursts take the first idle stretches
-    /// they fit; returns the end of its last burst (for a send, also when the DMA engine's
-    /// IP checksum is known).
-    pub fn dma(&mut self, kind: Use, at: Nanos, len: usize) -> Nanos {
+    /// they fit, each reported to `moved` as (start, end, bytes); returns the end of its
+    /// last burst (for a send, also when the DMA engine's IP checksum is known).
+    pub fn dma(
+        &mut self,
+        kind: Use,
+        at: Nanos,
+        len: usize,
+        mut moved: impl FnMut(Nanos, Nanos, usize),
+    ) -> Nanos {
         let len = len.max(1);
         let total = len.div_ceil(self.burst);
         let mut left = total;
@@ -155,6 +167,7 @@ impl PciBus {
             }
             let end = start + self.ns(clocks(n));
             self.book(kind, start, end);
+            moved(start, end, (len - done * self.burst).min(n * self.burst));
             left -= n;
             if left == 0 {
                 if kind == Use::Write {
@@ -225,10 +238,10 @@ mod tests {
         let mut bus = PciBus::new(&LanaiParams::default().device);
         let r = bus.dma_ns(Use::Read, 4096);
         let w = bus.dma_ns(Use::Write, 4096);
-        let end_r = bus.dma(Use::Read, 0, 4096);
+        let end_r = bus.dma(Use::Read, 0, 4096, |_, _, _| {});
         assert_eq!(end_r, r);
         // Issued at the same moment from the other engine: waits for the read.
-        assert_eq!(bus.dma(Use::Write, 0, 4096), r + w);
+        assert_eq!(bus.dma(Use::Write, 0, 4096, |_, _, _| {}), r + w);
         // A doorbell behind both.
         let landed = bus.pio(0);
         assert!(landed >= r + w, "{landed}");
@@ -242,13 +255,16 @@ mod tests {
         let burst = bus.dma_ns(Use::Read, 256);
         let r4k = bus.dma_ns(Use::Read, 4096);
         // The firmware, its clock ahead, books a DMA for 100 µs.
-        assert_eq!(bus.dma(Use::Read, 100_000, 4096), 100_000 + r4k);
+        assert_eq!(
+            bus.dma(Use::Read, 100_000, 4096, |_, _, _| {}),
+            100_000 + r4k
+        );
         // A doorbell the host writes at 1 µs does not wait behind it.
         assert_eq!(bus.pio(1_000), 1_000 + bus.pio_write_ns);
         // A DMA requested at 2 µs takes the idle bus before the booking: four bursts fit
         // between 100 µs - 4.5 bursts and the booking, the rest follow the booking.
         let at = 100_000 - burst * 9 / 2;
-        let end = bus.dma(Use::Read, at, 8 * 256);
+        let end = bus.dma(Use::Read, at, 8 * 256, |_, _, _| {});
         let four = bus.dma_ns(Use::Read, 4 * 256);
         assert_eq!(end, 100_000 + r4k + four);
         // A PIO that does not fit before the booking waits for its end, no longer.
@@ -257,6 +273,9 @@ mod tests {
         // Busy accounts count each transaction once.
         assert_eq!(bus.busy_ns(Use::Read), r4k + 2 * four);
         bus.retire(u64::MAX);
-        assert_eq!(bus.dma(Use::Write, 0, 8), bus.dma_ns(Use::Write, 8));
+        assert_eq!(
+            bus.dma(Use::Write, 0, 8, |_, _, _| {}),
+            bus.dma_ns(Use::Write, 8)
+        );
     }
 }

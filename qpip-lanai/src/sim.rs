@@ -62,6 +62,8 @@ pub trait SimNic {
     }
     /// The oldest frame handed to the link has left: its tail at `tail`.
     fn link_done(&mut self, _tail: Nanos) {}
+    /// A network DMA moved `bytes` through the NIC's memory over `[start, end)`.
+    fn net_dma(&mut self, _start: Nanos, _end: Nanos, _bytes: usize) {}
     /// When the NIC can take a frame off the wire (a free receive buffer), from `now` on.
     fn rx_free_at(&mut self, now: Nanos) -> Nanos {
         now
@@ -114,6 +116,9 @@ impl SimNic for Firmware {
     }
     fn link_done(&mut self, tail: Nanos) {
         Firmware::link_done(self, tail)
+    }
+    fn net_dma(&mut self, start: Nanos, end: Nanos, bytes: usize) {
+        Firmware::net_dma(self, start, end, bytes)
     }
     fn rx_free_at(&mut self, now: Nanos) -> Nanos {
         Firmware::rx_free_at(self, now)
@@ -446,8 +451,8 @@ impl Sim {
                 for h in heads {
                     self.schedule(h.at, Event::AtReceiver(h));
                 }
-                if let Some((node, tail)) = freed {
-                    self.link_released(node, tail);
+                if let Some((node, tail, len)) = freed {
+                    self.link_released(node, tail, len);
                 }
             }
             Event::AtReceiver(h) => {
@@ -563,6 +568,8 @@ impl Sim {
         let Some(a) = self.fabric.admit(i, now) else {
             return;
         };
+        // The network receive DMA writes the frame into SRAM as it streams in.
+        self.nodes[i].nic.net_dma(now, a.tail, a.frame.len());
         self.schedule(
             a.tail,
             Event::Arrive {
@@ -573,14 +580,19 @@ impl Sim {
         if let Some(next) = a.next {
             self.schedule(next.at, Event::AtReceiver(next));
         }
-        if let Some((node, tail)) = a.released {
-            self.link_released(node, tail);
+        if let Some((node, tail, len)) = a.released {
+            self.link_released(node, tail, len);
         }
     }
 
-    /// The frame on node `i`'s link has left it at `tail`: its send staging buffer frees and
-    /// the link takes the next frame.
-    fn link_released(&mut self, i: usize, tail: Nanos) {
+    /// The `len`-byte frame on node `i`'s link has left it at `tail` (the network send DMA
+    /// read it from SRAM over its last wire time): its send staging buffer frees and the
+    /// link takes the next frame.
+    fn link_released(&mut self, i: usize, tail: Nanos, len: usize) {
+        let wire = self.fabric.params.wire_ns(len);
+        self.nodes[i]
+            .nic
+            .net_dma(tail.saturating_sub(wire), tail, len);
         self.nodes[i].nic.link_done(tail);
         self.after_nic(i);
     }

@@ -42,7 +42,7 @@ impl CqWrites {
     pub(super) fn write(
         &mut self,
         bus: &mut PciBus,
-        meter: &Meter,
+        meter: &mut Meter,
         qp: &QpShared,
         seen: &mut Outstanding,
     ) {
@@ -53,7 +53,7 @@ impl CqWrites {
         ];
         for (recv, n) in made {
             for _ in 0..n {
-                let end = bus.dma(Use::Write, meter.now(), CQ_ENTRY_BYTES);
+                let end = bus.dma_now(Use::Write, meter, CQ_ENTRY_BYTES);
                 self.done.push_back((qp.num, recv, end));
             }
         }
@@ -101,12 +101,12 @@ mod tests {
         let mut seen = Outstanding::of(&qp);
         meter.begin(1_000);
         qp.complete_send(0, WcStatus::Success, 0, 0);
-        cqw.write(&mut bus, &meter, &qp, &mut seen);
+        cqw.write(&mut bus, &mut meter, &qp, &mut seen);
         // A long DMA write (received data) between the two completions.
-        let data_end = bus.dma(Use::Write, 1_000, 16384);
+        let data_end = bus.dma(Use::Write, 1_000, 16384, |_, _, _| {});
         meter.begin(50_000);
         qp.complete_send(1, WcStatus::Success, 0, 0);
-        cqw.write(&mut bus, &meter, &qp, &mut seen);
+        cqw.write(&mut bus, &mut meter, &qp, &mut seen);
         let entry = bus.dma_ns(Use::Write, CQ_ENTRY_BYTES);
         let first = cqw.visible_at(3, false).unwrap();
         let second = cqw.visible_at(3, false).unwrap();

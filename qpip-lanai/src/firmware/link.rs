@@ -320,6 +320,9 @@ impl FwQp {
                         Ok(msg) => t.tx.push_back(msg),
                         Err((wr_id, fault)) => {
                             tracing::warn!(qp = shared.num, wr_id, "send WR refused: {fault}");
+                            // Failed before the host can see why (in real time it polls the
+                            // CQ while the firmware runs).
+                            shared.set_state(QpState::Error);
                             shared.complete_send(wr_id, WcStatus::ProtectionError, 0, 0);
                             break 'm After::Fail {
                                 state: QpState::Error,
@@ -377,7 +380,7 @@ impl FwQp {
                 if total > 0 {
                     placed += total;
                     meter.charge(Dir::Recv, Kind::Data, Stage::PutData, 0);
-                    let done = bus.dma(Use::Write, meter.now(), total);
+                    let done = bus.dma_now(Use::Write, meter, total);
                     placing.push_back((done, total));
                     *held += total;
                     return Ok(total);
@@ -531,7 +534,7 @@ impl FwQp {
                 WcStatus::Success
             };
             cx.meter.charge(Dir::Recv, Kind::Data, Stage::PutData, 0);
-            cx.bus.dma(Use::Write, cx.meter.now(), off);
+            cx.bus.dma_now(Use::Write, cx.meter, off);
             shared.complete_recv(wr.wr_id, status, off as u32, Some(v6(meta.endpoint)), 0);
             written!(cx, shared, seen);
         }

@@ -179,7 +179,7 @@ impl Wire<'_> {
         let mut summed = m.now();
         if carried.payload() > 0 {
             m.charge(Dir::Send, kind, Stage::GetData, 0);
-            summed = self.bus.dma(Use::Read, m.now(), carried.payload());
+            summed = self.bus.dma_now(Use::Read, m, carried.payload());
         }
         let header = match carried {
             Carried::Udp { .. } => Stage::BuildUdpHeader,

@@ -238,7 +238,7 @@ impl Net {
                     heads.extend(a.next);
                 }
             }
-            for (n, t) in released {
+            for (n, t, _) in released {
                 self.sides[n].fw.link_done(t);
             }
         }
@@ -795,8 +795,11 @@ fn stages_are_charged_per_packet_or_per_wr_where_the_work_is_done() {
     assert_eq!(per["tcp_parse"], 7.0);
     assert_eq!(per["media_receive"], 1.0);
     // Receive: one get WR per receive WR, one put data per DMA to host memory (at least one
-    // per WR), whatever the number of packets that carried them.
-    assert_eq!(data.stage_ns[&Stage::GetWr], 20 * 5_500);
+    // per WR), whatever the number of packets that carried them. A stage that overlaps DMA
+    // traffic waits for SRAM cycles: up to a few percent more than its cost.
+    let charged = |ns: Nanos, cost: Nanos| (cost..cost * 21 / 20).contains(&ns);
+    let get_wr = data.stage_ns[&Stage::GetWr];
+    assert!(charged(get_wr, 20 * 5_500), "{get_wr}");
     assert!(data.stage_ns[&Stage::PutData] >= 20 * 4_500);
     let acks = net.sides[CLIENT].fw.meter().occupancy(Dir::Recv, Kind::Ack);
     assert!(acks.packets > 0);
@@ -807,9 +810,12 @@ fn stages_are_charged_per_packet_or_per_wr_where_the_work_is_done() {
         .meter()
         .occupancy(Dir::Send, Kind::Data);
     assert!(sent.packets >= 1);
-    assert_eq!(sent.stage_ns[&Stage::GetWr], 20 * 5_500);
-    assert_eq!(sent.per_packet_us()["build_tcp_header"], 5.0);
-    assert_eq!(sent.per_packet_us()["get_data"], 4.5);
+    let get_wr = sent.stage_ns[&Stage::GetWr];
+    assert!(charged(get_wr, 20 * 5_500), "{get_wr}");
+    // The headers are built while the segment's DMA moves data through SRAM.
+    let per = sent.per_packet_us();
+    assert!((5.0..5.75).contains(&per["build_tcp_header"]), "{per:?}");
+    assert!((4.5..5.2).contains(&per["get_data"]), "{per:?}");
 }
 
 #[test]

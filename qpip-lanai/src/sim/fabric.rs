@@ -119,8 +119,8 @@ pub(crate) struct Admitted {
     pub node: usize,
     pub tail: Nanos,
     pub frame: Vec<u8>,
-    /// The sender whose link it freed, and when its tail left there.
-    pub released: Option<(usize, Nanos)>,
+    /// The sender whose link it freed, when its tail left there, and its length.
+    pub released: Option<(usize, Nanos, usize)>,
     /// The next frame the freed switch output lets through.
     pub next: Option<ToReceiver>,
 }
@@ -231,14 +231,14 @@ impl Fabric {
         Some((at, f.bytes, sent))
     }
 
-    /// The frame on `from`'s link has left it entirely at `tail`.
-    fn release(&mut self, from: usize, tail: Nanos) -> (usize, Nanos) {
+    /// The `len`-byte frame on `from`'s link has left it entirely at `tail`.
+    fn release(&mut self, from: usize, tail: Nanos, len: usize) -> (usize, Nanos, usize) {
         let link = &mut self.links[from];
         if let Some(taken) = link.taken.take() {
             link.busy += tail.saturating_sub(taken);
         }
         link.free = link.free.max(tail);
-        (from, tail)
+        (from, tail, len)
     }
 
     /// The switch decodes a head that left `from` at `sent` and reaches it at `now`: the
@@ -251,19 +251,20 @@ impl Fabric {
         from: usize,
         frame: &[u8],
         sent: Nanos,
-    ) -> (Option<(usize, Nanos)>, Vec<ToReceiver>) {
-        let natural = sent + self.params.wire_ns(frame.len());
+    ) -> (Option<(usize, Nanos, usize)>, Vec<ToReceiver>) {
+        let len = frame.len();
+        let natural = sent + self.params.wire_ns(len);
         let (port, out) = match super::super::frame::switch(frame) {
             Ok(x) => x,
             Err(e) => {
                 tracing::debug!(from, error = %e, "switch drops a frame");
                 self.stats.bad += 1;
-                return (Some(self.release(from, natural)), Vec::new());
+                return (Some(self.release(from, natural, len)), Vec::new());
             }
         };
         let Some(&to) = self.ports.get(&port) else {
             self.stats.unroutable += 1;
-            return (Some(self.release(from, natural)), Vec::new());
+            return (Some(self.release(from, natural, len)), Vec::new());
         };
         *self.stats.frames.entry((from, to)).or_default() += 1;
         *self.stats.bytes.entry((from, to)).or_default() += frame.len() as u64;
@@ -276,7 +277,7 @@ impl Fabric {
         let wire = self.params.wire_ns(out.len());
         if d < faults.drop {
             self.stats.dropped += 1;
-            return (Some(self.release(from, natural)), Vec::new());
+            return (Some(self.release(from, natural, len)), Vec::new());
         }
         let mut heads = Vec::new();
         if u < faults.duplicate {
@@ -307,7 +308,7 @@ impl Fabric {
                     at,
                 },
             });
-            return (Some(self.release(from, natural)), heads);
+            return (Some(self.release(from, natural, len)), heads);
         }
         let head = Head {
             frame: out,
@@ -371,7 +372,7 @@ impl Fabric {
             // Held since its head left; streams again once GO is back.
             let left = (sent + self.params.wire_ns(len))
                 .max(now.saturating_sub(path) + self.params.wire_ns(len));
-            self.release(from, left)
+            self.release(from, left, len)
         });
         let mut next = None;
         if let Some(p) = head.port {
@@ -439,7 +440,7 @@ mod tests {
         let a = f.admit(1, at + p.cable_ns).unwrap();
         let wire = p.wire_ns(fr.len() - 1);
         assert_eq!(a.tail, at + p.cable_ns + wire);
-        assert_eq!(a.released, Some((0, 1000 + p.wire_ns(fr.len()))));
+        assert_eq!(a.released, Some((0, 1000 + p.wire_ns(fr.len()), fr.len())));
         // The output frees as the tail passes it: the stopped head goes on then.
         let next = a.next.unwrap();
         assert_eq!(next.at, a.tail - p.cable_ns + p.cable_ns);
@@ -463,7 +464,10 @@ mod tests {
         let a = f.admit(1, 50_000).unwrap();
         assert_eq!(a.tail, 50_000 + p.wire_ns(fr.len() - 1));
         let path = 2 * p.cable_ns + p.switch_latency_ns;
-        assert_eq!(a.released, Some((0, 50_000 - path + p.wire_ns(fr.len()))));
+        assert_eq!(
+            a.released,
+            Some((0, 50_000 - path + p.wire_ns(fr.len()), fr.len()))
+        );
         assert_eq!(f.stats.stopped, 1);
         assert_eq!(f.stats.stopped_ns, 50_000 - reached);
         assert_eq!(f.link_busy_ns(0), 50_000 - path + p.wire_ns(fr.len()));
@@ -508,7 +512,7 @@ mod tests {
         let (freed, heads) = f.switch(0, 0, &frame::encode(&[9], b"x"), 0);
         assert!(heads.is_empty());
         // An unroutable frame still occupied its sender's link, for its wire time.
-        assert!(freed.is_some_and(|(n, t)| n == 0 && t > 0));
+        assert!(freed.is_some_and(|(n, t, _)| n == 0 && t > 0));
         let mut bad = frame::encode(&[2], b"x");
         bad[3] ^= 0xff;
         assert!(f.switch(0, 0, &bad, 0).1.is_empty());
