@@ -941,7 +941,8 @@ impl Client {
     /// is its header. The same checks as a reply delivered whole, and the data must be
     /// where the checks say they belong (the framer computed the same place).
     fn on_placed_reply(&mut self, msg: &[u8], placed: usize) -> Result<(), String> {
-        let (cookie, accepted, at) = if self.structured {
+        let simple = msg.first_chunk::<4>() == Some(&c::SIMPLE_REPLY_MAGIC.to_be_bytes());
+        let (cookie, accepted, at) = if !simple {
             let h = StructuredReplyHeader::parse(msg).map_err(|e| e.to_string())?;
             let offset = msg
                 .get(c::STRUCTURED_REPLY_HEADER_LEN..)
