@@ -6,6 +6,7 @@
 //! - READ: 0 / 1. The reply is a send WR whose data SGE points into the registered mapping of
 //!   the image; the NIC engine's `writev` copies page cache → socket. A qcow2 image has no
 //!   mapping of its virtual disk: its reads are read into a registered buffer first (1 / 1).
+//!   An RBD export has none either: librbd places the data in the registered buffer.
 //! - WRITE: 1 / 1. The NIC reads the payload from the socket straight into a registered receive
 //!   slot (kernel copy); `pwrite` copies the slot into the page cache.
 
@@ -524,7 +525,7 @@ impl<'a> Transmission<'a> {
             }
             Command::Flush => io(image.flush()).map(|()| None),
             Command::Trim => {
-                io(image.punch_hole(req.offset, u64::from(req.length)))?;
+                io(image.trim(req.offset, u64::from(req.length)))?;
                 if fua {
                     io(image.flush())?;
                 }
@@ -533,7 +534,7 @@ impl<'a> Transmission<'a> {
             Command::WriteZeroes => {
                 let may_write = !req.flags.contains(CmdFlags::FAST_ZERO);
                 let done = image
-                    .zero_range(req.offset, u64::from(req.length), may_write)
+                    .write_zeroes(req.offset, u64::from(req.length), may_write)
                     .map_err(|e| io_error_value(&e))?;
                 if !done {
                     return Err(ErrorValue::NotSup);
@@ -620,10 +621,11 @@ impl<'a> Transmission<'a> {
     fn send_read(&mut self, req: &Request) -> Result<(), ErrorValue> {
         let end = req.offset + u64::from(req.length); // validated against the size
         if !self.export.image.still_holds(end).unwrap_or(false) {
-            tracing::warn!(export = %self.export.name, "read at {} of {} bytes: {} is shorter than that now (truncated by another process?)", req.offset, req.length, self.export.image.path().display());
+            tracing::warn!(export = %self.export.name, "read at {} of {} bytes: {} is shorter than that now (truncated by another process?)", req.offset, req.length, self.export.image.location());
             return Err(ErrorValue::Io);
         }
-        // No mapping (qcow2): read into registered memory, kept until the send is done.
+        // No mapping (qcow2, RBD): the store reads into registered memory, which the reply's
+        // send WR points at and which is kept until the send is done.
         let buffer = match self.export.region {
             Some(_) => None,
             None => {
@@ -632,7 +634,7 @@ impl<'a> Transmission<'a> {
                 // SAFETY: the region is new and not posted yet: nothing else uses its bytes.
                 let buf = unsafe { &mut mr.as_mut_slice()[..len] };
                 if let Err(e) = self.export.image.read_at(buf, req.offset) {
-                    tracing::warn!(export = %self.export.name, "read at {} of {} bytes from {}: {e}", req.offset, req.length, self.export.image.path().display());
+                    tracing::warn!(export = %self.export.name, "read at {} of {} bytes from {}: {e}", req.offset, req.length, self.export.image.location());
                     return Err(io_error_value(&e));
                 }
                 Some(mr)

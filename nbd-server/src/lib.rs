@@ -1,6 +1,7 @@
 //! qpip-nbd-server as a library: exports disk images over QP send-receive, plain NBD on the
 //! wire. The binary is a thin command line around [`server::Server`].
 
+pub mod backend;
 pub mod config;
 mod conn;
 pub mod daemon;
