@@ -9,6 +9,8 @@ pub mod export;
 mod framer;
 pub mod image;
 pub mod qcow2;
+#[cfg(feature = "rbd")]
+pub mod rbd;
 pub mod recv_window;
 pub mod server;
 pub mod shared;
