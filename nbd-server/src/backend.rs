@@ -7,8 +7,11 @@
 //! registered buffer that the reply's send WR then points at, so no store costs a user-space
 //! copy beyond the one into that buffer (which for RBD is librbd's own landing of the data).
 //!
-//! The calls are blocking: a store that is asynchronous underneath (librbd's aio) submits and
-//! waits for its completion, and other connections go on meanwhile on their own threads.
+//! The calls are blocking, but for writes, a store that is asynchronous underneath (librbd's
+//! aio) can start them and hand back a [`Pending`] write instead ([`Backend::start_write`]):
+//! a connection then starts every write of a batch of requests before it waits for any, so
+//! that a client's pipeline reaches the store. Other connections go on meanwhile on their
+//! own threads.
 
 use std::fmt::Debug;
 use std::io;
@@ -19,6 +22,13 @@ pub struct Extent {
     pub len: u64,
     /// A hole: reads as zeroes, no storage allocated.
     pub hole: bool,
+}
+
+/// A read or write that [`Backend::start_read`] or [`Backend::start_write`] started;
+/// dropping it waits for it.
+pub trait Pending: Send {
+    /// Waits for the operation to complete; its result.
+    fn wait(self: Box<Self>) -> io::Result<()>;
 }
 
 /// A disk behind an export.
@@ -46,6 +56,40 @@ pub trait Backend: Send + Sync + Debug {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
     /// Writes `data` at `offset`; with `fua`, durably before it returns.
     fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()>;
+    /// Starts writing the `len` bytes at `data` to `offset`, returning before the write is
+    /// done where the store can run writes concurrently (RBD). None: the write is done
+    /// already (the default, [`Backend::write_at`]).
+    ///
+    /// # Safety
+    /// The `len` bytes at `data` must stay valid and unchanged until the returned write has
+    /// been waited for or dropped.
+    unsafe fn start_write(
+        &self,
+        data: *const u8,
+        len: usize,
+        offset: u64,
+    ) -> io::Result<Option<Box<dyn Pending>>> {
+        // SAFETY: the caller vouches for the bytes, and nothing outlives this call.
+        let buf = unsafe { std::slice::from_raw_parts(data, len) };
+        self.write_at(buf, offset, false).map(|()| None)
+    }
+    /// Starts reading `len` bytes from `offset` into the memory at `buf`, returning before
+    /// the read is done where the store can run reads concurrently (RBD). None: the bytes are
+    /// there already (the default, [`Backend::read_at`]).
+    ///
+    /// # Safety
+    /// The `len` bytes at `buf` must stay valid, and neither read nor written by anyone else,
+    /// until the returned read has been waited for or dropped.
+    unsafe fn start_read(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        offset: u64,
+    ) -> io::Result<Option<Box<dyn Pending>>> {
+        // SAFETY: the caller vouches for the bytes, and nothing outlives this call.
+        let buf = unsafe { std::slice::from_raw_parts_mut(buf, len) };
+        self.read_at(buf, offset).map(|()| None)
+    }
     /// Makes all completed writes durable.
     fn flush(&self) -> io::Result<()>;
     /// TRIM: the range may be deallocated; it reads as zeroes afterwards.

@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::{Backend, Extent};
+use crate::backend::{Backend, Extent, Pending};
 
 /// The hand-written declarations of the librados and librbd functions we call (see
 /// rados/librados.h and rbd/librbd.h).
@@ -339,34 +339,81 @@ impl Drop for Cluster {
     }
 }
 
-/// One librbd completion, released when dropped.
-struct Completion(ffi::rbd_completion_t);
+/// One librbd completion, released when dropped; one that was submitted and not waited
+/// for is waited for first, so that librbd is done with the operation's buffer.
+struct Completion {
+    c: ffi::rbd_completion_t,
+    /// Submitted (an aio call took it) and not yet waited for.
+    armed: bool,
+}
+
+// SAFETY: a completion may be waited for and released from any thread.
+unsafe impl Send for Completion {}
 
 impl Completion {
     fn new() -> io::Result<Completion> {
         let mut c: ffi::rbd_completion_t = std::ptr::null_mut();
         // SAFETY: c is a valid out-pointer; no callback (we wait for it instead).
         check(unsafe { ffi::rbd_aio_create_completion(std::ptr::null_mut(), None, &mut c) })?;
-        Ok(Completion(c))
+        Ok(Completion { c, armed: false })
+    }
+
+    /// Submits an operation with this completion.
+    fn submit(&mut self, submit: impl FnOnce(ffi::rbd_completion_t) -> c_int) -> io::Result<()> {
+        check(submit(self.c))?;
+        self.armed = true;
+        Ok(())
     }
 
     /// Waits for the operation submitted with this completion; its return value.
-    fn wait(self) -> io::Result<isize> {
+    fn wait(mut self) -> io::Result<isize> {
         // SAFETY: the completion was passed to an aio call that returned 0, so librbd will
         // complete it; after the wait it touches neither it nor the call's buffer.
         let r = unsafe {
-            ffi::rbd_aio_wait_for_complete(self.0);
-            ffi::rbd_aio_get_return_value(self.0)
+            ffi::rbd_aio_wait_for_complete(self.c);
+            ffi::rbd_aio_get_return_value(self.c)
         };
+        self.armed = false;
         if r < 0 { Err(errno(r as i64)) } else { Ok(r) }
     }
 }
 
 impl Drop for Completion {
     fn drop(&mut self) {
-        // SAFETY: created by rbd_aio_create_completion; either never submitted (the aio call
-        // failed) or waited for, so librbd no longer uses it.
-        unsafe { ffi::rbd_aio_release(self.0) }
+        // SAFETY: created by rbd_aio_create_completion; an armed one is waited for, so that
+        // librbd no longer uses it (nor its operation's buffer) when it is released.
+        unsafe {
+            if self.armed {
+                ffi::rbd_aio_wait_for_complete(self.c);
+            }
+            ffi::rbd_aio_release(self.c)
+        }
+    }
+}
+
+/// A read or write under way (see [`Backend::start_read`], [`Backend::start_write`]).
+struct InFlight {
+    completion: Completion,
+    what: &'static str,
+    /// For a read: the bytes it must deliver (librbd returns fewer only past the end of the
+    /// image, which requests never reach).
+    len: Option<usize>,
+    spec: String,
+}
+
+impl Pending for InFlight {
+    fn wait(self: Box<Self>) -> io::Result<()> {
+        let r = self.completion.wait().and_then(|n| match self.len {
+            Some(len) if n as usize != len => Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("librbd read {n} of {len} bytes"),
+            )),
+            _ => Ok(()),
+        });
+        if let Err(e) = &r {
+            tracing::warn!("{} on {}: {e}", self.what, self.spec);
+        }
+        r
     }
 }
 
@@ -481,8 +528,8 @@ impl RbdImage {
 
     /// Submits one aio call with a fresh completion, then waits for it.
     fn aio(&self, submit: impl FnOnce(ffi::rbd_completion_t) -> c_int) -> io::Result<isize> {
-        let c = Completion::new()?;
-        check(submit(c.0))?;
+        let mut c = Completion::new()?;
+        c.submit(submit)?;
         c.wait()
     }
 
@@ -570,6 +617,46 @@ impl Backend for RbdImage {
             self.flush()?;
         }
         Ok(())
+    }
+
+    unsafe fn start_write(
+        &self,
+        data: *const u8,
+        len: usize,
+        offset: u64,
+    ) -> io::Result<Option<Box<dyn Pending>>> {
+        let mut completion = Completion::new()?;
+        // SAFETY: the caller keeps the bytes valid and unchanged until the returned write is
+        // waited for or dropped, and dropping it waits for librbd to be done with them.
+        completion.submit(|c| unsafe {
+            ffi::rbd_aio_write(self.image, offset, len, data as *const c_char, c)
+        })?;
+        Ok(Some(Box::new(InFlight {
+            completion,
+            what: "write",
+            len: None,
+            spec: self.spec.to_string(),
+        })))
+    }
+
+    unsafe fn start_read(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        offset: u64,
+    ) -> io::Result<Option<Box<dyn Pending>>> {
+        let mut completion = Completion::new()?;
+        // SAFETY: the caller keeps the bytes valid and to librbd alone until the returned
+        // read is waited for or dropped, and dropping it waits for librbd to be done.
+        completion.submit(|c| unsafe {
+            ffi::rbd_aio_read(self.image, offset, len, buf as *mut c_char, c)
+        })?;
+        Ok(Some(Box::new(InFlight {
+            completion,
+            what: "read",
+            len: Some(len),
+            spec: self.spec.to_string(),
+        })))
     }
 
     fn flush(&self) -> io::Result<()> {
