@@ -104,6 +104,14 @@ enum NbdCmd {
         /// (large and erratic in VMs whose memory the host backs lazily) from the comparison.
         #[arg(long)]
         prewrite: bool,
+        /// Two more rows: qpip-nbd-server's rbd: export and qemu-nbd's own rbd: driver,
+        /// each on a fresh image of the Ceph cluster that this ceph.conf names (e.g.
+        /// /tmp/qpip-ceph/ceph.conf of scripts/ceph-dev; the server needs the rbd feature).
+        #[arg(long, value_name = "FILE")]
+        rbd_conf: Option<PathBuf>,
+        /// The pool for those images.
+        #[arg(long, value_name = "POOL", default_value = "rbd")]
+        rbd_pool: String,
     },
     /// (root) The paper's network storage benchmark: ext2 on a loop device on a FUSE file
     /// backed by an NBD export. Writes a file sequentially + sync, unmounts, drops caches,
@@ -262,6 +270,8 @@ fn run(cli: Cli) -> Result<()> {
                     server_bin,
                     dir,
                     prewrite,
+                    rbd_conf,
+                    rbd_pool,
                 },
         } => {
             let server_bin = match server_bin {
@@ -277,6 +287,10 @@ fn run(cli: Cli) -> Result<()> {
                 server_bin,
                 dir.as_deref(),
                 prewrite,
+                rbd_conf.map(|conf| nbd::RbdBench {
+                    conf,
+                    pool: rbd_pool,
+                }),
                 &progress,
             )?;
             if json {
