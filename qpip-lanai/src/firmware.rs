@@ -469,9 +469,20 @@ impl Firmware {
             },
         };
         let r = self.iface.poll(instant(t), &mut port, &mut self.sockets);
-        // Aborted sockets have sent their RST by now.
+        // An aborted socket goes once its RST is out (smoltcp forgets the peer then). With
+        // every send staging buffer taken the RST waits, and the socket with it: its pending
+        // RST keeps the firmware's poll due, so it leaves when a buffer frees.
         for h in std::mem::take(&mut self.dying) {
-            self.free_tcp_socket(h);
+            if self
+                .sockets
+                .get::<tcp::Socket>(h)
+                .remote_endpoint()
+                .is_some()
+            {
+                self.dying.push(h);
+            } else {
+                self.free_tcp_socket(h);
+            }
         }
         r
     }

@@ -1074,3 +1074,55 @@ fn garbage_frames_are_dropped_and_the_connection_carries_on() {
     dst.read_at(0, &mut got);
     assert_eq!(&got, b"still here");
 }
+
+#[test]
+fn a_reset_waits_for_a_free_staging_buffer_instead_of_being_lost() {
+    // A message and the peer's FIN come in back to back (as a real-time receive batch takes
+    // them, before the link has reported any frame gone): their ACKs take every send
+    // staging buffer, and the FIN fails the QP, which waits for another message. The RST
+    // must wait for a buffer, not vanish with the socket: the peer, its FIN acknowledged,
+    // would wait for ours forever.
+    let mut net = Net::new();
+    let (s, c) = net.pair();
+    let dst = net.region(SERVER, 100);
+    net.post_recv(SERVER, &s, RecvWr::new(1, &[dst.sge(0, 50)]));
+    net.post_recv(SERVER, &s, RecvWr::new(2, &[dst.sge(50, 50)]));
+    net.run_until(|n| n.now > 1_000_000);
+    let src = net.region(CLIENT, 10);
+    net.post_send(CLIENT, &c, SendWr::new(7, &[src.sge(0, 10)]));
+    net.cmd(CLIENT, Command::Close { qp: c.num });
+    let mut frames = Vec::new();
+    loop {
+        let side = &mut net.sides[CLIENT].fw;
+        let out = side.transmit().expect("the client sends its FIN");
+        side.link_done(out.ready_at);
+        let (_, bytes) = crate::frame::switch(&out.bytes).expect("a routed frame");
+        let pkt = crate::frame::decode(&bytes).expect("a good frame");
+        let fin = crate::frame::summary(pkt).contains('F');
+        frames.push(bytes);
+        if fin {
+            break;
+        }
+        if let Some(t) = side.poll_at() {
+            side.poll(t);
+        }
+    }
+    for f in &frames {
+        net.now += 1_000;
+        net.sides[SERVER].fw.receive(net.now, f);
+    }
+    assert_eq!(s.state(), QpState::Error);
+    let released = |n: &mut Net| {
+        matches!(n.sides[CLIENT].fw.qps[&c.num].link, Link::Down)
+            && n.sides[SERVER].fw.dying.is_empty()
+    };
+    // At once, not when something the client retransmits meets the server's stack without
+    // a socket.
+    let fin_at = net.now;
+    net.run_until(|n| released(n) || n.now > fin_at + 1_000_000);
+    assert!(
+        released(&mut net),
+        "the server's RST reached the client, which let its connection go"
+    );
+    assert_eq!(c.state(), QpState::Closed);
+}
