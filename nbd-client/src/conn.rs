@@ -176,9 +176,9 @@ impl Conn {
                         conn.phase.store(hs.phase().to_u8(), Ordering::Release);
                         conn.repost(0)?;
                     }
-                    ClientEvent::Connected(_) => {
+                    ClientEvent::Connected(ref neg) => {
                         conn.phase
-                            .store(ClientPhase::Transmission.to_u8(), Ordering::Release);
+                            .store(neg.transmission_phase().to_u8(), Ordering::Release);
                         for slot in 0..RECV_SLOTS {
                             conn.repost(slot)?;
                         }

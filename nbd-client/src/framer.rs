@@ -76,7 +76,11 @@ impl Framer for ClientFramer {
             strip: 0,
             body_len,
         };
-        if phase != ClientPhase::Transmission || reads.is_empty() {
+        let transmission = matches!(
+            phase,
+            ClientPhase::Transmission | ClientPhase::TransmissionExtended
+        );
+        if !transmission || reads.is_empty() {
             return whole;
         }
         let place = client_data_at(header, |cookie| {

@@ -64,7 +64,7 @@ fn qpip_server_read_write_flush_zeroes_block_status() {
     let img = image(dir.path(), "a.img", 16 * MIB, &[(8 * MIB, MIB)]);
     let server = qpip_server("disk", &img, 0);
     let mut c = exercise(&server.uri, 16 * MIB);
-    assert!(c.structured_replies());
+    assert!(c.structured_replies() && c.extended_headers());
     assert!(c.can_block_status());
     // Block status sees the data at 8 MiB and holes elsewhere (the pattern was written there).
     let ext = c.block_status(8 * MIB, MIB).unwrap();
@@ -191,9 +191,28 @@ fn qemu_nbd_peer() {
         return;
     };
     let mut c = exercise(&peer.uri, 16 * MIB);
-    assert!(c.structured_replies() && c.can_block_status());
+    // qemu-nbd (8.2 and later) offers extended headers
+    assert!(c.structured_replies() && c.extended_headers() && c.can_block_status());
     let ext = c.block_status(12 * MIB, 4 * MIB).unwrap();
     assert!(ext[0].zero, "{ext:?}");
+    let ext = c.block_status(8 * MIB, MIB).unwrap();
+    assert!(!ext[0].hole, "{ext:?}");
+    c.disconnect().unwrap();
+}
+
+#[test]
+fn qemu_nbd_peer_compact_headers() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "q.img", 16 * MIB, &[(8 * MIB, MIB)]);
+    let Some(peer) = qemu_nbd("q", &img) else {
+        return;
+    };
+    let opts = ClientOptions {
+        extended_headers: false,
+        ..Default::default()
+    };
+    let mut c = Client::connect_with(&peer.uri, opts).unwrap();
+    assert!(c.structured_replies() && !c.extended_headers());
     let ext = c.block_status(8 * MIB, MIB).unwrap();
     assert!(!ext[0].hole, "{ext:?}");
     c.disconnect().unwrap();

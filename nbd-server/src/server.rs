@@ -86,10 +86,7 @@ impl Server {
             max_handshakes: opts.max_handshakes.max(1),
             idle_timeout: opts.idle_timeout,
             refusals: Mutex::new(RateLimitedLog::default()),
-            slot_budget: SlotBudget::new(
-                (opts.buffer_memory / (nbd_proto::consts::REQUEST_LEN + conn::CHUNK) as u64)
-                    as usize,
-            ),
+            slot_budget: SlotBudget::new((opts.buffer_memory / conn::SLOT_LEN as u64) as usize),
         });
         let connections = Arc::new(Mutex::new(Vec::new()));
         let mut accept_threads = Vec::new();

@@ -5,11 +5,12 @@
 //! or a raw byte stream with [`ClientHandshake::feed`]. Requests are appended to
 //! a caller-provided `Vec<u8>`.
 //!
-//! Connect sequence: greeting → client flags → `NBD_OPT_STRUCTURED_REPLY` (if
-//! wanted) → `NBD_OPT_SET_META_CONTEXT base:allocation` (if wanted and structured
+//! Connect sequence: greeting → client flags → `NBD_OPT_EXTENDED_HEADERS` (if
+//! wanted), else or if refused `NBD_OPT_STRUCTURED_REPLY` (if wanted) → `NBD_OPT_SET_META_CONTEXT base:allocation` (if wanted and structured
 //! replies were accepted) → `NBD_OPT_GO` requesting `NAME`, `DESCRIPTION` and
 //! `BLOCK_SIZE`, falling back to `NBD_OPT_EXPORT_NAME` if the server answers
-//! `NBD_REP_ERR_UNSUP` (or does not do fixed newstyle at all).
+//! `NBD_REP_ERR_UNSUP` (or does not do fixed newstyle at all) — except after extended
+//! headers, which forbid `NBD_OPT_EXPORT_NAME` (a server offering them must do `GO`).
 
 use crate::consts as c;
 use crate::error::ProtoError;
@@ -33,6 +34,8 @@ pub struct ClientConfig {
     pub export_name: String,
     /// Ask for structured replies.
     pub structured_replies: bool,
+    /// Ask for extended headers first (only with `use_go`, as the spec requires).
+    pub extended_headers: bool,
     /// Ask for the `base:allocation` metadata context (needs structured replies).
     pub base_allocation: bool,
     /// Use `NBD_FLAG_C_NO_ZEROES` if the server offers it.
@@ -49,6 +52,7 @@ impl ClientConfig {
         Self {
             export_name: export_name.into(),
             structured_replies: true,
+            extended_headers: true,
             base_allocation: true,
             no_zeroes: true,
             use_go: true,
@@ -79,8 +83,10 @@ pub struct ExportDetails {
 pub struct ClientNegotiated {
     /// The export.
     pub export: ExportDetails,
-    /// Structured replies negotiated.
+    /// Structured replies negotiated (also true with extended headers).
     pub structured_replies: bool,
+    /// Extended headers negotiated: 32-byte requests, every reply an extended chunk.
+    pub extended_headers: bool,
     /// Context id of `base:allocation`, if selected.
     pub base_allocation: Option<u32>,
     /// `NBD_FLAG_C_NO_ZEROES` negotiated.
@@ -99,6 +105,16 @@ impl ClientNegotiated {
             has_meta_context: self.base_allocation.is_some(),
             block_size: self.export.block_size,
             df_max_len: 65536,
+            extended_headers: self.extended_headers,
+        }
+    }
+
+    /// The framing phase of the transmission (compact or extended replies).
+    pub fn transmission_phase(&self) -> ClientPhase {
+        if self.extended_headers {
+            ClientPhase::TransmissionExtended
+        } else {
+            ClientPhase::Transmission
         }
     }
 }
@@ -209,6 +225,7 @@ impl InfoAcc {
 #[derive(Debug, Clone)]
 enum State {
     Greeting,
+    ExtendedHeaders,
     StructuredReply,
     SetMeta { id: Option<u32>, replies: usize },
     Go(InfoAcc),
@@ -226,6 +243,7 @@ pub struct ClientHandshake {
     state: State,
     no_zeroes: bool,
     structured: bool,
+    extended: bool,
     base_allocation: Option<u32>,
     inbuf: Vec<u8>,
 }
@@ -240,6 +258,7 @@ impl ClientHandshake {
             state: State::Greeting,
             no_zeroes: false,
             structured: false,
+            extended: false,
             base_allocation: None,
             inbuf: Vec::new(),
         }
@@ -356,6 +375,16 @@ impl ClientHandshake {
         Ok(())
     }
 
+    fn ask_structured(&mut self, out: &mut Vec<u8>) -> Result<(), ClientError> {
+        if self.config.structured_replies {
+            encode_option(c::OPT_STRUCTURED_REPLY, &[], out);
+            self.state = State::StructuredReply;
+            Ok(())
+        } else {
+            self.after_structured(out)
+        }
+    }
+
     fn after_structured(&mut self, out: &mut Vec<u8>) -> Result<(), ClientError> {
         if self.structured && self.config.base_allocation {
             let data = MetaContextRequest {
@@ -376,6 +405,7 @@ impl ClientHandshake {
 
     fn expected_option(&self) -> Option<u32> {
         Some(match self.state {
+            State::ExtendedHeaders => c::OPT_EXTENDED_HEADERS,
             State::StructuredReply => c::OPT_STRUCTURED_REPLY,
             State::SetMeta { .. } => c::OPT_SET_META_CONTEXT,
             State::Go(_) => c::OPT_GO,
@@ -405,6 +435,7 @@ impl ClientHandshake {
                         description: None,
                     },
                     structured_replies: self.structured,
+                    extended_headers: false,
                     base_allocation: self.base_allocation,
                     no_zeroes: self.no_zeroes,
                     via_go: false,
@@ -438,6 +469,19 @@ impl ClientHandshake {
         });
         let state = core::mem::replace(&mut self.state, State::Finished);
         match state {
+            State::ExtendedHeaders => {
+                match h.reply_type {
+                    c::REP_ACK => {
+                        self.extended = true;
+                        self.structured = true;
+                        self.after_structured(out)?;
+                    }
+                    // Refused (ERR_UNSUP from older servers): compact headers.
+                    _ if h.is_error() => self.ask_structured(out)?,
+                    _ => return unexpected,
+                }
+                Ok(ClientEvent::Continue)
+            }
             State::StructuredReply => {
                 match h.reply_type {
                     c::REP_ACK => self.structured = true,
@@ -504,6 +548,7 @@ impl ClientHandshake {
                             Ok(ClientEvent::Connected(Box::new(ClientNegotiated {
                                 export: details,
                                 structured_replies: self.structured,
+                                extended_headers: self.extended,
                                 base_allocation: self.base_allocation,
                                 no_zeroes: self.no_zeroes,
                                 via_go: true,
@@ -513,7 +558,7 @@ impl ClientHandshake {
                             Ok(ClientEvent::Info(Box::new(details)))
                         }
                     }
-                    c::REP_ERR_UNSUP if go => {
+                    c::REP_ERR_UNSUP if go && !self.extended => {
                         // "clients SHOULD be prepared to also handle NBD_REP_ERR_UNSUP
                         // by falling back to using NBD_OPT_EXPORT_NAME"
                         self.send_export_name(out)?;
@@ -584,11 +629,11 @@ impl ClientHandshake {
         }
         match self.goal {
             Goal::Connect => {
-                if self.config.structured_replies {
-                    encode_option(c::OPT_STRUCTURED_REPLY, &[], out);
-                    self.state = State::StructuredReply;
+                if self.config.extended_headers && self.config.use_go {
+                    encode_option(c::OPT_EXTENDED_HEADERS, &[], out);
+                    self.state = State::ExtendedHeaders;
                 } else {
-                    self.after_structured(out)?;
+                    self.ask_structured(out)?;
                 }
             }
             Goal::List => {

@@ -91,6 +91,8 @@ pub struct ServerConfig {
     pub support_go: bool,
     /// Support `NBD_OPT_STRUCTURED_REPLY` (else `NBD_REP_ERR_UNSUP`).
     pub support_structured_replies: bool,
+    /// Support `NBD_OPT_EXTENDED_HEADERS` (else `NBD_REP_ERR_UNSUP`; also without `support_go`).
+    pub support_extended_headers: bool,
     /// Support `base:allocation` via the meta context options (else `NBD_REP_ERR_UNSUP`).
     pub support_meta_contexts: bool,
     /// Option data larger than this is a hard disconnect (bounded memory).
@@ -113,6 +115,7 @@ impl Default for ServerConfig {
             allow_list: true,
             support_go: true,
             support_structured_replies: true,
+            support_extended_headers: true,
             support_meta_contexts: true,
             max_option_len: crate::framing::DEFAULT_MAX_OPTION_LEN,
             max_options: DEFAULT_MAX_OPTIONS,
@@ -152,8 +155,11 @@ pub struct ServerNegotiated {
     pub size: u64,
     /// Transmission flags sent to the client.
     pub flags: TransmissionFlags,
-    /// Structured replies negotiated.
+    /// Structured replies negotiated (also true with extended headers, which take
+    /// precedence: every reply is then an extended chunk).
     pub structured_replies: bool,
+    /// Extended headers negotiated: 32-byte requests and extended reply chunks.
+    pub extended_headers: bool,
     /// Selected metadata contexts `(id, name)` (empty unless the last
     /// `NBD_OPT_SET_META_CONTEXT` named this export).
     pub meta_contexts: Vec<(u32, String)>,
@@ -178,6 +184,16 @@ impl ServerNegotiated {
             has_meta_context: !self.meta_contexts.is_empty(),
             block_size: self.block_size,
             df_max_len: u32::MAX,
+            extended_headers: self.extended_headers,
+        }
+    }
+
+    /// The framing phase of the transmission (compact or extended requests).
+    pub fn transmission_phase(&self) -> ServerPhase {
+        if self.extended_headers {
+            ServerPhase::TransmissionExtended
+        } else {
+            ServerPhase::Transmission
         }
     }
 }
@@ -240,6 +256,10 @@ pub enum ServerError {
     /// A message arrived after the handshake ended.
     #[error("handshake already finished")]
     Finished,
+    /// `NBD_OPT_EXPORT_NAME` after extended headers were negotiated ("a client MUST NOT
+    /// use" it then; it cannot be answered with an error).
+    #[error("NBD_OPT_EXPORT_NAME after NBD_OPT_EXTENDED_HEADERS")]
+    ExportNameWithExtendedHeaders,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -257,6 +277,7 @@ pub struct ServerHandshake {
     fixed: bool,
     no_zeroes: bool,
     structured: bool,
+    extended: bool,
     /// Export index and contexts selected by the last `NBD_OPT_SET_META_CONTEXT`.
     meta: Option<(usize, Vec<(u32, String)>)>,
     options_seen: u32,
@@ -281,6 +302,7 @@ impl ServerHandshake {
             fixed: false,
             no_zeroes: false,
             structured: false,
+            extended: false,
             meta: None,
             options_seen: 0,
             shutting_down: false,
@@ -311,6 +333,7 @@ impl ServerHandshake {
         match self.state {
             State::ClientFlags => ServerPhase::ClientFlags,
             State::Options => ServerPhase::Options,
+            State::Finished if self.extended => ServerPhase::TransmissionExtended,
             State::Finished => ServerPhase::Transmission,
         }
     }
@@ -387,6 +410,8 @@ impl ServerHandshake {
                 Need::Header(_) => return Ok(ServerEvent::Continue),
                 Need::Invalid(crate::framing::FrameError::TooLong { len, limit }) => {
                     self.state = State::Finished;
+                    // an option length is a u32
+                    let len = u32::try_from(len).unwrap_or(u32::MAX);
                     return Err(ServerError::OptionTooLong { len, limit });
                 }
                 Need::Invalid(_) => {
@@ -494,6 +519,36 @@ impl ServerHandshake {
                 Ok(ServerEvent::Continue)
             }
             c::OPT_INFO | c::OPT_GO if self.config.support_go => self.info_or_go(option, data, out),
+            c::OPT_STRUCTURED_REPLY if self.extended => {
+                // "The client has already successfully negotiated extended headers, which
+                // takes precedence over this option."
+                reply_err(
+                    out,
+                    option,
+                    c::REP_ERR_EXT_HEADER_REQD,
+                    "extended headers are already negotiated",
+                );
+                Ok(ServerEvent::Continue)
+            }
+            // "the server MUST also support NBD_OPT_GO" (the client may not fall back).
+            c::OPT_EXTENDED_HEADERS
+                if self.config.support_extended_headers && self.config.support_go =>
+            {
+                if data.is_empty() {
+                    // Extended replies are structured replies with longer headers.
+                    self.extended = true;
+                    self.structured = true;
+                    reply(out, option, c::REP_ACK, &[]);
+                } else {
+                    reply_err(
+                        out,
+                        option,
+                        c::REP_ERR_INVALID,
+                        "NBD_OPT_EXTENDED_HEADERS takes no data",
+                    );
+                }
+                Ok(ServerEvent::Continue)
+            }
             c::OPT_STRUCTURED_REPLY if self.config.support_structured_replies => {
                 if data.is_empty() {
                     self.structured = true;
@@ -533,6 +588,7 @@ impl ServerHandshake {
             size: e.size,
             flags: e.transmission_flags(self.structured),
             structured_replies: self.structured,
+            extended_headers: self.extended,
             meta_contexts,
             no_zeroes: self.no_zeroes,
             block_size: e.effective_block_size(),
@@ -542,6 +598,9 @@ impl ServerHandshake {
     }
 
     fn export_name(&mut self, data: &[u8], out: &mut Vec<u8>) -> Result<ServerEvent, ServerError> {
+        if self.extended {
+            return Err(ServerError::ExportNameWithExtendedHeaders);
+        }
         let name = parse_string(data, "export name").map_err(|_| ServerError::InvalidExportName)?;
         let idx = self
             .config

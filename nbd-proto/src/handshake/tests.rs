@@ -187,6 +187,7 @@ fn client_can_skip_go_and_structured() {
 fn structured_and_meta_unsupported() {
     let cfg = ServerConfig {
         support_structured_replies: false,
+        support_extended_headers: false,
         support_meta_contexts: false,
         ..config()
     };
@@ -345,7 +346,10 @@ fn stream_feed_byte_by_byte_with_pipelined_request() {
     assert!(matches!(sdone, Some(ServerEvent::Done(_))));
     assert!(matches!(cdone, Some(ClientEvent::Connected(_))));
     assert!(server.take_leftover().is_empty());
-    assert_eq!(server.phase(), crate::framing::ServerPhase::Transmission);
+    assert_eq!(
+        server.phase(),
+        crate::framing::ServerPhase::TransmissionExtended
+    );
     assert!(server.feed(&[], &mut Vec::new()).is_err());
     assert!(client.take_leftover().is_empty());
 }
@@ -362,7 +366,7 @@ fn stream_feed_keeps_pipelined_request() {
         offset: 0,
         length: 4,
     };
-    input.extend_from_slice(&req.encode());
+    input.extend_from_slice(&req.encode(false).unwrap());
     input.extend_from_slice(b"data");
     let mut out = Vec::new();
     assert!(matches!(
@@ -372,7 +376,7 @@ fn stream_feed_keeps_pipelined_request() {
     assert_eq!(out.len(), 134);
     let left = server.take_leftover();
     assert_eq!(left.len(), 32);
-    assert_eq!(crate::transmission::Request::parse(&left), Ok(req));
+    assert_eq!(crate::transmission::Request::parse(&left, false), Ok(req));
 }
 
 // ---- byte-level server checks ------------------------------------------------------
@@ -459,7 +463,7 @@ fn starttls_and_unknown_options_are_refused_and_negotiation_continues() {
     assert_eq!(r, Ok(ServerEvent::Continue));
     assert_eq!(types(&rep), vec![c::REP_ERR_UNSUP]);
     assert_eq!(rep[0].0, c::OPT_STARTTLS);
-    for o in [c::OPT_PEEK_EXPORT, c::OPT_EXTENDED_HEADERS, 99, 0xffff_ffff] {
+    for o in [c::OPT_PEEK_EXPORT, 99, 0xffff_ffff] {
         let (r, rep) = ask(&mut s, o, b"junk");
         assert_eq!(r, Ok(ServerEvent::Continue));
         assert_eq!(
@@ -856,7 +860,10 @@ fn client_rejects_bad_server_replies() {
     }
     .encode();
     let start = || {
-        let mut client = ClientHandshake::connect(ClientConfig::new("disk"));
+        let mut client = ClientHandshake::connect(ClientConfig {
+            extended_headers: false,
+            ..ClientConfig::new("disk")
+        });
         let mut out = Vec::new();
         client.handle_message(&g, &mut out).unwrap();
         // flags with NO_ZEROES, then STRUCTURED_REPLY
@@ -916,4 +923,120 @@ fn client_rejects_bad_server_replies() {
         client.handle_message(&msg, &mut Vec::new()),
         Err(ClientError::Finished)
     );
+}
+
+// ---- extended headers ---------------------------------------------------------------
+
+#[test]
+fn go_with_extended_headers() {
+    let o = run(
+        config(),
+        ClientHandshake::connect(ClientConfig::new("disk")),
+    );
+    let (s, cl) = (server_done(&o), client_done(&o));
+    assert!(s.extended_headers && cl.extended_headers);
+    // extended headers carry structured replies, with everything that needs them
+    assert!(s.structured_replies && cl.structured_replies);
+    assert!(cl.export.flags.contains(TF::SEND_DF));
+    assert_eq!(cl.base_allocation, Some(BASE_ALLOCATION_ID));
+    assert_eq!(
+        s.transmission_phase(),
+        crate::framing::ServerPhase::TransmissionExtended
+    );
+    assert_eq!(
+        cl.transmission_phase(),
+        crate::framing::ClientPhase::TransmissionExtended
+    );
+    assert!(s.transmission_info().extended_headers);
+    assert!(cl.transmission_info().extended_headers);
+}
+
+#[test]
+fn extended_headers_refused_falls_back_to_structured_replies() {
+    for cfg in [
+        ServerConfig {
+            support_extended_headers: false,
+            ..config()
+        },
+        // A server without GO must not offer extended headers (the client could not fall
+        // back to EXPORT_NAME).
+        ServerConfig {
+            support_go: false,
+            ..config()
+        },
+    ] {
+        let go = cfg.support_go;
+        let o = run(cfg, ClientHandshake::connect(ClientConfig::new("disk")));
+        let (s, cl) = (server_done(&o), client_done(&o));
+        assert!(!s.extended_headers && !cl.extended_headers);
+        assert!(s.structured_replies && cl.structured_replies);
+        assert_eq!(cl.via_go, go);
+        assert_eq!(
+            cl.transmission_phase(),
+            crate::framing::ClientPhase::Transmission
+        );
+    }
+}
+
+#[test]
+fn extended_headers_option_rules() {
+    let mut s = started(config(), 3);
+    let (r, rep) = ask(&mut s, c::OPT_EXTENDED_HEADERS, b"x");
+    assert_eq!(r, Ok(ServerEvent::Continue));
+    assert_eq!(types(&rep), vec![c::REP_ERR_INVALID]);
+    let (_, rep) = ask(&mut s, c::OPT_EXTENDED_HEADERS, &[]);
+    assert_eq!(rep, vec![(c::OPT_EXTENDED_HEADERS, c::REP_ACK, vec![])]);
+    // structured replies are superseded
+    let (_, rep) = ask(&mut s, c::OPT_STRUCTURED_REPLY, &[]);
+    assert_eq!(types(&rep), vec![c::REP_ERR_EXT_HEADER_REQD]);
+    // meta contexts work: extended headers imply structured replies
+    let (_, rep) = ask(
+        &mut s,
+        c::OPT_SET_META_CONTEXT,
+        &meta("disk", &[c::BASE_ALLOCATION]),
+    );
+    assert_eq!(types(&rep), vec![c::REP_META_CONTEXT, c::REP_ACK]);
+    assert_eq!(s.phase(), crate::framing::ServerPhase::Options);
+    let mut ex = s.clone();
+    // EXPORT_NAME is forbidden after extended headers: hard disconnect
+    let (r, _) = ask(&mut ex, c::OPT_EXPORT_NAME, b"disk");
+    assert_eq!(r, Err(ServerError::ExportNameWithExtendedHeaders));
+    let go = InfoRequest {
+        name: "disk",
+        items: vec![],
+    }
+    .encode()
+    .unwrap();
+    let (r, _) = ask(&mut s, c::OPT_GO, &go);
+    assert!(matches!(r, Ok(ServerEvent::Done(n)) if n.extended_headers));
+    assert_eq!(s.phase(), crate::framing::ServerPhase::TransmissionExtended);
+}
+
+#[test]
+fn client_with_extended_headers_never_falls_back_to_export_name() {
+    let g = Greeting {
+        flags: HandshakeFlags::FIXED_NEWSTYLE | HandshakeFlags::NO_ZEROES,
+    }
+    .encode();
+    let mut client = ClientHandshake::connect(ClientConfig {
+        base_allocation: false,
+        ..ClientConfig::new("disk")
+    });
+    let mut out = Vec::new();
+    client.handle_message(&g, &mut out).unwrap();
+    assert_eq!(out[4..], opt(c::OPT_EXTENDED_HEADERS, &[]));
+    let mut m = Vec::new();
+    encode_option_reply(c::OPT_EXTENDED_HEADERS, c::REP_ACK, &[], &mut m);
+    out.clear();
+    client.handle_message(&m, &mut out).unwrap();
+    assert_eq!(out[8..12], c::OPT_GO.to_be_bytes());
+    m.clear();
+    encode_option_reply(c::OPT_GO, c::REP_ERR_UNSUP, &[], &mut m);
+    assert!(matches!(
+        client.handle_message(&m, &mut Vec::new()),
+        Err(ClientError::Rejected {
+            option: c::OPT_GO,
+            ..
+        })
+    ));
 }
