@@ -39,7 +39,7 @@ use qpip_core::cli::BackendArgs;
         fusermount3 -u /mnt/nbd"
 )]
 struct Cli {
-    /// nbd://HOST[:PORT][/EXPORT]
+    /// nbd://HOST[:PORT][/EXPORT], or nbd+unix:///EXPORT?socket=PATH for a local socket
     uri: String,
     /// An existing directory with nothing mounted on it.
     mountpoint: PathBuf,

@@ -2,6 +2,7 @@
 //! over the QP (one receive WR at a time, the framer's phase updated before each), then post
 //! the receive slots of the transmission phase.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, Instant};
@@ -84,17 +85,26 @@ impl Conn {
         timeout: Duration,
     ) -> Result<(Conn, ClientEvent)> {
         let deadline = Instant::now() + timeout;
-        let addrs = uri.socket_addrs().map_err(|source| Error::Resolve {
-            host: uri.host.clone(),
-            source,
-        })?;
+        // A Unix socket (None) is one place to try; a host name may resolve to several.
+        let targets: Vec<Option<SocketAddr>> = match &uri.socket {
+            Some(_) => vec![None],
+            None => uri
+                .socket_addrs()
+                .map_err(|source| Error::Resolve {
+                    host: uri.host.clone(),
+                    source,
+                })?
+                .into_iter()
+                .map(Some)
+                .collect(),
+        };
         let limits = FrameLimits {
             max_reply_len: (RECV_SLOT - c::STRUCTURED_REPLY_HEADER_LEN) as u32,
             ..hs.frame_limits()
         };
         let mut last_err = None;
         let mut conn = None;
-        for addr in addrs {
+        for addr in targets {
             let cq = nic.create_cq(2 * (MAX_WINDOW + RECV_SLOTS) + 16);
             let phase = Arc::new(AtomicU8::new(ClientPhase::Greeting.to_u8()));
             let reads = Reads::default();
@@ -104,7 +114,13 @@ impl Conn {
                     .depths(MAX_WINDOW + 8, RECV_SLOTS),
             );
             let left = deadline.saturating_duration_since(Instant::now());
-            match qp.connect_timeout(addr, left.max(Duration::from_millis(1))) {
+            let left = left.max(Duration::from_millis(1));
+            let connected = match (addr, &uri.socket) {
+                (Some(addr), _) => qp.connect_timeout(addr, left),
+                (None, Some(path)) => qp.connect_unix(path, left),
+                (None, None) => Err(qpip_core::Error::InvalidWr("no address")),
+            };
+            match connected {
                 Ok(()) => {
                     let recv_mr = nic.alloc_region(RECV_SLOTS * RECV_SLOT, Access::READ_WRITE);
                     conn = Some(Conn {

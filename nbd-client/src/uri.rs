@@ -1,11 +1,13 @@
-//! NBD URIs: `nbd://host[:port][/export]` (IPv6 literals in brackets, default port 10809).
+//! NBD URIs: `nbd://host[:port][/export]` (IPv6 literals in brackets, default port 10809)
+//! and `nbd+unix:///export?socket=PATH` (a local Unix-domain socket, which the soft NIC
+//! carries as a reliable QP).
 //!
 //! A small hand-written parser for the subset of the NBD URI specification that a QP can
-//! carry. `nbd+unix://` is refused: QPs run over TCP or UDP, never over Unix sockets. TLS
-//! (`nbds://`) is not implemented.
+//! carry. TLS (`nbds://`, `nbds+unix://`) is not implemented.
 
 use std::fmt;
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
 use std::str::FromStr;
 
 /// The IANA port of NBD.
@@ -14,11 +16,14 @@ pub const DEFAULT_PORT: u16 = 10809;
 /// A parsed NBD URI.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NbdUri {
-    /// Host name or address (an IPv6 literal without its brackets).
+    /// Host name or address (an IPv6 literal without its brackets); empty with `socket`.
     pub host: String,
+    /// The port; 0 with `socket`.
     pub port: u16,
     /// Export name ("" = the server's default export).
     pub export: String,
+    /// The Unix-domain socket of an `nbd+unix://` URI.
+    pub socket: Option<PathBuf>,
 }
 
 /// Why a string is not a usable NBD URI.
@@ -27,12 +32,7 @@ pub struct NbdUri {
 pub enum UriError {
     #[error("{0:?}: not an NBD URI (expected nbd://host[:port][/export])")]
     NotNbd(String),
-    #[error(
-        "{0:?}: Unix-domain sockets are not supported: QPs carry TCP and UDP only; \
-         use nbd://host:port/export"
-    )]
-    Unix(String),
-    #[error("{0:?}: TLS (nbds://) is not supported")]
+    #[error("{0:?}: TLS (nbds://, nbds+unix://) is not supported")]
     Tls(String),
     #[error("{uri:?}: {why}")]
     Invalid { uri: String, why: &'static str },
@@ -46,6 +46,11 @@ fn invalid(uri: &str, why: &'static str) -> UriError {
 }
 
 fn percent_decode(s: &str, uri: &str) -> Result<String, UriError> {
+    let bytes = percent_decode_bytes(s, uri)?;
+    String::from_utf8(bytes).map_err(|_| invalid(uri, "export name is not UTF-8"))
+}
+
+fn percent_decode_bytes(s: &str, uri: &str) -> Result<Vec<u8>, UriError> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -55,7 +60,7 @@ fn percent_decode(s: &str, uri: &str) -> Result<String, UriError> {
                 .get(i + 1..i + 3)
                 .and_then(|h| std::str::from_utf8(h).ok())
                 .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| invalid(uri, "bad percent escape in the export name"))?;
+                .ok_or_else(|| invalid(uri, "bad percent escape"))?;
             out.push(hex);
             i += 3;
         } else {
@@ -63,19 +68,31 @@ fn percent_decode(s: &str, uri: &str) -> Result<String, UriError> {
             i += 1;
         }
     }
-    String::from_utf8(out).map_err(|_| invalid(uri, "export name is not UTF-8"))
+    Ok(out)
+}
+
+/// Percent-encodes `bytes` for a URI, keeping unreserved characters and `/`.
+fn percent_encode(f: &mut fmt::Formatter<'_>, bytes: &[u8]) -> fmt::Result {
+    for &b in bytes {
+        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+            write!(f, "{}", b as char)?;
+        } else {
+            write!(f, "%{b:02X}")?;
+        }
+    }
+    Ok(())
 }
 
 impl NbdUri {
-    /// Parses `nbd://host[:port][/export]`.
+    /// Parses `nbd://host[:port][/export]` or `nbd+unix:///export?socket=PATH`.
     pub fn parse(uri: &str) -> Result<NbdUri, UriError> {
         let Some((scheme, rest)) = uri.split_once("://") else {
             return Err(UriError::NotNbd(uri.to_owned()));
         };
         match scheme.to_ascii_lowercase().as_str() {
             "nbd" => {}
-            "nbd+unix" | "nbds+unix" => return Err(UriError::Unix(uri.to_owned())),
-            "nbds" => return Err(UriError::Tls(uri.to_owned())),
+            "nbd+unix" => return Self::parse_unix(uri, rest),
+            "nbds" | "nbds+unix" => return Err(UriError::Tls(uri.to_owned())),
             _ => return Err(UriError::NotNbd(uri.to_owned())),
         }
         if rest.contains('?') || rest.contains('#') {
@@ -129,6 +146,49 @@ impl NbdUri {
             host: host.to_owned(),
             port,
             export: percent_decode(path, uri)?,
+            socket: None,
+        })
+    }
+
+    /// `nbd+unix:///export?socket=PATH`: no authority, the socket in the query.
+    fn parse_unix(uri: &str, rest: &str) -> Result<NbdUri, UriError> {
+        if rest.contains('#') {
+            return Err(invalid(uri, "a fragment is not supported"));
+        }
+        let (before, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let path = match before.strip_prefix('/') {
+            Some(p) => p,
+            None if before.is_empty() => "",
+            None => {
+                return Err(invalid(
+                    uri,
+                    "nbd+unix:// takes no host: nbd+unix:///export?socket=PATH",
+                ));
+            }
+        };
+        let mut socket = None;
+        for param in query.split('&').filter(|p| !p.is_empty()) {
+            match param.split_once('=') {
+                Some(("socket", v)) if !v.is_empty() => {
+                    let bytes = percent_decode_bytes(v, uri)?;
+                    let os: std::ffi::OsString = std::os::unix::ffi::OsStringExt::from_vec(bytes);
+                    socket = Some(PathBuf::from(os));
+                }
+                Some(("socket", _)) => return Err(invalid(uri, "missing socket=PATH")),
+                _ => {
+                    return Err(invalid(
+                        uri,
+                        "the only query parameter supported is socket=PATH",
+                    ));
+                }
+            }
+        }
+        let socket = socket.ok_or_else(|| invalid(uri, "missing socket=PATH"))?;
+        Ok(NbdUri {
+            host: String::new(),
+            port: 0,
+            export: percent_decode(path, uri)?,
+            socket: Some(socket),
         })
     }
 
@@ -147,19 +207,21 @@ impl FromStr for NbdUri {
 
 impl fmt::Display for NbdUri {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(socket) = &self.socket {
+            f.write_str("nbd+unix:///")?;
+            percent_encode(f, self.export.as_bytes())?;
+            f.write_str("?socket=")?;
+            return percent_encode(
+                f,
+                std::os::unix::ffi::OsStrExt::as_bytes(socket.as_os_str()),
+            );
+        }
         if self.host.contains(':') {
             write!(f, "nbd://[{}]:{}/", self.host, self.port)?;
         } else {
             write!(f, "nbd://{}:{}/", self.host, self.port)?;
         }
-        for b in self.export.bytes() {
-            if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
-                write!(f, "{}", b as char)?;
-            } else {
-                write!(f, "%{b:02X}")?;
-            }
-        }
-        Ok(())
+        percent_encode(f, self.export.as_bytes())
     }
 }
 
@@ -187,7 +249,8 @@ mod tests {
             NbdUri {
                 host: "example.com".into(),
                 port: 1234,
-                export: "disk".into()
+                export: "disk".into(),
+                socket: None,
             }
         );
         assert_eq!(p("nbd://10.0.0.1").port, DEFAULT_PORT);
@@ -216,10 +279,11 @@ mod tests {
 
     #[test]
     fn refusals_are_clear() {
-        let e = NbdUri::parse("nbd+unix:///disk?socket=/tmp/s").unwrap_err();
-        assert!(matches!(e, UriError::Unix(_)));
-        assert!(e.to_string().contains("TCP and UDP only"));
         assert!(matches!(NbdUri::parse("nbds://h/e"), Err(UriError::Tls(_))));
+        assert!(matches!(
+            NbdUri::parse("nbds+unix:///e?socket=/s"),
+            Err(UriError::Tls(_))
+        ));
         assert!(matches!(
             NbdUri::parse("http://h/e"),
             Err(UriError::NotNbd(_))
@@ -230,6 +294,31 @@ mod tests {
         assert!(NbdUri::parse("nbd://h:0/e").is_err());
         assert!(NbdUri::parse("nbd://h/e?x=1").is_err());
         assert!(NbdUri::parse("nbd://h/%zz").is_err());
+    }
+
+    #[test]
+    fn unix_sockets() {
+        let u = p("nbd+unix:///disk?socket=/tmp/my%20s.sock");
+        assert_eq!(u.export, "disk");
+        assert_eq!(
+            u.socket.as_deref(),
+            Some(std::path::Path::new("/tmp/my s.sock"))
+        );
+        assert_eq!(u.to_string(), "nbd+unix:///disk?socket=/tmp/my%20s.sock");
+        assert_eq!(p(&u.to_string()), u);
+        assert_eq!(p("nbd+unix://?socket=s").export, "");
+        assert_eq!(p("NBD+UNIX:///a/b?socket=rel.sock").export, "a/b");
+        for (bad, why) in [
+            ("nbd+unix:///disk", "missing socket"),
+            ("nbd+unix:///disk?socket=", "missing socket"),
+            ("nbd+unix://host/disk?socket=/s", "no host"),
+            ("nbd+unix:///disk?socket=/s&tls=on", "only query parameter"),
+            ("nbd+unix:///disk?socket=/s#f", "fragment"),
+            ("nbd+unix:///disk?socket=%zz", "percent"),
+        ] {
+            let e = NbdUri::parse(bad).unwrap_err().to_string();
+            assert!(e.contains(why) && e.contains(bad), "{bad}: {e}");
+        }
     }
 
     #[test]

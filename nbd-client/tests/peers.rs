@@ -281,3 +281,44 @@ fn hung_server_times_out_with_eio() {
     assert!(start.elapsed() < std::time::Duration::from_secs(30));
     assert!(buf.iter().all(|&b| b == 0), "no data may be reported");
 }
+
+/// Unix-domain sockets, with each server that has them: nbdkit -U, qemu-nbd -k, and ours.
+#[test]
+fn unix_socket_peers() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "u.img", 16 * MIB, &[]);
+    let file = format!("file={}", img.display());
+    let qimg = image(dir.path(), "q.img", 16 * MIB, &[]);
+    let ours = image(dir.path(), "o.img", 16 * MIB, &[]);
+    let peers = [
+        unix_peer(
+            "nbdkit",
+            "-U",
+            &["-f", "--exit-with-parent", "file", &file],
+            "",
+        ),
+        unix_peer(
+            "qemu-nbd",
+            "-k",
+            &[
+                "-f",
+                "raw",
+                "-x",
+                "q",
+                "--persistent",
+                qimg.to_str().unwrap(),
+            ],
+            "q",
+        ),
+        unix_peer(
+            qpip_server_bin().to_str().unwrap(),
+            "--socket",
+            &["--export", &format!("o={}", ours.display())],
+            "o",
+        ),
+    ];
+    for peer in peers.into_iter().flatten() {
+        assert!(peer.uri.starts_with("nbd+unix:///"), "{}", peer.uri);
+        exercise(&peer.uri, 16 * MIB).disconnect().unwrap();
+    }
+}

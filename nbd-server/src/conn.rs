@@ -11,7 +11,6 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
@@ -23,7 +22,8 @@ use nbd_proto::handshake::server::{ServerEvent, ServerHandshake, ServerNegotiate
 use nbd_proto::reply::{self, ReplyTo, SimpleReply};
 use nbd_proto::transmission::{Command, ErrorValue, Request, TransmissionInfo, validate_request};
 use qpip_core::{
-    Access, Completion, CompletionQueue, MemoryRegion, Opcode, QueuePair, RecvWr, SendWr, WcStatus,
+    Access, Completion, CompletionQueue, Endpoint, MemoryRegion, Opcode, QueuePair, RecvWr, SendWr,
+    WcStatus,
 };
 
 use crate::export::Export;
@@ -62,7 +62,7 @@ pub struct Connection {
     qp: QueuePair,
     cq: CompletionQueue,
     phase: Arc<AtomicU8>,
-    peer: SocketAddr,
+    peer: Endpoint,
     /// Completions read while waiting for something else (a free reply slot).
     stash: VecDeque<Completion>,
     /// Handshake replies in flight, kept alive until their send completes.
@@ -89,7 +89,7 @@ impl Connection {
         qp: QueuePair,
         cq: CompletionQueue,
         phase: Arc<AtomicU8>,
-        peer: SocketAddr,
+        peer: Endpoint,
         evict: Arc<AtomicBool>,
     ) -> Self {
         Connection {
@@ -113,7 +113,7 @@ impl Connection {
         };
         // Only clients past the handshake count toward --max-connections; the final reply
         // has not gone out, so a refused client sees the connection close in the handshake.
-        let Some(_place) = self.shared.admit(self.peer) else {
+        let Some(_place) = self.shared.admit(&self.peer) else {
             self.qp.close();
             return Ok(());
         };

@@ -14,10 +14,10 @@ use nbd_server::daemon;
 use nbd_server::export::Export;
 use nbd_server::image::{Format, Image};
 use nbd_server::server::{Server, ServerOptions};
-use qpip_core::Nic;
 use qpip_core::cli::BackendArgs;
 use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
 use qpip_core::logging::LogArgs;
+use qpip_core::{Endpoint, Nic};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -57,6 +57,14 @@ struct Cli {
     /// nbdkit spell it; repeat for several.
     #[arg(short, long, value_name = "ADDR")]
     bind: Vec<String>,
+    /// Listen on a Unix-domain socket at PATH (qemu-nbd's -k, nbdkit's --unix), created
+    /// readable and writable by the server's user only and removed when the server exits; a
+    /// stale socket left there by a dead server is replaced. Clients connect with
+    /// nbd+unix:///EXPORT?socket=PATH. Alone, the server listens on no TCP address; add
+    /// --listen/--port/--bind for both. The soft NIC only (the LANai reaches its fabric only).
+    /// (-U is --force-share, as in qemu-nbd.)
+    #[arg(short = 'k', long, visible_alias = "unix", value_name = "PATH")]
+    socket: Option<PathBuf>,
     /// An export: NAME=PATH of an image file or block device; repeat for several.
     #[arg(short, long, value_name = "NAME=PATH")]
     export: Vec<String>,
@@ -118,7 +126,8 @@ struct Cli {
     #[arg(long, value_name = "FILE")]
     pid_file: Option<PathBuf>,
     /// Captive mode, as nbdkit's: once serving, run CMD with `sh -c`, where $uri (and $nbd)
-    /// is the default export's nbd://HOST:PORT/EXPORT and $port the port; the server shuts
+    /// is the default export's nbd://HOST:PORT/EXPORT and $port the port (with only
+    /// --socket: nbd+unix:///EXPORT?socket=PATH and $unixsocket); the server shuts
     /// down when CMD exits and exits with CMD's status. With --run and no address given, it
     /// listens on 127.0.0.1 at a free port.
     #[arg(long, value_name = "CMD")]
@@ -176,10 +185,14 @@ fn run(cli: Cli) -> Result<i32> {
     }
     // Before any thread is started (the NIC is opened below).
     let activated = daemon::socket_activation()?;
-    if activated.is_some() && (!cli.listen.is_empty() || cli.port.is_some() || !cli.bind.is_empty())
+    if activated.is_some()
+        && (!cli.listen.is_empty()
+            || cli.port.is_some()
+            || !cli.bind.is_empty()
+            || cli.socket.is_some())
     {
         bail!(
-            "socket activation (LISTEN_FDS) passes the sockets: --listen, --port and --bind do not go with it"
+            "socket activation (LISTEN_FDS) passes the sockets: --listen, --port, --bind and --socket do not go with it"
         );
     }
     let mut cfg = match &cli.config {
@@ -232,10 +245,12 @@ fn run(cli: Cli) -> Result<i32> {
         };
         cfg.listen.push(format!("{host}:{port}"));
     }
-    if cfg.listen.is_empty() && cli.run.is_some() && cli.port.is_none() {
+    // A Unix socket alone: no TCP address unless one is asked for.
+    let tcp = !cfg.listen.is_empty() || cli.port.is_some() || cli.socket.is_none();
+    if cfg.listen.is_empty() && tcp && cli.run.is_some() && cli.port.is_none() {
         cfg.listen = vec!["127.0.0.1:0".into()]; // captive: a free port, no clash
     }
-    if cfg.listen.is_empty() {
+    if cfg.listen.is_empty() && tcp {
         cfg.listen = match lanai_addr {
             Some(a) => vec![format!("[{a}]:{port}")],
             None => vec![port.to_string()],
@@ -284,10 +299,16 @@ fn run(cli: Cli) -> Result<i32> {
             .map(|fd| nic.listen_fd(fd))
             .collect::<Result<Vec<_>, _>>()
             .context("socket activation")?,
-        None => listen
-            .iter()
-            .map(|a| nic.listen(*a)) // the error names the address
-            .collect::<Result<Vec<_>, _>>()?,
+        None => {
+            let mut l = listen
+                .iter()
+                .map(|a| nic.listen(*a)) // the error names the address
+                .collect::<Result<Vec<_>, _>>()?;
+            if let Some(path) = &cli.socket {
+                l.push(nic.listen_unix(path)?); // the error names the path
+            }
+            l
+        }
     };
     let mut exports = Vec::new();
     for e in &cfg.exports {
@@ -412,30 +433,42 @@ fn run(cli: Cli) -> Result<i32> {
     let mut captive = match &cli.run {
         Some(cmd) => {
             let addrs = server.local_addrs();
-            let a = addrs
-                .iter()
-                .find(|a| a.is_ipv4())
-                .or(addrs.first())
-                .context("--run: no listening address")?;
-            let host = match a.ip() {
-                std::net::IpAddr::V4(ip) if ip.is_unspecified() => "127.0.0.1".to_string(),
-                std::net::IpAddr::V4(ip) => ip.to_string(),
-                std::net::IpAddr::V6(ip) if ip.is_unspecified() => "[::1]".to_string(),
-                std::net::IpAddr::V6(ip) => format!("[{ip}]"),
-            };
+            let ip = addrs.iter().filter_map(|e| match e {
+                Endpoint::Ip(a) => Some(*a),
+                Endpoint::Unix(_) => None,
+            });
+            let v4 = ip.clone().find(|a| a.is_ipv4());
             let export = cfg
                 .default_export
                 .clone()
                 .unwrap_or_else(|| cfg.exports[0].name.clone());
-            let uri = format!("nbd://{host}:{}/{export}", a.port());
+            let mut sh = std::process::Command::new("sh");
+            sh.arg("-c").arg(cmd);
+            match v4.or(ip.clone().next()) {
+                Some(a) => {
+                    let host = match a.ip() {
+                        std::net::IpAddr::V4(ip) if ip.is_unspecified() => "127.0.0.1".to_string(),
+                        std::net::IpAddr::V4(ip) => ip.to_string(),
+                        std::net::IpAddr::V6(ip) if ip.is_unspecified() => "[::1]".to_string(),
+                        std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+                    };
+                    let uri = format!("nbd://{host}:{}/{export}", a.port());
+                    sh.env("uri", &uri)
+                        .env("nbd", &uri)
+                        .env("port", a.port().to_string());
+                }
+                // Only a Unix socket: nbdkit's $unixsocket, and the URI naming it.
+                None => {
+                    let path = cli
+                        .socket
+                        .as_deref()
+                        .context("--run: no listening address")?;
+                    let uri = format!("nbd+unix:///{export}?socket={}", path.display());
+                    sh.env("uri", &uri).env("nbd", &uri).env("unixsocket", path);
+                }
+            }
             Some(
-                std::process::Command::new("sh")
-                    .arg("-c")
-                    .arg(cmd)
-                    .env("uri", &uri)
-                    .env("nbd", &uri)
-                    .env("port", a.port().to_string())
-                    .spawn()
+                sh.spawn()
                     .with_context(|| format!("--run {cmd:?}: starting sh"))?,
             )
         }

@@ -2,7 +2,6 @@
 //! connection, and an orderly shutdown.
 
 use std::collections::VecDeque;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
@@ -13,7 +12,7 @@ use nbd_proto::framing::{FrameLimits, ServerPhase};
 use nbd_proto::handshake::messages::BlockSize;
 use nbd_proto::handshake::server::{Export as ProtoExport, ServerConfig};
 use parking_lot::Mutex;
-use qpip_core::{Listener, Nic, QpAttr};
+use qpip_core::{Endpoint, Listener, Nic, QpAttr};
 
 use crate::conn::{self, Connection};
 use crate::export::Export;
@@ -43,7 +42,7 @@ pub struct Server {
     shared: Arc<ServerShared>,
     accept_threads: Vec<JoinHandle<()>>,
     connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
-    local: Vec<SocketAddr>,
+    local: Vec<Endpoint>,
 }
 
 /// Largest request the server accepts (and advertises): 32 MiB, qemu-nbd's default.
@@ -92,9 +91,9 @@ impl Server {
         let mut accept_threads = Vec::new();
         let mut local = Vec::new();
         for listener in opts.listen {
-            let addr = listener.local_addr();
-            local.push(addr);
-            tracing::debug!("listening on {}", listener.local_addr()); // main prints it
+            let addr = listener.endpoint();
+            tracing::debug!("listening on {addr}"); // main prints it
+            local.push(addr.clone());
             let shared = shared.clone();
             let connections = connections.clone();
             accept_threads.push(
@@ -111,8 +110,9 @@ impl Server {
         })
     }
 
-    /// The addresses actually bound (port 0 resolved).
-    pub fn local_addrs(&self) -> &[SocketAddr] {
+    /// Where the server listens: the addresses actually bound (port 0 resolved) and the
+    /// Unix-domain sockets.
+    pub fn local_addrs(&self) -> &[Endpoint] {
         &self.local
     }
 
@@ -170,21 +170,22 @@ fn accept_loop(
                 .depths(conn::CQ_DEPTH, conn::RECV_SLOTS),
         );
         let peer = match listener.accept_timeout(&qp, Duration::from_millis(200)) {
-            Ok(peer) => peer,
+            Ok(peer) => listener.peer_endpoint(peer),
             Err(qpip_core::Error::Timeout { .. }) => continue,
             Err(e) => {
-                tracing::warn!("accept on {}: {e}", listener.local_addr());
+                tracing::warn!("accept on {}: {e}", listener.endpoint());
                 std::thread::sleep(Duration::from_millis(50));
                 continue;
             }
         };
-        let evict = shared.start_handshake(peer);
+        let evict = shared.start_handshake(&peer);
         let s = shared.clone();
+        let who = peer.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("nbd-{peer}"))
             .spawn(move || {
-                if let Err(e) = Connection::new(s, qp, cq, phase, peer, evict).run() {
-                    tracing::warn!(%peer, "connection ended: {e:#}");
+                if let Err(e) = Connection::new(s, qp, cq, phase, who.clone(), evict).run() {
+                    tracing::warn!(peer = %who, "connection ended: {e:#}");
                 }
             });
         match spawned {

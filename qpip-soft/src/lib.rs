@@ -8,6 +8,7 @@
 
 mod engine;
 mod link;
+mod stream;
 mod tx;
 mod uring;
 

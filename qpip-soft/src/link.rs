@@ -8,10 +8,11 @@ use std::net::{Shutdown, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use mio::net::{TcpStream, UdpSocket};
+use mio::net::{TcpStream, UdpSocket, UnixStream};
 use mio::{Interest, Registry, Token};
 use smallvec::SmallVec;
 
+use super::stream::Stream;
 use super::tx::{TxMachine, TxStop};
 use super::uring::UringIo;
 use qpip_verbs::backend::MgmtResult;
@@ -27,14 +28,15 @@ pub(super) enum Link {
     /// No socket yet: WRs wait in the rings.
     Idle,
     Connecting {
-        stream: TcpStream,
+        stream: Stream,
         reply: ReplySender<MgmtResult>,
     },
-    Tcp(TcpStream),
+    /// A reliable QP's byte stream (TCP, or a local Unix-domain socket).
+    Stream(Stream),
     Udp(UdpSocket),
     /// Closed in order: our side is shut; the peer's bytes are read and dropped until its EOF,
     /// so that closing never turns into a reset that could destroy data still on its way.
-    Draining(TcpStream),
+    Draining(Stream),
     Down,
 }
 
@@ -135,7 +137,7 @@ impl EngineQp {
         if !self.io_in_flight() {
             return false;
         }
-        if let Link::Tcp(stream) | Link::Draining(stream) = &self.link {
+        if let Link::Stream(stream) | Link::Draining(stream) = &self.link {
             let how = match what {
                 Deferred::FinishClose => Shutdown::Read,
                 _ => Shutdown::Both,
@@ -163,10 +165,35 @@ impl EngineQp {
             reply.send(Err(not_idle(self.shared.num, "reliable")));
             return;
         }
-        let mut stream = match TcpStream::connect(addr) {
-            Ok(s) => s,
-            Err(e) => return reply.send(Err(e)),
-        };
+        match TcpStream::connect(addr) {
+            Ok(s) => self.start_connect(registry, Stream::Tcp(s), reply),
+            Err(e) => reply.send(Err(e)),
+        }
+    }
+
+    /// Starts a connection to a Unix-domain socket (management: connect unix).
+    pub(super) fn connect_unix(
+        &mut self,
+        registry: &Registry,
+        path: &std::path::Path,
+        reply: ReplySender<MgmtResult>,
+    ) {
+        if self.shared.kind != QpKind::Reliable || !self.is_idle() {
+            reply.send(Err(not_idle(self.shared.num, "reliable")));
+            return;
+        }
+        match UnixStream::connect(path) {
+            Ok(s) => self.start_connect(registry, Stream::Unix(s), reply),
+            Err(e) => reply.send(Err(e)),
+        }
+    }
+
+    fn start_connect(
+        &mut self,
+        registry: &Registry,
+        mut stream: Stream,
+        reply: ReplySender<MgmtResult>,
+    ) {
         if let Err(e) = registry.register(
             &mut stream,
             token(&self.shared),
@@ -182,7 +209,7 @@ impl EngineQp {
     pub(super) fn attach(
         &mut self,
         registry: &Registry,
-        mut stream: TcpStream,
+        mut stream: Stream,
         peer: SocketAddr,
     ) -> io::Result<()> {
         if self.uring.is_none() {
@@ -196,15 +223,13 @@ impl EngineQp {
         Ok(())
     }
 
-    fn established(&mut self, stream: TcpStream, peer: Option<SocketAddr>) {
-        // Each message should leave as soon as it is posted; batching is done by writev.
-        let _ = stream.set_nodelay(true);
-        self.shared.set_addrs(
-            stream.local_addr().ok(),
-            peer.or_else(|| stream.peer_addr().ok()),
-        );
+    fn established(&mut self, stream: Stream, peer: Option<SocketAddr>) {
+        stream.set_nodelay();
+        let (local, remote) = stream.ip_addrs();
+        self.shared
+            .set_addrs(local, peer.filter(|_| remote.is_some()).or(remote));
         self.shared.set_state(QpState::Ready);
-        self.link = Link::Tcp(stream);
+        self.link = Link::Stream(stream);
         self.readable = true;
         self.writable = true;
     }
@@ -247,13 +272,10 @@ impl EngineQp {
             self.writable = true;
         }
         if let Link::Connecting { stream, .. } = &self.link {
-            let outcome = match stream.take_error() {
-                Ok(Some(e)) | Err(e) => Err(e),
-                Ok(None) => match stream.peer_addr() {
-                    Ok(peer) => Ok(peer),
-                    Err(e) if e.kind() == io::ErrorKind::NotConnected => return, // not yet
-                    Err(e) => Err(e),
-                },
+            let outcome = match stream.connected() {
+                Ok(true) => Ok(()),
+                Ok(false) => return, // not yet
+                Err(e) => Err(e),
             };
             let Link::Connecting { mut stream, reply } =
                 std::mem::replace(&mut self.link, Link::Idle)
@@ -261,13 +283,13 @@ impl EngineQp {
                 return;
             };
             match outcome {
-                Ok(peer) => {
+                Ok(()) => {
                     if self.uring.is_some() {
                         // From here on the ring carries this socket's data.
                         let _ = registry.deregister(&mut stream);
                     }
-                    let local = stream.local_addr();
-                    self.established(stream, Some(peer));
+                    let local = stream.reply_addr();
+                    self.established(stream, None);
                     reply.send(local);
                 }
                 Err(e) => {
@@ -301,7 +323,7 @@ impl EngineQp {
             ..
         } = self;
         let after = match link {
-            Link::Tcp(stream) => {
+            Link::Stream(stream) => {
                 let fd = stream.as_raw_fd();
                 let mut failed = !tx.take_posted(shared, memory, Some(framer.as_mut()), true);
                 if !failed && *writable {
@@ -459,7 +481,7 @@ impl EngineQp {
 
     fn drop_link(&mut self, registry: &Registry) {
         match std::mem::replace(&mut self.link, Link::Down) {
-            Link::Tcp(mut s) | Link::Draining(mut s) => {
+            Link::Stream(mut s) | Link::Draining(mut s) => {
                 let _ = registry.deregister(&mut s);
             }
             Link::Connecting { mut stream, reply } => {
@@ -479,7 +501,7 @@ impl EngineQp {
     /// Orderly close (management: close).
     pub(super) fn start_close(&mut self, registry: &Registry, memory: &MemoryTable) {
         match self.link {
-            Link::Tcp(_) => {
+            Link::Stream(_) => {
                 self.closing = true;
                 self.shared.set_state(QpState::Closing);
                 self.service(registry, memory);
@@ -494,7 +516,7 @@ impl EngineQp {
             return;
         }
         self.closing = false;
-        if let Link::Tcp(mut stream) = std::mem::replace(&mut self.link, Link::Down) {
+        if let Link::Stream(mut stream) = std::mem::replace(&mut self.link, Link::Down) {
             let _ = stream.shutdown(Shutdown::Write);
             if self.uring.is_some() {
                 // Draining reads synchronously on epoll readiness.

@@ -210,6 +210,31 @@ impl QueuePair {
         }
     }
 
+    /// Connects to the Unix-domain stream socket at `path`, giving up after `timeout`. The
+    /// LANai backend refuses it.
+    pub fn connect_unix(&self, path: &std::path::Path, timeout: Duration) -> Result<()> {
+        let (tx, rx) = reply_channel();
+        self.nic.manage(Command::ConnectUnix {
+            qp: self.num(),
+            path: path.to_path_buf(),
+            reply: tx,
+        });
+        match rx.wait_until(Some(Instant::now() + timeout)) {
+            Some(r) => r.map(drop).map_err(|source| Error::NetPath {
+                op: "connect to",
+                path: path.to_path_buf(),
+                source,
+            }),
+            None => {
+                self.nic.manage(Command::Disconnect { qp: self.num() });
+                Err(Error::Timeout {
+                    op: "connect",
+                    after: timeout,
+                })
+            }
+        }
+    }
+
     /// Connects from async code.
     pub async fn connect_async(&self, addr: SocketAddr) -> Result<()> {
         let rx = self.start_connect(addr)?;

@@ -210,6 +210,45 @@ pub fn nbdkit(args: &[&str]) -> Option<Peer> {
     })
 }
 
+/// Waits until a server has created its Unix socket at `path`.
+pub fn wait_socket(path: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::os::unix::net::UnixStream::connect(path).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "nothing listens on {}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `program` with `args` serving on a Unix socket in a fresh directory: `socket_flag PATH`
+/// is added. The URI names `export`.
+pub fn unix_peer(program: &str, socket_flag: &str, args: &[&str], export: &str) -> Option<Peer> {
+    if !have(program) {
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("peer.sock");
+    let child = Command::new(program)
+        .arg(socket_flag)
+        .arg(&sock)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {program}: {e}"));
+    wait_socket(&sock);
+    Some(Peer {
+        child,
+        port: 0,
+        uri: format!("nbd+unix:///{export}?socket={}", sock.display()),
+        pidfile: None,
+        _dir: Some(dir),
+    })
+}
+
 /// Debian's nbd-server (simple replies only) exporting `path` as `name`.
 pub fn debian_nbd_server(name: &str, path: &Path) -> Option<Peer> {
     if !have("nbd-server") {

@@ -26,7 +26,8 @@ use qpip_core::cli::BackendArgs;
         newstyle), so any NBD server works: qpip-nbd-server, qemu-nbd, nbdkit, nbd-server.\n\n\
         Exports are named by NBD URIs: nbd://HOST[:PORT][/EXPORT], IPv6 literals in brackets \
         (nbd://[::1]/disk), port 10809 by default, the empty export name for the server's \
-        default. nbd+unix:// is not supported: QPs carry TCP and UDP only.\n\n\
+        default; nbd+unix:///EXPORT?socket=PATH for a server's local Unix-domain socket \
+        (soft NIC only). TLS (nbds://) is not supported.\n\n\
         A lost connection is restored with exponential backoff and every unanswered request is \
         sent again; a write counts as done only once the server acknowledged it. After \
         --reconnect-timeout the operation fails (EIO).",
@@ -54,7 +55,7 @@ enum Cmd {
     /// As nbdinfo: --size prints the size alone, --can and --is answer by the exit status
     /// (0 yes, 2 no, 1 error), --map prints the allocation map.
     Info {
-        /// nbd://HOST[:PORT][/EXPORT]
+        /// nbd://HOST[:PORT][/EXPORT] or nbd+unix:///EXPORT?socket=PATH
         uri: String,
         /// Print JSON instead of text.
         #[arg(long)]
@@ -76,7 +77,7 @@ enum Cmd {
     },
     /// List a server's exports and their descriptions.
     List {
-        /// nbd://HOST[:PORT]
+        /// nbd://HOST[:PORT] or nbd+unix:///?socket=PATH
         uri: String,
         /// Print JSON instead of text.
         #[arg(long)]
@@ -89,9 +90,9 @@ enum Cmd {
     /// gets WRITE_ZEROES (or zero writes if the server lacks it). A local destination file is
     /// truncated and sized to the source; an NBD destination must be at least as large.
     Copy {
-        /// Source: a file path or nbd://HOST[:PORT]/EXPORT
+        /// Source: a file path, nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH
         src: String,
-        /// Destination: a file path or nbd://HOST[:PORT]/EXPORT
+        /// Destination: a file path, nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH
         dst: String,
         /// Re-read both sides afterwards and compare; report the first differing offset.
         #[arg(long)]
