@@ -40,6 +40,8 @@ fn server_config(knobs: u8) -> ServerConfig {
         support_structured_replies: knobs & 0x10 == 0,
         support_extended_headers: knobs & 0x80 == 0,
         support_meta_contexts: knobs & 0x20 == 0,
+        // Every knob bit is taken; STARTTLS is covered by the handshake unit tests.
+        tls: crate::handshake::TlsMode::Off,
         max_option_len: 4096 + 64,
         max_options: 64,
     }

@@ -107,9 +107,14 @@
 //!   this bit"), but may only send `NBD_OPT_EXPORT_NAME`, "the only valid option
 //!   in nonfixed newstyle negotiation"; anything else is a hard disconnect.
 //!   [`handshake::ServerConfig::allow_non_fixed_newstyle`] `= false` refuses them.
-//! * `NBD_OPT_STARTTLS` gets `NBD_REP_ERR_UNSUP`: the server runs in NOTLS mode
-//!   and "MUST respond with ... `NBD_REP_ERR_UNSUP` (if it does not support the
-//!   `NBD_OPT_STARTTLS` option at all)".
+//! * TLS ([`handshake::TlsMode`]): off, `NBD_OPT_STARTTLS` gets `NBD_REP_ERR_UNSUP`
+//!   ("if it does not support the `NBD_OPT_STARTTLS` option at all"); on or required,
+//!   it is acknowledged and [`ServerEvent::StartTls`] tells the caller to run the TLS
+//!   handshake, after which everything negotiated before is forgotten. Required: every
+//!   option before it but `NBD_OPT_ABORT` gets `NBD_REP_ERR_TLS_REQD`, and
+//!   `NBD_OPT_EXPORT_NAME` a hard disconnect. A second `NBD_OPT_STARTTLS`, or one with
+//!   data, gets `NBD_REP_ERR_INVALID`. A client configured for TLS sends
+//!   `NBD_OPT_STARTTLS` first and fails on any refusal (no plaintext fallback).
 //! * `NBD_OPT_EXPORT_NAME` for an unknown export, an invalid name, or while
 //!   shutting down is a hard disconnect ("If the server is unwilling to allow
 //!   the export, it MUST terminate the session").
@@ -134,7 +139,7 @@
 //!   implemented), and a `WRITE` without it still has its payload (qemu sends them so), block status is answered with `BLOCK_STATUS_EXT`, and the client
 //!   checks that each extended reply echoes its request's offset.
 //!
-//! TLS is not implemented.
+//! The TLS record layer itself is the caller's (in qpip, the NIC's).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

@@ -5,6 +5,10 @@
 //! or a raw byte stream with [`ClientHandshake::feed`]. Requests are appended to
 //! a caller-provided `Vec<u8>`.
 //!
+//! With `tls`, every goal starts with `NBD_OPT_STARTTLS`: on its ACK the machine returns
+//! [`ClientEvent::StartTls`], the caller runs the TLS handshake and calls
+//! [`ClientHandshake::resume`]; any refusal ends the handshake (no plaintext fallback).
+//!
 //! Connect sequence: greeting → client flags → `NBD_OPT_EXTENDED_HEADERS` (if
 //! wanted), else or if refused `NBD_OPT_STRUCTURED_REPLY` (if wanted) → `NBD_OPT_SET_META_CONTEXT base:allocation` (if wanted and structured
 //! replies were accepted) → `NBD_OPT_GO` requesting `NAME`, `DESCRIPTION` and
@@ -44,6 +48,9 @@ pub struct ClientConfig {
     pub use_go: bool,
     /// Largest option reply accepted (bounded memory).
     pub max_option_reply_len: u32,
+    /// Upgrade to TLS with `NBD_OPT_STARTTLS` before anything else, and fail rather than
+    /// go on without it.
+    pub tls: bool,
 }
 
 impl ClientConfig {
@@ -57,6 +64,7 @@ impl ClientConfig {
             no_zeroes: true,
             use_go: true,
             max_option_reply_len: crate::framing::DEFAULT_MAX_OPTION_LEN,
+            tls: false,
         }
     }
 }
@@ -93,6 +101,8 @@ pub struct ClientNegotiated {
     pub no_zeroes: bool,
     /// Transmission entered via `NBD_OPT_GO` (vs the `NBD_OPT_EXPORT_NAME` fallback).
     pub via_go: bool,
+    /// The session runs over TLS.
+    pub tls: bool,
 }
 
 impl ClientNegotiated {
@@ -140,6 +150,9 @@ pub enum ClientEvent {
     Listed(Vec<ExportListing>),
     /// `NBD_OPT_INFO` result; an `NBD_OPT_ABORT` was queued: send it and close.
     Info(Box<ExportDetails>),
+    /// The server acknowledged `NBD_OPT_STARTTLS`: run the TLS handshake, then call
+    /// [`ClientHandshake::resume`] and send what it appends, inside TLS.
+    StartTls,
 }
 
 /// Handshake failure, client side. Unless stated, the connection should be dropped.
@@ -149,9 +162,18 @@ pub enum ClientError {
     /// Undecodable server message.
     #[error(transparent)]
     Proto(#[from] ProtoError),
-    /// The server does not do fixed newstyle and the goal needs it (list / info).
+    /// The server does not do fixed newstyle and the goal needs it (list / info / TLS).
     #[error("server does not support fixed newstyle negotiation")]
     NoFixedNewstyle,
+    /// TLS was asked for and the server refused `NBD_OPT_STARTTLS`; an `NBD_OPT_ABORT` was
+    /// queued. There is no plaintext fallback.
+    #[error("the server refused TLS (reply {reply:#x}: {message}); not going on without it")]
+    TlsRefused {
+        /// Error reply type (`NBD_REP_ERR_UNSUP` from a server without TLS).
+        reply: u32,
+        /// Server message.
+        message: String,
+    },
     /// The server refused an option with an error reply. An `NBD_OPT_ABORT` was
     /// queued (soft disconnect): send it, then close.
     #[error("server refused option {option} with reply {reply:#x}: {message}")]
@@ -225,9 +247,15 @@ impl InfoAcc {
 #[derive(Debug, Clone)]
 enum State {
     Greeting,
+    StartTls,
+    /// `NBD_OPT_STARTTLS` acknowledged; the caller runs TLS, then calls `resume`.
+    TlsPending,
     ExtendedHeaders,
     StructuredReply,
-    SetMeta { id: Option<u32>, replies: usize },
+    SetMeta {
+        id: Option<u32>,
+        replies: usize,
+    },
     Go(InfoAcc),
     Info(InfoAcc),
     List(Vec<ExportListing>),
@@ -271,7 +299,12 @@ impl ClientHandshake {
 
     /// List the server's exports (`NBD_OPT_LIST`), then abort.
     pub fn list() -> Self {
-        Self::with_goal(ClientConfig::new(""), Goal::List)
+        Self::list_with(ClientConfig::new(""))
+    }
+
+    /// [`Self::list`] with `config`'s TLS and limits (its export name is not used).
+    pub fn list_with(config: ClientConfig) -> Self {
+        Self::with_goal(config, Goal::List)
     }
 
     /// Query `config.export_name` with `NBD_OPT_INFO`, then abort.
@@ -306,7 +339,7 @@ impl ClientHandshake {
     ) -> Result<ClientEvent, ClientError> {
         let res = self.handle_inner(msg, out);
         match &res {
-            Ok(ClientEvent::Continue) => {}
+            Ok(ClientEvent::Continue) | Ok(ClientEvent::StartTls) => {}
             Ok(ClientEvent::Connected(_)) => {
                 self.state = State::Finished;
             }
@@ -405,6 +438,7 @@ impl ClientHandshake {
 
     fn expected_option(&self) -> Option<u32> {
         Some(match self.state {
+            State::StartTls => c::OPT_STARTTLS,
             State::ExtendedHeaders => c::OPT_EXTENDED_HEADERS,
             State::StructuredReply => c::OPT_STRUCTURED_REPLY,
             State::SetMeta { .. } => c::OPT_SET_META_CONTEXT,
@@ -439,6 +473,7 @@ impl ClientHandshake {
                     base_allocation: self.base_allocation,
                     no_zeroes: self.no_zeroes,
                     via_go: false,
+                    tls: self.config.tls,
                 })));
             }
             _ => {}
@@ -469,6 +504,20 @@ impl ClientHandshake {
         });
         let state = core::mem::replace(&mut self.state, State::Finished);
         match state {
+            State::StartTls => match h.reply_type {
+                c::REP_ACK => {
+                    self.state = State::TlsPending;
+                    Ok(ClientEvent::StartTls)
+                }
+                _ if h.is_error() => {
+                    Self::abort(out);
+                    Err(ClientError::TlsRefused {
+                        reply: h.reply_type,
+                        message: crate::peer_text::printable(data),
+                    })
+                }
+                _ => unexpected,
+            },
             State::ExtendedHeaders => {
                 match h.reply_type {
                     c::REP_ACK => {
@@ -552,6 +601,7 @@ impl ClientHandshake {
                                 base_allocation: self.base_allocation,
                                 no_zeroes: self.no_zeroes,
                                 via_go: true,
+                                tls: self.config.tls,
                             })))
                         } else {
                             Self::abort(out);
@@ -602,7 +652,9 @@ impl ClientHandshake {
                 }
                 _ => unexpected,
             },
-            State::Greeting | State::ExportName | State::Finished => Err(ClientError::Finished),
+            State::Greeting | State::TlsPending | State::ExportName | State::Finished => {
+                Err(ClientError::Finished)
+            }
         }
     }
 
@@ -620,6 +672,7 @@ impl ClientHandshake {
         out.extend_from_slice(&encode_client_flags(flags));
         if !fixed {
             return match self.goal {
+                _ if self.config.tls => Err(ClientError::NoFixedNewstyle),
                 Goal::Connect => {
                     self.send_export_name(out)?;
                     Ok(ClientEvent::Continue)
@@ -627,6 +680,25 @@ impl ClientHandshake {
                 Goal::List | Goal::Info => Err(ClientError::NoFixedNewstyle),
             };
         }
+        if self.config.tls {
+            encode_option(c::OPT_STARTTLS, &[], out);
+            self.state = State::StartTls;
+            return Ok(ClientEvent::Continue);
+        }
+        self.start_goal(out)?;
+        Ok(ClientEvent::Continue)
+    }
+
+    /// After [`ClientEvent::StartTls`] and a successful TLS handshake: the negotiation
+    /// goes on (inside TLS); send what is appended to `out`.
+    pub fn resume(&mut self, out: &mut Vec<u8>) -> Result<(), ClientError> {
+        if !matches!(self.state, State::TlsPending) {
+            return Err(ClientError::Finished);
+        }
+        self.start_goal(out)
+    }
+
+    fn start_goal(&mut self, out: &mut Vec<u8>) -> Result<(), ClientError> {
         match self.goal {
             Goal::Connect => {
                 if self.config.extended_headers && self.config.use_go {
@@ -650,6 +722,6 @@ impl ClientHandshake {
                 self.state = State::Info(InfoAcc::default());
             }
         }
-        Ok(ClientEvent::Continue)
+        Ok(())
     }
 }

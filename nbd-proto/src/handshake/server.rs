@@ -72,6 +72,19 @@ impl Export {
     }
 }
 
+/// How the server treats TLS (nbdkit's `--tls` meanings).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TlsMode {
+    /// No TLS: `NBD_OPT_STARTTLS` gets `NBD_REP_ERR_UNSUP`.
+    #[default]
+    Off,
+    /// TLS offered: a client may upgrade with `NBD_OPT_STARTTLS`, or stay in plaintext.
+    On,
+    /// TLS required: every option before `NBD_OPT_STARTTLS` (but `NBD_OPT_ABORT`) gets
+    /// `NBD_REP_ERR_TLS_REQD`, and `NBD_OPT_EXPORT_NAME` a hard disconnect.
+    Require,
+}
+
 /// Server configuration. The `support_*` knobs exist mostly to emulate older
 /// servers (for interoperability tests of clients' fallbacks).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,6 +108,9 @@ pub struct ServerConfig {
     pub support_extended_headers: bool,
     /// Support `base:allocation` via the meta context options (else `NBD_REP_ERR_UNSUP`).
     pub support_meta_contexts: bool,
+    /// TLS: off, offered, or required. The caller performs the TLS handshake on
+    /// [`ServerEvent::StartTls`].
+    pub tls: TlsMode,
     /// Option data larger than this is a hard disconnect (bounded memory).
     pub max_option_len: u32,
     /// More options than this in one handshake is treated as denial of service
@@ -117,6 +133,7 @@ impl Default for ServerConfig {
             support_structured_replies: true,
             support_extended_headers: true,
             support_meta_contexts: true,
+            tls: TlsMode::Off,
             max_option_len: crate::framing::DEFAULT_MAX_OPTION_LEN,
             max_options: DEFAULT_MAX_OPTIONS,
         }
@@ -172,6 +189,8 @@ pub struct ServerNegotiated {
     pub block_size_acknowledged: bool,
     /// Transmission entered via `NBD_OPT_GO` (vs `NBD_OPT_EXPORT_NAME`).
     pub via_go: bool,
+    /// The session runs over TLS.
+    pub tls: bool,
 }
 
 impl ServerNegotiated {
@@ -208,6 +227,10 @@ pub enum ServerEvent {
     Done(Box<ServerNegotiated>),
     /// The client sent `NBD_OPT_ABORT`: send the output (the ACK) and close.
     Abort,
+    /// The client sent `NBD_OPT_STARTTLS`: send the output (the ACK), then run the TLS
+    /// handshake on the connection before anything else is read; the option haggling starts
+    /// over inside TLS (what was negotiated before is forgotten).
+    StartTls,
 }
 
 /// A condition that requires a hard disconnect (drop the connection without
@@ -256,6 +279,10 @@ pub enum ServerError {
     /// A message arrived after the handshake ended.
     #[error("handshake already finished")]
     Finished,
+    /// `NBD_OPT_EXPORT_NAME` before `NBD_OPT_STARTTLS` on a server that requires TLS (it
+    /// cannot be answered with an error).
+    #[error("NBD_OPT_EXPORT_NAME without TLS, which this server requires")]
+    TlsRequired,
     /// `NBD_OPT_EXPORT_NAME` after extended headers were negotiated ("a client MUST NOT
     /// use" it then; it cannot be answered with an error).
     #[error("NBD_OPT_EXPORT_NAME after NBD_OPT_EXTENDED_HEADERS")]
@@ -278,6 +305,8 @@ pub struct ServerHandshake {
     no_zeroes: bool,
     structured: bool,
     extended: bool,
+    /// TLS is running (`NBD_OPT_STARTTLS` was acknowledged).
+    tls: bool,
     /// Export index and contexts selected by the last `NBD_OPT_SET_META_CONTEXT`.
     meta: Option<(usize, Vec<(u32, String)>)>,
     options_seen: u32,
@@ -303,6 +332,7 @@ impl ServerHandshake {
             no_zeroes: false,
             structured: false,
             extended: false,
+            tls: false,
             meta: None,
             options_seen: 0,
             shutting_down: false,
@@ -390,7 +420,7 @@ impl ServerHandshake {
             Err(_) | Ok(ServerEvent::Done(_)) | Ok(ServerEvent::Abort) => {
                 self.state = State::Finished;
             }
-            Ok(ServerEvent::Continue) => {}
+            Ok(ServerEvent::Continue) | Ok(ServerEvent::StartTls) => {}
         }
         res
     }
@@ -480,6 +510,16 @@ impl ServerHandshake {
                 }
             }
         }
+        if self.config.tls == TlsMode::Require && !self.tls {
+            match option {
+                c::OPT_ABORT | c::OPT_STARTTLS => {}
+                c::OPT_EXPORT_NAME => return Err(ServerError::TlsRequired),
+                _ => {
+                    reply_err(out, option, c::REP_ERR_TLS_REQD, "TLS is required");
+                    return Ok(ServerEvent::Continue);
+                }
+            }
+        }
         match option {
             c::OPT_EXPORT_NAME => self.export_name(data, out),
             c::OPT_ABORT => {
@@ -512,11 +552,34 @@ impl ServerHandshake {
                 }
                 Ok(ServerEvent::Continue)
             }
-            c::OPT_STARTTLS => {
+            c::OPT_STARTTLS if self.config.tls == TlsMode::Off => {
                 // NOTLS mode: "NBD_REP_ERR_UNSUP (if it does not support the
                 // NBD_OPT_STARTTLS option at all)".
                 reply_err(out, option, c::REP_ERR_UNSUP, "TLS is not supported");
                 Ok(ServerEvent::Continue)
+            }
+            c::OPT_STARTTLS => {
+                if self.tls {
+                    // "the server MUST respond with NBD_REP_ERR_INVALID" to a second one.
+                    reply_err(out, option, c::REP_ERR_INVALID, "TLS is already running");
+                    return Ok(ServerEvent::Continue);
+                }
+                if !data.is_empty() {
+                    reply_err(
+                        out,
+                        option,
+                        c::REP_ERR_INVALID,
+                        "NBD_OPT_STARTTLS takes no data",
+                    );
+                    return Ok(ServerEvent::Continue);
+                }
+                reply(out, option, c::REP_ACK, &[]);
+                // The negotiation starts over inside TLS.
+                self.tls = true;
+                self.structured = false;
+                self.extended = false;
+                self.meta = None;
+                Ok(ServerEvent::StartTls)
             }
             c::OPT_INFO | c::OPT_GO if self.config.support_go => self.info_or_go(option, data, out),
             c::OPT_STRUCTURED_REPLY if self.extended => {
@@ -594,6 +657,7 @@ impl ServerHandshake {
             block_size: e.effective_block_size(),
             block_size_acknowledged: acked,
             via_go,
+            tls: self.tls,
         })
     }
 

@@ -1040,3 +1040,176 @@ fn client_with_extended_headers_never_falls_back_to_export_name() {
         })
     ));
 }
+
+// ---- STARTTLS -----------------------------------------------------------------------
+
+fn tls_config(mode: TlsMode) -> ServerConfig {
+    ServerConfig {
+        tls: mode,
+        ..config()
+    }
+}
+
+#[test]
+fn require_tls_refuses_options_before_starttls() {
+    let mut s = started(tls_config(TlsMode::Require), 3);
+    for o in [c::OPT_LIST, c::OPT_GO, c::OPT_INFO, c::OPT_STRUCTURED_REPLY] {
+        let (r, rep) = ask(&mut s, o, &[]);
+        assert_eq!(r, Ok(ServerEvent::Continue));
+        assert_eq!(types(&rep), vec![c::REP_ERR_TLS_REQD], "option {o}");
+    }
+    // the connection stays usable for ABORT
+    let mut aborted = s.clone();
+    let (r, rep) = ask(&mut aborted, c::OPT_ABORT, &[]);
+    assert_eq!(r, Ok(ServerEvent::Abort));
+    assert_eq!(types(&rep), vec![c::REP_ACK]);
+    // EXPORT_NAME cannot be answered with an error
+    let mut en = s.clone();
+    assert_eq!(
+        ask(&mut en, c::OPT_EXPORT_NAME, b"disk").0,
+        Err(ServerError::TlsRequired)
+    );
+    // STARTTLS with data is invalid; without, acknowledged, then the options work
+    let (_, rep) = ask(&mut s, c::OPT_STARTTLS, b"x");
+    assert_eq!(types(&rep), vec![c::REP_ERR_INVALID]);
+    let (r, rep) = ask(&mut s, c::OPT_STARTTLS, &[]);
+    assert_eq!(r, Ok(ServerEvent::StartTls));
+    assert_eq!(rep, vec![(c::OPT_STARTTLS, c::REP_ACK, vec![])]);
+    let (_, rep) = ask(&mut s, c::OPT_STARTTLS, &[]);
+    assert_eq!(types(&rep), vec![c::REP_ERR_INVALID], "a second STARTTLS");
+    let (_, rep) = ask(&mut s, c::OPT_LIST, &[]);
+    assert_eq!(*types(&rep).last().unwrap(), c::REP_ACK);
+}
+
+#[test]
+fn starttls_forgets_what_was_negotiated_before() {
+    let mut s = started(tls_config(TlsMode::On), 3);
+    let (_, rep) = ask(&mut s, c::OPT_STRUCTURED_REPLY, &[]);
+    assert_eq!(types(&rep), vec![c::REP_ACK]);
+    let (r, _) = ask(&mut s, c::OPT_STARTTLS, &[]);
+    assert_eq!(r, Ok(ServerEvent::StartTls));
+    // structured replies must be negotiated again inside TLS
+    let (_, rep) = ask(
+        &mut s,
+        c::OPT_SET_META_CONTEXT,
+        &meta("disk", &[c::BASE_ALLOCATION]),
+    );
+    assert_eq!(types(&rep), vec![c::REP_ERR_INVALID]);
+    let go = InfoRequest {
+        name: "disk",
+        items: vec![],
+    }
+    .encode()
+    .unwrap();
+    let (r, _) = ask(&mut s, c::OPT_GO, &go);
+    assert!(matches!(r, Ok(ServerEvent::Done(n)) if n.tls && !n.structured_replies));
+}
+
+/// Drives client and server through STARTTLS (the "TLS handshake" is a no-op here).
+fn run_tls(cfg: ServerConfig, mut client: ClientHandshake) -> Outcome {
+    let mut server = ServerHandshake::new(cfg);
+    let limits = FrameLimits::default();
+    let mut s2c = server.greeting().to_vec();
+    let mut c2s = Vec::new();
+    let mut out = Outcome {
+        server: None,
+        client: None,
+    };
+    for _ in 0..100 {
+        let mut progress = false;
+        while out.client.is_none() {
+            let need = client_need(client.phase(), &s2c, &limits, |_| None);
+            let Some(msg) = pop(need, &mut s2c) else {
+                break;
+            };
+            progress = true;
+            match client.handle_message(&msg, &mut c2s) {
+                Ok(ClientEvent::Continue) => {}
+                Ok(ClientEvent::StartTls) => client.resume(&mut c2s).unwrap(),
+                other => out.client = Some(other),
+            }
+        }
+        while out.server.is_none() {
+            let Some(msg) = pop(server_need(server.phase(), &c2s, &limits), &mut c2s) else {
+                break;
+            };
+            progress = true;
+            match server.handle_message(&msg, &mut s2c) {
+                Ok(ServerEvent::Continue) | Ok(ServerEvent::StartTls) => {}
+                other => out.server = Some(other),
+            }
+        }
+        if !progress {
+            break;
+        }
+    }
+    out
+}
+
+#[test]
+fn client_with_tls_upgrades_first_then_negotiates() {
+    let tls = ClientConfig {
+        tls: true,
+        ..ClientConfig::new("disk")
+    };
+    for mode in [TlsMode::On, TlsMode::Require] {
+        let o = run_tls(tls_config(mode), ClientHandshake::connect(tls.clone()));
+        let (s, cl) = (server_done(&o), client_done(&o));
+        assert!(s.tls && cl.tls);
+        assert!(s.extended_headers && cl.extended_headers);
+        assert_eq!(cl.base_allocation, Some(BASE_ALLOCATION_ID));
+    }
+    let o = run_tls(
+        tls_config(TlsMode::Require),
+        ClientHandshake::list_with(tls.clone()),
+    );
+    assert!(matches!(o.client, Some(Ok(ClientEvent::Listed(ref l))) if l.len() == 2));
+}
+
+#[test]
+fn client_with_tls_never_falls_back_to_plaintext() {
+    let tls = ClientConfig {
+        tls: true,
+        ..ClientConfig::new("disk")
+    };
+    let mut client = ClientHandshake::connect(tls);
+    let g = Greeting {
+        flags: HandshakeFlags::FIXED_NEWSTYLE,
+    }
+    .encode();
+    let mut out = Vec::new();
+    client.handle_message(&g, &mut out).unwrap();
+    assert_eq!(out[4..], opt(c::OPT_STARTTLS, &[]));
+    let mut m = Vec::new();
+    encode_option_reply(
+        c::OPT_STARTTLS,
+        c::REP_ERR_UNSUP,
+        b"TLS is not supported",
+        &mut m,
+    );
+    out.clear();
+    let e = client.handle_message(&m, &mut out).unwrap_err();
+    assert!(matches!(
+        e,
+        ClientError::TlsRefused {
+            reply: c::REP_ERR_UNSUP,
+            ..
+        }
+    ));
+    assert!(e.to_string().contains("TLS is not supported"), "{e}");
+    // only ABORT follows
+    assert_eq!(out, opt(c::OPT_ABORT, &[]));
+    // a server without fixed newstyle cannot do STARTTLS at all
+    let mut old = ClientHandshake::connect(ClientConfig {
+        tls: true,
+        ..ClientConfig::new("disk")
+    });
+    let g = Greeting {
+        flags: HandshakeFlags::empty(),
+    }
+    .encode();
+    assert_eq!(
+        old.handle_message(&g, &mut Vec::new()),
+        Err(ClientError::NoFixedNewstyle)
+    );
+}
