@@ -151,9 +151,10 @@ fn ipv4_and_busy_ports_are_clear_errors() {
     );
 }
 
-/// The firmware reaches only its fabric: Unix-domain sockets are refused, naming the path.
+/// The firmware reaches only its fabric: Unix-domain sockets are refused, naming the path;
+/// and it has no TLS.
 #[test]
-fn unix_sockets_are_refused_clearly() {
+fn unix_sockets_and_tls_are_refused_clearly() {
     let fabric = test_fabric();
     let a = nic(&fabric, "server");
     let path = std::env::temp_dir().join("qpip-lanai-refuses.sock");
@@ -173,6 +174,16 @@ fn unix_sockets_are_refused_clearly() {
     let qp = a.create_qp(QpAttr::new(&cq));
     let msg = full(&qp.connect_unix(&path, T).unwrap_err());
     assert!(msg.contains("no Unix-domain sockets"), "{msg}");
+    // Nor does the firmware do TLS.
+    let tls = qpip_core::TlsConfig {
+        server: false,
+        credentials: qpip_core::TlsCredentials::Psk {
+            keys: vec![("alice".into(), vec![1; 32])],
+        },
+        server_name: None,
+    };
+    let msg = full(&qp.start_tls(tls, T).unwrap_err());
+    assert!(msg.contains("does not do TLS"), "{msg}");
 }
 
 /// As root: the bridge creates its TUN device with the fabric's prefix, carries the kernel's

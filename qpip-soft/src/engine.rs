@@ -331,6 +331,18 @@ impl Management for Engine {
         Ok(local)
     }
 
+    fn start_tls(
+        &mut self,
+        qp: QpNum,
+        config: Box<qpip_verbs::tls::TlsConfig>,
+        reply: ReplySender<io::Result<()>>,
+    ) {
+        match self.qps.get_mut(&qp) {
+            Some(q) => q.start_tls(self.poll.registry(), &self.memory, &config, reply),
+            None => reply.send(Err(no_qp(qp))),
+        }
+    }
+
     fn has_listener(&self, listener: ListenerId) -> bool {
         self.listeners.contains_key(&listener)
     }

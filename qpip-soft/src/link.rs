@@ -13,6 +13,7 @@ use mio::{Interest, Registry, Token};
 use smallvec::SmallVec;
 
 use super::stream::Stream;
+use super::tls::{Step, TlsLink};
 use super::tx::{TxMachine, TxStop};
 use super::uring::UringIo;
 use qpip_verbs::backend::MgmtResult;
@@ -33,6 +34,12 @@ pub(super) enum Link {
     },
     /// A reliable QP's byte stream (TCP, or a local Unix-domain socket).
     Stream(Stream),
+    /// The same under TLS (the engine does the record layer; the handshake replies to
+    /// `handshake` when it ends).
+    Tls {
+        tls: Box<TlsLink>,
+        handshake: Option<ReplySender<io::Result<()>>>,
+    },
     Udp(UdpSocket),
     /// Closed in order: our side is shut; the peer's bytes are read and dropped until its EOF,
     /// so that closing never turns into a reset that could destroy data still on its way.
@@ -137,7 +144,12 @@ impl EngineQp {
         if !self.io_in_flight() {
             return false;
         }
-        if let Link::Stream(stream) | Link::Draining(stream) = &self.link {
+        let stream = match &self.link {
+            Link::Stream(s) | Link::Draining(s) => Some(s),
+            Link::Tls { tls, .. } => Some(&tls.raw),
+            _ => None,
+        };
+        if let Some(stream) = stream {
             let how = match what {
                 Deferred::FinishClose => Shutdown::Read,
                 _ => Shutdown::Both,
@@ -232,6 +244,62 @@ impl EngineQp {
         self.link = Link::Stream(stream);
         self.readable = true;
         self.writable = true;
+    }
+
+    /// Switches the connection to TLS (management: start TLS): the handshake starts at once;
+    /// `reply` hears when it ends.
+    pub(super) fn start_tls(
+        &mut self,
+        registry: &Registry,
+        memory: &MemoryTable,
+        config: &qpip_verbs::tls::TlsConfig,
+        reply: ReplySender<io::Result<()>>,
+    ) {
+        let refuse = |why: &str| Err(io::Error::new(io::ErrorKind::InvalidInput, why.to_owned()));
+        let check = if !matches!(self.link, Link::Stream(_)) {
+            refuse("the QP is not a connected stream")
+        } else if !self.shared.rq.is_empty() || !self.shared.sq.is_empty() || !self.tx.is_idle() {
+            refuse("work requests are outstanding: TLS starts on an idle QP")
+        } else if self.rx.buffered() > 0 {
+            // The peer sent plaintext past STARTTLS: it cannot be part of the handshake.
+            refuse("the peer sent data before the TLS handshake")
+        } else if self.io_in_flight() {
+            refuse("I/O is under way")
+        } else {
+            Ok(())
+        };
+        if let Err(e) = check {
+            return reply.send(Err(e));
+        }
+        let Link::Stream(mut stream) = std::mem::replace(&mut self.link, Link::Down) else {
+            return;
+        };
+        if self.uring.take().is_some() {
+            // OpenSSL reads and writes itself: from now on the socket is on epoll.
+            if let Err(e) = registry.register(
+                &mut stream,
+                token(&self.shared),
+                Interest::READABLE | Interest::WRITABLE,
+            ) {
+                self.link = Link::Stream(stream);
+                return reply.send(Err(e));
+            }
+        }
+        match TlsLink::new(stream, config) {
+            Ok(tls) => {
+                self.link = Link::Tls {
+                    tls: Box::new(tls),
+                    handshake: Some(reply),
+                };
+                self.readable = true;
+                self.writable = true;
+                self.service(registry, memory);
+            }
+            Err(e) => {
+                self.fail(registry);
+                reply.send(Err(e));
+            }
+        }
     }
 
     /// Binds an unreliable QP (management: bind).
@@ -347,6 +415,44 @@ impl EngineQp {
                         }),
                     };
                     match stop {
+                        RxStop::WouldBlock => *readable = false,
+                        RxStop::Failed => failed = true,
+                        RxStop::NoWr => {}
+                    }
+                }
+                if failed { After::Fail } else { After::Nothing }
+            }
+            Link::Tls { tls, handshake } => 'tls: {
+                if tls.handshaking {
+                    match tls.handshake() {
+                        Step::Done => {
+                            if let Some(r) = handshake.take() {
+                                r.send(Ok(()));
+                            }
+                        }
+                        Step::WouldBlock => break 'tls After::Nothing,
+                        Step::Failed(e) => {
+                            tracing::debug!(qp = shared.num, "TLS handshake failed: {e}");
+                            // The host sees the QP failed by the time it hears why.
+                            shared.set_state(QpState::Error);
+                            if let Some(r) = handshake.take() {
+                                r.send(Err(e));
+                            }
+                            break 'tls After::Fail;
+                        }
+                    }
+                }
+                // No io_uring here: OpenSSL owns the socket's reads and writes.
+                let mut failed = !tx.take_posted(shared, memory, Some(framer.as_mut()), true);
+                if !failed && *writable {
+                    match tx.pump_stream(shared, &mut |iov| tls.write(iov)) {
+                        TxStop::WouldBlock => *writable = false,
+                        TxStop::Failed => failed = true,
+                        TxStop::Idle => {}
+                    }
+                }
+                if !failed && *readable {
+                    match rx.pump(shared, memory, framer.as_mut(), &mut |iov| tls.read(iov)) {
                         RxStop::WouldBlock => *readable = false,
                         RxStop::Failed => failed = true,
                         RxStop::NoWr => {}
@@ -484,6 +590,15 @@ impl EngineQp {
             Link::Stream(mut s) | Link::Draining(mut s) => {
                 let _ = registry.deregister(&mut s);
             }
+            Link::Tls { mut tls, handshake } => {
+                let _ = registry.deregister(&mut tls.raw);
+                if let Some(r) = handshake {
+                    r.send(Err(io::Error::new(
+                        io::ErrorKind::ConnectionAborted,
+                        "the connection went down during the TLS handshake",
+                    )));
+                }
+            }
             Link::Connecting { mut stream, reply } => {
                 let _ = registry.deregister(&mut stream);
                 reply.send(Err(io::Error::new(
@@ -501,7 +616,7 @@ impl EngineQp {
     /// Orderly close (management: close).
     pub(super) fn start_close(&mut self, registry: &Registry, memory: &MemoryTable) {
         match self.link {
-            Link::Stream(_) => {
+            Link::Stream(_) | Link::Tls { .. } => {
                 self.closing = true;
                 self.shared.set_state(QpState::Closing);
                 self.service(registry, memory);
@@ -516,7 +631,18 @@ impl EngineQp {
             return;
         }
         self.closing = false;
-        if let Link::Stream(mut stream) = std::mem::replace(&mut self.link, Link::Down) {
+        let stream = match std::mem::replace(&mut self.link, Link::Down) {
+            Link::Stream(s) => Some(s),
+            Link::Tls { mut tls, .. } => {
+                tls.close_notify();
+                Some(tls.raw)
+            }
+            other => {
+                self.link = other;
+                None
+            }
+        };
+        if let Some(mut stream) = stream {
             let _ = stream.shutdown(Shutdown::Write);
             if self.uring.is_some() {
                 // Draining reads synchronously on epoll readiness.

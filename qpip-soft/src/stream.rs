@@ -63,6 +63,18 @@ impl Stream {
         }
     }
 
+    /// Another handle on the same socket (a duplicated descriptor).
+    pub(super) fn try_clone(&self) -> io::Result<Stream> {
+        use std::os::fd::AsFd;
+        let fd = self.as_fd().try_clone_to_owned()?;
+        Ok(match self {
+            Stream::Tcp(_) => Stream::Tcp(TcpStream::from_std(std::net::TcpStream::from(fd))),
+            Stream::Unix(_) => Stream::Unix(UnixStream::from_std(
+                std::os::unix::net::UnixStream::from(fd),
+            )),
+        })
+    }
+
     pub(super) fn shutdown(&self, how: Shutdown) -> io::Result<()> {
         match self {
             Stream::Tcp(s) => s.shutdown(how),
@@ -77,6 +89,31 @@ impl AsRawFd for Stream {
             Stream::Tcp(s) => s.as_raw_fd(),
             Stream::Unix(s) => s.as_raw_fd(),
         }
+    }
+}
+
+impl std::os::fd::AsFd for Stream {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        match self {
+            Stream::Tcp(s) => s.as_fd(),
+            Stream::Unix(s) => s.as_fd(),
+        }
+    }
+}
+
+// OpenSSL owns its stream and reads and writes through `&mut`.
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        (&*self).read(buf)
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        (&*self).write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
     }
 }
 

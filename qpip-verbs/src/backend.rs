@@ -88,6 +88,15 @@ pub enum Command {
     CloseListener {
         listener: ListenerId,
     },
+    /// Switch a connected reliable QP to TLS: the NIC runs the handshake, then carries every
+    /// message in TLS records. Only with no WR outstanding on the QP and nothing received
+    /// past the last message; replies once the handshake is done (or failed, which fails
+    /// the QP). NICs without TLS refuse it.
+    StartTls {
+        qp: QpNum,
+        config: Box<crate::tls::TlsConfig>,
+        reply: ReplySender<io::Result<()>>,
+    },
     /// Orderly close: finish posted sends, shut the connection, flush receives.
     Close {
         qp: QpNum,

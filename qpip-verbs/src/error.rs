@@ -48,6 +48,9 @@ pub enum Error {
         op: &'static str,
         after: std::time::Duration,
     },
+    /// The TLS handshake failed, or TLS could not start (the reason says which).
+    #[error("TLS: {0}")]
+    Tls(String),
     /// The backend cannot do this.
     #[error("the {backend} backend does not support {what}")]
     Unsupported {

@@ -18,6 +18,7 @@ pub mod nic;
 pub mod qp;
 pub mod reply;
 pub mod shared;
+pub mod tls;
 pub mod wr;
 
 pub use cq::{CompletionQueue, CqError};
@@ -28,4 +29,5 @@ pub use nic::{Endpoint, Listener, Nic};
 pub use qp::{QpAttr, QueuePair};
 pub use reply::{ReplyReceiver, ReplySender, reply_channel};
 pub use shared::{QpKind, QpShared, QpState};
+pub use tls::{TlsConfig, TlsCredentials};
 pub use wr::{Completion, Opcode, QpNum, RecvWr, SendWr, SgList, WcStatus};

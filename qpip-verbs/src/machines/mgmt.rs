@@ -44,6 +44,20 @@ pub trait Management {
         let _ = (qp, path);
         reply.send(Err(no_unix()));
     }
+    /// Switches `qp` to TLS; `reply` is answered when the handshake ends. NICs without TLS
+    /// (the LANai) refuse it.
+    fn start_tls(
+        &mut self,
+        qp: QpNum,
+        config: Box<crate::tls::TlsConfig>,
+        reply: ReplySender<io::Result<()>>,
+    ) {
+        let _ = (qp, config);
+        reply.send(Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "this NIC does not do TLS",
+        )));
+    }
     /// Queues `qp` for the next connection on `listener`; `reply` gets the peer. Only called
     /// for a listener that exists.
     fn accept(&mut self, listener: ListenerId, qp: QpNum, reply: ReplySender<MgmtResult>);
@@ -101,6 +115,7 @@ pub fn dispatch(nic: &mut impl Management, cmd: Command) {
                 )));
             }
         }
+        Command::StartTls { qp, config, reply } => nic.start_tls(qp, config, reply),
         Command::CloseListener { listener } => nic.close_listener(listener),
         Command::Close { qp } => nic.close(qp),
         Command::Disconnect { qp } => nic.disconnect(qp),
