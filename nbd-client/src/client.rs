@@ -386,6 +386,7 @@ impl Client {
     fn config(uri: &NbdUri, opts: &ClientOptions) -> ClientConfig {
         let mut cfg = ClientConfig::new(uri.export.clone());
         cfg.structured_replies = opts.structured_replies;
+        cfg.tls = uri.tls.is_some();
         cfg.extended_headers = opts.extended_headers && opts.structured_replies;
         cfg.base_allocation = opts.base_allocation && opts.structured_replies;
         cfg
@@ -478,7 +479,8 @@ impl Client {
             Some(n) => n.clone(),
             None => Nic::soft()?,
         };
-        match Conn::open(&nic, &parsed, ClientHandshake::list(), opts.connect_timeout)? {
+        let hs = ClientHandshake::list_with(Self::config(&parsed, opts));
+        match Conn::open(&nic, &parsed, hs, opts.connect_timeout)? {
             (_, ClientEvent::Listed(v)) => Ok(v),
             _ => Err(Error::Protocol {
                 uri: parsed.to_string(),

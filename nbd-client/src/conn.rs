@@ -12,7 +12,7 @@ use nbd_proto::framing::{ClientPhase, FrameLimits};
 use nbd_proto::handshake::{ClientEvent, ClientHandshake};
 use qpip_core::{
     Access, Completion, CompletionQueue, MemoryRegion, Nic, Opcode, QpAttr, QueuePair, RecvWr,
-    SendWr,
+    SendWr, TlsConfig, TlsCredentials,
 };
 
 use crate::error::{Error, Result};
@@ -76,6 +76,63 @@ impl Conn {
         Ok(())
     }
 
+    /// The NIC's TLS credentials for an `nbds://` URI (None for plain `nbd://`), read now so
+    /// that a missing file fails before anything is sent.
+    fn tls_config(uri: &NbdUri) -> Result<Option<TlsConfig>> {
+        let Some(t) = &uri.tls else {
+            return Ok(None);
+        };
+        let err = |why: String| Error::Tls {
+            uri: uri.to_string(),
+            why,
+        };
+        let credentials = match (&t.certificates, &t.psk_file) {
+            (_, Some(file)) => {
+                // libnbd's default identity: the local user name.
+                let user = t
+                    .username
+                    .clone()
+                    .or_else(|| std::env::var("USER").ok())
+                    .or_else(|| std::env::var("LOGNAME").ok())
+                    .ok_or_else(|| err("a PSK needs tls-username=NAME".into()))?;
+                let keys = qpip_core::tls::read_psk_file(file, Some(&user))
+                    .map_err(|e| err(format!("tls-psk-file: {e}")))?;
+                TlsCredentials::Psk { keys }
+            }
+            (Some(dir), None) => {
+                let ca = dir.join("ca-cert.pem");
+                if t.verify_peer && !ca.exists() {
+                    return Err(err(format!(
+                        "tls-certificates: {} is missing",
+                        ca.display()
+                    )));
+                }
+                let (cert, key) = (dir.join("client-cert.pem"), dir.join("client-key.pem"));
+                let mine = cert.exists() && key.exists();
+                TlsCredentials::X509 {
+                    ca: ca.exists().then_some(ca),
+                    cert: mine.then_some(cert),
+                    key: mine.then_some(key),
+                    verify_peer: t.verify_peer,
+                }
+            }
+            // The system's trust store.
+            (None, None) => TlsCredentials::X509 {
+                ca: None,
+                cert: None,
+                key: None,
+                verify_peer: t.verify_peer,
+            },
+        };
+        let config = TlsConfig {
+            server: false,
+            credentials,
+            server_name: (!uri.host.is_empty()).then(|| uri.host.clone()),
+        };
+        qpip_core::soft::check_tls(&config).map_err(|e| err(format!("TLS credentials: {e}")))?;
+        Ok(Some(config))
+    }
+
     /// Connects to `uri` and runs `hs` to its terminal event. On `Connected` the connection
     /// is ready for requests; after `Listed`/`Info` it has been closed.
     pub fn open(
@@ -85,6 +142,7 @@ impl Conn {
         timeout: Duration,
     ) -> Result<(Conn, ClientEvent)> {
         let deadline = Instant::now() + timeout;
+        let tls = Self::tls_config(uri)?;
         // A Unix socket (None) is one place to try; a host name may resolve to several.
         let targets: Vec<Option<SocketAddr>> = match &uri.socket {
             Some(_) => vec![None],
@@ -189,6 +247,29 @@ impl Conn {
                 };
                 match ev {
                     ClientEvent::Continue => {
+                        conn.phase.store(hs.phase().to_u8(), Ordering::Release);
+                        conn.repost(0)?;
+                    }
+                    ClientEvent::StartTls => {
+                        // No receive WR is posted: the NIC switches the idle connection.
+                        let config = tls.clone().ok_or(Error::Invalid("STARTTLS without TLS"))?;
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        if let Err(e) = conn
+                            .qp
+                            .start_tls(config, left.max(Duration::from_millis(1)))
+                        {
+                            conn.qp.close();
+                            return Err(Error::Tls {
+                                uri: uri.to_string(),
+                                why: format!("TLS handshake failed: {e}"),
+                            });
+                        }
+                        let mut out = Vec::new();
+                        hs.resume(&mut out).map_err(|source| Error::Handshake {
+                            uri: uri.to_string(),
+                            source,
+                        })?;
+                        conn.send_bytes(nic, &out)?;
                         conn.phase.store(hs.phase().to_u8(), Ordering::Release);
                         conn.repost(0)?;
                     }

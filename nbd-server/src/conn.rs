@@ -118,7 +118,7 @@ impl Connection {
             return Ok(());
         };
         let export = self.shared.exports[neg.export_index].clone();
-        tracing::info!(peer = %self.peer, export = %export.name, structured = neg.structured_replies, extended = neg.extended_headers, "client connected");
+        tracing::info!(peer = %self.peer, export = %export.name, structured = neg.structured_replies, extended = neg.extended_headers, tls = neg.tls, "client connected");
         let t = Transmission::new(&mut self, export, &neg)?;
         // The receive slots are posted before the reply that lets the client send requests.
         t.conn.send_bytes(&last_reply)?;
@@ -188,6 +188,27 @@ impl Connection {
         Ok(())
     }
 
+    /// NBD_OPT_STARTTLS: the ACK goes out in plaintext, then the NIC switches the connection
+    /// to TLS (no receive WR is posted meanwhile, so nothing is read in plaintext).
+    fn start_tls(&mut self, ack: &[u8], deadline: Instant) -> Result<()> {
+        let Some(config) = self.shared.tls.clone() else {
+            bail!("STARTTLS acknowledged without TLS credentials");
+        };
+        self.send_bytes(ack)?;
+        while !self.handshake_sends.is_empty() {
+            let c = self.wait_one(deadline, "the STARTTLS reply")?;
+            if c.opcode == Opcode::Send {
+                self.on_handshake_send(&c)?;
+            }
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        self.qp
+            .start_tls(config, left.max(Duration::from_millis(1)))
+            .context("TLS handshake")?;
+        tracing::debug!(peer = %self.peer, "TLS established");
+        Ok(())
+    }
+
     /// Runs the handshake. Returns the negotiated export and the final reply (not yet sent),
     /// or None when the client ended it (ABORT, or a LIST/INFO-only session).
     fn handshake(&mut self) -> Result<Option<(ServerNegotiated, Vec<u8>)>> {
@@ -227,6 +248,10 @@ impl Connection {
                     self.phase
                         .store(neg.transmission_phase().to_u8(), Ordering::Release);
                     return Ok(Some((*neg, out)));
+                }
+                ServerEvent::StartTls => {
+                    self.start_tls(&out, deadline)?;
+                    self.qp.post_recv(RecvWr::new(0, &[rbuf.sge(0, max)]))?;
                 }
                 ServerEvent::Abort => {
                     self.send_bytes(&out)?;

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use nbd_proto::handshake::TlsMode;
 use nbd_server::config::{Config, ExportConfig, parse_listen, parse_size};
 use nbd_server::daemon;
 use nbd_server::export::Export;
@@ -17,7 +18,7 @@ use nbd_server::server::{Server, ServerOptions};
 use qpip_core::cli::BackendArgs;
 use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
 use qpip_core::logging::LogArgs;
-use qpip_core::{Endpoint, Nic};
+use qpip_core::{Endpoint, Nic, TlsConfig, TlsCredentials};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -62,7 +63,7 @@ struct Cli {
     /// stale socket left there by a dead server is replaced. Clients connect with
     /// nbd+unix:///EXPORT?socket=PATH. Alone, the server listens on no TCP address; add
     /// --listen/--port/--bind for both. The soft NIC only (the LANai reaches its fabric only).
-    /// (-U is --force-share, as in qemu-nbd.)
+    /// (-U is --force-share, as in qemu-img and qemu-io.)
     #[arg(short = 'k', long, visible_alias = "unix", value_name = "PATH")]
     socket: Option<PathBuf>,
     /// An export: NAME=PATH of an image file or block device; repeat for several.
@@ -132,6 +133,24 @@ struct Cli {
     /// listens on 127.0.0.1 at a free port.
     #[arg(long, value_name = "CMD")]
     run: Option<String>,
+    /// TLS, as nbdkit's --tls: off; on (offered: a client may upgrade with STARTTLS or stay
+    /// in plaintext); require (every option before STARTTLS is refused with
+    /// NBD_REP_ERR_TLS_REQD). Default: require when --tls-certs or --tls-psk is given, else
+    /// off. The soft NIC's engine does the TLS record layer; the LANai backend has no TLS.
+    #[arg(long, value_enum, value_name = "MODE")]
+    tls: Option<TlsArg>,
+    /// X.509 credentials: a directory holding ca-cert.pem, server-cert.pem and
+    /// server-key.pem (the layout of qemu's tls-creds-x509 and nbdkit's --tls-certificates).
+    #[arg(long, value_name = "DIR")]
+    tls_certs: Option<PathBuf>,
+    /// With --tls-certs: accept only clients presenting a certificate signed by its
+    /// ca-cert.pem.
+    #[arg(long, requires = "tls_certs")]
+    tls_verify_peer: bool,
+    /// Pre-shared keys instead of certificates: a file in psktool's format (IDENTITY:HEXKEY
+    /// per line); a client with any of them may connect.
+    #[arg(long, value_name = "FILE", conflicts_with = "tls_certs")]
+    tls_psk: Option<PathBuf>,
     /// Shut down (as on SIGTERM) when the process that started the server exits.
     #[arg(long)]
     exit_with_parent: bool,
@@ -140,6 +159,58 @@ struct Cli {
     log: LogArgs,
     #[command(flatten)]
     backend: BackendArgs,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum TlsArg {
+    Off,
+    On,
+    Require,
+}
+
+/// The TLS mode and the NIC's credentials, checked (files loaded) before anything starts.
+fn tls_setup(cli: &Cli) -> Result<(TlsMode, Option<TlsConfig>)> {
+    let credentials = match (&cli.tls_certs, &cli.tls_psk) {
+        (Some(dir), _) => {
+            let ca = dir.join("ca-cert.pem");
+            Some((
+                format!("--tls-certs {}", dir.display()),
+                TlsCredentials::X509 {
+                    // Only a verifying server needs the CA.
+                    ca: (cli.tls_verify_peer || ca.exists()).then_some(ca),
+                    cert: Some(dir.join("server-cert.pem")),
+                    key: Some(dir.join("server-key.pem")),
+                    verify_peer: cli.tls_verify_peer,
+                },
+            ))
+        }
+        (None, Some(file)) => Some((
+            format!("--tls-psk {}", file.display()),
+            TlsCredentials::Psk {
+                keys: qpip_core::tls::read_psk_file(file, None).context("--tls-psk")?,
+            },
+        )),
+        (None, None) => None,
+    };
+    let mode = match (cli.tls, &credentials) {
+        (Some(TlsArg::Off), None) | (None, None) => TlsMode::Off,
+        (Some(TlsArg::Off), Some((what, _))) => bail!("--tls off does not go with {what}"),
+        (Some(_), None) => {
+            bail!("--tls on and --tls require need --tls-certs DIR or --tls-psk FILE")
+        }
+        (Some(TlsArg::On), Some(_)) => TlsMode::On,
+        (Some(TlsArg::Require) | None, Some(_)) => TlsMode::Require,
+    };
+    let Some((what, credentials)) = credentials else {
+        return Ok((mode, None));
+    };
+    let config = TlsConfig {
+        server: true,
+        credentials,
+        server_name: None,
+    };
+    qpip_core::soft::check_tls(&config).with_context(|| what.clone())?;
+    Ok((mode, Some(config)))
 }
 
 fn split_pair<'a>(s: &'a str, what: &str) -> Result<(&'a str, &'a str)> {
@@ -281,6 +352,10 @@ fn run(cli: Cli) -> Result<i32> {
             "cannot listen on {v4}: the lanai NIC speaks IPv6 only (this node is {node}; try --listen [{node}]:10809)"
         );
     }
+    let (tls_mode, tls_config) = tls_setup(&cli)?;
+    if tls_config.is_some() && cli.backend.backend.name() == "lanai" {
+        bail!("--tls: the lanai backend has no TLS (the soft NIC's engine does it)");
+    }
     let mut readiness = if cli.fork {
         Some(daemon::fork()?)
     } else {
@@ -411,6 +486,8 @@ fn run(cli: Cli) -> Result<i32> {
             },
             default_export: cfg.default_export.clone(),
             list_exports: cfg.list_exports.unwrap_or(true) && !cli.no_list,
+            tls: tls_mode,
+            tls_config,
         },
     )?;
     for a in server.local_addrs() {

@@ -9,10 +9,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use nbd_proto::framing::{FrameLimits, ServerPhase};
+use nbd_proto::handshake::TlsMode;
 use nbd_proto::handshake::messages::BlockSize;
 use nbd_proto::handshake::server::{Export as ProtoExport, ServerConfig};
 use parking_lot::Mutex;
-use qpip_core::{Endpoint, Listener, Nic, QpAttr};
+use qpip_core::{Endpoint, Listener, Nic, QpAttr, TlsConfig};
 
 use crate::conn::{self, Connection};
 use crate::export::Export;
@@ -35,6 +36,9 @@ pub struct ServerOptions {
     pub buffer_memory: u64,
     pub default_export: Option<String>,
     pub list_exports: bool,
+    /// TLS: how it is offered, and the credentials the NIC uses (with `On`/`Require`).
+    pub tls: TlsMode,
+    pub tls_config: Option<TlsConfig>,
 }
 
 /// A running server.
@@ -68,6 +72,7 @@ impl Server {
         let mut proto = ServerConfig::new(proto_exports);
         proto.default_export = opts.default_export.clone();
         proto.allow_list = opts.list_exports;
+        proto.tls = opts.tls;
         let limits = FrameLimits {
             max_option_len: proto.max_option_len,
             max_write_len: MAX_BLOCK,
@@ -77,6 +82,7 @@ impl Server {
             nic: nic.clone(),
             exports,
             proto,
+            tls: opts.tls_config,
             limits,
             shutdown: AtomicBool::new(false),
             active: AtomicUsize::new(0),

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use nbd_proto::framing::FrameLimits;
 use nbd_proto::handshake::server::ServerConfig;
 use parking_lot::Mutex;
-use qpip_core::{Endpoint, Nic};
+use qpip_core::{Endpoint, Nic, TlsConfig};
 
 use crate::export::Export;
 use crate::recv_window::SlotBudget;
@@ -20,6 +20,8 @@ pub struct ServerShared {
     pub nic: Nic,
     pub exports: Vec<Arc<Export>>,
     pub proto: ServerConfig,
+    /// The credentials a connection switches to TLS with, on NBD_OPT_STARTTLS.
+    pub tls: Option<TlsConfig>,
     pub limits: FrameLimits,
     pub(crate) shutdown: AtomicBool,
     /// Connections past the handshake (in the transmission phase).

@@ -307,3 +307,46 @@ pub fn pattern(offset: u64, len: usize) -> Vec<u8> {
         })
         .collect()
 }
+
+/// Throwaway TLS credentials (scripts/tls-test-certs): ca-cert.pem, server-cert.pem,
+/// server-key.pem, client-cert.pem, client-key.pem, keys.psk (user alice), other-ca/.
+pub fn tls_certs() -> Option<tempfile::TempDir> {
+    if !have("certtool") || !have("psktool") {
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/tls-test-certs");
+    assert!(
+        Command::new(script)
+            .arg(dir.path())
+            .status()
+            .unwrap()
+            .success()
+    );
+    Some(dir)
+}
+
+/// `program` with `args` listening on a free port of 127.0.0.1 (`port_flag PORT` added);
+/// the URI is `uri` with PORT replaced.
+pub fn tcp_peer(program: &str, port_flag: &str, args: &[&str], uri: &str) -> Option<Peer> {
+    if !have(program) {
+        return None;
+    }
+    let port = free_port();
+    let child = Command::new(program)
+        .arg(port_flag)
+        .arg(port.to_string())
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {program}: {e}"));
+    wait_port(port);
+    Some(Peer {
+        child,
+        port,
+        uri: uri.replace("PORT", &port.to_string()),
+        pidfile: None,
+        _dir: None,
+    })
+}

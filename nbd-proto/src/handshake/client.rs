@@ -167,7 +167,7 @@ pub enum ClientError {
     NoFixedNewstyle,
     /// TLS was asked for and the server refused `NBD_OPT_STARTTLS`; an `NBD_OPT_ABORT` was
     /// queued. There is no plaintext fallback.
-    #[error("the server refused TLS (reply {reply:#x}: {message}); not going on without it")]
+    #[error("the server refused TLS ({}: {message}); not going on without it", reply_name(*.reply))]
     TlsRefused {
         /// Error reply type (`NBD_REP_ERR_UNSUP` from a server without TLS).
         reply: u32,
@@ -176,7 +176,7 @@ pub enum ClientError {
     },
     /// The server refused an option with an error reply. An `NBD_OPT_ABORT` was
     /// queued (soft disconnect): send it, then close.
-    #[error("server refused option {option} with reply {reply:#x}: {message}")]
+    #[error("server refused option {option} with {}: {message}", reply_name(*.reply))]
     Rejected {
         /// Option.
         option: u32,
@@ -212,6 +212,24 @@ pub enum ClientError {
     /// A message arrived after the handshake ended.
     #[error("handshake already finished")]
     Finished,
+}
+
+/// An error reply's name, with what a user can do about the common ones.
+pub fn reply_name(reply: u32) -> String {
+    let name = match reply {
+        c::REP_ERR_UNSUP => "NBD_REP_ERR_UNSUP",
+        c::REP_ERR_POLICY => "NBD_REP_ERR_POLICY",
+        c::REP_ERR_INVALID => "NBD_REP_ERR_INVALID",
+        c::REP_ERR_PLATFORM => "NBD_REP_ERR_PLATFORM",
+        c::REP_ERR_TLS_REQD => "NBD_REP_ERR_TLS_REQD (the server requires TLS: use nbds://)",
+        c::REP_ERR_UNKNOWN => "NBD_REP_ERR_UNKNOWN",
+        c::REP_ERR_SHUTDOWN => "NBD_REP_ERR_SHUTDOWN",
+        c::REP_ERR_BLOCK_SIZE_REQD => "NBD_REP_ERR_BLOCK_SIZE_REQD",
+        c::REP_ERR_TOO_BIG => "NBD_REP_ERR_TOO_BIG",
+        c::REP_ERR_EXT_HEADER_REQD => "NBD_REP_ERR_EXT_HEADER_REQD",
+        other => return format!("reply {other:#x}"),
+    };
+    name.to_owned()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use nbd_client::{Client, ClientOptions, ExportInfo};
+use nbd_client::{Client, ClientOptions, ExportInfo, NbdUri};
 use nbd_proto::flags::TransmissionFlags as TF;
 use qpip_core::Nic;
 use qpip_core::cli::BackendArgs;
@@ -27,7 +27,11 @@ use qpip_core::cli::BackendArgs;
         Exports are named by NBD URIs: nbd://HOST[:PORT][/EXPORT], IPv6 literals in brackets \
         (nbd://[::1]/disk), port 10809 by default, the empty export name for the server's \
         default; nbd+unix:///EXPORT?socket=PATH for a server's local Unix-domain socket \
-        (soft NIC only). TLS (nbds://) is not supported.\n\n\
+        (soft NIC only). nbds:// and nbds+unix:// require TLS (never falling back to \
+        plaintext), with libnbd's query parameters: tls-certificates=DIR (ca-cert.pem, and \
+        client-cert.pem/client-key.pem if there), tls-psk-file=FILE (psktool format) with \
+        tls-username=NAME or nbds://NAME@HOST, tls-verify-peer=false; the soft NIC's engine \
+        does the TLS record layer.\n\n\
         A lost connection is restored with exponential backoff and every unanswered request is \
         sent again; a write counts as done only once the server acknowledged it. After \
         --reconnect-timeout the operation fails (EIO).",
@@ -140,7 +144,7 @@ enum Can {
 enum Is {
     ReadOnly,
     Rotational,
-    /// Always no: QPs carry no TLS.
+    /// Yes for nbds:// (the session runs over TLS, or there is none).
     Tls,
 }
 
@@ -352,7 +356,8 @@ fn run(cli: Cli) -> Result<i32> {
                 (Some(c), _) => Some(answer_can(&uri, c, &info, &base)?),
                 (None, Some(Is::ReadOnly)) => Some(info.flags.contains(TF::READ_ONLY)),
                 (None, Some(Is::Rotational)) => Some(info.flags.contains(TF::ROTATIONAL)),
-                (None, Some(Is::Tls)) => Some(false),
+                // A TLS URI connects over TLS or not at all.
+                (None, Some(Is::Tls)) => Some(NbdUri::parse(&uri)?.tls.is_some()),
                 (None, None) => None,
             };
             match yes {
