@@ -104,6 +104,10 @@ enum NbdCmd {
         /// (large and erratic in VMs whose memory the host backs lazily) from the comparison.
         #[arg(long)]
         prewrite: bool,
+        /// Every server requires TLS (x509; credentials made for the run with
+        /// scripts/tls-test-certs), fio connecting with nbds://.
+        #[arg(long)]
+        tls: bool,
     },
     /// (root) The paper's network storage benchmark: ext2 on a loop device on a FUSE file
     /// backed by an NBD export. Writes a file sequentially + sync, unmounts, drops caches,
@@ -262,6 +266,7 @@ fn run(cli: Cli) -> Result<()> {
                     server_bin,
                     dir,
                     prewrite,
+                    tls,
                 },
         } => {
             let server_bin = match server_bin {
@@ -277,6 +282,7 @@ fn run(cli: Cli) -> Result<()> {
                 server_bin,
                 dir.as_deref(),
                 prewrite,
+                tls,
                 &progress,
             )?;
             if json {

@@ -78,6 +78,8 @@ pub struct Params {
     /// An untimed write pass before the timed one: the timed pass then overwrites allocated,
     /// cached blocks instead of filling a sparse file with freshly allocated pages.
     pub prewrite: bool,
+    /// TLS (x509, credentials made for the run in this directory) for every server.
+    pub tls: Option<PathBuf>,
 }
 
 /// Parses a size such as `1G`, `64M`, `256k`, `4096` (binary units, as fio reads them).
@@ -264,6 +266,8 @@ pub(crate) struct Running {
     child: Child,
     addr: SocketAddr,
     log: PathBuf,
+    /// The server requires TLS.
+    tls: bool,
 }
 
 impl Running {
@@ -283,7 +287,12 @@ impl Running {
     }
 
     pub(crate) fn uri(&self) -> String {
-        format!("nbd://{}/{EXPORT}", self.addr)
+        if self.tls {
+            // fio's libnbd may not read local files (the CA), so the certificate is not checked.
+            format!("nbds://{}/{EXPORT}?tls-verify-peer=false", self.addr)
+        } else {
+            format!("nbd://{}/{EXPORT}", self.addr)
+        }
     }
 
     /// Stops the server; reports how it ended.
@@ -325,20 +334,29 @@ pub(crate) fn free_port() -> Result<u16> {
 
 /// Starts `server` exporting `image` as `bench` on 127.0.0.1; returns once it accepts.
 /// `own_group`: in a process group of its own, so that a terminal's Ctrl-C reaches only us
-/// (and our guards stop the server in order).
+/// (and our guards stop the server in order). `tls`: the x509 credentials directory (qemu's
+/// layout) the server requires TLS with.
 pub(crate) fn start(
     server: Server,
     server_bin: &Path,
     image: &Path,
     log: PathBuf,
     own_group: bool,
+    tls: Option<&Path>,
 ) -> Result<Running> {
     let img = image.to_str().context("image path is not UTF-8")?;
+    let certs = match tls {
+        Some(d) => Some(d.to_str().context("TLS directory path is not UTF-8")?),
+        None => None,
+    };
     let (mut cmd, port) = match server {
         Server::Qpip => {
             let mut c = Command::new(server_bin);
             c.args(["--listen", "127.0.0.1:0", "--log", "warn", "--export"])
                 .arg(format!("{EXPORT}={img}"));
+            if let Some(d) = certs {
+                c.args(["--tls", "require", "--tls-certs", d]);
+            }
             (c, None)
         }
         Server::Nbdkit => {
@@ -351,9 +369,11 @@ pub(crate) fn start(
                 "127.0.0.1",
                 "-p",
             ])
-            .arg(port.to_string())
-            .args(["-e", EXPORT, "file"])
-            .arg(format!("file={img}"));
+            .arg(port.to_string());
+            if let Some(d) = certs {
+                c.arg("--tls=require").arg(format!("--tls-certificates={d}"));
+            }
+            c.args(["-e", EXPORT, "file"]).arg(format!("file={img}"));
             (c, Some(port))
         }
         Server::QemuNbd => {
@@ -369,10 +389,16 @@ pub(crate) fn start(
                     "--aio=threads",
                     "--detect-zeroes=off",
                     "--discard=ignore",
-                ])
-                .arg(img);
+                ]);
+            if let Some(d) = certs {
+                c.arg("--object")
+                    .arg(format!("tls-creds-x509,id=tls0,dir={d},endpoint=server,verify-peer=off"))
+                    .args(["--tls-creds", "tls0"]);
+            }
+            c.arg(img);
             (c, Some(port))
         }
+        Server::NbdServer if certs.is_some() => bail!("the nbd-server runs here do not use TLS"),
         Server::NbdServer => {
             let port = free_port()?;
             let cfg = log.with_extension("conf");
@@ -414,6 +440,7 @@ pub(crate) fn start(
         child,
         addr: SocketAddr::from(([127, 0, 0, 1], port.unwrap_or(0))),
         log,
+        tls: certs.is_some(),
     };
     if port.is_none() {
         running.addr = qpip_listen_addr(&mut running)?;
@@ -684,6 +711,7 @@ fn round(server: Server, p: &Params, progress: &dyn Fn(&str)) -> Result<(Pass, P
         &image.path,
         p.dir.join(format!("{name}.log")),
         false,
+        p.tls.as_deref(),
     )?;
     progress(&format!(
         "{name}: pid {} on {}, writing",
@@ -717,6 +745,7 @@ pub fn run(
     server_bin: PathBuf,
     dir: Option<&Path>,
     prewrite: bool,
+    tls: bool,
     progress: &dyn Fn(&str),
 ) -> Result<NbdRawReport> {
     let repeat = repeat.max(1);
@@ -741,6 +770,21 @@ pub fn run(
         client: format!("{fio_version} --ioengine=nbd, 1 job, 1 connection"),
         cache: "page cache, hot, same for all servers (not dropped; no flush)",
         prewrite,
+        tls: if tls {
+            let d = work.path.join("tls");
+            // Throwaway credentials, made as the tests make theirs.
+            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/tls-test-certs");
+            let st = Command::new(script)
+                .arg(&d)
+                .status()
+                .with_context(|| format!("running {script} (needs certtool: scripts/setup)"))?;
+            if !st.success() {
+                bail!("{script} {} failed ({st})", d.display());
+            }
+            Some(d)
+        } else {
+            None
+        },
     };
     let mut samples: BTreeMap<&'static str, BTreeMap<&'static str, Vec<f64>>> = Server::ALL
         .iter()
@@ -820,7 +864,7 @@ pub fn table(r: &NbdRawReport) -> String {
     let p = &r.params;
     let mut s = format!(
         "nbd raw: sequential write then read of {} in {} requests, {} in flight, fio nbd engine;\n\
-         page-cache-hot {} raw files for all servers; median of {} rounds [min-max]\n\n",
+         page-cache-hot {} raw files for all servers; median of {} rounds [min-max]{}\n\n",
         human_bytes(p.size_bytes),
         human_bytes(p.bs_bytes),
         p.iodepth,
@@ -829,7 +873,12 @@ pub fn table(r: &NbdRawReport) -> String {
         } else {
             "fresh sparse"
         },
-        p.repeat
+        p.repeat,
+        if p.tls.is_some() {
+            ";\nTLS required by every server (x509, TLS 1.3), nbds:// from fio"
+        } else {
+            ""
+        }
     );
     s += &format!(
         "{:<10} {:<6} {:>22} {:>24} {:>20}\n",
