@@ -371,7 +371,8 @@ pub(crate) fn start(
             ])
             .arg(port.to_string());
             if let Some(d) = certs {
-                c.arg("--tls=require").arg(format!("--tls-certificates={d}"));
+                c.arg("--tls=require")
+                    .arg(format!("--tls-certificates={d}"));
             }
             c.args(["-e", EXPORT, "file"]).arg(format!("file={img}"));
             (c, Some(port))
@@ -392,7 +393,9 @@ pub(crate) fn start(
                 ]);
             if let Some(d) = certs {
                 c.arg("--object")
-                    .arg(format!("tls-creds-x509,id=tls0,dir={d},endpoint=server,verify-peer=off"))
+                    .arg(format!(
+                        "tls-creds-x509,id=tls0,dir={d},endpoint=server,verify-peer=off"
+                    ))
                     .args(["--tls-creds", "tls0"]);
             }
             c.arg(img);
@@ -875,7 +878,7 @@ pub fn table(r: &NbdRawReport) -> String {
         },
         p.repeat,
         if p.tls.is_some() {
-            ";\nTLS required by every server (x509, TLS 1.3), nbds:// from fio"
+            ";\nTLS required by every server (x509), nbds:// from fio"
         } else {
             ""
         }
