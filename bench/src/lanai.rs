@@ -213,6 +213,8 @@ pub fn run(
             "pci_read_MBps": bus.rate_mbps(Use::Read),
             "pci_write_MBps": bus.rate_mbps(Use::Write),
             "send_staging_buffers": params.device.send_staging_buffers,
+            "recv_staging_buffers": params.device.recv_staging_buffers,
+            "sram_MBps": params.device.clock_mhz * params.device.sram_bytes_per_cycle as f64,
             "host_send_overhead_us": params.host.send_overhead_us,
             "host_recv_overhead_us": params.host.recv_overhead_us,
         },
@@ -247,10 +249,12 @@ pub fn table(r: &Value) -> String {
     let mut s = String::from("LANai 9 / Myrinet, predicted in virtual time\n");
     s += &format!(
         "PCI 64-bit/33 MHz: DMA read {:.0} MB/s, write {:.0} MB/s (one bus for both and PIO); \
-         {} send staging buffers\n\n",
+         {} send and {} receive staging buffers; SRAM {:.0} MB/s shared by processor and DMA\n\n",
         num(&r["inputs"]["pci_read_MBps"]),
         num(&r["inputs"]["pci_write_MBps"]),
-        r["inputs"]["send_staging_buffers"]
+        r["inputs"]["send_staging_buffers"],
+        r["inputs"]["recv_staging_buffers"],
+        num(&r["inputs"]["sram_MBps"])
     );
     s += &format!(
         "{:<30} {:>10} {:>10}   {}\n",

@@ -27,7 +27,7 @@ struct Cli {
     cmd: Cmd,
     // Logging: -v/-q from the default, warn.
     #[command(flatten)]
-    log: qpip_core::logging::LogArgs,
+    log: qpip_cli::logging::LogArgs,
 }
 
 #[derive(Subcommand)]
@@ -108,6 +108,14 @@ enum NbdCmd {
         /// scripts/tls-test-certs), fio connecting with nbds://.
         #[arg(long)]
         tls: bool,
+        /// Two more rows: qpip-nbd-server's rbd: export and qemu-nbd's own rbd: driver,
+        /// each on a fresh image of the Ceph cluster that this ceph.conf names (e.g.
+        /// /tmp/qpip-ceph/ceph.conf of scripts/ceph-dev; the server needs the rbd feature).
+        #[arg(long, value_name = "FILE")]
+        rbd_conf: Option<PathBuf>,
+        /// The pool for those images.
+        #[arg(long, value_name = "POOL", default_value = "rbd")]
+        rbd_pool: String,
     },
     /// (root) The paper's network storage benchmark: ext2 on a loop device on a FUSE file
     /// backed by an NBD export. Writes a file sequentially + sync, unmounts, drops caches,
@@ -192,7 +200,7 @@ enum NbdCmd {
 }
 
 fn main() {
-    qpip_core::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
+    qpip_cli::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
     let cli = Cli::parse();
     cli.log
         .init("qpip-bench", tracing_subscriber::filter::LevelFilter::WARN);
@@ -267,6 +275,8 @@ fn run(cli: Cli) -> Result<()> {
                     dir,
                     prewrite,
                     tls,
+                    rbd_conf,
+                    rbd_pool,
                 },
         } => {
             let server_bin = match server_bin {
@@ -283,6 +293,10 @@ fn run(cli: Cli) -> Result<()> {
                 dir.as_deref(),
                 prewrite,
                 tls,
+                rbd_conf.map(|conf| nbd::RbdBench {
+                    conf,
+                    pool: rbd_pool,
+                }),
                 &progress,
             )?;
             if json {

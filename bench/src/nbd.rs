@@ -18,6 +18,11 @@
 //!   (the defaults, spelled out: page cache, no O_DIRECT, no zero detection that the others do
 //!   not do), `-t` so that it outlives the readiness probe and the first fio connection.
 //!
+//! With `--rbd-conf`, two more servers serve a fresh image of that Ceph cluster (e.g. the
+//! one scripts/ceph-dev starts) in every round: qpip-nbd-server's `rbd:` export ("qpip-rbd")
+//! and qemu-nbd's own rbd driver ("qemu-nbd-rbd", `rbd:POOL/IMAGE:conf=FILE`, the same
+//! cache/zero/discard options), both through librbd with the cluster's defaults.
+//!
 //! Server CPU is the process's user+system time (all threads) from `/proc/PID/stat` around
 //! each fio run; client CPU is fio's own usr_cpu/sys_cpu over its job runtime.
 
@@ -49,6 +54,10 @@ pub enum Server {
     QemuNbd,
     /// Debian's nbd-server (used by `nbd ext2`; not part of `nbd raw`).
     NbdServer,
+    /// qpip-nbd-server serving an RBD image (`nbd raw --rbd-conf`).
+    QpipRbd,
+    /// qemu-nbd serving an RBD image through its rbd driver (`nbd raw --rbd-conf`).
+    QemuNbdRbd,
 }
 
 impl Server {
@@ -60,8 +69,21 @@ impl Server {
             Server::Nbdkit => "nbdkit",
             Server::QemuNbd => "qemu-nbd",
             Server::NbdServer => "nbd-server",
+            Server::QpipRbd => "qpip-rbd",
+            Server::QemuNbdRbd => "qemu-nbd-rbd",
         }
     }
+
+    fn is_rbd(self) -> bool {
+        matches!(self, Server::QpipRbd | Server::QemuNbdRbd)
+    }
+}
+
+/// The Ceph cluster of the RBD rows.
+#[derive(Clone, Debug, Serialize)]
+pub struct RbdBench {
+    pub conf: PathBuf,
+    pub pool: String,
 }
 
 /// What `nbd raw` runs.
@@ -80,6 +102,19 @@ pub struct Params {
     pub prewrite: bool,
     /// TLS (x509, credentials made for the run in this directory) for every server.
     pub tls: Option<PathBuf>,
+    /// RBD rows too: qpip-rbd and qemu-nbd-rbd on this cluster.
+    pub rbd: Option<RbdBench>,
+}
+
+impl Params {
+    /// The servers of each round.
+    fn servers(&self) -> Vec<Server> {
+        let mut v = Server::ALL.to_vec();
+        if self.rbd.is_some() {
+            v.extend([Server::QpipRbd, Server::QemuNbdRbd]);
+        }
+        v
+    }
 }
 
 /// Parses a size such as `1G`, `64M`, `256k`, `4096` (binary units, as fio reads them).
@@ -349,7 +384,7 @@ pub(crate) fn start(
         Some(d) => Some(d.to_str().context("TLS directory path is not UTF-8")?),
         None => None,
     };
-    let (mut cmd, port) = match server {
+    let (cmd, port) = match server {
         Server::Qpip => {
             let mut c = Command::new(server_bin);
             c.args(["--listen", "127.0.0.1:0", "--log", "warn", "--export"])
@@ -419,7 +454,114 @@ pub(crate) fn start(
             c.arg("-C").arg(&cfg).arg("-d");
             (c, Some(port))
         }
+        Server::QpipRbd | Server::QemuNbdRbd => bail!("{} serves RBD images", server.name()),
     };
+    launch(server, cmd, port, log, own_group, certs.is_some())
+}
+
+/// Starts `server` (qpip-rbd or qemu-nbd-rbd) exporting RBD image `pool/image` of the
+/// cluster as `bench` on 127.0.0.1; returns once it accepts.
+fn start_rbd(
+    server: Server,
+    server_bin: &Path,
+    rbd: &RbdBench,
+    image: &str,
+    log: PathBuf,
+) -> Result<Running> {
+    let conf = rbd.conf.to_str().context("ceph.conf path is not UTF-8")?;
+    let (cmd, port) = match server {
+        Server::QpipRbd => {
+            let mut c = Command::new(server_bin);
+            c.args([
+                "--listen",
+                "127.0.0.1:0",
+                "--log",
+                "warn",
+                "--ceph-conf",
+                conf,
+            ])
+            .arg("--export")
+            .arg(format!("{EXPORT}=rbd:{}/{image}", rbd.pool));
+            (c, None)
+        }
+        Server::QemuNbdRbd => {
+            let port = free_port()?;
+            let mut c = Command::new("qemu-nbd");
+            c.args(["-f", "raw", "-b", "127.0.0.1", "-p"])
+                .arg(port.to_string())
+                .args([
+                    "-x",
+                    EXPORT,
+                    "-t",
+                    "--cache=writeback",
+                    "--detect-zeroes=off",
+                    "--discard=ignore",
+                ])
+                .arg(format!("rbd:{}/{image}:conf={conf}", rbd.pool));
+            (c, Some(port))
+        }
+        _ => bail!("{} does not serve RBD images", server.name()),
+    };
+    launch(server, cmd, port, log, false, false)
+}
+
+/// An RBD image made for one round, removed on drop (after its server has stopped).
+struct RbdImage {
+    rbd: RbdBench,
+    name: String,
+}
+
+impl RbdImage {
+    fn create(rbd: &RbdBench, name: String, size: u64) -> Result<RbdImage> {
+        let img = RbdImage {
+            rbd: rbd.clone(),
+            name,
+        };
+        let _ = img.rbd_cmd("rm").output();
+        let out = img
+            .rbd_cmd("create")
+            .args(["--size", &format!("{}M", size.div_ceil(1 << 20))])
+            .output()
+            .context("running rbd create (package ceph-common)")?;
+        if !out.status.success() {
+            bail!(
+                "rbd create {}/{}: {}",
+                rbd.pool,
+                img.name,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(img)
+    }
+
+    fn rbd_cmd(&self, verb: &str) -> Command {
+        let mut c = Command::new("rbd");
+        c.arg("-c")
+            .arg(&self.rbd.conf)
+            .args([verb, "--no-progress"])
+            .arg(format!("{}/{}", self.rbd.pool, self.name))
+            .stdin(Stdio::null());
+        c
+    }
+}
+
+impl Drop for RbdImage {
+    fn drop(&mut self) {
+        let _ = self.rbd_cmd("rm").output();
+    }
+}
+
+/// Spawns a server's command and waits until it accepts (qpip's: until it prints its
+/// address, `port` None).
+/// `tls`: it requires TLS (its URI is nbds://).
+fn launch(
+    server: Server,
+    mut cmd: Command,
+    port: Option<u16>,
+    log: PathBuf,
+    own_group: bool,
+    tls: bool,
+) -> Result<Running> {
     let logf =
         std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
     cmd.stdin(Stdio::null())
@@ -443,7 +585,7 @@ pub(crate) fn start(
         child,
         addr: SocketAddr::from(([127, 0, 0, 1], port.unwrap_or(0))),
         log,
-        tls: certs.is_some(),
+        tls,
     };
     if port.is_none() {
         running.addr = qpip_listen_addr(&mut running)?;
@@ -707,15 +849,31 @@ fn figures(samples: BTreeMap<&'static str, Vec<f64>>) -> ServerFigures {
 /// One server, one round: fresh image, start, write pass, read pass, stop, delete.
 fn round(server: Server, p: &Params, progress: &dyn Fn(&str)) -> Result<(Pass, Pass)> {
     let name = server.name();
-    let image = Image::create(p.dir.join(format!("{name}.img")), p.size_bytes)?;
-    let mut running = start(
-        server,
-        &p.server_bin,
-        &image.path,
-        p.dir.join(format!("{name}.log")),
-        false,
-        p.tls.as_deref(),
-    )?;
+    let log = p.dir.join(format!("{name}.log"));
+    // Dropped after the server (declared first): the image outlives its server.
+    let (_file, _rbd_image, mut running);
+    if let (true, Some(rbd)) = (server.is_rbd(), &p.rbd) {
+        let img = RbdImage::create(
+            rbd,
+            format!("qpip-bench-{name}-{}", std::process::id()),
+            p.size_bytes,
+        )?;
+        running = start_rbd(server, &p.server_bin, rbd, &img.name, log)?;
+        _rbd_image = Some(img);
+        _file = None;
+    } else {
+        let image = Image::create(p.dir.join(format!("{name}.img")), p.size_bytes)?;
+        running = start(
+            server,
+            &p.server_bin,
+            &image.path,
+            log,
+            false,
+            p.tls.as_deref(),
+        )?;
+        _file = Some(image);
+        _rbd_image = None;
+    }
     progress(&format!(
         "{name}: pid {} on {}, writing",
         running.pid(),
@@ -749,6 +907,7 @@ pub fn run(
     dir: Option<&Path>,
     prewrite: bool,
     tls: bool,
+    rbd: Option<RbdBench>,
     progress: &dyn Fn(&str),
 ) -> Result<NbdRawReport> {
     let repeat = repeat.max(1);
@@ -756,6 +915,17 @@ pub fn run(
         bail!("--size {size} is not a multiple of --bs {bs}");
     }
     check_prerequisites(&server_bin)?;
+    if let Some(r) = &rbd {
+        if in_path("rbd").is_none() {
+            bail!("--rbd-conf: rbd not found in PATH (package ceph-common)");
+        }
+        if !r.conf.is_file() {
+            bail!(
+                "--rbd-conf: {} does not exist (scripts/ceph-dev starts a cluster)",
+                r.conf.display()
+            );
+        }
+    }
     let work = WorkDir::new(dir)?;
     work.clean_up_on_signals()?;
     let fio_version = Command::new("fio")
@@ -788,8 +958,10 @@ pub fn run(
         } else {
             None
         },
+        rbd,
     };
-    let mut samples: BTreeMap<&'static str, BTreeMap<&'static str, Vec<f64>>> = Server::ALL
+    let servers = params.servers();
+    let mut samples: BTreeMap<&'static str, BTreeMap<&'static str, Vec<f64>>> = servers
         .iter()
         .map(|s| {
             (
@@ -800,8 +972,8 @@ pub fn run(
         .collect();
     for i in 0..repeat {
         // Interleave, rotating the order so no server always goes first.
-        for k in 0..Server::ALL.len() {
-            let server = Server::ALL[(i + k) % Server::ALL.len()];
+        for k in 0..servers.len() {
+            let server = servers[(i + k) % servers.len()];
             progress(&format!("round {}/{repeat}: {}", i + 1, server.name()));
             let (w, r) = round(server, &params, progress)?;
             let s = samples
@@ -835,6 +1007,19 @@ pub fn run(
         );
         ratios.insert(
             format!("read_server_cpu_vs_{peer}"),
+            q.read_server_cpu_s_per_GB / o.read_server_cpu_s_per_GB,
+        );
+    }
+    if params.rbd.is_some() {
+        let (q, o) = (&servers["qpip-rbd"], &servers["qemu-nbd-rbd"]);
+        ratios.insert("rbd_write_vs_qemu-nbd".into(), q.write_MBps / o.write_MBps);
+        ratios.insert("rbd_read_vs_qemu-nbd".into(), q.read_MBps / o.read_MBps);
+        ratios.insert(
+            "rbd_write_server_cpu_vs_qemu-nbd".into(),
+            q.write_server_cpu_s_per_GB / o.write_server_cpu_s_per_GB,
+        );
+        ratios.insert(
+            "rbd_read_server_cpu_vs_qemu-nbd".into(),
             q.read_server_cpu_s_per_GB / o.read_server_cpu_s_per_GB,
         );
     }
@@ -888,7 +1073,7 @@ pub fn table(r: &NbdRawReport) -> String {
         "server", "dir", "MB/s", "server CPU s/GB", "fio CPU s/GB"
     );
     let mut wide = false;
-    for server in Server::ALL {
+    for server in p.servers() {
         let f = &r.servers[server.name()];
         for (dir, mbps, srv, cli) in [
             (
@@ -944,6 +1129,16 @@ pub fn table(r: &NbdRawReport) -> String {
             r.ratios[&format!("read_vs_{peer}")],
             r.ratios[&format!("write_server_cpu_vs_{peer}")],
             r.ratios[&format!("read_server_cpu_vs_{peer}")],
+        );
+    }
+    if p.rbd.is_some() {
+        s += &format!(
+            "  {:<18} {:>9.2}x {:>9.2}x {:>16.2}x {:>15.2}x   (qpip-rbd to qemu-nbd-rbd)\n",
+            "qemu-nbd, rbd:",
+            r.ratios["rbd_write_vs_qemu-nbd"],
+            r.ratios["rbd_read_vs_qemu-nbd"],
+            r.ratios["rbd_write_server_cpu_vs_qemu-nbd"],
+            r.ratios["rbd_read_server_cpu_vs_qemu-nbd"],
         );
     }
     s += &format!(

@@ -38,6 +38,8 @@ fn stack_name(s: Server) -> &'static str {
         Server::Nbdkit => "fio-nbdkit",
         Server::QemuNbd => "fio-qemu-nbd",
         Server::NbdServer => "fio-nbd-server",
+        Server::QpipRbd => "qpip-rbd",
+        Server::QemuNbdRbd => "fio-qemu-nbd-rbd",
     }
 }
 

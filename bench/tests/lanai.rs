@@ -42,7 +42,15 @@ fn lanai_json_has_every_prediction_and_is_deterministic() {
         let b = &v["ttcp_bound"][k];
         let name = b["resource"].as_str().unwrap_or("");
         assert!(
-            ["wire", "PCI read", "PCI write", "NIC processor", "staging"].contains(&name),
+            [
+                "wire",
+                "PCI read",
+                "PCI write",
+                "NIC processor",
+                "staging",
+                "rx staging"
+            ]
+            .contains(&name),
             "{k}: {b}"
         );
         let u = positive(b, &["utilisation"]);

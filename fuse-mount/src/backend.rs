@@ -24,6 +24,8 @@ pub type Errno = i32;
 
 /// Zero-filled writes (servers without WRITE_ZEROES) go out in pieces of this size.
 const ZERO_CHUNK: u64 = 1 << 20;
+/// After unmounting: how long a lost server gets to come back for the last flush.
+const CLOSE_RECONNECT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The errno an NBD client error reaches the application as. Anything that leaves the outcome
 /// unknown (lost connection, protocol violation) is EIO: never success, never wrong data.
@@ -320,10 +322,17 @@ impl Backend {
         Ok(())
     }
 
-    /// Flushes and disconnects every connection.
+    /// Flushes and disconnects every connection. The file system is unmounted by now: a
+    /// server that is gone gets [`CLOSE_RECONNECT`] to come back, not the whole reconnect
+    /// timeout, so the process exits promptly.
     pub fn close(self) {
+        for c in &self.conns {
+            c.lock().limit_reconnect_timeout(CLOSE_RECONNECT);
+        }
         if let Err(e) = self.flush() {
-            tracing::warn!("final flush failed (errno {e})");
+            tracing::warn!(
+                "final flush failed (errno {e}): writes the server acknowledged may not be durable on it"
+            );
         }
         for c in self.conns {
             if let Err(e) = c.into_inner().disconnect() {

@@ -14,7 +14,7 @@ use fuse_mount::fs::NbdFs;
 use fuse_mount::session::{Config, Session, Transport};
 use fuse_mount::{file_name, mount, mountpoint};
 use nbd_client::{Client, ClientOptions, Error as NbdError, NbdUri, Nic};
-use qpip_core::cli::BackendArgs;
+use qpip_cli::BackendArgs;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -90,13 +90,13 @@ struct Cli {
     pid_file: Option<PathBuf>,
     // Logging: -v/-q from the default, warn.
     #[command(flatten)]
-    log: qpip_core::logging::LogArgs,
+    log: qpip_cli::logging::LogArgs,
     #[command(flatten)]
     backend: BackendArgs,
 }
 
 fn main() {
-    qpip_core::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
+    qpip_cli::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
     let cli = Cli::parse();
     cli.log.init(
         "qpip-nbd-mount",

@@ -35,6 +35,7 @@ macro_rules! on_both_transports {
 on_both_transports!(
     io_continues_across_a_server_restart,
     a_server_gone_for_good_fails_io_with_eio_after_the_reconnect_timeout,
+    a_mount_whose_server_is_gone_exits_promptly_once_unmounted,
     write_through_refuses_writes_past_the_end_at_once,
     file_size_pattern_io_fsync_punch_hole_and_fusermount_exit,
     ext2_on_a_loop_device_over_the_fuse_file_survives_a_remount,
@@ -575,6 +576,33 @@ fn a_server_gone_for_good_fails_io_with_eio_after_the_reconnect_timeout() {
     assert!(
         t.elapsed() < std::time::Duration::from_secs(20),
         "EIO after {:?}",
+        t.elapsed()
+    );
+}
+
+/// Unmounted after its server died (with the default 30 s reconnect timeout): the last flush
+/// gets a short reconnect budget, so the process exits within seconds, not 30 s.
+fn a_mount_whose_server_is_gone_exits_promptly_once_unmounted() {
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_image(dir.path(), "p.img", 16 * MIB);
+    let server = qpip_server("p", &img, &[]);
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let mut m = mount(&server.uri, &mnt, "p", &["--connections", "1"]);
+    let f = OpenOptions::new().write(true).open(&m.file).unwrap();
+    f.write_all_at(b"before the server went", 0).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    drop(server);
+    let t = std::time::Instant::now();
+    run("fusermount3", &["-u", mnt.to_str().unwrap()]);
+    m.wait_exit();
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(10),
+        "the mount took {:?} to exit",
         t.elapsed()
     );
 }

@@ -252,6 +252,8 @@ pub struct Client {
     outage: Option<Outage>,
     /// READ data the NIC placed straight into callers' regions.
     bytes_placed: u64,
+    /// A request was refused with ESHUTDOWN: reconnect once the batch is handled.
+    shutting_down: bool,
 }
 
 /// Connection losses since the server last answered. It outlives a successful reconnect, so
@@ -379,6 +381,7 @@ impl Client {
             stalled_since: None,
             outage: None,
             bytes_placed: 0,
+            shutting_down: false,
             opts,
         })
     }
@@ -516,6 +519,13 @@ impl Client {
         self.inflight.len()
     }
     /// How many times the connection was restored.
+    /// Lowers how long a lost connection is retried (never raises it): for a last flush on
+    /// the way out, which should not hold a process for the whole reconnect timeout when
+    /// the server is gone.
+    pub fn limit_reconnect_timeout(&mut self, limit: Duration) {
+        self.opts.reconnect_timeout = self.opts.reconnect_timeout.min(limit);
+    }
+
     /// The NIC the client's connections run on (to register memory for
     /// [`Op::ReadInto`] and [`Op::WriteFrom`]).
     pub fn nic(&self) -> &Nic {
@@ -867,6 +877,9 @@ impl Client {
         match fault {
             Some(Failure::Lost(why)) => self.recover(why),
             Some(Failure::Violation(why)) => self.give_up(why),
+            None if std::mem::take(&mut self.shutting_down) => {
+                self.recover("the server is shutting down (ESHUTDOWN)".into())
+            }
             None => {}
         }
         Ok(())
@@ -956,7 +969,8 @@ impl Client {
     /// is its header. The same checks as a reply delivered whole, and the data must be
     /// where the checks say they belong (the framer computed the same place).
     fn on_placed_reply(&mut self, msg: &[u8], placed: usize) -> Result<(), String> {
-        let (cookie, accepted, at) = if self.structured {
+        let simple = msg.first_chunk::<4>() == Some(&c::SIMPLE_REPLY_MAGIC.to_be_bytes());
+        let (cookie, accepted, at) = if !simple {
             let h =
                 StructuredReplyHeader::parse_as(msg, self.extended).map_err(|e| e.to_string())?;
             let offset = msg
@@ -996,6 +1010,16 @@ impl Client {
     }
 
     fn finish(&mut self, cookie: u64) {
+        if matches!(
+            self.inflight.get(&cookie).map(|f| f.check.finish()),
+            Some(Err(Unanswered::Server(ErrorValue::Shutdown)))
+        ) {
+            // The server is shutting down and did not carry the request out: it goes again
+            // on the next connection (a restarted server), like requests a lost connection
+            // leaves unanswered. It does not end an outage.
+            self.shutting_down = true;
+            return;
+        }
         let Some(inf) = self.inflight.remove(&cookie) else {
             return;
         };

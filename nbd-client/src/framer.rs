@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 
+use nbd_proto::consts as c;
 use nbd_proto::framing::{
     ClientPhase, DataAt, FrameLimits, Need, client_data_at, client_need, reply_cookie,
 };
@@ -83,10 +84,12 @@ impl Framer for ClientFramer {
         if !transmission || reads.is_empty() {
             return whole;
         }
+        // A simple reply carries data only where simple replies were negotiated.
+        let simple = header.first_chunk::<4>() == Some(&c::SIMPLE_REPLY_MAGIC.to_be_bytes());
         let place = client_data_at(header, |cookie| {
             reads
                 .get(&cookie)
-                .filter(|r| r.into.is_some())
+                .filter(|r| r.into.is_some() && r.simple == simple)
                 .map(|r| (r.offset, r.length))
         });
         if let DataAt::Header(n) = place {

@@ -149,6 +149,117 @@ fn local_to_local_copy_with_verify() {
     same(&a, &b);
 }
 
+/// `-` streams standard input into an export and an export to standard output; `null:`
+/// takes a copy and keeps nothing; `--requests` and `-p` are nbdcopy's spellings.
+#[test]
+fn copy_streams_stdin_and_stdout_and_discards_into_null() {
+    use std::io::Write;
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().unwrap();
+    let size = 8 * MIB;
+    let img = image(dir.path(), "s.img", size, &[]);
+    let server = qpip_server("s", &img, 0);
+    let data = pattern(0, (5 * MIB + 123) as usize);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_qpip-nbd"))
+        .args(["copy", "-", &server.uri, "--requests", "4", "-p"])
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(&data).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdin copy failed: {err}");
+    assert!(err.contains("MiB"), "no progress lines with -p: {err}");
+    let on_disk = std::fs::read(&img).unwrap();
+    assert!(on_disk[..data.len()] == data[..], "stdin data differ");
+
+    let out = qpip_nbd(&["copy", &server.uri, "-"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.stdout == on_disk, "stdout differs from the export");
+
+    let out = qpip_nbd(&["copy", &server.uri, "null:"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Longer than the export, a source that null: cannot be, and --verify without a way back.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_qpip-nbd"))
+        .args(["copy", "-", &server.uri])
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _ = child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(&vec![1u8; (size + 1) as usize]);
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("longer than"));
+    let out = qpip_nbd(&["copy", "null:", &server.uri]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("only be a destination"));
+    let out = qpip_nbd(&["copy", "--verify", &server.uri, "null:"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("read back"));
+}
+
+/// SIGINT in the middle of a copy: a destination file the copy created is removed and the
+/// exit status is 130; an existing destination is reported incomplete.
+#[test]
+fn an_interrupted_copy_removes_what_it_created_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 512 * MIB;
+    let img = image(dir.path(), "big.img", size, &[(0, size)]);
+    // A slow server, so that the copy is surely under way when the signal comes.
+    let Some(peer) = nbdkit(&[
+        "--filter=delay",
+        "file",
+        &format!("file={}", img.display()),
+        "rdelay=20ms",
+    ]) else {
+        return;
+    };
+    for existing in [false, true] {
+        let dst = dir.path().join(format!("out-{existing}.img"));
+        if existing {
+            std::fs::write(&dst, b"old").unwrap();
+        }
+        let child = Command::new(env!("CARGO_BIN_EXE_qpip-nbd"))
+            .args(["copy", &peer.uri, dst.to_str().unwrap()])
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let t = std::time::Instant::now();
+        // Under way: the destination has the source's size and data in it.
+        while std::fs::metadata(&dst).map_or(true, |m| m.len() != size) || allocated(&dst) < MIB {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "the copy never started"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // SAFETY: plain kill(2) of our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(130), "{:?}: {err}", out.status);
+        if existing {
+            assert!(dst.exists() && err.contains("is incomplete"), "{err}");
+        } else {
+            assert!(
+                !dst.exists() && err.contains("removed the incomplete"),
+                "{err}"
+            );
+        }
+    }
+}
+
 /// Kill the server in the middle of a copy, restart it on the same port and image after
 /// 0.5 s: the copy reconnects, reissues what was unanswered, and completes correctly.
 #[test]

@@ -83,7 +83,7 @@ fn lanai_server(fabric: &TestFabric, image: &Path) -> (Proc, String) {
 
 fn bridge_bin() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| workspace_bin("qpip-core", "qpip-lanai-bridge"))
+    BIN.get_or_init(|| workspace_bin("qpip-cli", "qpip-lanai-bridge"))
         .clone()
 }
 

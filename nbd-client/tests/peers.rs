@@ -170,6 +170,40 @@ fn qpip_server_registered_memory_reads_and_writes() {
     }
 }
 
+/// A graceful restart: SIGTERM makes our server refuse new requests with ESHUTDOWN before it
+/// closes. The client does not hand ESHUTDOWN to the caller: it reconnects to the restarted
+/// server and the request goes again there.
+#[test]
+fn requests_refused_with_eshutdown_go_again_after_a_graceful_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "g.img", 16 * MIB, &[]);
+    let mut server = qpip_server("disk", &img, 0);
+    let port = server.port;
+    let mut c = Client::connect(&server.uri).unwrap();
+    let data = pattern(MIB, 64 * 1024);
+    c.write_at(MIB, &data, false).unwrap();
+    c.flush().unwrap();
+    // SAFETY: plain kill(2) of our own child.
+    unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
+    let img2 = img.clone();
+    let restarter = std::thread::spawn(move || {
+        server.child.wait().unwrap();
+        qpip_server("disk", &img2, port)
+    });
+    // Reads while the server drains (it answers ESHUTDOWN), closes and comes back: every
+    // one succeeds, until the client is on the new server.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut back = vec![0u8; data.len()];
+    while c.reconnects() == 0 {
+        assert!(std::time::Instant::now() < deadline, "never reconnected");
+        c.read_at(MIB, &mut back).unwrap();
+        assert!(back == data, "data differs across the restart");
+    }
+    let _server = restarter.join().unwrap();
+    c.write_at(2 * MIB, &data, false).unwrap();
+    c.disconnect().unwrap();
+}
+
 #[test]
 fn list_and_info() {
     let dir = tempfile::tempdir().unwrap();

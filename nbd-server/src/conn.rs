@@ -6,8 +6,13 @@
 //! - READ: 0 / 1. The reply is a send WR whose data SGE points into the registered mapping of
 //!   the image; the NIC engine's `writev` copies page cache → socket. A qcow2 image has no
 //!   mapping of its virtual disk: its reads are read into a registered buffer first (1 / 1).
+//!   An RBD export has none either: librbd places the data in the registered buffer.
 //! - WRITE: 1 / 1. The NIC reads the payload from the socket straight into a registered receive
-//!   slot (kernel copy); `pwrite` copies the slot into the page cache.
+//!   slot (kernel copy); `pwrite` copies the slot into the page cache. A store that can run
+//!   writes concurrently (RBD) is handed every write of a batch of completions before the
+//!   connection waits for any: their receive slots are posted again, and their replies sent,
+//!   once they are done, at the end of the batch or before any other command. Its reads
+//!   are started likewise, each into its own registered buffer, and replied to when done.
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -26,6 +31,7 @@ use qpip_core::{
     WcStatus,
 };
 
+use crate::backend::Pending;
 use crate::export::Export;
 use crate::recv_window::RecvWindow;
 use crate::shared::ServerShared;
@@ -266,11 +272,21 @@ impl Connection {
     }
 }
 
+/// A READ the store is still reading into registered memory.
+struct StartedRead {
+    req: Request,
+    /// Dropped (which waits for the read) before the memory it fills.
+    pending: Box<dyn Pending>,
+    buffer: MemoryRegion,
+}
+
 /// A WRITE whose payload is still arriving in pieces.
 struct PendingWrite {
     req: Request,
     received: u64,
     error: Option<ErrorValue>,
+    /// Pieces the store is still writing (from receive slots held until they are done).
+    pieces: Vec<Box<dyn Pending>>,
 }
 
 struct Transmission<'a> {
@@ -290,10 +306,24 @@ struct Transmission<'a> {
     shutdown_since: Option<Instant>,
     /// Read data of images without a mapping (qcow2), by reply slot, until its send is done.
     read_bufs: HashMap<usize, MemoryRegion>,
+    /// Writes fully received whose pieces the store is still writing: replied to by
+    /// `finish_writes`.
+    started_writes: Vec<PendingWrite>,
+    /// Receive slots whose bytes a started write still reads: posted again by
+    /// `finish_writes`.
+    held_slots: Vec<usize>,
+    /// Set by `on_message` when the message's slot must be held.
+    hold_slot: bool,
+    /// Reads the store is still doing: replied to by `finish_reads`.
+    started_reads: Vec<StartedRead>,
 }
 
 impl Drop for Transmission<'_> {
     fn drop(&mut self) {
+        // Started writes read from recv_mr: waited for (by dropping them) before it goes.
+        self.pending_write = None;
+        self.started_writes.clear();
+        self.started_reads.clear();
         self.window.release(&self.conn.shared.slot_budget);
     }
 }
@@ -336,6 +366,10 @@ impl<'a> Transmission<'a> {
             pending_write: None,
             shutdown_since: None,
             read_bufs: HashMap::new(),
+            started_writes: Vec::new(),
+            held_slots: Vec::new(),
+            hold_slot: false,
+            started_reads: Vec::new(),
         })
     }
 
@@ -406,12 +440,19 @@ impl<'a> Transmission<'a> {
             }
             *last_request = Instant::now();
             let slot = c.wr_id as usize;
+            self.hold_slot = false;
             if !self.on_message(slot, c.byte_len as usize)? {
                 return Ok(false);
             }
-            let slot = self.window.reuse(slot);
-            self.post_slot(slot)?;
+            if self.hold_slot {
+                self.held_slots.push(slot);
+            } else {
+                let slot = self.window.reuse(slot);
+                self.post_slot(slot)?;
+            }
         }
+        self.finish_writes()?;
+        self.finish_reads()?;
         for slot in self.window.top_up() {
             self.post_slot(slot)?;
         }
@@ -440,15 +481,78 @@ impl<'a> Transmission<'a> {
         Ok(())
     }
 
+    /// Starts writing `len` bytes of the receive slot memory at `at` to `offset`: done when it
+    /// returns, or pushed onto `pw.pieces` with this message's slot held.
+    fn write_piece(&mut self, pw: &mut PendingWrite, at: usize, len: usize, offset: u64) {
+        let data = self.slot(at, len);
+        // SAFETY: the slot is held (not posted again) until the piece is waited for, in
+        // finish_writes, or dropped, which waits too (Drop clears them before recv_mr goes).
+        match unsafe { self.export.image.start_write(data.as_ptr(), len, offset) } {
+            Ok(None) => {}
+            Ok(Some(piece)) => {
+                pw.pieces.push(piece);
+                self.hold_slot = true;
+            }
+            Err(e) => pw.error = Some(io_error_value(&e)),
+        }
+    }
+
+    /// Waits for the started writes, posts their receive slots again and replies to them.
+    fn finish_writes(&mut self) -> Result<()> {
+        let wait = |pw: &mut PendingWrite| {
+            for piece in pw.pieces.drain(..) {
+                if let Err(e) = piece.wait() {
+                    pw.error.get_or_insert(io_error_value(&e));
+                }
+            }
+        };
+        if let Some(pw) = &mut self.pending_write {
+            wait(pw);
+        }
+        for mut pw in std::mem::take(&mut self.started_writes) {
+            wait(&mut pw);
+            let result = match pw.error {
+                Some(e) => Err(e),
+                None => self.after_write(&pw.req),
+            };
+            self.reply(&pw.req, result)?;
+        }
+        for slot in std::mem::take(&mut self.held_slots) {
+            let slot = self.window.reuse(slot);
+            self.post_slot(slot)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the started reads and sends their replies.
+    fn finish_reads(&mut self) -> Result<()> {
+        for r in std::mem::take(&mut self.started_reads) {
+            let StartedRead {
+                req,
+                pending,
+                buffer,
+            } = r;
+            let result = match pending.wait() {
+                Ok(()) => self.post_read_reply(&req, Some(buffer)).map_err(|e| {
+                    tracing::warn!("read reply: {e:#}");
+                    ErrorValue::Io
+                }),
+                Err(e) => Err(io_error_value(&e)),
+            };
+            if let Err(e) = result {
+                self.reply(&req, Err(e))?;
+            }
+        }
+        Ok(())
+    }
+
     /// Handles one message (a request, or a piece of a write payload). False: disconnect.
     fn on_message(&mut self, slot: usize, len: usize) -> Result<bool> {
         let base = slot * self.stride;
         if let Some(mut pw) = self.pending_write.take() {
             if pw.error.is_none() {
                 let off = pw.req.offset + pw.received;
-                if let Err(e) = self.export.image.write_at(self.slot(base, len), off, false) {
-                    pw.error = Some(io_error_value(&e));
-                }
+                self.write_piece(&mut pw, base, len, off);
             }
             pw.received += len as u64;
             self.pending_write = Some(pw);
@@ -467,6 +571,14 @@ impl<'a> Transmission<'a> {
         let has_payload = req.command == Command::Write || req.payload_len(self.extended) > 0;
         let valid = validate_request(&req, &self.info);
         tracing::trace!(peer = %self.conn.peer, ?req, ?valid, "request");
+        // Reads come after the writes before them are done and answered; every other
+        // command (but a write) after the reads too.
+        if req.command != Command::Write {
+            self.finish_writes()?;
+        }
+        if !matches!(req.command, Command::Write | Command::Read) {
+            self.finish_reads()?;
+        }
 
         if req.command == Command::Disc {
             tracing::info!(peer = %self.conn.peer, "client disconnected");
@@ -485,12 +597,10 @@ impl<'a> Transmission<'a> {
                 req,
                 received: 0,
                 error: valid.err(),
+                pieces: Vec::new(),
             };
             if pw.error.is_none() && body_len > 0 {
-                let payload = self.slot(base + hdr_len, body_len);
-                if let Err(e) = self.export.image.write_at(payload, req.offset, false) {
-                    pw.error = Some(io_error_value(&e));
-                }
+                self.write_piece(&mut pw, base + hdr_len, body_len, req.offset);
             }
             pw.received = body_len as u64;
             self.pending_write = Some(pw);
@@ -517,6 +627,10 @@ impl<'a> Transmission<'a> {
         };
         if pw.received < pw.req.payload_len(self.extended) {
             self.pending_write = Some(pw);
+            return Ok(true);
+        }
+        if !pw.pieces.is_empty() {
+            self.started_writes.push(pw);
             return Ok(true);
         }
         let result = match pw.error {
@@ -559,7 +673,7 @@ impl<'a> Transmission<'a> {
             }
             Command::Flush => io(image.flush()).map(|()| None),
             Command::Trim => {
-                io(image.punch_hole(req.offset, req.length))?;
+                io(image.trim(req.offset, req.length))?;
                 if fua {
                     io(image.flush())?;
                 }
@@ -568,7 +682,7 @@ impl<'a> Transmission<'a> {
             Command::WriteZeroes => {
                 let may_write = !req.flags.contains(CmdFlags::FAST_ZERO);
                 let done = image
-                    .zero_range(req.offset, req.length, may_write)
+                    .write_zeroes(req.offset, req.length, may_write)
                     .map_err(|e| io_error_value(&e))?;
                 if !done {
                     return Err(ErrorValue::NotSup);
@@ -662,22 +776,37 @@ impl<'a> Transmission<'a> {
     fn send_read(&mut self, req: &Request) -> Result<(), ErrorValue> {
         let end = req.offset + req.length; // validated against the size
         if !self.export.image.still_holds(end).unwrap_or(false) {
-            tracing::warn!(export = %self.export.name, "read at {} of {} bytes: {} is shorter than that now (truncated by another process?)", req.offset, req.length, self.export.image.path().display());
+            tracing::warn!(export = %self.export.name, "read at {} of {} bytes: {} is shorter than that now (truncated by another process?)", req.offset, req.length, self.export.image.location());
             return Err(ErrorValue::Io);
         }
-        // No mapping (qcow2): read into registered memory, kept until the send is done.
+        // No mapping (qcow2, RBD): the store reads into registered memory, which the reply's
+        // send WR points at and which is kept until the send is done.
         let buffer = match self.export.region {
             Some(_) => None,
             None => {
                 let len = req.length as usize;
                 let mr = self.conn.shared.nic.alloc_region(len, Access::READ);
-                // SAFETY: the region is new and not posted yet: nothing else uses its bytes.
-                let buf = unsafe { &mut mr.as_mut_slice()[..len] };
-                if let Err(e) = self.export.image.read_at(buf, req.offset) {
-                    tracing::warn!(export = %self.export.name, "read at {} of {} bytes from {}: {e}", req.offset, req.length, self.export.image.path().display());
-                    return Err(io_error_value(&e));
+                // SAFETY: the region is new and not posted yet: nothing else uses its bytes,
+                // and a read started into it is kept with it (StartedRead) until it is done.
+                let started = unsafe {
+                    let buf = mr.as_mut_slice()[..len].as_mut_ptr();
+                    self.export.image.start_read(buf, len, req.offset)
+                };
+                match started {
+                    Ok(None) => Some(mr),
+                    Ok(Some(pending)) => {
+                        self.started_reads.push(StartedRead {
+                            req: *req,
+                            pending,
+                            buffer: mr,
+                        });
+                        return Ok(());
+                    }
+                    Err(e) => {
+                        tracing::warn!(export = %self.export.name, "read at {} of {} bytes from {}: {e}", req.offset, req.length, self.export.image.location());
+                        return Err(io_error_value(&e));
+                    }
                 }
-                Some(mr)
             }
         };
         self.post_read_reply(req, buffer).map_err(|e| {

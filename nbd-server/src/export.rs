@@ -1,22 +1,38 @@
-//! An export: a named image the server offers, with its registered memory.
+//! An export: a named disk the server offers (any [`Backend`]), with its registered memory.
 
 use std::sync::Arc;
 
 use nbd_proto::flags::TransmissionFlags;
 use qpip_core::{Access, MemoryRegion, Nic};
 
-use crate::image::Image;
+use crate::backend::Backend;
 
 pub struct Export {
     pub name: String,
     pub description: String,
-    pub image: Image,
-    /// The image mapping registered with the NIC, so read replies are sent from it.
+    /// The store behind the export: a file ([`crate::image::Image`]) or an RBD image.
+    pub image: Box<dyn Backend>,
+    /// The store's mapping registered with the NIC, so read replies are sent from it (None
+    /// for stores without one: qcow2, RBD).
     pub region: Option<MemoryRegion>,
 }
 
 impl Export {
-    pub fn new(nic: &Nic, name: String, description: String, image: Image) -> Arc<Export> {
+    pub fn new(
+        nic: &Nic,
+        name: String,
+        description: String,
+        image: impl Backend + 'static,
+    ) -> Arc<Export> {
+        Self::with_backend(nic, name, description, Box::new(image))
+    }
+
+    pub fn with_backend(
+        nic: &Nic,
+        name: String,
+        description: String,
+        image: Box<dyn Backend>,
+    ) -> Arc<Export> {
         let region = image.mapping().map(|(ptr, len)| {
             // SAFETY: the mapping lives as long as the image, which the Export owns; the
             // region is only read by the NIC (Access::READ), and Export outlives every QP's
@@ -36,7 +52,7 @@ impl Export {
     }
 
     /// What this export can do, as NBD transmission flags. Every connection writes through
-    /// the same file and FLUSH syncs that file, so a flush on one connection covers writes
+    /// the same store (one file, or one open RBD image) and FLUSH flushes all of it, so a flush on one connection covers writes
     /// completed on all of them: multi-conn is true.
     pub fn flags(&self) -> TransmissionFlags {
         let mut f = TransmissionFlags::HAS_FLAGS

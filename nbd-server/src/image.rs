@@ -54,13 +54,8 @@ pub enum LockError {
     Io(io::Error),
 }
 
-/// One extent of a block-status answer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Extent {
-    pub len: u64,
-    /// A hole: reads as zeroes, no storage allocated.
-    pub hole: bool,
-}
+use crate::backend::Backend;
+pub use crate::backend::Extent;
 
 pub struct Image {
     path: PathBuf,
@@ -463,6 +458,48 @@ impl Image {
             pos = hole;
         }
         Ok(out)
+    }
+}
+
+impl Backend for Image {
+    fn location(&self) -> String {
+        self.path.display().to_string()
+    }
+    fn kind(&self) -> &'static str {
+        self.format().name()
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn read_only(&self) -> bool {
+        self.read_only
+    }
+    fn mapping(&self) -> Option<(*const u8, usize)> {
+        Image::mapping(self)
+    }
+    fn still_holds(&self, end: u64) -> io::Result<bool> {
+        Image::still_holds(self, end)
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        Image::read_at(self, buf, offset)
+    }
+    fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+        Image::write_at(self, data, offset, fua)
+    }
+    fn flush(&self) -> io::Result<()> {
+        Image::flush(self)
+    }
+    fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.punch_hole(offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, may_write: bool) -> io::Result<bool> {
+        self.zero_range(offset, len, may_write)
+    }
+    fn prefetch(&self, offset: u64, len: u64) -> io::Result<()> {
+        Image::prefetch(self, offset, len)
+    }
+    fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+        Image::extents(self, offset, len)
     }
 }
 

@@ -10,14 +10,15 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use nbd_proto::handshake::TlsMode;
+use nbd_server::backend::Backend;
 use nbd_server::config::{Config, ExportConfig, parse_listen, parse_size};
 use nbd_server::daemon;
 use nbd_server::export::Export;
 use nbd_server::image::{Format, Image};
 use nbd_server::server::{Server, ServerOptions};
-use qpip_core::cli::BackendArgs;
+use qpip_cli::BackendArgs;
+use qpip_cli::logging::LogArgs;
 use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
-use qpip_core::logging::LogArgs;
 use qpip_core::{Endpoint, Nic, TlsConfig, TlsCredentials};
 
 #[derive(Parser, Debug)]
@@ -66,7 +67,9 @@ struct Cli {
     /// (-U is --force-share, as in qemu-img and qemu-io.)
     #[arg(short = 'k', long, visible_alias = "unix", value_name = "PATH")]
     socket: Option<PathBuf>,
-    /// An export: NAME=PATH of an image file or block device; repeat for several.
+    /// An export: NAME=PATH of an image file or block device, or NAME=rbd:POOL/IMAGE[@SNAP]
+    /// of a Ceph RBD image (see --ceph-conf; a snapshot is served read-only); repeat for
+    /// several.
     #[arg(short, long, value_name = "NAME=PATH")]
     export: Vec<String>,
     /// A TOML configuration file (see configs/server.toml); flags add to it.
@@ -87,6 +90,21 @@ struct Cli {
     /// read-only one while anyone writes it, as qemu-nbd does.
     #[arg(short = 'U', long)]
     force_share: bool,
+    /// The Ceph configuration for rbd: exports (default: librados' search: $CEPH_CONF,
+    /// /etc/ceph/ceph.conf, ~/.ceph/config, ./ceph.conf), as qemu's conf=.
+    #[arg(long, value_name = "FILE")]
+    ceph_conf: Option<PathBuf>,
+    /// The Ceph client id for rbd: exports, without "client." (default admin), as qemu's id=.
+    #[arg(long, value_name = "ID")]
+    ceph_id: Option<String>,
+    /// The keyring holding the client's key (default: the one the configuration names), as
+    /// qemu's keyring=.
+    #[arg(long, value_name = "FILE")]
+    ceph_keyring: Option<PathBuf>,
+    /// Seconds that connecting to the Ceph cluster, and then each RBD request, may take
+    /// before it fails (the client then gets EIO; other exports keep serving).
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    ceph_timeout: u64,
     /// Create missing images, sparse, with this size (e.g. 1G, 512M).
     #[arg(long, value_name = "SIZE")]
     create: Option<String>,
@@ -231,8 +249,48 @@ fn demo_image() -> Result<Image> {
 
 const DEMO_SIZE: u64 = 64 << 20;
 
+/// The Ceph cluster connection that rbd: exports share, made by the first one.
+#[derive(Default)]
+struct Ceph {
+    #[cfg(feature = "rbd")]
+    cluster: Option<Arc<nbd_server::rbd::Cluster>>,
+}
+
+impl Ceph {
+    /// Opens `rbd:SPEC`.
+    #[cfg(feature = "rbd")]
+    fn open(&mut self, cli: &Cli, spec: &str, read_only: bool) -> Result<Box<dyn Backend>> {
+        use nbd_server::rbd::{Cluster, ClusterOptions, RbdImage, RbdSpec};
+        let spec = RbdSpec::parse(spec).map_err(anyhow::Error::msg)?;
+        let cluster = match &self.cluster {
+            Some(c) => c.clone(),
+            None => {
+                let c = Cluster::connect(&ClusterOptions {
+                    conf: cli.ceph_conf.clone(),
+                    id: cli.ceph_id.clone(),
+                    keyring: cli.ceph_keyring.clone(),
+                    timeout: Duration::from_secs(cli.ceph_timeout),
+                })
+                .map_err(anyhow::Error::msg)?;
+                self.cluster = Some(c.clone());
+                c
+            }
+        };
+        Ok(Box::new(
+            RbdImage::open(cluster, &spec, read_only).map_err(anyhow::Error::msg)?,
+        ))
+    }
+
+    #[cfg(not(feature = "rbd"))]
+    fn open(&mut self, _cli: &Cli, spec: &str, _read_only: bool) -> Result<Box<dyn Backend>> {
+        bail!(
+            "rbd:{spec}: this qpip-nbd-server was built without RBD support (build it with --features nbd-server/rbd, which needs librbd-dev)"
+        )
+    }
+}
+
 fn main() {
-    qpip_core::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
+    qpip_cli::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
     let cli = Cli::parse();
     cli.log.init(
         "qpip-nbd-server",
@@ -386,6 +444,7 @@ fn run(cli: Cli) -> Result<i32> {
         }
     };
     let mut exports = Vec::new();
+    let mut ceph = Ceph::default();
     for e in &cfg.exports {
         if exports.iter().any(|x: &Arc<Export>| x.name == e.name) {
             bail!("export {:?} is given twice", e.name);
@@ -393,6 +452,33 @@ fn run(cli: Cli) -> Result<i32> {
         let create = cli.create.as_deref().or(e.create_size.as_deref());
         let read_only = cli.read_only || e.read_only;
         let format = cli.format.or(e.format);
+        if let Some(spec) = e.path.to_str().and_then(|p| p.strip_prefix("rbd:"))
+            && !demo
+        {
+            if create.is_some() {
+                bail!(
+                    "export {}: --create makes image files; make an RBD image with rbd create",
+                    e.name
+                );
+            }
+            if format == Some(Format::Qcow2) {
+                bail!(
+                    "export {}: an RBD image is served as raw (its bytes are the disk)",
+                    e.name
+                );
+            }
+            let store = ceph
+                .open(&cli, spec, read_only)
+                .with_context(|| format!("export {}", e.name))?;
+            tracing::info!(export = %e.name, "{} ({}, {} bytes{})", store.location(), store.kind(), store.size(), if store.read_only() { ", read-only" } else { "" });
+            exports.push(Export::with_backend(
+                &nic,
+                e.name.clone(),
+                e.description.clone(),
+                store,
+            ));
+            continue;
+        }
         let image = match create {
             _ if demo => Ok(demo_image()?),
             Some(_) if !e.path.exists() && format == Some(Format::Qcow2) => bail!(

@@ -154,7 +154,7 @@ impl Server {
         }
         for e in &self.shared.exports {
             if let Err(err) = e.image.flush() {
-                tracing::error!(export = %e.name, "final flush of {} failed: {err}", e.image.path().display());
+                tracing::error!(export = %e.name, "final flush of {} failed: {err}", e.image.location());
             }
         }
     }

@@ -25,8 +25,10 @@
 //!
 //! # Where the NIC lives
 //!
-//! This crate opens a NIC on a backend ([`Nic::open`]) and holds the command-line helpers
-//! ([`cli`]); everything else is in the crates under it, and no backend imports another:
+//! This crate opens a NIC on a backend ([`Nic::open`]); everything else is in the crates
+//! under it, and no backend imports another. The command-line options that choose a backend
+//! and the `qpip-lanai-bridge` binary are in `qpip-cli`, above this crate, so that no library
+//! depends on clap, anyhow, tracing-subscriber or signal-hook:
 //!
 //! | crate | what |
 //! |---|---|
@@ -47,9 +49,6 @@
 //! doorbells, then the backend's `step` (the soft engine's sockets; the LANai's fabric port,
 //! timers and outgoing frames) and, once idle for the spin window, its `sleep`.
 
-pub mod cli;
-pub mod logging;
-pub mod man;
 mod nic;
 
 pub use nic::{Backend, Nic};

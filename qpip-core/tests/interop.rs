@@ -152,10 +152,12 @@ fn length_prefixed_framing_is_visible_to_a_socket() {
     let mut wire = [0u8; 9];
     stream.read_exact(&mut wire).unwrap();
     assert_eq!(&wire, b"\0\0\0\x05hello");
-    // Sent a byte at a time, the framer still finds one message.
+    // Sent a byte at a time (a segment each), the framer still finds one message. How the
+    // NIC's reads fall between them is up to the scheduler; every split of a stream is
+    // covered deterministically by qpip-verbs's `machines::rx` tests.
+    stream.set_nodelay(true).unwrap();
     for b in b"\0\0\0\x03abc" {
         stream.write_all(&[*b]).unwrap();
-        std::thread::sleep(Duration::from_millis(2));
     }
     let got = wait_n(&cq, 2, T);
     let r = got.iter().find(|c| c.opcode == Opcode::Recv).unwrap();
@@ -246,22 +248,10 @@ fn peer_killed_mid_stream_gives_remote_closed_and_flushed() {
     child.kill().unwrap();
     child.wait().unwrap();
 
-    // Every outstanding WR completes; the failures are remote-closed or flushed.
-    let mut statuses = Vec::new();
-    let deadline = std::time::Instant::now() + T;
-    while qp.outstanding_sends() + qp.outstanding_recvs() > 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "outstanding WRs never completed: hang"
-        );
-        let n = cq.wait(&mut buf, Some(Duration::from_millis(100))).unwrap();
-        statuses.extend(buf[..n].iter().map(|c| c.status));
-    }
-    statuses.extend(
-        quiet(&cq, Duration::from_millis(50))
-            .iter()
-            .map(|c| c.status),
-    );
+    // Every outstanding WR completes (16 of each kind: each completion above was reposted);
+    // the failures are remote-closed or flushed.
+    let statuses: Vec<_> = wait_n(&cq, 32, T).iter().map(|c| c.status).collect();
+    assert_eq!(qp.outstanding_sends() + qp.outstanding_recvs(), 0);
     assert!(statuses.contains(&WcStatus::RemoteClosed), "{statuses:?}");
     assert!(statuses.contains(&WcStatus::Flushed), "{statuses:?}");
     assert!(

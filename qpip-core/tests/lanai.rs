@@ -266,7 +266,10 @@ fn bridge_carries_packets_between_kernel_and_fabric() {
 }
 
 /// A message split over two TCP segments, its receive WR posted before, between or after
-/// them (a socket peer through the bridge sends this way; QP peers never do).
+/// them (a socket peer through the bridge sends this way; QP peers never do), while the host
+/// sleeps on its CQ: the NIC must wake it. A send completes when the peer's firmware has
+/// acknowledged it, so each segment is known to be in the server's NIC before the next step;
+/// the exact orderings inside the NIC are the firmware tests' (virtual time).
 #[test]
 fn a_message_split_over_segments_completes_whenever_its_wr_is_posted() {
     use qpip_core::{LengthPrefixed, RawStream};
@@ -291,47 +294,57 @@ fn a_message_split_over_segments_completes_whenever_its_wr_is_posted() {
                 .post_recv(RecvWr::new(round as u64, &[mr_a.sge(64 * round, 64)]))
                 .unwrap()
         };
+        let segment = |wr_id, off, len| {
+            client
+                .post_send(SendWr::new(wr_id, &[mr_b.sge(off, len)]))
+                .unwrap();
+            let sent = wait_n(&cq_b, 1, T);
+            assert_eq!((sent[0].wr_id, sent[0].status), (wr_id, WcStatus::Success));
+        };
         if *when == "before" {
             post();
         }
-        client
-            .post_send(SendWr::new(1, &[mr_b.sge(0, 26)]))
-            .unwrap();
-        wait_n(&cq_b, 1, T);
-        std::thread::sleep(Duration::from_millis(20));
+        segment(1, 0, 26);
         if *when == "between" {
             post();
         }
-        std::thread::sleep(Duration::from_millis(20));
-        // The host already sleeps on its CQ when the rest arrives: the NIC must wake it.
+        // A host thread asleep on the CQ: no timeout, only the NIC's notify ends its wait.
         let (tx, woken) = std::sync::mpsc::channel();
-        {
+        let waiter = {
             let cq_a = cq_a.clone();
             std::thread::spawn(move || {
                 let mut c = [qpip_core::Completion::default(); 1];
-                // No timeout: only a notification from the NIC ends this wait.
                 let n = cq_a.wait(&mut c, None).unwrap();
                 let _ = tx.send((n, c[0]));
-            });
+            })
+        };
+        let deadline = std::time::Instant::now() + T;
+        while cq_a.sleepers() == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the waiter never slept"
+            );
+            std::thread::yield_now();
         }
+        segment(2, 26, 6);
         if *when == "after" {
-            std::thread::sleep(Duration::from_millis(20));
+            // The whole message is in the NIC, and no WR for it: nothing may have completed.
+            assert!(woken.try_recv().is_err(), "completed with no WR posted");
             post();
         }
-        std::thread::sleep(Duration::from_millis(20));
-        client
-            .post_send(SendWr::new(2, &[mr_b.sge(26, 6)]))
-            .unwrap();
-        wait_n(&cq_b, 1, T);
         let (n, got) = woken
             .recv_timeout(T)
             .unwrap_or_else(|_| panic!("the host was never woken (WR posted {when} the segments)"));
+        waiter.join().unwrap();
         assert_eq!(n, 1);
         assert_eq!(
             (got.wr_id, got.status, got.byte_len),
             (round as u64, WcStatus::Success, 28),
             "WR posted {when} the segments"
         );
+        let mut placed = [0u8; 28];
+        mr_a.read_at(64 * round, &mut placed);
+        assert_eq!(&placed[..], &msg[4..], "WR posted {when} the segments");
     }
 }
 

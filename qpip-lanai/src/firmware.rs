@@ -32,6 +32,7 @@
 //!   in real time a saturated NIC's clock runs ahead of the wall clock (the model's speed
 //!   limit shows up as delay).
 
+mod cq;
 mod link;
 mod mgmt;
 mod port;
@@ -48,9 +49,10 @@ use smoltcp::iface::{Config, Interface, PollResult, SocketHandle, SocketSet};
 use smoltcp::socket::{tcp, udp};
 use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpEndpoint, IpListenEndpoint};
 
+use self::cq::CqWrites;
 use self::link::{Ctx, FwQp, Link, TcpLink, UdpLink, tcp_sram, v6};
 use self::port::{Carried, Port, Wire, classify, instant, nanos, set_tsval_clock};
-use self::staging::SendStaging;
+use self::staging::{RecvStaging, SendStaging};
 use super::frame;
 use super::meter::{CostModel, Dir, Kind, Meter, Nanos, Stage};
 use super::params::{FabricParams, LanaiParams};
@@ -122,6 +124,9 @@ pub struct Usage {
     /// Buffer-nanoseconds of send staging held.
     pub staging_ns: Nanos,
     pub staging_buffers: usize,
+    /// Buffer-nanoseconds of receive staging held.
+    pub rx_staging_ns: Nanos,
+    pub rx_staging_buffers: usize,
 }
 
 /// Counters of things the firmware dropped.
@@ -146,6 +151,8 @@ pub struct Firmware {
     out: VecDeque<OutFrame>,
     bus: PciBus,
     staging: SendStaging,
+    rx_staging: RecvStaging,
+    cq: CqWrites,
     qps: BTreeMap<QpNum, FwQp>,
     listeners: BTreeMap<ListenerId, Listener>,
     orphans: Vec<Orphan>,
@@ -168,6 +175,7 @@ impl Firmware {
         let mut out = VecDeque::new();
         let mut bus = PciBus::new(&cfg.params.device);
         let mut staging = SendStaging::new(cfg.params.device.send_staging_buffers);
+        let rx_staging = RecvStaging::new(cfg.params.device.recv_staging_buffers);
         let mut meter_tmp = meter.clone();
         let mut no_route = 0;
         let mut port = Port {
@@ -206,6 +214,8 @@ impl Firmware {
             out,
             bus,
             staging,
+            rx_staging,
+            cq: CqWrites::default(),
             qps: BTreeMap::new(),
             listeners: BTreeMap::new(),
             orphans: Vec::new(),
@@ -218,14 +228,14 @@ impl Firmware {
 
     /// Management state machine: a privileged command from the host.
     pub fn command(&mut self, now: Nanos, cmd: Command) {
-        self.meter.begin(now);
+        self.begin(now);
         dispatch(self, cmd);
         self.run();
     }
 
     /// Doorbell state machine: the doorbell FIFO held `qp` (new WRs in its rings).
     pub fn doorbell(&mut self, now: Nanos, qp: QpNum) {
-        self.meter.begin(now);
+        self.begin(now);
         if let Some(q) = self.qps.get_mut(&qp) {
             q.shared
                 .doorbell
@@ -240,9 +250,28 @@ impl Firmware {
         self.run();
     }
 
-    /// Receive state machine: a frame finished arriving from the network at `now`.
+    /// Receive state machine: a frame finished arriving from the network at `now`, into a
+    /// receive staging buffer (the caller took it off the wire only when
+    /// [`Firmware::rx_free_at`] allowed). The buffer frees once the frame is handled and the
+    /// DMA writes issued for it have finished.
     pub fn receive(&mut self, now: Nanos, frame: &[u8]) {
-        self.meter.begin(now);
+        self.begin(now);
+        let writes = self.bus.writes_done_at();
+        self.handle_frame(frame);
+        let mut release = self.meter.now();
+        if self.bus.writes_done_at() > writes {
+            release = release.max(self.bus.writes_done_at());
+        }
+        let taken = now.saturating_sub(self.fabric.wire_ns(frame.len()));
+        self.rx_staging.hold(taken, release);
+    }
+
+    /// When the network receive DMA can next take a frame off the wire, from `now` on.
+    pub fn rx_free_at(&mut self, now: Nanos) -> Nanos {
+        self.rx_staging.free_at(now)
+    }
+
+    fn handle_frame(&mut self, frame: &[u8]) {
         let pkt = match frame::decode(frame) {
             Ok(p) => p,
             Err(e) => {
@@ -278,7 +307,7 @@ impl Firmware {
 
     /// Transmit scheduler and timers: run whatever is due at `now`.
     pub fn poll(&mut self, now: Nanos) {
-        self.meter.begin(now);
+        self.begin(now);
         self.timers();
         self.run();
     }
@@ -300,16 +329,28 @@ impl Firmware {
         self.bus.writes_done_at()
     }
 
+    /// When the next completion of `qp` (receive side if `recv`) the last handler made is
+    /// visible to the host: its own CQ entry's DMA write has reached host memory.
+    pub fn completion_visible_at(&mut self, qp: QpNum, recv: bool) -> Option<Nanos> {
+        self.cq.visible_at(qp, recv)
+    }
+
     /// A host PIO write (doorbell, command) issued at `at` crosses the shared bus: returns
     /// when it lands in the NIC.
     pub fn pio(&mut self, at: Nanos) -> Nanos {
         self.bus.pio(at)
     }
 
-    /// Myrinet stop/go held the last frame on the link until its tail left at `tail` (the
-    /// fabric's back-pressure); its staging buffer is held as long.
-    pub fn stopped_until(&mut self, tail: Nanos) {
-        self.staging.stopped_until(tail);
+    /// A network DMA engine moved `bytes` of a frame through SRAM over `[start, end)` (the
+    /// link's timing, which the fabric decides): its memory cycles slow the processor.
+    pub fn net_dma(&mut self, start: Nanos, end: Nanos, bytes: usize) {
+        self.meter.sram_dma(start, end, bytes);
+    }
+
+    /// The oldest frame handed to the link has left: its tail at `tail` (later than its
+    /// wire time when Myrinet stop/go held it). Its send staging buffer frees then.
+    pub fn link_done(&mut self, tail: Nanos) {
+        self.staging.left(tail);
         self.update_poll_at();
     }
 
@@ -322,6 +363,8 @@ impl Firmware {
             processor_ns: self.meter.busy_ns(),
             staging_ns: self.staging.held_ns(),
             staging_buffers: self.staging.buffers(),
+            rx_staging_ns: self.rx_staging.held_ns(),
+            rx_staging_buffers: self.rx_staging.buffers(),
         }
     }
 
@@ -330,6 +373,7 @@ impl Firmware {
         self.meter.reset_accounts();
         self.bus.reset_accounts();
         self.staging.reset_accounts();
+        self.rx_staging.reset_accounts();
     }
 
     pub fn meter(&self) -> &Meter {
@@ -355,6 +399,14 @@ impl Firmware {
     }
 
     // ---- internals ----
+
+    /// A handler for an event at `now`: the processor takes it when free; nothing will ask
+    /// the bus for a time before `now` again.
+    fn begin(&mut self, now: Nanos) {
+        self.meter.begin(now);
+        self.bus.retire(now);
+        self.cq.begin();
+    }
 
     fn local(&self, port: u16) -> SocketAddr {
         SocketAddr::V6(SocketAddrV6::new(self.addr, port, 0, 0))
@@ -384,6 +436,7 @@ impl Firmware {
             dying,
             qps,
             fabric,
+            cq,
             ..
         } = self;
         let cx = Ctx {
@@ -395,6 +448,7 @@ impl Firmware {
             mtu: fabric.mtu,
             sram,
             dying,
+            cq,
         };
         (qps, cx)
     }
@@ -415,9 +469,20 @@ impl Firmware {
             },
         };
         let r = self.iface.poll(instant(t), &mut port, &mut self.sockets);
-        // Aborted sockets have sent their RST by now.
+        // An aborted socket goes once its RST is out (smoltcp forgets the peer then). With
+        // every send staging buffer taken the RST waits, and the socket with it: its pending
+        // RST keeps the firmware's poll due, so it leaves when a buffer frees.
         for h in std::mem::take(&mut self.dying) {
-            self.free_tcp_socket(h);
+            if self
+                .sockets
+                .get::<tcp::Socket>(h)
+                .remote_endpoint()
+                .is_some()
+            {
+                self.dying.push(h);
+            } else {
+                self.free_tcp_socket(h);
+            }
         }
         r
     }
@@ -438,7 +503,7 @@ impl Firmware {
             // Work left over: come back at once (or when a staging buffer frees) rather than
             // wait for an event.
             let now = self.meter.now();
-            self.next_poll = Some(self.staging.next_free(now).unwrap_or(now));
+            self.next_poll = Some(self.staging.free_at(now).unwrap_or(now));
         }
     }
 
@@ -463,11 +528,12 @@ impl Firmware {
         for o in &self.orphans {
             earliest(o.deadline);
         }
-        // Nothing leaves before a staging buffer frees: come back then, not in a busy loop.
-        if let (Some(t), Some(free)) = (at, self.staging.next_free(now)) {
-            at = Some(t.max(free));
-        }
-        self.next_poll = at;
+        // Nothing leaves before a staging buffer frees: come back then, not in a busy loop
+        // (with every buffer on the link, `link_done` brings the firmware back).
+        self.next_poll = match self.staging.free_at(now) {
+            Some(free) => at.map(|t| t.max(free)),
+            None => None,
+        };
     }
 
     /// One pass of every machine: listeners, connects, QPs, orphans.

@@ -4,6 +4,7 @@
 //! - [`meter`]: the NIC processor's clock, charging each firmware stage its cost;
 //! - [`frame`]: Myrinet frames, source routes and switches;
 //! - [`pci`]: the host's PCI bus, shared by both DMA engines and PIO;
+//! - [`memport`]: the NIC's SRAM port, whose cycles the DMA engines take from the processor;
 //! - [`sram`]: the NIC's SRAM as an allocator (QPs, TCBs and socket buffers must fit);
 //! - [`firmware`]: the doorbell, management, transmit and receive state machines with the
 //!   firmware's own IPv6/UDP/TCP, sans-IO;
@@ -14,6 +15,7 @@
 pub mod bridge;
 pub mod firmware;
 pub mod frame;
+pub mod memport;
 pub mod meter;
 pub mod params;
 pub mod pci;

@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 
+use super::memport::MemPort;
 use super::params::{ChecksumAt, LanaiParams};
 
 /// Nanoseconds since the NIC's epoch (virtual or real).
@@ -181,6 +182,8 @@ impl Occupancy {
 #[derive(Clone, Debug)]
 pub struct Meter {
     costs: CostModel,
+    /// The SRAM the processor shares with the DMA engines.
+    memory: MemPort,
     clock: Nanos,
     busy: Nanos,
     accounts: BTreeMap<(Dir, Kind), Occupancy>,
@@ -188,7 +191,9 @@ pub struct Meter {
 
 impl Meter {
     pub fn new(costs: CostModel) -> Self {
+        let d = &costs.params.device;
         Meter {
+            memory: MemPort::new(d.clock_mhz, d.sram_bytes_per_cycle),
             costs,
             clock: 0,
             busy: 0,
@@ -204,6 +209,13 @@ impl Meter {
     /// it is free.
     pub fn begin(&mut self, now: Nanos) {
         self.clock = self.clock.max(now);
+        self.memory.retire(now);
+    }
+
+    /// A DMA engine moves `bytes` through the NIC's SRAM over `[start, end)`: stages that
+    /// overlap it wait for the memory cycles it takes.
+    pub fn sram_dma(&mut self, start: Nanos, end: Nanos, bytes: usize) {
+        self.memory.dma(start, end, bytes);
     }
 
     /// The processor's clock: when the stage being run ends.
@@ -211,10 +223,13 @@ impl Meter {
         self.clock
     }
 
-    /// Charges `stage` (with `payload` bytes for a firmware checksum) and advances the clock.
+    /// Charges `stage` (with `payload` bytes for a firmware checksum) and advances the clock,
+    /// by its cost plus the SRAM cycles DMA engines take meanwhile.
     pub fn charge(&mut self, dir: Dir, kind: Kind, stage: Stage, payload: usize) {
-        let ns = self.costs.stage_ns(dir, kind, stage, payload);
-        self.clock += ns;
+        let work = self.costs.stage_ns(dir, kind, stage, payload);
+        let start = self.clock;
+        self.clock = self.memory.stretch(start, work);
+        let ns = self.clock - start;
         self.busy += ns;
         *self
             .accounts

@@ -44,6 +44,10 @@ pub struct DeviceParams {
     pub doorbell_fifo_entries: usize,
     /// SRAM buffers a segment is staged in between its PCI DMA and the wire.
     pub send_staging_buffers: usize,
+    /// Bytes the SRAM moves per processor clock (its one port, shared with the DMA engines).
+    pub sram_bytes_per_cycle: usize,
+    /// SRAM buffers a received frame is held in until its DMA to host memory is done.
+    pub recv_staging_buffers: usize,
     pub recv_checksum: ChecksumAt,
     /// Instructions the firmware's checksum loop spends per 32-bit word (one per cycle).
     pub firmware_checksum_instructions_per_word: f64,

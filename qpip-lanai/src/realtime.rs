@@ -380,6 +380,8 @@ impl RealtimeNic {
         let mut worked = false;
         while let Some(out) = self.fw.transmit() {
             worked = true;
+            // The datagram socket copies the frame at once: its staging buffer is free.
+            self.fw.link_done(out.ready_at);
             let (port, bytes) = match frame::switch(&out.bytes) {
                 Ok(x) => x,
                 Err(e) => {

@@ -48,6 +48,11 @@ pub trait SimNic {
     fn poll_at(&self) -> Option<Nanos>;
     fn transmit(&mut self) -> Option<OutFrame>;
     fn host_visible_at(&self) -> Nanos;
+    /// When the next completion of `qp` (receive side if `recv`) made by the last handler is
+    /// visible to the host, if the NIC wrote it on its own (else `host_visible_at`).
+    fn completion_visible_at(&mut self, _qp: QpNum, _recv: bool) -> Option<Nanos> {
+        None
+    }
     fn meter(&self) -> &Meter;
     fn meter_mut(&mut self) -> &mut Meter;
     /// A host PIO write issued at `at`: when it lands in the NIC (a stand-in NIC has no bus
@@ -55,8 +60,14 @@ pub trait SimNic {
     fn pio(&mut self, at: Nanos) -> Nanos {
         at + self.meter().costs().params().device.pio_write_ns
     }
-    /// The fabric's stop/go held the last frame until its tail left at `tail`.
-    fn stopped_until(&mut self, _tail: Nanos) {}
+    /// The oldest frame handed to the link has left: its tail at `tail`.
+    fn link_done(&mut self, _tail: Nanos) {}
+    /// A network DMA moved `bytes` through the NIC's memory over `[start, end)`.
+    fn net_dma(&mut self, _start: Nanos, _end: Nanos, _bytes: usize) {}
+    /// When the NIC can take a frame off the wire (a free receive buffer), from `now` on.
+    fn rx_free_at(&mut self, now: Nanos) -> Nanos {
+        now
+    }
     /// Hardware busy time since the last reset (processor only for a stand-in NIC).
     fn usage(&self) -> Usage {
         Usage {
@@ -100,8 +111,17 @@ impl SimNic for Firmware {
     fn pio(&mut self, at: Nanos) -> Nanos {
         Firmware::pio(self, at)
     }
-    fn stopped_until(&mut self, tail: Nanos) {
-        Firmware::stopped_until(self, tail)
+    fn completion_visible_at(&mut self, qp: QpNum, recv: bool) -> Option<Nanos> {
+        Firmware::completion_visible_at(self, qp, recv)
+    }
+    fn link_done(&mut self, tail: Nanos) {
+        Firmware::link_done(self, tail)
+    }
+    fn net_dma(&mut self, start: Nanos, end: Nanos, bytes: usize) {
+        Firmware::net_dma(self, start, end, bytes)
+    }
+    fn rx_free_at(&mut self, now: Nanos) -> Nanos {
+        Firmware::rx_free_at(self, now)
     }
     fn usage(&self) -> Usage {
         Firmware::usage(self)
@@ -138,10 +158,17 @@ enum Event {
         node: usize,
         qp: QpNum,
     },
-    /// A frame's head has crossed the switch's decision point.
+    /// A frame's head, which left `from` at `sent`, has reached the switch's decision point.
     Switch {
         from: usize,
         frame: Vec<u8>,
+        sent: Nanos,
+    },
+    /// A frame's head has reached its receiver's NIC.
+    AtReceiver(fabric::ToReceiver),
+    /// A receive buffer of `node` has freed: a stopped frame may come in.
+    Admit {
+        node: usize,
     },
     /// A frame's tail has arrived at `node`.
     Arrive {
@@ -206,6 +233,15 @@ struct Node {
     visible: VecDeque<(Nanos, Visible)>,
     /// The pending firmware timer, if one is scheduled.
     timer: Option<Nanos>,
+    /// When a stopped frame is next offered a receive buffer, if it waits.
+    rx_retry: Option<Nanos>,
+}
+
+/// `v` becomes visible to the host at `at`: kept in time order (each completion has its own
+/// time), after those visible at the same time.
+fn show(visible: &mut VecDeque<(Nanos, Visible)>, at: Nanos, v: Visible) {
+    let i = visible.partition_point(|(t, _)| *t <= at);
+    visible.insert(i, (at, v));
 }
 
 /// Nodes, fabric and the event queue.
@@ -291,6 +327,7 @@ impl Sim {
             started: false,
             visible: VecDeque::new(),
             timer: None,
+            rx_retry: None,
         });
         Ok(idx)
     }
@@ -396,8 +433,10 @@ impl Sim {
                 self.after_nic(node);
             }
             Event::Arrive { node, frame } => {
+                self.fabric.tail_in(node);
                 self.nodes[node].nic.receive(now, &frame);
                 self.after_nic(node);
+                self.admit(node);
             }
             Event::Timer { node } => {
                 if self.nodes[node].timer != Some(now) {
@@ -407,15 +446,24 @@ impl Sim {
                 self.nodes[node].nic.poll(now);
                 self.after_nic(node);
             }
-            Event::Switch { from, frame } => {
-                for d in self.fabric.switch(now, from, &frame) {
-                    self.schedule(
-                        d.at,
-                        Event::Arrive {
-                            node: d.node,
-                            frame: d.frame,
-                        },
-                    );
+            Event::Switch { from, frame, sent } => {
+                let (freed, heads) = self.fabric.switch(now, from, &frame, sent);
+                for h in heads {
+                    self.schedule(h.at, Event::AtReceiver(h));
+                }
+                if let Some((node, tail, len)) = freed {
+                    self.link_released(node, tail, len);
+                }
+            }
+            Event::AtReceiver(h) => {
+                let node = h.node;
+                self.fabric.arrive_head(node, h.head);
+                self.admit(node);
+            }
+            Event::Admit { node } => {
+                if self.nodes[node].rx_retry == Some(now) {
+                    self.nodes[node].rx_retry = None;
+                    self.admit(node);
                 }
             }
             Event::HostWake { node } => self.wake_host(node)?,
@@ -443,46 +491,53 @@ impl Sim {
     /// the host, the next timer.
     fn after_nic(&mut self, i: usize) {
         while let Some(f) = self.nodes[i].nic.transmit() {
-            let sent = self.fabric.send(i, f.ready_at, &f.bytes);
-            let unstopped = f.ready_at + self.fabric.params.wire_ns(f.bytes.len());
-            if sent.tail_left > unstopped {
-                self.nodes[i].nic.stopped_until(sent.tail_left);
-            }
+            self.fabric.offer(i, f);
+        }
+        if let Some((at, frame, sent)) = self.fabric.start(i) {
             self.schedule(
-                sent.head,
+                at,
                 Event::Switch {
                     from: i,
-                    frame: f.bytes,
+                    frame,
+                    sent,
                 },
             );
         }
+        let now = self.now;
         let node = &mut self.nodes[i];
-        let visible_at = node.nic.host_visible_at().max(self.now);
-        let before = node.visible.len();
+        let visible_at = node.nic.host_visible_at().max(now);
+        let mut wakes = Vec::new();
         let mut buf = [Completion::default(); 64];
-        for cq in &node.host.cqs {
+        let Node {
+            nic, host, visible, ..
+        } = node;
+        for cq in &host.cqs {
             // A CQ error is an overflow: the completions that fit are still delivered and
             // the application sees the loss as missing completions.
             while let Ok(n @ 1..) = cq.poll(&mut buf) {
-                node.visible.extend(
-                    buf[..n]
-                        .iter()
-                        .map(|c| (visible_at, Visible::Completion(*c))),
-                );
+                for c in &buf[..n] {
+                    let at = nic
+                        .completion_visible_at(c.qp_num, c.opcode == Opcode::Recv)
+                        .map_or(visible_at, |t| t.max(now));
+                    wakes.push(at);
+                    show(visible, at, Visible::Completion(*c));
+                }
             }
         }
         let mut k = 0;
-        while k < node.host.waiting.len() {
-            if let Some(r) = node.host.waiting[k].rx.try_recv() {
-                let w = node.host.waiting.remove(k);
-                node.visible
-                    .push_back((visible_at, Visible::Reply(w.tag, r)));
+        while k < host.waiting.len() {
+            if let Some(r) = host.waiting[k].rx.try_recv() {
+                let w = host.waiting.remove(k);
+                wakes.push(visible_at);
+                show(visible, visible_at, Visible::Reply(w.tag, r));
             } else {
                 k += 1;
             }
         }
-        if node.visible.len() > before {
-            self.schedule(visible_at, Event::HostWake { node: i });
+        wakes.sort_unstable();
+        wakes.dedup();
+        for at in wakes {
+            self.schedule(at, Event::HostWake { node: i });
         }
         let node = &mut self.nodes[i];
         if let Some(t) = node.nic.poll_at() {
@@ -493,6 +548,53 @@ impl Sim {
                 self.schedule(t, Event::Timer { node: i });
             }
         }
+    }
+
+    /// Node `i`'s NIC takes the first frame stopped at its input if it has a free receive
+    /// buffer now; otherwise it is offered one when the next buffer frees.
+    fn admit(&mut self, i: usize) {
+        if !self.fabric.wants_buffer(i) {
+            return;
+        }
+        let now = self.now;
+        let free = self.nodes[i].nic.rx_free_at(now);
+        if free > now {
+            if self.nodes[i].rx_retry.is_none_or(|t| free < t) {
+                self.nodes[i].rx_retry = Some(free);
+                self.schedule(free, Event::Admit { node: i });
+            }
+            return;
+        }
+        let Some(a) = self.fabric.admit(i, now) else {
+            return;
+        };
+        // The network receive DMA writes the frame into SRAM as it streams in.
+        self.nodes[i].nic.net_dma(now, a.tail, a.frame.len());
+        self.schedule(
+            a.tail,
+            Event::Arrive {
+                node: a.node,
+                frame: a.frame,
+            },
+        );
+        if let Some(next) = a.next {
+            self.schedule(next.at, Event::AtReceiver(next));
+        }
+        if let Some((node, tail, len)) = a.released {
+            self.link_released(node, tail, len);
+        }
+    }
+
+    /// The `len`-byte frame on node `i`'s link has left it at `tail` (the network send DMA
+    /// read it from SRAM over its last wire time): its send staging buffer frees and the
+    /// link takes the next frame.
+    fn link_released(&mut self, i: usize, tail: Nanos, len: usize) {
+        let wire = self.fabric.params.wire_ns(len);
+        self.nodes[i]
+            .nic
+            .net_dma(tail.saturating_sub(wire), tail, len);
+        self.nodes[i].nic.link_done(tail);
+        self.after_nic(i);
     }
 
     /// The host handles what has become visible, on its CPU clock.

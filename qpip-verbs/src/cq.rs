@@ -57,6 +57,13 @@ impl CompletionQueue {
         self.shared.ring.is_empty()
     }
 
+    /// Blocking waiters ([`Self::wait`]) asleep on this CQ or about to be: each has counted
+    /// itself and will wake only through the NIC's notify. For diagnostics, and for tests that
+    /// need a waiter asleep before its completion comes instead of sleeping "long enough".
+    pub fn sleepers(&self) -> usize {
+        self.shared.sleepers.load(Ordering::SeqCst) as usize
+    }
+
     /// How long [`Self::wait`] and [`Self::wait_async`] poll before sleeping. Zero sleeps at
     /// once (lowest CPU); a few tens of µs trade CPU for latency.
     pub fn set_spin(&self, spin: Duration) {
@@ -206,7 +213,12 @@ mod tests {
         cq.set_spin(Duration::ZERO);
         let cq2 = cq.clone();
         let h = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(10));
+            // Push only once the waiter sleeps, so that only the notify can wake it.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while cq2.sleepers() == 0 {
+                assert!(Instant::now() < deadline, "the waiter never went to sleep");
+                std::thread::yield_now();
+            }
             cq2.shared.push(Completion {
                 wr_id: 9,
                 ..Default::default()
@@ -214,7 +226,14 @@ mod tests {
             cq2.shared.notify();
         });
         let mut out = [Completion::default(); 1];
-        assert_eq!(cq.wait(&mut out, Some(Duration::from_secs(5))), Ok(1));
+        let t = Instant::now();
+        // The timeout only keeps a lost wake-up from hanging the run; the wait then returns
+        // the completion too, so the time it took tells the two apart.
+        assert_eq!(cq.wait(&mut out, Some(Duration::from_secs(20))), Ok(1));
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "woken by the timeout"
+        );
         assert_eq!(out[0].wr_id, 9);
         h.join().unwrap();
     }

@@ -56,13 +56,6 @@ pub fn wait_n(cq: &CompletionQueue, n: usize, timeout: Duration) -> Vec<Completi
     out
 }
 
-/// Nothing more arrives within `d`.
-pub fn quiet(cq: &CompletionQueue, d: Duration) -> Vec<Completion> {
-    let mut buf = [Completion::default(); 64];
-    let n = cq.wait(&mut buf, Some(d)).unwrap();
-    buf[..n].to_vec()
-}
-
 /// Deterministic pseudo-random numbers (xorshift), so failures reproduce.
 pub struct Rng(pub u64);
 

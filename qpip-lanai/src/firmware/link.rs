@@ -14,6 +14,8 @@ use crate::meter::{Dir, Kind, Meter, Nanos, Stage};
 use crate::params::DeviceParams;
 use crate::pci::{PciBus, Use};
 use crate::sram::Sram;
+
+use super::cq::{CqWrites, Outstanding};
 use qpip_verbs::backend::MgmtResult;
 use qpip_verbs::framer::Framer;
 use qpip_verbs::machines::rx::{RecvTarget, RxMachine, RxStop};
@@ -30,9 +32,6 @@ const DEAD_PEER: smoltcp::time::Duration = smoltcp::time::Duration::from_secs(12
 /// the fabric, which sends no RST) is found within `DEAD_PEER`.
 pub(super) const KEEP_ALIVE: smoltcp::time::Duration = smoltcp::time::Duration::from_secs(30);
 
-/// Bytes of one completion entry written to the host's CQ.
-const CQ_ENTRY_BYTES: usize = 32;
-
 /// What the QP machines borrow from the firmware while they run.
 pub(super) struct Ctx<'a> {
     pub sockets: &'a mut SocketSet<'static>,
@@ -45,13 +44,14 @@ pub(super) struct Ctx<'a> {
     pub sram: &'a mut Sram,
     /// Aborted TCP sockets: removed after the next egress poll has sent their RST.
     pub dying: &'a mut Vec<SocketHandle>,
+    pub cq: &'a mut CqWrites,
 }
 
-/// A NIC->host DMA of `len` bytes issued now (received data, CQ entries). A macro so that
-/// it borrows only the fields it uses while a socket is borrowed from the set.
-macro_rules! to_host {
-    ($cx:expr, $len:expr) => {
-        $cx.bus.dma(Use::Write, $cx.meter.now(), $len)
+/// Writes the CQ entries of the completions `$qp` made since `$seen`. A macro so that it
+/// borrows only the fields it uses while a socket is borrowed from the set.
+macro_rules! written {
+    ($cx:expr, $qp:expr, $seen:expr) => {
+        $cx.cq.write($cx.bus, $cx.meter, $qp, $seen)
     };
 }
 
@@ -266,9 +266,10 @@ impl FwQp {
 
     /// Runs the QP's machines as far as they go; true if anything moved.
     pub(super) fn service(&mut self, cx: &mut Ctx<'_>) -> bool {
+        let mut seen = Outstanding::of(&self.shared);
         let progress = match &self.link {
-            Link::Tcp(_) => self.service_tcp(cx),
-            Link::Udp(_) => self.service_udp(cx),
+            Link::Tcp(_) => self.service_tcp(cx, &mut seen),
+            Link::Udp(_) => self.service_udp(cx, &mut seen),
             Link::Down => {
                 let any = !self.shared.sq.is_empty() || !self.shared.rq.is_empty();
                 self.shared.flush_queues();
@@ -276,6 +277,7 @@ impl FwQp {
             }
             Link::Idle | Link::Connecting { .. } => false,
         };
+        written!(cx, &self.shared, &mut seen);
         self.rq_seen = self.shared.rq.len();
         if progress {
             self.shared.notify_cqs();
@@ -283,7 +285,7 @@ impl FwQp {
         progress
     }
 
-    fn service_tcp(&mut self, cx: &mut Ctx<'_>) -> bool {
+    fn service_tcp(&mut self, cx: &mut Ctx<'_>, seen: &mut Outstanding) -> bool {
         let FwQp {
             shared,
             framer,
@@ -318,8 +320,10 @@ impl FwQp {
                         Ok(msg) => t.tx.push_back(msg),
                         Err((wr_id, fault)) => {
                             tracing::warn!(qp = shared.num, wr_id, "send WR refused: {fault}");
+                            // Failed before the host can see why (in real time it polls the
+                            // CQ while the firmware runs).
+                            shared.set_state(QpState::Error);
                             shared.complete_send(wr_id, WcStatus::ProtectionError, 0, 0);
-                            to_host!(cx, CQ_ENTRY_BYTES);
                             break 'm After::Fail {
                                 state: QpState::Error,
                                 send: WcStatus::Flushed,
@@ -339,10 +343,10 @@ impl FwQp {
                 && m.end.is_some_and(|end| end <= acked)
             {
                 shared.complete_send(m.wr_id, WcStatus::Success, m.body_len as u32, 0);
-                to_host!(cx, CQ_ENTRY_BYTES);
                 t.tx.pop_front();
                 progress = true;
             }
+            written!(cx, shared, seen);
             // A peer silent this long is dead: the QP fails instead of hanging, and its SRAM
             // comes back. A live peer is never that quiet: it answers zero-window probes
             // (backed off to 60 s at most) and the keep-alives an idle connection sends.
@@ -376,7 +380,7 @@ impl FwQp {
                 if total > 0 {
                     placed += total;
                     meter.charge(Dir::Recv, Kind::Data, Stage::PutData, 0);
-                    let done = bus.dma(Use::Write, meter.now(), total);
+                    let done = bus.dma_now(Use::Write, meter, total);
                     placing.push_back((done, total));
                     *held += total;
                     return Ok(total);
@@ -393,9 +397,10 @@ impl FwQp {
             };
             let stop = rx.pump(shared, cx.memory, framer.as_mut(), &mut read);
             take_wrs(meter);
+            // Each receive completion's entry follows the data DMAs of its message.
+            written!(cx, shared, seen);
             progress |= shared.rq.len() != before || placed > 0;
             if stop == RxStop::Failed {
-                to_host!(cx, CQ_ENTRY_BYTES);
                 break 'm After::Fail {
                     state: QpState::Error,
                     send: WcStatus::RemoteClosed,
@@ -428,7 +433,9 @@ impl FwQp {
         match after {
             After::Nothing => {}
             After::Fail { state, send } => {
+                written!(cx, &self.shared, seen);
                 self.fail(cx, state, send);
+                *seen = Outstanding::of(&self.shared);
                 progress = true;
             }
             After::Release => {
@@ -442,7 +449,7 @@ impl FwQp {
         progress
     }
 
-    fn service_udp(&mut self, cx: &mut Ctx<'_>) -> bool {
+    fn service_udp(&mut self, cx: &mut Ctx<'_>, seen: &mut Outstanding) -> bool {
         let FwQp { shared, link, .. } = self;
         let Link::Udp(u) = link else { return false };
         let mut progress = false;
@@ -463,7 +470,7 @@ impl FwQp {
                             "datagram cannot be sent (IPv6 destination, at most {room} bytes)"
                         );
                         shared.complete_send(msg.wr_id, WcStatus::InvalidRequest, 0, 0);
-                        to_host!(cx, CQ_ENTRY_BYTES);
+                        written!(cx, shared, seen);
                     } else {
                         u.tx.push_back(msg);
                     }
@@ -472,7 +479,7 @@ impl FwQp {
                     // Not fatal on an unreliable QP.
                     tracing::warn!(qp = shared.num, wr_id, "send WR refused: {fault}");
                     shared.complete_send(wr_id, WcStatus::ProtectionError, 0, 0);
-                    to_host!(cx, CQ_ENTRY_BYTES);
+                    written!(cx, shared, seen);
                 }
             }
         }
@@ -500,7 +507,7 @@ impl FwQp {
             && m.end.is_some_and(|end| end <= sent)
         {
             shared.complete_send(m.wr_id, WcStatus::Success, m.body_len as u32, 0);
-            to_host!(cx, CQ_ENTRY_BYTES);
+            written!(cx, shared, seen);
             u.tx.pop_front();
             progress = true;
         }
@@ -511,7 +518,7 @@ impl FwQp {
                 Some(Ok(wr)) => wr,
                 Some(Err(_refused)) => {
                     progress = true;
-                    to_host!(cx, CQ_ENTRY_BYTES);
+                    written!(cx, shared, seen);
                     continue;
                 }
             };
@@ -527,9 +534,9 @@ impl FwQp {
                 WcStatus::Success
             };
             cx.meter.charge(Dir::Recv, Kind::Data, Stage::PutData, 0);
-            cx.bus.dma(Use::Write, cx.meter.now(), off);
+            cx.bus.dma_now(Use::Write, cx.meter, off);
             shared.complete_recv(wr.wr_id, status, off as u32, Some(v6(meta.endpoint)), 0);
-            to_host!(cx, CQ_ENTRY_BYTES);
+            written!(cx, shared, seen);
         }
         progress
     }
@@ -537,6 +544,7 @@ impl FwQp {
     /// Fatal error or abortive close: the link goes down, every outstanding WR completes
     /// (in-flight sends with `send`, the rest flushed), a TCP connection is reset.
     pub(super) fn fail(&mut self, cx: &mut Ctx<'_>, state: QpState, send: WcStatus) {
+        let mut seen = Outstanding::of(&self.shared);
         self.shared.set_state(state);
         match std::mem::replace(&mut self.link, Link::Down) {
             Link::Tcp(mut t) => {
@@ -564,7 +572,7 @@ impl FwQp {
             Link::Idle | Link::Down => {}
         }
         self.shared.flush_queues();
-        to_host!(cx, CQ_ENTRY_BYTES);
+        written!(cx, &self.shared, &mut seen);
         self.shared.notify_cqs();
     }
 
@@ -589,6 +597,7 @@ impl FwQp {
         };
         match orphan {
             Some(handle) => {
+                let mut seen = Outstanding::of(&self.shared);
                 self.shared.set_state(QpState::Closed);
                 if let Link::Tcp(mut t) = std::mem::replace(&mut self.link, Link::Down) {
                     for m in t.tx.drain(..) {
@@ -597,6 +606,7 @@ impl FwQp {
                     t.rx.flush(&self.shared);
                 }
                 self.shared.flush_queues();
+                written!(cx, &self.shared, &mut seen);
                 self.shared.notify_cqs();
                 Some(handle)
             }

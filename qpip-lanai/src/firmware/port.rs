@@ -179,7 +179,7 @@ impl Wire<'_> {
         let mut summed = m.now();
         if carried.payload() > 0 {
             m.charge(Dir::Send, kind, Stage::GetData, 0);
-            summed = self.bus.dma(Use::Read, m.now(), carried.payload());
+            summed = self.bus.dma_now(Use::Read, m, carried.payload());
         }
         let header = match carried {
             Carried::Udp { .. } => Stage::BuildUdpHeader,
@@ -194,12 +194,8 @@ impl Wire<'_> {
         let ready_at = m.now().max(summed + (m.now() - before));
         m.charge(Dir::Send, kind, Stage::Update, 0);
         let bytes = frame::encode(route, pkt);
-        let depart = self
-            .staging
-            .stage(taken, ready_at, self.fabric.wire_ns(bytes.len()));
-        self.out.push_back(OutFrame {
-            bytes,
-            ready_at: depart,
-        });
+        // The link decides when it leaves (stop/go); it reports the tail back (`link_done`).
+        self.staging.stage(taken);
+        self.out.push_back(OutFrame { bytes, ready_at });
     }
 }

@@ -217,18 +217,37 @@ impl Net {
         out
     }
 
+    /// Puts side `i`'s frames through the fabric. Switched at once rather than when each
+    /// head reaches the switch (each side has an output port of its own, so no two senders
+    /// contend for one), and every frame is taken at once (no receive back-pressure here).
+    fn carry(&mut self, i: usize) {
+        while let Some(f) = self.sides[i].fw.transmit() {
+            self.fabric.offer(i, f);
+        }
+        while let Some((at, frame, sent)) = self.fabric.start(i) {
+            let (freed, mut heads) = self.fabric.switch(at, i, &frame, sent);
+            let mut released: Vec<_> = freed.into_iter().collect();
+            while let Some(h) = heads.pop() {
+                let at = h.at;
+                self.fabric.arrive_head(h.node, h.head);
+                if let Some(a) = self.fabric.admit(h.node, at) {
+                    self.fabric.tail_in(a.node);
+                    self.seq += 1;
+                    self.flight.push((a.tail, self.seq, a.node, a.frame));
+                    released.extend(a.released);
+                    heads.extend(a.next);
+                }
+            }
+            for (n, t, _) in released {
+                self.sides[n].fw.link_done(t);
+            }
+        }
+    }
+
     /// Moves frames and runs timers until the next event; false when nothing is left to do.
     fn step(&mut self) -> bool {
         for i in 0..2 {
-            while let Some(f) = self.sides[i].fw.transmit() {
-                // Switched at once rather than when its head reaches the switch: each side
-                // has an output port of its own, so no two senders contend for one.
-                let sent = self.fabric.send(i, f.ready_at, &f.bytes);
-                for d in self.fabric.switch(sent.head, i, &f.bytes) {
-                    self.seq += 1;
-                    self.flight.push((d.at, self.seq, d.node, d.frame));
-                }
-            }
+            self.carry(i);
         }
         let next = self
             .flight
@@ -473,6 +492,73 @@ fn raw_stream_fills_each_receive_wr_with_what_arrived() {
     assert_eq!(got, sent, "no framing bytes added, stream intact");
 }
 
+/// A message split over two TCP segments (a socket peer through the bridge sends this way),
+/// its receive WR posted before the first, between the two, or after both have arrived: in
+/// virtual time each ordering is exact, and half a message, or a whole one without a WR,
+/// completes nothing in a virtual second after its last segment.
+#[test]
+fn a_message_split_over_segments_completes_whenever_its_wr_is_posted() {
+    let mut net = Net::new();
+    let (s, c) = net.pair_with(Box::new(LengthPrefixed::default()), Box::new(RawStream));
+    let src = net.region(CLIENT, 32);
+    let mut msg = 28u32.to_be_bytes().to_vec();
+    msg.extend((0..28u8).map(|i| i + 1));
+    src.write_at(0, &msg);
+    let dst = net.region(SERVER, 64 * 3);
+    // Sends one segment and runs until the server's firmware has acknowledged it, then a
+    // virtual second more: the server's CQ must still be empty.
+    let segment = |net: &mut Net, wr_id: u64, off: usize, len: usize| {
+        net.post_send(CLIENT, &c, SendWr::new(wr_id, &[src.sge(off, len)]));
+        let mut sent = Vec::new();
+        assert!(net.run_until(|n| {
+            sent.extend(n.completions(CLIENT));
+            !sent.is_empty()
+        }));
+        assert_eq!((sent[0].wr_id, sent[0].status), (wr_id, WcStatus::Success));
+        let until = net.now + 1_000_000_000;
+        net.run_until(|n| n.now > until);
+        assert!(net.completions(SERVER).is_empty(), "segment {wr_id}");
+    };
+    for (round, when) in ["before", "between", "after"].iter().enumerate() {
+        let wr = RecvWr::new(round as u64, &[dst.sge(64 * round, 64)]);
+        if *when == "before" {
+            net.post_recv(SERVER, &s, wr.clone());
+        }
+        segment(&mut net, 1, 0, 26);
+        if *when == "between" {
+            net.post_recv(SERVER, &s, wr.clone());
+        }
+        if *when == "after" {
+            segment(&mut net, 2, 26, 6);
+            net.post_recv(SERVER, &s, wr);
+        } else {
+            net.post_send(CLIENT, &c, SendWr::new(2, &[src.sge(26, 6)]));
+        }
+        let mut got = Vec::new();
+        assert!(net.run_until(|n| {
+            got.extend(n.completions(SERVER));
+            !got.is_empty()
+        }));
+        assert_eq!(
+            (got[0].wr_id, got[0].status, got[0].byte_len),
+            (round as u64, WcStatus::Success, 28),
+            "WR posted {when} the segments"
+        );
+        let mut placed = [0u8; 28];
+        dst.read_at(64 * round, &mut placed);
+        assert_eq!(&placed[..], &msg[4..], "WR posted {when} the segments");
+        if *when != "after" {
+            // The second segment's send completion, not awaited above.
+            let mut sent = Vec::new();
+            assert!(net.run_until(|n| {
+                sent.extend(n.completions(CLIENT));
+                !sent.is_empty()
+            }));
+            assert_eq!((sent[0].wr_id, sent[0].status), (2, WcStatus::Success));
+        }
+    }
+}
+
 #[test]
 fn without_receive_wrs_the_window_closes_and_sends_wait() {
     let mut net = Net::new();
@@ -493,6 +579,18 @@ fn without_receive_wrs_the_window_closes_and_sends_wait() {
         early.len()
     );
     assert!(net.completions(SERVER).is_empty());
+    // And it stays stuck: a further virtual minute (window probes and all) completes
+    // nothing, and the connection is held, not failed. This is the proof of "nothing more
+    // completes" that the real-time contract test cannot give without waiting.
+    let from = net.now;
+    net.run_until(|n| n.now > from + 60_000_000_000);
+    assert!(
+        net.now > from + 30_000_000_000,
+        "the firmware's timers keep running"
+    );
+    assert!(net.completions(CLIENT).is_empty(), "a send completed later");
+    assert!(net.completions(SERVER).is_empty());
+    assert_eq!((s.state(), c.state()), (QpState::Ready, QpState::Ready));
     let dst = net.region(SERVER, N * LEN);
     for i in 0..N {
         net.post_recv(SERVER, &s, RecvWr::new(i as u64, &[dst.sge(i * LEN, LEN)]));
@@ -776,8 +874,11 @@ fn stages_are_charged_per_packet_or_per_wr_where_the_work_is_done() {
     assert_eq!(per["tcp_parse"], 7.0);
     assert_eq!(per["media_receive"], 1.0);
     // Receive: one get WR per receive WR, one put data per DMA to host memory (at least one
-    // per WR), whatever the number of packets that carried them.
-    assert_eq!(data.stage_ns[&Stage::GetWr], 20 * 5_500);
+    // per WR), whatever the number of packets that carried them. A stage that overlaps DMA
+    // traffic waits for SRAM cycles: up to a few percent more than its cost.
+    let charged = |ns: Nanos, cost: Nanos| (cost..cost * 21 / 20).contains(&ns);
+    let get_wr = data.stage_ns[&Stage::GetWr];
+    assert!(charged(get_wr, 20 * 5_500), "{get_wr}");
     assert!(data.stage_ns[&Stage::PutData] >= 20 * 4_500);
     let acks = net.sides[CLIENT].fw.meter().occupancy(Dir::Recv, Kind::Ack);
     assert!(acks.packets > 0);
@@ -788,9 +889,12 @@ fn stages_are_charged_per_packet_or_per_wr_where_the_work_is_done() {
         .meter()
         .occupancy(Dir::Send, Kind::Data);
     assert!(sent.packets >= 1);
-    assert_eq!(sent.stage_ns[&Stage::GetWr], 20 * 5_500);
-    assert_eq!(sent.per_packet_us()["build_tcp_header"], 5.0);
-    assert_eq!(sent.per_packet_us()["get_data"], 4.5);
+    let get_wr = sent.stage_ns[&Stage::GetWr];
+    assert!(charged(get_wr, 20 * 5_500), "{get_wr}");
+    // The headers are built while the segment's DMA moves data through SRAM.
+    let per = sent.per_packet_us();
+    assert!((5.0..5.75).contains(&per["build_tcp_header"]), "{per:?}");
+    assert!((4.5..5.2).contains(&per["get_data"]), "{per:?}");
 }
 
 #[test]
@@ -969,4 +1073,56 @@ fn garbage_frames_are_dropped_and_the_connection_carries_on() {
     let mut got = [0u8; 10];
     dst.read_at(0, &mut got);
     assert_eq!(&got, b"still here");
+}
+
+#[test]
+fn a_reset_waits_for_a_free_staging_buffer_instead_of_being_lost() {
+    // A message and the peer's FIN come in back to back (as a real-time receive batch takes
+    // them, before the link has reported any frame gone): their ACKs take every send
+    // staging buffer, and the FIN fails the QP, which waits for another message. The RST
+    // must wait for a buffer, not vanish with the socket: the peer, its FIN acknowledged,
+    // would wait for ours forever.
+    let mut net = Net::new();
+    let (s, c) = net.pair();
+    let dst = net.region(SERVER, 100);
+    net.post_recv(SERVER, &s, RecvWr::new(1, &[dst.sge(0, 50)]));
+    net.post_recv(SERVER, &s, RecvWr::new(2, &[dst.sge(50, 50)]));
+    net.run_until(|n| n.now > 1_000_000);
+    let src = net.region(CLIENT, 10);
+    net.post_send(CLIENT, &c, SendWr::new(7, &[src.sge(0, 10)]));
+    net.cmd(CLIENT, Command::Close { qp: c.num });
+    let mut frames = Vec::new();
+    loop {
+        let side = &mut net.sides[CLIENT].fw;
+        let out = side.transmit().expect("the client sends its FIN");
+        side.link_done(out.ready_at);
+        let (_, bytes) = crate::frame::switch(&out.bytes).expect("a routed frame");
+        let pkt = crate::frame::decode(&bytes).expect("a good frame");
+        let fin = crate::frame::summary(pkt).contains('F');
+        frames.push(bytes);
+        if fin {
+            break;
+        }
+        if let Some(t) = side.poll_at() {
+            side.poll(t);
+        }
+    }
+    for f in &frames {
+        net.now += 1_000;
+        net.sides[SERVER].fw.receive(net.now, f);
+    }
+    assert_eq!(s.state(), QpState::Error);
+    let released = |n: &mut Net| {
+        matches!(n.sides[CLIENT].fw.qps[&c.num].link, Link::Down)
+            && n.sides[SERVER].fw.dying.is_empty()
+    };
+    // At once, not when something the client retransmits meets the server's stack without
+    // a socket.
+    let fin_at = net.now;
+    net.run_until(|n| released(n) || n.now > fin_at + 1_000_000);
+    assert!(
+        released(&mut net),
+        "the server's RST reached the client, which let its connection go"
+    );
+    assert_eq!(c.state(), QpState::Closed);
 }

@@ -50,8 +50,9 @@ fn server_addr(setup: &Setup, port: u16) -> Result<SocketAddr, SimError> {
 }
 
 /// How busy each hardware resource was, as a fraction of the elapsed time, in the order
-/// wire, PCI read, PCI write, NIC processor, staging: the sender's link, the sender's bus
-/// reading, the receiver's bus writing, the busier processor, the sender's staging buffers.
+/// wire, PCI read, PCI write, NIC processor, staging, rx staging: the sender's link, the
+/// sender's bus reading, the receiver's bus writing, the busier processor, the sender's send
+/// staging buffers, the receiver's receive staging buffers.
 pub type Utilisation = Vec<(&'static str, f64)>;
 
 /// The resources of `sim` over `elapsed` ns, data flowing from `sender` to `receiver`.
@@ -59,6 +60,7 @@ fn utilisation(sim: &Sim, sender: usize, receiver: usize, elapsed: Nanos) -> Uti
     let t = elapsed.max(1) as f64;
     let (us, ur) = (sim.nic(sender).usage(), sim.nic(receiver).usage());
     let staging = us.staging_ns as f64 / us.staging_buffers.max(1) as f64;
+    let rx_staging = ur.rx_staging_ns as f64 / ur.rx_staging_buffers.max(1) as f64;
     vec![
         ("wire", sim.link_busy_ns(sender) as f64 / t),
         ("PCI read", us.pci_read_ns as f64 / t),
@@ -68,6 +70,7 @@ fn utilisation(sim: &Sim, sender: usize, receiver: usize, elapsed: Nanos) -> Uti
             us.processor_ns.max(ur.processor_ns) as f64 / t,
         ),
         ("staging", staging / t),
+        ("rx staging", rx_staging / t),
     ]
 }
 

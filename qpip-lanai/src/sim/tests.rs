@@ -10,9 +10,10 @@ use super::apps::{PingPong, Proto, Role};
 use super::*;
 use crate::frame;
 use crate::meter::{CostModel, Dir, Kind, Stage};
+use qpip_verbs::backend::MgmtResult;
 use qpip_verbs::framer::Framer;
 use qpip_verbs::shared::QpShared;
-use qpip_verbs::wr::WcStatus;
+use qpip_verbs::wr::{Completion, SendWr, WcStatus};
 
 /// A QP, its framer (unused) and its bound port.
 type EchoQp = (Arc<QpShared>, Box<dyn Framer>, u16);
@@ -216,6 +217,115 @@ fn runs_are_deterministic_under_faults() {
     let a = run();
     assert!(a.2.duplicated > 0 && a.2.delayed > 0);
     assert_eq!(a, run());
+}
+
+/// The stand-in NIC whose k-th completion of a handler is written `k` µs after the
+/// handler, and whose last DMA write ends 100 µs after it.
+struct LateCqNic {
+    echo: EchoNic,
+    written: VecDeque<Nanos>,
+}
+
+impl SimNic for LateCqNic {
+    fn command(&mut self, now: Nanos, cmd: Command) {
+        self.echo.command(now, cmd)
+    }
+    fn doorbell(&mut self, now: Nanos, qp: QpNum) {
+        self.echo.doorbell(now, qp)
+    }
+    fn receive(&mut self, now: Nanos, frame: &[u8]) {
+        self.echo.receive(now, frame)
+    }
+    fn poll(&mut self, now: Nanos) {
+        self.echo.poll(now);
+        let t = self.echo.meter.now();
+        self.written = (1..=4).map(|k| t + k * 1_000).collect();
+    }
+    fn poll_at(&self) -> Option<Nanos> {
+        self.echo.poll_at()
+    }
+    fn transmit(&mut self) -> Option<OutFrame> {
+        self.echo.transmit()
+    }
+    fn host_visible_at(&self) -> Nanos {
+        self.echo.meter.now() + 100_000
+    }
+    fn completion_visible_at(&mut self, _qp: QpNum, _recv: bool) -> Option<Nanos> {
+        self.written.pop_front()
+    }
+    fn meter(&self) -> &Meter {
+        &self.echo.meter
+    }
+    fn meter_mut(&mut self) -> &mut Meter {
+        &mut self.echo.meter
+    }
+}
+
+/// Posts two datagrams at once and notes when the host sees each send completion.
+#[derive(Default)]
+struct TwoSends {
+    qp: Option<qpip_verbs::qp::QueuePair>,
+    cq: Option<qpip_verbs::cq::CompletionQueue>,
+    mr: Option<qpip_verbs::mr::MemoryRegion>,
+    seen: Vec<Nanos>,
+}
+
+impl App for TwoSends {
+    fn start(&mut self, host: &mut Host) {
+        let cq = host.create_cq(16);
+        let (qp, _) = host.create_udp_qp(9, qpip_verbs::qp::QpAttr::new(&cq));
+        self.mr = Some(
+            host.nic()
+                .alloc_region(64, qpip_verbs::mr::Access::READ_WRITE),
+        );
+        self.qp = Some(qp);
+        self.cq = Some(cq);
+    }
+    fn on_reply(&mut self, host: &mut Host, _tag: u64, _r: MgmtResult) {
+        let dest = SocketAddr::new(
+            FabricParams::default().node("client").unwrap().addr.into(),
+            9,
+        );
+        let (qp, mr) = (self.qp.as_ref().unwrap(), self.mr.as_ref().unwrap());
+        for id in 0..2 {
+            host.post_send(qp, SendWr::new(id, &[mr.sge(0, 8)]).to(dest))
+                .unwrap();
+        }
+    }
+    fn on_completion(&mut self, host: &mut Host, _c: Completion) {
+        self.seen.push(host.now());
+    }
+    fn done(&self) -> bool {
+        self.seen.len() == 2
+    }
+    fn error(&self) -> Option<String> {
+        None
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+#[test]
+fn each_completion_is_seen_when_its_own_cq_write_ends() {
+    let params = LanaiParams::default();
+    let fabric = FabricParams::default();
+    let mut sim = Sim::new(fabric.clone(), 7);
+    let addr = fabric.node("server").unwrap().addr;
+    let mem = MemoryTable::new();
+    let nic = LateCqNic {
+        echo: EchoNic::new(addr, mem.clone(), &params),
+        written: VecDeque::new(),
+    };
+    let s = sim.add_node("server", Box::new(nic), mem, &params).unwrap();
+    sim.set_app(s, Box::new(TwoSends::default()));
+    sim.run(1_000_000_000).unwrap();
+    let seen = &sim.app::<TwoSends>(s).unwrap().seen;
+    // Both sends complete in one handler: the host sees each when its own entry is
+    // written, 1 µs after the handler and 1 µs later, not both when the handler's last
+    // write ends (100 µs after it).
+    let handler_end = seen[0] - 1_000;
+    assert_eq!(seen[1], handler_end + 2_000, "{seen:?}");
 }
 
 /// The firmware itself through the simulated fabric.
@@ -466,5 +576,47 @@ mod firmware {
         // One way alone goes faster than each way of the pair.
         let one = experiments::ttcp(&setup, 128 * 16384, 16384).unwrap();
         assert!(to_server < one.mbps && to_client < one.mbps);
+    }
+
+    #[test]
+    fn a_slow_receiver_stops_the_senders_link_and_sets_the_rate() {
+        let setup = Setup::default();
+        // The receiver: one receive buffer and a bus at a quarter of the clock, so its DMA
+        // to host memory is the slowest thing on the path.
+        let mut slow = setup.params.clone();
+        slow.device.pci_clock_mhz /= 4.0;
+        slow.device.recv_staging_buffers = 1;
+        let mut sim = Sim::new(setup.fabric.clone(), setup.seed);
+        let s = sim.add_lanai_node("server", &slow, 1).unwrap();
+        let c = sim.add_lanai_node("client", &setup.params, 2).unwrap();
+        let cfg = BulkConfig::ttcp(64 * 16384, 16384);
+        let server = SocketAddr::new(setup.fabric.node("server").unwrap().addr.into(), cfg.port);
+        sim.set_app(s, Box::new(Bulk::new(cfg, Role::Server)));
+        sim.set_app(c, Box::new(Bulk::new(cfg, Role::Client { server })));
+        sim.run(experiments::LIMIT).unwrap();
+        let rx = sim.app::<Bulk>(s).unwrap();
+        let tx = sim.app::<Bulk>(c).unwrap();
+        let ns = rx.finished_at().unwrap() - tx.started_at().unwrap();
+        let rate = rx.bytes() as f64 * 1000.0 / ns as f64;
+        // Throttled to the receiver's DMA rate, and not far below it.
+        let write = PciBus::new(&slow.device).rate_mbps(Use::Write);
+        assert!(
+            rate <= write && rate > 0.7 * write,
+            "{rate} MB/s, bus writes {write}"
+        );
+        // Frames waited on the wire for the receive buffer, one at a time (no queue).
+        let f = sim.fabric_stats();
+        assert!(f.stopped > 10 && f.stopped_ns > 0, "{f:?}");
+        assert_eq!(f.max_waiting, 1);
+        // Meanwhile the sender's link was held: busier than its frames' wire time.
+        let wire = setup.fabric.wire_ns(f.bytes[&(c, s)] as usize);
+        assert!(
+            sim.link_busy_ns(c) > wire + f.stopped_ns / 2,
+            "{}",
+            sim.link_busy_ns(c)
+        );
+        // The same transfer into a fast receiver is faster.
+        let fast = experiments::ttcp(&setup, 64 * 16384, 16384).unwrap();
+        assert!(fast.mbps > 1.5 * rate, "{} vs {rate}", fast.mbps);
     }
 }

@@ -439,6 +439,15 @@ mod tests {
     }
 
     impl Trickle {
+        fn new(wire: Vec<u8>, step: usize) -> Trickle {
+            Trickle {
+                wire,
+                pos: 0,
+                step,
+                reads: 0,
+            }
+        }
+
         fn read(&mut self, iov: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
             if self.pos == self.wire.len() {
                 return Err(io::ErrorKind::WouldBlock.into());
@@ -594,12 +603,7 @@ mod tests {
         let dst = table.register_owned(64, crate::Access::READ);
         let mut framer = PlaceInto { dst, next: 0 };
         let mut rx = RxMachine::new();
-        let mut sock = Trickle {
-            wire: framed(&[b"secret"]),
-            pos: 0,
-            step: 100,
-            reads: 0,
-        };
+        let mut sock = Trickle::new(framed(&[b"secret"]), 100);
         let stop = rx.pump(&qp, &table, &mut framer, &mut |iov| sock.read(iov));
         assert_eq!(stop, RxStop::Failed);
         let c = drain(&cq);
@@ -611,12 +615,7 @@ mod tests {
         let (qp, cq, table, _mr) = setup(1, 64);
         let mut rx = RxMachine::new();
         let mut framer = LengthPrefixed::default();
-        let mut sock = Trickle {
-            wire: framed(&[b"one", b"two"]),
-            pos: 0,
-            step: 3,
-            reads: 0,
-        };
+        let mut sock = Trickle::new(framed(&[b"one", b"two"]), 3);
         let stop = rx.pump(&qp, &table, &mut framer, &mut |iov| sock.read(iov));
         assert_eq!(stop, RxStop::NoWr);
         assert_eq!(drain(&cq).len(), 1);

@@ -1,15 +1,21 @@
 //! `qpip-nbd copy`: local files and NBD exports in any combination, several connections when
-//! the servers allow multi-conn, sparse-aware through block status / SEEK_DATA.
+//! the servers allow multi-conn, sparse-aware through block status / SEEK_DATA; `-` streams
+//! standard input or output, `null:` discards. SIGINT/SIGTERM stop a copy between batches:
+//! a destination file the copy created is removed, any other is reported incomplete.
 
 use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::{Context, Result, bail};
 use indicatif::ProgressBar;
 use nbd_client::uri::looks_like_uri;
 use nbd_client::{Client, ClientOptions, Nic};
+use qpip_core::{Access, MemoryRegion};
 
 /// Bytes read then written per step of a worker (each step is many requests in flight).
 const BATCH: u64 = 4 << 20;
@@ -18,23 +24,75 @@ const BATCH: u64 = 4 << 20;
 pub enum Endpoint {
     File(PathBuf),
     Nbd(String),
+    /// `-`: standard input as a source, standard output as a destination (streamed in order).
+    Stdio,
+    /// `null:`: a destination that discards everything (nbdcopy's).
+    Null,
 }
 
 impl Endpoint {
     pub fn parse(s: &str) -> Endpoint {
-        if looks_like_uri(s) {
-            Endpoint::Nbd(s.to_owned())
-        } else {
-            Endpoint::File(PathBuf::from(s))
+        match s {
+            "-" => Endpoint::Stdio,
+            "null:" => Endpoint::Null,
+            _ if looks_like_uri(s) => Endpoint::Nbd(s.to_owned()),
+            _ => Endpoint::File(PathBuf::from(s)),
         }
     }
     pub fn name(&self) -> String {
         match self {
             Endpoint::File(p) => p.display().to_string(),
             Endpoint::Nbd(u) => u.clone(),
+            Endpoint::Stdio => "-".into(),
+            Endpoint::Null => "null:".into(),
         }
     }
 }
+
+/// The copy stopped at a signal: the process should exit with 128 + `signal`.
+#[derive(Debug)]
+pub struct Interrupted {
+    pub signal: i32,
+    /// What became of the destination.
+    pub what: String,
+}
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "interrupted by signal {}: {}", self.signal, self.what)
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+/// The signal that asked the copy to stop (0: none), set by the handlers of [`stop_on_signals`].
+pub type StopFlag = Arc<AtomicUsize>;
+
+/// SIGINT and SIGTERM set the returned flag (a second one ends the process at once).
+pub fn stop_on_signals() -> Result<StopFlag> {
+    let flag = StopFlag::default();
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        signal_hook::flag::register_conditional_shutdown(sig, 130, armed.clone())
+            .context("installing a signal handler")?;
+        signal_hook::flag::register(sig, armed).context("installing a signal handler")?;
+        signal_hook::flag::register_usize(sig, flag.clone(), sig as usize)
+            .context("installing a signal handler")?;
+    }
+    Ok(flag)
+}
+
+/// The error for a stop between batches.
+#[derive(Debug)]
+struct Stopped;
+
+impl std::fmt::Display for Stopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("stopped by a signal")
+    }
+}
+
+impl std::error::Error for Stopped {}
 
 pub struct CopyOptions {
     pub sparse: bool,
@@ -42,6 +100,17 @@ pub struct CopyOptions {
     pub connections: usize,
     pub client: ClientOptions,
     pub progress: ProgressBar,
+    /// Set (to the signal's number) when the copy should stop.
+    pub stop: StopFlag,
+}
+
+impl CopyOptions {
+    fn check_stop(&self) -> Result<()> {
+        if self.stop.load(Ordering::Relaxed) != 0 {
+            return Err(Stopped.into());
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Default)]
@@ -63,11 +132,17 @@ enum Side {
         fresh: bool,
     },
     Nbd(Box<Client>),
+    /// `null:`: takes everything, keeps nothing.
+    Null {
+        size: u64,
+    },
 }
 
 impl Side {
     fn open_src(ep: &Endpoint, opts: &ClientOptions) -> Result<Side> {
         match ep {
+            Endpoint::Null => bail!("null: can only be a destination (it discards what it gets)"),
+            Endpoint::Stdio => bail!("standard input is streamed, not opened as a side"),
             Endpoint::File(path) => {
                 let file =
                     File::open(path).with_context(|| format!("opening {}", path.display()))?;
@@ -91,6 +166,8 @@ impl Side {
     /// (the one that prepares a local file).
     fn open_dst(ep: &Endpoint, opts: &ClientOptions, size: u64, first: bool) -> Result<Side> {
         match ep {
+            Endpoint::Null => Ok(Side::Null { size }),
+            Endpoint::Stdio => bail!("standard output is streamed, not opened as a side"),
             Endpoint::File(path) => {
                 let file = OpenOptions::new()
                     .read(true)
@@ -139,14 +216,14 @@ impl Side {
 
     fn size(&self) -> u64 {
         match self {
-            Side::File { size, .. } => *size,
+            Side::File { size, .. } | Side::Null { size } => *size,
             Side::Nbd(c) => c.size(),
         }
     }
 
     fn multi_conn(&self) -> bool {
         match self {
-            Side::File { .. } => true,
+            Side::File { .. } | Side::Null { .. } => true,
             Side::Nbd(c) => c.can_multi_conn(),
         }
     }
@@ -155,6 +232,7 @@ impl Side {
         match self {
             Side::File { path, .. } => path.display().to_string(),
             Side::Nbd(c) => c.uri().to_string(),
+            Side::Null { .. } => "null:".into(),
         }
     }
 
@@ -166,6 +244,31 @@ impl Side {
             Side::Nbd(c) => c
                 .read_at(off, buf)
                 .with_context(|| format!("reading {} at {off}", c.uri())),
+            Side::Null { .. } => bail!("null: cannot be read back"),
+        }
+    }
+
+    /// Reads `n` bytes at `off` into the start of the registered buffer: from an export, the
+    /// NIC places the data there without a copy.
+    fn read_mr(&mut self, off: u64, mr: &MemoryRegion, n: usize) -> Result<()> {
+        match self {
+            Side::Nbd(c) => c
+                .read_at_mr(off, mr, 0, n)
+                .with_context(|| format!("reading {} at {off}", c.uri())),
+            // SAFETY: the buffer is this worker's and no WR names it between its requests.
+            _ => self.read(off, unsafe { &mut mr.as_mut_slice()[..n] }),
+        }
+    }
+
+    /// Writes the first `n` bytes of the registered buffer at `off`: to an export, the send
+    /// WR points at the buffer, no copy.
+    fn write_mr(&mut self, off: u64, mr: &MemoryRegion, n: usize) -> Result<()> {
+        match self {
+            Side::Nbd(c) => c
+                .write_at_mr(off, mr, 0, n, false)
+                .with_context(|| format!("writing {} at {off}", c.uri())),
+            // SAFETY: as in read_mr.
+            _ => self.write(off, unsafe { &mr.as_slice()[..n] }),
         }
     }
 
@@ -196,13 +299,14 @@ impl Side {
             Side::Nbd(c) => c
                 .write_at(off, data, false)
                 .with_context(|| format!("writing {} at {off}", c.uri())),
+            Side::Null { .. } => Ok(()),
         }
     }
 
     /// Makes `len` bytes at `off` read as zeroes, without writing data where possible.
     fn zero(&mut self, off: u64, len: u64) -> Result<()> {
         match self {
-            Side::File { fresh: true, .. } => Ok(()),
+            Side::File { fresh: true, .. } | Side::Null { .. } => Ok(()),
             Side::File { file, .. } => {
                 // SAFETY: plain syscall on an open descriptor.
                 let r = unsafe {
@@ -277,7 +381,7 @@ impl Side {
                 }
                 Ok((n.clamp(1, len), first.zero))
             }
-            Side::Nbd(_) => Ok((len, false)),
+            Side::Nbd(_) | Side::Null { .. } => Ok((len, false)),
         }
     }
 
@@ -287,12 +391,13 @@ impl Side {
                 .sync_all()
                 .with_context(|| format!("syncing {}", path.display())),
             Side::Nbd(c) => c.flush().with_context(|| format!("flushing {}", c.uri())),
+            Side::Null { .. } => Ok(()),
         }
     }
 
     fn finish(self) -> Result<u64> {
         match self {
-            Side::File { .. } => Ok(0),
+            Side::File { .. } | Side::Null { .. } => Ok(0),
             Side::Nbd(c) => {
                 let n = c.reconnects();
                 let uri = c.uri().to_string();
@@ -324,11 +429,13 @@ fn copy_range(
     start: u64,
     end: u64,
     opts: &CopyOptions,
+    nic: &Nic,
 ) -> Result<(u64, u64)> {
     let (mut data, mut zero) = (0, 0);
-    let mut buf = vec![0u8; BATCH as usize];
+    let buf = nic.alloc_region(BATCH as usize, Access::READ_WRITE);
     let mut pos = start;
     while pos < end {
+        opts.check_stop()?;
         let (len, is_zero) = src.extent(pos, end - pos, opts.sparse)?;
         if is_zero {
             dst.zero(pos, len)?;
@@ -337,9 +444,10 @@ fn copy_range(
         } else {
             let mut at = pos;
             while at < pos + len {
+                opts.check_stop()?;
                 let n = (pos + len - at).min(BATCH) as usize;
-                src.read(at, &mut buf[..n])?;
-                dst.write(at, &buf[..n])?;
+                src.read_mr(at, &buf, n)?;
+                dst.write_mr(at, &buf, n)?;
                 at += n as u64;
                 data += n as u64;
                 opts.progress.inc(n as u64);
@@ -350,16 +458,54 @@ fn copy_range(
     Ok((data, zero))
 }
 
-/// Copies `src` to `dst`; with `verify`, re-reads both and compares.
+/// Copies `src` to `dst`; with `verify`, re-reads both and compares. A signal stops it with
+/// an [`Interrupted`] error.
 pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopyStats> {
+    let created = matches!(dst, Endpoint::File(p) if !p.exists());
+    let r = copy_any(src, dst, opts);
+    match (r, opts.stop.load(Ordering::Relaxed)) {
+        (Err(e), signal) if signal != 0 && e.downcast_ref::<Stopped>().is_some() => {
+            let what = match dst {
+                Endpoint::File(p) if created => match std::fs::remove_file(p) {
+                    Ok(()) => format!("removed the incomplete {}", p.display()),
+                    Err(e) => format!("{} is incomplete (removing it: {e})", p.display()),
+                },
+                Endpoint::Null | Endpoint::Stdio => "the output is incomplete".into(),
+                other => format!("{} is incomplete", other.name()),
+            };
+            Err(Interrupted {
+                signal: signal as i32,
+                what,
+            }
+            .into())
+        }
+        (r, _) => r,
+    }
+}
+
+fn copy_any(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopyStats> {
     let nic = match &opts.client.nic {
         Some(n) => n.clone(),
         None => Nic::soft().context("starting the soft NIC")?,
     };
     let copts = ClientOptions {
-        nic: Some(nic),
+        nic: Some(nic.clone()),
         ..opts.client.clone()
     };
+    if opts.verify && matches!(dst, Endpoint::Null | Endpoint::Stdio) {
+        bail!("--verify needs a destination that can be read back");
+    }
+    match (src, dst) {
+        (Endpoint::Stdio, Endpoint::Stdio) => bail!("standard input to standard output: use cat"),
+        (Endpoint::Stdio, _) => {
+            if opts.verify {
+                bail!("--verify needs a source that can be read again");
+            }
+            return stream_in(Side::open_dst(dst, &copts, 0, true)?, &nic, opts);
+        }
+        (_, Endpoint::Stdio) => return stream_out(Side::open_src(src, &copts)?, &nic, opts),
+        _ => {}
+    }
     let mut srcs = vec![Side::open_src(src, &copts)?];
     let size = srcs[0].size();
     let mut dsts = vec![Side::open_dst(dst, &copts, size, true)?];
@@ -382,10 +528,11 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopySt
             .zip(dsts.iter_mut())
             .enumerate()
             .map(|(i, (sr, ds))| {
+                let nic = &nic;
                 let start = (i as u64 * piece).min(size);
                 let end = ((i as u64 + 1) * piece).min(size);
                 s.spawn(move || {
-                    let r = copy_range(sr, ds, start, end, opts)?;
+                    let r = copy_range(sr, ds, start, end, opts, nic)?;
                     ds.flush()?;
                     Ok(r)
                 })
@@ -420,6 +567,104 @@ pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopySt
         stats.reconnects += s.finish()?;
     }
     Ok(stats)
+}
+
+/// Standard input, in order, to `dst` from offset 0 until end of input.
+fn stream_in(mut dst: Side, nic: &Nic, opts: &CopyOptions) -> Result<CopyStats> {
+    let buf = nic.alloc_region(BATCH as usize, Access::READ_WRITE);
+    let room = match &dst {
+        Side::File { .. } => u64::MAX,
+        other => other.size(),
+    };
+    let mut stdin = std::io::stdin().lock();
+    let mut pos = 0u64;
+    loop {
+        opts.check_stop()?;
+        // SAFETY: the buffer is ours; no WR names it between requests.
+        let n =
+            fill(&mut stdin, unsafe { buf.as_mut_slice() }).context("reading standard input")?;
+        if n == 0 {
+            break;
+        }
+        if pos + n as u64 > room {
+            bail!(
+                "standard input is longer than {} ({room} bytes)",
+                dst.name()
+            );
+        }
+        dst.write_mr(pos, &buf, n)?;
+        pos += n as u64;
+        opts.progress.inc(n as u64);
+    }
+    if let Side::File { file, path, .. } = &dst
+        && file.metadata()?.file_type().is_file()
+    {
+        // Trailing zeroes of a fresh file were skipped: its length is the stream's.
+        file.set_len(pos)
+            .with_context(|| format!("sizing {}", path.display()))?;
+    }
+    dst.flush()?;
+    let reconnects = dst.finish()?;
+    Ok(CopyStats {
+        size: pos,
+        data_bytes: pos,
+        connections: 1,
+        reconnects,
+        ..Default::default()
+    })
+}
+
+/// Reads until `buf` is full or the input ends; returns the bytes read.
+fn fill(input: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match input.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+/// `src`, in order, to standard output (holes as zeroes).
+fn stream_out(mut src: Side, nic: &Nic, opts: &CopyOptions) -> Result<CopyStats> {
+    let size = src.size();
+    opts.progress.set_length(size);
+    let buf = nic.alloc_region(BATCH as usize, Access::READ_WRITE);
+    let zeroes = vec![0u8; BATCH as usize];
+    let mut out = std::io::stdout().lock();
+    let (mut data, mut zero) = (0, 0);
+    let mut pos = 0;
+    while pos < size {
+        opts.check_stop()?;
+        let (len, is_zero) = src.extent(pos, (size - pos).min(BATCH), opts.sparse)?;
+        let n = len as usize;
+        if is_zero {
+            out.write_all(&zeroes[..n])
+                .context("writing standard output")?;
+            zero += len;
+        } else {
+            src.read_mr(pos, &buf, n)?;
+            // SAFETY: the read has completed; no WR names the buffer now.
+            out.write_all(unsafe { &buf.as_slice()[..n] })
+                .context("writing standard output")?;
+            data += len;
+        }
+        pos += len;
+        opts.progress.inc(len);
+    }
+    out.flush().context("writing standard output")?;
+    opts.progress.finish_and_clear();
+    let reconnects = src.finish()?;
+    Ok(CopyStats {
+        size,
+        data_bytes: data,
+        zero_bytes: zero,
+        connections: 1,
+        reconnects,
+    })
 }
 
 fn first_mismatch(a: &mut Side, b: &mut Side, size: u64) -> Result<Option<u64>> {

@@ -4,16 +4,16 @@
 mod copy;
 
 use nbd_proto::peer_text::printable;
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle, TermLike};
 use nbd_client::{Client, ClientOptions, ExportInfo, NbdUri};
 use nbd_proto::flags::TransmissionFlags as TF;
+use qpip_cli::BackendArgs;
 use qpip_core::Nic;
-use qpip_core::cli::BackendArgs;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -47,7 +47,7 @@ struct Cli {
     cmd: Cmd,
     // Logging: -v/-q from the default, warn.
     #[command(flatten)]
-    log: qpip_core::logging::LogArgs,
+    log: qpip_cli::logging::LogArgs,
     #[command(flatten)]
     backend: BackendArgs,
 }
@@ -94,9 +94,11 @@ enum Cmd {
     /// gets WRITE_ZEROES (or zero writes if the server lacks it). A local destination file is
     /// truncated and sized to the source; an NBD destination must be at least as large.
     Copy {
-        /// Source: a file path, nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH
+        /// Source: a file path, an NBD URI (nbd://, nbd+unix://, nbds://, nbds+unix://), or -
+        /// for standard input
         src: String,
-        /// Destination: a file path, nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH
+        /// Destination: a file path, an NBD URI, - for standard output, or null: to discard
+        /// (a read benchmark)
         dst: String,
         /// Re-read both sides afterwards and compare; report the first differing offset.
         #[arg(long)]
@@ -107,15 +109,23 @@ enum Cmd {
         /// Connections per side when the servers allow multi-conn.
         #[arg(short = 'C', long, default_value_t = 4, value_name = "N")]
         connections: usize,
-        /// Requests in flight per connection (1..=64).
-        #[arg(long, default_value_t = 32, value_name = "N")]
+        /// Requests in flight per connection (1..=64; nbdcopy's --requests).
+        #[arg(
+            long,
+            visible_alias = "requests",
+            default_value_t = 32,
+            value_name = "N"
+        )]
         window: usize,
         /// Give up on a lost connection after this many seconds.
         #[arg(long, default_value_t = 30.0, value_name = "SECS")]
         reconnect_timeout: f64,
         /// No progress bar (it is shown only when stderr is a terminal anyway).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "progress")]
         no_progress: bool,
+        /// A progress bar even when stderr is not a terminal (nbdcopy's -p).
+        #[arg(short = 'p', long)]
+        progress: bool,
     },
 }
 
@@ -309,7 +319,7 @@ fn human(n: u64) -> String {
 }
 
 fn main() {
-    qpip_core::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
+    qpip_cli::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
     let cli = Cli::parse();
     cli.log
         .init("qpip-nbd", tracing_subscriber::filter::LevelFilter::WARN);
@@ -319,6 +329,44 @@ fn main() {
             eprintln!("qpip-nbd: {e:#}");
             std::process::exit(1);
         }
+    }
+}
+
+/// Progress where stderr is not a terminal (`copy -p` into a log): each redraw is one plain
+/// line, no cursor movement.
+#[derive(Debug)]
+struct ProgressLines;
+
+impl TermLike for ProgressLines {
+    fn width(&self) -> u16 {
+        80
+    }
+    fn move_cursor_up(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn move_cursor_down(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn move_cursor_right(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn move_cursor_left(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn write_line(&self, s: &str) -> std::io::Result<()> {
+        writeln!(std::io::stderr(), "{s}")
+    }
+    fn write_str(&self, s: &str) -> std::io::Result<()> {
+        if s.is_empty() {
+            return Ok(());
+        }
+        writeln!(std::io::stderr(), "{s}")
+    }
+    fn clear_line(&self) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        std::io::stderr().flush()
     }
 }
 
@@ -402,11 +450,20 @@ fn run(cli: Cli) -> Result<i32> {
             window,
             reconnect_timeout,
             no_progress,
+            progress,
         } => {
-            let progress = if no_progress || !std::io::stderr().is_terminal() {
+            let progress = if no_progress || !(progress || std::io::stderr().is_terminal()) {
                 ProgressBar::hidden()
             } else {
-                let pb = ProgressBar::new(0);
+                let pb = ProgressBar::with_draw_target(
+                    Some(0),
+                    if progress {
+                        // Drawn even where stderr is no terminal, at most once a second.
+                        ProgressDrawTarget::term_like_with_hz(Box::new(ProgressLines), 1)
+                    } else {
+                        ProgressDrawTarget::stderr()
+                    },
+                );
                 pb.set_style(
                     ProgressStyle::with_template(
                         "{bytes}/{total_bytes} [{wide_bar}] {binary_bytes_per_sec} eta {eta}",
@@ -418,6 +475,7 @@ fn run(cli: Cli) -> Result<i32> {
             let opts = copy::CopyOptions {
                 sparse: !no_sparse,
                 verify,
+                stop: copy::stop_on_signals()?,
                 connections,
                 client: ClientOptions {
                     window,
@@ -429,8 +487,16 @@ fn run(cli: Cli) -> Result<i32> {
             };
             let (s, d) = (copy::Endpoint::parse(&src), copy::Endpoint::parse(&dst));
             let t = Instant::now();
-            let stats = copy::copy(&s, &d, &opts)
-                .with_context(|| format!("copying {} to {}", s.name(), d.name()))?;
+            let stats = match copy::copy(&s, &d, &opts) {
+                Ok(stats) => stats,
+                Err(e) => {
+                    if let Some(i) = e.downcast_ref::<copy::Interrupted>() {
+                        eprintln!("qpip-nbd: copying {} to {}: {i}", s.name(), d.name());
+                        return Ok(128 + i.signal);
+                    }
+                    return Err(e.context(format!("copying {} to {}", s.name(), d.name())));
+                }
+            };
             let secs = t.elapsed().as_secs_f64();
             eprintln!(
                 "copied {} ({} data, {} zero/holes) in {secs:.2} s over {} connection(s){}{}",

@@ -35,11 +35,11 @@ struct Cli {
     #[arg(long, value_name = "NAME")]
     tun: Option<String>,
     #[command(flatten)]
-    log: qpip_core::logging::LogArgs,
+    log: qpip_cli::logging::LogArgs,
 }
 
 fn main() {
-    qpip_core::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
+    qpip_cli::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
     let cli = Cli::parse();
     cli.log.init(
         "qpip-lanai-bridge",

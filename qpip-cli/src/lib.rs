@@ -1,12 +1,18 @@
-//! The command-line options that choose a NIC backend, shared by every binary that opens a
-//! [`Nic`](crate::Nic) (`--backend soft|lanai`, `--lanai-node`, `--lanai-fabric`,
-//! `--lanai-params`). Flatten [`BackendArgs`] into a clap parser.
+//! What the QPIP binaries share, kept out of the libraries so that none of them needs a
+//! command-line dependency: the options that choose a NIC backend for every binary that opens
+//! a [`Nic`](qpip_core::Nic) (`--backend soft|lanai`, `--lanai-node`, `--lanai-fabric`,
+//! `--lanai-params`; flatten [`BackendArgs`] into a clap parser), one logging convention
+//! ([`logging`]), man pages from the clap definitions ([`man`]), and the `qpip-lanai-bridge`
+//! binary.
+
+pub mod logging;
+pub mod man;
 
 use std::net::Ipv6Addr;
 use std::path::PathBuf;
 
-use crate::lanai::{LanaiConfig, ParamsError};
-use crate::nic::Backend;
+use qpip_core::Backend;
+use qpip_core::lanai::{LanaiConfig, ParamsError};
 
 /// Which NIC backend to run on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -151,28 +157,17 @@ mod tests {
             cli.backend.lanai_addr("server").unwrap(),
             Some("fd00:4c41:4e41::1".parse().unwrap())
         );
-        let cli = Cli::try_parse_from(["x", "--backend", "lanai", "--lanai-node", "zz"]).unwrap();
-        let err = cli
-            .backend
-            .backend(None)
-            .map(|_| ())
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("\"zz\""), "{err}");
-        let cli = Cli::try_parse_from([
-            "x",
-            "--backend",
-            "lanai",
-            "--lanai-fabric",
-            "/nonexistent.toml",
-        ])
-        .unwrap();
-        let err = cli
-            .backend
-            .backend(None)
-            .map(|_| ())
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("/nonexistent.toml"), "{err}");
+        let err = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["x", "--backend", "lanai"].iter().chain(args)).unwrap();
+            cli.backend
+                .backend(None)
+                .map(|_| ())
+                .unwrap_err()
+                .to_string()
+        };
+        let e = err(&["--lanai-node", "zz"]);
+        assert!(e.contains("\"zz\""), "{e}");
+        let e = err(&["--lanai-fabric", "/nonexistent.toml"]);
+        assert!(e.contains("/nonexistent.toml"), "{e}");
     }
 }

@@ -1,0 +1,113 @@
+//! The backing store of an export: what one request path (conn.rs) reads, writes, flushes,
+//! trims and zeroes, whatever holds the disk.
+//!
+//! Two kinds implement it: [`crate::image::Image`], a local file (raw, served zero-copy from
+//! its registered mapping, or qcow2), and, with the `rbd` feature, [`crate::rbd::RbdImage`], an
+//! image in a Ceph cluster through librbd. A store without a mapping has its reads placed in a
+//! registered buffer that the reply's send WR then points at, so no store costs a user-space
+//! copy beyond the one into that buffer (which for RBD is librbd's own landing of the data).
+//!
+//! The calls are blocking, but for writes, a store that is asynchronous underneath (librbd's
+//! aio) can start them and hand back a [`Pending`] write instead ([`Backend::start_write`]):
+//! a connection then starts every write of a batch of requests before it waits for any, so
+//! that a client's pipeline reaches the store. Other connections go on meanwhile on their
+//! own threads.
+
+use std::fmt::Debug;
+use std::io;
+
+/// One extent of a block-status answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extent {
+    pub len: u64,
+    /// A hole: reads as zeroes, no storage allocated.
+    pub hole: bool,
+}
+
+/// A read or write that [`Backend::start_read`] or [`Backend::start_write`] started;
+/// dropping it waits for it.
+pub trait Pending: Send {
+    /// Waits for the operation to complete; its result.
+    fn wait(self: Box<Self>) -> io::Result<()>;
+}
+
+/// A disk behind an export.
+pub trait Backend: Send + Sync + Debug {
+    /// Where the disk is, for logs and errors: a path, or `rbd:pool/image`.
+    fn location(&self) -> String;
+    /// The format or kind shown in the log ("raw", "qcow2", "rbd").
+    fn kind(&self) -> &'static str;
+    /// The disk's size in bytes.
+    fn size(&self) -> u64;
+    fn read_only(&self) -> bool;
+
+    /// The whole disk mapped read-only in our address space, when the store has such a
+    /// mapping: read replies are then sent straight from it (registered once per export).
+    fn mapping(&self) -> Option<(*const u8, usize)> {
+        None
+    }
+
+    /// Whether the disk still holds `end` bytes (a file can be truncated under the server).
+    fn still_holds(&self, _end: u64) -> io::Result<bool> {
+        Ok(true)
+    }
+
+    /// Fills `buf` from `offset`.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// Writes `data` at `offset`; with `fua`, durably before it returns.
+    fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()>;
+    /// Starts writing the `len` bytes at `data` to `offset`, returning before the write is
+    /// done where the store can run writes concurrently (RBD). None: the write is done
+    /// already (the default, [`Backend::write_at`]).
+    ///
+    /// # Safety
+    /// The `len` bytes at `data` must stay valid and unchanged until the returned write has
+    /// been waited for or dropped.
+    unsafe fn start_write(
+        &self,
+        data: *const u8,
+        len: usize,
+        offset: u64,
+    ) -> io::Result<Option<Box<dyn Pending>>> {
+        // SAFETY: the caller vouches for the bytes, and nothing outlives this call.
+        let buf = unsafe { std::slice::from_raw_parts(data, len) };
+        self.write_at(buf, offset, false).map(|()| None)
+    }
+    /// Starts reading `len` bytes from `offset` into the memory at `buf`, returning before
+    /// the read is done where the store can run reads concurrently (RBD). None: the bytes are
+    /// there already (the default, [`Backend::read_at`]).
+    ///
+    /// # Safety
+    /// The `len` bytes at `buf` must stay valid, and neither read nor written by anyone else,
+    /// until the returned read has been waited for or dropped.
+    unsafe fn start_read(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        offset: u64,
+    ) -> io::Result<Option<Box<dyn Pending>>> {
+        // SAFETY: the caller vouches for the bytes, and nothing outlives this call.
+        let buf = unsafe { std::slice::from_raw_parts_mut(buf, len) };
+        self.read_at(buf, offset).map(|()| None)
+    }
+    /// Makes all completed writes durable.
+    fn flush(&self) -> io::Result<()>;
+    /// TRIM: the range may be deallocated; it reads as zeroes afterwards.
+    fn trim(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// WRITE_ZEROES: the range reads as zeroes afterwards. Returns false if that cannot be
+    /// done without writing the zeroes and `may_write` is false (FAST_ZERO).
+    fn write_zeroes(&self, offset: u64, len: u64, may_write: bool) -> io::Result<bool>;
+    /// CACHE: a hint to read the range ahead.
+    fn prefetch(&self, _offset: u64, _len: u64) -> io::Result<()> {
+        Ok(())
+    }
+    /// Data and holes from `offset` for up to `len` bytes. A store that does not report
+    /// allocation says it is all data, which is always a correct answer.
+    fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+        let end = offset.saturating_add(len).min(self.size());
+        Ok(vec![Extent {
+            len: end.saturating_sub(offset),
+            hole: false,
+        }])
+    }
+}

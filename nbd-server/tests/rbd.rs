@@ -1,0 +1,514 @@
+//! Exports backed by Ceph RBD, against a real cluster: the single-node one scripts/ceph-dev
+//! starts (scripts/test does, where the rbd feature is on). Each test makes its own image and
+//! removes it. Skipped, with a note, when the server is built without the rbd feature or no
+//! cluster runs (a missing cluster fails the test in CI when the feature is on).
+//!
+//! The tests take turns (a lock here, and nextest's "ceph" test group): one of them stops
+//! the OSD for a while.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const MIB: u64 = 1 << 20;
+
+static TURNS: Mutex<()> = Mutex::new(());
+
+/// The dev cluster, as scripts/ceph-dev env describes it.
+struct Ceph {
+    conf: PathBuf,
+    pool: String,
+}
+
+impl Ceph {
+    fn get() -> Option<Ceph> {
+        if !cfg!(feature = "rbd") {
+            eprintln!(
+                "note: skipping this test: nbd-server is built without the rbd feature (scripts/test turns it on where librbd-dev is installed: cargo nextest run -p nbd-server --features rbd)"
+            );
+            return None;
+        }
+        let conf = PathBuf::from(
+            std::env::var("QPIP_CEPH_CONF").unwrap_or_else(|_| "/tmp/qpip-ceph/ceph.conf".into()),
+        );
+        if !conf.is_file() {
+            let msg = format!(
+                "no Ceph cluster: {} does not exist (start one with scripts/ceph-dev)",
+                conf.display()
+            );
+            if in_ci() {
+                panic!("CI=true and the rbd feature is on, but {msg}");
+            }
+            eprintln!("note: skipping this test: {msg}");
+            return None;
+        }
+        if !require(&["rbd", "qemu-io", "qemu-img", "nbdinfo", "nbdcopy", "fio"]) {
+            return None;
+        }
+        Some(Ceph {
+            conf,
+            pool: std::env::var("QPIP_CEPH_POOL").unwrap_or_else(|_| "rbd".into()),
+        })
+    }
+
+    fn rbd(&self) -> Command {
+        let mut c = Command::new("rbd");
+        c.arg("-c").arg(&self.conf);
+        c
+    }
+
+    /// A fresh image of `size` bytes, removed when dropped.
+    fn image(&self, tag: &str, size: u64) -> TestImage<'_> {
+        let name = format!("qpip-test-{tag}-{}", std::process::id());
+        let _ = run_with_timeout(
+            self.rbd().args(["rm", "--no-progress", &self.spec(&name)]),
+            Duration::from_secs(60),
+        );
+        peer_ok(self.rbd().args([
+            "create",
+            &self.spec(&name),
+            "--size",
+            &format!("{}M", size / MIB),
+        ]));
+        TestImage {
+            ceph: self,
+            name,
+            keep: false,
+        }
+    }
+
+    fn spec(&self, image: &str) -> String {
+        format!("{}/{image}", self.pool)
+    }
+
+    /// Server arguments for the cluster, with the export NAME=rbd:POOL/IMAGE[@SNAP].
+    fn server_args(&self, exports: &[(&str, &str)]) -> Vec<String> {
+        let mut a = vec!["--ceph-conf".to_string(), self.conf.display().to_string()];
+        for (name, what) in exports {
+            a.push("--export".into());
+            a.push(format!("{name}=rbd:{}/{what}", self.pool));
+        }
+        a
+    }
+
+    /// The image as `rbd export` writes it.
+    fn export(&self, image: &str, dir: &Path) -> Vec<u8> {
+        let out = dir.join(format!("{image}.exported"));
+        let _ = std::fs::remove_file(&out);
+        peer_ok(
+            self.rbd()
+                .args(["export", "--no-progress", &self.spec(image)])
+                .arg(&out),
+        );
+        std::fs::read(&out).unwrap()
+    }
+
+    /// The OSD's pid (scripts/ceph-dev keeps the daemons' pid files next to ceph.conf).
+    fn osd_pid(&self) -> i32 {
+        let f = self.conf.parent().unwrap().join("run/osd.0.pid");
+        std::fs::read_to_string(&f)
+            .unwrap_or_else(|e| panic!("{}: {e}", f.display()))
+            .trim()
+            .parse()
+            .unwrap()
+    }
+}
+
+struct TestImage<'a> {
+    ceph: &'a Ceph,
+    name: String,
+    /// Left in the pool: a killed server's watch on it lingers for 30 s, during which
+    /// `rbd rm` waits to break its lock. The dev cluster is a scratch one.
+    keep: bool,
+}
+
+/// Stops a server as SIGTERM does, which closes its RBD images (and their watches).
+fn stop(mut srv: ServerProcess) {
+    srv.signal(libc::SIGTERM);
+    assert!(
+        srv.wait_timeout(Duration::from_secs(20)).is_some(),
+        "the server did not exit on SIGTERM:\n{}",
+        srv.log()
+    );
+}
+
+impl Drop for TestImage<'_> {
+    fn drop(&mut self) {
+        if self.keep {
+            return;
+        }
+        let _ = run_with_timeout(
+            self.ceph
+                .rbd()
+                .args(["rm", "--no-progress", &self.ceph.spec(&self.name)]),
+            Duration::from_secs(60),
+        );
+    }
+}
+
+fn nbdcopy_to(uri: &str, out: &Path) -> Vec<u8> {
+    peer_ok(Command::new("nbdcopy").arg(uri).arg(out));
+    std::fs::read(out).unwrap()
+}
+
+#[test]
+fn rbd_export_serves_qemu_img_qemu_io_nbdinfo_nbdcopy_and_fio() {
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ceph) = Ceph::get() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let img = ceph.image("clients", 64 * MIB);
+    let srv = ServerProcess::start_v4(&ceph.server_args(&[("disk", &img.name)]));
+    let uri = srv.uri("disk");
+    assert!(
+        srv.log().contains(&format!(
+            "rbd:{}/{} (rbd, {} bytes)",
+            ceph.pool,
+            img.name,
+            64 * MIB
+        )),
+        "{}",
+        srv.log()
+    );
+
+    let info = peer_ok(Command::new("qemu-img").args(["info", "-f", "raw", &uri]));
+    assert!(info.contains("virtual size: 64 MiB"), "{info}");
+    let info = peer_ok(Command::new("nbdinfo").arg(&uri));
+    for want in [
+        "export-size: 67108864",
+        "can_trim: true",
+        "can_zero: true",
+        "is_read_only: false",
+    ] {
+        assert!(info.contains(want), "nbdinfo lacks {want:?}:\n{info}");
+    }
+
+    qemu_io(
+        &uri,
+        &[
+            "write -P 0xa5 0 3M",
+            "write -P 0x5a 5M 64k",
+            "write -z 1M 512k",
+            "flush",
+            "read -P 0xa5 0 1M",
+            "read -P 0 1M 512k",
+            "read -P 0xa5 1536k 1536k",
+            "read -P 0x5a 5M 64k",
+        ],
+    );
+    // Block status from librbd's allocation: the far end was never written.
+    let map = peer_ok(Command::new("nbdinfo").args(["--map", &uri]));
+    let last = map.lines().last().unwrap_or_default().to_string();
+    assert!(
+        last.contains("hole"),
+        "the image's tail is not a hole:\n{map}"
+    );
+    assert!(
+        map.lines().next().unwrap_or_default().contains("data"),
+        "{map}"
+    );
+
+    let copied = nbdcopy_to(&uri, &dir.path().join("copy"));
+    let exported = ceph.export(&img.name, dir.path());
+    assert_eq!(copied.len(), exported.len());
+    assert!(
+        copied == exported,
+        "nbdcopy of the export differs from rbd export"
+    );
+
+    let out = peer_ok(Command::new("fio").args([
+        "--name=qpip-rbd",
+        "--ioengine=nbd",
+        &format!("--uri={uri}"),
+        "--rw=randwrite",
+        "--bsrange=4k-256k",
+        "--size=16M",
+        "--iodepth=8",
+        "--verify=crc32c",
+        "--do_verify=1",
+        "--verify_fatal=1",
+        "--randseed=4321",
+        "--verify_state_save=0",
+    ]));
+    assert!(out.contains("err= 0"), "fio reported an error:\n{out}");
+    for bad in ["verify failed", "bad magic", "mismatch"] {
+        assert!(!out.contains(bad), "fio verify complaint {bad:?}:\n{out}");
+    }
+    qemu_io(&uri, &["flush"]);
+    let copied = nbdcopy_to(&uri, &dir.path().join("copy2"));
+    let exported = ceph.export(&img.name, dir.path());
+    assert!(
+        copied == exported,
+        "after fio: nbdcopy differs from rbd export"
+    );
+    stop(srv);
+}
+
+#[test]
+fn rbd_flushed_writes_survive_kill_9() {
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ceph) = Ceph::get() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut img = ceph.image("kill9", 32 * MIB);
+    img.keep = true;
+    let mut srv = ServerProcess::start_v4(&ceph.server_args(&[("disk", &img.name)]));
+    qemu_io(
+        &srv.uri("disk"),
+        &[
+            "write -P 0xc3 0 4M",
+            "write -P 0x3c 8M 1M",
+            "write -f -P 0x5a 20M 64k",
+            "flush",
+        ],
+    );
+    srv.kill9();
+    assert!(!srv.alive());
+    let disk = ceph.export(&img.name, dir.path());
+    assert_eq!(disk.len() as u64, 32 * MIB);
+    assert!(disk[..4 << 20].iter().all(|&b| b == 0xc3));
+    assert!(disk[4 << 20..8 << 20].iter().all(|&b| b == 0));
+    assert!(disk[8 << 20..9 << 20].iter().all(|&b| b == 0x3c));
+    assert!(
+        disk[20 << 20..(20 << 20) + (64 << 10)]
+            .iter()
+            .all(|&b| b == 0x5a)
+    );
+}
+
+#[test]
+fn rbd_snapshot_export_is_read_only_and_frozen() {
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ceph) = Ceph::get() else { return };
+    let img = ceph.image("snap", 16 * MIB);
+    let srv = ServerProcess::start_v4(&ceph.server_args(&[("disk", &img.name)]));
+    qemu_io(&srv.uri("disk"), &["write -P 0x11 0 1M", "flush"]);
+    stop(srv);
+    peer_ok(
+        ceph.rbd()
+            .args(["snap", "create", &format!("{}@s1", ceph.spec(&img.name))]),
+    );
+    let snap = format!("{}@s1", img.name);
+    let srv = ServerProcess::start_v4(&ceph.server_args(&[("live", &img.name), ("frozen", &snap)]));
+    qemu_io(&srv.uri("live"), &["write -P 0x22 0 1M", "flush"]);
+    peer_ok(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-r",
+        "-c",
+        "read -P 0x11 0 1M",
+        &srv.uri("frozen"),
+    ]));
+    qemu_io(&srv.uri("live"), &["read -P 0x22 0 1M"]);
+    let info = peer_ok(Command::new("nbdinfo").arg(srv.uri("frozen")));
+    assert!(info.contains("is_read_only: true"), "{info}");
+    let out = run_with_timeout(
+        Command::new("qemu-io").args(["-f", "raw", "-c", "write 0 4k", &srv.uri("frozen")]),
+        Duration::from_secs(60),
+    );
+    assert!(
+        !out.status.success() || text(&out).contains("failed"),
+        "a write to the snapshot export succeeded:\n{}",
+        text(&out)
+    );
+    stop(srv);
+    let _ = run_with_timeout(
+        ceph.rbd()
+            .args(["snap", "purge", "--no-progress", &ceph.spec(&img.name)]),
+        Duration::from_secs(60),
+    );
+}
+
+/// The server refuses to start, with one line on stderr that contains `want`.
+fn fails_with(args: &[String], want: &str) {
+    let out = run_with_timeout(
+        Command::new(BIN)
+            .args(["--listen", "127.0.0.1:0", "--ceph-timeout", "3"])
+            .args(args),
+        Duration::from_secs(30),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = err.lines().filter(|l| !l.contains(" INFO ")).collect();
+    assert!(!out.status.success(), "started with {args:?}:\n{err}");
+    assert_eq!(lines.len(), 1, "not one line of error for {args:?}:\n{err}");
+    assert!(
+        lines[0].contains(want),
+        "{args:?}: wanted {want:?} in:\n{err}"
+    );
+}
+
+#[test]
+fn rbd_missing_cluster_pool_image_and_permission_are_one_line_errors() {
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ceph) = Ceph::get() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let img = ceph.image("errors", 4 * MIB);
+    let conf = ceph.conf.display().to_string();
+    let with = |export: &str, extra: &[&str]| {
+        let mut a = vec![
+            "--ceph-conf".to_string(),
+            conf.clone(),
+            "--export".into(),
+            export.into(),
+        ];
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    fails_with(
+        &with("d=rbd:no-such-pool/x", &[]),
+        "Ceph pool \"no-such-pool\" does not exist",
+    );
+    fails_with(
+        &with(&format!("d=rbd:{}/no-such-image", ceph.pool), &[]),
+        &format!("RBD image {}/no-such-image does not exist", ceph.pool),
+    );
+    fails_with(&with("d=rbd:just-a-name", &[]), "no pool");
+    // A cluster nobody runs: the monitor's address moved to a port where none listens.
+    let text = std::fs::read_to_string(&ceph.conf).unwrap();
+    let dead = dir.path().join("dead.conf");
+    let moved: String = text
+        .lines()
+        .map(|l| {
+            if l.starts_with("mon_host") {
+                "mon_host = v2:127.0.0.1:1".to_string()
+            } else {
+                l.to_string()
+            }
+        })
+        .map(|l| l + "\n")
+        .collect();
+    std::fs::write(&dead, moved).unwrap();
+    let t = Instant::now();
+    fails_with(
+        &[
+            "--ceph-conf".into(),
+            dead.display().to_string(),
+            "--export".into(),
+            format!("d=rbd:{}/{}", ceph.pool, img.name),
+        ],
+        "cannot reach the Ceph cluster",
+    );
+    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    fails_with(
+        &with(
+            &format!("d=rbd:{}/{}", ceph.pool, img.name),
+            &["--ceph-id", "nobody"],
+        ),
+        "no keyring",
+    );
+    // A client whose caps do not cover the pool.
+    let keyring = dir.path().join("ceph.client.qpip-lim.keyring");
+    peer_ok(
+        Command::new("ceph")
+            .arg("-c")
+            .arg(&ceph.conf)
+            .args([
+                "auth",
+                "get-or-create",
+                "client.qpip-lim",
+                "mon",
+                "allow r",
+                "osd",
+                "allow rwx pool=elsewhere",
+                "-o",
+            ])
+            .arg(&keyring),
+    );
+    fails_with(
+        &with(
+            &format!("d=rbd:{}/{}", ceph.pool, img.name),
+            &[
+                "--ceph-id",
+                "qpip-lim",
+                "--ceph-keyring",
+                &keyring.display().to_string(),
+            ],
+        ),
+        "client.qpip-lim may not open RBD image",
+    );
+}
+
+/// Sends SIGCONT to the OSD when dropped, so that a failing test leaves the cluster running.
+struct Stopped(i32);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        // SAFETY: plain kill(2).
+        unsafe { libc::kill(self.0, libc::SIGCONT) };
+    }
+}
+
+#[test]
+fn rbd_cluster_gone_mid_run_fails_requests_with_eio_while_other_exports_serve() {
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ceph) = Ceph::get() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let img = ceph.image("gone", 16 * MIB);
+    let file = image(dir.path(), "file.img", 16 * MIB);
+    let mut args = ceph.server_args(&[("disk", &img.name)]);
+    args.extend(["--ceph-timeout".into(), "3".into(), "--export".into()]);
+    args.push(format!("file={}", file.display()));
+    let mut srv = ServerProcess::start_v4(&args);
+    qemu_io(
+        &srv.uri("disk"),
+        &["write -P 0x77 0 1M", "write -P 0x66 8M 64k", "flush"],
+    );
+
+    let osd = ceph.osd_pid();
+    // SAFETY: plain kill(2) on the dev cluster's OSD, continued by the guard.
+    assert_eq!(unsafe { libc::kill(osd, libc::SIGSTOP) }, 0);
+    let stopped = Stopped(osd);
+    let t = Instant::now();
+    // Written data (an unwritten range reads as zeroes from librbd's object map alone, and
+    // librbd's default cache policy does not keep reads): the OSD does not answer. -r: no
+    // flush at the end.
+    let out = run_with_timeout(
+        Command::new("qemu-io").args(["-f", "raw", "-r", "-c", "read 8M 64k", &srv.uri("disk")]),
+        Duration::from_secs(60),
+    );
+    let said = text(&out);
+    assert!(said.contains("Input/output error"), "{said}");
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    // The other export serves meanwhile, and the server lives.
+    qemu_io(
+        &srv.uri("file"),
+        &["write -P 0x42 0 1M", "flush", "read -P 0x42 0 1M"],
+    );
+    srv.assert_alive("after the cluster went away");
+    assert!(
+        srv.log().contains("ETIMEDOUT") || srv.log().contains("timed out"),
+        "{}",
+        srv.log()
+    );
+    drop(stopped);
+
+    // Back: the export serves again.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = run_with_timeout(
+            Command::new("qemu-io").args([
+                "-f",
+                "raw",
+                "-c",
+                "read -P 0x77 0 1M",
+                "-c",
+                "read -P 0x66 8M 64k",
+                &srv.uri("disk"),
+            ]),
+            Duration::from_secs(60),
+        );
+        if out.status.success() && !text(&out).contains("error") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the export did not come back:\n{}",
+            text(&out)
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    stop(srv);
+}
