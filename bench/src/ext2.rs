@@ -740,6 +740,7 @@ fn round(
         &img,
         dir.0.join("server.log"),
         true,
+        None,
     )?;
     stop.check()?;
     let mut client = FuseClient::start(stack, &server, (&p.mount_bin, &p.mount_args), &dir.0)?;

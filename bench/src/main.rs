@@ -104,6 +104,10 @@ enum NbdCmd {
         /// (large and erratic in VMs whose memory the host backs lazily) from the comparison.
         #[arg(long)]
         prewrite: bool,
+        /// Every server requires TLS (x509; credentials made for the run with
+        /// scripts/tls-test-certs), fio connecting with nbds://.
+        #[arg(long)]
+        tls: bool,
         /// Two more rows: qpip-nbd-server's rbd: export and qemu-nbd's own rbd: driver,
         /// each on a fresh image of the Ceph cluster that this ceph.conf names (e.g.
         /// /tmp/qpip-ceph/ceph.conf of scripts/ceph-dev; the server needs the rbd feature).
@@ -270,6 +274,7 @@ fn run(cli: Cli) -> Result<()> {
                     server_bin,
                     dir,
                     prewrite,
+                    tls,
                     rbd_conf,
                     rbd_pool,
                 },
@@ -287,6 +292,7 @@ fn run(cli: Cli) -> Result<()> {
                 server_bin,
                 dir.as_deref(),
                 prewrite,
+                tls,
                 rbd_conf.map(|conf| nbd::RbdBench {
                     conf,
                     pool: rbd_pool,

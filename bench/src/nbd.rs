@@ -100,6 +100,8 @@ pub struct Params {
     /// An untimed write pass before the timed one: the timed pass then overwrites allocated,
     /// cached blocks instead of filling a sparse file with freshly allocated pages.
     pub prewrite: bool,
+    /// TLS (x509, credentials made for the run in this directory) for every server.
+    pub tls: Option<PathBuf>,
     /// RBD rows too: qpip-rbd and qemu-nbd-rbd on this cluster.
     pub rbd: Option<RbdBench>,
 }
@@ -299,6 +301,8 @@ pub(crate) struct Running {
     child: Child,
     addr: SocketAddr,
     log: PathBuf,
+    /// The server requires TLS.
+    tls: bool,
 }
 
 impl Running {
@@ -318,7 +322,12 @@ impl Running {
     }
 
     pub(crate) fn uri(&self) -> String {
-        format!("nbd://{}/{EXPORT}", self.addr)
+        if self.tls {
+            // fio's libnbd may not read local files (the CA), so the certificate is not checked.
+            format!("nbds://{}/{EXPORT}?tls-verify-peer=false", self.addr)
+        } else {
+            format!("nbd://{}/{EXPORT}", self.addr)
+        }
     }
 
     /// Stops the server; reports how it ended.
@@ -360,20 +369,29 @@ pub(crate) fn free_port() -> Result<u16> {
 
 /// Starts `server` exporting `image` as `bench` on 127.0.0.1; returns once it accepts.
 /// `own_group`: in a process group of its own, so that a terminal's Ctrl-C reaches only us
-/// (and our guards stop the server in order).
+/// (and our guards stop the server in order). `tls`: the x509 credentials directory (qemu's
+/// layout) the server requires TLS with.
 pub(crate) fn start(
     server: Server,
     server_bin: &Path,
     image: &Path,
     log: PathBuf,
     own_group: bool,
+    tls: Option<&Path>,
 ) -> Result<Running> {
     let img = image.to_str().context("image path is not UTF-8")?;
+    let certs = match tls {
+        Some(d) => Some(d.to_str().context("TLS directory path is not UTF-8")?),
+        None => None,
+    };
     let (cmd, port) = match server {
         Server::Qpip => {
             let mut c = Command::new(server_bin);
             c.args(["--listen", "127.0.0.1:0", "--log", "warn", "--export"])
                 .arg(format!("{EXPORT}={img}"));
+            if let Some(d) = certs {
+                c.args(["--tls", "require", "--tls-certs", d]);
+            }
             (c, None)
         }
         Server::Nbdkit => {
@@ -386,9 +404,12 @@ pub(crate) fn start(
                 "127.0.0.1",
                 "-p",
             ])
-            .arg(port.to_string())
-            .args(["-e", EXPORT, "file"])
-            .arg(format!("file={img}"));
+            .arg(port.to_string());
+            if let Some(d) = certs {
+                c.arg("--tls=require")
+                    .arg(format!("--tls-certificates={d}"));
+            }
+            c.args(["-e", EXPORT, "file"]).arg(format!("file={img}"));
             (c, Some(port))
         }
         Server::QemuNbd => {
@@ -404,10 +425,18 @@ pub(crate) fn start(
                     "--aio=threads",
                     "--detect-zeroes=off",
                     "--discard=ignore",
-                ])
-                .arg(img);
+                ]);
+            if let Some(d) = certs {
+                c.arg("--object")
+                    .arg(format!(
+                        "tls-creds-x509,id=tls0,dir={d},endpoint=server,verify-peer=off"
+                    ))
+                    .args(["--tls-creds", "tls0"]);
+            }
+            c.arg(img);
             (c, Some(port))
         }
+        Server::NbdServer if certs.is_some() => bail!("the nbd-server runs here do not use TLS"),
         Server::NbdServer => {
             let port = free_port()?;
             let cfg = log.with_extension("conf");
@@ -427,7 +456,7 @@ pub(crate) fn start(
         }
         Server::QpipRbd | Server::QemuNbdRbd => bail!("{} serves RBD images", server.name()),
     };
-    launch(server, cmd, port, log, own_group)
+    launch(server, cmd, port, log, own_group, certs.is_some())
 }
 
 /// Starts `server` (qpip-rbd or qemu-nbd-rbd) exporting RBD image `pool/image` of the
@@ -473,7 +502,7 @@ fn start_rbd(
         }
         _ => bail!("{} does not serve RBD images", server.name()),
     };
-    launch(server, cmd, port, log, false)
+    launch(server, cmd, port, log, false, false)
 }
 
 /// An RBD image made for one round, removed on drop (after its server has stopped).
@@ -524,12 +553,14 @@ impl Drop for RbdImage {
 
 /// Spawns a server's command and waits until it accepts (qpip's: until it prints its
 /// address, `port` None).
+/// `tls`: it requires TLS (its URI is nbds://).
 fn launch(
     server: Server,
     mut cmd: Command,
     port: Option<u16>,
     log: PathBuf,
     own_group: bool,
+    tls: bool,
 ) -> Result<Running> {
     let logf =
         std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
@@ -554,6 +585,7 @@ fn launch(
         child,
         addr: SocketAddr::from(([127, 0, 0, 1], port.unwrap_or(0))),
         log,
+        tls,
     };
     if port.is_none() {
         running.addr = qpip_listen_addr(&mut running)?;
@@ -831,7 +863,14 @@ fn round(server: Server, p: &Params, progress: &dyn Fn(&str)) -> Result<(Pass, P
         _file = None;
     } else {
         let image = Image::create(p.dir.join(format!("{name}.img")), p.size_bytes)?;
-        running = start(server, &p.server_bin, &image.path, log, false)?;
+        running = start(
+            server,
+            &p.server_bin,
+            &image.path,
+            log,
+            false,
+            p.tls.as_deref(),
+        )?;
         _file = Some(image);
         _rbd_image = None;
     }
@@ -867,6 +906,7 @@ pub fn run(
     server_bin: PathBuf,
     dir: Option<&Path>,
     prewrite: bool,
+    tls: bool,
     rbd: Option<RbdBench>,
     progress: &dyn Fn(&str),
 ) -> Result<NbdRawReport> {
@@ -903,6 +943,21 @@ pub fn run(
         client: format!("{fio_version} --ioengine=nbd, 1 job, 1 connection"),
         cache: "page cache, hot, same for all servers (not dropped; no flush)",
         prewrite,
+        tls: if tls {
+            let d = work.path.join("tls");
+            // Throwaway credentials, made as the tests make theirs.
+            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/tls-test-certs");
+            let st = Command::new(script)
+                .arg(&d)
+                .status()
+                .with_context(|| format!("running {script} (needs certtool: scripts/setup)"))?;
+            if !st.success() {
+                bail!("{script} {} failed ({st})", d.display());
+            }
+            Some(d)
+        } else {
+            None
+        },
         rbd,
     };
     let servers = params.servers();
@@ -997,7 +1052,7 @@ pub fn table(r: &NbdRawReport) -> String {
     let p = &r.params;
     let mut s = format!(
         "nbd raw: sequential write then read of {} in {} requests, {} in flight, fio nbd engine;\n\
-         page-cache-hot {} raw files for all servers; median of {} rounds [min-max]\n\n",
+         page-cache-hot {} raw files for all servers; median of {} rounds [min-max]{}\n\n",
         human_bytes(p.size_bytes),
         human_bytes(p.bs_bytes),
         p.iodepth,
@@ -1006,7 +1061,12 @@ pub fn table(r: &NbdRawReport) -> String {
         } else {
             "fresh sparse"
         },
-        p.repeat
+        p.repeat,
+        if p.tls.is_some() {
+            ";\nTLS required by every server (x509), nbds:// from fio"
+        } else {
+            ""
+        }
     );
     s += &format!(
         "{:<10} {:<6} {:>22} {:>24} {:>20}\n",

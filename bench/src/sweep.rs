@@ -378,6 +378,7 @@ pub fn run_all(o: Options, progress: &Progress) -> Result<SweepReport> {
                 &image.0,
                 base.join(format!("{name}.log")),
                 true,
+                None,
             )?;
             for &size in &o.sizes {
                 for &depth in &o.depths {

@@ -39,7 +39,9 @@ use qpip_cli::BackendArgs;
         fusermount3 -u /mnt/nbd"
 )]
 struct Cli {
-    /// nbd://HOST[:PORT][/EXPORT]
+    /// nbd://HOST[:PORT][/EXPORT], nbd+unix:///EXPORT?socket=PATH for a local socket, or
+    /// nbds:// / nbds+unix:// for TLS (libnbd's tls-certificates, tls-psk-file, tls-username,
+    /// tls-verify-peer query parameters)
     uri: String,
     /// An existing directory with nothing mounted on it.
     mountpoint: PathBuf,

@@ -57,6 +57,8 @@ pub struct ClientOptions {
     pub window: usize,
     /// Ask for structured replies.
     pub structured_replies: bool,
+    /// Ask for extended headers (with structured replies; used if the server has them).
+    pub extended_headers: bool,
     /// Ask for the `base:allocation` metadata context (block status).
     pub base_allocation: bool,
     /// The NIC to use (a new soft NIC if `None`); clients may share one.
@@ -71,6 +73,7 @@ impl Default for ClientOptions {
             request_timeout: Some(Duration::from_secs(60)),
             window: 32,
             structured_replies: true,
+            extended_headers: true,
             base_allocation: true,
             nic: None,
         }
@@ -228,6 +231,8 @@ pub struct Client {
     conn: Option<Conn>,
     info: ExportInfo,
     structured: bool,
+    /// Extended headers negotiated on the current connection.
+    extended: bool,
     allocation_ctx: Option<u32>,
     send_mr: MemoryRegion,
     slot_len: usize,
@@ -352,9 +357,9 @@ impl Client {
         let bs = info.block_size;
         let max = u64::from(bs.max).min(MAX_IO as u64);
         let max_io = round_down(max, u64::from(bs.min)).max(u64::from(bs.min)) as u32;
-        let slot_len = c::REQUEST_LEN + max_io as usize;
+        let slot_len = c::EXTENDED_REQUEST_LEN + max_io as usize;
         let send_mr = nic.alloc_region(opts.window * slot_len, Access::READ);
-        tracing::debug!(%uri, ?info, structured = neg.structured_replies, "connected");
+        tracing::debug!(%uri, ?info, structured = neg.structured_replies, extended = neg.extended_headers, "connected");
         Ok(Client {
             free_slots: (0..opts.window).rev().collect(),
             uri,
@@ -362,6 +367,7 @@ impl Client {
             conn: Some(conn),
             info,
             structured: neg.structured_replies,
+            extended: neg.extended_headers,
             allocation_ctx: neg.base_allocation,
             send_mr,
             slot_len,
@@ -383,6 +389,8 @@ impl Client {
     fn config(uri: &NbdUri, opts: &ClientOptions) -> ClientConfig {
         let mut cfg = ClientConfig::new(uri.export.clone());
         cfg.structured_replies = opts.structured_replies;
+        cfg.tls = uri.tls.is_some();
+        cfg.extended_headers = opts.extended_headers && opts.structured_replies;
         cfg.base_allocation = opts.base_allocation && opts.structured_replies;
         cfg
     }
@@ -474,7 +482,8 @@ impl Client {
             Some(n) => n.clone(),
             None => Nic::soft()?,
         };
-        match Conn::open(&nic, &parsed, ClientHandshake::list(), opts.connect_timeout)? {
+        let hs = ClientHandshake::list_with(Self::config(&parsed, opts));
+        match Conn::open(&nic, &parsed, hs, opts.connect_timeout)? {
             (_, ClientEvent::Listed(v)) => Ok(v),
             _ => Err(Error::Protocol {
                 uri: parsed.to_string(),
@@ -534,6 +543,10 @@ impl Client {
     }
     pub fn structured_replies(&self) -> bool {
         self.structured
+    }
+    /// Extended headers are in use (32-byte requests, extended reply chunks).
+    pub fn extended_headers(&self) -> bool {
+        self.extended
     }
     fn has(&self, f: TransmissionFlags) -> bool {
         self.info.flags.contains(f)
@@ -651,7 +664,7 @@ impl Client {
             command,
             cookie: 0,
             offset,
-            length: len,
+            length: len.into(),
         })
     }
 
@@ -673,10 +686,11 @@ impl Client {
         };
         req.cookie = self.next_cookie;
         self.next_cookie += 1;
-        let base = slot * self.slot_len;
-        self.send_mr.write_at(base, &req.encode());
+        // The header is written by `post`, right before the payload (its length depends on
+        // the connection's header style, which a reconnect may change).
         if let Op::Write { data, .. } = op {
-            self.send_mr.write_at(base + c::REQUEST_LEN, data);
+            self.send_mr
+                .write_at(slot * self.slot_len + c::EXTENDED_REQUEST_LEN, data);
         }
         let region = match op {
             Op::ReadInto { mr, at, .. } | Op::WriteFrom { mr, at, .. } => Some((mr.clone(), at)),
@@ -710,10 +724,22 @@ impl Client {
         let (Some(conn), Some(inf)) = (&self.conn, self.inflight.get(&cookie)) else {
             return Err(Error::Invalid("no connection"));
         };
+        let mut req = inf.req;
+        req.flags.set(
+            CmdFlags::PAYLOAD_LEN,
+            self.extended && req.command == Command::Write,
+        );
+        let header = req
+            .encode(self.extended)
+            .map_err(|_| Error::Invalid("request too long for compact headers"))?;
+        // The header ends where the payload starts.
+        let start = inf.slot * self.slot_len + c::EXTENDED_REQUEST_LEN - header.len();
+        self.send_mr.write_at(start, &header);
         if inf.req.command == Command::Read && (!self.structured || inf.region.is_some()) {
             let read = PendingRead {
                 offset: inf.req.offset,
-                length: inf.req.length,
+                // reads are at most max_io bytes
+                length: inf.req.length as u32,
                 simple: !self.structured,
                 into: inf
                     .region
@@ -723,18 +749,13 @@ impl Client {
             };
             conn.reads.lock().insert(cookie, read);
         }
-        let header = self.send_mr.sge(inf.slot * self.slot_len, c::REQUEST_LEN);
-        let payload = inf.req.payload_len() as usize;
+        let payload = req.payload_len(self.extended) as usize;
         let wr = match &inf.region {
-            Some((mr, at)) if inf.req.command == Command::Write => {
-                SendWr::new(cookie, &[header, mr.sge(*at, payload)])
-            }
-            _ => SendWr::new(
+            Some((mr, at)) if inf.req.command == Command::Write => SendWr::new(
                 cookie,
-                &[self
-                    .send_mr
-                    .sge(inf.slot * self.slot_len, c::REQUEST_LEN + payload)],
+                &[self.send_mr.sge(start, header.len()), mr.sge(*at, payload)],
             ),
+            _ => SendWr::new(cookie, &[self.send_mr.sge(start, header.len() + payload)]),
         };
         conn.qp.post_send(wr)?;
         Ok(())
@@ -887,12 +908,18 @@ impl Client {
         let magic = msg.first_chunk::<4>().map(|m| u32::from_be_bytes(*m));
         if placed > 0 {
             // Only the header is in the slot (at most a chunk header and its offset).
-            let mut hdr = [0u8; c::STRUCTURED_REPLY_HEADER_LEN + 8];
+            let mut hdr = [0u8; c::EXTENDED_REPLY_HEADER_LEN + 8];
             let n = msg.len().min(hdr.len());
             hdr[..n].copy_from_slice(&msg[..n]);
             return self.on_placed_reply(&hdr[..n], placed);
         }
-        let (cookie, accepted, payload) = if magic == Some(c::SIMPLE_REPLY_MAGIC) {
+        let chunk_magic = if self.extended {
+            c::EXTENDED_REPLY_MAGIC
+        } else {
+            c::STRUCTURED_REPLY_MAGIC
+        };
+        let (cookie, accepted, payload) = if !self.extended && magic == Some(c::SIMPLE_REPLY_MAGIC)
+        {
             let r = SimpleReply::parse(msg).map_err(|e| e.to_string())?;
             let payload = &msg[c::SIMPLE_REPLY_LEN..];
             let inf = self
@@ -904,9 +931,10 @@ impl Client {
                 .simple(&r, payload.len())
                 .map_err(|e| e.to_string())?;
             (r.cookie, accepted, payload)
-        } else if self.structured && magic == Some(c::STRUCTURED_REPLY_MAGIC) {
-            let h = StructuredReplyHeader::parse(msg).map_err(|e| e.to_string())?;
-            let payload = &msg[c::STRUCTURED_REPLY_HEADER_LEN..];
+        } else if self.structured && magic == Some(chunk_magic) {
+            let h =
+                StructuredReplyHeader::parse_as(msg, self.extended).map_err(|e| e.to_string())?;
+            let payload = &msg[h.header_len()..];
             if payload.len() != h.length as usize {
                 return Err(format!(
                     "a chunk that says it has {} bytes of payload has {}",
@@ -943,9 +971,10 @@ impl Client {
     fn on_placed_reply(&mut self, msg: &[u8], placed: usize) -> Result<(), String> {
         let simple = msg.first_chunk::<4>() == Some(&c::SIMPLE_REPLY_MAGIC.to_be_bytes());
         let (cookie, accepted, at) = if !simple {
-            let h = StructuredReplyHeader::parse(msg).map_err(|e| e.to_string())?;
+            let h =
+                StructuredReplyHeader::parse_as(msg, self.extended).map_err(|e| e.to_string())?;
             let offset = msg
-                .get(c::STRUCTURED_REPLY_HEADER_LEN..)
+                .get(h.header_len()..)
                 .and_then(|p| p.first_chunk::<8>())
                 .map(|o| u64::from_be_bytes(*o))
                 .ok_or("a placed chunk without its offset")?;
@@ -1082,6 +1111,7 @@ impl Client {
                         break;
                     }
                     self.structured = neg.structured_replies;
+                    self.extended = neg.extended_headers;
                     self.allocation_ctx = neg.base_allocation;
                     self.conn = Some(conn);
                     let mut cookies: Vec<u64> = self.inflight.keys().copied().collect();
@@ -1369,9 +1399,12 @@ impl Client {
             offset: 0,
             length: 0,
         };
-        self.send_mr.write_at(0, &req.encode());
+        let header = req
+            .encode(self.extended)
+            .map_err(|_| Error::Invalid("NBD_CMD_DISC does not encode"))?;
+        self.send_mr.write_at(0, &header);
         conn.qp
-            .post_send(SendWr::new(0, &[self.send_mr.sge(0, c::REQUEST_LEN)]))?;
+            .post_send(SendWr::new(0, &[self.send_mr.sge(0, header.len())]))?;
         let deadline = Instant::now() + Duration::from_secs(5);
         let mut buf = [Completion::default(); 8];
         'wait: while Instant::now() < deadline {

@@ -2,6 +2,7 @@
 //! over the QP (one receive WR at a time, the framer's phase updated before each), then post
 //! the receive slots of the transmission phase.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, Instant};
@@ -11,7 +12,7 @@ use nbd_proto::framing::{ClientPhase, FrameLimits};
 use nbd_proto::handshake::{ClientEvent, ClientHandshake};
 use qpip_core::{
     Access, Completion, CompletionQueue, MemoryRegion, Nic, Opcode, QpAttr, QueuePair, RecvWr,
-    SendWr,
+    SendWr, TlsConfig, TlsCredentials,
 };
 
 use crate::error::{Error, Result};
@@ -75,6 +76,63 @@ impl Conn {
         Ok(())
     }
 
+    /// The NIC's TLS credentials for an `nbds://` URI (None for plain `nbd://`), read now so
+    /// that a missing file fails before anything is sent.
+    fn tls_config(uri: &NbdUri) -> Result<Option<TlsConfig>> {
+        let Some(t) = &uri.tls else {
+            return Ok(None);
+        };
+        let err = |why: String| Error::Tls {
+            uri: uri.to_string(),
+            why,
+        };
+        let credentials = match (&t.certificates, &t.psk_file) {
+            (_, Some(file)) => {
+                // libnbd's default identity: the local user name.
+                let user = t
+                    .username
+                    .clone()
+                    .or_else(|| std::env::var("USER").ok())
+                    .or_else(|| std::env::var("LOGNAME").ok())
+                    .ok_or_else(|| err("a PSK needs tls-username=NAME".into()))?;
+                let keys = qpip_core::tls::read_psk_file(file, Some(&user))
+                    .map_err(|e| err(format!("tls-psk-file: {e}")))?;
+                TlsCredentials::Psk { keys }
+            }
+            (Some(dir), None) => {
+                let ca = dir.join("ca-cert.pem");
+                if t.verify_peer && !ca.exists() {
+                    return Err(err(format!(
+                        "tls-certificates: {} is missing",
+                        ca.display()
+                    )));
+                }
+                let (cert, key) = (dir.join("client-cert.pem"), dir.join("client-key.pem"));
+                let mine = cert.exists() && key.exists();
+                TlsCredentials::X509 {
+                    ca: ca.exists().then_some(ca),
+                    cert: mine.then_some(cert),
+                    key: mine.then_some(key),
+                    verify_peer: t.verify_peer,
+                }
+            }
+            // The system's trust store.
+            (None, None) => TlsCredentials::X509 {
+                ca: None,
+                cert: None,
+                key: None,
+                verify_peer: t.verify_peer,
+            },
+        };
+        let config = TlsConfig {
+            server: false,
+            credentials,
+            server_name: (!uri.host.is_empty()).then(|| uri.host.clone()),
+        };
+        qpip_core::soft::check_tls(&config).map_err(|e| err(format!("TLS credentials: {e}")))?;
+        Ok(Some(config))
+    }
+
     /// Connects to `uri` and runs `hs` to its terminal event. On `Connected` the connection
     /// is ready for requests; after `Listed`/`Info` it has been closed.
     pub fn open(
@@ -84,17 +142,27 @@ impl Conn {
         timeout: Duration,
     ) -> Result<(Conn, ClientEvent)> {
         let deadline = Instant::now() + timeout;
-        let addrs = uri.socket_addrs().map_err(|source| Error::Resolve {
-            host: uri.host.clone(),
-            source,
-        })?;
+        let tls = Self::tls_config(uri)?;
+        // A Unix socket (None) is one place to try; a host name may resolve to several.
+        let targets: Vec<Option<SocketAddr>> = match &uri.socket {
+            Some(_) => vec![None],
+            None => uri
+                .socket_addrs()
+                .map_err(|source| Error::Resolve {
+                    host: uri.host.clone(),
+                    source,
+                })?
+                .into_iter()
+                .map(Some)
+                .collect(),
+        };
         let limits = FrameLimits {
             max_reply_len: (RECV_SLOT - c::STRUCTURED_REPLY_HEADER_LEN) as u32,
             ..hs.frame_limits()
         };
         let mut last_err = None;
         let mut conn = None;
-        for addr in addrs {
+        for addr in targets {
             let cq = nic.create_cq(2 * (MAX_WINDOW + RECV_SLOTS) + 16);
             let phase = Arc::new(AtomicU8::new(ClientPhase::Greeting.to_u8()));
             let reads = Reads::default();
@@ -104,7 +172,13 @@ impl Conn {
                     .depths(MAX_WINDOW + 8, RECV_SLOTS),
             );
             let left = deadline.saturating_duration_since(Instant::now());
-            match qp.connect_timeout(addr, left.max(Duration::from_millis(1))) {
+            let left = left.max(Duration::from_millis(1));
+            let connected = match (addr, &uri.socket) {
+                (Some(addr), _) => qp.connect_timeout(addr, left),
+                (None, Some(path)) => qp.connect_unix(path, left),
+                (None, None) => Err(qpip_core::Error::InvalidWr("no address")),
+            };
+            match connected {
                 Ok(()) => {
                     let recv_mr = nic.alloc_region(RECV_SLOTS * RECV_SLOT, Access::READ_WRITE);
                     conn = Some(Conn {
@@ -176,9 +250,32 @@ impl Conn {
                         conn.phase.store(hs.phase().to_u8(), Ordering::Release);
                         conn.repost(0)?;
                     }
-                    ClientEvent::Connected(_) => {
+                    ClientEvent::StartTls => {
+                        // No receive WR is posted: the NIC switches the idle connection.
+                        let config = tls.clone().ok_or(Error::Invalid("STARTTLS without TLS"))?;
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        if let Err(e) = conn
+                            .qp
+                            .start_tls(config, left.max(Duration::from_millis(1)))
+                        {
+                            conn.qp.close();
+                            return Err(Error::Tls {
+                                uri: uri.to_string(),
+                                why: format!("TLS handshake failed: {e}"),
+                            });
+                        }
+                        let mut out = Vec::new();
+                        hs.resume(&mut out).map_err(|source| Error::Handshake {
+                            uri: uri.to_string(),
+                            source,
+                        })?;
+                        conn.send_bytes(nic, &out)?;
+                        conn.phase.store(hs.phase().to_u8(), Ordering::Release);
+                        conn.repost(0)?;
+                    }
+                    ClientEvent::Connected(ref neg) => {
                         conn.phase
-                            .store(ClientPhase::Transmission.to_u8(), Ordering::Release);
+                            .store(neg.transmission_phase().to_u8(), Ordering::Release);
                         for slot in 0..RECV_SLOTS {
                             conn.repost(slot)?;
                         }

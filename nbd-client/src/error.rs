@@ -33,6 +33,9 @@ pub enum Error {
     },
     #[error("{uri}: {what}")]
     HandshakeIo { uri: String, what: String },
+    /// TLS could not be set up (credentials) or its handshake failed; never a fallback.
+    #[error("{uri}: {why}")]
+    Tls { uri: String, why: String },
     /// The server answered a request with an NBD error.
     #[error("server error {error}{}", if .message.is_empty() { String::new() } else { format!(": {}", .message) })]
     Server { error: ErrorValue, message: String },

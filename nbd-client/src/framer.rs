@@ -77,7 +77,11 @@ impl Framer for ClientFramer {
             strip: 0,
             body_len,
         };
-        if phase != ClientPhase::Transmission || reads.is_empty() {
+        let transmission = matches!(
+            phase,
+            ClientPhase::Transmission | ClientPhase::TransmissionExtended
+        );
+        if !transmission || reads.is_empty() {
             return whole;
         }
         // A simple reply carries data only where simple replies were negotiated.

@@ -28,4 +28,4 @@ pub use conn::{MAX_IO, MAX_WINDOW};
 pub use error::{Error, Result};
 pub use nbd_proto::handshake::ExportListing;
 pub use qpip_core::Nic;
-pub use uri::{DEFAULT_PORT, NbdUri, UriError};
+pub use uri::{DEFAULT_PORT, NbdUri, TlsParams, UriError};

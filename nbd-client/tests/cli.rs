@@ -55,9 +55,18 @@ fn info_list_help_and_errors() {
     assert!(list.lines().any(|l| l.starts_with("disk")), "{list}");
     assert!(ok(&["--help"]).contains("nbd://HOST"));
     assert!(ok(&["copy", "--help"]).contains("--verify"));
-    let bad = qpip_nbd(&["info", "nbd+unix:///disk?socket=/tmp/s"]);
+    // Nothing listens on the socket: one line naming it.
+    let sock = dir.path().join("none.sock");
+    let bad = qpip_nbd(&[
+        "info",
+        &format!("nbd+unix:///disk?socket={}", sock.display()),
+    ]);
     assert!(!bad.status.success());
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("TCP and UDP only"));
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        err.contains("none.sock") && err.trim().lines().count() == 1,
+        "{err}"
+    );
     let port = free_port();
     let gone = qpip_nbd(&["info", &format!("nbd://127.0.0.1:{port}/x")]);
     assert!(!gone.status.success());
@@ -448,4 +457,24 @@ fn info_answers_size_can_is_and_map_like_nbdinfo() {
         err.contains("no export named \"nope\"") && err.contains("\"disk\""),
         "{err}"
     );
+}
+
+#[test]
+fn copy_info_and_list_over_a_unix_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = image(dir.path(), "src.img", 8 * MIB, &[(MIB, 2 * MIB)]);
+    let dst = image(dir.path(), "dst.img", 8 * MIB, &[]);
+    let Some(peer) = unix_peer(
+        qpip_server_bin().to_str().unwrap(),
+        "-k",
+        &["--export", &format!("d={}", dst.display())],
+        "d",
+    ) else {
+        return;
+    };
+    ok(&["copy", src.to_str().unwrap(), &peer.uri, "--verify"]);
+    same(&src, &dst);
+    assert!(ok(&["info", "--size", &peer.uri]).contains(&(8 * MIB).to_string()));
+    let all = peer.uri.replace("/d?", "/?");
+    assert!(ok(&["list", &all]).lines().any(|l| l.starts_with('d')));
 }

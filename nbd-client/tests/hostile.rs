@@ -13,7 +13,7 @@ use nbd_client::{Client, ClientOptions, Error};
 use nbd_proto::consts as c;
 use nbd_proto::flags::ReplyFlags;
 use nbd_proto::handshake::{Export, ServerConfig, ServerEvent, ServerHandshake};
-use nbd_proto::reply::{StructuredReplyHeader, none_chunk, offset_data_header};
+use nbd_proto::reply::{ReplyTo, StructuredReplyHeader, none_chunk, offset_data_header};
 use nbd_proto::transmission::{Command, Request};
 
 const SIZE: u64 = 16 << 20;
@@ -27,11 +27,21 @@ struct Hostile {
 }
 
 impl Hostile {
+    /// Compact headers: the answers are structured chunks or simple replies.
     fn start(answer: Answer) -> Hostile {
-        Self::start_sized(SIZE, answer)
+        Self::start_with(SIZE, false, answer)
     }
 
     fn start_sized(size: u64, answer: Answer) -> Hostile {
+        Self::start_with(size, false, answer)
+    }
+
+    /// Extended headers offered: the answers are extended chunks.
+    fn start_extended(answer: Answer) -> Hostile {
+        Self::start_with(SIZE, true, answer)
+    }
+
+    fn start_with(size: u64, extended: bool, answer: Answer) -> Hostile {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let accepted = Arc::new(AtomicUsize::new(0));
@@ -42,7 +52,7 @@ impl Hostile {
                 let Ok(s) = s else { return };
                 count.fetch_add(1, Ordering::SeqCst);
                 let answer = answer.clone();
-                std::thread::spawn(move || serve(s, size, &answer));
+                std::thread::spawn(move || serve(s, size, extended, &answer));
             }
         });
         Hostile { addr, accepted }
@@ -58,8 +68,11 @@ impl Hostile {
 }
 
 /// One connection: an honest handshake, then `answer` for each READ, honest replies else.
-fn serve(mut s: TcpStream, size: u64, answer: &Answer) {
-    let mut hs = ServerHandshake::new(ServerConfig::new(vec![Export::new("disk", size)]));
+fn serve(mut s: TcpStream, size: u64, extended: bool, answer: &Answer) {
+    let mut hs = ServerHandshake::new(ServerConfig {
+        support_extended_headers: extended,
+        ..ServerConfig::new(vec![Export::new("disk", size)])
+    });
     let mut out = hs.greeting().to_vec();
     let mut buf = vec![0u8; 64 << 10];
     loop {
@@ -81,18 +94,19 @@ fn serve(mut s: TcpStream, size: u64, answer: &Answer) {
         return;
     }
     let mut pending = hs.take_leftover();
+    let header_len = Request::header_len(extended);
     loop {
-        while pending.len() < c::REQUEST_LEN {
+        while pending.len() < header_len {
             let n = match s.read(&mut buf) {
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
             pending.extend_from_slice(&buf[..n]);
         }
-        let Ok(req) = Request::parse(&pending) else {
+        let Ok(req) = Request::parse(&pending, extended) else {
             return;
         };
-        let need = c::REQUEST_LEN + req.payload_len() as usize;
+        let need = header_len + req.payload_len(extended) as usize;
         while pending.len() < need {
             let n = match s.read(&mut buf) {
                 Ok(0) | Err(_) => return,
@@ -104,7 +118,7 @@ fn serve(mut s: TcpStream, size: u64, answer: &Answer) {
         let (bytes, close) = match req.command {
             Command::Read => answer(&req),
             Command::Disc => return,
-            _ => (none_chunk(req.cookie).to_vec(), false),
+            _ => (none_chunk(ReplyTo::new(&req, extended)).to_vec(), false),
         };
         if s.write_all(&bytes).is_err() || close {
             return;
@@ -118,6 +132,7 @@ fn chunk(flags: ReplyFlags, reply_type: u16, cookie: u64, payload: &[u8]) -> Vec
         reply_type,
         cookie,
         length: payload.len() as u32,
+        offset: None,
     }
     .encode()
     .to_vec();
@@ -225,7 +240,7 @@ fn wrapping_chunk_offset_is_refused_not_a_panic() {
 #[test]
 fn chunk_outside_the_request_is_refused() {
     let h = Hostile::start(Box::new(|r| {
-        let past = r.offset + u64::from(r.length);
+        let past = r.offset + r.length;
         (data_chunk(r.cookie, true, past, r.length as usize), false)
     }));
     assert_violation(&read_fails(&h), "outside the read");
@@ -391,5 +406,41 @@ fn read_loses_the_connection_within(h: &Hostile, limit: Duration, connections: u
         "{} connections in {:?}",
         h.connections(),
         t.elapsed()
+    );
+}
+
+#[test]
+fn extended_replies_must_echo_the_request_offset() {
+    // Honest: the read works, copied and placed.
+    let h = Hostile::start_extended(Box::new(|r| {
+        let to = ReplyTo::new(r, true);
+        let mut v = offset_data_header(to, true, r.offset, r.length as u32)
+            .unwrap()
+            .to_vec();
+        v.resize(v.len() + r.length as usize, 0xEE);
+        (v, false)
+    }));
+    let mut client = Client::connect_with(&h.uri(), options()).unwrap();
+    assert!(client.extended_headers());
+    let mut buf = vec![0u8; 4096];
+    client.read_at(8192, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0xEE));
+
+    // The chunk's data lie inside the read, but its header names another request offset.
+    let h = Hostile::start_extended(Box::new(|r| {
+        let to = ReplyTo {
+            cookie: r.cookie,
+            offset: Some(r.offset + 512),
+        };
+        let mut v = offset_data_header(to, true, r.offset, r.length as u32)
+            .unwrap()
+            .to_vec();
+        v.resize(v.len() + r.length as usize, 0xEE);
+        (v, false)
+    }));
+    let e = read_fails(&h);
+    assert!(
+        matches!(e, Error::Protocol { .. }) && e.to_string().contains("offset"),
+        "{e}"
     );
 }

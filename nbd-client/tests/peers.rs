@@ -64,7 +64,7 @@ fn qpip_server_read_write_flush_zeroes_block_status() {
     let img = image(dir.path(), "a.img", 16 * MIB, &[(8 * MIB, MIB)]);
     let server = qpip_server("disk", &img, 0);
     let mut c = exercise(&server.uri, 16 * MIB);
-    assert!(c.structured_replies());
+    assert!(c.structured_replies() && c.extended_headers());
     assert!(c.can_block_status());
     // Block status sees the data at 8 MiB and holes elsewhere (the pattern was written there).
     let ext = c.block_status(8 * MIB, MIB).unwrap();
@@ -225,9 +225,28 @@ fn qemu_nbd_peer() {
         return;
     };
     let mut c = exercise(&peer.uri, 16 * MIB);
-    assert!(c.structured_replies() && c.can_block_status());
+    // qemu-nbd (8.2 and later) offers extended headers
+    assert!(c.structured_replies() && c.extended_headers() && c.can_block_status());
     let ext = c.block_status(12 * MIB, 4 * MIB).unwrap();
     assert!(ext[0].zero, "{ext:?}");
+    let ext = c.block_status(8 * MIB, MIB).unwrap();
+    assert!(!ext[0].hole, "{ext:?}");
+    c.disconnect().unwrap();
+}
+
+#[test]
+fn qemu_nbd_peer_compact_headers() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "q.img", 16 * MIB, &[(8 * MIB, MIB)]);
+    let Some(peer) = qemu_nbd("q", &img) else {
+        return;
+    };
+    let opts = ClientOptions {
+        extended_headers: false,
+        ..Default::default()
+    };
+    let mut c = Client::connect_with(&peer.uri, opts).unwrap();
+    assert!(c.structured_replies() && !c.extended_headers());
     let ext = c.block_status(8 * MIB, MIB).unwrap();
     assert!(!ext[0].hole, "{ext:?}");
     c.disconnect().unwrap();
@@ -295,4 +314,220 @@ fn hung_server_times_out_with_eio() {
     // Well before the server's minute: the timeout, not the reply, ended the wait.
     assert!(start.elapsed() < std::time::Duration::from_secs(30));
     assert!(buf.iter().all(|&b| b == 0), "no data may be reported");
+}
+
+/// Unix-domain sockets, with each server that has them: nbdkit -U, qemu-nbd -k, and ours.
+#[test]
+fn unix_socket_peers() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "u.img", 16 * MIB, &[]);
+    let file = format!("file={}", img.display());
+    let qimg = image(dir.path(), "q.img", 16 * MIB, &[]);
+    let ours = image(dir.path(), "o.img", 16 * MIB, &[]);
+    let peers = [
+        unix_peer(
+            "nbdkit",
+            "-U",
+            &["-f", "--exit-with-parent", "file", &file],
+            "",
+        ),
+        unix_peer(
+            "qemu-nbd",
+            "-k",
+            &[
+                "-f",
+                "raw",
+                "-x",
+                "q",
+                "--persistent",
+                qimg.to_str().unwrap(),
+            ],
+            "q",
+        ),
+        unix_peer(
+            qpip_server_bin().to_str().unwrap(),
+            "--socket",
+            &["--export", &format!("o={}", ours.display())],
+            "o",
+        ),
+    ];
+    for peer in peers.into_iter().flatten() {
+        assert!(peer.uri.starts_with("nbd+unix:///"), "{}", peer.uri);
+        exercise(&peer.uri, 16 * MIB).disconnect().unwrap();
+    }
+}
+
+/// nbds:// with each TLS server and both kinds of credentials: nbdkit --tls=require, qemu-nbd
+/// --tls-creds, and ours.
+#[test]
+fn tls_peers_x509_and_psk() {
+    let Some(creds) = tls_certs() else { return };
+    let d = creds.path().to_str().unwrap().to_string();
+    let psk = format!("{d}/keys.psk");
+    let dir = tempfile::tempdir().unwrap();
+    let img = |n: &str| image(dir.path(), n, 16 * MIB, &[]);
+    let (q1, q2, o1, o2) = (img("q1"), img("q2"), img("o1"), img("o2"));
+    let x509_q = format!("tls-creds-x509,id=t,dir={d},endpoint=server");
+    let psk_q = format!("tls-creds-psk,id=t,dir={d},endpoint=server");
+    let q = |i: &std::path::Path, obj: &str, query: &str| {
+        let (path, tail) = (i.to_str().unwrap().to_string(), query.to_string());
+        let args = [
+            "-b",
+            "127.0.0.1",
+            "-f",
+            "raw",
+            "-x",
+            "q",
+            "--persistent",
+            "--shared=8",
+        ];
+        let mut all: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        all.extend([
+            "--object".into(),
+            obj.into(),
+            "--tls-creds".into(),
+            "t".into(),
+            path,
+        ]);
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        tcp_peer("qemu-nbd", "-p", &all, &format!("nbds://{tail}"))
+    };
+    let qpip = qpip_server_bin().to_str().unwrap().to_string();
+    let ours = |i: &std::path::Path, flag: &str, cred: &str, uri: &str| {
+        let e = format!("o={}", i.display());
+        tcp_peer(
+            &qpip,
+            "--port",
+            &["--bind", "127.0.0.1", flag, cred, "--export", &e],
+            uri,
+        )
+    };
+    let peers = [
+        tcp_peer(
+            "nbdkit",
+            "-p",
+            &[
+                "-f",
+                "-i",
+                "127.0.0.1",
+                "--exit-with-parent",
+                "--tls=require",
+                &format!("--tls-certificates={d}"),
+                "memory",
+                "16M",
+            ],
+            &format!("nbds://localhost:PORT/?tls-certificates={d}"),
+        ),
+        tcp_peer(
+            "nbdkit",
+            "-p",
+            &[
+                "-f",
+                "-i",
+                "127.0.0.1",
+                "--exit-with-parent",
+                "--tls=require",
+                &format!("--tls-psk={psk}"),
+                "memory",
+                "16M",
+            ],
+            &format!("nbds://alice@127.0.0.1:PORT/?tls-psk-file={psk}"),
+        ),
+        q(
+            &q1,
+            &x509_q,
+            &format!("localhost:PORT/q?tls-certificates={d}"),
+        ),
+        q(
+            &q2,
+            &psk_q,
+            &format!("alice@127.0.0.1:PORT/q?tls-psk-file={psk}"),
+        ),
+        ours(
+            &o1,
+            "--tls-certs",
+            &d,
+            &format!("nbds://localhost:PORT/o?tls-certificates={d}"),
+        ),
+        ours(
+            &o2,
+            "--tls-psk",
+            &psk,
+            &format!("nbds://alice@127.0.0.1:PORT/o?tls-psk-file={psk}"),
+        ),
+    ];
+    for peer in peers.into_iter().flatten() {
+        let c = exercise(&peer.uri, 16 * MIB);
+        assert!(c.structured_replies(), "{}", peer.uri);
+        c.disconnect().unwrap();
+    }
+}
+
+/// An error with its causes, as the command-line tools print it.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s += &format!(": {c}");
+        cur = c.source();
+    }
+    s
+}
+
+/// A TLS client never falls back to plaintext, and refuses a server it cannot trust.
+#[test]
+fn tls_refusals_are_clear() {
+    let Some(creds) = tls_certs() else { return };
+    let d = creds.path();
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "p.img", MIB, &[]);
+    let plain = qpip_server("p", &img, 0);
+    let uri = format!(
+        "nbds://127.0.0.1:{}/p?tls-certificates={}",
+        plain.port,
+        d.display()
+    );
+    let e = chain(&Client::connect(&uri).unwrap_err());
+    assert!(e.contains("refused TLS"), "{e}");
+    let kit = |cred: String, uri: &str| {
+        let args = [
+            "-f",
+            "-i",
+            "127.0.0.1",
+            "--exit-with-parent",
+            "--tls=require",
+        ];
+        let mut all: Vec<&str> = args.to_vec();
+        all.extend([cred.as_str(), "memory", "1M"]);
+        tcp_peer("nbdkit", "-p", &all, uri)
+    };
+    let (Some(x509), Some(psk)) = (
+        kit(
+            format!("--tls-certificates={}", d.display()),
+            "nbds://localhost:PORT/",
+        ),
+        kit(
+            format!("--tls-psk={}", d.join("keys.psk").display()),
+            "nbds://alice@127.0.0.1:PORT/",
+        ),
+    ) else {
+        return;
+    };
+    let wrong_ca = format!(
+        "{}?tls-certificates={}",
+        x509.uri,
+        d.join("other-ca").display()
+    );
+    let e = chain(&Client::connect(&wrong_ca).unwrap_err());
+    assert!(e.contains("certificate verify failed"), "{e}");
+    let wrong = dir.path().join("wrong.psk");
+    std::fs::write(&wrong, format!("alice:{}\n", "cd".repeat(32))).unwrap();
+    let wrong_psk = format!("{}?tls-psk-file={}", psk.uri, wrong.display());
+    let e = chain(&Client::connect(&wrong_psk).unwrap_err());
+    assert!(e.contains("TLS handshake failed"), "{e}");
+    let nbdkit = x509;
+    // Plaintext to a server that requires TLS: its refusal, named.
+    let plain_uri = nbdkit.uri.replace("nbds://", "nbd://");
+    let e = chain(&Client::connect(&plain_uri).unwrap_err());
+    assert!(e.contains("TLS"), "{e}");
 }

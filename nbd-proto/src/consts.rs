@@ -17,6 +17,10 @@ pub const REQUEST_MAGIC: u32 = 0x2560_9513;
 pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
 /// `NBD_STRUCTURED_REPLY_MAGIC`.
 pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
+/// `NBD_EXTENDED_REQUEST_MAGIC` (extended headers).
+pub const EXTENDED_REQUEST_MAGIC: u32 = 0x21e4_1c71;
+/// `NBD_EXTENDED_REPLY_MAGIC` (extended headers).
+pub const EXTENDED_REPLY_MAGIC: u32 = 0x6e8a_278c;
 
 // ---- Handshake flags (server, 16 bits) ----------------------------------
 
@@ -81,7 +85,7 @@ pub const OPT_STRUCTURED_REPLY: u32 = 8;
 pub const OPT_LIST_META_CONTEXT: u32 = 9;
 /// `NBD_OPT_SET_META_CONTEXT`.
 pub const OPT_SET_META_CONTEXT: u32 = 10;
-/// `NBD_OPT_EXTENDED_HEADERS` (not supported by this crate; answered `ERR_UNSUP`).
+/// `NBD_OPT_EXTENDED_HEADERS`.
 pub const OPT_EXTENDED_HEADERS: u32 = 11;
 
 // ---- Option reply types ----------------------------------------------------
@@ -114,6 +118,8 @@ pub const REP_ERR_SHUTDOWN: u32 = REP_FLAG_ERROR | 7;
 pub const REP_ERR_BLOCK_SIZE_REQD: u32 = REP_FLAG_ERROR | 8;
 /// `NBD_REP_ERR_TOO_BIG`.
 pub const REP_ERR_TOO_BIG: u32 = REP_FLAG_ERROR | 9;
+/// `NBD_REP_ERR_EXT_HEADER_REQD`.
+pub const REP_ERR_EXT_HEADER_REQD: u32 = REP_FLAG_ERROR | 10;
 
 // ---- Info types (NBD_REP_INFO payload) ------------------------------------
 
@@ -159,6 +165,8 @@ pub const CMD_FLAG_DF: u16 = 1 << 2;
 pub const CMD_FLAG_REQ_ONE: u16 = 1 << 3;
 /// `NBD_CMD_FLAG_FAST_ZERO`.
 pub const CMD_FLAG_FAST_ZERO: u16 = 1 << 4;
+/// `NBD_CMD_FLAG_PAYLOAD_LEN` (extended headers: `length` is a payload length).
+pub const CMD_FLAG_PAYLOAD_LEN: u16 = 1 << 5;
 
 // ---- Structured replies ------------------------------------------------------
 
@@ -174,6 +182,8 @@ pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
 pub const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
 /// `NBD_REPLY_TYPE_BLOCK_STATUS`.
 pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
+/// `NBD_REPLY_TYPE_BLOCK_STATUS_EXT` (extended headers: 64-bit extents).
+pub const REPLY_TYPE_BLOCK_STATUS_EXT: u16 = 6;
 /// `NBD_REPLY_TYPE_ERROR`.
 pub const REPLY_TYPE_ERROR: u16 = REPLY_TYPE_FLAG_ERROR | 1;
 /// `NBD_REPLY_TYPE_ERROR_OFFSET`.
@@ -227,5 +237,9 @@ pub const REQUEST_LEN: usize = 28;
 pub const SIMPLE_REPLY_LEN: usize = 16;
 /// Structured reply chunk header.
 pub const STRUCTURED_REPLY_HEADER_LEN: usize = 20;
+/// Extended request header.
+pub const EXTENDED_REQUEST_LEN: usize = 32;
+/// Extended reply chunk header.
+pub const EXTENDED_REPLY_HEADER_LEN: usize = 32;
 /// Maximum length of any protocol string (export names, messages...), per spec.
 pub const MAX_STRING_LEN: usize = 4096;

@@ -153,6 +153,8 @@ flag_set! {
         REQ_ONE = c::CMD_FLAG_REQ_ONE;
         /// `NBD_CMD_FLAG_FAST_ZERO`.
         FAST_ZERO = c::CMD_FLAG_FAST_ZERO;
+        /// `NBD_CMD_FLAG_PAYLOAD_LEN` (extended headers only).
+        PAYLOAD_LEN = c::CMD_FLAG_PAYLOAD_LEN;
     }
 }
 
@@ -193,6 +195,6 @@ mod tests {
         assert_eq!(g.bits(), 2);
         assert_eq!(g.with(ClientFlags::NO_ZEROES, false), ClientFlags::empty());
         assert_eq!(TransmissionFlags::KNOWN.bits(), 0x0fff);
-        assert_eq!(CmdFlags::KNOWN.bits(), 0x1f);
+        assert_eq!(CmdFlags::KNOWN.bits(), 0x3f);
     }
 }

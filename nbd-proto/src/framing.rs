@@ -64,7 +64,7 @@ pub enum FrameError {
     #[error("length {len} exceeds limit {limit}")]
     TooLong {
         /// Length announced.
-        len: u32,
+        len: u64,
         /// Limit.
         limit: u32,
     },
@@ -103,11 +103,11 @@ impl Need {
     }
 }
 
-fn check_len(len: u32, limit: u32) -> Result<usize, FrameError> {
-    if len > limit {
+fn check_len(len: u64, limit: u32) -> Result<usize, FrameError> {
+    if len > u64::from(limit) {
         Err(FrameError::TooLong { len, limit })
     } else {
-        // u32 always fits usize on the platforms this crate supports (>= 32 bit)
+        // at most a u32, which fits usize on the platforms this crate supports (>= 32 bit)
         Ok(len as usize)
     }
 }
@@ -122,6 +122,8 @@ pub enum ServerPhase {
     Options = 1,
     /// Requests: 28-byte header (+ payload for `WRITE`).
     Transmission = 2,
+    /// Extended requests: 32-byte header (+ payload with `NBD_CMD_FLAG_PAYLOAD_LEN`).
+    TransmissionExtended = 3,
 }
 
 impl ServerPhase {
@@ -135,6 +137,7 @@ impl ServerPhase {
             0 => Some(Self::ClientFlags),
             1 => Some(Self::Options),
             2 => Some(Self::Transmission),
+            3 => Some(Self::TransmissionExtended),
             _ => None,
         }
     }
@@ -157,7 +160,7 @@ pub fn server_need(phase: ServerPhase, prefix: &[u8], limits: &FrameLimits) -> N
                     found: magic,
                 });
             }
-            match check_len(len, limits.max_option_len) {
+            match check_len(len.into(), limits.max_option_len) {
                 Ok(body_len) => Need::Message {
                     header_len: c::OPTION_HEADER_LEN,
                     body_len,
@@ -165,29 +168,41 @@ pub fn server_need(phase: ServerPhase, prefix: &[u8], limits: &FrameLimits) -> N
                 Err(e) => Need::Invalid(e),
             }
         }
-        ServerPhase::Transmission => {
-            if prefix.len() < c::REQUEST_LEN {
-                return Need::Header(c::REQUEST_LEN);
+        ServerPhase::Transmission | ServerPhase::TransmissionExtended => {
+            let extended = phase == ServerPhase::TransmissionExtended;
+            let (header_len, expected) = if extended {
+                (c::EXTENDED_REQUEST_LEN, c::EXTENDED_REQUEST_MAGIC)
+            } else {
+                (c::REQUEST_LEN, c::REQUEST_MAGIC)
+            };
+            if prefix.len() < header_len {
+                return Need::Header(header_len);
             }
             let magic = be_u32(prefix, 0).unwrap_or(0);
-            if magic != c::REQUEST_MAGIC {
+            if magic != expected {
                 return Need::Invalid(FrameError::BadMagic {
-                    expected: c::REQUEST_MAGIC.into(),
+                    expected: expected.into(),
                     found: magic.into(),
                 });
             }
-            let cmd = crate::wire::be_u16(prefix, 6).unwrap_or(0);
-            let len = be_u32(prefix, 24).unwrap_or(0);
-            let body_len = if cmd == c::CMD_WRITE {
-                match check_len(len, limits.max_write_len) {
-                    Ok(n) => n,
-                    Err(e) => return Need::Invalid(e),
-                }
+            let flags = be_u16(prefix, 4).unwrap_or(0);
+            let cmd = be_u16(prefix, 6).unwrap_or(0);
+            // Compact: only a WRITE has a payload. Extended: the flag says so, whatever the
+            // command (the server then refuses a command that takes none, after reading it);
+            // a WRITE has one even without the flag, which qemu (10) does not set.
+            let payload = if extended {
+                (flags & c::CMD_FLAG_PAYLOAD_LEN != 0 || cmd == c::CMD_WRITE)
+                    .then(|| be_u64(prefix, 24).unwrap_or(0))
             } else {
-                0
+                (cmd == c::CMD_WRITE).then(|| be_u32(prefix, 24).unwrap_or(0).into())
+            };
+            let body_len = match payload.map(|len| check_len(len, limits.max_write_len)) {
+                None => 0,
+                Some(Ok(n)) => n,
+                Some(Err(e)) => return Need::Invalid(e),
             };
             Need::Message {
-                header_len: c::REQUEST_LEN,
+                header_len,
                 body_len,
             }
         }
@@ -210,6 +225,8 @@ pub enum ClientPhase {
     Transmission = 4,
     /// Nothing is expected (handshake over without transmission).
     Closed = 5,
+    /// Extended reply chunks (32 bytes + length).
+    TransmissionExtended = 6,
 }
 
 impl ClientPhase {
@@ -226,6 +243,7 @@ impl ClientPhase {
             3 => Some(Self::ExportNameReplyNoZeroes),
             4 => Some(Self::Transmission),
             5 => Some(Self::Closed),
+            6 => Some(Self::TransmissionExtended),
             _ => None,
         }
     }
@@ -264,7 +282,7 @@ pub fn client_need(
                     found: magic,
                 });
             }
-            match check_len(len, limits.max_option_len) {
+            match check_len(len.into(), limits.max_option_len) {
                 Ok(body_len) => Need::Message {
                     header_len: c::OPTION_REPLY_HEADER_LEN,
                     body_len,
@@ -286,7 +304,7 @@ pub fn client_need(
                     } else {
                         0
                     };
-                    match check_len(body, limits.max_reply_len) {
+                    match check_len(body.into(), limits.max_reply_len) {
                         Ok(body_len) => Need::Message {
                             header_len: c::SIMPLE_REPLY_LEN,
                             body_len,
@@ -298,7 +316,7 @@ pub fn client_need(
                     let Some(len) = be_u32(prefix, 16) else {
                         return Need::Header(c::STRUCTURED_REPLY_HEADER_LEN);
                     };
-                    match check_len(len, limits.max_reply_len) {
+                    match check_len(len.into(), limits.max_reply_len) {
                         Ok(body_len) => Need::Message {
                             header_len: c::STRUCTURED_REPLY_HEADER_LEN,
                             body_len,
@@ -312,16 +330,35 @@ pub fn client_need(
                 }),
             }
         }
+        // With extended headers every reply is an extended chunk, even without payload.
+        ClientPhase::TransmissionExtended => {
+            let (Some(magic), Some(len)) = (be_u32(prefix, 0), be_u64(prefix, 24)) else {
+                return Need::Header(c::EXTENDED_REPLY_HEADER_LEN);
+            };
+            if magic != c::EXTENDED_REPLY_MAGIC {
+                return Need::Invalid(FrameError::BadMagic {
+                    expected: c::EXTENDED_REPLY_MAGIC.into(),
+                    found: magic.into(),
+                });
+            }
+            match check_len(len, limits.max_reply_len) {
+                Ok(body_len) => Need::Message {
+                    header_len: c::EXTENDED_REPLY_HEADER_LEN,
+                    body_len,
+                },
+                Err(e) => Need::Invalid(e),
+            }
+        }
     }
 }
 
 /// The cookie of the transmission-phase server message that starts with `prefix` (its
 /// header complete), and whether it is that request's last message: a simple reply, or a
-/// structured chunk with the DONE flag. `None` for anything else.
+/// structured or extended chunk with the DONE flag. `None` for anything else.
 pub fn reply_cookie(prefix: &[u8]) -> Option<(u64, bool)> {
     match be_u32(prefix, 0)? {
         c::SIMPLE_REPLY_MAGIC => Some((be_u64(prefix, 8)?, true)),
-        c::STRUCTURED_REPLY_MAGIC => {
+        c::STRUCTURED_REPLY_MAGIC | c::EXTENDED_REPLY_MAGIC => {
             let flags = be_u16(prefix, 4)?;
             Some((be_u64(prefix, 8)?, flags & c::REPLY_FLAG_DONE != 0))
         }
@@ -376,9 +413,17 @@ pub fn client_data_at(
                 _ => DataAt::Whole,
             }
         }
-        Some(c::STRUCTURED_REPLY_MAGIC) => {
+        Some(magic @ (c::STRUCTURED_REPLY_MAGIC | c::EXTENDED_REPLY_MAGIC)) => {
+            let (chunk_header, length) = if magic == c::EXTENDED_REPLY_MAGIC {
+                (c::EXTENDED_REPLY_HEADER_LEN, be_u64(prefix, 24))
+            } else {
+                (
+                    c::STRUCTURED_REPLY_HEADER_LEN,
+                    be_u32(prefix, 16).map(u64::from),
+                )
+            };
             let (Some(ty), Some(cookie), Some(length)) =
-                (be_u16(prefix, 6), be_u64(prefix, 8), be_u32(prefix, 16))
+                (be_u16(prefix, 6), be_u64(prefix, 8), length)
             else {
                 return DataAt::Whole;
             };
@@ -388,11 +433,11 @@ pub fn client_data_at(
             let Some((offset, read_len)) = placed_read(cookie) else {
                 return DataAt::Whole;
             };
-            let header_len = c::STRUCTURED_REPLY_HEADER_LEN + 8;
-            let Some(chunk_offset) = be_u64(prefix, c::STRUCTURED_REPLY_HEADER_LEN) else {
+            let header_len = chunk_header + 8;
+            let Some(chunk_offset) = be_u64(prefix, chunk_header) else {
                 return DataAt::Header(header_len);
             };
-            let len = u64::from(length - 8);
+            let len = length - 8;
             match chunk_offset.checked_sub(offset) {
                 Some(at)
                     if at
@@ -426,18 +471,14 @@ mod tests {
 
     #[test]
     fn phases_roundtrip_u8() {
-        for p in [
-            ServerPhase::ClientFlags,
-            ServerPhase::Options,
-            ServerPhase::Transmission,
-        ] {
-            assert_eq!(ServerPhase::from_u8(p.to_u8()), Some(p));
+        for v in 0..4 {
+            assert_eq!(ServerPhase::from_u8(v).map(ServerPhase::to_u8), Some(v));
         }
-        assert_eq!(ServerPhase::from_u8(3), None);
-        for v in 0..6 {
+        assert_eq!(ServerPhase::from_u8(4), None);
+        for v in 0..7 {
             assert_eq!(ClientPhase::from_u8(v).map(ClientPhase::to_u8), Some(v));
         }
-        assert_eq!(ClientPhase::from_u8(6), None);
+        assert_eq!(ClientPhase::from_u8(7), None);
     }
 
     #[test]
@@ -484,17 +525,21 @@ mod tests {
             length: 5000,
         };
         assert_eq!(
-            server_need(ServerPhase::Transmission, &r.encode()[..27], &L),
+            server_need(
+                ServerPhase::Transmission,
+                &r.encode(false).unwrap()[..27],
+                &L
+            ),
             Need::Header(28)
         );
         assert_eq!(
-            server_need(ServerPhase::Transmission, &r.encode(), &L).total(),
+            server_need(ServerPhase::Transmission, &r.encode(false).unwrap(), &L).total(),
             Some(28)
         );
         r.command = Command::Write;
         r.length = 1000;
         assert_eq!(
-            server_need(ServerPhase::Transmission, &r.encode(), &L),
+            server_need(ServerPhase::Transmission, &r.encode(false).unwrap(), &L),
             Need::Message {
                 header_len: 28,
                 body_len: 1000
@@ -502,13 +547,109 @@ mod tests {
         );
         r.length = 1001;
         assert!(matches!(
-            server_need(ServerPhase::Transmission, &r.encode(), &L),
+            server_need(ServerPhase::Transmission, &r.encode(false).unwrap(), &L),
             Need::Invalid(FrameError::TooLong { .. })
         ));
         assert!(matches!(
             server_need(ServerPhase::Transmission, &[0; 28], &L),
             Need::Invalid(FrameError::BadMagic { .. })
         ));
+    }
+
+    #[test]
+    fn extended_requests_are_framed_by_their_flag() {
+        let ext = ServerPhase::TransmissionExtended;
+        let mut r = Request {
+            flags: CmdFlags::PAYLOAD_LEN,
+            command: Command::Write,
+            cookie: 1,
+            offset: 0,
+            length: 1000,
+        };
+        let h = r.encode(true).unwrap();
+        assert_eq!(server_need(ext, &h[..31], &L), Need::Header(32));
+        assert_eq!(
+            server_need(ext, &h, &L),
+            Need::Message {
+                header_len: 32,
+                body_len: 1000
+            }
+        );
+        // A huge effect length without the flag has no payload; a payload on any command
+        // is read (and refused later); one above the limit is a disconnect.
+        r.flags = CmdFlags::empty();
+        r.command = Command::Trim;
+        r.length = 1 << 40;
+        assert_eq!(
+            server_need(ext, &r.encode(true).unwrap(), &L).total(),
+            Some(32)
+        );
+        r.flags = CmdFlags::PAYLOAD_LEN;
+        r.length = 10;
+        assert_eq!(
+            server_need(ext, &r.encode(true).unwrap(), &L).total(),
+            Some(42)
+        );
+        r.length = 1 << 40;
+        assert_eq!(
+            server_need(ext, &r.encode(true).unwrap(), &L),
+            Need::Invalid(FrameError::TooLong {
+                len: 1 << 40,
+                limit: 1000
+            })
+        );
+        // The compact magic is refused in the extended phase and vice versa.
+        let compact = r.encode(false);
+        assert!(compact.is_err());
+        r.length = 10;
+        assert!(matches!(
+            server_need(ext, &[&r.encode(false).unwrap()[..], &[0; 4]].concat(), &L),
+            Need::Invalid(FrameError::BadMagic { .. })
+        ));
+        assert!(matches!(
+            server_need(ServerPhase::Transmission, &r.encode(true).unwrap(), &L),
+            Need::Invalid(FrameError::BadMagic { .. })
+        ));
+    }
+
+    #[test]
+    fn extended_replies_are_framed_and_placed() {
+        use crate::reply::{ReplyTo, none_chunk, offset_data_header};
+        let ext = ClientPhase::TransmissionExtended;
+        let to = ReplyTo {
+            cookie: 7,
+            offset: Some(1 << 20),
+        };
+        let n = none_chunk(to);
+        assert_eq!(client_need(ext, &n[..20], &L, |_| None), Need::Header(32));
+        assert_eq!(client_need(ext, &n, &L, |_| None).total(), Some(32));
+        assert_eq!(reply_cookie(&n), Some((7, true)));
+        // Simple and structured replies do not exist with extended headers.
+        let structured = [&none_chunk(7)[..], &[0; 12]].concat();
+        assert!(matches!(
+            client_need(ext, &structured, &L, |_| None),
+            Need::Invalid(FrameError::BadMagic { .. })
+        ));
+        let d = offset_data_header(to, true, (1 << 20) + 100, 50).unwrap();
+        assert_eq!(
+            client_need(ext, &d, &L, |_| None),
+            Need::Message {
+                header_len: 32,
+                body_len: 58
+            }
+        );
+        let reads = |cookie| (cookie == 7).then_some((1u64 << 20, 4096u32));
+        assert_eq!(client_data_at(&d[..32], reads), DataAt::Header(40));
+        assert_eq!(
+            client_data_at(&d, reads),
+            DataAt::Data {
+                header_len: 40,
+                at: 100,
+                len: 50
+            }
+        );
+        let outside = offset_data_header(to, true, (1 << 20) + 4090, 50).unwrap();
+        assert_eq!(client_data_at(&outside, reads), DataAt::Whole);
     }
 
     #[test]
@@ -606,6 +747,7 @@ mod tests {
             reply_type: c::REPLY_TYPE_OFFSET_DATA,
             cookie: 9,
             length: 108,
+            offset: None,
         }
         .encode();
         assert_eq!(
@@ -649,6 +791,7 @@ mod tests {
                 reply_type: ty,
                 cookie,
                 length,
+                offset: None,
             }
             .encode()
             .to_vec();

@@ -38,7 +38,10 @@ fn server_config(knobs: u8) -> ServerConfig {
         allow_list: knobs & 4 == 0,
         support_go: knobs & 8 == 0,
         support_structured_replies: knobs & 0x10 == 0,
+        support_extended_headers: knobs & 0x80 == 0,
         support_meta_contexts: knobs & 0x20 == 0,
+        // Every knob bit is taken; STARTTLS is covered by the handshake unit tests.
+        tls: crate::handshake::TlsMode::Off,
         max_option_len: 4096 + 64,
         max_options: 64,
     }
@@ -141,9 +144,17 @@ pub fn client_handshake(data: &[u8]) {
 /// Transmission codecs: request parse + validate, reply and chunk parse, and
 /// the handshake payload parsers.
 pub fn transmission(data: &[u8]) {
-    if let Ok(req) = Request::parse(data) {
-        assert_eq!(Request::parse(&req.encode()), Ok(req));
-        let tail = data.get(c::REQUEST_LEN..).unwrap_or_default();
+    for extended in [false, true] {
+        transmission_request(data, extended);
+    }
+    transmission_reply(data);
+}
+
+fn transmission_request(data: &[u8], extended: bool) {
+    if let Ok(req) = Request::parse(data, extended) {
+        let header = req.encode(extended).expect("a parsed request encodes");
+        assert_eq!(Request::parse(&header, extended), Ok(req));
+        let tail = data.get(header.len()..).unwrap_or_default();
         let mut r = crate::wire::Reader::new(tail);
         let mut info = TransmissionInfo::new(
             r.u64().unwrap_or(1 << 20),
@@ -158,9 +169,10 @@ pub fn transmission(data: &[u8]) {
             max: r.u32().unwrap_or(u32::MAX),
         };
         info.df_max_len = r.u32().unwrap_or(u32::MAX);
+        info.extended_headers = extended;
         if validate_request(&req, &info).is_ok() {
             // accepted in-range requests really are in range
-            let end = req.offset.checked_add(u64::from(req.length));
+            let end = req.offset.checked_add(req.length);
             let ranged = !matches!(
                 req.command,
                 crate::transmission::Command::Disc
@@ -170,22 +182,37 @@ pub fn transmission(data: &[u8]) {
             if ranged {
                 assert!(end.is_some_and(|e| e <= info.size));
             }
+            // only a WRITE carries a payload
+            assert!(
+                req.payload_len(extended) == 0
+                    || req.command == crate::transmission::Command::Write
+            );
         }
     }
+}
+
+fn transmission_reply(data: &[u8]) {
     if let Ok(r) = SimpleReply::parse(data) {
         assert_eq!(SimpleReply::parse(&r.encode()), Ok(r));
         let _ = r.error_value();
     }
-    if let Ok(h) = StructuredReplyHeader::parse(data) {
-        assert_eq!(StructuredReplyHeader::parse(&h.encode()), Ok(h));
-        let payload = &data[c::STRUCTURED_REPLY_HEADER_LEN..];
+    for extended in [false, true] {
+        let Ok(h) = StructuredReplyHeader::parse_as(data, extended) else {
+            continue;
+        };
+        assert_eq!(
+            StructuredReplyHeader::parse_as(&h.encode(), extended),
+            Ok(h)
+        );
+        let payload = &data[h.header_len()..];
         // also try the payload with a header length that matches it
         let mut h2 = h;
         h2.length = u32::try_from(payload.len()).unwrap_or(u32::MAX);
         for hh in [h, h2] {
             if let Ok(Chunk::BlockStatus { extents, .. }) = Chunk::parse(&hh, payload) {
-                assert!(extents.len() * 8 < payload.len());
-                let sel = select_extents(CmdFlags(hh.flags.bits()), hh.length, &extents);
+                let each = if extended { 16 } else { 8 };
+                assert!(extents.len() * each < payload.len());
+                let sel = select_extents(CmdFlags(hh.flags.bits()), hh.length.into(), &extents);
                 assert!(sel.len() <= extents.len());
             }
         }
@@ -215,7 +242,7 @@ pub fn framers(data: &[u8]) {
         max_write_len: 5000,
         max_reply_len: 7000,
     };
-    for p in 0..=3u8 {
+    for p in 0..=4u8 {
         let Some(phase) = ServerPhase::from_u8(p) else {
             continue;
         };
@@ -237,16 +264,20 @@ pub fn framers(data: &[u8]) {
                     let write = crate::wire::be_u16(data, 6) == Some(c::CMD_WRITE);
                     let len = crate::wire::be_u32(data, 24).expect("framed request header");
                     assert_eq!(body_len, if write { len as usize } else { 0 });
-                    if let Ok(req) = Request::parse(data) {
-                        assert_eq!(write, req.command == crate::transmission::Command::Write);
-                    }
+                    let req = Request::parse(data, false).expect("framed request parses");
+                    assert_eq!(body_len as u64, req.payload_len(false));
+                }
+                ServerPhase::TransmissionExtended => {
+                    assert_eq!(header_len, c::EXTENDED_REQUEST_LEN);
+                    let req = Request::parse(data, true).expect("framed request parses");
+                    assert_eq!(body_len as u64, req.payload_len(true));
                 }
             }
         }
     }
     // Which cookies are pending reads, and their lengths, follow from the cookie.
     let read_len = |cookie: u64| (!cookie.is_multiple_of(3)).then_some((cookie % 10_000) as u32);
-    for p in 0..=6u8 {
+    for p in 0..=7u8 {
         let Some(phase) = ClientPhase::from_u8(p) else {
             continue;
         };
@@ -280,6 +311,10 @@ pub fn framers(data: &[u8]) {
                     assert_eq!((header_len, body_len), (16, body as usize));
                 }
             }
+            ClientPhase::TransmissionExtended => {
+                let h = StructuredReplyHeader::parse_as(data, true).expect("framed reply parses");
+                assert_eq!((header_len, body_len), (32, h.length as usize));
+            }
             ClientPhase::Closed => unreachable!("no message is framed once closed"),
         }
     }
@@ -290,7 +325,7 @@ pub fn framers(data: &[u8]) {
 fn check_stable(need: &impl Fn(&[u8]) -> Need, data: &[u8]) {
     let answer = core::hint::black_box(need(data));
     match answer {
-        Need::Header(n) => assert!(n > data.len() && n <= 28),
+        Need::Header(n) => assert!(n > data.len() && n <= 32),
         Need::Message { header_len, .. } => {
             // the header alone gives the same answer (when the phase needs to look at it)
             if header_len <= data.len() {
@@ -344,7 +379,7 @@ pub fn replies(data: &[u8]) {
         command,
         cookie: REPLY_COOKIE,
         offset,
-        length,
+        length: length.into(),
     };
     let limits = FrameLimits::default();
     let mut check = ReplyCheck::new(&req);
@@ -587,9 +622,10 @@ pub fn seeds() -> Vec<(&'static str, Seeds)> {
             command,
             cookie: REPLY_COOKIE,
             offset,
-            length,
+            length: length.into(),
         }
-        .encode()
+        .encode(false)
+        .expect("a 32-bit length")
         .to_vec()
     };
     let mut write = request(Command::Write, c::CMD_FLAG_FUA, 4096, 16);
@@ -928,7 +964,7 @@ mod tests {
                     [usize::from(knobs & 3)],
                 cookie: REPLY_COOKIE,
                 offset: r.u64().unwrap(),
-                length: r.u32().unwrap(),
+                length: r.u32().unwrap().into(),
             };
             let mut check = ReplyCheck::new(&req);
             let mut stream = r.rest();

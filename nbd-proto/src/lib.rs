@@ -11,8 +11,8 @@
 //! | [`handshake::messages`] | encode/parse of greeting, options, option replies, infos |
 //! | [`handshake::server`] | [`ServerHandshake`] state machine |
 //! | [`handshake::client`] | [`ClientHandshake`] state machine |
-//! | [`transmission`] | [`Request`] header, [`validate_request`] (which error to send) |
-//! | [`reply`] | simple replies, structured chunks, block-status builders |
+//! | [`transmission`] | [`Request`] header (compact or extended), [`validate_request`] (which error to send) |
+//! | [`reply`] | simple replies, structured and extended chunks, block-status builders |
 //! | [`reply_check`] | a client's checks of one request's reply chunks ([`reply_check::ReplyCheck`]) |
 //! | [`framing`] | "where does this message end?" for message-based transports |
 //!
@@ -69,8 +69,11 @@
 //!
 //! // Transmission: the server validates each request before executing it.
 //! use nbd_proto::transmission::{validate_request, Command, ErrorValue, Request};
-//! let req = Request { flags: Default::default(), command: Command::Write, cookie: 1, offset: 1 << 20, length: 512 };
-//! let req = Request::parse(&req.encode()).unwrap();
+//! // Extended headers were negotiated: a WRITE says that its length is a payload length.
+//! assert!(s.extended_headers && c.extended_headers);
+//! let flags = nbd_proto::flags::CmdFlags::PAYLOAD_LEN;
+//! let req = Request { flags, command: Command::Write, cookie: 1, offset: 1 << 20, length: 512 };
+//! let req = Request::parse(&req.encode(c.extended_headers).unwrap(), s.extended_headers).unwrap();
 //! assert_eq!(validate_request(&req, &s.transmission_info()), Err(ErrorValue::NoSpc));
 //! ```
 //!
@@ -104,9 +107,14 @@
 //!   this bit"), but may only send `NBD_OPT_EXPORT_NAME`, "the only valid option
 //!   in nonfixed newstyle negotiation"; anything else is a hard disconnect.
 //!   [`handshake::ServerConfig::allow_non_fixed_newstyle`] `= false` refuses them.
-//! * `NBD_OPT_STARTTLS` gets `NBD_REP_ERR_UNSUP`: the server runs in NOTLS mode
-//!   and "MUST respond with ... `NBD_REP_ERR_UNSUP` (if it does not support the
-//!   `NBD_OPT_STARTTLS` option at all)".
+//! * TLS ([`handshake::TlsMode`]): off, `NBD_OPT_STARTTLS` gets `NBD_REP_ERR_UNSUP`
+//!   ("if it does not support the `NBD_OPT_STARTTLS` option at all"); on or required,
+//!   it is acknowledged and [`ServerEvent::StartTls`] tells the caller to run the TLS
+//!   handshake, after which everything negotiated before is forgotten. Required: every
+//!   option before it but `NBD_OPT_ABORT` gets `NBD_REP_ERR_TLS_REQD`, and
+//!   `NBD_OPT_EXPORT_NAME` a hard disconnect. A second `NBD_OPT_STARTTLS`, or one with
+//!   data, gets `NBD_REP_ERR_INVALID`. A client configured for TLS sends
+//!   `NBD_OPT_STARTTLS` first and fails on any refusal (no plaintext fallback).
 //! * `NBD_OPT_EXPORT_NAME` for an unknown export, an invalid name, or while
 //!   shutting down is a hard disconnect ("If the server is unwilling to allow
 //!   the export, it MUST terminate the session").
@@ -123,8 +131,15 @@
 //! * Repeated `NBD_OPT_STRUCTURED_REPLY` is acknowledged again (idempotent).
 //! * Request validation order and zero-length rules: see [`validate_request`].
 //!
-//! Extended headers (`NBD_OPT_EXTENDED_HEADERS`, 64-bit replies) and TLS are not
-//! implemented.
+//! * Extended headers (`NBD_OPT_EXTENDED_HEADERS`): offered only with `NBD_OPT_GO`
+//!   (the spec requires it), they imply structured replies; a later
+//!   `NBD_OPT_STRUCTURED_REPLY` gets `NBD_REP_ERR_EXT_HEADER_REQD` and a later
+//!   `NBD_OPT_EXPORT_NAME` a hard disconnect. Only a `WRITE` may carry
+//!   `NBD_CMD_FLAG_PAYLOAD_LEN` (the optional block-status payload is not
+//!   implemented), and a `WRITE` without it still has its payload (qemu sends them so), block status is answered with `BLOCK_STATUS_EXT`, and the client
+//!   checks that each extended reply echoes its request's offset.
+//!
+//! The TLS record layer itself is the caller's (in qpip, the NIC's).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

@@ -1,10 +1,11 @@
 //! Transmission phase replies: the 16-byte simple reply, the 20-byte
-//! structured reply chunk header, chunk payloads, and block-status builders.
+//! structured reply chunk header and its 32-byte extended form, chunk payloads,
+//! and block-status builders.
 
 use crate::consts as c;
 use crate::error::ProtoError;
 use crate::flags::{CmdFlags, ReplyFlags};
-use crate::transmission::ErrorValue;
+use crate::transmission::{ErrorValue, Request};
 use crate::wire::Reader;
 
 /// A simple reply header (read data, if any, follows on the wire).
@@ -63,7 +64,7 @@ impl SimpleReply {
     }
 }
 
-/// A structured reply chunk header (the payload follows on the wire).
+/// A structured reply chunk header, or an extended one (the payload follows on the wire).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct StructuredReplyHeader {
     /// Chunk flags.
@@ -72,44 +73,118 @@ pub struct StructuredReplyHeader {
     pub reply_type: u16,
     /// Cookie of the request.
     pub cookie: u64,
-    /// Payload length.
+    /// Payload length (64 bits on the wire in an extended header, but never above 32
+    /// bits: payloads are bounded by the 32-bit block sizes).
     pub length: u32,
+    /// `Some(request offset)` for an extended header, which echoes the request's offset;
+    /// `None` for a structured one.
+    pub offset: Option<u64>,
+}
+
+/// An encoded chunk header (with the fixed fields of its payload, for the builders below):
+/// at most 32 + 12 bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkBytes {
+    buf: [u8; c::EXTENDED_REPLY_HEADER_LEN + 12],
+    len: usize,
+}
+
+impl ChunkBytes {
+    fn push(&mut self, bytes: &[u8]) {
+        self.buf[self.len..self.len + bytes.len()].copy_from_slice(bytes);
+        self.len += bytes.len();
+    }
+}
+
+impl core::ops::Deref for ChunkBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
 }
 
 impl StructuredReplyHeader {
-    /// Encode the 20 bytes.
-    pub fn encode(&self) -> [u8; c::STRUCTURED_REPLY_HEADER_LEN] {
-        let mut b = [0u8; c::STRUCTURED_REPLY_HEADER_LEN];
-        b[0..4].copy_from_slice(&c::STRUCTURED_REPLY_MAGIC.to_be_bytes());
-        b[4..6].copy_from_slice(&self.flags.bits().to_be_bytes());
-        b[6..8].copy_from_slice(&self.reply_type.to_be_bytes());
-        b[8..16].copy_from_slice(&self.cookie.to_be_bytes());
-        b[16..20].copy_from_slice(&self.length.to_be_bytes());
+    /// Header length on the wire.
+    pub const fn header_len(&self) -> usize {
+        if self.offset.is_some() {
+            c::EXTENDED_REPLY_HEADER_LEN
+        } else {
+            c::STRUCTURED_REPLY_HEADER_LEN
+        }
+    }
+
+    /// Encode the 20 bytes (structured) or 32 bytes (extended).
+    pub fn encode(&self) -> ChunkBytes {
+        let mut b = ChunkBytes {
+            buf: [0; c::EXTENDED_REPLY_HEADER_LEN + 12],
+            len: 0,
+        };
+        let magic = match self.offset {
+            Some(_) => c::EXTENDED_REPLY_MAGIC,
+            None => c::STRUCTURED_REPLY_MAGIC,
+        };
+        b.push(&magic.to_be_bytes());
+        b.push(&self.flags.bits().to_be_bytes());
+        b.push(&self.reply_type.to_be_bytes());
+        b.push(&self.cookie.to_be_bytes());
+        match self.offset {
+            Some(offset) => {
+                b.push(&offset.to_be_bytes());
+                b.push(&u64::from(self.length).to_be_bytes());
+            }
+            None => b.push(&self.length.to_be_bytes()),
+        }
         b
     }
 
-    /// Parse from the first 20 bytes of `buf`.
+    /// Parse a structured chunk header from the first 20 bytes of `buf`.
     pub fn parse(buf: &[u8]) -> Result<Self, ProtoError> {
-        let mut r = Reader::new(buf);
-        let (Some(magic), Some(flags), Some(ty), Some(cookie), Some(length)) =
-            (r.u32(), r.u16(), r.u16(), r.u64(), r.u32())
-        else {
-            return Err(ProtoError::Truncated {
-                need: c::STRUCTURED_REPLY_HEADER_LEN,
-                got: buf.len(),
-            });
+        Self::parse_as(buf, false)
+    }
+
+    /// Parse a structured (20 bytes) or, with `extended`, an extended (32 bytes) chunk header.
+    /// An extended length above `u32::MAX` is refused: no payload can be that long.
+    pub fn parse_as(buf: &[u8], extended: bool) -> Result<Self, ProtoError> {
+        let (need, expected) = if extended {
+            (c::EXTENDED_REPLY_HEADER_LEN, c::EXTENDED_REPLY_MAGIC)
+        } else {
+            (c::STRUCTURED_REPLY_HEADER_LEN, c::STRUCTURED_REPLY_MAGIC)
         };
-        if magic != c::STRUCTURED_REPLY_MAGIC {
+        let truncated = ProtoError::Truncated {
+            need,
+            got: buf.len(),
+        };
+        let mut r = Reader::new(buf);
+        let (Some(magic), Some(flags), Some(ty), Some(cookie)) =
+            (r.u32(), r.u16(), r.u16(), r.u64())
+        else {
+            return Err(truncated);
+        };
+        let (offset, length) = if extended {
+            let (Some(offset), Some(length)) = (r.u64(), r.u64()) else {
+                return Err(truncated);
+            };
+            (Some(offset), length)
+        } else {
+            (None, r.u32().ok_or(truncated)?.into())
+        };
+        if magic != expected {
             return Err(ProtoError::BadMagic {
-                expected: c::STRUCTURED_REPLY_MAGIC.into(),
+                expected: expected.into(),
                 found: magic.into(),
             });
         }
+        let length = u32::try_from(length).map_err(|_| ProtoError::TooLong {
+            what: "extended reply payload",
+            len: length,
+            limit: u32::MAX.into(),
+        })?;
         Ok(Self {
             flags: ReplyFlags(flags),
             reply_type: ty,
             cookie,
             length,
+            offset,
         })
     }
 
@@ -119,11 +194,40 @@ impl StructuredReplyHeader {
     }
 }
 
+/// Whom a server's chunk answers: the request's cookie, and with extended headers its
+/// offset (echoed in every chunk header). A bare cookie means structured chunks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ReplyTo {
+    /// Cookie of the request.
+    pub cookie: u64,
+    /// `Some(request offset)` with extended headers.
+    pub offset: Option<u64>,
+}
+
+impl ReplyTo {
+    /// The chunks answering `req`, extended or structured.
+    pub const fn new(req: &Request, extended: bool) -> Self {
+        Self {
+            cookie: req.cookie,
+            offset: if extended { Some(req.offset) } else { None },
+        }
+    }
+}
+
+impl From<u64> for ReplyTo {
+    fn from(cookie: u64) -> Self {
+        Self {
+            cookie,
+            offset: None,
+        }
+    }
+}
+
 /// One block-status descriptor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Extent {
-    /// Length in bytes (nonzero on the wire).
-    pub length: u32,
+    /// Length in bytes (nonzero on the wire; above 32 bits only in `BLOCK_STATUS_EXT`).
+    pub length: u64,
     /// Status flags (for `base:allocation`: [`crate::flags::AllocationFlags`]).
     pub flags: u32,
 }
@@ -148,7 +252,7 @@ pub enum Chunk<'a> {
         /// Hole size (nonzero).
         length: u32,
     },
-    /// `NBD_REPLY_TYPE_BLOCK_STATUS`.
+    /// `NBD_REPLY_TYPE_BLOCK_STATUS`, or `_EXT` with extended headers.
     BlockStatus {
         /// Metadata context id.
         context_id: u32,
@@ -216,12 +320,45 @@ impl<'a> Chunk<'a> {
                 if payload.len() < 12 || !(payload.len() - 4).is_multiple_of(8) {
                     return bad("BLOCK_STATUS length must be 4 + 8n, n >= 1");
                 }
+                if header.offset.is_some() {
+                    return bad("BLOCK_STATUS chunk with extended headers");
+                }
                 let context_id = r.u32().unwrap_or(0);
                 let mut extents = Vec::with_capacity(r.remaining() / 8);
                 while let (Some(length), Some(flags)) = (r.u32(), r.u32()) {
                     if length == 0 {
                         return bad("zero-length extent");
                     }
+                    extents.push(Extent {
+                        length: length.into(),
+                        flags,
+                    });
+                }
+                Ok(Self::BlockStatus {
+                    context_id,
+                    extents,
+                })
+            }
+            c::REPLY_TYPE_BLOCK_STATUS_EXT => {
+                if header.offset.is_none() {
+                    return bad("BLOCK_STATUS_EXT chunk without extended headers");
+                }
+                let (Some(context_id), Some(count)) = (r.u32(), r.u32()) else {
+                    return bad("BLOCK_STATUS_EXT length must be 8 + 16n, n >= 1");
+                };
+                if count == 0 || r.remaining() as u64 != u64::from(count) * 16 {
+                    return bad("BLOCK_STATUS_EXT length must be 8 + 16 x its count, count >= 1");
+                }
+                let mut extents = Vec::with_capacity(r.remaining() / 16);
+                while let (Some(length), Some(status)) = (r.u64(), r.u64()) {
+                    if length == 0 {
+                        return bad("zero-length extent");
+                    }
+                    // Only 32-bit contexts are ever negotiated (base:allocation), whose
+                    // status "MUST" have the upper 32 bits clear.
+                    let Ok(flags) = u32::try_from(status) else {
+                        return bad("64-bit status for a 32-bit metadata context");
+                    };
                     extents.push(Extent { length, flags });
                 }
                 Ok(Self::BlockStatus {
@@ -263,7 +400,12 @@ impl<'a> Chunk<'a> {
     }
 }
 
-fn header(flags: ReplyFlags, ty: u16, cookie: u64, length: usize) -> Result<[u8; 20], ProtoError> {
+fn header(
+    flags: ReplyFlags,
+    ty: u16,
+    to: ReplyTo,
+    length: usize,
+) -> Result<ChunkBytes, ProtoError> {
     let length = u32::try_from(length).map_err(|_| ProtoError::TooLong {
         what: "structured reply payload",
         len: length as u64,
@@ -272,8 +414,9 @@ fn header(flags: ReplyFlags, ty: u16, cookie: u64, length: usize) -> Result<[u8;
     Ok(StructuredReplyHeader {
         flags,
         reply_type: ty,
-        cookie,
+        cookie: to.cookie,
         length,
+        offset: to.offset,
     }
     .encode())
 }
@@ -287,52 +430,52 @@ fn done(last: bool) -> ReplyFlags {
 }
 
 /// Header of an `OFFSET_DATA` chunk carrying `data_len` bytes at `offset`:
-/// 20-byte chunk header + 8-byte offset. The caller sends `data_len` bytes of
+/// the chunk header + 8-byte offset. The caller sends `data_len` bytes of
 /// data right after (the message body). Fails if `data_len` is 0 or too large.
 pub fn offset_data_header(
-    cookie: u64,
+    to: impl Into<ReplyTo>,
     last: bool,
     offset: u64,
     data_len: u32,
-) -> Result<[u8; 28], ProtoError> {
+) -> Result<ChunkBytes, ProtoError> {
     if data_len == 0 || data_len > u32::MAX - 8 {
         return Err(ProtoError::Invalid("OFFSET_DATA length must be 1..=2^32-9"));
     }
-    let mut b = [0u8; 28];
-    b[..20].copy_from_slice(&header(
+    let mut b = header(
         done(last),
         c::REPLY_TYPE_OFFSET_DATA,
-        cookie,
+        to.into(),
         data_len as usize + 8,
-    )?);
-    b[20..].copy_from_slice(&offset.to_be_bytes());
+    )?;
+    b.push(&offset.to_be_bytes());
     Ok(b)
 }
 
-/// A complete `OFFSET_HOLE` chunk (32 bytes). Fails on a zero-length hole.
+/// A complete `OFFSET_HOLE` chunk. Fails on a zero-length hole.
 pub fn offset_hole(
-    cookie: u64,
+    to: impl Into<ReplyTo>,
     last: bool,
     offset: u64,
     length: u32,
-) -> Result<[u8; 32], ProtoError> {
+) -> Result<ChunkBytes, ProtoError> {
     if length == 0 {
         return Err(ProtoError::Invalid("hole size must be nonzero"));
     }
-    let mut b = [0u8; 32];
-    b[..20].copy_from_slice(&header(done(last), c::REPLY_TYPE_OFFSET_HOLE, cookie, 12)?);
-    b[20..28].copy_from_slice(&offset.to_be_bytes());
-    b[28..].copy_from_slice(&length.to_be_bytes());
+    let mut b = header(done(last), c::REPLY_TYPE_OFFSET_HOLE, to.into(), 12)?;
+    b.push(&offset.to_be_bytes());
+    b.push(&length.to_be_bytes());
     Ok(b)
 }
 
-/// The final `NONE` chunk (20 bytes, `DONE` set).
-pub fn none_chunk(cookie: u64) -> [u8; 20] {
+/// The final `NONE` chunk (`DONE` set).
+pub fn none_chunk(to: impl Into<ReplyTo>) -> ChunkBytes {
+    let to = to.into();
     StructuredReplyHeader {
         flags: ReplyFlags::DONE,
         reply_type: c::REPLY_TYPE_NONE,
-        cookie,
+        cookie: to.cookie,
         length: 0,
+        offset: to.offset,
     }
     .encode()
 }
@@ -350,9 +493,15 @@ fn clip_message(message: &str) -> &str {
 }
 
 /// Append an `ERROR` chunk (message clipped to 4096 bytes).
-pub fn error_chunk(cookie: u64, last: bool, error: ErrorValue, message: &str, out: &mut Vec<u8>) {
+pub fn error_chunk(
+    to: impl Into<ReplyTo>,
+    last: bool,
+    error: ErrorValue,
+    message: &str,
+    out: &mut Vec<u8>,
+) {
     let m = clip_message(message);
-    let hdr = header(done(last), c::REPLY_TYPE_ERROR, cookie, 6 + m.len());
+    let hdr = header(done(last), c::REPLY_TYPE_ERROR, to.into(), 6 + m.len());
     // 6 + 4096 always fits in u32
     if let Ok(h) = hdr {
         out.extend_from_slice(&h);
@@ -364,7 +513,7 @@ pub fn error_chunk(cookie: u64, last: bool, error: ErrorValue, message: &str, ou
 
 /// Append an `ERROR_OFFSET` chunk (message clipped to 4096 bytes).
 pub fn error_offset_chunk(
-    cookie: u64,
+    to: impl Into<ReplyTo>,
     last: bool,
     error: ErrorValue,
     message: &str,
@@ -372,7 +521,12 @@ pub fn error_offset_chunk(
     out: &mut Vec<u8>,
 ) {
     let m = clip_message(message);
-    if let Ok(h) = header(done(last), c::REPLY_TYPE_ERROR_OFFSET, cookie, 14 + m.len()) {
+    if let Ok(h) = header(
+        done(last),
+        c::REPLY_TYPE_ERROR_OFFSET,
+        to.into(),
+        14 + m.len(),
+    ) {
         out.extend_from_slice(&h);
         out.extend_from_slice(&error.to_u32().to_be_bytes());
         out.extend_from_slice(&(m.len() as u16).to_be_bytes());
@@ -381,33 +535,50 @@ pub fn error_offset_chunk(
     }
 }
 
-/// Append one `BLOCK_STATUS` chunk with `extents` as given (no trimming).
-/// Fails if `extents` is empty or contains a zero-length extent.
+/// Append one `BLOCK_STATUS` chunk with `extents` as given (no trimming), or with
+/// extended headers a `BLOCK_STATUS_EXT` chunk. Fails if `extents` is empty, contains a
+/// zero-length extent, or (without extended headers) one longer than 32 bits.
 pub fn block_status_chunk(
-    cookie: u64,
+    to: impl Into<ReplyTo>,
     last: bool,
     context_id: u32,
     extents: &[Extent],
     out: &mut Vec<u8>,
 ) -> Result<(), ProtoError> {
+    let to = to.into();
+    let extended = to.offset.is_some();
     if extents.is_empty() || extents.iter().any(|e| e.length == 0) {
         return Err(ProtoError::Invalid("block status needs nonzero extents"));
     }
+    if !extended && extents.iter().any(|e| e.length > u64::from(u32::MAX)) {
+        return Err(ProtoError::Invalid("extent longer than 32 bits"));
+    }
+    let (ty, fixed, each) = if extended {
+        (c::REPLY_TYPE_BLOCK_STATUS_EXT, 8, 16)
+    } else {
+        (c::REPLY_TYPE_BLOCK_STATUS, 4, 8)
+    };
+    let count =
+        u32::try_from(extents.len()).map_err(|_| ProtoError::Invalid("too many extents"))?;
     let len = extents
         .len()
-        .checked_mul(8)
-        .and_then(|n| n.checked_add(4))
+        .checked_mul(each)
+        .and_then(|n| n.checked_add(fixed))
         .ok_or(ProtoError::Invalid("too many extents"))?;
-    out.extend_from_slice(&header(
-        done(last),
-        c::REPLY_TYPE_BLOCK_STATUS,
-        cookie,
-        len,
-    )?);
+    out.extend_from_slice(&header(done(last), ty, to, len)?);
     out.extend_from_slice(&context_id.to_be_bytes());
+    if extended {
+        out.extend_from_slice(&count.to_be_bytes());
+    }
     for e in extents {
-        out.extend_from_slice(&e.length.to_be_bytes());
-        out.extend_from_slice(&e.flags.to_be_bytes());
+        if extended {
+            out.extend_from_slice(&e.length.to_be_bytes());
+            out.extend_from_slice(&u64::from(e.flags).to_be_bytes());
+        } else {
+            // checked above: fits 32 bits
+            out.extend_from_slice(&(e.length as u32).to_be_bytes());
+            out.extend_from_slice(&e.flags.to_be_bytes());
+        }
     }
     Ok(())
 }
@@ -422,7 +593,7 @@ pub fn block_status_chunk(
 /// Returns an empty vector if no nonzero extent was given.
 pub fn select_extents(
     request_flags: CmdFlags,
-    request_len: u32,
+    request_len: u64,
     extents: &[Extent],
 ) -> Vec<Extent> {
     let mut out = Vec::new();
@@ -437,8 +608,8 @@ pub fn select_extents(
             break;
         }
         out.push(*e);
-        covered += u64::from(e.length);
-        if covered >= u64::from(request_len) {
+        covered = covered.saturating_add(e.length);
+        if covered >= request_len {
             break;
         }
     }
@@ -451,9 +622,9 @@ pub fn select_extents(
 /// Fails (appending nothing) if `contexts` is empty or a context has no
 /// nonzero extent.
 pub fn block_status_reply(
-    cookie: u64,
+    to: impl Into<ReplyTo>,
     request_flags: CmdFlags,
-    request_len: u32,
+    request_len: u64,
     contexts: &[(u32, &[Extent])],
     out: &mut Vec<u8>,
 ) -> Result<(), ProtoError> {
@@ -467,9 +638,14 @@ pub fn block_status_reply(
     if selected.iter().any(|(_, ex)| ex.is_empty()) {
         return Err(ProtoError::Invalid("block status needs nonzero extents"));
     }
+    let to = to.into();
     let n = selected.len();
+    let start = out.len();
     for (i, (id, ex)) in selected.iter().enumerate() {
-        block_status_chunk(cookie, i + 1 == n, *id, ex, out)?;
+        if let Err(e) = block_status_chunk(to, i + 1 == n, *id, ex, out) {
+            out.truncate(start);
+            return Err(e);
+        }
     }
     Ok(())
 }
@@ -507,6 +683,7 @@ mod tests {
             reply_type: c::REPLY_TYPE_ERROR,
             cookie: 3,
             length: 6,
+            offset: None,
         };
         let b = h.encode();
         assert_eq!(&b[..8], &[0x66, 0x8e, 0x33, 0xef, 0, 1, 0x80, 1]);
@@ -585,6 +762,7 @@ mod tests {
             reply_type: ty,
             cookie: 0,
             length: len,
+            offset: None,
         };
         assert!(Chunk::parse(&hdr(c::REPLY_TYPE_NONE, 1, 1), &[0]).is_err());
         assert!(Chunk::parse(&hdr(c::REPLY_TYPE_NONE, 0, 0), &[]).is_err());
@@ -673,10 +851,115 @@ mod tests {
                 }]
             })
         );
+        // Without extended headers an extent cannot be longer than 32 bits.
+        let long = [Extent {
+            length: 1 << 32,
+            flags: 0,
+        }];
         let mut v = Vec::new();
+        assert!(block_status_reply(9, CmdFlags::empty(), 1 << 33, &[(1, &long)], &mut v).is_err());
+        assert!(v.is_empty());
         assert!(block_status_reply(9, CmdFlags::empty(), 1, &[], &mut v).is_err());
         assert!(block_status_reply(9, CmdFlags::empty(), 1, &[(1, &ex[..1])], &mut v).is_err());
         assert!(v.is_empty());
         assert!(block_status_chunk(1, true, 1, &[], &mut v).is_err());
+    }
+
+    fn split_ext(buf: &[u8]) -> (StructuredReplyHeader, &[u8]) {
+        let h = StructuredReplyHeader::parse_as(buf, true).unwrap();
+        (h, &buf[32..])
+    }
+
+    #[test]
+    fn extended_headers_echo_the_offset() {
+        let to = ReplyTo {
+            cookie: 0x0102,
+            offset: Some(0x4000),
+        };
+        let n = none_chunk(to);
+        assert_eq!(
+            *n,
+            [
+                0x6e, 0x8a, 0x27, 0x8c, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 0, 0, 0x40,
+                0, 0, 0, 0, 0, 0, 0, 0, 0
+            ]
+        );
+        let (h, p) = split_ext(&n);
+        assert_eq!(h.offset, Some(0x4000));
+        assert_eq!(Chunk::parse(&h, p), Ok(Chunk::None));
+        // The extended header is not a structured one, and vice versa.
+        assert!(StructuredReplyHeader::parse(&n).is_err());
+        assert!(StructuredReplyHeader::parse_as(&none_chunk(1), true).is_err());
+
+        let mut msg = offset_data_header(to, true, 0x4100, 3).unwrap().to_vec();
+        assert_eq!(msg.len(), 40);
+        msg.extend_from_slice(b"xyz");
+        let (h, p) = split_ext(&msg);
+        assert_eq!(
+            Chunk::parse(&h, p),
+            Ok(Chunk::OffsetData {
+                offset: 0x4100,
+                data: b"xyz"
+            })
+        );
+        assert_eq!(offset_hole(to, false, 0x4000, 9).unwrap().len(), 44);
+
+        // A 64-bit payload length is refused, not truncated.
+        let mut huge = n.to_vec();
+        huge[24..32].copy_from_slice(&(1u64 << 32).to_be_bytes());
+        assert!(matches!(
+            StructuredReplyHeader::parse_as(&huge, true),
+            Err(ProtoError::TooLong { .. })
+        ));
+    }
+
+    #[test]
+    fn extended_block_status() {
+        let to = ReplyTo {
+            cookie: 5,
+            offset: Some(0),
+        };
+        let ex = [
+            Extent {
+                length: 1 << 33,
+                flags: 3,
+            },
+            Extent {
+                length: 512,
+                flags: 0,
+            },
+        ];
+        let mut v = Vec::new();
+        block_status_reply(to, CmdFlags::empty(), 1 << 34, &[(1, &ex)], &mut v).unwrap();
+        let (h, p) = split_ext(&v);
+        assert_eq!(h.reply_type, c::REPLY_TYPE_BLOCK_STATUS_EXT);
+        assert_eq!(h.length, 8 + 2 * 16);
+        assert_eq!(
+            Chunk::parse(&h, p),
+            Ok(Chunk::BlockStatus {
+                context_id: 1,
+                extents: ex.to_vec()
+            })
+        );
+        // Each chunk type belongs to one header style only.
+        let mut compact = Vec::new();
+        block_status_chunk(5, true, 1, &ex[1..], &mut compact).unwrap();
+        let (mut hc, pc) = split(&compact);
+        hc.offset = Some(0);
+        assert!(Chunk::parse(&hc, pc).is_err());
+        let mut he = h;
+        he.offset = None;
+        assert!(Chunk::parse(&he, p).is_err());
+        // The count must match the length, and be nonzero.
+        let mut bad = p.to_vec();
+        bad[7] = 1;
+        assert!(Chunk::parse(&h, &bad).is_err());
+        let mut hz = h;
+        hz.length = 8;
+        assert!(Chunk::parse(&hz, &[0, 0, 0, 1, 0, 0, 0, 0]).is_err());
+        // A 64-bit status cannot be base:allocation's.
+        let mut wide = p.to_vec();
+        wide[16] = 1;
+        assert!(Chunk::parse(&h, &wide).is_err());
     }
 }

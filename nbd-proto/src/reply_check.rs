@@ -52,6 +52,14 @@ pub enum ReplyError {
     /// A block status chunk for `base:allocation` whose extents would run past 2^64.
     #[error("a block status request whose range wraps")]
     Wraps,
+    /// An extended chunk header whose offset is not the request's (it "MUST match").
+    #[error("an extended reply for offset {got}, the request's is {expected}")]
+    WrongOffset {
+        /// The request's offset.
+        expected: u64,
+        /// The offset in the chunk header.
+        got: u64,
+    },
 }
 
 /// What the caller does with one accepted message.
@@ -60,7 +68,7 @@ pub enum ReplyError {
 pub enum Step<'a> {
     /// Copy `payload[src]` into the request's buffer at `dst` (same length, nonempty unless
     /// the read itself is empty). `payload` is what follows the 16-byte simple reply or the
-    /// 20-byte chunk header.
+    /// 20- or 32-byte chunk header.
     Data {
         /// Bytes of the payload to copy.
         src: Range<usize>,
@@ -132,7 +140,7 @@ pub enum Unanswered {
 pub struct ReplyCheck {
     command: Command,
     offset: u64,
-    length: u32,
+    length: u64,
     coverage: ReadCoverage,
     /// Where the next `base:allocation` extent starts.
     next_extent: u64,
@@ -149,7 +157,7 @@ impl ReplyCheck {
             command: req.command,
             offset: req.offset,
             length: req.length,
-            coverage: ReadCoverage::new(req.offset, req.length.into()),
+            coverage: ReadCoverage::new(req.offset, req.length),
             next_extent: req.offset,
             extents: false,
             structured: false,
@@ -178,9 +186,9 @@ impl ReplyCheck {
                 message: &[],
             }
         } else if self.command == Command::Read {
-            if data_len as u64 != u64::from(self.length) {
+            if data_len as u64 != self.length {
                 return Err(ReplyError::ReadLength {
-                    expected: self.length.into(),
+                    expected: self.length,
                     got: data_len as u64,
                 });
             }
@@ -196,8 +204,19 @@ impl ReplyCheck {
         Ok(Accepted { step, done: true })
     }
 
-    /// A structured chunk with its whole payload. `allocation_ctx` is the context id the
-    /// handshake gave `base:allocation` (block status for other contexts is ignored).
+    /// An extended header must echo the request's offset.
+    fn check_offset(&self, header: &StructuredReplyHeader) -> Result<(), ReplyError> {
+        match header.offset {
+            Some(got) if got != self.offset => Err(ReplyError::WrongOffset {
+                expected: self.offset,
+                got,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// A structured or extended chunk with its whole payload. `allocation_ctx` is the context
+    /// id the handshake gave `base:allocation` (block status for other contexts is ignored).
     pub fn chunk<'a>(
         &mut self,
         header: &StructuredReplyHeader,
@@ -207,6 +226,7 @@ impl ReplyCheck {
         if self.done {
             return Err(ReplyError::AfterDone);
         }
+        self.check_offset(header)?;
         let wrong = |chunk| ReplyError::WrongCommand {
             chunk,
             command: self.command,
@@ -241,14 +261,14 @@ impl ReplyCheck {
                 }
                 let end = self
                     .offset
-                    .checked_add(self.length.into())
+                    .checked_add(self.length)
                     .ok_or(ReplyError::Wraps)?;
                 let mut out = Vec::new();
                 for e in extents {
                     if self.next_extent >= end {
                         break;
                     }
-                    let length = u64::from(e.length).min(end - self.next_extent);
+                    let length = e.length.min(end - self.next_extent);
                     out.push(CheckedExtent {
                         offset: self.next_extent,
                         length,
@@ -287,6 +307,7 @@ impl ReplyCheck {
         if self.done {
             return Err(ReplyError::AfterDone);
         }
+        self.check_offset(header)?;
         if header.reply_type != c::REPLY_TYPE_OFFSET_DATA
             || data_len == 0
             || u64::from(header.length) != 8 + data_len as u64
@@ -322,7 +343,7 @@ impl ReplyCheck {
         }
         match self.command {
             Command::Read if !self.coverage.is_complete() => Err(Unanswered::ReadIncomplete {
-                len: self.length.into(),
+                len: self.length,
                 covered: self.coverage.covered(),
             }),
             Command::BlockStatus if !self.extents => Err(Unanswered::NoExtents),
@@ -347,9 +368,12 @@ impl ReplyCheck {
 }
 
 /// The length of the data a successful simple reply to `req` carries (for
-/// [`crate::framing::client_need`]'s `read_len`).
+/// [`crate::framing::client_need`]'s `read_len`); simple replies only exist with compact
+/// requests, whose lengths are 32-bit.
 pub fn simple_data_len(req: &Request) -> Option<u32> {
-    (req.command == Command::Read).then_some(req.length)
+    (req.command == Command::Read)
+        .then(|| u32::try_from(req.length).ok())
+        .flatten()
 }
 
 #[cfg(test)]
@@ -364,7 +388,7 @@ mod tests {
             command,
             cookie: 7,
             offset,
-            length,
+            length: length.into(),
         }
     }
 
@@ -374,6 +398,7 @@ mod tests {
             reply_type,
             cookie: 7,
             length: payload.len() as u32,
+            offset: None,
         }
     }
 
@@ -391,6 +416,7 @@ mod tests {
             reply_type: c::REPLY_TYPE_OFFSET_DATA,
             cookie: 7,
             length,
+            offset: None,
         };
         let a = r.placed_chunk(&h(ReplyFlags::empty(), 208), 4096 + 100, 200);
         assert_eq!(
@@ -561,5 +587,33 @@ mod tests {
             ])
         );
         assert_eq!(b.finish(), Ok(()));
+    }
+
+    #[test]
+    fn extended_chunks_must_echo_the_request_offset() {
+        let mut r = ReplyCheck::new(&req(Command::Read, 4096, 100));
+        let mut h = hdr(
+            ReplyFlags::DONE,
+            c::REPLY_TYPE_OFFSET_DATA,
+            &data(4096, 100),
+        );
+        h.offset = Some(0);
+        assert_eq!(
+            r.chunk(&h, &data(4096, 100), None),
+            Err(ReplyError::WrongOffset {
+                expected: 4096,
+                got: 0
+            })
+        );
+        assert_eq!(
+            r.placed_chunk(&h, 4096, 100),
+            Err(ReplyError::WrongOffset {
+                expected: 4096,
+                got: 0
+            })
+        );
+        h.offset = Some(4096);
+        assert!(r.chunk(&h, &data(4096, 100), None).unwrap().done);
+        assert_eq!(r.finish(), Ok(()));
     }
 }

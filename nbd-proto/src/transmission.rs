@@ -150,8 +150,8 @@ impl ErrorValue {
     }
 }
 
-/// A transmission request header (the `length` bytes of a `WRITE` payload
-/// follow it on the wire and are not part of this repr).
+/// A transmission request header (the payload of a `WRITE` follows it on the
+/// wire and is not part of this repr).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Request {
     /// Command flags.
@@ -162,56 +162,113 @@ pub struct Request {
     pub cookie: u64,
     /// Offset in bytes.
     pub offset: u64,
-    /// Length in bytes.
-    pub length: u32,
+    /// Length in bytes: the payload length of a `WRITE`, else the effect length.
+    /// Above `u32::MAX` only with extended headers.
+    pub length: u64,
+}
+
+/// An encoded request header: 28 bytes compact, 32 bytes extended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestHeader {
+    buf: [u8; c::EXTENDED_REQUEST_LEN],
+    len: usize,
+}
+
+impl core::ops::Deref for RequestHeader {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
 }
 
 impl Request {
-    /// Encode the 28-byte header.
-    pub fn encode(&self) -> [u8; c::REQUEST_LEN] {
-        let mut b = [0u8; c::REQUEST_LEN];
-        b[0..4].copy_from_slice(&c::REQUEST_MAGIC.to_be_bytes());
-        b[4..6].copy_from_slice(&self.flags.bits().to_be_bytes());
-        b[6..8].copy_from_slice(&self.command.to_u16().to_be_bytes());
-        b[8..16].copy_from_slice(&self.cookie.to_be_bytes());
-        b[16..24].copy_from_slice(&self.offset.to_be_bytes());
-        b[24..28].copy_from_slice(&self.length.to_be_bytes());
-        b
+    /// Header length on the wire: compact or `extended`.
+    pub const fn header_len(extended: bool) -> usize {
+        if extended {
+            c::EXTENDED_REQUEST_LEN
+        } else {
+            c::REQUEST_LEN
+        }
     }
 
-    /// Parse a request header from the first 28 bytes of `buf` (extra bytes,
-    /// such as a write payload, are ignored). Fails on short input or bad magic;
-    /// unknown commands and flags are kept for [`validate_request`] to reject.
-    pub fn parse(buf: &[u8]) -> Result<Self, ProtoError> {
-        let b: &[u8; c::REQUEST_LEN] = buf
-            .get(..c::REQUEST_LEN)
-            .and_then(|s| s.try_into().ok())
-            .ok_or(ProtoError::Truncated {
-                need: c::REQUEST_LEN,
-                got: buf.len(),
+    /// Encode the header: compact (28 bytes), or `extended` (32 bytes; a `WRITE` should
+    /// then carry `NBD_CMD_FLAG_PAYLOAD_LEN` in `flags`, as the spec says). The flags are sent as given, so
+    /// that tests can send what a server must refuse. A compact header cannot carry a
+    /// length above `u32::MAX`.
+    pub fn encode(&self, extended: bool) -> Result<RequestHeader, ProtoError> {
+        let mut buf = [0u8; c::EXTENDED_REQUEST_LEN];
+        let magic = if extended {
+            buf[24..32].copy_from_slice(&self.length.to_be_bytes());
+            c::EXTENDED_REQUEST_MAGIC
+        } else {
+            let length = u32::try_from(self.length).map_err(|_| ProtoError::TooLong {
+                what: "compact request",
+                len: self.length,
+                limit: u32::MAX.into(),
             })?;
-        let magic = u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
-        if magic != c::REQUEST_MAGIC {
+            buf[24..28].copy_from_slice(&length.to_be_bytes());
+            c::REQUEST_MAGIC
+        };
+        buf[0..4].copy_from_slice(&magic.to_be_bytes());
+        buf[4..6].copy_from_slice(&self.flags.bits().to_be_bytes());
+        buf[6..8].copy_from_slice(&self.command.to_u16().to_be_bytes());
+        buf[8..16].copy_from_slice(&self.cookie.to_be_bytes());
+        buf[16..24].copy_from_slice(&self.offset.to_be_bytes());
+        Ok(RequestHeader {
+            buf,
+            len: Self::header_len(extended),
+        })
+    }
+
+    /// Parse a compact (or, with `extended`, an extended) request header from the start
+    /// of `buf` (extra bytes, such as a write payload, are ignored). Fails on short input
+    /// or the other style's magic; unknown commands and flags are kept for
+    /// [`validate_request`] to reject.
+    pub fn parse(buf: &[u8], extended: bool) -> Result<Self, ProtoError> {
+        let need = Self::header_len(extended);
+        let mut r = crate::wire::Reader::new(buf);
+        let (Some(magic), Some(flags), Some(command), Some(cookie), Some(offset)) =
+            (r.u32(), r.u16(), r.u16(), r.u64(), r.u64())
+        else {
+            return Err(ProtoError::Truncated {
+                need,
+                got: buf.len(),
+            });
+        };
+        let (expected, length) = if extended {
+            (c::EXTENDED_REQUEST_MAGIC, r.u64())
+        } else {
+            (c::REQUEST_MAGIC, r.u32().map(u64::from))
+        };
+        let Some(length) = length else {
+            return Err(ProtoError::Truncated {
+                need,
+                got: buf.len(),
+            });
+        };
+        if magic != expected {
             return Err(ProtoError::BadMagic {
-                expected: c::REQUEST_MAGIC.into(),
+                expected: expected.into(),
                 found: magic.into(),
             });
         }
         Ok(Self {
-            flags: CmdFlags(u16::from_be_bytes([b[4], b[5]])),
-            command: Command::from_u16(u16::from_be_bytes([b[6], b[7]])),
-            cookie: u64::from_be_bytes([b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]]),
-            offset: u64::from_be_bytes([b[16], b[17], b[18], b[19], b[20], b[21], b[22], b[23]]),
-            length: u32::from_be_bytes([b[24], b[25], b[26], b[27]]),
+            flags: CmdFlags(flags),
+            command: Command::from_u16(command),
+            cookie,
+            offset,
+            length,
         })
     }
 
-    /// Bytes of payload that follow this header on the wire (`length` for `WRITE`, else 0).
-    pub const fn payload_len(&self) -> u32 {
-        match self.command {
-            Command::Write => self.length,
-            _ => 0,
-        }
+    /// Bytes of payload that follow this header on the wire: `length` for a `WRITE`, or
+    /// for an extended request with `NBD_CMD_FLAG_PAYLOAD_LEN`; else 0. An extended `WRITE`
+    /// without the flag still has its payload: qemu (10) sends them so, and qemu-nbd reads
+    /// them so.
+    pub const fn payload_len(&self, extended: bool) -> u64 {
+        let has_payload = matches!(self.command, Command::Write)
+            || (extended && self.flags.contains(CmdFlags::PAYLOAD_LEN));
+        if has_payload { self.length } else { 0 }
     }
 }
 
@@ -232,6 +289,8 @@ pub struct TransmissionInfo {
     /// longer `DF` reads get `EOVERFLOW`. The spec requires at least 65,536;
     /// values above `u32::MAX - 8` are clamped, as one chunk cannot carry more.
     pub df_max_len: u32,
+    /// Extended headers negotiated (`NBD_CMD_FLAG_PAYLOAD_LEN` marks a WRITE's payload).
+    pub extended_headers: bool,
 }
 
 impl TransmissionInfo {
@@ -245,6 +304,7 @@ impl TransmissionInfo {
             has_meta_context: false,
             block_size: BlockSize::DEFAULT,
             df_max_len: u32::MAX,
+            extended_headers: false,
         }
     }
 }
@@ -265,7 +325,8 @@ impl TransmissionInfo {
 /// 3. Unknown flag, or flag not documented for the command, or not enabled by
 ///    negotiation (`FUA` needs `SEND_FUA`; `DF` only on `READ` and needs `SEND_DF`;
 ///    `NO_HOLE` only on `WRITE_ZEROES`; `FAST_ZERO` only on `WRITE_ZEROES` and needs
-///    `SEND_FAST_ZERO`; `REQ_ONE` only on `BLOCK_STATUS`) → `EINVAL`.
+///    `SEND_FAST_ZERO`; `REQ_ONE` only on `BLOCK_STATUS`; `PAYLOAD_LEN` only on
+///    `WRITE` with extended headers) → `EINVAL`.
 /// 4. `WRITE`/`TRIM`/`WRITE_ZEROES`/`RESIZE` on a read-only export → `EPERM`, checked
 ///    before all the others (also where the command is not advertised, as qemu-nbd does).
 /// 5. `FLUSH` with nonzero offset or length → `EINVAL` (they "MUST be set to all-zero").
@@ -340,6 +401,11 @@ pub fn validate_request(req: &Request, info: &TransmissionInfo) -> Result<(), Er
     if f.contains(CmdFlags::REQ_ONE) && req.command != C::BlockStatus {
         return Err(ErrorValue::Inval);
     }
+    // With extended headers only a WRITE may say it carries a payload (no optional payload
+    // form, such as BLOCK_STATUS's, is implemented); without them the flag does not exist.
+    if f.contains(CmdFlags::PAYLOAD_LEN) && !(info.extended_headers && req.command == C::Write) {
+        return Err(ErrorValue::Inval);
+    }
 
     match req.command {
         // 5.
@@ -356,7 +422,7 @@ pub fn validate_request(req: &Request, info: &TransmissionInfo) -> Result<(), Er
 
     // 6. alignment
     let min = u64::from(info.block_size.min.max(1));
-    if !req.offset.is_multiple_of(min) || !u64::from(req.length).is_multiple_of(min) {
+    if !req.offset.is_multiple_of(min) || !req.length.is_multiple_of(min) {
         return Err(ErrorValue::Inval);
     }
 
@@ -366,12 +432,12 @@ pub fn validate_request(req: &Request, info: &TransmissionInfo) -> Result<(), Er
         C::WriteZeroes => !f.contains(CmdFlags::FAST_ZERO),
         _ => false,
     };
-    if len_capped && req.length > info.block_size.max {
+    if len_capped && req.length > u64::from(info.block_size.max) {
         return Err(ErrorValue::Inval);
     }
 
     // 8. DF overflow
-    if f.contains(CmdFlags::DF) && req.length > info.df_max_len.min(u32::MAX - 8) {
+    if f.contains(CmdFlags::DF) && req.length > u64::from(info.df_max_len.min(u32::MAX - 8)) {
         return Err(ErrorValue::Overflow);
     }
 
@@ -383,7 +449,7 @@ pub fn validate_request(req: &Request, info: &TransmissionInfo) -> Result<(), Er
     // 9. bounds
     let in_bounds = req
         .offset
-        .checked_add(u64::from(req.length))
+        .checked_add(req.length)
         .is_some_and(|end| end <= info.size);
     if !in_bounds {
         return Err(match req.command {
@@ -405,7 +471,7 @@ mod tests {
             command,
             cookie: 7,
             offset,
-            length,
+            length: length.into(),
         }
     }
 
@@ -435,32 +501,124 @@ mod tests {
             offset: 0x1000,
             length: 512,
         };
-        let b = r.encode();
+        let b = r.encode(false).unwrap();
         assert_eq!(
-            b,
+            *b,
             [
                 0x25, 0x60, 0x95, 0x13, 0, 1, 0, 1, 1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 0, 0, 0, 0, 0x10,
                 0, 0, 0, 2, 0
             ]
         );
-        assert_eq!(Request::parse(&b), Ok(r));
-        assert_eq!(r.payload_len(), 512);
+        assert_eq!(Request::parse(&b, false), Ok(r));
+        assert_eq!(r.payload_len(false), 512);
         for v in 0..=20u16 {
             let r = req(Command::from_u16(v), 0xffff, u64::MAX, u32::MAX);
-            assert_eq!(Request::parse(&r.encode()), Ok(r));
+            assert_eq!(Request::parse(&r.encode(false).unwrap(), false), Ok(r));
+            assert_eq!(Request::parse(&r.encode(true).unwrap(), true), Ok(r));
             assert_eq!(Command::from_u16(v).to_u16(), v);
         }
-        assert_eq!(req(Command::Read, 0, 0, 9).payload_len(), 0);
+        assert_eq!(req(Command::Read, 0, 0, 9).payload_len(false), 0);
+    }
+
+    #[test]
+    fn extended_request_bytes_and_lengths() {
+        let r = Request {
+            flags: CmdFlags::PAYLOAD_LEN,
+            command: Command::Write,
+            cookie: 0x0102_0304_0506_0708,
+            offset: 0x1000,
+            length: 512,
+        };
+        let b = r.encode(true).unwrap();
+        assert_eq!(
+            *b,
+            [
+                0x21, 0xe4, 0x1c, 0x71, 0, 0x20, 0, 1, 1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 0, 0, 0, 0,
+                0x10, 0, 0, 0, 0, 0, 0, 0, 2, 0
+            ]
+        );
+        assert_eq!(r.payload_len(true), 512);
+        // Without PAYLOAD_LEN an extended length is an effect length: no payload.
+        let trim = Request {
+            flags: CmdFlags::empty(),
+            command: Command::Trim,
+            length: 1 << 40,
+            ..r
+        };
+        assert_eq!(trim.payload_len(true), 0);
+        assert_eq!(Request::parse(&trim.encode(true).unwrap(), true), Ok(trim));
+        assert!(matches!(
+            trim.encode(false),
+            Err(ProtoError::TooLong { len, .. }) if len == 1 << 40
+        ));
+        // Each style refuses the other's magic.
+        assert!(matches!(
+            Request::parse(&trim.encode(true).unwrap(), false),
+            Err(ProtoError::BadMagic { .. })
+        ));
+        assert!(matches!(
+            Request::parse(
+                &[
+                    0x25, 0x60, 0x95, 0x13, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                    0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+                ],
+                true
+            ),
+            Err(ProtoError::BadMagic { .. })
+        ));
+        assert!(matches!(
+            Request::parse(&[0; 31], true),
+            Err(ProtoError::Truncated { need: 32, got: 31 })
+        ));
+    }
+
+    #[test]
+    fn payload_len_flag_follows_the_header_style() {
+        let mut ext = full_info();
+        ext.extended_headers = true;
+        ext.size = 1 << 50;
+        let big_trim = Request {
+            length: 1 << 40,
+            ..req(Command::Trim, 0, 0, 0)
+        };
+        assert_eq!(validate_request(&big_trim, &ext), Ok(()));
+        assert_eq!(
+            validate_request(&req(Command::Write, 0x20, 0, 512), &ext),
+            Ok(())
+        );
+        // as qemu sends them
+        assert_eq!(
+            validate_request(&req(Command::Write, 0, 0, 512), &ext),
+            Ok(())
+        );
+        assert_eq!(req(Command::Write, 0, 0, 512).payload_len(true), 512);
+        for r in [
+            req(Command::Read, 0x20, 0, 512),      // payload on READ
+            req(Command::BlockStatus, 0x20, 0, 8), // optional payload form not implemented
+        ] {
+            assert_eq!(validate_request(&r, &ext), Err(ErrorValue::Inval), "{r:?}");
+        }
+        // A 64-bit READ exceeds the maximum block size.
+        let big_read = Request {
+            length: 1 << 33,
+            ..req(Command::Read, 0, 0, 0)
+        };
+        assert_eq!(validate_request(&big_read, &ext), Err(ErrorValue::Inval));
+        // Compact: the flag does not exist.
+        assert_eq!(
+            validate_request(&req(Command::Write, 0x20, 0, 512), &full_info()),
+            Err(ErrorValue::Inval)
+        );
     }
 
     #[test]
     fn request_parse_errors() {
         assert!(matches!(
-            Request::parse(&[0; 27]),
+            Request::parse(&[0; 27], false),
             Err(ProtoError::Truncated { need: 28, got: 27 })
         ));
         assert!(matches!(
-            Request::parse(&[0; 28]),
+            Request::parse(&[0; 28], false),
             Err(ProtoError::BadMagic { .. })
         ));
     }

@@ -16,7 +16,6 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
@@ -24,12 +23,12 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use nbd_proto::consts as c;
 use nbd_proto::flags::CmdFlags;
-use nbd_proto::framing::ServerPhase;
 use nbd_proto::handshake::server::{ServerEvent, ServerHandshake, ServerNegotiated};
-use nbd_proto::reply::{self, SimpleReply};
+use nbd_proto::reply::{self, ReplyTo, SimpleReply};
 use nbd_proto::transmission::{Command, ErrorValue, Request, TransmissionInfo, validate_request};
 use qpip_core::{
-    Access, Completion, CompletionQueue, MemoryRegion, Opcode, QueuePair, RecvWr, SendWr, WcStatus,
+    Access, Completion, CompletionQueue, Endpoint, MemoryRegion, Opcode, QueuePair, RecvWr, SendWr,
+    WcStatus,
 };
 
 use crate::backend::Pending;
@@ -43,6 +42,8 @@ use crate::shared::ServerShared;
 pub const RECV_SLOTS: usize = 32;
 /// Largest payload piece placed in one receive WR (longer writes arrive in pieces).
 pub const CHUNK: usize = 1 << 20;
+/// A receive slot: the longest request header (extended) and a payload piece.
+pub const SLOT_LEN: usize = c::EXTENDED_REQUEST_LEN + CHUNK;
 /// Reply header slots: one per reply in flight.
 const REPLY_SLOTS: usize = 64;
 const REPLY_SLOT_LEN: usize = 512;
@@ -67,7 +68,7 @@ pub struct Connection {
     qp: QueuePair,
     cq: CompletionQueue,
     phase: Arc<AtomicU8>,
-    peer: SocketAddr,
+    peer: Endpoint,
     /// Completions read while waiting for something else (a free reply slot).
     stash: VecDeque<Completion>,
     /// Handshake replies in flight, kept alive until their send completes.
@@ -94,7 +95,7 @@ impl Connection {
         qp: QueuePair,
         cq: CompletionQueue,
         phase: Arc<AtomicU8>,
-        peer: SocketAddr,
+        peer: Endpoint,
         evict: Arc<AtomicBool>,
     ) -> Self {
         Connection {
@@ -118,12 +119,12 @@ impl Connection {
         };
         // Only clients past the handshake count toward --max-connections; the final reply
         // has not gone out, so a refused client sees the connection close in the handshake.
-        let Some(_place) = self.shared.admit(self.peer) else {
+        let Some(_place) = self.shared.admit(&self.peer) else {
             self.qp.close();
             return Ok(());
         };
         let export = self.shared.exports[neg.export_index].clone();
-        tracing::info!(peer = %self.peer, export = %export.name, structured = neg.structured_replies, "client connected");
+        tracing::info!(peer = %self.peer, export = %export.name, structured = neg.structured_replies, extended = neg.extended_headers, tls = neg.tls, "client connected");
         let t = Transmission::new(&mut self, export, &neg)?;
         // The receive slots are posted before the reply that lets the client send requests.
         t.conn.send_bytes(&last_reply)?;
@@ -193,6 +194,27 @@ impl Connection {
         Ok(())
     }
 
+    /// NBD_OPT_STARTTLS: the ACK goes out in plaintext, then the NIC switches the connection
+    /// to TLS (no receive WR is posted meanwhile, so nothing is read in plaintext).
+    fn start_tls(&mut self, ack: &[u8], deadline: Instant) -> Result<()> {
+        let Some(config) = self.shared.tls.clone() else {
+            bail!("STARTTLS acknowledged without TLS credentials");
+        };
+        self.send_bytes(ack)?;
+        while !self.handshake_sends.is_empty() {
+            let c = self.wait_one(deadline, "the STARTTLS reply")?;
+            if c.opcode == Opcode::Send {
+                self.on_handshake_send(&c)?;
+            }
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        self.qp
+            .start_tls(config, left.max(Duration::from_millis(1)))
+            .context("TLS handshake")?;
+        tracing::debug!(peer = %self.peer, "TLS established");
+        Ok(())
+    }
+
     /// Runs the handshake. Returns the negotiated export and the final reply (not yet sent),
     /// or None when the client ended it (ABORT, or a LIST/INFO-only session).
     fn handshake(&mut self) -> Result<Option<(ServerNegotiated, Vec<u8>)>> {
@@ -230,8 +252,12 @@ impl Connection {
                 }
                 ServerEvent::Done(neg) => {
                     self.phase
-                        .store(ServerPhase::Transmission.to_u8(), Ordering::Release);
+                        .store(neg.transmission_phase().to_u8(), Ordering::Release);
                     return Ok(Some((*neg, out)));
+                }
+                ServerEvent::StartTls => {
+                    self.start_tls(&out, deadline)?;
+                    self.qp.post_recv(RecvWr::new(0, &[rbuf.sge(0, max)]))?;
                 }
                 ServerEvent::Abort => {
                     self.send_bytes(&out)?;
@@ -268,6 +294,8 @@ struct Transmission<'a> {
     export: Arc<Export>,
     info: TransmissionInfo,
     structured: bool,
+    /// Extended headers: 32-byte requests, extended reply chunks only.
+    extended: bool,
     allocation_ctx: Option<u32>,
     recv_mr: MemoryRegion,
     stride: usize,
@@ -302,7 +330,7 @@ impl Drop for Transmission<'_> {
 
 impl<'a> Transmission<'a> {
     fn new(conn: &'a mut Connection, export: Arc<Export>, neg: &ServerNegotiated) -> Result<Self> {
-        let stride = c::REQUEST_LEN + CHUNK;
+        let stride = SLOT_LEN;
         let recv_mr = conn
             .shared
             .nic
@@ -328,6 +356,7 @@ impl<'a> Transmission<'a> {
             export,
             info: neg.transmission_info(),
             structured: neg.structured_replies,
+            extended: neg.extended_headers,
             allocation_ctx,
             recv_mr,
             stride,
@@ -529,13 +558,17 @@ impl<'a> Transmission<'a> {
             self.pending_write = Some(pw);
             return self.on_message_done_write();
         }
-        let mut hdr = [0u8; c::REQUEST_LEN];
+        let mut hdr = [0u8; c::EXTENDED_REQUEST_LEN];
+        let hdr = &mut hdr[..Request::header_len(self.extended)];
         if len < hdr.len() {
             bail!("short request ({len} bytes)");
         }
-        self.recv_mr.read_at(base, &mut hdr);
-        let req = Request::parse(&hdr).context("request header")?;
-        let body_len = len - c::REQUEST_LEN;
+        self.recv_mr.read_at(base, hdr);
+        let req = Request::parse(hdr, self.extended).context("request header")?;
+        let hdr_len = hdr.len();
+        let body_len = len - hdr_len;
+        // Extended headers let any command carry a payload (refused once it has been read).
+        let has_payload = req.command == Command::Write || req.payload_len(self.extended) > 0;
         let valid = validate_request(&req, &self.info);
         tracing::trace!(peer = %self.conn.peer, ?req, ?valid, "request");
         // Reads come after the writes before them are done and answered; every other
@@ -552,12 +585,14 @@ impl<'a> Transmission<'a> {
             self.conn.qp.close();
             return Ok(false);
         }
-        if self.shutdown_since.is_some() && !matches!(req.command, Command::Flush | Command::Write)
+        if self.shutdown_since.is_some()
+            && !has_payload
+            && !matches!(req.command, Command::Flush | Command::Write)
         {
             self.reply(&req, Err(ErrorValue::Shutdown))?;
             return Ok(true);
         }
-        if req.command == Command::Write {
+        if has_payload {
             let mut pw = PendingWrite {
                 req,
                 received: 0,
@@ -565,7 +600,7 @@ impl<'a> Transmission<'a> {
                 pieces: Vec::new(),
             };
             if pw.error.is_none() && body_len > 0 {
-                self.write_piece(&mut pw, base + c::REQUEST_LEN, body_len, req.offset);
+                self.write_piece(&mut pw, base + hdr_len, body_len, req.offset);
             }
             pw.received = body_len as u64;
             self.pending_write = Some(pw);
@@ -590,7 +625,7 @@ impl<'a> Transmission<'a> {
         let Some(pw) = self.pending_write.take() else {
             return Ok(true);
         };
-        if pw.received < u64::from(pw.req.length) {
+        if pw.received < pw.req.payload_len(self.extended) {
             self.pending_write = Some(pw);
             return Ok(true);
         }
@@ -638,7 +673,7 @@ impl<'a> Transmission<'a> {
             }
             Command::Flush => io(image.flush()).map(|()| None),
             Command::Trim => {
-                io(image.trim(req.offset, u64::from(req.length)))?;
+                io(image.trim(req.offset, req.length))?;
                 if fua {
                     io(image.flush())?;
                 }
@@ -647,7 +682,7 @@ impl<'a> Transmission<'a> {
             Command::WriteZeroes => {
                 let may_write = !req.flags.contains(CmdFlags::FAST_ZERO);
                 let done = image
-                    .write_zeroes(req.offset, u64::from(req.length), may_write)
+                    .write_zeroes(req.offset, req.length, may_write)
                     .map_err(|e| io_error_value(&e))?;
                 if !done {
                     return Err(ErrorValue::NotSup);
@@ -657,7 +692,7 @@ impl<'a> Transmission<'a> {
                 }
                 Ok(None)
             }
-            Command::Cache => io(image.prefetch(req.offset, u64::from(req.length))).map(|()| None),
+            Command::Cache => io(image.prefetch(req.offset, req.length)).map(|()| None),
             Command::BlockStatus => {
                 self.send_block_status(req)?;
                 Ok(Some(()))
@@ -706,6 +741,11 @@ impl<'a> Transmission<'a> {
         Ok(slot)
     }
 
+    /// Whom the chunks of `req`'s reply answer (extended chunks echo its offset).
+    fn to(&self, req: &Request) -> ReplyTo {
+        ReplyTo::new(req, self.extended)
+    }
+
     /// The reply to a request without data: success, or the error.
     fn reply(&mut self, req: &Request, result: Result<(), ErrorValue>) -> Result<()> {
         let mut out = Vec::with_capacity(64);
@@ -724,15 +764,17 @@ impl<'a> Transmission<'a> {
                 }
                 .encode(),
             ),
-            (Ok(()), true) => out.extend_from_slice(&reply::none_chunk(req.cookie)),
-            (Err(e), true) => reply::error_chunk(req.cookie, true, e, &format!("{e:?}"), &mut out),
+            (Ok(()), true) => out.extend_from_slice(&reply::none_chunk(self.to(req))),
+            (Err(e), true) => {
+                reply::error_chunk(self.to(req), true, e, &format!("{e:?}"), &mut out)
+            }
         }
         self.post_reply(&out, None).map(drop)
     }
 
     /// READ: the reply header from a slot, the data straight from the image's mapping.
     fn send_read(&mut self, req: &Request) -> Result<(), ErrorValue> {
-        let end = req.offset + u64::from(req.length); // validated against the size
+        let end = req.offset + req.length; // validated against the size
         if !self.export.image.still_holds(end).unwrap_or(false) {
             tracing::warn!(export = %self.export.name, "read at {} of {} bytes: {} is shorter than that now (truncated by another process?)", req.offset, req.length, self.export.image.location());
             return Err(ErrorValue::Io);
@@ -780,7 +822,8 @@ impl<'a> Transmission<'a> {
             (None, None) => bail!("empty image"),
         };
         let slot = if self.structured {
-            let hdr = reply::offset_data_header(req.cookie, true, req.offset, req.length)?;
+            // validated: at most the maximum block size, a u32
+            let hdr = reply::offset_data_header(self.to(req), true, req.offset, req.length as u32)?;
             self.post_reply(&hdr, Some(data))?
         } else {
             let hdr = SimpleReply {
@@ -801,7 +844,7 @@ impl<'a> Transmission<'a> {
         let extents = self
             .export
             .image
-            .extents(req.offset, u64::from(req.length))
+            .extents(req.offset, req.length)
             .map_err(|e| io_error_value(&e))?;
         let mut wire = Vec::new();
         for e in extents {
@@ -815,15 +858,21 @@ impl<'a> Transmission<'a> {
                 // Extents of at most 2 GiB, block aligned.
                 let piece = left.min(1 << 31) as u32;
                 wire.push(reply::Extent {
-                    length: piece,
+                    length: piece.into(),
                     flags,
                 });
                 left -= u64::from(piece);
             }
         }
         let mut out = Vec::new();
-        reply::block_status_reply(req.cookie, req.flags, req.length, &[(ctx, &wire)], &mut out)
-            .map_err(|_| ErrorValue::Io)?;
+        reply::block_status_reply(
+            self.to(req),
+            req.flags,
+            req.length,
+            &[(ctx, &wire)],
+            &mut out,
+        )
+        .map_err(|_| ErrorValue::Io)?;
         self.post_reply(&out, None).map(drop).map_err(|e| {
             tracing::warn!("block status reply: {e:#}");
             ErrorValue::Io

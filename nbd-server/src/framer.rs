@@ -36,7 +36,11 @@ impl Framer for ServerFramer {
     fn frame(&mut self, header: &[u8]) -> Frame {
         let phase = ServerPhase::from_u8(self.phase.load(Ordering::Acquire))
             .unwrap_or(ServerPhase::Transmission);
-        if phase == ServerPhase::Transmission && self.pending > 0 {
+        let transmission = matches!(
+            phase,
+            ServerPhase::Transmission | ServerPhase::TransmissionExtended
+        );
+        if transmission && self.pending > 0 {
             let n = self.pending.min(self.chunk as u64);
             self.pending -= n;
             return Frame::Message {
@@ -81,21 +85,35 @@ mod tests {
 
     #[test]
     fn large_writes_come_in_chunks_then_requests_resume() {
-        let phase = Arc::new(AtomicU8::new(ServerPhase::Transmission.to_u8()));
+        for (phase, extended) in [
+            (ServerPhase::Transmission, false),
+            (ServerPhase::TransmissionExtended, true),
+        ] {
+            large_write(phase, extended);
+        }
+    }
+
+    fn large_write(phase: ServerPhase, extended: bool) {
+        let phase = Arc::new(AtomicU8::new(phase.to_u8()));
         let mut f = ServerFramer::new(phase, FrameLimits::default(), 1000);
         let write = Request {
-            flags: CmdFlags::empty(),
+            flags: if extended {
+                CmdFlags::PAYLOAD_LEN
+            } else {
+                CmdFlags::empty()
+            },
             command: Command::Write,
             cookie: 1,
             offset: 0,
             length: 2500,
         };
-        let hdr = write.encode();
-        assert_eq!(f.frame(&hdr[..10]), Frame::NeedHeader(28));
+        let hdr = write.encode(extended).unwrap();
+        let header_len = Request::header_len(extended);
+        assert_eq!(f.frame(&hdr[..10]), Frame::NeedHeader(header_len));
         assert_eq!(
             f.frame(&hdr),
             Frame::Message {
-                header_len: 28,
+                header_len,
                 strip: 0,
                 body_len: 1000
             }
@@ -117,14 +135,15 @@ mod tests {
             }
         );
         let read = Request {
+            flags: CmdFlags::empty(),
             command: Command::Read,
             cookie: 2,
             ..write
         };
         assert_eq!(
-            f.frame(&read.encode()),
+            f.frame(&read.encode(extended).unwrap()),
             Frame::Message {
-                header_len: 28,
+                header_len,
                 strip: 0,
                 body_len: 0
             }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use nbd_proto::handshake::TlsMode;
 use nbd_server::backend::Backend;
 use nbd_server::config::{Config, ExportConfig, parse_listen, parse_size};
 use nbd_server::daemon;
@@ -17,8 +18,8 @@ use nbd_server::image::{Format, Image};
 use nbd_server::server::{Server, ServerOptions};
 use qpip_cli::BackendArgs;
 use qpip_cli::logging::LogArgs;
-use qpip_core::Nic;
 use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
+use qpip_core::{Endpoint, Nic, TlsConfig, TlsCredentials};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -58,6 +59,14 @@ struct Cli {
     /// nbdkit spell it; repeat for several.
     #[arg(short, long, value_name = "ADDR")]
     bind: Vec<String>,
+    /// Listen on a Unix-domain socket at PATH (qemu-nbd's -k, nbdkit's --unix), created
+    /// readable and writable by the server's user only and removed when the server exits; a
+    /// stale socket left there by a dead server is replaced. Clients connect with
+    /// nbd+unix:///EXPORT?socket=PATH. Alone, the server listens on no TCP address; add
+    /// --listen/--port/--bind for both. The soft NIC only (the LANai reaches its fabric only).
+    /// (-U is --force-share, as in qemu-img and qemu-io.)
+    #[arg(short = 'k', long, visible_alias = "unix", value_name = "PATH")]
+    socket: Option<PathBuf>,
     /// An export: NAME=PATH of an image file or block device, or NAME=rbd:POOL/IMAGE[@SNAP]
     /// of a Ceph RBD image (see --ceph-conf; a snapshot is served read-only); repeat for
     /// several.
@@ -136,11 +145,30 @@ struct Cli {
     #[arg(long, value_name = "FILE")]
     pid_file: Option<PathBuf>,
     /// Captive mode, as nbdkit's: once serving, run CMD with `sh -c`, where $uri (and $nbd)
-    /// is the default export's nbd://HOST:PORT/EXPORT and $port the port; the server shuts
+    /// is the default export's nbd://HOST:PORT/EXPORT and $port the port (with only
+    /// --socket: nbd+unix:///EXPORT?socket=PATH and $unixsocket); the server shuts
     /// down when CMD exits and exits with CMD's status. With --run and no address given, it
     /// listens on 127.0.0.1 at a free port.
     #[arg(long, value_name = "CMD")]
     run: Option<String>,
+    /// TLS, as nbdkit's --tls: off; on (offered: a client may upgrade with STARTTLS or stay
+    /// in plaintext); require (every option before STARTTLS is refused with
+    /// NBD_REP_ERR_TLS_REQD). Default: require when --tls-certs or --tls-psk is given, else
+    /// off. The soft NIC's engine does the TLS record layer; the LANai backend has no TLS.
+    #[arg(long, value_enum, value_name = "MODE")]
+    tls: Option<TlsArg>,
+    /// X.509 credentials: a directory holding ca-cert.pem, server-cert.pem and
+    /// server-key.pem (the layout of qemu's tls-creds-x509 and nbdkit's --tls-certificates).
+    #[arg(long, value_name = "DIR")]
+    tls_certs: Option<PathBuf>,
+    /// With --tls-certs: accept only clients presenting a certificate signed by its
+    /// ca-cert.pem.
+    #[arg(long, requires = "tls_certs")]
+    tls_verify_peer: bool,
+    /// Pre-shared keys instead of certificates: a file in psktool's format (IDENTITY:HEXKEY
+    /// per line); a client with any of them may connect.
+    #[arg(long, value_name = "FILE", conflicts_with = "tls_certs")]
+    tls_psk: Option<PathBuf>,
     /// Shut down (as on SIGTERM) when the process that started the server exits.
     #[arg(long)]
     exit_with_parent: bool,
@@ -149,6 +177,58 @@ struct Cli {
     log: LogArgs,
     #[command(flatten)]
     backend: BackendArgs,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum TlsArg {
+    Off,
+    On,
+    Require,
+}
+
+/// The TLS mode and the NIC's credentials, checked (files loaded) before anything starts.
+fn tls_setup(cli: &Cli) -> Result<(TlsMode, Option<TlsConfig>)> {
+    let credentials = match (&cli.tls_certs, &cli.tls_psk) {
+        (Some(dir), _) => {
+            let ca = dir.join("ca-cert.pem");
+            Some((
+                format!("--tls-certs {}", dir.display()),
+                TlsCredentials::X509 {
+                    // Only a verifying server needs the CA.
+                    ca: (cli.tls_verify_peer || ca.exists()).then_some(ca),
+                    cert: Some(dir.join("server-cert.pem")),
+                    key: Some(dir.join("server-key.pem")),
+                    verify_peer: cli.tls_verify_peer,
+                },
+            ))
+        }
+        (None, Some(file)) => Some((
+            format!("--tls-psk {}", file.display()),
+            TlsCredentials::Psk {
+                keys: qpip_core::tls::read_psk_file(file, None).context("--tls-psk")?,
+            },
+        )),
+        (None, None) => None,
+    };
+    let mode = match (cli.tls, &credentials) {
+        (Some(TlsArg::Off), None) | (None, None) => TlsMode::Off,
+        (Some(TlsArg::Off), Some((what, _))) => bail!("--tls off does not go with {what}"),
+        (Some(_), None) => {
+            bail!("--tls on and --tls require need --tls-certs DIR or --tls-psk FILE")
+        }
+        (Some(TlsArg::On), Some(_)) => TlsMode::On,
+        (Some(TlsArg::Require) | None, Some(_)) => TlsMode::Require,
+    };
+    let Some((what, credentials)) = credentials else {
+        return Ok((mode, None));
+    };
+    let config = TlsConfig {
+        server: true,
+        credentials,
+        server_name: None,
+    };
+    qpip_core::soft::check_tls(&config).with_context(|| what.clone())?;
+    Ok((mode, Some(config)))
 }
 
 fn split_pair<'a>(s: &'a str, what: &str) -> Result<(&'a str, &'a str)> {
@@ -234,10 +314,14 @@ fn run(cli: Cli) -> Result<i32> {
     }
     // Before any thread is started (the NIC is opened below).
     let activated = daemon::socket_activation()?;
-    if activated.is_some() && (!cli.listen.is_empty() || cli.port.is_some() || !cli.bind.is_empty())
+    if activated.is_some()
+        && (!cli.listen.is_empty()
+            || cli.port.is_some()
+            || !cli.bind.is_empty()
+            || cli.socket.is_some())
     {
         bail!(
-            "socket activation (LISTEN_FDS) passes the sockets: --listen, --port and --bind do not go with it"
+            "socket activation (LISTEN_FDS) passes the sockets: --listen, --port, --bind and --socket do not go with it"
         );
     }
     let mut cfg = match &cli.config {
@@ -290,10 +374,12 @@ fn run(cli: Cli) -> Result<i32> {
         };
         cfg.listen.push(format!("{host}:{port}"));
     }
-    if cfg.listen.is_empty() && cli.run.is_some() && cli.port.is_none() {
+    // A Unix socket alone: no TCP address unless one is asked for.
+    let tcp = !cfg.listen.is_empty() || cli.port.is_some() || cli.socket.is_none();
+    if cfg.listen.is_empty() && tcp && cli.run.is_some() && cli.port.is_none() {
         cfg.listen = vec!["127.0.0.1:0".into()]; // captive: a free port, no clash
     }
-    if cfg.listen.is_empty() {
+    if cfg.listen.is_empty() && tcp {
         cfg.listen = match lanai_addr {
             Some(a) => vec![format!("[{a}]:{port}")],
             None => vec![port.to_string()],
@@ -324,6 +410,10 @@ fn run(cli: Cli) -> Result<i32> {
             "cannot listen on {v4}: the lanai NIC speaks IPv6 only (this node is {node}; try --listen [{node}]:10809)"
         );
     }
+    let (tls_mode, tls_config) = tls_setup(&cli)?;
+    if tls_config.is_some() && cli.backend.backend.name() == "lanai" {
+        bail!("--tls: the lanai backend has no TLS (the soft NIC's engine does it)");
+    }
     let mut readiness = if cli.fork {
         Some(daemon::fork()?)
     } else {
@@ -342,10 +432,16 @@ fn run(cli: Cli) -> Result<i32> {
             .map(|fd| nic.listen_fd(fd))
             .collect::<Result<Vec<_>, _>>()
             .context("socket activation")?,
-        None => listen
-            .iter()
-            .map(|a| nic.listen(*a)) // the error names the address
-            .collect::<Result<Vec<_>, _>>()?,
+        None => {
+            let mut l = listen
+                .iter()
+                .map(|a| nic.listen(*a)) // the error names the address
+                .collect::<Result<Vec<_>, _>>()?;
+            if let Some(path) = &cli.socket {
+                l.push(nic.listen_unix(path)?); // the error names the path
+            }
+            l
+        }
     };
     let mut exports = Vec::new();
     let mut ceph = Ceph::default();
@@ -476,6 +572,8 @@ fn run(cli: Cli) -> Result<i32> {
             },
             default_export: cfg.default_export.clone(),
             list_exports: cfg.list_exports.unwrap_or(true) && !cli.no_list,
+            tls: tls_mode,
+            tls_config,
         },
     )?;
     for a in server.local_addrs() {
@@ -498,30 +596,42 @@ fn run(cli: Cli) -> Result<i32> {
     let mut captive = match &cli.run {
         Some(cmd) => {
             let addrs = server.local_addrs();
-            let a = addrs
-                .iter()
-                .find(|a| a.is_ipv4())
-                .or(addrs.first())
-                .context("--run: no listening address")?;
-            let host = match a.ip() {
-                std::net::IpAddr::V4(ip) if ip.is_unspecified() => "127.0.0.1".to_string(),
-                std::net::IpAddr::V4(ip) => ip.to_string(),
-                std::net::IpAddr::V6(ip) if ip.is_unspecified() => "[::1]".to_string(),
-                std::net::IpAddr::V6(ip) => format!("[{ip}]"),
-            };
+            let ip = addrs.iter().filter_map(|e| match e {
+                Endpoint::Ip(a) => Some(*a),
+                Endpoint::Unix(_) => None,
+            });
+            let v4 = ip.clone().find(|a| a.is_ipv4());
             let export = cfg
                 .default_export
                 .clone()
                 .unwrap_or_else(|| cfg.exports[0].name.clone());
-            let uri = format!("nbd://{host}:{}/{export}", a.port());
+            let mut sh = std::process::Command::new("sh");
+            sh.arg("-c").arg(cmd);
+            match v4.or(ip.clone().next()) {
+                Some(a) => {
+                    let host = match a.ip() {
+                        std::net::IpAddr::V4(ip) if ip.is_unspecified() => "127.0.0.1".to_string(),
+                        std::net::IpAddr::V4(ip) => ip.to_string(),
+                        std::net::IpAddr::V6(ip) if ip.is_unspecified() => "[::1]".to_string(),
+                        std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+                    };
+                    let uri = format!("nbd://{host}:{}/{export}", a.port());
+                    sh.env("uri", &uri)
+                        .env("nbd", &uri)
+                        .env("port", a.port().to_string());
+                }
+                // Only a Unix socket: nbdkit's $unixsocket, and the URI naming it.
+                None => {
+                    let path = cli
+                        .socket
+                        .as_deref()
+                        .context("--run: no listening address")?;
+                    let uri = format!("nbd+unix:///{export}?socket={}", path.display());
+                    sh.env("uri", &uri).env("nbd", &uri).env("unixsocket", path);
+                }
+            }
             Some(
-                std::process::Command::new("sh")
-                    .arg("-c")
-                    .arg(cmd)
-                    .env("uri", &uri)
-                    .env("nbd", &uri)
-                    .env("port", a.port().to_string())
-                    .spawn()
+                sh.spawn()
                     .with_context(|| format!("--run {cmd:?}: starting sh"))?,
             )
         }

@@ -2,7 +2,6 @@
 //! connection, and an orderly shutdown.
 
 use std::collections::VecDeque;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
@@ -10,10 +9,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use nbd_proto::framing::{FrameLimits, ServerPhase};
+use nbd_proto::handshake::TlsMode;
 use nbd_proto::handshake::messages::BlockSize;
 use nbd_proto::handshake::server::{Export as ProtoExport, ServerConfig};
 use parking_lot::Mutex;
-use qpip_core::{Listener, Nic, QpAttr};
+use qpip_core::{Endpoint, Listener, Nic, QpAttr, TlsConfig};
 
 use crate::conn::{self, Connection};
 use crate::export::Export;
@@ -36,6 +36,9 @@ pub struct ServerOptions {
     pub buffer_memory: u64,
     pub default_export: Option<String>,
     pub list_exports: bool,
+    /// TLS: how it is offered, and the credentials the NIC uses (with `On`/`Require`).
+    pub tls: TlsMode,
+    pub tls_config: Option<TlsConfig>,
 }
 
 /// A running server.
@@ -43,7 +46,7 @@ pub struct Server {
     shared: Arc<ServerShared>,
     accept_threads: Vec<JoinHandle<()>>,
     connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
-    local: Vec<SocketAddr>,
+    local: Vec<Endpoint>,
 }
 
 /// Largest request the server accepts (and advertises): 32 MiB, qemu-nbd's default.
@@ -69,6 +72,7 @@ impl Server {
         let mut proto = ServerConfig::new(proto_exports);
         proto.default_export = opts.default_export.clone();
         proto.allow_list = opts.list_exports;
+        proto.tls = opts.tls;
         let limits = FrameLimits {
             max_option_len: proto.max_option_len,
             max_write_len: MAX_BLOCK,
@@ -78,6 +82,7 @@ impl Server {
             nic: nic.clone(),
             exports,
             proto,
+            tls: opts.tls_config,
             limits,
             shutdown: AtomicBool::new(false),
             active: AtomicUsize::new(0),
@@ -86,18 +91,15 @@ impl Server {
             max_handshakes: opts.max_handshakes.max(1),
             idle_timeout: opts.idle_timeout,
             refusals: Mutex::new(RateLimitedLog::default()),
-            slot_budget: SlotBudget::new(
-                (opts.buffer_memory / (nbd_proto::consts::REQUEST_LEN + conn::CHUNK) as u64)
-                    as usize,
-            ),
+            slot_budget: SlotBudget::new((opts.buffer_memory / conn::SLOT_LEN as u64) as usize),
         });
         let connections = Arc::new(Mutex::new(Vec::new()));
         let mut accept_threads = Vec::new();
         let mut local = Vec::new();
         for listener in opts.listen {
-            let addr = listener.local_addr();
-            local.push(addr);
-            tracing::debug!("listening on {}", listener.local_addr()); // main prints it
+            let addr = listener.endpoint();
+            tracing::debug!("listening on {addr}"); // main prints it
+            local.push(addr.clone());
             let shared = shared.clone();
             let connections = connections.clone();
             accept_threads.push(
@@ -114,8 +116,9 @@ impl Server {
         })
     }
 
-    /// The addresses actually bound (port 0 resolved).
-    pub fn local_addrs(&self) -> &[SocketAddr] {
+    /// Where the server listens: the addresses actually bound (port 0 resolved) and the
+    /// Unix-domain sockets.
+    pub fn local_addrs(&self) -> &[Endpoint] {
         &self.local
     }
 
@@ -173,21 +176,22 @@ fn accept_loop(
                 .depths(conn::CQ_DEPTH, conn::RECV_SLOTS),
         );
         let peer = match listener.accept_timeout(&qp, Duration::from_millis(200)) {
-            Ok(peer) => peer,
+            Ok(peer) => listener.peer_endpoint(peer),
             Err(qpip_core::Error::Timeout { .. }) => continue,
             Err(e) => {
-                tracing::warn!("accept on {}: {e}", listener.local_addr());
+                tracing::warn!("accept on {}: {e}", listener.endpoint());
                 std::thread::sleep(Duration::from_millis(50));
                 continue;
             }
         };
-        let evict = shared.start_handshake(peer);
+        let evict = shared.start_handshake(&peer);
         let s = shared.clone();
+        let who = peer.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("nbd-{peer}"))
             .spawn(move || {
-                if let Err(e) = Connection::new(s, qp, cq, phase, peer, evict).run() {
-                    tracing::warn!(%peer, "connection ended: {e:#}");
+                if let Err(e) = Connection::new(s, qp, cq, phase, who.clone(), evict).run() {
+                    tracing::warn!(peer = %who, "connection ended: {e:#}");
                 }
             });
         match spawned {

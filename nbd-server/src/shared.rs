@@ -3,7 +3,6 @@
 //! under way, the receive-buffer pool).
 
 use std::collections::VecDeque;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -11,7 +10,7 @@ use std::time::{Duration, Instant};
 use nbd_proto::framing::FrameLimits;
 use nbd_proto::handshake::server::ServerConfig;
 use parking_lot::Mutex;
-use qpip_core::Nic;
+use qpip_core::{Endpoint, Nic, TlsConfig};
 
 use crate::export::Export;
 use crate::recv_window::SlotBudget;
@@ -21,6 +20,8 @@ pub struct ServerShared {
     pub nic: Nic,
     pub exports: Vec<Arc<Export>>,
     pub proto: ServerConfig,
+    /// The credentials a connection switches to TLS with, on NBD_OPT_STARTTLS.
+    pub tls: Option<TlsConfig>,
     pub limits: FrameLimits,
     pub(crate) shutdown: AtomicBool,
     /// Connections past the handshake (in the transmission phase).
@@ -42,7 +43,7 @@ impl ServerShared {
 
     /// Takes one of the `max_connections` transmission-phase places, or None when all are
     /// taken (the place is given back when the returned guard drops).
-    pub fn admit(self: &Arc<Self>, peer: SocketAddr) -> Option<Admitted> {
+    pub fn admit(self: &Arc<Self>, peer: &Endpoint) -> Option<Admitted> {
         if self.active.fetch_add(1, Ordering::AcqRel) >= self.max_connections {
             self.active.fetch_sub(1, Ordering::AcqRel);
             let max = self.max_connections;
@@ -57,7 +58,7 @@ impl ServerShared {
     /// Registers a connection that starts its handshake. When `max_handshakes` are already
     /// under way, the oldest is told to give up: idle or slow sockets cannot lock out a
     /// client that completes its handshake in milliseconds.
-    pub(crate) fn start_handshake(&self, peer: SocketAddr) -> Arc<AtomicBool> {
+    pub(crate) fn start_handshake(&self, peer: &Endpoint) -> Arc<AtomicBool> {
         let evict = Arc::new(AtomicBool::new(false));
         let mut pending = self.handshakes.lock();
         // A flag nobody else holds belongs to a handshake that has ended.

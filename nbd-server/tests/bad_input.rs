@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use nbd_proto::consts as c;
 use nbd_proto::handshake::messages::{InfoRequest, OptionHeader, OptionReplyHeader, encode_option};
-use nbd_proto::reply::SimpleReply;
+use nbd_proto::reply::{SimpleReply, StructuredReplyHeader};
 use nbd_proto::transmission::{Command as Cmd, ErrorValue, Request};
 
 const MIB: u64 = 1 << 20;
@@ -121,9 +121,9 @@ fn request(s: &mut TcpStream, command: Cmd, cookie: u64, offset: u64, length: u3
         command,
         cookie,
         offset,
-        length,
+        length: length.into(),
     };
-    s.write_all(&r.encode()).unwrap();
+    s.write_all(&r.encode(false).unwrap()).unwrap();
 }
 
 fn simple_reply(s: &mut TcpStream) -> SimpleReply {
@@ -631,5 +631,79 @@ fn one_write_at_a_time_touches_a_few_receive_slots_not_all() {
         grown < 12 * MIB,
         "RSS grew by {} MiB for one write in flight",
         grown / MIB
+    );
+}
+
+/// A connection in the transmission phase with extended headers negotiated.
+fn extended_transmission(addr: SocketAddr) -> TcpStream {
+    let mut s = start(addr);
+    send_opt(&mut s, c::OPT_EXTENDED_HEADERS, &[]);
+    let (h, _) = read_opt_reply(&mut s);
+    assert_eq!(h.reply_type, c::REP_ACK, "extended headers refused");
+    assert_eq!(go(&mut s, "disk"), SIZE);
+    s
+}
+
+/// Sends an extended request (with `payload` after it) and returns its one-chunk reply:
+/// (reply type, error value of an error chunk).
+fn ext_roundtrip(s: &mut TcpStream, req: Request, payload: &[u8]) -> (u16, Option<u32>) {
+    s.write_all(&req.encode(true).unwrap()).unwrap();
+    s.write_all(payload).unwrap();
+    let mut h = [0u8; c::EXTENDED_REPLY_HEADER_LEN];
+    s.read_exact(&mut h).unwrap();
+    let h = StructuredReplyHeader::parse_as(&h, true).unwrap();
+    assert_eq!((h.cookie, h.offset), (req.cookie, Some(req.offset)));
+    assert!(h.is_done());
+    let mut p = vec![0u8; h.length as usize];
+    s.read_exact(&mut p).unwrap();
+    let err = (h.reply_type & c::REPLY_TYPE_FLAG_ERROR != 0)
+        .then(|| u32::from_be_bytes(p[..4].try_into().unwrap()));
+    (h.reply_type, err)
+}
+
+#[test]
+fn extended_headers_payload_rules() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut srv = server(dir.path());
+    let mut s = extended_transmission(srv.addr);
+    let req = |flags: u16, command, cookie, length| Request {
+        flags: nbd_proto::flags::CmdFlags(flags),
+        command,
+        cookie,
+        offset: 4096,
+        length,
+    };
+    let pl = c::CMD_FLAG_PAYLOAD_LEN;
+    // a WRITE with its payload flag, read back
+    let data = pattern(4096, 9);
+    let w = ext_roundtrip(&mut s, req(pl, Cmd::Write, 1, 4096), &data);
+    assert_eq!(w, (c::REPLY_TYPE_NONE, None));
+    // a WRITE without the flag still has its payload, as qemu sends it
+    let w = ext_roundtrip(&mut s, req(0, Cmd::Write, 2, 4096), &data);
+    assert_eq!(w, (c::REPLY_TYPE_NONE, None));
+    // a payload on a READ is read (not taken for requests) and refused
+    let r = ext_roundtrip(&mut s, req(pl, Cmd::Read, 3, 100), &[0x55; 100]);
+    assert_eq!(r, (c::REPLY_TYPE_ERROR, Some(c::EINVAL)));
+    // a 64-bit effect length: past the end, so EINVAL, but understood as 64 bits
+    let t = ext_roundtrip(&mut s, req(0, Cmd::Trim, 4, 1 << 40), &[]);
+    assert_eq!(t, (c::REPLY_TYPE_ERROR, Some(c::EINVAL)));
+    // the data written is intact
+    s.write_all(&req(0, Cmd::Read, 5, 4096).encode(true).unwrap())
+        .unwrap();
+    let mut h = [0u8; c::EXTENDED_REPLY_HEADER_LEN + 8];
+    s.read_exact(&mut h).unwrap();
+    let rh = StructuredReplyHeader::parse_as(&h, true).unwrap();
+    assert_eq!(rh.reply_type, c::REPLY_TYPE_OFFSET_DATA);
+    let mut back = vec![0u8; 4096];
+    s.read_exact(&mut back).unwrap();
+    assert!(back == data);
+    // a compact request on an extended connection is a protocol violation: disconnect
+    s.write_all(&req(0, Cmd::Read, 6, 512).encode(false).unwrap())
+        .unwrap();
+    s.write_all(&[0; 4]).unwrap();
+    assert_closed(&mut s, "compact request after extended headers");
+    assert_serves(
+        &mut srv,
+        "after a compact request on an extended connection",
     );
 }

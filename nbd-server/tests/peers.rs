@@ -457,3 +457,42 @@ fn unknown_export_fails_and_server_keeps_serving() {
     let info = peer_ok(Command::new("qemu-img").args(["info", &srv.uri("disk")]));
     assert!(info.contains("67108864"), "{info}");
 }
+
+#[test]
+fn qemu_io_with_extended_headers_and_64_bit_lengths() {
+    if !require(&["qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Sparse: only the patterns below take space.
+    let img = image(dir.path(), "big.img", 6 << 30);
+    let srv = ServerProcess::start_v4(&["--export".into(), format!("big={}", img.display())]);
+    let uri = srv.uri("big");
+    qemu_io(
+        &uri,
+        &[
+            "write -P 0xab 0 1M",
+            "write -P 0xcd 5G 1M",
+            "read -P 0xab 0 1M",
+            // more than 2^32 bytes in one go: extended headers carry it whole
+            "write -z -n 1M 5119M",
+            "read -P 0 1M 1M",
+            "read -P 0 5119M 1M",
+            "discard 1M 2047M",
+            "read -P 0xcd 5G 1M",
+            "flush",
+        ],
+    );
+    let map = peer_ok(Command::new("qemu-img").args(["map", "--output=json", &uri]));
+    assert!(map.contains("\"data\": true"), "{map}");
+    assert!(
+        srv.log().contains("extended=true"),
+        "qemu-io did not negotiate extended headers:\n{}",
+        srv.log()
+    );
+    assert!(
+        read_file_range(&img, 5 << 30, MIB as usize)
+            .iter()
+            .all(|&b| b == 0xcd)
+    );
+}

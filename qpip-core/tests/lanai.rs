@@ -151,6 +151,41 @@ fn ipv4_and_busy_ports_are_clear_errors() {
     );
 }
 
+/// The firmware reaches only its fabric: Unix-domain sockets are refused, naming the path;
+/// and it has no TLS.
+#[test]
+fn unix_sockets_and_tls_are_refused_clearly() {
+    let fabric = test_fabric();
+    let a = nic(&fabric, "server");
+    let path = std::env::temp_dir().join("qpip-lanai-refuses.sock");
+    let full = |err: &dyn std::error::Error| {
+        format!(
+            "{err}: {}",
+            err.source().map(|s| s.to_string()).unwrap_or_default()
+        )
+    };
+    let msg = full(&a.listen_unix(&path).unwrap_err());
+    assert!(
+        msg.contains("qpip-lanai-refuses.sock") && msg.contains("no Unix-domain sockets"),
+        "{msg}"
+    );
+    assert!(!path.exists());
+    let cq = a.create_cq(4);
+    let qp = a.create_qp(QpAttr::new(&cq));
+    let msg = full(&qp.connect_unix(&path, T).unwrap_err());
+    assert!(msg.contains("no Unix-domain sockets"), "{msg}");
+    // Nor does the firmware do TLS.
+    let tls = qpip_core::TlsConfig {
+        server: false,
+        credentials: qpip_core::TlsCredentials::Psk {
+            keys: vec![("alice".into(), vec![1; 32])],
+        },
+        server_name: None,
+    };
+    let msg = full(&qp.start_tls(tls, T).unwrap_err());
+    assert!(msg.contains("does not do TLS"), "{msg}");
+}
+
 /// As root: the bridge creates its TUN device with the fabric's prefix, carries the kernel's
 /// packets for a node to that node's port as Myrinet frames, hands frames for the bridge's
 /// port to the kernel, and removes the device when it stops. No firmware involved: the node

@@ -6,14 +6,16 @@
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use mio::net::{TcpListener, TcpStream};
+use mio::net::TcpListener;
 use mio::{Events, Interest, Poll, Token};
 
 use super::link::EngineQp;
+use super::stream::{Acceptor, Stream};
 use super::uring::{Event, Ring};
 use super::{IoMode, WAKER_TOKEN};
 use qpip_verbs::backend::{Command, ListenerId, MgmtResult};
@@ -29,10 +31,10 @@ use qpip_verbs::wr::QpNum;
 const LISTENER_BASE: usize = 1 << 40;
 
 struct EngineListener {
-    sock: TcpListener,
+    sock: Acceptor,
     backlog: usize,
     /// Connections accepted from the kernel and not yet mated to a QP.
-    pending: VecDeque<(TcpStream, SocketAddr)>,
+    pending: VecDeque<(Stream, SocketAddr)>,
     /// QPs waiting for a connection.
     accepts: VecDeque<(QpNum, ReplySender<MgmtResult>)>,
     readable: bool,
@@ -164,6 +166,23 @@ impl Engine {
         }
     }
 
+    fn add_listener(&mut self, id: ListenerId, mut sock: Acceptor, backlog: u32) -> io::Result<()> {
+        self.poll.registry().register(
+            &mut sock,
+            Token(LISTENER_BASE + id as usize),
+            Interest::READABLE,
+        )?;
+        let l = EngineListener {
+            sock,
+            backlog: backlog as usize,
+            pending: VecDeque::new(),
+            accepts: VecDeque::new(),
+            readable: true,
+        };
+        self.listeners.insert(id, l);
+        Ok(())
+    }
+
     /// Takes connections from the kernel and mates them to waiting QPs.
     fn mate(&mut self, id: ListenerId) {
         let registry = self.poll.registry();
@@ -280,45 +299,48 @@ impl Management for Engine {
     }
 
     fn listen(&mut self, id: ListenerId, addr: SocketAddr, backlog: u32) -> MgmtResult {
-        let mut sock = TcpListener::bind(addr)?;
-        self.poll.registry().register(
-            &mut sock,
-            Token(LISTENER_BASE + id as usize),
-            Interest::READABLE,
-        )?;
+        let sock = TcpListener::bind(addr)?;
         let local = sock.local_addr()?;
-        let l = EngineListener {
-            sock,
-            backlog: backlog as usize,
-            pending: VecDeque::new(),
-            accepts: VecDeque::new(),
-            readable: true,
-        };
-        self.listeners.insert(id, l);
+        self.add_listener(id, Acceptor::Tcp(sock), backlog)?;
         Ok(local)
+    }
+
+    fn listen_unix(&mut self, id: ListenerId, path: PathBuf, backlog: u32) -> MgmtResult {
+        let (sock, file) = super::stream::listen_unix(&path, backlog)?;
+        let sock = Acceptor::Unix {
+            listener: sock,
+            _file: file,
+        };
+        self.add_listener(id, sock, backlog)?;
+        Ok(qpip_verbs::backend::UNIX_ADDR)
+    }
+
+    fn connect_unix(&mut self, qp: QpNum, path: PathBuf, reply: ReplySender<MgmtResult>) {
+        match self.qps.get_mut(&qp) {
+            Some(q) => q.connect_unix(self.poll.registry(), &path, reply),
+            None => reply.send(Err(no_qp(qp))),
+        }
     }
 
     fn listen_fd(&mut self, id: ListenerId, fd: std::os::fd::OwnedFd, backlog: u32) -> MgmtResult {
         let std_sock = std::net::TcpListener::from(fd);
         std_sock.set_nonblocking(true)?;
         let local = std_sock.local_addr()?; // fails for anything but a TCP socket
-        let mut sock = TcpListener::from_std(std_sock);
-        self.poll.registry().register(
-            &mut sock,
-            Token(LISTENER_BASE + id as usize),
-            Interest::READABLE,
-        )?;
-        self.listeners.insert(
-            id,
-            EngineListener {
-                sock,
-                backlog: backlog as usize,
-                pending: VecDeque::new(),
-                accepts: VecDeque::new(),
-                readable: true,
-            },
-        );
+        let sock = TcpListener::from_std(std_sock);
+        self.add_listener(id, Acceptor::Tcp(sock), backlog)?;
         Ok(local)
+    }
+
+    fn start_tls(
+        &mut self,
+        qp: QpNum,
+        config: Box<qpip_verbs::tls::TlsConfig>,
+        reply: ReplySender<io::Result<()>>,
+    ) {
+        match self.qps.get_mut(&qp) {
+            Some(q) => q.start_tls(self.poll.registry(), &self.memory, &config, reply),
+            None => reply.send(Err(no_qp(qp))),
+        }
     }
 
     fn has_listener(&self, listener: ListenerId) -> bool {

@@ -8,8 +8,16 @@
 
 mod engine;
 mod link;
+mod stream;
+mod tls;
 mod tx;
 mod uring;
+
+/// Checks that `config`'s files load and fit together (certificate and key, CA), as a
+/// connection's TLS will load them: errors name the file at fault.
+pub fn check_tls(config: &qpip_verbs::tls::TlsConfig) -> std::io::Result<()> {
+    tls::context(config).map(drop)
+}
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -8,10 +8,12 @@ use std::net::{Shutdown, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use mio::net::{TcpStream, UdpSocket};
+use mio::net::{TcpStream, UdpSocket, UnixStream};
 use mio::{Interest, Registry, Token};
 use smallvec::SmallVec;
 
+use super::stream::Stream;
+use super::tls::{Step, TlsLink};
 use super::tx::{TxMachine, TxStop};
 use super::uring::UringIo;
 use qpip_verbs::backend::MgmtResult;
@@ -27,14 +29,21 @@ pub(super) enum Link {
     /// No socket yet: WRs wait in the rings.
     Idle,
     Connecting {
-        stream: TcpStream,
+        stream: Stream,
         reply: ReplySender<MgmtResult>,
     },
-    Tcp(TcpStream),
+    /// A reliable QP's byte stream (TCP, or a local Unix-domain socket).
+    Stream(Stream),
+    /// The same under TLS (the engine does the record layer; the handshake replies to
+    /// `handshake` when it ends).
+    Tls {
+        tls: Box<TlsLink>,
+        handshake: Option<ReplySender<io::Result<()>>>,
+    },
     Udp(UdpSocket),
     /// Closed in order: our side is shut; the peer's bytes are read and dropped until its EOF,
     /// so that closing never turns into a reset that could destroy data still on its way.
-    Draining(TcpStream),
+    Draining(Stream),
     Down,
 }
 
@@ -135,7 +144,12 @@ impl EngineQp {
         if !self.io_in_flight() {
             return false;
         }
-        if let Link::Tcp(stream) | Link::Draining(stream) = &self.link {
+        let stream = match &self.link {
+            Link::Stream(s) | Link::Draining(s) => Some(s),
+            Link::Tls { tls, .. } => Some(&tls.raw),
+            _ => None,
+        };
+        if let Some(stream) = stream {
             let how = match what {
                 Deferred::FinishClose => Shutdown::Read,
                 _ => Shutdown::Both,
@@ -163,10 +177,35 @@ impl EngineQp {
             reply.send(Err(not_idle(self.shared.num, "reliable")));
             return;
         }
-        let mut stream = match TcpStream::connect(addr) {
-            Ok(s) => s,
-            Err(e) => return reply.send(Err(e)),
-        };
+        match TcpStream::connect(addr) {
+            Ok(s) => self.start_connect(registry, Stream::Tcp(s), reply),
+            Err(e) => reply.send(Err(e)),
+        }
+    }
+
+    /// Starts a connection to a Unix-domain socket (management: connect unix).
+    pub(super) fn connect_unix(
+        &mut self,
+        registry: &Registry,
+        path: &std::path::Path,
+        reply: ReplySender<MgmtResult>,
+    ) {
+        if self.shared.kind != QpKind::Reliable || !self.is_idle() {
+            reply.send(Err(not_idle(self.shared.num, "reliable")));
+            return;
+        }
+        match UnixStream::connect(path) {
+            Ok(s) => self.start_connect(registry, Stream::Unix(s), reply),
+            Err(e) => reply.send(Err(e)),
+        }
+    }
+
+    fn start_connect(
+        &mut self,
+        registry: &Registry,
+        mut stream: Stream,
+        reply: ReplySender<MgmtResult>,
+    ) {
         if let Err(e) = registry.register(
             &mut stream,
             token(&self.shared),
@@ -182,7 +221,7 @@ impl EngineQp {
     pub(super) fn attach(
         &mut self,
         registry: &Registry,
-        mut stream: TcpStream,
+        mut stream: Stream,
         peer: SocketAddr,
     ) -> io::Result<()> {
         if self.uring.is_none() {
@@ -196,17 +235,71 @@ impl EngineQp {
         Ok(())
     }
 
-    fn established(&mut self, stream: TcpStream, peer: Option<SocketAddr>) {
-        // Each message should leave as soon as it is posted; batching is done by writev.
-        let _ = stream.set_nodelay(true);
-        self.shared.set_addrs(
-            stream.local_addr().ok(),
-            peer.or_else(|| stream.peer_addr().ok()),
-        );
+    fn established(&mut self, stream: Stream, peer: Option<SocketAddr>) {
+        stream.set_nodelay();
+        let (local, remote) = stream.ip_addrs();
+        self.shared
+            .set_addrs(local, peer.filter(|_| remote.is_some()).or(remote));
         self.shared.set_state(QpState::Ready);
-        self.link = Link::Tcp(stream);
+        self.link = Link::Stream(stream);
         self.readable = true;
         self.writable = true;
+    }
+
+    /// Switches the connection to TLS (management: start TLS): the handshake starts at once;
+    /// `reply` hears when it ends.
+    pub(super) fn start_tls(
+        &mut self,
+        registry: &Registry,
+        memory: &MemoryTable,
+        config: &qpip_verbs::tls::TlsConfig,
+        reply: ReplySender<io::Result<()>>,
+    ) {
+        let refuse = |why: &str| Err(io::Error::new(io::ErrorKind::InvalidInput, why.to_owned()));
+        let check = if !matches!(self.link, Link::Stream(_)) {
+            refuse("the QP is not a connected stream")
+        } else if !self.shared.rq.is_empty() || !self.shared.sq.is_empty() || !self.tx.is_idle() {
+            refuse("work requests are outstanding: TLS starts on an idle QP")
+        } else if self.rx.buffered() > 0 {
+            // The peer sent plaintext past STARTTLS: it cannot be part of the handshake.
+            refuse("the peer sent data before the TLS handshake")
+        } else if self.io_in_flight() {
+            refuse("I/O is under way")
+        } else {
+            Ok(())
+        };
+        if let Err(e) = check {
+            return reply.send(Err(e));
+        }
+        let Link::Stream(mut stream) = std::mem::replace(&mut self.link, Link::Down) else {
+            return;
+        };
+        if self.uring.take().is_some() {
+            // OpenSSL reads and writes itself: from now on the socket is on epoll.
+            if let Err(e) = registry.register(
+                &mut stream,
+                token(&self.shared),
+                Interest::READABLE | Interest::WRITABLE,
+            ) {
+                self.link = Link::Stream(stream);
+                return reply.send(Err(e));
+            }
+        }
+        match TlsLink::new(stream, config) {
+            Ok(tls) => {
+                self.link = Link::Tls {
+                    tls: Box::new(tls),
+                    handshake: Some(reply),
+                };
+                self.readable = true;
+                self.writable = true;
+                self.service(registry, memory);
+            }
+            Err(e) => {
+                self.fail(registry);
+                reply.send(Err(e));
+            }
+        }
     }
 
     /// Binds an unreliable QP (management: bind).
@@ -247,13 +340,10 @@ impl EngineQp {
             self.writable = true;
         }
         if let Link::Connecting { stream, .. } = &self.link {
-            let outcome = match stream.take_error() {
-                Ok(Some(e)) | Err(e) => Err(e),
-                Ok(None) => match stream.peer_addr() {
-                    Ok(peer) => Ok(peer),
-                    Err(e) if e.kind() == io::ErrorKind::NotConnected => return, // not yet
-                    Err(e) => Err(e),
-                },
+            let outcome = match stream.connected() {
+                Ok(true) => Ok(()),
+                Ok(false) => return, // not yet
+                Err(e) => Err(e),
             };
             let Link::Connecting { mut stream, reply } =
                 std::mem::replace(&mut self.link, Link::Idle)
@@ -261,13 +351,13 @@ impl EngineQp {
                 return;
             };
             match outcome {
-                Ok(peer) => {
+                Ok(()) => {
                     if self.uring.is_some() {
                         // From here on the ring carries this socket's data.
                         let _ = registry.deregister(&mut stream);
                     }
-                    let local = stream.local_addr();
-                    self.established(stream, Some(peer));
+                    let local = stream.reply_addr();
+                    self.established(stream, None);
                     reply.send(local);
                 }
                 Err(e) => {
@@ -301,7 +391,7 @@ impl EngineQp {
             ..
         } = self;
         let after = match link {
-            Link::Tcp(stream) => {
+            Link::Stream(stream) => {
                 let fd = stream.as_raw_fd();
                 let mut failed = !tx.take_posted(shared, memory, Some(framer.as_mut()), true);
                 if !failed && *writable {
@@ -325,6 +415,44 @@ impl EngineQp {
                         }),
                     };
                     match stop {
+                        RxStop::WouldBlock => *readable = false,
+                        RxStop::Failed => failed = true,
+                        RxStop::NoWr => {}
+                    }
+                }
+                if failed { After::Fail } else { After::Nothing }
+            }
+            Link::Tls { tls, handshake } => 'tls: {
+                if tls.handshaking {
+                    match tls.handshake() {
+                        Step::Done => {
+                            if let Some(r) = handshake.take() {
+                                r.send(Ok(()));
+                            }
+                        }
+                        Step::WouldBlock => break 'tls After::Nothing,
+                        Step::Failed(e) => {
+                            tracing::debug!(qp = shared.num, "TLS handshake failed: {e}");
+                            // The host sees the QP failed by the time it hears why.
+                            shared.set_state(QpState::Error);
+                            if let Some(r) = handshake.take() {
+                                r.send(Err(e));
+                            }
+                            break 'tls After::Fail;
+                        }
+                    }
+                }
+                // No io_uring here: OpenSSL owns the socket's reads and writes.
+                let mut failed = !tx.take_posted(shared, memory, Some(framer.as_mut()), true);
+                if !failed && *writable {
+                    match tx.pump_stream(shared, &mut |iov| tls.write(iov)) {
+                        TxStop::WouldBlock => *writable = false,
+                        TxStop::Failed => failed = true,
+                        TxStop::Idle => {}
+                    }
+                }
+                if !failed && *readable {
+                    match rx.pump(shared, memory, framer.as_mut(), &mut |iov| tls.read(iov)) {
                         RxStop::WouldBlock => *readable = false,
                         RxStop::Failed => failed = true,
                         RxStop::NoWr => {}
@@ -459,8 +587,17 @@ impl EngineQp {
 
     fn drop_link(&mut self, registry: &Registry) {
         match std::mem::replace(&mut self.link, Link::Down) {
-            Link::Tcp(mut s) | Link::Draining(mut s) => {
+            Link::Stream(mut s) | Link::Draining(mut s) => {
                 let _ = registry.deregister(&mut s);
+            }
+            Link::Tls { mut tls, handshake } => {
+                let _ = registry.deregister(&mut tls.raw);
+                if let Some(r) = handshake {
+                    r.send(Err(io::Error::new(
+                        io::ErrorKind::ConnectionAborted,
+                        "the connection went down during the TLS handshake",
+                    )));
+                }
             }
             Link::Connecting { mut stream, reply } => {
                 let _ = registry.deregister(&mut stream);
@@ -479,7 +616,7 @@ impl EngineQp {
     /// Orderly close (management: close).
     pub(super) fn start_close(&mut self, registry: &Registry, memory: &MemoryTable) {
         match self.link {
-            Link::Tcp(_) => {
+            Link::Stream(_) | Link::Tls { .. } => {
                 self.closing = true;
                 self.shared.set_state(QpState::Closing);
                 self.service(registry, memory);
@@ -494,7 +631,18 @@ impl EngineQp {
             return;
         }
         self.closing = false;
-        if let Link::Tcp(mut stream) = std::mem::replace(&mut self.link, Link::Down) {
+        let stream = match std::mem::replace(&mut self.link, Link::Down) {
+            Link::Stream(s) => Some(s),
+            Link::Tls { mut tls, .. } => {
+                tls.close_notify();
+                Some(tls.raw)
+            }
+            other => {
+                self.link = other;
+                None
+            }
+        };
+        if let Some(mut stream) = stream {
             let _ = stream.shutdown(Shutdown::Write);
             if self.uring.is_some() {
                 // Draining reads synchronously on epoll readiness.

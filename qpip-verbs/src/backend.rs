@@ -6,7 +6,8 @@
 //! runs firmware on an emulated LANai 9.
 
 use std::io;
-use std::net::SocketAddr;
+use std::net::{Ipv6Addr, SocketAddr, SocketAddrV6};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU32;
 
@@ -21,6 +22,10 @@ pub type ListenerId = u32;
 
 /// The result of a management command that yields an address.
 pub type MgmtResult = io::Result<SocketAddr>;
+
+/// The address a management reply carries for a Unix-domain socket, which has no IP
+/// address: the unspecified `[::]:0`. The host knows the socket's path.
+pub const UNIX_ADDR: SocketAddr = SocketAddr::V6(SocketAddrV6::new(Ipv6Addr::UNSPECIFIED, 0, 0, 0));
 
 /// Privileged commands for the management state machine.
 #[non_exhaustive]
@@ -42,10 +47,26 @@ pub enum Command {
         addr: SocketAddr,
         reply: ReplySender<MgmtResult>,
     },
+    /// Connect a reliable QP to a Unix-domain stream socket; replies [`UNIX_ADDR`] once the
+    /// connection is up. NICs without host sockets refuse it.
+    ConnectUnix {
+        qp: QpNum,
+        path: PathBuf,
+        reply: ReplySender<MgmtResult>,
+    },
     /// Listen for connections; replies with the bound address.
     Listen {
         id: ListenerId,
         addr: SocketAddr,
+        backlog: u32,
+        reply: ReplySender<MgmtResult>,
+    },
+    /// Listen on a Unix-domain stream socket created at `path` (owner-only access; removed
+    /// when the listener closes); replies [`UNIX_ADDR`], and so does each accept on it. NICs
+    /// without host sockets refuse it.
+    ListenUnix {
+        id: ListenerId,
+        path: PathBuf,
         backlog: u32,
         reply: ReplySender<MgmtResult>,
     },
@@ -66,6 +87,15 @@ pub enum Command {
     },
     CloseListener {
         listener: ListenerId,
+    },
+    /// Switch a connected reliable QP to TLS: the NIC runs the handshake, then carries every
+    /// message in TLS records. Only with no WR outstanding on the QP and nothing received
+    /// past the last message; replies once the handshake is done (or failed, which fails
+    /// the QP). NICs without TLS refuse it.
+    StartTls {
+        qp: QpNum,
+        config: Box<crate::tls::TlsConfig>,
+        reply: ReplySender<io::Result<()>>,
     },
     /// Orderly close: finish posted sends, shut the connection, flush receives.
     Close {

@@ -2,6 +2,7 @@
 
 use std::io;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
 use crate::shared::QpState;
 
@@ -13,6 +14,14 @@ pub enum Error {
     Net {
         op: &'static str,
         addr: SocketAddr,
+        #[source]
+        source: io::Error,
+    },
+    /// A Unix-domain socket operation of the NIC failed.
+    #[error("{op} {}", path.display())]
+    NetPath {
+        op: &'static str,
+        path: PathBuf,
         #[source]
         source: io::Error,
     },
@@ -39,6 +48,9 @@ pub enum Error {
         op: &'static str,
         after: std::time::Duration,
     },
+    /// The TLS handshake failed, or TLS could not start (the reason says which).
+    #[error("TLS: {0}")]
+    Tls(String),
     /// The backend cannot do this.
     #[error("the {backend} backend does not support {what}")]
     Unsupported {

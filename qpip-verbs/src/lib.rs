@@ -18,14 +18,16 @@ pub mod nic;
 pub mod qp;
 pub mod reply;
 pub mod shared;
+pub mod tls;
 pub mod wr;
 
 pub use cq::{CompletionQueue, CqError};
 pub use error::{Error, Result};
 pub use framer::{Frame, Framer, LengthPrefixed, RawStream};
 pub use mr::{Access, MemoryRegion, MemoryTable, ProtectionFault, Segment, Sge};
-pub use nic::{Listener, Nic};
+pub use nic::{Endpoint, Listener, Nic};
 pub use qp::{QpAttr, QueuePair};
 pub use reply::{ReplyReceiver, ReplySender, reply_channel};
 pub use shared::{QpKind, QpShared, QpState};
+pub use tls::{TlsConfig, TlsCredentials};
 pub use wr::{Completion, Opcode, QpNum, RecvWr, SendWr, SgList, WcStatus};

@@ -3,6 +3,7 @@
 
 use std::any::Any;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -140,6 +141,41 @@ impl Nic {
         Ok(Listener {
             id,
             local,
+            unix: None,
+            nic: self.inner.clone(),
+        })
+    }
+
+    /// Listens on a Unix-domain stream socket created at `path`, readable and writable by
+    /// its owner only, and removed when the listener closes. A stale socket file (nothing
+    /// listening on it) is replaced; anything else at `path` is an error. Accepts report
+    /// [`crate::backend::UNIX_ADDR`] as the peer. The LANai backend refuses it.
+    pub fn listen_unix(&self, path: &Path) -> Result<Listener> {
+        let id = self.inner.next_listener.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = reply_channel();
+        self.inner.manage(Command::ListenUnix {
+            id,
+            path: path.to_path_buf(),
+            backlog: 1024,
+            reply: tx,
+        });
+        let local = match rx.wait_until(None) {
+            Some(r) => r.map_err(|source| Error::NetPath {
+                op: "listen on",
+                path: path.to_path_buf(),
+                source,
+            })?,
+            None => {
+                return Err(Error::Engine(format!(
+                    "listen on {}: no reply from the NIC engine",
+                    path.display()
+                )));
+            }
+        };
+        Ok(Listener {
+            id,
+            local,
+            unix: Some(path.to_path_buf()),
             nic: self.inner.clone(),
         })
     }
@@ -172,6 +208,7 @@ impl Nic {
         Ok(Listener {
             id,
             local,
+            unix: None,
             nic: self.inner.clone(),
         })
     }
@@ -194,10 +231,28 @@ fn wait_mgmt(
     }
 }
 
+/// Where a reliable connection ends: an IP address and port, or a Unix-domain socket's path.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    Ip(SocketAddr),
+    Unix(PathBuf),
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Endpoint::Ip(a) => a.fmt(f),
+            Endpoint::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
 /// A listening port. Each `accept` mates one incoming connection to an idle QP.
 pub struct Listener {
     id: ListenerId,
     local: SocketAddr,
+    /// The socket's path, for a Unix-domain listener.
+    unix: Option<PathBuf>,
     nic: Arc<NicHandle>,
 }
 
@@ -205,13 +260,37 @@ impl std::fmt::Debug for Listener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Listener")
             .field("local", &self.local)
+            .field("unix", &self.unix)
             .finish()
     }
 }
 
 impl Listener {
+    /// The bound address ([`crate::backend::UNIX_ADDR`] for a Unix-domain listener).
     pub fn local_addr(&self) -> SocketAddr {
         self.local
+    }
+
+    /// The socket's path, for a Unix-domain listener.
+    pub fn unix_path(&self) -> Option<&Path> {
+        self.unix.as_deref()
+    }
+
+    /// Where the listener is: its address, or its socket's path.
+    pub fn endpoint(&self) -> Endpoint {
+        match &self.unix {
+            Some(p) => Endpoint::Unix(p.clone()),
+            None => Endpoint::Ip(self.local),
+        }
+    }
+
+    /// The peer an accept reported, as an endpoint: a Unix-domain peer is known by the
+    /// listener's path (its own socket is usually unnamed).
+    pub fn peer_endpoint(&self, peer: SocketAddr) -> Endpoint {
+        match &self.unix {
+            Some(p) => Endpoint::Unix(p.clone()),
+            None => Endpoint::Ip(peer),
+        }
     }
 
     /// Waits for a connection and mates it to `qp` (which must be idle); returns the peer.

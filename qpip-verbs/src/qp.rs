@@ -210,6 +210,55 @@ impl QueuePair {
         }
     }
 
+    /// Connects to the Unix-domain stream socket at `path`, giving up after `timeout`. The
+    /// LANai backend refuses it.
+    pub fn connect_unix(&self, path: &std::path::Path, timeout: Duration) -> Result<()> {
+        let (tx, rx) = reply_channel();
+        self.nic.manage(Command::ConnectUnix {
+            qp: self.num(),
+            path: path.to_path_buf(),
+            reply: tx,
+        });
+        match rx.wait_until(Some(Instant::now() + timeout)) {
+            Some(r) => r.map(drop).map_err(|source| Error::NetPath {
+                op: "connect to",
+                path: path.to_path_buf(),
+                source,
+            }),
+            None => {
+                self.nic.manage(Command::Disconnect { qp: self.num() });
+                Err(Error::Timeout {
+                    op: "connect",
+                    after: timeout,
+                })
+            }
+        }
+    }
+
+    /// Switches the connection to TLS, the NIC doing the handshake and the record layer
+    /// (as NICs with inline TLS offload do): the QP's messages stay plaintext on this side.
+    /// Call it with no WR outstanding (after the last plaintext message's send has completed
+    /// and before a receive WR is posted for the first TLS one); it returns when the
+    /// handshake is done. A failed handshake fails the QP. The LANai backend refuses it.
+    pub fn start_tls(&self, config: crate::tls::TlsConfig, timeout: Duration) -> Result<()> {
+        let (tx, rx) = reply_channel();
+        self.nic.manage(Command::StartTls {
+            qp: self.num(),
+            config: Box::new(config),
+            reply: tx,
+        });
+        match rx.wait_until(Some(Instant::now() + timeout)) {
+            Some(r) => r.map_err(|e| Error::Tls(e.to_string())),
+            None => {
+                self.nic.manage(Command::Disconnect { qp: self.num() });
+                Err(Error::Timeout {
+                    op: "TLS handshake",
+                    after: timeout,
+                })
+            }
+        }
+    }
+
     /// Connects from async code.
     pub async fn connect_async(&self, addr: SocketAddr) -> Result<()> {
         let rx = self.start_connect(addr)?;

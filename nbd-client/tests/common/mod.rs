@@ -210,6 +210,45 @@ pub fn nbdkit(args: &[&str]) -> Option<Peer> {
     })
 }
 
+/// Waits until a server has created its Unix socket at `path`.
+pub fn wait_socket(path: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::os::unix::net::UnixStream::connect(path).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "nothing listens on {}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `program` with `args` serving on a Unix socket in a fresh directory: `socket_flag PATH`
+/// is added. The URI names `export`.
+pub fn unix_peer(program: &str, socket_flag: &str, args: &[&str], export: &str) -> Option<Peer> {
+    if !have(program) {
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("peer.sock");
+    let child = Command::new(program)
+        .arg(socket_flag)
+        .arg(&sock)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {program}: {e}"));
+    wait_socket(&sock);
+    Some(Peer {
+        child,
+        port: 0,
+        uri: format!("nbd+unix:///{export}?socket={}", sock.display()),
+        pidfile: None,
+        _dir: Some(dir),
+    })
+}
+
 /// Debian's nbd-server (simple replies only) exporting `path` as `name`.
 pub fn debian_nbd_server(name: &str, path: &Path) -> Option<Peer> {
     if !have("nbd-server") {
@@ -267,4 +306,47 @@ pub fn pattern(offset: u64, len: usize) -> Vec<u8> {
             (x >> 56) as u8 ^ ((offset + i) >> 12) as u8
         })
         .collect()
+}
+
+/// Throwaway TLS credentials (scripts/tls-test-certs): ca-cert.pem, server-cert.pem,
+/// server-key.pem, client-cert.pem, client-key.pem, keys.psk (user alice), other-ca/.
+pub fn tls_certs() -> Option<tempfile::TempDir> {
+    if !have("certtool") || !have("psktool") {
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/tls-test-certs");
+    assert!(
+        Command::new(script)
+            .arg(dir.path())
+            .status()
+            .unwrap()
+            .success()
+    );
+    Some(dir)
+}
+
+/// `program` with `args` listening on a free port of 127.0.0.1 (`port_flag PORT` added);
+/// the URI is `uri` with PORT replaced.
+pub fn tcp_peer(program: &str, port_flag: &str, args: &[&str], uri: &str) -> Option<Peer> {
+    if !have(program) {
+        return None;
+    }
+    let port = free_port();
+    let child = Command::new(program)
+        .arg(port_flag)
+        .arg(port.to_string())
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {program}: {e}"));
+    wait_port(port);
+    Some(Peer {
+        child,
+        port,
+        uri: uri.replace("PORT", &port.to_string()),
+        pidfile: None,
+        _dir: None,
+    })
 }

@@ -5,11 +5,16 @@
 //! or a raw byte stream with [`ClientHandshake::feed`]. Requests are appended to
 //! a caller-provided `Vec<u8>`.
 //!
-//! Connect sequence: greeting → client flags → `NBD_OPT_STRUCTURED_REPLY` (if
-//! wanted) → `NBD_OPT_SET_META_CONTEXT base:allocation` (if wanted and structured
+//! With `tls`, every goal starts with `NBD_OPT_STARTTLS`: on its ACK the machine returns
+//! [`ClientEvent::StartTls`], the caller runs the TLS handshake and calls
+//! [`ClientHandshake::resume`]; any refusal ends the handshake (no plaintext fallback).
+//!
+//! Connect sequence: greeting → client flags → `NBD_OPT_EXTENDED_HEADERS` (if
+//! wanted), else or if refused `NBD_OPT_STRUCTURED_REPLY` (if wanted) → `NBD_OPT_SET_META_CONTEXT base:allocation` (if wanted and structured
 //! replies were accepted) → `NBD_OPT_GO` requesting `NAME`, `DESCRIPTION` and
 //! `BLOCK_SIZE`, falling back to `NBD_OPT_EXPORT_NAME` if the server answers
-//! `NBD_REP_ERR_UNSUP` (or does not do fixed newstyle at all).
+//! `NBD_REP_ERR_UNSUP` (or does not do fixed newstyle at all) — except after extended
+//! headers, which forbid `NBD_OPT_EXPORT_NAME` (a server offering them must do `GO`).
 
 use crate::consts as c;
 use crate::error::ProtoError;
@@ -33,6 +38,8 @@ pub struct ClientConfig {
     pub export_name: String,
     /// Ask for structured replies.
     pub structured_replies: bool,
+    /// Ask for extended headers first (only with `use_go`, as the spec requires).
+    pub extended_headers: bool,
     /// Ask for the `base:allocation` metadata context (needs structured replies).
     pub base_allocation: bool,
     /// Use `NBD_FLAG_C_NO_ZEROES` if the server offers it.
@@ -41,6 +48,9 @@ pub struct ClientConfig {
     pub use_go: bool,
     /// Largest option reply accepted (bounded memory).
     pub max_option_reply_len: u32,
+    /// Upgrade to TLS with `NBD_OPT_STARTTLS` before anything else, and fail rather than
+    /// go on without it.
+    pub tls: bool,
 }
 
 impl ClientConfig {
@@ -49,10 +59,12 @@ impl ClientConfig {
         Self {
             export_name: export_name.into(),
             structured_replies: true,
+            extended_headers: true,
             base_allocation: true,
             no_zeroes: true,
             use_go: true,
             max_option_reply_len: crate::framing::DEFAULT_MAX_OPTION_LEN,
+            tls: false,
         }
     }
 }
@@ -79,14 +91,18 @@ pub struct ExportDetails {
 pub struct ClientNegotiated {
     /// The export.
     pub export: ExportDetails,
-    /// Structured replies negotiated.
+    /// Structured replies negotiated (also true with extended headers).
     pub structured_replies: bool,
+    /// Extended headers negotiated: 32-byte requests, every reply an extended chunk.
+    pub extended_headers: bool,
     /// Context id of `base:allocation`, if selected.
     pub base_allocation: Option<u32>,
     /// `NBD_FLAG_C_NO_ZEROES` negotiated.
     pub no_zeroes: bool,
     /// Transmission entered via `NBD_OPT_GO` (vs the `NBD_OPT_EXPORT_NAME` fallback).
     pub via_go: bool,
+    /// The session runs over TLS.
+    pub tls: bool,
 }
 
 impl ClientNegotiated {
@@ -99,6 +115,16 @@ impl ClientNegotiated {
             has_meta_context: self.base_allocation.is_some(),
             block_size: self.export.block_size,
             df_max_len: 65536,
+            extended_headers: self.extended_headers,
+        }
+    }
+
+    /// The framing phase of the transmission (compact or extended replies).
+    pub fn transmission_phase(&self) -> ClientPhase {
+        if self.extended_headers {
+            ClientPhase::TransmissionExtended
+        } else {
+            ClientPhase::Transmission
         }
     }
 }
@@ -124,6 +150,9 @@ pub enum ClientEvent {
     Listed(Vec<ExportListing>),
     /// `NBD_OPT_INFO` result; an `NBD_OPT_ABORT` was queued: send it and close.
     Info(Box<ExportDetails>),
+    /// The server acknowledged `NBD_OPT_STARTTLS`: run the TLS handshake, then call
+    /// [`ClientHandshake::resume`] and send what it appends, inside TLS.
+    StartTls,
 }
 
 /// Handshake failure, client side. Unless stated, the connection should be dropped.
@@ -133,12 +162,21 @@ pub enum ClientError {
     /// Undecodable server message.
     #[error(transparent)]
     Proto(#[from] ProtoError),
-    /// The server does not do fixed newstyle and the goal needs it (list / info).
+    /// The server does not do fixed newstyle and the goal needs it (list / info / TLS).
     #[error("server does not support fixed newstyle negotiation")]
     NoFixedNewstyle,
+    /// TLS was asked for and the server refused `NBD_OPT_STARTTLS`; an `NBD_OPT_ABORT` was
+    /// queued. There is no plaintext fallback.
+    #[error("the server refused TLS ({}: {message}); not going on without it", reply_name(*.reply))]
+    TlsRefused {
+        /// Error reply type (`NBD_REP_ERR_UNSUP` from a server without TLS).
+        reply: u32,
+        /// Server message.
+        message: String,
+    },
     /// The server refused an option with an error reply. An `NBD_OPT_ABORT` was
     /// queued (soft disconnect): send it, then close.
-    #[error("server refused option {option} with reply {reply:#x}: {message}")]
+    #[error("server refused option {option} with {}: {message}", reply_name(*.reply))]
     Rejected {
         /// Option.
         option: u32,
@@ -176,6 +214,24 @@ pub enum ClientError {
     Finished,
 }
 
+/// An error reply's name, with what a user can do about the common ones.
+pub fn reply_name(reply: u32) -> String {
+    let name = match reply {
+        c::REP_ERR_UNSUP => "NBD_REP_ERR_UNSUP",
+        c::REP_ERR_POLICY => "NBD_REP_ERR_POLICY",
+        c::REP_ERR_INVALID => "NBD_REP_ERR_INVALID",
+        c::REP_ERR_PLATFORM => "NBD_REP_ERR_PLATFORM",
+        c::REP_ERR_TLS_REQD => "NBD_REP_ERR_TLS_REQD (the server requires TLS: use nbds://)",
+        c::REP_ERR_UNKNOWN => "NBD_REP_ERR_UNKNOWN",
+        c::REP_ERR_SHUTDOWN => "NBD_REP_ERR_SHUTDOWN",
+        c::REP_ERR_BLOCK_SIZE_REQD => "NBD_REP_ERR_BLOCK_SIZE_REQD",
+        c::REP_ERR_TOO_BIG => "NBD_REP_ERR_TOO_BIG",
+        c::REP_ERR_EXT_HEADER_REQD => "NBD_REP_ERR_EXT_HEADER_REQD",
+        other => return format!("reply {other:#x}"),
+    };
+    name.to_owned()
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Goal {
     Connect,
@@ -209,8 +265,15 @@ impl InfoAcc {
 #[derive(Debug, Clone)]
 enum State {
     Greeting,
+    StartTls,
+    /// `NBD_OPT_STARTTLS` acknowledged; the caller runs TLS, then calls `resume`.
+    TlsPending,
+    ExtendedHeaders,
     StructuredReply,
-    SetMeta { id: Option<u32>, replies: usize },
+    SetMeta {
+        id: Option<u32>,
+        replies: usize,
+    },
     Go(InfoAcc),
     Info(InfoAcc),
     List(Vec<ExportListing>),
@@ -226,6 +289,7 @@ pub struct ClientHandshake {
     state: State,
     no_zeroes: bool,
     structured: bool,
+    extended: bool,
     base_allocation: Option<u32>,
     inbuf: Vec<u8>,
 }
@@ -240,6 +304,7 @@ impl ClientHandshake {
             state: State::Greeting,
             no_zeroes: false,
             structured: false,
+            extended: false,
             base_allocation: None,
             inbuf: Vec::new(),
         }
@@ -252,7 +317,12 @@ impl ClientHandshake {
 
     /// List the server's exports (`NBD_OPT_LIST`), then abort.
     pub fn list() -> Self {
-        Self::with_goal(ClientConfig::new(""), Goal::List)
+        Self::list_with(ClientConfig::new(""))
+    }
+
+    /// [`Self::list`] with `config`'s TLS and limits (its export name is not used).
+    pub fn list_with(config: ClientConfig) -> Self {
+        Self::with_goal(config, Goal::List)
     }
 
     /// Query `config.export_name` with `NBD_OPT_INFO`, then abort.
@@ -287,7 +357,7 @@ impl ClientHandshake {
     ) -> Result<ClientEvent, ClientError> {
         let res = self.handle_inner(msg, out);
         match &res {
-            Ok(ClientEvent::Continue) => {}
+            Ok(ClientEvent::Continue) | Ok(ClientEvent::StartTls) => {}
             Ok(ClientEvent::Connected(_)) => {
                 self.state = State::Finished;
             }
@@ -356,6 +426,16 @@ impl ClientHandshake {
         Ok(())
     }
 
+    fn ask_structured(&mut self, out: &mut Vec<u8>) -> Result<(), ClientError> {
+        if self.config.structured_replies {
+            encode_option(c::OPT_STRUCTURED_REPLY, &[], out);
+            self.state = State::StructuredReply;
+            Ok(())
+        } else {
+            self.after_structured(out)
+        }
+    }
+
     fn after_structured(&mut self, out: &mut Vec<u8>) -> Result<(), ClientError> {
         if self.structured && self.config.base_allocation {
             let data = MetaContextRequest {
@@ -376,6 +456,8 @@ impl ClientHandshake {
 
     fn expected_option(&self) -> Option<u32> {
         Some(match self.state {
+            State::StartTls => c::OPT_STARTTLS,
+            State::ExtendedHeaders => c::OPT_EXTENDED_HEADERS,
             State::StructuredReply => c::OPT_STRUCTURED_REPLY,
             State::SetMeta { .. } => c::OPT_SET_META_CONTEXT,
             State::Go(_) => c::OPT_GO,
@@ -405,9 +487,11 @@ impl ClientHandshake {
                         description: None,
                     },
                     structured_replies: self.structured,
+                    extended_headers: false,
                     base_allocation: self.base_allocation,
                     no_zeroes: self.no_zeroes,
                     via_go: false,
+                    tls: self.config.tls,
                 })));
             }
             _ => {}
@@ -438,6 +522,33 @@ impl ClientHandshake {
         });
         let state = core::mem::replace(&mut self.state, State::Finished);
         match state {
+            State::StartTls => match h.reply_type {
+                c::REP_ACK => {
+                    self.state = State::TlsPending;
+                    Ok(ClientEvent::StartTls)
+                }
+                _ if h.is_error() => {
+                    Self::abort(out);
+                    Err(ClientError::TlsRefused {
+                        reply: h.reply_type,
+                        message: crate::peer_text::printable(data),
+                    })
+                }
+                _ => unexpected,
+            },
+            State::ExtendedHeaders => {
+                match h.reply_type {
+                    c::REP_ACK => {
+                        self.extended = true;
+                        self.structured = true;
+                        self.after_structured(out)?;
+                    }
+                    // Refused (ERR_UNSUP from older servers): compact headers.
+                    _ if h.is_error() => self.ask_structured(out)?,
+                    _ => return unexpected,
+                }
+                Ok(ClientEvent::Continue)
+            }
             State::StructuredReply => {
                 match h.reply_type {
                     c::REP_ACK => self.structured = true,
@@ -504,16 +615,18 @@ impl ClientHandshake {
                             Ok(ClientEvent::Connected(Box::new(ClientNegotiated {
                                 export: details,
                                 structured_replies: self.structured,
+                                extended_headers: self.extended,
                                 base_allocation: self.base_allocation,
                                 no_zeroes: self.no_zeroes,
                                 via_go: true,
+                                tls: self.config.tls,
                             })))
                         } else {
                             Self::abort(out);
                             Ok(ClientEvent::Info(Box::new(details)))
                         }
                     }
-                    c::REP_ERR_UNSUP if go => {
+                    c::REP_ERR_UNSUP if go && !self.extended => {
                         // "clients SHOULD be prepared to also handle NBD_REP_ERR_UNSUP
                         // by falling back to using NBD_OPT_EXPORT_NAME"
                         self.send_export_name(out)?;
@@ -557,7 +670,9 @@ impl ClientHandshake {
                 }
                 _ => unexpected,
             },
-            State::Greeting | State::ExportName | State::Finished => Err(ClientError::Finished),
+            State::Greeting | State::TlsPending | State::ExportName | State::Finished => {
+                Err(ClientError::Finished)
+            }
         }
     }
 
@@ -575,6 +690,7 @@ impl ClientHandshake {
         out.extend_from_slice(&encode_client_flags(flags));
         if !fixed {
             return match self.goal {
+                _ if self.config.tls => Err(ClientError::NoFixedNewstyle),
                 Goal::Connect => {
                     self.send_export_name(out)?;
                     Ok(ClientEvent::Continue)
@@ -582,13 +698,32 @@ impl ClientHandshake {
                 Goal::List | Goal::Info => Err(ClientError::NoFixedNewstyle),
             };
         }
+        if self.config.tls {
+            encode_option(c::OPT_STARTTLS, &[], out);
+            self.state = State::StartTls;
+            return Ok(ClientEvent::Continue);
+        }
+        self.start_goal(out)?;
+        Ok(ClientEvent::Continue)
+    }
+
+    /// After [`ClientEvent::StartTls`] and a successful TLS handshake: the negotiation
+    /// goes on (inside TLS); send what is appended to `out`.
+    pub fn resume(&mut self, out: &mut Vec<u8>) -> Result<(), ClientError> {
+        if !matches!(self.state, State::TlsPending) {
+            return Err(ClientError::Finished);
+        }
+        self.start_goal(out)
+    }
+
+    fn start_goal(&mut self, out: &mut Vec<u8>) -> Result<(), ClientError> {
         match self.goal {
             Goal::Connect => {
-                if self.config.structured_replies {
-                    encode_option(c::OPT_STRUCTURED_REPLY, &[], out);
-                    self.state = State::StructuredReply;
+                if self.config.extended_headers && self.config.use_go {
+                    encode_option(c::OPT_EXTENDED_HEADERS, &[], out);
+                    self.state = State::ExtendedHeaders;
                 } else {
-                    self.after_structured(out)?;
+                    self.ask_structured(out)?;
                 }
             }
             Goal::List => {
@@ -605,6 +740,6 @@ impl ClientHandshake {
                 self.state = State::Info(InfoAcc::default());
             }
         }
-        Ok(ClientEvent::Continue)
+        Ok(())
     }
 }

@@ -18,5 +18,5 @@ pub use messages::{
 };
 pub use server::{
     BASE_ALLOCATION_ID, Export, ServerConfig, ServerError, ServerEvent, ServerHandshake,
-    ServerNegotiated,
+    ServerNegotiated, TlsMode,
 };

@@ -72,6 +72,19 @@ impl Export {
     }
 }
 
+/// How the server treats TLS (nbdkit's `--tls` meanings).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TlsMode {
+    /// No TLS: `NBD_OPT_STARTTLS` gets `NBD_REP_ERR_UNSUP`.
+    #[default]
+    Off,
+    /// TLS offered: a client may upgrade with `NBD_OPT_STARTTLS`, or stay in plaintext.
+    On,
+    /// TLS required: every option before `NBD_OPT_STARTTLS` (but `NBD_OPT_ABORT`) gets
+    /// `NBD_REP_ERR_TLS_REQD`, and `NBD_OPT_EXPORT_NAME` a hard disconnect.
+    Require,
+}
+
 /// Server configuration. The `support_*` knobs exist mostly to emulate older
 /// servers (for interoperability tests of clients' fallbacks).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,8 +104,13 @@ pub struct ServerConfig {
     pub support_go: bool,
     /// Support `NBD_OPT_STRUCTURED_REPLY` (else `NBD_REP_ERR_UNSUP`).
     pub support_structured_replies: bool,
+    /// Support `NBD_OPT_EXTENDED_HEADERS` (else `NBD_REP_ERR_UNSUP`; also without `support_go`).
+    pub support_extended_headers: bool,
     /// Support `base:allocation` via the meta context options (else `NBD_REP_ERR_UNSUP`).
     pub support_meta_contexts: bool,
+    /// TLS: off, offered, or required. The caller performs the TLS handshake on
+    /// [`ServerEvent::StartTls`].
+    pub tls: TlsMode,
     /// Option data larger than this is a hard disconnect (bounded memory).
     pub max_option_len: u32,
     /// More options than this in one handshake is treated as denial of service
@@ -113,7 +131,9 @@ impl Default for ServerConfig {
             allow_list: true,
             support_go: true,
             support_structured_replies: true,
+            support_extended_headers: true,
             support_meta_contexts: true,
+            tls: TlsMode::Off,
             max_option_len: crate::framing::DEFAULT_MAX_OPTION_LEN,
             max_options: DEFAULT_MAX_OPTIONS,
         }
@@ -152,8 +172,11 @@ pub struct ServerNegotiated {
     pub size: u64,
     /// Transmission flags sent to the client.
     pub flags: TransmissionFlags,
-    /// Structured replies negotiated.
+    /// Structured replies negotiated (also true with extended headers, which take
+    /// precedence: every reply is then an extended chunk).
     pub structured_replies: bool,
+    /// Extended headers negotiated: 32-byte requests and extended reply chunks.
+    pub extended_headers: bool,
     /// Selected metadata contexts `(id, name)` (empty unless the last
     /// `NBD_OPT_SET_META_CONTEXT` named this export).
     pub meta_contexts: Vec<(u32, String)>,
@@ -166,6 +189,8 @@ pub struct ServerNegotiated {
     pub block_size_acknowledged: bool,
     /// Transmission entered via `NBD_OPT_GO` (vs `NBD_OPT_EXPORT_NAME`).
     pub via_go: bool,
+    /// The session runs over TLS.
+    pub tls: bool,
 }
 
 impl ServerNegotiated {
@@ -178,6 +203,16 @@ impl ServerNegotiated {
             has_meta_context: !self.meta_contexts.is_empty(),
             block_size: self.block_size,
             df_max_len: u32::MAX,
+            extended_headers: self.extended_headers,
+        }
+    }
+
+    /// The framing phase of the transmission (compact or extended requests).
+    pub fn transmission_phase(&self) -> ServerPhase {
+        if self.extended_headers {
+            ServerPhase::TransmissionExtended
+        } else {
+            ServerPhase::Transmission
         }
     }
 }
@@ -192,6 +227,10 @@ pub enum ServerEvent {
     Done(Box<ServerNegotiated>),
     /// The client sent `NBD_OPT_ABORT`: send the output (the ACK) and close.
     Abort,
+    /// The client sent `NBD_OPT_STARTTLS`: send the output (the ACK), then run the TLS
+    /// handshake on the connection before anything else is read; the option haggling starts
+    /// over inside TLS (what was negotiated before is forgotten).
+    StartTls,
 }
 
 /// A condition that requires a hard disconnect (drop the connection without
@@ -240,6 +279,14 @@ pub enum ServerError {
     /// A message arrived after the handshake ended.
     #[error("handshake already finished")]
     Finished,
+    /// `NBD_OPT_EXPORT_NAME` before `NBD_OPT_STARTTLS` on a server that requires TLS (it
+    /// cannot be answered with an error).
+    #[error("NBD_OPT_EXPORT_NAME without TLS, which this server requires")]
+    TlsRequired,
+    /// `NBD_OPT_EXPORT_NAME` after extended headers were negotiated ("a client MUST NOT
+    /// use" it then; it cannot be answered with an error).
+    #[error("NBD_OPT_EXPORT_NAME after NBD_OPT_EXTENDED_HEADERS")]
+    ExportNameWithExtendedHeaders,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -257,6 +304,9 @@ pub struct ServerHandshake {
     fixed: bool,
     no_zeroes: bool,
     structured: bool,
+    extended: bool,
+    /// TLS is running (`NBD_OPT_STARTTLS` was acknowledged).
+    tls: bool,
     /// Export index and contexts selected by the last `NBD_OPT_SET_META_CONTEXT`.
     meta: Option<(usize, Vec<(u32, String)>)>,
     options_seen: u32,
@@ -281,6 +331,8 @@ impl ServerHandshake {
             fixed: false,
             no_zeroes: false,
             structured: false,
+            extended: false,
+            tls: false,
             meta: None,
             options_seen: 0,
             shutting_down: false,
@@ -311,6 +363,7 @@ impl ServerHandshake {
         match self.state {
             State::ClientFlags => ServerPhase::ClientFlags,
             State::Options => ServerPhase::Options,
+            State::Finished if self.extended => ServerPhase::TransmissionExtended,
             State::Finished => ServerPhase::Transmission,
         }
     }
@@ -367,7 +420,7 @@ impl ServerHandshake {
             Err(_) | Ok(ServerEvent::Done(_)) | Ok(ServerEvent::Abort) => {
                 self.state = State::Finished;
             }
-            Ok(ServerEvent::Continue) => {}
+            Ok(ServerEvent::Continue) | Ok(ServerEvent::StartTls) => {}
         }
         res
     }
@@ -387,6 +440,8 @@ impl ServerHandshake {
                 Need::Header(_) => return Ok(ServerEvent::Continue),
                 Need::Invalid(crate::framing::FrameError::TooLong { len, limit }) => {
                     self.state = State::Finished;
+                    // an option length is a u32
+                    let len = u32::try_from(len).unwrap_or(u32::MAX);
                     return Err(ServerError::OptionTooLong { len, limit });
                 }
                 Need::Invalid(_) => {
@@ -455,6 +510,16 @@ impl ServerHandshake {
                 }
             }
         }
+        if self.config.tls == TlsMode::Require && !self.tls {
+            match option {
+                c::OPT_ABORT | c::OPT_STARTTLS => {}
+                c::OPT_EXPORT_NAME => return Err(ServerError::TlsRequired),
+                _ => {
+                    reply_err(out, option, c::REP_ERR_TLS_REQD, "TLS is required");
+                    return Ok(ServerEvent::Continue);
+                }
+            }
+        }
         match option {
             c::OPT_EXPORT_NAME => self.export_name(data, out),
             c::OPT_ABORT => {
@@ -487,13 +552,66 @@ impl ServerHandshake {
                 }
                 Ok(ServerEvent::Continue)
             }
-            c::OPT_STARTTLS => {
+            c::OPT_STARTTLS if self.config.tls == TlsMode::Off => {
                 // NOTLS mode: "NBD_REP_ERR_UNSUP (if it does not support the
                 // NBD_OPT_STARTTLS option at all)".
                 reply_err(out, option, c::REP_ERR_UNSUP, "TLS is not supported");
                 Ok(ServerEvent::Continue)
             }
+            c::OPT_STARTTLS => {
+                if self.tls {
+                    // "the server MUST respond with NBD_REP_ERR_INVALID" to a second one.
+                    reply_err(out, option, c::REP_ERR_INVALID, "TLS is already running");
+                    return Ok(ServerEvent::Continue);
+                }
+                if !data.is_empty() {
+                    reply_err(
+                        out,
+                        option,
+                        c::REP_ERR_INVALID,
+                        "NBD_OPT_STARTTLS takes no data",
+                    );
+                    return Ok(ServerEvent::Continue);
+                }
+                reply(out, option, c::REP_ACK, &[]);
+                // The negotiation starts over inside TLS.
+                self.tls = true;
+                self.structured = false;
+                self.extended = false;
+                self.meta = None;
+                Ok(ServerEvent::StartTls)
+            }
             c::OPT_INFO | c::OPT_GO if self.config.support_go => self.info_or_go(option, data, out),
+            c::OPT_STRUCTURED_REPLY if self.extended => {
+                // "The client has already successfully negotiated extended headers, which
+                // takes precedence over this option."
+                reply_err(
+                    out,
+                    option,
+                    c::REP_ERR_EXT_HEADER_REQD,
+                    "extended headers are already negotiated",
+                );
+                Ok(ServerEvent::Continue)
+            }
+            // "the server MUST also support NBD_OPT_GO" (the client may not fall back).
+            c::OPT_EXTENDED_HEADERS
+                if self.config.support_extended_headers && self.config.support_go =>
+            {
+                if data.is_empty() {
+                    // Extended replies are structured replies with longer headers.
+                    self.extended = true;
+                    self.structured = true;
+                    reply(out, option, c::REP_ACK, &[]);
+                } else {
+                    reply_err(
+                        out,
+                        option,
+                        c::REP_ERR_INVALID,
+                        "NBD_OPT_EXTENDED_HEADERS takes no data",
+                    );
+                }
+                Ok(ServerEvent::Continue)
+            }
             c::OPT_STRUCTURED_REPLY if self.config.support_structured_replies => {
                 if data.is_empty() {
                     self.structured = true;
@@ -533,15 +651,20 @@ impl ServerHandshake {
             size: e.size,
             flags: e.transmission_flags(self.structured),
             structured_replies: self.structured,
+            extended_headers: self.extended,
             meta_contexts,
             no_zeroes: self.no_zeroes,
             block_size: e.effective_block_size(),
             block_size_acknowledged: acked,
             via_go,
+            tls: self.tls,
         })
     }
 
     fn export_name(&mut self, data: &[u8], out: &mut Vec<u8>) -> Result<ServerEvent, ServerError> {
+        if self.extended {
+            return Err(ServerError::ExportNameWithExtendedHeaders);
+        }
         let name = parse_string(data, "export name").map_err(|_| ServerError::InvalidExportName)?;
         let idx = self
             .config

@@ -187,6 +187,7 @@ fn client_can_skip_go_and_structured() {
 fn structured_and_meta_unsupported() {
     let cfg = ServerConfig {
         support_structured_replies: false,
+        support_extended_headers: false,
         support_meta_contexts: false,
         ..config()
     };
@@ -345,7 +346,10 @@ fn stream_feed_byte_by_byte_with_pipelined_request() {
     assert!(matches!(sdone, Some(ServerEvent::Done(_))));
     assert!(matches!(cdone, Some(ClientEvent::Connected(_))));
     assert!(server.take_leftover().is_empty());
-    assert_eq!(server.phase(), crate::framing::ServerPhase::Transmission);
+    assert_eq!(
+        server.phase(),
+        crate::framing::ServerPhase::TransmissionExtended
+    );
     assert!(server.feed(&[], &mut Vec::new()).is_err());
     assert!(client.take_leftover().is_empty());
 }
@@ -362,7 +366,7 @@ fn stream_feed_keeps_pipelined_request() {
         offset: 0,
         length: 4,
     };
-    input.extend_from_slice(&req.encode());
+    input.extend_from_slice(&req.encode(false).unwrap());
     input.extend_from_slice(b"data");
     let mut out = Vec::new();
     assert!(matches!(
@@ -372,7 +376,7 @@ fn stream_feed_keeps_pipelined_request() {
     assert_eq!(out.len(), 134);
     let left = server.take_leftover();
     assert_eq!(left.len(), 32);
-    assert_eq!(crate::transmission::Request::parse(&left), Ok(req));
+    assert_eq!(crate::transmission::Request::parse(&left, false), Ok(req));
 }
 
 // ---- byte-level server checks ------------------------------------------------------
@@ -459,7 +463,7 @@ fn starttls_and_unknown_options_are_refused_and_negotiation_continues() {
     assert_eq!(r, Ok(ServerEvent::Continue));
     assert_eq!(types(&rep), vec![c::REP_ERR_UNSUP]);
     assert_eq!(rep[0].0, c::OPT_STARTTLS);
-    for o in [c::OPT_PEEK_EXPORT, c::OPT_EXTENDED_HEADERS, 99, 0xffff_ffff] {
+    for o in [c::OPT_PEEK_EXPORT, 99, 0xffff_ffff] {
         let (r, rep) = ask(&mut s, o, b"junk");
         assert_eq!(r, Ok(ServerEvent::Continue));
         assert_eq!(
@@ -856,7 +860,10 @@ fn client_rejects_bad_server_replies() {
     }
     .encode();
     let start = || {
-        let mut client = ClientHandshake::connect(ClientConfig::new("disk"));
+        let mut client = ClientHandshake::connect(ClientConfig {
+            extended_headers: false,
+            ..ClientConfig::new("disk")
+        });
         let mut out = Vec::new();
         client.handle_message(&g, &mut out).unwrap();
         // flags with NO_ZEROES, then STRUCTURED_REPLY
@@ -915,5 +922,294 @@ fn client_rejects_bad_server_replies() {
     assert_eq!(
         client.handle_message(&msg, &mut Vec::new()),
         Err(ClientError::Finished)
+    );
+}
+
+// ---- extended headers ---------------------------------------------------------------
+
+#[test]
+fn go_with_extended_headers() {
+    let o = run(
+        config(),
+        ClientHandshake::connect(ClientConfig::new("disk")),
+    );
+    let (s, cl) = (server_done(&o), client_done(&o));
+    assert!(s.extended_headers && cl.extended_headers);
+    // extended headers carry structured replies, with everything that needs them
+    assert!(s.structured_replies && cl.structured_replies);
+    assert!(cl.export.flags.contains(TF::SEND_DF));
+    assert_eq!(cl.base_allocation, Some(BASE_ALLOCATION_ID));
+    assert_eq!(
+        s.transmission_phase(),
+        crate::framing::ServerPhase::TransmissionExtended
+    );
+    assert_eq!(
+        cl.transmission_phase(),
+        crate::framing::ClientPhase::TransmissionExtended
+    );
+    assert!(s.transmission_info().extended_headers);
+    assert!(cl.transmission_info().extended_headers);
+}
+
+#[test]
+fn extended_headers_refused_falls_back_to_structured_replies() {
+    for cfg in [
+        ServerConfig {
+            support_extended_headers: false,
+            ..config()
+        },
+        // A server without GO must not offer extended headers (the client could not fall
+        // back to EXPORT_NAME).
+        ServerConfig {
+            support_go: false,
+            ..config()
+        },
+    ] {
+        let go = cfg.support_go;
+        let o = run(cfg, ClientHandshake::connect(ClientConfig::new("disk")));
+        let (s, cl) = (server_done(&o), client_done(&o));
+        assert!(!s.extended_headers && !cl.extended_headers);
+        assert!(s.structured_replies && cl.structured_replies);
+        assert_eq!(cl.via_go, go);
+        assert_eq!(
+            cl.transmission_phase(),
+            crate::framing::ClientPhase::Transmission
+        );
+    }
+}
+
+#[test]
+fn extended_headers_option_rules() {
+    let mut s = started(config(), 3);
+    let (r, rep) = ask(&mut s, c::OPT_EXTENDED_HEADERS, b"x");
+    assert_eq!(r, Ok(ServerEvent::Continue));
+    assert_eq!(types(&rep), vec![c::REP_ERR_INVALID]);
+    let (_, rep) = ask(&mut s, c::OPT_EXTENDED_HEADERS, &[]);
+    assert_eq!(rep, vec![(c::OPT_EXTENDED_HEADERS, c::REP_ACK, vec![])]);
+    // structured replies are superseded
+    let (_, rep) = ask(&mut s, c::OPT_STRUCTURED_REPLY, &[]);
+    assert_eq!(types(&rep), vec![c::REP_ERR_EXT_HEADER_REQD]);
+    // meta contexts work: extended headers imply structured replies
+    let (_, rep) = ask(
+        &mut s,
+        c::OPT_SET_META_CONTEXT,
+        &meta("disk", &[c::BASE_ALLOCATION]),
+    );
+    assert_eq!(types(&rep), vec![c::REP_META_CONTEXT, c::REP_ACK]);
+    assert_eq!(s.phase(), crate::framing::ServerPhase::Options);
+    let mut ex = s.clone();
+    // EXPORT_NAME is forbidden after extended headers: hard disconnect
+    let (r, _) = ask(&mut ex, c::OPT_EXPORT_NAME, b"disk");
+    assert_eq!(r, Err(ServerError::ExportNameWithExtendedHeaders));
+    let go = InfoRequest {
+        name: "disk",
+        items: vec![],
+    }
+    .encode()
+    .unwrap();
+    let (r, _) = ask(&mut s, c::OPT_GO, &go);
+    assert!(matches!(r, Ok(ServerEvent::Done(n)) if n.extended_headers));
+    assert_eq!(s.phase(), crate::framing::ServerPhase::TransmissionExtended);
+}
+
+#[test]
+fn client_with_extended_headers_never_falls_back_to_export_name() {
+    let g = Greeting {
+        flags: HandshakeFlags::FIXED_NEWSTYLE | HandshakeFlags::NO_ZEROES,
+    }
+    .encode();
+    let mut client = ClientHandshake::connect(ClientConfig {
+        base_allocation: false,
+        ..ClientConfig::new("disk")
+    });
+    let mut out = Vec::new();
+    client.handle_message(&g, &mut out).unwrap();
+    assert_eq!(out[4..], opt(c::OPT_EXTENDED_HEADERS, &[]));
+    let mut m = Vec::new();
+    encode_option_reply(c::OPT_EXTENDED_HEADERS, c::REP_ACK, &[], &mut m);
+    out.clear();
+    client.handle_message(&m, &mut out).unwrap();
+    assert_eq!(out[8..12], c::OPT_GO.to_be_bytes());
+    m.clear();
+    encode_option_reply(c::OPT_GO, c::REP_ERR_UNSUP, &[], &mut m);
+    assert!(matches!(
+        client.handle_message(&m, &mut Vec::new()),
+        Err(ClientError::Rejected {
+            option: c::OPT_GO,
+            ..
+        })
+    ));
+}
+
+// ---- STARTTLS -----------------------------------------------------------------------
+
+fn tls_config(mode: TlsMode) -> ServerConfig {
+    ServerConfig {
+        tls: mode,
+        ..config()
+    }
+}
+
+#[test]
+fn require_tls_refuses_options_before_starttls() {
+    let mut s = started(tls_config(TlsMode::Require), 3);
+    for o in [c::OPT_LIST, c::OPT_GO, c::OPT_INFO, c::OPT_STRUCTURED_REPLY] {
+        let (r, rep) = ask(&mut s, o, &[]);
+        assert_eq!(r, Ok(ServerEvent::Continue));
+        assert_eq!(types(&rep), vec![c::REP_ERR_TLS_REQD], "option {o}");
+    }
+    // the connection stays usable for ABORT
+    let mut aborted = s.clone();
+    let (r, rep) = ask(&mut aborted, c::OPT_ABORT, &[]);
+    assert_eq!(r, Ok(ServerEvent::Abort));
+    assert_eq!(types(&rep), vec![c::REP_ACK]);
+    // EXPORT_NAME cannot be answered with an error
+    let mut en = s.clone();
+    assert_eq!(
+        ask(&mut en, c::OPT_EXPORT_NAME, b"disk").0,
+        Err(ServerError::TlsRequired)
+    );
+    // STARTTLS with data is invalid; without, acknowledged, then the options work
+    let (_, rep) = ask(&mut s, c::OPT_STARTTLS, b"x");
+    assert_eq!(types(&rep), vec![c::REP_ERR_INVALID]);
+    let (r, rep) = ask(&mut s, c::OPT_STARTTLS, &[]);
+    assert_eq!(r, Ok(ServerEvent::StartTls));
+    assert_eq!(rep, vec![(c::OPT_STARTTLS, c::REP_ACK, vec![])]);
+    let (_, rep) = ask(&mut s, c::OPT_STARTTLS, &[]);
+    assert_eq!(types(&rep), vec![c::REP_ERR_INVALID], "a second STARTTLS");
+    let (_, rep) = ask(&mut s, c::OPT_LIST, &[]);
+    assert_eq!(*types(&rep).last().unwrap(), c::REP_ACK);
+}
+
+#[test]
+fn starttls_forgets_what_was_negotiated_before() {
+    let mut s = started(tls_config(TlsMode::On), 3);
+    let (_, rep) = ask(&mut s, c::OPT_STRUCTURED_REPLY, &[]);
+    assert_eq!(types(&rep), vec![c::REP_ACK]);
+    let (r, _) = ask(&mut s, c::OPT_STARTTLS, &[]);
+    assert_eq!(r, Ok(ServerEvent::StartTls));
+    // structured replies must be negotiated again inside TLS
+    let (_, rep) = ask(
+        &mut s,
+        c::OPT_SET_META_CONTEXT,
+        &meta("disk", &[c::BASE_ALLOCATION]),
+    );
+    assert_eq!(types(&rep), vec![c::REP_ERR_INVALID]);
+    let go = InfoRequest {
+        name: "disk",
+        items: vec![],
+    }
+    .encode()
+    .unwrap();
+    let (r, _) = ask(&mut s, c::OPT_GO, &go);
+    assert!(matches!(r, Ok(ServerEvent::Done(n)) if n.tls && !n.structured_replies));
+}
+
+/// Drives client and server through STARTTLS (the "TLS handshake" is a no-op here).
+fn run_tls(cfg: ServerConfig, mut client: ClientHandshake) -> Outcome {
+    let mut server = ServerHandshake::new(cfg);
+    let limits = FrameLimits::default();
+    let mut s2c = server.greeting().to_vec();
+    let mut c2s = Vec::new();
+    let mut out = Outcome {
+        server: None,
+        client: None,
+    };
+    for _ in 0..100 {
+        let mut progress = false;
+        while out.client.is_none() {
+            let need = client_need(client.phase(), &s2c, &limits, |_| None);
+            let Some(msg) = pop(need, &mut s2c) else {
+                break;
+            };
+            progress = true;
+            match client.handle_message(&msg, &mut c2s) {
+                Ok(ClientEvent::Continue) => {}
+                Ok(ClientEvent::StartTls) => client.resume(&mut c2s).unwrap(),
+                other => out.client = Some(other),
+            }
+        }
+        while out.server.is_none() {
+            let Some(msg) = pop(server_need(server.phase(), &c2s, &limits), &mut c2s) else {
+                break;
+            };
+            progress = true;
+            match server.handle_message(&msg, &mut s2c) {
+                Ok(ServerEvent::Continue) | Ok(ServerEvent::StartTls) => {}
+                other => out.server = Some(other),
+            }
+        }
+        if !progress {
+            break;
+        }
+    }
+    out
+}
+
+#[test]
+fn client_with_tls_upgrades_first_then_negotiates() {
+    let tls = ClientConfig {
+        tls: true,
+        ..ClientConfig::new("disk")
+    };
+    for mode in [TlsMode::On, TlsMode::Require] {
+        let o = run_tls(tls_config(mode), ClientHandshake::connect(tls.clone()));
+        let (s, cl) = (server_done(&o), client_done(&o));
+        assert!(s.tls && cl.tls);
+        assert!(s.extended_headers && cl.extended_headers);
+        assert_eq!(cl.base_allocation, Some(BASE_ALLOCATION_ID));
+    }
+    let o = run_tls(
+        tls_config(TlsMode::Require),
+        ClientHandshake::list_with(tls.clone()),
+    );
+    assert!(matches!(o.client, Some(Ok(ClientEvent::Listed(ref l))) if l.len() == 2));
+}
+
+#[test]
+fn client_with_tls_never_falls_back_to_plaintext() {
+    let tls = ClientConfig {
+        tls: true,
+        ..ClientConfig::new("disk")
+    };
+    let mut client = ClientHandshake::connect(tls);
+    let g = Greeting {
+        flags: HandshakeFlags::FIXED_NEWSTYLE,
+    }
+    .encode();
+    let mut out = Vec::new();
+    client.handle_message(&g, &mut out).unwrap();
+    assert_eq!(out[4..], opt(c::OPT_STARTTLS, &[]));
+    let mut m = Vec::new();
+    encode_option_reply(
+        c::OPT_STARTTLS,
+        c::REP_ERR_UNSUP,
+        b"TLS is not supported",
+        &mut m,
+    );
+    out.clear();
+    let e = client.handle_message(&m, &mut out).unwrap_err();
+    assert!(matches!(
+        e,
+        ClientError::TlsRefused {
+            reply: c::REP_ERR_UNSUP,
+            ..
+        }
+    ));
+    assert!(e.to_string().contains("TLS is not supported"), "{e}");
+    // only ABORT follows
+    assert_eq!(out, opt(c::OPT_ABORT, &[]));
+    // a server without fixed newstyle cannot do STARTTLS at all
+    let mut old = ClientHandshake::connect(ClientConfig {
+        tls: true,
+        ..ClientConfig::new("disk")
+    });
+    let g = Greeting {
+        flags: HandshakeFlags::empty(),
+    }
+    .encode();
+    assert_eq!(
+        old.handle_message(&g, &mut Vec::new()),
+        Err(ClientError::NoFixedNewstyle)
     );
 }

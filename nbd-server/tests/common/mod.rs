@@ -54,6 +54,8 @@ pub fn image(dir: &Path, name: &str, size: u64) -> PathBuf {
 pub struct ServerProcess {
     child: Option<Child>,
     pub addr: SocketAddr,
+    /// The Unix-domain socket, for a server that printed one first (`--socket` alone).
+    pub unix: Option<PathBuf>,
     pub pid: u32,
     stderr_log: PathBuf,
     _logdir: tempfile::TempDir,
@@ -98,11 +100,15 @@ impl ServerProcess {
             pid: child.id(),
             child: Some(child),
             addr: "0.0.0.0:0".parse().unwrap(),
+            unix: None,
             stderr_log,
             _logdir: logdir,
         };
         match rx.recv_timeout(Duration::from_secs(20)) {
-            Ok(a) => s.addr = a.parse().expect("listen address"),
+            Ok(a) => match a.strip_prefix("unix:") {
+                Some(path) => s.unix = Some(path.into()),
+                None => s.addr = a.parse().expect("listen address"),
+            },
             Err(_) => panic!(
                 "the server did not print its listening address; args {args:?}; stderr:\n{}",
                 s.log()
@@ -120,9 +126,13 @@ impl ServerProcess {
         self.addr.port()
     }
 
-    /// `nbd://host:port/export`, with IPv6 hosts in brackets.
+    /// `nbd://host:port/export`, with IPv6 hosts in brackets; `nbd+unix:///export?socket=`
+    /// for a server on a Unix socket only.
     pub fn uri(&self, export: &str) -> String {
-        format!("nbd://{}/{export}", self.addr)
+        match &self.unix {
+            Some(p) => format!("nbd+unix:///{export}?socket={}", p.display()),
+            None => format!("nbd://{}/{export}", self.addr),
+        }
     }
 
     /// The server's stderr so far.

@@ -4,6 +4,7 @@
 use std::io;
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::backend::{Command, ListenerId, MgmtResult};
@@ -31,6 +32,32 @@ pub trait Management {
             "this NIC cannot take over a host socket",
         ))
     }
+    /// Opens a listener on a Unix-domain socket at `path`. NICs without host sockets (the
+    /// LANai reaches only its fabric) refuse it.
+    fn listen_unix(&mut self, id: ListenerId, path: PathBuf, backlog: u32) -> MgmtResult {
+        let _ = (id, path, backlog);
+        Err(no_unix())
+    }
+    /// Starts connecting a reliable QP to a Unix-domain socket; NICs without host sockets
+    /// refuse it.
+    fn connect_unix(&mut self, qp: QpNum, path: PathBuf, reply: ReplySender<MgmtResult>) {
+        let _ = (qp, path);
+        reply.send(Err(no_unix()));
+    }
+    /// Switches `qp` to TLS; `reply` is answered when the handshake ends. NICs without TLS
+    /// (the LANai) refuse it.
+    fn start_tls(
+        &mut self,
+        qp: QpNum,
+        config: Box<crate::tls::TlsConfig>,
+        reply: ReplySender<io::Result<()>>,
+    ) {
+        let _ = (qp, config);
+        reply.send(Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "this NIC does not do TLS",
+        )));
+    }
     /// Queues `qp` for the next connection on `listener`; `reply` gets the peer. Only called
     /// for a listener that exists.
     fn accept(&mut self, listener: ListenerId, qp: QpNum, reply: ReplySender<MgmtResult>);
@@ -55,6 +82,13 @@ pub fn dispatch(nic: &mut impl Management, cmd: Command) {
         Command::CreateQp { qp, framer } => nic.create_qp(qp, framer),
         Command::BindUdp { qp, addr, reply } => reply.send(nic.bind_udp(qp, addr)),
         Command::Connect { qp, addr, reply } => nic.connect(qp, addr, reply),
+        Command::ConnectUnix { qp, path, reply } => nic.connect_unix(qp, path, reply),
+        Command::ListenUnix {
+            id,
+            path,
+            backlog,
+            reply,
+        } => reply.send(nic.listen_unix(id, path, backlog)),
         Command::Listen {
             id,
             addr,
@@ -81,12 +115,20 @@ pub fn dispatch(nic: &mut impl Management, cmd: Command) {
                 )));
             }
         }
+        Command::StartTls { qp, config, reply } => nic.start_tls(qp, config, reply),
         Command::CloseListener { listener } => nic.close_listener(listener),
         Command::Close { qp } => nic.close(qp),
         Command::Disconnect { qp } => nic.disconnect(qp),
         Command::Destroy { qp } => nic.destroy(qp),
         Command::Fence { reply } => nic.fence(reply),
     }
+}
+
+fn no_unix() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        "this NIC has no Unix-domain sockets (it reaches only its own network)",
+    )
 }
 
 /// The error for a command naming a QP the NIC does not have.

@@ -179,6 +179,11 @@ impl RxMachine {
         }
     }
 
+    /// Bytes read past the last complete message (read ahead, waiting for a receive WR).
+    pub fn buffered(&self) -> usize {
+        self.hdr_len + self.cur.as_ref().map_or(0, |c| c.filled)
+    }
+
     /// Moves bytes from the socket into receive WRs until the socket would block, no WR is
     /// posted, or the QP fails.
     pub fn pump(

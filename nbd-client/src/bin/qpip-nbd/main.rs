@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle, TermLike};
-use nbd_client::{Client, ClientOptions, ExportInfo};
+use nbd_client::{Client, ClientOptions, ExportInfo, NbdUri};
 use nbd_proto::flags::TransmissionFlags as TF;
 use qpip_cli::BackendArgs;
 use qpip_core::Nic;
@@ -26,7 +26,12 @@ use qpip_core::Nic;
         newstyle), so any NBD server works: qpip-nbd-server, qemu-nbd, nbdkit, nbd-server.\n\n\
         Exports are named by NBD URIs: nbd://HOST[:PORT][/EXPORT], IPv6 literals in brackets \
         (nbd://[::1]/disk), port 10809 by default, the empty export name for the server's \
-        default. nbd+unix:// is not supported: QPs carry TCP and UDP only.\n\n\
+        default; nbd+unix:///EXPORT?socket=PATH for a server's local Unix-domain socket \
+        (soft NIC only). nbds:// and nbds+unix:// require TLS (never falling back to \
+        plaintext), with libnbd's query parameters: tls-certificates=DIR (ca-cert.pem, and \
+        client-cert.pem/client-key.pem if there), tls-psk-file=FILE (psktool format) with \
+        tls-username=NAME or nbds://NAME@HOST, tls-verify-peer=false; the soft NIC's engine \
+        does the TLS record layer.\n\n\
         A lost connection is restored with exponential backoff and every unanswered request is \
         sent again; a write counts as done only once the server acknowledged it. After \
         --reconnect-timeout the operation fails (EIO).",
@@ -54,7 +59,7 @@ enum Cmd {
     /// As nbdinfo: --size prints the size alone, --can and --is answer by the exit status
     /// (0 yes, 2 no, 1 error), --map prints the allocation map.
     Info {
-        /// nbd://HOST[:PORT][/EXPORT]
+        /// nbd://HOST[:PORT][/EXPORT] or nbd+unix:///EXPORT?socket=PATH
         uri: String,
         /// Print JSON instead of text.
         #[arg(long)]
@@ -76,7 +81,7 @@ enum Cmd {
     },
     /// List a server's exports and their descriptions.
     List {
-        /// nbd://HOST[:PORT]
+        /// nbd://HOST[:PORT] or nbd+unix:///?socket=PATH
         uri: String,
         /// Print JSON instead of text.
         #[arg(long)]
@@ -89,10 +94,11 @@ enum Cmd {
     /// gets WRITE_ZEROES (or zero writes if the server lacks it). A local destination file is
     /// truncated and sized to the source; an NBD destination must be at least as large.
     Copy {
-        /// Source: a file path, nbd://HOST[:PORT]/EXPORT, or - for standard input
+        /// Source: a file path, an NBD URI (nbd://, nbd+unix://, nbds://, nbds+unix://), or -
+        /// for standard input
         src: String,
-        /// Destination: a file path, nbd://HOST[:PORT]/EXPORT, - for standard output, or null:
-        /// to discard (a read benchmark)
+        /// Destination: a file path, an NBD URI, - for standard output, or null: to discard
+        /// (a read benchmark)
         dst: String,
         /// Re-read both sides afterwards and compare; report the first differing offset.
         #[arg(long)]
@@ -148,7 +154,7 @@ enum Can {
 enum Is {
     ReadOnly,
     Rotational,
-    /// Always no: QPs carry no TLS.
+    /// Yes for nbds:// (the session runs over TLS, or there is none).
     Tls,
 }
 
@@ -398,7 +404,8 @@ fn run(cli: Cli) -> Result<i32> {
                 (Some(c), _) => Some(answer_can(&uri, c, &info, &base)?),
                 (None, Some(Is::ReadOnly)) => Some(info.flags.contains(TF::READ_ONLY)),
                 (None, Some(Is::Rotational)) => Some(info.flags.contains(TF::ROTATIONAL)),
-                (None, Some(Is::Tls)) => Some(false),
+                // A TLS URI connects over TLS or not at all.
+                (None, Some(Is::Tls)) => Some(NbdUri::parse(&uri)?.tls.is_some()),
                 (None, None) => None,
             };
             match yes {

@@ -1,0 +1,273 @@
+//! The byte streams a reliable QP runs over: TCP, or a local Unix-domain stream socket. Both
+//! are plain file descriptors to the data path (epoll or io_uring); only connecting,
+//! addressing and socket options differ.
+
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::net::{Shutdown, SocketAddr};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use mio::event::Source;
+use mio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use mio::{Interest, Registry, Token};
+
+/// A connected (or connecting) stream socket.
+pub(super) enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    /// Local and peer IP addresses (none for a Unix socket).
+    pub(super) fn ip_addrs(&self) -> (Option<SocketAddr>, Option<SocketAddr>) {
+        match self {
+            Stream::Tcp(s) => (s.local_addr().ok(), s.peer_addr().ok()),
+            Stream::Unix(_) => (None, None),
+        }
+    }
+
+    /// Each message should leave as soon as it is posted (batching is done by writev); a Unix
+    /// socket has no Nagle to turn off.
+    pub(super) fn set_nodelay(&self) {
+        if let Stream::Tcp(s) = self {
+            let _ = s.set_nodelay(true);
+        }
+    }
+
+    /// A non-blocking connect has finished: `Ok(true)` connected, `Ok(false)` not yet.
+    pub(super) fn connected(&self) -> io::Result<bool> {
+        let err = match self {
+            Stream::Tcp(s) => s.take_error(),
+            Stream::Unix(s) => s.take_error(),
+        };
+        if let Some(e) = err? {
+            return Err(e);
+        }
+        let peer = match self {
+            Stream::Tcp(s) => s.peer_addr().map(drop),
+            Stream::Unix(s) => s.peer_addr().map(drop),
+        };
+        match peer {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::NotConnected => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The address a connect reply carries.
+    pub(super) fn reply_addr(&self) -> io::Result<SocketAddr> {
+        match self {
+            Stream::Tcp(s) => s.local_addr(),
+            Stream::Unix(_) => Ok(qpip_verbs::backend::UNIX_ADDR),
+        }
+    }
+
+    /// Another handle on the same socket (a duplicated descriptor).
+    pub(super) fn try_clone(&self) -> io::Result<Stream> {
+        use std::os::fd::AsFd;
+        let fd = self.as_fd().try_clone_to_owned()?;
+        Ok(match self {
+            Stream::Tcp(_) => Stream::Tcp(TcpStream::from_std(std::net::TcpStream::from(fd))),
+            Stream::Unix(_) => Stream::Unix(UnixStream::from_std(
+                std::os::unix::net::UnixStream::from(fd),
+            )),
+        })
+    }
+
+    pub(super) fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.shutdown(how),
+            Stream::Unix(s) => s.shutdown(how),
+        }
+    }
+}
+
+impl AsRawFd for Stream {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Stream::Tcp(s) => s.as_raw_fd(),
+            Stream::Unix(s) => s.as_raw_fd(),
+        }
+    }
+}
+
+impl std::os::fd::AsFd for Stream {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        match self {
+            Stream::Tcp(s) => s.as_fd(),
+            Stream::Unix(s) => s.as_fd(),
+        }
+    }
+}
+
+// OpenSSL owns its stream and reads and writes through `&mut`.
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        (&*self).read(buf)
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        (&*self).write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Read for &Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match *self {
+            Stream::Tcp(s) => (&*s).read(buf),
+            Stream::Unix(s) => (&*s).read(buf),
+        }
+    }
+    fn read_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        match *self {
+            Stream::Tcp(s) => (&*s).read_vectored(bufs),
+            Stream::Unix(s) => (&*s).read_vectored(bufs),
+        }
+    }
+}
+
+impl Write for &Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match *self {
+            Stream::Tcp(s) => (&*s).write(buf),
+            Stream::Unix(s) => (&*s).write(buf),
+        }
+    }
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match *self {
+            Stream::Tcp(s) => (&*s).write_vectored(bufs),
+            Stream::Unix(s) => (&*s).write_vectored(bufs),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Source for Stream {
+    fn register(&mut self, r: &Registry, t: Token, i: Interest) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.register(r, t, i),
+            Stream::Unix(s) => s.register(r, t, i),
+        }
+    }
+    fn reregister(&mut self, r: &Registry, t: Token, i: Interest) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.reregister(r, t, i),
+            Stream::Unix(s) => s.reregister(r, t, i),
+        }
+    }
+    fn deregister(&mut self, r: &Registry) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.deregister(r),
+            Stream::Unix(s) => s.deregister(r),
+        }
+    }
+}
+
+/// A listening socket.
+pub(super) enum Acceptor {
+    Tcp(TcpListener),
+    Unix {
+        listener: UnixListener,
+        /// Removes the socket file when the listener goes.
+        _file: SocketFile,
+    },
+}
+
+impl Acceptor {
+    /// The next connection and the address to report for its peer.
+    pub(super) fn accept(&self) -> io::Result<(Stream, SocketAddr)> {
+        match self {
+            Acceptor::Tcp(l) => l.accept().map(|(s, a)| (Stream::Tcp(s), a)),
+            Acceptor::Unix { listener, .. } => listener
+                .accept()
+                .map(|(s, _)| (Stream::Unix(s), qpip_verbs::backend::UNIX_ADDR)),
+        }
+    }
+}
+
+impl Source for Acceptor {
+    fn register(&mut self, r: &Registry, t: Token, i: Interest) -> io::Result<()> {
+        match self {
+            Acceptor::Tcp(l) => l.register(r, t, i),
+            Acceptor::Unix { listener, .. } => listener.register(r, t, i),
+        }
+    }
+    fn reregister(&mut self, r: &Registry, t: Token, i: Interest) -> io::Result<()> {
+        match self {
+            Acceptor::Tcp(l) => l.reregister(r, t, i),
+            Acceptor::Unix { listener, .. } => listener.reregister(r, t, i),
+        }
+    }
+    fn deregister(&mut self, r: &Registry) -> io::Result<()> {
+        match self {
+            Acceptor::Tcp(l) => l.deregister(r),
+            Acceptor::Unix { listener, .. } => listener.deregister(r),
+        }
+    }
+}
+
+/// The socket file of a Unix listener: removed when the listener goes, if it is still ours.
+pub(super) struct SocketFile {
+    path: PathBuf,
+    dev: u64,
+    ino: u64,
+}
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        // Someone may have replaced it meanwhile: remove only the file this listener made.
+        let ours = std::fs::symlink_metadata(&self.path)
+            .is_ok_and(|m| m.dev() == self.dev && m.ino() == self.ino);
+        if ours {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// A Unix-domain listener at `path`, readable and writable by its owner only. A stale socket
+/// file (nothing accepts on it) is replaced; any other file there is left alone and refused.
+pub(super) fn listen_unix(path: &Path, backlog: u32) -> io::Result<(UnixListener, SocketFile)> {
+    use socket2::{Domain, SockAddr, Socket, Type};
+    if let Ok(m) = std::fs::symlink_metadata(path) {
+        if !m.file_type().is_socket() {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                "a file that is not a socket is in the way",
+            ));
+        }
+        match std::os::unix::net::UnixStream::connect(path) {
+            Ok(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::AddrInUse,
+                    "another server is listening on it",
+                ));
+            }
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                std::fs::remove_file(path)?; // stale: its server is gone
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    let sock = Socket::new(Domain::UNIX, Type::STREAM, None)?;
+    sock.bind(&SockAddr::unix(path)?)?;
+    // Not listening yet, so nobody can connect before the mode is tightened.
+    let made = std::fs::symlink_metadata(path)?;
+    let file = SocketFile {
+        path: path.to_path_buf(),
+        dev: made.dev(),
+        ino: made.ino(),
+    };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    sock.listen(backlog.min(i32::MAX as u32) as i32)?;
+    sock.set_nonblocking(true)?;
+    let std_listener: std::os::unix::net::UnixListener = sock.into();
+    Ok((UnixListener::from_std(std_listener), file))
+}
