@@ -40,7 +40,13 @@ fn sibling(bench: &Path, package: &str, bin: &str) -> PathBuf {
         let mut cmd = Command::new(cargo);
         cmd.args(["build", "-p", package, "--bin", bin])
             .arg("--target-dir")
-            .arg(target_dir);
+            .arg(target_dir)
+            // The features scripts/test builds the workspace with (QPIP_FEATURES).
+            .args(
+                std::env::var("QPIP_FEATURES")
+                    .unwrap_or_default()
+                    .split_whitespace(),
+            );
         if dir.file_name().is_some_and(|n| n == "release") {
             cmd.arg("--release");
         }

@@ -178,6 +178,13 @@ pub fn qpip_server_bin() -> PathBuf {
                 "--bin",
                 "qpip-nbd-server",
             ])
+            // With the features scripts/test builds the workspace with, so that this build
+            // does not replace the binary other tests run with one that lacks them.
+            .args(
+                std::env::var("QPIP_FEATURES")
+                    .unwrap_or_default()
+                    .split_whitespace(),
+            )
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .status()
             .expect("running cargo build for qpip-nbd-server");

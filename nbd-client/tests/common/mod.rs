@@ -106,8 +106,12 @@ pub fn workspace_bin(package: &str, bin: &str) -> PathBuf {
     let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
     let path = dir.join(bin);
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    // With the features scripts/test builds the workspace with (QPIP_FEATURES), so that this
+    // build does not replace a binary the other tests run with one that lacks them.
+    let features = std::env::var("QPIP_FEATURES").unwrap_or_default();
     let status = Command::new(cargo)
         .args(["build", "-q", "-p", package, "--bin", bin])
+        .args(features.split_whitespace())
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .status()
         .unwrap_or_else(|e| panic!("running cargo build for {bin}: {e}"));
