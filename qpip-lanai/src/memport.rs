@@ -3,16 +3,14 @@
 //! `sram_bytes_per_cycle` bytes per cycle; every cycle a DMA engine takes is one the
 //! processor, which runs its firmware from that memory, waits (DMA engines stream at fixed
 //! rates and win arbitration). So a firmware stage that overlaps DMA traffic takes longer by
-//! the memory cycles the DMAs took meanwhile.
-
-use crate::meter::Nanos;
+//! the memory cycles the DMAs took meanwhile. Times are virtual nanoseconds.
 
 #[derive(Clone, Debug)]
 pub struct MemPort {
     cycle_ns: f64,
     bytes_per_cycle: usize,
     /// DMA transfers through the memory: (start, end, fraction of the cycles they take).
-    dma: Vec<(Nanos, Nanos, f64)>,
+    dma: Vec<(u64, u64, f64)>,
 }
 
 impl MemPort {
@@ -25,7 +23,7 @@ impl MemPort {
     }
 
     /// A DMA engine moves `bytes` through the memory, evenly over `[start, end)`.
-    pub fn dma(&mut self, start: Nanos, end: Nanos, bytes: usize) {
+    pub fn dma(&mut self, start: u64, end: u64, bytes: usize) {
         if end > start && bytes > 0 {
             let cycles = bytes.div_ceil(self.bytes_per_cycle) as f64 * self.cycle_ns;
             let share = (cycles / (end - start) as f64).min(1.0);
@@ -35,7 +33,7 @@ impl MemPort {
 
     /// When the processor, with `work` ns of its own cycles to run from `start`, is done:
     /// `work` stretched by the cycles DMA engines take meanwhile.
-    pub fn stretch(&self, start: Nanos, work: Nanos) -> Nanos {
+    pub fn stretch(&self, start: u64, work: u64) -> u64 {
         let mut t = start as f64;
         let mut left = work as f64;
         while left > 0.0 {
@@ -58,11 +56,11 @@ impl MemPort {
             left -= (next - t) * free;
             t = next;
         }
-        t.ceil() as Nanos
+        t.ceil() as u64
     }
 
     /// Forgets transfers over by `now` (no stage starts earlier again).
-    pub fn retire(&mut self, now: Nanos) {
+    pub fn retire(&mut self, now: u64) {
         self.dma.retain(|&(_, e, _)| e > now);
     }
 }
@@ -79,11 +77,11 @@ mod tests {
         // A 16 KiB PCI DMA over 100 µs takes 2048 of the memory's cycles in that time.
         m.dma(0, 100_000, 16384);
         let share: f64 = 2048.0 * (1000.0 / 133.0) / 100_000.0;
-        let expect = (5_500.0 / (1.0 - share)).ceil() as Nanos;
+        let expect = (5_500.0 / (1.0 - share)).ceil() as u64;
         assert_eq!(m.stretch(0, 5_500), expect);
         assert!(expect > 6_400, "{expect}");
         // A stage that runs past the DMA's end is stretched only while they overlap.
-        let lost = (99_000.0 * share).ceil() as Nanos;
+        let lost = (99_000.0 * share).ceil() as u64;
         let end = m.stretch(1_000, 100_000);
         assert!(
             end.abs_diff(101_000 + lost) <= 1,
