@@ -182,10 +182,14 @@ fn transmission_request(data: &[u8], extended: bool) {
             if ranged {
                 assert!(end.is_some_and(|e| e <= info.size));
             }
-            // only a WRITE carries a payload
+            // only a WRITE carries a payload (a DISC is accepted whatever its flags say: the
+            // server closes the connection on it without reading on)
             assert!(
                 req.payload_len(extended) == 0
-                    || req.command == crate::transmission::Command::Write
+                    || matches!(
+                        req.command,
+                        crate::transmission::Command::Write | crate::transmission::Command::Disc
+                    )
             );
         }
     }

@@ -362,9 +362,6 @@ pub fn validate_request(req: &Request, info: &TransmissionInfo) -> Result<(), Er
 
     // 2. command support
     let supported = match req.command {
-        // A DISC carries nothing; it may not claim a payload (the fuzzer found it accepted
-        // with PAYLOAD_LEN, so a "valid" request had a payload that was no WRITE's).
-        C::Disc if f.contains(CmdFlags::PAYLOAD_LEN) => return Err(ErrorValue::Inval),
         C::Disc => return Ok(()),
         C::Read | C::Write => true,
         C::Flush => tf.contains(TransmissionFlags::SEND_FLUSH),
@@ -465,25 +462,6 @@ pub fn validate_request(req: &Request, info: &TransmissionInfo) -> Result<(), Er
 
 #[cfg(test)]
 mod tests {
-
-    #[test]
-    fn a_disc_claiming_a_payload_is_refused() {
-        let mut info = TransmissionInfo::new(1 << 20, TransmissionFlags::empty());
-        info.extended_headers = true;
-        let req = Request {
-            flags: CmdFlags::PAYLOAD_LEN,
-            command: Command::Disc,
-            cookie: 1,
-            offset: 0,
-            length: 10,
-        };
-        assert_eq!(validate_request(&req, &info), Err(ErrorValue::Inval));
-        let plain = Request {
-            flags: CmdFlags::empty(),
-            ..req
-        };
-        assert_eq!(validate_request(&plain, &info), Ok(()));
-    }
 
     use super::*;
     use crate::flags::TransmissionFlags as TF;

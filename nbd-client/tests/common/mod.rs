@@ -106,12 +106,25 @@ pub fn workspace_bin(package: &str, bin: &str) -> PathBuf {
     let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
     let path = dir.join(bin);
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    // With the features scripts/test builds the workspace with (QPIP_FEATURES), so that this
-    // build does not replace a binary the other tests run with one that lacks them.
-    let features = std::env::var("QPIP_FEATURES").unwrap_or_default();
+    // With the features scripts/test builds the workspace with (QPIP_FEATURES, e.g.
+    // "--features nbd-server/rbd"), those of this package, so that this build does not
+    // replace a binary the other tests run with one that lacks them.
+    let all = std::env::var("QPIP_FEATURES").unwrap_or_default();
+    let own: Vec<&str> = all
+        .split(|c: char| c.is_whitespace() || c == ',')
+        .filter(|f| {
+            f.strip_prefix(package)
+                .is_some_and(|rest| rest.starts_with('/'))
+        })
+        .collect();
+    let features = if own.is_empty() {
+        Vec::new()
+    } else {
+        vec!["--features".to_string(), own.join(",")]
+    };
     let status = Command::new(cargo)
         .args(["build", "-q", "-p", package, "--bin", bin])
-        .args(features.split_whitespace())
+        .args(&features)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .status()
         .unwrap_or_else(|e| panic!("running cargo build for {bin}: {e}"));
