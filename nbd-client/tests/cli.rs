@@ -188,6 +188,16 @@ fn copy_streams_stdin_and_stdout_and_discards_into_null() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_qpip-nbd"))
+        .args(["copy", "-", "null:"])
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(&data).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdin to null: {err}");
     // Longer than the export, a source that null: cannot be, and --verify without a way back.
     let mut child = Command::new(env!("CARGO_BIN_EXE_qpip-nbd"))
         .args(["copy", "-", &server.uri])

@@ -573,7 +573,7 @@ fn copy_any(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopySt
 fn stream_in(mut dst: Side, nic: &Nic, opts: &CopyOptions) -> Result<CopyStats> {
     let buf = nic.alloc_region(BATCH as usize, Access::READ_WRITE);
     let room = match &dst {
-        Side::File { .. } => u64::MAX,
+        Side::File { .. } | Side::Null { .. } => u64::MAX,
         other => other.size(),
     };
     let mut stdin = std::io::stdin().lock();
