@@ -414,18 +414,8 @@ pub(crate) fn start(
         }
         Server::QemuNbd => {
             let port = free_port()?;
-            let mut c = Command::new("qemu-nbd");
-            c.args(["-f", "raw", "-b", "127.0.0.1", "-p"])
-                .arg(port.to_string())
-                .args([
-                    "-x",
-                    EXPORT,
-                    "-t",
-                    "--cache=writeback",
-                    "--aio=threads",
-                    "--detect-zeroes=off",
-                    "--discard=ignore",
-                ]);
+            let mut c = qemu_nbd(port);
+            c.arg("--aio=threads");
             if let Some(d) = certs {
                 c.arg("--object")
                     .arg(format!(
@@ -459,6 +449,23 @@ pub(crate) fn start(
     launch(server, cmd, port, log, own_group, certs.is_some())
 }
 
+/// qemu-nbd serving `EXPORT` raw on 127.0.0.1:`port`, persistent, with a writeback cache and
+/// neither zero detection nor discards (the file and RBD rows share these settings).
+fn qemu_nbd(port: u16) -> Command {
+    let mut c = Command::new("qemu-nbd");
+    c.args(["-f", "raw", "-b", "127.0.0.1", "-p"])
+        .arg(port.to_string())
+        .args([
+            "-x",
+            EXPORT,
+            "-t",
+            "--cache=writeback",
+            "--detect-zeroes=off",
+            "--discard=ignore",
+        ]);
+    c
+}
+
 /// Starts `server` (qpip-rbd or qemu-nbd-rbd) exporting RBD image `pool/image` of the
 /// cluster as `bench` on 127.0.0.1; returns once it accepts.
 fn start_rbd(
@@ -486,18 +493,8 @@ fn start_rbd(
         }
         Server::QemuNbdRbd => {
             let port = free_port()?;
-            let mut c = Command::new("qemu-nbd");
-            c.args(["-f", "raw", "-b", "127.0.0.1", "-p"])
-                .arg(port.to_string())
-                .args([
-                    "-x",
-                    EXPORT,
-                    "-t",
-                    "--cache=writeback",
-                    "--detect-zeroes=off",
-                    "--discard=ignore",
-                ])
-                .arg(format!("rbd:{}/{image}:conf={conf}", rbd.pool));
+            let mut c = qemu_nbd(port);
+            c.arg(format!("rbd:{}/{image}:conf={conf}", rbd.pool));
             (c, Some(port))
         }
         _ => bail!("{} does not serve RBD images", server.name()),

@@ -512,12 +512,7 @@ mod tests {
             let (qp, cq, table, mr) = setup(40, 256);
             let mut rx = RxMachine::new();
             let mut framer = LengthPrefixed::default();
-            let mut sock = Trickle {
-                wire: wire.clone(),
-                pos: 0,
-                step,
-                reads: 0,
-            };
+            let mut sock = Trickle::new(wire.clone(), step);
             let stop = rx.pump(&qp, &table, &mut framer, &mut |iov| sock.read(iov));
             assert_eq!(stop, RxStop::NoWr, "step {step}");
             let done = drain(&cq);
@@ -572,12 +567,7 @@ mod tests {
                 next: 0,
             };
             let mut rx = RxMachine::new();
-            let mut sock = Trickle {
-                wire: wire.clone(),
-                pos: 0,
-                step,
-                reads: 0,
-            };
+            let mut sock = Trickle::new(wire.clone(), step);
             let stop = rx.pump(&qp, &table, &mut framer, &mut |iov| sock.read(iov));
             assert_eq!(stop, RxStop::NoWr, "step {step}");
             let done = drain(&cq);
@@ -628,12 +618,7 @@ mod tests {
         let (qp, cq, table, mr) = setup(4, 16);
         let mut rx = RxMachine::new();
         let wire = b"abcdefghijklmnopqrstuvwxyz".to_vec();
-        let mut sock = Trickle {
-            wire,
-            pos: 0,
-            step: 10,
-            reads: 0,
-        };
+        let mut sock = Trickle::new(wire, 10);
         rx.pump(&qp, &table, &mut RawStream, &mut |iov| sock.read(iov));
         let lens: Vec<u32> = drain(&cq).iter().map(|c| c.byte_len).collect();
         assert_eq!(
@@ -653,12 +638,7 @@ mod tests {
         let mut framer = LengthPrefixed::default();
         let mut wire = framed(&[b"0123456789"]);
         wire.truncate(8);
-        let mut sock = Trickle {
-            wire,
-            pos: 0,
-            step: 100,
-            reads: 0,
-        };
+        let mut sock = Trickle::new(wire, 100);
         let stop = rx.pump(&qp, &table, &mut framer, &mut |iov| match sock.read(iov) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0), // then the peer closes
             r => r,
