@@ -8,6 +8,7 @@
 
 mod engine;
 mod link;
+mod splice;
 mod stream;
 mod tls;
 mod tx;

@@ -2,16 +2,18 @@
 //! receive machines. The engine drives it from doorbells, management commands and socket
 //! readiness.
 
-use std::io::{self, IoSlice, Read, Write};
+use std::fs::File;
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
 use std::net::{Shutdown, SocketAddr};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 
 use mio::net::{TcpStream, UdpSocket, UnixStream};
 use mio::{Interest, Registry, Token};
 use smallvec::SmallVec;
 
+use super::splice::Splicer;
 use super::stream::Stream;
 use super::tls::{Step, TlsLink};
 use super::tx::{TxMachine, TxStop};
@@ -19,7 +21,7 @@ use super::uring::UringIo;
 use qpip_verbs::backend::MgmtResult;
 use qpip_verbs::framer::Framer;
 use qpip_verbs::machines::mgmt::not_idle;
-use qpip_verbs::machines::rx::{RecvTarget, RxMachine, RxStop};
+use qpip_verbs::machines::rx::{RecvTarget, RxIo, RxMachine, RxStop};
 use qpip_verbs::mr::MemoryTable;
 use qpip_verbs::reply::ReplySender;
 use qpip_verbs::shared::{QpKind, QpShared, QpState};
@@ -76,7 +78,63 @@ pub(super) struct EngineQp {
     closing: bool,
     /// Some when the TCP data path goes through io_uring.
     pub(super) uring: Option<UringIo>,
+    /// The pipe file bodies pass through, made when the first one arrives.
+    splicer: Option<Splicer>,
     deferred: Option<Deferred>,
+}
+
+/// The pipe for a file body; None (the receive machine then bounces) if none can be made.
+fn splicer(slot: &mut Option<Splicer>) -> Option<&mut Splicer> {
+    if slot.is_none() {
+        match Splicer::new() {
+            Ok(s) => *slot = Some(s),
+            Err(e) => tracing::debug!("no pipe for splicing file bodies: {e}"),
+        }
+    }
+    slot.as_mut()
+}
+
+/// A stream socket read through io_uring, as the receive machine's connection.
+struct UringRx<'a> {
+    io: &'a mut UringIo,
+    fd: RawFd,
+    splicer: &'a mut Option<Splicer>,
+}
+
+impl RxIo for UringRx<'_> {
+    fn read(&mut self, iov: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        self.io.read(self.fd, iov)
+    }
+    fn read_into_file(
+        &mut self,
+        file: &File,
+        offset: u64,
+        max: usize,
+    ) -> Option<io::Result<(usize, Option<io::Error>)>> {
+        let splicer = splicer(self.splicer)?;
+        Some(self.io.splice_in(self.fd, splicer, file, offset, max))
+    }
+}
+
+/// A stream socket read with plain system calls (the epoll data path).
+struct SocketRx<'a> {
+    stream: &'a Stream,
+    splicer: &'a mut Option<Splicer>,
+}
+
+impl RxIo for SocketRx<'_> {
+    fn read(&mut self, iov: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        self.stream.read_vectored(iov)
+    }
+    fn read_into_file(
+        &mut self,
+        file: &File,
+        offset: u64,
+        max: usize,
+    ) -> Option<io::Result<(usize, Option<io::Error>)>> {
+        let splicer = splicer(self.splicer)?;
+        Some(splicer.socket_to_file(self.stream.as_raw_fd(), file, offset, max))
+    }
 }
 
 fn token(qp: &QpShared) -> Token {
@@ -97,6 +155,7 @@ impl EngineQp {
             writable: false,
             closing: false,
             uring,
+            splicer: None,
             deferred: None,
         }
     }
@@ -388,6 +447,7 @@ impl EngineQp {
             writable,
             next_datagram,
             uring,
+            splicer,
             ..
         } = self;
         let after = match link {
@@ -408,11 +468,13 @@ impl EngineQp {
                 if !failed && *readable {
                     let stop = match uring {
                         Some(io) => {
-                            rx.pump(shared, memory, framer.as_mut(), &mut |iov| io.read(fd, iov))
+                            let mut conn = UringRx { io, fd, splicer };
+                            rx.pump_io(shared, memory, framer.as_mut(), &mut conn)
                         }
-                        None => rx.pump(shared, memory, framer.as_mut(), &mut |iov| {
-                            (&*stream).read_vectored(iov)
-                        }),
+                        None => {
+                            let mut conn = SocketRx { stream, splicer };
+                            rx.pump_io(shared, memory, framer.as_mut(), &mut conn)
+                        }
                     };
                     match stop {
                         RxStop::WouldBlock => *readable = false,

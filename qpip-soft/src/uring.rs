@@ -8,12 +8,15 @@
 //! (accept, connect, UDP, the doorbell eventfd) stays on epoll, whose descriptor the ring
 //! watches with a multishot poll.
 
+use std::fs::File;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::os::fd::RawFd;
 
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 
 use qpip_verbs::wr::QpNum;
+
+use crate::splice::Splicer;
 
 pub(super) const OP_READ: u64 = 1;
 pub(super) const OP_WRITE: u64 = 2;
@@ -203,6 +206,36 @@ impl UringIo {
         self.read_asked = iov.iter().map(|b| b.len()).sum();
         self.read = Op::InFlight;
         Err(io::ErrorKind::WouldBlock.into())
+    }
+
+    /// A file body (`RxIo::read_into_file`): spliced while the socket has bytes; once it is
+    /// empty a poll on the ring waits for more, and the next turn splices again.
+    pub(super) fn splice_in(
+        &mut self,
+        fd: RawFd,
+        splicer: &mut Splicer,
+        file: &File,
+        offset: u64,
+        max: usize,
+    ) -> io::Result<(usize, Option<io::Error>)> {
+        match self.read {
+            Op::InFlight => return Err(io::ErrorKind::WouldBlock.into()),
+            // The poll fired (or failed): whatever it said, the splice tells the truth.
+            Op::Done(_) => self.read = Op::Idle,
+            Op::Idle => {}
+        }
+        match splicer.socket_to_file(fd, file, offset, max) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                let e = opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32)
+                    .build()
+                    .user_data(user_data(self.qp, OP_READ));
+                self.outbox.push(e);
+                self.read_asked = 0;
+                self.read = Op::InFlight;
+                Err(io::ErrorKind::WouldBlock.into())
+            }
+            r => r,
+        }
     }
 
     /// The `write` closure of the transmit machine: a plain `sendmsg` while the socket takes

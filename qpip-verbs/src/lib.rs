@@ -24,7 +24,10 @@ pub mod wr;
 pub use cq::{CompletionQueue, CqError};
 pub use error::{Error, Result};
 pub use framer::{Frame, Framer, LengthPrefixed, RawStream};
-pub use mr::{Access, MemoryRegion, MemoryTable, ProtectionFault, Segment, Sge};
+pub use mr::{
+    Access, FileRegion, FileSpan, MemoryRegion, MemoryTable, Placement, ProtectionFault, Segment,
+    Sge,
+};
 pub use nic::{Endpoint, Listener, Nic};
 pub use qp::{QpAttr, QueuePair};
 pub use reply::{ReplyReceiver, ReplySender, reply_channel};

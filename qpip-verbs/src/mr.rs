@@ -6,6 +6,7 @@
 
 use std::any::Any;
 use std::collections::HashMap;
+use std::fs::File;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -43,6 +44,8 @@ pub enum ProtectionFault {
     OutOfBounds { lkey: u32, addr: u64, len: u32 },
     #[error("region {0:#x} is not registered for NIC writes")]
     NotWritable(u32),
+    #[error("region {0:#x} is a file: only a framer may place message bodies there")]
+    NotMemory(u32),
 }
 
 /// Who keeps a region's memory alive.
@@ -91,6 +94,7 @@ struct Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         self.table.regions.write().remove(&self.lkey);
+        self.table.files.write().remove(&self.lkey);
     }
 }
 
@@ -219,10 +223,101 @@ impl Segment {
     }
 }
 
+/// A file registered with the NIC (a disk image, say): a framer may name a range of it as
+/// the place for a message body ([`crate::Frame::MessageAt`]), and the NIC then writes the
+/// body into the file at that offset itself, the way a storage-offload NIC places a write's
+/// payload on the disk. The SGE's `addr` is the file offset. Send and receive WRs cannot name
+/// it: it is not memory.
+#[derive(Clone)]
+pub struct FileRegion {
+    region: Arc<FileSpace>,
+    _registration: Arc<Registration>,
+}
+
+pub(crate) struct FileSpace {
+    file: Arc<File>,
+    len: u64,
+    access: Access,
+}
+
+impl std::fmt::Debug for FileRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileRegion")
+            .field("lkey", &self.lkey())
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+impl FileRegion {
+    pub fn lkey(&self) -> u32 {
+        self._registration.lkey
+    }
+    /// Bytes of the file the NIC may write (from offset 0).
+    pub fn len(&self) -> u64 {
+        self.region.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.region.len == 0
+    }
+    /// An SGE for `len` bytes at file offset `offset` (checked by the NIC, not here).
+    pub fn sge(&self, offset: u64, len: u32) -> Sge {
+        Sge {
+            addr: offset,
+            len,
+            lkey: self.lkey(),
+        }
+    }
+}
+
+/// A checked range of a registered file, kept open while the NIC writes it.
+#[derive(Clone)]
+pub struct FileSpan {
+    space: Arc<FileSpace>,
+    offset: u64,
+    len: usize,
+}
+
+impl FileSpan {
+    pub fn file(&self) -> &File {
+        &self.space.file
+    }
+    /// The file offset of the span's first byte.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Where a framer's [`crate::Frame::MessageAt`] puts a body: memory, or a registered file.
+#[derive(Clone)]
+pub enum Placement {
+    Memory(Segment),
+    File(FileSpan),
+}
+
+impl Placement {
+    pub fn len(&self) -> usize {
+        match self {
+            Placement::Memory(s) => s.len(),
+            Placement::File(f) => f.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// The NIC's table of registered regions, keyed by lkey.
 #[derive(Default)]
 pub struct MemoryTable {
     regions: RwLock<HashMap<u32, Arc<Region>>>,
+    files: RwLock<HashMap<u32, Arc<FileSpace>>>,
     next_key: AtomicU32,
 }
 
@@ -230,6 +325,7 @@ impl MemoryTable {
     pub fn new() -> Arc<Self> {
         Arc::new(MemoryTable {
             regions: RwLock::new(HashMap::new()),
+            files: RwLock::new(HashMap::new()),
             // Keys start away from zero so that a zeroed SGE never names a region.
             next_key: AtomicU32::new(0x100),
         })
@@ -283,14 +379,60 @@ impl MemoryTable {
         }
     }
 
+    /// Registers the first `len` bytes of `file` as a place framers may name for message
+    /// bodies; with `Access::READ` the NIC refuses to write there, as for memory.
+    pub fn register_file(
+        self: &Arc<Self>,
+        file: Arc<File>,
+        len: u64,
+        access: Access,
+    ) -> FileRegion {
+        let lkey = self.next_key.fetch_add(1, Ordering::Relaxed);
+        let region = Arc::new(FileSpace { file, len, access });
+        self.files.write().insert(lkey, region.clone());
+        FileRegion {
+            region,
+            _registration: Arc::new(Registration {
+                lkey,
+                table: self.clone(),
+            }),
+        }
+    }
+
+    /// Checks where a framer wants a body placed: memory as for a receive WR's SGE, or a
+    /// writable registered file, inside its registered length.
+    pub fn resolve_placement(&self, sge: &Sge) -> Result<Placement, ProtectionFault> {
+        let file = self.files.read().get(&sge.lkey).cloned();
+        let Some(space) = file else {
+            return self.resolve(sge, true).map(Placement::Memory);
+        };
+        if !space.access.local_write {
+            return Err(ProtectionFault::NotWritable(sge.lkey));
+        }
+        let end = sge.addr.checked_add(u64::from(sge.len));
+        if end.is_none_or(|end| end > space.len) {
+            return Err(ProtectionFault::OutOfBounds {
+                lkey: sge.lkey,
+                addr: sge.addr,
+                len: sge.len,
+            });
+        }
+        Ok(Placement::File(FileSpan {
+            space,
+            offset: sge.addr,
+            len: sge.len as usize,
+        }))
+    }
+
     /// Checks an SGE against the table: known key, inside the region, writable if `write`.
     pub fn resolve(&self, sge: &Sge, write: bool) -> Result<Segment, ProtectionFault> {
-        let region = self
-            .regions
-            .read()
-            .get(&sge.lkey)
-            .cloned()
-            .ok_or(ProtectionFault::UnknownKey(sge.lkey))?;
+        let region = self.regions.read().get(&sge.lkey).cloned();
+        let Some(region) = region else {
+            if self.files.read().contains_key(&sge.lkey) {
+                return Err(ProtectionFault::NotMemory(sge.lkey));
+            }
+            return Err(ProtectionFault::UnknownKey(sge.lkey));
+        };
         let start = region.ptr as u64;
         let out = ProtectionFault::OutOfBounds {
             lkey: sge.lkey,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use crate::backend::{Command, ListenerId, NicBackend, NicHandle};
 use crate::cq::CompletionQueue;
 use crate::error::{Error, Result};
-use crate::mr::{Access, MemoryRegion, MemoryTable};
+use crate::mr::{Access, FileRegion, MemoryRegion, MemoryTable};
 use crate::qp::{QpAttr, QueuePair};
 use crate::reply::{ReplyReceiver, reply_channel};
 use crate::shared::QpKind;
@@ -89,6 +89,12 @@ impl Nic {
                 .memory
                 .register_borrowed(ptr, len, access, keep_alive)
         }
+    }
+
+    /// Registers the first `len` bytes of `file` (a disk image, say) so that a framer may have
+    /// message bodies written there by the NIC ([`crate::Frame::MessageAt`]).
+    pub fn register_file(&self, file: Arc<std::fs::File>, len: u64, access: Access) -> FileRegion {
+        self.inner.memory.register_file(file, len, access)
     }
 
     /// Creates a completion queue holding up to `depth` completions.

@@ -93,6 +93,10 @@ pub enum WcStatus {
     TransportError,
     /// A send WR that cannot be carried out (a UDP send without a destination, say).
     InvalidRequest,
+    /// A receive: the message arrived whole, but writing its body into the registered file
+    /// its framer named failed (`Completion::os_error` has the errno: ENOSPC, EIO, ...).
+    /// The QP goes on with the next message.
+    PlacementError,
 }
 
 /// A completion token: one for every finished WR.

@@ -1,16 +1,22 @@
 //! The receive state machine: takes receive WRs off the ring ([`RecvTarget`], for datagrams
 //! and streams alike) and, on a reliable QP, finds message boundaries with the QP's framer
 //! and places each message into the next receive WR, the body straight from the connection
-//! into the WR's memory. The connection is a `read` closure (a kernel socket for the soft NIC,
-//! the firmware's TCP receive buffer for the LANai), so the machine is tested without one.
+//! into the WR's memory. The connection is a [`RxIo`] (a kernel socket for the soft NIC, the
+//! firmware's TCP receive buffer for the LANai), so the machine is tested without one.
+//!
+//! A body the framer placed in a registered file goes there without passing through user
+//! memory where the connection can do that ([`RxIo::read_into_file`]: the soft NIC splices
+//! socket → pipe → file), else through a bounded bounce buffer and `pwrite`.
 
+use std::fs::File;
 use std::io::{self, IoSliceMut};
+use std::os::unix::fs::FileExt;
 
 use smallvec::SmallVec;
 
 use super::status_of;
 use crate::framer::{Frame, Framer, MAX_HEADER};
-use crate::mr::{MemoryTable, Segment, Sge};
+use crate::mr::{FileSpan, MemoryTable, Placement, Segment, Sge};
 use crate::shared::QpShared;
 use crate::wr::WcStatus;
 
@@ -67,11 +73,46 @@ pub enum RxStop {
     Failed,
 }
 
+/// The connection the receive machine reads.
+pub trait RxIo {
+    /// Reads into `iov`: bytes read, 0 when the peer closed, or `WouldBlock`.
+    fn read(&mut self, iov: &mut [IoSliceMut<'_>]) -> io::Result<usize>;
+
+    /// Moves up to `max` bytes from the connection into `file` at `offset` without a copy
+    /// through user memory, and empties whatever it used on the way (a pipe) before it
+    /// returns: bytes taken from the connection (0: the peer closed), and the error writing
+    /// the file hit, if one did (those bytes were taken and dropped). `None`: the connection
+    /// cannot; the machine then reads into a bounce buffer and writes that.
+    fn read_into_file(
+        &mut self,
+        _file: &File,
+        _offset: u64,
+        _max: usize,
+    ) -> Option<io::Result<(usize, Option<io::Error>)>> {
+        None
+    }
+}
+
+/// A plain `read` closure as the connection.
+struct ReadFn<'a>(&'a mut dyn FnMut(&mut [IoSliceMut<'_>]) -> io::Result<usize>);
+
+impl RxIo for ReadFn<'_> {
+    fn read(&mut self, iov: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        (self.0)(iov)
+    }
+}
+
+/// Bytes read at a time for a file body on a connection that cannot splice.
+const BOUNCE: usize = 64 << 10;
+
 /// A message being placed: its first `in_wr` bytes into a receive WR, the rest into `body`
-/// when the framer named memory for it ([`Frame::MessageAt`]).
+/// when the framer named memory or a registered file for it ([`Frame::MessageAt`]).
 struct InMsg {
     wr: RecvTarget,
-    body: Option<Segment>,
+    body: Option<Placement>,
+    /// The first error writing a file body (errno); the rest of the body is still read (and
+    /// dropped) so that the stream stays in step, and the completion reports it.
+    place_error: Option<i32>,
     /// Bytes of the message that go into the WR (all of them without `body`).
     in_wr: usize,
     /// Bytes placed so far.
@@ -84,22 +125,46 @@ struct InMsg {
 
 impl InMsg {
     /// Copies `data` to byte `pos` of the message (the WR's part, then the body's).
-    fn place(&self, pos: usize, data: &[u8]) {
+    fn place(&mut self, pos: usize, data: &[u8]) {
         let to_wr = self.in_wr.saturating_sub(pos).min(data.len());
         self.wr.scatter(pos, &data[..to_wr]);
-        if let Some(body) = &self.body {
-            scatter(
-                std::slice::from_ref(body),
-                pos + to_wr - self.in_wr,
-                &data[to_wr..],
-            );
+        let at = (pos + to_wr).saturating_sub(self.in_wr);
+        match &self.body {
+            Some(Placement::Memory(body)) => {
+                scatter(std::slice::from_ref(body), at, &data[to_wr..]);
+            }
+            Some(Placement::File(span)) if to_wr < data.len() => {
+                self.write_file(&data[to_wr..], at);
+            }
+            _ => {}
         }
     }
 
-    /// The message's memory from byte `from` to `to`, as iovecs (the WR's, then the body's).
+    /// Writes `data` to byte `at` of the file body (nothing more once writing it failed).
+    fn write_file(&mut self, data: &[u8], at: usize) {
+        let Some(Placement::File(span)) = &self.body else {
+            return;
+        };
+        if self.place_error.is_none()
+            && let Err(e) = span.file().write_all_at(data, span.offset() + at as u64)
+        {
+            self.place_error = Some(os_error(&e).max(libc_eio()));
+        }
+    }
+
+    /// The body is a file and the bytes from `filled` on belong to it.
+    fn in_file_body(&self) -> Option<FileSpan> {
+        match &self.body {
+            Some(Placement::File(span)) if self.filled >= self.in_wr => Some(span.clone()),
+            _ => None,
+        }
+    }
+
+    /// The message's memory from byte `from` to `to`, as iovecs (the WR's, then the body's
+    /// when that is memory).
     fn iov(&self, from: usize, to: usize) -> SmallVec<[IoSliceMut<'_>; 6]> {
         let mut out = segs_mut(&self.wr.segs, from.min(self.in_wr), to.min(self.in_wr));
-        if let Some(body) = &self.body
+        if let Some(Placement::Memory(body)) = &self.body
             && to > self.in_wr
         {
             let (a, b) = (from.max(self.in_wr) - self.in_wr, to - self.in_wr);
@@ -115,10 +180,18 @@ pub struct RxMachine {
     hdr: [u8; MAX_HEADER],
     hdr_len: usize,
     cur: Option<InMsg>,
+    /// File bodies on connections that cannot splice pass through here (allocated on first
+    /// use, `BOUNCE` bytes).
+    bounce: Vec<u8>,
 }
 
 fn os_error(e: &io::Error) -> i32 {
     e.raw_os_error().unwrap_or(0)
+}
+
+/// EIO: the errno for a file error that carries none.
+fn libc_eio() -> i32 {
+    5
 }
 
 /// Copies `data` into the segments starting at byte `offset` of the WR; returns how much fit.
@@ -164,6 +237,23 @@ fn segs_mut(segs: &[Segment], mut from: usize, mut to: usize) -> SmallVec<[IoSli
     out
 }
 
+/// A file body over a connection that cannot splice: up to `BOUNCE` bytes read into
+/// `bounce`, then written to the file. Same answer as [`RxIo::read_into_file`].
+fn bounce_into_file(
+    bounce: &mut Vec<u8>,
+    io: &mut dyn RxIo,
+    file: &File,
+    offset: u64,
+    max: usize,
+) -> io::Result<(usize, Option<io::Error>)> {
+    if bounce.is_empty() {
+        bounce.resize(BOUNCE, 0);
+    }
+    let want = max.min(bounce.len());
+    let n = io.read(&mut [IoSliceMut::new(&mut bounce[..want])])?;
+    Ok((n, file.write_all_at(&bounce[..n], offset).err()))
+}
+
 impl Default for RxMachine {
     fn default() -> Self {
         Self::new()
@@ -176,6 +266,7 @@ impl RxMachine {
             hdr: [0; MAX_HEADER],
             hdr_len: 0,
             cur: None,
+            bounce: Vec::new(),
         }
     }
 
@@ -192,6 +283,17 @@ impl RxMachine {
         memory: &MemoryTable,
         framer: &mut dyn Framer,
         read: &mut dyn FnMut(&mut [IoSliceMut<'_>]) -> io::Result<usize>,
+    ) -> RxStop {
+        self.pump_io(qp, memory, framer, &mut ReadFn(read))
+    }
+
+    /// [`Self::pump`] over a connection that may place file bodies itself.
+    pub fn pump_io(
+        &mut self,
+        qp: &QpShared,
+        memory: &MemoryTable,
+        framer: &mut dyn Framer,
+        io: &mut dyn RxIo,
     ) -> RxStop {
         loop {
             let Some(cur) = self.cur.as_mut() else {
@@ -259,7 +361,7 @@ impl RxMachine {
                 // Read the header, and a little beyond: bounded read-ahead saves a system
                 // call per small message.
                 let mut iov = [IoSliceMut::new(&mut self.hdr[self.hdr_len..])];
-                match read(&mut iov) {
+                match io.read(&mut iov) {
                     Ok(0) => return self.fail_next(qp, WcStatus::RemoteClosed, 0, "peer closed"),
                     Ok(k) => self.hdr_len += k,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => return RxStop::WouldBlock,
@@ -275,15 +377,47 @@ impl RxMachine {
                 self.complete_cur(qp, WcStatus::Success, 0);
                 continue;
             }
-            // The body goes straight into the WR's memory; for framed messages the bytes after
-            // it (the next header) land in `hdr`, which is empty here.
             debug_assert_eq!(self.hdr_len, 0);
-            let (filled, total, stream) = (cur.filled, cur.total, cur.stream);
+            if let Some(span) = cur.in_file_body() {
+                let at = cur.filled - cur.in_wr;
+                let max = cur.total - cur.filled;
+                let offset = span.offset() + at as u64;
+                let moved = match io.read_into_file(span.file(), offset, max) {
+                    Some(r) => r,
+                    None => bounce_into_file(&mut self.bounce, io, span.file(), offset, max),
+                };
+                match moved {
+                    Ok((0, _)) => {
+                        tracing::debug!(qp = qp.num, "peer closed in the middle of a message");
+                        self.complete_cur(qp, WcStatus::RemoteClosed, 0);
+                        return RxStop::Failed;
+                    }
+                    Ok((k, file_error)) => {
+                        cur.filled += k.min(max);
+                        if let Some(e) = file_error {
+                            cur.place_error.get_or_insert(os_error(&e).max(libc_eio()));
+                        }
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return RxStop::WouldBlock,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        self.complete_cur(qp, status_of(&e), os_error(&e));
+                        return RxStop::Failed;
+                    }
+                }
+                continue;
+            }
+            // The body goes straight into the WR's memory; for framed messages the bytes after
+            // it (the next header) land in `hdr`, which is empty here. Before a file body only
+            // the WR's part is read: what follows it goes to the file.
+            let file_body = matches!(cur.body, Some(Placement::File(_)));
+            let (filled, stream) = (cur.filled, cur.stream);
+            let total = if file_body { cur.in_wr } else { cur.total };
             let mut iov = cur.iov(filled, total);
-            if !stream {
+            if !stream && !file_body {
                 iov.push(IoSliceMut::new(&mut self.hdr[..]));
             }
-            match read(&mut iov) {
+            match io.read(&mut iov) {
                 Ok(0) => {
                     drop(iov);
                     tracing::debug!(qp = qp.num, "peer closed in the middle of a message");
@@ -327,9 +461,9 @@ impl RxMachine {
             let why = "framer strips more than the header";
             return Err(self.fail_next(qp, WcStatus::FramingError, 0, why));
         }
-        let body = match body.map(|sge| memory.resolve(&sge, true)) {
+        let body = match body.map(|sge| memory.resolve_placement(&sge)) {
             None => None,
-            Some(Ok(seg)) => Some(seg),
+            Some(Ok(place)) => Some(place),
             Some(Err(fault)) => {
                 tracing::warn!(
                     qp = qp.num,
@@ -354,7 +488,7 @@ impl RxMachine {
         qp: &QpShared,
         memory: &MemoryTable,
         total: usize,
-        body: Option<Segment>,
+        body: Option<Placement>,
         stream: bool,
     ) -> Result<(), RxStop> {
         let wr = match RecvTarget::take(qp, memory) {
@@ -364,7 +498,7 @@ impl RxMachine {
         };
         let capacity = wr.capacity();
         let total = if stream { capacity } else { total };
-        let in_wr = total - body.as_ref().map_or(0, Segment::len);
+        let in_wr = total - body.as_ref().map_or(0, Placement::len);
         if in_wr > capacity {
             tracing::warn!(
                 qp = qp.num,
@@ -379,6 +513,7 @@ impl RxMachine {
         self.cur = Some(InMsg {
             wr,
             body,
+            place_error: None,
             in_wr,
             filled: 0,
             total,
@@ -402,6 +537,10 @@ impl RxMachine {
         if let Some(cur) = self.cur.take() {
             let in_wr = cur.filled.min(cur.in_wr);
             let placed = (cur.filled - in_wr) as u32;
+            let (status, os_error) = match (status, cur.place_error) {
+                (WcStatus::Success, Some(errno)) => (WcStatus::PlacementError, errno),
+                _ => (status, os_error),
+            };
             qp.complete_recv_placed(cur.wr.wr_id, status, in_wr as u32, placed, None, os_error);
         }
     }
@@ -585,6 +724,134 @@ mod tests {
                 at += msgs[i].len();
             }
         }
+    }
+
+    /// As `PlaceInto`, into a registered file.
+    struct PlaceIntoFile {
+        dst: crate::FileRegion,
+        next: u64,
+    }
+
+    impl Framer for PlaceIntoFile {
+        fn frame(&mut self, header: &[u8]) -> Frame {
+            let Some(prefix) = header.first_chunk::<4>() else {
+                return Frame::NeedHeader(4);
+            };
+            let len = u32::from_be_bytes(*prefix);
+            let body = self.dst.sge(self.next, len);
+            self.next += u64::from(len);
+            Frame::MessageAt {
+                header_len: 4,
+                strip: 0,
+                body,
+            }
+        }
+    }
+
+    fn file_of(len: u64, writable: bool) -> (tempfile::NamedTempFile, std::sync::Arc<File>) {
+        let tmp = tempfile::NamedTempFile::new().unwrap();
+        tmp.as_file().set_len(len).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(writable)
+            .open(tmp.path())
+            .unwrap();
+        (tmp, std::sync::Arc::new(f))
+    }
+
+    #[test]
+    fn file_bodies_are_written_to_the_file_and_headers_into_the_wr() {
+        // Bodies longer than the bounce buffer too, so that one takes several rounds.
+        let mut msgs: Vec<Vec<u8>> = (1..12).map(|i| vec![i as u8; (i * 53) % 300]).collect();
+        msgs.push((0..BOUNCE * 2 + 7).map(|i| (i % 251) as u8).collect());
+        let refs: Vec<&[u8]> = msgs.iter().map(|m| m.as_slice()).collect();
+        let wire = framed(&refs);
+        let total: usize = msgs.iter().map(Vec::len).sum();
+        for step in [1, 3, 5, 64, 1 << 20] {
+            if step == 1 && wire.len() > 100_000 {
+                continue; // a byte a read through 128 KiB is slow and proves nothing more
+            }
+            let (qp, cq, table, mr) = setup(msgs.len(), 8);
+            let (_tmp, file) = file_of(total as u64, true);
+            let dst = table.register_file(file.clone(), total as u64, crate::Access::READ_WRITE);
+            let mut framer = PlaceIntoFile { dst, next: 0 };
+            let mut rx = RxMachine::new();
+            let mut sock = Trickle::new(wire.clone(), step);
+            let stop = rx.pump(&qp, &table, &mut framer, &mut |iov| sock.read(iov));
+            assert_eq!(stop, RxStop::NoWr, "step {step}");
+            let done = drain(&cq);
+            assert_eq!(done.len(), msgs.len(), "step {step}");
+            let mut at = 0u64;
+            for (i, c) in done.iter().enumerate() {
+                let want = (WcStatus::Success, 4, msgs[i].len() as u32);
+                assert_eq!((c.status, c.byte_len, c.placed), want, "step {step}");
+                let mut prefix = [0u8; 4];
+                mr.read_at(i * 8, &mut prefix);
+                assert_eq!(u32::from_be_bytes(prefix) as usize, msgs[i].len());
+                let mut got = vec![0u8; msgs[i].len()];
+                file.read_exact_at(&mut got, at).unwrap();
+                assert_eq!(got, msgs[i], "message {i}, step {step}");
+                at += msgs[i].len() as u64;
+            }
+        }
+    }
+
+    #[test]
+    fn a_file_that_refuses_the_write_fails_that_message_only() {
+        // Registered writable, but the descriptor is read-only: the OS refuses (EBADF).
+        let (qp, cq, table, mr) = setup(3, 16);
+        let (_tmp, file) = file_of(64, false);
+        let dst = table.register_file(file, 64, crate::Access::READ_WRITE);
+        let mut framer = PlaceIntoFile { dst, next: 0 };
+        let mut rx = RxMachine::new();
+        let mut sock = Trickle::new(framed(&[b"lost", &[7u8; 40], b"x"]), 7);
+        let stop = rx.pump(&qp, &table, &mut framer, &mut |iov| sock.read(iov));
+        assert_eq!(stop, RxStop::NoWr);
+        let c = drain(&cq);
+        let got: Vec<_> = c.iter().map(|c| (c.status, c.byte_len, c.placed)).collect();
+        let failed = WcStatus::PlacementError;
+        assert_eq!(got, [(failed, 4, 4), (failed, 4, 40), (failed, 4, 1)]);
+        assert!(c.iter().all(|c| c.os_error == 9), "EBADF: {c:?}");
+        // The stream stayed in step: every header landed where it belongs.
+        let mut prefix = [0u8; 4];
+        mr.read_at(2 * 16, &mut prefix);
+        assert_eq!(u32::from_be_bytes(prefix), 1);
+    }
+
+    #[test]
+    fn file_placement_checks_bounds_and_access() {
+        for (len, access) in [(8, crate::Access::READ_WRITE), (64, crate::Access::READ)] {
+            let (qp, cq, table, _mr) = setup(2, 64);
+            let (_tmp, file) = file_of(64, true);
+            let dst = table.register_file(file.clone(), len, access);
+            let mut framer = PlaceIntoFile { dst, next: 0 };
+            let mut rx = RxMachine::new();
+            let mut sock = Trickle::new(framed(&[b"too long for it"]), 100);
+            let stop = rx.pump(&qp, &table, &mut framer, &mut |iov| sock.read(iov));
+            assert_eq!(stop, RxStop::Failed);
+            let c = drain(&cq);
+            assert_eq!((c[0].status, c[0].placed), (WcStatus::ProtectionError, 0));
+            let mut got = [1u8; 15];
+            file.read_exact_at(&mut got, 0).unwrap();
+            assert_eq!(got, [0u8; 15], "nothing written");
+        }
+    }
+
+    #[test]
+    fn a_file_region_is_not_memory_for_work_requests() {
+        let table = MemoryTable::new();
+        let (_tmp, file) = file_of(64, true);
+        let dst = table.register_file(file, 64, crate::Access::READ_WRITE);
+        let sge = dst.sge(0, 8);
+        assert!(matches!(
+            table.resolve(&sge, false),
+            Err(crate::ProtectionFault::NotMemory(_))
+        ));
+        drop(dst);
+        assert!(matches!(
+            table.resolve_placement(&sge),
+            Err(crate::ProtectionFault::UnknownKey(_))
+        ));
     }
 
     #[test]

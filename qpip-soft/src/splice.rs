@@ -1,0 +1,179 @@
+//! File bodies without a user-space copy: socket → pipe → file with `splice(2)`. The socket's
+//! pages move into the pipe by reference, and the one copy left is the file's own (into its
+//! page cache), where `recv` + `pwrite` make two. The pipe is emptied before each call returns,
+//! so it never holds bytes between turns of the receive machine.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+/// Largest pipe asked for; the kernel grants up to `/proc/sys/fs/pipe-max-size` (1 MiB by
+/// default), so one splice can take a whole 1 MiB write.
+const PIPE_SIZE: libc::c_int = 1 << 20;
+
+pub(super) struct Splicer {
+    read_end: OwnedFd,
+    write_end: OwnedFd,
+    capacity: usize,
+    /// Where bytes go that must be dropped (a file write failed with the pipe still full).
+    scratch: Vec<u8>,
+}
+
+impl Splicer {
+    pub(super) fn new() -> io::Result<Splicer> {
+        let mut fds = [0 as libc::c_int; 2];
+        // SAFETY: fds is a valid two-element array.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: pipe2 returned two new descriptors that nothing else owns.
+        let (read_end, write_end) =
+            unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        // SAFETY: plain fcntl on our descriptor; a refusal leaves the default size.
+        let got = unsafe { libc::fcntl(write_end.as_raw_fd(), libc::F_SETPIPE_SZ, PIPE_SIZE) };
+        // SAFETY: as above.
+        let size = if got > 0 {
+            got
+        } else {
+            unsafe { libc::fcntl(write_end.as_raw_fd(), libc::F_GETPIPE_SZ) }
+        };
+        Ok(Splicer {
+            read_end,
+            write_end,
+            capacity: usize::try_from(size).unwrap_or(1 << 16).max(4096),
+            scratch: Vec::new(),
+        })
+    }
+
+    /// Moves up to `max` bytes from `sock` into `file` at `offset` (the answer of
+    /// `RxIo::read_into_file`): `WouldBlock` when the socket has nothing.
+    pub(super) fn socket_to_file(
+        &mut self,
+        sock: RawFd,
+        file: &File,
+        offset: u64,
+        max: usize,
+    ) -> io::Result<(usize, Option<io::Error>)> {
+        let want = max.min(self.capacity);
+        // SAFETY: both descriptors are open; null offsets mean "current position" (sockets
+        // and pipes have none).
+        let n = unsafe {
+            libc::splice(
+                sock,
+                std::ptr::null_mut(),
+                self.write_end.as_raw_fd(),
+                std::ptr::null_mut(),
+                want,
+                libc::SPLICE_F_MOVE | libc::SPLICE_F_NONBLOCK,
+            )
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let n = n as usize;
+        let mut done = 0;
+        let mut at = offset as libc::loff_t;
+        while done < n {
+            // SAFETY: as above; `at` is the file offset splice reads and advances.
+            let k = unsafe {
+                libc::splice(
+                    self.read_end.as_raw_fd(),
+                    std::ptr::null_mut(),
+                    file.as_raw_fd(),
+                    &mut at,
+                    n - done,
+                    libc::SPLICE_F_MOVE,
+                )
+            };
+            match k {
+                k if k > 0 => done += k as usize,
+                _ => {
+                    let e = if k == 0 {
+                        io::Error::from(io::ErrorKind::WriteZero)
+                    } else {
+                        io::Error::last_os_error()
+                    };
+                    if e.kind() == io::ErrorKind::Interrupted {
+                        continue;
+                    }
+                    self.drop_bytes(n - done)?;
+                    return Ok((n, Some(e)));
+                }
+            }
+        }
+        Ok((n, None))
+    }
+
+    /// Reads `len` bytes out of the pipe and forgets them.
+    fn drop_bytes(&mut self, mut len: usize) -> io::Result<()> {
+        if self.scratch.is_empty() {
+            self.scratch.resize(64 << 10, 0);
+        }
+        while len > 0 {
+            let want = len.min(self.scratch.len());
+            // SAFETY: scratch is valid for `want` bytes.
+            let k = unsafe {
+                libc::read(
+                    self.read_end.as_raw_fd(),
+                    self.scratch.as_mut_ptr().cast(),
+                    want,
+                )
+            };
+            if k <= 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            len -= k as usize;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::os::unix::fs::FileExt;
+    use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn socket_bytes_land_in_the_file_at_the_offset() {
+        let (mut a, b) = UnixStream::pair().unwrap();
+        b.set_nonblocking(true).unwrap();
+        let tmp = tempfile::tempfile().unwrap();
+        let mut s = Splicer::new().unwrap();
+        let err = s.socket_to_file(b.as_raw_fd(), &tmp, 0, 10).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::WouldBlock);
+        a.write_all(b"hello, file").unwrap();
+        let (n, e) = s.socket_to_file(b.as_raw_fd(), &tmp, 100, 5).unwrap();
+        assert_eq!((n, e.is_none()), (5, true));
+        let (n, _) = s.socket_to_file(b.as_raw_fd(), &tmp, 105, 100).unwrap();
+        assert_eq!(n, 6);
+        let mut got = [0u8; 11];
+        tmp.read_exact_at(&mut got, 100).unwrap();
+        assert_eq!(&got, b"hello, file");
+        drop(a);
+        assert_eq!(s.socket_to_file(b.as_raw_fd(), &tmp, 0, 10).unwrap().0, 0);
+    }
+
+    #[test]
+    fn a_refused_file_write_drops_the_bytes_and_says_why() {
+        let (mut a, b) = UnixStream::pair().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ro");
+        std::fs::write(&path, b"").unwrap();
+        let ro = File::open(&path).unwrap();
+        let mut s = Splicer::new().unwrap();
+        a.write_all(b"first second").unwrap();
+        let (n, e) = s.socket_to_file(b.as_raw_fd(), &ro, 0, 6).unwrap();
+        assert_eq!(n, 6);
+        assert_eq!(e.unwrap().raw_os_error(), Some(libc::EBADF));
+        // The pipe is empty again: what follows comes out of the socket in order.
+        let mut rest = [0u8; 6];
+        std::io::Read::read_exact(&mut &b, &mut rest).unwrap();
+        assert_eq!(&rest, b"second");
+    }
+}
