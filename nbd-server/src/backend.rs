@@ -47,6 +47,13 @@ pub trait Backend: Send + Sync + Debug {
         None
     }
 
+    /// The file that holds the disk byte for byte (a raw image), writable: the NIC may then
+    /// write WRITE payloads into it itself (`crate::framer::WritePlacement`). None for stores
+    /// that must see every write (qcow2, RBD) and for read-only ones.
+    fn placement_file(&self) -> Option<std::fs::File> {
+        None
+    }
+
     /// Whether the disk still holds `end` bytes (a file can be truncated under the server).
     fn still_holds(&self, _end: u64) -> io::Result<bool> {
         Ok(true)

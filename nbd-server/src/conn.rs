@@ -17,7 +17,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -33,6 +33,7 @@ use qpip_core::{
 
 use crate::backend::Pending;
 use crate::export::Export;
+use crate::framer::{FramerState, WritePlacement};
 use crate::recv_window::RecvWindow;
 use crate::shared::ServerShared;
 
@@ -67,7 +68,7 @@ pub struct Connection {
     shared: Arc<ServerShared>,
     qp: QueuePair,
     cq: CompletionQueue,
-    phase: Arc<AtomicU8>,
+    framer: Arc<FramerState>,
     peer: Endpoint,
     /// Completions read while waiting for something else (a free reply slot).
     stash: VecDeque<Completion>,
@@ -94,7 +95,7 @@ impl Connection {
         shared: Arc<ServerShared>,
         qp: QueuePair,
         cq: CompletionQueue,
-        phase: Arc<AtomicU8>,
+        framer: Arc<FramerState>,
         peer: Endpoint,
         evict: Arc<AtomicBool>,
     ) -> Self {
@@ -102,7 +103,7 @@ impl Connection {
             shared,
             qp,
             cq,
-            phase,
+            framer,
             peer,
             stash: VecDeque::new(),
             handshake_sends: HashMap::new(),
@@ -125,6 +126,13 @@ impl Connection {
         };
         let export = self.shared.exports[neg.export_index].clone();
         tracing::info!(peer = %self.peer, export = %export.name, structured = neg.structured_replies, extended = neg.extended_headers, tls = neg.tls, "client connected");
+        if let Some(region) = &export.file_region {
+            // Before the reply that lets the client send requests (none could be placed
+            // without it, which would only cost their copy).
+            let info = neg.transmission_info();
+            let region = region.clone();
+            let _ = self.framer.placement.set(WritePlacement { region, info });
+        }
         let t = Transmission::new(&mut self, export, &neg)?;
         // The receive slots are posted before the reply that lets the client send requests.
         t.conn.send_bytes(&last_reply)?;
@@ -251,8 +259,7 @@ impl Connection {
                     self.qp.post_recv(RecvWr::new(0, &[rbuf.sge(0, max)]))?;
                 }
                 ServerEvent::Done(neg) => {
-                    self.phase
-                        .store(neg.transmission_phase().to_u8(), Ordering::Release);
+                    self.framer.set_phase(neg.transmission_phase());
                     return Ok(Some((*neg, out)));
                 }
                 ServerEvent::StartTls => {
@@ -429,7 +436,9 @@ impl<'a> Transmission<'a> {
                 continue;
             }
             match c.status {
-                WcStatus::Success => {}
+                // A WRITE whose payload the NIC could not write into the image: answered
+                // with its errno (on_message); the connection goes on.
+                WcStatus::Success | WcStatus::PlacementError => {}
                 WcStatus::RemoteClosed | WcStatus::Flushed => {
                     if self.pending_write.is_some() {
                         tracing::warn!(peer = %self.conn.peer, "client vanished in the middle of a write");
@@ -441,7 +450,7 @@ impl<'a> Transmission<'a> {
             *last_request = Instant::now();
             let slot = c.wr_id as usize;
             self.hold_slot = false;
-            if !self.on_message(slot, c.byte_len as usize)? {
+            if !self.on_message(slot, &c)? {
                 return Ok(false);
             }
             if self.hold_slot {
@@ -546,8 +555,10 @@ impl<'a> Transmission<'a> {
         Ok(())
     }
 
-    /// Handles one message (a request, or a piece of a write payload). False: disconnect.
-    fn on_message(&mut self, slot: usize, len: usize) -> Result<bool> {
+    /// Handles one message (a request, or a piece of a write payload), which arrived in
+    /// receive slot `slot` (and, for a placed WRITE, in the image). False: disconnect.
+    fn on_message(&mut self, slot: usize, c: &Completion) -> Result<bool> {
+        let len = c.byte_len as usize;
         let base = slot * self.stride;
         if let Some(mut pw) = self.pending_write.take() {
             if pw.error.is_none() {
@@ -602,7 +613,13 @@ impl<'a> Transmission<'a> {
             if pw.error.is_none() && body_len > 0 {
                 self.write_piece(&mut pw, base + hdr_len, body_len, req.offset);
             }
-            pw.received = body_len as u64;
+            // The framer placed the whole payload in the image (the NIC wrote it there).
+            if c.status == WcStatus::PlacementError {
+                let e = io::Error::from_raw_os_error(c.os_error);
+                tracing::debug!(peer = %self.conn.peer, ?req, "writing the payload into the image: {e}");
+                pw.error.get_or_insert(io_error_value(&e));
+            }
+            pw.received = body_len as u64 + u64::from(c.placed);
             self.pending_write = Some(pw);
             // A payload that fit in one slot completes now.
             return self.on_message_done_write();

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use nbd_proto::flags::TransmissionFlags;
-use qpip_core::{Access, MemoryRegion, Nic};
+use qpip_core::{Access, FileRegion, MemoryRegion, Nic};
 
 use crate::backend::Backend;
 
@@ -15,6 +15,8 @@ pub struct Export {
     /// The store's mapping registered with the NIC, so read replies are sent from it (None
     /// for stores without one: qcow2, RBD).
     pub region: Option<MemoryRegion>,
+    /// The store's file registered with the NIC for WRITE payloads (raw, writable images).
+    pub file_region: Option<FileRegion>,
 }
 
 impl Export {
@@ -39,11 +41,15 @@ impl Export {
             // use of it because connections hold an Arc<Export> until their QP is gone.
             unsafe { nic.register_raw(ptr as *mut u8, len, Access::READ, None) }
         });
+        let file_region = image
+            .placement_file()
+            .map(|f| nic.register_file(Arc::new(f), image.size(), Access::READ_WRITE));
         Arc::new(Export {
             name,
             description,
             image,
             region,
+            file_region,
         })
     }
 

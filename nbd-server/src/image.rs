@@ -480,6 +480,14 @@ impl Backend for Image {
     fn still_holds(&self, end: u64) -> io::Result<bool> {
         Image::still_holds(self, end)
     }
+
+    fn placement_file(&self) -> Option<File> {
+        if self.read_only || self.qcow2.is_some() {
+            return None;
+        }
+        self.file.try_clone().ok()
+    }
+
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         Image::read_at(self, buf, offset)
     }

@@ -3,12 +3,12 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use nbd_proto::framing::{FrameLimits, ServerPhase};
+use nbd_proto::framing::FrameLimits;
 use nbd_proto::handshake::TlsMode;
 use nbd_proto::handshake::messages::BlockSize;
 use nbd_proto::handshake::server::{Export as ProtoExport, ServerConfig};
@@ -17,7 +17,7 @@ use qpip_core::{Endpoint, Listener, Nic, QpAttr, TlsConfig};
 
 use crate::conn::{self, Connection};
 use crate::export::Export;
-use crate::framer::ServerFramer;
+use crate::framer::{FramerState, ServerFramer};
 use crate::recv_window::SlotBudget;
 use crate::shared::{RateLimitedLog, ServerShared};
 
@@ -168,8 +168,8 @@ fn accept_loop(
     while !shared.shutting_down() {
         let cq = shared.nic.create_cq(conn::CQ_DEPTH);
         cq.set_spin(Duration::ZERO);
-        let phase = Arc::new(AtomicU8::new(ServerPhase::ClientFlags.to_u8()));
-        let framer = ServerFramer::new(phase.clone(), shared.limits, conn::CHUNK);
+        let state = FramerState::new();
+        let framer = ServerFramer::new(state.clone(), shared.limits, conn::CHUNK);
         let qp = shared.nic.create_qp(
             QpAttr::new(&cq)
                 .framer(framer)
@@ -190,7 +190,7 @@ fn accept_loop(
         let spawned = std::thread::Builder::new()
             .name(format!("nbd-{peer}"))
             .spawn(move || {
-                if let Err(e) = Connection::new(s, qp, cq, phase, who.clone(), evict).run() {
+                if let Err(e) = Connection::new(s, qp, cq, state, who.clone(), evict).run() {
                     tracing::warn!(peer = %who, "connection ended: {e:#}");
                 }
             });

@@ -335,6 +335,65 @@ fn transmission_errors_keep_the_connection() {
     srv.assert_alive("after transmission errors");
 }
 
+/// Unmounts a test's tmpfs, whatever happens to the test.
+struct Unmount(std::path::PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// WRITEs the image's filesystem has no room for get ENOSPC and the connection goes on —
+/// large ones, whose payload the NIC writes into the image itself (the server's framer names
+/// the file range), and small ones, which the server writes from the receive slot.
+#[test]
+fn writes_to_a_full_disk_get_enospc_and_the_connection_goes_on() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: mounting a small tmpfs needs root");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "qpip-full-disk"])
+        .arg(dir.path())
+        .status()
+        .unwrap();
+    assert!(mounted.success(), "mount a 1 MiB tmpfs");
+    let _unmount = Unmount(dir.path().to_owned());
+    let mut srv = server(dir.path()); // a sparse 16 MiB image on 1 MiB of room
+    let mut s = transmission(srv.addr);
+
+    // Small writes first (they fill the disk), then large ones (none fits any more).
+    let mut written = None;
+    for (len, first_cookie, base) in [(8u32 << 10, 100u64, 0), (256 << 10, 200, 8 * MIB)] {
+        let payload = vec![0x5a; len as usize];
+        let mut full = 0;
+        for i in 0..(2 * MIB / u64::from(len)) {
+            let off = base + i * u64::from(len);
+            let (e, _) = roundtrip(&mut s, Cmd::Write, first_cookie + i, off, len, &payload);
+            match e {
+                None => {
+                    written.get_or_insert(off);
+                }
+                Some(ErrorValue::NoSpc) => full += 1,
+                other => panic!("{len}-byte write at {off}: {other:?}"),
+            }
+        }
+        assert!(full > 0, "{len}-byte writes: 2 MiB fit in 1 MiB of room");
+        // The connection is in step: a read answers with data a write left.
+        let at = written.expect("the first writes found room");
+        let (e, d) = roundtrip(&mut s, Cmd::Read, first_cookie + 99, at, 4096, &[]);
+        assert_eq!(e, None);
+        assert!(
+            d.iter().all(|&b| b == 0x5a),
+            "{len}-byte writes, then a read"
+        );
+    }
+    srv.assert_alive("after ENOSPC");
+}
+
 #[test]
 fn write_longer_than_32_mib_disconnects() {
     let dir = tempfile::tempdir().unwrap();
