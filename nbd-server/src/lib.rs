@@ -5,14 +5,19 @@ pub mod backend;
 pub mod config;
 mod conn;
 pub mod daemon;
+pub mod error;
 pub mod export;
 mod framer;
+mod handshake;
 pub mod image;
+mod link;
 pub mod qcow2;
 #[cfg(feature = "rbd")]
 pub mod rbd;
 pub mod recv_window;
 pub mod server;
 pub mod shared;
+mod transmission;
 
-pub use conn::{CHUNK, RECV_SLOTS};
+pub use error::Error;
+pub use transmission::{CHUNK, RECV_SLOTS};
