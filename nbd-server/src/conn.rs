@@ -8,8 +8,9 @@ use qpip_core::{CompletionQueue, Endpoint, QueuePair};
 
 use crate::error::Result;
 use crate::link::Link;
+use crate::reply_slots::REPLY_SLOTS;
 use crate::shared::ServerShared;
-use crate::transmission::{RECV_SLOTS, REPLY_SLOTS};
+use crate::transmission::RECV_SLOTS;
 use crate::{handshake, transmission};
 
 /// CQ depth: every WR the connection can have outstanding, so it can never overflow.

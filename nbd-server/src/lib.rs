@@ -15,6 +15,7 @@ pub mod qcow2;
 #[cfg(feature = "rbd")]
 pub mod rbd;
 pub mod recv_window;
+mod reply_slots;
 pub mod server;
 pub mod shared;
 mod transmission;

@@ -12,9 +12,8 @@ use qpip_core::{Access, Completion, CompletionQueue, Endpoint, MemoryRegion, Que
 use crate::error::{Error, Result};
 use crate::shared::ServerShared;
 
-/// Work request ids: a reply slot's sends are `REPLY_WR + slot`, a handshake message's
-/// `HANDSHAKE_WR + n`; receive WRs are numbered from 0.
-pub(crate) const REPLY_WR: u64 = 1 << 32;
+/// A handshake message's send is work request `HANDSHAKE_WR + n`, above the reply slots'
+/// ([`crate::reply_slots`]) and the receive WRs (numbered from 0).
 const HANDSHAKE_WR: u64 = 2 << 32;
 /// How often a connection in its handshake looks whether it has been evicted.
 const EVICT_POLL: Duration = Duration::from_millis(100);

@@ -15,7 +15,6 @@
 //!   once they are done, at the end of the batch or before any other command. Its reads
 //!   are started likewise, each into its own registered buffer, and replied to when done.
 
-use std::collections::HashMap;
 use std::io;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,13 +26,14 @@ use nbd_proto::transmission::{
     ByteRange, Command, ErrorValue, Refusal, RequestError, ServerTransmission, ValidCommand,
     ValidRequest,
 };
-use qpip_core::{Access, Completion, MemoryRegion, Opcode, RecvWr, SendWr, WcStatus};
+use qpip_core::{Access, Completion, MemoryRegion, Opcode, RecvWr, WcStatus};
 
 use crate::backend::Pending;
 use crate::error::{Chain, Error, Result};
 use crate::export::Export;
-use crate::link::{Link, REPLY_WR};
+use crate::link::Link;
 use crate::recv_window::RecvWindow;
+use crate::reply_slots::ReplySlots;
 
 /// Receive slots a connection may post at most in the transmission phase (how many it does
 /// post: [`RecvWindow`]): requests the client may have in flight before TCP flow control
@@ -43,9 +43,6 @@ pub const RECV_SLOTS: usize = 32;
 pub const CHUNK: usize = 1 << 20;
 /// A receive slot: the longest request header (extended) and a payload piece.
 pub const SLOT_LEN: usize = c::EXTENDED_REQUEST_LEN + CHUNK;
-/// Reply header slots: one per reply in flight.
-pub(crate) const REPLY_SLOTS: usize = 64;
-const REPLY_SLOT_LEN: usize = 512;
 /// Most extents in one block-status reply (the client asks again for the rest).
 const MAX_EXTENTS: usize = 32;
 /// After SIGTERM: how long new requests get ESHUTDOWN before the connection is closed.
@@ -106,12 +103,9 @@ struct Transmission<'a> {
     recv_mr: MemoryRegion,
     stride: usize,
     window: RecvWindow,
-    reply_mr: MemoryRegion,
-    free_replies: Vec<usize>,
+    replies: ReplySlots,
     pending_write: Option<PendingWrite>,
     shutdown_since: Option<Instant>,
-    /// Read data of images without a mapping (qcow2), by reply slot, until its send is done.
-    read_bufs: HashMap<usize, MemoryRegion>,
     /// Writes fully received whose pieces the store is still writing: replied to by
     /// `finish_writes`.
     started_writes: Vec<PendingWrite>,
@@ -141,10 +135,7 @@ impl<'a> Transmission<'a> {
             .shared
             .nic
             .alloc_region(RECV_SLOTS * stride, Access::READ_WRITE);
-        let reply_mr = link
-            .shared
-            .nic
-            .alloc_region(REPLY_SLOTS * REPLY_SLOT_LEN, Access::READ);
+        let replies = ReplySlots::new(&link.shared.nic);
         let (window, first) = RecvWindow::new(RECV_SLOTS);
         for slot in first {
             link.qp.post_recv(RecvWr::new(
@@ -159,11 +150,9 @@ impl<'a> Transmission<'a> {
             recv_mr,
             stride,
             window,
-            reply_mr,
-            free_replies: (0..REPLY_SLOTS).rev().collect(),
+            replies,
             pending_write: None,
             shutdown_since: None,
-            read_bufs: HashMap::new(),
             started_writes: Vec::new(),
             held_slots: Vec::new(),
             hold_slot: false,
@@ -179,7 +168,7 @@ impl<'a> Transmission<'a> {
             if let Some(limit) = self.link.shared.idle_timeout
                 && last_request.elapsed() >= limit
                 && self.pending_write.is_none()
-                && self.free_replies.len() == REPLY_SLOTS
+                && self.replies.all_free()
             {
                 tracing::info!(peer = %self.link.peer, "closing: idle for {} s (--idle-timeout)", limit.as_secs_f64());
                 self.link.qp.close();
@@ -224,7 +213,7 @@ impl<'a> Transmission<'a> {
         self.window.arrived(arrived, &self.link.shared.slot_budget);
         for &c in batch {
             if c.opcode == Opcode::Send {
-                self.on_send(&c)?;
+                self.replies.on_send(self.link, &c)?;
                 continue;
             }
             match c.status {
@@ -264,22 +253,6 @@ impl<'a> Transmission<'a> {
             slot as u64,
             &[self.recv_mr.sge(slot * self.stride, self.stride)],
         ))?;
-        Ok(())
-    }
-
-    fn on_send(&mut self, c: &Completion) -> Result<()> {
-        if Link::is_bytes_send(c) {
-            return self.link.on_bytes_sent(c);
-        }
-        if !c.is_ok() {
-            return Err(Error::SendFailed {
-                what: "a reply",
-                status: c.status,
-            });
-        }
-        let slot = (c.wr_id - REPLY_WR) as usize;
-        self.read_bufs.remove(&slot);
-        self.free_replies.push(slot);
         Ok(())
     }
 
@@ -538,51 +511,11 @@ impl<'a> Transmission<'a> {
         }
     }
 
-    fn reply_slot(&mut self) -> Result<usize> {
-        loop {
-            if let Some(s) = self.free_replies.pop() {
-                return Ok(s);
-            }
-            // All reply slots are in flight: the client is slow to read. Wait for sends
-            // (the NIC must know of the replies posted quietly).
-            self.link.qp.ring_doorbell();
-            let mut buf = [Completion::default(); 32];
-            let n = self.link.cq.wait(&mut buf, Some(Duration::from_secs(60)))?;
-            if n == 0 {
-                return Err(Error::ClientNotReading);
-            }
-            for c in &buf[..n] {
-                if c.opcode == Opcode::Send {
-                    self.on_send(c)?;
-                } else {
-                    self.link.stash.push_back(*c);
-                }
-            }
-        }
-    }
-
-    /// Posts a reply whose header is `hdr`, followed by `data` (an SGE into registered memory).
-    fn post_reply(&mut self, hdr: &[u8], data: Option<qpip_core::Sge>) -> Result<usize> {
-        if hdr.len() > REPLY_SLOT_LEN {
-            return Err(Error::ReplyTooLong(hdr.len()));
-        }
-        let slot = self.reply_slot()?;
-        self.reply_mr.write_at(slot * REPLY_SLOT_LEN, hdr);
-        let head = self.reply_mr.sge(slot * REPLY_SLOT_LEN, hdr.len());
-        let wr = match data {
-            Some(d) => SendWr::new(REPLY_WR + slot as u64, &[head, d]),
-            None => SendWr::new(REPLY_WR + slot as u64, &[head]),
-        };
-        // Quietly: the batch loop rings once for all replies of a batch.
-        self.link.qp.post_send_quiet(wr)?;
-        Ok(slot)
-    }
-
     /// The reply to a request without data: success, or the error.
     fn reply(&mut self, to: ReplyTo, result: Result<(), ErrorValue>) -> Result<()> {
         let mut out = Vec::with_capacity(64);
         self.session.reply(to, result, &mut out);
-        self.post_reply(&out, None).map(drop)
+        self.replies.post(self.link, &out, None, None)
     }
 
     /// READ: the reply header from a slot, the data straight from the image's mapping.
@@ -637,11 +570,7 @@ impl<'a> Transmission<'a> {
             (None, None) => return Err(Error::EmptyImage),
         };
         let hdr = self.session.read_reply_header(req).map_err(Error::Reply)?;
-        let slot = self.post_reply(&hdr, Some(data))?;
-        if let Some(mr) = buffer {
-            self.read_bufs.insert(slot, mr);
-        }
-        Ok(())
+        self.replies.post(self.link, &hdr, Some(data), buffer)
     }
 
     fn send_block_status(
@@ -677,7 +606,7 @@ impl<'a> Transmission<'a> {
         self.session
             .block_status_reply(req, &[(ctx, &wire)], &mut out)
             .map_err(|_| ErrorValue::Io)?;
-        self.post_reply(&out, None).map(drop).map_err(|e| {
+        self.replies.post(self.link, &out, None, None).map_err(|e| {
             tracing::warn!("block status reply: {}", Chain(&e));
             ErrorValue::Io
         })
