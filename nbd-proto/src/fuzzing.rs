@@ -14,10 +14,8 @@ use crate::handshake::{
 };
 use crate::reply::{Chunk, SimpleReply, StructuredReplyHeader, select_extents};
 use crate::reply_check::{ReplyCheck, Step, simple_data_len};
-use crate::transmission::{
-    Command, ErrorValue, Request, RequestError, ServerTransmission, TransmissionInfo,
-    validate_request,
-};
+use crate::server_session::{RequestError, ServerTransmission};
+use crate::transmission::{Command, ErrorValue, Request, TransmissionInfo, validate_request};
 use core::ops::Range;
 
 /// Upper bound on bytes a machine may produce for one input in these harnesses.

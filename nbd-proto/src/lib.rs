@@ -12,7 +12,7 @@
 //! | [`handshake::server`] | [`ServerHandshake`] state machine |
 //! | [`handshake::client`] | [`ClientHandshake`] state machine |
 //! | [`transmission`] | [`Request`] header (compact or extended), [`validate_request`] (which error to send) |
-//! | [`transmission::server`] | [`ServerTransmission`]: header bytes to a [`ValidRequest`], replies to bytes |
+//! | [`server_session`] | [`ServerTransmission`]: request header bytes to a [`ValidRequest`], replies to bytes |
 //! | [`reply`] | simple replies, structured and extended chunks, block-status builders |
 //! | [`reply_check`] | a client's checks of one request's reply chunks ([`reply_check::ReplyCheck`]) |
 //! | [`framing`] | "where does this message end?" for message-based transports |
@@ -69,7 +69,8 @@
 //! assert_eq!(c.base_allocation, Some(nbd_proto::handshake::BASE_ALLOCATION_ID));
 //!
 //! // Transmission: the server parses and checks each request before executing it.
-//! use nbd_proto::transmission::{Command, ErrorValue, Request, RequestError, ServerTransmission};
+//! use nbd_proto::server_session::{RequestError, ServerTransmission};
+//! use nbd_proto::transmission::{Command, ErrorValue, Request};
 //! // Extended headers were negotiated: a WRITE says that its length is a payload length.
 //! assert!(s.extended_headers && c.extended_headers);
 //! let flags = nbd_proto::flags::CmdFlags::PAYLOAD_LEN;
@@ -161,6 +162,7 @@ pub mod handshake;
 pub mod peer_text;
 pub mod reply;
 pub mod reply_check;
+pub mod server_session;
 pub mod transmission;
 mod wire;
 
@@ -169,7 +171,5 @@ pub use framing::{ClientPhase, FrameLimits, Need, ServerPhase};
 pub use handshake::{
     ClientConfig, ClientEvent, ClientHandshake, ServerConfig, ServerEvent, ServerHandshake,
 };
-pub use transmission::{
-    Command, ErrorValue, Request, ServerTransmission, TransmissionInfo, ValidRequest,
-    validate_request,
-};
+pub use server_session::{ServerTransmission, ValidRequest};
+pub use transmission::{Command, ErrorValue, Request, TransmissionInfo, validate_request};

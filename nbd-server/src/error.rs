@@ -1,7 +1,7 @@
 //! The library's error: why the server could not start, or why a connection ended.
 
 use nbd_proto::handshake::server::ServerError;
-use nbd_proto::transmission::RequestError;
+use nbd_proto::server_session::RequestError;
 use qpip_core::WcStatus;
 
 /// Why the server could not start, or why a connection ended (each is logged with its

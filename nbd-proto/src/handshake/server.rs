@@ -194,7 +194,7 @@ pub struct ServerNegotiated {
 }
 
 impl ServerNegotiated {
-    /// What the transmission phase needs to check requests ([`crate::transmission::ServerTransmission`]).
+    /// What the transmission phase needs to check requests ([`crate::server_session::ServerTransmission`]).
     pub fn transmission_info(&self) -> TransmissionInfo {
         TransmissionInfo {
             size: self.size,

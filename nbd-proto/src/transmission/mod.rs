@@ -5,17 +5,16 @@
 //! |---|---|
 //! | this one | [`Request`] encode/parse, [`Command`], [`ErrorValue`], [`TransmissionInfo`] |
 //! | [`validate`] | the checks ([`validate_request`]) and the [`ValidCommand`] they yield |
-//! | [`server`] | the server's half: header bytes to a [`ValidRequest`], replies to bytes |
+//!
+//! The server's half of the phase is [`crate::server_session`].
 
 use crate::consts as c;
 use crate::error::ProtoError;
 use crate::flags::{CmdFlags, TransmissionFlags};
 use crate::handshake::BlockSize;
 
-pub mod server;
 pub mod validate;
 
-pub use server::{Refusal, RequestError, ServerTransmission, ValidRequest};
 pub use validate::{ByteRange, ValidCommand, validate_request};
 
 /// A request type (`NBD_CMD_*`). Unknown values are kept, so that a server can

@@ -122,7 +122,7 @@ impl ValidCommand {
 
 /// Whether a server should execute `req`, or the error value the spec recommends. A
 /// server gets the typed command instead, from
-/// [`ServerTransmission::parse_request`](super::ServerTransmission::parse_request); a client
+/// [`ServerTransmission::parse_request`](crate::server_session::ServerTransmission::parse_request); a client
 /// can check what it is about to send.
 ///
 /// The checks, in order (the spec does not order them; this order makes the
@@ -166,7 +166,7 @@ pub fn validate_request(req: &Request, info: &TransmissionInfo) -> Result<(), Er
 }
 
 /// [`validate_request`]'s checks, yielding the typed command.
-pub(super) fn check_request(
+pub(crate) fn check_request(
     req: &Request,
     info: &TransmissionInfo,
 ) -> Result<ValidCommand, ErrorValue> {

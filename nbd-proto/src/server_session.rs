@@ -4,15 +4,15 @@
 //! negotiated) become bytes. Write payloads and read data stay the caller's: they never pass
 //! through here, so the transport can place them where it likes.
 
-use super::validate::{ValidCommand, check_request};
-use super::{Command, ErrorValue, Request, TransmissionInfo};
 use crate::consts as c;
 use crate::error::ProtoError;
 use crate::flags::CmdFlags;
 use crate::handshake::server::ServerNegotiated;
 use crate::reply::{self, ChunkBytes, Extent, ReplyTo, SimpleReply};
+use crate::transmission::validate::check_request;
+use crate::transmission::{Command, ErrorValue, Request, TransmissionInfo, ValidCommand};
 
-/// A request that passed every check of [`super::validate_request`]: only
+/// A request that passed every check of [`crate::transmission::validate_request`]: only
 /// [`ServerTransmission::parse_request`] makes one, so holding one means the checks ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ValidRequest {
