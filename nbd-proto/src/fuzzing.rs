@@ -14,7 +14,8 @@ use crate::handshake::{
 };
 use crate::reply::{Chunk, SimpleReply, StructuredReplyHeader, select_extents};
 use crate::reply_check::{ReplyCheck, Step, simple_data_len};
-use crate::transmission::{Command, Request, TransmissionInfo, validate_request};
+use crate::server_session::{RequestError, ServerTransmission};
+use crate::transmission::{Command, ErrorValue, Request, TransmissionInfo, validate_request};
 use core::ops::Range;
 
 /// Upper bound on bytes a machine may produce for one input in these harnesses.
@@ -141,8 +142,8 @@ pub fn client_handshake(data: &[u8]) {
     }
 }
 
-/// Transmission codecs: request parse + validate, reply and chunk parse, and
-/// the handshake payload parsers.
+/// Transmission codecs: the server's request parser (and the replies it builds), reply and
+/// chunk parse, and the handshake payload parsers.
 pub fn transmission(data: &[u8]) {
     for extended in [false, true] {
         transmission_request(data, extended);
@@ -150,48 +151,128 @@ pub fn transmission(data: &[u8]) {
     transmission_reply(data);
 }
 
+/// The server session the bytes after a request header describe (export size, flags, block
+/// sizes, and a shutdown knob), and whether it is shutting down.
+fn transmission_session(data: &[u8], extended: bool) -> (ServerTransmission, bool) {
+    let tail = data
+        .get(Request::header_len(extended)..)
+        .unwrap_or_default();
+    let mut r = crate::wire::Reader::new(tail);
+    let mut info = TransmissionInfo::new(
+        r.u64().unwrap_or(1 << 20),
+        TransmissionFlags(r.u16().unwrap_or(0xffff)),
+    );
+    let extra = r.u32().unwrap_or(0);
+    info.structured_replies = extra & 1 != 0;
+    info.has_meta_context = extra & 2 != 0;
+    info.block_size = BlockSize {
+        min: 1 << (extra >> 2 & 15),
+        preferred: 4096,
+        max: r.u32().unwrap_or(u32::MAX),
+    };
+    info.df_max_len = r.u32().unwrap_or(u32::MAX);
+    info.extended_headers = extended;
+    let mut server = ServerTransmission::from_info(info);
+    let shutting_down = extra & 0x40 != 0;
+    if shutting_down {
+        server.begin_shutdown();
+    }
+    (server, shutting_down)
+}
+
 fn transmission_request(data: &[u8], extended: bool) {
-    if let Ok(req) = Request::parse(data, extended) {
-        let header = req.encode(extended).expect("a parsed request encodes");
-        assert_eq!(Request::parse(&header, extended), Ok(req));
-        let tail = data.get(header.len()..).unwrap_or_default();
-        let mut r = crate::wire::Reader::new(tail);
-        let mut info = TransmissionInfo::new(
-            r.u64().unwrap_or(1 << 20),
-            TransmissionFlags(r.u16().unwrap_or(0xffff)),
-        );
-        let extra = r.u32().unwrap_or(0);
-        info.structured_replies = extra & 1 != 0;
-        info.has_meta_context = extra & 2 != 0;
-        info.block_size = BlockSize {
-            min: 1 << (extra >> 2 & 15),
-            preferred: 4096,
-            max: r.u32().unwrap_or(u32::MAX),
-        };
-        info.df_max_len = r.u32().unwrap_or(u32::MAX);
-        info.extended_headers = extended;
-        if validate_request(&req, &info).is_ok() {
-            // accepted in-range requests really are in range
-            let end = req.offset.checked_add(req.length);
-            let ranged = !matches!(
-                req.command,
-                crate::transmission::Command::Disc
-                    | crate::transmission::Command::Flush
-                    | crate::transmission::Command::Resize
-            );
-            if ranged {
-                assert!(end.is_some_and(|e| e <= info.size));
-            }
-            // only a WRITE carries a payload (a DISC is accepted whatever its flags say: the
-            // server closes the connection on it without reading on)
+    let (server, shutting_down) = transmission_session(data, extended);
+    let info = server.info().clone();
+    let parsed = server.parse_request(data);
+    let Ok(req) = Request::parse(data, extended) else {
+        // exactly the headers that do not parse must close the connection
+        assert!(parsed.is_err_and(|e| e.must_close()));
+        return;
+    };
+    let header = req.encode(extended).expect("a parsed request encodes");
+    assert_eq!(Request::parse(&header, extended), Ok(req));
+    let mut reply = Vec::new();
+    match parsed {
+        Ok(valid) => {
+            assert_eq!(valid.cookie(), req.cookie);
+            let command = *valid.command();
+            assert_eq!(command.command(), req.command);
+            // the typed command agrees with the public checks (during a shutdown fewer pass)
+            assert!(req.command == Command::Disc || validate_request(&req, &info).is_ok());
             assert!(
-                req.payload_len(extended) == 0
-                    || matches!(
-                        req.command,
-                        crate::transmission::Command::Write | crate::transmission::Command::Disc
-                    )
+                !shutting_down
+                    || matches!(req.command, Command::Disc | Command::Write | Command::Flush)
             );
+            use crate::transmission::ValidCommand as V;
+            match command {
+                V::Read { range, .. }
+                | V::Write { range, .. }
+                | V::Trim { range, .. }
+                | V::Cache { range }
+                | V::WriteZeroes { range, .. }
+                | V::BlockStatus { range, .. } => {
+                    // accepted ranges really are in range, and are what was asked
+                    assert_eq!((range.offset(), range.len()), (req.offset, req.length));
+                    assert!(
+                        req.offset
+                            .checked_add(req.length)
+                            .is_some_and(|e| e <= info.size)
+                    );
+                    assert_eq!(range.end(), req.offset + req.length);
+                    let min = u64::from(info.block_size.min.max(1));
+                    assert!(range.offset() % min == 0 && range.len() % min == 0);
+                    if matches!(command, V::Read { .. } | V::Write { .. } | V::Cache { .. }) {
+                        assert!(range.len() <= u64::from(info.block_size.max));
+                    }
+                }
+                V::Flush => assert_eq!((req.offset, req.length), (0, 0)),
+                V::Disc | V::Resize { .. } => {}
+            }
+            // only a WRITE carries a payload (a DISC is valid whatever its flags say: the
+            // server closes the connection on it without reading on)
+            assert_eq!(valid.payload_len(), command.payload_len());
+            assert!(
+                req.payload_len(extended) == valid.payload_len() || req.command == Command::Disc
+            );
+            if let V::Read { range, .. } = command
+                && !range.is_empty()
+            {
+                let h = server
+                    .read_reply_header(&valid)
+                    .expect("a valid read has a reply");
+                check_reply_echoes(&h, &server, &req);
+            }
+            server.reply(valid.reply_to(), Ok(()), &mut reply);
         }
+        Err(RequestError::Refused(refusal)) => {
+            assert_eq!(refusal.cookie(), req.cookie);
+            assert_eq!(refusal.command(), req.command);
+            // the payload is read on before the error reply, or the stream loses its place
+            assert_eq!(refusal.payload_len(), req.payload_len(extended));
+            if refusal.error() != ErrorValue::Shutdown {
+                assert_eq!(validate_request(&req, &info), Err(refusal.error()));
+            }
+            server.reply(refusal.reply_to(), Err(refusal.error()), &mut reply);
+        }
+        Err(e) => panic!("a parsed header is not malformed: {e}"),
+    }
+    check_reply_echoes(&reply, &server, &req);
+}
+
+/// A reply (or reply header) of `server`'s style answers `req`: its cookie, and with extended
+/// headers its offset.
+fn check_reply_echoes(reply: &[u8], server: &ServerTransmission, req: &Request) {
+    let extended = server.info().extended_headers;
+    if server.info().structured_replies {
+        let h = StructuredReplyHeader::parse_as(reply, extended).expect("a reply parses");
+        assert_eq!(h.cookie, req.cookie);
+        assert_eq!(h.offset, extended.then_some(req.offset));
+        assert!(h.is_done());
+    } else {
+        assert_eq!(
+            SimpleReply::parse(reply).expect("a reply parses").cookie,
+            req.cookie
+        );
     }
 }
 
@@ -586,7 +667,6 @@ pub fn seeds() -> Vec<(&'static str, Seeds)> {
     use crate::reply::{
         Extent, block_status_chunk, error_chunk, none_chunk, offset_data_header, offset_hole,
     };
-    use crate::transmission::ErrorValue;
 
     // Handshakes: the client's goal and config × the server's config.
     let mut c2s_seeds = Vec::new();
@@ -632,11 +712,12 @@ pub fn seeds() -> Vec<(&'static str, Seeds)> {
         .expect("a 32-bit length")
         .to_vec()
     };
-    let mut write = request(Command::Write, c::CMD_FLAG_FUA, 4096, 16);
-    write.extend_from_slice(&[0x5a; 16]);
     let mut requests = vec![
         ("read".to_string(), request(Command::Read, 0, 512, 4096)),
-        ("write-fua".to_string(), write),
+        (
+            "write-fua".to_string(),
+            request(Command::Write, c::CMD_FLAG_FUA, 4096, 512),
+        ),
         (
             "block-status".to_string(),
             request(Command::BlockStatus, c::CMD_FLAG_REQ_ONE, 0, 1 << 20),
@@ -645,13 +726,17 @@ pub fn seeds() -> Vec<(&'static str, Seeds)> {
         ("flush".to_string(), request(Command::Flush, 0, 0, 0)),
         ("disc".to_string(), request(Command::Disc, 0, 0, 0)),
     ];
-    // the transmission harness reads the export's size, flags and limits after the header
-    for (_, r) in &mut requests {
+    // The transmission harness reads the export's size, flags (all but READ_ONLY) and limits
+    // after the header; a write's payload follows them.
+    for (name, r) in &mut requests {
         r.extend_from_slice(&(1u64 << 30).to_be_bytes());
-        r.extend_from_slice(&0x0fffu16.to_be_bytes());
+        r.extend_from_slice(&(0x0fffu16 & !c::FLAG_READ_ONLY).to_be_bytes());
         r.extend_from_slice(&(1u32 | 2 | 9 << 2).to_be_bytes());
         r.extend_from_slice(&(1u32 << 25).to_be_bytes());
         r.extend_from_slice(&(1u32 << 25).to_be_bytes());
+        if name.starts_with("write") {
+            r.extend_from_slice(&[0x5a; 512]);
+        }
     }
 
     // Reply streams for one request: (name, knobs, offset, length, server bytes).
@@ -958,6 +1043,15 @@ mod tests {
                 let r = s.feed(&stream, &mut Vec::new());
                 assert!(matches!(r, Ok(ServerEvent::Done(_))), "{name}: {r:?}");
             }
+        }
+        // The request seeds are requests the server executes.
+        for (name, input) in get("transmission") {
+            if name.starts_with("reply-") || name.starts_with("option-") {
+                continue;
+            }
+            let (server, _) = transmission_session(input, false);
+            let parsed = server.parse_request(input);
+            assert!(parsed.is_ok(), "{name}: {parsed:?}");
         }
         for (name, input) in get("replies") {
             let mut r = crate::wire::Reader::new(input);

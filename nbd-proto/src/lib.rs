@@ -12,6 +12,7 @@
 //! | [`handshake::server`] | [`ServerHandshake`] state machine |
 //! | [`handshake::client`] | [`ClientHandshake`] state machine |
 //! | [`transmission`] | [`Request`] header (compact or extended), [`validate_request`] (which error to send) |
+//! | [`server_session`] | [`ServerTransmission`]: request header bytes to a [`ValidRequest`], replies to bytes |
 //! | [`reply`] | simple replies, structured and extended chunks, block-status builders |
 //! | [`reply_check`] | a client's checks of one request's reply chunks ([`reply_check::ReplyCheck`]) |
 //! | [`framing`] | "where does this message end?" for message-based transports |
@@ -67,14 +68,21 @@
 //! assert!(s.structured_replies && c.structured_replies);
 //! assert_eq!(c.base_allocation, Some(nbd_proto::handshake::BASE_ALLOCATION_ID));
 //!
-//! // Transmission: the server validates each request before executing it.
-//! use nbd_proto::transmission::{validate_request, Command, ErrorValue, Request};
+//! // Transmission: the server parses and checks each request before executing it.
+//! use nbd_proto::server_session::{RequestError, ServerTransmission};
+//! use nbd_proto::transmission::{Command, ErrorValue, Request};
 //! // Extended headers were negotiated: a WRITE says that its length is a payload length.
 //! assert!(s.extended_headers && c.extended_headers);
 //! let flags = nbd_proto::flags::CmdFlags::PAYLOAD_LEN;
 //! let req = Request { flags, command: Command::Write, cookie: 1, offset: 1 << 20, length: 512 };
-//! let req = Request::parse(&req.encode(c.extended_headers).unwrap(), s.extended_headers).unwrap();
-//! assert_eq!(validate_request(&req, &s.transmission_info()), Err(ErrorValue::NoSpc));
+//! let server = ServerTransmission::new(&s);
+//! let Err(RequestError::Refused(refusal)) = server.parse_request(&req.encode(c.extended_headers).unwrap()) else {
+//!     panic!("a write past the end is refused");
+//! };
+//! // The server reads the 512 payload bytes on, then replies ENOSPC.
+//! assert_eq!((refusal.error(), refusal.payload_len()), (ErrorValue::NoSpc, 512));
+//! let mut reply = Vec::new();
+//! server.reply(refusal.reply_to(), Err(refusal.error()), &mut reply);
 //! ```
 //!
 //! # Framing
@@ -154,6 +162,7 @@ pub mod handshake;
 pub mod peer_text;
 pub mod reply;
 pub mod reply_check;
+pub mod server_session;
 pub mod transmission;
 mod wire;
 
@@ -162,4 +171,5 @@ pub use framing::{ClientPhase, FrameLimits, Need, ServerPhase};
 pub use handshake::{
     ClientConfig, ClientEvent, ClientHandshake, ServerConfig, ServerEvent, ServerHandshake,
 };
+pub use server_session::{ServerTransmission, ValidRequest};
 pub use transmission::{Command, ErrorValue, Request, TransmissionInfo, validate_request};

@@ -81,8 +81,8 @@ pub struct StructuredReplyHeader {
     pub offset: Option<u64>,
 }
 
-/// An encoded chunk header (with the fixed fields of its payload, for the builders below):
-/// at most 32 + 12 bytes.
+/// An encoded chunk header (with the fixed fields of its payload, for the builders below), or
+/// a simple reply: at most 32 + 12 bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ChunkBytes {
     buf: [u8; c::EXTENDED_REPLY_HEADER_LEN + 12],
@@ -90,6 +90,16 @@ pub struct ChunkBytes {
 }
 
 impl ChunkBytes {
+    /// A reply header given whole (a simple reply's 16 bytes); at most 44 bytes.
+    pub(crate) fn from_slice(bytes: &[u8]) -> Self {
+        let mut b = Self {
+            buf: [0; c::EXTENDED_REPLY_HEADER_LEN + 12],
+            len: 0,
+        };
+        b.push(bytes);
+        b
+    }
+
     fn push(&mut self, bytes: &[u8]) {
         self.buf[self.len..self.len + bytes.len()].copy_from_slice(bytes);
         self.len += bytes.len();

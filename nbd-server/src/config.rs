@@ -23,7 +23,7 @@ pub struct ExportConfig {
     pub create_size: Option<String>,
     /// The image's format ("raw" or "qcow2"); probed from its first bytes when absent.
     #[serde(default)]
-    pub format: Option<crate::image::Format>,
+    pub format: Option<nbd_server::image::Format>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq, Default)]

@@ -2,6 +2,9 @@
 //! newstyle), so qemu-img, qemu-io, nbdinfo, nbdcopy, fio and the Linux kernel client talk to
 //! it unchanged.
 
+mod config;
+mod daemon;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -9,10 +12,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use config::{Config, ExportConfig, parse_listen, parse_size};
 use nbd_proto::handshake::TlsMode;
 use nbd_server::backend::Backend;
-use nbd_server::config::{Config, ExportConfig, parse_listen, parse_size};
-use nbd_server::daemon;
 use nbd_server::export::Export;
 use nbd_server::image::{Format, Image};
 use nbd_server::server::{Server, ServerOptions};
@@ -362,7 +364,7 @@ fn run(cli: Cli) -> Result<i32> {
         cfg.default_export.get_or_insert_with(|| "demo".into());
     }
     let lanai_addr = cli.backend.lanai_addr(DEFAULT_SERVER_NODE)?;
-    let port = cli.port.unwrap_or(nbd_server::config::DEFAULT_PORT);
+    let port = cli.port.unwrap_or(config::DEFAULT_PORT);
     if cli.port.is_some() && !cli.listen.is_empty() {
         bail!("--port goes with --bind or the default addresses; --listen names its own port");
     }

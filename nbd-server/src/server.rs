@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
 use nbd_proto::framing::FrameLimits;
 use nbd_proto::handshake::TlsMode;
 use nbd_proto::handshake::messages::BlockSize;
@@ -16,10 +15,12 @@ use parking_lot::Mutex;
 use qpip_core::{Endpoint, Listener, Nic, QpAttr, TlsConfig};
 
 use crate::conn::{self, Connection};
+use crate::error::{Chain, Result};
 use crate::export::Export;
 use crate::framer::{FramerState, ServerFramer};
 use crate::recv_window::SlotBudget;
 use crate::shared::{RateLimitedLog, ServerShared};
+use crate::transmission::{CHUNK, RECV_SLOTS, SLOT_LEN};
 
 pub struct ServerOptions {
     /// Where to accept clients: bound before the images are opened, so that an address in
@@ -91,7 +92,7 @@ impl Server {
             max_handshakes: opts.max_handshakes.max(1),
             idle_timeout: opts.idle_timeout,
             refusals: Mutex::new(RateLimitedLog::default()),
-            slot_budget: SlotBudget::new((opts.buffer_memory / conn::SLOT_LEN as u64) as usize),
+            slot_budget: SlotBudget::new((opts.buffer_memory / SLOT_LEN as u64) as usize),
         });
         let connections = Arc::new(Mutex::new(Vec::new()));
         let mut accept_threads = Vec::new();
@@ -169,11 +170,11 @@ fn accept_loop(
         let cq = shared.nic.create_cq(conn::CQ_DEPTH);
         cq.set_spin(Duration::ZERO);
         let state = FramerState::new();
-        let framer = ServerFramer::new(state.clone(), shared.limits, conn::CHUNK);
+        let framer = ServerFramer::new(state.clone(), shared.limits, CHUNK);
         let qp = shared.nic.create_qp(
             QpAttr::new(&cq)
                 .framer(framer)
-                .depths(conn::CQ_DEPTH, conn::RECV_SLOTS),
+                .depths(conn::CQ_DEPTH, RECV_SLOTS),
         );
         let peer = match listener.accept_timeout(&qp, Duration::from_millis(200)) {
             Ok(peer) => listener.peer_endpoint(peer),
@@ -191,7 +192,7 @@ fn accept_loop(
             .name(format!("nbd-{peer}"))
             .spawn(move || {
                 if let Err(e) = Connection::new(s, qp, cq, state, who.clone(), evict).run() {
-                    tracing::warn!(peer = %who, "connection ended: {e:#}");
+                    tracing::warn!(peer = %who, "connection ended: {}", Chain(&e));
                 }
             });
         match spawned {

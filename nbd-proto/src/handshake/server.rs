@@ -194,7 +194,7 @@ pub struct ServerNegotiated {
 }
 
 impl ServerNegotiated {
-    /// What [`crate::transmission::validate_request`] needs.
+    /// What the transmission phase needs to check requests ([`crate::server_session::ServerTransmission`]).
     pub fn transmission_info(&self) -> TransmissionInfo {
         TransmissionInfo {
             size: self.size,

@@ -1,0 +1,502 @@
+//! The server's half of the transmission phase, sans-IO. The header bytes of a request (as
+//! the server's framer delimited them) become a [`ValidRequest`], checked once, or a
+//! [`RequestError`] that says how to answer; replies (simple, structured or extended, as
+//! negotiated) become bytes. Write payloads and read data stay the caller's: they never pass
+//! through here, so the transport can place them where it likes.
+
+use crate::consts as c;
+use crate::error::ProtoError;
+use crate::flags::CmdFlags;
+use crate::handshake::server::ServerNegotiated;
+use crate::reply::{self, ChunkBytes, Extent, ReplyTo, SimpleReply};
+use crate::transmission::validate::check_request;
+use crate::transmission::{Command, ErrorValue, Request, TransmissionInfo, ValidCommand};
+
+/// A request that passed every check of [`crate::transmission::validate_request`]: only
+/// [`ServerTransmission::parse_request`] makes one, so holding one means the checks ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ValidRequest {
+    to: ReplyTo,
+    command: ValidCommand,
+}
+
+impl ValidRequest {
+    /// The request's cookie, echoed in its reply.
+    pub const fn cookie(&self) -> u64 {
+        self.to.cookie
+    }
+
+    /// Whom the reply answers (with extended headers, the request's offset too).
+    pub const fn reply_to(&self) -> ReplyTo {
+        self.to
+    }
+
+    /// The command, with its checked range and flags.
+    pub const fn command(&self) -> &ValidCommand {
+        &self.command
+    }
+
+    /// Payload bytes that follow the header (a `WRITE`'s length, else 0).
+    pub const fn payload_len(&self) -> u64 {
+        self.command.payload_len()
+    }
+}
+
+/// A well-formed request the server does not execute: it reads the `payload_len` bytes of
+/// payload that follow (and discards them), then replies with `error`. The connection stays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+#[error("{command:?} refused: {error}")]
+pub struct Refusal {
+    to: ReplyTo,
+    command: Command,
+    error: ErrorValue,
+    payload_len: u64,
+}
+
+impl Refusal {
+    /// The request's cookie, echoed in the error reply.
+    pub const fn cookie(&self) -> u64 {
+        self.to.cookie
+    }
+
+    /// Whom the error reply answers.
+    pub const fn reply_to(&self) -> ReplyTo {
+        self.to
+    }
+
+    /// The command as sent (possibly [`Command::Unknown`]).
+    pub const fn command(&self) -> Command {
+        self.command
+    }
+
+    /// The error value to reply with.
+    pub const fn error(&self) -> ErrorValue {
+        self.error
+    }
+
+    /// Payload bytes that follow the header on the wire and must be read before the reply.
+    pub const fn payload_len(&self) -> u64 {
+        self.payload_len
+    }
+}
+
+/// Why a request header did not yield a [`ValidRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    /// The header cannot be parsed (short, or the wrong magic): nothing after it can be
+    /// trusted, so the connection must close, without a reply.
+    #[error("request header: {0}")]
+    Malformed(ProtoError),
+    /// Well-formed but refused: answered with an error reply.
+    #[error("{0}")]
+    Refused(Refusal),
+}
+
+impl RequestError {
+    /// True when the server must close the connection instead of replying.
+    pub const fn must_close(&self) -> bool {
+        matches!(self, Self::Malformed(_))
+    }
+}
+
+/// The server side of one connection's transmission phase: what was negotiated, and whether
+/// the server is shutting down.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerTransmission {
+    info: TransmissionInfo,
+    base_allocation: Option<u32>,
+    shutting_down: bool,
+}
+
+impl ServerTransmission {
+    /// The transmission phase that `negotiated` opens.
+    pub fn new(negotiated: &ServerNegotiated) -> Self {
+        let base_allocation = negotiated
+            .meta_contexts
+            .iter()
+            .find(|(_, name)| name == c::BASE_ALLOCATION)
+            .map(|(id, _)| *id);
+        Self {
+            info: negotiated.transmission_info(),
+            base_allocation,
+            shutting_down: false,
+        }
+    }
+
+    /// A transmission phase described by `info` alone (no `base:allocation` context id).
+    pub fn from_info(info: TransmissionInfo) -> Self {
+        Self {
+            info,
+            base_allocation: None,
+            shutting_down: false,
+        }
+    }
+
+    /// What was negotiated.
+    pub const fn info(&self) -> &TransmissionInfo {
+        &self.info
+    }
+
+    /// Length of a request header: 32 bytes with extended headers, else 28.
+    pub const fn header_len(&self) -> usize {
+        Request::header_len(self.info.extended_headers)
+    }
+
+    /// The context id of `base:allocation`, if the client selected it.
+    pub const fn base_allocation(&self) -> Option<u32> {
+        self.base_allocation
+    }
+
+    /// From now on, requests other than `WRITE`, `FLUSH` and `DISC` that carry no payload
+    /// are refused with `ESHUTDOWN` (what is in flight may still complete).
+    pub fn begin_shutdown(&mut self) {
+        self.shutting_down = true;
+    }
+
+    /// Parse and check the request header at the start of `header` (bytes after it, such as
+    /// a write payload, are ignored). `DISC` is valid whatever else it says: the server
+    /// closes on it without reading on.
+    pub fn parse_request(&self, header: &[u8]) -> Result<ValidRequest, RequestError> {
+        let extended = self.info.extended_headers;
+        let req = Request::parse(header, extended).map_err(RequestError::Malformed)?;
+        let to = ReplyTo::new(&req, extended);
+        let payload_len = req.payload_len(extended);
+        let refuse = |error| {
+            RequestError::Refused(Refusal {
+                to,
+                command: req.command,
+                error,
+                payload_len,
+            })
+        };
+        if req.command == Command::Disc {
+            return Ok(ValidRequest {
+                to,
+                command: ValidCommand::Disc,
+            });
+        }
+        if self.shutting_down
+            && payload_len == 0
+            && !matches!(req.command, Command::Flush | Command::Write)
+        {
+            return Err(refuse(ErrorValue::Shutdown));
+        }
+        let command = check_request(&req, &self.info).map_err(refuse)?;
+        Ok(ValidRequest { to, command })
+    }
+
+    /// Append the whole reply to a request without data: success, or `result`'s error.
+    pub fn reply(&self, to: ReplyTo, result: Result<(), ErrorValue>, out: &mut Vec<u8>) {
+        match (result, self.info.structured_replies) {
+            (Ok(()), false) => out.extend_from_slice(&SimpleReply::ok(to.cookie).encode()),
+            (Err(e), false) => out.extend_from_slice(&SimpleReply::err(to.cookie, e).encode()),
+            (Ok(()), true) => out.extend_from_slice(&reply::none_chunk(to)),
+            (Err(e), true) => reply::error_chunk(to, true, e, &format!("{e:?}"), out),
+        }
+    }
+
+    /// The header of a successful reply to a nonzero `READ`, which the whole range's data
+    /// follows: a simple reply, or one final `OFFSET_DATA` chunk.
+    pub fn read_reply_header(&self, req: &ValidRequest) -> Result<ChunkBytes, ProtoError> {
+        let ValidCommand::Read { range, .. } = req.command else {
+            return Err(ProtoError::Invalid("a read reply answers a READ"));
+        };
+        if !self.info.structured_replies {
+            return Ok(ChunkBytes::from_slice(
+                &SimpleReply::ok(req.cookie()).encode(),
+            ));
+        }
+        // checked: at most the maximum block size, a u32
+        let len = u32::try_from(range.len()).map_err(|_| ProtoError::TooLong {
+            what: "read reply",
+            len: range.len(),
+            limit: u32::MAX.into(),
+        })?;
+        reply::offset_data_header(req.to, true, range.offset(), len)
+    }
+
+    /// Append the reply to a `BLOCK_STATUS`: one chunk per context, each trimmed to the
+    /// request (see [`reply::block_status_reply`]).
+    pub fn block_status_reply(
+        &self,
+        req: &ValidRequest,
+        contexts: &[(u32, &[Extent])],
+        out: &mut Vec<u8>,
+    ) -> Result<(), ProtoError> {
+        let ValidCommand::BlockStatus { range, req_one } = req.command else {
+            return Err(ProtoError::Invalid(
+                "a block status reply answers a BLOCK_STATUS",
+            ));
+        };
+        let flags = if req_one {
+            CmdFlags::REQ_ONE
+        } else {
+            CmdFlags::empty()
+        };
+        reply::block_status_reply(req.to, flags, range.len(), contexts, out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::flags::TransmissionFlags as TF;
+    use crate::reply::{Chunk, StructuredReplyHeader};
+
+    fn session(structured: bool, extended: bool) -> ServerTransmission {
+        let mut info = TransmissionInfo::new(
+            1 << 20,
+            TF::SEND_FLUSH | TF::SEND_FUA | TF::SEND_TRIM | TF::SEND_WRITE_ZEROES | TF::SEND_DF,
+        );
+        info.structured_replies = structured || extended;
+        info.has_meta_context = structured || extended;
+        info.extended_headers = extended;
+        ServerTransmission::from_info(info)
+    }
+
+    fn header(
+        command: Command,
+        flags: CmdFlags,
+        offset: u64,
+        length: u64,
+        extended: bool,
+    ) -> Vec<u8> {
+        let req = Request {
+            flags,
+            command,
+            cookie: 0xc0c0,
+            offset,
+            length,
+        };
+        req.encode(extended).unwrap().to_vec()
+    }
+
+    #[test]
+    fn valid_requests_come_typed() {
+        let s = session(true, false);
+        let r = s
+            .parse_request(&header(Command::Write, CmdFlags::FUA, 4096, 512, false))
+            .unwrap();
+        assert_eq!(r.cookie(), 0xc0c0);
+        assert_eq!(r.payload_len(), 512);
+        let ValidCommand::Write { range, fua: true } = *r.command() else {
+            panic!("{r:?}");
+        };
+        assert_eq!(
+            (range.offset(), range.len(), range.end()),
+            (4096, 512, 4608)
+        );
+        let r = s
+            .parse_request(&header(Command::Read, CmdFlags::DF, 0, 512, false))
+            .unwrap();
+        assert!(matches!(r.command(), ValidCommand::Read { df: true, .. }));
+        assert_eq!(r.payload_len(), 0);
+        let r = s
+            .parse_request(&header(
+                Command::BlockStatus,
+                CmdFlags::REQ_ONE,
+                0,
+                8,
+                false,
+            ))
+            .unwrap();
+        assert!(matches!(
+            r.command(),
+            ValidCommand::BlockStatus { req_one: true, .. }
+        ));
+        let r = s
+            .parse_request(&header(Command::Flush, CmdFlags::empty(), 0, 0, false))
+            .unwrap();
+        assert_eq!(*r.command(), ValidCommand::Flush);
+        // A DISC is valid whatever it says.
+        let r = s
+            .parse_request(&header(Command::Disc, CmdFlags(0xffff), 1, 3, false))
+            .unwrap();
+        assert_eq!(r.command().command(), Command::Disc);
+    }
+
+    #[test]
+    fn refusals_say_how_to_answer() {
+        let s = session(true, true);
+        // A write past the end: ENOSPC, after its payload has been read.
+        let e = s
+            .parse_request(&header(
+                Command::Write,
+                CmdFlags::PAYLOAD_LEN,
+                1 << 20,
+                512,
+                true,
+            ))
+            .unwrap_err();
+        assert!(!e.must_close());
+        let RequestError::Refused(r) = e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(
+            (r.cookie(), r.command(), r.error(), r.payload_len()),
+            (0xc0c0, Command::Write, ErrorValue::NoSpc, 512)
+        );
+        assert_eq!(
+            r.reply_to().offset,
+            Some(1 << 20),
+            "extended replies echo the offset"
+        );
+        // A payload on a READ is refused, but still read.
+        let Err(RequestError::Refused(r)) =
+            s.parse_request(&header(Command::Read, CmdFlags::PAYLOAD_LEN, 0, 64, true))
+        else {
+            panic!()
+        };
+        assert_eq!((r.error(), r.payload_len()), (ErrorValue::Inval, 64));
+        let Err(RequestError::Refused(r)) =
+            s.parse_request(&header(Command::Unknown(77), CmdFlags::empty(), 0, 0, true))
+        else {
+            panic!()
+        };
+        assert_eq!(r.command(), Command::Unknown(77));
+        // Bytes that are no request header: close.
+        for bad in [
+            &[0u8; 32][..],
+            &header(Command::Read, CmdFlags::empty(), 0, 1, false),
+        ] {
+            let e = s.parse_request(bad).unwrap_err();
+            assert!(
+                e.must_close() && matches!(e, RequestError::Malformed(_)),
+                "{e:?}"
+            );
+        }
+        assert!(matches!(
+            s.parse_request(&header(Command::Read, CmdFlags::empty(), 0, 1, true)[..31]),
+            Err(RequestError::Malformed(ProtoError::Truncated {
+                need: 32,
+                got: 31
+            }))
+        ));
+    }
+
+    #[test]
+    fn shutdown_refuses_new_work_but_writes_and_flushes() {
+        let mut s = session(false, false);
+        s.begin_shutdown();
+        let refused = |h: Vec<u8>| match s.parse_request(&h) {
+            Err(RequestError::Refused(r)) => Some(r.error()),
+            _ => None,
+        };
+        assert_eq!(
+            refused(header(Command::Read, CmdFlags::empty(), 0, 512, false)),
+            Some(ErrorValue::Shutdown)
+        );
+        // even an invalid one
+        assert_eq!(
+            refused(header(
+                Command::Unknown(99),
+                CmdFlags::empty(),
+                0,
+                512,
+                false
+            )),
+            Some(ErrorValue::Shutdown)
+        );
+        assert!(
+            s.parse_request(&header(Command::Write, CmdFlags::empty(), 0, 512, false))
+                .is_ok()
+        );
+        assert!(
+            s.parse_request(&header(Command::Flush, CmdFlags::empty(), 0, 0, false))
+                .is_ok()
+        );
+        assert!(
+            s.parse_request(&header(Command::Disc, CmdFlags::empty(), 0, 0, false))
+                .is_ok()
+        );
+        // a write that is refused is refused for what is wrong with it
+        assert_eq!(
+            refused(header(
+                Command::Write,
+                CmdFlags::empty(),
+                1 << 20,
+                512,
+                false
+            )),
+            Some(ErrorValue::NoSpc)
+        );
+    }
+
+    #[test]
+    fn replies_follow_the_negotiated_style() {
+        for (structured, extended) in [(false, false), (true, false), (true, true)] {
+            let s = session(structured, extended);
+            let read = s
+                .parse_request(&header(
+                    Command::Read,
+                    CmdFlags::empty(),
+                    4096,
+                    512,
+                    extended,
+                ))
+                .unwrap();
+            let mut ok = Vec::new();
+            s.reply(read.reply_to(), Ok(()), &mut ok);
+            let mut err = Vec::new();
+            s.reply(read.reply_to(), Err(ErrorValue::Io), &mut err);
+            let data = s.read_reply_header(&read).unwrap();
+            if !structured {
+                assert_eq!(SimpleReply::parse(&ok), Ok(SimpleReply::ok(0xc0c0)));
+                assert_eq!(
+                    SimpleReply::parse(&err).unwrap().error_value(),
+                    Some(ErrorValue::Io)
+                );
+                assert_eq!(*data, SimpleReply::ok(0xc0c0).encode());
+                continue;
+            }
+            let offset = extended.then_some(4096);
+            let h = StructuredReplyHeader::parse_as(&ok, extended).unwrap();
+            assert!(h.is_done() && h.reply_type == c::REPLY_TYPE_NONE);
+            assert_eq!((h.cookie, h.offset), (0xc0c0, offset));
+            let h = StructuredReplyHeader::parse_as(&err, extended).unwrap();
+            let chunk = Chunk::parse(&h, &err[h.header_len()..]).unwrap();
+            assert!(
+                matches!(chunk, Chunk::Error { error: c::EIO, .. }),
+                "{chunk:?}"
+            );
+            let h = StructuredReplyHeader::parse_as(&data, extended).unwrap();
+            assert_eq!(
+                (h.reply_type, h.length, h.offset),
+                (c::REPLY_TYPE_OFFSET_DATA, 512 + 8, offset)
+            );
+            assert_eq!(data[h.header_len()..], 4096u64.to_be_bytes());
+            // only a READ has a read reply
+            let flush = s
+                .parse_request(&header(Command::Flush, CmdFlags::empty(), 0, 0, extended))
+                .unwrap();
+            assert!(s.read_reply_header(&flush).is_err());
+            assert!(s.block_status_reply(&flush, &[], &mut Vec::new()).is_err());
+        }
+    }
+
+    #[test]
+    fn block_status_reply_is_trimmed_to_the_request() {
+        let s = session(true, false);
+        let req = s
+            .parse_request(&header(
+                Command::BlockStatus,
+                CmdFlags::REQ_ONE,
+                0,
+                4096,
+                false,
+            ))
+            .unwrap();
+        let extents = [Extent {
+            length: 1 << 20,
+            flags: 3,
+        }];
+        let mut out = Vec::new();
+        s.block_status_reply(&req, &[(1, &extents)], &mut out)
+            .unwrap();
+        let h = StructuredReplyHeader::parse(&out).unwrap();
+        let Ok(Chunk::BlockStatus { extents, .. }) = Chunk::parse(&h, &out[20..]) else {
+            panic!()
+        };
+        assert_eq!(extents[0].length, 4096, "REQ_ONE clips to the request");
+    }
+}

@@ -1,0 +1,95 @@
+//! The library's error: why the server could not start, or why a connection ended.
+
+use nbd_proto::handshake::server::ServerError;
+use nbd_proto::server_session::RequestError;
+use qpip_core::WcStatus;
+
+/// Why the server could not start, or why a connection ended (each is logged with its
+/// [`Chain`]; the client sees the connection close).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The NIC refused an operation (posting a work request, waiting on the queue).
+    #[error(transparent)]
+    Nic(#[from] qpip_core::Error),
+    /// The completion queue overflowed (it is sized so that it cannot).
+    #[error(transparent)]
+    Cq(#[from] qpip_core::CqError),
+    /// A thread could not be started.
+    #[error(transparent)]
+    Spawn(#[from] std::io::Error),
+    /// The TLS handshake after `NBD_OPT_STARTTLS` failed.
+    #[error("TLS handshake")]
+    Tls(#[source] qpip_core::Error),
+    /// `NBD_OPT_STARTTLS` was acknowledged but the server has no credentials.
+    #[error("STARTTLS acknowledged without TLS credentials")]
+    NoTlsCredentials,
+    /// The client broke the handshake's rules.
+    #[error("handshake: {0}")]
+    Handshake(ServerError),
+    /// The handshake machine answered with an event this server does not know.
+    #[error("handshake: unexpected event")]
+    UnexpectedEvent,
+    /// The accept loop dropped this handshake for a newer client.
+    #[error("{during}: dropped to make room for newer clients (too many unfinished handshakes)")]
+    Evicted {
+        /// What the connection was waiting for.
+        during: &'static str,
+    },
+    /// The handshake took too long.
+    #[error("{during}: timed out")]
+    TimedOut {
+        /// What the connection was waiting for.
+        during: &'static str,
+    },
+    /// The NIC's framer refused a handshake message.
+    #[error("handshake message refused by the NIC: {0:?}")]
+    HandshakeMessageRefused(WcStatus),
+    /// The NIC's framer refused a request.
+    #[error("request refused by the NIC ({0:?}): malformed or oversized")]
+    RequestRefused(WcStatus),
+    /// A message shorter than a request header.
+    #[error("short request ({0} bytes)")]
+    ShortRequest(usize),
+    /// A request header that cannot be parsed (the stream is lost).
+    #[error(transparent)]
+    MalformedRequest(RequestError),
+    /// A send to the client failed (`what`: a reply, or a handshake message).
+    #[error("sending {what} failed: {status:?}")]
+    SendFailed {
+        /// Which send.
+        what: &'static str,
+        /// How it ended.
+        status: WcStatus,
+    },
+    /// Every reply slot is in flight and none came back in time.
+    #[error("the client has not read a reply for 60 s")]
+    ClientNotReading,
+    /// A reply header larger than a reply slot.
+    #[error("reply header of {0} bytes does not fit a slot")]
+    ReplyTooLong(usize),
+    /// A read reply from an export with neither a mapping nor a read buffer.
+    #[error("empty image")]
+    EmptyImage,
+    /// A reply could not be encoded.
+    #[error(transparent)]
+    Reply(nbd_proto::ProtoError),
+}
+
+/// Shorthand for results of this library.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Displays an error with its sources, `outer: inner: ...`, as log lines want it.
+pub struct Chain<'a>(pub &'a dyn std::error::Error);
+
+impl std::fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(s) = source {
+            write!(f, ": {s}")?;
+            source = s.source();
+        }
+        Ok(())
+    }
+}

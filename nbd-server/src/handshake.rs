@@ -1,0 +1,96 @@
+//! A connection's NBD handshake: nbd-proto's [`ServerHandshake`] fed with the messages the
+//! framer delimits, one receive WR at a time, and STARTTLS handed to the NIC.
+
+use std::time::{Duration, Instant};
+
+use nbd_proto::consts as c;
+use nbd_proto::handshake::server::{ServerEvent, ServerHandshake, ServerNegotiated};
+use qpip_core::{Access, Opcode, RecvWr, WcStatus};
+
+use crate::error::{Error, Result};
+use crate::framer::FramerState;
+use crate::link::Link;
+
+/// A client that does not finish its handshake in this time is dropped, so that idle
+/// sockets cannot hold the connection slots for long (qemu-nbd's --handshake-limit default).
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Runs the handshake. Returns the negotiated export and the final reply (not yet sent),
+/// or None when the client ended it (ABORT, or a LIST/INFO-only session). `framer`'s phase
+/// moves to the transmission phase before the final reply goes out.
+pub(crate) fn run(
+    link: &mut Link,
+    framer: &FramerState,
+) -> Result<Option<(ServerNegotiated, Vec<u8>)>> {
+    let mut hs = ServerHandshake::new(link.shared.proto.clone());
+    if link.shared.shutting_down() {
+        hs.begin_shutdown();
+    }
+    let max = c::OPTION_HEADER_LEN + link.shared.limits.max_option_len as usize;
+    let rbuf = link.shared.nic.alloc_region(max, Access::READ_WRITE);
+    link.qp.post_recv(RecvWr::new(0, &[rbuf.sge(0, max)]))?;
+    link.send_bytes(&hs.greeting())?;
+    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    let mut msg = Vec::new();
+    loop {
+        let c = link.wait_one(deadline, "handshake")?;
+        if c.opcode == Opcode::Send {
+            link.on_bytes_sent(&c)?;
+            continue;
+        }
+        match c.status {
+            WcStatus::Success => {}
+            WcStatus::RemoteClosed | WcStatus::Flushed => return Ok(None),
+            s => return Err(Error::HandshakeMessageRefused(s)),
+        }
+        msg.resize(c.byte_len as usize, 0);
+        rbuf.read_at(0, &mut msg);
+        let mut out = Vec::new();
+        match hs
+            .handle_message(&msg, &mut out)
+            .map_err(Error::Handshake)?
+        {
+            ServerEvent::Continue => {
+                link.send_bytes(&out)?;
+                link.qp.post_recv(RecvWr::new(0, &[rbuf.sge(0, max)]))?;
+            }
+            ServerEvent::Done(neg) => {
+                framer.set_phase(neg.transmission_phase());
+                return Ok(Some((*neg, out)));
+            }
+            ServerEvent::StartTls => {
+                start_tls(link, &out, deadline)?;
+                link.qp.post_recv(RecvWr::new(0, &[rbuf.sge(0, max)]))?;
+            }
+            ServerEvent::Abort => {
+                link.send_bytes(&out)?;
+                // The ACK's memory must outlive its send: the NIC reads it later.
+                link.finish_sending_bytes(deadline);
+                link.qp.close();
+                return Ok(None);
+            }
+            _ => return Err(Error::UnexpectedEvent),
+        }
+    }
+}
+
+/// NBD_OPT_STARTTLS: the ACK goes out in plaintext, then the NIC switches the connection
+/// to TLS (no receive WR is posted meanwhile, so nothing is read in plaintext).
+fn start_tls(link: &mut Link, ack: &[u8], deadline: Instant) -> Result<()> {
+    let Some(config) = link.shared.tls.clone() else {
+        return Err(Error::NoTlsCredentials);
+    };
+    link.send_bytes(ack)?;
+    while link.sending_bytes() {
+        let c = link.wait_one(deadline, "the STARTTLS reply")?;
+        if c.opcode == Opcode::Send {
+            link.on_bytes_sent(&c)?;
+        }
+    }
+    let left = deadline.saturating_duration_since(Instant::now());
+    link.qp
+        .start_tls(config, left.max(Duration::from_millis(1)))
+        .map_err(Error::Tls)?;
+    tracing::debug!(peer = %link.peer, "TLS established");
+    Ok(())
+}

@@ -1,0 +1,629 @@
+//! A connection's transmission phase, driven entirely by completions on its CQ: requests
+//! checked by nbd-proto's [`ServerTransmission`], executed on the export's store, and answered
+//! from registered memory. The protocol rules live in nbd-proto; this module moves messages
+//! between the QP and the store.
+//!
+//! Copies per request (user space / kernel):
+//! - READ: 0 / 1. The reply is a send WR whose data SGE points into the registered mapping of
+//!   the image; the NIC engine's `writev` copies page cache → socket. A qcow2 image has no
+//!   mapping of its virtual disk: its reads are read into a registered buffer first (1 / 1).
+//!   An RBD export has none either: librbd places the data in the registered buffer.
+//! - WRITE: 1 / 1. The NIC reads the payload from the socket straight into a registered receive
+//!   slot (kernel copy); `pwrite` copies the slot into the page cache. A store that can run
+//!   writes concurrently (RBD) is handed every write of a batch of completions before the
+//!   connection waits for any: their receive slots are posted again, and their replies sent,
+//!   once they are done, at the end of the batch or before any other command. Its reads
+//!   are started likewise, each into its own registered buffer, and replied to when done.
+
+use std::io;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nbd_proto::consts as c;
+use nbd_proto::handshake::server::ServerNegotiated;
+use nbd_proto::reply::{self, ReplyTo};
+use nbd_proto::server_session::{Refusal, RequestError, ServerTransmission, ValidRequest};
+use nbd_proto::transmission::{ByteRange, Command, ErrorValue, ValidCommand};
+use qpip_core::{Access, Completion, MemoryRegion, Opcode, RecvWr, WcStatus};
+
+use crate::backend::Pending;
+use crate::error::{Chain, Error, Result};
+use crate::export::Export;
+use crate::link::Link;
+use crate::recv_window::RecvWindow;
+use crate::reply_slots::ReplySlots;
+
+/// Receive slots a connection may post at most in the transmission phase (how many it does
+/// post: [`RecvWindow`]): requests the client may have in flight before TCP flow control
+/// holds it.
+pub const RECV_SLOTS: usize = 32;
+/// Largest payload piece placed in one receive WR (longer writes arrive in pieces).
+pub const CHUNK: usize = 1 << 20;
+/// A receive slot: the longest request header (extended) and a payload piece.
+pub const SLOT_LEN: usize = c::EXTENDED_REQUEST_LEN + CHUNK;
+/// Most extents in one block-status reply (the client asks again for the rest).
+const MAX_EXTENTS: usize = 32;
+/// After SIGTERM: how long new requests get ESHUTDOWN before the connection is closed.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+fn io_error_value(e: &io::Error) -> ErrorValue {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => ErrorValue::NoSpc,
+        Some(libc::EPERM) | Some(libc::EACCES) | Some(libc::EROFS) => ErrorValue::Perm,
+        Some(libc::EINVAL) => ErrorValue::Inval,
+        Some(libc::EOPNOTSUPP) => ErrorValue::NotSup,
+        _ => ErrorValue::Io,
+    }
+}
+
+/// Serves the transmission phase that `negotiated` opens, once `last_reply` (the handshake's
+/// final reply) has gone out; returns when the client leaves or the connection must close.
+pub(crate) fn serve(
+    link: &mut Link,
+    export: Arc<Export>,
+    negotiated: &ServerNegotiated,
+    last_reply: &[u8],
+) -> Result<()> {
+    let t = Transmission::new(link, export, negotiated)?;
+    // The receive slots are posted before the reply that lets the client send requests.
+    t.link.send_bytes(last_reply)?;
+    t.run()
+}
+
+/// A READ the store is still reading into registered memory.
+struct StartedRead {
+    req: ValidRequest,
+    /// Dropped (which waits for the read) before the memory it fills.
+    pending: Box<dyn Pending>,
+    buffer: MemoryRegion,
+}
+
+/// A WRITE whose payload is still arriving in pieces (or a refused request's payload, read
+/// on and dropped before its error reply).
+struct PendingWrite {
+    to: ReplyTo,
+    /// Where the payload goes.
+    offset: u64,
+    /// Payload bytes in all.
+    len: u64,
+    fua: bool,
+    received: u64,
+    error: Option<ErrorValue>,
+    /// Pieces the store is still writing (from receive slots held until they are done).
+    pieces: Vec<Box<dyn Pending>>,
+}
+
+struct Transmission<'a> {
+    link: &'a mut Link,
+    export: Arc<Export>,
+    /// The protocol side: request checks, reply bytes.
+    session: ServerTransmission,
+    recv_mr: MemoryRegion,
+    stride: usize,
+    window: RecvWindow,
+    replies: ReplySlots,
+    pending_write: Option<PendingWrite>,
+    shutdown_since: Option<Instant>,
+    /// Writes fully received whose pieces the store is still writing: replied to by
+    /// `finish_writes`.
+    started_writes: Vec<PendingWrite>,
+    /// Receive slots whose bytes a started write still reads: posted again by
+    /// `finish_writes`.
+    held_slots: Vec<usize>,
+    /// Set by `on_message` when the message's slot must be held.
+    hold_slot: bool,
+    /// Reads the store is still doing: replied to by `finish_reads`.
+    started_reads: Vec<StartedRead>,
+}
+
+impl Drop for Transmission<'_> {
+    fn drop(&mut self) {
+        // Started writes read from recv_mr: waited for (by dropping them) before it goes.
+        self.pending_write = None;
+        self.started_writes.clear();
+        self.started_reads.clear();
+        self.window.release(&self.link.shared.slot_budget);
+    }
+}
+
+impl<'a> Transmission<'a> {
+    fn new(link: &'a mut Link, export: Arc<Export>, neg: &ServerNegotiated) -> Result<Self> {
+        let stride = SLOT_LEN;
+        let recv_mr = link
+            .shared
+            .nic
+            .alloc_region(RECV_SLOTS * stride, Access::READ_WRITE);
+        let replies = ReplySlots::new(&link.shared.nic);
+        let (window, first) = RecvWindow::new(RECV_SLOTS);
+        for slot in first {
+            link.qp.post_recv(RecvWr::new(
+                slot as u64,
+                &[recv_mr.sge(slot * stride, stride)],
+            ))?;
+        }
+        Ok(Transmission {
+            link,
+            export,
+            session: ServerTransmission::new(neg),
+            recv_mr,
+            stride,
+            window,
+            replies,
+            pending_write: None,
+            shutdown_since: None,
+            started_writes: Vec::new(),
+            held_slots: Vec::new(),
+            hold_slot: false,
+            started_reads: Vec::new(),
+        })
+    }
+
+    fn run(mut self) -> Result<()> {
+        let mut buf = [Completion::default(); 32];
+        let mut batch = Vec::with_capacity(buf.len());
+        let mut last_request = Instant::now();
+        loop {
+            if let Some(limit) = self.link.shared.idle_timeout
+                && last_request.elapsed() >= limit
+                && self.pending_write.is_none()
+                && self.replies.all_free()
+            {
+                tracing::info!(peer = %self.link.peer, "closing: idle for {} s (--idle-timeout)", limit.as_secs_f64());
+                self.link.qp.close();
+                return Ok(());
+            }
+            if self.shutdown_since.is_none() && self.link.shared.shutting_down() {
+                self.shutdown_since = Some(Instant::now());
+                self.session.begin_shutdown();
+            }
+            if let Some(t) = self.shutdown_since
+                && t.elapsed() > SHUTDOWN_GRACE
+                && self.pending_write.is_none()
+            {
+                tracing::info!(peer = %self.link.peer, "closing for shutdown");
+                self.export.image.flush().ok();
+                self.link.qp.close();
+                return Ok(());
+            }
+            batch.clear();
+            if self.link.stash.is_empty() {
+                let n = self
+                    .link
+                    .cq
+                    .wait(&mut buf, Some(Duration::from_millis(200)))?;
+                batch.extend_from_slice(&buf[..n]);
+            } else {
+                batch.extend(self.link.stash.drain(..));
+            }
+            // The whole batch is handled before the NIC hears of it: its replies and the
+            // receive slots posted again go out with one doorbell.
+            let more = self.handle_batch(&batch, &mut last_request);
+            self.link.qp.ring_doorbell();
+            if !more? {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Handles completions, posting replies and receive slots quietly. False: disconnect.
+    fn handle_batch(&mut self, batch: &[Completion], last_request: &mut Instant) -> Result<bool> {
+        let arrived = batch.iter().filter(|c| c.opcode != Opcode::Send).count();
+        self.window.arrived(arrived, &self.link.shared.slot_budget);
+        for &c in batch {
+            if c.opcode == Opcode::Send {
+                self.replies.on_send(self.link, &c)?;
+                continue;
+            }
+            match c.status {
+                // A WRITE whose payload the NIC could not write into the image: answered
+                // with its errno (begin_write); the connection goes on.
+                WcStatus::Success | WcStatus::PlacementError => {}
+                WcStatus::RemoteClosed | WcStatus::Flushed => {
+                    if self.pending_write.is_some() {
+                        tracing::warn!(peer = %self.link.peer, "client vanished in the middle of a write");
+                    }
+                    return Ok(false);
+                }
+                s => return Err(Error::RequestRefused(s)),
+            }
+            *last_request = Instant::now();
+            let slot = c.wr_id as usize;
+            self.hold_slot = false;
+            if !self.on_message(slot, &c)? {
+                return Ok(false);
+            }
+            if self.hold_slot {
+                self.held_slots.push(slot);
+            } else {
+                let slot = self.window.reuse(slot);
+                self.post_slot(slot)?;
+            }
+        }
+        self.finish_writes()?;
+        self.finish_reads()?;
+        for slot in self.window.top_up() {
+            self.post_slot(slot)?;
+        }
+        Ok(true)
+    }
+
+    /// Posts a receive slot quietly (the batch loop rings).
+    fn post_slot(&self, slot: usize) -> Result<()> {
+        self.link.qp.post_recv_quiet(RecvWr::new(
+            slot as u64,
+            &[self.recv_mr.sge(slot * self.stride, self.stride)],
+        ))?;
+        Ok(())
+    }
+
+    /// Starts writing `len` bytes of the receive slot memory at `at` to `offset`: done when it
+    /// returns, or pushed onto `pw.pieces` with this message's slot held.
+    fn write_piece(&mut self, pw: &mut PendingWrite, at: usize, len: usize, offset: u64) {
+        let data = self.slot(at, len);
+        // SAFETY: the slot is held (not posted again) until the piece is waited for, in
+        // finish_writes, or dropped, which waits too (Drop clears them before recv_mr goes).
+        match unsafe { self.export.image.start_write(data.as_ptr(), len, offset) } {
+            Ok(None) => {}
+            Ok(Some(piece)) => {
+                pw.pieces.push(piece);
+                self.hold_slot = true;
+            }
+            Err(e) => pw.error = Some(io_error_value(&e)),
+        }
+    }
+
+    /// Waits for the started writes, posts their receive slots again and replies to them.
+    fn finish_writes(&mut self) -> Result<()> {
+        let wait = |pw: &mut PendingWrite| {
+            for piece in pw.pieces.drain(..) {
+                if let Err(e) = piece.wait() {
+                    pw.error.get_or_insert(io_error_value(&e));
+                }
+            }
+        };
+        if let Some(pw) = &mut self.pending_write {
+            wait(pw);
+        }
+        for mut pw in std::mem::take(&mut self.started_writes) {
+            wait(&mut pw);
+            let result = match pw.error {
+                Some(e) => Err(e),
+                None => self.after_write(&pw),
+            };
+            self.reply(pw.to, result)?;
+        }
+        for slot in std::mem::take(&mut self.held_slots) {
+            let slot = self.window.reuse(slot);
+            self.post_slot(slot)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the started reads and sends their replies.
+    fn finish_reads(&mut self) -> Result<()> {
+        for r in std::mem::take(&mut self.started_reads) {
+            let StartedRead {
+                req,
+                pending,
+                buffer,
+            } = r;
+            let result = match pending.wait() {
+                Ok(()) => self.post_read_reply(&req, Some(buffer)).map_err(|e| {
+                    tracing::warn!("read reply: {}", Chain(&e));
+                    ErrorValue::Io
+                }),
+                Err(e) => Err(io_error_value(&e)),
+            };
+            if let Err(e) = result {
+                self.reply(req.reply_to(), Err(e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Handles one message (a request, or a piece of a write payload), which arrived in
+    /// receive slot `slot` (and, for a WRITE the framer placed, in the image). False:
+    /// disconnect.
+    fn on_message(&mut self, slot: usize, wc: &Completion) -> Result<bool> {
+        let len = wc.byte_len as usize;
+        let base = slot * self.stride;
+        if let Some(mut pw) = self.pending_write.take() {
+            if pw.error.is_none() {
+                let off = pw.offset + pw.received;
+                self.write_piece(&mut pw, base, len, off);
+            }
+            pw.received += len as u64;
+            self.pending_write = Some(pw);
+            return self.on_message_done_write();
+        }
+        let mut hdr = [0u8; c::EXTENDED_REQUEST_LEN];
+        let hdr = &mut hdr[..self.session.header_len()];
+        if len < hdr.len() {
+            return Err(Error::ShortRequest(len));
+        }
+        self.recv_mr.read_at(base, hdr);
+        let request: Result<ValidRequest, Refusal> = match self.session.parse_request(hdr) {
+            Ok(req) => Ok(req),
+            Err(RequestError::Refused(refusal)) => Err(refusal),
+            Err(malformed) => return Err(Error::MalformedRequest(malformed)),
+        };
+        let hdr_len = hdr.len();
+        let body_len = len - hdr_len;
+        tracing::trace!(peer = %self.link.peer, ?request, "request");
+        let command = match &request {
+            Ok(req) => req.command().command(),
+            Err(refusal) => refusal.command(),
+        };
+        // Reads come after the writes before them are done and answered; every other
+        // command (but a write) after the reads too.
+        if command != Command::Write {
+            self.finish_writes()?;
+        }
+        if !matches!(command, Command::Write | Command::Read) {
+            self.finish_reads()?;
+        }
+        let req = match request {
+            Ok(req) => req,
+            // A refused request's payload is read on (and dropped) before its error reply.
+            Err(refusal) if refusal.payload_len() > 0 => {
+                let pw = PendingWrite {
+                    to: refusal.reply_to(),
+                    offset: 0,
+                    len: refusal.payload_len(),
+                    fua: false,
+                    received: 0,
+                    error: Some(refusal.error()),
+                    pieces: Vec::new(),
+                };
+                return self.begin_write(pw, base + hdr_len, body_len, wc);
+            }
+            Err(refusal) => {
+                self.reply(refusal.reply_to(), Err(refusal.error()))?;
+                return Ok(true);
+            }
+        };
+        match *req.command() {
+            ValidCommand::Disc => {
+                tracing::info!(peer = %self.link.peer, "client disconnected");
+                self.link.qp.close();
+                return Ok(false);
+            }
+            ValidCommand::Write { range, fua } => {
+                let pw = PendingWrite {
+                    to: req.reply_to(),
+                    offset: range.offset(),
+                    len: range.len(),
+                    fua,
+                    received: 0,
+                    error: None,
+                    pieces: Vec::new(),
+                };
+                return self.begin_write(pw, base + hdr_len, body_len, wc);
+            }
+            _ => {}
+        }
+        match self.execute(&req) {
+            Ok(Some(())) => Ok(true), // the command sent its own reply
+            Ok(None) => {
+                self.reply(req.reply_to(), Ok(()))?;
+                Ok(true)
+            }
+            Err(e) => {
+                self.reply(req.reply_to(), Err(e))?;
+                Ok(true)
+            }
+        }
+    }
+
+    /// A request with a payload: writes the `body_len` bytes of it that came with the header
+    /// (at `at` in the receive slots), and waits for the rest. What the NIC placed in the
+    /// image (`wc.placed`, the whole payload of a WRITE the framer placed) is written already.
+    fn begin_write(
+        &mut self,
+        mut pw: PendingWrite,
+        at: usize,
+        body_len: usize,
+        wc: &Completion,
+    ) -> Result<bool> {
+        if pw.error.is_none() && body_len > 0 {
+            let offset = pw.offset;
+            self.write_piece(&mut pw, at, body_len, offset);
+        }
+        if wc.status == WcStatus::PlacementError {
+            let e = io::Error::from_raw_os_error(wc.os_error);
+            tracing::debug!(peer = %self.link.peer, "writing a payload into the image: {e}");
+            pw.error.get_or_insert(io_error_value(&e));
+        }
+        pw.received = body_len as u64 + u64::from(wc.placed);
+        self.pending_write = Some(pw);
+        // A payload that fit in one slot completes now.
+        self.on_message_done_write()
+    }
+
+    fn on_message_done_write(&mut self) -> Result<bool> {
+        let Some(pw) = self.pending_write.take() else {
+            return Ok(true);
+        };
+        if pw.received < pw.len {
+            self.pending_write = Some(pw);
+            return Ok(true);
+        }
+        if !pw.pieces.is_empty() {
+            self.started_writes.push(pw);
+            return Ok(true);
+        }
+        let result = match pw.error {
+            Some(e) => Err(e),
+            None => self.after_write(&pw),
+        };
+        self.reply(pw.to, result)?;
+        Ok(true)
+    }
+
+    /// FUA: the written range is durable before the reply.
+    fn after_write(&self, pw: &PendingWrite) -> Result<(), ErrorValue> {
+        if pw.fua {
+            self.export.image.flush().map_err(|e| io_error_value(&e))?;
+        }
+        Ok(())
+    }
+
+    /// Received bytes in a receive slot, where the NIC placed them: `pwrite` takes them from
+    /// here, with no copy in between.
+    fn slot(&self, offset: usize, len: usize) -> &[u8] {
+        // SAFETY: the slot's receive WR has completed and is reposted only after this borrow
+        // ends (the caller is the completion handler), so the NIC does not write these bytes.
+        let all = unsafe { self.recv_mr.as_slice() };
+        &all[offset..offset + len]
+    }
+
+    /// Runs a command other than WRITE and DISC. `Ok(Some(()))` when it sent its own reply.
+    fn execute(&mut self, req: &ValidRequest) -> Result<Option<()>, ErrorValue> {
+        let image = &self.export.image;
+        let io = |r: io::Result<()>| r.map_err(|e| io_error_value(&e));
+        match *req.command() {
+            ValidCommand::Read { range, .. } => {
+                if range.is_empty() {
+                    return Ok(None);
+                }
+                self.send_read(req, range)?;
+                Ok(Some(()))
+            }
+            ValidCommand::Flush => io(image.flush()).map(|()| None),
+            ValidCommand::Trim { range, fua } => {
+                io(image.trim(range.offset(), range.len()))?;
+                if fua {
+                    io(image.flush())?;
+                }
+                Ok(None)
+            }
+            ValidCommand::WriteZeroes {
+                range,
+                fua,
+                fast_zero,
+                ..
+            } => {
+                let done = image
+                    .write_zeroes(range.offset(), range.len(), !fast_zero)
+                    .map_err(|e| io_error_value(&e))?;
+                if !done {
+                    return Err(ErrorValue::NotSup);
+                }
+                if fua {
+                    io(image.flush())?;
+                }
+                Ok(None)
+            }
+            ValidCommand::Cache { range } => {
+                io(image.prefetch(range.offset(), range.len())).map(|()| None)
+            }
+            ValidCommand::BlockStatus { range, .. } => {
+                self.send_block_status(req, range)?;
+                Ok(Some(()))
+            }
+            // RESIZE is never advertised; WRITE and DISC are handled by the caller.
+            _ => Err(ErrorValue::Inval),
+        }
+    }
+
+    /// The reply to a request without data: success, or the error.
+    fn reply(&mut self, to: ReplyTo, result: Result<(), ErrorValue>) -> Result<()> {
+        let mut out = Vec::with_capacity(64);
+        self.session.reply(to, result, &mut out);
+        self.replies.post(self.link, &out, None, None)
+    }
+
+    /// READ: the reply header from a slot, the data straight from the image's mapping.
+    fn send_read(&mut self, req: &ValidRequest, range: ByteRange) -> Result<(), ErrorValue> {
+        if !self.export.image.still_holds(range.end()).unwrap_or(false) {
+            tracing::warn!(export = %self.export.name, "read at {} of {} bytes: {} is shorter than that now (truncated by another process?)", range.offset(), range.len(), self.export.image.location());
+            return Err(ErrorValue::Io);
+        }
+        // No mapping (qcow2, RBD): the store reads into registered memory, which the reply's
+        // send WR points at and which is kept until the send is done.
+        let buffer = match self.export.region {
+            Some(_) => None,
+            None => {
+                let len = range.len() as usize;
+                let mr = self.link.shared.nic.alloc_region(len, Access::READ);
+                // SAFETY: the region is new and not posted yet: nothing else uses its bytes,
+                // and a read started into it is kept with it (StartedRead) until it is done.
+                let started = unsafe {
+                    let buf = mr.as_mut_slice()[..len].as_mut_ptr();
+                    self.export.image.start_read(buf, len, range.offset())
+                };
+                match started {
+                    Ok(None) => Some(mr),
+                    Ok(Some(pending)) => {
+                        self.started_reads.push(StartedRead {
+                            req: *req,
+                            pending,
+                            buffer: mr,
+                        });
+                        return Ok(());
+                    }
+                    Err(e) => {
+                        tracing::warn!(export = %self.export.name, "read at {} of {} bytes from {}: {e}", range.offset(), range.len(), self.export.image.location());
+                        return Err(io_error_value(&e));
+                    }
+                }
+            }
+        };
+        self.post_read_reply(req, buffer).map_err(|e| {
+            tracing::warn!("read reply: {}", Chain(&e));
+            ErrorValue::Io
+        })
+    }
+
+    fn post_read_reply(&mut self, req: &ValidRequest, buffer: Option<MemoryRegion>) -> Result<()> {
+        let ValidCommand::Read { range, .. } = *req.command() else {
+            return Err(Error::Reply(nbd_proto::ProtoError::Invalid("not a READ")));
+        };
+        let data = match (&buffer, &self.export.region) {
+            (Some(mr), _) => mr.sge(0, range.len() as usize),
+            (None, Some(region)) => region.sge(range.offset() as usize, range.len() as usize),
+            (None, None) => return Err(Error::EmptyImage),
+        };
+        let hdr = self.session.read_reply_header(req).map_err(Error::Reply)?;
+        self.replies.post(self.link, &hdr, Some(data), buffer)
+    }
+
+    fn send_block_status(
+        &mut self,
+        req: &ValidRequest,
+        range: ByteRange,
+    ) -> Result<(), ErrorValue> {
+        let ctx = self.session.base_allocation().ok_or(ErrorValue::Inval)?;
+        let extents = self
+            .export
+            .image
+            .extents(range.offset(), range.len())
+            .map_err(|e| io_error_value(&e))?;
+        let mut wire = Vec::new();
+        for e in extents {
+            let flags = if e.hole {
+                c::STATE_HOLE | c::STATE_ZERO
+            } else {
+                0
+            };
+            let mut left = e.len;
+            while left > 0 && wire.len() < MAX_EXTENTS {
+                // Extents of at most 2 GiB, block aligned.
+                let piece = left.min(1 << 31) as u32;
+                wire.push(reply::Extent {
+                    length: piece.into(),
+                    flags,
+                });
+                left -= u64::from(piece);
+            }
+        }
+        let mut out = Vec::new();
+        self.session
+            .block_status_reply(req, &[(ctx, &wire)], &mut out)
+            .map_err(|_| ErrorValue::Io)?;
+        self.replies.post(self.link, &out, None, None).map_err(|e| {
+            tracing::warn!("block status reply: {}", Chain(&e));
+            ErrorValue::Io
+        })
+    }
+}
