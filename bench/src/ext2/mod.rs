@@ -36,7 +36,7 @@ use anyhow::{Context, Result, bail};
 use serde::Serialize;
 
 use crate::pattern::{BLOCK, Pattern};
-use crate::progress::Progress;
+use crate::progress::{Bar, Progress};
 use crate::report::machine;
 use crate::rig::mount::{self, ExtMount, FuseClient, FuseProgram, LoopDev};
 use crate::rig::peers::{self, Server};
@@ -178,6 +178,37 @@ struct Phase {
     split: Split,
 }
 
+/// Runs `step(offset, piece)` over the file in `CHUNK` pieces, counting them on `bar`.
+fn in_chunks(
+    size: u64,
+    stop: &Interrupt,
+    bar: &mut Bar,
+    mut step: impl FnMut(u64, &mut [u8]) -> Result<()>,
+) -> Result<()> {
+    let mut buf = vec![0u8; CHUNK];
+    let mut off = 0u64;
+    while off < size {
+        stop.check()?;
+        let n = (size - off).min(CHUNK as u64) as usize;
+        step(off, &mut buf[..n])?;
+        off += n as u64;
+        bar.inc(n as u64);
+    }
+    Ok(())
+}
+
+/// Runs one phase, and splits the CPU it took with the server `sp` and the client `cp`.
+fn measured(sp: u32, cp: u32, phase: impl FnOnce() -> Result<f64>) -> Result<Phase> {
+    let a = probe(sp, cp)?;
+    let seconds = phase()?;
+    let b = probe(sp, cp)?;
+    debug_assert!(b.t >= a.t);
+    Ok(Phase {
+        seconds,
+        split: split(&a, &b, sp, cp),
+    })
+}
+
 fn write_phase(
     path: &Path,
     p: &Params,
@@ -187,19 +218,13 @@ fn write_phase(
     label: String,
 ) -> Result<f64> {
     let mut f = File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    let mut buf = vec![0u8; CHUNK];
     let mut bar = progress.bytes(label, p.file_size_bytes);
     let t0 = Instant::now();
-    let mut off = 0u64;
-    while off < p.file_size_bytes {
-        stop.check()?;
-        let n = (p.file_size_bytes - off).min(CHUNK as u64) as usize;
-        pattern.fill(off, &mut buf[..n]);
-        f.write_all(&buf[..n])
-            .with_context(|| format!("writing {} at {off}", path.display()))?;
-        off += n as u64;
-        bar.inc(n as u64);
-    }
+    in_chunks(p.file_size_bytes, stop, &mut bar, |off, buf| {
+        pattern.fill(off, buf);
+        f.write_all(buf)
+            .with_context(|| format!("writing {} at {off}", path.display()))
+    })?;
     bar.set_message("sync".into());
     drop(f);
     // SAFETY: sync has no preconditions.
@@ -229,19 +254,13 @@ fn read_phase(
             p.file_size_bytes
         );
     }
-    let mut buf = vec![0u8; CHUNK];
     let mut bar = progress.bytes(label, p.file_size_bytes);
     let t0 = Instant::now();
-    let mut off = 0u64;
-    while off < p.file_size_bytes {
-        stop.check()?;
-        let n = (p.file_size_bytes - off).min(CHUNK as u64) as usize;
-        f.read_exact(&mut buf[..n])
+    in_chunks(p.file_size_bytes, stop, &mut bar, |off, buf| {
+        f.read_exact(buf)
             .with_context(|| format!("reading {} at {off}", path.display()))?;
-        pattern.check(off, &buf[..n])?;
-        off += n as u64;
-        bar.inc(n as u64);
-    }
+        pattern.check(off, buf)
+    })?;
     let s = t0.elapsed().as_secs_f64();
     bar.finish(&format!(
         "{:.0} MB/s, data verified",
@@ -300,40 +319,19 @@ fn round(
 
     let mut mnt = ExtMount::mount(lo.path(), &mnt_path)?;
     mount::drop_caches()?;
-    let a = probe(sp, cp)?;
-    let ws = write_phase(
-        &file,
-        p,
-        &pattern,
-        stop,
-        progress,
-        format!("round {} {name} write", n + 1),
-    )?;
-    let b = probe(sp, cp)?;
-    let write = Phase {
-        seconds: ws,
-        split: split(&a, &b, sp, cp),
-    };
-    debug_assert!(b.t >= a.t);
+    let write = measured(sp, cp, || {
+        let label = format!("round {} {name} write", n + 1);
+        write_phase(&file, p, &pattern, stop, progress, label)
+    })?;
 
     mnt.unmount()?;
     mount::drop_caches()?;
     stop.check()?;
     let mut mnt = ExtMount::mount(lo.path(), &mnt_path)?;
-    let a = probe(sp, cp)?;
-    let rs = read_phase(
-        &file,
-        p,
-        &pattern,
-        stop,
-        progress,
-        format!("round {} {name} read", n + 1),
-    )?;
-    let b = probe(sp, cp)?;
-    let read = Phase {
-        seconds: rs,
-        split: split(&a, &b, sp, cp),
-    };
+    let read = measured(sp, cp, || {
+        let label = format!("round {} {name} read", n + 1);
+        read_phase(&file, p, &pattern, stop, progress, label)
+    })?;
 
     mnt.unmount()?;
     lo.detach()?;
