@@ -6,15 +6,21 @@ mod ext2;
 mod lanai;
 mod micro;
 mod nbd;
+mod pattern;
 mod plot;
 mod progress;
+mod report;
+mod rig;
 mod stats;
 mod sweep;
+mod units;
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+
+use rig::peers;
 
 #[derive(Parser)]
 #[command(
@@ -84,10 +90,10 @@ enum NbdCmd {
         #[arg(long, default_value_t = 3)]
         repeat: usize,
         /// Image size and bytes moved per pass (k, M, G, T: binary units).
-        #[arg(long, default_value = "1G", value_parser = nbd::parse_size)]
+        #[arg(long, default_value = "1G", value_parser = units::parse_size)]
         size: u64,
         /// Request size.
-        #[arg(long, default_value = "256k", value_parser = nbd::parse_size)]
+        #[arg(long, default_value = "256k", value_parser = units::parse_size)]
         bs: u64,
         /// Requests in flight.
         #[arg(long, default_value_t = 16)]
@@ -130,7 +136,7 @@ enum NbdCmd {
         #[arg(long, default_value_t = 3)]
         repeat: usize,
         /// Size of the file written and read back (binary units: 409M = 409 MiB).
-        #[arg(long, default_value = "409M", value_parser = nbd::parse_size)]
+        #[arg(long, default_value = "409M", value_parser = units::parse_size)]
         file_size: u64,
         /// Stacks to run, comma-separated.
         #[arg(long, value_delimiter = ',', default_value = "qpip,nbd-server,nbdkit,qemu-nbd",
@@ -173,13 +179,13 @@ enum NbdCmd {
         repeat: usize,
         /// Request sizes, comma-separated.
         #[arg(long, value_delimiter = ',', default_value = "4k,64k,256k,1m,4m",
-              value_parser = nbd::parse_size)]
+              value_parser = units::parse_size)]
         sizes: Vec<u64>,
         /// Queue depths (requests in flight), comma-separated.
         #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
         depths: Vec<u32>,
         /// Bytes per point at most (and the image size).
-        #[arg(long, default_value = "256M", value_parser = nbd::parse_size)]
+        #[arg(long, default_value = "256M", value_parser = units::parse_size)]
         point_size: u64,
         /// Seconds per point at most.
         #[arg(long, default_value_t = 2.0)]
@@ -281,7 +287,7 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             let server_bin = match server_bin {
                 Some(p) => p,
-                None => nbd::default_server_bin()?,
+                None => peers::default_server_bin()?,
             };
             let progress = |s: &str| eprintln!("qpip-bench nbd raw: {s}");
             let report = nbd::run(
@@ -293,7 +299,7 @@ fn run(cli: Cli) -> Result<()> {
                 dir.as_deref(),
                 prewrite,
                 tls,
-                rbd_conf.map(|conf| nbd::RbdBench {
+                rbd_conf.map(|conf| peers::RbdBench {
                     conf,
                     pool: rbd_pool,
                 }),
@@ -327,7 +333,7 @@ fn run(cli: Cli) -> Result<()> {
                 file_size,
                 repeat,
                 stacks,
-                server_bin: server_bin.map_or_else(nbd::default_server_bin, Ok)?,
+                server_bin: server_bin.map_or_else(peers::default_server_bin, Ok)?,
                 mount_bin: mount_bin.map_or_else(ext2::default_mount_bin, Ok)?,
                 mount_args: mount_arg,
                 dir,
@@ -371,7 +377,7 @@ fn run(cli: Cli) -> Result<()> {
                 depths,
                 point_size,
                 point_time: std::time::Duration::from_secs_f64(point_time),
-                server_bin: server_bin.map_or_else(nbd::default_server_bin, Ok)?,
+                server_bin: server_bin.map_or_else(peers::default_server_bin, Ok)?,
                 dir,
             };
             let report = sweep::run_all(opts, &progress)?;

@@ -27,64 +27,17 @@
 //! each fio run; client CPU is fio's own usr_cpu/sys_cpu over its job runtime.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
-use serde_json::Value;
 
 use crate::cpu;
-
-pub(crate) const EXPORT: &str = "bench";
-const START_TIMEOUT: Duration = Duration::from_secs(30);
-const STOP_TIMEOUT: Duration = Duration::from_secs(15);
-
-/// The servers, in their default order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[allow(clippy::enum_variant_names)] // NbdServer is the program's name: nbd-server
-pub enum Server {
-    Qpip,
-    Nbdkit,
-    QemuNbd,
-    /// Debian's nbd-server (used by `nbd ext2`; not part of `nbd raw`).
-    NbdServer,
-    /// qpip-nbd-server serving an RBD image (`nbd raw --rbd-conf`).
-    QpipRbd,
-    /// qemu-nbd serving an RBD image through its rbd driver (`nbd raw --rbd-conf`).
-    QemuNbdRbd,
-}
-
-impl Server {
-    pub const ALL: [Server; 3] = [Server::Qpip, Server::Nbdkit, Server::QemuNbd];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Server::Qpip => "qpip",
-            Server::Nbdkit => "nbdkit",
-            Server::QemuNbd => "qemu-nbd",
-            Server::NbdServer => "nbd-server",
-            Server::QpipRbd => "qpip-rbd",
-            Server::QemuNbdRbd => "qemu-nbd-rbd",
-        }
-    }
-
-    fn is_rbd(self) -> bool {
-        matches!(self, Server::QpipRbd | Server::QemuNbdRbd)
-    }
-}
-
-/// The Ceph cluster of the RBD rows.
-#[derive(Clone, Debug, Serialize)]
-pub struct RbdBench {
-    pub conf: PathBuf,
-    pub pool: String,
-}
+use crate::rig::fio;
+use crate::rig::peers::{self, NIC_THREAD, RbdBench, RbdImage, Running, Server};
+use crate::rig::workdir::{Image, WorkDir};
+use crate::units::human_bytes;
 
 /// What `nbd raw` runs.
 #[derive(Clone, Debug, Serialize)]
@@ -117,545 +70,6 @@ impl Params {
     }
 }
 
-/// Parses a size such as `1G`, `64M`, `256k`, `4096` (binary units, as fio reads them).
-pub fn parse_size(s: &str) -> Result<u64> {
-    let t = s.trim();
-    let t = t
-        .strip_suffix("iB")
-        .or_else(|| t.strip_suffix('B'))
-        .unwrap_or(t);
-    let (num, shift) = match t.chars().last() {
-        Some('k' | 'K') => (&t[..t.len() - 1], 10),
-        Some('m' | 'M') => (&t[..t.len() - 1], 20),
-        Some('g' | 'G') => (&t[..t.len() - 1], 30),
-        Some('t' | 'T') => (&t[..t.len() - 1], 40),
-        _ => (t, 0),
-    };
-    let n: u64 = num
-        .parse()
-        .with_context(|| format!("size {s:?}: expected a number with an optional k/M/G/T"))?;
-    n.checked_mul(1 << shift)
-        .filter(|&v| v > 0)
-        .with_context(|| format!("size {s:?} is zero or too large"))
-}
-
-/// The qpip-nbd-server next to this executable (same target directory).
-pub fn default_server_bin() -> Result<PathBuf> {
-    let exe = std::env::current_exe().context("locating the qpip-bench executable")?;
-    let dir = exe
-        .parent()
-        .with_context(|| format!("{} has no parent directory", exe.display()))?;
-    Ok(dir.join("qpip-nbd-server"))
-}
-
-// ---------------------------------------------------------------- prerequisites
-
-pub(crate) fn in_path(prog: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|d| d.join(prog))
-        .find(|p| p.is_file())
-}
-
-/// Fails with a message naming every missing program.
-pub fn check_prerequisites(server_bin: &Path) -> Result<()> {
-    let mut missing = Vec::new();
-    if !server_bin.is_file() {
-        missing.push(format!(
-            "qpip-nbd-server not found at {} (build it: cargo build --release -p nbd-server, \
-             or pass --server-bin PATH)",
-            server_bin.display()
-        ));
-    }
-    for (prog, why) in [
-        ("fio", "the NBD client (package fio, with its nbd engine)"),
-        ("nbdkit", "a peer server (package nbdkit, file plugin)"),
-        ("qemu-nbd", "a peer server (package qemu-utils)"),
-    ] {
-        if in_path(prog).is_none() {
-            missing.push(format!("{prog} not found in PATH: it is {why}"));
-        }
-    }
-    if missing.is_empty() {
-        let ok = Command::new("fio")
-            .arg("--enghelp=nbd")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false);
-        if !ok {
-            missing.push("fio has no nbd engine (fio --enghelp=nbd fails)".into());
-        }
-    }
-    if !missing.is_empty() {
-        bail!("missing prerequisites:\n  {}", missing.join("\n  "));
-    }
-    Ok(())
-}
-
-// ---------------------------------------------------------------- guards
-
-/// The directory holding the images; a directory we created is removed on drop.
-struct WorkDir {
-    path: PathBuf,
-    created: bool,
-}
-
-impl WorkDir {
-    fn new(dir: Option<&Path>) -> Result<WorkDir> {
-        match dir {
-            Some(d) => {
-                std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
-                Ok(WorkDir {
-                    path: d.to_path_buf(),
-                    created: false,
-                })
-            }
-            None => {
-                let path =
-                    std::env::temp_dir().join(format!("qpip-bench-nbd-{}", std::process::id()));
-                std::fs::create_dir_all(&path)
-                    .with_context(|| format!("creating {}", path.display()))?;
-                Ok(WorkDir {
-                    path,
-                    created: true,
-                })
-            }
-        }
-    }
-}
-
-impl WorkDir {
-    /// Interrupted (SIGINT, SIGTERM, SIGHUP): Drop guards do not run when a signal ends the
-    /// process, so a watcher thread deletes the images (GiBs) and exits. The servers and fio
-    /// get SIGTERM from the kernel when we die (PR_SET_PDEATHSIG).
-    fn clean_up_on_signals(&self) -> Result<()> {
-        use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
-        let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
-            .context("installing signal handlers")?;
-        let (path, created) = (self.path.clone(), self.created);
-        std::thread::spawn(move || {
-            if let Some(sig) = signals.forever().next() {
-                if created {
-                    let _ = std::fs::remove_dir_all(&path);
-                } else {
-                    for s in Server::ALL {
-                        for ext in ["img", "log"] {
-                            let _ = std::fs::remove_file(path.join(format!("{}.{ext}", s.name())));
-                        }
-                    }
-                }
-                eprintln!("qpip-bench nbd raw: interrupted; images deleted");
-                std::process::exit(128 + sig);
-            }
-        });
-        Ok(())
-    }
-}
-
-pub(crate) fn die_with_parent(cmd: &mut Command) {
-    // SAFETY: prctl is async-signal-safe; the closure touches no memory of the parent.
-    unsafe {
-        cmd.pre_exec(|| {
-            // Dies with us even if we are killed before our guards run.
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-            Ok(())
-        });
-    }
-}
-
-impl Drop for WorkDir {
-    fn drop(&mut self) {
-        if self.created {
-            let _ = std::fs::remove_dir_all(&self.path);
-        }
-    }
-}
-
-/// A fresh sparse image, deleted on drop.
-struct Image {
-    path: PathBuf,
-}
-
-impl Image {
-    fn create(path: PathBuf, size: u64) -> Result<Image> {
-        let _ = std::fs::remove_file(&path);
-        let f = std::fs::File::create_new(&path)
-            .with_context(|| format!("creating image {}", path.display()))?;
-        f.set_len(size)
-            .with_context(|| format!("sizing image {} to {size} bytes", path.display()))?;
-        Ok(Image { path })
-    }
-}
-
-impl Drop for Image {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
-/// A running server process: SIGTERM, then SIGKILL after a timeout, on drop.
-pub(crate) struct Running {
-    server: Server,
-    child: Child,
-    addr: SocketAddr,
-    log: PathBuf,
-    /// The server requires TLS.
-    tls: bool,
-}
-
-impl Running {
-    pub(crate) fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    pub(crate) fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        let tail = &lines[lines.len().saturating_sub(20)..];
-        if tail.is_empty() {
-            "(no output)".into()
-        } else {
-            tail.join("\n")
-        }
-    }
-
-    pub(crate) fn uri(&self) -> String {
-        if self.tls {
-            // fio's libnbd may not read local files (the CA), so the certificate is not checked.
-            format!("nbds://{}/{EXPORT}?tls-verify-peer=false", self.addr)
-        } else {
-            format!("nbd://{}/{EXPORT}", self.addr)
-        }
-    }
-
-    /// Stops the server; reports how it ended.
-    pub(crate) fn stop(&mut self) -> Result<()> {
-        if self.child.try_wait()?.is_some() {
-            return Ok(());
-        }
-        // SAFETY: kill with a pid we own (our unreaped child) has no memory-safety concerns.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        let t0 = Instant::now();
-        while t0.elapsed() < STOP_TIMEOUT {
-            if self.child.try_wait()?.is_some() {
-                return Ok(());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        bail!(
-            "{} (pid {}) ignored SIGTERM for {STOP_TIMEOUT:?}; killed",
-            self.server.name(),
-            self.child.id()
-        )
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if let Err(e) = self.stop() {
-            eprintln!("qpip-bench nbd raw: {e:#}");
-        }
-    }
-}
-
-pub(crate) fn free_port() -> Result<u16> {
-    let l = TcpListener::bind("127.0.0.1:0").context("binding 127.0.0.1:0 to find a port")?;
-    Ok(l.local_addr()?.port())
-}
-
-/// Starts `server` exporting `image` as `bench` on 127.0.0.1; returns once it accepts.
-/// `own_group`: in a process group of its own, so that a terminal's Ctrl-C reaches only us
-/// (and our guards stop the server in order). `tls`: the x509 credentials directory (qemu's
-/// layout) the server requires TLS with.
-pub(crate) fn start(
-    server: Server,
-    server_bin: &Path,
-    image: &Path,
-    log: PathBuf,
-    own_group: bool,
-    tls: Option<&Path>,
-) -> Result<Running> {
-    let img = image.to_str().context("image path is not UTF-8")?;
-    let certs = match tls {
-        Some(d) => Some(d.to_str().context("TLS directory path is not UTF-8")?),
-        None => None,
-    };
-    let (cmd, port) = match server {
-        Server::Qpip => {
-            let mut c = Command::new(server_bin);
-            c.args(["--listen", "127.0.0.1:0", "--log", "warn", "--export"])
-                .arg(format!("{EXPORT}={img}"));
-            if let Some(d) = certs {
-                c.args(["--tls", "require", "--tls-certs", d]);
-            }
-            (c, None)
-        }
-        Server::Nbdkit => {
-            let port = free_port()?;
-            let mut c = Command::new("nbdkit");
-            c.args([
-                "--foreground",
-                "--exit-with-parent",
-                "-i",
-                "127.0.0.1",
-                "-p",
-            ])
-            .arg(port.to_string());
-            if let Some(d) = certs {
-                c.arg("--tls=require")
-                    .arg(format!("--tls-certificates={d}"));
-            }
-            c.args(["-e", EXPORT, "file"]).arg(format!("file={img}"));
-            (c, Some(port))
-        }
-        Server::QemuNbd => {
-            let port = free_port()?;
-            let mut c = qemu_nbd(port);
-            c.arg("--aio=threads");
-            if let Some(d) = certs {
-                c.arg("--object")
-                    .arg(format!(
-                        "tls-creds-x509,id=tls0,dir={d},endpoint=server,verify-peer=off"
-                    ))
-                    .args(["--tls-creds", "tls0"]);
-            }
-            c.arg(img);
-            (c, Some(port))
-        }
-        Server::NbdServer if certs.is_some() => bail!("the nbd-server runs here do not use TLS"),
-        Server::NbdServer => {
-            let port = free_port()?;
-            let cfg = log.with_extension("conf");
-            std::fs::write(
-                &cfg,
-                format!(
-                    "[generic]\n    port = {port}\n    listenaddr = 127.0.0.1\n    \
-                     allowlist = true\n[{EXPORT}]\n    exportname = {img}\n    \
-                     flush = true\n    fua = true\n    trim = true\n"
-                ),
-            )
-            .with_context(|| format!("writing {}", cfg.display()))?;
-            let mut c = Command::new("nbd-server");
-            // -d: stay in the foreground (we stop it with SIGTERM).
-            c.arg("-C").arg(&cfg).arg("-d");
-            (c, Some(port))
-        }
-        Server::QpipRbd | Server::QemuNbdRbd => bail!("{} serves RBD images", server.name()),
-    };
-    launch(server, cmd, port, log, own_group, certs.is_some())
-}
-
-/// qemu-nbd serving `EXPORT` raw on 127.0.0.1:`port`, persistent, with a writeback cache and
-/// neither zero detection nor discards (the file and RBD rows share these settings).
-fn qemu_nbd(port: u16) -> Command {
-    let mut c = Command::new("qemu-nbd");
-    c.args(["-f", "raw", "-b", "127.0.0.1", "-p"])
-        .arg(port.to_string())
-        .args([
-            "-x",
-            EXPORT,
-            "-t",
-            "--cache=writeback",
-            "--detect-zeroes=off",
-            "--discard=ignore",
-        ]);
-    c
-}
-
-/// Starts `server` (qpip-rbd or qemu-nbd-rbd) exporting RBD image `pool/image` of the
-/// cluster as `bench` on 127.0.0.1; returns once it accepts.
-fn start_rbd(
-    server: Server,
-    server_bin: &Path,
-    rbd: &RbdBench,
-    image: &str,
-    log: PathBuf,
-) -> Result<Running> {
-    let conf = rbd.conf.to_str().context("ceph.conf path is not UTF-8")?;
-    let (cmd, port) = match server {
-        Server::QpipRbd => {
-            let mut c = Command::new(server_bin);
-            c.args([
-                "--listen",
-                "127.0.0.1:0",
-                "--log",
-                "warn",
-                "--ceph-conf",
-                conf,
-            ])
-            .arg("--export")
-            .arg(format!("{EXPORT}=rbd:{}/{image}", rbd.pool));
-            (c, None)
-        }
-        Server::QemuNbdRbd => {
-            let port = free_port()?;
-            let mut c = qemu_nbd(port);
-            c.arg(format!("rbd:{}/{image}:conf={conf}", rbd.pool));
-            (c, Some(port))
-        }
-        _ => bail!("{} does not serve RBD images", server.name()),
-    };
-    launch(server, cmd, port, log, false, false)
-}
-
-/// An RBD image made for one round, removed on drop (after its server has stopped).
-struct RbdImage {
-    rbd: RbdBench,
-    name: String,
-}
-
-impl RbdImage {
-    fn create(rbd: &RbdBench, name: String, size: u64) -> Result<RbdImage> {
-        let img = RbdImage {
-            rbd: rbd.clone(),
-            name,
-        };
-        let _ = img.rbd_cmd("rm").output();
-        let out = img
-            .rbd_cmd("create")
-            .args(["--size", &format!("{}M", size.div_ceil(1 << 20))])
-            .output()
-            .context("running rbd create (package ceph-common)")?;
-        if !out.status.success() {
-            bail!(
-                "rbd create {}/{}: {}",
-                rbd.pool,
-                img.name,
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        Ok(img)
-    }
-
-    fn rbd_cmd(&self, verb: &str) -> Command {
-        let mut c = Command::new("rbd");
-        c.arg("-c")
-            .arg(&self.rbd.conf)
-            .args([verb, "--no-progress"])
-            .arg(format!("{}/{}", self.rbd.pool, self.name))
-            .stdin(Stdio::null());
-        c
-    }
-}
-
-impl Drop for RbdImage {
-    fn drop(&mut self) {
-        let _ = self.rbd_cmd("rm").output();
-    }
-}
-
-/// Spawns a server's command and waits until it accepts (qpip's: until it prints its
-/// address, `port` None).
-/// `tls`: it requires TLS (its URI is nbds://).
-fn launch(
-    server: Server,
-    mut cmd: Command,
-    port: Option<u16>,
-    log: PathBuf,
-    own_group: bool,
-    tls: bool,
-) -> Result<Running> {
-    let logf =
-        std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-    cmd.stdin(Stdio::null())
-        .stdout(if port.is_none() {
-            Stdio::piped()
-        } else {
-            Stdio::from(logf.try_clone()?)
-        })
-        .stderr(logf);
-    die_with_parent(&mut cmd);
-    if own_group {
-        cmd.process_group(0);
-    }
-    let program = cmd.get_program().to_string_lossy().into_owned();
-    let child = cmd
-        .spawn()
-        .with_context(|| format!("starting {} ({program})", server.name()))?;
-    let pid = child.id();
-    let mut running = Running {
-        server,
-        child,
-        addr: SocketAddr::from(([127, 0, 0, 1], port.unwrap_or(0))),
-        log,
-        tls,
-    };
-    if port.is_none() {
-        running.addr = qpip_listen_addr(&mut running)?;
-    }
-    // Poll until it accepts a connection.
-    let t0 = Instant::now();
-    loop {
-        if let Some(status) = running.child.try_wait()? {
-            bail!(
-                "{} (pid {pid}) exited with {status} before accepting on {}:\n{}",
-                server.name(),
-                running.addr,
-                running.log_tail()
-            );
-        }
-        // nbd-server -d serves one connection and exits: a probe connection would be it, so
-        // we wait for its listening socket instead.
-        let up = if server == Server::NbdServer {
-            listening(running.addr.port())
-        } else {
-            TcpStream::connect_timeout(&running.addr, Duration::from_millis(200)).is_ok()
-        };
-        if up {
-            return Ok(running);
-        }
-        if t0.elapsed() > START_TIMEOUT {
-            bail!(
-                "{} (pid {pid}) did not accept on {} within {START_TIMEOUT:?}:\n{}",
-                server.name(),
-                running.addr,
-                running.log_tail()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Whether some socket listens on TCP `port` of IPv4 (from /proc/net/tcp, state 0A).
-fn listening(port: u16) -> bool {
-    let text = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
-    let want = format!(":{port:04X}");
-    text.lines().skip(1).any(|l| {
-        let f: Vec<&str> = l.split_ascii_whitespace().collect();
-        f.len() > 3 && f[1].ends_with(&want) && f[3] == "0A"
-    })
-}
-
-/// Reads qpip-nbd-server's `listening on ADDR` line; keeps draining its stdout afterwards.
-fn qpip_listen_addr(r: &mut Running) -> Result<SocketAddr> {
-    let stdout = r.child.stdout.take().context("server stdout is piped")?;
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let mut lines = BufReader::new(stdout);
-        let mut line = String::new();
-        let mut sent = false;
-        while lines.read_line(&mut line).unwrap_or(0) > 0 {
-            if !sent && let Some(a) = line.trim().strip_prefix("qpip-nbd-server: listening on ") {
-                sent = tx.send(a.to_string()).is_ok();
-            }
-            line.clear();
-        }
-    });
-    let a = rx.recv_timeout(START_TIMEOUT).map_err(|_| {
-        anyhow::anyhow!(
-            "qpip-nbd-server (pid {}) printed no \"listening on\" line within {START_TIMEOUT:?}:\n{}",
-            r.pid(),
-            r.log_tail()
-        )
-    })?;
-    a.parse()
-        .with_context(|| format!("qpip-nbd-server printed an unparsable address {a:?}"))
-}
-
 // ---------------------------------------------------------------- one fio pass
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -684,86 +98,40 @@ struct Pass {
 }
 
 /// The soft NIC's engine thread, as named by qpip-core.
-pub(crate) const NIC_THREAD: &str = "qpip-soft-nic";
-
-fn num(v: &Value, path: &[&str]) -> Result<f64> {
-    let mut cur = v;
-    for p in path {
-        cur = cur
-            .get(p)
-            .with_context(|| format!("fio JSON has no {}", path.join(".")))?;
-    }
-    cur.as_f64()
-        .with_context(|| format!("fio JSON {} is not a number", path.join(".")))
-}
-
 fn fio_pass(r: &Running, dir: Dir, p: &Params) -> Result<Pass> {
-    let mut cmd = Command::new("fio");
-    cmd.args([
-        "--name=nbd-raw",
-        "--ioengine=nbd",
-        &format!("--uri={}", r.uri()),
-        &format!("--rw={}", dir.name()),
-        &format!("--bs={}", p.bs_bytes),
-        &format!("--iodepth={}", p.iodepth),
-        &format!("--size={}", p.size_bytes),
-        "--numjobs=1",
-        "--output-format=json",
-    ]);
-    die_with_parent(&mut cmd);
-    let before = cpu::process(r.pid())
-        .with_context(|| format!("reading CPU time of {} (pid {})", r.server.name(), r.pid()))?;
+    let job = fio::Job {
+        name: "nbd-raw",
+        rw: dir.name(),
+        bs: p.bs_bytes,
+        iodepth: p.iodepth,
+        size: p.size_bytes,
+        runtime: None,
+        own_group: false,
+    };
+    let server = r.server().name();
+    let cpu_now = || {
+        cpu::process(r.pid())
+            .with_context(|| format!("reading CPU time of {server} (pid {})", r.pid()))
+    };
+    let before = cpu_now()?;
     let nic_before = cpu::threads_named(r.pid(), NIC_THREAD)?;
-    let out = cmd.stdin(Stdio::null()).output().context("running fio")?;
-    let after = cpu::process(r.pid())
-        .with_context(|| format!("reading CPU time of {} (pid {})", r.server.name(), r.pid()))?;
+    let fio = fio::run(&job, r, &format!("{} against {server}", dir.name()))?;
+    let after = cpu_now()?;
     let nic_after = cpu::threads_named(r.pid(), NIC_THREAD)?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
+    if fio.io_bytes < p.size_bytes as f64 {
         bail!(
-            "fio {} against {} ({}) failed with {}:\n{}{}\nserver log:\n{}",
+            "fio {} against {server} moved {} of {} bytes",
             dir.name(),
-            r.server.name(),
-            r.uri(),
-            out.status,
-            String::from_utf8_lossy(&out.stderr),
-            stdout,
-            r.log_tail()
-        );
-    }
-    // fio may print notices before the JSON object.
-    let json = &stdout[stdout.find('{').context("fio printed no JSON")?..];
-    let v: Value = serde_json::from_str(json).context("parsing fio's JSON output")?;
-    let job = v
-        .get("jobs")
-        .and_then(|j| j.get(0))
-        .context("fio JSON has no jobs[0]")?;
-    let err = num(job, &["error"])?;
-    if err != 0.0 {
-        bail!(
-            "fio {} against {}: job error {err}",
-            dir.name(),
-            r.server.name()
-        );
-    }
-    let io_bytes = num(job, &[dir.name(), "io_bytes"])?;
-    if io_bytes < p.size_bytes as f64 {
-        bail!(
-            "fio {} against {} moved {io_bytes} of {} bytes",
-            dir.name(),
-            r.server.name(),
+            fio.io_bytes,
             p.size_bytes
         );
     }
-    let bw = num(job, &[dir.name(), "bw_bytes"])?;
-    let runtime_s = num(job, &["job_runtime"])? / 1e3;
-    let client_cpu_s = (num(job, &["usr_cpu"])? + num(job, &["sys_cpu"])?) / 100.0 * runtime_s;
-    let gb = io_bytes / 1e9;
+    let gb = fio.io_bytes / 1e9;
     Ok(Pass {
-        mbps: bw / 1e6,
+        mbps: fio.bw_bytes / 1e6,
         server_s_per_gb: (after - before).total().as_secs_f64() / gb,
         nic_s_per_gb: (nic_after - nic_before).total().as_secs_f64() / gb,
-        client_s_per_gb: client_cpu_s / gb,
+        client_s_per_gb: fio.cpu_s / gb,
     })
 }
 
@@ -855,12 +223,12 @@ fn round(server: Server, p: &Params, progress: &dyn Fn(&str)) -> Result<(Pass, P
             format!("qpip-bench-{name}-{}", std::process::id()),
             p.size_bytes,
         )?;
-        running = start_rbd(server, &p.server_bin, rbd, &img.name, log)?;
+        running = peers::start_rbd(server, &p.server_bin, rbd, &img.name, log)?;
         _rbd_image = Some(img);
         _file = None;
     } else {
-        let image = Image::create(p.dir.join(format!("{name}.img")), p.size_bytes)?;
-        running = start(
+        let image = Image::sparse(p.dir.join(format!("{name}.img")), p.size_bytes)?;
+        running = peers::start(
             server,
             &p.server_bin,
             &image.path,
@@ -911,9 +279,9 @@ pub fn run(
     if !size.is_multiple_of(bs) {
         bail!("--size {size} is not a multiple of --bs {bs}");
     }
-    check_prerequisites(&server_bin)?;
+    peers::check_prerequisites(&server_bin)?;
     if let Some(r) = &rbd {
-        if in_path("rbd").is_none() {
+        if peers::in_path("rbd").is_none() {
             bail!("--rbd-conf: rbd not found in PATH (package ceph-common)");
         }
         if !r.conf.is_file() {
@@ -923,13 +291,14 @@ pub fn run(
             );
         }
     }
-    let work = WorkDir::new(dir)?;
-    work.clean_up_on_signals()?;
-    let fio_version = Command::new("fio")
-        .arg("--version")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_default();
+    let work = WorkDir::new(dir, "nbd")?;
+    // In a directory of the user's, only the files of a round: images and logs.
+    let files = Server::ALL
+        .iter()
+        .flat_map(|s| ["img", "log"].map(|ext| format!("{}.{ext}", s.name())))
+        .collect();
+    work.clean_up_on_signals(files, "qpip-bench nbd raw: interrupted; images deleted")?;
+    let fio_version = fio::version();
     let params = Params {
         size_bytes: size,
         bs_bytes: bs,
@@ -1033,15 +402,6 @@ pub fn run(
         },
         params,
     })
-}
-
-pub(crate) fn human_bytes(b: u64) -> String {
-    for (unit, shift) in [("GiB", 30), ("MiB", 20), ("KiB", 10)] {
-        if b >= 1 << shift && b.is_multiple_of(1 << shift) {
-            return format!("{} {unit}", b >> shift);
-        }
-    }
-    format!("{b} B")
 }
 
 /// The report as a terminal table.
@@ -1148,27 +508,4 @@ pub fn table(r: &NbdRawReport) -> String {
               consider a larger --repeat\n";
     }
     s
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
-        assert_eq!(parse_size("256k").unwrap(), 256 << 10);
-        assert_eq!(parse_size("64MiB").unwrap(), 64 << 20);
-        assert_eq!(parse_size("4096").unwrap(), 4096);
-        assert!(parse_size("0").is_err());
-        assert!(parse_size("1X").is_err());
-        assert!(parse_size("").is_err());
-    }
-
-    #[test]
-    fn human() {
-        assert_eq!(human_bytes(1 << 30), "1 GiB");
-        assert_eq!(human_bytes(256 << 10), "256 KiB");
-        assert_eq!(human_bytes(1000), "1000 B");
-    }
 }

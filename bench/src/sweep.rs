@@ -14,21 +14,21 @@
 //! whole. The JSON says so per point (`nbd_requests_per_request`, `window`).
 
 use std::collections::BTreeMap;
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use nbd_client::{Client, ClientOptions, Op};
 use serde::Serialize;
-use serde_json::Value;
 
 use crate::cpu;
-use crate::ext2::{Machine, TargetCheck, machine};
-use crate::nbd::{self, NIC_THREAD, Running, Server};
 use crate::progress::Progress;
+use crate::report::{Machine, TargetCheck, machine};
+use crate::rig::fio;
+use crate::rig::peers::{self, NIC_THREAD, Running, Server};
+use crate::rig::workdir::{Image, WorkDir};
 use crate::stats::{Interrupt, Samples, Stat};
+use crate::units::human_bytes;
 
 const STACKS: [Server; 3] = [Server::Qpip, Server::Nbdkit, Server::QemuNbd];
 
@@ -200,17 +200,6 @@ fn qpip_point(
     ))
 }
 
-fn num(v: &Value, path: &[&str]) -> Result<f64> {
-    let mut cur = v;
-    for p in path {
-        cur = cur
-            .get(p)
-            .with_context(|| format!("fio JSON has no {}", path.join(".")))?;
-    }
-    cur.as_f64()
-        .with_context(|| format!("fio JSON {} is not a number", path.join(".")))
-}
-
 fn fio_point(
     server: &Running,
     write: bool,
@@ -220,89 +209,25 @@ fn fio_point(
     time: Duration,
 ) -> Result<Measured> {
     let rw = if write { "write" } else { "read" };
-    let mut cmd = Command::new("fio");
-    cmd.args([
-        "--name=nbd-sweep",
-        "--ioengine=nbd",
-        &format!("--uri={}", server.uri()),
-        &format!("--rw={rw}"),
-        &format!("--bs={size}"),
-        &format!("--iodepth={depth}"),
-        &format!("--size={}", bytes - bytes % size),
-        &format!("--runtime={}ms", time.as_millis().max(1)),
-        "--numjobs=1",
-        "--output-format=json",
-    ])
-    .stdin(Stdio::null())
-    .process_group(0);
-    nbd::die_with_parent(&mut cmd);
+    let job = fio::Job {
+        name: "nbd-sweep",
+        rw,
+        bs: size,
+        iodepth: depth,
+        size: bytes - bytes % size,
+        runtime: Some(time),
+        own_group: true,
+    };
     let s0 = proc_cpu(server.pid())?;
-    let out = cmd.output().context("running fio")?;
+    let fio = fio::run(&job, server, &format!("{rw} bs={size} iodepth={depth}"))?;
     let s1 = proc_cpu(server.pid())?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        bail!(
-            "fio {rw} bs={size} iodepth={depth} against {} failed with {}:\n{}{stdout}\nserver \
-             log:\n{}",
-            server.uri(),
-            out.status,
-            String::from_utf8_lossy(&out.stderr),
-            server.log_tail()
-        );
-    }
-    let json = &stdout[stdout.find('{').context("fio printed no JSON")?..];
-    let v: Value = serde_json::from_str(json).context("parsing fio's JSON output")?;
-    let job = v
-        .get("jobs")
-        .and_then(|j| j.get(0))
-        .context("fio JSON has no jobs[0]")?;
-    if num(job, &["error"])? != 0.0 {
-        bail!("fio {rw} against {}: job error", server.uri());
-    }
-    let io = num(job, &[rw, "io_bytes"])?;
-    let secs = num(job, &["job_runtime"])? / 1e3;
-    let client = (num(job, &["usr_cpu"])? + num(job, &["sys_cpu"])?) / 100.0 * secs;
     Ok(Measured {
-        bytes: io as u64,
-        secs: secs.max(1e-6),
+        bytes: fio.io_bytes as u64,
+        secs: fio.runtime_s.max(1e-6),
         server_cpu: s1 - s0,
-        client_cpu: client,
+        client_cpu: fio.cpu_s,
         nic_cpu: 0.0,
     })
-}
-
-/// An image on tmpfs filled with non-zero data, deleted on drop.
-struct Image(PathBuf);
-
-impl Image {
-    fn create(path: PathBuf, size: u64) -> Result<Image> {
-        use std::io::Write;
-        let img = Image(path);
-        let mut f = std::fs::File::create(&img.0)
-            .with_context(|| format!("creating {}", img.0.display()))?;
-        let buf = vec![0xa5u8; 1 << 20];
-        let mut left = size;
-        while left > 0 {
-            let n = left.min(buf.len() as u64) as usize;
-            f.write_all(&buf[..n])?;
-            left -= n as u64;
-        }
-        Ok(img)
-    }
-}
-
-impl Drop for Image {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-struct WorkDir(PathBuf);
-
-impl Drop for WorkDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 type Key = (&'static str, &'static str, u64, u32);
@@ -323,24 +248,11 @@ pub fn run_all(o: Options, progress: &Progress) -> Result<SweepReport> {
         bail!("request sizes must be multiples of 512 that divide the largest one");
     }
     let image_bytes = o.point_size.max(largest).next_multiple_of(largest);
-    nbd::check_prerequisites(&o.server_bin)?;
+    peers::check_prerequisites(&o.server_bin)?;
     let stop = Interrupt::install()?;
-    let base = o.dir.clone().unwrap_or_else(|| {
-        let shm = Path::new("/dev/shm");
-        let root = if shm.is_dir() {
-            shm.to_path_buf()
-        } else {
-            std::env::temp_dir()
-        };
-        root.join(format!("qpip-bench-sweep-{}", std::process::id()))
-    });
-    std::fs::create_dir_all(&base).with_context(|| format!("creating {}", base.display()))?;
-    let _work = WorkDir(base.clone());
-    let fio_version = Command::new("fio")
-        .arg("--version")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_default();
+    let work = WorkDir::on_tmpfs(o.dir.as_deref(), "sweep")?;
+    let base = work.path.clone();
+    let fio_version = fio::version();
     let fio = format!("{fio_version} --ioengine=nbd (libnbd, TCP), 1 job, 1 connection");
     let params = Params {
         repeat,
@@ -371,11 +283,11 @@ pub fn run_all(o: Options, progress: &Progress) -> Result<SweepReport> {
             let server = STACKS[(i + k) % STACKS.len()];
             let name = stack_name(server);
             stop.check()?;
-            let image = Image::create(base.join(format!("{name}.img")), image_bytes)?;
-            let mut running = nbd::start(
+            let image = Image::filled(base.join(format!("{name}.img")), image_bytes, 0xa5)?;
+            let mut running = peers::start(
                 server,
                 &o.server_bin,
-                &image.0,
+                &image.path,
                 base.join(format!("{name}.log")),
                 true,
                 None,
@@ -387,7 +299,7 @@ pub fn run_all(o: Options, progress: &Progress) -> Result<SweepReport> {
                         bar.set_message(format!(
                             "round {} {name} {dir} {} qd{depth}",
                             i + 1,
-                            nbd::human_bytes(size)
+                            human_bytes(size)
                         ));
                         let (m, per, window) = if server == Server::Qpip {
                             qpip_point(&running, write, size, depth, image_bytes, o.point_time)?
@@ -490,7 +402,7 @@ pub fn table(r: &SweepReport) -> String {
         "nbd sweep: sequential raw NBD I/O, at most {} and {:.1} s per point, median of {} \
          round(s) [min-max]; MB = 10^6 bytes\nqpip = nbd_client load generator -> \
          qpip-nbd-server (QPs); peers = fio nbd engine (libnbd, TCP) -> nbdkit / qemu-nbd\n\n",
-        nbd::human_bytes(p.image_bytes),
+        human_bytes(p.image_bytes),
         p.point_time_s,
         p.repeat
     );
@@ -523,7 +435,7 @@ pub fn table(r: &SweepReport) -> String {
         s += &format!(
             "{:<5} {:>8} {:>3} | {:>16} {:>16} {:>16} | {:>5.2}x | {:>20}\n",
             ratio.dir,
-            nbd::human_bytes(ratio.size),
+            human_bytes(ratio.size),
             ratio.depth,
             cell("qpip"),
             cell("fio-nbdkit"),

@@ -1,61 +1,12 @@
 //! `qpip-bench nbd ext2` and `nbd sweep` end to end at small sizes: every stack, real
-//! mounts. ext2 needs root, /dev/fuse, qpip-nbd-mount and the peers; outside CI a missing
-//! prerequisite skips the test with a note, with CI=true it fails.
+//! mounts. ext2 needs root, /dev/fuse, qpip-nbd-mount and the peers; a missing prerequisite
+//! skips the test with a note, or fails it in CI (qpip-test-support's CI rule).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn in_path(prog: &str) -> bool {
-    std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).any(|d| d.join(prog).is_file()))
-        .unwrap_or(false)
-}
-
-fn ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
-}
-
-/// `true` if the test may go on; with CI=true a missing prerequisite fails the test.
-fn have_all(missing: Vec<String>) -> bool {
-    if missing.is_empty() {
-        return true;
-    }
-    assert!(
-        !ci(),
-        "CI=true and prerequisites are missing: {}",
-        missing.join(", ")
-    );
-    eprintln!("skipping: missing: {}", missing.join(", "));
-    false
-}
-
-/// A binary of this workspace next to qpip-bench, built there if this test run did not build
-/// it (as `cargo test -p qpip-bench` does not).
-fn sibling(bench: &Path, package: &str, bin: &str) -> PathBuf {
-    let dir = bench.parent().expect("binary has a directory");
-    let path = dir.join(bin);
-    if !path.is_file() {
-        let target_dir = dir.parent().expect("profile directory has a parent");
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut cmd = Command::new(cargo);
-        cmd.args(["build", "-p", package, "--bin", bin])
-            .arg("--target-dir")
-            .arg(target_dir)
-            // The features scripts/test builds the workspace with (QPIP_FEATURES).
-            .args(
-                std::env::var("QPIP_FEATURES")
-                    .unwrap_or_default()
-                    .split_whitespace(),
-            );
-        if dir.file_name().is_some_and(|n| n == "release") {
-            cmd.arg("--release");
-        }
-        let status = cmd.status().expect("running cargo build");
-        assert!(status.success(), "building {bin} failed");
-    }
-    assert!(path.is_file(), "{} missing", path.display());
-    path
-}
+use qpip_test_support::bins::workspace_bin;
+use qpip_test_support::ci::{missing, require, root};
 
 /// Mounts and loop devices that a run of ours could leave behind.
 fn leftovers() -> Vec<String> {
@@ -78,32 +29,23 @@ fn leftovers() -> Vec<String> {
 
 #[test]
 fn ext2_json_has_positive_figures_for_every_stack_and_leaves_nothing_behind() {
-    let mut missing: Vec<String> = [
-        "qemu-storage-daemon",
-        "nbd-server",
-        "nbdkit",
-        "qemu-nbd",
-        "fusermount3",
-        "losetup",
-        "mkfs.ext2",
-    ]
-    .into_iter()
-    .filter(|p| !in_path(p))
-    .map(str::to_string)
-    .collect();
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        missing.push("root".into());
-    }
-    if !Path::new("/dev/fuse").exists() {
-        missing.push("/dev/fuse".into());
-    }
-    if !have_all(missing) {
+    if !root("losetup, mount and drop_caches need it")
+        || !(Path::new("/dev/fuse").exists() || missing("/dev/fuse"))
+        || !require(&[
+            "qemu-storage-daemon",
+            "nbd-server",
+            "nbdkit",
+            "qemu-nbd",
+            "fusermount3",
+            "losetup",
+            "mkfs.ext2",
+        ])
+    {
         return;
     }
     let bench = PathBuf::from(env!("CARGO_BIN_EXE_qpip-bench"));
-    let server = sibling(&bench, "nbd-server", "qpip-nbd-server");
-    let mount = sibling(&bench, "fuse-mount", "qpip-nbd-mount");
+    let server = workspace_bin("nbd-server", "qpip-nbd-server");
+    let mount = workspace_bin("fuse-mount", "qpip-nbd-mount");
     let plots = std::env::temp_dir().join(format!("qpip-bench-ext2-test-{}", std::process::id()));
     std::fs::create_dir_all(&plots).unwrap();
     let out = Command::new(&bench)
@@ -169,16 +111,11 @@ fn ext2_json_has_positive_figures_for_every_stack_and_leaves_nothing_behind() {
 
 #[test]
 fn sweep_runs_at_a_tiny_size() {
-    let missing: Vec<String> = ["fio", "nbdkit", "qemu-nbd"]
-        .into_iter()
-        .filter(|p| !in_path(p))
-        .map(str::to_string)
-        .collect();
-    if !have_all(missing) {
+    if !require(&["fio", "nbdkit", "qemu-nbd"]) {
         return;
     }
     let bench = PathBuf::from(env!("CARGO_BIN_EXE_qpip-bench"));
-    let server = sibling(&bench, "nbd-server", "qpip-nbd-server");
+    let server = workspace_bin("nbd-server", "qpip-nbd-server");
     let out = Command::new(&bench)
         .args([
             "nbd",

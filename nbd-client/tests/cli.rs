@@ -44,7 +44,7 @@ fn allocated(p: &std::path::Path) -> u64 {
 fn info_list_help_and_errors() {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "a.img", 4 * MIB, &[]);
-    let server = qpip_server("disk", &img, 0);
+    let server = qpip_server("disk", &img, &[]);
     let text = ok(&["info", &server.uri]);
     assert!(text.contains("size:        4194304"), "{text}");
     let json: serde_json::Value =
@@ -87,7 +87,7 @@ fn copy_both_ways_sparse_and_verified() {
         &[(0, MIB), (20 * MIB, 3 * MIB + 4096), (size - MIB, MIB)],
     );
     let dst_img = image(dir.path(), "dst.img", size, &[(40 * MIB, 2 * MIB)]);
-    let server = qpip_server("dst", &dst_img, 0);
+    let server = qpip_server("dst", &dst_img, &[]);
     ok(&["copy", src.to_str().unwrap(), &server.uri, "--verify"]);
     same(&src, &dst_img); // the stale data at 40 MiB was zeroed (WRITE_ZEROES)
 
@@ -103,7 +103,7 @@ fn copy_both_ways_sparse_and_verified() {
 
     // NBD to NBD, through another server.
     let third = image(dir.path(), "third.img", size, &[]);
-    let server3 = qpip_server("third", &third, 0);
+    let server3 = qpip_server("third", &third, &[]);
     ok(&["copy", &server.uri, &server3.uri, "--verify", "-C", "2"]);
     same(&src, &third);
 }
@@ -158,7 +158,7 @@ fn copy_streams_stdin_and_stdout_and_discards_into_null() {
     let dir = tempfile::tempdir().unwrap();
     let size = 8 * MIB;
     let img = image(dir.path(), "s.img", size, &[]);
-    let server = qpip_server("s", &img, 0);
+    let server = qpip_server("s", &img, &[]);
     let data = pattern(0, (5 * MIB + 123) as usize);
     let mut child = Command::new(env!("CARGO_BIN_EXE_qpip-nbd"))
         .args(["copy", "-", &server.uri, "--requests", "4", "-p"])
@@ -278,7 +278,7 @@ fn copy_survives_a_server_restart() {
     let size = 256 * MIB;
     let src = image(dir.path(), "src.img", size, &[(0, size)]);
     let dst = image(dir.path(), "dst.img", size, &[]);
-    let mut server = qpip_server("d", &dst, 0);
+    let mut server = qpip_server("d", &dst, &[]);
     let port = server.port;
     let uri = server.uri.clone();
     let child = Command::new(env!("CARGO_BIN_EXE_qpip-nbd"))
@@ -302,7 +302,7 @@ fn copy_survives_a_server_restart() {
     }
     server.kill();
     std::thread::sleep(Duration::from_millis(500));
-    let _server2 = qpip_server("d", &dst, port);
+    let _server2 = qpip_server_on(port, "d", &dst, &[]);
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "copy failed: {err}");
@@ -342,7 +342,7 @@ fn copy_one_gib_both_ways_then_cmp() {
         .unwrap()
         .set_len(size)
         .unwrap();
-    let server = qpip_server("big", &dst_img, 0);
+    let server = qpip_server("big", &dst_img, &[]);
     ok(&["copy", src.to_str().unwrap(), &server.uri]);
     let back = dir.path().join("back.img");
     ok(&["copy", &server.uri, back.to_str().unwrap()]);
@@ -396,7 +396,7 @@ fn logging_options_are_the_shared_ones_and_a_bad_rust_log_is_refused() {
 fn info_answers_size_can_is_and_map_like_nbdinfo() {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "a.img", 4 * MIB, &[(0, MIB), (2 * MIB, MIB)]);
-    let server = qpip_server("disk", &img, 0);
+    let server = qpip_server("disk", &img, &[]);
     let uri = server.uri.as_str();
     assert_eq!(ok(&["info", "--size", uri]), "4194304\n");
     let status = |args: &[&str]| {

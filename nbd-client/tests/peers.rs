@@ -62,7 +62,7 @@ fn exercise(uri: &str, size: u64) -> Client {
 fn qpip_server_read_write_flush_zeroes_block_status() {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "a.img", 16 * MIB, &[(8 * MIB, MIB)]);
-    let server = qpip_server("disk", &img, 0);
+    let server = qpip_server("disk", &img, &[]);
     let mut c = exercise(&server.uri, 16 * MIB);
     assert!(c.structured_replies() && c.extended_headers());
     assert!(c.can_block_status());
@@ -78,7 +78,7 @@ fn qpip_server_read_write_flush_zeroes_block_status() {
 fn qpip_server_pipelined_api() {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "a.img", 8 * MIB, &[(0, 8 * MIB)]);
-    let server = qpip_server("disk", &img, 0);
+    let server = qpip_server("disk", &img, &[]);
     let mut c = Client::connect(&server.uri).unwrap();
     let n = 64u64;
     let io = u64::from(c.max_io()).min(64 * 1024);
@@ -108,7 +108,7 @@ fn qpip_server_pipelined_api() {
 fn qpip_server_simple_replies_fallback() {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "a.img", 8 * MIB, &[]);
-    let server = qpip_server("disk", &img, 0);
+    let server = qpip_server("disk", &img, &[]);
     let opts = ClientOptions {
         structured_replies: false,
         ..Default::default()
@@ -129,7 +129,7 @@ fn qpip_server_simple_replies_fallback() {
 fn qpip_server_registered_memory_reads_and_writes() {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "a.img", 16 * MIB, &[]);
-    let server = qpip_server("disk", &img, 0);
+    let server = qpip_server("disk", &img, &[]);
     for structured in [true, false] {
         let nic = nbd_client::Nic::soft().unwrap();
         let opts = ClientOptions {
@@ -177,7 +177,7 @@ fn qpip_server_registered_memory_reads_and_writes() {
 fn requests_refused_with_eshutdown_go_again_after_a_graceful_restart() {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "g.img", 16 * MIB, &[]);
-    let mut server = qpip_server("disk", &img, 0);
+    let mut server = qpip_server("disk", &img, &[]);
     let port = server.port;
     let mut c = Client::connect(&server.uri).unwrap();
     let data = pattern(MIB, 64 * 1024);
@@ -188,7 +188,7 @@ fn requests_refused_with_eshutdown_go_again_after_a_graceful_restart() {
     let img2 = img.clone();
     let restarter = std::thread::spawn(move || {
         server.child.wait().unwrap();
-        qpip_server("disk", &img2, port)
+        qpip_server_on(port, "disk", &img2, &[])
     });
     // Reads while the server drains (it answers ESHUTDOWN), closes and comes back: every
     // one succeeds, until the client is on the new server.
@@ -208,7 +208,7 @@ fn requests_refused_with_eshutdown_go_again_after_a_graceful_restart() {
 fn list_and_info() {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "a.img", 4 * MIB, &[]);
-    let server = qpip_server("disk", &img, 0);
+    let server = qpip_server("disk", &img, &[]);
     let info = Client::info(&server.uri).unwrap();
     assert_eq!(info.size, 4 * MIB);
     let list = Client::list(&server.uri).unwrap();
@@ -481,7 +481,7 @@ fn tls_refusals_are_clear() {
     let d = creds.path();
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "p.img", MIB, &[]);
-    let plain = qpip_server("p", &img, 0);
+    let plain = qpip_server("p", &img, &[]);
     let uri = format!(
         "nbds://127.0.0.1:{}/p?tls-certificates={}",
         plain.port,

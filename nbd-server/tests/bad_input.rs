@@ -21,7 +21,7 @@ const IO_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn server(dir: &std::path::Path) -> ServerProcess {
     let img = image(dir, "disk.img", SIZE);
-    ServerProcess::start_v4(&["--export".into(), format!("disk={}", img.display())])
+    start_server_v4(&["--export".into(), format!("disk={}", img.display())])
 }
 
 /// A server on a fresh `SIZE` image "disk", with extra flags.
@@ -30,7 +30,7 @@ fn server_with(flags: &[&str]) -> (tempfile::TempDir, ServerProcess) {
     let img = image(dir.path(), "disk.img", SIZE);
     let mut args: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
     args.extend(["--export".into(), format!("disk={}", img.display())]);
-    let srv = ServerProcess::start_v4(&args);
+    let srv = start_server_v4(&args);
     (dir, srv)
 }
 
@@ -492,7 +492,7 @@ fn a_thousand_garbage_connections() {
 fn connections_beyond_max_connections_are_refused_then_served_again() {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "disk.img", SIZE);
-    let mut srv = ServerProcess::start_v4(&[
+    let mut srv = start_server_v4(&[
         "--export".into(),
         format!("disk={}", img.display()),
         "--max-connections".into(),
@@ -529,7 +529,7 @@ fn connections_beyond_max_connections_are_refused_then_served_again() {
 fn image_truncated_under_the_server_fails_reads_with_eio_and_keeps_the_connection() {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "disk.img", SIZE);
-    let mut srv = ServerProcess::start_v4(&["--export".into(), format!("disk={}", img.display())]);
+    let mut srv = start_server_v4(&["--export".into(), format!("disk={}", img.display())]);
     let mut s = transmission(srv.addr);
     let (e, _) = roundtrip(&mut s, Cmd::Write, 1, SIZE - 4096, 4096, &[0x42; 4096]);
     assert_eq!(e, None);
@@ -676,7 +676,7 @@ fn one_write_at_a_time_touches_a_few_receive_slots_not_all() {
     // emptied, so the server's RSS grows by a few MiB, not by its 32 slots of 1 MiB.
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "disk.img", 64 * MIB);
-    let srv = ServerProcess::start_v4(&["--export".into(), format!("disk={}", img.display())]);
+    let srv = start_server_v4(&["--export".into(), format!("disk={}", img.display())]);
     let mut s = start(srv.addr);
     assert_eq!(go(&mut s, "disk"), 64 * MIB);
     let before = rss(srv.pid);

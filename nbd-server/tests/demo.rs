@@ -28,7 +28,7 @@ fn demo_mode_does_not_follow_a_planted_symlink() {
         std::os::unix::fs::symlink(&secret, dir.join("demo.img")).unwrap();
     }
 
-    let srv = ServerProcess::start_env("127.0.0.1:0", &[], &[("TMPDIR", tmp.path())]);
+    let srv = start_server_env("127.0.0.1:0", &[], &[("TMPDIR", tmp.path())]);
     let mut tcp = TcpStream::connect(srv.addr).unwrap();
     let export = handshake(&mut tcp, b"demo").expect("demo export");
     assert_eq!(export.size, 64 << 20, "the demo is its own 64 MiB image");
@@ -62,7 +62,7 @@ fn demo_mode_does_not_follow_a_planted_symlink() {
 #[test]
 fn demo_writes_read_back_while_the_server_runs() {
     let tmp = tempfile::tempdir().unwrap();
-    let srv = ServerProcess::start_env("127.0.0.1:0", &[], &[("TMPDIR", tmp.path())]);
+    let srv = start_server_env("127.0.0.1:0", &[], &[("TMPDIR", tmp.path())]);
     let mut tcp = TcpStream::connect(srv.addr).unwrap();
     let export = handshake(&mut tcp, b"").expect("the demo is the default export");
     let mut c = NbdClient::new(tcp, &export);

@@ -18,7 +18,7 @@ fn flushed_writes_survive_kill_9() {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "disk.img", 32 * MIB);
     let args = vec!["--export".to_string(), format!("disk={}", img.display())];
-    let mut srv = ServerProcess::start_v4(&args);
+    let mut srv = start_server_v4(&args);
     qemu_io(
         &srv.uri("disk"),
         &[
@@ -31,7 +31,7 @@ fn flushed_writes_survive_kill_9() {
     srv.kill9();
     assert!(!srv.alive());
 
-    let srv = ServerProcess::start_v4(&args);
+    let srv = start_server_v4(&args);
     qemu_io(
         &srv.uri("disk"),
         &[
@@ -53,7 +53,7 @@ fn sigterm_during_fio_write_job_exits_zero() {
     }
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "disk.img", 64 * MIB);
-    let mut srv = ServerProcess::start_v4(&["--export".into(), format!("disk={}", img.display())]);
+    let mut srv = start_server_v4(&["--export".into(), format!("disk={}", img.display())]);
     let mut fio = Command::new("fio")
         .args([
             "--name=busy",

@@ -56,7 +56,7 @@ fn written_over_nbd_equals_written_locally(cluster_opts: &[&str]) {
     opts.extend_from_slice(cluster_opts);
     let served = qemu_img_create(dir.path(), "served.qcow2", &opts);
     let local = qemu_img_create(dir.path(), "local.qcow2", &opts);
-    let mut srv = ServerProcess::start_v4(&["--export".into(), format!("d={served}")]);
+    let mut srv = start_server_v4(&["--export".into(), format!("d={served}")]);
     let uri = srv.uri("d");
 
     let info = peer_ok(Command::new("qemu-img").args(["info", &uri]));
@@ -196,7 +196,7 @@ fn format_raw_serves_the_files_bytes_and_version_2_is_served_read_only() {
     peer_ok(Command::new("qemu-io").args(["-f", "qcow2", &v2, "-c", "write -P 0x5a 1M 64k"]));
     // qemu's block layer rounds the size up to whole sectors.
     let file_len = std::fs::metadata(&q).unwrap().len().div_ceil(512) * 512;
-    let srv = ServerProcess::start_v4(&[
+    let srv = start_server_v4(&[
         "-f".into(),
         "raw".into(),
         "--export".into(),
@@ -205,8 +205,7 @@ fn format_raw_serves_the_files_bytes_and_version_2_is_served_read_only() {
     let info = peer_ok(Command::new("qemu-img").args(["info", "-f", "raw", &srv.uri("q")]));
     assert!(info.contains(&format!("({file_len} bytes)")), "{info}");
     drop(srv);
-    let srv =
-        ServerProcess::start_v4(&["--read-only".into(), "--export".into(), format!("v={v2}")]);
+    let srv = start_server_v4(&["--read-only".into(), "--export".into(), format!("v={v2}")]);
     let out = peer_ok(Command::new("qemu-io").args([
         "-r",
         "-f",

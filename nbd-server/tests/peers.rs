@@ -7,6 +7,7 @@ use std::path::Path;
 use std::process::Command;
 
 use common::*;
+use qpip_test_support::process::PEER_TIMEOUT;
 
 const MIB: u64 = 1 << 20;
 
@@ -14,7 +15,7 @@ const MIB: u64 = 1 << 20;
 fn two_exports(listen: &str, dir: &Path) -> ServerProcess {
     let disk = image(dir, "disk.img", 64 * MIB);
     let other = image(dir, "other.img", 16 * MIB);
-    ServerProcess::start(
+    start_server(
         listen,
         &[
             "--export".into(),
@@ -29,22 +30,68 @@ fn two_exports(listen: &str, dir: &Path) -> ServerProcess {
     )
 }
 
-fn read_file_range(path: &Path, off: u64, len: usize) -> Vec<u8> {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut f = std::fs::File::open(path).unwrap();
-    f.seek(SeekFrom::Start(off)).unwrap();
-    let mut v = vec![0; len];
-    f.read_exact(&mut v).unwrap();
-    v
+/// When `peers` are installed (else None: a skip, under the CI rule), a fresh directory with
+/// [`two_exports`] on `listen` serving from it.
+fn peers_and_two_exports(
+    peers: &[&str],
+    listen: &str,
+) -> Option<(tempfile::TempDir, ServerProcess)> {
+    if !require(peers) {
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let srv = two_exports(listen, dir.path());
+    Some((dir, srv))
+}
+
+/// Asserts that each range `(offset, len, byte)` of the file at `path` holds only `byte`.
+fn assert_filled(path: &Path, ranges: &[(u64, u64, u8)]) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(path).unwrap();
+    for &(off, len, byte) in ranges {
+        let mut v = vec![0; len as usize];
+        f.read_exact_at(&mut v, off).unwrap();
+        if let Some(i) = v.iter().position(|&b| b != byte) {
+            panic!(
+                "{} at {}: {:#x}, expected {byte:#x} in [{off}, +{len})",
+                path.display(),
+                off + i as u64,
+                v[i]
+            );
+        }
+    }
+}
+
+/// `qemu-img convert -f FROM -O TO SRC DST` (`-n`: into an existing target).
+fn convert(from: &str, to: &str, src: &str, dst: &str, existing: bool) {
+    let mut c = Command::new("qemu-img");
+    c.arg("convert");
+    if existing {
+        c.arg("-n");
+    }
+    peer_ok(c.args(["-f", from, "-O", to, src, dst]));
+}
+
+/// `qemu-img compare -f FA -F FB A B`: its output, and whether it found them identical (it
+/// exits with 1 when they differ).
+fn compare(fa: &str, a: &str, fb: &str, b: &str) -> (bool, String) {
+    let o = run_with_timeout(
+        Command::new("qemu-img").args(["compare", "-f", fa, "-F", fb, a, b]),
+        PEER_TIMEOUT,
+    );
+    let t = text(&o);
+    match o.status.code() {
+        Some(0) => (true, t),
+        Some(1) => (false, t),
+        _ => panic!("qemu-img compare {a} {b} failed ({}):\n{t}", o.status),
+    }
 }
 
 #[test]
 fn qemu_img_info_convert_and_compare() {
-    if !require(&["qemu-img", "qemu-io"]) {
+    let Some((dir, srv)) = peers_and_two_exports(&["qemu-img", "qemu-io"], "127.0.0.1:0") else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let srv = two_exports("127.0.0.1:0", dir.path());
+    };
     let uri = srv.uri("other");
 
     let info = peer_ok(Command::new("qemu-img").args(["info", &uri]));
@@ -59,26 +106,10 @@ fn qemu_img_info_convert_and_compare() {
     data[..4 * MIB as usize].copy_from_slice(&pattern(4 * MIB as usize, 1));
     data[12 * MIB as usize..13 * MIB as usize].copy_from_slice(&pattern(MIB as usize, 2));
     std::fs::write(&src, &data).unwrap();
-    peer_ok(Command::new("qemu-img").args([
-        "convert",
-        "-n",
-        "-f",
-        "raw",
-        "-O",
-        "raw",
-        src.to_str().unwrap(),
-        &uri,
-    ]));
-    let cmp = peer_ok(Command::new("qemu-img").args([
-        "compare",
-        "-f",
-        "raw",
-        "-F",
-        "raw",
-        src.to_str().unwrap(),
-        &uri,
-    ]));
-    assert!(cmp.contains("Images are identical"), "{cmp}");
+    let src_s = src.to_str().unwrap();
+    convert("raw", "raw", src_s, &uri, true);
+    let (same, cmp) = compare("raw", src_s, "raw", &uri);
+    assert!(same && cmp.contains("Images are identical"), "{cmp}");
     assert_eq!(
         std::fs::read(dir.path().join("other.img")).unwrap(),
         data,
@@ -87,35 +118,12 @@ fn qemu_img_info_convert_and_compare() {
 
     // nbd -> qcow2 -> compare with the source, and byte for byte through a raw copy.
     let q = dir.path().join("out.qcow2");
-    peer_ok(Command::new("qemu-img").args([
-        "convert",
-        "-f",
-        "raw",
-        "-O",
-        "qcow2",
-        &uri,
-        q.to_str().unwrap(),
-    ]));
-    let cmp = peer_ok(Command::new("qemu-img").args([
-        "compare",
-        "-f",
-        "qcow2",
-        "-F",
-        "raw",
-        q.to_str().unwrap(),
-        src.to_str().unwrap(),
-    ]));
-    assert!(cmp.contains("Images are identical"), "{cmp}");
+    let q_s = q.to_str().unwrap();
+    convert("raw", "qcow2", &uri, q_s, false);
+    let (same, cmp) = compare("qcow2", q_s, "raw", src_s);
+    assert!(same && cmp.contains("Images are identical"), "{cmp}");
     let back = dir.path().join("back.raw");
-    peer_ok(Command::new("qemu-img").args([
-        "convert",
-        "-f",
-        "qcow2",
-        "-O",
-        "raw",
-        q.to_str().unwrap(),
-        back.to_str().unwrap(),
-    ]));
+    convert("qcow2", "raw", q_s, back.to_str().unwrap(), false);
     assert!(
         std::fs::read(&back).unwrap() == data,
         "nbd -> qcow2 -> raw differs from the source"
@@ -123,33 +131,15 @@ fn qemu_img_info_convert_and_compare() {
 
     // A difference must be detected: change one byte behind the server's back... through it.
     peer_ok(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x5a 13631488 512", &uri]));
-    let o = run_with_timeout(
-        Command::new("qemu-img").args([
-            "compare",
-            "-f",
-            "raw",
-            "-F",
-            "raw",
-            src.to_str().unwrap(),
-            &uri,
-        ]),
-        std::time::Duration::from_secs(60),
-    );
-    assert_eq!(
-        o.status.code(),
-        Some(1),
-        "qemu-img compare should see the change:\n{}",
-        text(&o)
-    );
+    let (same, cmp) = compare("raw", src_s, "raw", &uri);
+    assert!(!same, "qemu-img compare should see the change:\n{cmp}");
 }
 
 #[test]
 fn qemu_io_patterns_zeroes_discard_fua_large_write_flush() {
-    if !require(&["qemu-io"]) {
+    let Some((dir, srv)) = peers_and_two_exports(&["qemu-io"], "127.0.0.1:0") else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let srv = two_exports("127.0.0.1:0", dir.path());
+    };
     let uri = srv.uri("disk");
     qemu_io(
         &uri,
@@ -173,42 +163,22 @@ fn qemu_io_patterns_zeroes_discard_fua_large_write_flush() {
         ],
     );
     // The writes are in the image file itself, not only in what the server answers.
-    let img = dir.path().join("disk.img");
-    assert!(
-        read_file_range(&img, 0, MIB as usize)
-            .iter()
-            .all(|&b| b == 0xab)
-    );
-    assert!(
-        read_file_range(&img, MIB, MIB as usize)
-            .iter()
-            .all(|&b| b == 0)
-    );
-    assert!(
-        read_file_range(&img, 4 * MIB, MIB as usize)
-            .iter()
-            .all(|&b| b == 0)
-    );
-    assert!(
-        read_file_range(&img, 8 * MIB, 65536)
-            .iter()
-            .all(|&b| b == 0x33)
-    );
-    assert!(
-        read_file_range(&img, 16 * MIB, 32 * MIB as usize)
-            .iter()
-            .all(|&b| b == 0x5c)
-    );
-    assert!(
-        read_file_range(&img, 48 * MIB, MIB as usize)
-            .iter()
-            .all(|&b| b == 0)
+    assert_filled(
+        &dir.path().join("disk.img"),
+        &[
+            (0, MIB, 0xab),
+            (MIB, MIB, 0),
+            (4 * MIB, MIB, 0),
+            (8 * MIB, 65536, 0x33),
+            (16 * MIB, 32 * MIB, 0x5c),
+            (48 * MIB, MIB, 0),
+        ],
     );
 
     // The verification can fail: a wrong expected pattern is reported.
     let o = run_with_timeout(
         Command::new("qemu-io").args(["-f", "raw", "-c", "read -P 0xac 0 4k", &uri]),
-        std::time::Duration::from_secs(60),
+        PEER_TIMEOUT,
     );
     assert!(
         text(&o).contains("Pattern verification failed"),
@@ -219,11 +189,9 @@ fn qemu_io_patterns_zeroes_discard_fua_large_write_flush() {
 
 #[test]
 fn nbdinfo_size_flags_content_and_list() {
-    if !require(&["nbdinfo", "qemu-io"]) {
+    let Some((_dir, srv)) = peers_and_two_exports(&["nbdinfo", "qemu-io"], "127.0.0.1:0") else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let srv = two_exports("127.0.0.1:0", dir.path());
+    };
     // An MBR boot signature, for nbdinfo's content detection (file(1)).
     qemu_io(
         &srv.uri("disk"),
@@ -294,11 +262,9 @@ fn kind_at(map: &[(u64, u64, u32, String)], off: u64) -> &str {
 
 #[test]
 fn nbdinfo_map_shows_holes_and_data() {
-    if !require(&["nbdinfo", "qemu-io"]) {
+    let Some((_dir, srv)) = peers_and_two_exports(&["nbdinfo", "qemu-io"], "127.0.0.1:0") else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let srv = two_exports("127.0.0.1:0", dir.path());
+    };
     let uri = srv.uri("disk");
     let fresh = peer_ok(Command::new("nbdinfo").args(["--map", &uri]));
     let m = parse_map(&fresh);
@@ -344,11 +310,9 @@ fn nbdinfo_map_shows_holes_and_data() {
 
 #[test]
 fn nbdcopy_both_directions() {
-    if !require(&["nbdcopy"]) {
+    let Some((dir, srv)) = peers_and_two_exports(&["nbdcopy"], "127.0.0.1:0") else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let srv = two_exports("127.0.0.1:0", dir.path());
+    };
     let uri = srv.uri("other");
     let src = dir.path().join("src.raw");
     let data = pattern(16 * MIB as usize, 7);
@@ -366,11 +330,9 @@ fn nbdcopy_both_directions() {
 
 #[test]
 fn fio_nbd_engine_randwrite_verify() {
-    if !require(&["fio"]) {
+    let Some((_dir, srv)) = peers_and_two_exports(&["fio"], "127.0.0.1:0") else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let srv = two_exports("127.0.0.1:0", dir.path());
+    };
     let out = peer_ok(Command::new("fio").args([
         "--name=qpip",
         "--ioengine=nbd",
@@ -404,7 +366,7 @@ fn read_only_export_refuses_writes() {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "ro.img", 4 * MIB);
     std::fs::write(&img, vec![0x7e; 4 * MIB as usize]).unwrap();
-    let srv = ServerProcess::start_v4(&[
+    let srv = start_server_v4(&[
         "--export".into(),
         format!("ro={}", img.display()),
         "--read-only".into(),
@@ -424,11 +386,10 @@ fn read_only_export_refuses_writes() {
 
 #[test]
 fn ipv6_qemu_img_nbdinfo_qemu_io() {
-    if !require(&["qemu-img", "nbdinfo", "qemu-io"]) {
+    let Some((_dir, srv)) = peers_and_two_exports(&["qemu-img", "nbdinfo", "qemu-io"], "[::1]:0")
+    else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let srv = two_exports("[::1]:0", dir.path());
+    };
     assert!(srv.addr.is_ipv6(), "{}", srv.addr);
     let uri = srv.uri("disk");
     assert!(uri.starts_with("nbd://[::1]:"), "{uri}");
@@ -444,11 +405,10 @@ fn ipv6_qemu_img_nbdinfo_qemu_io() {
 
 #[test]
 fn unknown_export_fails_and_server_keeps_serving() {
-    if !require(&["qemu-img", "nbdinfo"]) {
+    let Some((_dir, mut srv)) = peers_and_two_exports(&["qemu-img", "nbdinfo"], "127.0.0.1:0")
+    else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let mut srv = two_exports("127.0.0.1:0", dir.path());
+    };
     let t = peer_fails(Command::new("nbdinfo").arg(srv.uri("nope")));
     assert!(t.contains("nope"), "nbdinfo should name the export:\n{t}");
     let t = peer_fails(Command::new("qemu-img").args(["info", &srv.uri("nope")]));
@@ -466,7 +426,7 @@ fn qemu_io_with_extended_headers_and_64_bit_lengths() {
     let dir = tempfile::tempdir().unwrap();
     // Sparse: only the patterns below take space.
     let img = image(dir.path(), "big.img", 6 << 30);
-    let srv = ServerProcess::start_v4(&["--export".into(), format!("big={}", img.display())]);
+    let srv = start_server_v4(&["--export".into(), format!("big={}", img.display())]);
     let uri = srv.uri("big");
     qemu_io(
         &uri,
@@ -490,9 +450,5 @@ fn qemu_io_with_extended_headers_and_64_bit_lengths() {
         "qemu-io did not negotiate extended headers:\n{}",
         srv.log()
     );
-    assert!(
-        read_file_range(&img, 5 << 30, MIB as usize)
-            .iter()
-            .all(|&b| b == 0xcd)
-    );
+    assert_filled(&img, &[(5 << 30, MIB, 0xcd)]);
 }

@@ -16,7 +16,7 @@ const MIB: u64 = 1 << 20;
 fn nbd_crate_write_read_trim_via_export_name() {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "disk.img", 16 * MIB);
-    let srv = ServerProcess::start_v4(&["--export".into(), format!("disk={}", img.display())]);
+    let srv = start_server_v4(&["--export".into(), format!("disk={}", img.display())]);
 
     let mut tcp = TcpStream::connect(srv.addr).unwrap();
     let export = handshake(&mut tcp, b"disk").expect("EXPORT_NAME handshake");
@@ -60,7 +60,7 @@ fn nbd_crate_default_export_and_read_only() {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "ro.img", 2 * MIB);
     std::fs::write(&img, pattern(2 * MIB as usize, 9)).unwrap();
-    let srv = ServerProcess::start_v4(&[
+    let srv = start_server_v4(&[
         "--export".into(),
         format!("ro={}", img.display()),
         "--default-export".into(),

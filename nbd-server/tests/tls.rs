@@ -36,7 +36,7 @@ fn certs() -> Option<tempfile::TempDir> {
 fn server(img: &Path, tls: &[&str]) -> ServerProcess {
     let mut a = args(tls);
     a.extend(args(&["--export", &format!("disk={}", img.display())]));
-    ServerProcess::start_v4(&a)
+    start_server_v4(&a)
 }
 
 fn x509_object(dir: &Path) -> String {

@@ -20,7 +20,7 @@ fn qemu_io_and_nbdinfo_over_a_unix_socket() {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "disk.img", 16 * MIB);
     let sock = dir.path().join("nbd.sock");
-    let mut srv = ServerProcess::start(
+    let mut srv = start_server(
         "",
         &args(&[
             "--socket",

@@ -14,6 +14,7 @@ use qpip_core::{
     Access, Completion, Nic, Opcode, QpAttr, QpState, QueuePair, RawStream, RecvWr, SendWr,
     WcStatus,
 };
+use qpip_test_support::bins::workspace_example;
 
 const T: Duration = Duration::from_secs(30);
 const LEN: usize = 3 << 20;
@@ -167,51 +168,16 @@ fn length_prefixed_framing_is_visible_to_a_socket() {
     assert_eq!(&v, b"abc");
 }
 
-/// Runs as the peer process when QPIP_TEST_PEER is set: connects a QP and streams messages
-/// both ways until it is killed.
-#[test]
-fn peer_process() {
-    let Ok(target) = std::env::var("QPIP_TEST_PEER") else {
-        return;
-    };
-    let nic = Nic::soft().unwrap();
-    let cq = nic.create_cq(64);
-    let qp = nic.create_qp(QpAttr::new(&cq).depths(16, 16));
-    qp.connect(target.parse().unwrap()).unwrap();
-    let mr = nic.alloc_region(32 << 20, Access::READ_WRITE);
-    for i in 0..16 {
-        qp.post_recv(RecvWr::new(i, &[mr.sge(i as usize * (1 << 20), 1 << 20)]))
-            .unwrap();
-    }
-    for i in 0..8 {
-        qp.post_send(SendWr::new(100 + i, &[mr.sge(16 << 20, 1 << 20)]))
-            .unwrap();
-    }
-    println!("streaming");
-    let mut buf = [Completion::default(); 32];
-    loop {
-        let n = cq.wait(&mut buf, None).unwrap();
-        for c in &buf[..n] {
-            match c.opcode {
-                Opcode::Recv => qp.post_recv(RecvWr::new(
-                    c.wr_id,
-                    &[mr.sge(c.wr_id as usize * (1 << 20), 1 << 20)],
-                )),
-                Opcode::Send => qp.post_send(SendWr::new(c.wr_id, &[mr.sge(16 << 20, 1 << 20)])),
-            }
-            .unwrap();
-        }
-    }
-}
-
 #[test]
 fn peer_killed_mid_stream_gives_remote_closed_and_flushed() {
     let nic = Nic::soft().unwrap();
     let cq = nic.create_cq(256);
     let listener = nic.listen(addr(V4)).unwrap();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "peer_process", "--nocapture", "--test-threads=1"])
-        .env("QPIP_TEST_PEER", listener.local_addr().to_string())
+    // The peer is a process of its own (examples/qp_stream_peer.rs), so that killing it is
+    // what a QP sees when the host at the other end dies.
+    let peer = workspace_example("qpip-core", "qp_stream_peer");
+    let mut child = Command::new(peer)
+        .arg(listener.local_addr().to_string())
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
@@ -245,6 +211,10 @@ fn peer_killed_mid_stream_gives_remote_closed_and_flushed() {
             .unwrap();
         }
     }
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the peer process ended before it was killed"
+    );
     child.kill().unwrap();
     child.wait().unwrap();
 

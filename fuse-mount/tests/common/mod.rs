@@ -1,46 +1,24 @@
-//! Test harness: NBD servers (qpip-nbd-server, nbdkit) as child processes on 127.0.0.1, the
-//! qpip-nbd-mount under test, and Drop guards that undo mounts and loop devices even when a
-//! test fails. Needs root and /dev/fuse; a missing prerequisite skips a test, except in CI
-//! (CI=true) where it fails it.
-#![allow(dead_code)]
+//! fuse-mount's own test harness: the qpip-nbd-mount under test, its FUSE transport, and
+//! Drop guards that undo mounts and loop devices even when a test fails. Needs root and
+//! /dev/fuse. Servers, peers, ports, patterns and the CI rule (a missing prerequisite skips
+//! a test, or fails it in CI) are qpip-test-support's.
+#![allow(dead_code, unused_imports)] // each test crate uses a different subset
 
 use std::cell::RefCell;
-use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-fn in_ci() -> bool {
-    std::env::var("CI").as_deref() == Ok("true")
-}
-
-pub fn missing(what: &str) -> bool {
-    if in_ci() {
-        panic!("{what} is required in CI but is missing");
-    }
-    eprintln!("skipping: {what} is missing");
-    false
-}
-
-/// Is `tool` installed? (In CI a missing tool fails the test.)
-pub fn have(tool: &str) -> bool {
-    let found = std::env::var_os("PATH").is_some_and(|p| {
-        std::env::split_paths(&p).any(|d| d.join(tool).is_file())
-            || ["/usr/sbin", "/sbin"]
-                .iter()
-                .any(|d| Path::new(d).join(tool).is_file())
-    });
-    found || missing(tool)
-}
+pub use qpip_test_support::ci::{have, missing, root};
+pub use qpip_test_support::net::free_port;
+pub use qpip_test_support::pattern::{at_offset as pattern, sparse_image};
+pub use qpip_test_support::servers::{Peer, nbdkit, qpip_server, qpip_server_on};
 
 /// Root, /dev/fuse and fusermount3: what every mount test needs.
 pub fn can_fuse() -> bool {
-    // SAFETY: plain getter.
-    if unsafe { libc::geteuid() } != 0 {
-        return missing("root");
+    if !root("FUSE mounts and loop devices need it") {
+        return false;
     }
     if !Path::new("/dev/fuse").exists() {
         return missing("/dev/fuse");
@@ -115,150 +93,6 @@ pub fn transport_in_log(log: &str) -> Option<&'static str> {
     } else {
         None
     }
-}
-
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Waits until something listens on `port` (from /proc, without connecting).
-pub fn wait_port(port: u16) {
-    let t = Instant::now();
-    let listening = || {
-        ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
-            std::fs::read_to_string(f).is_ok_and(|s| {
-                s.lines().skip(1).any(|l| {
-                    let cols: Vec<&str> = l.split_whitespace().collect();
-                    cols.len() > 3
-                        && cols[3] == "0A"
-                        && cols[1].rsplit(':').next() == Some(&format!("{port:04X}"))
-                })
-            })
-        })
-    };
-    while !listening() {
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "nothing listens on {port}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-pub struct Server {
-    pub child: Child,
-    pub uri: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// The qpip-nbd-server binary, built once with the same cargo into the same target directory.
-pub fn qpip_server_bin() -> PathBuf {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let exe = std::env::current_exe().unwrap();
-        let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
-        let bin = dir.join("qpip-nbd-server");
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args([
-                "build",
-                "-q",
-                "-p",
-                "nbd-server",
-                "--bin",
-                "qpip-nbd-server",
-            ])
-            // With the features scripts/test builds the workspace with, so that this build
-            // does not replace the binary other tests run with one that lacks them.
-            .args(
-                std::env::var("QPIP_FEATURES")
-                    .unwrap_or_default()
-                    .split_whitespace(),
-            )
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("running cargo build for qpip-nbd-server");
-        assert!(status.success(), "building qpip-nbd-server failed");
-        assert!(bin.is_file(), "{} missing after build", bin.display());
-        bin
-    })
-    .clone()
-}
-
-/// qpip-nbd-server on a free port exporting `name` = `path`, with `extra` arguments.
-pub fn qpip_server(name: &str, path: &Path, extra: &[&str]) -> Server {
-    qpip_server_on(0, name, path, extra)
-}
-
-/// [`qpip_server`] on `port` (0: a free one).
-pub fn qpip_server_on(port: u16, name: &str, path: &Path, extra: &[&str]) -> Server {
-    let mut child = Command::new(qpip_server_bin())
-        .args(["--listen", &format!("127.0.0.1:{port}"), "--log", "warn"])
-        .arg("--export")
-        .arg(format!("{name}={}", path.display()))
-        .args(extra)
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("starting qpip-nbd-server");
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    let addr = loop {
-        line.clear();
-        assert!(
-            out.read_line(&mut line).unwrap() > 0,
-            "qpip-nbd-server exited before listening"
-        );
-        if let Some(a) = line.trim().strip_prefix("qpip-nbd-server: listening on ") {
-            break a.to_string();
-        }
-    };
-    std::thread::spawn(move || {
-        let mut s = String::new();
-        while out.read_line(&mut s).is_ok_and(|n| n > 0) {
-            s.clear();
-        }
-    });
-    let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
-    Server {
-        child,
-        uri: format!("nbd://127.0.0.1:{port}/{name}"),
-    }
-}
-
-/// nbdkit with `args` (plugin, filters, parameters); its URI names the default export.
-pub fn nbdkit(args: &[&str]) -> Option<Server> {
-    if !have("nbdkit") {
-        return None;
-    }
-    let port = free_port();
-    let child = Command::new("nbdkit")
-        .args([
-            "-f",
-            "-p",
-            &port.to_string(),
-            "-i",
-            "127.0.0.1",
-            "--exit-with-parent",
-        ])
-        .args(args)
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("starting nbdkit");
-    wait_port(port);
-    Some(Server {
-        child,
-        uri: format!("nbd://127.0.0.1:{port}/"),
-    })
 }
 
 /// A running qpip-nbd-mount. Dropping it unmounts lazily and kills the process.
@@ -415,21 +249,4 @@ impl Drop for Mounted {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg("-l").arg(&self.0).status();
     }
-}
-
-/// A sparse file of `size` bytes.
-pub fn sparse_image(dir: &Path, name: &str, size: u64) -> PathBuf {
-    let path = dir.join(name);
-    std::fs::File::create(&path).unwrap().set_len(size).unwrap();
-    path
-}
-
-/// Deterministic bytes that depend on the absolute offset.
-pub fn pattern(offset: u64, len: usize) -> Vec<u8> {
-    (0..len as u64)
-        .map(|i| {
-            let x = (offset + i).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            (x >> 56) as u8 ^ ((offset + i) >> 12) as u8
-        })
-        .collect()
 }

@@ -1,4 +1,8 @@
-#![allow(dead_code)]
+//! qpip-core's own test helpers (connected QP pairs, waiting for completions); patterns and
+//! the CI rule are qpip-test-support's.
+#![allow(dead_code, unused_imports)]
+
+pub use qpip_test_support::pattern::{Rng, message_byte as pattern};
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -54,26 +58,4 @@ pub fn wait_n(cq: &CompletionQueue, n: usize, timeout: Duration) -> Vec<Completi
         out.extend_from_slice(&buf[..got]);
     }
     out
-}
-
-/// Deterministic pseudo-random numbers (xorshift), so failures reproduce.
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
-/// The pattern byte of message `msg` at offset `i`.
-pub fn pattern(msg: u64, i: usize) -> u8 {
-    (msg.wrapping_mul(31).wrapping_add(i as u64 * 7) % 251) as u8
 }
