@@ -14,6 +14,7 @@
 //! | [`transmission`] | [`Request`] header (compact or extended), [`validate_request`] (which error to send) |
 //! | [`reply`] | simple replies, structured and extended chunks, block-status builders |
 //! | [`reply_check`] | a client's checks of one request's reply chunks ([`reply_check::ReplyCheck`]) |
+//! | [`session`] | the client's transmission phase: requests in flight, replies into buffers ([`session::ClientSession`]) |
 //! | [`framing`] | "where does this message end?" for message-based transports |
 //!
 //! # Driving the handshake
@@ -154,6 +155,7 @@ pub mod handshake;
 pub mod peer_text;
 pub mod reply;
 pub mod reply_check;
+pub mod session;
 pub mod transmission;
 mod wire;
 
