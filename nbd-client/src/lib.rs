@@ -17,15 +17,21 @@
 //! straight into the caller's buffer (nbd-proto's `client_data_at`). Requests are pipelined (a window of up to 64), split at the server's
 //! maximum block size, and reissued on a new connection when the old one is lost.
 
+mod blocking;
 pub mod client;
 mod conn;
 pub mod error;
 pub mod framer;
+mod options;
+mod pipeline;
+pub mod pool;
+mod recovery;
 pub mod uri;
 
 pub use client::{Client, ClientOptions, ExportInfo, Extent, Op, Output, Reply};
 pub use conn::{MAX_IO, MAX_WINDOW};
 pub use error::{Error, Result};
 pub use nbd_proto::handshake::ExportListing;
+pub use pool::{Caps, Pool};
 pub use qpip_core::Nic;
 pub use uri::{DEFAULT_PORT, NbdUri, TlsParams, UriError};

@@ -60,6 +60,8 @@ pub struct FramedRead {
 /// What to send for one request on the current connection.
 #[derive(Debug)]
 pub struct Outgoing<'a, R> {
+    /// The request's command.
+    pub command: Command,
     /// The request header (compact or extended).
     pub header: RequestHeader,
     /// WRITE payload bytes that follow the header.
@@ -221,6 +223,7 @@ impl<R: ReadTarget> ClientSession<R> {
         let framed =
             req.command == Command::Read && (!self.mode.structured || entry.region.is_some());
         Ok(Outgoing {
+            command: req.command,
             header,
             payload_len: req.payload_len(extended) as usize,
             slot: entry.slot,
