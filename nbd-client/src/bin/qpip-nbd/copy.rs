@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use anyhow::{Context, Result, bail};
 use indicatif::ProgressBar;
 use nbd_client::uri::looks_like_uri;
-use nbd_client::{Client, ClientOptions, Nic};
+use nbd_client::{ClientOptions, Nic, Pool};
 use qpip_core::{Access, MemoryRegion};
 
 /// Bytes read then written per step of a worker (each step is many requests in flight).
@@ -131,11 +131,10 @@ enum Side {
         /// A destination we truncated: holes already read as zeroes.
         fresh: bool,
     },
-    Nbd(Box<Client>),
+    /// An export: one pool of connections, shared by the workers.
+    Nbd(Arc<Pool>),
     /// `null:`: takes everything, keeps nothing.
-    Null {
-        size: u64,
-    },
+    Null { size: u64 },
 }
 
 impl Side {
@@ -155,9 +154,8 @@ impl Side {
                     fresh: false,
                 })
             }
-            Endpoint::Nbd(uri) => Ok(Side::Nbd(Box::new(
-                Client::connect_with(uri, opts.clone())
-                    .with_context(|| format!("connecting to {uri}"))?,
+            Endpoint::Nbd(uri) => Ok(Side::Nbd(Arc::new(
+                Pool::connect(uri, opts.clone()).with_context(|| format!("connecting to {uri}"))?,
             ))),
         }
     }
@@ -198,40 +196,53 @@ impl Side {
                 })
             }
             Endpoint::Nbd(uri) => {
-                let c = Client::connect_with(uri, opts.clone())
+                let p = Pool::connect(uri, opts.clone())
                     .with_context(|| format!("connecting to {uri}"))?;
-                if c.size() < size {
+                if p.caps().size < size {
                     bail!(
                         "{uri}: the export has {} bytes, the source has {size}",
-                        c.size()
+                        p.caps().size
                     );
                 }
-                if c.is_read_only() {
+                if p.caps().read_only {
                     bail!("{uri}: the export is read-only");
                 }
-                Ok(Side::Nbd(Box::new(c)))
+                Ok(Side::Nbd(Arc::new(p)))
             }
         }
+    }
+
+    /// An export gets `n` connections (a worker each); files and null: need nothing.
+    fn widen(&mut self, n: usize) -> Result<()> {
+        let Side::Nbd(p) = self else {
+            return Ok(());
+        };
+        let pool = Arc::get_mut(p).context("widening a pool already shared")?;
+        while pool.connections() < n {
+            pool.add_connection()
+                .with_context(|| format!("connecting to {}", pool.uri()))?;
+        }
+        Ok(())
     }
 
     fn size(&self) -> u64 {
         match self {
             Side::File { size, .. } | Side::Null { size } => *size,
-            Side::Nbd(c) => c.size(),
+            Side::Nbd(p) => p.caps().size,
         }
     }
 
     fn multi_conn(&self) -> bool {
         match self {
             Side::File { .. } | Side::Null { .. } => true,
-            Side::Nbd(c) => c.can_multi_conn(),
+            Side::Nbd(p) => p.caps().multi_conn,
         }
     }
 
     fn name(&self) -> String {
         match self {
             Side::File { path, .. } => path.display().to_string(),
-            Side::Nbd(c) => c.uri().to_string(),
+            Side::Nbd(p) => p.uri().to_string(),
             Side::Null { .. } => "null:".into(),
         }
     }
@@ -241,9 +252,9 @@ impl Side {
             Side::File { file, path, .. } => file
                 .read_exact_at(buf, off)
                 .with_context(|| format!("reading {} at {off}", path.display())),
-            Side::Nbd(c) => c
-                .read_at(off, buf)
-                .with_context(|| format!("reading {} at {off}", c.uri())),
+            Side::Nbd(p) => p
+                .with(|c| c.read_at(off, buf))
+                .with_context(|| format!("reading {} at {off}", p.uri())),
             Side::Null { .. } => bail!("null: cannot be read back"),
         }
     }
@@ -252,9 +263,9 @@ impl Side {
     /// NIC places the data there without a copy.
     fn read_mr(&mut self, off: u64, mr: &MemoryRegion, n: usize) -> Result<()> {
         match self {
-            Side::Nbd(c) => c
-                .read_at_mr(off, mr, 0, n)
-                .with_context(|| format!("reading {} at {off}", c.uri())),
+            Side::Nbd(p) => p
+                .with(|c| c.read_at_mr(off, mr, 0, n))
+                .with_context(|| format!("reading {} at {off}", p.uri())),
             // SAFETY: the buffer is this worker's and no WR names it between its requests.
             _ => self.read(off, unsafe { &mut mr.as_mut_slice()[..n] }),
         }
@@ -264,9 +275,9 @@ impl Side {
     /// WR points at the buffer, no copy.
     fn write_mr(&mut self, off: u64, mr: &MemoryRegion, n: usize) -> Result<()> {
         match self {
-            Side::Nbd(c) => c
-                .write_at_mr(off, mr, 0, n, false)
-                .with_context(|| format!("writing {} at {off}", c.uri())),
+            Side::Nbd(p) => p
+                .with(|c| c.write_at_mr(off, mr, 0, n, false))
+                .with_context(|| format!("writing {} at {off}", p.uri())),
             // SAFETY: as in read_mr.
             _ => self.write(off, unsafe { &mr.as_slice()[..n] }),
         }
@@ -296,9 +307,9 @@ impl Side {
             Side::File { file, path, .. } => file
                 .write_all_at(data, off)
                 .with_context(|| format!("writing {} at {off}", path.display())),
-            Side::Nbd(c) => c
-                .write_at(off, data, false)
-                .with_context(|| format!("writing {} at {off}", c.uri())),
+            Side::Nbd(p) => p
+                .with(|c| c.write_at(off, data, false))
+                .with_context(|| format!("writing {} at {off}", p.uri())),
             Side::Null { .. } => Ok(()),
         }
     }
@@ -325,9 +336,9 @@ impl Side {
             }
             // WRITE_ZEROES (the server may punch a hole); TRIM is not used: its contents
             // afterwards are unspecified.
-            Side::Nbd(c) if c.can_write_zeroes() => c
-                .write_zeroes(off, len, false)
-                .with_context(|| format!("zeroing {} at {off}", c.uri())),
+            Side::Nbd(p) if p.caps().write_zeroes => p
+                .with(|c| c.write_zeroes(off, len, false))
+                .with_context(|| format!("zeroing {} at {off}", p.uri())),
             Side::Nbd(_) => self.write_zero_bytes(off, len),
         }
     }
@@ -366,10 +377,10 @@ impl Side {
                 let end = if hole < 0 { off + len } else { hole as u64 };
                 Ok(((end - off).clamp(1, len), false))
             }
-            Side::Nbd(c) if c.can_block_status() => {
-                let ext = c
-                    .block_status(off, len.min(1 << 30))
-                    .with_context(|| format!("block status of {} at {off}", c.uri()))?;
+            Side::Nbd(p) if p.caps().block_status => {
+                let ext = p
+                    .with(|c| c.block_status(off, len.min(1 << 30)))
+                    .with_context(|| format!("block status of {} at {off}", p.uri()))?;
                 let first = ext[0];
                 // Merge following extents of the same kind.
                 let mut n = 0;
@@ -390,7 +401,9 @@ impl Side {
             Side::File { file, path, .. } => file
                 .sync_all()
                 .with_context(|| format!("syncing {}", path.display())),
-            Side::Nbd(c) => c.flush().with_context(|| format!("flushing {}", c.uri())),
+            Side::Nbd(p) => p
+                .with(|c| c.flush())
+                .with_context(|| format!("flushing {}", p.uri())),
             Side::Null { .. } => Ok(()),
         }
     }
@@ -398,11 +411,17 @@ impl Side {
     fn finish(self) -> Result<u64> {
         match self {
             Side::File { .. } | Side::Null { .. } => Ok(0),
-            Side::Nbd(c) => {
-                let n = c.reconnects();
-                let uri = c.uri().to_string();
-                c.disconnect()
-                    .with_context(|| format!("disconnecting from {uri}"))?;
+            // The workers share the pool: the last of them disconnects it.
+            Side::Nbd(p) => {
+                let Ok(pool) = Arc::try_unwrap(p) else {
+                    return Ok(0);
+                };
+                let n = pool.reconnects();
+                let uri = pool.uri().to_string();
+                for c in pool.into_clients() {
+                    c.disconnect()
+                        .with_context(|| format!("disconnecting from {uri}"))?;
+                }
                 Ok(n)
             }
         }
@@ -516,9 +535,19 @@ fn copy_any(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopySt
     };
     // Not worth more connections than 64 MiB pieces.
     let n = n.min(size.div_ceil(64 << 20).max(1) as usize);
+    srcs[0].widen(n)?;
+    dsts[0].widen(n)?;
     for _ in 1..n {
-        srcs.push(Side::open_src(src, &copts)?);
-        dsts.push(Side::open_dst(dst, &copts, size, false)?);
+        let more = match &srcs[0] {
+            Side::Nbd(p) => Side::Nbd(p.clone()),
+            _ => Side::open_src(src, &copts)?,
+        };
+        srcs.push(more);
+        let more = match &dsts[0] {
+            Side::Nbd(p) => Side::Nbd(p.clone()),
+            _ => Side::open_dst(dst, &copts, size, false)?,
+        };
+        dsts.push(more);
     }
     opts.progress.set_length(size);
     let piece = (size.div_ceil(n as u64)).div_ceil(1 << 20) << 20;
