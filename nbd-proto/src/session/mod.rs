@@ -18,6 +18,8 @@
 
 pub mod assembly;
 pub mod checks;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod liveness;
 
 use std::collections::HashMap;
