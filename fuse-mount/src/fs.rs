@@ -11,7 +11,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use qpip_core::MemoryRegion;
 
 use crate::abi::{self, bytes_of, fuse_attr, fuse_in_header};
-use crate::backend::Backend;
+use crate::export::Export;
 use crate::proto::Op;
 use std::sync::Arc;
 
@@ -61,7 +61,7 @@ impl Buffers<'_> {
 }
 
 pub struct NbdFs {
-    backend: Arc<Backend>,
+    export: Arc<Export>,
     name: Vec<u8>,
     dir: fuse_attr,
     file: fuse_attr,
@@ -81,13 +81,13 @@ fn entry_out(attr: &fuse_attr) -> abi::fuse_entry_out {
 
 impl NbdFs {
     /// `name`: the file's name in the mount point.
-    pub fn new(backend: Arc<Backend>, name: &str) -> NbdFs {
+    pub fn new(export: Arc<Export>, name: &str) -> NbdFs {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
         // SAFETY: plain getters without arguments.
         let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
-        let caps = *backend.caps();
+        let caps = *export.caps();
         let dir = fuse_attr {
             ino: DIR,
             atime: now.as_secs(),
@@ -112,15 +112,15 @@ impl NbdFs {
             ..dir
         };
         NbdFs {
-            backend,
+            export,
             name: name.as_bytes().to_vec(),
             dir,
             file,
         }
     }
 
-    pub fn backend(&self) -> &Arc<Backend> {
-        &self.backend
+    pub fn export(&self) -> &Arc<Export> {
+        &self.export
     }
 
     fn attr(&self, ino: u64) -> Option<&fuse_attr> {
@@ -136,7 +136,7 @@ impl NbdFs {
     }
 
     fn read_only(&self) -> bool {
-        self.backend.caps().read_only
+        self.export.caps().read_only
     }
 
     /// Answers one request (INIT is the transport's business and answered there).
@@ -194,7 +194,7 @@ impl NbdFs {
             Op::Flush | Op::Release | Op::Releasedir | Op::Fsyncdir | Op::Access => Reply(0),
             Op::Destroy => Reply(0),
             // fsync / fdatasync → NBD FLUSH.
-            Op::Fsync => match self.backend.flush() {
+            Op::Fsync => match self.export.flush() {
                 Ok(()) => Reply(0),
                 Err(e) => Error(e),
             },
@@ -254,7 +254,7 @@ impl NbdFs {
         if len == 0 {
             return Outcome::Reply(0);
         }
-        match self.backend.read_into(offset, len, buf.mr, buf.out) {
+        match self.export.read_into(offset, len, buf.mr, buf.out) {
             Ok(()) => Outcome::Reply(len as usize),
             Err(e) => Outcome::Error(e),
         }
@@ -281,7 +281,7 @@ impl NbdFs {
             };
         }
         match self
-            .backend
+            .export
             .write_from(offset, buf.mr, buf.input + data, len as usize)
         {
             Ok(()) => buf.put(bytes_of(&abi::fuse_write_out {
@@ -350,8 +350,8 @@ impl NbdFs {
         match kind {
             0 => Ok(()),
             _ if len == 0 => Ok(()),
-            libc::FALLOC_FL_PUNCH_HOLE => self.backend.punch(offset, len),
-            libc::FALLOC_FL_ZERO_RANGE => self.backend.zero(offset, len),
+            libc::FALLOC_FL_PUNCH_HOLE => self.export.punch(offset, len),
+            libc::FALLOC_FL_ZERO_RANGE => self.export.zero(offset, len),
             _ => Err(libc::EOPNOTSUPP),
         }
     }

@@ -1,14 +1,14 @@
 //! qpip-nbd-mount: an NBD export (over Queue Pair IP) as one regular file in a FUSE mount.
 //!
-//! [`backend::Backend`] holds the NBD connections and turns byte ranges into NBD requests;
+//! [`export::Export`] is the export behind the file (an [`nbd_client::Pool`] of connections);
 //! [`fs::NbdFs`] answers FUSE requests (a directory with one file); [`proto`] parses them
 //! (with [`abi`], the kernel's structs); [`session`] runs a connection over one of two
 //! transports, [`ring`] (FUSE over io_uring) or [`dev`] (/dev/fuse); [`mount`] mounts and
 //! [`mountpoint`] checks where the mount goes and unmounts it.
 
 pub mod abi;
-pub mod backend;
 pub mod dev;
+pub mod export;
 pub mod fs;
 pub mod mount;
 pub mod mountpoint;

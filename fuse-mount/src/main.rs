@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use fuse_mount::backend::Backend;
+use fuse_mount::export::Export;
 use fuse_mount::fs::NbdFs;
 use fuse_mount::session::{Config, Session, Transport};
 use fuse_mount::{file_name, mount, mountpoint};
-use nbd_client::{Client, ClientOptions, Error as NbdError, NbdUri, Nic};
+use nbd_client::{Client, ClientOptions, Error as NbdError, NbdUri, Nic, Pool};
 use qpip_cli::BackendArgs;
 
 #[derive(Parser, Debug)]
@@ -222,7 +222,7 @@ fn run(cli: Cli) -> Result<()> {
 
 /// Connects: the server unreachable, the export unknown (naming the ones there are) and
 /// the like are errors here, before anything is mounted.
-fn connect(cli: &Cli, uri: &NbdUri, nic: &Nic) -> Result<Vec<Client>> {
+fn connect(cli: &Cli, uri: &NbdUri, nic: &Nic) -> Result<Pool> {
     let secs = |what: &str, s: f64| -> Result<Duration> {
         Duration::try_from_secs_f64(s)
             .map_err(|_| anyhow::anyhow!("--{what} {s}: give a number of seconds, 0 or more"))
@@ -234,25 +234,26 @@ fn connect(cli: &Cli, uri: &NbdUri, nic: &Nic) -> Result<Vec<Client>> {
         request_timeout: (!request_timeout.is_zero()).then_some(request_timeout),
         ..Default::default()
     };
-    let first = match Client::connect_with(&cli.uri, opts.clone()) {
-        Ok(c) => c,
+    let mut pool = match Pool::connect(&cli.uri, opts.clone()) {
+        Ok(p) => p,
         Err(e) => return Err(explain_connect_error(uri, e, &opts)),
     };
     let want = usize::from(cli.connections);
-    let mut conns = vec![first];
-    if want > 1 && !conns[0].can_multi_conn() {
+    if want > 1 && !pool.caps().multi_conn {
         tracing::info!(
             "{uri}: the server does not allow multi-conn; using one connection instead of {want}"
         );
     } else {
-        while conns.len() < want {
-            conns.push(
-                Client::connect_with(&cli.uri, opts.clone())
-                    .with_context(|| format!("opening connection {} to {uri}", conns.len() + 1))?,
-            );
+        while pool.connections() < want {
+            let n = pool.connections() + 1;
+            pool.add_connection()
+                .with_context(|| format!("opening connection {n} to {uri}"))?;
         }
     }
-    Ok(conns)
+    if cli.read_only {
+        pool.force_read_only();
+    }
+    Ok(pool)
 }
 
 fn explain_connect_error(uri: &NbdUri, e: NbdError, opts: &ClientOptions) -> anyhow::Error {
@@ -269,16 +270,15 @@ fn explain_connect_error(uri: &NbdUri, e: NbdError, opts: &ClientOptions) -> any
 fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
     let nic = Nic::open(cli.backend.backend(None)?)
         .with_context(|| format!("starting the {} NIC", cli.backend.backend.name()))?;
-    let conns = connect(cli, uri, &nic)?;
-    let backend = Arc::new(Backend::new(conns, cli.read_only));
-    let caps = *backend.caps();
+    let export = Arc::new(Export::new(connect(cli, uri, &nic)?));
+    let caps = *export.caps();
     let name = file_name(&uri.export);
     let threads = cli
         .threads
-        .map_or(backend.connections() + 2, usize::from)
+        .map_or(export.connections() + 2, usize::from)
         .max(1);
 
-    let fs = Arc::new(NbdFs::new(backend.clone(), &name));
+    let fs = Arc::new(NbdFs::new(export.clone(), &name));
     let dev = mount::mount(
         mnt,
         &mount::Options {
@@ -328,7 +328,7 @@ fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
         %uri,
         file = %mnt.join(&name).display(),
         size = caps.size,
-        connections = backend.connections(),
+        connections = export.connections(),
         threads,
         read_only = caps.read_only,
         transport = if started.uring { "io_uring" } else { "/dev/fuse" },
@@ -346,7 +346,7 @@ fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
     if let Some(p) = &cli.pid_file {
         let _ = std::fs::remove_file(p);
     }
-    match Arc::try_unwrap(backend) {
+    match Arc::try_unwrap(export) {
         Ok(b) => b.close(),
         Err(_) => tracing::warn!("connections still in use at exit"),
     }

@@ -4,6 +4,7 @@ use std::io;
 use std::time::Duration;
 
 use nbd_proto::handshake::ClientError;
+use nbd_proto::session::Refused;
 use nbd_proto::transmission::ErrorValue;
 
 use crate::uri::UriError;
@@ -41,6 +42,10 @@ pub enum Error {
     Server { error: ErrorValue, message: String },
     #[error("the export does not support {0}")]
     Unsupported(&'static str),
+    /// A write to an export used read-only (a [`crate::Pool`] forced read-only, or a
+    /// read-only export).
+    #[error("the export is used read-only")]
+    ReadOnly,
     #[error(
         "request at offset {offset} of {len} bytes is not aligned to the server's minimum block size {min}"
     )]
@@ -69,6 +74,23 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+impl From<Refused> for Error {
+    fn from(r: Refused) -> Error {
+        match r {
+            Refused::Unaligned { offset, len, min } => Error::Unaligned { offset, len, min },
+            Refused::OutOfRange { offset, len, size } => Error::OutOfRange { offset, len, size },
+            // What the server would answer (EPERM), without asking it.
+            Refused::ReadOnly => Error::Server {
+                error: ErrorValue::Perm,
+                message: "the export is read-only".into(),
+            },
+            Refused::Unsupported(what) => Error::Unsupported(what),
+            Refused::Invalid(why) => Error::Invalid(why),
+            _ => Error::Invalid("a request the export does not allow"),
+        }
+    }
+}
+
 /// The errno behind an NBD error value.
 pub fn errno(e: ErrorValue) -> i32 {
     match e {
@@ -84,6 +106,21 @@ pub fn errno(e: ErrorValue) -> i32 {
     }
 }
 
+impl Error {
+    /// The errno this error reaches an application as. Anything that leaves the outcome
+    /// unknown (lost connection, protocol violation) is EIO: never success, never wrong data.
+    pub fn errno(&self) -> i32 {
+        match self {
+            Error::Server { error, .. } => errno(*error),
+            Error::Unsupported(_) => libc::EOPNOTSUPP,
+            Error::Unaligned { .. } | Error::Invalid(_) => libc::EINVAL,
+            Error::OutOfRange { .. } => libc::ENOSPC,
+            Error::ReadOnly => libc::EROFS,
+            _ => libc::EIO,
+        }
+    }
+}
+
 impl From<Error> for io::Error {
     fn from(e: Error) -> io::Error {
         let kind = match &e {
@@ -93,6 +130,7 @@ impl From<Error> for io::Error {
                 io::ErrorKind::InvalidInput
             }
             Error::Unsupported(_) => io::ErrorKind::Unsupported,
+            Error::ReadOnly => io::ErrorKind::ReadOnlyFilesystem,
             Error::Uri(_) => io::ErrorKind::InvalidInput,
             Error::Resolve { .. } => io::ErrorKind::NotFound,
             Error::Connect { .. } => io::ErrorKind::ConnectionRefused,
@@ -134,5 +172,24 @@ mod tests {
             min: 512,
         });
         assert_eq!(unaligned.kind(), io::ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn errnos() {
+        let server = |error| Error::Server {
+            error,
+            message: String::new(),
+        };
+        assert_eq!(server(ErrorValue::Io).errno(), libc::EIO);
+        assert_eq!(server(ErrorValue::NoSpc).errno(), libc::ENOSPC);
+        assert_eq!(server(ErrorValue::Perm).errno(), libc::EPERM);
+        assert_eq!(Error::ReadOnly.errno(), libc::EROFS);
+        assert_eq!(Error::Invalid("x").errno(), libc::EINVAL);
+        let lost = Error::ConnectionLost {
+            uri: "nbd://x".into(),
+            after: Duration::from_secs(1),
+            why: "gone".into(),
+        };
+        assert_eq!(lost.errno(), libc::EIO);
     }
 }

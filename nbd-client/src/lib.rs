@@ -14,18 +14,31 @@
 //! Every request travels as a send WR from registered memory; every reply lands, header and
 //! data, in one registered receive WR, delimited by [`framer::ClientFramer`] (nbd-proto's
 //! `client_need`) — except the data of a READ into registered memory, which the NIC places
-//! straight into the caller's buffer (nbd-proto's `client_data_at`). Requests are pipelined (a window of up to 64), split at the server's
-//! maximum block size, and reissued on a new connection when the old one is lost.
+//! straight into the caller's buffer (nbd-proto's `client_data_at`). Requests are pipelined
+//! (a window of up to 64), split at the server's maximum block size, and reissued on a new
+//! connection when the old one is lost.
+//!
+//! The protocol state (cookies, requests in flight, reply assembly, timeouts) is nbd-proto's
+//! sans-IO [`nbd_proto::session`]; here is the I/O around it: [`client`] (the types),
+//! `options` (connect, info, list), `pipeline` (submit, reap, completions), `recovery`
+//! (reconnect and reissue), `blocking` (the byte-range calls), and [`pool`], several
+//! connections to one export shared by threads.
 
+mod blocking;
 pub mod client;
 mod conn;
 pub mod error;
 pub mod framer;
+mod options;
+mod pipeline;
+pub mod pool;
+mod recovery;
 pub mod uri;
 
 pub use client::{Client, ClientOptions, ExportInfo, Extent, Op, Output, Reply};
 pub use conn::{MAX_IO, MAX_WINDOW};
 pub use error::{Error, Result};
 pub use nbd_proto::handshake::ExportListing;
+pub use pool::{Caps, Pool};
 pub use qpip_core::Nic;
 pub use uri::{DEFAULT_PORT, NbdUri, TlsParams, UriError};

@@ -447,6 +447,7 @@ pub const REPLY_COOKIE: u64 = 0x5eed;
 /// contiguous inside the request, a read reported complete had every byte covered, and peer
 /// text is bounded once made printable.
 pub fn replies(data: &[u8]) {
+    crate::session::fuzz::replies(data);
     let mut r = crate::wire::Reader::new(data);
     let knobs = r.bytes(1).map_or(0, |b| b[0]);
     let offset = r.u64().unwrap_or(0);

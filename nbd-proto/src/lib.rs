@@ -15,6 +15,7 @@
 //! | [`server_session`] | [`ServerTransmission`]: request header bytes to a [`ValidRequest`], replies to bytes |
 //! | [`reply`] | simple replies, structured and extended chunks, block-status builders |
 //! | [`reply_check`] | a client's checks of one request's reply chunks ([`reply_check::ReplyCheck`]) |
+//! | [`session`] | the client's transmission phase: requests in flight, replies into buffers ([`session::ClientSession`]) |
 //! | [`framing`] | "where does this message end?" for message-based transports |
 //!
 //! # Driving the handshake
@@ -163,6 +164,7 @@ pub mod peer_text;
 pub mod reply;
 pub mod reply_check;
 pub mod server_session;
+pub mod session;
 pub mod transmission;
 mod wire;
 

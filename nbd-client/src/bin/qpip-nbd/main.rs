@@ -2,6 +2,7 @@
 //! Pair IP.
 
 mod copy;
+mod side;
 
 use nbd_proto::peer_text::printable;
 use std::io::{IsTerminal, Write};

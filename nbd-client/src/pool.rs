@@ -1,49 +1,30 @@
-//! The export behind the FUSE file: a pool of [`Client`] connections and byte-granular I/O on
-//! top of the export's block-granular requests.
+//! Several connections to one export, shared by threads, and byte-granular I/O on top of the
+//! export's block-granular requests: what the FUSE mount and `qpip-nbd copy` both stand on.
 //!
-//! With a multi-conn server every connection is its own [`Client`] (its own QP, one shared soft
-//! NIC); without multi-conn there is exactly one, shared behind a mutex. A FUSE thread takes the
+//! With a multi-conn server every connection is its own [`Client`] (its own QP, one shared
+//! NIC); without multi-conn there is exactly one, shared behind a mutex. A thread takes the
 //! first idle connection, starting from the one it used last, and waits on that one when all
-//! are busy. Each `Client` pipelines the pieces of one FUSE request itself (up to its window).
+//! are busy. Each `Client` pipelines the pieces of one call itself (up to its window).
 //!
-//! Requests the server's minimum block size does not divide are widened: reads read the covering
-//! blocks, writes read-modify-write the partial head and tail blocks under an exclusive lock
-//! (aligned writes share that lock, so a read-modify-write never overwrites a concurrent write's
-//! bytes with stale ones). The kernel's page-cache I/O is page-aligned, so only O_DIRECT I/O at
-//! odd offsets pays for this, and only against servers with a minimum block size above 1.
+//! Requests the server's minimum block size does not divide are widened: reads read the
+//! covering blocks, writes read-modify-write the partial head and tail blocks under an
+//! exclusive lock (aligned writes share that lock, so a read-modify-write never overwrites a
+//! concurrent write's bytes with stale ones). Page-cache I/O is page-aligned, so only
+//! O_DIRECT I/O at odd offsets pays for this, and only against servers with a minimum block
+//! size above 1.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use nbd_client::{Client, Error};
 use parking_lot::{Mutex, RwLock};
 use qpip_core::MemoryRegion;
 
-/// An errno for the application.
-pub type Errno = i32;
+use crate::client::{Client, ClientOptions};
+use crate::error::{Error, Result};
+use crate::uri::NbdUri;
 
 /// Zero-filled writes (servers without WRITE_ZEROES) go out in pieces of this size.
 const ZERO_CHUNK: u64 = 1 << 20;
-/// After unmounting: how long a lost server gets to come back for the last flush.
-const CLOSE_RECONNECT: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// The errno an NBD client error reaches the application as. Anything that leaves the outcome
-/// unknown (lost connection, protocol violation) is EIO: never success, never wrong data.
-pub fn errno_of(e: &Error) -> Errno {
-    match e {
-        Error::Server { error, .. } => nbd_client::error::errno(*error),
-        Error::Unsupported(_) => libc::EOPNOTSUPP,
-        Error::Unaligned { .. } | Error::Invalid(_) => libc::EINVAL,
-        Error::OutOfRange { .. } => libc::ENOSPC,
-        _ => libc::EIO,
-    }
-}
-
-fn log_err(what: &str, offset: u64, len: u64, e: &Error) -> Errno {
-    let errno = errno_of(e);
-    tracing::warn!(offset, len, "{what} failed: {e} (errno {errno})");
-    errno
-}
 
 thread_local! {
     /// The connection this thread used last.
@@ -78,12 +59,25 @@ impl Caps {
     }
 }
 
-pub struct Backend {
+/// Connections to one export.
+pub struct Pool {
+    uri: NbdUri,
+    opts: ClientOptions,
     conns: Vec<Mutex<Client>>,
     caps: Caps,
     next: AtomicUsize,
     /// Shared by aligned writes, exclusive for read-modify-write.
     rmw: RwLock<()>,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("uri", &self.uri.to_string())
+            .field("connections", &self.conns.len())
+            .field("caps", &self.caps)
+            .finish()
+    }
 }
 
 /// `[offset, offset+len)` split at block boundaries: (head, middle, tail), each (offset, len).
@@ -94,37 +88,61 @@ fn split(offset: u64, len: u64, min: u64) -> [(u64, u64); 3] {
     [(offset, a - offset), (a, b - a), (b, end - b)]
 }
 
-impl Backend {
-    /// `conns` are connections to the same export (more than one only with multi-conn).
-    pub fn new(conns: Vec<Client>, force_read_only: bool) -> Backend {
-        assert!(!conns.is_empty(), "a backend needs a connection");
-        let caps = Caps::of(&conns[0], force_read_only);
-        Backend {
-            conns: conns.into_iter().map(Mutex::new).collect(),
-            caps,
+impl Pool {
+    /// One connection to `uri`; [`Self::add_connection`] opens more.
+    pub fn connect(uri: &str, opts: ClientOptions) -> Result<Pool> {
+        let first = Client::connect_with(uri, opts.clone())?;
+        Ok(Pool {
+            uri: first.uri().clone(),
+            caps: Caps::of(&first, false),
+            conns: vec![Mutex::new(first)],
+            opts,
             next: AtomicUsize::new(0),
             rmw: RwLock::new(()),
-        }
+        })
+    }
+
+    /// Another connection to the same export (only worth it with multi-conn: without it the
+    /// server does not keep the connections' caches coherent).
+    pub fn add_connection(&mut self) -> Result<()> {
+        let c = Client::connect_with(&self.uri.to_string(), self.opts.clone())?;
+        self.conns.push(Mutex::new(c));
+        Ok(())
+    }
+
+    /// Treats the export as read-only whatever the server says.
+    pub fn force_read_only(&mut self) {
+        self.caps.read_only = true;
     }
 
     pub fn caps(&self) -> &Caps {
         &self.caps
     }
 
+    pub fn uri(&self) -> &NbdUri {
+        &self.uri
+    }
+
     pub fn connections(&self) -> usize {
         self.conns.len()
     }
 
+    /// Times the connections were restored, all together.
+    pub fn reconnects(&self) -> u64 {
+        self.conns.iter().map(|c| c.lock().reconnects()).sum()
+    }
+
     /// Runs `f` on an idle connection (or waits for this thread's usual one).
-    fn with<R>(&self, f: impl FnOnce(&mut Client) -> R) -> R {
+    pub fn with<R>(&self, f: impl FnOnce(&mut Client) -> R) -> R {
         let n = self.conns.len();
+        // The thread may use several pools, of other sizes.
         let start = PREFERRED.with(|p| {
             p.get().unwrap_or_else(|| {
                 let i = self.next.fetch_add(1, Ordering::Relaxed) % n;
                 p.set(Some(i));
                 i
             })
-        });
+        }) % n;
         for k in 0..n {
             let i = (start + k) % n;
             if let Some(mut c) = self.conns[i].try_lock() {
@@ -135,14 +153,20 @@ impl Backend {
         f(&mut self.conns[start].lock())
     }
 
+    fn writable(&self) -> Result<()> {
+        match self.caps.read_only {
+            true => Err(Error::ReadOnly),
+            false => Ok(()),
+        }
+    }
+
     /// Reads `len` bytes at `offset` (the caller keeps the range inside the export).
-    pub fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, Errno> {
+    pub fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>> {
         let min = self.caps.min_block;
         let start = offset - offset % min;
         let end = (offset + len).next_multiple_of(min).min(self.caps.size);
         let mut buf = vec![0u8; (end - start) as usize];
-        self.with(|c| c.read_at(start, &mut buf))
-            .map_err(|e| log_err("read", start, end - start, &e))?;
+        self.with(|c| c.read_at(start, &mut buf))?;
         if start != offset || end != offset + len {
             let at = (offset - start) as usize;
             buf.copy_within(at..at + len as usize, 0);
@@ -154,24 +178,16 @@ impl Backend {
     /// Reads `len` bytes at `offset` into registered memory: `mr` from `at` (the caller keeps
     /// the range inside the export and inside `mr`, and nothing else uses those bytes
     /// meanwhile).
-    pub fn read_into(
-        &self,
-        offset: u64,
-        len: u64,
-        mr: &MemoryRegion,
-        at: usize,
-    ) -> Result<(), Errno> {
+    pub fn read_into(&self, offset: u64, len: u64, mr: &MemoryRegion, at: usize) -> Result<()> {
         let min = self.caps.min_block;
         if at
             .checked_add(len as usize)
             .is_none_or(|end| end > mr.len())
         {
-            return Err(libc::EINVAL);
+            return Err(Error::Invalid("read buffer outside its region"));
         }
         if offset.is_multiple_of(min) && len.is_multiple_of(min) {
-            return self
-                .with(|c| c.read_at_mr(offset, mr, at, len as usize))
-                .map_err(|e| log_err("read", offset, len, &e));
+            return self.with(|c| c.read_at_mr(offset, mr, at, len as usize));
         }
         let buf = self.read(offset, len)?;
         mr.write_at(at, &buf);
@@ -180,25 +196,15 @@ impl Backend {
 
     /// Writes `len` bytes of registered memory (`mr` from `at`) at `offset`; the NIC sends
     /// them from there.
-    pub fn write_from(
-        &self,
-        offset: u64,
-        mr: &MemoryRegion,
-        at: usize,
-        len: usize,
-    ) -> Result<(), Errno> {
-        if self.caps.read_only {
-            return Err(libc::EROFS);
-        }
+    pub fn write_from(&self, offset: u64, mr: &MemoryRegion, at: usize, len: usize) -> Result<()> {
+        self.writable()?;
         if at.checked_add(len).is_none_or(|end| end > mr.len()) {
-            return Err(libc::EINVAL);
+            return Err(Error::Invalid("write data outside its region"));
         }
         let min = self.caps.min_block;
         if offset.is_multiple_of(min) && (len as u64).is_multiple_of(min) {
             let _shared = self.rmw.read();
-            return self
-                .with(|c| c.write_at_mr(offset, mr, at, len, false))
-                .map_err(|e| log_err("write", offset, len as u64, &e));
+            return self.with(|c| c.write_at_mr(offset, mr, at, len, false));
         }
         // SAFETY: the range is inside the region (checked above) and the caller leaves those
         // bytes alone until this returns; no receive WR names them.
@@ -207,17 +213,13 @@ impl Backend {
     }
 
     /// Writes `data` at `offset` (inside the export).
-    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), Errno> {
-        if self.caps.read_only {
-            return Err(libc::EROFS);
-        }
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.writable()?;
         let min = self.caps.min_block;
         let len = data.len() as u64;
         if offset.is_multiple_of(min) && len.is_multiple_of(min) {
             let _shared = self.rmw.read();
-            return self
-                .with(|c| c.write_at(offset, data, false))
-                .map_err(|e| log_err("write", offset, len, &e));
+            return self.with(|c| c.write_at(offset, data, false));
         }
         let _exclusive = self.rmw.write();
         let start = offset - offset % min;
@@ -226,7 +228,7 @@ impl Backend {
         // The head and tail blocks as they are now, then the new bytes over them.
         let head_end = (start + min).min(end);
         let tail_start = (end - min).max(head_end);
-        self.with(|c| -> nbd_client::Result<()> {
+        self.with(|c| -> Result<()> {
             c.read_at(start, &mut buf[..(head_end - start) as usize])?;
             if tail_start < end {
                 c.read_at(tail_start, &mut buf[(tail_start - start) as usize..])?;
@@ -235,25 +237,21 @@ impl Backend {
             buf[at..at + data.len()].copy_from_slice(data);
             c.write_at(start, &buf, false)
         })
-        .map_err(|e| log_err("read-modify-write", start, end - start, &e))
     }
 
     /// Makes acknowledged writes durable (NBD FLUSH). With multi-conn one connection's FLUSH
     /// covers the writes acknowledged on all of them.
-    pub fn flush(&self) -> Result<(), Errno> {
+    pub fn flush(&self) -> Result<()> {
         if self.caps.read_only || !self.caps.flush {
             return Ok(());
         }
         self.with(|c| c.flush())
-            .map_err(|e| log_err("flush", 0, 0, &e))
     }
 
     /// Zeroes exactly `[offset, offset+len)`: WRITE_ZEROES for whole blocks when the server
     /// has it, written zeroes otherwise.
-    pub fn zero(&self, offset: u64, len: u64) -> Result<(), Errno> {
-        if self.caps.read_only {
-            return Err(libc::EROFS);
-        }
+    pub fn zero(&self, offset: u64, len: u64) -> Result<()> {
+        self.writable()?;
         let [head, mid, tail] = split(offset, len, self.caps.min_block);
         self.write_zero_bytes(head.0, head.1)?;
         self.write_zero_bytes(tail.0, tail.1)?;
@@ -263,13 +261,12 @@ impl Backend {
         if self.caps.write_zeroes {
             let _shared = self.rmw.read();
             self.with(|c| c.write_zeroes(mid.0, mid.1, false))
-                .map_err(|e| log_err("write zeroes", mid.0, mid.1, &e))
         } else {
             self.write_zero_bytes(mid.0, mid.1)
         }
     }
 
-    fn write_zero_bytes(&self, offset: u64, len: u64) -> Result<(), Errno> {
+    fn write_zero_bytes(&self, offset: u64, len: u64) -> Result<()> {
         let zeroes = vec![0u8; len.min(ZERO_CHUNK) as usize];
         let mut at = offset;
         while at < offset + len {
@@ -282,12 +279,10 @@ impl Backend {
 
     /// Punches a hole: TRIM (the server may deallocate), and because NBD leaves trimmed
     /// contents unspecified while a punched hole must read as zeroes, whatever block status
-    /// does not then report as zero is zeroed. Without TRIM or block status it is [`Self::zero`]
-    /// (WRITE_ZEROES may deallocate too).
-    pub fn punch(&self, offset: u64, len: u64) -> Result<(), Errno> {
-        if self.caps.read_only {
-            return Err(libc::EROFS);
-        }
+    /// does not then report as zero is zeroed. Without TRIM or block status it is
+    /// [`Self::zero`] (WRITE_ZEROES may deallocate too).
+    pub fn punch(&self, offset: u64, len: u64) -> Result<()> {
+        self.writable()?;
         if !(self.caps.trim && self.caps.block_status) {
             return self.zero(offset, len);
         }
@@ -299,15 +294,12 @@ impl Backend {
         }
         {
             let _shared = self.rmw.read();
-            self.with(|c| c.trim(mid.0, mid.1))
-                .map_err(|e| log_err("trim", mid.0, mid.1, &e))?;
+            self.with(|c| c.trim(mid.0, mid.1))?;
         }
         let end = mid.0 + mid.1;
         let mut at = mid.0;
         while at < end {
-            let extents = self
-                .with(|c| c.block_status(at, end - at))
-                .map_err(|e| log_err("block status", at, end - at, &e))?;
+            let extents = self.with(|c| c.block_status(at, end - at))?;
             if extents.is_empty() {
                 return self.zero(at, end - at);
             }
@@ -322,23 +314,16 @@ impl Backend {
         Ok(())
     }
 
-    /// Flushes and disconnects every connection. The file system is unmounted by now: a
-    /// server that is gone gets [`CLOSE_RECONNECT`] to come back, not the whole reconnect
-    /// timeout, so the process exits promptly.
-    pub fn close(self) {
+    /// Lowers every connection's reconnect timeout (see [`Client::limit_reconnect_timeout`]).
+    pub fn limit_reconnect_timeout(&self, limit: std::time::Duration) {
         for c in &self.conns {
-            c.lock().limit_reconnect_timeout(CLOSE_RECONNECT);
+            c.lock().limit_reconnect_timeout(limit);
         }
-        if let Err(e) = self.flush() {
-            tracing::warn!(
-                "final flush failed (errno {e}): writes the server acknowledged may not be durable on it"
-            );
-        }
-        for c in self.conns {
-            if let Err(e) = c.into_inner().disconnect() {
-                tracing::warn!("disconnect: {e}");
-            }
-        }
+    }
+
+    /// The connections, to disconnect.
+    pub fn into_clients(self) -> Vec<Client> {
+        self.conns.into_iter().map(Mutex::into_inner).collect()
     }
 }
 
@@ -352,23 +337,5 @@ mod tests {
         assert_eq!(split(100, 1000, 512), [(100, 412), (512, 512), (1024, 76)]);
         assert_eq!(split(100, 10, 512), [(100, 10), (110, 0), (110, 0)]);
         assert_eq!(split(7, 9, 1), [(7, 0), (7, 9), (16, 0)]);
-    }
-
-    #[test]
-    fn errnos() {
-        use nbd_proto::transmission::ErrorValue;
-        let server = |error| Error::Server {
-            error,
-            message: String::new(),
-        };
-        assert_eq!(errno_of(&server(ErrorValue::Io)), libc::EIO);
-        assert_eq!(errno_of(&server(ErrorValue::NoSpc)), libc::ENOSPC);
-        assert_eq!(errno_of(&server(ErrorValue::Perm)), libc::EPERM);
-        let lost = Error::ConnectionLost {
-            uri: "nbd://x".into(),
-            after: std::time::Duration::from_secs(1),
-            why: "gone".into(),
-        };
-        assert_eq!(errno_of(&lost), libc::EIO);
     }
 }

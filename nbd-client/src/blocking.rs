@@ -1,0 +1,260 @@
+//! The blocking calls: a byte range cut into requests of at most `max_io` (or the largest
+//! TRIM / WRITE_ZEROES), run with the window full, the first error returned once every
+//! request has finished.
+
+use std::time::{Duration, Instant};
+
+use nbd_proto::flags::CmdFlags;
+use nbd_proto::transmission::{Command, Request};
+use qpip_core::{Completion, MemoryRegion, Opcode, SendWr};
+
+use crate::client::{Client, Extent, Op, Output};
+use crate::error::{Error, Result};
+use crate::options::round_down;
+use crate::pipeline::INTERNAL;
+
+impl Client {
+    /// Runs `ops` with the window full; `on_done(index, output)` for each success. The first
+    /// error is returned after every request has finished.
+    fn run<'a>(
+        &mut self,
+        ops: impl IntoIterator<Item = Op<'a>>,
+        mut on_done: impl FnMut(u64, Output),
+    ) -> Result<()> {
+        let mut pending = 0usize;
+        let mut first_err: Option<Error> = None;
+        let mut drain = |this: &mut Client, pending: &mut usize| {
+            while let Some(i) = this.done.iter().position(|r| r.tag & INTERNAL != 0) {
+                let r = this.done.remove(i).expect("position is in range");
+                *pending -= 1;
+                match r.result {
+                    Ok(out) => on_done(r.tag & !INTERNAL, out),
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+        };
+        for (i, op) in ops.into_iter().enumerate() {
+            if let Err(e) = self.submit(INTERNAL | i as u64, op) {
+                drain(self, &mut pending);
+                while pending > 0 {
+                    self.pump(true)?;
+                    drain(self, &mut pending);
+                }
+                return Err(e);
+            }
+            pending += 1;
+            drain(self, &mut pending);
+        }
+        while pending > 0 {
+            self.pump(true)?;
+            drain(self, &mut pending);
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn pieces(offset: u64, len: u64, max: u64) -> impl Iterator<Item = (u64, u32)> {
+        let max = max.max(1);
+        (0..len.div_ceil(max)).map(move |i| {
+            let o = i * max;
+            (offset + o, (len - o).min(max) as u32)
+        })
+    }
+
+    /// Reads `buf.len()` bytes at `offset`, as many requests in flight as the window allows.
+    pub fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.check_range(offset, buf.len() as u64)?;
+        let max = u64::from(self.max_io());
+        let ops: Vec<Op> = Self::pieces(offset, buf.len() as u64, max)
+            .map(|(offset, len)| Op::Read { offset, len })
+            .collect();
+        self.run(ops, |i, out| {
+            if let Output::Data(d) = out {
+                let at = (i * max) as usize;
+                buf[at..at + d.len()].copy_from_slice(&d);
+            }
+        })
+    }
+
+    /// Writes `data` at `offset`; with `fua` (when the server offers it) durable on return.
+    pub fn write_at(&mut self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.check_range(offset, data.len() as u64)?;
+        let max = self.max_io() as usize;
+        let ops: Vec<Op> = data
+            .chunks(max.max(1))
+            .enumerate()
+            .map(|(i, d)| Op::Write {
+                offset: offset + (i * max) as u64,
+                data: d,
+                fua,
+            })
+            .collect();
+        self.run(ops, |_, _| {})
+    }
+
+    /// `len` bytes at `offset` of the export, to or from `mr` at `at`, checked and cut into
+    /// requests of at most `max_io`: (export offset, length, offset in `mr`).
+    fn region_pieces(
+        &self,
+        offset: u64,
+        mr: &MemoryRegion,
+        at: usize,
+        len: usize,
+        outside: &'static str,
+    ) -> Result<impl Iterator<Item = (u64, u32, usize)> + use<>> {
+        self.check_range(offset, len as u64)?;
+        if at.checked_add(len).is_none_or(|e| e > mr.len()) {
+            return Err(Error::Invalid(outside));
+        }
+        Ok(Self::pieces(offset, len as u64, u64::from(self.max_io()))
+            .map(move |(o, n)| (o, n, at + (o - offset) as usize)))
+    }
+
+    /// Reads `len` bytes at `offset` into registered memory (`mr` from `at`): the NIC places
+    /// the data there, no copy (holes are zero-filled by the client).
+    pub fn read_at_mr(
+        &mut self,
+        offset: u64,
+        mr: &MemoryRegion,
+        at: usize,
+        len: usize,
+    ) -> Result<()> {
+        let ops: Vec<Op> = self
+            .region_pieces(offset, mr, at, len, "read buffer outside its region")?
+            .map(|(offset, len, at)| Op::ReadInto {
+                offset,
+                len,
+                mr,
+                at,
+            })
+            .collect();
+        self.run(ops, |_, _| {})
+    }
+
+    /// Writes `len` bytes of registered memory (`mr` from `at`) at `offset` without copying
+    /// them: the NIC sends them from `mr`.
+    pub fn write_at_mr(
+        &mut self,
+        offset: u64,
+        mr: &MemoryRegion,
+        at: usize,
+        len: usize,
+        fua: bool,
+    ) -> Result<()> {
+        let ops: Vec<Op> = self
+            .region_pieces(offset, mr, at, len, "write data outside its region")?
+            .map(|(offset, len, at)| Op::WriteFrom {
+                offset,
+                len,
+                mr,
+                at,
+                fua,
+            })
+            .collect();
+        self.run(ops, |_, _| {})
+    }
+
+    /// Makes every acknowledged write durable (a no-op if the server has no FLUSH).
+    pub fn flush(&mut self) -> Result<()> {
+        if !self.can_flush() {
+            return Ok(());
+        }
+        self.run([Op::Flush], |_, _| {})
+    }
+
+    /// Largest TRIM / WRITE_ZEROES length in one request.
+    fn max_zero(&self) -> u64 {
+        let bs = self.info.block_size;
+        round_down(u64::from(bs.max).min(1 << 30), u64::from(bs.min)).max(u64::from(bs.min))
+    }
+
+    /// Discards a range (NBD_CMD_TRIM; its contents are unspecified afterwards).
+    pub fn trim(&mut self, offset: u64, len: u64) -> Result<()> {
+        if !self.can_trim() {
+            return Err(Error::Unsupported("TRIM"));
+        }
+        self.check_range(offset, len)?;
+        let ops: Vec<Op> = Self::pieces(offset, len, self.max_zero())
+            .map(|(offset, len)| Op::Trim { offset, len })
+            .collect();
+        self.run(ops, |_, _| {})
+    }
+
+    /// Zeroes a range (NBD_CMD_WRITE_ZEROES; the server may punch holes).
+    pub fn write_zeroes(&mut self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        if !self.can_write_zeroes() {
+            return Err(Error::Unsupported("WRITE_ZEROES"));
+        }
+        self.check_range(offset, len)?;
+        let ops: Vec<Op> = Self::pieces(offset, len, self.max_zero())
+            .map(|(offset, len)| Op::WriteZeroes { offset, len, fua })
+            .collect();
+        self.run(ops, |_, _| {})
+    }
+
+    /// Allocation status from `offset` (base:allocation). The server may describe less than
+    /// `len` bytes; ask again from the end of the last extent.
+    pub fn block_status(&mut self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        let min = u64::from(self.info.block_size.min);
+        let len = len.min(self.info.size.saturating_sub(offset));
+        let len = round_down(len.min(u64::from(u32::MAX)), min).max(min.min(len));
+        let mut got = Vec::new();
+        self.run(
+            [Op::BlockStatus {
+                offset,
+                len: len as u32,
+            }],
+            |_, out| {
+                if let Output::Extents(e) = out {
+                    got = e;
+                }
+            },
+        )?;
+        Ok(got)
+    }
+
+    /// Waits for every request in flight (their replies stay queued for `reap`).
+    pub fn drain(&mut self) -> Result<()> {
+        while self.session.in_flight() > 0 {
+            self.pump(true)?;
+        }
+        Ok(())
+    }
+
+    /// Finishes in-flight requests, sends NBD_CMD_DISC and closes the connection.
+    pub fn disconnect(mut self) -> Result<()> {
+        self.drain()?;
+        let Some(conn) = self.conn.take() else {
+            return Ok(());
+        };
+        let req = Request {
+            flags: CmdFlags::empty(),
+            command: Command::Disc,
+            cookie: 0,
+            offset: 0,
+            length: 0,
+        };
+        let header = req
+            .encode(self.extended_headers())
+            .map_err(|_| Error::Invalid("NBD_CMD_DISC does not encode"))?;
+        self.send_mr.write_at(0, &header);
+        conn.qp
+            .post_send(SendWr::new(0, &[self.send_mr.sge(0, header.len())]))?;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut buf = [Completion::default(); 8];
+        'wait: while Instant::now() < deadline {
+            let n = conn.cq.wait(&mut buf, Some(Duration::from_millis(200)))?;
+            for comp in &buf[..n] {
+                if comp.opcode == Opcode::Send && comp.wr_id == 0 {
+                    break 'wait;
+                }
+            }
+        }
+        conn.qp.close();
+        Ok(())
+    }
+}

@@ -1,0 +1,317 @@
+//! The pipelined API: a request goes out as one send WR from its send slot (and, for a
+//! WRITE from registered memory, the caller's region); every completion is handed to the
+//! session, whose finished requests queue up for [`Client::reap`].
+
+use std::time::{Duration, Instant};
+
+use nbd_proto::consts as c;
+use nbd_proto::session::{Delivered, Failed, Stall, Submission};
+use nbd_proto::transmission::{Command, Request};
+use qpip_core::{Completion, MemoryRegion, Opcode, SendWr, WcStatus};
+
+use crate::client::{Client, Failure, Op, Region, Reply};
+use crate::conn::{RECV_BIT, RECV_SLOT};
+use crate::error::{Error, Result};
+use crate::framer::PendingRead;
+
+/// Tags of requests the blocking calls issue for themselves.
+pub(crate) const INTERNAL: u64 = 1 << 63;
+
+/// `len` bytes at `offset` of a receive region, read in place.
+///
+/// # Safety
+/// The bytes must belong to a receive WR that has completed and is not posted again while
+/// the slice lives, so that the NIC does not write them meanwhile.
+unsafe fn completed_bytes(region: &MemoryRegion, offset: usize, len: usize) -> &[u8] {
+    assert!(
+        offset.checked_add(len).is_some_and(|e| e <= region.len()),
+        "receive bytes out of bounds"
+    );
+    // SAFETY: in bounds (checked above); the caller guarantees nothing writes them.
+    unsafe { std::slice::from_raw_parts(region.as_ptr().add(offset), len) }
+}
+
+/// `len` bytes of `mr` from `at` lie inside it.
+fn inside(mr: &MemoryRegion, at: usize, len: u32) -> bool {
+    at.checked_add(len as usize).is_some_and(|e| e <= mr.len())
+}
+
+impl Client {
+    /// The request header `op` makes, or why it must not be sent.
+    fn check_op(&self, op: &Op) -> Result<Request> {
+        let (command, offset, length, fua) = match *op {
+            Op::Read { offset, len } => (Command::Read, offset, len, false),
+            Op::Write { offset, data, fua } => {
+                let len =
+                    u32::try_from(data.len()).map_err(|_| Error::Invalid("write too long"))?;
+                (Command::Write, offset, len, fua)
+            }
+            Op::Flush => (Command::Flush, 0, 0, false),
+            Op::Trim { offset, len } => (Command::Trim, offset, len, false),
+            Op::WriteZeroes { offset, len, fua } => (Command::WriteZeroes, offset, len, fua),
+            Op::BlockStatus { offset, len } => (Command::BlockStatus, offset, len, false),
+            Op::ReadInto {
+                offset,
+                len,
+                mr,
+                at,
+            } => {
+                if !inside(mr, at, len) {
+                    return Err(Error::Invalid("read buffer outside its region"));
+                }
+                (Command::Read, offset, len, false)
+            }
+            Op::WriteFrom {
+                offset,
+                len,
+                mr,
+                at,
+                fua,
+            } => {
+                if !inside(mr, at, len) {
+                    return Err(Error::Invalid("write data outside its region"));
+                }
+                (Command::Write, offset, len, fua)
+            }
+        };
+        let sub = Submission {
+            command,
+            offset,
+            length,
+            fua,
+        };
+        Ok(self.session.limits().check(&sub)?)
+    }
+
+    /// Submits a request; blocks (processing replies) while the window is full. Its reply
+    /// comes out of [`Self::reap`] with `tag` (tags must be below 2^63).
+    pub fn submit(&mut self, tag: u64, op: Op) -> Result<()> {
+        if let Some(f) = &self.failed {
+            return Err(self.failure_error(f));
+        }
+        let req = self.check_op(&op)?;
+        while !self.session.has_room() {
+            self.pump(true)?;
+        }
+        if self.session.in_flight() == 0 {
+            self.liveness.restart_wait(Instant::now());
+        }
+        let region = match op {
+            Op::ReadInto { mr, at, .. } | Op::WriteFrom { mr, at, .. } => {
+                Some(Region { mr: mr.clone(), at })
+            }
+            _ => None,
+        };
+        let started = self.session.start(tag, req, region)?;
+        // The header is written by `post`, right before the payload (its length depends on
+        // the connection's header style, which a reconnect may change).
+        if let Op::Write { data, .. } = op {
+            self.send_mr
+                .write_at(started.slot * self.slot_len + c::EXTENDED_REQUEST_LEN, data);
+        }
+        if let Err(e) = self.post(started.cookie) {
+            self.recover(format!("posting a request failed: {e}"));
+        }
+        Ok(())
+    }
+
+    /// Sends request `cookie` on the current connection.
+    pub(crate) fn post(&self, cookie: u64) -> Result<()> {
+        let Some(conn) = &self.conn else {
+            return Err(Error::Invalid("no connection"));
+        };
+        let out = self.session.outgoing(cookie)?;
+        let header = &out.header;
+        // The header ends where the payload starts.
+        let start = out.slot * self.slot_len + c::EXTENDED_REQUEST_LEN - header.len();
+        self.send_mr.write_at(start, header);
+        if let Some(read) = out.read {
+            let into = out
+                .region
+                .filter(|_| read.placed)
+                .map(|r| r.mr.sge(r.at, read.length as usize));
+            let pending = PendingRead {
+                offset: read.offset,
+                length: read.length,
+                simple: read.simple,
+                into,
+            };
+            conn.reads.lock().insert(cookie, pending);
+        }
+        let wr = match out.region {
+            Some(r) if out.command == Command::Write => SendWr::new(
+                cookie,
+                &[
+                    self.send_mr.sge(start, header.len()),
+                    r.mr.sge(r.at, out.payload_len),
+                ],
+            ),
+            _ => SendWr::new(
+                cookie,
+                &[self.send_mr.sge(start, header.len() + out.payload_len)],
+            ),
+        };
+        conn.qp.post_send(wr)?;
+        Ok(())
+    }
+
+    /// Waits for the next finished request of the pipelined API.
+    pub fn reap(&mut self) -> Result<Reply> {
+        loop {
+            if let Some(i) = self.done.iter().position(|r| r.tag & INTERNAL == 0) {
+                return Ok(self.done.remove(i).expect("position is in range"));
+            }
+            if !self.session.tags().any(|t| t & INTERNAL == 0) {
+                return Err(Error::Invalid("reap with nothing in flight"));
+            }
+            self.pump(true)?;
+        }
+    }
+
+    /// Finished requests of the pipelined API, without waiting.
+    pub fn try_reap(&mut self) -> Result<Option<Reply>> {
+        self.pump(false)?;
+        Ok(self
+            .done
+            .iter()
+            .position(|r| r.tag & INTERNAL == 0)
+            .and_then(|i| self.done.remove(i)))
+    }
+
+    /// Processes completions: one wait (up to 1 s) if `block`, else what is there.
+    pub(crate) fn pump(&mut self, block: bool) -> Result<()> {
+        if let Some(f) = &self.failed
+            && self.session.in_flight() == 0
+        {
+            return Err(self.failure_error(f));
+        }
+        let Some(conn) = &self.conn else {
+            self.recover("no connection".into());
+            return Ok(());
+        };
+        let mut buf = [Completion::default(); 32];
+        let n = if block {
+            conn.cq.wait(&mut buf, Some(Duration::from_secs(1)))?
+        } else {
+            conn.cq.poll(&mut buf)?
+        };
+        if n == 0 {
+            self.check_stall();
+            return Ok(());
+        }
+        if buf[..n]
+            .iter()
+            .any(|c| c.opcode == Opcode::Recv && c.is_ok())
+        {
+            self.liveness.replied(Instant::now());
+        }
+        let mut fault = None;
+        for comp in &buf[..n] {
+            if fault.is_some() {
+                break;
+            }
+            if comp.opcode == Opcode::Send {
+                if !comp.is_ok() {
+                    fault = Some(Failure::Lost(format!(
+                        "a request could not be sent ({:?})",
+                        comp.status
+                    )));
+                }
+                continue;
+            }
+            if comp.status != WcStatus::Success {
+                fault = Some(match comp.status {
+                    WcStatus::RemoteClosed => {
+                        Failure::Lost("the server closed the connection".into())
+                    }
+                    WcStatus::FramingError => Failure::Violation(
+                        "it sent a reply the client cannot frame (bad magic or an oversize chunk)"
+                            .into(),
+                    ),
+                    WcStatus::LengthError => {
+                        Failure::Violation("it sent a reply longer than any request allows".into())
+                    }
+                    s => Failure::Lost(format!(
+                        "receive failed ({s:?}, os error {})",
+                        comp.os_error
+                    )),
+                });
+                continue;
+            }
+            let slot = (comp.wr_id & !RECV_BIT) as usize;
+            if let Err(why) = self.on_reply(slot, comp.byte_len as usize, comp.placed as usize) {
+                fault = Some(Failure::Violation(why));
+                continue;
+            }
+            if let Some(conn) = &self.conn
+                && let Err(e) = conn.repost(slot)
+            {
+                fault = Some(Failure::Lost(format!("reposting a receive failed: {e}")));
+            }
+        }
+        match fault {
+            Some(Failure::Lost(why)) => self.recover(why),
+            Some(Failure::Violation(why)) => self.give_up(why),
+            None if std::mem::take(&mut self.shutting_down) => {
+                self.recover("the server is shutting down (ESHUTDOWN)".into())
+            }
+            None => {}
+        }
+        Ok(())
+    }
+
+    /// Handles one reply message in receive slot `slot`. Err: the server broke the
+    /// protocol (the session checks every number it sent before using it). `placed` bytes
+    /// of READ data went straight to the request's region (the framer said where); `len`
+    /// bytes, the rest of the message, are in the slot.
+    fn on_reply(&mut self, slot: usize, len: usize, placed: usize) -> Result<(), String> {
+        let conn = self.conn.as_ref().ok_or("no connection")?;
+        // SAFETY: the slot's receive WR has completed; it is posted again only after this
+        // function returns (`pump`), so the NIC does not write these bytes meanwhile.
+        let msg = unsafe { completed_bytes(&conn.recv_mr, slot * RECV_SLOT, len) };
+        let delivered = if placed > 0 {
+            self.session.on_placed_message(msg, placed)
+        } else {
+            self.session.on_message(msg)
+        };
+        match delivered.map_err(|v| v.to_string())? {
+            Delivered::Partial => {}
+            // It goes again on the next connection (a restarted server), like requests a
+            // lost connection leaves unanswered. It does not end an outage.
+            Delivered::ShuttingDown => self.shutting_down = true,
+            Delivered::Finished(f) => {
+                // A whole answer ends an outage; a chunk that never leads to one does not.
+                self.liveness.answered();
+                let result = f.result.map_err(|e| match e {
+                    Failed::Server { error, message } => Error::Server { error, message },
+                    other => Error::Protocol {
+                        uri: self.uri.to_string(),
+                        why: other.to_string(),
+                    },
+                });
+                self.done.push_back(Reply { tag: f.tag, result });
+            }
+        }
+        Ok(())
+    }
+
+    /// Requests in flight and no reply for `request_timeout`: reconnect and reissue, unless
+    /// the server has already been silent for `reconnect_timeout` past its first timeout.
+    fn check_stall(&mut self) {
+        match self
+            .liveness
+            .stall(Instant::now(), self.session.in_flight() > 0)
+        {
+            Stall::None => {}
+            Stall::Reconnect(why) => {
+                self.recover(why);
+                self.liveness.restart_wait(Instant::now());
+            }
+            Stall::GiveUp(why) => {
+                tracing::error!(uri = %self.uri, "giving up: {why}");
+                self.drop_conn();
+                self.fail_all(Failure::Lost(why));
+            }
+        }
+    }
+}
