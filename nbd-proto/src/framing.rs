@@ -13,6 +13,8 @@
 //! [`ServerPhase::Transmission`] right before sending the final reply of the
 //! handshake (`NBD_OPT_GO` ack or `NBD_OPT_EXPORT_NAME` reply), since the
 //! client may pipeline its first request right after.
+//!
+//! Over 600 lines: the server's and the client's framing share the header rules; nearly half is tests.
 
 use crate::consts as c;
 use crate::wire::{be_u16, be_u32, be_u64};

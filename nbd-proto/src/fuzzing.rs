@@ -3,6 +3,8 @@
 //!
 //! Every function takes arbitrary bytes, must never panic, and asserts that
 //! outputs stay bounded. Not part of the stable API.
+//!
+//! Over 600 lines: one harness per fuzz target beside its invariants and seed builder, and their property tests (the last fifth).
 
 use crate::consts as c;
 use crate::flags::{CmdFlags, TransmissionFlags};

@@ -8,6 +8,8 @@
 //! Everything the server supplies is checked before it is used: offsets and lengths with
 //! checked arithmetic against the request ([`ReadCoverage`]), no byte covered twice, the
 //! chunk type against the command, nothing after the final chunk.
+//!
+//! Over 600 lines: two fifths are tests.
 
 use std::ops::Range;
 

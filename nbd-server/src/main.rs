@@ -1,6 +1,8 @@
 //! qpip-nbd-server: exports disk images over Queue Pair IP. The wire is plain NBD (fixed
 //! newstyle), so qemu-img, qemu-io, nbdinfo, nbdcopy, fio and the Linux kernel client talk to
 //! it unchanged.
+//!
+//! Over 600 lines: the command line: its options with their help text are most of it.
 
 mod config;
 mod daemon;

@@ -14,6 +14,8 @@
 //! Failures: librbd reports `-errno`. A cluster that goes away mid-run makes its requests fail
 //! with ETIMEDOUT once `rados_osd_op_timeout` (our `--ceph-timeout`) passes, answered to the
 //! client as EIO; other exports keep serving.
+//!
+//! Over 600 lines: the librbd/librados declarations and the one safe wrapper over them belong together, so that the unsafe code stays in this file.
 
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::io;

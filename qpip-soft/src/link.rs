@@ -1,6 +1,8 @@
 //! One QP as the engine sees it: its socket (the link), its framer, and its transmit and
 //! receive machines. The engine drives it from doorbells, management commands and socket
 //! readiness.
+//!
+//! Over 600 lines: one QP's link states and every transition between them (connect, TLS, close, teardown deferred while io_uring still holds buffers) in one place.
 
 use std::fs::File;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};

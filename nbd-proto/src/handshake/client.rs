@@ -15,6 +15,8 @@
 //! `BLOCK_SIZE`, falling back to `NBD_OPT_EXPORT_NAME` if the server answers
 //! `NBD_REP_ERR_UNSUP` (or does not do fixed newstyle at all) — except after extended
 //! headers, which forbid `NBD_OPT_EXPORT_NAME` (a server offering them must do `GO`).
+//!
+//! Over 600 lines: one state machine whose steps all act on the same negotiation state; split by step, each part would need all of it.
 
 use crate::consts as c;
 use crate::error::ProtoError;

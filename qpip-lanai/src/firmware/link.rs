@@ -1,5 +1,7 @@
 //! One QP inside the firmware: its link (idle, connecting, a TCP connection, a UDP port) and
 //! its transmit and receive state machines over the smoltcp sockets.
+//!
+//! Over 600 lines: one QP's link states and every transition between them in one place, as in the soft NIC.
 
 use std::collections::VecDeque;
 use std::io::{self, IoSliceMut};

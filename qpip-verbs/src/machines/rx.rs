@@ -7,6 +7,8 @@
 //! A body the framer placed in a registered file goes there without passing through user
 //! memory where the connection can do that ([`RxIo::read_into_file`]: the soft NIC splices
 //! socket → pipe → file), else through a bounded bounce buffer and `pwrite`.
+//!
+//! Over 600 lines: two fifths are its tests, which drive the machine without a socket.
 
 use std::fs::File;
 use std::io::{self, IoSliceMut};
