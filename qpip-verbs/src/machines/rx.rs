@@ -672,11 +672,29 @@ mod tests {
         }
     }
 
-    /// Length-prefixed messages whose bodies go to consecutive places of `dst` (the prefix
-    /// stays in the receive WR), as an NBD client places READ data.
+    /// Length-prefixed messages whose bodies go to consecutive places of a region (the
+    /// prefix stays in the receive WR), as an NBD client places READ data: `sge(at, len)`
+    /// names them, in memory or in a registered file.
     struct PlaceInto {
-        dst: MemoryRegion,
-        next: usize,
+        sge: Box<dyn Fn(u64, u32) -> Sge + Send>,
+        next: u64,
+    }
+
+    impl PlaceInto {
+        fn memory(dst: MemoryRegion) -> PlaceInto {
+            let sge = move |at, len| dst.sge(at as usize, len as usize);
+            PlaceInto {
+                sge: Box::new(sge),
+                next: 0,
+            }
+        }
+        fn file(dst: crate::FileRegion) -> PlaceInto {
+            let sge = move |at, len| dst.sge(at, len);
+            PlaceInto {
+                sge: Box::new(sge),
+                next: 0,
+            }
+        }
     }
 
     impl Framer for PlaceInto {
@@ -684,9 +702,9 @@ mod tests {
             let Some(prefix) = header.first_chunk::<4>() else {
                 return Frame::NeedHeader(4);
             };
-            let len = u32::from_be_bytes(*prefix) as usize;
-            let body = self.dst.sge(self.next, len);
-            self.next += len;
+            let len = u32::from_be_bytes(*prefix);
+            let body = (self.sge)(self.next, len);
+            self.next += u64::from(len);
             Frame::MessageAt {
                 header_len: 4,
                 strip: 0,
@@ -703,10 +721,7 @@ mod tests {
         for step in [1, 3, 4, 5, 64, 1 << 20] {
             let (qp, cq, table, mr) = setup(19, 8);
             let dst = table.register_owned(8192, crate::Access::READ_WRITE);
-            let mut framer = PlaceInto {
-                dst: dst.clone(),
-                next: 0,
-            };
+            let mut framer = PlaceInto::memory(dst.clone());
             let mut rx = RxMachine::new();
             let mut sock = Trickle::new(wire.clone(), step);
             let stop = rx.pump(&qp, &table, &mut framer, &mut |iov| sock.read(iov));
@@ -724,28 +739,6 @@ mod tests {
                 dst.read_at(at, &mut got);
                 assert_eq!(got, msgs[i], "message {i}, step {step}");
                 at += msgs[i].len();
-            }
-        }
-    }
-
-    /// As `PlaceInto`, into a registered file.
-    struct PlaceIntoFile {
-        dst: crate::FileRegion,
-        next: u64,
-    }
-
-    impl Framer for PlaceIntoFile {
-        fn frame(&mut self, header: &[u8]) -> Frame {
-            let Some(prefix) = header.first_chunk::<4>() else {
-                return Frame::NeedHeader(4);
-            };
-            let len = u32::from_be_bytes(*prefix);
-            let body = self.dst.sge(self.next, len);
-            self.next += u64::from(len);
-            Frame::MessageAt {
-                header_len: 4,
-                strip: 0,
-                body,
             }
         }
     }
@@ -776,7 +769,7 @@ mod tests {
             let (qp, cq, table, mr) = setup(msgs.len(), 8);
             let (_tmp, file) = file_of(total as u64, true);
             let dst = table.register_file(file.clone(), total as u64, crate::Access::READ_WRITE);
-            let mut framer = PlaceIntoFile { dst, next: 0 };
+            let mut framer = PlaceInto::file(dst);
             let mut rx = RxMachine::new();
             let mut sock = Trickle::new(wire.clone(), step);
             let stop = rx.pump(&qp, &table, &mut framer, &mut |iov| sock.read(iov));
@@ -804,7 +797,7 @@ mod tests {
         let (qp, cq, table, mr) = setup(3, 16);
         let (_tmp, file) = file_of(64, false);
         let dst = table.register_file(file, 64, crate::Access::READ_WRITE);
-        let mut framer = PlaceIntoFile { dst, next: 0 };
+        let mut framer = PlaceInto::file(dst);
         let mut rx = RxMachine::new();
         let mut sock = Trickle::new(framed(&[b"lost", &[7u8; 40], b"x"]), 7);
         let stop = rx.pump(&qp, &table, &mut framer, &mut |iov| sock.read(iov));
@@ -826,7 +819,7 @@ mod tests {
             let (qp, cq, table, _mr) = setup(2, 64);
             let (_tmp, file) = file_of(64, true);
             let dst = table.register_file(file.clone(), len, access);
-            let mut framer = PlaceIntoFile { dst, next: 0 };
+            let mut framer = PlaceInto::file(dst);
             let mut rx = RxMachine::new();
             let mut sock = Trickle::new(framed(&[b"too long for it"]), 100);
             let stop = rx.pump(&qp, &table, &mut framer, &mut |iov| sock.read(iov));
@@ -860,7 +853,7 @@ mod tests {
     fn a_body_placed_in_read_only_memory_is_a_protection_error() {
         let (qp, cq, table, _mr) = setup(2, 64);
         let dst = table.register_owned(64, crate::Access::READ);
-        let mut framer = PlaceInto { dst, next: 0 };
+        let mut framer = PlaceInto::memory(dst);
         let mut rx = RxMachine::new();
         let mut sock = Trickle::new(framed(&[b"secret"]), 100);
         let stop = rx.pump(&qp, &table, &mut framer, &mut |iov| sock.read(iov));
