@@ -135,22 +135,14 @@ impl InMsg {
             Some(Placement::Memory(body)) => {
                 scatter(std::slice::from_ref(body), at, &data[to_wr..]);
             }
-            Some(Placement::File(span)) if to_wr < data.len() => {
-                self.write_file(&data[to_wr..], at);
+            // Nothing more is written once writing the file failed.
+            Some(Placement::File(span)) if to_wr < data.len() && self.place_error.is_none() => {
+                let offset = span.offset() + at as u64;
+                if let Err(e) = span.file().write_all_at(&data[to_wr..], offset) {
+                    self.place_error = Some(file_errno(&e));
+                }
             }
             _ => {}
-        }
-    }
-
-    /// Writes `data` to byte `at` of the file body (nothing more once writing it failed).
-    fn write_file(&mut self, data: &[u8], at: usize) {
-        let Some(Placement::File(span)) = &self.body else {
-            return;
-        };
-        if self.place_error.is_none()
-            && let Err(e) = span.file().write_all_at(data, span.offset() + at as u64)
-        {
-            self.place_error = Some(os_error(&e).max(libc_eio()));
         }
     }
 
@@ -191,9 +183,9 @@ fn os_error(e: &io::Error) -> i32 {
     e.raw_os_error().unwrap_or(0)
 }
 
-/// EIO: the errno for a file error that carries none.
-fn libc_eio() -> i32 {
-    5
+/// The errno of a failed file write; EIO for an error that carries none.
+fn file_errno(e: &io::Error) -> i32 {
+    e.raw_os_error().filter(|&n| n != 0).unwrap_or(libc::EIO)
 }
 
 /// Copies `data` into the segments starting at byte `offset` of the WR; returns how much fit.
@@ -397,7 +389,7 @@ impl RxMachine {
                     Ok((k, file_error)) => {
                         cur.filled += k.min(max);
                         if let Some(e) = file_error {
-                            cur.place_error.get_or_insert(os_error(&e).max(libc_eio()));
+                            cur.place_error.get_or_insert(file_errno(&e));
                         }
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => return RxStop::WouldBlock,
