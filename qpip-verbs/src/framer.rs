@@ -28,7 +28,8 @@ pub enum Frame {
         body_len: usize,
     },
     /// As `Message`, but the body (`body.len` bytes) goes to `body`, registered memory the
-    /// application named, checked like a receive WR's SGE (its key, bounds and local-write
+    /// application named or a range of a registered file ([`crate::FileRegion`], which the
+    /// NIC then writes), checked like a receive WR's SGE (its key, bounds and local-write
     /// access); the receive WR takes only the header. The completion's `placed` counts the
     /// body bytes that arrived, its `byte_len` the header bytes in the WR.
     MessageAt {
