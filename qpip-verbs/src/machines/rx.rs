@@ -705,6 +705,30 @@ mod tests {
         }
     }
 
+    /// Each message completed with its 4-byte prefix in an 8-byte receive WR of `mr` and its
+    /// body, in order, where `body(at, buf)` reads consecutive bodies back from.
+    fn check_placed(
+        done: &[Completion],
+        mr: &MemoryRegion,
+        msgs: &[Vec<u8>],
+        body: impl Fn(u64, &mut [u8]),
+        step: usize,
+    ) {
+        assert_eq!(done.len(), msgs.len(), "step {step}");
+        let mut at = 0u64;
+        for (i, c) in done.iter().enumerate() {
+            let want = (WcStatus::Success, 4, msgs[i].len() as u32);
+            assert_eq!((c.status, c.byte_len, c.placed), want, "step {step}");
+            let mut prefix = [0u8; 4];
+            mr.read_at(i * 8, &mut prefix);
+            assert_eq!(u32::from_be_bytes(prefix) as usize, msgs[i].len());
+            let mut got = vec![0u8; msgs[i].len()];
+            body(at, &mut got);
+            assert_eq!(got, msgs[i], "message {i}, step {step}");
+            at += msgs[i].len() as u64;
+        }
+    }
+
     #[test]
     fn bodies_go_where_the_framer_says_and_headers_into_the_wr() {
         let msgs: Vec<Vec<u8>> = (1..20).map(|i| vec![i as u8; (i * 53) % 300]).collect();
@@ -718,20 +742,8 @@ mod tests {
             let mut sock = Trickle::new(wire.clone(), step);
             let stop = rx.pump(&qp, &table, &mut framer, &mut |iov| sock.read(iov));
             assert_eq!(stop, RxStop::NoWr, "step {step}");
-            let done = drain(&cq);
-            assert_eq!(done.len(), msgs.len(), "step {step}");
-            let mut at = 0;
-            for (i, c) in done.iter().enumerate() {
-                let want = (WcStatus::Success, 4, msgs[i].len() as u32);
-                assert_eq!((c.status, c.byte_len, c.placed), want, "step {step}");
-                let mut prefix = [0u8; 4];
-                mr.read_at(i * 8, &mut prefix);
-                assert_eq!(u32::from_be_bytes(prefix) as usize, msgs[i].len());
-                let mut got = vec![0u8; msgs[i].len()];
-                dst.read_at(at, &mut got);
-                assert_eq!(got, msgs[i], "message {i}, step {step}");
-                at += msgs[i].len();
-            }
+            let body = |at: u64, got: &mut [u8]| dst.read_at(at as usize, got);
+            check_placed(&drain(&cq), &mr, &msgs, body, step);
         }
     }
 
@@ -766,20 +778,8 @@ mod tests {
             let mut sock = Trickle::new(wire.clone(), step);
             let stop = rx.pump(&qp, &table, &mut framer, &mut |iov| sock.read(iov));
             assert_eq!(stop, RxStop::NoWr, "step {step}");
-            let done = drain(&cq);
-            assert_eq!(done.len(), msgs.len(), "step {step}");
-            let mut at = 0u64;
-            for (i, c) in done.iter().enumerate() {
-                let want = (WcStatus::Success, 4, msgs[i].len() as u32);
-                assert_eq!((c.status, c.byte_len, c.placed), want, "step {step}");
-                let mut prefix = [0u8; 4];
-                mr.read_at(i * 8, &mut prefix);
-                assert_eq!(u32::from_be_bytes(prefix) as usize, msgs[i].len());
-                let mut got = vec![0u8; msgs[i].len()];
-                file.read_exact_at(&mut got, at).unwrap();
-                assert_eq!(got, msgs[i], "message {i}, step {step}");
-                at += msgs[i].len() as u64;
-            }
+            let body = |at: u64, got: &mut [u8]| file.read_exact_at(got, at).unwrap();
+            check_placed(&drain(&cq), &mr, &msgs, body, step);
         }
     }
 
