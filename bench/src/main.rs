@@ -139,7 +139,7 @@ enum NbdCmd {
         #[arg(long, default_value = "409M", value_parser = units::parse_size)]
         file_size: u64,
         /// Stacks to run, comma-separated.
-        #[arg(long, value_delimiter = ',', default_value = "qpip,nbd-server,nbdkit,qemu-nbd",
+        #[arg(long, value_delimiter = ',', default_value = "qpip,qpip-direct,nbd-server,nbdkit,qemu-nbd",
               value_parser = ext2::Stack::parse)]
         stacks: Vec<ext2::Stack>,
         /// The qpip-nbd-server to measure. Default: the one next to this executable.

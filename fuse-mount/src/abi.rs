@@ -52,7 +52,12 @@ pub const WRITEBACK_CACHE: u64 = 1 << 16;
 pub const PARALLEL_DIROPS: u64 = 1 << 18;
 pub const MAX_PAGES: u64 = 1 << 22;
 pub const INIT_EXT: u64 = 1 << 30;
+pub const DIRECT_IO_ALLOW_MMAP: u64 = 1 << 36;
 pub const OVER_IO_URING: u64 = 1 << 41;
+
+// fuse_open_out.open_flags
+pub const FOPEN_DIRECT_IO: u32 = 1 << 0;
+pub const FOPEN_PARALLEL_DIRECT_WRITES: u32 = 1 << 6;
 
 // fuse_setattr_in.valid
 pub const FATTR_MODE: u32 = 1 << 0;
@@ -309,6 +314,9 @@ mod tests {
         assert_eq!(PARALLEL_DIROPS, 0x4_0000);
         assert_eq!(MAX_PAGES, 0x40_0000);
         assert_eq!(INIT_EXT, 0x4000_0000);
+        // FUSE_DIRECT_IO_ALLOW_MMAP (1ULL << 36): bit 4 of init flags2.
+        assert_eq!(DIRECT_IO_ALLOW_MMAP >> 32, 1 << 4);
+        assert_eq!((FOPEN_DIRECT_IO, FOPEN_PARALLEL_DIRECT_WRITES), (0x1, 0x40));
         // FUSE_OVER_IO_URING (1ULL << 41): bit 9 of init flags2.
         assert_eq!(OVER_IO_URING >> 32, 1 << 9);
         assert_eq!(

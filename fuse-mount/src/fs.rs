@@ -65,6 +65,8 @@ pub struct NbdFs {
     name: Vec<u8>,
     dir: fuse_attr,
     file: fuse_attr,
+    /// The file is opened with FOPEN_DIRECT_IO (`--cache none`).
+    direct_io: bool,
 }
 
 fn entry_out(attr: &fuse_attr) -> abi::fuse_entry_out {
@@ -80,8 +82,9 @@ fn entry_out(attr: &fuse_attr) -> abi::fuse_entry_out {
 }
 
 impl NbdFs {
-    /// `name`: the file's name in the mount point.
-    pub fn new(export: Arc<Export>, name: &str) -> NbdFs {
+    /// `name`: the file's name in the mount point; `direct_io`: the kernel keeps no page
+    /// cache for it.
+    pub fn new(export: Arc<Export>, name: &str, direct_io: bool) -> NbdFs {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
@@ -116,6 +119,7 @@ impl NbdFs {
             name: name.as_bytes().to_vec(),
             dir,
             file,
+            direct_io,
         }
     }
 
@@ -179,7 +183,15 @@ impl NbdFs {
                 if flags & libc::O_TRUNC != 0 && self.size() != 0 {
                     return Error(libc::EINVAL);
                 }
-                buf.put(bytes_of(&abi::fuse_open_out::default()))
+                let open_flags = if self.direct_io {
+                    abi::FOPEN_DIRECT_IO | abi::FOPEN_PARALLEL_DIRECT_WRITES
+                } else {
+                    0
+                };
+                buf.put(bytes_of(&abi::fuse_open_out {
+                    open_flags,
+                    ..Default::default()
+                }))
             }
             Op::Opendir => {
                 if ino != DIR {

@@ -11,7 +11,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use fuse_mount::export::Export;
 use fuse_mount::fs::NbdFs;
-use fuse_mount::session::{Config, Session, Transport};
+use fuse_mount::session::{Cache, Config, Session, Transport};
 use fuse_mount::{file_name, mount, mountpoint};
 use nbd_client::{Client, ClientOptions, Error as NbdError, NbdUri, Nic, Pool};
 use qpip_cli::BackendArgs;
@@ -68,10 +68,13 @@ struct Cli {
     /// kernel's default is 128). 0 leaves the kernel's value.
     #[arg(long, default_value_t = 4096, value_name = "KIB")]
     read_ahead_kb: u32,
-    /// Write-through instead of the kernel's writeback cache (FUSE_WRITEBACK_CACHE): every
-    /// write(2) waits for the server.
-    #[arg(long)]
-    no_writeback_cache: bool,
+    /// What the kernel caches of the file: writeback (the page cache holds reads and writes,
+    /// dirty pages go to the server in the background), writethrough (every write(2) waits
+    /// for the server), none (no page cache: every read and write goes to the server, as with
+    /// qemu-storage-daemon's FUSE export; for a file system on a loop device, which caches
+    /// above the file).
+    #[arg(long, value_enum, default_value_t = Cache::Writeback)]
+    cache: Cache,
     /// How long to keep reconnecting after the server was lost (reset, closed, silent) before
     /// unanswered requests fail with EIO; the clock runs from the server's last answer, so
     /// a server that accepts connections and drops them cannot keep it going. A server that
@@ -278,7 +281,8 @@ fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
         .map_or(export.connections() + 2, usize::from)
         .max(1);
 
-    let fs = Arc::new(NbdFs::new(export.clone(), &name));
+    let cache = cli.cache;
+    let fs = Arc::new(NbdFs::new(export.clone(), &name, cache == Cache::None));
     let dev = mount::mount(
         mnt,
         &mount::Options {
@@ -293,7 +297,7 @@ fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
         transport: cli.fuse_transport,
         threads,
         ring_depth: threads,
-        writeback_cache: !cli.no_writeback_cache,
+        cache,
         read_only: caps.read_only,
     };
     let session = match Session::init(dev, fs, nic.clone(), config) {
@@ -332,6 +336,7 @@ fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
         threads,
         read_only = caps.read_only,
         transport = if started.uring { "io_uring" } else { "/dev/fuse" },
+        cache = ?cache,
         writeback_cache = started.agreed.has(fuse_mount::abi::WRITEBACK_CACHE),
         "mounted"
     );

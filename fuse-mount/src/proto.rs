@@ -179,6 +179,8 @@ pub struct Wants {
     pub max_background: u16,
     pub congestion_threshold: u16,
     pub writeback_cache: bool,
+    /// The file is opened with FOPEN_DIRECT_IO: ask that it may still be mmap()ed.
+    pub direct_io: bool,
     pub io_uring: bool,
 }
 
@@ -238,6 +240,9 @@ pub fn negotiate(init: &abi::fuse_init_in, want: &Wants) -> Result<Agreed, InitE
     if want.writeback_cache {
         wanted |= abi::WRITEBACK_CACHE;
     }
+    if want.direct_io {
+        wanted |= abi::DIRECT_IO_ALLOW_MMAP;
+    }
     if want.io_uring {
         wanted |= abi::OVER_IO_URING;
     }
@@ -288,6 +293,7 @@ mod tests {
             max_background: 64,
             congestion_threshold: 48,
             writeback_cache: true,
+            direct_io: false,
             io_uring,
         }
     }

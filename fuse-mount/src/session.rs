@@ -24,6 +24,20 @@ pub enum Transport {
     Dev,
 }
 
+/// What the kernel caches of the export's file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Cache {
+    /// The page cache holds reads and writes; dirty pages go to the server in the
+    /// background (FUSE_WRITEBACK_CACHE) and fsync waits for them.
+    Writeback,
+    /// The page cache holds reads; every write(2) waits for the server.
+    Writethrough,
+    /// No page cache (FOPEN_DIRECT_IO): every read and write goes to the server, as with
+    /// qemu-storage-daemon's FUSE export. For a file system on a loop device, which caches
+    /// above the file, this saves the second copy in the page cache.
+    None,
+}
+
 /// The state of the kernel's switch for FUSE over io_uring.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UringSwitch {
@@ -90,7 +104,7 @@ pub struct Config {
     pub threads: usize,
     /// Ring entries (each with its thread) per queue.
     pub ring_depth: usize,
-    pub writeback_cache: bool,
+    pub cache: Cache,
     pub read_only: bool,
 }
 
@@ -269,7 +283,8 @@ impl Session {
             max_readahead: MAX_IO,
             max_background: 64,
             congestion_threshold: 48,
-            writeback_cache: config.writeback_cache && !config.read_only,
+            writeback_cache: config.cache == Cache::Writeback && !config.read_only,
+            direct_io: config.cache == Cache::None,
             io_uring: uring,
         };
         let agreed = match proto::negotiate(&init, &want) {

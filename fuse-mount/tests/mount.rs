@@ -37,6 +37,7 @@ on_both_transports!(
     a_server_gone_for_good_fails_io_with_eio_after_the_reconnect_timeout,
     a_mount_whose_server_is_gone_exits_promptly_once_unmounted,
     write_through_refuses_writes_past_the_end_at_once,
+    cache_none_reads_and_writes_go_to_the_server,
     file_size_pattern_io_fsync_punch_hole_and_fusermount_exit,
     ext2_on_a_loop_device_over_the_fuse_file_survives_a_remount,
     read_only_export_and_read_only_option_refuse_writes,
@@ -175,7 +176,7 @@ fn write_through_refuses_writes_past_the_end_at_once() {
     let server = qpip_server("w", &img, &[]);
     let mnt = dir.path().join("mnt");
     std::fs::create_dir(&mnt).unwrap();
-    let m = mount(&server.uri, &mnt, "w", &["--no-writeback-cache"]);
+    let m = mount(&server.uri, &mnt, "w", &["--cache", "writethrough"]);
     let f = OpenOptions::new().write(true).open(&m.file).unwrap();
     let e = f.write_at(b"x", 8 * MIB).unwrap_err();
     assert_eq!(errno(&e), libc::ENOSPC, "{e}");
@@ -190,6 +191,74 @@ fn write_through_refuses_writes_past_the_end_at_once() {
         "written through before write(2) returned"
     );
     assert_eq!(std::fs::metadata(&m.file).unwrap().len(), 8 * MIB);
+}
+
+/// `--cache none` (FOPEN_DIRECT_IO): a read on an open file sees what changed in the image
+/// since the last read (a page cache would answer from memory), a write is in the image when
+/// write(2) returns, and a shared mapping still works (FUSE_DIRECT_IO_ALLOW_MMAP).
+fn cache_none_reads_and_writes_go_to_the_server() {
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_image(dir.path(), "n.img", 8 * MIB);
+    let image = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&img)
+        .unwrap();
+    image.write_all_at(&pattern(0, 65536), 0).unwrap();
+    let server = qpip_server("n", &img, &[]);
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let m = mount(&server.uri, &mnt, "n", &["--cache", "none"]);
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&m.file)
+        .unwrap();
+    let mut back = vec![0u8; 65536];
+    f.read_exact_at(&mut back, 0).unwrap();
+    assert!(back == pattern(0, 65536), "first read");
+    image.write_all_at(&pattern(99, 65536), 0).unwrap();
+    f.read_exact_at(&mut back, 0).unwrap();
+    assert!(
+        back == pattern(99, 65536),
+        "a second read was answered from a cache"
+    );
+
+    f.write_all_at(&pattern(7, 300_000), MIB + 512).unwrap();
+    let mut server_side = vec![0u8; 300_000];
+    image.read_exact_at(&mut server_side, MIB + 512).unwrap();
+    assert!(
+        server_side == pattern(7, 300_000),
+        "not in the image when write(2) returned"
+    );
+
+    let len = 2 * MIB as usize;
+    // SAFETY: a fresh shared read-only mapping of an open file, unmapped below.
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(
+        map,
+        libc::MAP_FAILED,
+        "shared mmap: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: the mapping is len bytes long and stays mapped while the slice lives.
+    let mapped = unsafe { std::slice::from_raw_parts(map as *const u8, len) };
+    assert!(mapped[..65536] == pattern(99, 65536));
+    assert!(mapped[MIB as usize + 512..][..300_000] == pattern(7, 300_000));
+    // SAFETY: unmapping what mmap returned, with its length.
+    unsafe { libc::munmap(map, len) };
 }
 
 fn ext2_on_a_loop_device_over_the_fuse_file_survives_a_remount() {

@@ -51,21 +51,46 @@ const CHUNK: usize = 1 << 20;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stack {
     Qpip,
+    /// qpip with the mount's `--cache none`: no page cache on the FUSE file, as
+    /// qemu-storage-daemon's FUSE export keeps none for the socket stacks.
+    QpipDirect,
     NbdServer,
     Nbdkit,
     QemuNbd,
 }
 
 impl Stack {
-    pub const ALL: [Stack; 4] = [Stack::Qpip, Stack::NbdServer, Stack::Nbdkit, Stack::QemuNbd];
+    pub const ALL: [Stack; 5] = [
+        Stack::Qpip,
+        Stack::QpipDirect,
+        Stack::NbdServer,
+        Stack::Nbdkit,
+        Stack::QemuNbd,
+    ];
 
     pub fn name(self) -> &'static str {
-        self.server().name()
+        match self {
+            Stack::QpipDirect => "qpip-direct",
+            _ => self.server().name(),
+        }
+    }
+
+    /// A qpip stack (server and mount over QPs)?
+    pub fn is_qpip(self) -> bool {
+        matches!(self, Stack::Qpip | Stack::QpipDirect)
+    }
+
+    /// What this stack adds to qpip-nbd-mount's arguments.
+    fn mount_args(self) -> &'static [&'static str] {
+        match self {
+            Stack::QpipDirect => &["--cache", "none"],
+            _ => &[],
+        }
     }
 
     fn server(self) -> Server {
         match self {
-            Stack::Qpip => Server::Qpip,
+            Stack::Qpip | Stack::QpipDirect => Server::Qpip,
             Stack::NbdServer => Server::NbdServer,
             Stack::Nbdkit => Server::Nbdkit,
             Stack::QemuNbd => Server::QemuNbd,
@@ -78,7 +103,7 @@ impl Stack {
 
     fn fuse_program(self) -> FuseProgram {
         match self {
-            Stack::Qpip => FuseProgram::QpipMount,
+            Stack::Qpip | Stack::QpipDirect => FuseProgram::QpipMount,
             _ => FuseProgram::QemuStorageDaemon,
         }
     }
@@ -87,7 +112,9 @@ impl Stack {
         Stack::ALL
             .into_iter()
             .find(|k| k.name() == s)
-            .with_context(|| format!("unknown stack {s:?} (qpip, nbd-server, nbdkit, qemu-nbd)"))
+            .with_context(|| {
+                format!("unknown stack {s:?} (qpip, qpip-direct, nbd-server, nbdkit, qemu-nbd)")
+            })
     }
 }
 
@@ -123,8 +150,8 @@ fn check_prerequisites(stacks: &[Stack], server_bin: &Path, mount_bin: &Path) ->
     if unsafe { libc::geteuid() } != 0 {
         missing.push("root: losetup, mount and drop_caches need it (run with sudo)".to_string());
     }
-    let qpip = stacks.contains(&Stack::Qpip);
-    let socket = stacks.iter().any(|&s| s != Stack::Qpip);
+    let qpip = stacks.iter().any(|s| s.is_qpip());
+    let socket = stacks.iter().any(|s| !s.is_qpip());
     if qpip && !server_bin.is_file() {
         missing.push(format!(
             "qpip-nbd-server not found at {} (build it: cargo build --release -p nbd-server, \
@@ -154,7 +181,7 @@ fn check_prerequisites(stacks: &[Stack], server_bin: &Path, mount_bin: &Path) ->
             Stack::NbdServer => progs.push(("nbd-server", "nbd-server")),
             Stack::Nbdkit => progs.push(("nbdkit", "nbdkit")),
             Stack::QemuNbd => progs.push(("qemu-nbd", "qemu-utils")),
-            Stack::Qpip => {}
+            Stack::Qpip | Stack::QpipDirect => {}
         }
     }
     for (prog, pkg) in progs {
@@ -291,11 +318,14 @@ fn round(
         None,
     )?;
     stop.check()?;
+    let mount_args: Vec<String> = (stack.mount_args().iter().map(|a| a.to_string()))
+        .chain(p.mount_args.iter().cloned())
+        .collect();
     let mut client = FuseClient::start(
         stack.fuse_program(),
         name,
         &server,
-        (&p.mount_bin, &p.mount_args),
+        (&p.mount_bin, &mount_args),
         &dir.path,
     )?;
     stop.check()?;
