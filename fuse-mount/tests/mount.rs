@@ -40,6 +40,7 @@ on_both_transports!(
     cache_none_reads_and_writes_go_to_the_server,
     file_size_pattern_io_fsync_punch_hole_and_fusermount_exit,
     ext2_on_a_loop_device_over_the_fuse_file_survives_a_remount,
+    ext2_on_a_loop_device_over_an_uncached_fuse_file_survives_a_remount,
     read_only_export_and_read_only_option_refuse_writes,
     sigterm_and_sigint_unmount_and_exit_zero,
     daemon_mode_returns_once_mounted,
@@ -262,6 +263,14 @@ fn cache_none_reads_and_writes_go_to_the_server() {
 }
 
 fn ext2_on_a_loop_device_over_the_fuse_file_survives_a_remount() {
+    ext2_survives_a_remount(&[]);
+}
+
+fn ext2_on_a_loop_device_over_an_uncached_fuse_file_survives_a_remount() {
+    ext2_survives_a_remount(&["--cache", "none"]);
+}
+
+fn ext2_survives_a_remount(mount_args: &[&str]) {
     if !can_fuse() || !have("losetup") || !have("mkfs.ext2") || !have("mount") {
         return;
     }
@@ -272,7 +281,7 @@ fn ext2_on_a_loop_device_over_the_fuse_file_survives_a_remount() {
     let ext = dir.path().join("ext");
     std::fs::create_dir(&mnt).unwrap();
     std::fs::create_dir(&ext).unwrap();
-    let mut m = mount(&server.uri, &mnt, "fs", &[]);
+    let mut m = mount(&server.uri, &mnt, "fs", mount_args);
 
     let files: Vec<(String, Vec<u8>)> = (0..8u64)
         .map(|i| {
