@@ -403,6 +403,40 @@ fn block_size_errors() {
     );
 }
 
+/// A maximum block size of 2^32 − 1 admits reads that one OFFSET_DATA chunk (at most
+/// 2^32 − 9 bytes of data) cannot answer: with structured replies they are refused, and
+/// every read that passes has a reply header (a fuzz finding).
+#[test]
+fn structured_reads_are_capped_at_one_chunk() {
+    let mut i = full_info();
+    i.size = u64::MAX;
+    i.block_size.max = u32::MAX;
+    let largest = u32::MAX - 8;
+    assert_eq!(
+        validate_request(&req(Command::Read, 0, 0, largest + 1), &i),
+        Err(ErrorValue::Inval)
+    );
+    assert_eq!(
+        validate_request(&req(Command::Read, 0, 0, largest), &i),
+        Ok(())
+    );
+    let server = crate::server_session::ServerTransmission::from_info(i.clone());
+    let header = req(Command::Read, 0, 0, largest).encode(false).unwrap();
+    let valid = server.parse_request(&header).unwrap();
+    assert!(server.read_reply_header(&valid).is_ok());
+    // Simple replies carry any length; so do writes.
+    i.structured_replies = false;
+    assert_eq!(
+        validate_request(&req(Command::Read, 0, 0, u32::MAX), &i),
+        Ok(())
+    );
+    i.structured_replies = true;
+    assert_eq!(
+        validate_request(&req(Command::Write, 0, 0, u32::MAX), &i),
+        Ok(())
+    );
+}
+
 #[test]
 fn df_overflow() {
     let mut i = full_info();

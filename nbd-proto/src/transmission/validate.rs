@@ -145,7 +145,10 @@ impl ValidCommand {
 /// 5. `FLUSH` with nonzero offset or length → `EINVAL` (they "MUST be set to all-zero").
 /// 6. Offset or length not a multiple of the minimum block size → `EINVAL`.
 /// 7. `READ`/`WRITE`/`CACHE`, and `WRITE_ZEROES` without `FAST_ZERO`, longer than the
-///    maximum block size → `EINVAL`.
+///    maximum block size → `EINVAL`; so is a `READ` answered with structured replies that
+///    one `OFFSET_DATA` chunk cannot carry (more than 2^32 − 9 bytes: this server answers
+///    a read with one chunk), which only a maximum block size above that admits (checked
+///    after 8, so a `DF` read that long gets `EOVERFLOW`).
 /// 8. `READ` with `DF` longer than `df_max_len` → `EOVERFLOW` (the only case the spec
 ///    permits `EOVERFLOW`).
 /// 9. Range past the end of the export: `WRITE`/`WRITE_ZEROES` → `ENOSPC`
@@ -260,6 +263,11 @@ pub(crate) fn check_request(
     // 8. DF overflow
     if f.contains(CmdFlags::DF) && req.length > u64::from(info.df_max_len.min(u32::MAX - 8)) {
         return Err(ErrorValue::Overflow);
+    }
+    // 7, continued: one OFFSET_DATA chunk carries at most 2^32 - 9 bytes (after 8, so that a
+    // DF read that long gets the spec's EOVERFLOW)
+    if req.command == C::Read && info.structured_replies && req.length > u64::from(u32::MAX - 8) {
+        return Err(ErrorValue::Inval);
     }
 
     // zero-length block status
