@@ -54,6 +54,12 @@ pub trait Backend: Send + Sync + Debug {
         None
     }
 
+    /// Whether reading the range through [`Backend::mapping`] would allocate memory for its
+    /// holes (a file on tmpfs); READ then reads it with [`Backend::start_read`] instead.
+    fn mapping_would_fill_holes(&self, _offset: u64, _len: u64) -> bool {
+        false
+    }
+
     /// Whether the disk still holds `end` bytes (a file can be truncated under the server).
     fn still_holds(&self, _end: u64) -> io::Result<bool> {
         Ok(true)

@@ -63,6 +63,9 @@ pub struct Image {
     size: u64,
     read_only: bool,
     map: Option<Mmap>,
+    /// A read fault on a hole of this file allocates a page (tmpfs and memfd do; `pread`
+    /// reads the hole as zeroes without).
+    holes_fault_in: bool,
     qcow2: Option<Qcow2>,
 }
 
@@ -118,6 +121,7 @@ impl Image {
                 size: q.size(),
                 read_only,
                 map: None,
+                holes_fault_in: false,
                 qcow2: Some(q),
             });
         }
@@ -184,11 +188,13 @@ impl Image {
             // and concurrent pwrite/punch-hole through the page cache are coherent with it.
             Some(unsafe { MmapOptions::new().len(size as usize).map(&file)? })
         };
+        let holes_fault_in = map.is_some() && on_shmem(&file);
         Ok(Image {
             path: path.to_owned(),
             file,
             size,
             read_only,
+            holes_fault_in,
             map,
             qcow2: None,
         })
@@ -217,6 +223,45 @@ impl Image {
     /// reads go through [`Image::read_at`]).
     pub fn mapping(&self) -> Option<(*const u8, usize)> {
         self.map.as_ref().map(|m| (m.as_ptr(), m.len()))
+    }
+
+    /// Whether `[offset, offset + len)` holds a page that a read through the mapping would
+    /// have to allocate (a hole of a file on tmpfs or a memfd): such a read takes memory, and
+    /// on a full tmpfs it fails the reply's send and with it the connection. READ copies such
+    /// ranges with `pread`, which reads holes as zeroes, instead. `mincore` tells which pages
+    /// are in the page cache; it costs one call per 2 MiB, on tmpfs images only (`lseek`'s
+    /// SEEK_HOLE would walk the whole file past a range without holes).
+    pub fn mapping_would_fill_holes(&self, offset: u64, len: u64) -> bool {
+        let (true, Some(map)) = (self.holes_fault_in, &self.map) else {
+            return false;
+        };
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
+        let end = offset
+            .saturating_add(len)
+            .min(self.size)
+            .next_multiple_of(page);
+        let mut at = offset - offset % page;
+        let mut resident = [0u8; 512];
+        while at < end {
+            let chunk = (end - at).min(resident.len() as u64 * page);
+            // SAFETY: [at, at + chunk) lies inside the mapping (the image's size rounded up
+            // to a page, which the mapping covers), and `resident` has a byte per page.
+            let r = unsafe {
+                libc::mincore(
+                    map.as_ptr().add(at as usize) as *mut libc::c_void,
+                    chunk as usize,
+                    resident.as_mut_ptr(),
+                )
+            };
+            let pages = chunk.div_ceil(page) as usize;
+            // An error leaves the read to the mapping, as before.
+            if r == 0 && resident[..pages].iter().any(|&b| b & 1 == 0) {
+                return true;
+            }
+            at += chunk;
+        }
+        false
     }
 
     /// Whether the file still holds `end` bytes. Another process may truncate an image
@@ -480,6 +525,9 @@ impl Backend for Image {
     fn still_holds(&self, end: u64) -> io::Result<bool> {
         Image::still_holds(self, end)
     }
+    fn mapping_would_fill_holes(&self, offset: u64, len: u64) -> bool {
+        Image::mapping_would_fill_holes(self, offset, len)
+    }
 
     fn placement_file(&self) -> Option<File> {
         if self.read_only || self.qcow2.is_some() {
@@ -511,6 +559,15 @@ impl Backend for Image {
     }
 }
 
+/// Whether `file` lives in shared memory (tmpfs, or a memfd, whose file system reports the
+/// same magic).
+fn on_shmem(file: &File) -> bool {
+    // SAFETY: a zeroed statfs is a valid out-parameter for fstatfs on an owned descriptor.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    let ok = unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } == 0;
+    ok && st.f_type == libc::TMPFS_MAGIC
+}
+
 fn read_some(file: &File, buf: &mut [u8]) -> io::Result<usize> {
     let mut n = 0;
     while n < buf.len() {
@@ -527,6 +584,29 @@ fn read_some(file: &File, buf: &mut [u8]) -> io::Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_shared_memory_images_send_holes_by_copy() {
+        // A memfd is tmpfs: a read fault on its holes would allocate pages.
+        let img = Image::anonymous("holes", 1 << 20).unwrap();
+        img.write_at(&[7; 4096], 64 << 10, false).unwrap();
+        assert!(!img.mapping_would_fill_holes(64 << 10, 4096), "all data");
+        assert!(img.mapping_would_fill_holes(0, 4096), "all hole");
+        assert!(
+            img.mapping_would_fill_holes(60 << 10, 8192),
+            "hole, then data"
+        );
+        assert!(
+            img.mapping_would_fill_holes(64 << 10, 8192),
+            "data, then hole"
+        );
+        // On a disk file system a hole read through the mapping takes only page cache.
+        let dir = tempfile::tempdir().unwrap();
+        let img = Image::create(&dir.path().join("disk.img"), 1 << 20).unwrap();
+        if !on_shmem(&img.file) {
+            assert!(!img.mapping_would_fill_holes(0, 4096));
+        }
+    }
 
     #[test]
     fn sparse_image_extents_follow_writes_trims_and_zeroes() {

@@ -7,7 +7,9 @@
 //! - READ: 0 / 1. The reply is a send WR whose data SGE points into the registered mapping of
 //!   the image; the NIC engine's `writev` copies page cache → socket. A qcow2 image has no
 //!   mapping of its virtual disk: its reads are read into a registered buffer first (1 / 1).
-//!   An RBD export has none either: librbd places the data in the registered buffer.
+//!   An RBD export has none either: librbd places the data in the registered buffer. A range
+//!   of a tmpfs image with a hole is read like qcow2's (0 / 2): through the mapping, tmpfs
+//!   would allocate a page per hole.
 //! - WRITE: 1 / 1. The NIC reads the payload from the socket straight into a registered receive
 //!   slot (kernel copy); `pwrite` copies the slot into the page cache. A store that can run
 //!   writes concurrently (RBD) is handed every write of a batch of completions before the
@@ -541,11 +543,14 @@ impl<'a> Transmission<'a> {
             tracing::warn!(export = %self.export.name, "read at {} of {} bytes: {} is shorter than that now (truncated by another process?)", range.offset(), range.len(), self.export.image.location());
             return Err(ErrorValue::Io);
         }
-        // No mapping (qcow2, RBD): the store reads into registered memory, which the reply's
-        // send WR points at and which is kept until the send is done.
-        let buffer = match self.export.region {
-            Some(_) => None,
-            None => {
+        // No mapping (qcow2, RBD), or a range whose holes the mapping would fill with new
+        // pages (tmpfs): the store reads into registered memory, which the reply's send WR
+        // points at and which is kept until the send is done.
+        let via_mapping = self.export.region.is_some()
+            && !(self.export.image).mapping_would_fill_holes(range.offset(), range.len());
+        let buffer = match via_mapping {
+            true => None,
+            false => {
                 let len = range.len() as usize;
                 let mr = self.link.shared.nic.alloc_region(len, Access::READ);
                 // SAFETY: the region is new and not posted yet: nothing else uses its bytes,

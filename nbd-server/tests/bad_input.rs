@@ -394,6 +394,63 @@ fn writes_to_a_full_disk_get_enospc_and_the_connection_goes_on() {
     srv.assert_alive("after ENOSPC");
 }
 
+/// READs of never-written ranges of an image on tmpfs answer zeroes without taking room: a
+/// read through the image's mapping would make tmpfs allocate a page per hole (and, with
+/// the file system full, fail the reply's send and drop the connection), so such reads are
+/// copied with pread, which reads holes as zeroes.
+#[test]
+fn reads_of_holes_on_tmpfs_take_no_room_and_work_on_a_full_disk() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: mounting a small tmpfs needs root");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "qpip-holes"])
+        .arg(dir.path())
+        .status()
+        .unwrap();
+    assert!(mounted.success(), "mount a 1 MiB tmpfs");
+    let _unmount = Unmount(dir.path().to_owned());
+    let mut srv = server(dir.path()); // a sparse 16 MiB image on 1 MiB of room
+    let mut s = transmission(srv.addr);
+    let used = || {
+        let st = nix_statvfs(dir.path());
+        (st.0 - st.1) * st.2
+    };
+    let before = used();
+    // 8 MiB of holes: eight times the room the file system has.
+    for i in 0..8u64 {
+        let (e, d) = roundtrip(&mut s, Cmd::Read, 300 + i, i * MIB, MIB as u32, &[]);
+        assert_eq!(e, None, "read of a hole at {} MiB", i);
+        assert!(d.iter().all(|&b| b == 0), "a hole reads as zeroes");
+    }
+    assert!(
+        used() <= before + 64 * 1024,
+        "reading holes took {} bytes of tmpfs",
+        used() - before
+    );
+    // Data and holes in one read: the written part comes back, the rest is zeroes.
+    let (e, _) = roundtrip(&mut s, Cmd::Write, 400, 12 * MIB, 4096, &[0x77; 4096]);
+    assert_eq!(e, None);
+    let (e, d) = roundtrip(&mut s, Cmd::Read, 401, 12 * MIB - 4096, 3 * 4096, &[]);
+    assert_eq!(e, None);
+    assert!(d[..4096].iter().all(|&b| b == 0));
+    assert!(d[4096..8192].iter().all(|&b| b == 0x77));
+    assert!(d[8192..].iter().all(|&b| b == 0));
+    srv.assert_alive("after reading holes");
+}
+
+/// (blocks, free blocks, block size) of the file system at `path`.
+fn nix_statvfs(path: &std::path::Path) -> (u64, u64, u64) {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a zeroed statvfs is a valid out-parameter; the path is NUL-terminated.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut st) }, 0);
+    (st.f_blocks, st.f_bfree, st.f_frsize)
+}
+
 #[test]
 fn write_longer_than_32_mib_disconnects() {
     let dir = tempfile::tempdir().unwrap();
