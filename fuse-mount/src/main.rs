@@ -68,11 +68,7 @@ struct Cli {
     /// kernel's default is 128). 0 leaves the kernel's value.
     #[arg(long, default_value_t = 4096, value_name = "KIB")]
     read_ahead_kb: u32,
-    /// What the kernel caches of the file: writeback (the page cache holds reads and writes,
-    /// dirty pages go to the server in the background), writethrough (every write(2) waits
-    /// for the server), none (no page cache: every read and write goes to the server, as with
-    /// qemu-storage-daemon's FUSE export; for a file system on a loop device, which caches
-    /// above the file).
+    /// What the kernel caches of the file (`none` for a file system on a loop device).
     #[arg(long, value_enum, default_value_t = Cache::Writeback)]
     cache: Cache,
     /// How long to keep reconnecting after the server was lost (reset, closed, silent) before
