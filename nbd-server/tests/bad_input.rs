@@ -335,12 +335,40 @@ fn transmission_errors_keep_the_connection() {
     srv.assert_alive("after transmission errors");
 }
 
-/// Unmounts a test's tmpfs, whatever happens to the test.
-struct Unmount(std::path::PathBuf);
+/// A 1 MiB tmpfs mounted on a fresh directory, unmounted when dropped (the directory after
+/// it); None, with a note, without root.
+struct SmallTmpfs {
+    dir: tempfile::TempDir,
+}
 
-impl Drop for Unmount {
+impl SmallTmpfs {
+    fn mount(name: &str) -> Option<SmallTmpfs> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: mounting a small tmpfs needs root");
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let mounted = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=1m", name])
+            .arg(dir.path())
+            .status()
+            .unwrap();
+        assert!(mounted.success(), "mount a 1 MiB tmpfs");
+        Some(SmallTmpfs { dir })
+    }
+
+    fn path(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for SmallTmpfs {
     fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(self.dir.path())
+            .status();
     }
 }
 
@@ -349,20 +377,10 @@ impl Drop for Unmount {
 /// the file range), and small ones, which the server writes from the receive slot.
 #[test]
 fn writes_to_a_full_disk_get_enospc_and_the_connection_goes_on() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: mounting a small tmpfs needs root");
+    let Some(disk) = SmallTmpfs::mount("qpip-full-disk") else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let mounted = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=1m", "qpip-full-disk"])
-        .arg(dir.path())
-        .status()
-        .unwrap();
-    assert!(mounted.success(), "mount a 1 MiB tmpfs");
-    let _unmount = Unmount(dir.path().to_owned());
-    let mut srv = server(dir.path()); // a sparse 16 MiB image on 1 MiB of room
+    };
+    let mut srv = server(disk.path()); // a sparse 16 MiB image on 1 MiB of room
     let mut s = transmission(srv.addr);
 
     // Small writes first (they fill the disk), then large ones (none fits any more).
@@ -400,23 +418,13 @@ fn writes_to_a_full_disk_get_enospc_and_the_connection_goes_on() {
 /// copied with pread, which reads holes as zeroes.
 #[test]
 fn reads_of_holes_on_tmpfs_take_no_room_and_work_on_a_full_disk() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: mounting a small tmpfs needs root");
+    let Some(disk) = SmallTmpfs::mount("qpip-holes") else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let mounted = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=1m", "qpip-holes"])
-        .arg(dir.path())
-        .status()
-        .unwrap();
-    assert!(mounted.success(), "mount a 1 MiB tmpfs");
-    let _unmount = Unmount(dir.path().to_owned());
-    let mut srv = server(dir.path()); // a sparse 16 MiB image on 1 MiB of room
+    };
+    let mut srv = server(disk.path()); // a sparse 16 MiB image on 1 MiB of room
     let mut s = transmission(srv.addr);
     let used = || {
-        let st = nix_statvfs(dir.path());
+        let st = statvfs(disk.path());
         (st.0 - st.1) * st.2
     };
     let before = used();
@@ -443,7 +451,7 @@ fn reads_of_holes_on_tmpfs_take_no_room_and_work_on_a_full_disk() {
 }
 
 /// (blocks, free blocks, block size) of the file system at `path`.
-fn nix_statvfs(path: &std::path::Path) -> (u64, u64, u64) {
+fn statvfs(path: &std::path::Path) -> (u64, u64, u64) {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
     // SAFETY: a zeroed statvfs is a valid out-parameter; the path is NUL-terminated.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
