@@ -14,6 +14,13 @@ use crate::conn::{RECV_BIT, RECV_SLOT};
 use crate::error::{Error, Result};
 use crate::framer::PendingRead;
 
+/// Above this much READ/WRITE data in flight a blocking wait sleeps on the CQ at once instead
+/// of spinning first: at loopback speeds (a few GB/s) 64 KiB plus a round trip fit in the
+/// CQ's default 50 µs window, a 1 MiB request does not, and spinning through its transfer
+/// only takes the core from the threads doing it (measured in BENCHMARKS.md, *The whole
+/// path*).
+const SPIN_MAX_DATA: u64 = 64 << 10;
+
 /// Tags of requests the blocking calls issue for themselves.
 pub(crate) const INTERNAL: u64 = 1 << 63;
 
@@ -190,7 +197,11 @@ impl Client {
             return Ok(());
         };
         let mut buf = [Completion::default(); 32];
-        let n = if block {
+        let n = if block && self.session.data_in_flight() > SPIN_MAX_DATA {
+            // Moving this much takes longer than the CQ's spin window: sleep at once.
+            conn.cq
+                .wait_spinning(&mut buf, Some(Duration::from_secs(1)), Duration::ZERO)?
+        } else if block {
             conn.cq.wait(&mut buf, Some(Duration::from_secs(1)))?
         } else {
             conn.cq.poll(&mut buf)?

@@ -103,8 +103,20 @@ impl CompletionQueue {
         out: &mut [Completion],
         timeout: Option<Duration>,
     ) -> Result<usize, CqError> {
+        let spin = Duration::from_nanos(self.shared.spin_nanos.load(Ordering::Relaxed));
+        self.wait_spinning(out, timeout, spin)
+    }
+
+    /// [`Self::wait`] with this call's own spin window instead of the CQ's: a caller that
+    /// knows its completion is far off (a large transfer) sleeps at once.
+    pub fn wait_spinning(
+        &self,
+        out: &mut [Completion],
+        timeout: Option<Duration>,
+        spin: Duration,
+    ) -> Result<usize, CqError> {
         let deadline = timeout.map(|t| Instant::now() + t);
-        let n = self.spin_poll(out)?;
+        let n = self.spin_poll(out, spin)?;
         if n > 0 {
             return Ok(n);
         }
@@ -153,8 +165,7 @@ impl CompletionQueue {
         }
     }
 
-    fn spin_poll(&self, out: &mut [Completion]) -> Result<usize, CqError> {
-        let spin = Duration::from_nanos(self.shared.spin_nanos.load(Ordering::Relaxed));
+    fn spin_poll(&self, out: &mut [Completion], spin: Duration) -> Result<usize, CqError> {
         if spin.is_zero() {
             return self.poll(out);
         }
@@ -207,10 +218,12 @@ mod tests {
         assert!(t.elapsed() >= Duration::from_millis(20));
     }
 
-    #[test]
-    fn wait_wakes_on_push_from_another_thread() {
-        let cq = CompletionQueue::new(4);
-        cq.set_spin(Duration::ZERO);
+    /// `wait` must go to sleep on `cq` (a push comes only once it counts as a sleeper) and be
+    /// woken by the NIC's notify.
+    fn sleeps_and_is_woken(
+        cq: &CompletionQueue,
+        wait: impl FnOnce(&CompletionQueue, &mut [Completion]) -> Result<usize, CqError>,
+    ) {
         let cq2 = cq.clone();
         let h = std::thread::spawn(move || {
             // Push only once the waiter sleeps, so that only the notify can wake it.
@@ -229,13 +242,31 @@ mod tests {
         let t = Instant::now();
         // The timeout only keeps a lost wake-up from hanging the run; the wait then returns
         // the completion too, so the time it took tells the two apart.
-        assert_eq!(cq.wait(&mut out, Some(Duration::from_secs(20))), Ok(1));
+        assert_eq!(wait(cq, &mut out), Ok(1));
         assert!(
             t.elapsed() < Duration::from_secs(10),
             "woken by the timeout"
         );
         assert_eq!(out[0].wr_id, 9);
         h.join().unwrap();
+    }
+
+    #[test]
+    fn wait_wakes_on_push_from_another_thread() {
+        let cq = CompletionQueue::new(4);
+        cq.set_spin(Duration::ZERO);
+        sleeps_and_is_woken(&cq, |cq, out| cq.wait(out, Some(Duration::from_secs(20))));
+    }
+
+    /// A wait's own spin window overrides the CQ's: with none it sleeps at once, though the
+    /// CQ would spin for a minute.
+    #[test]
+    fn wait_spinning_uses_its_own_window() {
+        let cq = CompletionQueue::new(4);
+        cq.set_spin(Duration::from_secs(60));
+        sleeps_and_is_woken(&cq, |cq, out| {
+            cq.wait_spinning(out, Some(Duration::from_secs(20)), Duration::ZERO)
+        });
     }
 
     /// Two threads hand a token back and forth through two CQs, both sleeping at once each

@@ -167,6 +167,16 @@ impl<R: ReadTarget> ClientSession<R> {
         !self.free_slots.is_empty()
     }
 
+    /// Data bytes the requests in flight move (READ and WRITE lengths): what the replies
+    /// still wait on.
+    pub fn data_in_flight(&self) -> u64 {
+        self.inflight
+            .values()
+            .filter(|e| matches!(e.req.command, Command::Read | Command::Write))
+            .map(|e| e.req.length)
+            .sum()
+    }
+
     /// The tags of the requests in flight.
     pub fn tags(&self) -> impl Iterator<Item = u64> + '_ {
         self.inflight.values().map(|e| e.tag)

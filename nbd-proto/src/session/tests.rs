@@ -326,3 +326,38 @@ fn placed_reads_are_framed_and_reported() {
         })
     );
 }
+
+#[test]
+fn data_in_flight_counts_reads_and_writes_until_their_replies() {
+    let mut s = session(false, false);
+    assert_eq!(s.data_in_flight(), 0);
+    let r = read(&mut s, 1, 0, 4096, None);
+    let flush = s
+        .limits()
+        .check(&Submission {
+            command: Command::Flush,
+            offset: 0,
+            length: 0,
+            fua: false,
+        })
+        .unwrap();
+    let f = s.start(2, flush, None).unwrap();
+    assert_eq!(s.data_in_flight(), 4096, "a flush moves no data");
+    let write = s
+        .limits()
+        .check(&Submission {
+            command: Command::Write,
+            offset: 8192,
+            length: 1024,
+            fua: false,
+        })
+        .unwrap();
+    let w = s.start(3, write, None).unwrap();
+    assert_eq!(s.data_in_flight(), 5120);
+    finished(s.on_message(&SimpleReply::ok(w.cookie).encode()).unwrap());
+    let mut msg = SimpleReply::ok(r.cookie).encode().to_vec();
+    msg.extend_from_slice(&[0; 4096]);
+    finished(s.on_message(&msg).unwrap());
+    assert_eq!(s.data_in_flight(), 0);
+    finished(s.on_message(&SimpleReply::ok(f.cookie).encode()).unwrap());
+}
