@@ -166,10 +166,12 @@ impl Client {
         self.run([Op::Flush], |_, _| {})
     }
 
-    /// Largest TRIM / WRITE_ZEROES length in one request.
+    /// Largest TRIM / WRITE_ZEROES length in one request: what a 32-bit length holds. The
+    /// maximum block size limits payloads only; the spec lets commands without one reach
+    /// further, and qemu-nbd, nbdkit and our server serve a hole that long in one request.
     fn max_zero(&self) -> u64 {
-        let bs = self.info.block_size;
-        round_down(u64::from(bs.max).min(1 << 30), u64::from(bs.min)).max(u64::from(bs.min))
+        let min = u64::from(self.info.block_size.min);
+        round_down(u64::from(u32::MAX), min).max(min)
     }
 
     /// Discards a range (NBD_CMD_TRIM; its contents are unspecified afterwards).

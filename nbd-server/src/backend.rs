@@ -108,8 +108,15 @@ pub trait Backend: Send + Sync + Debug {
     /// TRIM: the range may be deallocated; it reads as zeroes afterwards.
     fn trim(&self, offset: u64, len: u64) -> io::Result<()>;
     /// WRITE_ZEROES: the range reads as zeroes afterwards. Returns false if that cannot be
-    /// done without writing the zeroes and `may_write` is false (FAST_ZERO).
-    fn write_zeroes(&self, offset: u64, len: u64, may_write: bool) -> io::Result<bool>;
+    /// done without writing the zeroes and `may_write` is false (FAST_ZERO). `may_unmap`
+    /// (no NO_HOLE) lets the store deallocate the range instead, as qemu's MAY_UNMAP does.
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        may_write: bool,
+        may_unmap: bool,
+    ) -> io::Result<bool>;
     /// CACHE: a hint to read the range ahead.
     fn prefetch(&self, _offset: u64, _len: u64) -> io::Result<()> {
         Ok(())

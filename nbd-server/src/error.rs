@@ -65,12 +65,9 @@ pub enum Error {
     /// Every reply slot is in flight and none came back in time.
     #[error("the client has not read a reply for 60 s")]
     ClientNotReading,
-    /// A reply header larger than a reply slot.
-    #[error("reply header of {0} bytes does not fit a slot")]
-    ReplyTooLong(usize),
-    /// A read reply from an export with neither a mapping nor a read buffer.
-    #[error("empty image")]
-    EmptyImage,
+    /// A READ failed after its reply's header had gone out: the stream cannot say so.
+    #[error("a read failed in the middle of its reply")]
+    ReadFailedMidReply,
     /// A reply could not be encoded.
     #[error(transparent)]
     Reply(nbd_proto::ProtoError),

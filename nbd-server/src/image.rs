@@ -548,7 +548,21 @@ impl Backend for Image {
     fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
         self.punch_hole(offset, len)
     }
-    fn write_zeroes(&self, offset: u64, len: u64, may_write: bool) -> io::Result<bool> {
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        may_write: bool,
+        may_unmap: bool,
+    ) -> io::Result<bool> {
+        if may_unmap && self.qcow2.is_none() {
+            // A hole reads as zeroes and costs no room (on tmpfs, where ZERO_RANGE is not
+            // supported, writing the zeroes would fill memory); qemu-nbd punches too.
+            match self.punch_hole(offset, len) {
+                Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
+                r => return r.map(|()| true),
+            }
+        }
         self.zero_range(offset, len, may_write)
     }
     fn prefetch(&self, offset: u64, len: u64) -> io::Result<()> {

@@ -14,6 +14,7 @@ mod link;
 pub mod qcow2;
 #[cfg(feature = "rbd")]
 pub mod rbd;
+mod read_reply;
 pub mod recv_window;
 mod reply_slots;
 pub mod server;

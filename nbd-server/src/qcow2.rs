@@ -394,67 +394,126 @@ impl Qcow2 {
             .write_all_at(&bytes[8 - w..], block + (ci % per_block) * w as u64)
     }
 
+    /// Bytes of the virtual disk one L2 table maps.
+    fn l2_span(&self) -> u64 {
+        self.cluster_size() * self.l2_entries()
+    }
+
     /// WRITE_ZEROES and TRIM: whole clusters get the zero flag (keeping their allocation);
     /// the partial ones at the ends are written with zeroes unless they read as zero already.
+    /// A range without an L2 table reads as zeroes already and is skipped whole; each table
+    /// met is read once and written back once.
     pub fn zero_range(&self, offset: u64, len: u64) -> io::Result<()> {
         check_range(offset, len, self.size)?;
         let cs = self.cluster_size();
+        let end = offset + len;
         let mut st = self.state.lock();
-        for (guest, in_cluster, n) in self.pieces(offset, len) {
-            let cluster = self.lookup(&st, guest)?;
-            if let Cluster::Zero { .. } = cluster {
+        let mut pos = offset;
+        while pos < end {
+            let span_end = (pos / self.l2_span() + 1)
+                .saturating_mul(self.l2_span())
+                .min(end);
+            let (l2, _, first_idx) = self.l2_slot(&st, pos);
+            if l2 == 0 {
+                pos = span_end;
                 continue;
             }
-            // Up to the virtual end counts as whole.
-            let whole = in_cluster == 0 && (n == cs || guest + n == self.size);
-            if whole {
-                let (l2, _, l2_idx) = self.l2_slot(&st, guest);
-                let new = match cluster {
+            let mut table = read_table(&self.file, l2, self.l2_entries() as usize)?;
+            let mut changed: Option<(usize, usize)> = None;
+            let mut partial = Vec::new();
+            for (guest, in_cluster, n) in self.pieces(pos, span_end - pos) {
+                let idx = (first_idx + (guest - pos + pos % cs) / cs) as usize;
+                let cluster = self.decode(table[idx]);
+                if let Cluster::Zero { .. } = cluster {
+                    continue;
+                }
+                // Up to the virtual end counts as whole.
+                let whole = in_cluster == 0 && (n == cs || guest + n == self.size);
+                if !whole {
+                    partial.push((guest, in_cluster, n));
+                    continue;
+                }
+                table[idx] = match cluster {
                     Cluster::Data { host, copied: true } => host | COPIED | ZERO,
                     // Shared or compressed: drop the reference (leaking it) rather than
                     // change what a snapshot sees.
                     _ => ZERO,
                 };
-                self.file
-                    .write_all_at(&new.to_be_bytes(), l2 + l2_idx * 8)?;
-            } else {
+                changed = Some(changed.map_or((idx, idx), |(lo, _)| (lo, idx)));
+            }
+            if let Some((lo, hi)) = changed {
+                let bytes: Vec<u8> = table[lo..=hi]
+                    .iter()
+                    .flat_map(|e| e.to_be_bytes())
+                    .collect();
+                self.file.write_all_at(&bytes, l2 + lo as u64 * 8)?;
+            }
+            // The partial clusters are the range's ends: entries the write-back left alone.
+            for (guest, in_cluster, n) in partial {
                 self.write_piece(&mut st, guest, in_cluster, &vec![0u8; n as usize])?;
             }
+            pos = span_end;
         }
         Ok(())
     }
 
     /// Data (`false`) and zero (`true`) runs from `offset` for up to `len` bytes, merged,
-    /// at most `max` of them.
+    /// at most `max` of them. A range without an L2 table is one zero run, however long; at
+    /// most [`EXTENT_TABLES`] tables are read per call, so the answer may stop short (the
+    /// client asks again from where it ends).
     pub fn extents(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u64, bool)>> {
         let end = offset.saturating_add(len).min(self.size);
+        let cs = self.cluster_size();
         let st = self.state.lock();
         let mut out: Vec<(u64, bool)> = Vec::new();
-        let mut table: Option<(u64, Vec<u64>)> = None;
-        for (guest, _, n) in self.pieces(offset, end.saturating_sub(offset)) {
-            let (l2, _, l2_idx) = self.l2_slot(&st, guest);
-            let zero = if l2 == 0 {
-                true
-            } else {
-                if table.as_ref().is_none_or(|(at, _)| *at != l2) {
-                    table = Some((l2, read_table(&self.file, l2, self.l2_entries() as usize)?));
+        // Extends the last run or starts one; false when `max` runs are full.
+        let push = |out: &mut Vec<(u64, bool)>, n: u64, zero: bool| {
+            if let Some((l, z)) = out.last_mut()
+                && *z == zero
+            {
+                *l += n;
+                return true;
+            }
+            if out.len() == max {
+                return false;
+            }
+            out.push((n, zero));
+            true
+        };
+        let mut tables_read = 0;
+        let mut pos = offset;
+        'spans: while pos < end {
+            let span_end = (pos / self.l2_span() + 1)
+                .saturating_mul(self.l2_span())
+                .min(end);
+            let (l2, _, first_idx) = self.l2_slot(&st, pos);
+            if l2 == 0 {
+                if !push(&mut out, span_end - pos, true) {
+                    break;
                 }
-                let entry = table.as_ref().unwrap().1[l2_idx as usize];
-                matches!(self.decode(entry), Cluster::Zero { .. })
-            };
-            match out.last_mut() {
-                Some((l, z)) if *z == zero => *l += n,
-                _ => {
-                    if out.len() == max {
-                        break;
-                    }
-                    out.push((n, zero));
+                pos = span_end;
+                continue;
+            }
+            if tables_read == EXTENT_TABLES {
+                break;
+            }
+            tables_read += 1;
+            let table = read_table(&self.file, l2, self.l2_entries() as usize)?;
+            for (guest, _, n) in self.pieces(pos, span_end - pos) {
+                let idx = (first_idx + (guest - pos + pos % cs) / cs) as usize;
+                let zero = matches!(self.decode(table[idx]), Cluster::Zero { .. });
+                if !push(&mut out, n, zero) {
+                    break 'spans;
                 }
             }
+            pos = span_end;
         }
         Ok(out)
     }
 }
+
+/// L2 tables one block-status answer reads at most (each maps `cluster² / 8` bytes).
+const EXTENT_TABLES: usize = 64;
 
 fn check_range(offset: u64, len: u64, size: u64) -> io::Result<()> {
     if offset.checked_add(len).is_none_or(|e| e > size) {

@@ -673,7 +673,13 @@ impl Backend for RbdImage {
         self.log_failure("discard", r).map(drop)
     }
 
-    fn write_zeroes(&self, offset: u64, len: u64, _may_write: bool) -> io::Result<bool> {
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        _may_write: bool,
+        _may_unmap: bool,
+    ) -> io::Result<bool> {
         // librbd zeroes by discarding whole objects and zeroing the edges, without writing
         // the zeroes: fast, so FAST_ZERO is honoured too.
         let len = usize::try_from(len).map_err(|_| errno(-libc::EINVAL))?;

@@ -17,31 +17,43 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// Slots every connection may use without asking the budget.
 pub const BASE_SLOTS: usize = 4;
 
-/// The server-wide number of receive slots that connections may take beyond their base.
+/// The server-wide memory (`--buffer-memory`) that connections may take beyond their own
+/// base: extra receive slots, and read buffers of stores without a mapping
+/// (`crate::reply_slots`). Counted in bytes.
 #[derive(Debug)]
-pub struct SlotBudget(AtomicUsize);
+pub struct BufferBudget(AtomicUsize);
 
-impl SlotBudget {
-    pub fn new(slots: usize) -> Self {
-        SlotBudget(AtomicUsize::new(slots))
+impl BufferBudget {
+    pub fn new(bytes: usize) -> Self {
+        BufferBudget(AtomicUsize::new(bytes))
     }
 
-    /// Takes up to `want` slots; returns how many it got.
-    fn take(&self, want: usize) -> usize {
+    /// Takes up to `want` units of `unit` bytes; returns how many it got.
+    pub fn take_units(&self, unit: usize, want: usize) -> usize {
         let mut got = 0;
         let _ = self
             .0
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| {
-                got = want.min(left);
-                Some(left - got)
+                got = want.min(left / unit);
+                Some(left - got * unit)
             });
         got
     }
 
-    fn give(&self, n: usize) {
-        self.0.fetch_add(n, Ordering::AcqRel);
+    /// Takes `bytes`, all or nothing.
+    pub fn take(&self, bytes: usize) -> bool {
+        self.0
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| {
+                left.checked_sub(bytes)
+            })
+            .is_ok()
     }
 
+    pub fn give(&self, bytes: usize) {
+        self.0.fetch_add(bytes, Ordering::AcqRel);
+    }
+
+    /// Bytes left.
     pub fn available(&self) -> usize {
         self.0.load(Ordering::Acquire)
     }
@@ -58,17 +70,21 @@ pub struct RecvWindow {
     unused: Vec<usize>,
     /// Slots taken from the budget.
     extra: usize,
+    /// Bytes of one slot.
+    slot_len: usize,
 }
 
 impl RecvWindow {
-    /// A window over `slots` slots; returns it and the slots to post at once.
-    pub fn new(slots: usize) -> (Self, Vec<usize>) {
+    /// A window over `slots` slots of `slot_len` bytes; returns it and the slots to post at
+    /// once.
+    pub fn new(slots: usize, slot_len: usize) -> (Self, Vec<usize>) {
         let base = BASE_SLOTS.min(slots);
         let w = RecvWindow {
             target: base,
             posted: base,
             unused: (base..slots).rev().collect(),
             extra: 0,
+            slot_len,
         };
         (w, (0..base).collect())
     }
@@ -76,12 +92,12 @@ impl RecvWindow {
     /// `n` receive WRs completed in one batch. If that is every WR that was posted, the NIC
     /// may have had to stop reading while the server worked: the window doubles, as far as
     /// the budget allows.
-    pub fn arrived(&mut self, n: usize, budget: &SlotBudget) {
+    pub fn arrived(&mut self, n: usize, budget: &BufferBudget) {
         let ran_dry = n >= self.posted;
         self.posted = self.posted.saturating_sub(n);
         if ran_dry {
             let room = self.unused.len();
-            let got = budget.take(self.target.min(room));
+            let got = budget.take_units(self.slot_len, self.target.min(room));
             self.target += got;
             self.extra += got;
         }
@@ -110,8 +126,8 @@ impl RecvWindow {
     }
 
     /// Gives the slots taken from `budget` back (the connection ends).
-    pub fn release(&mut self, budget: &SlotBudget) {
-        budget.give(self.extra);
+    pub fn release(&mut self, budget: &BufferBudget) {
+        budget.give(self.extra * self.slot_len);
         self.extra = 0;
     }
 }
@@ -122,8 +138,8 @@ mod tests {
 
     #[test]
     fn one_request_at_a_time_reuses_the_same_slot() {
-        let budget = SlotBudget::new(100);
-        let (mut w, first) = RecvWindow::new(32);
+        let budget = BufferBudget::new(100);
+        let (mut w, first) = RecvWindow::new(32, 1);
         assert_eq!(first, vec![0, 1, 2, 3]);
         for _ in 0..1000 {
             w.arrived(1, &budget);
@@ -136,8 +152,8 @@ mod tests {
 
     #[test]
     fn a_deep_pipeline_grows_the_window_from_the_budget_and_gives_it_back() {
-        let budget = SlotBudget::new(6);
-        let (mut w, _) = RecvWindow::new(32);
+        let budget = BufferBudget::new(6);
+        let (mut w, _) = RecvWindow::new(32, 1);
         // All four posted WRs completed in one batch: the NIC ran dry.
         w.arrived(4, &budget);
         assert_eq!(w.target(), 8);
@@ -154,8 +170,8 @@ mod tests {
 
     #[test]
     fn the_window_never_passes_the_connection_s_slots() {
-        let budget = SlotBudget::new(1000);
-        let (mut w, _) = RecvWindow::new(6);
+        let budget = BufferBudget::new(1000);
+        let (mut w, _) = RecvWindow::new(6, 1);
         for _ in 0..5 {
             let n = w.posted;
             w.arrived(n, &budget);

@@ -1,26 +1,68 @@
-//! A connection's reply slots: registered memory for reply headers, one slot per reply in
-//! flight, and the read buffers a reply's data is sent from until its send is done.
+//! A connection's reply slots: registered memory for reply headers, one slot per reply send
+//! in flight, and the buffers a reply's data is sent from until its send is done.
+//!
+//! Read buffers (the data of a READ from a store without a mapping: qcow2, RBD, the holes of
+//! a tmpfs image) are memory the client decides how long we hold: until it reads the reply.
+//! They are counted: a connection holds [`READ_BASE`] bytes of them on its own and takes
+//! more from the server's `--buffer-memory` budget, given back when the send completes. When
+//! neither has room, [`ReplySlots::reserve`] waits for sends to complete, so the connection
+//! stops reading requests and TCP holds a client that does not read its replies.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use qpip_core::{Access, Completion, MemoryRegion, Nic, Opcode, SendWr, Sge};
 
 use crate::error::{Error, Result};
 use crate::link::Link;
+use crate::shared::ServerShared;
 
-/// Reply header slots: one per reply in flight.
+/// Reply header slots: one per send in flight.
 pub(crate) const REPLY_SLOTS: usize = 64;
 const REPLY_SLOT_LEN: usize = 512;
 /// A reply slot's send is work request `REPLY_WR + slot`.
 const REPLY_WR: u64 = 1 << 32;
+/// Read-buffer bytes a connection may hold without asking the server's budget: two pieces
+/// of [`crate::transmission::CHUNK`], so that one is read while the other is sent.
+pub(crate) const READ_BASE: usize = 2 << 20;
+/// How long a connection waits for its client to read a reply before it gives up.
+const CLIENT_READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Registered memory that a reply send reads from until it completes; what it counts
+/// against the connection's base or the server's budget goes back when it is dropped.
+pub(crate) struct SendBuffer {
+    mr: MemoryRegion,
+    shared: Arc<ServerShared>,
+    /// Bytes taken from the server's budget for it.
+    from_budget: usize,
+    /// The connection's base bytes in use, and this buffer's share of them.
+    base_used: Arc<AtomicUsize>,
+    from_base: usize,
+}
+
+impl SendBuffer {
+    pub fn mr(&self) -> &MemoryRegion {
+        &self.mr
+    }
+}
+
+impl Drop for SendBuffer {
+    fn drop(&mut self) {
+        self.shared.buffer_budget.give(self.from_budget);
+        self.base_used.fetch_sub(self.from_base, Ordering::AcqRel);
+    }
+}
 
 pub(crate) struct ReplySlots {
     mr: MemoryRegion,
     free: Vec<usize>,
-    /// Read data of images without a mapping (qcow2, RBD), by reply slot, until its send is
-    /// done.
-    read_bufs: HashMap<usize, MemoryRegion>,
+    /// Buffers of the sends in flight, by reply slot: read data, or a header longer than a
+    /// slot.
+    buffers: HashMap<usize, SendBuffer>,
+    /// Read-buffer bytes held from the connection's own [`READ_BASE`].
+    base_used: Arc<AtomicUsize>,
 }
 
 impl ReplySlots {
@@ -28,7 +70,8 @@ impl ReplySlots {
         ReplySlots {
             mr: nic.alloc_region(REPLY_SLOTS * REPLY_SLOT_LEN, Access::READ),
             free: (0..REPLY_SLOTS).rev().collect(),
-            read_bufs: HashMap::new(),
+            buffers: HashMap::new(),
+            base_used: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -37,35 +80,88 @@ impl ReplySlots {
         self.free.len() == REPLY_SLOTS
     }
 
-    /// Posts a reply whose header is `hdr`, followed by `data` (an SGE into registered
-    /// memory: the export's mapping, or `read_buf`, which is kept until the send is done).
+    /// A read buffer of `len` bytes, counted against the connection's base or the server's
+    /// budget, or None when neither has room now.
+    pub fn try_reserve(&mut self, link: &Link, len: usize) -> Option<SendBuffer> {
+        let (from_base, from_budget) = if self.base_used.load(Ordering::Acquire) + len <= READ_BASE
+        {
+            self.base_used.fetch_add(len, Ordering::AcqRel);
+            (len, 0)
+        } else if link.shared.buffer_budget.take(len) {
+            (0, len)
+        } else {
+            return None;
+        };
+        Some(SendBuffer {
+            mr: link.shared.nic.alloc_region(len, Access::READ),
+            shared: link.shared.clone(),
+            from_budget,
+            base_used: self.base_used.clone(),
+            from_base,
+        })
+    }
+
+    /// A read buffer of `len` bytes (at most [`READ_BASE`]): waits for reply sends to
+    /// complete until there is room. The NIC is told of the replies posted quietly first.
+    pub fn reserve(&mut self, link: &mut Link, len: usize) -> Result<SendBuffer> {
+        debug_assert!(len <= READ_BASE);
+        loop {
+            if let Some(b) = self.try_reserve(link, len) {
+                return Ok(b);
+            }
+            self.wait_for_sends(link)?;
+        }
+    }
+
+    /// Posts a reply send: `hdr` (may be empty), then `data` (an SGE into registered memory:
+    /// the export's mapping, or `buffer`'s, which is kept until the send is done).
     pub fn post(
         &mut self,
         link: &mut Link,
         hdr: &[u8],
         data: Option<Sge>,
-        read_buf: Option<MemoryRegion>,
+        buffer: Option<SendBuffer>,
     ) -> Result<()> {
-        if hdr.len() > REPLY_SLOT_LEN {
-            return Err(Error::ReplyTooLong(hdr.len()));
-        }
         let slot = self.take(link)?;
-        self.mr.write_at(slot * REPLY_SLOT_LEN, hdr);
-        let head = self.mr.sge(slot * REPLY_SLOT_LEN, hdr.len());
-        let wr = match data {
-            Some(d) => SendWr::new(REPLY_WR + slot as u64, &[head, d]),
-            None => SendWr::new(REPLY_WR + slot as u64, &[head]),
-        };
+        let mut sges = Vec::with_capacity(2);
+        let mut long_header = None;
+        if hdr.len() > REPLY_SLOT_LEN {
+            // A block-status reply with many extents: its own registered memory.
+            let mr = link.shared.nic.alloc_region(hdr.len(), Access::READ);
+            mr.write_at(0, hdr);
+            sges.push(mr.sge(0, hdr.len()));
+            long_header = Some(mr);
+        } else if !hdr.is_empty() {
+            self.mr.write_at(slot * REPLY_SLOT_LEN, hdr);
+            sges.push(self.mr.sge(slot * REPLY_SLOT_LEN, hdr.len()));
+        }
+        sges.extend(data);
+        if sges.is_empty() {
+            self.free.push(slot);
+            return Ok(());
+        }
         // Quietly: the batch loop rings once for all replies of a batch.
-        link.qp.post_send_quiet(wr)?;
-        if let Some(mr) = read_buf {
-            self.read_bufs.insert(slot, mr);
+        link.qp
+            .post_send_quiet(SendWr::new(REPLY_WR + slot as u64, &sges))?;
+        let buffer = match (buffer, long_header) {
+            (Some(b), _) => Some(b),
+            (None, Some(mr)) => Some(SendBuffer {
+                mr,
+                shared: link.shared.clone(),
+                from_budget: 0,
+                base_used: self.base_used.clone(),
+                from_base: 0,
+            }),
+            (None, None) => None,
+        };
+        if let Some(b) = buffer {
+            self.buffers.insert(slot, b);
         }
         Ok(())
     }
 
-    /// A send completed: a reply's slot (and read buffer) is free again, or a handshake
-    /// message's memory goes.
+    /// A send completed: a reply's slot (and buffer) is free again, or a handshake message's
+    /// memory goes.
     pub fn on_send(&mut self, link: &mut Link, c: &Completion) -> Result<()> {
         if Link::is_bytes_send(c) {
             return link.on_bytes_sent(c);
@@ -77,7 +173,7 @@ impl ReplySlots {
             });
         }
         let slot = (c.wr_id - REPLY_WR) as usize;
-        self.read_bufs.remove(&slot);
+        self.buffers.remove(&slot);
         self.free.push(slot);
         Ok(())
     }
@@ -87,21 +183,27 @@ impl ReplySlots {
             if let Some(s) = self.free.pop() {
                 return Ok(s);
             }
-            // All reply slots are in flight: the client is slow to read. Wait for sends
-            // (the NIC must know of the replies posted quietly).
-            link.qp.ring_doorbell();
-            let mut buf = [Completion::default(); 32];
-            let n = link.cq.wait(&mut buf, Some(Duration::from_secs(60)))?;
-            if n == 0 {
-                return Err(Error::ClientNotReading);
-            }
-            for c in &buf[..n] {
-                if c.opcode == Opcode::Send {
-                    self.on_send(link, c)?;
-                } else {
-                    link.stash.push_back(*c);
-                }
+            // All reply slots are in flight: the client is slow to read.
+            self.wait_for_sends(link)?;
+        }
+    }
+
+    /// Waits for at least one completion and handles the sends among them; the others are
+    /// stashed for the completion loop. Tells the NIC of the replies posted quietly first.
+    fn wait_for_sends(&mut self, link: &mut Link) -> Result<()> {
+        link.qp.ring_doorbell();
+        let mut buf = [Completion::default(); 32];
+        let n = link.cq.wait(&mut buf, Some(CLIENT_READ_TIMEOUT))?;
+        if n == 0 {
+            return Err(Error::ClientNotReading);
+        }
+        for c in &buf[..n] {
+            if c.opcode == Opcode::Send {
+                self.on_send(link, c)?;
+            } else {
+                link.stash.push_back(*c);
             }
         }
+        Ok(())
     }
 }

@@ -18,9 +18,9 @@ use crate::conn::{self, Connection};
 use crate::error::{Chain, Result};
 use crate::export::Export;
 use crate::framer::{FramerState, ServerFramer};
-use crate::recv_window::SlotBudget;
+use crate::recv_window::BufferBudget;
 use crate::shared::{RateLimitedLog, ServerShared};
-use crate::transmission::{CHUNK, RECV_SLOTS, SLOT_LEN};
+use crate::transmission::{CHUNK, RECV_SLOTS};
 
 pub struct ServerOptions {
     /// Where to accept clients: bound before the images are opened, so that an address in
@@ -92,7 +92,9 @@ impl Server {
             max_handshakes: opts.max_handshakes.max(1),
             idle_timeout: opts.idle_timeout,
             refusals: Mutex::new(RateLimitedLog::default()),
-            slot_budget: SlotBudget::new((opts.buffer_memory / SLOT_LEN as u64) as usize),
+            buffer_budget: BufferBudget::new(
+                usize::try_from(opts.buffer_memory).unwrap_or(usize::MAX),
+            ),
         });
         let connections = Arc::new(Mutex::new(Vec::new()));
         let mut accept_threads = Vec::new();

@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 use qpip_core::{Endpoint, Nic, TlsConfig};
 
 use crate::export::Export;
-use crate::recv_window::SlotBudget;
+use crate::recv_window::BufferBudget;
 
 /// What the accept loops and connections share.
 pub struct ServerShared {
@@ -32,8 +32,9 @@ pub struct ServerShared {
     pub(crate) max_handshakes: usize,
     pub idle_timeout: Option<Duration>,
     pub(crate) refusals: Mutex<RateLimitedLog>,
-    /// Receive slots connections may take beyond their base ones.
-    pub slot_budget: SlotBudget,
+    /// Memory connections may take beyond their base (`--buffer-memory`): receive slots
+    /// and read buffers.
+    pub buffer_budget: BufferBudget,
 }
 
 impl ServerShared {

@@ -6,16 +6,17 @@
 //! Copies per request (user space / kernel):
 //! - READ: 0 / 1. The reply is a send WR whose data SGE points into the registered mapping of
 //!   the image; the NIC engine's `writev` copies page cache → socket. A qcow2 image has no
-//!   mapping of its virtual disk: its reads are read into a registered buffer first (1 / 1).
-//!   An RBD export has none either: librbd places the data in the registered buffer. A range
-//!   of a tmpfs image with a hole is read like qcow2's (0 / 2): through the mapping, tmpfs
-//!   would allocate a page per hole.
+//!   mapping of its virtual disk: its reads are read into registered buffers first (1 / 1),
+//!   a piece at a time ([`crate::read_reply`]). An RBD export has none either: librbd places
+//!   the data in the registered buffers. A range of a tmpfs image with a hole is read like
+//!   qcow2's (0 / 2): through the mapping, tmpfs would allocate a page per hole.
 //! - WRITE: 1 / 1. The NIC reads the payload from the socket straight into a registered receive
 //!   slot (kernel copy); `pwrite` copies the slot into the page cache. A store that can run
 //!   writes concurrently (RBD) is handed every write of a batch of completions before the
 //!   connection waits for any: their receive slots are posted again, and their replies sent,
 //!   once they are done, at the end of the batch or before any other command. Its reads
-//!   are started likewise, each into its own registered buffer, and replied to when done.
+//!   are started likewise, into registered buffers counted against the connection's memory
+//!   bound, and replied to when done.
 //!
 //! Over 600 lines: the completion loop and every command's execution share the connection's state (slots, pending writes and reads).
 
@@ -34,6 +35,7 @@ use crate::backend::Pending;
 use crate::error::{Chain, Error, Result};
 use crate::export::Export;
 use crate::link::Link;
+use crate::read_reply::{ReadContext, ReadReply};
 use crate::recv_window::RecvWindow;
 use crate::reply_slots::ReplySlots;
 
@@ -47,10 +49,13 @@ pub const CHUNK: usize = 1 << 20;
 pub const SLOT_LEN: usize = c::EXTENDED_REQUEST_LEN + CHUNK;
 /// Most extents in one block-status reply (the client asks again for the rest).
 const MAX_EXTENTS: usize = 32;
+/// TRIM, WRITE_ZEROES and CACHE may cover the whole export: the store is asked for pieces of
+/// at most this much, so that no call holds a store's lock (qcow2's) for long.
+const EFFECT_PIECE: u64 = 1 << 30;
 /// After SIGTERM: how long new requests get ESHUTDOWN before the connection is closed.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
-fn io_error_value(e: &io::Error) -> ErrorValue {
+pub(crate) fn io_error_value(e: &io::Error) -> ErrorValue {
     match e.raw_os_error() {
         Some(libc::ENOSPC) | Some(libc::EDQUOT) => ErrorValue::NoSpc,
         Some(libc::EPERM) | Some(libc::EACCES) | Some(libc::EROFS) => ErrorValue::Perm,
@@ -58,6 +63,23 @@ fn io_error_value(e: &io::Error) -> ErrorValue {
         Some(libc::EOPNOTSUPP) => ErrorValue::NotSup,
         _ => ErrorValue::Io,
     }
+}
+
+/// Runs `op` on `range` in pieces of at most [`EFFECT_PIECE`] bytes, in order; stops at the
+/// first error or the first piece it declines (false).
+fn in_pieces(
+    range: ByteRange,
+    mut op: impl FnMut(u64, u64) -> io::Result<bool>,
+) -> io::Result<bool> {
+    let mut at = range.offset();
+    while at < range.end() {
+        let n = (range.end() - at).min(EFFECT_PIECE);
+        if !op(at, n)? {
+            return Ok(false);
+        }
+        at += n;
+    }
+    Ok(true)
 }
 
 /// Serves the transmission phase that `negotiated` opens, once `last_reply` (the handshake's
@@ -72,14 +94,6 @@ pub(crate) fn serve(
     // The receive slots are posted before the reply that lets the client send requests.
     t.link.send_bytes(last_reply)?;
     t.run()
-}
-
-/// A READ the store is still reading into registered memory.
-struct StartedRead {
-    req: ValidRequest,
-    /// Dropped (which waits for the read) before the memory it fills.
-    pending: Box<dyn Pending>,
-    buffer: MemoryRegion,
 }
 
 /// A WRITE whose payload is still arriving in pieces (or a refused request's payload, read
@@ -117,7 +131,7 @@ struct Transmission<'a> {
     /// Set by `on_message` when the message's slot must be held.
     hold_slot: bool,
     /// Reads the store is still doing: replied to by `finish_reads`.
-    started_reads: Vec<StartedRead>,
+    started_reads: Vec<ReadReply>,
 }
 
 impl Drop for Transmission<'_> {
@@ -126,7 +140,7 @@ impl Drop for Transmission<'_> {
         self.pending_write = None;
         self.started_writes.clear();
         self.started_reads.clear();
-        self.window.release(&self.link.shared.slot_budget);
+        self.window.release(&self.link.shared.buffer_budget);
     }
 }
 
@@ -138,7 +152,7 @@ impl<'a> Transmission<'a> {
             .nic
             .alloc_region(RECV_SLOTS * stride, Access::READ_WRITE);
         let replies = ReplySlots::new(&link.shared.nic);
-        let (window, first) = RecvWindow::new(RECV_SLOTS);
+        let (window, first) = RecvWindow::new(RECV_SLOTS, stride);
         for slot in first {
             link.qp.post_recv(RecvWr::new(
                 slot as u64,
@@ -212,7 +226,8 @@ impl<'a> Transmission<'a> {
     /// Handles completions, posting replies and receive slots quietly. False: disconnect.
     fn handle_batch(&mut self, batch: &[Completion], last_request: &mut Instant) -> Result<bool> {
         let arrived = batch.iter().filter(|c| c.opcode != Opcode::Send).count();
-        self.window.arrived(arrived, &self.link.shared.slot_budget);
+        self.window
+            .arrived(arrived, &self.link.shared.buffer_budget);
         for &c in batch {
             if c.opcode == Opcode::Send {
                 self.replies.on_send(self.link, &c)?;
@@ -306,21 +321,21 @@ impl<'a> Transmission<'a> {
     /// Waits for the started reads and sends their replies.
     fn finish_reads(&mut self) -> Result<()> {
         for r in std::mem::take(&mut self.started_reads) {
-            let StartedRead {
-                req,
-                pending,
-                buffer,
-            } = r;
-            let result = match pending.wait() {
-                Ok(()) => self.post_read_reply(&req, Some(buffer)).map_err(|e| {
-                    tracing::warn!("read reply: {}", Chain(&e));
-                    ErrorValue::Io
-                }),
-                Err(e) => Err(io_error_value(&e)),
-            };
-            if let Err(e) = result {
-                self.reply(req.reply_to(), Err(e))?;
-            }
+            self.finish_read(r)?;
+        }
+        Ok(())
+    }
+
+    fn finish_read(&mut self, r: ReadReply) -> Result<()> {
+        let to = r.reply_to();
+        let mut cx = ReadContext {
+            link: self.link,
+            replies: &mut self.replies,
+            export: &self.export,
+            session: &self.session,
+        };
+        if let Err(e) = r.finish(&mut cx)? {
+            self.reply(to, Err(e))?;
         }
         Ok(())
     }
@@ -391,6 +406,10 @@ impl<'a> Transmission<'a> {
                 tracing::info!(peer = %self.link.peer, "client disconnected");
                 self.link.qp.close();
                 return Ok(false);
+            }
+            ValidCommand::Read { range, .. } => {
+                self.read(&req, range)?;
+                return Ok(true);
             }
             ValidCommand::Write { range, fua } => {
                 let pw = PendingWrite {
@@ -481,21 +500,17 @@ impl<'a> Transmission<'a> {
         &all[offset..offset + len]
     }
 
-    /// Runs a command other than WRITE and DISC. `Ok(Some(()))` when it sent its own reply.
+    /// Runs a command other than READ, WRITE and DISC. `Ok(Some(()))` when it sent its own
+    /// reply.
     fn execute(&mut self, req: &ValidRequest) -> Result<Option<()>, ErrorValue> {
         let image = &self.export.image;
-        let io = |r: io::Result<()>| r.map_err(|e| io_error_value(&e));
+        fn io<T>(r: io::Result<T>) -> Result<T, ErrorValue> {
+            r.map_err(|e| io_error_value(&e))
+        }
         match *req.command() {
-            ValidCommand::Read { range, .. } => {
-                if range.is_empty() {
-                    return Ok(None);
-                }
-                self.send_read(req, range)?;
-                Ok(Some(()))
-            }
             ValidCommand::Flush => io(image.flush()).map(|()| None),
             ValidCommand::Trim { range, fua } => {
-                io(image.trim(range.offset(), range.len()))?;
+                io(in_pieces(range, |at, n| image.trim(at, n).map(|()| true)))?;
                 if fua {
                     io(image.flush())?;
                 }
@@ -504,12 +519,13 @@ impl<'a> Transmission<'a> {
             ValidCommand::WriteZeroes {
                 range,
                 fua,
+                no_hole,
                 fast_zero,
-                ..
             } => {
-                let done = image
-                    .write_zeroes(range.offset(), range.len(), !fast_zero)
-                    .map_err(|e| io_error_value(&e))?;
+                // False: FAST_ZERO and the store would have to write the zeroes.
+                let done = io(in_pieces(range, |at, n| {
+                    image.write_zeroes(at, n, !fast_zero, !no_hole)
+                }))?;
                 if !done {
                     return Err(ErrorValue::NotSup);
                 }
@@ -518,14 +534,15 @@ impl<'a> Transmission<'a> {
                 }
                 Ok(None)
             }
-            ValidCommand::Cache { range } => {
-                io(image.prefetch(range.offset(), range.len())).map(|()| None)
-            }
+            ValidCommand::Cache { range } => io(in_pieces(range, |at, n| {
+                image.prefetch(at, n).map(|()| true)
+            }))
+            .map(|_| None),
             ValidCommand::BlockStatus { range, .. } => {
                 self.send_block_status(req, range)?;
                 Ok(Some(()))
             }
-            // RESIZE is never advertised; WRITE and DISC are handled by the caller.
+            // RESIZE is never advertised; READ, WRITE and DISC are handled by the caller.
             _ => Err(ErrorValue::Inval),
         }
     }
@@ -537,62 +554,55 @@ impl<'a> Transmission<'a> {
         self.replies.post(self.link, &out, None, None)
     }
 
-    /// READ: the reply header from a slot, the data straight from the image's mapping.
-    fn send_read(&mut self, req: &ValidRequest, range: ByteRange) -> Result<(), ErrorValue> {
+    /// READ: the reply header from a slot, the data straight from the image's mapping, or
+    /// read by the store into registered buffers a piece at a time. Errors are replied to;
+    /// `Err` ends the connection.
+    fn read(&mut self, req: &ValidRequest, range: ByteRange) -> Result<()> {
+        if range.is_empty() {
+            return self.reply(req.reply_to(), Ok(()));
+        }
         if !self.export.image.still_holds(range.end()).unwrap_or(false) {
             tracing::warn!(export = %self.export.name, "read at {} of {} bytes: {} is shorter than that now (truncated by another process?)", range.offset(), range.len(), self.export.image.location());
-            return Err(ErrorValue::Io);
+            return self.reply(req.reply_to(), Err(ErrorValue::Io));
         }
         // No mapping (qcow2, RBD), or a range whose holes the mapping would fill with new
-        // pages (tmpfs): the store reads into registered memory, which the reply's send WR
-        // points at and which is kept until the send is done.
-        let via_mapping = self.export.region.is_some()
-            && !(self.export.image).mapping_would_fill_holes(range.offset(), range.len());
-        let buffer = match via_mapping {
-            true => None,
-            false => {
-                let len = range.len() as usize;
-                let mr = self.link.shared.nic.alloc_region(len, Access::READ);
-                // SAFETY: the region is new and not posted yet: nothing else uses its bytes,
-                // and a read started into it is kept with it (StartedRead) until it is done.
-                let started = unsafe {
-                    let buf = mr.as_mut_slice()[..len].as_mut_ptr();
-                    self.export.image.start_read(buf, len, range.offset())
-                };
-                match started {
-                    Ok(None) => Some(mr),
-                    Ok(Some(pending)) => {
-                        self.started_reads.push(StartedRead {
-                            req: *req,
-                            pending,
-                            buffer: mr,
-                        });
-                        return Ok(());
-                    }
-                    Err(e) => {
-                        tracing::warn!(export = %self.export.name, "read at {} of {} bytes from {}: {e}", range.offset(), range.len(), self.export.image.location());
-                        return Err(io_error_value(&e));
-                    }
-                }
+        // pages (tmpfs): the store reads into registered buffers.
+        let mapped = match &self.export.region {
+            Some(region)
+                if !(self.export.image).mapping_would_fill_holes(range.offset(), range.len()) =>
+            {
+                region.sge(range.offset() as usize, range.len() as usize)
             }
-        };
-        self.post_read_reply(req, buffer).map_err(|e| {
-            tracing::warn!("read reply: {}", Chain(&e));
-            ErrorValue::Io
-        })
-    }
-
-    fn post_read_reply(&mut self, req: &ValidRequest, buffer: Option<MemoryRegion>) -> Result<()> {
-        let ValidCommand::Read { range, .. } = *req.command() else {
-            return Err(Error::Reply(nbd_proto::ProtoError::Invalid("not a READ")));
-        };
-        let data = match (&buffer, &self.export.region) {
-            (Some(mr), _) => mr.sge(0, range.len() as usize),
-            (None, Some(region)) => region.sge(range.offset() as usize, range.len() as usize),
-            (None, None) => return Err(Error::EmptyImage),
+            _ => return self.read_into_buffers(req, range),
         };
         let hdr = self.session.read_reply_header(req).map_err(Error::Reply)?;
-        self.replies.post(self.link, &hdr, Some(data), buffer)
+        self.replies.post(self.link, &hdr, Some(mapped), None)
+    }
+
+    fn read_into_buffers(&mut self, req: &ValidRequest, range: ByteRange) -> Result<()> {
+        let mut r = ReadReply::new(*req, range);
+        let mut cx = ReadContext {
+            link: self.link,
+            replies: &mut self.replies,
+            export: &self.export,
+            session: &self.session,
+        };
+        if let Err(e) = r.start(&mut cx) {
+            let at = self.export.image.location();
+            tracing::warn!(export = %self.export.name, "read at {} of {} bytes from {at}: {e}", range.offset(), range.len());
+            drop(r); // waits for the pieces started
+            return self.reply(req.reply_to(), Err(io_error_value(&e)));
+        }
+        // An asynchronous store (RBD) reads on while the batch goes on.
+        if r.fully_started() && r.in_progress() {
+            self.started_reads.push(r);
+            return Ok(());
+        }
+        // Memory is short: the reads started before hold some of it; they go first.
+        if !r.fully_started() {
+            self.finish_reads()?;
+        }
+        self.finish_read(r)
     }
 
     fn send_block_status(

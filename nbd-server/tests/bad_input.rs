@@ -831,3 +831,99 @@ fn extended_headers_payload_rules() {
         "after a compact request on an extended connection",
     );
 }
+
+/// Clients that pipeline 32 READs of 32 MiB each and never read the replies, on an export
+/// whose reads go through registered buffers (`export`: qcow2, or the holes of a tmpfs
+/// image): the server's memory grows by its bound (`--buffer-memory 16M` and a few MiB per
+/// connection), not by the 1 GiB each client asked for; a client that then reads its
+/// replies gets every byte right.
+fn unread_replies_hold_bounded_memory(dir: &std::path::Path, export: &std::path::Path) {
+    let srv = start_server_v4(&args(&[
+        "--buffer-memory",
+        "16M",
+        "--export",
+        &format!("disk={}", export.display()),
+    ]));
+    let before = rss(srv.pid);
+    let mut clients: Vec<TcpStream> = (0..2)
+        .map(|_| {
+            let mut s = start(srv.addr);
+            assert_eq!(go(&mut s, "disk"), 64 * MIB);
+            for i in 0..32u64 {
+                request(&mut s, Cmd::Read, i, (i % 2) * 32 * MIB, 32 * MIB as u32);
+            }
+            s
+        })
+        .collect();
+    // Long enough for the old server to read 2 GiB into buffers.
+    std::thread::sleep(Duration::from_secs(3));
+    let grown = rss(srv.pid).saturating_sub(before);
+    assert!(
+        grown < 64 * MIB,
+        "{}: RSS grew by {} MiB for replies nobody reads",
+        export.display(),
+        grown / MIB
+    );
+    // The replies are all there, in order of the reads' pieces.
+    let want = std::fs::read(dir.join("expected")).unwrap();
+    let s = &mut clients[0];
+    let mut data = vec![0u8; 32 * MIB as usize];
+    for _ in 0..32 {
+        let r = simple_reply(s);
+        assert_eq!(r.error_value(), None);
+        s.read_exact(&mut data).unwrap();
+        let at = (r.cookie % 2 * 32 * MIB) as usize;
+        assert!(
+            data == want[at..at + data.len()],
+            "read {} came back wrong",
+            r.cookie
+        );
+    }
+}
+
+#[test]
+fn unread_replies_on_qcow2_hold_bounded_memory() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let q = dir.path().join("disk.qcow2");
+    let q_s = q.to_str().unwrap();
+    peer_ok(Command::new("qemu-img").args(["create", "-f", "qcow2", q_s, "64M"]));
+    peer_ok(Command::new("qemu-io").args(["-f", "qcow2", "-c", "write -P 0x3c 1M 2M", q_s]));
+    peer_ok(Command::new("qemu-io").args(["-f", "qcow2", "-c", "write -P 0xc3 40M 1M", q_s]));
+    let mut expected = vec![0u8; 64 * MIB as usize];
+    expected[MIB as usize..3 * MIB as usize].fill(0x3c);
+    expected[40 * MIB as usize..41 * MIB as usize].fill(0xc3);
+    std::fs::write(dir.path().join("expected"), expected).unwrap();
+    unread_replies_hold_bounded_memory(dir.path(), &q);
+}
+
+#[test]
+fn unread_replies_of_tmpfs_holes_hold_bounded_memory() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: mounting a tmpfs needs root");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=128m", "qpip-unread"])
+        .arg(dir.path())
+        .status()
+        .unwrap();
+    assert!(mounted.success(), "mount a tmpfs");
+    struct Unmount<'a>(&'a std::path::Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg("-l").arg(self.0).status();
+        }
+    }
+    let _unmount = Unmount(dir.path());
+    let img = qpip_test_support::pattern::image_with(dir.path(), "disk.img", 64 * MIB, &[(0, MIB)]);
+    let mut expected = vec![0u8; 64 * MIB as usize];
+    expected[..MIB as usize]
+        .copy_from_slice(&qpip_test_support::pattern::at_offset(0, MIB as usize));
+    std::fs::write(dir.path().join("expected"), expected).unwrap();
+    unread_replies_hold_bounded_memory(dir.path(), &img);
+}

@@ -452,3 +452,77 @@ fn qemu_io_with_extended_headers_and_64_bit_lengths() {
     );
     assert_filled(&img, &[(5 << 30, MIB, 0xcd)]);
 }
+
+/// Uploads of a sparse image with holes of 40 MiB, 128 MiB and 2 GiB (longer than the
+/// maximum block size, so each is one WRITE_ZEROES or TRIM past it): qemu-img convert -n and
+/// nbdcopy into a raw and a qcow2 export whose holes held data before, then the exports
+/// compared with the source. The raw export's holes are punched (no NO_HOLE asked).
+#[test]
+fn sparse_uploads_with_qemu_img_and_nbdcopy_into_raw_and_qcow2() {
+    if !require(&["qemu-img", "qemu-io", "nbdcopy"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let holes = [40 * MIB, 128 * MIB, 2048 * MIB];
+    let size = holes.iter().sum::<u64>() + 4 * MIB;
+    let mut data = Vec::new();
+    let mut at = 0;
+    for hole in holes {
+        data.push((at, MIB));
+        at += MIB + hole;
+    }
+    data.push((at, MIB));
+    let src = qpip_test_support::pattern::image_with(d, "src.raw", size, &data);
+    let src_s = src.to_str().unwrap();
+    let raw = image(d, "raw.img", size);
+    let qcow = d.join("q.qcow2");
+    peer_ok(Command::new("qemu-img").args([
+        "create",
+        "-f",
+        "qcow2",
+        qcow.to_str().unwrap(),
+        &size.to_string(),
+    ]));
+    let srv = start_server_v4(&args(&[
+        "--export",
+        &format!("raw={}", raw.display()),
+        "--export",
+        &format!("q={}", qcow.display()),
+    ]));
+    for (export, fmt) in [("raw", "raw"), ("q", "qcow2")] {
+        let uri = srv.uri(export);
+        for tool in ["qemu-img", "nbdcopy"] {
+            // Data in every hole first, which the upload must zero.
+            let junk: Vec<String> = holes
+                .iter()
+                .scan(MIB, |at, hole| {
+                    let w = format!("write -P 0x77 {} 1M", *at + hole / 2);
+                    *at += MIB + hole;
+                    Some(w)
+                })
+                .collect();
+            qemu_io(&uri, &junk.iter().map(String::as_str).collect::<Vec<_>>());
+            let (same, _) = compare("raw", src_s, "raw", &uri);
+            assert!(!same, "{export}: the junk did not land");
+            match tool {
+                "qemu-img" => convert("raw", "raw", src_s, &uri, true),
+                _ => drop(peer_ok(Command::new("nbdcopy").args([src_s, &uri]))),
+            }
+            let (same, cmp) = compare("raw", src_s, "raw", &uri);
+            assert!(same, "{tool} into the {fmt} export {export}: {cmp}");
+        }
+    }
+    drop(srv); // its image locks
+    let (same, cmp) = compare("raw", src_s, "raw", raw.to_str().unwrap());
+    assert!(same, "the raw image file: {cmp}");
+    let (same, cmp) = compare("raw", src_s, "qcow2", qcow.to_str().unwrap());
+    assert!(same, "the qcow2 image file: {cmp}");
+    peer_ok(Command::new("qemu-img").args(["check", qcow.to_str().unwrap()]));
+    use std::os::unix::fs::MetadataExt;
+    let allocated = std::fs::metadata(&raw).unwrap().blocks() * 512;
+    assert!(
+        allocated < 64 * MIB,
+        "the raw export's holes were written, not punched: {allocated} bytes allocated"
+    );
+}

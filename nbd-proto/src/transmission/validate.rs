@@ -35,8 +35,8 @@ impl ByteRange {
 }
 
 /// A command that passed [`validate_request`]'s checks, with the flags that matter to it.
-/// `READ`, `WRITE` and `CACHE` ranges (and `WRITE_ZEROES` without `fast_zero`) are at most
-/// the maximum block size long, so their length fits in a `u32`.
+/// `READ` and `WRITE` ranges are at most the maximum block size long, so their length fits
+/// in a `u32`; the ranges of commands without a payload may reach the export's end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ValidCommand {
@@ -144,8 +144,9 @@ impl ValidCommand {
 ///    before all the others (also where the command is not advertised, as qemu-nbd does).
 /// 5. `FLUSH` with nonzero offset or length → `EINVAL` (they "MUST be set to all-zero").
 /// 6. Offset or length not a multiple of the minimum block size → `EINVAL`.
-/// 7. `READ`/`WRITE`/`CACHE`, and `WRITE_ZEROES` without `FAST_ZERO`, longer than the
-///    maximum block size → `EINVAL`; so is a `READ` answered with structured replies that
+/// 7. `READ`/`WRITE` longer than the maximum block size → `EINVAL` (commands without a
+///    payload — `TRIM`, `WRITE_ZEROES`, `CACHE`, `BLOCK_STATUS` — may be as long as the
+///    export: the spec lets their effect length pass the maximum payload size); so is a `READ` answered with structured replies that
 ///    one `OFFSET_DATA` chunk cannot carry (more than 2^32 − 9 bytes: this server answers
 ///    a read with one chunk), which only a maximum block size above that admits (checked
 ///    after 8, so a `DF` read that long gets `EOVERFLOW`).
@@ -250,13 +251,10 @@ pub(crate) fn check_request(
         return Err(ErrorValue::Inval);
     }
 
-    // 7. maximum block size
-    let len_capped = match req.command {
-        C::Read | C::Write | C::Cache => true,
-        C::WriteZeroes => !f.contains(CmdFlags::FAST_ZERO),
-        _ => false,
-    };
-    if len_capped && req.length > u64::from(info.block_size.max) {
+    // 7. maximum block size: a limit on payloads, so on READ and WRITE only. TRIM,
+    // WRITE_ZEROES, CACHE and BLOCK_STATUS carry none and may reach the export's end, as
+    // qemu-nbd and nbdkit serve them (qemu-img convert and nbdcopy send a hole as one).
+    if matches!(req.command, C::Read | C::Write) && req.length > u64::from(info.block_size.max) {
         return Err(ErrorValue::Inval);
     }
 
