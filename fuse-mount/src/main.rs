@@ -337,8 +337,9 @@ fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
         "mounted"
     );
     if let Some(p) = &cli.pid_file {
-        std::fs::write(p, format!("{}\n", std::process::id()))
-            .with_context(|| format!("writing {}", p.display()))?;
+        // Never through a symlink planted at the path or beside it (we may be root).
+        qpip_cli::files::write_pid_file(p)
+            .with_context(|| format!("--pid-file {}", p.display()))?;
     }
     watch_signals(mnt.to_path_buf())?;
     ready.ok();

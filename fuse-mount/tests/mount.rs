@@ -752,3 +752,56 @@ fn auto_falls_back_to_dev_fuse_while_enable_uring_is_off() {
     assert_eq!(transport_in_log(&log), Some("uring"), "{log}");
     assert!(!log.contains("instead of io_uring"), "{log}");
 }
+
+/// `--pid-file` in a directory others can write: a symlink planted at the path is replaced
+/// by the pid file, not followed (root would otherwise overwrite the file it points at), and
+/// the pid file is removed at exit. One transport: the pid file is written after mounting.
+#[test]
+fn pid_file_replaces_a_symlink_at_its_path() {
+    use std::os::unix::fs::PermissionsExt;
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_image(dir.path(), "p.img", 8 * MIB);
+    let server = qpip_server("p", &img, &[]);
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, "precious\n").unwrap();
+    let shared = dir.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let pid_file = shared.join("mount.pid");
+    std::os::unix::fs::symlink(&victim, &pid_file).unwrap();
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let mut m = mount(
+        &server.uri,
+        &mnt,
+        "p",
+        &["--pid-file", pid_file.to_str().unwrap()],
+    );
+    // Written after the file appears: wait until the path holds a pid or the victim changed.
+    let t = std::time::Instant::now();
+    let pid = loop {
+        let pid = std::fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|s| s.strip_suffix('\n')?.parse::<i32>().ok());
+        if let Some(pid) = pid {
+            break pid;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "no pid file");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(
+        std::fs::read_to_string(&victim).unwrap(),
+        "precious\n",
+        "the mount wrote through the symlink"
+    );
+    assert!(std::fs::symlink_metadata(&pid_file).unwrap().is_file());
+    assert_eq!(pid, m.pid());
+    run("fusermount3", &["-u", mnt.to_str().unwrap()]);
+    assert!(m.wait_exit().success());
+    let left: Vec<_> = std::fs::read_dir(&shared).unwrap().collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n");
+}

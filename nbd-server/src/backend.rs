@@ -54,6 +54,13 @@ pub trait Backend: Send + Sync + Debug {
         None
     }
 
+    /// The NIC places only writes from this offset on: a store that checks the writes below
+    /// it (the first sector of a raw image whose format was probed) must see them in
+    /// [`Backend::write_at`].
+    fn placement_from(&self) -> u64 {
+        0
+    }
+
     /// Whether reading the range through [`Backend::mapping`] would allocate memory for its
     /// holes (a file on tmpfs); READ then reads it with [`Backend::start_read`] instead.
     fn mapping_would_fill_holes(&self, _offset: u64, _len: u64) -> bool {

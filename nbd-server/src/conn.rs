@@ -58,7 +58,11 @@ impl Connection {
             // would only cost its copy: the framer would leave it in the receive slot).
             let info = neg.transmission_info();
             let region = region.clone();
-            let _ = self.framer.placement.set(WritePlacement { region, info });
+            let from = export.place_from;
+            let _ = self
+                .framer
+                .placement
+                .set(WritePlacement { region, info, from });
         }
         transmission::serve(&mut self.link, export, &neg, &last_reply)
     }

@@ -172,12 +172,11 @@ pub fn exit_with_parent() -> Result<()> {
 pub struct PidFile(PathBuf);
 
 impl PidFile {
-    /// Writes our pid to `path` (through a temporary file and a rename, so a reader never
-    /// sees it half written).
+    /// Writes our pid to `path` (through a new temporary file of an unguessable name and a
+    /// rename, so a reader never sees it half written and a symlink planted in the directory
+    /// is never written through).
     pub fn write(path: &Path) -> Result<PidFile> {
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        std::fs::write(&tmp, format!("{}\n", std::process::id()))
-            .and_then(|()| std::fs::rename(&tmp, path))
+        qpip_cli::files::write_pid_file(path)
             .with_context(|| format!("--pid-file {}", path.display()))?;
         Ok(PidFile(path.to_owned()))
     }

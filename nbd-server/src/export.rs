@@ -17,6 +17,8 @@ pub struct Export {
     pub region: Option<MemoryRegion>,
     /// The store's file registered with the NIC for WRITE payloads (raw, writable images).
     pub file_region: Option<FileRegion>,
+    /// Writes below this offset are not placed in `file_region` ([`Backend::placement_from`]).
+    pub place_from: u64,
 }
 
 impl Export {
@@ -44,12 +46,14 @@ impl Export {
         let file_region = image
             .placement_file()
             .map(|f| nic.register_file(Arc::new(f), image.size(), Access::READ_WRITE));
+        let place_from = image.placement_from();
         Arc::new(Export {
             name,
             description,
             image,
             region,
             file_region,
+            place_from,
         })
     }
 

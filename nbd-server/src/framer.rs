@@ -9,7 +9,8 @@
 //! image itself (the soft NIC splices socket → pipe → file), the way a storage-offload NIC
 //! puts a write's data on the disk; the receive WR takes only the header. The framer checks
 //! the request exactly as the connection does (`validate_request`), so nothing the server
-//! would refuse reaches the file.
+//! would refuse reaches the file; nor does a write to the first sector of a raw image whose
+//! format was probed, which the image checks (`Image::write_at`).
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -27,6 +28,9 @@ pub const PLACE_MIN: usize = 32 << 10;
 pub struct WritePlacement {
     pub region: FileRegion,
     pub info: TransmissionInfo,
+    /// Writes that start below this offset are not placed: the store checks them
+    /// ([`crate::backend::Backend::placement_from`]).
+    pub from: u64,
 }
 
 /// What the connection tells its framer (which runs on the NIC's thread).
@@ -95,7 +99,10 @@ impl ServerFramer {
         }
         let extended = header_len == c::EXTENDED_REQUEST_LEN;
         let req = Request::parse(&header[..header_len], extended).ok()?;
-        if req.command != Command::Write || req.payload_len(extended) != body_len as u64 {
+        if req.command != Command::Write
+            || req.payload_len(extended) != body_len as u64
+            || req.offset < place.from
+        {
             return None;
         }
         validate_request(&req, &place.info).ok()?;

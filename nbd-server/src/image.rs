@@ -8,6 +8,13 @@
 //!
 //! A qcow2 image (see [`crate::qcow2`]) is served as its virtual disk instead: no mapping,
 //! every request goes through the cluster tables.
+//!
+//! An image whose format was probed as raw (no `--format`) keeps probing as raw: a guest
+//! could otherwise write a qcow2 header into its first sector and be served a disk of its
+//! making after a restart, or a vmdk one and stop the export from being served at all (and
+//! qemu, which follows backing files, would open a host file of the guest's choosing). As
+//! qemu's raw driver does for probed images, a write, zeroing or trim that would leave the
+//! first [`HEAD`] bytes probing as another format fails with EPERM.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -16,6 +23,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use memmap2::{Mmap, MmapOptions};
+use parking_lot::Mutex;
 
 use crate::qcow2::{self, Probed, Qcow2};
 
@@ -67,7 +75,15 @@ pub struct Image {
     /// reads the hole as zeroes without).
     holes_fault_in: bool,
     qcow2: Option<Qcow2>,
+    /// Set for an image probed as raw: held while a change to its first [`HEAD`] bytes is
+    /// checked and made, so that two changes that each leave them raw cannot together make
+    /// a header (another connection's write landing between one's check and its write).
+    probed_raw: Option<Mutex<()>>,
 }
+
+/// How many of an image's first bytes the format probe reads, and so how many a probed raw
+/// image's guest may not turn into another format's header.
+pub const HEAD: u64 = 512;
 
 impl std::fmt::Debug for Image {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -92,6 +108,7 @@ impl Image {
         let mut head = [0u8; 512];
         let n = read_some(&file, &mut head)?;
         let head = &head[..n];
+        let probed = format.is_none();
         let format = match format {
             Some(f) => f,
             None => match qcow2::probe(head) {
@@ -123,6 +140,7 @@ impl Image {
                 map: None,
                 holes_fault_in: false,
                 qcow2: Some(q),
+                probed_raw: None,
             });
         }
         let meta = file.metadata()?;
@@ -133,7 +151,11 @@ impl Image {
             use std::io::Seek;
             (&file).seek(io::SeekFrom::End(0))?
         };
-        Self::from_file(path, file, size, read_only)
+        let mut image = Self::from_file(path, file, size, read_only)?;
+        if probed && !read_only {
+            image.probed_raw = Some(Mutex::new(()));
+        }
+        Ok(image)
     }
 
     /// Creates a sparse image of `size` bytes, or opens the existing one if it has that size.
@@ -197,6 +219,7 @@ impl Image {
             holes_fault_in,
             map,
             qcow2: None,
+            probed_raw: None,
         })
     }
 
@@ -347,10 +370,59 @@ impl Image {
         }
     }
 
+    /// Whether writes below this offset must come through [`Image::write_at`] (where they
+    /// are checked) rather than be placed in the file by the NIC: [`HEAD`] for an image
+    /// probed as raw, else 0.
+    pub fn checked_below(&self) -> u64 {
+        if self.probed_raw.is_some() { HEAD } else { 0 }
+    }
+
+    /// For an image probed as raw: runs `change` (which puts `new` at `offset`, or zeroes
+    /// there with `new` None) if it leaves the first [`HEAD`] bytes probing as raw, else
+    /// fails with EPERM. Changes past the head run as they are.
+    fn guard_head<T>(
+        &self,
+        offset: u64,
+        len: u64,
+        new: Option<&[u8]>,
+        change: impl FnOnce() -> io::Result<T>,
+    ) -> io::Result<T> {
+        let Some(lock) = &self.probed_raw else {
+            return change();
+        };
+        let head_len = HEAD.min(self.size);
+        if offset >= head_len || len == 0 {
+            return change();
+        }
+        let _held = lock.lock();
+        let mut head = vec![0u8; head_len as usize];
+        self.file.read_exact_at(&mut head, 0)?;
+        let end = offset.saturating_add(len).min(head_len) as usize;
+        let at = &mut head[offset as usize..end];
+        match new {
+            Some(data) => at.copy_from_slice(&data[..at.len()]),
+            None => at.fill(0),
+        }
+        match qcow2::probe(&head) {
+            Probed::Raw => change(),
+            Probed::Qcow2 | Probed::Other(_) => {
+                tracing::debug!(
+                    image = %self.path.display(),
+                    offset,
+                    len,
+                    "refused a write that would give a probed raw image another format's header"
+                );
+                Err(io::Error::from_raw_os_error(libc::EPERM))
+            }
+        }
+    }
+
     pub fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()> {
         match &self.qcow2 {
             Some(q) => q.write_at(data, offset)?,
-            None => self.file.write_all_at(data, offset)?,
+            None => self.guard_head(offset, data.len() as u64, Some(data), || {
+                self.file.write_all_at(data, offset)
+            })?,
         }
         if fua {
             self.flush_range(offset, data.len() as u64)?;
@@ -374,11 +446,14 @@ impl Image {
         if let Some(q) = &self.qcow2 {
             return q.zero_range(offset, len);
         }
-        self.fallocate(
-            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-            offset,
-            len,
-        )
+        // Zeroes can finish a magic too ("QED\0" from "QEDx").
+        self.guard_head(offset, len, None, || {
+            self.fallocate(
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                offset,
+                len,
+            )
+        })
     }
 
     /// WRITE_ZEROES: the range reads as zeroes afterwards and stays allocated. Returns false if
@@ -389,6 +464,10 @@ impl Image {
             q.zero_range(offset, len)?;
             return Ok(true);
         }
+        self.guard_head(offset, len, None, || self.zero_raw(offset, len, may_write))
+    }
+
+    fn zero_raw(&self, offset: u64, len: u64, may_write: bool) -> io::Result<bool> {
         match self.fallocate(
             libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
             offset,
@@ -535,6 +614,9 @@ impl Backend for Image {
         }
         self.file.try_clone().ok()
     }
+    fn placement_from(&self) -> u64 {
+        self.checked_below()
+    }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         Image::read_at(self, buf, offset)
@@ -674,6 +756,39 @@ mod tests {
                 .sum::<u64>(),
             16 << 20
         );
+    }
+
+    #[test]
+    fn a_probed_raw_image_keeps_probing_raw() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        std::fs::write(&path, vec![0u8; 64 << 10]).unwrap();
+        let img = Image::open_as(&path, false, None).unwrap();
+        assert_eq!(img.checked_below(), HEAD);
+        let eperm = |e: io::Error| e.raw_os_error() == Some(libc::EPERM);
+        assert!(eperm(img.write_at(b"QFI\xfb", 0, false).unwrap_err()));
+        assert!(eperm(
+            img.write_at(&[0x7f, 0x10, 0xda, 0xbe], 64, false)
+                .unwrap_err()
+        ));
+        // Pieces that each leave it raw, until the last.
+        img.write_at(b"QE", 0, false).unwrap();
+        img.write_at(b"Dx", 2, false).unwrap();
+        assert!(eperm(img.zero_range(3, 1, true).unwrap_err()));
+        assert!(eperm(img.punch_hole(3, 1).unwrap_err()));
+        img.write_at(b"KDMV", 4, false).unwrap(); // not where vmdk's magic is
+        img.write_at(&[7; 4096], HEAD, false).unwrap(); // past the head: unchecked
+        let mut head = [0u8; 8];
+        img.read_at(&mut head, 0).unwrap();
+        assert_eq!(&head, b"QEDxKDMV");
+        assert!(
+            img.zero_range(0, 4096, true).unwrap(),
+            "zeroing it all is raw"
+        );
+        // Chosen as raw: the guest's bytes are the disk, whatever they say.
+        let img = Image::open_as(&path, false, Some(Format::Raw)).unwrap();
+        assert_eq!(img.checked_below(), 0);
+        img.write_at(b"QFI\xfb", 0, false).unwrap();
     }
 
     #[test]

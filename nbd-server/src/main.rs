@@ -80,10 +80,12 @@ struct Cli {
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// The images' format: raw (the file's bytes are the disk) or qcow2 (its virtual disk).
-    /// Default: probed from each image's first bytes, as qemu-nbd does; other formats
-    /// (vmdk, vdi, qcow version 1, luks, ...) are refused. `-f raw` serves any file's bytes
-    /// as they are, and is the safe choice for an image whose guest could write a qcow2
-    /// header into it.
+    /// Default: probed from each image's first bytes, as qemu-nbd does; an image in another
+    /// format (vmdk, vdi, qcow version 1, luks, ...) is left out with an error line while
+    /// the other exports are served (with none left, the server fails). A guest of an image
+    /// probed as raw cannot give it another format: a write that would put another format's
+    /// header in its first 512 bytes fails with EPERM. `-f raw` serves any file's bytes as
+    /// they are, without that check.
     #[arg(short, long, value_name = "FORMAT", value_enum)]
     format: Option<Format>,
     /// Export every image read-only.
@@ -448,6 +450,8 @@ fn run(cli: Cli) -> Result<i32> {
         }
     };
     let mut exports = Vec::new();
+    // Exports whose file is in a format the server does not serve, with why.
+    let mut left_out = Vec::new();
     let mut ceph = Ceph::default();
     for e in &cfg.exports {
         if exports.iter().any(|x: &Arc<Export>| x.name == e.name) {
@@ -508,21 +512,32 @@ fn run(cli: Cli) -> Result<i32> {
                 Image::open(&e.path, read_only)
             }
             _ => Image::open_as(&e.path, read_only, format),
-        }
-        .map_err(|err| {
-            // A read-only file or file system: say how to serve it anyway.
-            let hint = match err.raw_os_error() {
-                Some(libc::EROFS | libc::EACCES | libc::EPERM) if !read_only => {
-                    " (to export it read-only, add --read-only)"
+        };
+        let image = match image {
+            Ok(image) => image,
+            Err(err) => {
+                // A file in a format we do not serve (probed, or qcow2 features) takes down
+                // its own export only: a guest must not be able to stop the server.
+                let unserved = err.kind() == std::io::ErrorKind::Unsupported;
+                // A read-only file or file system: say how to serve it anyway.
+                let hint = match err.raw_os_error() {
+                    Some(libc::EROFS | libc::EACCES | libc::EPERM) if !read_only => {
+                        " (to export it read-only, add --read-only)"
+                    }
+                    _ => "",
+                };
+                let err = anyhow::Error::new(err).context(format!(
+                    "export {}: opening {}{hint}",
+                    e.name,
+                    e.path.display()
+                ));
+                if unserved {
+                    left_out.push(err);
+                    continue;
                 }
-                _ => "",
-            };
-            anyhow::Error::new(err).context(format!(
-                "export {}: opening {}{hint}",
-                e.name,
-                e.path.display()
-            ))
-        })?;
+                return Err(err);
+            }
+        };
         if !demo && !cli.force_share {
             image
                 .lock()
@@ -549,6 +564,20 @@ fn run(cli: Cli) -> Result<i32> {
             image,
         ));
     }
+    // With no export left the server fails with the last one's error, as with one export.
+    if exports.is_empty()
+        && let Some(err) = left_out.pop()
+    {
+        for e in &left_out {
+            tracing::error!("{e:#}");
+        }
+        return Err(err);
+    }
+    for e in &left_out {
+        tracing::error!("{e:#}; serving the other exports without it");
+    }
+    // --run's URI names the default export, else the first one served.
+    let first_export = exports.first().map(|e| e.name.clone()).unwrap_or_default();
 
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
@@ -605,10 +634,7 @@ fn run(cli: Cli) -> Result<i32> {
                 Endpoint::Unix(_) => None,
             });
             let v4 = ip.clone().find(|a| a.is_ipv4());
-            let export = cfg
-                .default_export
-                .clone()
-                .unwrap_or_else(|| cfg.exports[0].name.clone());
+            let export = cfg.default_export.clone().unwrap_or(first_export);
             let mut sh = std::process::Command::new("sh");
             sh.arg("-c").arg(cmd);
             match v4.or(ip.clone().next()) {

@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
@@ -217,4 +218,159 @@ fn format_raw_serves_the_files_bytes_and_version_2_is_served_read_only() {
         "read -P 0 0 1M",
     ]));
     assert!(!out.contains("fail"), "{out}");
+}
+
+/// qemu-io -f raw on `uri` running `cmds`; its output, whether or not a command failed.
+fn qemu_io_any(uri: &str, cmds: &[&str]) -> String {
+    let mut c = Command::new("qemu-io");
+    c.args(["-f", "raw", uri]);
+    for cmd in cmds {
+        c.args(["-c", cmd]);
+    }
+    text(&run_with_timeout(&mut c, Duration::from_secs(60)))
+}
+
+fn first_sector(path: &Path) -> Vec<u8> {
+    std::fs::read(path).unwrap()[..512].to_vec()
+}
+
+/// A guest of an image probed as raw must not turn it into another format by writing a
+/// header into its first sector: after a restart the server would serve the file as a qcow2
+/// disk of the guest's making, or leave out a vmdk one. qemu's raw driver prevents it for
+/// probed images (raw_check_write). The write fails with EPERM, small or large
+/// (one the NIC would otherwise place in the file itself), whole or assembled from pieces;
+/// other writes to the first sector still work; `--format raw` lifts the check.
+#[test]
+fn a_guest_cannot_change_the_format_of_its_probed_raw_image() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let img = image(d, "guest.img", 4 << 20);
+    // A header as qemu-img makes it (64 MiB virtual disk), and one padded to 64 KiB.
+    let q = qemu_img_create(d, "h.qcow2", &["-f", "qcow2"]);
+    let header = first_sector(Path::new(&q));
+    let hdr = d.join("hdr.bin");
+    std::fs::write(&hdr, &header).unwrap();
+    let mut big = header.clone();
+    big.resize(64 << 10, 0x5a);
+    let hdr_big = d.join("hdr64k.bin");
+    std::fs::write(&hdr_big, &big).unwrap();
+    let mut vmdk = b"KDMV".to_vec();
+    vmdk.resize(512, 0);
+    let vmdk_file = d.join("vmdk.bin");
+    std::fs::write(&vmdk_file, &vmdk).unwrap();
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let write_hdr = format!("write -s {} 0 512", s(&hdr));
+    let write_big = format!("write -s {} 0 64k", s(&hdr_big));
+    let write_vmdk = format!("write -s {} 0 512", s(&vmdk_file));
+
+    let srv = start_server_v4(&["--export".into(), format!("g={}", img.display())]);
+    let uri = srv.uri("g");
+    let refused = [
+        vec![write_hdr.as_str()],
+        vec![write_big.as_str()],
+        vec![write_vmdk.as_str()],
+        // Byte by byte: each write alone leaves raw bytes, the last one would not.
+        vec![
+            "write -P 0x51 0 1",
+            "write -P 0x46 1 1",
+            "write -P 0x49 2 1",
+            "write -P 0xfb 3 1",
+        ],
+        // Zeroes can finish a magic too ("QED\0").
+        vec![
+            "write -P 0x51 0 1",
+            "write -P 0x45 1 1",
+            "write -P 0x44 2 1",
+            "write -P 0x58 3 1",
+            "write -z 3 1",
+        ],
+    ];
+    for cmds in refused {
+        let out = qemu_io_any(&uri, &cmds);
+        let failed: Vec<&str> = out.lines().filter(|l| l.contains("failed")).collect();
+        assert_eq!(failed.len(), 1, "{cmds:?}: {out}");
+        assert!(
+            failed[0].contains("Operation not permitted"),
+            "{cmds:?}: {out}"
+        );
+        let head = first_sector(&img);
+        assert_eq!(
+            qemu_io_any(&uri, &["write -z 0 4"])
+                .matches("failed")
+                .count(),
+            0
+        );
+        assert_ne!(&head[..4], &header[..4], "{cmds:?}");
+        assert_ne!(&head[..4], b"KDMV", "{cmds:?}");
+    }
+    assert!(first_sector(&img).iter().all(|&b| b == 0));
+    // Writes that leave a raw disk: an MBR's signature, data over the whole sector, data
+    // after the first sector, and a large write from the first sector (placed or not).
+    qemu_io(
+        &uri,
+        &[
+            "write -P 0x55 510 1",
+            "write -P 0xaa 511 1",
+            "write -P 0x11 512 64k",
+            "write -P 0x22 0 64k",
+            "read -P 0x22 0 64k",
+            "write -P 0x33 0 512",
+            "read -P 0x33 0 512",
+        ],
+    );
+    drop(srv);
+    // After a restart: still raw, with its own size.
+    let srv = start_server_v4(&["--export".into(), format!("g={}", img.display())]);
+    let info = peer_ok(Command::new("qemu-img").args(["info", "-f", "raw", &srv.uri("g")]));
+    assert!(info.contains("virtual size: 4 MiB"), "{info}");
+    assert!(srv.log().contains("(raw, 4194304 bytes)"), "{}", srv.log());
+    drop(srv);
+
+    // Chosen with --format raw: the bytes are the host's to write as the guest likes.
+    let srv = start_server_v4(&[
+        "--format".into(),
+        "raw".into(),
+        "--export".into(),
+        format!("g={}", img.display()),
+    ]);
+    qemu_io(&srv.uri("g"), &[&write_hdr]);
+    assert_eq!(first_sector(&img), header);
+}
+
+/// A file in a format the server does not serve takes down its own export only: the server
+/// starts, serves the others, and logs one error naming the export and the file.
+#[test]
+fn an_export_in_an_unserved_format_is_left_out_and_the_others_served() {
+    if !require(&["qemu-img"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let good = image(dir.path(), "good.img", 2 << 20);
+    let bad = image(dir.path(), "bad.img", 2 << 20);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&bad)
+        .unwrap()
+        .write_all_at(b"KDMV", 0)
+        .unwrap();
+    let mut srv = start_server_v4(&[
+        "--export".into(),
+        format!("bad={}", bad.display()),
+        "--export".into(),
+        format!("good={}", good.display()),
+    ]);
+    let info = peer_ok(Command::new("qemu-img").args(["info", "-f", "raw", &srv.uri("good")]));
+    assert!(info.contains("virtual size: 2 MiB"), "{info}");
+    peer_fails(Command::new("qemu-img").args(["info", "-f", "raw", &srv.uri("bad")]));
+    srv.assert_alive("after a client asked for the left-out export");
+    let log = srv.log();
+    let errors: Vec<&str> = log.lines().filter(|l| l.contains("ERROR")).collect();
+    assert_eq!(errors.len(), 1, "{log}");
+    let bad_path = bad.display().to_string();
+    for w in ["export bad", bad_path.as_str(), "vmdk", "--format raw"] {
+        assert!(errors[0].contains(w), "{w:?} not in {log}");
+    }
 }

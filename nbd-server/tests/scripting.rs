@@ -7,7 +7,7 @@ mod common;
 use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -219,4 +219,118 @@ fn socket_activation_serves_on_the_passed_socket() {
     );
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out).contains("socket activation"), "{}", text(&out));
+}
+
+/// A world-writable directory for a pid file (as /run/user or a shared /tmp subdirectory can
+/// be), and outside it a victim file an attacker wants root to overwrite.
+fn hostile_dir() -> (tempfile::TempDir, tempfile::TempDir, std::path::PathBuf) {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let safe = tempfile::tempdir().unwrap();
+    let victim = safe.path().join("victim");
+    std::fs::write(&victim, "precious\n").unwrap();
+    (dir, safe, victim)
+}
+
+/// Starts the server (the demo export) with `--pid-file pid_file`, running `plant` in the
+/// child before exec with the child's (so the server's) pid; waits for the pid file.
+fn server_with_pid_file(
+    pid_file: &Path,
+    mut plant: impl FnMut(i32) + Send + Sync + 'static,
+) -> Child {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["--listen", "127.0.0.1:0", "--pid-file"])
+        .arg(pid_file)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    // SAFETY: `plant` makes only system calls on memory prepared before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            plant(libc::getpid());
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    // Until it holds a pid (what a symlink planted there points at does not parse).
+    while !std::fs::read_to_string(pid_file)
+        .is_ok_and(|s| s.ends_with('\n') && s.trim().parse::<i32>().is_ok())
+    {
+        if let Some(st) = child.try_wait().unwrap() {
+            panic!("the server exited ({st}) before writing its pid file");
+        }
+        assert!(Instant::now() < deadline, "no pid file");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
+fn stop(mut child: Child) {
+    // SAFETY: kill(2) on our child, not yet reaped.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+}
+
+/// An attacker who can write the pid file's directory cannot make the server (root) write
+/// through a symlink planted at the name of its temporary file. The old server wrote
+/// `NAME.tmp<PID>` (the pid file's extension replaced), predictable from its pid: the
+/// symlink here is planted at exactly that name, in the child before exec.
+#[test]
+fn pid_file_is_not_written_through_a_symlink_at_a_guessable_temporary_name() {
+    use std::os::unix::ffi::OsStrExt;
+    let (dir, _safe, victim) = hostile_dir();
+    let pid_file = dir.path().join("server.pid");
+    // Prepared before the fork: the child only writes digits into this buffer (no allocation).
+    let mut prefix = pid_file
+        .with_extension("tmp")
+        .as_os_str()
+        .as_bytes()
+        .to_vec();
+    prefix.resize(prefix.len() + 12, 0);
+    let prefix_len = prefix.len() - 12;
+    let target = std::ffi::CString::new(victim.as_os_str().as_bytes()).unwrap();
+    let child = server_with_pid_file(&pid_file, move |pid| {
+        let mut digits = [0u8; 10];
+        let (mut n, mut i) = (pid as u32, digits.len());
+        loop {
+            i -= 1;
+            digits[i] = b'0' + (n % 10) as u8;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        prefix[prefix_len..prefix_len + digits.len() - i].copy_from_slice(&digits[i..]);
+        // SAFETY: both are NUL-terminated (the buffer has zeroes past the digits).
+        unsafe { libc::symlink(target.as_ptr(), prefix.as_ptr().cast()) };
+    });
+    let pid = child.id() as i32;
+    assert_eq!(
+        std::fs::read_to_string(&victim).unwrap(),
+        "precious\n",
+        "the server wrote through the planted symlink"
+    );
+    assert!(std::fs::symlink_metadata(&pid_file).unwrap().is_file());
+    assert_eq!(read_pid(&pid_file), pid);
+    stop(child);
+    assert!(!pid_file.exists(), "the pid file outlived the server");
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n");
+}
+
+/// A symlink at the pid file's path is replaced by the pid file, not followed.
+#[test]
+fn a_symlink_at_the_pid_file_path_is_replaced_not_followed() {
+    let (dir, _safe, victim) = hostile_dir();
+    let pid_file = dir.path().join("server.pid");
+    std::os::unix::fs::symlink(&victim, &pid_file).unwrap();
+    let child = server_with_pid_file(&pid_file, |_| {});
+    let pid = child.id() as i32;
+    assert!(std::fs::symlink_metadata(&pid_file).unwrap().is_file());
+    assert_eq!(read_pid(&pid_file), pid);
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n");
+    stop(child);
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n");
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
 }

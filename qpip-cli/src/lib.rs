@@ -2,9 +2,11 @@
 //! command-line dependency: the options that choose a NIC backend for every binary that opens
 //! a [`Nic`](qpip_core::Nic) (`--backend soft|lanai`, `--lanai-node`, `--lanai-fabric`,
 //! `--lanai-params`; flatten [`BackendArgs`] into a clap parser), one logging convention
-//! ([`logging`]), man pages from the clap definitions ([`man`]), and the `qpip-lanai-bridge`
+//! ([`logging`]), man pages from the clap definitions ([`man`]), writing files such as
+//! `--pid-file` where others may plant symlinks ([`files`]), and the `qpip-lanai-bridge`
 //! binary.
 
+pub mod files;
 pub mod logging;
 pub mod man;
 
