@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use qpip_core::{Access, Completion, MemoryRegion, Nic, Opcode, SendWr, Sge};
 
@@ -176,6 +176,29 @@ impl ReplySlots {
         self.buffers.remove(&slot);
         self.free.push(slot);
         Ok(())
+    }
+
+    /// Before a close: tells the NIC of the replies posted quietly and waits, for at most
+    /// `within`, until every reply send has completed (the NIC has written it to the
+    /// socket). Other completions (requests after the client's DISC) are dropped. False:
+    /// some reply was still in flight at the deadline.
+    pub fn drain(&mut self, link: &mut Link, within: Duration) -> Result<bool> {
+        link.qp.ring_doorbell();
+        let deadline = Instant::now() + within;
+        let mut buf = [Completion::default(); 32];
+        while !self.all_free() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(false);
+            }
+            let n = link.cq.wait(&mut buf, Some(left))?;
+            for c in &buf[..n] {
+                if c.opcode == Opcode::Send {
+                    self.on_send(link, c)?;
+                }
+            }
+        }
+        Ok(true)
     }
 
     fn take(&mut self, link: &mut Link) -> Result<usize> {

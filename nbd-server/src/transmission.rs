@@ -52,6 +52,8 @@ const MAX_EXTENTS: usize = 32;
 /// TRIM, WRITE_ZEROES and CACHE may cover the whole export: the store is asked for pieces of
 /// at most this much, so that no call holds a store's lock (qcow2's) for long.
 const EFFECT_PIECE: u64 = 1 << 30;
+/// After NBD_CMD_DISC: how long the replies to the requests before it may take to go out.
+const DISC_DRAIN: Duration = Duration::from_secs(5);
 /// After SIGTERM: how long new requests get ESHUTDOWN before the connection is closed.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
@@ -404,6 +406,18 @@ impl<'a> Transmission<'a> {
         match *req.command() {
             ValidCommand::Disc => {
                 tracing::info!(peer = %self.link.peer, "client disconnected");
+                // The requests before it are done and replied to (finish_writes and
+                // finish_reads above); the replies, posted quietly, go out before the close.
+                // Requests after it are not executed.
+                match self.replies.drain(self.link, DISC_DRAIN) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        tracing::warn!(peer = %self.link.peer, "closing after NBD_CMD_DISC with replies unsent after {} s: the client does not read them", DISC_DRAIN.as_secs())
+                    }
+                    Err(e) => {
+                        tracing::debug!(peer = %self.link.peer, "sending the replies before NBD_CMD_DISC: {}", Chain(&e))
+                    }
+                }
                 self.link.qp.close();
                 return Ok(false);
             }

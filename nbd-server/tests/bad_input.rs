@@ -927,3 +927,55 @@ fn unread_replies_of_tmpfs_holes_hold_bounded_memory() {
     std::fs::write(dir.path().join("expected"), expected).unwrap();
     unread_replies_hold_bounded_memory(dir.path(), &img);
 }
+
+#[test]
+fn disc_after_pipelined_requests_answers_them_all_first() {
+    // The spec: on NBD_CMD_DISC the server finishes the requests in flight and sends their
+    // replies before it closes. Here they all come in one send, so that the server sees the
+    // DISC in the same batch of completions as the requests before it.
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", SIZE);
+    let srv = start_server_v4(&["--export".into(), format!("disk={}", img.display())]);
+    let mut s = transmission(srv.addr);
+    const WRITES: u64 = 8;
+    const LEN: u32 = 4096;
+    let mut out = Vec::new();
+    for i in 0..WRITES {
+        let r = Request {
+            flags: Default::default(),
+            command: Cmd::Write,
+            cookie: 100 + i,
+            offset: i * 65536,
+            length: LEN.into(),
+        };
+        out.extend_from_slice(&r.encode(false).unwrap());
+        out.extend_from_slice(&pattern(LEN as usize, i + 1));
+    }
+    for (cookie, command) in [(200, Cmd::Flush), (300, Cmd::Disc)] {
+        let r = Request {
+            flags: Default::default(),
+            command,
+            cookie,
+            offset: 0,
+            length: 0u32.into(),
+        };
+        out.extend_from_slice(&r.encode(false).unwrap());
+    }
+    s.write_all(&out).unwrap();
+    for cookie in (100..100 + WRITES).chain([200]) {
+        let r = simple_reply(&mut s);
+        assert_eq!(r.cookie, cookie, "replies in order");
+        assert_eq!(r.error_value(), None, "reply to {cookie}");
+    }
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty(), "nothing after the FLUSH's reply: {rest:?}");
+    let disk = std::fs::read(&img).unwrap();
+    for i in 0..WRITES {
+        let at = (i * 65536) as usize;
+        assert!(
+            disk[at..at + LEN as usize] == pattern(LEN as usize, i + 1)[..],
+            "write {i} on the disk"
+        );
+    }
+}
