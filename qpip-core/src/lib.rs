@@ -47,7 +47,7 @@
 //!
 //! The NIC thread (`machines::shell`) runs both real-time backends: it drains commands and
 //! doorbells, then the backend's `step` (the soft engine's sockets; the LANai's fabric port,
-//! timers and outgoing frames) and, once idle for the spin window, its `sleep`.
+//! timers and outgoing frames) and, once idle for its learned poll window, its `sleep`.
 
 mod nic;
 

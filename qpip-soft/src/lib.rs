@@ -3,8 +3,9 @@
 //!
 //! The host side only writes WRs into rings and polls CQs. Ringing the doorbell costs an atomic
 //! swap, plus one `eventfd` write when the engine sleeps. The engine runs in the shared NIC
-//! thread shell ([`qpip_verbs::machines::shell`]): it spins for a short while after its last work
-//! (so a busy stream never pays a wake-up), then sleeps in `epoll_wait` (or io_uring).
+//! thread shell ([`qpip_verbs::machines::shell`]): it polls after its last work for a window
+//! learned from arrivals (so a busy stream never pays a wake-up), then sleeps in `epoll_wait`
+//! (or io_uring).
 
 mod engine;
 mod link;
@@ -42,13 +43,14 @@ pub enum IoMode {
 /// Settings of the soft NIC engine.
 #[derive(Clone, Debug)]
 pub struct SoftConfig {
-    /// How long the engine keeps polling after its last piece of work before it sleeps.
+    /// The longest the engine polls after its last piece of work before it sleeps (the
+    /// window it learns from arrivals stays within it).
     pub spin: Duration,
     pub io: IoMode,
 }
 
 impl Default for SoftConfig {
-    /// 50 µs of spinning and io_uring where available; `QPIP_SOFT_SPIN_US` and
+    /// A poll window of at most 50 µs and io_uring where available; `QPIP_SOFT_SPIN_US` and
     /// `QPIP_SOFT_IO=epoll` in the environment override them.
     fn default() -> Self {
         let us = std::env::var("QPIP_SOFT_SPIN_US")

@@ -2,12 +2,16 @@
 //!
 //! The host side hands it management commands (a queue) and doorbells (the doorbell FIFO,
 //! one entry per QP however many WRs were posted). The loop runs commands, then doorbells,
-//! then one non-blocking `step` of the backend's physical layer; after `spin` without work it
-//! announces that it sleeps and calls the backend's blocking `sleep`. A backend supplies only
-//! [`Processor`]: where its commands and doorbells go, `step` and `sleep`.
+//! then one non-blocking `step` of the backend's physical layer; after its poll window
+//! without work it announces that it sleeps and calls the backend's blocking `sleep`. A
+//! backend supplies only [`Processor`]: where its commands and doorbells go, `step` and
+//! `sleep`.
 //!
 //! Batching belongs here: the doorbells are drained as one batch per turn before the
-//! physical layer runs, and the poll window before sleeping is [`ShellConfig::spin`].
+//! physical layer runs. The poll window is learned from arrivals ([`PollWindow`]), up to
+//! [`ShellConfig::spin`]: the thread polls while work keeps coming back within the window,
+//! and sleeps at once when idle gaps outlast it, so an idle NIC costs no CPU and does not
+//! take the core from the application on a two-core machine.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering, fence};
@@ -42,7 +46,8 @@ pub trait Processor {
 pub struct ShellConfig {
     /// The thread's name.
     pub name: &'static str,
-    /// How long the thread keeps polling after its last piece of work before it sleeps.
+    /// The longest the thread polls after its last piece of work before it sleeps (the
+    /// window it learns stays within it; zero: never poll).
     pub spin: Duration,
     /// Entries of the doorbell FIFO: `Some` for a device's bounded FIFO (a full one holds
     /// the host back), `None` for unbounded.
@@ -232,7 +237,9 @@ fn run<P: Processor>(shared: &Shared, spin: Duration, mut nic: P) {
     shared
         .tid
         .store(unsafe { libc::gettid() }, Ordering::Release);
+    let mut window = PollWindow::new(spin);
     let mut last_work = Instant::now();
+    let mut slept = false;
     loop {
         let mut worked = run_commands(shared, &mut nic);
         worked |= run_doorbells(shared, &mut nic);
@@ -241,11 +248,14 @@ fn run<P: Processor>(shared: &Shared, spin: Duration, mut nic: P) {
         }
         worked |= nic.step();
         if worked {
-            last_work = Instant::now();
+            let now = Instant::now();
+            window.idle_ended(now - last_work, slept);
+            last_work = now;
+            slept = false;
             continue;
         }
-        if last_work.elapsed() < spin {
-            // Spinning: let the application threads have the core (two-core machines).
+        if !slept && last_work.elapsed() < window.get() {
+            // Polling: let the application threads have the core (two-core machines).
             std::thread::yield_now();
             continue;
         }
@@ -259,13 +269,63 @@ fn run<P: Processor>(shared: &Shared, spin: Duration, mut nic: P) {
         }
         let worked = nic.sleep();
         shared.sleeping.store(false, Ordering::Relaxed);
+        slept = true;
         if worked {
-            last_work = Instant::now();
+            let now = Instant::now();
+            window.idle_ended(now - last_work, true);
+            last_work = now;
+            slept = false;
         }
     }
     // Last commands (QPs destroyed as the NIC's handles went) still run, so peers are told.
     run_commands(shared, &mut nic);
     nic.stop();
+}
+
+/// How long the NIC thread polls for work before it sleeps, learned from how soon work came
+/// back, as KVM's halt polling learns its window (virt/kvm/kvm_main.c, `grow_halt_poll_ns` /
+/// `shrink_halt_poll_ns`): a sleep that ended within the longest window would have been
+/// saved by polling longer, so the window doubles (from [`PollWindow::START`]); a sleep that
+/// outlasted it means polling was wasted, so the window halves (to zero below the start).
+/// Work that came while polling leaves it as it is.
+#[derive(Clone, Copy, Debug)]
+pub struct PollWindow {
+    window: Duration,
+    max: Duration,
+}
+
+impl PollWindow {
+    /// The first window after a sleep that polling would have saved (KVM's
+    /// `halt_poll_ns_grow_start`, 10 µs).
+    pub const START: Duration = Duration::from_micros(10);
+
+    /// A window that starts closed and grows to at most `max`.
+    pub fn new(max: Duration) -> Self {
+        PollWindow {
+            window: Duration::ZERO,
+            max,
+        }
+    }
+
+    /// How long to poll now.
+    pub fn get(&self) -> Duration {
+        self.window
+    }
+
+    /// Work came `idle` after the last work; `slept`: the thread slept in between.
+    pub fn idle_ended(&mut self, idle: Duration, slept: bool) {
+        if !slept {
+            return;
+        }
+        if idle <= self.max {
+            self.window = (self.window * 2).max(Self::START).min(self.max);
+        } else {
+            self.window /= 2;
+            if self.window < Self::START {
+                self.window = Duration::ZERO;
+            }
+        }
+    }
 }
 
 fn run_commands(shared: &Shared, nic: &mut impl Processor) -> bool {
@@ -286,4 +346,38 @@ fn run_doorbells(shared: &Shared, nic: &mut impl Processor) -> bool {
         nic.doorbell(qp);
     }
     worked
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const US: Duration = Duration::from_micros(1);
+
+    #[test]
+    fn a_window_grows_while_work_comes_back_soon_and_closes_when_it_does_not() {
+        let mut w = PollWindow::new(50 * US);
+        assert_eq!(w.get(), Duration::ZERO, "an idle NIC does not poll");
+        // Replies that came 20 µs after the request, each after a sleep: polling would have
+        // saved the wake-up.
+        for want in [10, 20, 40, 50, 50] {
+            w.idle_ended(20 * US, true);
+            assert_eq!(w.get(), want * US);
+        }
+        // Work found while polling: nothing to learn.
+        w.idle_ended(5 * US, false);
+        assert_eq!(w.get(), 50 * US);
+        // Gaps longer than any window: polling is wasted, the window closes.
+        for want in [25_000, 12_500, 0, 0] {
+            w.idle_ended(Duration::from_millis(200), true);
+            assert_eq!(w.get(), Duration::from_nanos(want));
+        }
+    }
+
+    #[test]
+    fn a_zero_maximum_never_polls() {
+        let mut w = PollWindow::new(Duration::ZERO);
+        w.idle_ended(Duration::ZERO, true);
+        assert_eq!(w.get(), Duration::ZERO);
+    }
 }
