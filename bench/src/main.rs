@@ -95,9 +95,13 @@ enum NbdCmd {
         /// Request size.
         #[arg(long, default_value = "256k", value_parser = units::parse_size)]
         bs: u64,
-        /// Requests in flight.
+        /// Requests in flight (per connection).
         #[arg(long, default_value_t = 16)]
         iodepth: u32,
+        /// Connections, as fio's --numjobs: each moves its own slice of --size with --iodepth
+        /// requests in flight; figures are their sum.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
+        jobs: u32,
         /// The qpip-nbd-server to measure. Default: the one next to this executable.
         #[arg(long, value_name = "PATH")]
         server_bin: Option<PathBuf>,
@@ -277,6 +281,7 @@ fn run(cli: Cli) -> Result<()> {
                     size,
                     bs,
                     iodepth,
+                    jobs,
                     server_bin,
                     dir,
                     prewrite,
@@ -294,6 +299,7 @@ fn run(cli: Cli) -> Result<()> {
                 size,
                 bs,
                 iodepth,
+                jobs,
                 repeat,
                 server_bin,
                 dir.as_deref(),

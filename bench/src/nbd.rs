@@ -45,6 +45,8 @@ pub struct Params {
     pub size_bytes: u64,
     pub bs_bytes: u64,
     pub iodepth: u32,
+    /// Connections (fio jobs), each with `iodepth` requests in flight.
+    pub jobs: u32,
     pub repeat: usize,
     pub server_bin: PathBuf,
     pub dir: PathBuf,
@@ -104,6 +106,7 @@ fn fio_pass(r: &Running, dir: Dir, p: &Params) -> Result<Pass> {
         rw: dir.name(),
         bs: p.bs_bytes,
         iodepth: p.iodepth,
+        jobs: p.jobs,
         size: p.size_bytes,
         runtime: None,
         own_group: false,
@@ -267,6 +270,7 @@ pub fn run(
     size: u64,
     bs: u64,
     iodepth: u32,
+    jobs: u32,
     repeat: usize,
     server_bin: PathBuf,
     dir: Option<&Path>,
@@ -278,6 +282,11 @@ pub fn run(
     let repeat = repeat.max(1);
     if !size.is_multiple_of(bs) {
         bail!("--size {size} is not a multiple of --bs {bs}");
+    }
+    if jobs == 0 || !(size / bs).is_multiple_of(u64::from(jobs)) {
+        bail!(
+            "--jobs {jobs}: --size {size} must split into that many slices of whole --bs requests"
+        );
     }
     peers::check_prerequisites(&server_bin)?;
     if let Some(r) = &rbd {
@@ -303,10 +312,13 @@ pub fn run(
         size_bytes: size,
         bs_bytes: bs,
         iodepth,
+        jobs,
         repeat,
         server_bin,
         dir: work.path.clone(),
-        client: format!("{fio_version} --ioengine=nbd, 1 job, 1 connection"),
+        client: format!(
+            "{fio_version} --ioengine=nbd, {jobs} job(s), {jobs} connection(s), one slice of the image each"
+        ),
         cache: "page cache, hot, same for all servers (not dropped; no flush)",
         prewrite,
         tls: if tls {
@@ -408,11 +420,13 @@ pub fn run(
 pub fn table(r: &NbdRawReport) -> String {
     let p = &r.params;
     let mut s = format!(
-        "nbd raw: sequential write then read of {} in {} requests, {} in flight, fio nbd engine;\n\
+        "nbd raw: sequential write then read of {} in {} requests, {} in flight on each of {} \
+         connection(s), fio nbd engine;\n\
          page-cache-hot {} raw files for all servers; median of {} rounds [min-max]{}\n\n",
         human_bytes(p.size_bytes),
         human_bytes(p.bs_bytes),
         p.iodepth,
+        p.jobs,
         if p.prewrite {
             "prewritten (untimed first write)"
         } else {

@@ -214,6 +214,7 @@ fn fio_point(
         rw,
         bs: size,
         iodepth: depth,
+        jobs: 1,
         size: bytes - bytes % size,
         runtime: Some(time),
         own_group: true,

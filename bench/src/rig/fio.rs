@@ -10,7 +10,8 @@ use serde_json::Value;
 
 use super::peers::{Running, die_with_parent};
 
-/// One fio job against a server's URI (1 job, 1 connection).
+/// One fio job against a server's URI: `jobs` connections (fio's --numjobs), each moving its
+/// own slice of `size` bytes, reported together.
 pub struct Job<'a> {
     /// fio's --name.
     pub name: &'a str,
@@ -18,6 +19,9 @@ pub struct Job<'a> {
     pub rw: &'static str,
     pub bs: u64,
     pub iodepth: u32,
+    /// Connections, each with `iodepth` requests in flight.
+    pub jobs: u32,
+    /// Bytes moved in all (each job moves `size / jobs` from its own offset).
     pub size: u64,
     /// --runtime: stop after this long even if `size` is not done.
     pub runtime: Option<Duration>,
@@ -54,12 +58,18 @@ pub fn run(job: &Job, server: &Running, what: &str) -> Result<Report> {
         &format!("--rw={}", job.rw),
         &format!("--bs={}", job.bs),
         &format!("--iodepth={}", job.iodepth),
-        &format!("--size={}", job.size),
+    ]);
+    let jobs = job.jobs.max(1);
+    let slice = job.size / u64::from(jobs);
+    cmd.args([
+        format!("--size={slice}"),
+        format!("--offset_increment={slice}"),
+        format!("--numjobs={jobs}"),
     ]);
     if let Some(t) = job.runtime {
         cmd.arg(format!("--runtime={}ms", t.as_millis().max(1)));
     }
-    cmd.args(["--numjobs=1", "--output-format=json"])
+    cmd.args(["--group_reporting", "--output-format=json"])
         .stdin(Stdio::null());
     if job.own_group {
         cmd.process_group(0);
