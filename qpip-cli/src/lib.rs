@@ -54,6 +54,11 @@ pub struct BackendArgs {
     /// configs/lanai.toml.
     #[arg(long, global = true, value_name = "FILE")]
     pub lanai_params: Option<PathBuf>,
+    /// Queues of the software NIC (engine threads, each owning the connections placed on
+    /// it, the least loaded taking each new one), 1 to 256. Default: one per core
+    /// (QPIP_SOFT_QUEUES overrides it). The LANai NIC has one processor and one queue.
+    #[arg(long, global = true, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub nic_queues: Option<u16>,
 }
 
 /// Why the backend options cannot be used.
@@ -64,6 +69,8 @@ pub enum BackendArgsError {
     Params(#[from] ParamsError),
     #[error("--lanai-node, --lanai-fabric and --lanai-params need --backend lanai")]
     LanaiOptionsWithoutLanai,
+    #[error("--nic-queues {0}: the LANai NIC has one queue (its one processor)")]
+    LanaiQueues(u16),
     #[error("the fabric has no node named {name:?} (its nodes: {})", nodes.join(", "))]
     UnknownNode { name: String, nodes: Vec<String> },
 }
@@ -84,9 +91,16 @@ impl BackendArgs {
                 {
                     return Err(BackendArgsError::LanaiOptionsWithoutLanai);
                 }
-                Ok(Backend::default())
+                let mut cfg = qpip_core::SoftConfig::default();
+                if let Some(n) = self.nic_queues {
+                    cfg.queues = n.into();
+                }
+                Ok(Backend::Soft(cfg))
             }
-            BackendKind::Lanai => Ok(Backend::Lanai(self.lanai_config(default_node)?)),
+            BackendKind::Lanai => match self.nic_queues {
+                Some(n) if n > 1 => Err(BackendArgsError::LanaiQueues(n)),
+                _ => Ok(Backend::Lanai(self.lanai_config(default_node)?)),
+            },
         }
     }
 
@@ -146,6 +160,19 @@ mod tests {
             cli.backend.backend(None),
             Err(BackendArgsError::LanaiOptionsWithoutLanai)
         ));
+    }
+
+    #[test]
+    fn nic_queues_set_the_soft_nic_s_queues_and_are_refused_for_lanai() {
+        let cli = Cli::try_parse_from(["x", "--nic-queues", "3"]).unwrap();
+        let Ok(Backend::Soft(cfg)) = cli.backend.backend(None) else {
+            panic!("soft backend expected");
+        };
+        assert_eq!(cfg.queues, 3);
+        assert!(Cli::try_parse_from(["x", "--nic-queues", "0"]).is_err());
+        let cli = Cli::try_parse_from(["x", "--backend", "lanai", "--nic-queues", "2"]).unwrap();
+        let e = cli.backend.backend(None).map(|_| ()).unwrap_err();
+        assert!(e.to_string().contains("--nic-queues 2"), "{e}");
     }
 
     #[test]

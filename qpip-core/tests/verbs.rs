@@ -12,7 +12,7 @@ use common::*;
 use lanai_common::{TestFabric, test_fabric};
 use qpip_core::{
     Access, Backend, Completion, CompletionQueue, CqError, Framer, LengthPrefixed, Nic, Opcode,
-    QpAttr, QpState, QueuePair, RecvWr, SendWr, Sge, WcStatus,
+    QpAttr, QpState, QueuePair, RecvWr, SendWr, Sge, SoftConfig, WcStatus,
 };
 
 const T: Duration = Duration::from_secs(30);
@@ -38,7 +38,19 @@ struct Net {
 }
 
 fn soft() -> Net {
-    let nic = Nic::soft().unwrap();
+    soft_with(Nic::soft().unwrap())
+}
+
+/// The soft NIC with `queues` queues (engine threads).
+fn soft_queues(queues: usize) -> Net {
+    let cfg = SoftConfig {
+        queues,
+        ..SoftConfig::default()
+    };
+    soft_with(Nic::open(Backend::Soft(cfg)).unwrap())
+}
+
+fn soft_with(nic: Nic) -> Net {
     let port = std::net::TcpListener::bind(V4)
         .and_then(|l| l.local_addr())
         .unwrap()
@@ -101,6 +113,12 @@ macro_rules! contract {
     ($($test:ident),* $(,)?) => {
         mod soft {
             $( #[test] fn $test() { super::$test(super::soft()) } )*
+        }
+        mod soft_one_queue {
+            $( #[test] fn $test() { super::$test(super::soft_queues(1)) } )*
+        }
+        mod soft_three_queues {
+            $( #[test] fn $test() { super::$test(super::soft_queues(3)) } )*
         }
         mod lanai {
             $( #[test] fn $test() { super::$test(super::lanai()) } )*
@@ -638,4 +656,57 @@ fn soft_io_path_is_reported() {
         _ => nic.io_path(),
     };
     assert_eq!(nic.io_path(), want);
+}
+
+/// One listener, four connections: the QPs that accept them are spread over the NIC's queues
+/// (the least loaded takes each), and every one of them carries messages both ways.
+#[test]
+fn connections_accepted_by_one_listener_land_on_different_queues() {
+    let mut net = soft_queues(2);
+    // The client on a NIC of its own, so that only the server's QPs count on its queues.
+    net.client = Nic::soft().unwrap();
+    let cq = net.server.create_cq(1024);
+    let listener = net.server.listen(net.locals[0].0).unwrap();
+    let mut queues = Vec::new();
+    let mut live = Vec::new();
+    for _ in 0..4 {
+        let attr = |cq| {
+            QpAttr::new(cq)
+                .framer(LengthPrefixed::default())
+                .depths(16, 16)
+        };
+        let server = net.server.create_qp(attr(&cq));
+        let client = net.client.create_qp(attr(&cq));
+        client.connect_timeout(listener.local_addr(), T).unwrap();
+        listener.accept_timeout(&server, T).unwrap();
+        queues.push(server.queue());
+        // A message each way on the pair.
+        let smr = net.server.alloc_region(64, Access::READ_WRITE);
+        let cmr = net.client.alloc_region(64, Access::READ_WRITE);
+        server.post_recv(RecvWr::new(1, &[smr.sge(0, 32)])).unwrap();
+        client.post_recv(RecvWr::new(2, &[cmr.sge(0, 32)])).unwrap();
+        client.post_send(SendWr::new(3, &[cmr.sge(32, 8)])).unwrap();
+        server.post_send(SendWr::new(4, &[smr.sge(32, 8)])).unwrap();
+        let mut seen = Vec::new();
+        let deadline = Instant::now() + T;
+        while seen.len() < 4 && Instant::now() < deadline {
+            let mut buf = [Completion::default(); 8];
+            let n = cq.wait(&mut buf, Some(T)).unwrap();
+            for c in &buf[..n] {
+                assert_eq!(c.status, WcStatus::Success, "{c:?}");
+                seen.push(c.wr_id);
+            }
+        }
+        seen.sort();
+        assert_eq!(
+            seen,
+            [1, 2, 3, 4],
+            "messages on the connection of queue {}",
+            server.queue()
+        );
+        live.push((server, client));
+    }
+    queues.sort();
+    queues.dedup();
+    assert_eq!(queues, [0, 1], "accepted QPs spread over both queues");
 }

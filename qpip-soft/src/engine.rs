@@ -15,6 +15,7 @@ use mio::net::TcpListener;
 use mio::{Events, Interest, Poll, Token};
 
 use super::link::EngineQp;
+use super::queues::{Accepted, Queues};
 use super::stream::{Acceptor, Stream};
 use super::uring::{Event, Ring};
 use super::{IoMode, WAKER_TOKEN};
@@ -54,11 +55,22 @@ pub(super) struct Engine {
     fences: Vec<ReplySender<()>>,
     listeners: HashMap<ListenerId, EngineListener>,
     ring: Option<Ring>,
+    /// This engine's queue, and the NIC's queues (where connections for QPs of other queues
+    /// are handed).
+    queue: usize,
+    queues: Arc<Queues>,
 }
 
 impl Engine {
-    /// The engine over `poll`, with the io_uring `ring` carrying TCP data if there is one.
-    pub(super) fn new(poll: Poll, memory: Arc<MemoryTable>, ring: Option<Ring>) -> Self {
+    /// The engine of queue `queue` over `poll`, with the io_uring `ring` carrying TCP data if
+    /// there is one.
+    pub(super) fn new(
+        poll: Poll,
+        memory: Arc<MemoryTable>,
+        ring: Option<Ring>,
+        queue: usize,
+        queues: Arc<Queues>,
+    ) -> Self {
         Engine {
             poll,
             memory,
@@ -69,6 +81,8 @@ impl Engine {
             fences: Vec::new(),
             listeners: HashMap::new(),
             ring,
+            queue,
+            queues,
         }
     }
 
@@ -221,10 +235,27 @@ impl Engine {
                     }
                     Err(e) => reply.send(Err(e)),
                 },
-                _ => {
+                Some(_) => {
                     l.pending.push_front((stream, peer));
                     reply.send(Err(not_idle(qp_num, "reliable")));
                 }
+                // The QP lives on another queue: the connection goes there, behind the QP's
+                // creation.
+                None => match self.queues.queue_of(qp_num) {
+                    Some(q) if q != self.queue => {
+                        let work = Accepted {
+                            qp: qp_num,
+                            stream,
+                            peer,
+                            reply,
+                        };
+                        self.queues.send(q, Command::Private(Box::new(work)));
+                    }
+                    _ => {
+                        l.pending.push_front((stream, peer));
+                        reply.send(Err(no_qp(qp_num)));
+                    }
+                },
             }
         }
     }
@@ -392,6 +423,33 @@ impl Management for Engine {
             reply.send(());
         } else {
             self.fences.push(reply);
+        }
+    }
+
+    /// A connection another queue's listener accepted for one of this queue's QPs.
+    fn private(&mut self, work: Box<dyn std::any::Any + Send>) {
+        let Ok(work) = work.downcast::<Accepted>() else {
+            tracing::error!("soft NIC queue {}: unknown hand-over", self.queue);
+            return;
+        };
+        let Accepted {
+            qp,
+            stream,
+            peer,
+            reply,
+        } = *work;
+        let registry = self.poll.registry();
+        match self.qps.get_mut(&qp) {
+            Some(q) if q.is_idle() => match q.attach(registry, stream, peer) {
+                Ok(()) => {
+                    reply.send(Ok(peer));
+                    q.service(registry, &self.memory);
+                }
+                Err(e) => reply.send(Err(e)),
+            },
+            // Destroyed (or connected) meanwhile: the connection is closed.
+            Some(_) => reply.send(Err(not_idle(qp, "reliable"))),
+            None => reply.send(Err(no_qp(qp))),
         }
     }
 }

@@ -9,6 +9,7 @@
 
 mod engine;
 mod link;
+mod queues;
 mod splice;
 mod stream;
 mod tls;
@@ -31,6 +32,8 @@ use qpip_verbs::machines::shell::{NicThread, ShellConfig};
 use qpip_verbs::mr::MemoryTable;
 use qpip_verbs::shared::QpShared;
 
+use queues::Queues;
+
 /// How the engine moves bytes through the kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IoMode {
@@ -47,11 +50,14 @@ pub struct SoftConfig {
     /// window it learns from arrivals stays within it).
     pub spin: Duration,
     pub io: IoMode,
+    /// Queues (engine threads), each owning the QPs placed on it. At least 1.
+    pub queues: usize,
 }
 
 impl Default for SoftConfig {
-    /// A poll window of at most 50 µs and io_uring where available; `QPIP_SOFT_SPIN_US` and
-    /// `QPIP_SOFT_IO=epoll` in the environment override them.
+    /// A poll window of at most 50 µs, io_uring where available and one queue per core;
+    /// `QPIP_SOFT_SPIN_US`, `QPIP_SOFT_IO=epoll` and `QPIP_SOFT_QUEUES` in the environment
+    /// override them.
     fn default() -> Self {
         let us = std::env::var("QPIP_SOFT_SPIN_US")
             .ok()
@@ -61,15 +67,25 @@ impl Default for SoftConfig {
             Ok("epoll") => IoMode::Epoll,
             _ => IoMode::Auto,
         };
+        let queues = std::env::var("QPIP_SOFT_QUEUES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(default_queues);
         SoftConfig {
             spin: Duration::from_micros(us),
             io,
+            queues,
         }
     }
 }
 
+/// One queue per core, as a multi-queue NIC has one per CPU.
+pub fn default_queues() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 pub struct SoftBackend {
-    thread: NicThread,
+    queues: Arc<Queues>,
     /// "io_uring" or "epoll": decided before the engine starts.
     io_path: &'static str,
 }
@@ -78,29 +94,49 @@ const WAKER_TOKEN: mio::Token = mio::Token(usize::MAX);
 
 impl SoftBackend {
     pub fn start(cfg: SoftConfig, memory: Arc<MemoryTable>) -> Result<Self> {
-        let poll = mio::Poll::new().map_err(|e| Error::Engine(format!("epoll: {e}")))?;
-        let waker = mio::Waker::new(poll.registry(), WAKER_TOKEN)
-            .map_err(|e| Error::Engine(format!("eventfd: {e}")))?;
-        let shell = ShellConfig {
-            name: "qpip-soft-nic",
-            spin: cfg.spin,
-            doorbell_fifo: None,
-        };
+        let queues = Queues::new(cfg.queues);
         let uring = Arc::new(AtomicBool::new(false));
-        let engine_uring = uring.clone();
-        // The ring is opened on the engine thread: the kernel ties a ring to the task that
-        // creates it, and tearing it down interrupts that task's blocking system calls.
-        let thread = NicThread::spawn(shell, waker, move || {
-            let ring = engine::open_ring(&poll, cfg.io);
-            engine_uring.store(ring.is_some(), Ordering::Release);
-            engine::Engine::new(poll, memory, ring)
-        })?;
+        let mut threads = Vec::with_capacity(queues.len());
+        for q in 0..queues.len() {
+            let poll = mio::Poll::new().map_err(|e| Error::Engine(format!("epoll: {e}")))?;
+            let waker = mio::Waker::new(poll.registry(), WAKER_TOKEN)
+                .map_err(|e| Error::Engine(format!("eventfd: {e}")))?;
+            let shell = ShellConfig {
+                name: "qpip-soft-nic",
+                spin: cfg.spin,
+                doorbell_fifo: None,
+            };
+            let engine_uring = uring.clone();
+            let (memory, engine_queues, io) = (memory.clone(), queues.clone(), cfg.io);
+            // The ring is opened on the engine thread: the kernel ties a ring to the task
+            // that creates it, and tearing it down interrupts that task's blocking calls.
+            let thread = NicThread::spawn(shell, waker, move || {
+                let ring = engine::open_ring(&poll, io);
+                if q == 0 {
+                    engine_uring.store(ring.is_some(), Ordering::Release);
+                }
+                engine::Engine::new(poll, memory, ring, q, engine_queues)
+            });
+            match thread {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    threads.iter().for_each(NicThread::shutdown);
+                    return Err(e);
+                }
+            }
+        }
+        queues.set_threads(threads);
         let io_path = if uring.load(Ordering::Acquire) {
             "io_uring"
         } else {
             "epoll"
         };
-        Ok(SoftBackend { thread, io_path })
+        Ok(SoftBackend { queues, io_path })
+    }
+
+    /// How many queues (engine threads) the NIC runs.
+    pub fn queues(&self) -> usize {
+        self.queues.len()
     }
 }
 
@@ -110,11 +146,11 @@ impl NicBackend for SoftBackend {
     }
 
     fn manage(&self, cmd: Command) {
-        self.thread.manage(cmd);
+        self.queues.route(cmd);
     }
 
     fn ring_doorbell(&self, qp: &Arc<QpShared>) {
-        self.thread.ring_doorbell(qp);
+        self.queues.ring_doorbell(qp);
     }
 
     fn io_path(&self) -> &'static str {
@@ -122,10 +158,10 @@ impl NicBackend for SoftBackend {
     }
 
     fn engine_threads(&self) -> Vec<i32> {
-        self.thread.engine_threads()
+        self.queues.engine_threads()
     }
 
     fn shutdown(&self) {
-        self.thread.shutdown();
+        self.queues.shutdown();
     }
 }

@@ -115,6 +115,10 @@ pub enum Command {
     Fence {
         reply: ReplySender<()>,
     },
+    /// Work one queue of a multi-queue NIC hands another (a connection accepted for a QP
+    /// that lives there), queued behind the commands sent to that queue before it. Only
+    /// the backend that made it knows what it holds.
+    Private(Box<dyn std::any::Any + Send>),
 }
 
 /// A NIC implementation under the verbs.

@@ -94,6 +94,10 @@ impl QueuePair {
     pub fn num(&self) -> QpNum {
         self.shared.num
     }
+    /// The queue of a multi-queue NIC that owns the QP (0 on a NIC with one queue).
+    pub fn queue(&self) -> u32 {
+        self.shared.queue.load(std::sync::atomic::Ordering::Acquire)
+    }
     pub fn kind(&self) -> QpKind {
         self.shared.kind
     }

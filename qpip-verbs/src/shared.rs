@@ -141,6 +141,9 @@ pub struct QpShared {
     /// Set by the host when it rings the doorbell, cleared by the NIC when it looks: one
     /// doorbell entry per QP however many WRs were posted meanwhile.
     pub doorbell: AtomicBool,
+    /// Which queue of a multi-queue NIC owns the QP (its doorbells go there); set by the
+    /// backend when the QP is created, for its life.
+    pub queue: AtomicU32,
     /// (local, peer), as the NIC last set them.
     addrs: parking_lot::Mutex<(Option<SocketAddr>, Option<SocketAddr>)>,
 }
@@ -167,6 +170,7 @@ impl QpShared {
             recv_cq,
             state: AtomicU8::new(QpState::Init as u8),
             doorbell: AtomicBool::new(false),
+            queue: AtomicU32::new(0),
             addrs: parking_lot::Mutex::new((None, None)),
         }
     }
