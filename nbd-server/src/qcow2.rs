@@ -8,7 +8,8 @@
 //!
 //! Writes allocate clusters at the end of the file and keep the refcounts exact, in the order
 //! qemu uses (refcount, then data, then the L2 entry pointing at it), so that a crash leaks at
-//! most a cluster and `qemu-img check` stays clean. Zeroing and trimming whole clusters set
+//! most a cluster and `qemu-img check` stays clean; a full refcount table is replaced by a larger
+//! one at the end of the file, as qemu does. Zeroing and trimming whole clusters set
 //! the v3 "reads as zero" flag and keep the cluster allocated.
 
 use std::fs::File;
@@ -63,7 +64,6 @@ pub struct Qcow2 {
     cluster_bits: u32,
     size: u64,
     l1_offset: u64,
-    refcount_table_offset: u64,
     /// Refcount entry width in bytes.
     refcount_bytes: usize,
     state: Mutex<State>,
@@ -72,6 +72,8 @@ pub struct Qcow2 {
 struct State {
     l1: Vec<u64>,
     refcount_table: Vec<u64>,
+    /// Where the refcount table is: it moves when it grows.
+    refcount_table_offset: u64,
     /// Where the next cluster is allocated: the end of the file, cluster aligned.
     next_free: u64,
 }
@@ -183,11 +185,11 @@ impl Qcow2 {
             cluster_bits,
             size,
             l1_offset,
-            refcount_table_offset,
             refcount_bytes: 1 << (refcount_order - 3),
             state: Mutex::new(State {
                 l1,
                 refcount_table,
+                refcount_table_offset,
                 next_free,
             }),
         };
@@ -363,16 +365,32 @@ impl Qcow2 {
         Ok(at)
     }
 
+    /// Clusters one refcount block counts.
+    fn refcounts_per_block(&self) -> u64 {
+        self.cluster_size() / self.refcount_bytes as u64
+    }
+
+    /// The refcount table index of the block that counts host cluster `host`.
+    fn block_index(&self, host: u64) -> usize {
+        ((host >> self.cluster_bits) / self.refcounts_per_block()) as usize
+    }
+
+    /// Writes the refcount of host cluster `host` into refcount block `block`.
+    fn write_refcount(&self, block: u64, host: u64, value: u64) -> io::Result<()> {
+        let ci = host >> self.cluster_bits;
+        let w = self.refcount_bytes;
+        let bytes = value.to_be_bytes();
+        self.file.write_all_at(
+            &bytes[8 - w..],
+            block + (ci % self.refcounts_per_block()) * w as u64,
+        )
+    }
+
     fn set_refcount(&self, st: &mut State, host: u64, value: u64) -> io::Result<()> {
         let cs = self.cluster_size();
-        let per_block = cs / self.refcount_bytes as u64;
-        let ci = host >> self.cluster_bits;
-        let bi = (ci / per_block) as usize;
+        let bi = self.block_index(host);
         if bi >= st.refcount_table.len() {
-            return Err(io::Error::new(
-                io::ErrorKind::StorageFull,
-                "the qcow2 refcount table is full (growing it is not supported)",
-            ));
+            self.grow_refcount_table(st, bi)?;
         }
         let mut block = st.refcount_table[bi] & OFFSET_MASK;
         if block == 0 {
@@ -383,15 +401,87 @@ impl Qcow2 {
             self.file.write_all_at(&vec![0u8; cs as usize], block)?;
             self.file.write_all_at(
                 &block.to_be_bytes(),
-                self.refcount_table_offset + bi as u64 * 8,
+                st.refcount_table_offset + bi as u64 * 8,
             )?;
             st.refcount_table[bi] = block;
             self.set_refcount(st, block, 1)?;
         }
-        let w = self.refcount_bytes;
-        let bytes = value.to_be_bytes();
-        self.file
-            .write_all_at(&bytes[8 - w..], block + (ci % per_block) * w as u64)
+        self.write_refcount(block, host, value)
+    }
+
+    /// Grows the refcount table so that it has an entry for refcount block `bi`, as qemu
+    /// does (qcow2-refcount.c, qcow2_refcount_area): a new, larger table, followed by the
+    /// refcount blocks that count it, is written at the end of the file and flushed; then
+    /// one header write points at it (and is flushed); the old table's clusters are freed
+    /// last. A crash at any point leaves either table in force, and leaks clusters at worst.
+    fn grow_refcount_table(&self, st: &mut State, bi: usize) -> io::Result<()> {
+        let cs = self.cluster_size();
+        let per_cluster = (cs / 8) as usize;
+        let start = st.next_free;
+        let old_len = st.refcount_table.len();
+        let has_block = |table: &[u64], b: usize| b < table.len() && table[b] & OFFSET_MASK != 0;
+        // The layout: the table's clusters at `start`, then the blocks its area lacks.
+        let mut entries = (old_len + old_len / 2).max(bi + 1);
+        let (table_clusters, end) = loop {
+            entries = entries.div_ceil(per_cluster) * per_cluster;
+            let table_clusters = (entries / per_cluster) as u64;
+            let mut new_blocks = 0u64;
+            let end = loop {
+                let end = start + (table_clusters + new_blocks) * cs;
+                let missing = (self.block_index(start)..=self.block_index(end - 1))
+                    .filter(|&b| !has_block(&st.refcount_table, b))
+                    .count() as u64;
+                if missing <= new_blocks {
+                    break end;
+                }
+                new_blocks = missing;
+            };
+            let last = self.block_index(end - 1);
+            if last < entries {
+                break (table_clusters, end);
+            }
+            entries = last + 1 + entries / 2;
+        };
+        if entries > MAX_REFTABLE_ENTRIES {
+            return Err(io::Error::new(
+                io::ErrorKind::StorageFull,
+                "the qcow2 refcount table would outgrow qemu's limit (8 MiB)",
+            ));
+        }
+        let mut table = st.refcount_table.clone();
+        table.resize(entries, 0);
+        let mut next_block = start + table_clusters * cs;
+        for b in self.block_index(start)..=self.block_index(end - 1) {
+            if !has_block(&table, b) {
+                self.file
+                    .write_all_at(&vec![0u8; cs as usize], next_block)?;
+                table[b] = next_block;
+                next_block += cs;
+            }
+        }
+        debug_assert_eq!(next_block, end);
+        // The new area counts itself, in its new blocks or in old ones that cover it.
+        for host in (start..end).step_by(cs as usize) {
+            self.write_refcount(table[self.block_index(host)] & OFFSET_MASK, host, 1)?;
+        }
+        let bytes: Vec<u8> = table.iter().flat_map(|e| e.to_be_bytes()).collect();
+        self.file.write_all_at(&bytes, start)?;
+        self.file.sync_data()?;
+        // refcount_table_offset and refcount_table_clusters, in one write.
+        let mut fields = [0u8; 12];
+        fields[..8].copy_from_slice(&start.to_be_bytes());
+        fields[8..].copy_from_slice(&(table_clusters as u32).to_be_bytes());
+        self.file.write_all_at(&fields, 48)?;
+        self.file.sync_data()?;
+        let old_at = st.refcount_table_offset;
+        let old_clusters = (old_len * 8) as u64 / cs;
+        st.refcount_table = table;
+        st.refcount_table_offset = start;
+        st.next_free = end;
+        for i in 0..old_clusters {
+            self.set_refcount(st, old_at + i * cs, 0)?;
+        }
+        Ok(())
     }
 
     /// Bytes of the virtual disk one L2 table maps.
@@ -511,6 +601,9 @@ impl Qcow2 {
         Ok(out)
     }
 }
+
+/// qemu's bound on a refcount table (QCOW_MAX_REFTABLE_SIZE, 8 MiB), in entries.
+const MAX_REFTABLE_ENTRIES: usize = (8 << 20) / 8;
 
 /// L2 tables one block-status answer reads at most (each maps `cluster² / 8` bytes).
 const EXTENT_TABLES: usize = 64;

@@ -374,3 +374,52 @@ fn an_export_in_an_unserved_format_is_left_out_and_the_others_served() {
         assert!(errors[0].contains(w), "{w:?} not in {log}");
     }
 }
+
+/// With 512-byte clusters and 16-bit refcounts, one refcount table cluster covers 8 MiB of
+/// file: writing more than that grows the refcount table (at the end of the file, as qemu
+/// does), and the image stays consistent for qemu.
+#[test]
+fn qcow2_refcount_table_grows() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("small.qcow2");
+    let img = img.to_str().unwrap().to_string();
+    peer_ok(Command::new("qemu-img").args([
+        "create",
+        "-f",
+        "qcow2",
+        "-o",
+        "cluster_size=512",
+        &img,
+        "128M",
+    ]));
+    let mut srv = start_server_v4(&["--export".into(), format!("d={img}")]);
+    let uri = srv.uri("d");
+    let writes: Vec<String> = (0..10)
+        .map(|i| format!("write -P 0xab {}M 8M", i * 8))
+        .collect();
+    let cmds: Vec<&str> = writes.iter().map(String::as_str).collect();
+    qemu_io(&uri, &cmds);
+    qemu_io(&uri, &["read -P 0xab 0 80M", "read -P 0 80M 48M"]);
+    srv.signal(libc::SIGTERM);
+    assert!(
+        srv.wait_timeout(Duration::from_secs(20))
+            .is_some_and(|s| s.success()),
+        "{}",
+        srv.log()
+    );
+    let check = peer_ok(Command::new("qemu-img").args(["check", &img]));
+    assert!(check.contains("No errors were found"), "{check}");
+    let out = peer_ok(Command::new("qemu-io").args([
+        "-f",
+        "qcow2",
+        &img,
+        "-c",
+        "read -P 0xab 0 80M",
+        "-c",
+        "read -P 0 80M 48M",
+    ]));
+    assert!(!out.contains("fail"), "{out}");
+}
