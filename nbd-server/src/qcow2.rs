@@ -11,7 +11,14 @@
 //! most a cluster and `qemu-img check` stays clean; a full refcount table is replaced by a larger
 //! one at the end of the file, as qemu does. Zeroing and trimming whole clusters set
 //! the v3 "reads as zero" flag and keep the cluster allocated.
+//!
+//! Crafted headers are bounded as qemu bounds them (L1 table 32 MiB, refcount table 8 MiB;
+//! of the L1 table only what the virtual disk needs is read), and the tables must lie in the
+//! file, off the header and off each other. A write through an L2 entry (or to an L2 table)
+//! that lies on the image's own metadata fails with EIO and marks the image corrupt, as
+//! qemu's overlap check does.
 
+use std::collections::HashSet;
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -74,8 +81,15 @@ struct State {
     refcount_table: Vec<u64>,
     /// Where the refcount table is: it moves when it grows.
     refcount_table_offset: u64,
+    /// The host offsets of the refcount blocks and of the L2 tables: metadata that data must
+    /// not be written over.
+    refcount_blocks: HashSet<u64>,
+    l2_tables: HashSet<u64>,
     /// Where the next cluster is allocated: the end of the file, cluster aligned.
     next_free: u64,
+    /// Set when a write would have gone over metadata: the image is marked corrupt and
+    /// takes no more writes.
+    corrupt: bool,
 }
 
 impl Qcow2 {
@@ -167,18 +181,89 @@ impl Qcow2 {
         let cluster = 1u64 << cluster_bits;
         let l2_entries = cluster / 8;
         let needed_l1 = size.div_ceil(cluster).div_ceil(l2_entries);
-        if (l1_size as u64) < needed_l1 || l1_size > 1 << 25 {
+        if l1_size > MAX_L1_ENTRIES {
+            return Err(unsupported(format!(
+                "has an L1 table of {l1_size} entries: more than qemu's limit of {MAX_L1_ENTRIES} (32 MiB)"
+            )));
+        }
+        if (l1_size as u64) < needed_l1 {
             return Err(unsupported(format!(
                 "has an L1 table of {l1_size} entries for {size} bytes"
             )));
         }
-        let l1 = read_table(&file, l1_offset, l1_size)?;
         let rt_entries = refcount_table_clusters << cluster_bits >> 3;
-        if rt_entries > 1 << 25 {
-            return Err(unsupported("has an oversized refcount table"));
+        if refcount_table_clusters == 0 || rt_entries > MAX_REFTABLE_ENTRIES {
+            return Err(unsupported(format!(
+                "has a refcount table of {refcount_table_clusters} clusters: qemu's limit is 8 MiB"
+            )));
         }
+        // Entries past what the virtual disk needs are never used: they are not read.
+        let l1_used = needed_l1 as usize;
+        // The tables lie in the file, cluster aligned, off the header and off each other
+        // (qemu's validate_table_offset, and more).
+        let file_len = file.metadata()?.len();
+        let l1_range = (l1_offset, l1_used as u64 * 8);
+        let rt_range = (refcount_table_offset, rt_entries as u64 * 8);
+        let header = (0, cluster);
+        for (name, (at, len), others) in [
+            (
+                "L1 table",
+                l1_range,
+                [("header", header), ("refcount table", rt_range)],
+            ),
+            (
+                "refcount table",
+                rt_range,
+                [("header", header), ("L1 table", l1_range)],
+            ),
+        ] {
+            if len == 0 {
+                continue;
+            }
+            if !at.is_multiple_of(cluster) {
+                return Err(unsupported(format!(
+                    "has its {name} at offset {at:#x}, not cluster aligned"
+                )));
+            }
+            if at.checked_add(len).is_none_or(|end| end > file_len) {
+                return Err(unsupported(format!(
+                    "has its {name} at offset {at:#x}, past the end of the file"
+                )));
+            }
+            for (other, (o_at, o_len)) in others {
+                if o_len != 0 && at < o_at + o_len && o_at < at + len {
+                    return Err(unsupported(format!(
+                        "has its {name} at offset {at:#x}, which overlaps the {other}"
+                    )));
+                }
+            }
+        }
+        let l1 = read_table(&file, l1_offset, l1_used)?;
         let refcount_table = read_table(&file, refcount_table_offset, rt_entries)?;
-        let next_free = file.metadata()?.len().div_ceil(cluster) * cluster;
+        let mut refcount_blocks = HashSet::new();
+        for e in &refcount_table {
+            let block = e & OFFSET_MASK;
+            if block == 0 {
+                continue;
+            }
+            let on_table = |(at, len): (u64, u64)| block < at + len && at < block + cluster;
+            if !block.is_multiple_of(cluster)
+                || on_table(header)
+                || on_table(l1_range)
+                || on_table(rt_range)
+            {
+                return Err(unsupported(format!(
+                    "has a refcount block at offset {block:#x}, on its header or tables: repair it with qemu-img check -r all"
+                )));
+            }
+            refcount_blocks.insert(block);
+        }
+        let l2_tables = l1
+            .iter()
+            .map(|e| e & OFFSET_MASK)
+            .filter(|&t| t != 0)
+            .collect();
+        let next_free = file_len.div_ceil(cluster) * cluster;
         let q = Qcow2 {
             file,
             version,
@@ -190,7 +275,10 @@ impl Qcow2 {
                 l1,
                 refcount_table,
                 refcount_table_offset,
+                refcount_blocks,
+                l2_tables,
                 next_free,
+                corrupt: false,
             }),
         };
         // Autoclear features (bitmaps, a raw external data file) describe data that a writer
@@ -294,6 +382,7 @@ impl Qcow2 {
     pub fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
         check_range(offset, data.len() as u64, self.size)?;
         let mut st = self.state.lock();
+        refuse_if_corrupt(&st)?;
         let mut done = 0usize;
         for (guest, in_cluster, n) in self.pieces(offset, data.len() as u64) {
             self.write_piece(&mut st, guest, in_cluster, &data[done..done + n as usize])?;
@@ -312,10 +401,12 @@ impl Qcow2 {
     ) -> io::Result<()> {
         let cs = self.cluster_size();
         let (l2, _, l2_idx) = self.ensure_l2(st, guest)?;
+        self.guard(st, l2, HostUse::L2Table)?;
         let entry_at = l2 + l2_idx * 8;
         let entry = read_u64(&self.file, entry_at)?;
         let host = match self.decode(entry) {
             Cluster::Data { host, copied: true } => {
+                self.guard(st, host, HostUse::Data)?;
                 return self.file.write_all_at(data, host + in_cluster);
             }
             Cluster::Data { copied: false, .. } => {
@@ -331,6 +422,7 @@ impl Qcow2 {
             Cluster::Zero { host: 0 } => self.alloc(st)?,
             Cluster::Zero { host } => host,
         };
+        self.guard(st, host, HostUse::Data)?;
         // A cluster that read as zeroes: write it whole, then point the L2 entry at it.
         let mut whole = vec![0u8; cs as usize];
         whole[in_cluster as usize..in_cluster as usize + data.len()].copy_from_slice(data);
@@ -353,7 +445,48 @@ impl Qcow2 {
         self.file
             .write_all_at(&entry.to_be_bytes(), self.l1_offset + l1_idx as u64 * 8)?;
         st.l1[l1_idx] = entry;
+        st.l2_tables.insert(table);
         Ok((table, l1_idx, l2_idx))
+    }
+
+    /// Checks that host cluster `host`, about to be written as `what`, lies off the image's
+    /// metadata (qemu's qcow2_check_metadata_overlap: header, L1 table, refcount table,
+    /// refcount blocks, and L2 tables for data). If it does not, the image is marked corrupt,
+    /// as qemu marks it, and the write fails with EIO.
+    fn guard(&self, st: &mut State, host: u64, what: HostUse) -> io::Result<()> {
+        let cs = self.cluster_size();
+        let on = |at: u64, len: u64| host < at.saturating_add(len) && at < host + cs;
+        let lies_on = if !host.is_multiple_of(cs) {
+            Some("an unaligned offset")
+        } else if on(0, cs) {
+            Some("the header")
+        } else if on(self.l1_offset, st.l1.len() as u64 * 8) {
+            Some("the L1 table")
+        } else if on(st.refcount_table_offset, st.refcount_table.len() as u64 * 8) {
+            Some("the refcount table")
+        } else if st.refcount_blocks.contains(&host) {
+            Some("a refcount block")
+        } else if what == HostUse::Data && st.l2_tables.contains(&host) {
+            Some("an L2 table")
+        } else {
+            None
+        };
+        let Some(lies_on) = lies_on else {
+            return Ok(());
+        };
+        let what = match what {
+            HostUse::Data => "data cluster",
+            HostUse::L2Table => "L2 table",
+        };
+        let why = format!("a {what} at host offset {host:#x} lies on {lies_on}");
+        tracing::error!("qcow2 image corrupt, marked so and refusing writes: {why}");
+        if !st.corrupt {
+            st.corrupt = true;
+            let incompat = read_u64(&self.file, 72)? | INCOMPAT_CORRUPT;
+            self.file.write_all_at(&incompat.to_be_bytes(), 72)?;
+            self.file.sync_data()?;
+        }
+        Err(io::Error::other(format!("qcow2 image is corrupt: {why}")))
     }
 
     /// Allocates one cluster at the end of the file, with refcount 1. The caller writes it
@@ -404,6 +537,7 @@ impl Qcow2 {
                 st.refcount_table_offset + bi as u64 * 8,
             )?;
             st.refcount_table[bi] = block;
+            st.refcount_blocks.insert(block);
             self.set_refcount(st, block, 1)?;
         }
         self.write_refcount(block, host, value)
@@ -456,6 +590,7 @@ impl Qcow2 {
                 self.file
                     .write_all_at(&vec![0u8; cs as usize], next_block)?;
                 table[b] = next_block;
+                st.refcount_blocks.insert(next_block);
                 next_block += cs;
             }
         }
@@ -498,6 +633,7 @@ impl Qcow2 {
         let cs = self.cluster_size();
         let end = offset + len;
         let mut st = self.state.lock();
+        refuse_if_corrupt(&st)?;
         let mut pos = offset;
         while pos < end {
             let span_end = (pos / self.l2_span() + 1)
@@ -532,6 +668,7 @@ impl Qcow2 {
                 changed = Some(changed.map_or((idx, idx), |(lo, _)| (lo, idx)));
             }
             if let Some((lo, hi)) = changed {
+                self.guard(&mut st, l2, HostUse::L2Table)?;
                 let bytes: Vec<u8> = table[lo..=hi]
                     .iter()
                     .flat_map(|e| e.to_be_bytes())
@@ -601,6 +738,24 @@ impl Qcow2 {
         Ok(out)
     }
 }
+
+/// What a host cluster is about to be written as.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum HostUse {
+    Data,
+    L2Table,
+}
+
+/// Writes to an image marked corrupt fail with EIO (qemu stops all I/O to it).
+fn refuse_if_corrupt(st: &State) -> io::Result<()> {
+    if st.corrupt {
+        return Err(io::Error::other("qcow2 image is marked corrupt"));
+    }
+    Ok(())
+}
+
+/// qemu's bound on an L1 table (QCOW_MAX_L1_SIZE, 32 MiB), in entries.
+const MAX_L1_ENTRIES: usize = (32 << 20) / 8;
 
 /// qemu's bound on a refcount table (QCOW_MAX_REFTABLE_SIZE, 8 MiB), in entries.
 const MAX_REFTABLE_ENTRIES: usize = (8 << 20) / 8;
