@@ -624,6 +624,17 @@ impl Qcow2 {
         self.cluster_size() * self.l2_entries()
     }
 
+    /// Where the next L2 table after `pos` (which has none) begins, or `end`: a run of
+    /// empty L1 entries is skipped in one scan.
+    fn next_table(&self, st: &State, pos: u64, end: u64) -> u64 {
+        let span = self.l2_span();
+        let (first, last) = ((pos / span) as usize, ((end - 1) / span) as usize);
+        st.l1[first..=last]
+            .iter()
+            .position(|e| e & OFFSET_MASK != 0)
+            .map_or(end, |k| (first + k) as u64 * span)
+    }
+
     /// WRITE_ZEROES and TRIM: whole clusters get the zero flag (keeping their allocation);
     /// the partial ones at the ends are written with zeroes unless they read as zero already.
     /// A range without an L2 table reads as zeroes already and is skipped whole; each table
@@ -641,7 +652,7 @@ impl Qcow2 {
                 .min(end);
             let (l2, _, first_idx) = self.l2_slot(&st, pos);
             if l2 == 0 {
-                pos = span_end;
+                pos = self.next_table(&st, pos, end);
                 continue;
             }
             let mut table = read_table(&self.file, l2, self.l2_entries() as usize)?;
@@ -715,10 +726,11 @@ impl Qcow2 {
                 .min(end);
             let (l2, _, first_idx) = self.l2_slot(&st, pos);
             if l2 == 0 {
-                if !push(&mut out, span_end - pos, true) {
+                let next = self.next_table(&st, pos, end);
+                if !push(&mut out, next - pos, true) {
                     break;
                 }
-                pos = span_end;
+                pos = next;
                 continue;
             }
             if tables_read == EXTENT_TABLES {
