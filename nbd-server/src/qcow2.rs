@@ -7,8 +7,9 @@
 //! writing them would need copy-on-write.
 //!
 //! Writes allocate clusters at the end of the file and keep the refcounts exact, in the order
-//! qemu uses (refcount, then data, then the L2 entry pointing at it), so that a crash leaks at
-//! most a cluster and `qemu-img check` stays clean; a full refcount table is replaced by a larger
+//! qemu uses (refcount, then data, then the L2 entry pointing at it, with a write barrier
+//! before the entries that make new clusters reachable), so that a crash or a power loss leaks
+//! clusters at worst and `qemu-img check` stays clean; a full refcount table is replaced by a larger
 //! one at the end of the file, as qemu does. Zeroing and trimming whole clusters set
 //! the v3 "reads as zero" flag and keep the cluster allocated.
 //!
@@ -74,6 +75,9 @@ pub struct Qcow2 {
     /// Refcount entry width in bytes.
     refcount_bytes: usize,
     state: Mutex<State>,
+    /// Barriers issued, for the tests.
+    #[cfg(test)]
+    barriers: std::sync::atomic::AtomicUsize,
 }
 
 struct State {
@@ -280,6 +284,8 @@ impl Qcow2 {
                 next_free,
                 corrupt: false,
             }),
+            #[cfg(test)]
+            barriers: Default::default(),
         };
         // Autoclear features (bitmaps, a raw external data file) describe data that a writer
         // who does not know them would make stale: such a writer clears them, as qemu does.
@@ -383,70 +389,89 @@ impl Qcow2 {
         check_range(offset, data.len() as u64, self.size)?;
         let mut st = self.state.lock();
         refuse_if_corrupt(&st)?;
+        self.write_locked(&mut st, data, offset)
+    }
+
+    /// Writes `data` at guest `offset`, allocating the clusters (and L2 tables) it lacks.
+    ///
+    /// Crash order, as qemu keeps it with cache=writeback (qcow2_cache_set_dependency): the
+    /// new clusters' refcounts, their data and the new L2 tables' zeroes are written first;
+    /// one barrier; then the L2 entries, then the L1 entries, that make them reachable. A
+    /// power loss can then leak clusters, never leave an entry pointing at a cluster whose
+    /// refcount is 0 (or at a table not yet zeroed). A write to clusters already allocated
+    /// issues no barrier.
+    fn write_locked(&self, st: &mut State, data: &[u8], offset: u64) -> io::Result<()> {
+        let cs = self.cluster_size();
+        // New L2 tables by L1 index, and the L2 entries to write after the barrier.
+        let mut new_tables: Vec<(usize, u64)> = Vec::new();
+        let mut links: Vec<(u64, u64)> = Vec::new();
+        let mut allocated = false;
         let mut done = 0usize;
         for (guest, in_cluster, n) in self.pieces(offset, data.len() as u64) {
-            self.write_piece(&mut st, guest, in_cluster, &data[done..done + n as usize])?;
+            let piece = &data[done..done + n as usize];
             done += n as usize;
+            let (l2, l1_idx, l2_idx) = self.l2_slot(st, guest);
+            let (l2, fresh) = if l2 != 0 {
+                self.guard(st, l2, HostUse::L2Table)?;
+                (l2, false)
+            } else if let Some(&(_, t)) = new_tables.iter().find(|(i, _)| *i == l1_idx) {
+                (t, true)
+            } else {
+                let t = self.alloc(st)?;
+                self.file.write_all_at(&vec![0u8; cs as usize], t)?;
+                st.l2_tables.insert(t);
+                new_tables.push((l1_idx, t));
+                allocated = true;
+                (t, true)
+            };
+            let entry_at = l2 + l2_idx * 8;
+            let entry = if fresh {
+                0
+            } else {
+                read_u64(&self.file, entry_at)?
+            };
+            let host = match self.decode(entry) {
+                Cluster::Data { host, copied: true } => {
+                    self.guard(st, host, HostUse::Data)?;
+                    self.file.write_all_at(piece, host + in_cluster)?;
+                    continue;
+                }
+                Cluster::Data { copied: false, .. } => {
+                    return Err(io::Error::other(
+                        "cluster shared with a snapshot: copy-on-write is not supported",
+                    ));
+                }
+                Cluster::Compressed => {
+                    return Err(io::Error::other(
+                        "writing into a compressed cluster is not supported",
+                    ));
+                }
+                Cluster::Zero { host: 0 } => {
+                    allocated = true;
+                    self.alloc(st)?
+                }
+                Cluster::Zero { host } => host,
+            };
+            self.guard(st, host, HostUse::Data)?;
+            // A cluster that read as zeroes: written whole, then pointed at.
+            let mut whole = vec![0u8; cs as usize];
+            whole[in_cluster as usize..(in_cluster + n) as usize].copy_from_slice(piece);
+            self.file.write_all_at(&whole, host)?;
+            links.push((entry_at, host | COPIED));
+        }
+        if allocated {
+            self.barrier()?;
+        }
+        for (at, entry) in links {
+            self.file.write_all_at(&entry.to_be_bytes(), at)?;
+        }
+        for (l1_idx, table) in new_tables {
+            let entry = table | COPIED;
+            self.file
+                .write_all_at(&entry.to_be_bytes(), self.l1_offset + l1_idx as u64 * 8)?;
+            st.l1[l1_idx] = entry;
         }
         Ok(())
-    }
-
-    /// Writes within one cluster, allocating it (and its L2 table) if needed.
-    fn write_piece(
-        &self,
-        st: &mut State,
-        guest: u64,
-        in_cluster: u64,
-        data: &[u8],
-    ) -> io::Result<()> {
-        let cs = self.cluster_size();
-        let (l2, _, l2_idx) = self.ensure_l2(st, guest)?;
-        self.guard(st, l2, HostUse::L2Table)?;
-        let entry_at = l2 + l2_idx * 8;
-        let entry = read_u64(&self.file, entry_at)?;
-        let host = match self.decode(entry) {
-            Cluster::Data { host, copied: true } => {
-                self.guard(st, host, HostUse::Data)?;
-                return self.file.write_all_at(data, host + in_cluster);
-            }
-            Cluster::Data { copied: false, .. } => {
-                return Err(io::Error::other(
-                    "cluster shared with a snapshot: copy-on-write is not supported",
-                ));
-            }
-            Cluster::Compressed => {
-                return Err(io::Error::other(
-                    "writing into a compressed cluster is not supported",
-                ));
-            }
-            Cluster::Zero { host: 0 } => self.alloc(st)?,
-            Cluster::Zero { host } => host,
-        };
-        self.guard(st, host, HostUse::Data)?;
-        // A cluster that read as zeroes: write it whole, then point the L2 entry at it.
-        let mut whole = vec![0u8; cs as usize];
-        whole[in_cluster as usize..in_cluster as usize + data.len()].copy_from_slice(data);
-        self.file.write_all_at(&whole, host)?;
-        self.file
-            .write_all_at(&(host | COPIED).to_be_bytes(), entry_at)?;
-        Ok(())
-    }
-
-    /// The L2 table covering `guest`, allocated (zeroed) if it does not exist yet.
-    fn ensure_l2(&self, st: &mut State, guest: u64) -> io::Result<(u64, usize, u64)> {
-        let (l2, l1_idx, l2_idx) = self.l2_slot(st, guest);
-        if l2 != 0 {
-            return Ok((l2, l1_idx, l2_idx));
-        }
-        let table = self.alloc(st)?;
-        self.file
-            .write_all_at(&vec![0u8; self.cluster_size() as usize], table)?;
-        let entry = table | COPIED;
-        self.file
-            .write_all_at(&entry.to_be_bytes(), self.l1_offset + l1_idx as u64 * 8)?;
-        st.l1[l1_idx] = entry;
-        st.l2_tables.insert(table);
-        Ok((table, l1_idx, l2_idx))
     }
 
     /// Checks that host cluster `host`, about to be written as `what`, lies off the image's
@@ -531,14 +556,25 @@ impl Qcow2 {
             // its own range, or is counted by the next block otherwise.
             block = st.next_free;
             st.next_free += cs;
-            self.file.write_all_at(&vec![0u8; cs as usize], block)?;
+            let mut fresh = vec![0u8; cs as usize];
+            if self.block_index(block) == bi {
+                let at = ((block >> self.cluster_bits) % self.refcounts_per_block()) as usize
+                    * self.refcount_bytes;
+                fresh[at + self.refcount_bytes - 1] = 1;
+            } else {
+                self.set_refcount(st, block, 1)?;
+            }
+            self.file.write_all_at(&fresh, block)?;
+            st.refcount_blocks.insert(block);
+            // The block (and its own count) is durable before the refcount table points at
+            // it, as qemu orders it (alloc_refcount_block): else a power loss could leave the
+            // table pointing at garbage.
+            self.barrier()?;
             self.file.write_all_at(
                 &block.to_be_bytes(),
                 st.refcount_table_offset + bi as u64 * 8,
             )?;
             st.refcount_table[bi] = block;
-            st.refcount_blocks.insert(block);
-            self.set_refcount(st, block, 1)?;
         }
         self.write_refcount(block, host, value)
     }
@@ -601,13 +637,13 @@ impl Qcow2 {
         }
         let bytes: Vec<u8> = table.iter().flat_map(|e| e.to_be_bytes()).collect();
         self.file.write_all_at(&bytes, start)?;
-        self.file.sync_data()?;
+        self.barrier()?;
         // refcount_table_offset and refcount_table_clusters, in one write.
         let mut fields = [0u8; 12];
         fields[..8].copy_from_slice(&start.to_be_bytes());
         fields[8..].copy_from_slice(&(table_clusters as u32).to_be_bytes());
         self.file.write_all_at(&fields, 48)?;
-        self.file.sync_data()?;
+        self.barrier()?;
         let old_at = st.refcount_table_offset;
         let old_clusters = (old_len * 8) as u64 / cs;
         st.refcount_table = table;
@@ -617,6 +653,15 @@ impl Qcow2 {
             self.set_refcount(st, old_at + i * cs, 0)?;
         }
         Ok(())
+    }
+
+    /// A write barrier (fdatasync): what was written before is durable before what is
+    /// written after.
+    fn barrier(&self) -> io::Result<()> {
+        #[cfg(test)]
+        self.barriers
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.file.sync_data()
     }
 
     /// Bytes of the virtual disk one L2 table maps.
@@ -687,8 +732,8 @@ impl Qcow2 {
                 self.file.write_all_at(&bytes, l2 + lo as u64 * 8)?;
             }
             // The partial clusters are the range's ends: entries the write-back left alone.
-            for (guest, in_cluster, n) in partial {
-                self.write_piece(&mut st, guest, in_cluster, &vec![0u8; n as usize])?;
+            for (guest, _, n) in partial {
+                self.write_locked(&mut st, &vec![0u8; n as usize], guest)?;
             }
             pos = span_end;
         }
@@ -851,4 +896,75 @@ pub fn probe(head: &[u8]) -> Probed {
         }
     }
     Probed::Raw
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    const CS: u64 = 1 << 16;
+
+    /// A 64 MiB version 3 image with 64 KiB clusters, laid out as qemu-img makes it:
+    /// header, refcount table, refcount block, L1 table (one entry).
+    fn image(dir: &std::path::Path) -> File {
+        let mut b = vec![0u8; 4 * CS as usize];
+        let put64 =
+            |b: &mut Vec<u8>, at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_be_bytes());
+        let put32 =
+            |b: &mut Vec<u8>, at: usize, v: u32| b[at..at + 4].copy_from_slice(&v.to_be_bytes());
+        b[..4].copy_from_slice(MAGIC);
+        put32(&mut b, 4, 3);
+        put32(&mut b, 20, 16);
+        put64(&mut b, 24, 64 << 20);
+        put32(&mut b, 36, 1);
+        put64(&mut b, 40, 3 * CS);
+        put64(&mut b, 48, CS);
+        put32(&mut b, 56, 1);
+        put32(&mut b, 96, 4);
+        put32(&mut b, 100, 104);
+        put64(&mut b, CS as usize, 2 * CS);
+        for c in 0..4 {
+            b[(2 * CS + c * 2 + 1) as usize] = 1;
+        }
+        let path = dir.join("t.qcow2");
+        std::fs::write(&path, &b).unwrap();
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .unwrap()
+    }
+
+    /// A write that allocates issues one barrier before the L2 (and L1) entries that make its
+    /// clusters reachable; a write to clusters already allocated issues none.
+    #[test]
+    fn allocating_writes_order_refcounts_before_l2_entries_with_one_barrier() {
+        let dir = tempfile::tempdir().unwrap();
+        let q = Qcow2::open(image(dir.path()), false).unwrap();
+        let barriers = || q.barriers.load(Ordering::Relaxed);
+        // A new L2 table and a new cluster.
+        q.write_at(&[0x11; 4096], 0).unwrap();
+        assert_eq!(barriers(), 1);
+        // The same cluster again: no barrier.
+        q.write_at(&[0x22; 4096], 8192).unwrap();
+        assert_eq!(barriers(), 1);
+        // Three new clusters in one request: one barrier.
+        q.write_at(&vec![0x33; 3 * CS as usize], 1 << 20).unwrap();
+        assert_eq!(barriers(), 2);
+        // Zeroing whole clusters keeps them allocated: no barrier; writing them again neither.
+        q.zero_range(1 << 20, 2 * CS).unwrap();
+        q.write_at(&[0x44; 512], 1 << 20).unwrap();
+        assert_eq!(barriers(), 2);
+        let mut back = vec![0u8; 16384];
+        q.read_at(&mut back, 0).unwrap();
+        assert!(back[..4096].iter().all(|&b| b == 0x11));
+        assert!(back[4096..8192].iter().all(|&b| b == 0));
+        assert!(back[8192..12288].iter().all(|&b| b == 0x22));
+        let mut back = vec![0u8; 3 * CS as usize];
+        q.read_at(&mut back, 1 << 20).unwrap();
+        assert!(back[..512].iter().all(|&b| b == 0x44));
+        assert!(back[512..2 * CS as usize].iter().all(|&b| b == 0));
+        assert!(back[2 * CS as usize..].iter().all(|&b| b == 0x33));
+    }
 }
