@@ -7,10 +7,19 @@
 //! writing them would need copy-on-write.
 //!
 //! Writes allocate clusters at the end of the file and keep the refcounts exact, in the order
-//! qemu uses (refcount, then data, then the L2 entry pointing at it), so that a crash leaks at
-//! most a cluster and `qemu-img check` stays clean. Zeroing and trimming whole clusters set
+//! qemu uses (refcount, then data, then the L2 entry pointing at it, with a write barrier
+//! before the entries that make new clusters reachable), so that a crash or a power loss leaks
+//! clusters at worst and `qemu-img check` stays clean; a full refcount table is replaced by a larger
+//! one at the end of the file, as qemu does. Zeroing and trimming whole clusters set
 //! the v3 "reads as zero" flag and keep the cluster allocated.
+//!
+//! Crafted headers are bounded as qemu bounds them (L1 table 32 MiB, refcount table 8 MiB;
+//! of the L1 table only what the virtual disk needs is read), and the tables must lie in the
+//! file, off the header and off each other. A write through an L2 entry (or to an L2 table)
+//! that lies on the image's own metadata fails with EIO and marks the image corrupt, as
+//! qemu's overlap check does.
 
+use std::collections::HashSet;
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -63,17 +72,28 @@ pub struct Qcow2 {
     cluster_bits: u32,
     size: u64,
     l1_offset: u64,
-    refcount_table_offset: u64,
     /// Refcount entry width in bytes.
     refcount_bytes: usize,
     state: Mutex<State>,
+    /// Barriers issued, for the tests.
+    #[cfg(test)]
+    barriers: std::sync::atomic::AtomicUsize,
 }
 
 struct State {
     l1: Vec<u64>,
     refcount_table: Vec<u64>,
+    /// Where the refcount table is: it moves when it grows.
+    refcount_table_offset: u64,
+    /// The host offsets of the refcount blocks and of the L2 tables: metadata that data must
+    /// not be written over.
+    refcount_blocks: HashSet<u64>,
+    l2_tables: HashSet<u64>,
     /// Where the next cluster is allocated: the end of the file, cluster aligned.
     next_free: u64,
+    /// Set when a write would have gone over metadata: the image is marked corrupt and
+    /// takes no more writes.
+    corrupt: bool,
 }
 
 impl Qcow2 {
@@ -165,31 +185,107 @@ impl Qcow2 {
         let cluster = 1u64 << cluster_bits;
         let l2_entries = cluster / 8;
         let needed_l1 = size.div_ceil(cluster).div_ceil(l2_entries);
-        if (l1_size as u64) < needed_l1 || l1_size > 1 << 25 {
+        if l1_size > MAX_L1_ENTRIES {
+            return Err(unsupported(format!(
+                "has an L1 table of {l1_size} entries: more than qemu's limit of {MAX_L1_ENTRIES} (32 MiB)"
+            )));
+        }
+        if (l1_size as u64) < needed_l1 {
             return Err(unsupported(format!(
                 "has an L1 table of {l1_size} entries for {size} bytes"
             )));
         }
-        let l1 = read_table(&file, l1_offset, l1_size)?;
         let rt_entries = refcount_table_clusters << cluster_bits >> 3;
-        if rt_entries > 1 << 25 {
-            return Err(unsupported("has an oversized refcount table"));
+        if refcount_table_clusters == 0 || rt_entries > MAX_REFTABLE_ENTRIES {
+            return Err(unsupported(format!(
+                "has a refcount table of {refcount_table_clusters} clusters: qemu's limit is 8 MiB"
+            )));
         }
+        // Entries past what the virtual disk needs are never used: they are not read.
+        let l1_used = needed_l1 as usize;
+        // The tables lie in the file, cluster aligned, off the header and off each other
+        // (qemu's validate_table_offset, and more).
+        let file_len = file.metadata()?.len();
+        let l1_range = (l1_offset, l1_used as u64 * 8);
+        let rt_range = (refcount_table_offset, rt_entries as u64 * 8);
+        let header = (0, cluster);
+        for (name, (at, len), others) in [
+            (
+                "L1 table",
+                l1_range,
+                [("header", header), ("refcount table", rt_range)],
+            ),
+            (
+                "refcount table",
+                rt_range,
+                [("header", header), ("L1 table", l1_range)],
+            ),
+        ] {
+            if len == 0 {
+                continue;
+            }
+            if !at.is_multiple_of(cluster) {
+                return Err(unsupported(format!(
+                    "has its {name} at offset {at:#x}, not cluster aligned"
+                )));
+            }
+            if at.checked_add(len).is_none_or(|end| end > file_len) {
+                return Err(unsupported(format!(
+                    "has its {name} at offset {at:#x}, past the end of the file"
+                )));
+            }
+            for (other, (o_at, o_len)) in others {
+                if o_len != 0 && at < o_at + o_len && o_at < at + len {
+                    return Err(unsupported(format!(
+                        "has its {name} at offset {at:#x}, which overlaps the {other}"
+                    )));
+                }
+            }
+        }
+        let l1 = read_table(&file, l1_offset, l1_used)?;
         let refcount_table = read_table(&file, refcount_table_offset, rt_entries)?;
-        let next_free = file.metadata()?.len().div_ceil(cluster) * cluster;
+        let mut refcount_blocks = HashSet::new();
+        for e in &refcount_table {
+            let block = e & OFFSET_MASK;
+            if block == 0 {
+                continue;
+            }
+            let on_table = |(at, len): (u64, u64)| block < at + len && at < block + cluster;
+            if !block.is_multiple_of(cluster)
+                || on_table(header)
+                || on_table(l1_range)
+                || on_table(rt_range)
+            {
+                return Err(unsupported(format!(
+                    "has a refcount block at offset {block:#x}, on its header or tables: repair it with qemu-img check -r all"
+                )));
+            }
+            refcount_blocks.insert(block);
+        }
+        let l2_tables = l1
+            .iter()
+            .map(|e| e & OFFSET_MASK)
+            .filter(|&t| t != 0)
+            .collect();
+        let next_free = file_len.div_ceil(cluster) * cluster;
         let q = Qcow2 {
             file,
             version,
             cluster_bits,
             size,
             l1_offset,
-            refcount_table_offset,
             refcount_bytes: 1 << (refcount_order - 3),
             state: Mutex::new(State {
                 l1,
                 refcount_table,
+                refcount_table_offset,
+                refcount_blocks,
+                l2_tables,
                 next_free,
+                corrupt: false,
             }),
+            #[cfg(test)]
+            barriers: Default::default(),
         };
         // Autoclear features (bitmaps, a raw external data file) describe data that a writer
         // who does not know them would make stale: such a writer clears them, as qemu does.
@@ -292,66 +388,130 @@ impl Qcow2 {
     pub fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
         check_range(offset, data.len() as u64, self.size)?;
         let mut st = self.state.lock();
+        refuse_if_corrupt(&st)?;
+        self.write_locked(&mut st, data, offset)
+    }
+
+    /// Writes `data` at guest `offset`, allocating the clusters (and L2 tables) it lacks.
+    ///
+    /// Crash order, as qemu keeps it with cache=writeback (qcow2_cache_set_dependency): the
+    /// new clusters' refcounts, their data and the new L2 tables' zeroes are written first;
+    /// one barrier; then the L2 entries, then the L1 entries, that make them reachable. A
+    /// power loss can then leak clusters, never leave an entry pointing at a cluster whose
+    /// refcount is 0 (or at a table not yet zeroed). A write to clusters already allocated
+    /// issues no barrier.
+    fn write_locked(&self, st: &mut State, data: &[u8], offset: u64) -> io::Result<()> {
+        let cs = self.cluster_size();
+        // New L2 tables by L1 index, and the L2 entries to write after the barrier.
+        let mut new_tables: Vec<(usize, u64)> = Vec::new();
+        let mut links: Vec<(u64, u64)> = Vec::new();
+        let mut allocated = false;
         let mut done = 0usize;
         for (guest, in_cluster, n) in self.pieces(offset, data.len() as u64) {
-            self.write_piece(&mut st, guest, in_cluster, &data[done..done + n as usize])?;
+            let piece = &data[done..done + n as usize];
             done += n as usize;
+            let (l2, l1_idx, l2_idx) = self.l2_slot(st, guest);
+            let (l2, fresh) = if l2 != 0 {
+                self.guard(st, l2, HostUse::L2Table)?;
+                (l2, false)
+            } else if let Some(&(_, t)) = new_tables.iter().find(|(i, _)| *i == l1_idx) {
+                (t, true)
+            } else {
+                let t = self.alloc(st)?;
+                self.file.write_all_at(&vec![0u8; cs as usize], t)?;
+                st.l2_tables.insert(t);
+                new_tables.push((l1_idx, t));
+                allocated = true;
+                (t, true)
+            };
+            let entry_at = l2 + l2_idx * 8;
+            let entry = if fresh {
+                0
+            } else {
+                read_u64(&self.file, entry_at)?
+            };
+            let host = match self.decode(entry) {
+                Cluster::Data { host, copied: true } => {
+                    self.guard(st, host, HostUse::Data)?;
+                    self.file.write_all_at(piece, host + in_cluster)?;
+                    continue;
+                }
+                Cluster::Data { copied: false, .. } => {
+                    return Err(io::Error::other(
+                        "cluster shared with a snapshot: copy-on-write is not supported",
+                    ));
+                }
+                Cluster::Compressed => {
+                    return Err(io::Error::other(
+                        "writing into a compressed cluster is not supported",
+                    ));
+                }
+                Cluster::Zero { host: 0 } => {
+                    allocated = true;
+                    self.alloc(st)?
+                }
+                Cluster::Zero { host } => host,
+            };
+            self.guard(st, host, HostUse::Data)?;
+            // A cluster that read as zeroes: written whole, then pointed at.
+            let mut whole = vec![0u8; cs as usize];
+            whole[in_cluster as usize..(in_cluster + n) as usize].copy_from_slice(piece);
+            self.file.write_all_at(&whole, host)?;
+            links.push((entry_at, host | COPIED));
+        }
+        if allocated {
+            self.barrier()?;
+        }
+        for (at, entry) in links {
+            self.file.write_all_at(&entry.to_be_bytes(), at)?;
+        }
+        for (l1_idx, table) in new_tables {
+            let entry = table | COPIED;
+            self.file
+                .write_all_at(&entry.to_be_bytes(), self.l1_offset + l1_idx as u64 * 8)?;
+            st.l1[l1_idx] = entry;
         }
         Ok(())
     }
 
-    /// Writes within one cluster, allocating it (and its L2 table) if needed.
-    fn write_piece(
-        &self,
-        st: &mut State,
-        guest: u64,
-        in_cluster: u64,
-        data: &[u8],
-    ) -> io::Result<()> {
+    /// Checks that host cluster `host`, about to be written as `what`, lies off the image's
+    /// metadata (qemu's qcow2_check_metadata_overlap: header, L1 table, refcount table,
+    /// refcount blocks, and L2 tables for data). If it does not, the image is marked corrupt,
+    /// as qemu marks it, and the write fails with EIO.
+    fn guard(&self, st: &mut State, host: u64, what: HostUse) -> io::Result<()> {
         let cs = self.cluster_size();
-        let (l2, _, l2_idx) = self.ensure_l2(st, guest)?;
-        let entry_at = l2 + l2_idx * 8;
-        let entry = read_u64(&self.file, entry_at)?;
-        let host = match self.decode(entry) {
-            Cluster::Data { host, copied: true } => {
-                return self.file.write_all_at(data, host + in_cluster);
-            }
-            Cluster::Data { copied: false, .. } => {
-                return Err(io::Error::other(
-                    "cluster shared with a snapshot: copy-on-write is not supported",
-                ));
-            }
-            Cluster::Compressed => {
-                return Err(io::Error::other(
-                    "writing into a compressed cluster is not supported",
-                ));
-            }
-            Cluster::Zero { host: 0 } => self.alloc(st)?,
-            Cluster::Zero { host } => host,
+        let on = |at: u64, len: u64| host < at.saturating_add(len) && at < host + cs;
+        let lies_on = if !host.is_multiple_of(cs) {
+            Some("an unaligned offset")
+        } else if on(0, cs) {
+            Some("the header")
+        } else if on(self.l1_offset, st.l1.len() as u64 * 8) {
+            Some("the L1 table")
+        } else if on(st.refcount_table_offset, st.refcount_table.len() as u64 * 8) {
+            Some("the refcount table")
+        } else if st.refcount_blocks.contains(&host) {
+            Some("a refcount block")
+        } else if what == HostUse::Data && st.l2_tables.contains(&host) {
+            Some("an L2 table")
+        } else {
+            None
         };
-        // A cluster that read as zeroes: write it whole, then point the L2 entry at it.
-        let mut whole = vec![0u8; cs as usize];
-        whole[in_cluster as usize..in_cluster as usize + data.len()].copy_from_slice(data);
-        self.file.write_all_at(&whole, host)?;
-        self.file
-            .write_all_at(&(host | COPIED).to_be_bytes(), entry_at)?;
-        Ok(())
-    }
-
-    /// The L2 table covering `guest`, allocated (zeroed) if it does not exist yet.
-    fn ensure_l2(&self, st: &mut State, guest: u64) -> io::Result<(u64, usize, u64)> {
-        let (l2, l1_idx, l2_idx) = self.l2_slot(st, guest);
-        if l2 != 0 {
-            return Ok((l2, l1_idx, l2_idx));
+        let Some(lies_on) = lies_on else {
+            return Ok(());
+        };
+        let what = match what {
+            HostUse::Data => "data cluster",
+            HostUse::L2Table => "L2 table",
+        };
+        let why = format!("a {what} at host offset {host:#x} lies on {lies_on}");
+        tracing::error!("qcow2 image corrupt, marked so and refusing writes: {why}");
+        if !st.corrupt {
+            st.corrupt = true;
+            let incompat = read_u64(&self.file, 72)? | INCOMPAT_CORRUPT;
+            self.file.write_all_at(&incompat.to_be_bytes(), 72)?;
+            self.file.sync_data()?;
         }
-        let table = self.alloc(st)?;
-        self.file
-            .write_all_at(&vec![0u8; self.cluster_size() as usize], table)?;
-        let entry = table | COPIED;
-        self.file
-            .write_all_at(&entry.to_be_bytes(), self.l1_offset + l1_idx as u64 * 8)?;
-        st.l1[l1_idx] = entry;
-        Ok((table, l1_idx, l2_idx))
+        Err(io::Error::other(format!("qcow2 image is corrupt: {why}")))
     }
 
     /// Allocates one cluster at the end of the file, with refcount 1. The caller writes it
@@ -363,16 +523,32 @@ impl Qcow2 {
         Ok(at)
     }
 
+    /// Clusters one refcount block counts.
+    fn refcounts_per_block(&self) -> u64 {
+        self.cluster_size() / self.refcount_bytes as u64
+    }
+
+    /// The refcount table index of the block that counts host cluster `host`.
+    fn block_index(&self, host: u64) -> usize {
+        ((host >> self.cluster_bits) / self.refcounts_per_block()) as usize
+    }
+
+    /// Writes the refcount of host cluster `host` into refcount block `block`.
+    fn write_refcount(&self, block: u64, host: u64, value: u64) -> io::Result<()> {
+        let ci = host >> self.cluster_bits;
+        let w = self.refcount_bytes;
+        let bytes = value.to_be_bytes();
+        self.file.write_all_at(
+            &bytes[8 - w..],
+            block + (ci % self.refcounts_per_block()) * w as u64,
+        )
+    }
+
     fn set_refcount(&self, st: &mut State, host: u64, value: u64) -> io::Result<()> {
         let cs = self.cluster_size();
-        let per_block = cs / self.refcount_bytes as u64;
-        let ci = host >> self.cluster_bits;
-        let bi = (ci / per_block) as usize;
+        let bi = self.block_index(host);
         if bi >= st.refcount_table.len() {
-            return Err(io::Error::new(
-                io::ErrorKind::StorageFull,
-                "the qcow2 refcount table is full (growing it is not supported)",
-            ));
+            self.grow_refcount_table(st, bi)?;
         }
         let mut block = st.refcount_table[bi] & OFFSET_MASK;
         if block == 0 {
@@ -380,23 +556,128 @@ impl Qcow2 {
             // its own range, or is counted by the next block otherwise.
             block = st.next_free;
             st.next_free += cs;
-            self.file.write_all_at(&vec![0u8; cs as usize], block)?;
+            let mut fresh = vec![0u8; cs as usize];
+            if self.block_index(block) == bi {
+                let at = ((block >> self.cluster_bits) % self.refcounts_per_block()) as usize
+                    * self.refcount_bytes;
+                fresh[at + self.refcount_bytes - 1] = 1;
+            } else {
+                self.set_refcount(st, block, 1)?;
+            }
+            self.file.write_all_at(&fresh, block)?;
+            st.refcount_blocks.insert(block);
+            // The block (and its own count) is durable before the refcount table points at
+            // it, as qemu orders it (alloc_refcount_block): else a power loss could leave the
+            // table pointing at garbage.
+            self.barrier()?;
             self.file.write_all_at(
                 &block.to_be_bytes(),
-                self.refcount_table_offset + bi as u64 * 8,
+                st.refcount_table_offset + bi as u64 * 8,
             )?;
             st.refcount_table[bi] = block;
-            self.set_refcount(st, block, 1)?;
         }
-        let w = self.refcount_bytes;
-        let bytes = value.to_be_bytes();
-        self.file
-            .write_all_at(&bytes[8 - w..], block + (ci % per_block) * w as u64)
+        self.write_refcount(block, host, value)
+    }
+
+    /// Grows the refcount table so that it has an entry for refcount block `bi`, as qemu
+    /// does (qcow2-refcount.c, qcow2_refcount_area): a new, larger table, followed by the
+    /// refcount blocks that count it, is written at the end of the file and flushed; then
+    /// one header write points at it (and is flushed); the old table's clusters are freed
+    /// last. A crash at any point leaves either table in force, and leaks clusters at worst.
+    fn grow_refcount_table(&self, st: &mut State, bi: usize) -> io::Result<()> {
+        let cs = self.cluster_size();
+        let per_cluster = (cs / 8) as usize;
+        let start = st.next_free;
+        let old_len = st.refcount_table.len();
+        let has_block = |table: &[u64], b: usize| b < table.len() && table[b] & OFFSET_MASK != 0;
+        // The layout: the table's clusters at `start`, then the blocks its area lacks.
+        let mut entries = (old_len + old_len / 2).max(bi + 1);
+        let (table_clusters, end) = loop {
+            entries = entries.div_ceil(per_cluster) * per_cluster;
+            let table_clusters = (entries / per_cluster) as u64;
+            let mut new_blocks = 0u64;
+            let end = loop {
+                let end = start + (table_clusters + new_blocks) * cs;
+                let missing = (self.block_index(start)..=self.block_index(end - 1))
+                    .filter(|&b| !has_block(&st.refcount_table, b))
+                    .count() as u64;
+                if missing <= new_blocks {
+                    break end;
+                }
+                new_blocks = missing;
+            };
+            let last = self.block_index(end - 1);
+            if last < entries {
+                break (table_clusters, end);
+            }
+            entries = last + 1 + entries / 2;
+        };
+        if entries > MAX_REFTABLE_ENTRIES {
+            return Err(io::Error::new(
+                io::ErrorKind::StorageFull,
+                "the qcow2 refcount table would outgrow qemu's limit (8 MiB)",
+            ));
+        }
+        let mut table = st.refcount_table.clone();
+        table.resize(entries, 0);
+        let mut next_block = start + table_clusters * cs;
+        for b in self.block_index(start)..=self.block_index(end - 1) {
+            if !has_block(&table, b) {
+                self.file
+                    .write_all_at(&vec![0u8; cs as usize], next_block)?;
+                table[b] = next_block;
+                st.refcount_blocks.insert(next_block);
+                next_block += cs;
+            }
+        }
+        debug_assert_eq!(next_block, end);
+        // The new area counts itself, in its new blocks or in old ones that cover it.
+        for host in (start..end).step_by(cs as usize) {
+            self.write_refcount(table[self.block_index(host)] & OFFSET_MASK, host, 1)?;
+        }
+        let bytes: Vec<u8> = table.iter().flat_map(|e| e.to_be_bytes()).collect();
+        self.file.write_all_at(&bytes, start)?;
+        self.barrier()?;
+        // refcount_table_offset and refcount_table_clusters, in one write.
+        let mut fields = [0u8; 12];
+        fields[..8].copy_from_slice(&start.to_be_bytes());
+        fields[8..].copy_from_slice(&(table_clusters as u32).to_be_bytes());
+        self.file.write_all_at(&fields, 48)?;
+        self.barrier()?;
+        let old_at = st.refcount_table_offset;
+        let old_clusters = (old_len * 8) as u64 / cs;
+        st.refcount_table = table;
+        st.refcount_table_offset = start;
+        st.next_free = end;
+        for i in 0..old_clusters {
+            self.set_refcount(st, old_at + i * cs, 0)?;
+        }
+        Ok(())
+    }
+
+    /// A write barrier (fdatasync): what was written before is durable before what is
+    /// written after.
+    fn barrier(&self) -> io::Result<()> {
+        #[cfg(test)]
+        self.barriers
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.file.sync_data()
     }
 
     /// Bytes of the virtual disk one L2 table maps.
     fn l2_span(&self) -> u64 {
         self.cluster_size() * self.l2_entries()
+    }
+
+    /// Where the next L2 table after `pos` (which has none) begins, or `end`: a run of
+    /// empty L1 entries is skipped in one scan.
+    fn next_table(&self, st: &State, pos: u64, end: u64) -> u64 {
+        let span = self.l2_span();
+        let (first, last) = ((pos / span) as usize, ((end - 1) / span) as usize);
+        st.l1[first..=last]
+            .iter()
+            .position(|e| e & OFFSET_MASK != 0)
+            .map_or(end, |k| (first + k) as u64 * span)
     }
 
     /// WRITE_ZEROES and TRIM: whole clusters get the zero flag (keeping their allocation);
@@ -408,6 +689,7 @@ impl Qcow2 {
         let cs = self.cluster_size();
         let end = offset + len;
         let mut st = self.state.lock();
+        refuse_if_corrupt(&st)?;
         let mut pos = offset;
         while pos < end {
             let span_end = (pos / self.l2_span() + 1)
@@ -415,7 +697,7 @@ impl Qcow2 {
                 .min(end);
             let (l2, _, first_idx) = self.l2_slot(&st, pos);
             if l2 == 0 {
-                pos = span_end;
+                pos = self.next_table(&st, pos, end);
                 continue;
             }
             let mut table = read_table(&self.file, l2, self.l2_entries() as usize)?;
@@ -442,6 +724,7 @@ impl Qcow2 {
                 changed = Some(changed.map_or((idx, idx), |(lo, _)| (lo, idx)));
             }
             if let Some((lo, hi)) = changed {
+                self.guard(&mut st, l2, HostUse::L2Table)?;
                 let bytes: Vec<u8> = table[lo..=hi]
                     .iter()
                     .flat_map(|e| e.to_be_bytes())
@@ -449,8 +732,8 @@ impl Qcow2 {
                 self.file.write_all_at(&bytes, l2 + lo as u64 * 8)?;
             }
             // The partial clusters are the range's ends: entries the write-back left alone.
-            for (guest, in_cluster, n) in partial {
-                self.write_piece(&mut st, guest, in_cluster, &vec![0u8; n as usize])?;
+            for (guest, _, n) in partial {
+                self.write_locked(&mut st, &vec![0u8; n as usize], guest)?;
             }
             pos = span_end;
         }
@@ -488,10 +771,11 @@ impl Qcow2 {
                 .min(end);
             let (l2, _, first_idx) = self.l2_slot(&st, pos);
             if l2 == 0 {
-                if !push(&mut out, span_end - pos, true) {
+                let next = self.next_table(&st, pos, end);
+                if !push(&mut out, next - pos, true) {
                     break;
                 }
-                pos = span_end;
+                pos = next;
                 continue;
             }
             if tables_read == EXTENT_TABLES {
@@ -511,6 +795,27 @@ impl Qcow2 {
         Ok(out)
     }
 }
+
+/// What a host cluster is about to be written as.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum HostUse {
+    Data,
+    L2Table,
+}
+
+/// Writes to an image marked corrupt fail with EIO (qemu stops all I/O to it).
+fn refuse_if_corrupt(st: &State) -> io::Result<()> {
+    if st.corrupt {
+        return Err(io::Error::other("qcow2 image is marked corrupt"));
+    }
+    Ok(())
+}
+
+/// qemu's bound on an L1 table (QCOW_MAX_L1_SIZE, 32 MiB), in entries.
+const MAX_L1_ENTRIES: usize = (32 << 20) / 8;
+
+/// qemu's bound on a refcount table (QCOW_MAX_REFTABLE_SIZE, 8 MiB), in entries.
+const MAX_REFTABLE_ENTRIES: usize = (8 << 20) / 8;
 
 /// L2 tables one block-status answer reads at most (each maps `cluster² / 8` bytes).
 const EXTENT_TABLES: usize = 64;
@@ -591,4 +896,75 @@ pub fn probe(head: &[u8]) -> Probed {
         }
     }
     Probed::Raw
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    const CS: u64 = 1 << 16;
+
+    /// A 64 MiB version 3 image with 64 KiB clusters, laid out as qemu-img makes it:
+    /// header, refcount table, refcount block, L1 table (one entry).
+    fn image(dir: &std::path::Path) -> File {
+        let mut b = vec![0u8; 4 * CS as usize];
+        let put64 =
+            |b: &mut Vec<u8>, at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_be_bytes());
+        let put32 =
+            |b: &mut Vec<u8>, at: usize, v: u32| b[at..at + 4].copy_from_slice(&v.to_be_bytes());
+        b[..4].copy_from_slice(MAGIC);
+        put32(&mut b, 4, 3);
+        put32(&mut b, 20, 16);
+        put64(&mut b, 24, 64 << 20);
+        put32(&mut b, 36, 1);
+        put64(&mut b, 40, 3 * CS);
+        put64(&mut b, 48, CS);
+        put32(&mut b, 56, 1);
+        put32(&mut b, 96, 4);
+        put32(&mut b, 100, 104);
+        put64(&mut b, CS as usize, 2 * CS);
+        for c in 0..4 {
+            b[(2 * CS + c * 2 + 1) as usize] = 1;
+        }
+        let path = dir.join("t.qcow2");
+        std::fs::write(&path, &b).unwrap();
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .unwrap()
+    }
+
+    /// A write that allocates issues one barrier before the L2 (and L1) entries that make its
+    /// clusters reachable; a write to clusters already allocated issues none.
+    #[test]
+    fn allocating_writes_order_refcounts_before_l2_entries_with_one_barrier() {
+        let dir = tempfile::tempdir().unwrap();
+        let q = Qcow2::open(image(dir.path()), false).unwrap();
+        let barriers = || q.barriers.load(Ordering::Relaxed);
+        // A new L2 table and a new cluster.
+        q.write_at(&[0x11; 4096], 0).unwrap();
+        assert_eq!(barriers(), 1);
+        // The same cluster again: no barrier.
+        q.write_at(&[0x22; 4096], 8192).unwrap();
+        assert_eq!(barriers(), 1);
+        // Three new clusters in one request: one barrier.
+        q.write_at(&vec![0x33; 3 * CS as usize], 1 << 20).unwrap();
+        assert_eq!(barriers(), 2);
+        // Zeroing whole clusters keeps them allocated: no barrier; writing them again neither.
+        q.zero_range(1 << 20, 2 * CS).unwrap();
+        q.write_at(&[0x44; 512], 1 << 20).unwrap();
+        assert_eq!(barriers(), 2);
+        let mut back = vec![0u8; 16384];
+        q.read_at(&mut back, 0).unwrap();
+        assert!(back[..4096].iter().all(|&b| b == 0x11));
+        assert!(back[4096..8192].iter().all(|&b| b == 0));
+        assert!(back[8192..12288].iter().all(|&b| b == 0x22));
+        let mut back = vec![0u8; 3 * CS as usize];
+        q.read_at(&mut back, 1 << 20).unwrap();
+        assert!(back[..512].iter().all(|&b| b == 0x44));
+        assert!(back[512..2 * CS as usize].iter().all(|&b| b == 0));
+        assert!(back[2 * CS as usize..].iter().all(|&b| b == 0x33));
+    }
 }

@@ -630,6 +630,13 @@ impl<'a> Transmission<'a> {
             .image
             .extents(range.offset(), range.len())
             .map_err(|e| io_error_value(&e))?;
+        // Extents of at most 2 GiB (block aligned) in 32-bit replies; under extended headers
+        // one extent says it all, however long (a hole across a whole 1 PiB qcow2 disk).
+        let most = if req.reply_to().offset.is_some() {
+            u64::MAX
+        } else {
+            1 << 31
+        };
         let mut wire = Vec::new();
         for e in extents {
             let flags = if e.hole {
@@ -639,13 +646,12 @@ impl<'a> Transmission<'a> {
             };
             let mut left = e.len;
             while left > 0 && wire.len() < MAX_EXTENTS {
-                // Extents of at most 2 GiB, block aligned.
-                let piece = left.min(1 << 31) as u32;
+                let piece = left.min(most);
                 wire.push(reply::Extent {
-                    length: piece.into(),
+                    length: piece,
                     flags,
                 });
-                left -= u64::from(piece);
+                left -= piece;
             }
         }
         let mut out = Vec::new();

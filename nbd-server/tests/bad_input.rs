@@ -979,3 +979,77 @@ fn disc_after_pipelined_requests_answers_them_all_first() {
         );
     }
 }
+
+/// A TRIM of a whole 1 PiB qcow2 disk (one extended request, 64-bit length) is answered,
+/// and a second connection's READs meanwhile are each answered within a second: the store
+/// is not held for long at a time. WRITE_ZEROES of the whole disk likewise, then block
+/// status of the whole disk (qemu-img map) answers at once.
+#[test]
+fn whole_disk_trim_of_a_petabyte_qcow2_leaves_reads_answered() {
+    if !require(&["qemu-img"]) {
+        return;
+    }
+    const PIB: u64 = 1 << 50;
+    let dir = tempfile::tempdir().unwrap();
+    let q = dir.path().join("huge.qcow2");
+    let q_s = q.to_str().unwrap();
+    peer_ok(Command::new("qemu-img").args(["create", "-f", "qcow2", q_s, "1P"]));
+    let srv = start_server_v4(&["--export".into(), format!("disk={q_s}")]);
+    let mut reader = start(srv.addr);
+    assert_eq!(go(&mut reader, "disk"), PIB);
+    for (i, command) in [Cmd::Trim, Cmd::WriteZeroes].into_iter().enumerate() {
+        let mut s = start(srv.addr);
+        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        send_opt(&mut s, c::OPT_EXTENDED_HEADERS, &[]);
+        let (h, _) = read_opt_reply(&mut s);
+        assert_eq!(h.reply_type, c::REP_ACK, "extended headers refused");
+        assert_eq!(go(&mut s, "disk"), PIB);
+        let req = Request {
+            flags: Default::default(),
+            command,
+            cookie: 7,
+            offset: 0,
+            length: PIB,
+        };
+        let started = Instant::now();
+        let whole = std::thread::spawn(move || {
+            let r = ext_roundtrip(&mut s, req, &[]);
+            (r, started.elapsed())
+        });
+        let mut slowest = Duration::ZERO;
+        let mut reads = 0u64;
+        while !whole.is_finished() {
+            let at = (reads * 0x1234_5678_9000 + (i as u64) * 4096) % PIB;
+            let t = Instant::now();
+            let (err, data) = roundtrip(&mut reader, Cmd::Read, reads, at, 4096, &[]);
+            slowest = slowest.max(t.elapsed());
+            assert_eq!(err, None);
+            assert!(data.iter().all(|&b| b == 0));
+            reads += 1;
+            assert!(
+                started.elapsed() < Duration::from_secs(120),
+                "{command:?} of 1 PiB not answered"
+            );
+        }
+        let ((reply_type, err), took) = whole.join().unwrap();
+        assert_eq!((reply_type, err), (c::REPLY_TYPE_NONE, None), "{command:?}");
+        eprintln!(
+            "{command:?} of 1 PiB: {took:?}; {reads} reads meanwhile, the slowest {slowest:?}"
+        );
+        assert!(
+            slowest < Duration::from_secs(1),
+            "a READ during the {command:?} took {slowest:?}"
+        );
+    }
+    let t = Instant::now();
+    let map = run_with_timeout(
+        Command::new("qemu-img").args(["map", "-f", "raw", "--output=json", &srv.uri("disk")]),
+        Duration::from_secs(60),
+    );
+    let map = text(&map);
+    assert!(
+        map.contains(r#""start": 0, "length": 1125899906842624, "depth": 0, "present": true, "zero": true, "data": false"#),
+        "{map}"
+    );
+    eprintln!("qemu-img map of 1 PiB: {:?}", t.elapsed());
+}

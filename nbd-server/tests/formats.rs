@@ -374,3 +374,181 @@ fn an_export_in_an_unserved_format_is_left_out_and_the_others_served() {
         assert!(errors[0].contains(w), "{w:?} not in {log}");
     }
 }
+
+/// With 512-byte clusters and 16-bit refcounts, one refcount table cluster covers 8 MiB of
+/// file: writing more than that grows the refcount table (at the end of the file, as qemu
+/// does), and the image stays consistent for qemu.
+#[test]
+fn qcow2_refcount_table_grows() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("small.qcow2");
+    let img = img.to_str().unwrap().to_string();
+    peer_ok(Command::new("qemu-img").args([
+        "create",
+        "-f",
+        "qcow2",
+        "-o",
+        "cluster_size=512",
+        &img,
+        "128M",
+    ]));
+    let mut srv = start_server_v4(&["--export".into(), format!("d={img}")]);
+    let uri = srv.uri("d");
+    let writes: Vec<String> = (0..10)
+        .map(|i| format!("write -P 0xab {}M 8M", i * 8))
+        .collect();
+    let cmds: Vec<&str> = writes.iter().map(String::as_str).collect();
+    qemu_io(&uri, &cmds);
+    qemu_io(&uri, &["read -P 0xab 0 80M", "read -P 0 80M 48M"]);
+    srv.signal(libc::SIGTERM);
+    assert!(
+        srv.wait_timeout(Duration::from_secs(20))
+            .is_some_and(|s| s.success()),
+        "{}",
+        srv.log()
+    );
+    let check = peer_ok(Command::new("qemu-img").args(["check", &img]));
+    assert!(check.contains("No errors were found"), "{check}");
+    let out = peer_ok(Command::new("qemu-io").args([
+        "-f",
+        "qcow2",
+        &img,
+        "-c",
+        "read -P 0xab 0 80M",
+        "-c",
+        "read -P 0 80M 48M",
+    ]));
+    assert!(!out.contains("fail"), "{out}");
+}
+
+fn be_u64(b: &[u8], at: usize) -> u64 {
+    u64::from_be_bytes(b[at..at + 8].try_into().unwrap())
+}
+
+/// Patches `bytes` into the file at `at`.
+fn patch(path: &str, at: u64, bytes: &[u8]) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .write_all_at(bytes, at)
+        .unwrap();
+}
+
+/// Crafted headers: tables larger than qemu allows, or overlapping each other or the header,
+/// or past the end of the file, are refused at open with one line naming the file; an L1
+/// table larger than the virtual disk needs (up to qemu's limit) is served, and only the
+/// entries the disk needs are read.
+#[test]
+fn qcow2_oversized_or_misplaced_tables_are_refused() {
+    if !require(&["qemu-img"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let fresh = |name: &str| qemu_img_create(d, name, &["-f", "qcow2"]);
+    // qemu-img create's layout (64 KiB clusters): header, refcount table, refcount block, L1.
+    let probe = fresh("probe.qcow2");
+    let head = std::fs::read(&probe).unwrap();
+    let (l1_at, rt_at) = (be_u64(&head, 40), be_u64(&head, 48));
+    assert_eq!((rt_at, l1_at), (0x10000, 0x30000));
+
+    // 2^25 L1 entries (256 MiB of table) for a 32 MiB disk, the file long enough to hold them.
+    let big_l1 = fresh("big-l1.qcow2");
+    patch(&big_l1, 36, &(1u32 << 25).to_be_bytes());
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&big_l1)
+        .unwrap()
+        .set_len(l1_at + (8 << 25))
+        .unwrap();
+    refused(
+        &["--export", &format!("x={big_l1}")],
+        &[&big_l1, "L1 table"],
+    );
+    // A refcount table of 2^20 clusters (64 GiB).
+    let big_rt = fresh("big-rt.qcow2");
+    patch(&big_rt, 56, &(1u32 << 20).to_be_bytes());
+    refused(
+        &["--export", &format!("x={big_rt}")],
+        &[&big_rt, "refcount table"],
+    );
+    // The L1 table on the refcount table, on the header, past the end of the file.
+    for (name, l1, words) in [
+        ("l1-on-rt.qcow2", rt_at, "overlaps"),
+        ("l1-on-header.qcow2", 0, "overlaps"),
+        ("l1-past-end.qcow2", 1 << 30, "past the end"),
+    ] {
+        let p = fresh(name);
+        patch(&p, 40, &l1.to_be_bytes());
+        refused(&["--export", &format!("x={p}")], &[&p, "L1 table", words]);
+    }
+    // The refcount table on the header.
+    let p = fresh("rt-on-header.qcow2");
+    patch(&p, 48, &0u64.to_be_bytes());
+    refused(
+        &["--export", &format!("x={p}")],
+        &[&p, "refcount table", "overlaps"],
+    );
+
+    // qemu's largest L1 table (2^22 entries, 32 MiB) for a 32 MiB disk: served, reading one
+    // entry; the server stays small.
+    let max_l1 = fresh("max-l1.qcow2");
+    patch(&max_l1, 36, &(1u32 << 22).to_be_bytes());
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&max_l1)
+        .unwrap()
+        .set_len(l1_at + (8 << 22))
+        .unwrap();
+    let srv = start_server_v4(&["--export".into(), format!("x={max_l1}")]);
+    let info = peer_ok(Command::new("qemu-img").args(["info", "-f", "raw", &srv.uri("x")]));
+    assert!(info.contains("virtual size: 32 MiB"), "{info}");
+    let rss = srv.rss_kib();
+    drop(srv);
+    let srv = start_server_v4(&["--export".into(), format!("x={probe}")]);
+    peer_ok(Command::new("qemu-img").args(["info", "-f", "raw", &srv.uri("x")]));
+    let plain = srv.rss_kib();
+    assert!(
+        rss < plain + (8 << 10),
+        "the server's RSS is {rss} KiB, {plain} KiB with the same image made by qemu-img"
+    );
+}
+
+/// A data cluster that lies on the image's own metadata (here: the refcount table, and an
+/// unaligned offset inside the header cluster) is not written through: the guest's write
+/// gets EIO, the metadata is unchanged, and the image is marked corrupt, as qemu's overlap
+/// check does; it is refused at the next start.
+#[test]
+fn qcow2_data_cluster_on_metadata_is_not_written_and_marks_the_image_corrupt() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for (name, host) in [("on-rt.qcow2", 0x10000u64), ("on-header.qcow2", 0x200)] {
+        let img = qemu_img_create(dir.path(), name, &["-f", "qcow2"]);
+        peer_ok(Command::new("qemu-io").args(["-f", "qcow2", &img, "-c", "write -P 0x5a 0 64k"]));
+        let head = std::fs::read(&img).unwrap();
+        let l1_at = be_u64(&head, 40) as usize;
+        let l2_at = be_u64(&head, l1_at) & 0x00ff_ffff_ffff_fe00;
+        patch(&img, l2_at, &((1u64 << 63) | host).to_be_bytes());
+        let before = std::fs::read(&img).unwrap();
+
+        let srv = start_server_v4(&["--export".into(), format!("x={img}")]);
+        let out = qemu_io_any(&srv.uri("x"), &["write -P 0xee 0 4k"]);
+        assert!(out.contains("write failed: Input/output error"), "{out}");
+        drop(srv);
+        let after = std::fs::read(&img).unwrap();
+        assert_eq!(after.len(), before.len());
+        // Only the incompatible features changed: bit 1, "corrupt".
+        assert_eq!(be_u64(&after, 72), be_u64(&before, 72) | 2);
+        assert_eq!(after[..72], before[..72]);
+        assert_eq!(after[80..], before[80..], "{name}");
+        let info = peer_ok(Command::new("qemu-img").args(["info", &img]));
+        assert!(info.contains("corrupt: true"), "{info}");
+        refused(&["--export", &format!("x={img}")], &[&img, "corrupt"]);
+    }
+}
