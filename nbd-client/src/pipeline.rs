@@ -236,8 +236,12 @@ impl Client {
                         Failure::Lost("the server closed the connection".into())
                     }
                     WcStatus::FramingError => Failure::Violation(
-                        "it sent a reply the client cannot frame (bad magic or an oversize chunk)"
-                            .into(),
+                        match self.conn.as_ref().and_then(|c| c.frame_fault.lock().take()) {
+                            Some(why) => format!("it sent a reply the client cannot frame: {why}"),
+                            None => "it sent a reply the client cannot frame (bad magic or an \
+                                     oversize chunk)"
+                                .into(),
+                        },
                     ),
                     WcStatus::LengthError => {
                         Failure::Violation("it sent a reply longer than any request allows".into())
