@@ -130,7 +130,9 @@ struct Cli {
     #[arg(long, value_name = "N")]
     max_handshakes: Option<usize>,
     /// Close a client's connection after SECS without a request while nothing is in flight
-    /// (default: never). The client sees its server go away, as after a restart.
+    /// (default: never), or after SECS (at most 60) in which the client read none of the
+    /// replies sent to it (without this option: 60 s). The client sees its server go away, as
+    /// after a restart.
     #[arg(long, value_name = "SECS")]
     idle_timeout: Option<u64>,
     /// Memory for receive buffers shared by busy connections (default 256M). Each connection
