@@ -611,15 +611,20 @@ fn run(cli: Cli) -> Result<i32> {
             tls_config,
         },
     )?;
+    // Status lines go to stderr, like the log: stdout is the user's (`--run 'nbdcopy "$uri" -'
+    // > disk.raw` must hold the image's bytes only). -q silences them.
+    let status = cli.log.quiet == 0;
     for a in server.local_addrs() {
-        println!("qpip-nbd-server: listening on {a}");
+        if status {
+            eprintln!("qpip-nbd-server: listening on {a}");
+        }
     }
-    if demo {
+    if demo && status {
         match lanai_addr {
-            Some(a) => println!(
+            Some(a) => eprintln!(
                 "qpip-nbd-server: serving the demo image as export \"demo\"; try: qpip-nbd info --backend lanai nbd://[{a}]/demo"
             ),
-            None => println!(
+            None => eprintln!(
                 "qpip-nbd-server: serving the demo image as export \"demo\"; try: nbdinfo nbd://127.0.0.1/demo"
             ),
         }
