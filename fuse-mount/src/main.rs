@@ -5,7 +5,8 @@ use std::io::{Read, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
@@ -13,6 +14,7 @@ use fuse_mount::export::Export;
 use fuse_mount::fs::NbdFs;
 use fuse_mount::session::{Cache, Config, Session, Transport};
 use fuse_mount::{file_name, mount, mountpoint};
+use nbd_client::client::STOP_GRACE;
 use nbd_client::{Client, ClientOptions, Error as NbdError, NbdUri, Nic, Pool};
 use qpip_cli::BackendArgs;
 
@@ -221,7 +223,7 @@ fn run(cli: Cli) -> Result<()> {
 
 /// Connects: the server unreachable, the export unknown (naming the ones there are) and
 /// the like are errors here, before anything is mounted.
-fn connect(cli: &Cli, uri: &NbdUri, nic: &Nic) -> Result<Pool> {
+fn connect(cli: &Cli, uri: &NbdUri, nic: &Nic, stop: &Arc<AtomicBool>) -> Result<Pool> {
     let secs = |what: &str, s: f64| -> Result<Duration> {
         Duration::try_from_secs_f64(s)
             .map_err(|_| anyhow::anyhow!("--{what} {s}: give a number of seconds, 0 or more"))
@@ -231,6 +233,7 @@ fn connect(cli: &Cli, uri: &NbdUri, nic: &Nic) -> Result<Pool> {
         nic: Some(nic.clone()),
         reconnect_timeout: secs("reconnect-timeout", cli.reconnect_timeout)?,
         request_timeout: (!request_timeout.is_zero()).then_some(request_timeout),
+        stop: Some(stop.clone()),
         ..Default::default()
     };
     let mut pool = match Pool::connect(&cli.uri, opts.clone()) {
@@ -269,7 +272,8 @@ fn explain_connect_error(uri: &NbdUri, e: NbdError, opts: &ClientOptions) -> any
 fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
     let nic = Nic::open(cli.backend.backend(None)?)
         .with_context(|| format!("starting the {} NIC", cli.backend.backend.name()))?;
-    let export = Arc::new(Export::new(connect(cli, uri, &nic)?));
+    let stop = Arc::new(AtomicBool::new(false));
+    let export = Arc::new(Export::new(connect(cli, uri, &nic, &stop)?));
     let caps = *export.caps();
     let name = file_name(&uri.export);
     let threads = cli
@@ -341,7 +345,7 @@ fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
         qpip_cli::files::write_pid_file(p)
             .with_context(|| format!("--pid-file {}", p.display()))?;
     }
-    watch_signals(mnt.to_path_buf())?;
+    watch_signals(mnt.to_path_buf(), stop)?;
     ready.ok();
 
     let result = session.run();
@@ -358,7 +362,11 @@ fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
 }
 
 /// SIGINT, SIGTERM and SIGHUP unmount; the session loop then ends and the process exits 0.
-fn watch_signals(mnt: PathBuf) -> Result<()> {
+/// A read or write waiting on a server that does not answer would keep the file open (and the
+/// unmount busy) for up to the request and reconnect timeouts: the signal first tells the
+/// clients to stop waiting (requests in flight without a reply for `STOP_GRACE` fail with
+/// EIO), and the unmount is retried while they end.
+fn watch_signals(mnt: PathBuf, stop: Arc<AtomicBool>) -> Result<()> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     let mut signals =
         signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]).context("signals")?;
@@ -367,13 +375,29 @@ fn watch_signals(mnt: PathBuf) -> Result<()> {
         .spawn(move || {
             for sig in signals.forever() {
                 tracing::info!(sig, "unmounting {}", mnt.display());
-                match mountpoint::unmount(&mnt) {
+                stop.store(true, Ordering::Relaxed);
+                let until = Instant::now() + STOP_GRACE + Duration::from_secs(3);
+                let result = loop {
+                    match mountpoint::unmount(&mnt) {
+                        Err(e)
+                            if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < until =>
+                        {
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
+                        other => break other,
+                    }
+                };
+                match result {
                     Ok(()) => {}
-                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) => eprintln!(
-                        "qpip-nbd-mount: {} is busy (still open, e.g. by a loop device); \
-                         it stays mounted: free it and signal again, or fusermount3 -u it",
-                        mnt.display()
-                    ),
+                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                        // It goes on serving, with the usual patience for the server.
+                        stop.store(false, Ordering::Relaxed);
+                        eprintln!(
+                            "qpip-nbd-mount: {} is busy (still open, e.g. by a loop device); \
+                             it stays mounted: free it and signal again, or fusermount3 -u it",
+                            mnt.display()
+                        )
+                    }
                     Err(e) => eprintln!("qpip-nbd-mount: unmounting {}: {e}", mnt.display()),
                 }
             }

@@ -47,6 +47,8 @@ on_both_transports!(
     errors_are_clear_and_exit_non_zero,
     server_eio_reaches_the_application_as_eio,
     unaligned_io_against_a_4k_minimum_block_size,
+    a_silent_server_fails_a_read_within_request_plus_reconnect_timeout,
+    sigterm_ends_a_read_stuck_on_a_silent_server_and_exits,
 );
 
 fn errno(e: &std::io::Error) -> i32 {
@@ -804,4 +806,80 @@ fn pid_file_replaces_a_symlink_at_its_path() {
     let left: Vec<_> = std::fs::read_dir(&shared).unwrap().collect();
     assert!(left.is_empty(), "left behind: {left:?}");
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n");
+}
+
+/// Issue 24 item 9: a server that completes the handshake and never answers. The read fails
+/// with EIO after the request timeout plus the reconnect timeout (6 + 1 s here), as the README
+/// says, not after a second request timeout for the request reissued on the reconnection.
+fn a_silent_server_fails_a_read_within_request_plus_reconnect_timeout() {
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let uri = silent_server("q", 16 * MIB);
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let opts = [
+        "--connections",
+        "1",
+        "--request-timeout",
+        "6",
+        "--reconnect-timeout",
+        "1",
+    ];
+    let _m = mount(&uri, &mnt, "q", &opts);
+    let f = std::fs::File::open(mnt.join("q")).unwrap();
+    let t = std::time::Instant::now();
+    let mut buf = vec![0u8; 4096];
+    let e = f.read_exact_at(&mut buf, 8 * MIB).unwrap_err();
+    assert_eq!(errno(&e), libc::EIO, "{e}");
+    // 7 s and the client's 1 s polling; twice the request timeout would be 12 s and more.
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(10),
+        "EIO after {:?}",
+        t.elapsed()
+    );
+}
+
+/// Issue 24 item 9: with the default timeouts (60 + 30 s) a read is stuck on a server that
+/// never answers; SIGTERM makes it fail with EIO and the process exit within seconds.
+fn sigterm_ends_a_read_stuck_on_a_silent_server_and_exits() {
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let uri = silent_server("t", 16 * MIB);
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let mut m = mount(&uri, &mnt, "t", &["--connections", "1"]);
+    let file = m.file.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let f = std::fs::File::open(file).unwrap();
+        let mut buf = vec![0u8; 4096];
+        let r = f.read_exact_at(&mut buf, 8 * MIB);
+        drop(f);
+        let _ = tx.send(r);
+    });
+    // The read is stuck, well inside the 60 s request timeout.
+    assert!(
+        rx.recv_timeout(std::time::Duration::from_secs(2)).is_err(),
+        "the read did not wait for the server"
+    );
+    let t = std::time::Instant::now();
+    // SAFETY: plain syscall to the child this test started.
+    assert_eq!(unsafe { libc::kill(m.pid(), libc::SIGTERM) }, 0);
+    let r = rx
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("the read still waits 10 s after SIGTERM");
+    let e = r.unwrap_err();
+    assert_eq!(errno(&e), libc::EIO, "{e}");
+    let status = m.wait_exit();
+    assert!(status.success(), "{status}");
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(10),
+        "exited {:?} after SIGTERM",
+        t.elapsed()
+    );
+    assert!(!m.file.exists(), "still mounted after SIGTERM");
 }

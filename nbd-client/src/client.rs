@@ -28,6 +28,8 @@
 //! blocking calls on top (`blocking`).
 
 use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use nbd_proto::flags::TransmissionFlags;
@@ -63,7 +65,15 @@ pub struct ClientOptions {
     pub base_allocation: bool,
     /// The NIC to use (a new soft NIC if `None`); clients may share one.
     pub nic: Option<Nic>,
+    /// Set by another thread (a signal handler, an unmount) when the process is stopping:
+    /// from then on the client no longer waits for a server that does not answer. Requests
+    /// in flight that get no reply for [`STOP_GRACE`] fail with EIO, and a lost connection
+    /// is not restored. The client stays failed, as after its reconnect timeout.
+    pub stop: Option<Arc<AtomicBool>>,
 }
+
+/// Once [`ClientOptions::stop`] is set, how long requests in flight may go without a reply.
+pub const STOP_GRACE: Duration = Duration::from_secs(2);
 
 impl Default for ClientOptions {
     fn default() -> Self {
@@ -76,6 +86,7 @@ impl Default for ClientOptions {
             extended_headers: true,
             base_allocation: true,
             nic: None,
+            stop: None,
         }
     }
 }
@@ -218,6 +229,14 @@ impl Client {
     /// Lowers how long a lost connection is retried (never raises it): for a last flush on
     /// the way out, which should not hold a process for the whole reconnect timeout when
     /// the server is gone.
+    /// The process is stopping ([`ClientOptions::stop`]).
+    pub(crate) fn stopping(&self) -> bool {
+        self.opts
+            .stop
+            .as_ref()
+            .is_some_and(|s| s.load(Ordering::Relaxed))
+    }
+
     pub fn limit_reconnect_timeout(&mut self, limit: Duration) {
         self.opts.reconnect_timeout = self.opts.reconnect_timeout.min(limit);
         self.liveness.limit_reconnect_timeout(limit);

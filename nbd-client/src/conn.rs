@@ -16,7 +16,7 @@ use qpip_core::{
 };
 
 use crate::error::{Error, Result};
-use crate::framer::{ClientFramer, Reads};
+use crate::framer::{ClientFramer, FrameFault, Reads};
 use crate::uri::NbdUri;
 
 /// Largest READ or WRITE sent as one request (longer ones are split; the server's maximum
@@ -39,6 +39,8 @@ pub struct Conn {
     pub cq: CompletionQueue,
     pub phase: Arc<AtomicU8>,
     pub reads: Reads,
+    /// Why the framer refused a message, if it did.
+    pub frame_fault: FrameFault,
     pub recv_mr: MemoryRegion,
     /// Handshake messages sent, kept registered until the connection goes.
     _sent: Vec<MemoryRegion>,
@@ -166,9 +168,15 @@ impl Conn {
             let cq = nic.create_cq(2 * (MAX_WINDOW + RECV_SLOTS) + 16);
             let phase = Arc::new(AtomicU8::new(ClientPhase::Greeting.to_u8()));
             let reads = Reads::default();
+            let frame_fault = FrameFault::default();
             let qp = nic.create_qp(
                 QpAttr::new(&cq)
-                    .framer(ClientFramer::new(phase.clone(), reads.clone(), limits))
+                    .framer(ClientFramer::new(
+                        phase.clone(),
+                        reads.clone(),
+                        limits,
+                        frame_fault.clone(),
+                    ))
                     .depths(MAX_WINDOW + 8, RECV_SLOTS),
             );
             let left = deadline.saturating_duration_since(Instant::now());
@@ -186,6 +194,7 @@ impl Conn {
                         cq,
                         phase,
                         reads,
+                        frame_fault,
                         recv_mr,
                         _sent: Vec::new(),
                     });

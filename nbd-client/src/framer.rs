@@ -7,8 +7,10 @@
 //! handshake message and before it posts the next receive WR (the NIC consults the framer only
 //! when a receive WR is posted). Simple replies do not say how long their data is, and only
 //! the client knows where a READ's data belong: the connection records every outstanding
-//! simple-reply READ, and every READ into registered memory, by cookie in `reads` *before*
-//! it posts the request.
+//! READ by cookie in `reads` *before* it posts the request. The framer also refuses, from its
+//! header, an `OFFSET_DATA` chunk announcing data past its read: framed by its announced
+//! length, the client would otherwise wait for data a broken server may never send, and end
+//! in a request timeout instead of a protocol error.
 //!
 //! A read's entry leaves the table when the framer sees the read's last message (a simple
 //! reply, or a chunk with the DONE flag), so once the client has handled that message no
@@ -20,7 +22,8 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 use nbd_proto::consts as c;
 use nbd_proto::framing::{
-    ClientPhase, DataAt, FrameLimits, Need, client_data_at, client_need, reply_cookie,
+    ClientPhase, DataAt, FrameLimits, Need, ReadChunk, client_data_at, client_need,
+    client_read_chunk, reply_cookie,
 };
 use parking_lot::Mutex;
 use qpip_core::{Frame, Framer, Sge};
@@ -37,22 +40,34 @@ pub struct PendingRead {
     pub into: Option<Sge>,
 }
 
-/// Cookie → outstanding READs that need the framer (simple-reply reads, placed reads).
+/// Cookie → outstanding READs (the framer frames simple replies, places data, and refuses
+/// a data chunk that runs past its read from its header).
 pub type Reads = Arc<Mutex<HashMap<u64, PendingRead>>>;
+
+/// Why the framer refused the server's last message: the NIC only reports a framing error,
+/// the connection reads the reason from here.
+pub type FrameFault = Arc<Mutex<Option<String>>>;
 
 pub struct ClientFramer {
     phase: Arc<AtomicU8>,
     reads: Reads,
     limits: FrameLimits,
+    fault: FrameFault,
 }
 
 impl ClientFramer {
-    pub fn new(phase: Arc<AtomicU8>, reads: Reads, limits: FrameLimits) -> Self {
+    pub fn new(phase: Arc<AtomicU8>, reads: Reads, limits: FrameLimits, fault: FrameFault) -> Self {
         ClientFramer {
             phase,
             reads,
             limits,
+            fault,
         }
+    }
+
+    fn invalid(&self, why: String) -> Frame {
+        *self.fault.lock() = Some(why.clone());
+        Frame::Invalid(why)
     }
 }
 
@@ -66,7 +81,7 @@ impl Framer for ClientFramer {
         });
         let (header_len, body_len) = match need {
             Need::Header(n) => return Frame::NeedHeader(n),
-            Need::Invalid(e) => return Frame::Invalid(e.to_string()),
+            Need::Invalid(e) => return self.invalid(e.to_string()),
             Need::Message {
                 header_len,
                 body_len,
@@ -83,6 +98,17 @@ impl Framer for ClientFramer {
         );
         if !transmission || reads.is_empty() {
             return whole;
+        }
+        // A data chunk announcing more than its read is refused now: its data may never come.
+        match client_read_chunk(header, |cookie| {
+            reads.get(&cookie).map(|r| (r.offset, r.length))
+        }) {
+            ReadChunk::Header(n) => return Frame::NeedHeader(n),
+            ReadChunk::Invalid(e) => {
+                drop(reads);
+                return self.invalid(e.to_string());
+            }
+            ReadChunk::Fits => {}
         }
         // A simple reply carries data only where simple replies were negotiated.
         let simple = header.first_chunk::<4>() == Some(&c::SIMPLE_REPLY_MAGIC.to_be_bytes());
@@ -132,7 +158,12 @@ mod tests {
     fn simple_read_replies_use_the_recorded_length() {
         let phase = Arc::new(AtomicU8::new(ClientPhase::Greeting.to_u8()));
         let reads: Reads = Default::default();
-        let mut f = ClientFramer::new(phase.clone(), reads.clone(), FrameLimits::default());
+        let mut f = ClientFramer::new(
+            phase.clone(),
+            reads.clone(),
+            FrameLimits::default(),
+            FrameFault::default(),
+        );
         assert!(matches!(
             f.frame(&[]),
             Frame::Message { header_len: 18, .. }

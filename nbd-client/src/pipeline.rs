@@ -9,7 +9,7 @@ use nbd_proto::session::{Delivered, Failed, Stall, Submission};
 use nbd_proto::transmission::{Command, Request};
 use qpip_core::{Completion, MemoryRegion, Opcode, SendWr, WcStatus};
 
-use crate::client::{Client, Failure, Op, Region, Reply};
+use crate::client::{Client, Failure, Op, Region, Reply, STOP_GRACE};
 use crate::conn::{RECV_BIT, RECV_SLOT};
 use crate::error::{Error, Result};
 use crate::framer::PendingRead;
@@ -236,8 +236,12 @@ impl Client {
                         Failure::Lost("the server closed the connection".into())
                     }
                     WcStatus::FramingError => Failure::Violation(
-                        "it sent a reply the client cannot frame (bad magic or an oversize chunk)"
-                            .into(),
+                        match self.conn.as_ref().and_then(|c| c.frame_fault.lock().take()) {
+                            Some(why) => format!("it sent a reply the client cannot frame: {why}"),
+                            None => "it sent a reply the client cannot frame (bad magic or an \
+                                     oversize chunk)"
+                                .into(),
+                        },
                     ),
                     WcStatus::LengthError => {
                         Failure::Violation("it sent a reply longer than any request allows".into())
@@ -309,6 +313,20 @@ impl Client {
     /// Requests in flight and no reply for `request_timeout`: reconnect and reissue, unless
     /// the server has already been silent for `reconnect_timeout` past its first timeout.
     fn check_stall(&mut self) {
+        let in_flight = self.session.in_flight();
+        if in_flight > 0
+            && self.stopping()
+            && self.liveness.silent_for(Instant::now()) >= STOP_GRACE
+        {
+            let why = format!(
+                "stopping: no reply from the server for {} s",
+                STOP_GRACE.as_secs()
+            );
+            tracing::error!(uri = %self.uri, in_flight, "{why}; failing the requests in flight");
+            self.drop_conn();
+            self.fail_all(Failure::Lost(why));
+            return;
+        }
         match self
             .liveness
             .stall(Instant::now(), self.session.in_flight() > 0)

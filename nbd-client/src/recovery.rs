@@ -32,6 +32,10 @@ impl Client {
         let deadline = self.liveness.lost(start);
         let mut last = why.clone();
         loop {
+            if self.stopping() {
+                last = "stopping: not reconnecting".into();
+                break;
+            }
             let wait = self.liveness.next_wait(random());
             std::thread::sleep(wait.min(deadline.saturating_duration_since(Instant::now())));
             let left = deadline.saturating_duration_since(Instant::now());

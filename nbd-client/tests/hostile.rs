@@ -444,3 +444,51 @@ fn extended_replies_must_echo_the_request_offset() {
         "{e}"
     );
 }
+
+#[test]
+fn data_chunk_longer_than_the_read_fails_at_once() {
+    // Issue 24 item 10: an OFFSET_DATA chunk at the read's offset whose header says it is
+    // longer than the read, by a little, by a lot, and by more than a receive slot holds.
+    // The server sends the read's bytes only, then waits: the client must see the violation
+    // in the header, not wait for the rest and then for the request timeout.
+    for extra in [1usize, 4096, 64 << 10, 2 << 20] {
+        let h = Hostile::start(Box::new(move |r| {
+            let mut v =
+                offset_data_header(r.cookie, true, r.offset, r.length as u32 + extra as u32)
+                    .unwrap()
+                    .to_vec();
+            v.resize(v.len() + r.length as usize, 0xEE);
+            (v, false)
+        }));
+        let opts = ClientOptions {
+            request_timeout: Some(Duration::from_secs(10)),
+            reconnect_timeout: Duration::from_secs(10),
+            ..options()
+        };
+        for placed in [false, true] {
+            let mut client = Client::connect_with(&h.uri(), opts.clone()).unwrap();
+            let t = Instant::now();
+            let e = if placed {
+                let mr = client
+                    .nic()
+                    .alloc_region(3 * 4096, qpip_core::Access::READ_WRITE);
+                client.read_at_mr(64 << 10, &mr, 4096, 4096).unwrap_err()
+            } else {
+                let mut buf = vec![0u8; 4096];
+                client.read_at(64 << 10, &mut buf).unwrap_err()
+            };
+            assert!(
+                t.elapsed() < Duration::from_secs(3),
+                "{extra} extra bytes (placed: {placed}): failed after {:?}: {e}",
+                t.elapsed()
+            );
+            // Past a receive slot the framer's length limit says so first.
+            let why = if extra < 1 << 20 {
+                "longer than its read"
+            } else {
+                "exceeds limit"
+            };
+            assert_violation(&e, why);
+        }
+    }
+}

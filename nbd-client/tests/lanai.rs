@@ -38,14 +38,14 @@ impl Drop for Proc {
     }
 }
 
-/// Spawns `cmd` and waits for a stdout line starting with `prefix`; returns its rest. Keeps
-/// draining stdout afterwards.
+/// Spawns `cmd` and waits for a stderr line (status lines go there, with the log) starting
+/// with `prefix`; returns its rest. Keeps draining stderr afterwards.
 fn spawn_until(mut cmd: Command, prefix: &str) -> (Proc, String) {
     let mut child = cmd
-        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap_or_else(|e| panic!("starting {cmd:?}: {e}"));
-    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut out = BufReader::new(child.stderr.take().unwrap());
     let proc = Proc(child);
     let mut line = String::new();
     let rest = loop {

@@ -73,6 +73,29 @@ pub enum FrameError {
     /// The phase does not expect any message from the peer.
     #[error("no message expected in this phase")]
     Unexpected,
+    /// An `OFFSET_DATA` chunk with more data than its read asked for.
+    #[error("a data chunk of {len} bytes is longer than its read of {read_len} bytes")]
+    ChunkLongerThanRead {
+        /// Bytes of data the chunk header announces.
+        len: u64,
+        /// The read's length.
+        read_len: u32,
+    },
+    /// An `OFFSET_DATA` chunk whose data lie (partly) outside its read.
+    #[error(
+        "a data chunk of {len} bytes at offset {offset} lies outside the read of {read_len} \
+         bytes at {read_offset}"
+    )]
+    ChunkOutsideRead {
+        /// The chunk's offset.
+        offset: u64,
+        /// Bytes of data the chunk header announces.
+        len: u64,
+        /// The read's offset.
+        read_offset: u64,
+        /// The read's length.
+        read_len: u32,
+    },
 }
 
 /// The framer's answer.
@@ -459,6 +482,75 @@ pub fn client_data_at(
     }
 }
 
+/// Whether a reply message fits its read, judged from the header alone ([`client_read_chunk`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadChunk {
+    /// An `OFFSET_DATA` chunk of a known read whose offset is still to come: wait until this
+    /// many bytes of the message are available.
+    Header(usize),
+    /// Nothing to refuse here: not an `OFFSET_DATA` chunk of a known read, or one that lies
+    /// inside its read (the whole message is still checked by
+    /// [`crate::reply_check::ReplyCheck`]).
+    Fits,
+    /// The chunk announces data beyond its read: the server broke the protocol, and waiting
+    /// for those bytes could only end in a timeout.
+    Invalid(FrameError),
+}
+
+/// Checks the header of an `OFFSET_DATA` chunk (structured or extended) against its read
+/// *before* its data arrive: `read(cookie)` gives `(offset, length)` of every READ in flight.
+/// A chunk longer than its read, or outside it, is refused at once; otherwise a client that
+/// frames by the announced length would wait for data a broken server may never send.
+pub fn client_read_chunk(
+    prefix: &[u8],
+    mut read: impl FnMut(u64) -> Option<(u64, u32)>,
+) -> ReadChunk {
+    let Some(magic @ (c::STRUCTURED_REPLY_MAGIC | c::EXTENDED_REPLY_MAGIC)) = be_u32(prefix, 0)
+    else {
+        return ReadChunk::Fits;
+    };
+    let (chunk_header, length) = if magic == c::EXTENDED_REPLY_MAGIC {
+        (c::EXTENDED_REPLY_HEADER_LEN, be_u64(prefix, 24))
+    } else {
+        (
+            c::STRUCTURED_REPLY_HEADER_LEN,
+            be_u32(prefix, 16).map(u64::from),
+        )
+    };
+    let (Some(ty), Some(cookie), Some(length)) = (be_u16(prefix, 6), be_u64(prefix, 8), length)
+    else {
+        return ReadChunk::Fits;
+    };
+    // A shorter payload is malformed, which the reply check reports.
+    if ty != c::REPLY_TYPE_OFFSET_DATA || length <= 8 {
+        return ReadChunk::Fits;
+    }
+    let Some((read_offset, read_len)) = read(cookie) else {
+        return ReadChunk::Fits;
+    };
+    let len = length - 8;
+    if len > u64::from(read_len) {
+        return ReadChunk::Invalid(FrameError::ChunkLongerThanRead { len, read_len });
+    }
+    let Some(offset) = be_u64(prefix, chunk_header) else {
+        return ReadChunk::Header(chunk_header + 8);
+    };
+    let inside = offset
+        .checked_sub(read_offset)
+        .and_then(|at| at.checked_add(len))
+        .is_some_and(|end| end <= u64::from(read_len));
+    if inside {
+        ReadChunk::Fits
+    } else {
+        ReadChunk::Invalid(FrameError::ChunkOutsideRead {
+            offset,
+            len,
+            read_offset,
+            read_len,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -652,6 +744,28 @@ mod tests {
         );
         let outside = offset_data_header(to, true, (1 << 20) + 4090, 50).unwrap();
         assert_eq!(client_data_at(&outside, reads), DataAt::Whole);
+        // Checked against the read before the data arrive.
+        assert_eq!(client_read_chunk(&d[..32], reads), ReadChunk::Header(40));
+        assert_eq!(client_read_chunk(&d, reads), ReadChunk::Fits);
+        assert_eq!(
+            client_read_chunk(&outside, reads),
+            ReadChunk::Invalid(FrameError::ChunkOutsideRead {
+                offset: (1 << 20) + 4090,
+                len: 50,
+                read_offset: 1 << 20,
+                read_len: 4096
+            })
+        );
+        let long = offset_data_header(to, true, 1 << 20, 4097).unwrap();
+        assert_eq!(
+            client_read_chunk(&long[..32], reads),
+            ReadChunk::Invalid(FrameError::ChunkLongerThanRead {
+                len: 4097,
+                read_len: 4096
+            })
+        );
+        let other = offset_data_header(8u64, true, 0, 1 << 20).unwrap();
+        assert_eq!(client_read_chunk(&other, reads), ReadChunk::Fits);
     }
 
     #[test]

@@ -62,9 +62,13 @@ pub enum Error {
         /// How it ended.
         status: WcStatus,
     },
-    /// Every reply slot is in flight and none came back in time.
-    #[error("the client has not read a reply for 60 s")]
-    ClientNotReading,
+    /// Replies are in flight and the client has read none of them for this long (the
+    /// server's `--idle-timeout`, at most 60 s).
+    #[error("closing: the client has not read a reply for {secs} s")]
+    ClientNotReading {
+        /// Seconds without a reply read.
+        secs: f64,
+    },
     /// A READ failed after its reply's header had gone out: the stream cannot say so.
     #[error("a read failed in the middle of its reply")]
     ReadFailedMidReply,

@@ -130,7 +130,9 @@ struct Cli {
     #[arg(long, value_name = "N")]
     max_handshakes: Option<usize>,
     /// Close a client's connection after SECS without a request while nothing is in flight
-    /// (default: never). The client sees its server go away, as after a restart.
+    /// (default: never), or after SECS (at most 60) in which the client read none of the
+    /// replies sent to it (without this option: 60 s). The client sees its server go away, as
+    /// after a restart.
     #[arg(long, value_name = "SECS")]
     idle_timeout: Option<u64>,
     /// Memory for receive buffers shared by busy connections (default 256M). Each connection
@@ -609,15 +611,20 @@ fn run(cli: Cli) -> Result<i32> {
             tls_config,
         },
     )?;
+    // Status lines go to stderr, like the log: stdout is the user's (`--run 'nbdcopy "$uri" -'
+    // > disk.raw` must hold the image's bytes only). -q silences them.
+    let status = cli.log.quiet == 0;
     for a in server.local_addrs() {
-        println!("qpip-nbd-server: listening on {a}");
+        if status {
+            eprintln!("qpip-nbd-server: listening on {a}");
+        }
     }
-    if demo {
+    if demo && status {
         match lanai_addr {
-            Some(a) => println!(
+            Some(a) => eprintln!(
                 "qpip-nbd-server: serving the demo image as export \"demo\"; try: qpip-nbd info --backend lanai nbd://[{a}]/demo"
             ),
-            None => println!(
+            None => eprintln!(
                 "qpip-nbd-server: serving the demo image as export \"demo\"; try: nbdinfo nbd://127.0.0.1/demo"
             ),
         }

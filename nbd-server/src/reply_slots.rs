@@ -27,7 +27,9 @@ const REPLY_WR: u64 = 1 << 32;
 /// Read-buffer bytes a connection may hold without asking the server's budget: two pieces
 /// of [`crate::transmission::CHUNK`], so that one is read while the other is sent.
 pub(crate) const READ_BASE: usize = 2 << 20;
-/// How long a connection waits for its client to read a reply before it gives up.
+/// How long a connection waits for its client to read a reply before it gives up, at most:
+/// `--idle-timeout` lowers it (a client that reads none of its replies is no less idle than
+/// one that sends nothing, and it holds a connection place and memory meanwhile).
 const CLIENT_READ_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Registered memory that a reply send reads from until it completes; what it counts
@@ -63,21 +65,41 @@ pub(crate) struct ReplySlots {
     buffers: HashMap<usize, SendBuffer>,
     /// Read-buffer bytes held from the connection's own [`READ_BASE`].
     base_used: Arc<AtomicUsize>,
+    /// When the client last read a reply (a reply send completed), or when a reply went out
+    /// with none in flight before.
+    progress: Instant,
+    /// Replies in flight and none read for this long: the connection is closed.
+    read_timeout: Duration,
 }
 
 impl ReplySlots {
-    pub fn new(nic: &Nic) -> Self {
+    /// `idle_timeout`: the server's `--idle-timeout`, which bounds how long a client may
+    /// leave its replies unread (never above [`CLIENT_READ_TIMEOUT`]).
+    pub fn new(nic: &Nic, idle_timeout: Option<Duration>) -> Self {
         ReplySlots {
             mr: nic.alloc_region(REPLY_SLOTS * REPLY_SLOT_LEN, Access::READ),
             free: (0..REPLY_SLOTS).rev().collect(),
             buffers: HashMap::new(),
             base_used: Arc::new(AtomicUsize::new(0)),
+            progress: Instant::now(),
+            read_timeout: idle_timeout.map_or(CLIENT_READ_TIMEOUT, |t| t.min(CLIENT_READ_TIMEOUT)),
         }
     }
 
     /// True when no reply is in flight.
     pub fn all_free(&self) -> bool {
         self.free.len() == REPLY_SLOTS
+    }
+
+    /// Err when replies are in flight and the client has read none of them for the read
+    /// timeout: the connection must be closed (the error says why).
+    pub fn check_reading(&self) -> Result<()> {
+        if !self.all_free() && self.progress.elapsed() >= self.read_timeout {
+            return Err(Error::ClientNotReading {
+                secs: self.read_timeout.as_secs_f64(),
+            });
+        }
+        Ok(())
     }
 
     /// A read buffer of `len` bytes, counted against the connection's base or the server's
@@ -122,6 +144,7 @@ impl ReplySlots {
         data: Option<Sge>,
         buffer: Option<SendBuffer>,
     ) -> Result<()> {
+        let was_idle = self.all_free();
         let slot = self.take(link)?;
         let mut sges = Vec::with_capacity(2);
         let mut long_header = None;
@@ -143,6 +166,10 @@ impl ReplySlots {
         // Quietly: the batch loop rings once for all replies of a batch.
         link.qp
             .post_send_quiet(SendWr::new(REPLY_WR + slot as u64, &sges))?;
+        if was_idle {
+            // The client's time to read starts with the first reply in flight.
+            self.progress = Instant::now();
+        }
         let buffer = match (buffer, long_header) {
             (Some(b), _) => Some(b),
             (None, Some(mr)) => Some(SendBuffer {
@@ -175,6 +202,7 @@ impl ReplySlots {
         let slot = (c.wr_id - REPLY_WR) as usize;
         self.buffers.remove(&slot);
         self.free.push(slot);
+        self.progress = Instant::now();
         Ok(())
     }
 
@@ -216,10 +244,16 @@ impl ReplySlots {
     fn wait_for_sends(&mut self, link: &mut Link) -> Result<()> {
         link.qp.ring_doorbell();
         let mut buf = [Completion::default(); 32];
-        let n = link.cq.wait(&mut buf, Some(CLIENT_READ_TIMEOUT))?;
-        if n == 0 {
-            return Err(Error::ClientNotReading);
-        }
+        let n = loop {
+            self.check_reading()?;
+            let left = self.read_timeout.saturating_sub(self.progress.elapsed());
+            let n = link
+                .cq
+                .wait(&mut buf, Some(left.max(Duration::from_millis(1))))?;
+            if n > 0 {
+                break n;
+            }
+        };
         for c in &buf[..n] {
             if c.opcode == Opcode::Send {
                 self.on_send(link, c)?;

@@ -153,7 +153,7 @@ impl<'a> Transmission<'a> {
             .shared
             .nic
             .alloc_region(RECV_SLOTS * stride, Access::READ_WRITE);
-        let replies = ReplySlots::new(&link.shared.nic);
+        let replies = ReplySlots::new(&link.shared.nic, link.shared.idle_timeout);
         let (window, first) = RecvWindow::new(RECV_SLOTS, stride);
         for slot in first {
             link.qp.post_recv(RecvWr::new(
@@ -192,6 +192,8 @@ impl<'a> Transmission<'a> {
                 self.link.qp.close();
                 return Ok(());
             }
+            // Replies in flight that the client does not read: idle too, and holding memory.
+            self.replies.check_reading()?;
             if self.shutdown_since.is_none() && self.link.shared.shutting_down() {
                 self.shutdown_since = Some(Instant::now());
                 self.session.begin_shutdown();

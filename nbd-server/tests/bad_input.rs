@@ -1053,3 +1053,63 @@ fn whole_disk_trim_of_a_petabyte_qcow2_leaves_reads_answered() {
     );
     eprintln!("qemu-img map of 1 PiB: {:?}", t.elapsed());
 }
+
+#[test]
+fn idle_timeout_frees_the_places_of_clients_that_never_read_their_replies() {
+    // Issue 24 item 11: clients that pipeline big READs and never read a reply hold their
+    // connection places. With --idle-timeout 2, a connection whose client has read no reply
+    // for 2 s is closed, and a new client gets in within seconds (not after 60 s).
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", 64 * MIB);
+    let srv = start_server_v4(&args(&[
+        "--idle-timeout",
+        "2",
+        "--max-connections",
+        "4",
+        "--export",
+        &format!("disk={}", img.display()),
+    ]));
+    let hogs: Vec<TcpStream> = (0..4)
+        .map(|_| {
+            let mut s = start(srv.addr);
+            assert_eq!(go(&mut s, "disk"), 64 * MIB);
+            for i in 0..32u64 {
+                request(&mut s, Cmd::Read, i, (i % 2) * 32 * MIB, 32 * MIB as u32);
+            }
+            s
+        })
+        .collect();
+    let t = Instant::now();
+    let addr = srv.addr;
+    let mut s = loop {
+        // Refused (all places taken): the server closes during the GO, and `go` panics.
+        if let Ok(s) = std::panic::catch_unwind(|| {
+            let mut s = start(addr);
+            go(&mut s, "disk");
+            s
+        }) {
+            break s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no place freed in {:?}:\n{}",
+            t.elapsed(),
+            srv.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let took = t.elapsed();
+    let (e, back) = roundtrip(&mut s, Cmd::Read, 1, 0, 4096, &[]);
+    assert_eq!(e, None);
+    assert_eq!(back.len(), 4096);
+    assert!(
+        took < Duration::from_secs(8),
+        "a new client waited {took:?}"
+    );
+    assert!(
+        srv.log().contains("has not read a reply for 2 s"),
+        "no log line saying why:\n{}",
+        srv.log()
+    );
+    drop(hogs);
+}

@@ -76,6 +76,51 @@ fn run_gives_the_command_a_uri_and_exits_with_its_status() {
 }
 
 #[test]
+fn run_leaves_stdout_to_the_command() {
+    // Issue 25 item 3: `--run 'nbdcopy "$uri" -' > disk.raw` must write the image's bytes
+    // only; status lines ("listening on ...") go to stderr, and -q silences them.
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "d.img", 4 << 20);
+    for quiet in [false, true] {
+        let mut cmd = Command::new(BIN);
+        if quiet {
+            cmd.arg("-q");
+        }
+        cmd.args(["--export", &format!("d={}", img.display())])
+            .args(["--run", "cat /dev/null"]);
+        let out = run_with_timeout(&mut cmd, Duration::from_secs(30));
+        assert!(out.status.success(), "{}", text(&out));
+        assert!(
+            out.stdout.is_empty(),
+            "stdout not empty: {:?}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            stderr.contains("listening on"),
+            !quiet,
+            "-q: {quiet}; stderr: {stderr}"
+        );
+    }
+    if !require(&["nbdcopy"]) {
+        return;
+    }
+    let want = qpip_test_support::pattern::at_offset(0, 4 << 20);
+    std::fs::write(&img, &want).unwrap();
+    let out = run_with_timeout(
+        Command::new(BIN).args([
+            "--export",
+            &format!("d={}", img.display()),
+            "--run",
+            "nbdcopy \"$uri\" -",
+        ]),
+        Duration::from_secs(60),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(out.stdout == want, "stdout is not the image's bytes");
+}
+
+#[test]
 fn fork_returns_when_serving_and_the_pid_file_names_the_server() {
     if !require(&["qemu-img"]) {
         return;
@@ -97,11 +142,13 @@ fn fork_returns_when_serving_and_the_pid_file_names_the_server() {
         Duration::from_secs(20),
     );
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let addr = stdout
+    // The status line is on stderr; stdout stays the user's.
+    assert!(out.stdout.is_empty(), "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let addr = stderr
         .lines()
         .find_map(|l| l.strip_prefix("qpip-nbd-server: listening on "))
-        .unwrap_or_else(|| panic!("no address in {stdout}"))
+        .unwrap_or_else(|| panic!("no address in {stderr}"))
         .to_string();
     let pid = read_pid(&pid_file);
     assert!(pid_alive(pid));

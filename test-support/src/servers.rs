@@ -6,7 +6,7 @@
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStderr, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -17,20 +17,37 @@ use crate::net::{LISTEN_TIMEOUT, free_port, wait_port, wait_socket};
 /// What qpip-nbd-server prints once it listens, before the address.
 const LISTENING: &str = "qpip-nbd-server: listening on ";
 
-/// Reads a qpip-nbd-server's stdout until its "listening on ADDR" line (None if it exits
-/// or stays silent for [`LISTEN_TIMEOUT`]), and keeps draining it so that the server never
-/// blocks on a full pipe.
-fn listen_line(stdout: ChildStdout) -> Option<String> {
+/// Reads a qpip-nbd-server's stderr until its "listening on ADDR" line (None if it exits
+/// or stays silent for [`LISTEN_TIMEOUT`]), and keeps draining it, passing every line on to
+/// the test's stderr, so that the server never blocks on a full pipe.
+fn listen_line(stderr: ChildStderr) -> Option<String> {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
+        for line in BufReader::new(stderr).lines() {
             let Ok(line) = line else { break };
             if let Some(a) = line.trim().strip_prefix(LISTENING) {
                 let _ = tx.send(a.to_string());
             }
+            eprintln!("{line}");
         }
     });
     rx.recv_timeout(LISTEN_TIMEOUT).ok()
+}
+
+/// Waits for the "listening on ADDR" line in the server's stderr log `log` (None if `child`
+/// exits or the line does not come within [`LISTEN_TIMEOUT`]).
+fn listen_line_in(log: &Path, child: &mut Child) -> Option<String> {
+    let t = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if let Some(a) = text.lines().find_map(|l| l.trim().strip_prefix(LISTENING)) {
+            return Some(a.to_string());
+        }
+        if t.elapsed() > LISTEN_TIMEOUT || child.try_wait().ok().flatten().is_some() {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// A server process and how to reach it, killed on drop.
@@ -89,10 +106,10 @@ pub fn qpip_server_on(port: u16, name: &str, path: &Path, extra: &[&str]) -> Pee
         .arg("--export")
         .arg(format!("{name}={}", path.display()))
         .args(extra)
-        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()
         .expect("starting qpip-nbd-server");
-    let addr = listen_line(child.stdout.take().expect("piped stdout"));
+    let addr = listen_line(child.stderr.take().expect("piped stderr"));
     let Some(addr) = addr else {
         let _ = child.kill();
         panic!("qpip-nbd-server exited or stayed silent before listening");
@@ -242,7 +259,7 @@ pub struct ServerProcess {
 impl ServerProcess {
     /// Starts `bin` listening on `listen` (e.g. "127.0.0.1:0" or "[::1]:0"; "" for none: the
     /// args say where) with the extra `args` and environment `env`, and waits for its
-    /// "listening on ADDR" line.
+    /// "listening on ADDR" line on stderr.
     pub fn start(bin: &Path, listen: &str, args: &[String], env: &[(&str, &Path)]) -> Self {
         let logdir = tempfile::tempdir().unwrap();
         let stderr_log = logdir.path().join("server.stderr");
@@ -256,11 +273,11 @@ impl ServerProcess {
             .args(listen_args)
             .args(args)
             .stdin(Stdio::null())
-            .stdout(Stdio::piped())
+            .stdout(Stdio::null())
             .stderr(std::fs::File::create(&stderr_log).unwrap())
             .spawn()
             .expect("starting qpip-nbd-server");
-        let line = listen_line(child.stdout.take().expect("piped stdout"));
+        let line = listen_line_in(&stderr_log, &mut child);
         let mut s = ServerProcess {
             pid: child.id(),
             child: Some(child),

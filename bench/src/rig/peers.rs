@@ -3,12 +3,10 @@
 //! stopped (SIGTERM, then SIGKILL) by a guard. Also where the programs are found, and the
 //! prerequisites of the fio-driven experiments.
 
-use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -399,11 +397,7 @@ fn launch(
     let logf =
         std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
     cmd.stdin(Stdio::null())
-        .stdout(if port.is_none() {
-            Stdio::piped()
-        } else {
-            Stdio::from(logf.try_clone()?)
-        })
+        .stdout(Stdio::from(logf.try_clone()?))
         .stderr(logf);
     die_with_parent(&mut cmd);
     if own_group {
@@ -467,28 +461,26 @@ fn listening(port: u16) -> bool {
     })
 }
 
-/// Reads qpip-nbd-server's `listening on ADDR` line; keeps draining its stdout afterwards.
+/// Waits for qpip-nbd-server's `listening on ADDR` line in its log (its stderr).
 fn qpip_listen_addr(r: &mut Running) -> Result<SocketAddr> {
-    let stdout = r.child.stdout.take().context("server stdout is piped")?;
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let mut lines = BufReader::new(stdout);
-        let mut line = String::new();
-        let mut sent = false;
-        while lines.read_line(&mut line).unwrap_or(0) > 0 {
-            if !sent && let Some(a) = line.trim().strip_prefix("qpip-nbd-server: listening on ") {
-                sent = tx.send(a.to_string()).is_ok();
-            }
-            line.clear();
+    let t0 = Instant::now();
+    let a = loop {
+        let text = std::fs::read_to_string(&r.log).unwrap_or_default();
+        if let Some(a) = text
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("qpip-nbd-server: listening on "))
+        {
+            break a.to_string();
         }
-    });
-    let a = rx.recv_timeout(START_TIMEOUT).map_err(|_| {
-        anyhow::anyhow!(
-            "qpip-nbd-server (pid {}) printed no \"listening on\" line within {START_TIMEOUT:?}:\n{}",
-            r.pid(),
-            r.log_tail()
-        )
-    })?;
+        if t0.elapsed() > START_TIMEOUT || r.child.try_wait()?.is_some() {
+            bail!(
+                "qpip-nbd-server (pid {}) printed no \"listening on\" line within {START_TIMEOUT:?}:\n{}",
+                r.pid(),
+                r.log_tail()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
     a.parse()
         .with_context(|| format!("qpip-nbd-server printed an unparsable address {a:?}"))
 }

@@ -250,3 +250,46 @@ impl Drop for Mounted {
         let _ = Command::new("umount").arg("-l").arg(&self.0).status();
     }
 }
+
+/// A fake NBD server that completes every handshake (export `name`, `size` bytes) and then
+/// reads requests and never answers one. Returns its URI; it lives as long as the test.
+pub fn silent_server(name: &str, size: u64) -> String {
+    use nbd_proto::handshake::{Export, ServerConfig, ServerEvent, ServerHandshake};
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let export = name.to_string();
+    std::thread::spawn(move || {
+        for s in listener.incoming() {
+            let Ok(mut s) = s else { return };
+            let export = export.clone();
+            std::thread::spawn(move || {
+                let mut hs =
+                    ServerHandshake::new(ServerConfig::new(vec![Export::new(export, size)]));
+                let mut out = hs.greeting().to_vec();
+                let mut buf = vec![0u8; 64 << 10];
+                loop {
+                    if s.write_all(&out).is_err() {
+                        return;
+                    }
+                    out.clear();
+                    let n = match s.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    match hs.feed(&buf[..n], &mut out) {
+                        Ok(ServerEvent::Continue) => {}
+                        Ok(ServerEvent::Done(_)) => break,
+                        _ => return,
+                    }
+                }
+                if s.write_all(&out).is_err() {
+                    return;
+                }
+                // Requests are read (so that the client's sends complete) and never answered.
+                while matches!(s.read(&mut buf), Ok(n) if n > 0) {}
+            });
+        }
+    });
+    format!("nbd://{addr}/{name}")
+}

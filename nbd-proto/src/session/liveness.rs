@@ -75,6 +75,12 @@ impl Liveness {
         self.last_progress = now;
     }
 
+    /// How long the server has been silent: since its last reply, or since the first request
+    /// after an idle spell.
+    pub fn silent_for(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.last_progress)
+    }
+
     /// A reply message arrived: the server is alive.
     pub fn replied(&mut self, now: Instant) {
         self.last_progress = now;
@@ -92,11 +98,27 @@ impl Liveness {
         let Some(limit) = self.request_timeout else {
             return Stall::None;
         };
-        if !in_flight || now.saturating_duration_since(self.last_progress) < limit {
+        if !in_flight {
+            return Stall::None;
+        }
+        let why = || format!("no reply from the server for {} s", limit.as_secs_f64());
+        // Once the server has let a request time out, it gets the reconnect timeout from then
+        // on, not a new request timeout for the requests reissued after a reconnect: the
+        // bound is request timeout + reconnect timeout, as documented.
+        if let Some(since) = self.stalled_since
+            && now.saturating_duration_since(since) >= self.reconnect_timeout
+        {
+            return Stall::GiveUp(format!(
+                "{}, nor in the {} s after",
+                why(),
+                self.reconnect_timeout.as_secs_f64()
+            ));
+        }
+        if now.saturating_duration_since(self.last_progress) < limit {
             return Stall::None;
         }
         let since = *self.stalled_since.get_or_insert(now);
-        let why = format!("no reply from the server for {} s", limit.as_secs_f64());
+        let why = why();
         if now.saturating_duration_since(since) >= self.reconnect_timeout {
             Stall::GiveUp(why)
         } else {
@@ -153,6 +175,19 @@ mod tests {
         assert!(matches!(l.stall(t0 + 51 * S, true), Stall::Reconnect(_)));
         let mut never = Liveness::new(t0, None, 30 * S);
         assert_eq!(never.stall(t0 + 1000 * S, true), Stall::None);
+    }
+
+    #[test]
+    fn give_up_comes_a_reconnect_timeout_after_the_first_timeout() {
+        // Issue 24 item 9: 60 s request timeout, 30 s reconnect timeout, a server that
+        // accepts connections and never answers. The reconnect at 60 s succeeds and the
+        // requests go again; they fail at 60 + 30 s, not after a second full request timeout.
+        let t0 = Instant::now();
+        let mut l = Liveness::new(t0, Some(60 * S), 30 * S);
+        assert!(matches!(l.stall(t0 + 60 * S, true), Stall::Reconnect(_)));
+        l.restart_wait(t0 + 60 * S);
+        assert_eq!(l.stall(t0 + 89 * S, true), Stall::None);
+        assert!(matches!(l.stall(t0 + 90 * S, true), Stall::GiveUp(_)));
     }
 
     #[test]

@@ -72,7 +72,9 @@ pub struct Outgoing<'a, R> {
     pub slot: usize,
     /// The caller's memory the request reads into or writes from, if any.
     pub region: Option<&'a R>,
-    /// Tell the framer about this read before the request goes out.
+    /// Tell the framer about this read before the request goes out (every READ: the framer
+    /// needs simple reads' lengths, placed reads' buffers, and every read's range to refuse
+    /// a data chunk that runs past it before waiting for its data).
     pub read: Option<FramedRead>,
 }
 
@@ -232,15 +234,13 @@ impl<R: ReadTarget> ClientSession<R> {
         let header = req
             .encode(extended)
             .map_err(|_| Refused::Invalid("request too long for compact headers"))?;
-        let framed =
-            req.command == Command::Read && (!self.mode.structured || entry.region.is_some());
         Ok(Outgoing {
             command: req.command,
             header,
             payload_len: req.payload_len(extended) as usize,
             slot: entry.slot,
             region: entry.region.as_ref(),
-            read: framed.then_some(FramedRead {
+            read: (req.command == Command::Read).then_some(FramedRead {
                 offset: req.offset,
                 // reads are at most max_io bytes
                 length: req.length as u32,

@@ -61,7 +61,8 @@ fn run(cli: Cli) -> Result<()> {
         signal_hook::flag::register(sig, stop.clone()).context("installing signal handlers")?;
     }
     let mut bridge = Bridge::open(fabric, cli.tun.as_deref())?;
-    println!("qpip-lanai-bridge: {} up", bridge.tun_name());
+    // On stderr with the log: stdout carries no status.
+    eprintln!("qpip-lanai-bridge: {} up", bridge.tun_name());
     // Dropping the bridge (also after an error) closes the TUN device, which removes it.
     bridge.run(&stop)?;
     Ok(())
