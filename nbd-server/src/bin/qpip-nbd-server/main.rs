@@ -65,22 +65,12 @@ fn run(cli: Cli) -> Result<i32> {
         server_options(&cli, &settings, listeners, tls)?,
     )?;
     announce(&cli, &settings, &server);
-    let _pid_file = match &cli.pid_file {
-        Some(p) => Some(daemon::PidFile::write(p)?),
-        None => None,
-    };
-    let mut captive = match &cli.run {
-        Some(cmd) => {
-            let export = settings
-                .cfg
-                .default_export
-                .as_deref()
-                .unwrap_or(&first_export);
-            let socket = cli.socket.as_deref();
-            Some(captive::spawn(cmd, server.local_addrs(), socket, export)?)
-        }
-        None => None,
-    };
+    let _pid_file = cli
+        .pid_file
+        .as_deref()
+        .map(daemon::PidFile::write)
+        .transpose()?;
+    let mut captive = start_captive(&cli, &settings, &server, &first_export)?;
     if let Some(r) = readiness.as_mut() {
         r.ready();
     }
@@ -266,6 +256,25 @@ fn announce(cli: &Cli, settings: &Settings, server: &Server) {
             ),
         }
     }
+}
+
+/// --run: the command, started once the server serves.
+fn start_captive(
+    cli: &Cli,
+    settings: &Settings,
+    server: &Server,
+    first_export: &str,
+) -> Result<Option<Child>> {
+    let Some(cmd) = &cli.run else {
+        return Ok(None);
+    };
+    let export = settings
+        .cfg
+        .default_export
+        .as_deref()
+        .unwrap_or(first_export);
+    let socket = cli.socket.as_deref();
+    captive::spawn(cmd, server.local_addrs(), socket, export).map(Some)
 }
 
 /// Waits for a signal, or for the --run command to exit (then its exit status).
