@@ -1,7 +1,10 @@
 //! The library's error: why the server could not start, or why a connection ended.
 
+use std::io;
+
 use nbd_proto::handshake::server::ServerError;
 use nbd_proto::server_session::RequestError;
+use nbd_proto::transmission::ErrorValue;
 use qpip_core::WcStatus;
 
 /// Why the server could not start, or why a connection ended (each is logged with its
@@ -92,5 +95,16 @@ impl std::fmt::Display for Chain<'_> {
             source = s.source();
         }
         Ok(())
+    }
+}
+
+/// The NBD error a client is answered with for a store's I/O error.
+pub(crate) fn io_error_value(e: &io::Error) -> ErrorValue {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => ErrorValue::NoSpc,
+        Some(libc::EPERM) | Some(libc::EACCES) | Some(libc::EROFS) => ErrorValue::Perm,
+        Some(libc::EINVAL) => ErrorValue::Inval,
+        Some(libc::EOPNOTSUPP) => ErrorValue::NotSup,
+        _ => ErrorValue::Io,
     }
 }

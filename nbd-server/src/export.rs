@@ -1,56 +1,42 @@
-//! An export: a named disk the server offers (any [`Backend`]), with its registered memory.
+//! An export: a named disk the server offers (any [`Store`]), with its registered memory.
 
 use std::sync::Arc;
 
 use nbd_proto::flags::TransmissionFlags;
 use qpip_core::{Access, FileRegion, MemoryRegion, Nic};
 
-use crate::backend::Backend;
+use crate::store::Store;
 
 pub struct Export {
     pub name: String,
     pub description: String,
-    /// The store behind the export: a file ([`crate::image::Image`]) or an RBD image.
-    pub image: Box<dyn Backend>,
+    /// The store behind the export (opened by [`crate::store::open`]).
+    pub store: Box<dyn Store>,
     /// The store's mapping registered with the NIC, so read replies are sent from it (None
     /// for stores without one: qcow2, RBD).
     pub region: Option<MemoryRegion>,
     /// The store's file registered with the NIC for WRITE payloads (raw, writable images).
     pub file_region: Option<FileRegion>,
-    /// Writes below this offset are not placed in `file_region` ([`Backend::placement_from`]).
+    /// Writes below this offset are not placed in `file_region` ([`Store::placement_from`]).
     pub place_from: u64,
 }
 
 impl Export {
-    pub fn new(
-        nic: &Nic,
-        name: String,
-        description: String,
-        image: impl Backend + 'static,
-    ) -> Arc<Export> {
-        Self::with_backend(nic, name, description, Box::new(image))
-    }
-
-    pub fn with_backend(
-        nic: &Nic,
-        name: String,
-        description: String,
-        image: Box<dyn Backend>,
-    ) -> Arc<Export> {
-        let region = image.mapping().map(|(ptr, len)| {
-            // SAFETY: the mapping lives as long as the image, which the Export owns; the
+    pub fn new(nic: &Nic, name: String, description: String, store: Box<dyn Store>) -> Arc<Export> {
+        let region = store.mapping().map(|(ptr, len)| {
+            // SAFETY: the mapping lives as long as the store, which the Export owns; the
             // region is only read by the NIC (Access::READ), and Export outlives every QP's
             // use of it because connections hold an Arc<Export> until their QP is gone.
             unsafe { nic.register_raw(ptr as *mut u8, len, Access::READ, None) }
         });
-        let file_region = image
+        let file_region = store
             .placement_file()
-            .map(|f| nic.register_file(Arc::new(f), image.size(), Access::READ_WRITE));
-        let place_from = image.placement_from();
+            .map(|f| nic.register_file(Arc::new(f), store.size(), Access::READ_WRITE));
+        let place_from = store.placement_from();
         Arc::new(Export {
             name,
             description,
-            image,
+            store,
             region,
             file_region,
             place_from,
@@ -58,7 +44,7 @@ impl Export {
     }
 
     pub fn read_only(&self) -> bool {
-        self.image.read_only()
+        self.store.read_only()
     }
 
     /// What this export can do, as NBD transmission flags. Every connection writes through

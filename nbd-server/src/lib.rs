@@ -1,25 +1,22 @@
 //! qpip-nbd-server as a library: exports disk images over QP send-receive, plain NBD on the
-//! wire. The binary is a thin command line around [`server::Server`] (its configuration file
-//! and daemon duties are its own modules, which report with `anyhow`; the library's errors
-//! are [`Error`]).
+//! wire. Three parts, each in a folder of its own:
+//!
+//! - [`store`]: the disks behind exports, behind one trait ([`store::Store`]): a raw file,
+//!   a qcow2 image, a Ceph RBD image; [`store::open`] is the one place a store is chosen
+//!   and opened (scheme, format probe, creation, locks).
+//! - `conn`: one client connection (handshake, transmission, the NIC framer, reply slots and
+//!   the receive window); it sees an export's store through the trait only.
+//! - [`server::Server`]: listeners, an accept loop each, a thread per connection, shutdown.
+//!
+//! The binary (`src/bin/qpip-nbd-server/`) is a command line around them: its configuration
+//! file, daemon duties and clap arguments are its own modules, which report with `anyhow`;
+//! the library's errors are typed ([`Error`], [`store::open::OpenError`]).
 
-pub mod backend;
 mod conn;
 pub mod error;
 pub mod export;
-mod framer;
-mod handshake;
-pub mod image;
-mod link;
-pub mod qcow2;
-#[cfg(feature = "rbd")]
-pub mod rbd;
-mod read_reply;
-pub mod recv_window;
-mod reply_slots;
 pub mod server;
-pub mod shared;
-mod transmission;
+pub mod store;
 
+pub use conn::recv_window::{CHUNK, RECV_SLOTS};
 pub use error::Error;
-pub use transmission::{CHUNK, RECV_SLOTS};

@@ -14,13 +14,12 @@ use nbd_proto::handshake::server::{Export as ProtoExport, ServerConfig};
 use parking_lot::Mutex;
 use qpip_core::{Endpoint, Listener, Nic, QpAttr, TlsConfig};
 
+use crate::conn::framer::{FramerState, ServerFramer};
+use crate::conn::recv_window::{BufferBudget, CHUNK, RECV_SLOTS};
+use crate::conn::shared::{RateLimitedLog, ServerShared};
 use crate::conn::{self, Connection};
 use crate::error::{Chain, Result};
 use crate::export::Export;
-use crate::framer::{FramerState, ServerFramer};
-use crate::recv_window::BufferBudget;
-use crate::shared::{RateLimitedLog, ServerShared};
-use crate::transmission::{CHUNK, RECV_SLOTS};
 
 pub struct ServerOptions {
     /// Where to accept clients: bound before the images are opened, so that an address in
@@ -33,7 +32,7 @@ pub struct ServerOptions {
     /// Close a connection with nothing in flight after this long without a request.
     pub idle_timeout: Option<Duration>,
     /// Bytes of receive buffers that connections may share beyond their base slots (see
-    /// [`crate::recv_window`]).
+    /// [`crate::conn::recv_window`]).
     pub buffer_memory: u64,
     pub default_export: Option<String>,
     pub list_exports: bool,
@@ -60,7 +59,7 @@ impl Server {
             .map(|e| ProtoExport {
                 name: e.name.clone(),
                 description: e.description.clone(),
-                size: e.image.size(),
+                size: e.store.size(),
                 flags: e.flags(),
                 block_size: Some(BlockSize {
                     min: 1,
@@ -156,8 +155,8 @@ impl Server {
             }
         }
         for e in &self.shared.exports {
-            if let Err(err) = e.image.flush() {
-                tracing::error!(export = %e.name, "final flush of {} failed: {err}", e.image.location());
+            if let Err(err) = e.store.flush() {
+                tracing::error!(export = %e.name, "final flush of {} failed: {err}", e.store.location());
             }
         }
     }

@@ -7,9 +7,9 @@ use nbd_proto::consts as c;
 use nbd_proto::handshake::server::{ServerEvent, ServerHandshake, ServerNegotiated};
 use qpip_core::{Access, Opcode, RecvWr, WcStatus};
 
+use super::framer::FramerState;
+use super::link::Link;
 use crate::error::{Error, Result};
-use crate::framer::FramerState;
-use crate::link::Link;
 
 /// A client that does not finish its handshake in this time is dropped, so that idle
 /// sockets cannot hold the connection slots for long (qemu-nbd's --handshake-limit default).

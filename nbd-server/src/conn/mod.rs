@@ -1,18 +1,29 @@
-//! One client connection: the NBD handshake ([`crate::handshake`]), a place among the
-//! connections served, then the transmission phase ([`crate::transmission`]).
+//! One client connection: the NBD handshake ([`handshake`]), a place among the
+//! connections served, then the transmission phase ([`transmission`]).
+//!
+//! The connection serves an export through its [`crate::store::Store`] trait object and
+//! knows no store by name.
+
+pub(crate) mod framer;
+mod handshake;
+mod link;
+mod read_reply;
+pub mod recv_window;
+mod reply_slots;
+pub mod shared;
+mod transmission;
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use qpip_core::{CompletionQueue, Endpoint, QueuePair};
 
+use self::framer::{FramerState, WritePlacement};
+use self::link::Link;
+use self::recv_window::RECV_SLOTS;
+use self::reply_slots::REPLY_SLOTS;
+use self::shared::ServerShared;
 use crate::error::Result;
-use crate::framer::{FramerState, WritePlacement};
-use crate::link::Link;
-use crate::reply_slots::REPLY_SLOTS;
-use crate::shared::ServerShared;
-use crate::transmission::RECV_SLOTS;
-use crate::{handshake, transmission};
 
 /// CQ depth: every WR the connection can have outstanding, so it can never overflow.
 pub const CQ_DEPTH: usize = RECV_SLOTS + REPLY_SLOTS + 16;

@@ -7,7 +7,7 @@
 //! - READ: 0 / 1. The reply is a send WR whose data SGE points into the registered mapping of
 //!   the image; the NIC engine's `writev` copies page cache → socket. A qcow2 image has no
 //!   mapping of its virtual disk: its reads are read into registered buffers first (1 / 1),
-//!   a piece at a time ([`crate::read_reply`]). An RBD export has none either: librbd places
+//!   a piece at a time ([`super::read_reply`]). An RBD export has none either: librbd places
 //!   the data in the registered buffers. A range of a tmpfs image with a hole is read like
 //!   qcow2's (0 / 2): through the mapping, tmpfs would allocate a page per hole.
 //! - WRITE: 1 / 1. The NIC reads the payload from the socket straight into a registered receive
@@ -31,22 +31,14 @@ use nbd_proto::server_session::{Refusal, RequestError, ServerTransmission, Valid
 use nbd_proto::transmission::{ByteRange, Command, ErrorValue, ValidCommand};
 use qpip_core::{Access, Completion, MemoryRegion, Opcode, RecvWr, WcStatus};
 
-use crate::backend::Pending;
-use crate::error::{Chain, Error, Result};
+use super::link::Link;
+use super::read_reply::{ReadContext, ReadReply};
+use super::recv_window::{RECV_SLOTS, RecvWindow, SLOT_LEN};
+use super::reply_slots::ReplySlots;
+use crate::error::{Chain, Error, Result, io_error_value};
 use crate::export::Export;
-use crate::link::Link;
-use crate::read_reply::{ReadContext, ReadReply};
-use crate::recv_window::RecvWindow;
-use crate::reply_slots::ReplySlots;
+use crate::store::Pending;
 
-/// Receive slots a connection may post at most in the transmission phase (how many it does
-/// post: [`RecvWindow`]): requests the client may have in flight before TCP flow control
-/// holds it.
-pub const RECV_SLOTS: usize = 32;
-/// Largest payload piece placed in one receive WR (longer writes arrive in pieces).
-pub const CHUNK: usize = 1 << 20;
-/// A receive slot: the longest request header (extended) and a payload piece.
-pub const SLOT_LEN: usize = c::EXTENDED_REQUEST_LEN + CHUNK;
 /// Most extents in one block-status reply (the client asks again for the rest).
 const MAX_EXTENTS: usize = 32;
 /// TRIM, WRITE_ZEROES and CACHE may cover the whole export: the store is asked for pieces of
@@ -56,16 +48,6 @@ const EFFECT_PIECE: u64 = 1 << 30;
 const DISC_DRAIN: Duration = Duration::from_secs(5);
 /// After SIGTERM: how long new requests get ESHUTDOWN before the connection is closed.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
-
-pub(crate) fn io_error_value(e: &io::Error) -> ErrorValue {
-    match e.raw_os_error() {
-        Some(libc::ENOSPC) | Some(libc::EDQUOT) => ErrorValue::NoSpc,
-        Some(libc::EPERM) | Some(libc::EACCES) | Some(libc::EROFS) => ErrorValue::Perm,
-        Some(libc::EINVAL) => ErrorValue::Inval,
-        Some(libc::EOPNOTSUPP) => ErrorValue::NotSup,
-        _ => ErrorValue::Io,
-    }
-}
 
 /// Runs `op` on `range` in pieces of at most [`EFFECT_PIECE`] bytes, in order; stops at the
 /// first error or the first piece it declines (false).
@@ -203,7 +185,7 @@ impl<'a> Transmission<'a> {
                 && self.pending_write.is_none()
             {
                 tracing::info!(peer = %self.link.peer, "closing for shutdown");
-                self.export.image.flush().ok();
+                self.export.store.flush().ok();
                 self.link.qp.close();
                 return Ok(());
             }
@@ -285,7 +267,7 @@ impl<'a> Transmission<'a> {
         let data = self.slot(at, len);
         // SAFETY: the slot is held (not posted again) until the piece is waited for, in
         // finish_writes, or dropped, which waits too (Drop clears them before recv_mr goes).
-        match unsafe { self.export.image.start_write(data.as_ptr(), len, offset) } {
+        match unsafe { self.export.store.start_write(data.as_ptr(), len, offset) } {
             Ok(None) => {}
             Ok(Some(piece)) => {
                 pw.pieces.push(piece);
@@ -502,7 +484,7 @@ impl<'a> Transmission<'a> {
     /// FUA: the written range is durable before the reply.
     fn after_write(&self, pw: &PendingWrite) -> Result<(), ErrorValue> {
         if pw.fua {
-            self.export.image.flush().map_err(|e| io_error_value(&e))?;
+            self.export.store.flush().map_err(|e| io_error_value(&e))?;
         }
         Ok(())
     }
@@ -519,16 +501,16 @@ impl<'a> Transmission<'a> {
     /// Runs a command other than READ, WRITE and DISC. `Ok(Some(()))` when it sent its own
     /// reply.
     fn execute(&mut self, req: &ValidRequest) -> Result<Option<()>, ErrorValue> {
-        let image = &self.export.image;
+        let store = &self.export.store;
         fn io<T>(r: io::Result<T>) -> Result<T, ErrorValue> {
             r.map_err(|e| io_error_value(&e))
         }
         match *req.command() {
-            ValidCommand::Flush => io(image.flush()).map(|()| None),
+            ValidCommand::Flush => io(store.flush()).map(|()| None),
             ValidCommand::Trim { range, fua } => {
-                io(in_pieces(range, |at, n| image.trim(at, n).map(|()| true)))?;
+                io(in_pieces(range, |at, n| store.trim(at, n).map(|()| true)))?;
                 if fua {
-                    io(image.flush())?;
+                    io(store.flush())?;
                 }
                 Ok(None)
             }
@@ -540,18 +522,18 @@ impl<'a> Transmission<'a> {
             } => {
                 // False: FAST_ZERO and the store would have to write the zeroes.
                 let done = io(in_pieces(range, |at, n| {
-                    image.write_zeroes(at, n, !fast_zero, !no_hole)
+                    store.write_zeroes(at, n, !fast_zero, !no_hole)
                 }))?;
                 if !done {
                     return Err(ErrorValue::NotSup);
                 }
                 if fua {
-                    io(image.flush())?;
+                    io(store.flush())?;
                 }
                 Ok(None)
             }
             ValidCommand::Cache { range } => io(in_pieces(range, |at, n| {
-                image.prefetch(at, n).map(|()| true)
+                store.prefetch(at, n).map(|()| true)
             }))
             .map(|_| None),
             ValidCommand::BlockStatus { range, .. } => {
@@ -577,15 +559,15 @@ impl<'a> Transmission<'a> {
         if range.is_empty() {
             return self.reply(req.reply_to(), Ok(()));
         }
-        if !self.export.image.still_holds(range.end()).unwrap_or(false) {
-            tracing::warn!(export = %self.export.name, "read at {} of {} bytes: {} is shorter than that now (truncated by another process?)", range.offset(), range.len(), self.export.image.location());
+        if !self.export.store.still_holds(range.end()).unwrap_or(false) {
+            tracing::warn!(export = %self.export.name, "read at {} of {} bytes: {} is shorter than that now (truncated by another process?)", range.offset(), range.len(), self.export.store.location());
             return self.reply(req.reply_to(), Err(ErrorValue::Io));
         }
         // No mapping (qcow2, RBD), or a range whose holes the mapping would fill with new
         // pages (tmpfs): the store reads into registered buffers.
         let mapped = match &self.export.region {
             Some(region)
-                if !(self.export.image).mapping_would_fill_holes(range.offset(), range.len()) =>
+                if !(self.export.store).mapping_would_fill_holes(range.offset(), range.len()) =>
             {
                 region.sge(range.offset() as usize, range.len() as usize)
             }
@@ -604,7 +586,7 @@ impl<'a> Transmission<'a> {
             session: &self.session,
         };
         if let Err(e) = r.start(&mut cx) {
-            let at = self.export.image.location();
+            let at = self.export.store.location();
             tracing::warn!(export = %self.export.name, "read at {} of {} bytes from {at}: {e}", range.offset(), range.len());
             drop(r); // waits for the pieces started
             return self.reply(req.reply_to(), Err(io_error_value(&e)));
@@ -629,7 +611,7 @@ impl<'a> Transmission<'a> {
         let ctx = self.session.base_allocation().ok_or(ErrorValue::Inval)?;
         let extents = self
             .export
-            .image
+            .store
             .extents(range.offset(), range.len())
             .map_err(|e| io_error_value(&e))?;
         // Extents of at most 2 GiB (block aligned) in 32-bit replies; under extended headers

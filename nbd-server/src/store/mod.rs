@@ -1,20 +1,53 @@
-//! The backing store of an export: what one request path (conn.rs) reads, writes, flushes,
-//! trims and zeroes, whatever holds the disk.
+//! The stores: what holds an export's disk, behind one trait ([`Store`]) that the connection
+//! (`crate::conn`) reads, writes, flushes, trims and zeroes through, whatever holds the disk.
 //!
-//! Two kinds implement it: [`crate::image::Image`], a local file (raw, served zero-copy from
-//! its registered mapping, or qcow2), and, with the `rbd` feature, [`crate::rbd::RbdImage`], an
-//! image in a Ceph cluster through librbd. A store without a mapping has its reads placed in a
-//! registered buffer that the reply's send WR then points at, so no store costs a user-space
-//! copy beyond the one into that buffer (which for RBD is librbd's own landing of the data).
+//! - [`file`]: a raw file or block device, served zero-copy from its registered mapping (and
+//!   a memfd for the demo image);
+//! - [`qcow2`]: a qcow2 image file, served as its virtual disk through its cluster tables;
+//! - `rbd` (feature `rbd`): an image in a Ceph cluster through librbd;
+//! - [`open`]: the one place a store is chosen and opened: the `rbd:` scheme, the format
+//!   probe, `--create`, and the image locks (with [`lock`] and [`probe`]).
+//!
+//! Adding a store (NFS, S3, ...) is a new file here implementing [`Store`] and one arm in
+//! [`open::Opener::open`]; nothing outside `store/` names a store type.
+//!
+//! A store without a mapping has its reads placed in a registered buffer that the reply's
+//! send WR then points at, so no store costs a user-space copy beyond the one into that
+//! buffer (which for RBD is librbd's own landing of the data).
 //!
 //! The calls are blocking, but for writes, a store that is asynchronous underneath (librbd's
-//! aio) can start them and hand back a [`Pending`] write instead ([`Backend::start_write`]):
+//! aio) can start them and hand back a [`Pending`] write instead ([`Store::start_write`]):
 //! a connection then starts every write of a batch of requests before it waits for any, so
 //! that a client's pipeline reaches the store. Other connections go on meanwhile on their
 //! own threads.
 
+pub mod file;
+pub mod lock;
+pub mod open;
+pub mod probe;
+pub mod qcow2;
+#[cfg(feature = "rbd")]
+pub mod rbd;
+
 use std::fmt::Debug;
 use std::io;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// How to reach the Ceph cluster of `rbd:` stores, as qemu's rbd driver takes it (unused
+/// without the `rbd` feature).
+#[derive(Clone, Debug, Default)]
+pub struct CephOptions {
+    /// ceph.conf; None: librados' search ($CEPH_CONF, /etc/ceph/ceph.conf, ~/.ceph/config,
+    /// ./ceph.conf).
+    pub conf: Option<PathBuf>,
+    /// The client id, without "client." (default "admin").
+    pub id: Option<String>,
+    /// A keyring file; None: the one ceph.conf names, or the default places.
+    pub keyring: Option<PathBuf>,
+    /// How long connecting, and then each operation, may take before it fails.
+    pub timeout: Duration,
+}
 
 /// One extent of a block-status answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,7 +57,7 @@ pub struct Extent {
     pub hole: bool,
 }
 
-/// A read or write that [`Backend::start_read`] or [`Backend::start_write`] started;
+/// A read or write that [`Store::start_read`] or [`Store::start_write`] started;
 /// dropping it waits for it.
 pub trait Pending: Send {
     /// Waits for the operation to complete; its result.
@@ -32,7 +65,7 @@ pub trait Pending: Send {
 }
 
 /// A disk behind an export.
-pub trait Backend: Send + Sync + Debug {
+pub trait Store: Send + Sync + Debug {
     /// Where the disk is, for logs and errors: a path, or `rbd:pool/image`.
     fn location(&self) -> String;
     /// The format or kind shown in the log ("raw", "qcow2", "rbd").
@@ -48,7 +81,7 @@ pub trait Backend: Send + Sync + Debug {
     }
 
     /// The file that holds the disk byte for byte (a raw image), writable: the NIC may then
-    /// write WRITE payloads into it itself (`crate::framer::WritePlacement`). None for stores
+    /// write WRITE payloads into it itself (the connection's write placement). None for stores
     /// that must see every write (qcow2, RBD) and for read-only ones.
     fn placement_file(&self) -> Option<std::fs::File> {
         None
@@ -56,13 +89,13 @@ pub trait Backend: Send + Sync + Debug {
 
     /// The NIC places only writes from this offset on: a store that checks the writes below
     /// it (the first sector of a raw image whose format was probed) must see them in
-    /// [`Backend::write_at`].
+    /// [`Store::write_at`].
     fn placement_from(&self) -> u64 {
         0
     }
 
-    /// Whether reading the range through [`Backend::mapping`] would allocate memory for its
-    /// holes (a file on tmpfs); READ then reads it with [`Backend::start_read`] instead.
+    /// Whether reading the range through [`Store::mapping`] would allocate memory for its
+    /// holes (a file on tmpfs); READ then reads it with [`Store::start_read`] instead.
     fn mapping_would_fill_holes(&self, _offset: u64, _len: u64) -> bool {
         false
     }
@@ -78,7 +111,7 @@ pub trait Backend: Send + Sync + Debug {
     fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()>;
     /// Starts writing the `len` bytes at `data` to `offset`, returning before the write is
     /// done where the store can run writes concurrently (RBD). None: the write is done
-    /// already (the default, [`Backend::write_at`]).
+    /// already (the default, [`Store::write_at`]).
     ///
     /// # Safety
     /// The `len` bytes at `data` must stay valid and unchanged until the returned write has
@@ -95,7 +128,7 @@ pub trait Backend: Send + Sync + Debug {
     }
     /// Starts reading `len` bytes from `offset` into the memory at `buf`, returning before
     /// the read is done where the store can run reads concurrently (RBD). None: the bytes are
-    /// there already (the default, [`Backend::read_at`]).
+    /// there already (the default, [`Store::read_at`]).
     ///
     /// # Safety
     /// The `len` bytes at `buf` must stay valid, and neither read nor written by anyone else,

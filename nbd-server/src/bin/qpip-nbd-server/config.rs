@@ -23,7 +23,7 @@ pub struct ExportConfig {
     pub create_size: Option<String>,
     /// The image's format ("raw" or "qcow2"); probed from its first bytes when absent.
     #[serde(default)]
-    pub format: Option<nbd_server::image::Format>,
+    pub format: Option<crate::args::FormatArg>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq, Default)]

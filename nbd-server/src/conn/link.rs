@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 
 use qpip_core::{Access, Completion, CompletionQueue, Endpoint, MemoryRegion, QueuePair, SendWr};
 
+use super::shared::ServerShared;
 use crate::error::{Error, Result};
-use crate::shared::ServerShared;
 
 /// A handshake message's send is work request `HANDSHAKE_WR + n`, above the reply slots'
-/// ([`crate::reply_slots`]) and the receive WRs (numbered from 0).
+/// ([`super::reply_slots`]) and the receive WRs (numbered from 0).
 const HANDSHAKE_WR: u64 = 2 << 32;
 /// How often a connection in its handshake looks whether it has been evicted.
 const EVICT_POLL: Duration = Duration::from_millis(100);

@@ -1,4 +1,6 @@
-//! qcow2 images: the subset that `qemu-img create -f qcow2` makes, read and written in place.
+//! The qcow2 store: a qcow2 image file served as its virtual disk, the subset that
+//! `qemu-img create -f qcow2` makes, read and written in place. Its header is read in
+//! `header.rs`, its refcounts kept in `refcount.rs` (in `qcow2/`).
 //!
 //! Supported: version 3 (and version 2 read-only), any cluster size, byte-wide refcounts
 //! (8 to 64 bits), no backing file, no encryption, no external data file, no extended L2
@@ -23,22 +25,21 @@ use std::collections::HashSet;
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
 
 use parking_lot::Mutex;
 
-pub const MAGIC: &[u8; 4] = b"QFI\xfb";
+use super::{Extent, Store};
+
+mod header;
+mod refcount;
+
+use header::INCOMPAT_CORRUPT;
 
 const OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 const COPIED: u64 = 1 << 63;
 const COMPRESSED: u64 = 1 << 62;
 const ZERO: u64 = 1;
-
-/// Incompatible feature bits.
-const INCOMPAT_DIRTY: u64 = 1 << 0;
-const INCOMPAT_CORRUPT: u64 = 1 << 1;
-const INCOMPAT_DATA_FILE: u64 = 1 << 2;
-const INCOMPAT_COMPRESSION: u64 = 1 << 3;
-const INCOMPAT_EXTL2: u64 = 1 << 4;
 
 /// How one cluster of the virtual disk is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,7 +67,10 @@ fn be32(b: &[u8], at: usize) -> u32 {
     u32::from_be_bytes(b[at..at + 4].try_into().unwrap())
 }
 
+/// A qcow2 image file, served as its virtual disk.
 pub struct Qcow2 {
+    path: PathBuf,
+    read_only: bool,
     file: File,
     version: u32,
     cluster_bits: u32,
@@ -97,191 +101,27 @@ struct State {
 }
 
 impl Qcow2 {
-    /// Parses the header of `file` (which starts with [`MAGIC`]) and refuses what this
-    /// reader does not handle (the caller names the file).
-    pub fn open(file: File, read_only: bool) -> io::Result<Qcow2> {
-        let mut h = vec![0u8; 112];
-        let n = read_some(&file, &mut h, 0)?;
-        if n < 72 {
-            return Err(unsupported("header is truncated"));
-        }
-        let version = be32(&h, 4);
-        if version == 1 {
-            return Err(unsupported(
-                "is version 1 (qcow): not supported; convert it with qemu-img convert -O qcow2",
-            ));
-        }
-        if version != 2 && version != 3 {
-            return Err(unsupported(format!("has unknown version {version}")));
-        }
-        if be64(&h, 8) != 0 {
-            return Err(unsupported(
-                "has a backing file: not supported; flatten it with qemu-img convert -O qcow2",
-            ));
-        }
-        let cluster_bits = be32(&h, 20);
-        if !(9..=21).contains(&cluster_bits) {
-            return Err(unsupported(format!("has cluster_bits {cluster_bits}")));
-        }
-        let size = be64(&h, 24);
-        if be32(&h, 32) != 0 {
-            return Err(unsupported("is encrypted: not supported"));
-        }
-        let l1_size = be32(&h, 36) as usize;
-        let l1_offset = be64(&h, 40);
-        let refcount_table_offset = be64(&h, 48);
-        let refcount_table_clusters = be32(&h, 56) as usize;
-        let nb_snapshots = be32(&h, 60);
-        let (incompat, autoclear, refcount_order) = if version == 3 {
-            if n < 104 {
-                return Err(unsupported("header is truncated"));
-            }
-            (be64(&h, 72), be64(&h, 88), be32(&h, 96))
-        } else {
-            (0, 0, 4)
-        };
-        if incompat & INCOMPAT_DIRTY != 0 {
-            return Err(unsupported(
-                "is marked dirty (lazy refcounts, not closed cleanly): repair it with qemu-img check -r all",
-            ));
-        }
-        if incompat & INCOMPAT_CORRUPT != 0 {
-            return Err(unsupported(
-                "is marked corrupt: repair it with qemu-img check -r all",
-            ));
-        }
-        if incompat & INCOMPAT_DATA_FILE != 0 {
-            return Err(unsupported(
-                "keeps its data in an external file: not supported",
-            ));
-        }
-        if incompat & INCOMPAT_EXTL2 != 0 {
-            return Err(unsupported(
-                "has extended L2 entries (subclusters): not supported",
-            ));
-        }
-        let unknown = incompat & !INCOMPAT_COMPRESSION;
-        if unknown != 0 {
-            return Err(unsupported(format!(
-                "has unknown incompatible features {unknown:#x}"
-            )));
-        }
-        if !(3..=6).contains(&refcount_order) {
-            return Err(unsupported(format!(
-                "has {}-bit refcounts: only 8 to 64 are supported",
-                1u32 << refcount_order.min(31)
-            )));
-        }
-        if !read_only && version == 2 {
-            return Err(unsupported(
-                "is version 2 (compat=0.10): served read-only only (add --read-only, or upgrade it with qemu-img amend -o compat=1.1)",
-            ));
-        }
-        if !read_only && nb_snapshots != 0 {
-            return Err(unsupported(format!(
-                "has {nb_snapshots} internal snapshot(s): served read-only only (add --read-only)"
-            )));
-        }
-        let cluster = 1u64 << cluster_bits;
-        let l2_entries = cluster / 8;
-        let needed_l1 = size.div_ceil(cluster).div_ceil(l2_entries);
-        if l1_size > MAX_L1_ENTRIES {
-            return Err(unsupported(format!(
-                "has an L1 table of {l1_size} entries: more than qemu's limit of {MAX_L1_ENTRIES} (32 MiB)"
-            )));
-        }
-        if (l1_size as u64) < needed_l1 {
-            return Err(unsupported(format!(
-                "has an L1 table of {l1_size} entries for {size} bytes"
-            )));
-        }
-        let rt_entries = refcount_table_clusters << cluster_bits >> 3;
-        if refcount_table_clusters == 0 || rt_entries > MAX_REFTABLE_ENTRIES {
-            return Err(unsupported(format!(
-                "has a refcount table of {refcount_table_clusters} clusters: qemu's limit is 8 MiB"
-            )));
-        }
-        // Entries past what the virtual disk needs are never used: they are not read.
-        let l1_used = needed_l1 as usize;
-        // The tables lie in the file, cluster aligned, off the header and off each other
-        // (qemu's validate_table_offset, and more).
-        let file_len = file.metadata()?.len();
-        let l1_range = (l1_offset, l1_used as u64 * 8);
-        let rt_range = (refcount_table_offset, rt_entries as u64 * 8);
-        let header = (0, cluster);
-        for (name, (at, len), others) in [
-            (
-                "L1 table",
-                l1_range,
-                [("header", header), ("refcount table", rt_range)],
-            ),
-            (
-                "refcount table",
-                rt_range,
-                [("header", header), ("L1 table", l1_range)],
-            ),
-        ] {
-            if len == 0 {
-                continue;
-            }
-            if !at.is_multiple_of(cluster) {
-                return Err(unsupported(format!(
-                    "has its {name} at offset {at:#x}, not cluster aligned"
-                )));
-            }
-            if at.checked_add(len).is_none_or(|end| end > file_len) {
-                return Err(unsupported(format!(
-                    "has its {name} at offset {at:#x}, past the end of the file"
-                )));
-            }
-            for (other, (o_at, o_len)) in others {
-                if o_len != 0 && at < o_at + o_len && o_at < at + len {
-                    return Err(unsupported(format!(
-                        "has its {name} at offset {at:#x}, which overlaps the {other}"
-                    )));
-                }
-            }
-        }
-        let l1 = read_table(&file, l1_offset, l1_used)?;
-        let refcount_table = read_table(&file, refcount_table_offset, rt_entries)?;
-        let mut refcount_blocks = HashSet::new();
-        for e in &refcount_table {
-            let block = e & OFFSET_MASK;
-            if block == 0 {
-                continue;
-            }
-            let on_table = |(at, len): (u64, u64)| block < at + len && at < block + cluster;
-            if !block.is_multiple_of(cluster)
-                || on_table(header)
-                || on_table(l1_range)
-                || on_table(rt_range)
-            {
-                return Err(unsupported(format!(
-                    "has a refcount block at offset {block:#x}, on its header or tables: repair it with qemu-img check -r all"
-                )));
-            }
-            refcount_blocks.insert(block);
-        }
-        let l2_tables = l1
-            .iter()
-            .map(|e| e & OFFSET_MASK)
-            .filter(|&t| t != 0)
-            .collect();
-        let next_free = file_len.div_ceil(cluster) * cluster;
+    /// Opens the qcow2 image in `file` (which starts with the magic), found at `path`, and
+    /// refuses what this reader does not handle (the caller names the file).
+    pub fn open(path: &Path, file: File, read_only: bool) -> io::Result<Qcow2> {
+        let opened = header::read(&file, read_only)?;
+        let h = opened.header;
         let q = Qcow2 {
+            path: path.to_owned(),
+            read_only,
             file,
-            version,
-            cluster_bits,
-            size,
-            l1_offset,
-            refcount_bytes: 1 << (refcount_order - 3),
+            version: h.version,
+            cluster_bits: h.cluster_bits,
+            size: h.size,
+            l1_offset: h.l1_offset,
+            refcount_bytes: 1 << (h.refcount_order - 3),
             state: Mutex::new(State {
-                l1,
-                refcount_table,
-                refcount_table_offset,
-                refcount_blocks,
-                l2_tables,
-                next_free,
+                l1: opened.l1,
+                refcount_table: opened.refcount_table,
+                refcount_table_offset: opened.refcount_table_offset,
+                refcount_blocks: opened.refcount_blocks,
+                l2_tables: opened.l2_tables,
+                next_free: opened.next_free,
                 corrupt: false,
             }),
             #[cfg(test)]
@@ -289,7 +129,7 @@ impl Qcow2 {
         };
         // Autoclear features (bitmaps, a raw external data file) describe data that a writer
         // who does not know them would make stale: such a writer clears them, as qemu does.
-        if !read_only && autoclear != 0 {
+        if !read_only && h.autoclear != 0 {
             q.file.write_all_at(&0u64.to_be_bytes(), 88)?;
             q.file.sync_data()?;
         }
@@ -299,10 +139,6 @@ impl Qcow2 {
     /// The virtual disk's size.
     pub fn size(&self) -> u64 {
         self.size
-    }
-
-    pub fn file(&self) -> &File {
-        &self.file
     }
 
     fn cluster_size(&self) -> u64 {
@@ -514,147 +350,6 @@ impl Qcow2 {
         Err(io::Error::other(format!("qcow2 image is corrupt: {why}")))
     }
 
-    /// Allocates one cluster at the end of the file, with refcount 1. The caller writes it
-    /// whole.
-    fn alloc(&self, st: &mut State) -> io::Result<u64> {
-        let at = st.next_free;
-        st.next_free += self.cluster_size();
-        self.set_refcount(st, at, 1)?;
-        Ok(at)
-    }
-
-    /// Clusters one refcount block counts.
-    fn refcounts_per_block(&self) -> u64 {
-        self.cluster_size() / self.refcount_bytes as u64
-    }
-
-    /// The refcount table index of the block that counts host cluster `host`.
-    fn block_index(&self, host: u64) -> usize {
-        ((host >> self.cluster_bits) / self.refcounts_per_block()) as usize
-    }
-
-    /// Writes the refcount of host cluster `host` into refcount block `block`.
-    fn write_refcount(&self, block: u64, host: u64, value: u64) -> io::Result<()> {
-        let ci = host >> self.cluster_bits;
-        let w = self.refcount_bytes;
-        let bytes = value.to_be_bytes();
-        self.file.write_all_at(
-            &bytes[8 - w..],
-            block + (ci % self.refcounts_per_block()) * w as u64,
-        )
-    }
-
-    fn set_refcount(&self, st: &mut State, host: u64, value: u64) -> io::Result<()> {
-        let cs = self.cluster_size();
-        let bi = self.block_index(host);
-        if bi >= st.refcount_table.len() {
-            self.grow_refcount_table(st, bi)?;
-        }
-        let mut block = st.refcount_table[bi] & OFFSET_MASK;
-        if block == 0 {
-            // A new refcount block, at the end of the file; it counts itself when it falls in
-            // its own range, or is counted by the next block otherwise.
-            block = st.next_free;
-            st.next_free += cs;
-            let mut fresh = vec![0u8; cs as usize];
-            if self.block_index(block) == bi {
-                let at = ((block >> self.cluster_bits) % self.refcounts_per_block()) as usize
-                    * self.refcount_bytes;
-                fresh[at + self.refcount_bytes - 1] = 1;
-            } else {
-                self.set_refcount(st, block, 1)?;
-            }
-            self.file.write_all_at(&fresh, block)?;
-            st.refcount_blocks.insert(block);
-            // The block (and its own count) is durable before the refcount table points at
-            // it, as qemu orders it (alloc_refcount_block): else a power loss could leave the
-            // table pointing at garbage.
-            self.barrier()?;
-            self.file.write_all_at(
-                &block.to_be_bytes(),
-                st.refcount_table_offset + bi as u64 * 8,
-            )?;
-            st.refcount_table[bi] = block;
-        }
-        self.write_refcount(block, host, value)
-    }
-
-    /// Grows the refcount table so that it has an entry for refcount block `bi`, as qemu
-    /// does (qcow2-refcount.c, qcow2_refcount_area): a new, larger table, followed by the
-    /// refcount blocks that count it, is written at the end of the file and flushed; then
-    /// one header write points at it (and is flushed); the old table's clusters are freed
-    /// last. A crash at any point leaves either table in force, and leaks clusters at worst.
-    fn grow_refcount_table(&self, st: &mut State, bi: usize) -> io::Result<()> {
-        let cs = self.cluster_size();
-        let per_cluster = (cs / 8) as usize;
-        let start = st.next_free;
-        let old_len = st.refcount_table.len();
-        let has_block = |table: &[u64], b: usize| b < table.len() && table[b] & OFFSET_MASK != 0;
-        // The layout: the table's clusters at `start`, then the blocks its area lacks.
-        let mut entries = (old_len + old_len / 2).max(bi + 1);
-        let (table_clusters, end) = loop {
-            entries = entries.div_ceil(per_cluster) * per_cluster;
-            let table_clusters = (entries / per_cluster) as u64;
-            let mut new_blocks = 0u64;
-            let end = loop {
-                let end = start + (table_clusters + new_blocks) * cs;
-                let missing = (self.block_index(start)..=self.block_index(end - 1))
-                    .filter(|&b| !has_block(&st.refcount_table, b))
-                    .count() as u64;
-                if missing <= new_blocks {
-                    break end;
-                }
-                new_blocks = missing;
-            };
-            let last = self.block_index(end - 1);
-            if last < entries {
-                break (table_clusters, end);
-            }
-            entries = last + 1 + entries / 2;
-        };
-        if entries > MAX_REFTABLE_ENTRIES {
-            return Err(io::Error::new(
-                io::ErrorKind::StorageFull,
-                "the qcow2 refcount table would outgrow qemu's limit (8 MiB)",
-            ));
-        }
-        let mut table = st.refcount_table.clone();
-        table.resize(entries, 0);
-        let mut next_block = start + table_clusters * cs;
-        for b in self.block_index(start)..=self.block_index(end - 1) {
-            if !has_block(&table, b) {
-                self.file
-                    .write_all_at(&vec![0u8; cs as usize], next_block)?;
-                table[b] = next_block;
-                st.refcount_blocks.insert(next_block);
-                next_block += cs;
-            }
-        }
-        debug_assert_eq!(next_block, end);
-        // The new area counts itself, in its new blocks or in old ones that cover it.
-        for host in (start..end).step_by(cs as usize) {
-            self.write_refcount(table[self.block_index(host)] & OFFSET_MASK, host, 1)?;
-        }
-        let bytes: Vec<u8> = table.iter().flat_map(|e| e.to_be_bytes()).collect();
-        self.file.write_all_at(&bytes, start)?;
-        self.barrier()?;
-        // refcount_table_offset and refcount_table_clusters, in one write.
-        let mut fields = [0u8; 12];
-        fields[..8].copy_from_slice(&start.to_be_bytes());
-        fields[8..].copy_from_slice(&(table_clusters as u32).to_be_bytes());
-        self.file.write_all_at(&fields, 48)?;
-        self.barrier()?;
-        let old_at = st.refcount_table_offset;
-        let old_clusters = (old_len * 8) as u64 / cs;
-        st.refcount_table = table;
-        st.refcount_table_offset = start;
-        st.next_free = end;
-        for i in 0..old_clusters {
-            self.set_refcount(st, old_at + i * cs, 0)?;
-        }
-        Ok(())
-    }
-
     /// A write barrier (fdatasync): what was written before is durable before what is
     /// written after.
     fn barrier(&self) -> io::Result<()> {
@@ -796,6 +491,65 @@ impl Qcow2 {
     }
 }
 
+impl std::fmt::Debug for Qcow2 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Qcow2")
+            .field("path", &self.path)
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+/// The virtual disk as a store: no mapping (every request goes through the cluster tables),
+/// so the NIC places no writes and reads are read into registered memory first.
+impl Store for Qcow2 {
+    fn location(&self) -> String {
+        self.path.display().to_string()
+    }
+    fn kind(&self) -> &'static str {
+        "qcow2"
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn read_only(&self) -> bool {
+        self.read_only
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        Qcow2::read_at(self, buf, offset)
+    }
+    fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+        Qcow2::write_at(self, data, offset)?;
+        if fua {
+            // The whole file: the metadata that makes new clusters reachable too.
+            self.file.sync_data()?;
+        }
+        Ok(())
+    }
+    fn flush(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+    fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.zero_range(offset, len)
+    }
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        _may_write: bool,
+        _may_unmap: bool,
+    ) -> io::Result<bool> {
+        self.zero_range(offset, len)?;
+        Ok(true)
+    }
+    fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+        Ok(Qcow2::extents(self, offset, len, 64)?
+            .into_iter()
+            .map(|(len, hole)| Extent { len, hole })
+            .collect())
+    }
+}
+
 /// What a host cluster is about to be written as.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum HostUse {
@@ -810,12 +564,6 @@ fn refuse_if_corrupt(st: &State) -> io::Result<()> {
     }
     Ok(())
 }
-
-/// qemu's bound on an L1 table (QCOW_MAX_L1_SIZE, 32 MiB), in entries.
-const MAX_L1_ENTRIES: usize = (32 << 20) / 8;
-
-/// qemu's bound on a refcount table (QCOW_MAX_REFTABLE_SIZE, 8 MiB), in entries.
-const MAX_REFTABLE_ENTRIES: usize = (8 << 20) / 8;
 
 /// L2 tables one block-status answer reads at most (each maps `cluster² / 8` bytes).
 const EXTENT_TABLES: usize = 64;
@@ -856,51 +604,10 @@ fn read_table(file: &File, at: u64, entries: usize) -> io::Result<Vec<u64>> {
         .collect())
 }
 
-/// What the first bytes of an image say it is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Probed {
-    Raw,
-    Qcow2,
-    /// A format this server does not serve, by its usual name.
-    Other(&'static str),
-}
-
-/// Probes a file's format from its first bytes, as qemu does: qcow2 by its magic, the
-/// formats we do not serve by theirs, anything else raw.
-pub fn probe(head: &[u8]) -> Probed {
-    let at = |off: usize, magic: &[u8]| head.get(off..off + magic.len()) == Some(magic);
-    if at(0, MAGIC) {
-        return if head.len() >= 8 && be32(head, 4) == 1 {
-            Probed::Other("qcow (version 1)")
-        } else {
-            Probed::Qcow2
-        };
-    }
-    const OTHERS: &[(usize, &[u8], &str)] = &[
-        (0, b"KDMV", "vmdk"),
-        (0, b"COWD", "vmdk"),
-        (0, b"# Disk DescriptorFile", "vmdk"),
-        (64, &[0x7f, 0x10, 0xda, 0xbe], "vdi"),
-        (0, b"vhdxfile", "vhdx"),
-        (0, b"conectix", "vpc (vhd)"),
-        (0, b"QED\0", "qed"),
-        (0, b"LUKS\xba\xbe", "luks"),
-        (0, b"WithoutFreeSpace", "parallels"),
-        (0, b"WithouFreSpacExt", "parallels"),
-        (0, b"Bochs Virtual HD Image", "bochs"),
-        (0, b"#!/bin/sh\n#V2.0 Format\nmodprobe cloop", "cloop"),
-    ];
-    for (off, magic, name) in OTHERS {
-        if at(*off, magic) {
-            return Probed::Other(name);
-        }
-    }
-    Probed::Raw
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::probe::QCOW2_MAGIC as MAGIC;
     use std::sync::atomic::Ordering;
 
     const CS: u64 = 1 << 16;
@@ -941,7 +648,7 @@ mod tests {
     #[test]
     fn allocating_writes_order_refcounts_before_l2_entries_with_one_barrier() {
         let dir = tempfile::tempdir().unwrap();
-        let q = Qcow2::open(image(dir.path()), false).unwrap();
+        let q = Qcow2::open(Path::new("t.qcow2"), image(dir.path()), false).unwrap();
         let barriers = || q.barriers.load(Ordering::Relaxed);
         // A new L2 table and a new cluster.
         q.write_at(&[0x11; 4096], 0).unwrap();

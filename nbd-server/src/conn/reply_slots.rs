@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 
 use qpip_core::{Access, Completion, MemoryRegion, Nic, Opcode, SendWr, Sge};
 
+use super::link::Link;
+use super::shared::ServerShared;
 use crate::error::{Error, Result};
-use crate::link::Link;
-use crate::shared::ServerShared;
 
 /// Reply header slots: one per send in flight.
 pub(crate) const REPLY_SLOTS: usize = 64;
@@ -25,7 +25,7 @@ const REPLY_SLOT_LEN: usize = 512;
 /// A reply slot's send is work request `REPLY_WR + slot`.
 const REPLY_WR: u64 = 1 << 32;
 /// Read-buffer bytes a connection may hold without asking the server's budget: two pieces
-/// of [`crate::transmission::CHUNK`], so that one is read while the other is sent.
+/// of [`super::transmission::CHUNK`], so that one is read while the other is sent.
 pub(crate) const READ_BASE: usize = 2 << 20;
 /// How long a connection waits for its client to read a reply before it gives up, at most:
 /// `--idle-timeout` lowers it (a client that reads none of its replies is no less idle than

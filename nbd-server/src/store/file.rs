@@ -1,13 +1,10 @@
-//! A disk image file: the storage behind an export.
+//! The raw file store: a disk image file (or block device) whose bytes are the disk.
 //!
 //! Reads are served from a shared read-only mapping of the file, registered with the NIC, so a
 //! read reply's data goes from the page cache to the socket with no copy in user space. Writes
 //! use `pwrite` (a full disk then fails the request with ENOSPC instead of killing the server
 //! with SIGBUS, as a store into a mapping would), and the unified page cache keeps the mapping
 //! coherent with them.
-//!
-//! A qcow2 image (see [`crate::qcow2`]) is served as its virtual disk instead: no mapping,
-//! every request goes through the cluster tables.
 //!
 //! An image whose format was probed as raw (no `--format`) keeps probing as raw: a guest
 //! could otherwise write a qcow2 header into its first sector and be served a disk of its
@@ -25,47 +22,11 @@ use std::path::{Path, PathBuf};
 use memmap2::{Mmap, MmapOptions};
 use parking_lot::Mutex;
 
-use crate::qcow2::{self, Probed, Qcow2};
+use super::probe::{self, HEAD, Probed};
+use super::{Extent, Store};
 
-/// An image file's format, as `--format` names it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Format {
-    /// The file's bytes are the disk.
-    Raw,
-    /// A qcow2 image (version 3 as `qemu-img create -f qcow2` makes it; version 2
-    /// read-only): the disk is its virtual disk.
-    Qcow2,
-}
-
-impl Format {
-    pub fn name(self) -> &'static str {
-        match self {
-            Format::Raw => "raw",
-            Format::Qcow2 => "qcow2",
-        }
-    }
-}
-
-/// Why an image could not be locked.
-#[derive(Debug, thiserror::Error)]
-pub enum LockError {
-    /// Another program (qemu, or another server) holds the image in a way ours conflicts with.
-    #[error(
-        "the image is in use: another program {what} its {permission} permission (qemu-nbd, qemu-img, another qpip-nbd-server?); --force-share skips locking"
-    )]
-    InUse {
-        what: &'static str,
-        permission: &'static str,
-    },
-    #[error("locking: {0}")]
-    Io(io::Error),
-}
-
-use crate::backend::Backend;
-pub use crate::backend::Extent;
-
-pub struct Image {
+/// A raw image file: reads served from its mapping, writes with `pwrite`.
+pub struct FileStore {
     path: PathBuf,
     file: File,
     size: u64,
@@ -74,75 +35,26 @@ pub struct Image {
     /// A read fault on a hole of this file allocates a page (tmpfs and memfd do; `pread`
     /// reads the hole as zeroes without).
     holes_fault_in: bool,
-    qcow2: Option<Qcow2>,
     /// Set for an image probed as raw: held while a change to its first [`HEAD`] bytes is
     /// checked and made, so that two changes that each leave them raw cannot together make
     /// a header (another connection's write landing between one's check and its write).
     probed_raw: Option<Mutex<()>>,
 }
 
-/// How many of an image's first bytes the format probe reads, and so how many a probed raw
-/// image's guest may not turn into another format's header.
-pub const HEAD: u64 = 512;
-
-impl std::fmt::Debug for Image {
+impl std::fmt::Debug for FileStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Image")
+        f.debug_struct("FileStore")
             .field("path", &self.path)
             .field("size", &self.size)
             .finish()
     }
 }
 
-impl Image {
-    /// Opens an existing raw image (a regular file or a block device).
-    pub fn open(path: &Path, read_only: bool) -> io::Result<Image> {
-        Self::open_as(path, read_only, Some(Format::Raw))
-    }
-
-    /// Opens an existing image in `format`, or probes its format from its first bytes as
-    /// qemu-nbd does (`None`): qcow2 by its magic, raw otherwise. A format we do not serve
-    /// (vmdk, vdi, qcow version 1, luks, ...) is refused unless `format` forces raw.
-    pub fn open_as(path: &Path, read_only: bool, format: Option<Format>) -> io::Result<Image> {
-        let file = OpenOptions::new().read(true).write(!read_only).open(path)?;
-        let mut head = [0u8; 512];
-        let n = read_some(&file, &mut head)?;
-        let head = &head[..n];
-        let probed = format.is_none();
-        let format = match format {
-            Some(f) => f,
-            None => match qcow2::probe(head) {
-                Probed::Raw => Format::Raw,
-                Probed::Qcow2 => Format::Qcow2,
-                Probed::Other(name) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::Unsupported,
-                        format!(
-                            "is a {name} image, which is not served (only raw and qcow2): convert it with qemu-img convert -O qcow2, or add --format raw to serve its bytes as they are"
-                        ),
-                    ));
-                }
-            },
-        };
-        if format == Format::Qcow2 {
-            if !head.starts_with(qcow2::MAGIC) {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    "is not a qcow2 image (no qcow2 magic in its first bytes); drop --format qcow2 to serve it as raw",
-                ));
-            }
-            let q = Qcow2::open(file.try_clone()?, read_only)?;
-            return Ok(Image {
-                path: path.to_owned(),
-                file,
-                size: q.size(),
-                read_only,
-                map: None,
-                holes_fault_in: false,
-                qcow2: Some(q),
-                probed_raw: None,
-            });
-        }
+impl FileStore {
+    /// Serves `file`, opened at `path` (a regular file or a block device), as raw. `probed`:
+    /// raw was the probe's verdict, not the user's choice, so the first [`HEAD`] bytes must
+    /// keep probing as raw.
+    pub fn open(path: &Path, file: File, read_only: bool, probed: bool) -> io::Result<FileStore> {
         let meta = file.metadata()?;
         let size = if meta.file_type().is_file() {
             meta.len()
@@ -151,16 +63,16 @@ impl Image {
             use std::io::Seek;
             (&file).seek(io::SeekFrom::End(0))?
         };
-        let mut image = Self::from_file(path, file, size, read_only)?;
+        let mut store = Self::from_file(path, file, size, read_only)?;
         if probed && !read_only {
-            image.probed_raw = Some(Mutex::new(()));
+            store.probed_raw = Some(Mutex::new(()));
         }
-        Ok(image)
+        Ok(store)
     }
 
     /// Creates a sparse image of `size` bytes, or opens the existing one if it has that size.
     /// A new file is created with O_EXCL, which never follows a symlink.
-    pub fn create(path: &Path, size: u64) -> io::Result<Image> {
+    pub fn create(path: &Path, size: u64) -> io::Result<FileStore> {
         let file = match OpenOptions::new()
             .read(true)
             .write(true)
@@ -188,7 +100,7 @@ impl Image {
     /// A sparse image of `size` bytes in anonymous memory (a memfd): no path anyone else can
     /// reach or plant a symlink at, gone when the server exits. `name` shows in
     /// /proc/PID/fd and is the image's path in logs.
-    pub fn anonymous(name: &str, size: u64) -> io::Result<Image> {
+    pub fn anonymous(name: &str, size: u64) -> io::Result<FileStore> {
         let cname = std::ffi::CString::new(name)
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in memfd name"))?;
         // SAFETY: cname is a valid C string; the returned descriptor is owned by the File.
@@ -202,7 +114,7 @@ impl Image {
         Self::from_file(Path::new(&format!("memfd:{name}")), file, size, false)
     }
 
-    fn from_file(path: &Path, file: File, size: u64, read_only: bool) -> io::Result<Image> {
+    fn from_file(path: &Path, file: File, size: u64, read_only: bool) -> io::Result<FileStore> {
         let map = if size == 0 {
             None
         } else {
@@ -211,25 +123,15 @@ impl Image {
             Some(unsafe { MmapOptions::new().len(size as usize).map(&file)? })
         };
         let holes_fault_in = map.is_some() && on_shmem(&file);
-        Ok(Image {
+        Ok(FileStore {
             path: path.to_owned(),
             file,
             size,
             read_only,
             holes_fault_in,
             map,
-            qcow2: None,
             probed_raw: None,
         })
-    }
-
-    /// The image's format.
-    pub fn format(&self) -> Format {
-        if self.qcow2.is_some() {
-            Format::Qcow2
-        } else {
-            Format::Raw
-        }
     }
 
     pub fn path(&self) -> &Path {
@@ -242,8 +144,7 @@ impl Image {
         self.read_only
     }
 
-    /// The whole image, mapped read-only (None for an empty image and for qcow2, whose
-    /// reads go through [`Image::read_at`]).
+    /// The whole image, mapped read-only (None for an empty image).
     pub fn mapping(&self) -> Option<(*const u8, usize)> {
         self.map.as_ref().map(|m| (m.as_ptr(), m.len()))
     }
@@ -292,85 +193,15 @@ impl Image {
     /// kernel's copy faults) and with it the connection, so READ checks first and answers
     /// EIO, as qemu-nbd does. Block devices cannot shrink under an open descriptor.
     pub fn still_holds(&self, end: u64) -> io::Result<bool> {
-        if self.qcow2.is_some() {
-            return Ok(true); // reads check the clusters' offsets themselves
-        }
         let meta = self.file.metadata()?;
         Ok(!meta.file_type().is_file() || meta.len() >= end)
     }
 
-    /// Takes qemu's image locks, so that qemu (qemu-nbd, qemu-img, qemu-storage-daemon) and a
-    /// second qpip-nbd-server see the image as in use, and we see theirs. qemu holds open
-    /// file description locks on single bytes: 100 + p while it uses permission p, 200 + p
-    /// while it forbids others p (p = 0 consistent read, 1 write, ...). A writable export
-    /// uses and forbids write; a read-only one uses consistent read and forbids write, as
-    /// qemu's readers do. The locks last as long as the image is open.
-    pub fn lock(&self) -> Result<(), LockError> {
-        const CONSISTENT_READ: i64 = 0;
-        const WRITE: i64 = 1;
-        let (uses, forbids): (&[i64], &[i64]) = if self.read_only {
-            (&[CONSISTENT_READ], &[WRITE])
-        } else {
-            (&[CONSISTENT_READ, WRITE], &[WRITE])
-        };
-        // Someone forbids what we use, or uses what we forbid.
-        for &p in uses {
-            self.ofd_lock_free(200 + p, "forbids", p)?;
-        }
-        for &p in forbids {
-            self.ofd_lock_free(100 + p, "uses", p)?;
-        }
-        for byte in uses
-            .iter()
-            .map(|p| 100 + p)
-            .chain(forbids.iter().map(|p| 200 + p))
-        {
-            self.ofd_lock(libc::F_OFD_SETLK, libc::F_RDLCK as i16, byte)
-                .map_err(LockError::Io)?;
-        }
-        Ok(())
-    }
-
-    /// Err when another open file description holds a lock on `byte`.
-    fn ofd_lock_free(&self, byte: i64, what: &'static str, perm: i64) -> Result<(), LockError> {
-        let l = self
-            .ofd_lock(libc::F_OFD_GETLK, libc::F_WRLCK as i16, byte)
-            .map_err(LockError::Io)?;
-        if l.l_type == libc::F_UNLCK as i16 {
-            return Ok(());
-        }
-        Err(LockError::InUse {
-            what,
-            permission: if perm == 1 {
-                "write"
-            } else {
-                "consistent read"
-            },
-        })
-    }
-
-    fn ofd_lock(&self, cmd: libc::c_int, ty: i16, byte: i64) -> io::Result<libc::flock> {
-        // SAFETY: an all-zero flock is valid; l_pid must be 0 for OFD locks.
-        let mut l: libc::flock = unsafe { std::mem::zeroed() };
-        l.l_type = ty;
-        l.l_whence = libc::SEEK_SET as i16;
-        l.l_start = byte;
-        l.l_len = 1;
-        // SAFETY: the descriptor is open and `l` a valid flock for the duration of the call.
-        if unsafe { libc::fcntl(self.file.as_raw_fd(), cmd, &mut l) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(l)
-    }
-
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        match &self.qcow2 {
-            Some(q) => q.read_at(buf, offset),
-            None => self.file.read_exact_at(buf, offset),
-        }
+        self.file.read_exact_at(buf, offset)
     }
 
-    /// Whether writes below this offset must come through [`Image::write_at`] (where they
+    /// Whether writes below this offset must come through [`FileStore::write_at`] (where they
     /// are checked) rather than be placed in the file by the NIC: [`HEAD`] for an image
     /// probed as raw, else 0.
     pub fn checked_below(&self) -> u64 {
@@ -403,7 +234,7 @@ impl Image {
             Some(data) => at.copy_from_slice(&data[..at.len()]),
             None => at.fill(0),
         }
-        match qcow2::probe(&head) {
+        match probe::probe(&head) {
             Probed::Raw => change(),
             Probed::Qcow2 | Probed::Other(_) => {
                 tracing::debug!(
@@ -418,12 +249,9 @@ impl Image {
     }
 
     pub fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()> {
-        match &self.qcow2 {
-            Some(q) => q.write_at(data, offset)?,
-            None => self.guard_head(offset, data.len() as u64, Some(data), || {
-                self.file.write_all_at(data, offset)
-            })?,
-        }
+        self.guard_head(offset, data.len() as u64, Some(data), || {
+            self.file.write_all_at(data, offset)
+        })?;
         if fua {
             self.flush_range(offset, data.len() as u64)?;
         }
@@ -443,9 +271,6 @@ impl Image {
 
     /// TRIM: punches a hole (the range then reads as zeroes).
     pub fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
-        if let Some(q) = &self.qcow2 {
-            return q.zero_range(offset, len);
-        }
         // Zeroes can finish a magic too ("QED\0" from "QEDx").
         self.guard_head(offset, len, None, || {
             self.fallocate(
@@ -460,10 +285,6 @@ impl Image {
     /// the file system cannot do it without writing (the caller decides whether that is
     /// allowed: FAST_ZERO says it is not).
     pub fn zero_range(&self, offset: u64, len: u64, may_write: bool) -> io::Result<bool> {
-        if let Some(q) = &self.qcow2 {
-            q.zero_range(offset, len)?;
-            return Ok(true);
-        }
         self.guard_head(offset, len, None, || self.zero_raw(offset, len, may_write))
     }
 
@@ -510,9 +331,6 @@ impl Image {
 
     /// CACHE: asks the kernel to read the range ahead.
     pub fn prefetch(&self, offset: u64, len: u64) -> io::Result<()> {
-        if self.qcow2.is_some() {
-            return Ok(()); // a hint; the clusters are not contiguous
-        }
         // SAFETY: plain system call on an owned descriptor.
         let r = unsafe {
             libc::posix_fadvise(
@@ -531,13 +349,6 @@ impl Image {
 
     /// Data and holes from `offset` for up to `len` bytes, from SEEK_DATA / SEEK_HOLE.
     pub fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
-        if let Some(q) = &self.qcow2 {
-            return Ok(q
-                .extents(offset, len, 64)?
-                .into_iter()
-                .map(|(len, hole)| Extent { len, hole })
-                .collect());
-        }
         let end = offset.saturating_add(len).min(self.size);
         let fd = self.file.as_raw_fd();
         let seek = |pos: u64, whence: libc::c_int| -> io::Result<Option<u64>> {
@@ -585,12 +396,12 @@ impl Image {
     }
 }
 
-impl Backend for Image {
+impl Store for FileStore {
     fn location(&self) -> String {
         self.path.display().to_string()
     }
     fn kind(&self) -> &'static str {
-        self.format().name()
+        "raw"
     }
     fn size(&self) -> u64 {
         self.size
@@ -599,17 +410,17 @@ impl Backend for Image {
         self.read_only
     }
     fn mapping(&self) -> Option<(*const u8, usize)> {
-        Image::mapping(self)
+        FileStore::mapping(self)
     }
     fn still_holds(&self, end: u64) -> io::Result<bool> {
-        Image::still_holds(self, end)
+        FileStore::still_holds(self, end)
     }
     fn mapping_would_fill_holes(&self, offset: u64, len: u64) -> bool {
-        Image::mapping_would_fill_holes(self, offset, len)
+        FileStore::mapping_would_fill_holes(self, offset, len)
     }
 
     fn placement_file(&self) -> Option<File> {
-        if self.read_only || self.qcow2.is_some() {
+        if self.read_only {
             return None;
         }
         self.file.try_clone().ok()
@@ -619,13 +430,13 @@ impl Backend for Image {
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        Image::read_at(self, buf, offset)
+        FileStore::read_at(self, buf, offset)
     }
     fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()> {
-        Image::write_at(self, data, offset, fua)
+        FileStore::write_at(self, data, offset, fua)
     }
     fn flush(&self) -> io::Result<()> {
-        Image::flush(self)
+        FileStore::flush(self)
     }
     fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
         self.punch_hole(offset, len)
@@ -637,7 +448,7 @@ impl Backend for Image {
         may_write: bool,
         may_unmap: bool,
     ) -> io::Result<bool> {
-        if may_unmap && self.qcow2.is_none() {
+        if may_unmap {
             // A hole reads as zeroes and costs no room (on tmpfs, where ZERO_RANGE is not
             // supported, writing the zeroes would fill memory); qemu-nbd punches too.
             match self.punch_hole(offset, len) {
@@ -648,10 +459,10 @@ impl Backend for Image {
         self.zero_range(offset, len, may_write)
     }
     fn prefetch(&self, offset: u64, len: u64) -> io::Result<()> {
-        Image::prefetch(self, offset, len)
+        FileStore::prefetch(self, offset, len)
     }
     fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
-        Image::extents(self, offset, len)
+        FileStore::extents(self, offset, len)
     }
 }
 
@@ -664,19 +475,6 @@ fn on_shmem(file: &File) -> bool {
     ok && st.f_type == libc::TMPFS_MAGIC
 }
 
-fn read_some(file: &File, buf: &mut [u8]) -> io::Result<usize> {
-    let mut n = 0;
-    while n < buf.len() {
-        match file.read_at(&mut buf[n..], n as u64) {
-            Ok(0) => break,
-            Ok(k) => n += k,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(n)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -684,7 +482,7 @@ mod tests {
     #[test]
     fn only_shared_memory_images_send_holes_by_copy() {
         // A memfd is tmpfs: a read fault on its holes would allocate pages.
-        let img = Image::anonymous("holes", 1 << 20).unwrap();
+        let img = FileStore::anonymous("holes", 1 << 20).unwrap();
         img.write_at(&[7; 4096], 64 << 10, false).unwrap();
         assert!(!img.mapping_would_fill_holes(64 << 10, 4096), "all data");
         assert!(img.mapping_would_fill_holes(0, 4096), "all hole");
@@ -698,7 +496,7 @@ mod tests {
         );
         // On a disk file system a hole read through the mapping takes only page cache.
         let dir = tempfile::tempdir().unwrap();
-        let img = Image::create(&dir.path().join("disk.img"), 1 << 20).unwrap();
+        let img = FileStore::create(&dir.path().join("disk.img"), 1 << 20).unwrap();
         if !on_shmem(&img.file) {
             assert!(!img.mapping_would_fill_holes(0, 4096));
         }
@@ -708,7 +506,7 @@ mod tests {
     fn sparse_image_extents_follow_writes_trims_and_zeroes() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("disk.img");
-        let img = Image::create(&path, 16 << 20).unwrap();
+        let img = FileStore::create(&path, 16 << 20).unwrap();
         assert_eq!(
             img.extents(0, 16 << 20).unwrap(),
             vec![Extent {
@@ -763,7 +561,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("disk.img");
         std::fs::write(&path, vec![0u8; 64 << 10]).unwrap();
-        let img = Image::open_as(&path, false, None).unwrap();
+        let open = |probed| {
+            let file = OpenOptions::new().read(true).write(true).open(&path);
+            FileStore::open(&path, file.unwrap(), false, probed).unwrap()
+        };
+        let img = open(true);
         assert_eq!(img.checked_below(), HEAD);
         let eperm = |e: io::Error| e.raw_os_error() == Some(libc::EPERM);
         assert!(eperm(img.write_at(b"QFI\xfb", 0, false).unwrap_err()));
@@ -786,7 +588,7 @@ mod tests {
             "zeroing it all is raw"
         );
         // Chosen as raw: the guest's bytes are the disk, whatever they say.
-        let img = Image::open_as(&path, false, Some(Format::Raw)).unwrap();
+        let img = open(false);
         assert_eq!(img.checked_below(), 0);
         img.write_at(b"QFI\xfb", 0, false).unwrap();
     }
@@ -795,9 +597,12 @@ mod tests {
     fn create_refuses_an_existing_file_of_another_size() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("disk.img");
-        Image::create(&path, 1 << 20).unwrap();
-        assert!(Image::create(&path, 1 << 20).is_ok(), "same size reopens");
-        let e = Image::create(&path, 2 << 20).unwrap_err();
+        FileStore::create(&path, 1 << 20).unwrap();
+        assert!(
+            FileStore::create(&path, 1 << 20).is_ok(),
+            "same size reopens"
+        );
+        let e = FileStore::create(&path, 2 << 20).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::AlreadyExists);
     }
 }

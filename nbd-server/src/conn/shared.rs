@@ -12,8 +12,8 @@ use nbd_proto::handshake::server::ServerConfig;
 use parking_lot::Mutex;
 use qpip_core::{Endpoint, Nic, TlsConfig};
 
+use super::recv_window::BufferBudget;
 use crate::export::Export;
-use crate::recv_window::BufferBudget;
 
 /// What the accept loops and connections share.
 pub struct ServerShared {

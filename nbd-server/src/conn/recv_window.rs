@@ -1,7 +1,7 @@
 //! How many receive slots a connection keeps posted, and which.
 //!
 //! Every posted receive WR is a slot of registered memory (a request header plus up to
-//! [`crate::CHUNK`] of write payload) that the NIC may fill. Receive WRs are consumed in the
+//! [`CHUNK`] of write payload) that the NIC may fill. Receive WRs are consumed in the
 //! order they were posted, so posting all of a connection's slots would cycle through them
 //! and, after a few dozen writes, leave every slot's pages touched for the connection's life:
 //! 32 MiB for a client that never had more than one write in flight. Instead a connection
@@ -14,12 +14,23 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use nbd_proto::consts::EXTENDED_REQUEST_LEN;
+
+/// Receive slots a connection may post at most in the transmission phase (how many it does
+/// post: [`RecvWindow`]): requests the client may have in flight before TCP flow control
+/// holds it.
+pub const RECV_SLOTS: usize = 32;
+/// Largest payload piece placed in one receive WR (longer writes arrive in pieces).
+pub const CHUNK: usize = 1 << 20;
+/// A receive slot: the longest request header (extended) and a payload piece.
+pub const SLOT_LEN: usize = EXTENDED_REQUEST_LEN + CHUNK;
+
 /// Slots every connection may use without asking the budget.
 pub const BASE_SLOTS: usize = 4;
 
 /// The server-wide memory (`--buffer-memory`) that connections may take beyond their own
 /// base: extra receive slots, and read buffers of stores without a mapping
-/// (`crate::reply_slots`). Counted in bytes.
+/// (`super::reply_slots`). Counted in bytes.
 #[derive(Debug)]
 pub struct BufferBudget(AtomicUsize);
 
@@ -54,6 +65,7 @@ impl BufferBudget {
     }
 
     /// Bytes left.
+    #[cfg(test)]
     pub fn available(&self) -> usize {
         self.0.load(Ordering::Acquire)
     }
@@ -121,6 +133,7 @@ impl RecvWindow {
     }
 
     /// Slots kept posted now.
+    #[cfg(test)]
     pub fn target(&self) -> usize {
         self.target
     }

@@ -29,7 +29,7 @@ pub struct WritePlacement {
     pub region: FileRegion,
     pub info: TransmissionInfo,
     /// Writes that start below this offset are not placed: the store checks them
-    /// ([`crate::backend::Backend::placement_from`]).
+    /// ([`crate::store::Store::placement_from`]).
     pub from: u64,
 }
 

@@ -7,7 +7,7 @@
 //! completion that the calling connection thread waits for; librbd runs them on its own
 //! threads, so connections on other threads (and other exports) go on meanwhile.
 //!
-//! Reads land where the caller says: conn.rs passes a buffer in registered memory, which the
+//! Reads land where the caller says: the connection passes a buffer in registered memory, which the
 //! reply's send WR then points at, so the data is copied by librbd from its messenger into
 //! that buffer and by the NIC into the socket, never in between.
 //!
@@ -19,11 +19,9 @@
 
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::io;
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
-use crate::backend::{Backend, Extent, Pending};
+use super::{CephOptions, Extent, Pending, Store};
 
 /// The hand-written declarations of the librados and librbd functions we call (see
 /// rados/librados.h and rbd/librbd.h).
@@ -206,20 +204,6 @@ impl std::fmt::Display for RbdSpec {
     }
 }
 
-/// How to reach the cluster, as qemu's rbd driver takes it.
-#[derive(Clone, Debug, Default)]
-pub struct ClusterOptions {
-    /// ceph.conf; None: librados' search ($CEPH_CONF, /etc/ceph/ceph.conf, ~/.ceph/config,
-    /// ./ceph.conf).
-    pub conf: Option<PathBuf>,
-    /// The client id, without "client." (default "admin").
-    pub id: Option<String>,
-    /// A keyring file; None: the one ceph.conf names, or the default places.
-    pub keyring: Option<PathBuf>,
-    /// How long connecting, and then each operation, may take before it fails.
-    pub timeout: Duration,
-}
-
 /// A connected cluster handle (`rados_t`), shared by the exports that use it.
 pub struct Cluster {
     handle: ffi::rados_t,
@@ -244,7 +228,7 @@ impl std::fmt::Debug for Cluster {
 
 impl Cluster {
     /// Connects, or says in one line why it cannot.
-    pub fn connect(opts: &ClusterOptions) -> Result<Arc<Cluster>, String> {
+    pub fn connect(opts: &CephOptions) -> Result<Arc<Cluster>, String> {
         let id = opts.id.clone().unwrap_or_else(|| "admin".to_owned());
         let conf = opts.conf.as_deref().map_or_else(
             || "the default ceph.conf".to_owned(),
@@ -393,7 +377,7 @@ impl Drop for Completion {
     }
 }
 
-/// A read or write under way (see [`Backend::start_read`], [`Backend::start_write`]).
+/// A read or write under way (see [`Store::start_read`], [`Store::start_write`]).
 struct InFlight {
     completion: Completion,
     what: &'static str,
@@ -585,7 +569,7 @@ unsafe extern "C" fn diff_cb(off: u64, len: usize, exists: c_int, arg: *mut c_vo
 /// an image without object-map (the client asks again for the rest).
 const DIFF_MAX: u64 = 1 << 30;
 
-impl Backend for RbdImage {
+impl Store for RbdImage {
     fn location(&self) -> String {
         self.spec.to_string()
     }

@@ -13,12 +13,12 @@ use std::io;
 use nbd_proto::server_session::{ServerTransmission, ValidRequest};
 use nbd_proto::transmission::{ByteRange, ErrorValue};
 
-use crate::backend::Pending;
-use crate::error::{Error, Result};
+use super::link::Link;
+use super::recv_window::CHUNK;
+use super::reply_slots::{ReplySlots, SendBuffer};
+use crate::error::{Error, Result, io_error_value};
 use crate::export::Export;
-use crate::link::Link;
-use crate::reply_slots::{ReplySlots, SendBuffer};
-use crate::transmission::{CHUNK, io_error_value};
+use crate::store::Pending;
 
 /// What a READ reply needs from its connection.
 pub(crate) struct ReadContext<'a> {
@@ -116,7 +116,7 @@ impl ReadReply {
         // read started into it is kept with it (Piece) until it is done.
         let pending = unsafe {
             let buf = buffer.mr().as_mut_slice()[..len].as_mut_ptr();
-            cx.export.image.start_read(buf, len, self.next)?
+            cx.export.store.start_read(buf, len, self.next)?
         };
         self.started.push_back(Piece {
             len,
@@ -146,7 +146,7 @@ impl ReadReply {
 
     fn failed(&self, cx: &ReadContext, e: &io::Error) -> Result<Result<(), ErrorValue>> {
         let (offset, len) = (self.range.offset(), self.range.len());
-        let at = cx.export.image.location();
+        let at = cx.export.store.location();
         tracing::warn!(export = %cx.export.name, "read at {offset} of {len} bytes from {at}: {e}");
         if self.header_sent {
             return Err(Error::ReadFailedMidReply);

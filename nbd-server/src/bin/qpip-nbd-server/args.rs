@@ -1,0 +1,197 @@
+//! The command line: every option with its help text (most of the binary's words).
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use nbd_server::store::open::Format;
+use qpip_cli::BackendArgs;
+use qpip_cli::logging::LogArgs;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "qpip-nbd-server",
+    version,
+    about = "Export disk images over NBD, carried by Queue Pair IP",
+    long_about = "Export disk images over NBD, carried by Queue Pair IP.\n\n\
+        Every connection runs on a QP of the soft NIC (or, with --backend lanai, of the QPIP \
+        firmware on an emulated LANai 9 NIC; see docs/lanai.md): requests land in registered receive \
+        buffers and read replies of raw images are sent straight from the image's registered \
+        mapping (a qcow2 image is served as its virtual disk, through its cluster tables). The \
+        wire is plain NBD (fixed newstyle), so any NBD client works.\n\n\
+        With no arguments it creates a 64 MiB demo image in memory (gone when the server \
+        exits) and serves it as export \"demo\" (also the default export) on [::1]:10809 and 127.0.0.1:10809.",
+    after_help = "Socket activation: started by systemd with LISTEN_PID and LISTEN_FDS set, the \
+        server serves on the sockets passed to it (from fd 3) instead of listening itself.\n\n\
+        Examples:\n  \
+        qpip-nbd-server --export disk=/var/lib/images/disk.img\n  \
+        qpip-nbd-server --listen 0.0.0.0:10809 --export scratch=/tmp/s.img --create 4G\n  \
+        qpip-nbd-server --config configs/server.toml\n  \
+        qpip-nbd-server --fork --pid-file /run/qpip.pid -f qcow2 --export vm=vm.qcow2\n  \
+        qpip-nbd-server --export d=disk.img --run 'qemu-img info \"$uri\"'\n  \
+        qemu-img info nbd://127.0.0.1/disk"
+)]
+pub struct Cli {
+    /// Address to listen on: ADDR:PORT (IPv6 in brackets), HOST:PORT, HOST (port 10809) or a
+    /// bare PORT (the default addresses); repeat for several. Default: [::1]:10809 and
+    /// 127.0.0.1:10809; with --backend lanai, the node's fabric address,
+    /// [fd00:4c41:4e41::1]:10809 for node "server".
+    #[arg(short, long, value_name = "ADDR:PORT")]
+    pub listen: Vec<String>,
+    /// The port, as qemu-nbd and nbdkit spell it: for every --bind address, or for the
+    /// default addresses.
+    #[arg(short, long, value_name = "PORT")]
+    pub port: Option<u16>,
+    /// An address or host name to listen on at --port (default 10809), as qemu-nbd and
+    /// nbdkit spell it; repeat for several.
+    #[arg(short, long, value_name = "ADDR")]
+    pub bind: Vec<String>,
+    /// Listen on a Unix-domain socket at PATH (qemu-nbd's -k, nbdkit's --unix), created
+    /// readable and writable by the server's user only and removed when the server exits; a
+    /// stale socket left there by a dead server is replaced. Clients connect with
+    /// nbd+unix:///EXPORT?socket=PATH. Alone, the server listens on no TCP address; add
+    /// --listen/--port/--bind for both. The soft NIC only (the LANai reaches its fabric only).
+    /// (-U is --force-share, as in qemu-img and qemu-io.)
+    #[arg(short = 'k', long, visible_alias = "unix", value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// An export: NAME=PATH of an image file or block device, or NAME=rbd:POOL/IMAGE[@SNAP]
+    /// of a Ceph RBD image (see --ceph-conf; a snapshot is served read-only); repeat for
+    /// several.
+    #[arg(short, long, value_name = "NAME=PATH")]
+    pub export: Vec<String>,
+    /// A TOML configuration file (see configs/server.toml); flags add to it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// The images' format: raw (the file's bytes are the disk) or qcow2 (its virtual disk).
+    /// Default: probed from each image's first bytes, as qemu-nbd does; an image in another
+    /// format (vmdk, vdi, qcow version 1, luks, ...) is left out with an error line while
+    /// the other exports are served (with none left, the server fails). A guest of an image
+    /// probed as raw cannot give it another format: a write that would put another format's
+    /// header in its first 512 bytes fails with EPERM. `-f raw` serves any file's bytes as
+    /// they are, without that check.
+    #[arg(short, long, value_name = "FORMAT", value_enum)]
+    pub format: Option<FormatArg>,
+    /// Export every image read-only.
+    #[arg(short, long)]
+    pub read_only: bool,
+    /// Take no image locks (qemu's -U): serve an image that qemu or another server has open.
+    /// Without it, a writable export is refused while anyone else uses the image, and a
+    /// read-only one while anyone writes it, as qemu-nbd does.
+    #[arg(short = 'U', long)]
+    pub force_share: bool,
+    /// The Ceph configuration for rbd: exports (default: librados' search: $CEPH_CONF,
+    /// /etc/ceph/ceph.conf, ~/.ceph/config, ./ceph.conf), as qemu's conf=.
+    #[arg(long, value_name = "FILE")]
+    pub ceph_conf: Option<PathBuf>,
+    /// The Ceph client id for rbd: exports, without "client." (default admin), as qemu's id=.
+    #[arg(long, value_name = "ID")]
+    pub ceph_id: Option<String>,
+    /// The keyring holding the client's key (default: the one the configuration names), as
+    /// qemu's keyring=.
+    #[arg(long, value_name = "FILE")]
+    pub ceph_keyring: Option<PathBuf>,
+    /// Seconds that connecting to the Ceph cluster, and then each RBD request, may take
+    /// before it fails (the client then gets EIO; other exports keep serving).
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    pub ceph_timeout: u64,
+    /// Create missing images, sparse, with this size (e.g. 1G, 512M).
+    #[arg(long, value_name = "SIZE")]
+    pub create: Option<String>,
+    /// A description for an export, shown by `nbdinfo --list`: NAME=TEXT.
+    #[arg(long, value_name = "NAME=TEXT")]
+    pub description: Vec<String>,
+    /// The export a client gets when it asks for the empty name.
+    #[arg(long, value_name = "NAME")]
+    pub default_export: Option<String>,
+    /// Serve at most this many clients at once (default 64); only clients past the NBD
+    /// handshake count, and one more is refused (its connection closed) with a log line.
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<usize>,
+    /// Connections still in their handshake at once (default 256); a new one beyond this
+    /// drops the oldest, so idle or slow sockets cannot lock clients out. A handshake that
+    /// takes longer than 10 s is dropped in any case.
+    #[arg(long, value_name = "N")]
+    pub max_handshakes: Option<usize>,
+    /// Close a client's connection after SECS without a request while nothing is in flight
+    /// (default: never), or after SECS (at most 60) in which the client read none of the
+    /// replies sent to it (without this option: 60 s). The client sees its server go away, as
+    /// after a restart.
+    #[arg(long, value_name = "SECS")]
+    pub idle_timeout: Option<u64>,
+    /// Memory for receive buffers shared by busy connections (default 256M). Each connection
+    /// has 4 MiB of its own; one whose client pipelines deeper takes more from this pool, up
+    /// to 32 MiB, and TCP flow control holds clients once it is spent.
+    #[arg(long, value_name = "SIZE")]
+    pub buffer_memory: Option<String>,
+    /// Do not answer NBD_OPT_LIST with the export names.
+    #[arg(long)]
+    pub no_list: bool,
+    /// Run in the background once serving: the command returns (status 0) when the
+    /// listeners are bound and the images open, or fails with the server's error. The
+    /// server's stdout goes to /dev/null then, and so does its stderr (the log) if it is a
+    /// pipe; redirect it to a file to keep the log: `--fork 2>>server.log`.
+    #[arg(long)]
+    pub fork: bool,
+    /// Write the server's process id to FILE once it is serving (removed at a clean exit).
+    #[arg(long, value_name = "FILE")]
+    pub pid_file: Option<PathBuf>,
+    /// Captive mode, as nbdkit's: once serving, run CMD with `sh -c`, where $uri (and $nbd)
+    /// is the default export's nbd://HOST:PORT/EXPORT and $port the port (with only
+    /// --socket: nbd+unix:///EXPORT?socket=PATH and $unixsocket); the server shuts
+    /// down when CMD exits and exits with CMD's status. With --run and no address given, it
+    /// listens on 127.0.0.1 at a free port.
+    #[arg(long, value_name = "CMD")]
+    pub run: Option<String>,
+    /// TLS, as nbdkit's --tls: off; on (offered: a client may upgrade with STARTTLS or stay
+    /// in plaintext); require (every option before STARTTLS is refused with
+    /// NBD_REP_ERR_TLS_REQD). Default: require when --tls-certs or --tls-psk is given, else
+    /// off. The soft NIC's engine does the TLS record layer; the LANai backend has no TLS.
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub tls: Option<TlsArg>,
+    /// X.509 credentials: a directory holding ca-cert.pem, server-cert.pem and
+    /// server-key.pem (the layout of qemu's tls-creds-x509 and nbdkit's --tls-certificates).
+    #[arg(long, value_name = "DIR")]
+    pub tls_certs: Option<PathBuf>,
+    /// With --tls-certs: accept only clients presenting a certificate signed by its
+    /// ca-cert.pem.
+    #[arg(long, requires = "tls_certs")]
+    pub tls_verify_peer: bool,
+    /// Pre-shared keys instead of certificates: a file in psktool's format (IDENTITY:HEXKEY
+    /// per line); a client with any of them may connect.
+    #[arg(long, value_name = "FILE", conflicts_with = "tls_certs")]
+    pub tls_psk: Option<PathBuf>,
+    /// Shut down (as on SIGTERM) when the process that started the server exits.
+    #[arg(long)]
+    pub exit_with_parent: bool,
+    // Logging: -v/-q from the default, info.
+    #[command(flatten)]
+    pub log: LogArgs,
+    #[command(flatten)]
+    pub backend: BackendArgs,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TlsArg {
+    Off,
+    On,
+    Require,
+}
+
+/// An image's format, as `--format` and the config file's `format` spell it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FormatArg {
+    /// The file's bytes are the disk.
+    Raw,
+    /// A qcow2 image (version 3 as `qemu-img create -f qcow2` makes it; version 2
+    /// read-only): the disk is its virtual disk.
+    Qcow2,
+}
+
+impl From<FormatArg> for Format {
+    fn from(f: FormatArg) -> Format {
+        match f {
+            FormatArg::Raw => Format::Raw,
+            FormatArg::Qcow2 => Format::Qcow2,
+        }
+    }
+}

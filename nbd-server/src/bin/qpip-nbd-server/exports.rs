@@ -1,0 +1,105 @@
+//! The exports: each one's store opened through the library's [`store::open`], the demo
+//! image made, and the exports in a format the server does not serve left out.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use nbd_server::export::Export;
+use nbd_server::store::open::{self, OpenOptions, Opener};
+use nbd_server::store::{CephOptions, Store};
+use qpip_core::Nic;
+
+use crate::args::Cli;
+use crate::config::{ExportConfig, parse_size};
+use crate::settings::Settings;
+
+const DEMO_SIZE: u64 = 64 << 20;
+
+/// Opens every export's store and registers it with the NIC. An export whose file is in a
+/// format the server does not serve is left out with an error line, unless none is left.
+pub fn open_all(nic: &Nic, cli: &Cli, settings: &Settings) -> Result<Vec<Arc<Export>>> {
+    let mut opener = Opener::new(CephOptions {
+        conf: cli.ceph_conf.clone(),
+        id: cli.ceph_id.clone(),
+        keyring: cli.ceph_keyring.clone(),
+        timeout: Duration::from_secs(cli.ceph_timeout),
+    });
+    let mut exports: Vec<Arc<Export>> = Vec::new();
+    // Exports whose file is in a format the server does not serve, with why.
+    let mut left_out = Vec::new();
+    for e in &settings.cfg.exports {
+        if exports.iter().any(|x| x.name == e.name) {
+            bail!("export {:?} is given twice", e.name);
+        }
+        let store = if settings.demo {
+            demo_store()?
+        } else {
+            match open_one(&mut opener, cli, e)? {
+                Ok(store) => store,
+                Err(err) => {
+                    left_out.push(err);
+                    continue;
+                }
+            }
+        };
+        tracing::info!(export = %e.name, "{} ({}, {} bytes{})", store.location(), store.kind(), store.size(), if store.read_only() { ", read-only" } else { "" });
+        exports.push(Export::new(
+            nic,
+            e.name.clone(),
+            e.description.clone(),
+            store,
+        ));
+    }
+    // With no export left the server fails with the last one's error, as with one export.
+    if exports.is_empty()
+        && let Some(err) = left_out.pop()
+    {
+        for e in &left_out {
+            tracing::error!("{e:#}");
+        }
+        return Err(err);
+    }
+    for e in &left_out {
+        tracing::error!("{e:#}; serving the other exports without it");
+    }
+    Ok(exports)
+}
+
+/// Opens one export's store: Ok(Err) for a file in a format the server does not serve,
+/// which takes down its own export only (a guest must not be able to stop the server).
+fn open_one(
+    opener: &mut Opener,
+    cli: &Cli,
+    e: &ExportConfig,
+) -> Result<Result<Box<dyn Store>, anyhow::Error>> {
+    let create = match cli.create.as_deref().or(e.create_size.as_deref()) {
+        Some(size) => Some(parse_size(size)?),
+        None => None,
+    };
+    let opts = OpenOptions {
+        read_only: cli.read_only || e.read_only,
+        format: cli.format.or(e.format).map(Into::into),
+        create,
+        lock: !cli.force_share,
+    };
+    match opener.open(&e.path, &opts) {
+        Ok(store) => Ok(Ok(store)),
+        Err(err) if err.unserved() => Ok(Err(
+            anyhow::Error::new(err).context(format!("export {}", e.name))
+        )),
+        Err(err) => Err(anyhow::Error::new(err).context(format!("export {}", e.name))),
+    }
+}
+
+/// The demo export: a generated image in anonymous memory (a memfd). Not a file under
+/// $TMPDIR: a predictable path there lets any local user plant a symlink to a file of
+/// root's, which the server would then export read-write.
+fn demo_store() -> Result<Box<dyn Store>> {
+    let store = open::anonymous("qpip-demo.img", DEMO_SIZE).context("creating the demo image")?;
+    let banner = b"qpip demo image: served by qpip-nbd-server over Queue Pair IP\n";
+    store
+        .write_at(banner, 0, false)
+        .context("writing the demo image")?;
+    Ok(store)
+}

@@ -1,0 +1,136 @@
+//! What the server is to do: the configuration file and the flags merged, and checked before
+//! anything is started or opened.
+
+use std::net::{Ipv6Addr, SocketAddr};
+
+use anyhow::{Context, Result, bail};
+use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
+
+use crate::args::Cli;
+use crate::config::{self, Config, ExportConfig, parse_listen};
+
+/// The configuration with the flags applied.
+pub struct Settings {
+    /// The file's settings, the flags' exports, addresses and default export added.
+    pub cfg: Config,
+    /// No export was given: the demo image is served as export "demo".
+    pub demo: bool,
+    /// The addresses to listen on, resolved (empty with only --socket, or when activated).
+    pub listen: Vec<SocketAddr>,
+    /// With --backend lanai: this node's fabric address.
+    pub lanai_addr: Option<Ipv6Addr>,
+}
+
+impl Settings {
+    pub fn merge(cli: &Cli) -> Result<Settings> {
+        let mut cfg = match &cli.config {
+            Some(path) => Config::load(path)?,
+            None => Config::default(),
+        };
+        cfg.listen.extend(cli.listen.iter().cloned());
+        let demo = add_exports(cli, &mut cfg)?;
+        let lanai_addr = cli.backend.lanai_addr(DEFAULT_SERVER_NODE)?;
+        add_addresses(cli, &mut cfg, lanai_addr)?;
+        if let Some(d) = cli.default_export.clone() {
+            cfg.default_export = Some(d);
+        }
+        if let Some(d) = &cfg.default_export
+            && !cfg.exports.iter().any(|e| &e.name == d)
+        {
+            bail!("default export {d:?} is not one of the exports");
+        }
+        // Addresses are checked before any image is opened or created.
+        let mut listen = Vec::new();
+        for s in &cfg.listen {
+            for a in parse_listen(s)? {
+                if !listen.contains(&a) {
+                    listen.push(a);
+                }
+            }
+        }
+        if let Some(node) = lanai_addr
+            && let Some(v4) = listen.iter().find(|a| a.is_ipv4())
+        {
+            bail!(
+                "cannot listen on {v4}: the lanai NIC speaks IPv6 only (this node is {node}; try --listen [{node}]:10809)"
+            );
+        }
+        Ok(Settings {
+            cfg,
+            demo,
+            listen,
+            lanai_addr,
+        })
+    }
+}
+
+fn split_pair<'a>(s: &'a str, what: &str) -> Result<(&'a str, &'a str)> {
+    s.split_once('=')
+        .with_context(|| format!("{what} {s:?} is not NAME=VALUE"))
+}
+
+/// Adds --export and --description to the file's exports, or the demo export when there
+/// are none (true).
+fn add_exports(cli: &Cli, cfg: &mut Config) -> Result<bool> {
+    for e in &cli.export {
+        let (name, path) = split_pair(e, "--export")?;
+        cfg.exports.push(ExportConfig {
+            name: name.into(),
+            path: path.into(),
+            description: String::new(),
+            read_only: false,
+            create_size: None,
+            format: None,
+        });
+    }
+    for d in &cli.description {
+        let (name, text) = split_pair(d, "--description")?;
+        let e = cfg
+            .exports
+            .iter_mut()
+            .find(|e| e.name == name)
+            .with_context(|| format!("--description: no export named {name:?}"))?;
+        e.description = text.into();
+    }
+    let demo = cfg.exports.is_empty();
+    if demo {
+        cfg.exports.push(ExportConfig {
+            name: "demo".into(),
+            path: "(memory)".into(),
+            description: "generated 64 MiB demo image, in memory".into(),
+            read_only: false,
+            create_size: None,
+            format: None,
+        });
+        cfg.default_export.get_or_insert_with(|| "demo".into());
+    }
+    Ok(demo)
+}
+
+/// Adds --bind (at --port) to the listen addresses, or the defaults when none is given.
+fn add_addresses(cli: &Cli, cfg: &mut Config, lanai_addr: Option<Ipv6Addr>) -> Result<()> {
+    let port = cli.port.unwrap_or(config::DEFAULT_PORT);
+    if cli.port.is_some() && !cli.listen.is_empty() {
+        bail!("--port goes with --bind or the default addresses; --listen names its own port");
+    }
+    for b in &cli.bind {
+        let host = if b.contains(':') && !b.starts_with('[') {
+            format!("[{b}]") // a bare IPv6 address
+        } else {
+            b.clone()
+        };
+        cfg.listen.push(format!("{host}:{port}"));
+    }
+    // A Unix socket alone: no TCP address unless one is asked for.
+    let tcp = !cfg.listen.is_empty() || cli.port.is_some() || cli.socket.is_none();
+    if cfg.listen.is_empty() && tcp && cli.run.is_some() && cli.port.is_none() {
+        cfg.listen = vec!["127.0.0.1:0".into()]; // captive: a free port, no clash
+    }
+    if cfg.listen.is_empty() && tcp {
+        cfg.listen = match lanai_addr {
+            Some(a) => vec![format!("[{a}]:{port}")],
+            None => vec![port.to_string()],
+        };
+    }
+    Ok(())
+}

@@ -1,0 +1,290 @@
+//! Choosing and opening a store: the one place that knows every kind of store.
+//!
+//! An export's location is parsed here ([`Location`]: `rbd:POOL/IMAGE[@SNAP]`, else a file
+//! path); a file's format is chosen or probed from its first bytes, as qemu-nbd does (qcow2
+//! by its magic, raw otherwise; a format we do not serve is refused); `--create` makes a
+//! missing raw image; and qemu's image locks are taken. Adding a store is one arm in
+//! [`Opener::open`] and the file that implements it.
+
+use std::fs::File;
+use std::io;
+use std::path::{Path, PathBuf};
+#[cfg(feature = "rbd")]
+use std::sync::Arc;
+
+use super::file::FileStore;
+use super::lock::{self, LockError};
+use super::probe::{self, Probed, QCOW2_MAGIC};
+use super::qcow2::Qcow2;
+use super::{CephOptions, Store};
+
+/// An image file's format, as `--format` names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Format {
+    /// The file's bytes are the disk.
+    Raw,
+    /// A qcow2 image (version 3 as `qemu-img create -f qcow2` makes it; version 2
+    /// read-only): the disk is its virtual disk.
+    Qcow2,
+}
+
+impl Format {
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Raw => "raw",
+            Format::Qcow2 => "qcow2",
+        }
+    }
+}
+
+/// How one export's store is opened.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OpenOptions {
+    pub read_only: bool,
+    /// The file's format; None: probed from its first bytes.
+    pub format: Option<Format>,
+    /// Create a missing image file, sparse, with this many bytes; an existing one must have
+    /// them.
+    pub create: Option<u64>,
+    /// Take qemu's image locks (false: `--force-share`).
+    pub lock: bool,
+}
+
+/// Why a store could not be opened. Shown after the export's name.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OpenError {
+    #[error("--create makes image files; make an RBD image with rbd create")]
+    CreateRbd,
+    #[error("an RBD image is served as raw (its bytes are the disk)")]
+    RbdFormat,
+    /// The cluster or the image could not be reached.
+    #[error("{0}")]
+    Rbd(String),
+    #[error(
+        "rbd:{0}: this qpip-nbd-server was built without RBD support (build it with --features nbd-server/rbd, which needs librbd-dev)"
+    )]
+    NoRbd(String),
+    #[error(
+        "{} does not exist, and --create makes raw images only (make a qcow2 one with qemu-img create -f qcow2)",
+        .0.display()
+    )]
+    CreateQcow2(PathBuf),
+    #[error("--create 0: an export needs at least one byte")]
+    CreateEmpty,
+    #[error("creating {} ({size} bytes)", path.display())]
+    Create {
+        path: PathBuf,
+        size: u64,
+        source: io::Error,
+    },
+    /// The file could not be opened, or is in a format (or has qcow2 features) not served.
+    #[error("opening {}{hint}", path.display())]
+    Open {
+        path: PathBuf,
+        /// How to serve it anyway, where there is a way.
+        hint: &'static str,
+        source: io::Error,
+    },
+    #[error("{}", path.display())]
+    Lock { path: PathBuf, source: LockError },
+    #[error(
+        "{} has {size} bytes, not the {asked} that --create asks for (drop --create to serve it as it is)",
+        path.display()
+    )]
+    CreateSize {
+        path: PathBuf,
+        size: u64,
+        asked: u64,
+    },
+}
+
+impl OpenError {
+    /// A file in a format the server does not serve (probed, or qcow2 features): it takes
+    /// down its own export only, so that a guest cannot stop the server.
+    pub fn unserved(&self) -> bool {
+        matches!(self, OpenError::Open { source, .. } if source.kind() == io::ErrorKind::Unsupported)
+    }
+}
+
+/// Where a store is, as an export names it.
+#[derive(Clone, Copy, Debug)]
+pub enum Location<'a> {
+    /// `rbd:POOL/IMAGE[@SNAP]`: what follows `rbd:`.
+    Rbd(&'a str),
+    /// An image file or block device.
+    File(&'a Path),
+}
+
+impl<'a> Location<'a> {
+    pub fn parse(path: &'a Path) -> Location<'a> {
+        match path.to_str().and_then(|p| p.strip_prefix("rbd:")) {
+            Some(spec) => Location::Rbd(spec),
+            None => Location::File(path),
+        }
+    }
+}
+
+/// Opens stores; holds what stores of one kind share (the Ceph cluster connection, made by
+/// the first `rbd:` store).
+#[derive(Default)]
+pub struct Opener {
+    ceph: CephOptions,
+    #[cfg(feature = "rbd")]
+    cluster: Option<Arc<super::rbd::Cluster>>,
+}
+
+impl Opener {
+    pub fn new(ceph: CephOptions) -> Opener {
+        Opener {
+            ceph,
+            #[cfg(feature = "rbd")]
+            cluster: None,
+        }
+    }
+
+    /// Opens the store at `path` (see [`Location`]).
+    pub fn open(&mut self, path: &Path, opts: &OpenOptions) -> Result<Box<dyn Store>, OpenError> {
+        match Location::parse(path) {
+            Location::Rbd(spec) => self.open_rbd(spec, opts),
+            Location::File(path) => open_file(path, opts),
+        }
+    }
+
+    fn open_rbd(&mut self, spec: &str, opts: &OpenOptions) -> Result<Box<dyn Store>, OpenError> {
+        if opts.create.is_some() {
+            return Err(OpenError::CreateRbd);
+        }
+        if opts.format == Some(Format::Qcow2) {
+            return Err(OpenError::RbdFormat);
+        }
+        self.connect_rbd(spec, opts.read_only)
+    }
+
+    #[cfg(feature = "rbd")]
+    fn connect_rbd(&mut self, spec: &str, read_only: bool) -> Result<Box<dyn Store>, OpenError> {
+        use super::rbd::{Cluster, RbdImage, RbdSpec};
+        let spec = RbdSpec::parse(spec).map_err(OpenError::Rbd)?;
+        let cluster = match &self.cluster {
+            Some(c) => c.clone(),
+            None => {
+                let c = Cluster::connect(&self.ceph).map_err(OpenError::Rbd)?;
+                self.cluster = Some(c.clone());
+                c
+            }
+        };
+        let image = RbdImage::open(cluster, &spec, read_only).map_err(OpenError::Rbd)?;
+        Ok(Box::new(image))
+    }
+
+    #[cfg(not(feature = "rbd"))]
+    fn connect_rbd(&mut self, spec: &str, _read_only: bool) -> Result<Box<dyn Store>, OpenError> {
+        let _ = &self.ceph;
+        Err(OpenError::NoRbd(spec.to_owned()))
+    }
+}
+
+/// A sparse raw disk of `size` bytes in anonymous memory (a memfd), gone when the server
+/// exits: no path anyone else can reach or plant a symlink at. `name` shows in
+/// /proc/PID/fd and is the store's location in logs.
+pub fn anonymous(name: &str, size: u64) -> io::Result<Box<dyn Store>> {
+    Ok(Box::new(FileStore::anonymous(name, size)?))
+}
+
+/// An image file: created if asked and missing, its format chosen or probed, locked.
+fn open_file(path: &Path, opts: &OpenOptions) -> Result<Box<dyn Store>, OpenError> {
+    let mut format = opts.format;
+    if let Some(size) = opts.create
+        && !path.exists()
+    {
+        if format == Some(Format::Qcow2) {
+            return Err(OpenError::CreateQcow2(path.to_owned()));
+        }
+        if size == 0 {
+            return Err(OpenError::CreateEmpty);
+        }
+        FileStore::create(path, size).map_err(|source| OpenError::Create {
+            path: path.to_owned(),
+            size,
+            source,
+        })?;
+        format = Some(Format::Raw); // ours: not probed
+    }
+    let (store, file) = open_image(path, opts.read_only, format).map_err(|source| {
+        // A read-only file or file system: say how to serve it anyway.
+        let hint = match source.raw_os_error() {
+            Some(libc::EROFS | libc::EACCES | libc::EPERM) if !opts.read_only => {
+                " (to export it read-only, add --read-only)"
+            }
+            _ => "",
+        };
+        OpenError::Open {
+            path: path.to_owned(),
+            hint,
+            source,
+        }
+    })?;
+    if opts.lock {
+        lock::lock(&file, opts.read_only).map_err(|source| OpenError::Lock {
+            path: path.to_owned(),
+            source,
+        })?;
+    }
+    if let Some(asked) = opts.create
+        && store.size() != asked
+    {
+        return Err(OpenError::CreateSize {
+            path: path.to_owned(),
+            size: store.size(),
+            asked,
+        });
+    }
+    Ok(store)
+}
+
+/// Opens an existing image in `format`, or probes its format from its first bytes (`None`).
+/// A format we do not serve (vmdk, vdi, qcow version 1, luks, ...) is refused unless
+/// `format` forces raw. Also returns a descriptor of the same open file description, to lock
+/// (the locks then last as long as the store's descriptor).
+fn open_image(
+    path: &Path,
+    read_only: bool,
+    format: Option<Format>,
+) -> io::Result<(Box<dyn Store>, File)> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(!read_only)
+        .open(path)?;
+    let head = probe::read_head(&file)?;
+    let probed = format.is_none();
+    let format = match format {
+        Some(f) => f,
+        None => match probe::probe(&head) {
+            Probed::Raw => Format::Raw,
+            Probed::Qcow2 => Format::Qcow2,
+            Probed::Other(name) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    format!(
+                        "is a {name} image, which is not served (only raw and qcow2): convert it with qemu-img convert -O qcow2, or add --format raw to serve its bytes as they are"
+                    ),
+                ));
+            }
+        },
+    };
+    let for_lock = file.try_clone()?;
+    let store: Box<dyn Store> = match format {
+        Format::Raw => Box::new(FileStore::open(path, file, read_only, probed)?),
+        Format::Qcow2 => {
+            if !head.starts_with(QCOW2_MAGIC) {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "is not a qcow2 image (no qcow2 magic in its first bytes); drop --format qcow2 to serve it as raw",
+                ));
+            }
+            Box::new(Qcow2::open(path, file, read_only)?)
+        }
+    };
+    Ok((store, for_lock))
+}

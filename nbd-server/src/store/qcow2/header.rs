@@ -1,0 +1,285 @@
+//! The qcow2 header and tables an image is opened with: parsed, and refused where this
+//! server does not handle them, within the bounds qemu puts on crafted headers.
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::io;
+
+use super::{OFFSET_MASK, be32, be64, read_some, read_table, unsupported};
+
+/// Incompatible feature bits.
+const INCOMPAT_DIRTY: u64 = 1 << 0;
+pub(super) const INCOMPAT_CORRUPT: u64 = 1 << 1;
+const INCOMPAT_DATA_FILE: u64 = 1 << 2;
+const INCOMPAT_COMPRESSION: u64 = 1 << 3;
+const INCOMPAT_EXTL2: u64 = 1 << 4;
+
+/// qemu's bound on an L1 table (QCOW_MAX_L1_SIZE, 32 MiB), in entries.
+const MAX_L1_ENTRIES: usize = (32 << 20) / 8;
+
+/// qemu's bound on a refcount table (QCOW_MAX_REFTABLE_SIZE, 8 MiB), in entries.
+pub(super) const MAX_REFTABLE_ENTRIES: usize = (8 << 20) / 8;
+
+/// The header's fields this server reads.
+#[derive(Clone, Copy)]
+pub(super) struct Header {
+    pub version: u32,
+    pub cluster_bits: u32,
+    pub size: u64,
+    l1_size: usize,
+    pub l1_offset: u64,
+    refcount_table_offset: u64,
+    refcount_table_clusters: usize,
+    nb_snapshots: u32,
+    incompat: u64,
+    pub autoclear: u64,
+    pub refcount_order: u32,
+}
+
+/// An image as it is opened: its header and what was read of its tables.
+pub(super) struct Opened {
+    pub header: Header,
+    pub l1: Vec<u64>,
+    pub refcount_table: Vec<u64>,
+    pub refcount_table_offset: u64,
+    /// The host offsets of the refcount blocks and of the L2 tables.
+    pub refcount_blocks: HashSet<u64>,
+    pub l2_tables: HashSet<u64>,
+    /// The end of the file, cluster aligned.
+    pub next_free: u64,
+}
+
+/// Parses the header of `file` (which starts with the qcow2 magic), refuses what this
+/// reader does not handle, and reads the L1 and refcount tables (the caller names the file).
+pub(super) fn read(file: &File, read_only: bool) -> io::Result<Opened> {
+    let h = parse(file)?;
+    check_features(&h, read_only)?;
+    let Header {
+        cluster_bits,
+        size,
+        l1_size,
+        l1_offset,
+        refcount_table_offset,
+        refcount_table_clusters,
+        ..
+    } = h;
+    let cluster = 1u64 << cluster_bits;
+    let l2_entries = cluster / 8;
+    let needed_l1 = size.div_ceil(cluster).div_ceil(l2_entries);
+    if l1_size > MAX_L1_ENTRIES {
+        return Err(unsupported(format!(
+            "has an L1 table of {l1_size} entries: more than qemu's limit of {MAX_L1_ENTRIES} (32 MiB)"
+        )));
+    }
+    if (l1_size as u64) < needed_l1 {
+        return Err(unsupported(format!(
+            "has an L1 table of {l1_size} entries for {size} bytes"
+        )));
+    }
+    let rt_entries = refcount_table_clusters << cluster_bits >> 3;
+    if refcount_table_clusters == 0 || rt_entries > MAX_REFTABLE_ENTRIES {
+        return Err(unsupported(format!(
+            "has a refcount table of {refcount_table_clusters} clusters: qemu's limit is 8 MiB"
+        )));
+    }
+    // Entries past what the virtual disk needs are never used: they are not read.
+    let l1_used = needed_l1 as usize;
+    // The tables lie in the file, cluster aligned, off the header and off each other
+    // (qemu's validate_table_offset, and more).
+    let file_len = file.metadata()?.len();
+    let l1_range = (l1_offset, l1_used as u64 * 8);
+    let rt_range = (refcount_table_offset, rt_entries as u64 * 8);
+    let header = (0, cluster);
+    check_tables(cluster, file_len, header, l1_range, rt_range)?;
+    let l1 = read_table(file, l1_offset, l1_used)?;
+    let refcount_table = read_table(file, refcount_table_offset, rt_entries)?;
+    let mut refcount_blocks = HashSet::new();
+    for e in &refcount_table {
+        let block = e & OFFSET_MASK;
+        if block == 0 {
+            continue;
+        }
+        let on_table = |(at, len): (u64, u64)| block < at + len && at < block + cluster;
+        if !block.is_multiple_of(cluster)
+            || on_table(header)
+            || on_table(l1_range)
+            || on_table(rt_range)
+        {
+            return Err(unsupported(format!(
+                "has a refcount block at offset {block:#x}, on its header or tables: repair it with qemu-img check -r all"
+            )));
+        }
+        refcount_blocks.insert(block);
+    }
+    let l2_tables = l1
+        .iter()
+        .map(|e| e & OFFSET_MASK)
+        .filter(|&t| t != 0)
+        .collect();
+    let next_free = file_len.div_ceil(cluster) * cluster;
+    Ok(Opened {
+        header: h,
+        l1,
+        refcount_table,
+        refcount_table_offset,
+        refcount_blocks,
+        l2_tables,
+        next_free,
+    })
+}
+
+/// The header's fields, with the checks that need no others.
+fn parse(file: &File) -> io::Result<Header> {
+    let mut h = vec![0u8; 112];
+    let n = read_some(file, &mut h, 0)?;
+    if n < 72 {
+        return Err(unsupported("header is truncated"));
+    }
+    let version = be32(&h, 4);
+    if version == 1 {
+        return Err(unsupported(
+            "is version 1 (qcow): not supported; convert it with qemu-img convert -O qcow2",
+        ));
+    }
+    if version != 2 && version != 3 {
+        return Err(unsupported(format!("has unknown version {version}")));
+    }
+    if be64(&h, 8) != 0 {
+        return Err(unsupported(
+            "has a backing file: not supported; flatten it with qemu-img convert -O qcow2",
+        ));
+    }
+    let cluster_bits = be32(&h, 20);
+    if !(9..=21).contains(&cluster_bits) {
+        return Err(unsupported(format!("has cluster_bits {cluster_bits}")));
+    }
+    let size = be64(&h, 24);
+    if be32(&h, 32) != 0 {
+        return Err(unsupported("is encrypted: not supported"));
+    }
+    let l1_size = be32(&h, 36) as usize;
+    let l1_offset = be64(&h, 40);
+    let refcount_table_offset = be64(&h, 48);
+    let refcount_table_clusters = be32(&h, 56) as usize;
+    let nb_snapshots = be32(&h, 60);
+    let (incompat, autoclear, refcount_order) = if version == 3 {
+        if n < 104 {
+            return Err(unsupported("header is truncated"));
+        }
+        (be64(&h, 72), be64(&h, 88), be32(&h, 96))
+    } else {
+        (0, 0, 4)
+    };
+    Ok(Header {
+        version,
+        cluster_bits,
+        size,
+        l1_size,
+        l1_offset,
+        refcount_table_offset,
+        refcount_table_clusters,
+        nb_snapshots,
+        incompat,
+        autoclear,
+        refcount_order,
+    })
+}
+
+/// Refuses the features this server does not handle, and those it serves read-only only.
+fn check_features(h: &Header, read_only: bool) -> io::Result<()> {
+    let Header {
+        version,
+        incompat,
+        refcount_order,
+        nb_snapshots,
+        ..
+    } = *h;
+    if incompat & INCOMPAT_DIRTY != 0 {
+        return Err(unsupported(
+            "is marked dirty (lazy refcounts, not closed cleanly): repair it with qemu-img check -r all",
+        ));
+    }
+    if incompat & INCOMPAT_CORRUPT != 0 {
+        return Err(unsupported(
+            "is marked corrupt: repair it with qemu-img check -r all",
+        ));
+    }
+    if incompat & INCOMPAT_DATA_FILE != 0 {
+        return Err(unsupported(
+            "keeps its data in an external file: not supported",
+        ));
+    }
+    if incompat & INCOMPAT_EXTL2 != 0 {
+        return Err(unsupported(
+            "has extended L2 entries (subclusters): not supported",
+        ));
+    }
+    let unknown = incompat & !INCOMPAT_COMPRESSION;
+    if unknown != 0 {
+        return Err(unsupported(format!(
+            "has unknown incompatible features {unknown:#x}"
+        )));
+    }
+    if !(3..=6).contains(&refcount_order) {
+        return Err(unsupported(format!(
+            "has {}-bit refcounts: only 8 to 64 are supported",
+            1u32 << refcount_order.min(31)
+        )));
+    }
+    if !read_only && version == 2 {
+        return Err(unsupported(
+            "is version 2 (compat=0.10): served read-only only (add --read-only, or upgrade it with qemu-img amend -o compat=1.1)",
+        ));
+    }
+    if !read_only && nb_snapshots != 0 {
+        return Err(unsupported(format!(
+            "has {nb_snapshots} internal snapshot(s): served read-only only (add --read-only)"
+        )));
+    }
+    Ok(())
+}
+
+/// The L1 and refcount tables (at, len) lie in the file, cluster aligned, off the header and
+/// off each other.
+fn check_tables(
+    cluster: u64,
+    file_len: u64,
+    header: (u64, u64),
+    l1_range: (u64, u64),
+    rt_range: (u64, u64),
+) -> io::Result<()> {
+    for (name, (at, len), others) in [
+        (
+            "L1 table",
+            l1_range,
+            [("header", header), ("refcount table", rt_range)],
+        ),
+        (
+            "refcount table",
+            rt_range,
+            [("header", header), ("L1 table", l1_range)],
+        ),
+    ] {
+        if len == 0 {
+            continue;
+        }
+        if !at.is_multiple_of(cluster) {
+            return Err(unsupported(format!(
+                "has its {name} at offset {at:#x}, not cluster aligned"
+            )));
+        }
+        if at.checked_add(len).is_none_or(|end| end > file_len) {
+            return Err(unsupported(format!(
+                "has its {name} at offset {at:#x}, past the end of the file"
+            )));
+        }
+        for (other, (o_at, o_len)) in others {
+            if o_len != 0 && at < o_at + o_len && o_at < at + len {
+                return Err(unsupported(format!(
+                    "has its {name} at offset {at:#x}, which overlaps the {other}"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
