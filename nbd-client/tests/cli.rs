@@ -7,6 +7,7 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use common::*;
+use qpip_test_support::ci::require;
 
 const MIB: u64 = 1 << 20;
 
@@ -46,11 +47,11 @@ fn info_list_help_and_errors() {
     let img = image(dir.path(), "a.img", 4 * MIB, &[]);
     let server = qpip_server("disk", &img, &[]);
     let text = ok(&["info", &server.uri]);
-    assert!(text.contains("size:        4194304"), "{text}");
+    assert!(text.contains("export-size: 4194304 (4M)"), "{text}");
     let json: serde_json::Value =
         serde_json::from_str(&ok(&["info", "--json", &server.uri])).unwrap();
-    assert_eq!(json["size"], 4 * MIB);
-    assert!(json["block_size"]["maximum"].as_u64().unwrap() > 0);
+    assert_eq!(json["exports"][0]["export-size"], 4 * MIB);
+    assert!(json["exports"][0]["block_size_maximum"].as_u64().unwrap() > 0);
     let list = ok(&["list", &format!("nbd://127.0.0.1:{}", server.port)]);
     assert!(list.lines().any(|l| l.starts_with("disk")), "{list}");
     assert!(ok(&["--help"]).contains("nbd://HOST"));
@@ -557,4 +558,109 @@ fn block_status_with_many_extents_under_extended_headers() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(rows(&map), want, "{map}");
+}
+
+/// The keys of a JSON object (and of its first `exports` entry, prefixed "exports/").
+fn json_keys(v: &serde_json::Value) -> Vec<String> {
+    let mut keys: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+    if let Some(e) = v["exports"].as_array().and_then(|a| a.first()) {
+        keys.extend(
+            e.as_object()
+                .unwrap()
+                .keys()
+                .map(|k| format!("exports/{k}")),
+        );
+    }
+    keys.sort();
+    keys
+}
+
+#[test]
+fn info_takes_nbdinfos_spellings_and_json_keys() {
+    if !require(&["nbdinfo"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "a.img", 4 * MIB, &[(0, MIB)]);
+    let server = qpip_server("disk", &img, &[]);
+    let uri = server.uri.as_str();
+    let base = format!("nbd://127.0.0.1:{}", server.port);
+    let nbdinfo = |args: &[&str]| {
+        let out = Command::new("nbdinfo").args(args).output().unwrap();
+        assert!(out.status.success(), "nbdinfo {args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let parse = |s: &str| -> serde_json::Value { serde_json::from_str(s).unwrap() };
+    // The same keys as nbdinfo's, for one export and for --list (with and without content).
+    for args in [
+        vec!["--json"],
+        vec!["--json", "--no-content"],
+        vec!["--list", "--json"],
+        vec!["-L", "--json", "--content"],
+    ] {
+        let target = if args.iter().any(|a| a.starts_with("-L") || *a == "--list") {
+            base.as_str()
+        } else {
+            uri
+        };
+        let mut a = args.clone();
+        a.push(target);
+        let theirs = parse(&nbdinfo(&a));
+        let mut b = vec!["info"];
+        b.extend(&a);
+        let ours = parse(&ok(&b));
+        assert_eq!(json_keys(&ours), json_keys(&theirs), "{a:?}");
+        assert_eq!(ours["exports"][0]["export-size"], 4 * MIB);
+    }
+    // --content: file(1)'s word, as nbdinfo's.
+    let theirs = parse(&nbdinfo(&["--json", uri]));
+    let ours = parse(&ok(&["info", "--json", "--content", uri]));
+    assert_eq!(
+        ours["exports"][0]["content"],
+        theirs["exports"][0]["content"]
+    );
+    assert!(ok(&["info", "--list", &base]).contains("export=\"disk\""));
+    // --size, --map=CONTEXT and --map --totals.
+    assert_eq!(ok(&["info", "--size", uri]), nbdinfo(&["--size", uri]));
+    let cols = |s: &str| -> Vec<Vec<String>> {
+        s.lines()
+            .map(|l| l.split_whitespace().map(str::to_string).collect())
+            .collect()
+    };
+    assert_eq!(
+        cols(&ok(&["info", "--map=base:allocation", uri])),
+        cols(&nbdinfo(&["--map=base:allocation", uri]))
+    );
+    assert_eq!(
+        cols(&ok(&["info", "--map", "--totals", uri])),
+        cols(&nbdinfo(&["--map", "--totals", uri]))
+    );
+    let totals = parse(&ok(&["info", "--map", "--totals", "--json", uri]));
+    assert_eq!(totals[0]["size"], MIB);
+    let other = qpip_nbd(&["info", "--map=qemu:dirty-bitmap:b", uri]);
+    let err = String::from_utf8_lossy(&other.stderr);
+    assert_eq!(other.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("qemu:dirty-bitmap:b") && err.lines().count() == 1,
+        "{err}"
+    );
+    // --has/--can/--is and their negations: exit status 0 yes, 2 no, 1 unknown.
+    for (args, want) in [
+        (["--has", "base:allocation"], 0),
+        (["--has", "structured-reply"], 0),
+        (["--can", "fast_zero"], 0),
+        (["--can", "multi-conn"], 0),
+        (["--is", "read-only"], 2),
+        (["--isnt", "read-only"], 0),
+        (["--cannot", "write"], 2),
+        (["--hasnt", "tls"], 0),
+        (["--has", "teleport"], 1),
+    ] {
+        let mut a = vec!["info"];
+        a.extend(&args);
+        a.push(uri);
+        let out = qpip_nbd(&a);
+        assert!(out.stdout.is_empty(), "{a:?} printed something");
+        assert_eq!(out.status.code(), Some(want), "{a:?}: {out:?}");
+    }
 }
