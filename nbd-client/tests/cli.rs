@@ -664,3 +664,134 @@ fn info_takes_nbdinfos_spellings_and_json_keys() {
         assert_eq!(out.status.code(), Some(want), "{a:?}: {out:?}");
     }
 }
+
+/// The summary line's data and zero amounts ("copied 8.0 MiB (2.0 MiB data, 6.0 MiB
+/// zero/holes) ...").
+fn summary(stderr: &[u8]) -> (String, String) {
+    let s = String::from_utf8_lossy(stderr);
+    let line = s
+        .lines()
+        .find(|l| l.starts_with("copied"))
+        .unwrap_or_else(|| panic!("{s}"));
+    let inner = &line[line.find('(').unwrap() + 1..line.find(')').unwrap()];
+    let mut parts = inner.split(", ");
+    (parts.next().unwrap().into(), parts.next().unwrap().into())
+}
+
+#[test]
+fn copy_takes_nbdcopys_spellings_flush_and_zero_detection() {
+    if !require(&["nbdcopy", "nbdkit"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let size = 8 * MIB;
+    // Allocated zeroes in the middle: 1 MiB data, 6 MiB of written zero bytes, 1 MiB data.
+    let src = dir.path().join("src.img");
+    let mut bytes = pattern(0, size as usize);
+    bytes[MIB as usize..7 * MIB as usize].fill(0);
+    std::fs::write(&src, &bytes).unwrap();
+    assert!(allocated(&src) >= size, "the zeroes are allocated");
+    let s = src.to_str().unwrap();
+    let stale = || {
+        let p = dir.path().join("dst.img");
+        std::fs::write(&p, vec![0xEEu8; size as usize]).unwrap();
+        p
+    };
+
+    // nbdcopy and qpip-nbd take the same flags and make the same destination.
+    for flags in [
+        vec![],
+        vec!["--flush"],
+        vec!["-S", "0"],
+        vec!["--sparse=65536"],
+        vec!["--allocated"],
+        vec!["--no-extents"],
+        vec!["--request-size=262144", "--queue-size=1048576"],
+        vec!["-R", "8", "-T", "2", "-C", "2"],
+        vec!["--requests=4", "--threads=1", "--connections=1"],
+    ] {
+        for tool in ["nbdcopy", "qpip-nbd"] {
+            let dst = stale();
+            let server = qpip_server("dst", &dst, &[]);
+            let mut cmd = if tool == "nbdcopy" {
+                Command::new("nbdcopy")
+            } else {
+                let mut c = Command::new(env!("CARGO_BIN_EXE_qpip-nbd"));
+                c.arg("copy");
+                c
+            };
+            let out = cmd.args(&flags).args([s, &server.uri]).output().unwrap();
+            assert!(out.status.success(), "{tool} {flags:?}: {out:?}");
+            drop(server);
+            same(&src, &dst);
+        }
+    }
+
+    // Zero detection on by default: the allocated zeroes go as WRITE_ZEROES, not data.
+    let dst = stale();
+    let server = qpip_server("dst", &dst, &[]);
+    let out = qpip_nbd(&["copy", s, &server.uri]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        summary(&out.stderr),
+        ("2.0 MiB data".into(), "6.0 MiB zero/holes".into()),
+        "{out:?}"
+    );
+    same(&src, &dst);
+    // -S 0: no detection, everything is data.
+    let out = qpip_nbd(&["copy", "-S", "0", s, &server.uri]);
+    assert_eq!(summary(&out.stderr).0, "8.0 MiB data", "{out:?}");
+    // --destination-is-zero (and qemu-img's --target-is-zero): zeroes are not written at all.
+    drop(server);
+    for flag in ["--destination-is-zero", "--target-is-zero"] {
+        let dst = stale();
+        let server = qpip_server("dst", &dst, &[]);
+        ok(&["copy", flag, s, &server.uri]);
+        drop(server);
+        let got = std::fs::read(&dst).unwrap();
+        assert!(
+            got[MIB as usize..7 * MIB as usize]
+                .iter()
+                .all(|&b| b == 0xEE),
+            "{flag}"
+        );
+        assert_eq!(got[..MIB as usize], bytes[..MIB as usize], "{flag}");
+    }
+    // A local destination: zeroes stay holes, or are allocated with --allocated.
+    let back = dir.path().join("back.img");
+    ok(&["copy", s, back.to_str().unwrap()]);
+    same(&src, &back);
+    assert!(allocated(&back) <= 3 * MIB, "{}", allocated(&back));
+    ok(&["copy", "--allocated", s, back.to_str().unwrap()]);
+    same(&src, &back);
+    assert!(allocated(&back) >= size, "{}", allocated(&back));
+
+    // FLUSH only with --flush (nbdcopy's default), seen through nbdkit's log filter.
+    let log = dir.path().join("nbdkit.log");
+    let log_arg = format!("logfile={}", log.display());
+    let peer = nbdkit(&["--filter=log", "memory", "8M", &log_arg]).unwrap();
+    let flushes = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .matches("Flush")
+            .count()
+    };
+    ok(&["copy", s, &peer.uri]);
+    assert_eq!(flushes(), 0, "no FLUSH without --flush");
+    ok(&["copy", "--flush", s, &peer.uri]);
+    assert!(flushes() > 0, "--flush sends FLUSH");
+
+    // -q silences the summary; a window past 1..=64 is refused.
+    let out = qpip_nbd(&["-q", "copy", s, &peer.uri]);
+    assert!(out.status.success() && out.stderr.is_empty(), "{out:?}");
+    let out = qpip_nbd(&["copy", "-q", s, &peer.uri]);
+    assert!(out.status.success() && out.stderr.is_empty(), "{out:?}");
+    for bad in [["--window", "100"], ["-R", "0"], ["--requests", "65"]] {
+        let out = qpip_nbd(&["copy", bad[0], bad[1], s, &peer.uri]);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}: {out:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("1..=64"),
+            "{out:?}"
+        );
+    }
+}

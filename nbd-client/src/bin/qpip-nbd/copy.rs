@@ -61,9 +61,22 @@ impl std::fmt::Display for Stopped {
 impl std::error::Error for Stopped {}
 
 pub struct CopyOptions {
-    pub sparse: bool,
+    /// Ask the source where its holes are (block status, SEEK_DATA); nbdcopy's
+    /// `--no-extents` turns it off.
+    pub extents: bool,
+    /// Zero detection: aligned blocks of this many bytes that read as zeroes are zeroed (or
+    /// skipped), not written as data; 0: off (nbdcopy's `-S`).
+    pub detect_zeroes: u64,
+    /// Write zeroes as data: a fully allocated destination (nbdcopy's `--allocated`).
+    pub allocated: bool,
+    /// The destination already reads as zeroes: zero ranges are not written at all.
+    pub destination_is_zero: bool,
+    /// Make the destination durable at the end (fsync, NBD FLUSH): nbdcopy's `--flush`.
+    pub flush: bool,
     pub verify: bool,
     pub connections: usize,
+    /// At most this many workers (each a thread with a connection per side); 0: no limit.
+    pub threads: usize,
     pub client: ClientOptions,
     pub progress: ProgressBar,
     /// Set (to the signal's number) when the copy should stop.
@@ -101,9 +114,13 @@ fn copy_range(
     let mut pos = start;
     while pos < end {
         opts.check_stop()?;
-        let (len, is_zero) = src.extent(pos, end - pos, opts.sparse)?;
+        let (len, is_zero) = src.extent(pos, end - pos, opts.extents)?;
         if is_zero {
-            dst.zero(pos, len)?;
+            if opts.allocated {
+                dst.write_zero_bytes(pos, len)?;
+            } else if !opts.destination_is_zero {
+                dst.zero(pos, len)?;
+            }
             zero += len;
             opts.progress.inc(len);
         } else {
@@ -112,15 +129,47 @@ fn copy_range(
                 opts.check_stop()?;
                 let n = (pos + len - at).min(BATCH) as usize;
                 src.read_mr(at, &buf, n)?;
-                dst.write_mr(at, &buf, n)?;
+                // SAFETY: the read has completed; no WR names the buffer now.
+                let zeroes = zero_blocks(unsafe { &buf.as_slice()[..n] }, at, opts.detect_zeroes);
+                if zeroes.is_empty() {
+                    dst.write_mr(at, &buf, n)?;
+                } else {
+                    dst.write_mr_zeroing(at, &buf, n, &zeroes, opts.destination_is_zero)?;
+                }
+                let z: u64 = zeroes.iter().map(|(_, l)| l).sum();
                 at += n as u64;
-                data += n as u64;
+                data += n as u64 - z;
+                zero += z;
                 opts.progress.inc(n as u64);
             }
         }
         pos += len;
     }
     Ok((data, zero))
+}
+
+/// The runs of `buf` (which sits at `offset` of its side) made of whole `block`-aligned
+/// blocks of `block` bytes that are all zero: (offset in `buf`, length). None with `block` 0.
+fn zero_blocks(buf: &[u8], offset: u64, block: u64) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    if block == 0 {
+        return runs;
+    }
+    let mut i = 0u64;
+    let n = buf.len() as u64;
+    while i < n {
+        let next = ((offset + i) / block + 1) * block - offset;
+        let end = next.min(n);
+        let whole = (offset + i).is_multiple_of(block) && end - i == block;
+        if whole && buf[i as usize..end as usize].iter().all(|&b| b == 0) {
+            match runs.last_mut() {
+                Some((o, l)) if *o + *l == i => *l += end - i,
+                _ => runs.push((i, end - i)),
+            }
+        }
+        i = end;
+    }
+    runs
 }
 
 /// Copies `src` to `dst`; with `verify`, re-reads both and compares. A signal stops it with
@@ -179,6 +228,11 @@ fn copy_any(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopySt
     } else {
         1
     };
+    let n = if opts.threads > 0 {
+        n.min(opts.threads)
+    } else {
+        n
+    };
     // Not worth more connections than 64 MiB pieces.
     let n = n.min(size.div_ceil(64 << 20).max(1) as usize);
     srcs[0].widen(n)?;
@@ -207,8 +261,13 @@ fn copy_any(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopySt
                 let start = (i as u64 * piece).min(size);
                 let end = ((i as u64 + 1) * piece).min(size);
                 s.spawn(move || {
+                    if opts.allocated {
+                        ds.allocate_all();
+                    }
                     let r = copy_range(sr, ds, start, end, opts, nic)?;
-                    ds.flush()?;
+                    if opts.flush {
+                        ds.flush()?;
+                    }
                     Ok(r)
                 })
             })
@@ -278,7 +337,9 @@ fn stream_in(mut dst: Side, nic: &Nic, opts: &CopyOptions) -> Result<CopyStats> 
         file.set_len(pos)
             .with_context(|| format!("sizing {}", path.display()))?;
     }
-    dst.flush()?;
+    if opts.flush {
+        dst.flush()?;
+    }
     let reconnects = dst.finish()?;
     Ok(CopyStats {
         size: pos,
@@ -314,7 +375,7 @@ fn stream_out(mut src: Side, nic: &Nic, opts: &CopyOptions) -> Result<CopyStats>
     let mut pos = 0;
     while pos < size {
         opts.check_stop()?;
-        let (len, is_zero) = src.extent(pos, (size - pos).min(BATCH), opts.sparse)?;
+        let (len, is_zero) = src.extent(pos, (size - pos).min(BATCH), opts.extents)?;
         let n = len as usize;
         if is_zero {
             out.write_all(&zeroes[..n])
@@ -356,4 +417,21 @@ fn first_mismatch(a: &mut Side, b: &mut Side, size: u64) -> Result<Option<u64>> 
         pos += n as u64;
     }
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::zero_blocks;
+
+    #[test]
+    fn zero_detection_takes_whole_aligned_blocks_only() {
+        let mut b = vec![1u8; 16];
+        b[4..12].fill(0);
+        assert_eq!(zero_blocks(&b, 0, 4), vec![(4, 8)]);
+        assert_eq!(zero_blocks(&b, 0, 0), vec![]);
+        // At offset 2 the buffer's blocks start at 2, 6, 10: only [6, 10) is whole and zero.
+        assert_eq!(zero_blocks(&b, 2, 4), vec![(6, 4)]);
+        assert_eq!(zero_blocks(&b[4..12], 4, 4), vec![(0, 8)]);
+        assert_eq!(zero_blocks(&b[4..10], 4, 4), vec![(0, 4)]);
+    }
 }

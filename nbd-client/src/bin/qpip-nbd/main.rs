@@ -126,6 +126,9 @@ enum Cmd {
     /// a local destination is recreated sparse and keeps them as holes; an NBD destination
     /// gets WRITE_ZEROES (or zero writes if the server lacks it). A local destination file is
     /// truncated and sized to the source; an NBD destination must be at least as large.
+    /// Blocks of allocated zeroes are detected (-S) and zeroed instead of sent as data. The
+    /// destination is made durable only with --flush, as with nbdcopy. A summary line
+    /// follows on stderr; -q silences it.
     Copy {
         /// Source: a file path, an NBD URI (nbd://, nbd+unix://, nbds://, nbds+unix://), or -
         /// for standard input
@@ -136,20 +139,58 @@ enum Cmd {
         /// Re-read both sides afterwards and compare; report the first differing offset.
         #[arg(long)]
         verify: bool,
-        /// Copy holes as data (no block status, no WRITE_ZEROES).
+        /// Copy holes as data: no block status, no zero detection, zeroes written as data
+        /// (--no-extents -S 0 --allocated).
         #[arg(long)]
         no_sparse: bool,
-        /// Connections per side when the servers allow multi-conn.
+        /// Make the destination durable before exiting: fsync a file, NBD FLUSH an export.
+        /// Without it (nbdcopy's default) the copy ends once every write is acknowledged.
+        #[arg(long)]
+        flush: bool,
+        /// The destination already reads as zeroes: zero ranges of the source are not
+        /// written at all (unsafe otherwise). --target-is-zero is qemu-img's spelling.
+        #[arg(long, visible_alias = "target-is-zero")]
+        destination_is_zero: bool,
+        /// Zero detection: aligned blocks of N bytes that read as zeroes are sent as
+        /// WRITE_ZEROES (holes in a local file), not as data; 0 turns it off. As nbdcopy's.
+        #[arg(short = 'S', long = "sparse", value_name = "N", default_value_t = 4096)]
+        sparse: u64,
+        /// A fully allocated destination: zero ranges are written as data, not as holes.
+        #[arg(long)]
+        allocated: bool,
+        /// Do not ask the source where its holes are (block status, SEEK_DATA): read it all
+        /// (zero detection still applies).
+        #[arg(long)]
+        no_extents: bool,
+        /// Connections per side when the servers allow multi-conn (one worker thread each).
         #[arg(short = 'C', long, default_value_t = 4, value_name = "N")]
         connections: usize,
-        /// Requests in flight per connection (1..=64; nbdcopy's --requests).
+        /// At most N workers, each a thread with a connection per side (nbdcopy's --threads;
+        /// 0, the default, leaves it to --connections).
+        #[arg(short = 'T', long, default_value_t = 0, value_name = "N")]
+        threads: usize,
+        /// Requests in flight per connection, 1..=64 (default 32; -R and --requests are
+        /// nbdcopy's spellings).
         #[arg(
+            short = 'R',
             long,
             visible_alias = "requests",
-            default_value_t = 32,
-            value_name = "N"
+            value_name = "N",
+            value_parser = clap::value_parser!(u16).range(1..=64)
         )]
-        window: usize,
+        window: Option<u16>,
+        /// The largest READ or WRITE request in bytes (nbdcopy's); above 1 MiB, the
+        /// client's largest request, it is 1 MiB.
+        #[arg(
+            long,
+            value_name = "N",
+            value_parser = clap::value_parser!(u32).range(512..=(32 << 20))
+        )]
+        request_size: Option<u32>,
+        /// Bytes in flight per connection at most (nbdcopy's): the window becomes N divided
+        /// by the request size, within 1..=64 and at most --requests.
+        #[arg(long, value_name = "N")]
+        queue_size: Option<u64>,
         /// Give up on a lost connection after this many seconds.
         #[arg(long, default_value_t = 30.0, value_name = "SECS")]
         reconnect_timeout: f64,
@@ -239,6 +280,8 @@ fn client_options(args: &BackendArgs) -> Result<ClientOptions> {
 /// Runs the command; the exit status (2: `info --can/--is` answered no).
 fn run(cli: Cli) -> Result<i32> {
     let base = client_options(&cli.backend)?;
+    // -q: no summary line after a copy (nbdcopy prints none).
+    let quiet = cli.log.quiet > 0;
     match cli.cmd {
         Cmd::Info {
             uri,
@@ -298,12 +341,30 @@ fn run(cli: Cli) -> Result<i32> {
             dst,
             verify,
             no_sparse,
+            flush,
+            destination_is_zero,
+            sparse,
+            allocated,
+            no_extents,
             connections,
+            threads,
             window,
+            request_size,
+            queue_size,
             reconnect_timeout,
             no_progress,
             progress,
         } => {
+            // --queue-size over the request size: the window it allows.
+            let by_queue = queue_size.map(|q| {
+                let req = u64::from(request_size.unwrap_or(nbd_client::MAX_IO as u32))
+                    .min(nbd_client::MAX_IO as u64);
+                (q / req).clamp(1, nbd_client::MAX_WINDOW as u64) as usize
+            });
+            let window = match (window.map(usize::from), by_queue) {
+                (Some(w), Some(q)) => w.min(q),
+                (w, q) => w.or(q).unwrap_or(32),
+            };
             let progress = if no_progress || !(progress || std::io::stderr().is_terminal()) {
                 ProgressBar::hidden()
             } else {
@@ -324,13 +385,20 @@ fn run(cli: Cli) -> Result<i32> {
                 );
                 pb
             };
+            let allocated = allocated || no_sparse;
             let opts = copy::CopyOptions {
-                sparse: !no_sparse,
+                extents: !(no_extents || no_sparse),
+                detect_zeroes: if allocated { 0 } else { sparse },
+                allocated,
+                destination_is_zero,
+                flush,
                 verify,
                 stop: copy::stop_on_signals()?,
                 connections,
+                threads,
                 client: ClientOptions {
                     window,
+                    max_request: request_size,
                     reconnect_timeout: Duration::try_from_secs_f64(reconnect_timeout)
                         .context("--reconnect-timeout")?,
                     ..base
@@ -350,6 +418,9 @@ fn run(cli: Cli) -> Result<i32> {
                 }
             };
             let secs = t.elapsed().as_secs_f64();
+            if quiet {
+                return Ok(0);
+            }
             eprintln!(
                 "copied {} ({} data, {} zero/holes) in {secs:.2} s over {} connection(s){}{}",
                 human(stats.size),
