@@ -795,3 +795,72 @@ fn copy_takes_nbdcopys_spellings_flush_and_zero_detection() {
         );
     }
 }
+
+/// Issue 25 item 5: a missing TLS file is one line naming it (not OpenSSL's error stack), and
+/// a client without the certificate a server requires hears that it may need one.
+#[test]
+fn tls_errors_name_the_file_and_the_missing_client_certificate() {
+    let Some(certs) = tls_certs() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "a.img", MIB, &[]);
+    // The server's certificate is missing.
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    std::fs::copy(certs.path().join("ca-cert.pem"), empty.join("ca-cert.pem")).unwrap();
+    let out = Command::new(qpip_server_bin())
+        .args(["--tls-certs", empty.to_str().unwrap(), "-l", "127.0.0.1:0"])
+        .args(["--export", &format!("d={}", img.display())])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("server-cert.pem") && !err.contains("bss_file.c") && !err.contains("error:"),
+        "{err}"
+    );
+    // A client with only the CA, against servers that require a client certificate.
+    let verify = certs.path().to_str().unwrap();
+    let server = qpip_server("d", &img, &["--tls-certs", verify, "--tls-verify-peer"]);
+    let mut uris = vec![format!(
+        "nbds://127.0.0.1:{}/d?tls-certificates={}",
+        server.port,
+        empty.display()
+    )];
+    let kit = nbdkit(&[
+        "--tls=require",
+        &format!("--tls-certificates={verify}"),
+        "--tls-verify-peer",
+        "memory",
+        "1M",
+    ]);
+    if let Some(k) = &kit {
+        uris.push(format!(
+            "nbds://127.0.0.1:{}/?tls-certificates={}",
+            k.port,
+            empty.display()
+        ));
+    }
+    for uri in &uris {
+        for args in [
+            vec!["info", uri.as_str()],
+            vec!["copy", uri.as_str(), "null:"],
+        ] {
+            let out = qpip_nbd(&args);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+            assert!(
+                err.contains("may require a client certificate"),
+                "{args:?}: {err}"
+            );
+        }
+    }
+    // With the client's certificate it works.
+    let ok_uri = format!(
+        "nbds://127.0.0.1:{}/d?tls-certificates={verify}",
+        server.port
+    );
+    ok(&["info", "--size", &ok_uri]);
+}
