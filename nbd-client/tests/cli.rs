@@ -864,3 +864,74 @@ fn tls_errors_name_the_file_and_the_missing_client_certificate() {
     );
     ok(&["info", "--size", &ok_uri]);
 }
+
+/// Issue 25 item 5: `-p` ends at 100 %, a failed copy removes the file it created (and keeps
+/// one it did not), and `copy` words an unknown export as `info` does.
+#[test]
+fn copy_progress_failure_cleanup_and_unknown_export() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = image(dir.path(), "src.img", 256 * MIB, &[(0, 256 * MIB)]);
+    let s = src.to_str().unwrap();
+    // -p into a pipe: the last line shows all of it, from a file and from standard input.
+    let last_progress = |out: &std::process::Output| {
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        let last = err
+            .lines()
+            .rfind(|l| l.contains(" [") && l.contains('/'))
+            .unwrap_or_else(|| panic!("no progress line: {err}"))
+            .to_string();
+        let (done, rest) = last.split_once('/').unwrap();
+        let total = rest.split(" [").next().unwrap();
+        assert_eq!(done.trim(), total.trim(), "{err}");
+        assert!(total.starts_with("256"), "{err}");
+    };
+    last_progress(&qpip_nbd(&["copy", "-p", s, "null:"]));
+    let piped = Command::new(env!("CARGO_BIN_EXE_qpip-nbd"))
+        .args(["copy", "-p", "-", "null:"])
+        .stdin(std::fs::File::open(&src).unwrap())
+        .output()
+        .unwrap();
+    last_progress(&piped);
+
+    // An unknown export: the one wording of info.
+    let server = qpip_server("disk", &src, &[]);
+    let nope = format!("nbd://127.0.0.1:{}/nope", server.port);
+    let want = "the server has no export named \"nope\"; its exports: \"disk\"";
+    for args in [
+        vec!["info", nope.as_str()],
+        vec!["copy", nope.as_str(), "null:"],
+        vec!["copy", s, nope.as_str()],
+    ] {
+        let out = qpip_nbd(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains(want) && err.lines().count() == 1,
+            "{args:?}: {err}"
+        );
+    }
+
+    // A source that fails every read: the new destination is removed, an old one kept.
+    let Some(bad) = nbdkit(&[
+        "--filter=error",
+        "pattern",
+        "8M",
+        "error-pread=EIO",
+        "error-pread-rate=100%",
+    ]) else {
+        return;
+    };
+    let fresh = dir.path().join("fresh.img");
+    let out = qpip_nbd(&["copy", &bad.uri, fresh.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!fresh.exists(), "the partial file is left: {err}");
+    assert!(err.contains("removed"), "{err}");
+    let old = dir.path().join("old.img");
+    std::fs::write(&old, b"keep me").unwrap();
+    let out = qpip_nbd(&["copy", &bad.uri, old.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(old.exists() && err.contains("incomplete"), "{err}");
+}

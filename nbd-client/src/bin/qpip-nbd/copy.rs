@@ -5,7 +5,7 @@
 
 use std::io::{Read, Write};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use anyhow::{Context, Result, bail};
 use indicatif::ProgressBar;
@@ -176,28 +176,51 @@ fn zero_blocks(buf: &[u8], offset: u64, block: u64) -> Vec<(u64, u64)> {
 /// an [`Interrupted`] error.
 pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopyStats> {
     let created = matches!(dst, Endpoint::File(p) if !p.exists());
-    let r = copy_any(src, dst, opts);
-    match (r, opts.stop.load(Ordering::Relaxed)) {
-        (Err(e), signal) if signal != 0 && e.downcast_ref::<Stopped>().is_some() => {
-            let what = match dst {
-                Endpoint::File(p) if created => match std::fs::remove_file(p) {
-                    Ok(()) => format!("removed the incomplete {}", p.display()),
-                    Err(e) => format!("{} is incomplete (removing it: {e})", p.display()),
-                },
-                Endpoint::Null | Endpoint::Stdio => "the output is incomplete".into(),
-                other => format!("{} is incomplete", other.name()),
-            };
-            Err(Interrupted {
-                signal: signal as i32,
-                what,
-            }
-            .into())
+    let opened = AtomicBool::new(false);
+    let r = copy_any(src, dst, opts, &opened);
+    let Err(e) = r else {
+        return r;
+    };
+    // What became of the destination: a file the copy created is removed, as a stopped copy
+    // does; any other destination it opened is incomplete.
+    let what = match dst {
+        Endpoint::File(p) if created && p.exists() => match std::fs::remove_file(p) {
+            Ok(()) => Some(format!("removed the incomplete {}", p.display())),
+            Err(e) => Some(format!("{} is incomplete (removing it: {e})", p.display())),
+        },
+        _ if !opened.load(Ordering::Relaxed) => None,
+        Endpoint::Null | Endpoint::Stdio => Some("the output is incomplete".into()),
+        other => Some(format!("{} is incomplete", other.name())),
+    };
+    let signal = opts.stop.load(Ordering::Relaxed);
+    if signal != 0 && e.downcast_ref::<Stopped>().is_some() {
+        return Err(Interrupted {
+            signal: signal as i32,
+            what: what.unwrap_or_else(|| "nothing was written".into()),
         }
-        (r, _) => r,
+        .into());
     }
+    Err(match what {
+        Some(w) => anyhow::anyhow!("{e:#} ({w})"),
+        None => e,
+    })
 }
 
-fn copy_any(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopyStats> {
+/// Ends the progress bar at its position (the length, when it was known), drawn once more
+/// whatever its rate limit: a `-p` log's last line shows where the copy ended.
+fn finish_progress(pb: &ProgressBar) {
+    if pb.length().is_none_or(|l| l < pb.position()) {
+        pb.set_length(pb.position());
+    }
+    pb.finish();
+}
+
+fn copy_any(
+    src: &Endpoint,
+    dst: &Endpoint,
+    opts: &CopyOptions,
+    opened: &AtomicBool,
+) -> Result<CopyStats> {
     let nic = match &opts.client.nic {
         Some(n) => n.clone(),
         None => Nic::soft().context("starting the soft NIC")?,
@@ -215,14 +238,21 @@ fn copy_any(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopySt
             if opts.verify {
                 bail!("--verify needs a source that can be read again");
             }
-            return stream_in(Side::open_dst(dst, &copts, 0, true)?, &nic, opts);
+            let d = Side::open_dst(dst, &copts, 0, true)?;
+            opened.store(true, Ordering::Relaxed);
+            return stream_in(d, &nic, opts);
         }
-        (_, Endpoint::Stdio) => return stream_out(Side::open_src(src, &copts)?, &nic, opts),
+        (_, Endpoint::Stdio) => {
+            let s = Side::open_src(src, &copts)?;
+            opened.store(true, Ordering::Relaxed);
+            return stream_out(s, &nic, opts);
+        }
         _ => {}
     }
     let mut srcs = vec![Side::open_src(src, &copts)?];
     let size = srcs[0].size();
     let mut dsts = vec![Side::open_dst(dst, &copts, size, true)?];
+    opened.store(true, Ordering::Relaxed);
     let n = if srcs[0].multi_conn() && dsts[0].multi_conn() {
         opts.connections.max(1)
     } else {
@@ -287,7 +317,7 @@ fn copy_any(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopySt
         stats.data_bytes += d;
         stats.zero_bytes += z;
     }
-    opts.progress.finish_and_clear();
+    finish_progress(&opts.progress);
     if opts.verify
         && let Some(off) = first_mismatch(&mut srcs[0], &mut dsts[0], size)?
     {
@@ -340,6 +370,7 @@ fn stream_in(mut dst: Side, nic: &Nic, opts: &CopyOptions) -> Result<CopyStats> 
     if opts.flush {
         dst.flush()?;
     }
+    finish_progress(&opts.progress);
     let reconnects = dst.finish()?;
     Ok(CopyStats {
         size: pos,
@@ -392,7 +423,7 @@ fn stream_out(mut src: Side, nic: &Nic, opts: &CopyOptions) -> Result<CopyStats>
         opts.progress.inc(len);
     }
     out.flush().context("writing standard output")?;
-    opts.progress.finish_and_clear();
+    finish_progress(&opts.progress);
     let reconnects = src.finish()?;
     Ok(CopyStats {
         size,

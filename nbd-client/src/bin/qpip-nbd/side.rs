@@ -77,9 +77,7 @@ impl Side {
                     fresh: false,
                 })
             }
-            Endpoint::Nbd(uri) => Ok(Side::Nbd(Arc::new(
-                Pool::connect(uri, opts.clone()).with_context(|| format!("connecting to {uri}"))?,
-            ))),
+            Endpoint::Nbd(uri) => Ok(Side::Nbd(Arc::new(connect(uri, opts)?))),
         }
     }
 
@@ -119,8 +117,7 @@ impl Side {
                 })
             }
             Endpoint::Nbd(uri) => {
-                let p = Pool::connect(uri, opts.clone())
-                    .with_context(|| format!("connecting to {uri}"))?;
+                let p = connect(uri, opts)?;
                 if p.caps().size < size {
                     bail!(
                         "{uri}: the export has {} bytes, the source has {size}",
@@ -389,6 +386,12 @@ impl Side {
             }
         }
     }
+}
+
+/// A pool on `uri`; an unknown export is named with those there are, as `info` words it.
+fn connect(uri: &str, opts: &ClientOptions) -> Result<Pool> {
+    Pool::connect(uri, opts.clone())
+        .map_err(|e| crate::info::unknown_export(uri, e, opts, "connecting to"))
 }
 
 pub fn file_size(f: &File) -> std::io::Result<u64> {
