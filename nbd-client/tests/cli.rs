@@ -935,3 +935,40 @@ fn copy_progress_failure_cleanup_and_unknown_export() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(old.exists() && err.contains("incomplete"), "{err}");
 }
+
+/// Issue 25 item 5: the manual pages have EXIT STATUS, ENVIRONMENT and SEE ALSO sections.
+#[test]
+fn man_pages_have_exit_status_environment_and_see_also() {
+    let dir = tempfile::tempdir().unwrap();
+    for bin in [
+        std::path::PathBuf::from(env!("CARGO_BIN_EXE_qpip-nbd")),
+        qpip_server_bin(),
+    ] {
+        let out = Command::new(&bin)
+            .arg("--generate-man-pages")
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+    }
+    for (page, mentions) in [
+        ("qpip-nbd.1", &["nbdinfo(1)", "nbdcopy(1)", "RUST_LOG"][..]),
+        ("qpip-nbd-info.1", &["nbdinfo(1)", "2"][..]),
+        ("qpip-nbd-copy.1", &["nbdcopy(1)", "130"][..]),
+        (
+            "qpip-nbd-server.1",
+            &["qemu-nbd(8)", "nbdkit(1)", "LISTEN_FDS"][..],
+        ),
+    ] {
+        let roff = std::fs::read_to_string(dir.path().join(page)).unwrap();
+        for section in ["EXIT STATUS", "ENVIRONMENT", "SEE ALSO"] {
+            assert!(
+                roff.contains(&format!(".SH \"{section}\"")),
+                "{page} lacks {section}"
+            );
+        }
+        for m in mentions {
+            assert!(roff.contains(m), "{page} does not mention {m}");
+        }
+    }
+}
