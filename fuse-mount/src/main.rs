@@ -45,6 +45,7 @@ use qpip_cli::BackendArgs;
         qpip-nbd-mount --daemon /mnt/nbd/disk.raw nbd://127.0.0.1/disk   # nbdfuse's order\n  \
         losetup -f --show /mnt/nbd/disk\n  \
         qpip-nbd-mount --daemon --read-only nbd://[::1]:10809/golden /mnt/golden\n  \
+        qpip-nbd-mount --daemon --log-file /var/log/qpip-mount.log nbd://h/disk /mnt/nbd\n  \
         fusermount3 -u /mnt/nbd"
 )]
 struct Cli {
@@ -101,6 +102,10 @@ struct Cli {
     /// Detach into the background once mounted (errors before that still exit non-zero).
     #[arg(long)]
     daemon: bool,
+    /// Once mounted, the log (standard error) goes to FILE, appended; created 0640 if
+    /// missing, never through a symlink. With --daemon it is otherwise thrown away.
+    #[arg(long, value_name = "FILE")]
+    log_file: Option<PathBuf>,
     /// Write the process id to this file once mounted (-P, --pidfile: nbdfuse's spellings).
     #[arg(short = 'P', long, visible_alias = "pidfile", value_name = "FILE")]
     pid_file: Option<PathBuf>,
@@ -223,6 +228,8 @@ fn message(e: &anyhow::Error) -> String {
 /// How the process tells a waiting parent (--daemon) that the mount is up or failed.
 struct Ready {
     pipe: Option<File>,
+    /// --log-file, opened: standard error goes there once mounted.
+    log: Option<File>,
 }
 
 impl Ready {
@@ -230,6 +237,13 @@ impl Ready {
         if let Some(mut p) = self.pipe.take() {
             let _ = p.write_all(b"0");
             detach_stdio();
+        }
+        if let Some(log) = self.log.take() {
+            use std::os::fd::AsRawFd;
+            // SAFETY: plain fd syscalls on fds this process owns.
+            unsafe {
+                libc::dup2(log.as_raw_fd(), 2);
+            }
         }
     }
     /// In the background child: hands the error to the waiting parent, which prints it.
@@ -275,6 +289,7 @@ fn daemonize() -> Result<Ready> {
             unsafe { libc::setsid() };
             Ok(Ready {
                 pipe: Some(File::from(w)),
+                log: None,
             })
         }
         _child => {
@@ -296,6 +311,18 @@ fn daemonize() -> Result<Ready> {
     }
 }
 
+/// Opens --log-file for appending: created 0640, never through a symlink (we may be root).
+fn open_log(path: &Path) -> Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .mode(0o640)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .with_context(|| format!("--log-file {}", path.display()))
+}
+
 fn run(cli: Cli) -> Result<()> {
     let target = target(&cli.first, &cli.second).unwrap_or_else(|e| usage_error(&e));
     if target.nbdfuse {
@@ -303,11 +330,16 @@ fn run(cli: Cli) -> Result<()> {
     }
     let uri = NbdUri::parse(&target.uri)?;
     let mnt = mountpoint::check(&target.mountpoint)?;
+    let log = cli.log_file.as_deref().map(open_log).transpose()?;
     let mut ready = if cli.daemon {
         daemonize()?
     } else {
-        Ready { pipe: None }
+        Ready {
+            pipe: None,
+            log: None,
+        }
     };
+    ready.log = log;
     match serve(&cli, &target, &uri, &mnt, &mut ready) {
         Ok(()) => Ok(()),
         Err(e) => {

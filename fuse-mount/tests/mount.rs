@@ -961,3 +961,56 @@ fn nbdfuse_argument_order_o_and_p() {
         );
     }
 }
+
+/// Issue 25 item 5: `--daemon` keeps its log in `--log-file` (appended), not in /dev/null.
+#[test]
+fn daemon_keeps_its_log_in_log_file() {
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_image(dir.path(), "l.img", 8 * MIB);
+    let server = qpip_server("l", &img, &[]);
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let log = dir.path().join("mount.log");
+    std::fs::write(&log, "before\n").unwrap();
+    let pid_file = dir.path().join("pid");
+    let out = std::process::Command::new(mount_bin())
+        .args(transport_args())
+        .args(["-v", "--daemon", "--log-file", log.to_str().unwrap()])
+        .args(["--pid-file", pid_file.to_str().unwrap()])
+        .arg(&server.uri)
+        .arg(&mnt)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    run("fusermount3", &["-u", mnt.to_str().unwrap()]);
+    let t = std::time::Instant::now();
+    // SAFETY: signal 0 only probes whether the daemon still exists.
+    while unsafe { libc::kill(pid, 0) } == 0 {
+        assert!(t.elapsed() < Duration::from_secs(20), "daemon did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.starts_with("before\n"), "appended: {text}");
+    assert!(
+        text.contains("mounted") && text.contains("unmounted"),
+        "{text}"
+    );
+    // A log file that cannot be opened is an error before anything is mounted.
+    let (status, err) = mount_fails(&[
+        "--daemon",
+        "--log-file",
+        "/nonexistent/dir/log",
+        &server.uri,
+        mnt.to_str().unwrap(),
+    ]);
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("/nonexistent/dir/log"), "{err}");
+}
