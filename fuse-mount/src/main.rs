@@ -1,4 +1,5 @@
-//! qpip-nbd-mount URI MOUNTPOINT: an NBD export as one regular file in a FUSE mount.
+//! qpip-nbd-mount URI MOUNTPOINT (or nbdfuse's MOUNTPOINT[/FILENAME] URI): an NBD export as
+//! one regular file in a FUSE mount.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -33,23 +34,38 @@ use qpip_cli::BackendArgs;
         Runs in the foreground until the file system is unmounted (fusermount3 -u MOUNTPOINT, \
         umount, or SIGINT/SIGTERM, which unmount it; a mount still in use, e.g. by a loop \
         device, stays mounted and is reported). A lost connection is restored and unanswered \
-        requests are sent again; I/O that cannot complete fails with EIO.",
+        requests are sent again; I/O that cannot complete fails with EIO.\n\n\
+        nbdfuse's spellings work too: its argument order MOUNTPOINT[/FILENAME] URI (the file \
+        is then FILENAME, or \"nbd\" as in nbdfuse; the order is told apart by which argument \
+        is the URI), -o FUSE-OPTION (allow_other, ro, rw), -P/--pidfile, -r/--readonly. \
+        nbdfuse's [ CMD ARGS ... ], --command, --fd, --tcp, --unix and --vsock modes are not \
+        supported: start the server and give its URI.",
     after_help = "Examples:\n  \
         qpip-nbd-mount nbd://127.0.0.1/disk /mnt/nbd &\n  \
+        qpip-nbd-mount --daemon /mnt/nbd/disk.raw nbd://127.0.0.1/disk   # nbdfuse's order\n  \
         losetup -f --show /mnt/nbd/disk\n  \
         qpip-nbd-mount --daemon --read-only nbd://[::1]:10809/golden /mnt/golden\n  \
+        qpip-nbd-mount --daemon --log-file /var/log/qpip-mount.log nbd://h/disk /mnt/nbd\n  \
         fusermount3 -u /mnt/nbd"
 )]
 struct Cli {
-    /// nbd://HOST[:PORT][/EXPORT], nbd+unix:///EXPORT?socket=PATH for a local socket, or
-    /// nbds:// / nbds+unix:// for TLS (libnbd's tls-certificates, tls-psk-file, tls-username,
-    /// tls-verify-peer query parameters)
-    uri: String,
-    /// An existing directory with nothing mounted on it.
-    mountpoint: PathBuf,
-    /// Mount read-only even when the export is writable.
-    #[arg(short = 'r', long)]
+    /// The URI (then MOUNTPOINT follows), or, in nbdfuse's order, MOUNTPOINT[/FILENAME]
+    /// (then the URI follows). The URI: nbd://HOST[:PORT][/EXPORT],
+    /// nbd+unix:///EXPORT?socket=PATH for a local socket, or nbds:// / nbds+unix:// for TLS
+    /// (libnbd's tls-certificates, tls-psk-file, tls-username, tls-verify-peer query
+    /// parameters). MOUNTPOINT: an existing directory with nothing mounted on it.
+    #[arg(value_name = "URI | MOUNTPOINT[/FILENAME]")]
+    first: String,
+    /// MOUNTPOINT after a URI, or the URI after nbdfuse's MOUNTPOINT[/FILENAME].
+    #[arg(value_name = "MOUNTPOINT | URI")]
+    second: String,
+    /// Mount read-only even when the export is writable (--readonly: nbdfuse's spelling).
+    #[arg(short = 'r', long, visible_alias = "readonly")]
     read_only: bool,
+    /// FUSE options as nbdfuse takes them, comma-separated or repeated: allow_other (as
+    /// --allow-other), ro (as --read-only), rw. Others are refused.
+    #[arg(short = 'o', value_name = "FUSE-OPTION")]
+    fuse_options: Vec<String>,
     /// Let other users use the mount (FUSE allow_other; off by default, as in nbdfuse; the
     /// file's mode bits are then enforced by the kernel).
     #[arg(long)]
@@ -86,8 +102,12 @@ struct Cli {
     /// Detach into the background once mounted (errors before that still exit non-zero).
     #[arg(long)]
     daemon: bool,
-    /// Write the process id to this file once mounted.
+    /// Once mounted, the log (standard error) goes to FILE, appended; created 0640 if
+    /// missing, never through a symlink. With --daemon it is otherwise thrown away.
     #[arg(long, value_name = "FILE")]
+    log_file: Option<PathBuf>,
+    /// Write the process id to this file once mounted (-P, --pidfile: nbdfuse's spellings).
+    #[arg(short = 'P', long, visible_alias = "pidfile", value_name = "FILE")]
     pid_file: Option<PathBuf>,
     // Logging: -v/-q from the default, warn.
     #[command(flatten)]
@@ -96,9 +116,86 @@ struct Cli {
     backend: BackendArgs,
 }
 
+/// The two orders of the positional arguments.
+const ORDERS: &str = "give URI MOUNTPOINT (qpip-nbd-mount's order) or MOUNTPOINT[/FILENAME] URI \
+                      (nbdfuse's)";
+
+/// What the positional arguments name, in either order.
+#[derive(Debug, PartialEq, Eq)]
+struct Target {
+    uri: String,
+    mountpoint: PathBuf,
+    /// The file's name inside the mount point; `None`: named after the export.
+    file: Option<String>,
+    /// nbdfuse's order.
+    nbdfuse: bool,
+}
+
+/// Tells the orders apart by which argument is the URI; a usage error otherwise.
+fn target(first: &str, second: &str) -> Result<Target, String> {
+    use nbd_client::uri::looks_like_uri;
+    match (looks_like_uri(first), looks_like_uri(second)) {
+        (true, false) => Ok(Target {
+            uri: first.into(),
+            mountpoint: second.into(),
+            file: None,
+            nbdfuse: false,
+        }),
+        (false, true) => {
+            // nbdfuse: an existing directory is the mount point (file "nbd"); otherwise the
+            // last component names the file in the directory above.
+            let p = Path::new(first);
+            let split = (!p.is_dir())
+                .then(|| Some((p.parent()?, p.file_name()?.to_str()?)))
+                .flatten()
+                .filter(|(d, _)| !d.as_os_str().is_empty());
+            let (mountpoint, file) = match split {
+                Some((d, f)) => (d.to_path_buf(), f.to_string()),
+                None => (p.to_path_buf(), "nbd".to_string()),
+            };
+            Ok(Target {
+                uri: second.into(),
+                mountpoint,
+                file: Some(file),
+                nbdfuse: true,
+            })
+        }
+        (true, true) => Err(format!(
+            "{ORDERS}: both {first:?} and {second:?} look like NBD URIs"
+        )),
+        (false, false) => Err(format!(
+            "{ORDERS}: neither {first:?} nor {second:?} is an NBD URI (nbd://, nbd+unix://, \
+             nbds://, nbds+unix://)"
+        )),
+    }
+}
+
+/// A usage error: one line, exit status 2 (as clap's).
+fn usage_error(msg: &str) -> ! {
+    eprintln!("qpip-nbd-mount: {msg}");
+    std::process::exit(2)
+}
+
 fn main() {
     qpip_cli::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
-    let cli = Cli::parse();
+    if std::env::args().skip(1).any(|a| a == "[") {
+        usage_error(&format!(
+            "nbdfuse's [ CMD ARGS ... ] (a server run as a subprocess) is not supported: start \
+             the server yourself and {ORDERS}"
+        ));
+    }
+    let mut cli = Cli::parse();
+    for o in cli.fuse_options.iter().flat_map(|o| o.split(',')) {
+        match o {
+            "allow_other" => cli.allow_other = true,
+            "ro" => cli.read_only = true,
+            "rw" | "" => {}
+            other => usage_error(&format!(
+                "-o {other}: a FUSE option qpip-nbd-mount does not take (it takes allow_other, \
+                 ro, rw; see --help for its own options)"
+            )),
+        }
+    }
     cli.log.init(
         "qpip-nbd-mount",
         tracing_subscriber::filter::LevelFilter::WARN,
@@ -131,6 +228,8 @@ fn message(e: &anyhow::Error) -> String {
 /// How the process tells a waiting parent (--daemon) that the mount is up or failed.
 struct Ready {
     pipe: Option<File>,
+    /// --log-file, opened: standard error goes there once mounted.
+    log: Option<File>,
 }
 
 impl Ready {
@@ -138,6 +237,13 @@ impl Ready {
         if let Some(mut p) = self.pipe.take() {
             let _ = p.write_all(b"0");
             detach_stdio();
+        }
+        if let Some(log) = self.log.take() {
+            use std::os::fd::AsRawFd;
+            // SAFETY: plain fd syscalls on fds this process owns.
+            unsafe {
+                libc::dup2(log.as_raw_fd(), 2);
+            }
         }
     }
     /// In the background child: hands the error to the waiting parent, which prints it.
@@ -183,6 +289,7 @@ fn daemonize() -> Result<Ready> {
             unsafe { libc::setsid() };
             Ok(Ready {
                 pipe: Some(File::from(w)),
+                log: None,
             })
         }
         _child => {
@@ -204,15 +311,36 @@ fn daemonize() -> Result<Ready> {
     }
 }
 
+/// Opens --log-file for appending: created 0640, never through a symlink (we may be root).
+fn open_log(path: &Path) -> Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .mode(0o640)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .with_context(|| format!("--log-file {}", path.display()))
+}
+
 fn run(cli: Cli) -> Result<()> {
-    let uri = NbdUri::parse(&cli.uri)?;
-    let mnt = mountpoint::check(&cli.mountpoint)?;
+    let target = target(&cli.first, &cli.second).unwrap_or_else(|e| usage_error(&e));
+    if target.nbdfuse {
+        tracing::info!("arguments in nbdfuse's order: MOUNTPOINT[/FILENAME] URI");
+    }
+    let uri = NbdUri::parse(&target.uri)?;
+    let mnt = mountpoint::check(&target.mountpoint)?;
+    let log = cli.log_file.as_deref().map(open_log).transpose()?;
     let mut ready = if cli.daemon {
         daemonize()?
     } else {
-        Ready { pipe: None }
+        Ready {
+            pipe: None,
+            log: None,
+        }
     };
-    match serve(&cli, &uri, &mnt, &mut ready) {
+    ready.log = log;
+    match serve(&cli, &target, &uri, &mnt, &mut ready) {
         Ok(()) => Ok(()),
         Err(e) => {
             ready.fail(&e);
@@ -223,7 +351,13 @@ fn run(cli: Cli) -> Result<()> {
 
 /// Connects: the server unreachable, the export unknown (naming the ones there are) and
 /// the like are errors here, before anything is mounted.
-fn connect(cli: &Cli, uri: &NbdUri, nic: &Nic, stop: &Arc<AtomicBool>) -> Result<Pool> {
+fn connect(
+    cli: &Cli,
+    target: &Target,
+    uri: &NbdUri,
+    nic: &Nic,
+    stop: &Arc<AtomicBool>,
+) -> Result<Pool> {
     let secs = |what: &str, s: f64| -> Result<Duration> {
         Duration::try_from_secs_f64(s)
             .map_err(|_| anyhow::anyhow!("--{what} {s}: give a number of seconds, 0 or more"))
@@ -236,7 +370,7 @@ fn connect(cli: &Cli, uri: &NbdUri, nic: &Nic, stop: &Arc<AtomicBool>) -> Result
         stop: Some(stop.clone()),
         ..Default::default()
     };
-    let mut pool = match Pool::connect(&cli.uri, opts.clone()) {
+    let mut pool = match Pool::connect(&target.uri, opts.clone()) {
         Ok(p) => p,
         Err(e) => return Err(explain_connect_error(uri, e, &opts)),
     };
@@ -269,13 +403,16 @@ fn explain_connect_error(uri: &NbdUri, e: NbdError, opts: &ClientOptions) -> any
     }
 }
 
-fn serve(cli: &Cli, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
+fn serve(cli: &Cli, target: &Target, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
     let nic = Nic::open(cli.backend.backend(None)?)
         .with_context(|| format!("starting the {} NIC", cli.backend.backend.name()))?;
     let stop = Arc::new(AtomicBool::new(false));
-    let export = Arc::new(Export::new(connect(cli, uri, &nic, &stop)?));
+    let export = Arc::new(Export::new(connect(cli, target, uri, &nic, &stop)?));
     let caps = *export.caps();
-    let name = file_name(&uri.export);
+    let name = target
+        .file
+        .clone()
+        .unwrap_or_else(|| file_name(&uri.export));
     let threads = cli
         .threads
         .map_or(export.connections() + 2, usize::from)
@@ -404,4 +541,31 @@ fn watch_signals(mnt: PathBuf, stop: Arc<AtomicBool>) -> Result<()> {
         })
         .context("starting the signal thread")?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_argument_orders_and_mix_ups() {
+        let t = target("nbd://h/disk", "/mnt").unwrap();
+        assert_eq!(
+            (t.uri.as_str(), t.file, t.nbdfuse),
+            ("nbd://h/disk", None, false)
+        );
+        // An existing directory: the mount point, file "nbd".
+        let t = target("/tmp", "nbd://h/disk").unwrap();
+        assert_eq!(t.mountpoint, Path::new("/tmp"));
+        assert_eq!((t.file.as_deref(), t.nbdfuse), (Some("nbd"), true));
+        let t = target("/tmp/disk.raw", "nbd+unix:///d?socket=/s").unwrap();
+        assert_eq!(t.mountpoint, Path::new("/tmp"));
+        assert_eq!(t.file.as_deref(), Some("disk.raw"));
+        assert!(
+            target("/a", "/b")
+                .unwrap_err()
+                .contains("MOUNTPOINT[/FILENAME] URI")
+        );
+        assert!(target("nbd://a", "nbd://b").unwrap_err().contains("both"));
+    }
 }

@@ -51,3 +51,22 @@ fn an_unknown_export_is_named_with_the_exports_there_are() {
         "{err}"
     );
 }
+
+#[test]
+fn the_man_page_has_exit_status_environment_and_see_also() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_qpip-nbd-mount"))
+        .arg("--generate-man-pages")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let roff = std::fs::read_to_string(dir.path().join("qpip-nbd-mount.1")).unwrap();
+    for section in ["EXIT STATUS", "ENVIRONMENT", "SEE ALSO"] {
+        assert!(
+            roff.contains(&format!(".SH \"{section}\"")),
+            "lacks {section}"
+        );
+    }
+    assert!(roff.contains("nbdfuse(1)") && roff.contains("fusermount3(1)"));
+}

@@ -883,3 +883,134 @@ fn sigterm_ends_a_read_stuck_on_a_silent_server_and_exits() {
     );
     assert!(!m.file.exists(), "still mounted after SIGTERM");
 }
+
+/// Issue 25 item 4: nbdfuse's order `MOUNTPOINT[/FILENAME] URI`, its `-o` and `-P`; a mix-up
+/// says which orders there are; `[ CMD ]` is refused by name.
+#[test]
+fn nbdfuse_argument_order_o_and_p() {
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_image(dir.path(), "n.img", 8 * MIB);
+    let server = qpip_server("n", &img, &[]);
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let pid_file = dir.path().join("pid");
+    let daemon = |args: &[&str]| {
+        let out = std::process::Command::new(mount_bin())
+            .args(transport_args())
+            .arg("--daemon")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+    };
+    let unmount = || {
+        let pid: i32 = std::fs::read_to_string(&pid_file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        run("fusermount3", &["-u", mnt.to_str().unwrap()]);
+        let t = std::time::Instant::now();
+        // SAFETY: signal 0 only probes whether the daemon still exists.
+        while unsafe { libc::kill(pid, 0) } == 0 {
+            assert!(t.elapsed() < Duration::from_secs(20), "daemon did not exit");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    // MOUNTPOINT/FILENAME URI, -P PIDFILE, -o allow_other,ro.
+    let named = mnt.join("disk.raw");
+    daemon(&[
+        "-P",
+        pid_file.to_str().unwrap(),
+        "-o",
+        "allow_other,ro",
+        named.to_str().unwrap(),
+        &server.uri,
+    ]);
+    let md = std::fs::metadata(&named).unwrap();
+    assert_eq!(md.len(), 8 * MIB);
+    assert_eq!(md.mode() & 0o777, 0o444, "-o ro mounts read-only");
+    unmount();
+    // MOUNTPOINT URI: nbdfuse's file name, "nbd"; --pidfile is nbdfuse's long spelling.
+    daemon(&[
+        "--pidfile",
+        pid_file.to_str().unwrap(),
+        mnt.to_str().unwrap(),
+        &server.uri,
+    ]);
+    assert_eq!(std::fs::metadata(mnt.join("nbd")).unwrap().len(), 8 * MIB);
+    unmount();
+
+    // Mix-ups and what is not taken: one line each, status 2.
+    let m = mnt.to_str().unwrap();
+    for (args, want) in [
+        (vec![m, "/tmp"], "MOUNTPOINT[/FILENAME] URI"),
+        (vec![&server.uri, &server.uri], "MOUNTPOINT[/FILENAME] URI"),
+        (vec![m, "[", "nbdkit", "memory", "1M", "]"], "[ CMD"),
+        (vec!["-o", "uid=5", m, &server.uri], "uid=5"),
+    ] {
+        let (status, err) = mount_fails(&args);
+        assert_eq!(status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(
+            err.contains("URI MOUNTPOINT") || want == "uid=5",
+            "{args:?}: {err}"
+        );
+    }
+}
+
+/// Issue 25 item 5: `--daemon` keeps its log in `--log-file` (appended), not in /dev/null.
+#[test]
+fn daemon_keeps_its_log_in_log_file() {
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_image(dir.path(), "l.img", 8 * MIB);
+    let server = qpip_server("l", &img, &[]);
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let log = dir.path().join("mount.log");
+    std::fs::write(&log, "before\n").unwrap();
+    let pid_file = dir.path().join("pid");
+    let out = std::process::Command::new(mount_bin())
+        .args(transport_args())
+        .args(["-v", "--daemon", "--log-file", log.to_str().unwrap()])
+        .args(["--pid-file", pid_file.to_str().unwrap()])
+        .arg(&server.uri)
+        .arg(&mnt)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    run("fusermount3", &["-u", mnt.to_str().unwrap()]);
+    let t = std::time::Instant::now();
+    // SAFETY: signal 0 only probes whether the daemon still exists.
+    while unsafe { libc::kill(pid, 0) } == 0 {
+        assert!(t.elapsed() < Duration::from_secs(20), "daemon did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.starts_with("before\n"), "appended: {text}");
+    assert!(
+        text.contains("mounted") && text.contains("unmounted"),
+        "{text}"
+    );
+    // A log file that cannot be opened is an error before anything is mounted.
+    let (status, err) = mount_fails(&[
+        "--daemon",
+        "--log-file",
+        "/nonexistent/dir/log",
+        &server.uri,
+        mnt.to_str().unwrap(),
+    ]);
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("/nonexistent/dir/log"), "{err}");
+}

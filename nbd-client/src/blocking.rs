@@ -158,6 +158,66 @@ impl Client {
         self.run(ops, |_, _| {})
     }
 
+    /// Writes `len` bytes of `mr` from `at` at `offset` as [`Self::write_at_mr`] does, except
+    /// the ranges `zeroes` names (offsets relative to `offset`, in order, inside `len`):
+    /// those go as WRITE_ZEROES (or as the buffer's bytes where the server lacks it, which
+    /// the caller has seen to be zeroes), or not at all with `skip_zeroes`. One pipeline for
+    /// the lot.
+    pub fn write_at_mr_zeroing<'m>(
+        &mut self,
+        offset: u64,
+        mr: &'m MemoryRegion,
+        at: usize,
+        len: usize,
+        zeroes: &[(u64, u64)],
+        skip_zeroes: bool,
+    ) -> Result<()> {
+        self.check_range(offset, len as u64)?;
+        if at.checked_add(len).is_none_or(|e| e > mr.len()) {
+            return Err(Error::Invalid("write data outside its region"));
+        }
+        let (max, max_zero) = (u64::from(self.max_io()), self.max_zero());
+        let zero_ok = self.can_write_zeroes();
+        let mut ops: Vec<Op<'m>> = Vec::new();
+        let data = |from: u64, to: u64, ops: &mut Vec<Op<'m>>| {
+            ops.extend(
+                Self::pieces(offset + from, to - from, max).map(|(o, n)| Op::WriteFrom {
+                    offset: o,
+                    len: n,
+                    mr,
+                    at: at + (o - offset) as usize,
+                    fua: false,
+                }),
+            )
+        };
+        let mut pos = 0u64;
+        for &(z, n) in zeroes {
+            let (z, e) = (z.max(pos).min(len as u64), (z + n).min(len as u64));
+            if z >= e {
+                continue;
+            }
+            data(pos, z, &mut ops);
+            if !skip_zeroes {
+                if zero_ok {
+                    ops.extend(
+                        Self::pieces(offset + z, e - z, max_zero).map(|(offset, len)| {
+                            Op::WriteZeroes {
+                                offset,
+                                len,
+                                fua: false,
+                            }
+                        }),
+                    );
+                } else {
+                    data(z, e, &mut ops);
+                }
+            }
+            pos = e;
+        }
+        data(pos, len as u64, &mut ops);
+        self.run(ops, |_, _| {})
+    }
+
     /// Makes every acknowledged write durable (a no-op if the server has no FLUSH).
     pub fn flush(&mut self) -> Result<()> {
         if !self.can_flush() {

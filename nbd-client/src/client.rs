@@ -57,6 +57,10 @@ pub struct ClientOptions {
     pub request_timeout: Option<Duration>,
     /// Requests in flight at most (1..=64).
     pub window: usize,
+    /// The largest READ or WRITE to send, in bytes (nbdcopy's `--request-size`); `None`: the
+    /// server's maximum block size, at most [`crate::MAX_IO`]. Rounded down to the server's
+    /// minimum block size.
+    pub max_request: Option<u32>,
     /// Ask for structured replies.
     pub structured_replies: bool,
     /// Ask for extended headers (with structured replies; used if the server has them).
@@ -82,6 +86,7 @@ impl Default for ClientOptions {
             connect_timeout: Duration::from_secs(10),
             request_timeout: Some(Duration::from_secs(60)),
             window: 32,
+            max_request: None,
             structured_replies: true,
             extended_headers: true,
             base_allocation: true,

@@ -209,9 +209,35 @@ impl Conn {
                 source: last_err.unwrap_or(qpip_core::Error::InvalidWr("no address")),
             });
         };
+        // A server that requires a client certificate closes the connection once TLS is up
+        // (TLS 1.3) or fails the TLS handshake (1.2): say so when we presented none.
+        let no_client_cert = matches!(
+            &tls,
+            Some(TlsConfig {
+                credentials: TlsCredentials::X509 { cert: None, .. },
+                ..
+            })
+        );
+        let mut tls_started = false;
+        let hint = |tls_started: bool| {
+            if tls_started && no_client_cert {
+                "; the server may require a client certificate, and none was presented \
+                 (tls-certificates=DIR holds no client-cert.pem and client-key.pem)"
+            } else {
+                ""
+            }
+        };
         let hs_err = |what: String| Error::HandshakeIo {
             uri: uri.to_string(),
             what,
+        };
+        // The connection failed under us (the server closed it): the error with the hint.
+        let with_hint = |e: Error, hint: &str| {
+            if hint.is_empty() {
+                e
+            } else {
+                hs_err(format!("{e}{hint}"))
+            }
         };
         conn.repost(0)?;
         let mut msg = Vec::new();
@@ -225,15 +251,20 @@ impl Conn {
             for comp in &buf[..n] {
                 if comp.opcode == Opcode::Send {
                     if !comp.is_ok() {
-                        return Err(hs_err(format!("sending failed: {:?}", comp.status)));
+                        return Err(hs_err(format!(
+                            "sending failed: {:?}{}",
+                            comp.status,
+                            hint(tls_started)
+                        )));
                     }
                     continue;
                 }
                 if !comp.is_ok() {
                     return Err(hs_err(format!(
-                        "connection closed during the handshake ({:?}, phase {:?})",
+                        "connection closed during the handshake ({:?}, phase {:?}){}",
                         comp.status,
-                        hs.phase()
+                        hs.phase(),
+                        hint(tls_started)
                     )));
                 }
                 msg.resize(comp.byte_len as usize, 0);
@@ -257,12 +288,14 @@ impl Conn {
                 match ev {
                     ClientEvent::Continue => {
                         conn.phase.store(hs.phase().to_u8(), Ordering::Release);
-                        conn.repost(0)?;
+                        conn.repost(0)
+                            .map_err(|e| with_hint(e, hint(tls_started)))?;
                     }
                     ClientEvent::StartTls => {
                         // No receive WR is posted: the NIC switches the idle connection.
                         let config = tls.clone().ok_or(Error::Invalid("STARTTLS without TLS"))?;
                         let left = deadline.saturating_duration_since(Instant::now());
+                        tls_started = true;
                         if let Err(e) = conn
                             .qp
                             .start_tls(config, left.max(Duration::from_millis(1)))
@@ -270,7 +303,7 @@ impl Conn {
                             conn.qp.close();
                             return Err(Error::Tls {
                                 uri: uri.to_string(),
-                                why: format!("TLS handshake failed: {e}"),
+                                why: format!("TLS handshake failed: {e}{}", hint(true)),
                             });
                         }
                         let mut out = Vec::new();
@@ -278,9 +311,10 @@ impl Conn {
                             uri: uri.to_string(),
                             source,
                         })?;
-                        conn.send_bytes(nic, &out)?;
+                        let h = |e| with_hint(e, hint(true));
+                        conn.send_bytes(nic, &out).map_err(h)?;
                         conn.phase.store(hs.phase().to_u8(), Ordering::Release);
-                        conn.repost(0)?;
+                        conn.repost(0).map_err(h)?;
                     }
                     ClientEvent::Connected(ref neg) => {
                         conn.phase

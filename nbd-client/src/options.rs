@@ -65,7 +65,9 @@ impl Client {
             });
         }
         let bs = info.block_size;
-        let max = u64::from(bs.max).min(MAX_IO as u64);
+        let max = u64::from(bs.max)
+            .min(MAX_IO as u64)
+            .min(opts.max_request.map_or(u64::MAX, u64::from));
         let max_io = round_down(max, u64::from(bs.min)).max(u64::from(bs.min)) as u32;
         let slot_len = c::EXTENDED_REQUEST_LEN + max_io as usize;
         let send_mr = nic.alloc_region(opts.window * slot_len, Access::READ);

@@ -7,6 +7,7 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use common::*;
+use qpip_test_support::ci::require;
 
 const MIB: u64 = 1 << 20;
 
@@ -46,11 +47,11 @@ fn info_list_help_and_errors() {
     let img = image(dir.path(), "a.img", 4 * MIB, &[]);
     let server = qpip_server("disk", &img, &[]);
     let text = ok(&["info", &server.uri]);
-    assert!(text.contains("size:        4194304"), "{text}");
+    assert!(text.contains("export-size: 4194304 (4M)"), "{text}");
     let json: serde_json::Value =
         serde_json::from_str(&ok(&["info", "--json", &server.uri])).unwrap();
-    assert_eq!(json["size"], 4 * MIB);
-    assert!(json["block_size"]["maximum"].as_u64().unwrap() > 0);
+    assert_eq!(json["exports"][0]["export-size"], 4 * MIB);
+    assert!(json["exports"][0]["block_size_maximum"].as_u64().unwrap() > 0);
     let list = ok(&["list", &format!("nbd://127.0.0.1:{}", server.port)]);
     assert!(list.lines().any(|l| l.starts_with("disk")), "{list}");
     assert!(ok(&["--help"]).contains("nbd://HOST"));
@@ -557,4 +558,417 @@ fn block_status_with_many_extents_under_extended_headers() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(rows(&map), want, "{map}");
+}
+
+/// The keys of a JSON object (and of its first `exports` entry, prefixed "exports/").
+fn json_keys(v: &serde_json::Value) -> Vec<String> {
+    let mut keys: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+    if let Some(e) = v["exports"].as_array().and_then(|a| a.first()) {
+        keys.extend(
+            e.as_object()
+                .unwrap()
+                .keys()
+                .map(|k| format!("exports/{k}")),
+        );
+    }
+    keys.sort();
+    keys
+}
+
+#[test]
+fn info_takes_nbdinfos_spellings_and_json_keys() {
+    if !require(&["nbdinfo"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "a.img", 4 * MIB, &[(0, MIB)]);
+    let server = qpip_server("disk", &img, &[]);
+    let uri = server.uri.as_str();
+    let base = format!("nbd://127.0.0.1:{}", server.port);
+    let nbdinfo = |args: &[&str]| {
+        let out = Command::new("nbdinfo").args(args).output().unwrap();
+        assert!(out.status.success(), "nbdinfo {args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let parse = |s: &str| -> serde_json::Value { serde_json::from_str(s).unwrap() };
+    // The same keys as nbdinfo's, for one export and for --list (with and without content).
+    for args in [
+        vec!["--json"],
+        vec!["--json", "--no-content"],
+        vec!["--list", "--json"],
+        vec!["-L", "--json", "--content"],
+    ] {
+        let target = if args.iter().any(|a| a.starts_with("-L") || *a == "--list") {
+            base.as_str()
+        } else {
+            uri
+        };
+        let mut a = args.clone();
+        a.push(target);
+        let theirs = parse(&nbdinfo(&a));
+        let mut b = vec!["info"];
+        b.extend(&a);
+        let ours = parse(&ok(&b));
+        assert_eq!(json_keys(&ours), json_keys(&theirs), "{a:?}");
+        assert_eq!(ours["exports"][0]["export-size"], 4 * MIB);
+    }
+    // --content: file(1)'s word, as nbdinfo's.
+    let theirs = parse(&nbdinfo(&["--json", uri]));
+    let ours = parse(&ok(&["info", "--json", "--content", uri]));
+    assert_eq!(
+        ours["exports"][0]["content"],
+        theirs["exports"][0]["content"]
+    );
+    assert!(ok(&["info", "--list", &base]).contains("export=\"disk\""));
+    // --size, --map=CONTEXT and --map --totals.
+    assert_eq!(ok(&["info", "--size", uri]), nbdinfo(&["--size", uri]));
+    let cols = |s: &str| -> Vec<Vec<String>> {
+        s.lines()
+            .map(|l| l.split_whitespace().map(str::to_string).collect())
+            .collect()
+    };
+    assert_eq!(
+        cols(&ok(&["info", "--map=base:allocation", uri])),
+        cols(&nbdinfo(&["--map=base:allocation", uri]))
+    );
+    assert_eq!(
+        cols(&ok(&["info", "--map", "--totals", uri])),
+        cols(&nbdinfo(&["--map", "--totals", uri]))
+    );
+    let totals = parse(&ok(&["info", "--map", "--totals", "--json", uri]));
+    assert_eq!(totals[0]["size"], MIB);
+    let other = qpip_nbd(&["info", "--map=qemu:dirty-bitmap:b", uri]);
+    let err = String::from_utf8_lossy(&other.stderr);
+    assert_eq!(other.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("qemu:dirty-bitmap:b") && err.lines().count() == 1,
+        "{err}"
+    );
+    // --has/--can/--is and their negations: exit status 0 yes, 2 no, 1 unknown.
+    for (args, want) in [
+        (["--has", "base:allocation"], 0),
+        (["--has", "structured-reply"], 0),
+        (["--can", "fast_zero"], 0),
+        (["--can", "multi-conn"], 0),
+        (["--is", "read-only"], 2),
+        (["--isnt", "read-only"], 0),
+        (["--cannot", "write"], 2),
+        (["--hasnt", "tls"], 0),
+        (["--has", "teleport"], 1),
+    ] {
+        let mut a = vec!["info"];
+        a.extend(&args);
+        a.push(uri);
+        let out = qpip_nbd(&a);
+        assert!(out.stdout.is_empty(), "{a:?} printed something");
+        assert_eq!(out.status.code(), Some(want), "{a:?}: {out:?}");
+    }
+}
+
+/// The summary line's data and zero amounts ("copied 8.0 MiB (2.0 MiB data, 6.0 MiB
+/// zero/holes) ...").
+fn summary(stderr: &[u8]) -> (String, String) {
+    let s = String::from_utf8_lossy(stderr);
+    let line = s
+        .lines()
+        .find(|l| l.starts_with("copied"))
+        .unwrap_or_else(|| panic!("{s}"));
+    let inner = &line[line.find('(').unwrap() + 1..line.find(')').unwrap()];
+    let mut parts = inner.split(", ");
+    (parts.next().unwrap().into(), parts.next().unwrap().into())
+}
+
+#[test]
+fn copy_takes_nbdcopys_spellings_flush_and_zero_detection() {
+    if !require(&["nbdcopy", "nbdkit"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let size = 8 * MIB;
+    // Allocated zeroes in the middle: 1 MiB data, 6 MiB of written zero bytes, 1 MiB data.
+    let src = dir.path().join("src.img");
+    let mut bytes = pattern(0, size as usize);
+    bytes[MIB as usize..7 * MIB as usize].fill(0);
+    std::fs::write(&src, &bytes).unwrap();
+    assert!(allocated(&src) >= size, "the zeroes are allocated");
+    let s = src.to_str().unwrap();
+    let stale = || {
+        let p = dir.path().join("dst.img");
+        std::fs::write(&p, vec![0xEEu8; size as usize]).unwrap();
+        p
+    };
+
+    // nbdcopy and qpip-nbd take the same flags and make the same destination.
+    for flags in [
+        vec![],
+        vec!["--flush"],
+        vec!["-S", "0"],
+        vec!["--sparse=65536"],
+        vec!["--allocated"],
+        vec!["--no-extents"],
+        vec!["--request-size=262144", "--queue-size=1048576"],
+        vec!["-R", "8", "-T", "2", "-C", "2"],
+        vec!["--requests=4", "--threads=1", "--connections=1"],
+    ] {
+        for tool in ["nbdcopy", "qpip-nbd"] {
+            let dst = stale();
+            let server = qpip_server("dst", &dst, &[]);
+            let mut cmd = if tool == "nbdcopy" {
+                Command::new("nbdcopy")
+            } else {
+                let mut c = Command::new(env!("CARGO_BIN_EXE_qpip-nbd"));
+                c.arg("copy");
+                c
+            };
+            let out = cmd.args(&flags).args([s, &server.uri]).output().unwrap();
+            assert!(out.status.success(), "{tool} {flags:?}: {out:?}");
+            drop(server);
+            same(&src, &dst);
+        }
+    }
+
+    // Zero detection on by default: the allocated zeroes go as WRITE_ZEROES, not data.
+    let dst = stale();
+    let server = qpip_server("dst", &dst, &[]);
+    let out = qpip_nbd(&["copy", s, &server.uri]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        summary(&out.stderr),
+        ("2.0 MiB data".into(), "6.0 MiB zero/holes".into()),
+        "{out:?}"
+    );
+    same(&src, &dst);
+    // -S 0: no detection, everything is data.
+    let out = qpip_nbd(&["copy", "-S", "0", s, &server.uri]);
+    assert_eq!(summary(&out.stderr).0, "8.0 MiB data", "{out:?}");
+    // --destination-is-zero (and qemu-img's --target-is-zero): zeroes are not written at all.
+    drop(server);
+    for flag in ["--destination-is-zero", "--target-is-zero"] {
+        let dst = stale();
+        let server = qpip_server("dst", &dst, &[]);
+        ok(&["copy", flag, s, &server.uri]);
+        drop(server);
+        let got = std::fs::read(&dst).unwrap();
+        assert!(
+            got[MIB as usize..7 * MIB as usize]
+                .iter()
+                .all(|&b| b == 0xEE),
+            "{flag}"
+        );
+        assert_eq!(got[..MIB as usize], bytes[..MIB as usize], "{flag}");
+    }
+    // A local destination: zeroes stay holes, or are allocated with --allocated.
+    let back = dir.path().join("back.img");
+    ok(&["copy", s, back.to_str().unwrap()]);
+    same(&src, &back);
+    assert!(allocated(&back) <= 3 * MIB, "{}", allocated(&back));
+    ok(&["copy", "--allocated", s, back.to_str().unwrap()]);
+    same(&src, &back);
+    assert!(allocated(&back) >= size, "{}", allocated(&back));
+
+    // FLUSH only with --flush (nbdcopy's default), seen through nbdkit's log filter.
+    let log = dir.path().join("nbdkit.log");
+    let log_arg = format!("logfile={}", log.display());
+    let peer = nbdkit(&["--filter=log", "memory", "8M", &log_arg]).unwrap();
+    let flushes = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .matches("Flush")
+            .count()
+    };
+    ok(&["copy", s, &peer.uri]);
+    assert_eq!(flushes(), 0, "no FLUSH without --flush");
+    ok(&["copy", "--flush", s, &peer.uri]);
+    assert!(flushes() > 0, "--flush sends FLUSH");
+
+    // -q silences the summary; a window past 1..=64 is refused.
+    let out = qpip_nbd(&["-q", "copy", s, &peer.uri]);
+    assert!(out.status.success() && out.stderr.is_empty(), "{out:?}");
+    let out = qpip_nbd(&["copy", "-q", s, &peer.uri]);
+    assert!(out.status.success() && out.stderr.is_empty(), "{out:?}");
+    for bad in [["--window", "100"], ["-R", "0"], ["--requests", "65"]] {
+        let out = qpip_nbd(&["copy", bad[0], bad[1], s, &peer.uri]);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}: {out:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("1..=64"),
+            "{out:?}"
+        );
+    }
+}
+
+/// Issue 25 item 5: a missing TLS file is one line naming it (not OpenSSL's error stack), and
+/// a client without the certificate a server requires hears that it may need one.
+#[test]
+fn tls_errors_name_the_file_and_the_missing_client_certificate() {
+    let Some(certs) = tls_certs() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "a.img", MIB, &[]);
+    // The server's certificate is missing.
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    std::fs::copy(certs.path().join("ca-cert.pem"), empty.join("ca-cert.pem")).unwrap();
+    let out = Command::new(qpip_server_bin())
+        .args(["--tls-certs", empty.to_str().unwrap(), "-l", "127.0.0.1:0"])
+        .args(["--export", &format!("d={}", img.display())])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("server-cert.pem") && !err.contains("bss_file.c") && !err.contains("error:"),
+        "{err}"
+    );
+    // A client with only the CA, against servers that require a client certificate.
+    let verify = certs.path().to_str().unwrap();
+    let server = qpip_server("d", &img, &["--tls-certs", verify, "--tls-verify-peer"]);
+    let mut uris = vec![format!(
+        "nbds://127.0.0.1:{}/d?tls-certificates={}",
+        server.port,
+        empty.display()
+    )];
+    let kit = nbdkit(&[
+        "--tls=require",
+        &format!("--tls-certificates={verify}"),
+        "--tls-verify-peer",
+        "memory",
+        "1M",
+    ]);
+    if let Some(k) = &kit {
+        uris.push(format!(
+            "nbds://127.0.0.1:{}/?tls-certificates={}",
+            k.port,
+            empty.display()
+        ));
+    }
+    for uri in &uris {
+        for args in [
+            vec!["info", uri.as_str()],
+            vec!["copy", uri.as_str(), "null:"],
+        ] {
+            let out = qpip_nbd(&args);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+            assert!(
+                err.contains("may require a client certificate"),
+                "{args:?}: {err}"
+            );
+        }
+    }
+    // With the client's certificate it works.
+    let ok_uri = format!(
+        "nbds://127.0.0.1:{}/d?tls-certificates={verify}",
+        server.port
+    );
+    ok(&["info", "--size", &ok_uri]);
+}
+
+/// Issue 25 item 5: `-p` ends at 100 %, a failed copy removes the file it created (and keeps
+/// one it did not), and `copy` words an unknown export as `info` does.
+#[test]
+fn copy_progress_failure_cleanup_and_unknown_export() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = image(dir.path(), "src.img", 256 * MIB, &[(0, 256 * MIB)]);
+    let s = src.to_str().unwrap();
+    // -p into a pipe: the last line shows all of it, from a file and from standard input.
+    let last_progress = |out: &std::process::Output| {
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        let last = err
+            .lines()
+            .rfind(|l| l.contains(" [") && l.contains('/'))
+            .unwrap_or_else(|| panic!("no progress line: {err}"))
+            .to_string();
+        let (done, rest) = last.split_once('/').unwrap();
+        let total = rest.split(" [").next().unwrap();
+        assert_eq!(done.trim(), total.trim(), "{err}");
+        assert!(total.starts_with("256"), "{err}");
+    };
+    last_progress(&qpip_nbd(&["copy", "-p", s, "null:"]));
+    let piped = Command::new(env!("CARGO_BIN_EXE_qpip-nbd"))
+        .args(["copy", "-p", "-", "null:"])
+        .stdin(std::fs::File::open(&src).unwrap())
+        .output()
+        .unwrap();
+    last_progress(&piped);
+
+    // An unknown export: the one wording of info.
+    let server = qpip_server("disk", &src, &[]);
+    let nope = format!("nbd://127.0.0.1:{}/nope", server.port);
+    let want = "the server has no export named \"nope\"; its exports: \"disk\"";
+    for args in [
+        vec!["info", nope.as_str()],
+        vec!["copy", nope.as_str(), "null:"],
+        vec!["copy", s, nope.as_str()],
+    ] {
+        let out = qpip_nbd(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains(want) && err.lines().count() == 1,
+            "{args:?}: {err}"
+        );
+    }
+
+    // A source that fails every read: the new destination is removed, an old one kept.
+    let Some(bad) = nbdkit(&[
+        "--filter=error",
+        "pattern",
+        "8M",
+        "error-pread=EIO",
+        "error-pread-rate=100%",
+    ]) else {
+        return;
+    };
+    let fresh = dir.path().join("fresh.img");
+    let out = qpip_nbd(&["copy", &bad.uri, fresh.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!fresh.exists(), "the partial file is left: {err}");
+    assert!(err.contains("removed"), "{err}");
+    let old = dir.path().join("old.img");
+    std::fs::write(&old, b"keep me").unwrap();
+    let out = qpip_nbd(&["copy", &bad.uri, old.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(old.exists() && err.contains("incomplete"), "{err}");
+}
+
+/// Issue 25 item 5: the manual pages have EXIT STATUS, ENVIRONMENT and SEE ALSO sections.
+#[test]
+fn man_pages_have_exit_status_environment_and_see_also() {
+    let dir = tempfile::tempdir().unwrap();
+    for bin in [
+        std::path::PathBuf::from(env!("CARGO_BIN_EXE_qpip-nbd")),
+        qpip_server_bin(),
+    ] {
+        let out = Command::new(&bin)
+            .arg("--generate-man-pages")
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+    }
+    for (page, mentions) in [
+        ("qpip-nbd.1", &["nbdinfo(1)", "nbdcopy(1)", "RUST_LOG"][..]),
+        ("qpip-nbd-info.1", &["nbdinfo(1)", "2"][..]),
+        ("qpip-nbd-copy.1", &["nbdcopy(1)", "130"][..]),
+        (
+            "qpip-nbd-server.1",
+            &["qemu-nbd(8)", "nbdkit(1)", "LISTEN_FDS"][..],
+        ),
+    ] {
+        let roff = std::fs::read_to_string(dir.path().join(page)).unwrap();
+        for section in ["EXIT STATUS", "ENVIRONMENT", "SEE ALSO"] {
+            assert!(
+                roff.contains(&format!(".SH \"{section}\"")),
+                "{page} lacks {section}"
+            );
+        }
+        for m in mentions {
+            assert!(roff.contains(m), "{page} does not mention {m}");
+        }
+    }
 }

@@ -176,7 +176,7 @@ fn qpip_nbd_info_over_lanai() {
         String::from_utf8_lossy(&out.stderr)
     );
     let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
-    assert_eq!(v["size"], IMAGE, "{stdout}");
+    assert_eq!(v["exports"][0]["export-size"], IMAGE, "{stdout}");
 
     // An IPv4 URI is refused with a reason.
     let out = Command::new(env!("CARGO_BIN_EXE_qpip-nbd"))

@@ -1,7 +1,9 @@
 //! Manual pages from the clap definitions, so that they never drift from `--help`. Every
 //! binary calls [`generate_if_asked`] first thing in `main`; `scripts/install` runs
 //! `BIN --generate-man-pages DIR` (a hidden option) to write BIN.1, plus BIN-SUB.1 for each
-//! subcommand, into DIR. Nothing generated is committed.
+//! subcommand, into DIR. Nothing generated is committed. Each page ends with EXIT STATUS,
+//! ENVIRONMENT and SEE ALSO sections, from [`sections`] (a subcommand's page has its
+//! program's).
 
 use std::path::Path;
 
@@ -43,8 +45,244 @@ pub fn write_pages(cmd: clap::Command, dir: &Path) -> std::io::Result<()> {
 fn write_page(cmd: &clap::Command, title: &str, dir: &Path) -> std::io::Result<()> {
     // A process that exits right after: leaking the name is how clap takes a computed one.
     let name: &'static str = Box::leak(title.to_string().into_boxed_str());
+    // A subcommand's page (qpip-nbd-copy) takes its program's sections (qpip-nbd).
+    let parts: Vec<&str> = title.split('-').collect();
+    let known = (1..=parts.len())
+        .rev()
+        .find_map(|n| sections(&parts[..n].join("-")))
+        .unwrap_or_else(|| Sections::common(&[]));
     let cmd = cmd.clone().name(name);
     let mut out = Vec::new();
     clap_mangen::Man::new(cmd).render(&mut out)?;
-    std::fs::write(dir.join(format!("{title}.1")), out)
+    let mut page = String::from_utf8_lossy(&out).into_owned();
+    let extra = roff_sections(known);
+    // Before VERSION and AUTHORS, where man pages keep them.
+    match page.find(".SH VERSION") {
+        Some(at) => page.insert_str(at, &extra),
+        None => page.push_str(&extra),
+    }
+    std::fs::write(dir.join(format!("{title}.1")), page)
+}
+
+/// A page's closing sections.
+pub struct Sections {
+    /// (status, meaning)
+    pub exit_status: Vec<(&'static str, &'static str)>,
+    /// (variable, meaning)
+    pub environment: Vec<(&'static str, &'static str)>,
+    /// Pages as `name(section)`.
+    pub see_also: Vec<&'static str>,
+}
+
+/// What every qpip program reads from its environment.
+const COMMON_ENV: &[(&str, &str)] = &[
+    (
+        "RUST_LOG",
+        "Log filter (a level, or directives such as nbd_server=debug,warn); overrides -v, -q \
+         and --log. A bad value is refused.",
+    ),
+    (
+        "NO_COLOR",
+        "When set and not empty, logs are never coloured.",
+    ),
+    (
+        "QPIP_SOFT_QUEUES",
+        "The soft NIC's queues (engine threads); default one per CPU.",
+    ),
+    (
+        "QPIP_SOFT_IO",
+        "epoll: the soft NIC's engine uses epoll instead of io_uring.",
+    ),
+    (
+        "QPIP_SOFT_SPIN_US",
+        "How long the soft NIC's engine polls before sleeping, in microseconds (default 50).",
+    ),
+];
+
+impl Sections {
+    fn common(env: &[(&'static str, &'static str)]) -> Sections {
+        Sections {
+            exit_status: vec![
+                ("0", "Success."),
+                ("1", "An error, described on standard error."),
+                ("2", "A usage error: an unknown option or a bad value."),
+            ],
+            environment: env.iter().chain(COMMON_ENV).copied().collect(),
+            see_also: vec![],
+        }
+    }
+}
+
+/// The closing sections of `program`'s pages; `None` for a program this file does not know.
+pub fn sections(program: &str) -> Option<Sections> {
+    let mut s = Sections::common(&[]);
+    match program {
+        "qpip-nbd" => {
+            s.exit_status = vec![
+                ("0", "Success; for info --can, --is or --has, yes."),
+                (
+                    "1",
+                    "An error, described on standard error (info --can/--is/--has: the \
+                     question could not be answered).",
+                ),
+                (
+                    "2",
+                    "info --can, --is or --has answered no (--cannot, --isnt, --hasnt: yes); \
+                     or a usage error.",
+                ),
+                (
+                    "128+N",
+                    "copy stopped by signal N (130 for SIGINT, 143 for SIGTERM); a destination \
+                     file it created is removed.",
+                ),
+            ];
+            s.environment.insert(
+                0,
+                (
+                    "USER, LOGNAME",
+                    "The PSK identity of an nbds:// URI with tls-psk-file and no tls-username.",
+                ),
+            );
+            s.see_also = vec![
+                "qpip-nbd-server(1)",
+                "qpip-nbd-mount(1)",
+                "nbdinfo(1)",
+                "nbdcopy(1)",
+                "qemu-img(1)",
+                "nbdkit(1)",
+            ];
+        }
+        "qpip-nbd-server" => {
+            s.exit_status = vec![
+                (
+                    "0",
+                    "Stopped by SIGINT or SIGTERM after serving; with --run, the command \
+                     succeeded.",
+                ),
+                (
+                    "1",
+                    "An error, described on standard error (an image that cannot be opened, an \
+                     address in use, ...).",
+                ),
+                ("2", "A usage error: an unknown option or a bad value."),
+                (
+                    "N",
+                    "With --run: the command's exit status (128 + the signal that killed it).",
+                ),
+            ];
+            s.environment.insert(
+                0,
+                (
+                    "LISTEN_FDS, LISTEN_PID",
+                    "systemd socket activation: the listening sockets handed over.",
+                ),
+            );
+            s.see_also = vec![
+                "qpip-nbd(1)",
+                "qpip-nbd-mount(1)",
+                "qemu-nbd(8)",
+                "nbdkit(1)",
+                "nbd-server(1)",
+                "nbdinfo(1)",
+                "systemd.socket(5)",
+            ];
+        }
+        "qpip-nbd-mount" => {
+            s.exit_status = vec![
+                (
+                    "0",
+                    "Unmounted (fusermount3 -u, umount, SIGINT, SIGTERM or SIGHUP); with \
+                     --daemon, mounted.",
+                ),
+                (
+                    "1",
+                    "An error before or while mounting (the mount point, the server, the \
+                     export), described on standard error.",
+                ),
+                (
+                    "2",
+                    "A usage error: an unknown option, a bad value, or arguments in neither \
+                     order.",
+                ),
+            ];
+            s.see_also = vec![
+                "qpip-nbd(1)",
+                "qpip-nbd-server(1)",
+                "nbdfuse(1)",
+                "fusermount3(1)",
+                "losetup(8)",
+                "mount(8)",
+            ];
+        }
+        "qpip-bench" => {
+            s.see_also = vec![
+                "qpip-nbd-server(1)",
+                "qpip-nbd(1)",
+                "fio(1)",
+                "qemu-nbd(8)",
+                "nbdkit(1)",
+            ];
+        }
+        "qpip-lanai-bridge" => {
+            s.see_also = vec!["qpip-nbd-server(1)", "qpip-nbd(1)"];
+        }
+        _ => return None,
+    }
+    Some(s)
+}
+
+/// Roff for text: backslashes and hyphens escaped, no line taken for a request.
+fn roff_text(t: &str) -> String {
+    let t = t.replace('\\', "\\e").replace('-', "\\-");
+    if t.starts_with('.') || t.starts_with('\'') {
+        format!("\\&{t}")
+    } else {
+        t
+    }
+}
+
+fn roff_sections(s: Sections) -> String {
+    let mut out = String::new();
+    let list = |out: &mut String, title: &str, items: &[(&str, &str)]| {
+        out.push_str(&format!(".SH \"{title}\"\n"));
+        for (k, v) in items {
+            out.push_str(&format!(
+                ".TP\n\\fB{}\\fR\n{}\n",
+                roff_text(k),
+                roff_text(v)
+            ));
+        }
+    };
+    list(&mut out, "EXIT STATUS", &s.exit_status);
+    list(&mut out, "ENVIRONMENT", &s.environment);
+    if !s.see_also.is_empty() {
+        let refs: Vec<String> = s.see_also.iter().map(|r| r.to_string()).collect();
+        out.push_str(&format!(".SH \"SEE ALSO\"\n{}\n", refs.join(", ")));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_program_has_the_closing_sections() {
+        for p in [
+            "qpip-nbd",
+            "qpip-nbd-server",
+            "qpip-nbd-mount",
+            "qpip-bench",
+            "qpip-lanai-bridge",
+        ] {
+            let r = roff_sections(sections(p).unwrap());
+            assert!(r.contains(".SH \"EXIT STATUS\""), "{p}");
+            assert!(
+                r.contains(".SH \"ENVIRONMENT\"") && r.contains("RUST_LOG"),
+                "{p}"
+            );
+            assert!(r.contains(".SH \"SEE ALSO\""), "{p}");
+        }
+        assert_eq!(roff_text(".x-y"), "\\&.x\\-y");
+    }
 }

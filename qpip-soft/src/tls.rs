@@ -39,11 +39,20 @@ pub fn context(config: &TlsConfig) -> io::Result<SslContext> {
                     format!("{what} {}: {}", p.display(), first_reason(&e)),
                 )
             };
+            // A file that cannot be opened: the system's reason, not OpenSSL's error stack
+            // (whose fopen entry has no reason string).
+            let readable = |what: &str, p: &std::path::Path| {
+                std::fs::File::open(p)
+                    .map(drop)
+                    .map_err(|e| io::Error::new(e.kind(), format!("{what} {}: {e}", p.display())))
+            };
             if let Some(cert) = cert {
+                readable("certificate", cert)?;
                 b.set_certificate_chain_file(cert)
                     .map_err(|e| file("certificate", cert, e))?;
             }
             if let Some(key) = key {
+                readable("private key", key)?;
                 b.set_private_key_file(key, SslFiletype::PEM)
                     .map_err(|e| file("private key", key, e))?;
                 b.check_private_key()
@@ -56,9 +65,11 @@ pub fn context(config: &TlsConfig) -> io::Result<SslContext> {
                 ));
             }
             match ca {
-                Some(ca) => b
-                    .set_ca_file(ca)
-                    .map_err(|e| file("CA certificate", ca, e))?,
+                Some(ca) => {
+                    readable("CA certificate", ca)?;
+                    b.set_ca_file(ca)
+                        .map_err(|e| file("CA certificate", ca, e))?
+                }
                 None if *verify_peer && !config.server => {
                     b.set_default_verify_paths().map_err(ossl)?
                 }
@@ -123,11 +134,22 @@ fn ossl(e: openssl::error::ErrorStack) -> io::Error {
     io::Error::other(first_reason(&e))
 }
 
+/// The first reason OpenSSL gives; without one, the first entry's function and library
+/// rather than the whole stack with its source locations.
 fn first_reason(e: &openssl::error::ErrorStack) -> String {
-    e.errors()
-        .first()
-        .and_then(|x| x.reason().map(str::to_owned))
-        .unwrap_or_else(|| e.to_string())
+    let errors = e.errors();
+    errors
+        .iter()
+        .find_map(|x| x.reason().map(str::to_owned))
+        .or_else(|| {
+            let x = errors.first()?;
+            Some(format!(
+                "{} failed{}",
+                x.function().unwrap_or("OpenSSL"),
+                x.library().map(|l| format!(" ({l})")).unwrap_or_default()
+            ))
+        })
+        .unwrap_or_else(|| "OpenSSL reported an error without a reason".into())
 }
 
 /// A connection under TLS: the socket as the engine registers it, and OpenSSL's stream over

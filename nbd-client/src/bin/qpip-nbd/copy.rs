@@ -5,7 +5,7 @@
 
 use std::io::{Read, Write};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use anyhow::{Context, Result, bail};
 use indicatif::ProgressBar;
@@ -61,9 +61,22 @@ impl std::fmt::Display for Stopped {
 impl std::error::Error for Stopped {}
 
 pub struct CopyOptions {
-    pub sparse: bool,
+    /// Ask the source where its holes are (block status, SEEK_DATA); nbdcopy's
+    /// `--no-extents` turns it off.
+    pub extents: bool,
+    /// Zero detection: aligned blocks of this many bytes that read as zeroes are zeroed (or
+    /// skipped), not written as data; 0: off (nbdcopy's `-S`).
+    pub detect_zeroes: u64,
+    /// Write zeroes as data: a fully allocated destination (nbdcopy's `--allocated`).
+    pub allocated: bool,
+    /// The destination already reads as zeroes: zero ranges are not written at all.
+    pub destination_is_zero: bool,
+    /// Make the destination durable at the end (fsync, NBD FLUSH): nbdcopy's `--flush`.
+    pub flush: bool,
     pub verify: bool,
     pub connections: usize,
+    /// At most this many workers (each a thread with a connection per side); 0: no limit.
+    pub threads: usize,
     pub client: ClientOptions,
     pub progress: ProgressBar,
     /// Set (to the signal's number) when the copy should stop.
@@ -101,9 +114,13 @@ fn copy_range(
     let mut pos = start;
     while pos < end {
         opts.check_stop()?;
-        let (len, is_zero) = src.extent(pos, end - pos, opts.sparse)?;
+        let (len, is_zero) = src.extent(pos, end - pos, opts.extents)?;
         if is_zero {
-            dst.zero(pos, len)?;
+            if opts.allocated {
+                dst.write_zero_bytes(pos, len)?;
+            } else if !opts.destination_is_zero {
+                dst.zero(pos, len)?;
+            }
             zero += len;
             opts.progress.inc(len);
         } else {
@@ -112,9 +129,17 @@ fn copy_range(
                 opts.check_stop()?;
                 let n = (pos + len - at).min(BATCH) as usize;
                 src.read_mr(at, &buf, n)?;
-                dst.write_mr(at, &buf, n)?;
+                // SAFETY: the read has completed; no WR names the buffer now.
+                let zeroes = zero_blocks(unsafe { &buf.as_slice()[..n] }, at, opts.detect_zeroes);
+                if zeroes.is_empty() {
+                    dst.write_mr(at, &buf, n)?;
+                } else {
+                    dst.write_mr_zeroing(at, &buf, n, &zeroes, opts.destination_is_zero)?;
+                }
+                let z: u64 = zeroes.iter().map(|(_, l)| l).sum();
                 at += n as u64;
-                data += n as u64;
+                data += n as u64 - z;
+                zero += z;
                 opts.progress.inc(n as u64);
             }
         }
@@ -123,32 +148,79 @@ fn copy_range(
     Ok((data, zero))
 }
 
+/// The runs of `buf` (which sits at `offset` of its side) made of whole `block`-aligned
+/// blocks of `block` bytes that are all zero: (offset in `buf`, length). None with `block` 0.
+fn zero_blocks(buf: &[u8], offset: u64, block: u64) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    if block == 0 {
+        return runs;
+    }
+    let mut i = 0u64;
+    let n = buf.len() as u64;
+    while i < n {
+        let next = ((offset + i) / block + 1) * block - offset;
+        let end = next.min(n);
+        let whole = (offset + i).is_multiple_of(block) && end - i == block;
+        if whole && buf[i as usize..end as usize].iter().all(|&b| b == 0) {
+            match runs.last_mut() {
+                Some((o, l)) if *o + *l == i => *l += end - i,
+                _ => runs.push((i, end - i)),
+            }
+        }
+        i = end;
+    }
+    runs
+}
+
 /// Copies `src` to `dst`; with `verify`, re-reads both and compares. A signal stops it with
 /// an [`Interrupted`] error.
 pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopyStats> {
     let created = matches!(dst, Endpoint::File(p) if !p.exists());
-    let r = copy_any(src, dst, opts);
-    match (r, opts.stop.load(Ordering::Relaxed)) {
-        (Err(e), signal) if signal != 0 && e.downcast_ref::<Stopped>().is_some() => {
-            let what = match dst {
-                Endpoint::File(p) if created => match std::fs::remove_file(p) {
-                    Ok(()) => format!("removed the incomplete {}", p.display()),
-                    Err(e) => format!("{} is incomplete (removing it: {e})", p.display()),
-                },
-                Endpoint::Null | Endpoint::Stdio => "the output is incomplete".into(),
-                other => format!("{} is incomplete", other.name()),
-            };
-            Err(Interrupted {
-                signal: signal as i32,
-                what,
-            }
-            .into())
+    let opened = AtomicBool::new(false);
+    let r = copy_any(src, dst, opts, &opened);
+    let Err(e) = r else {
+        return r;
+    };
+    // What became of the destination: a file the copy created is removed, as a stopped copy
+    // does; any other destination it opened is incomplete.
+    let what = match dst {
+        Endpoint::File(p) if created && p.exists() => match std::fs::remove_file(p) {
+            Ok(()) => Some(format!("removed the incomplete {}", p.display())),
+            Err(e) => Some(format!("{} is incomplete (removing it: {e})", p.display())),
+        },
+        _ if !opened.load(Ordering::Relaxed) => None,
+        Endpoint::Null | Endpoint::Stdio => Some("the output is incomplete".into()),
+        other => Some(format!("{} is incomplete", other.name())),
+    };
+    let signal = opts.stop.load(Ordering::Relaxed);
+    if signal != 0 && e.downcast_ref::<Stopped>().is_some() {
+        return Err(Interrupted {
+            signal: signal as i32,
+            what: what.unwrap_or_else(|| "nothing was written".into()),
         }
-        (r, _) => r,
+        .into());
     }
+    Err(match what {
+        Some(w) => anyhow::anyhow!("{e:#} ({w})"),
+        None => e,
+    })
 }
 
-fn copy_any(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopyStats> {
+/// Ends the progress bar at its position (the length, when it was known), drawn once more
+/// whatever its rate limit: a `-p` log's last line shows where the copy ended.
+fn finish_progress(pb: &ProgressBar) {
+    if pb.length().is_none_or(|l| l < pb.position()) {
+        pb.set_length(pb.position());
+    }
+    pb.finish();
+}
+
+fn copy_any(
+    src: &Endpoint,
+    dst: &Endpoint,
+    opts: &CopyOptions,
+    opened: &AtomicBool,
+) -> Result<CopyStats> {
     let nic = match &opts.client.nic {
         Some(n) => n.clone(),
         None => Nic::soft().context("starting the soft NIC")?,
@@ -166,18 +238,30 @@ fn copy_any(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopySt
             if opts.verify {
                 bail!("--verify needs a source that can be read again");
             }
-            return stream_in(Side::open_dst(dst, &copts, 0, true)?, &nic, opts);
+            let d = Side::open_dst(dst, &copts, 0, true)?;
+            opened.store(true, Ordering::Relaxed);
+            return stream_in(d, &nic, opts);
         }
-        (_, Endpoint::Stdio) => return stream_out(Side::open_src(src, &copts)?, &nic, opts),
+        (_, Endpoint::Stdio) => {
+            let s = Side::open_src(src, &copts)?;
+            opened.store(true, Ordering::Relaxed);
+            return stream_out(s, &nic, opts);
+        }
         _ => {}
     }
     let mut srcs = vec![Side::open_src(src, &copts)?];
     let size = srcs[0].size();
     let mut dsts = vec![Side::open_dst(dst, &copts, size, true)?];
+    opened.store(true, Ordering::Relaxed);
     let n = if srcs[0].multi_conn() && dsts[0].multi_conn() {
         opts.connections.max(1)
     } else {
         1
+    };
+    let n = if opts.threads > 0 {
+        n.min(opts.threads)
+    } else {
+        n
     };
     // Not worth more connections than 64 MiB pieces.
     let n = n.min(size.div_ceil(64 << 20).max(1) as usize);
@@ -207,8 +291,13 @@ fn copy_any(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopySt
                 let start = (i as u64 * piece).min(size);
                 let end = ((i as u64 + 1) * piece).min(size);
                 s.spawn(move || {
+                    if opts.allocated {
+                        ds.allocate_all();
+                    }
                     let r = copy_range(sr, ds, start, end, opts, nic)?;
-                    ds.flush()?;
+                    if opts.flush {
+                        ds.flush()?;
+                    }
                     Ok(r)
                 })
             })
@@ -228,7 +317,7 @@ fn copy_any(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopySt
         stats.data_bytes += d;
         stats.zero_bytes += z;
     }
-    opts.progress.finish_and_clear();
+    finish_progress(&opts.progress);
     if opts.verify
         && let Some(off) = first_mismatch(&mut srcs[0], &mut dsts[0], size)?
     {
@@ -278,7 +367,10 @@ fn stream_in(mut dst: Side, nic: &Nic, opts: &CopyOptions) -> Result<CopyStats> 
         file.set_len(pos)
             .with_context(|| format!("sizing {}", path.display()))?;
     }
-    dst.flush()?;
+    if opts.flush {
+        dst.flush()?;
+    }
+    finish_progress(&opts.progress);
     let reconnects = dst.finish()?;
     Ok(CopyStats {
         size: pos,
@@ -314,7 +406,7 @@ fn stream_out(mut src: Side, nic: &Nic, opts: &CopyOptions) -> Result<CopyStats>
     let mut pos = 0;
     while pos < size {
         opts.check_stop()?;
-        let (len, is_zero) = src.extent(pos, (size - pos).min(BATCH), opts.sparse)?;
+        let (len, is_zero) = src.extent(pos, (size - pos).min(BATCH), opts.extents)?;
         let n = len as usize;
         if is_zero {
             out.write_all(&zeroes[..n])
@@ -331,7 +423,7 @@ fn stream_out(mut src: Side, nic: &Nic, opts: &CopyOptions) -> Result<CopyStats>
         opts.progress.inc(len);
     }
     out.flush().context("writing standard output")?;
-    opts.progress.finish_and_clear();
+    finish_progress(&opts.progress);
     let reconnects = src.finish()?;
     Ok(CopyStats {
         size,
@@ -356,4 +448,21 @@ fn first_mismatch(a: &mut Side, b: &mut Side, size: u64) -> Result<Option<u64>> 
         pos += n as u64;
     }
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::zero_blocks;
+
+    #[test]
+    fn zero_detection_takes_whole_aligned_blocks_only() {
+        let mut b = vec![1u8; 16];
+        b[4..12].fill(0);
+        assert_eq!(zero_blocks(&b, 0, 4), vec![(4, 8)]);
+        assert_eq!(zero_blocks(&b, 0, 0), vec![]);
+        // At offset 2 the buffer's blocks start at 2, 6, 10: only [6, 10) is whole and zero.
+        assert_eq!(zero_blocks(&b, 2, 4), vec![(6, 4)]);
+        assert_eq!(zero_blocks(&b[4..12], 4, 4), vec![(0, 8)]);
+        assert_eq!(zero_blocks(&b[4..10], 4, 4), vec![(0, 4)]);
+    }
 }

@@ -2,6 +2,7 @@
 //! Pair IP.
 
 mod copy;
+mod info;
 mod side;
 
 use nbd_proto::peer_text::printable;
@@ -11,8 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle, TermLike};
-use nbd_client::{Client, ClientOptions, ExportInfo, NbdUri};
-use nbd_proto::flags::TransmissionFlags as TF;
+use nbd_client::{Client, ClientOptions};
 use qpip_cli::BackendArgs;
 use qpip_core::Nic;
 
@@ -55,30 +55,62 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Show an export's size, flags, block sizes and description.
+    /// Show an export's size, flags, block sizes, contexts and content, as nbdinfo does.
     ///
-    /// As nbdinfo: --size prints the size alone, --can and --is answer by the exit status
-    /// (0 yes, 2 no, 1 error), --map prints the allocation map.
+    /// nbdinfo's spellings: --json prints nbdinfo's keys ("protocol", "TLS", "structured",
+    /// "exports": [{"export-name", "content", "uri", "contexts", "is_read_only", "can_trim",
+    /// ..., "export-size", "export-size-str"}]); -L/--list shows every export of the server;
+    /// --size prints the size alone; --map[=CONTEXT] prints the allocation map, --totals its
+    /// summary; --can, --is and --has FEATURE (synonyms, as in nbdinfo) answer by the exit
+    /// status (0 yes, 2 no, 1 error), --cannot, --isnt and --hasnt the opposite.
     Info {
         /// nbd://HOST[:PORT][/EXPORT] or nbd+unix:///EXPORT?socket=PATH
         uri: String,
-        /// Print JSON instead of text.
+        /// Print JSON (nbdinfo's keys) instead of text.
         #[arg(long)]
         json: bool,
         /// Print only the size in bytes.
-        #[arg(long, conflicts_with_all = ["json", "can", "is", "map"])]
+        #[arg(long, conflicts_with_all = ["list", "map", "can", "cannot"])]
         size: bool,
-        /// Exit 0 if the export can do FLAG, 2 if it cannot; print nothing.
-        #[arg(long, value_enum, value_name = "FLAG", conflicts_with_all = ["json", "is", "map"])]
-        can: Option<Can>,
-        /// Exit 0 if the export is PROPERTY, 2 if it is not; print nothing.
-        #[arg(long, value_enum, value_name = "PROPERTY", conflicts_with = "map")]
-        is: Option<Is>,
-        /// Print the allocation map (block status, base:allocation): offset, length, type
-        /// (0 data, 1 hole, 2 zero, 3 hole and zero) and description per extent; JSON with
-        /// --json.
-        #[arg(long)]
-        map: bool,
+        /// Every export of the server (the URI's export name is ignored).
+        #[arg(short = 'L', long, conflicts_with_all = ["map", "can", "cannot"])]
+        list: bool,
+        /// Probe the content: the first 8 KiB through file(1), as nbdinfo (its default
+        /// without --list; omitted where file(1) is not installed).
+        #[arg(long, overrides_with = "no_content")]
+        content: bool,
+        /// Do not read the export's content (the default with --list).
+        #[arg(long, overrides_with = "content")]
+        no_content: bool,
+        /// Print the allocation map of CONTEXT (only base:allocation, the default): offset,
+        /// length, type (0 data, 1 hole, 2 zero, 3 hole and zero) and description per extent;
+        /// JSON with --json.
+        #[arg(
+            long,
+            value_name = "CONTEXT",
+            num_args = 0..=1,
+            require_equals = true,
+            default_missing_value = info::BASE_ALLOCATION,
+            conflicts_with_all = ["can", "cannot"]
+        )]
+        map: Option<String>,
+        /// With --map: bytes and percentage of the export per type instead of the extents.
+        #[arg(long, requires = "map")]
+        totals: bool,
+        /// Exit 0 if the export or connection has FEATURE, 2 if not; print nothing. FEATURE:
+        /// connect, read, write, read-only, rotational, tls, structured-reply,
+        /// extended-headers, flush, fua, trim, zero, fast-zero, df, multi-conn, cache,
+        /// base:allocation (alias extents).
+        #[arg(
+            long,
+            visible_aliases = ["is", "has"],
+            value_name = "FEATURE",
+            conflicts_with = "cannot"
+        )]
+        can: Option<String>,
+        /// Exit 0 if the export lacks FEATURE, 2 if it has it; print nothing.
+        #[arg(long, visible_aliases = ["isnt", "hasnt"], value_name = "FEATURE")]
+        cannot: Option<String>,
     },
     /// List a server's exports and their descriptions.
     List {
@@ -94,6 +126,9 @@ enum Cmd {
     /// a local destination is recreated sparse and keeps them as holes; an NBD destination
     /// gets WRITE_ZEROES (or zero writes if the server lacks it). A local destination file is
     /// truncated and sized to the source; an NBD destination must be at least as large.
+    /// Blocks of allocated zeroes are detected (-S) and zeroed instead of sent as data. The
+    /// destination is made durable only with --flush, as with nbdcopy. A summary line
+    /// follows on stderr; -q silences it.
     Copy {
         /// Source: a file path, an NBD URI (nbd://, nbd+unix://, nbds://, nbds+unix://), or -
         /// for standard input
@@ -104,20 +139,58 @@ enum Cmd {
         /// Re-read both sides afterwards and compare; report the first differing offset.
         #[arg(long)]
         verify: bool,
-        /// Copy holes as data (no block status, no WRITE_ZEROES).
+        /// Copy holes as data: no block status, no zero detection, zeroes written as data
+        /// (--no-extents -S 0 --allocated).
         #[arg(long)]
         no_sparse: bool,
-        /// Connections per side when the servers allow multi-conn.
+        /// Make the destination durable before exiting: fsync a file, NBD FLUSH an export.
+        /// Without it (nbdcopy's default) the copy ends once every write is acknowledged.
+        #[arg(long)]
+        flush: bool,
+        /// The destination already reads as zeroes: zero ranges of the source are not
+        /// written at all (unsafe otherwise). --target-is-zero is qemu-img's spelling.
+        #[arg(long, visible_alias = "target-is-zero")]
+        destination_is_zero: bool,
+        /// Zero detection: aligned blocks of N bytes that read as zeroes are sent as
+        /// WRITE_ZEROES (holes in a local file), not as data; 0 turns it off. As nbdcopy's.
+        #[arg(short = 'S', long = "sparse", value_name = "N", default_value_t = 4096)]
+        sparse: u64,
+        /// A fully allocated destination: zero ranges are written as data, not as holes.
+        #[arg(long)]
+        allocated: bool,
+        /// Do not ask the source where its holes are (block status, SEEK_DATA): read it all
+        /// (zero detection still applies).
+        #[arg(long)]
+        no_extents: bool,
+        /// Connections per side when the servers allow multi-conn (one worker thread each).
         #[arg(short = 'C', long, default_value_t = 4, value_name = "N")]
         connections: usize,
-        /// Requests in flight per connection (1..=64; nbdcopy's --requests).
+        /// At most N workers, each a thread with a connection per side (nbdcopy's --threads;
+        /// 0, the default, leaves it to --connections).
+        #[arg(short = 'T', long, default_value_t = 0, value_name = "N")]
+        threads: usize,
+        /// Requests in flight per connection, 1..=64 (default 32; -R and --requests are
+        /// nbdcopy's spellings).
         #[arg(
+            short = 'R',
             long,
             visible_alias = "requests",
-            default_value_t = 32,
-            value_name = "N"
+            value_name = "N",
+            value_parser = clap::value_parser!(u16).range(1..=64)
         )]
-        window: usize,
+        window: Option<u16>,
+        /// The largest READ or WRITE request in bytes (nbdcopy's); above 1 MiB, the
+        /// client's largest request, it is 1 MiB.
+        #[arg(
+            long,
+            value_name = "N",
+            value_parser = clap::value_parser!(u32).range(512..=(32 << 20))
+        )]
+        request_size: Option<u32>,
+        /// Bytes in flight per connection at most (nbdcopy's): the window becomes N divided
+        /// by the request size, within 1..=64 and at most --requests.
+        #[arg(long, value_name = "N")]
+        queue_size: Option<u64>,
         /// Give up on a lost connection after this many seconds.
         #[arg(long, default_value_t = 30.0, value_name = "SECS")]
         reconnect_timeout: f64,
@@ -128,184 +201,6 @@ enum Cmd {
         #[arg(short = 'p', long)]
         progress: bool,
     },
-}
-
-/// What `info --can` asks, by nbdinfo's names.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-enum Can {
-    /// The export can be connected to.
-    Connect,
-    Read,
-    Write,
-    Flush,
-    Fua,
-    Trim,
-    /// WRITE_ZEROES.
-    Zero,
-    FastZero,
-    Df,
-    MultiConn,
-    Cache,
-    /// Block status (base:allocation).
-    Extents,
-}
-
-/// What `info --is` asks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-enum Is {
-    ReadOnly,
-    Rotational,
-    /// Yes for nbds:// (the session runs over TLS, or there is none).
-    Tls,
-}
-
-/// --can and --is: true or false by the export's flags (or, for extents, a connection).
-fn answer_can(uri: &str, can: Can, info: &ExportInfo, base: &ClientOptions) -> Result<bool> {
-    let f = info.flags;
-    Ok(match can {
-        Can::Connect | Can::Read => true,
-        Can::Write => !f.contains(TF::READ_ONLY),
-        Can::Flush => f.contains(TF::SEND_FLUSH),
-        Can::Fua => f.contains(TF::SEND_FUA),
-        Can::Trim => f.contains(TF::SEND_TRIM),
-        Can::Zero => f.contains(TF::SEND_WRITE_ZEROES),
-        Can::FastZero => f.contains(TF::SEND_FAST_ZERO),
-        Can::Df => f.contains(TF::SEND_DF),
-        Can::MultiConn => f.contains(TF::CAN_MULTI_CONN),
-        Can::Cache => f.contains(TF::SEND_CACHE),
-        Can::Extents => {
-            let c = connect_one(uri, base)?;
-            let yes = c.can_block_status();
-            c.disconnect().ok();
-            yes
-        }
-    })
-}
-
-fn connect_one(uri: &str, base: &ClientOptions) -> Result<Client> {
-    Client::connect_with(
-        uri,
-        ClientOptions {
-            window: 1,
-            ..base.clone()
-        },
-    )
-    .with_context(|| format!("connecting to {uri}"))
-}
-
-/// `info --map`: the whole export's extents, adjacent ones of one type merged.
-fn print_map(uri: &str, base: &ClientOptions, json: bool) -> Result<()> {
-    let mut c = connect_one(uri, base)?;
-    if !c.can_block_status() {
-        anyhow::bail!("{uri}: the server offers no block status (base:allocation)");
-    }
-    let size = c.size();
-    let mut map: Vec<(u64, u64, u32)> = Vec::new();
-    let mut pos = 0;
-    while pos < size {
-        let ext = c
-            .block_status(pos, size - pos)
-            .with_context(|| format!("{uri}: block status at {pos}"))?;
-        let mut advanced = false;
-        let from = pos;
-        for e in ext
-            .iter()
-            .filter(|e| e.offset >= from && e.offset < size && e.length > 0)
-        {
-            let len = e.length.min(size - e.offset);
-            let ty = u32::from(e.hole) | (u32::from(e.zero) << 1);
-            match map.last_mut() {
-                Some((o, l, t)) if *t == ty && *o + *l == e.offset => *l += len,
-                _ => map.push((e.offset, len, ty)),
-            }
-            pos = e.offset + len;
-            advanced = true;
-        }
-        if !advanced {
-            anyhow::bail!("{uri}: block status at {pos} described nothing");
-        }
-    }
-    c.disconnect().ok();
-    let describe = |t: u32| ["data", "hole", "zero", "hole,zero"][t as usize & 3];
-    if json {
-        let v: Vec<_> = map
-            .iter()
-            .map(|(o, l, t)| {
-                serde_json::json!({"offset": o, "length": l, "type": t, "description": describe(*t)})
-            })
-            .collect();
-        println!("{}", serde_json::to_string_pretty(&v)?);
-    } else {
-        for (o, l, t) in &map {
-            println!("{o:>12} {l:>12}  {t}  {}", describe(*t));
-        }
-    }
-    Ok(())
-}
-
-const FLAG_NAMES: &[(TF, &str)] = &[
-    (TF::READ_ONLY, "read-only"),
-    (TF::SEND_FLUSH, "flush"),
-    (TF::SEND_FUA, "fua"),
-    (TF::ROTATIONAL, "rotational"),
-    (TF::SEND_TRIM, "trim"),
-    (TF::SEND_WRITE_ZEROES, "write-zeroes"),
-    (TF::SEND_DF, "df"),
-    (TF::CAN_MULTI_CONN, "multi-conn"),
-    (TF::SEND_RESIZE, "resize"),
-    (TF::SEND_CACHE, "cache"),
-    (TF::SEND_FAST_ZERO, "fast-zero"),
-];
-
-fn flag_names(f: TF) -> Vec<&'static str> {
-    FLAG_NAMES
-        .iter()
-        .filter(|(b, _)| f.contains(*b))
-        .map(|(_, n)| *n)
-        .collect()
-}
-
-fn print_info(uri: &str, info: &ExportInfo, json: bool) -> Result<()> {
-    let bs = info.block_size;
-    if json {
-        let v = serde_json::json!({
-            "uri": uri,
-            "size": info.size,
-            "flags": flag_names(info.flags),
-            "flags_raw": info.flags.bits(),
-            "block_size": {
-                "minimum": bs.min,
-                "preferred": bs.preferred,
-                "maximum": bs.max,
-                "advertised": info.block_size_advertised,
-            },
-            "name": info.name,
-            "description": info.description,
-        });
-        println!("{}", serde_json::to_string_pretty(&v)?);
-    } else {
-        println!("uri:         {uri}");
-        if let Some(n) = &info.name {
-            println!("name:        {}", printable(n.as_bytes()));
-        }
-        println!("size:        {} ({})", info.size, human(info.size));
-        println!("flags:       {}", flag_names(info.flags).join(" "));
-        println!(
-            "block size:  minimum {} preferred {} maximum {}{}",
-            bs.min,
-            bs.preferred,
-            bs.max,
-            if info.block_size_advertised {
-                ""
-            } else {
-                " (defaults: not advertised)"
-            }
-        );
-        if let Some(d) = info.description.as_deref().filter(|d| !d.is_empty()) {
-            println!("description: {}", printable(d.as_bytes()));
-        }
-    }
-    Ok(())
 }
 
 fn human(n: u64) -> String {
@@ -385,40 +280,39 @@ fn client_options(args: &BackendArgs) -> Result<ClientOptions> {
 /// Runs the command; the exit status (2: `info --can/--is` answered no).
 fn run(cli: Cli) -> Result<i32> {
     let base = client_options(&cli.backend)?;
+    // -q: no summary line after a copy (nbdcopy prints none).
+    let quiet = cli.log.quiet > 0;
     match cli.cmd {
         Cmd::Info {
             uri,
             json,
             size,
-            can,
-            is,
+            list,
+            content,
+            no_content,
             map,
-        } => {
-            let info =
-                Client::info_with(&uri, &base).map_err(
-                    |e| match Client::explain_unknown_export(&uri, &e, &base) {
-                        Some(line) => anyhow::anyhow!(line),
-                        None => anyhow::Error::new(e).context(format!("querying {uri}")),
-                    },
-                )?;
-            let yes = match (can, is) {
-                (Some(c), _) => Some(answer_can(&uri, c, &info, &base)?),
-                (None, Some(Is::ReadOnly)) => Some(info.flags.contains(TF::READ_ONLY)),
-                (None, Some(Is::Rotational)) => Some(info.flags.contains(TF::ROTATIONAL)),
-                // A TLS URI connects over TLS or not at all.
-                (None, Some(Is::Tls)) => Some(NbdUri::parse(&uri)?.tls.is_some()),
-                (None, None) => None,
-            };
-            match yes {
-                Some(y) => Ok(if y { 0 } else { 2 }),
-                None if size => {
-                    println!("{}", info.size);
-                    Ok(0)
-                }
-                None if map => print_map(&uri, &base, json).map(|()| 0),
-                None => print_info(&uri, &info, json).map(|()| 0),
-            }
-        }
+            totals,
+            can,
+            cannot,
+        } => info::run(
+            &info::InfoArgs {
+                uri,
+                json,
+                size,
+                list,
+                content: if content {
+                    Some(true)
+                } else if no_content {
+                    Some(false)
+                } else {
+                    None
+                },
+                map,
+                totals,
+                question: can.map(|c| (c, false)).or(cannot.map(|c| (c, true))),
+            },
+            &base,
+        ),
         Cmd::List { uri, json } => {
             let list = Client::list_with(&uri, &base)
                 .with_context(|| format!("listing exports of {uri}"))?;
@@ -447,12 +341,30 @@ fn run(cli: Cli) -> Result<i32> {
             dst,
             verify,
             no_sparse,
+            flush,
+            destination_is_zero,
+            sparse,
+            allocated,
+            no_extents,
             connections,
+            threads,
             window,
+            request_size,
+            queue_size,
             reconnect_timeout,
             no_progress,
             progress,
         } => {
+            // --queue-size over the request size: the window it allows.
+            let by_queue = queue_size.map(|q| {
+                let req = u64::from(request_size.unwrap_or(nbd_client::MAX_IO as u32))
+                    .min(nbd_client::MAX_IO as u64);
+                (q / req).clamp(1, nbd_client::MAX_WINDOW as u64) as usize
+            });
+            let window = match (window.map(usize::from), by_queue) {
+                (Some(w), Some(q)) => w.min(q),
+                (w, q) => w.or(q).unwrap_or(32),
+            };
             let progress = if no_progress || !(progress || std::io::stderr().is_terminal()) {
                 ProgressBar::hidden()
             } else {
@@ -473,13 +385,20 @@ fn run(cli: Cli) -> Result<i32> {
                 );
                 pb
             };
+            let allocated = allocated || no_sparse;
             let opts = copy::CopyOptions {
-                sparse: !no_sparse,
+                extents: !(no_extents || no_sparse),
+                detect_zeroes: if allocated { 0 } else { sparse },
+                allocated,
+                destination_is_zero,
+                flush,
                 verify,
                 stop: copy::stop_on_signals()?,
                 connections,
+                threads,
                 client: ClientOptions {
                     window,
+                    max_request: request_size,
                     reconnect_timeout: Duration::try_from_secs_f64(reconnect_timeout)
                         .context("--reconnect-timeout")?,
                     ..base
@@ -499,6 +418,9 @@ fn run(cli: Cli) -> Result<i32> {
                 }
             };
             let secs = t.elapsed().as_secs_f64();
+            if quiet {
+                return Ok(0);
+            }
             eprintln!(
                 "copied {} ({} data, {} zero/holes) in {secs:.2} s over {} connection(s){}{}",
                 human(stats.size),

@@ -77,9 +77,7 @@ impl Side {
                     fresh: false,
                 })
             }
-            Endpoint::Nbd(uri) => Ok(Side::Nbd(Arc::new(
-                Pool::connect(uri, opts.clone()).with_context(|| format!("connecting to {uri}"))?,
-            ))),
+            Endpoint::Nbd(uri) => Ok(Side::Nbd(Arc::new(connect(uri, opts)?))),
         }
     }
 
@@ -119,8 +117,7 @@ impl Side {
                 })
             }
             Endpoint::Nbd(uri) => {
-                let p = Pool::connect(uri, opts.clone())
-                    .with_context(|| format!("connecting to {uri}"))?;
+                let p = connect(uri, opts)?;
                 if p.caps().size < size {
                     bail!(
                         "{uri}: the export has {} bytes, the source has {size}",
@@ -206,6 +203,45 @@ impl Side {
         }
     }
 
+    /// As [`Self::write_mr`], but the ranges of `zeroes` (relative to `off`; the buffer holds
+    /// zeroes there) are zeroed as [`Self::zero`] does, or left alone with `skip_zeroes` (the
+    /// destination is known to read as zeroes there).
+    pub fn write_mr_zeroing(
+        &mut self,
+        off: u64,
+        mr: &MemoryRegion,
+        n: usize,
+        zeroes: &[(u64, u64)],
+        skip_zeroes: bool,
+    ) -> Result<()> {
+        if let Side::Nbd(p) = self {
+            return p
+                .with(|c| c.write_at_mr_zeroing(off, mr, 0, n, zeroes, skip_zeroes))
+                .with_context(|| format!("writing {} at {off}", p.uri()));
+        }
+        // SAFETY: the buffer is this worker's and no WR names it between its requests.
+        let data = unsafe { &mr.as_slice()[..n] };
+        let mut pos = 0u64;
+        for &(z, len) in zeroes.iter().chain([&(n as u64, 0)]) {
+            if z > pos {
+                self.write(off + pos, &data[pos as usize..z as usize])?;
+            }
+            if len > 0 && !skip_zeroes {
+                self.zero(off + z, len)?;
+            }
+            pos = z + len;
+        }
+        Ok(())
+    }
+
+    /// Zeroes are to be written as data from now on (`--allocated`): a fresh local file no
+    /// longer leaves all-zero granules as holes.
+    pub fn allocate_all(&mut self) {
+        if let Side::File { fresh, .. } = self {
+            *fresh = false;
+        }
+    }
+
     pub fn write(&mut self, off: u64, data: &[u8]) -> Result<()> {
         match self {
             // A fresh sparse destination: all-zero granules stay holes (the source may not
@@ -277,9 +313,10 @@ impl Side {
         Ok(())
     }
 
-    /// The next extent from `off` (at most `len` bytes): (length, reads as zeroes).
-    pub fn extent(&mut self, off: u64, len: u64, sparse: bool) -> Result<(u64, bool)> {
-        if !sparse {
+    /// The next extent from `off` (at most `len` bytes): (length, reads as zeroes). Without
+    /// `extents` (no block status or SEEK_DATA), all of it is data.
+    pub fn extent(&mut self, off: u64, len: u64, extents: bool) -> Result<(u64, bool)> {
+        if !extents {
             return Ok((len, false));
         }
         match self {
@@ -349,6 +386,12 @@ impl Side {
             }
         }
     }
+}
+
+/// A pool on `uri`; an unknown export is named with those there are, as `info` words it.
+fn connect(uri: &str, opts: &ClientOptions) -> Result<Pool> {
+    Pool::connect(uri, opts.clone())
+        .map_err(|e| crate::info::unknown_export(uri, e, opts, "connecting to"))
 }
 
 pub fn file_size(f: &File) -> std::io::Result<u64> {

@@ -1,0 +1,501 @@
+//! `qpip-nbd info`: an export's details as nbdinfo shows them (its `--json` keys), `--list`
+//! of every export, `--map[=CONTEXT]` with `--totals`, `--size`, and the yes/no questions
+//! (`--can`/`--is`/`--has FEATURE`, exit status 0 or 2, and their negations).
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use anyhow::{Context, Result, bail};
+use nbd_client::{Client, ClientOptions, ExportInfo, NbdUri};
+use nbd_proto::flags::TransmissionFlags as TF;
+use nbd_proto::peer_text::printable;
+use serde_json::{Map, Value, json};
+
+/// The one context `--map` can show.
+pub const BASE_ALLOCATION: &str = "base:allocation";
+
+/// Bytes nbdinfo hands to file(1) for `content`.
+const CONTENT_PROBE: u64 = 8192;
+
+/// What `info` was asked for.
+pub struct InfoArgs {
+    pub uri: String,
+    pub json: bool,
+    pub size: bool,
+    pub list: bool,
+    /// `--content`/`--no-content`; `None`: nbdinfo's default (probe unless `--list`).
+    pub content: Option<bool>,
+    pub map: Option<String>,
+    pub totals: bool,
+    /// `--can/--is/--has FEATURE` (`false`) or `--cannot/--isnt/--hasnt FEATURE` (`true`).
+    pub question: Option<(String, bool)>,
+}
+
+/// Runs `info`; the exit status (2: a question answered no).
+pub fn run(a: &InfoArgs, base: &ClientOptions) -> Result<i32> {
+    if let Some((feature, negated)) = &a.question {
+        let f = Feature::parse(feature)?;
+        let info = query(&a.uri, base)?;
+        let yes = f.answer(&a.uri, &info, base)? != *negated;
+        return Ok(if yes { 0 } else { 2 });
+    }
+    if let Some(ctx) = &a.map {
+        if ctx != BASE_ALLOCATION {
+            bail!(
+                "--map={ctx}: qpip-nbd negotiates only the {BASE_ALLOCATION} context (no \
+                 qemu:dirty-bitmap or qemu:allocation-depth maps)"
+            );
+        }
+        let map = read_map(&a.uri, base)?;
+        if a.totals {
+            print_totals(&map, a.json)?;
+        } else {
+            print_map(&map, a.json)?;
+        }
+        return Ok(0);
+    }
+    if a.size {
+        println!("{}", query(&a.uri, base)?.size);
+        return Ok(0);
+    }
+    let content = a.content.unwrap_or(!a.list);
+    let exports = if a.list {
+        let list = Client::list_with(&a.uri, base)
+            .with_context(|| format!("listing exports of {}", a.uri))?;
+        let mut parsed = NbdUri::parse(&a.uri)?;
+        let mut v = Vec::new();
+        for e in list {
+            parsed.export = e.name.clone();
+            let mut d = details(&parsed.to_string(), base, content)?;
+            if d.description.as_deref().is_none_or(str::is_empty) && !e.description.is_empty() {
+                d.description = Some(e.description);
+            }
+            v.push(d);
+        }
+        v
+    } else {
+        vec![details(&a.uri, base, content)?]
+    };
+    let tls = NbdUri::parse(&a.uri)?.tls.is_some();
+    let structured = exports.first().is_none_or(|d| d.structured);
+    if a.json {
+        let v = json!({
+            "protocol": "newstyle-fixed",
+            "TLS": tls,
+            "structured": structured,
+            "exports": exports.iter().map(Details::json).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!(
+            "protocol: newstyle-fixed {} TLS{}",
+            if tls { "with" } else { "without" },
+            if structured {
+                ", using structured packets"
+            } else {
+                ""
+            }
+        );
+        for (i, d) in exports.iter().enumerate() {
+            if i > 0 {
+                println!();
+            }
+            d.print_text();
+        }
+    }
+    Ok(0)
+}
+
+/// NBD_OPT_INFO for the export `uri` names; an unknown export in one line naming those
+/// there are (as `copy` words it).
+pub fn query(uri: &str, base: &ClientOptions) -> Result<ExportInfo> {
+    Client::info_with(uri, base).map_err(|e| unknown_export(uri, e, base, "querying"))
+}
+
+/// The error of a failed connection to `uri`: the server's export list when it refused the
+/// name, else the error with "`doing` URI" as context.
+pub fn unknown_export(
+    uri: &str,
+    e: nbd_client::Error,
+    base: &ClientOptions,
+    doing: &str,
+) -> anyhow::Error {
+    match Client::explain_unknown_export(uri, &e, base) {
+        Some(line) => anyhow::anyhow!(line),
+        None => anyhow::Error::new(e).context(format!("{doing} {uri}")),
+    }
+}
+
+fn connect_one(uri: &str, base: &ClientOptions) -> Result<Client> {
+    Client::connect_with(
+        uri,
+        ClientOptions {
+            window: 1,
+            ..base.clone()
+        },
+    )
+    .map_err(|e| unknown_export(uri, e, base, "connecting to"))
+}
+
+/// What the features of `--can`, `--is` and `--has` are (nbdinfo's names and their
+/// spellings with `_` or without a separator).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Feature {
+    Connect,
+    Read,
+    Write,
+    ReadOnly,
+    Rotational,
+    Tls,
+    StructuredReply,
+    ExtendedHeaders,
+    Flush,
+    Fua,
+    Trim,
+    Zero,
+    FastZero,
+    Df,
+    MultiConn,
+    Cache,
+    /// Block status: `base:allocation` (our `extents`).
+    Extents,
+}
+
+/// Every feature by its canonical name (listed in an error for an unknown one).
+const FEATURES: &[(&str, Feature)] = &[
+    ("connect", Feature::Connect),
+    ("read", Feature::Read),
+    ("write", Feature::Write),
+    ("read-only", Feature::ReadOnly),
+    ("rotational", Feature::Rotational),
+    ("tls", Feature::Tls),
+    ("structured-reply", Feature::StructuredReply),
+    ("extended-headers", Feature::ExtendedHeaders),
+    ("flush", Feature::Flush),
+    ("fua", Feature::Fua),
+    ("trim", Feature::Trim),
+    ("zero", Feature::Zero),
+    ("fast-zero", Feature::FastZero),
+    ("df", Feature::Df),
+    ("multi-conn", Feature::MultiConn),
+    ("cache", Feature::Cache),
+    ("base:allocation", Feature::Extents),
+    ("extents", Feature::Extents),
+];
+
+impl Feature {
+    fn parse(s: &str) -> Result<Feature> {
+        let norm = |x: &str| {
+            x.to_ascii_lowercase()
+                .chars()
+                .filter(|c| !matches!(c, '-' | '_' | ' '))
+                .collect::<String>()
+        };
+        let want = norm(s);
+        let extra: &[(&str, Feature)] = &[
+            ("sr", Feature::StructuredReply),
+            ("structured", Feature::StructuredReply),
+            ("structuredreplies", Feature::StructuredReply),
+            ("extendedheader", Feature::ExtendedHeaders),
+            ("writezeroes", Feature::Zero),
+            ("blockstatus", Feature::Extents),
+        ];
+        FEATURES
+            .iter()
+            .chain(extra)
+            .find(|(n, _)| norm(n) == want)
+            .map(|(_, f)| *f)
+            .with_context(|| {
+                format!(
+                    "unknown --can/--is/--has feature {s:?}; known: {}",
+                    FEATURES
+                        .iter()
+                        .map(|(n, _)| *n)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            })
+    }
+
+    /// True or false by the export's flags or, for what the transmission phase decides, a
+    /// connection.
+    fn answer(self, uri: &str, info: &ExportInfo, base: &ClientOptions) -> Result<bool> {
+        let f = info.flags;
+        let on_connection = |q: fn(&Client) -> bool| -> Result<bool> {
+            let c = connect_one(uri, base)?;
+            let yes = q(&c);
+            c.disconnect().ok();
+            Ok(yes)
+        };
+        Ok(match self {
+            Feature::Connect | Feature::Read => true,
+            Feature::Write => !f.contains(TF::READ_ONLY),
+            Feature::ReadOnly => f.contains(TF::READ_ONLY),
+            Feature::Rotational => f.contains(TF::ROTATIONAL),
+            // A TLS URI connects over TLS or not at all.
+            Feature::Tls => NbdUri::parse(uri)?.tls.is_some(),
+            Feature::Flush => f.contains(TF::SEND_FLUSH),
+            Feature::Fua => f.contains(TF::SEND_FUA),
+            Feature::Trim => f.contains(TF::SEND_TRIM),
+            Feature::Zero => f.contains(TF::SEND_WRITE_ZEROES),
+            Feature::FastZero => f.contains(TF::SEND_FAST_ZERO),
+            Feature::Df => f.contains(TF::SEND_DF),
+            Feature::MultiConn => f.contains(TF::CAN_MULTI_CONN),
+            Feature::Cache => f.contains(TF::SEND_CACHE),
+            Feature::StructuredReply => on_connection(Client::structured_replies)?,
+            Feature::ExtendedHeaders => on_connection(Client::extended_headers)?,
+            Feature::Extents => on_connection(Client::can_block_status)?,
+        })
+    }
+}
+
+/// One export as nbdinfo describes it.
+struct Details {
+    uri: String,
+    name: String,
+    description: Option<String>,
+    content: Option<String>,
+    info: ExportInfo,
+    structured: bool,
+    contexts: Vec<&'static str>,
+}
+
+fn details(uri: &str, base: &ClientOptions, probe: bool) -> Result<Details> {
+    let info = query(uri, base)?;
+    let mut c = connect_one(uri, base)?;
+    let structured = c.structured_replies();
+    let contexts = if c.can_block_status() {
+        vec![BASE_ALLOCATION]
+    } else {
+        vec![]
+    };
+    let content = if probe {
+        let n = CONTENT_PROBE.min(info.size) as usize;
+        let mut head = vec![0u8; n];
+        if n > 0 {
+            c.read_at(0, &mut head)
+                .with_context(|| format!("reading the start of {uri}"))?;
+        }
+        file_type(&head)
+    } else {
+        None
+    };
+    c.disconnect().ok();
+    let parsed = NbdUri::parse(uri)?;
+    Ok(Details {
+        uri: parsed.to_string(),
+        name: info.name.clone().unwrap_or(parsed.export),
+        description: info.description.clone(),
+        content,
+        info,
+        structured,
+        contexts,
+    })
+}
+
+/// What file(1) says of `head`, as nbdinfo's `content`; `None` without file(1) (nbdinfo then
+/// leaves the key out too).
+fn file_type(head: &[u8]) -> Option<String> {
+    let mut child = Command::new("file")
+        .args(["-b", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    // file(1) may stop reading early: a broken pipe is no failure.
+    let _ = child.stdin.take()?.write_all(head);
+    let out = child.wait_with_output().ok()?;
+    let line = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .next()?
+        .trim()
+        .to_string();
+    (out.status.success() && !line.is_empty()).then_some(line)
+}
+
+/// nbdinfo's `export-size-str`: the largest unit that divides the size exactly.
+fn size_str(mut n: u64) -> String {
+    let units = ["", "K", "M", "G", "T", "P", "E"];
+    let mut i = 0;
+    while n != 0 && n.is_multiple_of(1024) && i + 1 < units.len() {
+        n /= 1024;
+        i += 1;
+    }
+    format!("{n}{}", units[i])
+}
+
+impl Details {
+    fn bools(&self) -> [(&'static str, bool); 10] {
+        let f = self.info.flags;
+        [
+            ("is_rotational", f.contains(TF::ROTATIONAL)),
+            ("is_read_only", f.contains(TF::READ_ONLY)),
+            ("can_cache", f.contains(TF::SEND_CACHE)),
+            ("can_df", f.contains(TF::SEND_DF)),
+            ("can_fast_zero", f.contains(TF::SEND_FAST_ZERO)),
+            ("can_flush", f.contains(TF::SEND_FLUSH)),
+            ("can_fua", f.contains(TF::SEND_FUA)),
+            ("can_multi_conn", f.contains(TF::CAN_MULTI_CONN)),
+            ("can_trim", f.contains(TF::SEND_TRIM)),
+            ("can_zero", f.contains(TF::SEND_WRITE_ZEROES)),
+        ]
+    }
+
+    fn json(&self) -> Value {
+        let mut m = Map::new();
+        m.insert("export-name".into(), json!(self.name));
+        if let Some(d) = self.description.as_deref().filter(|d| !d.is_empty()) {
+            m.insert("description".into(), json!(d));
+        }
+        if let Some(c) = &self.content {
+            m.insert("content".into(), json!(c));
+        }
+        m.insert("uri".into(), json!(self.uri));
+        m.insert("contexts".into(), json!(self.contexts));
+        for (k, v) in self.bools() {
+            m.insert(k.into(), json!(v));
+        }
+        let bs = self.info.block_size;
+        m.insert("block_size_minimum".into(), json!(bs.min));
+        m.insert("block_size_preferred".into(), json!(bs.preferred));
+        m.insert("block_size_maximum".into(), json!(bs.max));
+        m.insert("export-size".into(), json!(self.info.size));
+        m.insert("export-size-str".into(), json!(size_str(self.info.size)));
+        Value::Object(m)
+    }
+
+    fn print_text(&self) {
+        // Text from the server: escaped before it reaches the terminal.
+        println!("export=\"{}\":", printable(self.name.as_bytes()));
+        if let Some(d) = self.description.as_deref().filter(|d| !d.is_empty()) {
+            println!("\tdescription: {}", printable(d.as_bytes()));
+        }
+        println!(
+            "\texport-size: {} ({})",
+            self.info.size,
+            size_str(self.info.size)
+        );
+        if let Some(c) = &self.content {
+            println!("\tcontent: {c}");
+        }
+        println!("\turi: {}", self.uri);
+        if !self.contexts.is_empty() {
+            println!("\tcontexts:");
+            for c in &self.contexts {
+                println!("\t\t{c}");
+            }
+        }
+        for (k, v) in self.bools() {
+            println!("\t{k}: {v}");
+        }
+        let bs = self.info.block_size;
+        println!("\tblock_size_minimum: {}", bs.min);
+        println!("\tblock_size_preferred: {}", bs.preferred);
+        println!("\tblock_size_maximum: {}", bs.max);
+    }
+}
+
+/// The whole export's extents (offset, length, type), adjacent ones of one type merged.
+fn read_map(uri: &str, base: &ClientOptions) -> Result<Vec<(u64, u64, u32)>> {
+    let mut c = connect_one(uri, base)?;
+    if !c.can_block_status() {
+        bail!("{uri}: the server offers no block status ({BASE_ALLOCATION})");
+    }
+    let size = c.size();
+    let mut map: Vec<(u64, u64, u32)> = Vec::new();
+    let mut pos = 0;
+    while pos < size {
+        let ext = c
+            .block_status(pos, size - pos)
+            .with_context(|| format!("{uri}: block status at {pos}"))?;
+        let mut advanced = false;
+        let from = pos;
+        for e in ext
+            .iter()
+            .filter(|e| e.offset >= from && e.offset < size && e.length > 0)
+        {
+            let len = e.length.min(size - e.offset);
+            let ty = u32::from(e.hole) | (u32::from(e.zero) << 1);
+            match map.last_mut() {
+                Some((o, l, t)) if *t == ty && *o + *l == e.offset => *l += len,
+                _ => map.push((e.offset, len, ty)),
+            }
+            pos = e.offset + len;
+            advanced = true;
+        }
+        if !advanced {
+            bail!("{uri}: block status at {pos} described nothing");
+        }
+    }
+    c.disconnect().ok();
+    Ok(map)
+}
+
+fn describe(t: u32) -> &'static str {
+    ["data", "hole", "zero", "hole,zero"][t as usize & 3]
+}
+
+fn print_map(map: &[(u64, u64, u32)], json: bool) -> Result<()> {
+    if json {
+        let v: Vec<_> = map
+            .iter()
+            .map(|(o, l, t)| json!({"offset": o, "length": l, "type": t, "description": describe(*t)}))
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        for (o, l, t) in map {
+            println!("{o:>12} {l:>12}  {t}  {}", describe(*t));
+        }
+    }
+    Ok(())
+}
+
+/// `--map --totals`: bytes and share of the export per type, by type.
+fn print_totals(map: &[(u64, u64, u32)], json: bool) -> Result<()> {
+    let size: u64 = map.iter().map(|(_, l, _)| l).sum();
+    let mut by_type = [0u64; 4];
+    for (_, l, t) in map {
+        by_type[*t as usize & 3] += l;
+    }
+    let rows: Vec<(u64, f64, u32)> = (0..4u32)
+        .filter(|t| by_type[*t as usize] > 0)
+        .map(|t| {
+            let n = by_type[t as usize];
+            (n, 100.0 * n as f64 / size.max(1) as f64, t)
+        })
+        .collect();
+    if json {
+        let v: Vec<_> = rows
+            .iter()
+            .map(|(n, p, t)| json!({"size": n, "percent": p, "type": t, "description": describe(*t)}))
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        for (n, p, t) in rows {
+            println!("{n:>12} {p:5.1}%  {t}  {}", describe(t));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_features_as_nbdinfo_spells_them() {
+        assert_eq!(size_str(4 << 20), "4M");
+        assert_eq!(size_str(2125119488), "2075312K");
+        assert_eq!(size_str(1000), "1000");
+        assert_eq!(size_str(0), "0");
+        assert_eq!(Feature::parse("Fast_Zero").unwrap(), Feature::FastZero);
+        assert_eq!(Feature::parse("multiconn").unwrap(), Feature::MultiConn);
+        assert_eq!(Feature::parse("base:allocation").unwrap(), Feature::Extents);
+        assert_eq!(
+            Feature::parse("structured reply").unwrap(),
+            Feature::StructuredReply
+        );
+        assert!(Feature::parse("teleport").is_err());
+    }
+}
