@@ -15,6 +15,7 @@ mod futex;
 pub mod machines;
 pub mod mr;
 pub mod nic;
+pub mod poll_window;
 pub mod qp;
 pub mod reply;
 pub mod shared;

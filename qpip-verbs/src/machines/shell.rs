@@ -23,6 +23,7 @@ use parking_lot::Mutex;
 
 use crate::backend::Command;
 use crate::error::{Error, Result};
+use crate::poll_window::PollWindow;
 use crate::shared::QpShared;
 use crate::wr::QpNum;
 
@@ -282,52 +283,6 @@ fn run<P: Processor>(shared: &Shared, spin: Duration, mut nic: P) {
     nic.stop();
 }
 
-/// How long the NIC thread polls for work before it sleeps, learned from how soon work came
-/// back, as KVM's halt polling learns its window (virt/kvm/kvm_main.c, `grow_halt_poll_ns` /
-/// `shrink_halt_poll_ns`): a sleep that ended within the longest window would have been
-/// saved by polling longer, so the window doubles (from [`PollWindow::START`]); a sleep that
-/// outlasted it means polling was wasted, so the window halves (to zero below the start).
-/// Work that came while polling leaves it as it is.
-#[derive(Clone, Copy, Debug)]
-pub struct PollWindow {
-    window: Duration,
-    max: Duration,
-}
-
-impl PollWindow {
-    /// The first window after a sleep that polling would have saved (KVM's
-    /// `halt_poll_ns_grow_start`, 10 µs).
-    pub const START: Duration = Duration::from_micros(10);
-
-    /// A window that starts closed and grows to at most `max`.
-    pub fn new(max: Duration) -> Self {
-        PollWindow {
-            window: Duration::ZERO,
-            max,
-        }
-    }
-
-    /// How long to poll now.
-    pub fn get(&self) -> Duration {
-        self.window
-    }
-
-    /// Work came `idle` after the last work; `slept`: the thread slept in between.
-    pub fn idle_ended(&mut self, idle: Duration, slept: bool) {
-        if !slept {
-            return;
-        }
-        if idle <= self.max {
-            self.window = (self.window * 2).max(Self::START).min(self.max);
-        } else {
-            self.window /= 2;
-            if self.window < Self::START {
-                self.window = Duration::ZERO;
-            }
-        }
-    }
-}
-
 fn run_commands(shared: &Shared, nic: &mut impl Processor) -> bool {
     let mut worked = false;
     while let Some(cmd) = shared.commands.pop() {
@@ -346,38 +301,4 @@ fn run_doorbells(shared: &Shared, nic: &mut impl Processor) -> bool {
         nic.doorbell(qp);
     }
     worked
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const US: Duration = Duration::from_micros(1);
-
-    #[test]
-    fn a_window_grows_while_work_comes_back_soon_and_closes_when_it_does_not() {
-        let mut w = PollWindow::new(50 * US);
-        assert_eq!(w.get(), Duration::ZERO, "an idle NIC does not poll");
-        // Replies that came 20 µs after the request, each after a sleep: polling would have
-        // saved the wake-up.
-        for want in [10, 20, 40, 50, 50] {
-            w.idle_ended(20 * US, true);
-            assert_eq!(w.get(), want * US);
-        }
-        // Work found while polling: nothing to learn.
-        w.idle_ended(5 * US, false);
-        assert_eq!(w.get(), 50 * US);
-        // Gaps longer than any window: polling is wasted, the window closes.
-        for want in [25_000, 12_500, 0, 0] {
-            w.idle_ended(Duration::from_millis(200), true);
-            assert_eq!(w.get(), Duration::from_nanos(want));
-        }
-    }
-
-    #[test]
-    fn a_zero_maximum_never_polls() {
-        let mut w = PollWindow::new(Duration::ZERO);
-        w.idle_ended(Duration::ZERO, true);
-        assert_eq!(w.get(), Duration::ZERO);
-    }
 }
