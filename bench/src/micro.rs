@@ -47,6 +47,9 @@ pub struct BySize {
 pub struct MicroReport {
     pub overhead_ns: Pair,
     pub rtt_us: Rtt,
+    /// The same round trips with a busy thread on every CPU ([`CpuLoad`]): what a NIC that
+    /// polls costs when the cores have other work.
+    pub rtt_loaded_us: Rtt,
     pub throughput_MBps: BySize,
     pub app_cpu_s_per_GB: BySize,
     /// NIC engine threads' CPU per GB (QP only; a socket's "engine" is the kernel, which runs
@@ -561,6 +564,56 @@ fn ttcp_pair(
     Ok((pick(&q), pick(&s)))
 }
 
+/// A busy thread on every online CPU (pinned there, at the benchmark's own priority) while
+/// alive: other work that wants the cores the NICs and applications run on.
+struct CpuLoad {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<thread::JoinHandle<()>>,
+}
+
+impl CpuLoad {
+    fn start() -> CpuLoad {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let threads = (0..cpu::online_cpus())
+            .map(|c| {
+                let stop = stop.clone();
+                thread::spawn(move || {
+                    let _ = cpu::pin(0, c);
+                    while !stop.load(Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        CpuLoad { stop, threads }
+    }
+}
+
+impl Drop for CpuLoad {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// TCP and UDP round trips, QP and socket, medians of `repeat` runs of `rounds` each.
+fn round_trips(repeat: usize, rounds: u64, progress: &dyn Fn(&str), what: &str) -> Result<Rtt> {
+    progress(&format!("round-trip time, TCP{what}"));
+    let tcp = Pair {
+        qp: med(repeat, || rtt_qp_tcp(rounds))?,
+        socket: med(repeat, || rtt_socket_tcp(rounds))?,
+    };
+    progress(&format!("round-trip time, UDP{what}"));
+    let udp = Pair {
+        qp: med(repeat, || rtt_qp_udp(rounds))?,
+        socket: med(repeat, || rtt_socket_udp(rounds))?,
+    };
+    Ok(Rtt { tcp, udp })
+}
+
 pub fn run(repeat: usize, sizes: MicroSizes, progress: &dyn Fn(&str)) -> Result<MicroReport> {
     let repeat = repeat.max(1);
     progress("host overhead, 1-byte messages");
@@ -568,22 +621,24 @@ pub fn run(repeat: usize, sizes: MicroSizes, progress: &dyn Fn(&str)) -> Result<
         qp: med(repeat, || overhead_qp(sizes.overhead_msgs))?,
         socket: med(repeat, || overhead_socket(sizes.overhead_msgs))?,
     };
-    progress("round-trip time, TCP");
-    let tcp = Pair {
-        qp: med(repeat, || rtt_qp_tcp(sizes.rtt_rounds))?,
-        socket: med(repeat, || rtt_socket_tcp(sizes.rtt_rounds))?,
-    };
-    progress("round-trip time, UDP");
-    let udp = Pair {
-        qp: med(repeat, || rtt_qp_udp(sizes.rtt_rounds))?,
-        socket: med(repeat, || rtt_socket_udp(sizes.rtt_rounds))?,
+    let rtt = round_trips(repeat, sizes.rtt_rounds, progress, "")?;
+    let rtt_loaded = {
+        let _load = CpuLoad::start();
+        // Under load a round trip waits for the scheduler: fewer rounds, the same repeats.
+        round_trips(
+            repeat,
+            (sizes.rtt_rounds / 10).max(200),
+            progress,
+            ", CPUs loaded",
+        )?
     };
     // The 10 MB run is over in milliseconds: take more samples of it.
     let (q16, s16) = ttcp_pair(repeat * 3, sizes.ttcp_16k_bytes, 16 * 1024, progress)?;
     let (q128, s128) = ttcp_pair(repeat, sizes.ttcp_128k_bytes, 128 * 1024, progress)?;
     Ok(MicroReport {
         overhead_ns: overhead,
-        rtt_us: Rtt { tcp, udp },
+        rtt_us: rtt,
+        rtt_loaded_us: rtt_loaded,
         throughput_MBps: BySize {
             k16: Pair {
                 qp: q16.mbps,
@@ -639,6 +694,18 @@ pub fn table(r: &MicroReport) -> String {
     s += &row("host overhead, 1-byte msg", "ns", r.overhead_ns, true);
     s += &row("round trip, 1 byte, TCP", "µs", r.rtt_us.tcp, true);
     s += &row("round trip, 1 byte, UDP", "µs", r.rtt_us.udp, true);
+    s += &row(
+        "round trip, TCP, CPUs loaded",
+        "µs",
+        r.rtt_loaded_us.tcp,
+        true,
+    );
+    s += &row(
+        "round trip, UDP, CPUs loaded",
+        "µs",
+        r.rtt_loaded_us.udp,
+        true,
+    );
     s += &row(
         "ttcp 10 MB in 16 KiB msgs",
         "MB/s",

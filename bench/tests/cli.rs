@@ -30,3 +30,27 @@ fn logging_options_are_the_shared_ones_and_a_bad_rust_log_is_refused() {
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.starts_with("qpip-bench: RUST_LOG"), "{err}");
 }
+
+/// `micro --json` reports round trips on an idle machine and with every CPU loaded, for QPs
+/// and sockets alike.
+#[test]
+fn micro_reports_round_trips_idle_and_under_load() {
+    let out = Command::new(env!("CARGO_BIN_EXE_qpip-bench"))
+        .args(["micro", "--quick", "--repeat", "1", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for key in ["rtt_us", "rtt_loaded_us"] {
+        for proto in ["tcp", "udp"] {
+            for side in ["qp", "socket"] {
+                let x = v[key][proto][side].as_f64();
+                assert!(x.is_some_and(|x| x > 0.0), "{key}.{proto}.{side}: {x:?}");
+            }
+        }
+    }
+}
