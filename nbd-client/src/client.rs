@@ -22,7 +22,7 @@
 //! flight, the client waits for the NIC's [`Nic::fence`] before it hands anything back.
 //!
 //! The protocol itself — cookies, the in-flight table, checking and assembling replies, the
-//! stall and back-off clocks — is nbd-proto's sans-IO [`nbd_proto::session`]; this crate does
+//! stall and back-off clocks — is nbd-proto's sans-IO [`nbd_proto::transmission::client`]; this crate does
 //! the I/O around it, one job a module: the handshake and its variants (`options`), posting
 //! requests and handling completions (`pipeline`), reconnecting (`recovery`), and the
 //! blocking calls on top (`blocking`).
@@ -34,14 +34,14 @@ use std::time::Duration;
 
 use nbd_proto::flags::TransmissionFlags;
 use nbd_proto::handshake::{BlockSize, ExportDetails};
-use nbd_proto::session::{ClientSession, Liveness, ReadTarget};
+use nbd_proto::transmission::client::{ClientSession, Liveness, ReadTarget};
 use qpip_core::{MemoryRegion, Nic};
 
 use crate::conn::Conn;
 use crate::error::{Error, Result};
 use crate::uri::NbdUri;
 
-pub use nbd_proto::session::{Extent, Output};
+pub use nbd_proto::transmission::client::{Extent, Output};
 
 /// How a [`Client`] connects and recovers.
 #[derive(Clone, Debug)]

@@ -4,8 +4,8 @@ use std::io;
 use std::time::Duration;
 
 use nbd_proto::handshake::ClientError;
-use nbd_proto::session::Refused;
 use nbd_proto::transmission::ErrorValue;
+use nbd_proto::transmission::client::Refused;
 
 use crate::uri::UriError;
 

@@ -19,7 +19,7 @@
 //! connection when the old one is lost.
 //!
 //! The protocol state (cookies, requests in flight, reply assembly, timeouts) is nbd-proto's
-//! sans-IO [`nbd_proto::session`]; here is the I/O around it: [`client`] (the types),
+//! sans-IO [`nbd_proto::transmission::client`]; here is the I/O around it: [`client`] (the types),
 //! `options` (connect, info, list), `pipeline` (submit, reap, completions), `recovery`
 //! (reconnect and reissue), `blocking` (the byte-range calls), and [`pool`], several
 //! connections to one export shared by threads.

@@ -8,7 +8,7 @@ use nbd_proto::consts as c;
 use nbd_proto::handshake::{
     ClientConfig, ClientError, ClientEvent, ClientHandshake, ExportListing,
 };
-use nbd_proto::session::{ClientSession, Liveness};
+use nbd_proto::transmission::client::{ClientSession, Liveness};
 use qpip_core::{Access, Nic};
 
 use crate::client::{Client, ClientOptions, ExportInfo};

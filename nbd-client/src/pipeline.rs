@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use nbd_proto::consts as c;
-use nbd_proto::session::{Delivered, Failed, Stall, Submission};
+use nbd_proto::transmission::client::{Delivered, Failed, Stall, Submission};
 use nbd_proto::transmission::{Command, Request};
 use qpip_core::{Completion, MemoryRegion, Opcode, SendWr, WcStatus};
 

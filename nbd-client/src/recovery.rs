@@ -1,11 +1,11 @@
 //! A lost connection: reconnect with exponential back-off and jitter (nbd-proto's
-//! [`nbd_proto::session::Liveness`] keeps the clocks), reissue every request not yet
+//! [`nbd_proto::transmission::client::Liveness`] keeps the clocks), reissue every request not yet
 //! answered, or — once the server has had its reconnect timeout — fail them all.
 
 use std::time::{Duration, Instant};
 
 use nbd_proto::handshake::{ClientEvent, ClientHandshake};
-use nbd_proto::session::Mode;
+use nbd_proto::transmission::client::Mode;
 
 use crate::client::{Client, Failure, Reply};
 use crate::conn::Conn;

@@ -409,7 +409,7 @@ pub enum DataAt {
         len: usize,
     },
     /// Nothing to place: the message is delivered whole (and checked by
-    /// [`crate::reply_check::ReplyCheck`] as usual, which refuses what is wrong with it).
+    /// [`crate::transmission::client::reply_check::ReplyCheck`] as usual, which refuses what is wrong with it).
     Whole,
 }
 
@@ -490,7 +490,7 @@ pub enum ReadChunk {
     Header(usize),
     /// Nothing to refuse here: not an `OFFSET_DATA` chunk of a known read, or one that lies
     /// inside its read (the whole message is still checked by
-    /// [`crate::reply_check::ReplyCheck`]).
+    /// [`crate::transmission::client::reply_check::ReplyCheck`]).
     Fits,
     /// The chunk announces data beyond its read: the server broke the protocol, and waiting
     /// for those bytes could only end in a timeout.

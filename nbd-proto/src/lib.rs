@@ -12,10 +12,10 @@
 //! | [`handshake::server`] | [`ServerHandshake`] state machine |
 //! | [`handshake::client`] | [`ClientHandshake`] state machine |
 //! | [`transmission`] | [`Request`] header (compact or extended), [`validate_request`] (which error to send) |
-//! | [`server_session`] | [`ServerTransmission`]: request header bytes to a [`ValidRequest`], replies to bytes |
+//! | [`transmission::server`] | [`ServerTransmission`]: request header bytes to a [`ValidRequest`], replies to bytes |
+//! | [`transmission::client`] | the client's transmission phase: requests in flight, replies into buffers ([`transmission::client::ClientSession`]) |
+//! | [`transmission::client::reply_check`] | a client's checks of one request's reply chunks ([`transmission::client::reply_check::ReplyCheck`]) |
 //! | [`reply`] | simple replies, structured and extended chunks, block-status builders |
-//! | [`reply_check`] | a client's checks of one request's reply chunks ([`reply_check::ReplyCheck`]) |
-//! | [`session`] | the client's transmission phase: requests in flight, replies into buffers ([`session::ClientSession`]) |
 //! | [`framing`] | "where does this message end?" for message-based transports |
 //!
 //! # Driving the handshake
@@ -70,7 +70,7 @@
 //! assert_eq!(c.base_allocation, Some(nbd_proto::handshake::BASE_ALLOCATION_ID));
 //!
 //! // Transmission: the server parses and checks each request before executing it.
-//! use nbd_proto::server_session::{RequestError, ServerTransmission};
+//! use nbd_proto::transmission::server::{RequestError, ServerTransmission};
 //! use nbd_proto::transmission::{Command, ErrorValue, Request};
 //! // Extended headers were negotiated: a WRITE says that its length is a payload length.
 //! assert!(s.extended_headers && c.extended_headers);
@@ -157,14 +157,14 @@ pub mod coverage;
 mod error;
 pub mod flags;
 pub mod framing;
+/// The fuzzing harness: nbd-proto/fuzz's targets and the stable property test (not part of
+/// the library proper: only with the `fuzzing` feature, or in nbd-proto's own tests).
+#[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod handshake;
 pub mod peer_text;
 pub mod reply;
-pub mod reply_check;
-pub mod server_session;
-pub mod session;
 pub mod transmission;
 mod wire;
 
@@ -173,5 +173,5 @@ pub use framing::{ClientPhase, FrameLimits, Need, ServerPhase};
 pub use handshake::{
     ClientConfig, ClientEvent, ClientHandshake, ServerConfig, ServerEvent, ServerHandshake,
 };
-pub use server_session::{ServerTransmission, ValidRequest};
+pub use transmission::server::{ServerTransmission, ValidRequest};
 pub use transmission::{Command, ErrorValue, Request, TransmissionInfo, validate_request};

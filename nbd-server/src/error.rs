@@ -3,8 +3,8 @@
 use std::io;
 
 use nbd_proto::handshake::server::ServerError;
-use nbd_proto::server_session::RequestError;
 use nbd_proto::transmission::ErrorValue;
+use nbd_proto::transmission::server::RequestError;
 use qpip_core::WcStatus;
 
 /// Why the server could not start, or why a connection ended (each is logged with its

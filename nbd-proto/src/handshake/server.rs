@@ -196,7 +196,7 @@ pub struct ServerNegotiated {
 }
 
 impl ServerNegotiated {
-    /// What the transmission phase needs to check requests ([`crate::server_session::ServerTransmission`]).
+    /// What the transmission phase needs to check requests ([`crate::transmission::server::ServerTransmission`]).
     pub fn transmission_info(&self) -> TransmissionInfo {
         TransmissionInfo {
             size: self.size,

@@ -6,13 +6,16 @@
 //! | this one | [`Request`] encode/parse, [`Command`], [`ErrorValue`], [`TransmissionInfo`] |
 //! | [`validate`] | the checks ([`validate_request`]) and the [`ValidCommand`] they yield |
 //!
-//! The server's half of the phase is [`crate::server_session`].
+//! The server's half of the phase is [`server`] ([`server::ServerTransmission`]); the client's
+//! is [`client`] ([`client::ClientSession`]).
 
 use crate::consts as c;
 use crate::error::ProtoError;
 use crate::flags::{CmdFlags, TransmissionFlags};
 use crate::handshake::BlockSize;
 
+pub mod client;
+pub mod server;
 pub mod validate;
 
 pub use validate::{ByteRange, ValidCommand, validate_request};

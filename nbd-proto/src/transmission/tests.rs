@@ -427,7 +427,7 @@ fn structured_reads_are_capped_at_one_chunk() {
         validate_request(&req(Command::Read, 0, 0, largest), &i),
         Ok(())
     );
-    let server = crate::server_session::ServerTransmission::from_info(i.clone());
+    let server = crate::transmission::server::ServerTransmission::from_info(i.clone());
     let header = req(Command::Read, 0, 0, largest).encode(false).unwrap();
     let valid = server.parse_request(&header).unwrap();
     assert!(server.read_reply_header(&valid).is_ok());

@@ -122,7 +122,7 @@ impl ValidCommand {
 
 /// Whether a server should execute `req`, or the error value the spec recommends. A
 /// server gets the typed command instead, from
-/// [`ServerTransmission::parse_request`](crate::server_session::ServerTransmission::parse_request); a client
+/// [`ServerTransmission::parse_request`](crate::transmission::server::ServerTransmission::parse_request); a client
 /// can check what it is about to send.
 ///
 /// The checks, in order (the spec does not order them; this order makes the

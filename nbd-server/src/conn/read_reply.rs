@@ -10,7 +10,7 @@
 use std::collections::VecDeque;
 use std::io;
 
-use nbd_proto::server_session::{ServerTransmission, ValidRequest};
+use nbd_proto::transmission::server::{ServerTransmission, ValidRequest};
 use nbd_proto::transmission::{ByteRange, ErrorValue};
 
 use super::link::Link;

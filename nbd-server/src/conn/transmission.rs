@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use nbd_proto::consts as c;
 use nbd_proto::handshake::server::ServerNegotiated;
 use nbd_proto::reply::{self, ReplyTo};
-use nbd_proto::server_session::{Refusal, RequestError, ServerTransmission, ValidRequest};
+use nbd_proto::transmission::server::{Refusal, RequestError, ServerTransmission, ValidRequest};
 use nbd_proto::transmission::{ByteRange, Command, ErrorValue, ValidCommand};
 use qpip_core::{Access, Completion, MemoryRegion, Opcode, RecvWr, WcStatus};
 

@@ -10,7 +10,7 @@ use crate::transmission::{Command, Request};
 #[derive(Debug)]
 struct Shadow(std::rc::Rc<std::cell::RefCell<Vec<u8>>>);
 
-impl crate::session::ReadTarget for Shadow {
+impl crate::transmission::client::ReadTarget for Shadow {
     fn write_at(&self, at: usize, bytes: &[u8]) {
         let mut buf = self.0.borrow_mut();
         let end = at.checked_add(bytes.len()).expect("no wrap");
@@ -24,7 +24,7 @@ impl crate::session::ReadTarget for Shadow {
 /// alike and end with the same bytes, and nothing may land outside the buffer.
 pub fn replies(data: &[u8]) {
     use crate::handshake::{ClientNegotiated, ExportDetails};
-    use crate::session::{ClientSession, Delivered, Output};
+    use crate::transmission::client::{ClientSession, Delivered, Output};
     let mut r = crate::wire::Reader::new(data);
     let knobs = r.bytes(1).map_or(0, |b| b[0]);
     let offset = r.u64().unwrap_or(0);

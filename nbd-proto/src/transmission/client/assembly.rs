@@ -6,7 +6,7 @@
 use crate::ProtoError;
 use crate::consts as c;
 use crate::peer_text::printable;
-use crate::reply_check::{ReplyCheck, ReplyError, Step, Unanswered};
+use crate::transmission::client::reply_check::{ReplyCheck, ReplyError, Step, Unanswered};
 use crate::transmission::{Command, ErrorValue, Request};
 
 /// Memory of the caller's that a READ's data go to (registered memory the transport may

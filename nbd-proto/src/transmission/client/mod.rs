@@ -18,9 +18,8 @@
 
 pub mod assembly;
 pub mod checks;
-#[doc(hidden)]
-pub mod fuzz;
 pub mod liveness;
+pub mod reply_check;
 
 use std::collections::HashMap;
 
@@ -28,7 +27,7 @@ use crate::consts as c;
 use crate::flags::CmdFlags;
 use crate::handshake::ClientNegotiated;
 use crate::reply::{SimpleReply, StructuredReplyHeader};
-use crate::reply_check::Step;
+use crate::transmission::client::reply_check::Step;
 use crate::transmission::{Command, Request, RequestHeader};
 
 use assembly::Entry;
@@ -251,7 +250,7 @@ impl<R: ReadTarget> ClientSession<R> {
     }
 
     /// Handles one server message delivered whole (header and payload). Err: the server
-    /// broke the protocol. nbd-proto's [`crate::reply_check::ReplyCheck`] decides whether the
+    /// broke the protocol. nbd-proto's [`crate::transmission::client::reply_check::ReplyCheck`] decides whether the
     /// message may answer its request and where its bytes go, checking every number the
     /// server sent first.
     pub fn on_message(&mut self, msg: &[u8]) -> Result<Delivered, Violation> {
