@@ -57,7 +57,21 @@ fn written_over_nbd_equals_written_locally(cluster_opts: &[&str]) {
     opts.extend_from_slice(cluster_opts);
     let served = qemu_img_create(dir.path(), "served.qcow2", &opts);
     let local = qemu_img_create(dir.path(), "local.qcow2", &opts);
-    let mut srv = start_server_v4(&["--export".into(), format!("d={served}")]);
+    let map = writes_match(&served, &local, &[]);
+    // Block status: the untouched end of the disk is a hole, the written start is data.
+    assert!(map.contains(r#""start": 0, "length": 1048576, "depth": 0, "present": true, "zero": false, "data": true"#), "{map}");
+    assert!(map.contains(r#""zero": true, "data": false"#), "{map}");
+}
+
+/// Serves `served` (extra server arguments `args`), makes [`WRITES`] over NBD and the same
+/// writes locally on `local` (a copy of it made before, or the same image made again):
+/// the NBD disk and `local` are then identical, and so are the two files once the server
+/// has stopped; `qemu-img check` finds no error (no leak either) in `served`. Returns
+/// `qemu-img map` of the NBD disk after the writes.
+fn writes_match(served: &str, local: &str, args: &[&str]) -> String {
+    let mut server_args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    server_args.extend(["--export".into(), format!("d={served}")]);
+    let mut srv = start_server_v4(&server_args);
     let uri = srv.uri("d");
 
     let info = peer_ok(Command::new("qemu-img").args(["info", &uri]));
@@ -65,16 +79,18 @@ fn written_over_nbd_equals_written_locally(cluster_opts: &[&str]) {
         info.contains("virtual size: 32 MiB (33554432 bytes)"),
         "the NBD disk is not the qcow2 virtual disk:\n{info}"
     );
-    qemu_io_writes("raw", &uri);
-    qemu_io_writes("qcow2", &local);
+    // Before the writes: qemu's own view of the image.
     let cmp = peer_ok(
-        Command::new("qemu-img").args(["compare", "-f", "raw", "-F", "qcow2", &uri, &local]),
+        Command::new("qemu-img").args(["compare", "-f", "raw", "-F", "qcow2", &uri, local]),
     );
     assert!(cmp.contains("Images are identical"), "{cmp}");
-    // Block status: the untouched end of the disk is a hole, the written start is data.
+    qemu_io_writes("raw", &uri);
+    qemu_io_writes("qcow2", local);
+    let cmp = peer_ok(
+        Command::new("qemu-img").args(["compare", "-f", "raw", "-F", "qcow2", &uri, local]),
+    );
+    assert!(cmp.contains("Images are identical"), "{cmp}");
     let map = peer_ok(Command::new("qemu-img").args(["map", "-f", "raw", "--output=json", &uri]));
-    assert!(map.contains(r#""start": 0, "length": 1048576, "depth": 0, "present": true, "zero": false, "data": true"#), "{map}");
-    assert!(map.contains(r#""zero": true, "data": false"#), "{map}");
 
     srv.signal(libc::SIGTERM);
     assert!(
@@ -84,10 +100,97 @@ fn written_over_nbd_equals_written_locally(cluster_opts: &[&str]) {
         srv.log()
     );
     // The file itself: consistent for qemu, and the same disk as the local one.
-    let check = peer_ok(Command::new("qemu-img").args(["check", &served]));
-    assert!(check.contains("No errors were found"), "{check}");
-    let cmp = peer_ok(Command::new("qemu-img").args(["compare", &served, &local]));
+    check_clean(served);
+    let cmp = peer_ok(Command::new("qemu-img").args(["compare", served, local]));
     assert!(cmp.contains("Images are identical"), "{cmp}");
+    map
+}
+
+/// `qemu-img check` finds neither errors nor leaked clusters.
+fn check_clean(path: &str) -> String {
+    let check = peer_ok(Command::new("qemu-img").args(["check", path]));
+    assert!(check.contains("No errors were found"), "{check}");
+    check
+}
+
+/// A copy of `from` at `to` (in the same directory), for the local writes.
+fn copy(from: &str, to: &str) -> String {
+    std::fs::copy(from, to).unwrap();
+    to.to_string()
+}
+
+/// An image with data over the first 12 MiB, in patterns and in bytes that do not
+/// compress (so that compressed clusters of many sizes share host clusters).
+fn source_image(dir: &Path) -> String {
+    let src = qemu_img_create(dir, "source.qcow2", &["-f", "qcow2"]);
+    let noise: Vec<u8> = (0u32..(1 << 20))
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let noise_file = dir.join("noise.bin");
+    std::fs::write(&noise_file, &noise).unwrap();
+    let noise_write = format!("write -s {} 6M 1M", noise_file.display());
+    peer_ok(Command::new("qemu-io").args([
+        "-f",
+        "qcow2",
+        &src,
+        "-c",
+        "write -P 0xab 0 2M",
+        "-c",
+        "write -P 0x12 3M 300k",
+        "-c",
+        &noise_write,
+        "-c",
+        "write -P 0x77 9M 3M",
+        "-c",
+        "write -P 0x78 10M 4k",
+    ]));
+    src
+}
+
+/// A qcow2 with compressed clusters, as `qemu-img convert -c` makes cloud images (zlib or
+/// zstd): read as qemu reads it, and written over (each write into a compressed cluster
+/// allocates a new one and drops the compressed one's reference, so that `qemu-img check`
+/// finds no leak even where compressed clusters shared host clusters).
+fn compressed_image_is_read_and_written(compression: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let src = source_image(d);
+    let comp = d.join("comp.qcow2").to_str().unwrap().to_string();
+    peer_ok(Command::new("qemu-img").args([
+        "convert",
+        "-c",
+        "-O",
+        "qcow2",
+        "-o",
+        &format!("compression_type={compression}"),
+        &src,
+        &comp,
+    ]));
+    let check = check_clean(&comp);
+    assert!(!check.contains(" 0.00% compressed"), "{check}");
+    let info = peer_ok(Command::new("qemu-img").args(["info", &comp]));
+    assert!(
+        info.contains(&format!("compression type: {compression}")),
+        "{info}"
+    );
+    let local = copy(&comp, d.join("local.qcow2").to_str().unwrap());
+    writes_match(&comp, &local, &[]);
+}
+
+#[test]
+fn qcow2_compressed_zlib_is_read_and_written() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    compressed_image_is_read_and_written("zlib");
+}
+
+#[test]
+fn qcow2_compressed_zstd_is_read_and_written() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    compressed_image_is_read_and_written("zstd");
 }
 
 #[test]

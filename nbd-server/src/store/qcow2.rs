@@ -4,7 +4,10 @@
 //!
 //! Supported: version 3 (and version 2 read-only), any cluster size, byte-wide refcounts
 //! (8 to 64 bits), no backing file, no encryption, no external data file, no extended L2
-//! entries. Reads of compressed clusters fail with EIO (qemu-img convert decompresses).
+//! entries. Compressed clusters (zlib, i.e. raw deflate, and zstd, as `qemu-img convert -c`
+//! makes them) are read, decompressed into one cluster at most; a write into one allocates a
+//! new cluster with the decompressed contents (copy-on-write) and drops the compressed
+//! cluster's reference on every host cluster it spans, as qemu does.
 //! Images with internal snapshots are served read-only only: their clusters are shared and
 //! writing them would need copy-on-write.
 //!
@@ -34,7 +37,7 @@ use super::{Extent, Store};
 mod header;
 mod refcount;
 
-use header::INCOMPAT_CORRUPT;
+use header::{Compression, INCOMPAT_CORRUPT};
 
 const OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 const COPIED: u64 = 1 << 63;
@@ -52,7 +55,10 @@ enum Cluster {
         host: u64,
         copied: bool,
     },
-    Compressed,
+    /// A compressed cluster: its L2 entry (host offset and sector count).
+    Compressed {
+        entry: u64,
+    },
 }
 
 /// Why an image is not served.
@@ -76,6 +82,7 @@ pub struct Qcow2 {
     cluster_bits: u32,
     size: u64,
     l1_offset: u64,
+    compression: Compression,
     /// Refcount entry width in bytes.
     refcount_bytes: usize,
     state: Mutex<State>,
@@ -114,6 +121,7 @@ impl Qcow2 {
             cluster_bits: h.cluster_bits,
             size: h.size,
             l1_offset: h.l1_offset,
+            compression: h.compression,
             refcount_bytes: 1 << (h.refcount_order - 3),
             state: Mutex::new(State {
                 l1: opened.l1,
@@ -159,7 +167,7 @@ impl Qcow2 {
 
     fn decode(&self, entry: u64) -> Cluster {
         if entry & COMPRESSED != 0 {
-            return Cluster::Compressed;
+            return Cluster::Compressed { entry };
         }
         let host = entry & OFFSET_MASK;
         if host == 0 || (self.version >= 3 && entry & ZERO != 0) {
@@ -207,13 +215,9 @@ impl Qcow2 {
             match self.lookup(&st, guest)? {
                 Cluster::Zero { .. } => out.fill(0),
                 Cluster::Data { host, .. } => self.file.read_exact_at(out, host + in_cluster)?,
-                Cluster::Compressed => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::Unsupported,
-                        format!(
-                            "compressed cluster at guest offset {guest}: not supported (decompress with qemu-img convert -O qcow2)"
-                        ),
-                    ));
+                Cluster::Compressed { entry } => {
+                    let whole = self.decompress(entry)?;
+                    out.copy_from_slice(&whole[in_cluster as usize..(in_cluster + n) as usize]);
                 }
             }
             done += n as usize;
@@ -241,6 +245,8 @@ impl Qcow2 {
         // New L2 tables by L1 index, and the L2 entries to write after the barrier.
         let mut new_tables: Vec<(usize, u64)> = Vec::new();
         let mut links: Vec<(u64, u64)> = Vec::new();
+        // The entries the links replace, whose clusters lose a reference after them.
+        let mut frees: Vec<u64> = Vec::new();
         let mut allocated = false;
         let mut done = 0usize;
         for (guest, in_cluster, n) in self.pieces(offset, data.len() as u64) {
@@ -277,10 +283,18 @@ impl Qcow2 {
                         "cluster shared with a snapshot: copy-on-write is not supported",
                     ));
                 }
-                Cluster::Compressed => {
-                    return Err(io::Error::other(
-                        "writing into a compressed cluster is not supported",
-                    ));
+                Cluster::Compressed { entry } => {
+                    // Copy-on-write: the decompressed cluster, with the piece over it, in a
+                    // new cluster; the compressed one loses this reference after the link.
+                    let mut whole = self.decompress(entry)?;
+                    whole[in_cluster as usize..(in_cluster + n) as usize].copy_from_slice(piece);
+                    let host = self.alloc(st)?;
+                    allocated = true;
+                    self.guard(st, host, HostUse::Data)?;
+                    self.file.write_all_at(&whole, host)?;
+                    links.push((entry_at, host | COPIED));
+                    frees.push(entry);
+                    continue;
                 }
                 Cluster::Zero { host: 0 } => {
                     allocated = true;
@@ -307,7 +321,75 @@ impl Qcow2 {
                 .write_all_at(&entry.to_be_bytes(), self.l1_offset + l1_idx as u64 * 8)?;
             st.l1[l1_idx] = entry;
         }
+        self.release(st, &frees)
+    }
+
+    /// Drops one reference to the clusters of each of `entries`, L2 entries that no longer
+    /// point at them: after a barrier, so that a power loss leaks them at worst and never
+    /// leaves an entry pointing at a cluster whose refcount has dropped.
+    fn release(&self, st: &mut State, entries: &[u64]) -> io::Result<()> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        self.barrier()?;
+        for &entry in entries {
+            self.free_entry(st, entry)?;
+        }
         Ok(())
+    }
+
+    /// The host range a compressed cluster's entry names: (offset, length in bytes).
+    fn compressed_range(&self, entry: u64) -> (u64, u64) {
+        let shift = 62 - (self.cluster_bits - 8);
+        let offset = entry & ((1 << shift) - 1);
+        let sectors = ((entry >> shift) & ((1 << (self.cluster_bits - 8)) - 1)) + 1;
+        (offset, sectors * 512 - (offset & 511))
+    }
+
+    /// The contents of a compressed cluster: exactly one cluster, however the stream is
+    /// crafted (at most two clusters of input are read, and output past the cluster is not
+    /// made). Like qemu, a stream that fills the cluster is accepted; one that ends short
+    /// of it, or is corrupt, is EIO.
+    fn decompress(&self, entry: u64) -> io::Result<Vec<u8>> {
+        let (at, len) = self.compressed_range(entry);
+        let mut input = vec![0u8; len as usize];
+        // The last compressed cluster may end before its last sector does.
+        read_some(&self.file, &mut input, at)?;
+        let mut out = vec![0u8; self.cluster_size() as usize];
+        let bad = |why: String| {
+            io::Error::other(format!(
+                "compressed cluster at host offset {at:#x} does not decompress: {why}"
+            ))
+        };
+        match self.compression {
+            Compression::Zlib => {
+                let mut z = flate2::Decompress::new(false);
+                z.decompress(&input, &mut out, flate2::FlushDecompress::Finish)
+                    .map_err(|e| bad(e.to_string()))?;
+                if z.total_out() != out.len() as u64 {
+                    return Err(bad(format!("{} bytes, not a cluster", z.total_out())));
+                }
+            }
+            Compression::Zstd => {
+                use zstd::stream::raw::{Decoder, InBuffer, Operation, OutBuffer};
+                let mut z = Decoder::new()?;
+                let mut inb = InBuffer::around(&input);
+                let mut outb = OutBuffer::around(&mut out[..]);
+                let mut left = 1;
+                while outb.pos() < outb.capacity() {
+                    let (was_in, was_out) = (inb.pos(), outb.pos());
+                    left = z.run(&mut inb, &mut outb).map_err(|e| bad(e.to_string()))?;
+                    if inb.pos() == was_in && outb.pos() == was_out {
+                        return Err(bad(format!("{} bytes, not a cluster", outb.pos())));
+                    }
+                }
+                // The frame ends with the cluster (qemu's check): else it held more.
+                if left != 0 {
+                    return Err(bad("more than a cluster".into()));
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Checks that host cluster `host`, about to be written as `what`, lies off the image's
@@ -398,6 +480,7 @@ impl Qcow2 {
             let mut table = read_table(&self.file, l2, self.l2_entries() as usize)?;
             let mut changed: Option<(usize, usize)> = None;
             let mut partial = Vec::new();
+            let mut frees = Vec::new();
             for (guest, in_cluster, n) in self.pieces(pos, span_end - pos) {
                 let idx = (first_idx + (guest - pos + pos % cs) / cs) as usize;
                 let cluster = self.decode(table[idx]);
@@ -412,9 +495,11 @@ impl Qcow2 {
                 }
                 table[idx] = match cluster {
                     Cluster::Data { host, copied: true } => host | COPIED | ZERO,
-                    // Shared or compressed: drop the reference (leaking it) rather than
-                    // change what a snapshot sees.
-                    _ => ZERO,
+                    // Shared or compressed: the entry drops its reference, as qemu's does.
+                    _ => {
+                        frees.push(table[idx]);
+                        ZERO
+                    }
                 };
                 changed = Some(changed.map_or((idx, idx), |(lo, _)| (lo, idx)));
             }
@@ -426,6 +511,7 @@ impl Qcow2 {
                     .collect();
                 self.file.write_all_at(&bytes, l2 + lo as u64 * 8)?;
             }
+            self.release(&mut st, &frees)?;
             // The partial clusters are the range's ends: entries the write-back left alone.
             for (guest, _, n) in partial {
                 self.write_locked(&mut st, &vec![0u8; n as usize], guest)?;

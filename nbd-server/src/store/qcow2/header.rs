@@ -34,6 +34,16 @@ pub(super) struct Header {
     incompat: u64,
     pub autoclear: u64,
     pub refcount_order: u32,
+    /// How compressed clusters are compressed.
+    pub compression: Compression,
+}
+
+/// The compression type of compressed clusters (header byte 104).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Compression {
+    /// Raw deflate (no zlib header), as qemu writes it with window bits -12.
+    Zlib,
+    Zstd,
 }
 
 /// An image as it is opened: its header and what was read of its tables.
@@ -162,14 +172,29 @@ fn parse(file: &File) -> io::Result<Header> {
     let refcount_table_offset = be64(&h, 48);
     let refcount_table_clusters = be32(&h, 56) as usize;
     let nb_snapshots = be32(&h, 60);
-    let (incompat, autoclear, refcount_order) = if version == 3 {
+    let (incompat, autoclear, refcount_order, header_length) = if version == 3 {
         if n < 104 {
             return Err(unsupported("header is truncated"));
         }
-        (be64(&h, 72), be64(&h, 88), be32(&h, 96))
+        (be64(&h, 72), be64(&h, 88), be32(&h, 96), be32(&h, 100))
     } else {
-        (0, 0, 4)
+        (0, 0, 4, 72)
     };
+    // The compression type is in the header when it is longer than 104 bytes.
+    let compression = match (header_length > 104 && n > 104).then(|| h[104]) {
+        None | Some(0) => Compression::Zlib,
+        Some(1) => Compression::Zstd,
+        Some(t) => {
+            return Err(unsupported(format!(
+                "has unknown compression type {t}: not supported"
+            )));
+        }
+    };
+    if compression != Compression::Zlib && incompat & INCOMPAT_COMPRESSION == 0 {
+        return Err(unsupported(
+            "has a compression type other than zlib without the incompatible feature bit that says so",
+        ));
+    }
     Ok(Header {
         version,
         cluster_bits,
@@ -182,6 +207,7 @@ fn parse(file: &File) -> io::Result<Header> {
         incompat,
         autoclear,
         refcount_order,
+        compression,
     })
 }
 
