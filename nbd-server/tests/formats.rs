@@ -245,15 +245,25 @@ fn other_formats_and_unsupported_qcow2_features_are_refused_by_name() {
             &[&path, name, "--format raw"],
         );
     }
-    let base = qemu_img_create(d, "base.qcow2", &["-f", "qcow2"]);
-    let overlay = qemu_img_create(
+    // A backing chain that loops (an image its own backing file), and one whose backing
+    // file is missing: refused, naming the overlay and its backing file.
+    let looped = qemu_img_create(
         d,
-        "overlay.qcow2",
-        &["-f", "qcow2", "-b", &base, "-F", "qcow2"],
+        "loop.qcow2",
+        &["-f", "qcow2", "-u", "-b", "loop.qcow2", "-F", "qcow2"],
     );
     refused(
-        &["--export", &format!("x={overlay}")],
-        &[&overlay, "backing file"],
+        &["--export", &format!("x={looped}")],
+        &[&looped, "backing file", "deeper than 32"],
+    );
+    let orphan = qemu_img_create(
+        d,
+        "orphan.qcow2",
+        &["-f", "qcow2", "-u", "-b", "missing.qcow2", "-F", "qcow2"],
+    );
+    refused(
+        &["--export", &format!("x={orphan}")],
+        &[&orphan, "backing file", "missing.qcow2"],
     );
     let v2 = qemu_img_create(d, "v2.qcow2", &["-f", "qcow2", "-o", "compat=0.10"]);
     refused(
@@ -654,4 +664,104 @@ fn qcow2_data_cluster_on_metadata_is_not_written_and_marks_the_image_corrupt() {
         assert!(info.contains("corrupt: true"), "{info}");
         refused(&["--export", &format!("x={img}")], &[&img, "corrupt"]);
     }
+}
+
+/// qemu-img in `dir` (so that backing file names given relative stay relative).
+fn qemu_img_in(dir: &Path, args: &[&str]) -> String {
+    peer_ok(Command::new("qemu-img").current_dir(dir).args(args))
+}
+
+/// A chain top.qcow2 -> mid.qcow2 -> base.raw, named relative to their directory (the
+/// server runs elsewhere), the raw base smaller than the disk, mid with data of its own and a
+/// zeroed cluster over the base's data: read as qemu reads it, and written copy-on-write into
+/// the top (partial clusters read from below first, zeroes hiding the backing data). The
+/// backing files are left as they were, and locked against writers while served.
+#[test]
+fn qcow2_backing_chain_is_read_and_written_copy_on_write() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let src = source_image(d);
+    qemu_img_in(
+        d,
+        &["convert", "-f", "qcow2", "-O", "raw", &src, "base.raw"],
+    );
+    let base = d.join("base.raw");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&base)
+        .unwrap()
+        .set_len(16 << 20)
+        .unwrap();
+    qemu_img_in(
+        d,
+        &[
+            "create",
+            "-f",
+            "qcow2",
+            "-b",
+            "base.raw",
+            "-F",
+            "raw",
+            "mid.qcow2",
+            "32M",
+        ],
+    );
+    let mid = d.join("mid.qcow2").to_str().unwrap().to_string();
+    peer_ok(Command::new("qemu-io").args([
+        "-f",
+        "qcow2",
+        &mid,
+        "-c",
+        "write -P 0x99 8M 1M",
+        "-c",
+        "write -z 9M 64k",
+        "-c",
+        "write -P 0x98 15M 2M",
+    ]));
+    qemu_img_in(
+        d,
+        &[
+            "create",
+            "-f",
+            "qcow2",
+            "-b",
+            "mid.qcow2",
+            "-F",
+            "qcow2",
+            "top.qcow2",
+            "32M",
+        ],
+    );
+    let top = d.join("top.qcow2").to_str().unwrap().to_string();
+    let local = copy(&top, d.join("local.qcow2").to_str().unwrap());
+    let (base_before, mid_before) = (std::fs::read(&base).unwrap(), std::fs::read(&mid).unwrap());
+
+    let map = writes_match(&top, &local, &[]);
+    assert_eq!(std::fs::read(&base).unwrap(), base_before);
+    assert_eq!(std::fs::read(&mid).unwrap(), mid_before);
+    // Block status through the chain: the base's incompressible data is data, the end of
+    // the disk (past the base, unwritten in mid) a hole.
+    for run in [
+        r#""start": 6291456, "length": 1048576, "depth": 0, "present": true, "zero": false, "data": true"#,
+        r#""start": 17825792, "length": 14680064, "depth": 0, "present": true, "zero": true, "data": false"#,
+    ] {
+        assert!(map.contains(run), "{map}");
+    }
+
+    // While the top is served, the backing files take no writer; readers still open them.
+    let srv = start_server_v4(&["--export".into(), format!("d={top}")]);
+    let out = peer_fails(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        base.to_str().unwrap(),
+        "-c",
+        "write -P 1 0 512",
+    ]));
+    assert!(out.contains("lock"), "{out}");
+    peer_fails(Command::new("qemu-io").args(["-f", "qcow2", &mid, "-c", "write -P 1 0 512"]));
+    peer_ok(Command::new("qemu-img").args(["info", &mid]));
+    qemu_io(&srv.uri("d"), &["read -P 0x99 8M 64k"]);
 }

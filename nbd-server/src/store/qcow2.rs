@@ -3,8 +3,15 @@
 //! `header.rs`, its refcounts kept in `refcount.rs` (in `qcow2/`).
 //!
 //! Supported: version 3 (and version 2 read-only), any cluster size, byte-wide refcounts
-//! (8 to 64 bits), no backing file, no encryption, no external data file, no extended L2
-//! entries. Compressed clusters (zlib, i.e. raw deflate, and zstd, as `qemu-img convert -c`
+//! (8 to 64 bits), no encryption, no external data file, no extended L2 entries.
+//!
+//! A backing file (qcow2 or raw; its name resolved against this image's directory as qemu
+//! resolves it, its format from the header extension or probed) is opened read-only by
+//! `store::open`, which follows the chain up to `open::MAX_BACKING_DEPTH` images and locks
+//! each file as qemu locks a backing file. Unallocated clusters read from it (zeroes past its
+//! end); writes copy-on-write into this image (a partial cluster reads the backing cluster
+//! first); zeroing sets the zero flag, which hides the backing data; block status asks the
+//! backing file about unallocated runs. Compressed clusters (zlib, i.e. raw deflate, and zstd, as `qemu-img convert -c`
 //! makes them) are read, decompressed into one cluster at most; a write into one allocates a
 //! new cluster with the decompressed contents (copy-on-write) and drops the compressed
 //! cluster's reference on every host cluster it spans, as qemu does.
@@ -47,7 +54,10 @@ const ZERO: u64 = 1;
 /// How one cluster of the virtual disk is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Cluster {
-    /// Reads as zeroes: unallocated, or allocated at `host` with the zero flag.
+    /// Not allocated: reads from the backing file, or as zeroes without one.
+    Unallocated,
+    /// Reads as zeroes (the v3 zero flag, which hides the backing file): allocated at
+    /// `host`, or not (0).
     Zero {
         host: u64,
     },
@@ -83,6 +93,11 @@ pub struct Qcow2 {
     size: u64,
     l1_offset: u64,
     compression: Compression,
+    /// The backing file, opened read-only (by `store::open`, which follows the chain): what
+    /// unallocated clusters read.
+    backing: Option<Box<dyn Store>>,
+    /// Its name as the header has it, and its format (header extension), if any.
+    names: header::Names,
     /// Refcount entry width in bytes.
     refcount_bytes: usize,
     state: Mutex<State>,
@@ -122,6 +137,8 @@ impl Qcow2 {
             size: h.size,
             l1_offset: h.l1_offset,
             compression: h.compression,
+            backing: None,
+            names: opened.names,
             refcount_bytes: 1 << (h.refcount_order - 3),
             state: Mutex::new(State {
                 l1: opened.l1,
@@ -142,6 +159,38 @@ impl Qcow2 {
             q.file.sync_data()?;
         }
         Ok(q)
+    }
+
+    /// The backing file the header names, resolved as qemu resolves it (a relative name
+    /// against the directory of this image's path as given), and its format if the header
+    /// names one. A name with a protocol (`nbd:...`, `json:...`) is refused.
+    pub fn backing_file(&self) -> io::Result<Option<(PathBuf, Option<&str>)>> {
+        let Some(name) = self.names.backing.as_deref() else {
+            return Ok(None);
+        };
+        if name.is_empty() {
+            return Err(unsupported("has an empty backing file name"));
+        }
+        // qemu's path_has_protocol: a colon before any slash.
+        if name
+            .split('/')
+            .next()
+            .is_some_and(|head| head.contains(':'))
+        {
+            return Err(unsupported(format!(
+                "has backing file {name:?}, which names a protocol: not supported"
+            )));
+        }
+        let path = match self.path.parent() {
+            Some(dir) if !Path::new(name).is_absolute() => dir.join(name),
+            _ => PathBuf::from(name),
+        };
+        Ok(Some((path, self.names.backing_format.as_deref())))
+    }
+
+    /// Attaches the backing file (opened read-only): what unallocated clusters read.
+    pub fn set_backing(&mut self, backing: Box<dyn Store>) {
+        self.backing = Some(backing);
     }
 
     /// The virtual disk's size.
@@ -170,8 +219,10 @@ impl Qcow2 {
             return Cluster::Compressed { entry };
         }
         let host = entry & OFFSET_MASK;
-        if host == 0 || (self.version >= 3 && entry & ZERO != 0) {
+        if self.version >= 3 && entry & ZERO != 0 {
             Cluster::Zero { host }
+        } else if host == 0 {
+            Cluster::Unallocated
         } else {
             Cluster::Data {
                 host,
@@ -183,7 +234,7 @@ impl Qcow2 {
     fn lookup(&self, st: &State, guest: u64) -> io::Result<Cluster> {
         let (l2, _, l2_idx) = self.l2_slot(st, guest);
         if l2 == 0 {
-            return Ok(Cluster::Zero { host: 0 });
+            return Ok(Cluster::Unallocated);
         }
         Ok(self.decode(read_u64(&self.file, l2 + l2_idx * 8)?))
     }
@@ -214,6 +265,7 @@ impl Qcow2 {
             let out = &mut buf[done..done + n as usize];
             match self.lookup(&st, guest)? {
                 Cluster::Zero { .. } => out.fill(0),
+                Cluster::Unallocated => self.read_backing(out, guest + in_cluster)?,
                 Cluster::Data { host, .. } => self.file.read_exact_at(out, host + in_cluster)?,
                 Cluster::Compressed { entry } => {
                     let whole = self.decompress(entry)?;
@@ -296,15 +348,19 @@ impl Qcow2 {
                     frees.push(entry);
                     continue;
                 }
-                Cluster::Zero { host: 0 } => {
+                Cluster::Unallocated | Cluster::Zero { host: 0 } => {
                     allocated = true;
                     self.alloc(st)?
                 }
                 Cluster::Zero { host } => host,
             };
             self.guard(st, host, HostUse::Data)?;
-            // A cluster that read as zeroes: written whole, then pointed at.
+            // A cluster that read as zeroes, or from the backing file (copy-on-write; not
+            // read where the piece covers it): written whole, then pointed at.
             let mut whole = vec![0u8; cs as usize];
+            if self.decode(entry) == Cluster::Unallocated && n < cs {
+                self.read_backing(&mut whole, guest - in_cluster)?;
+            }
             whole[in_cluster as usize..(in_cluster + n) as usize].copy_from_slice(piece);
             self.file.write_all_at(&whole, host)?;
             links.push((entry_at, host | COPIED));
@@ -392,6 +448,36 @@ impl Qcow2 {
         Ok(out)
     }
 
+    /// A new, empty L2 table for L1 entry `l1_idx` (which has none), made reachable at once
+    /// (its zeroes and refcount durable first).
+    fn new_table(&self, st: &mut State, l1_idx: usize) -> io::Result<u64> {
+        let t = self.alloc(st)?;
+        self.file
+            .write_all_at(&vec![0u8; self.cluster_size() as usize], t)?;
+        st.l2_tables.insert(t);
+        self.barrier()?;
+        let entry = t | COPIED;
+        self.file
+            .write_all_at(&entry.to_be_bytes(), self.l1_offset + l1_idx as u64 * 8)?;
+        st.l1[l1_idx] = entry;
+        Ok(t)
+    }
+
+    /// Fills `out` with the backing file's bytes from guest offset `at`: zeroes past its end,
+    /// or without one.
+    fn read_backing(&self, out: &mut [u8], at: u64) -> io::Result<()> {
+        let Some(backing) = &self.backing else {
+            out.fill(0);
+            return Ok(());
+        };
+        let has = backing.size().saturating_sub(at).min(out.len() as u64) as usize;
+        if has > 0 {
+            backing.read_at(&mut out[..has], at)?;
+        }
+        out[has..].fill(0);
+        Ok(())
+    }
+
     /// Checks that host cluster `host`, about to be written as `what`, lies off the image's
     /// metadata (qemu's qcow2_check_metadata_overlap: header, L1 table, refcount table,
     /// refcount blocks, and L2 tables for data). If it does not, the image is marked corrupt,
@@ -472,10 +558,14 @@ impl Qcow2 {
             let span_end = (pos / self.l2_span() + 1)
                 .saturating_mul(self.l2_span())
                 .min(end);
-            let (l2, _, first_idx) = self.l2_slot(&st, pos);
+            let (mut l2, l1_idx, first_idx) = self.l2_slot(&st, pos);
             if l2 == 0 {
-                pos = self.next_table(&st, pos, end);
-                continue;
+                if self.backing.is_none() {
+                    pos = self.next_table(&st, pos, end);
+                    continue;
+                }
+                // Unallocated reads the backing file: zero flags must hide it.
+                l2 = self.new_table(&mut st, l1_idx)?;
             }
             let mut table = read_table(&self.file, l2, self.l2_entries() as usize)?;
             let mut changed: Option<(usize, usize)> = None;
@@ -484,8 +574,10 @@ impl Qcow2 {
             for (guest, in_cluster, n) in self.pieces(pos, span_end - pos) {
                 let idx = (first_idx + (guest - pos + pos % cs) / cs) as usize;
                 let cluster = self.decode(table[idx]);
-                if let Cluster::Zero { .. } = cluster {
-                    continue;
+                match cluster {
+                    Cluster::Zero { .. } => continue,
+                    Cluster::Unallocated if self.backing.is_none() => continue,
+                    _ => {}
                 }
                 // Up to the virtual end counts as whole.
                 let whole = in_cluster == 0 && (n == cs || guest + n == self.size);
@@ -495,6 +587,7 @@ impl Qcow2 {
                 }
                 table[idx] = match cluster {
                     Cluster::Data { host, copied: true } => host | COPIED | ZERO,
+                    Cluster::Unallocated => ZERO,
                     // Shared or compressed: the entry drops its reference, as qemu's does.
                     _ => {
                         frees.push(table[idx]);
@@ -528,10 +621,60 @@ impl Qcow2 {
     pub fn extents(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u64, bool)>> {
         let end = offset.saturating_add(len).min(self.size);
         let cs = self.cluster_size();
-        let st = self.state.lock();
+        // Runs of this image's own: zero, data, or unallocated (the backing file's).
+        let mut runs: Vec<(u64, Run)> = Vec::new();
+        {
+            let st = self.state.lock();
+            let push = |runs: &mut Vec<(u64, Run)>, n: u64, run: Run| {
+                if let Some((l, r)) = runs.last_mut()
+                    && *r == run
+                {
+                    *l += n;
+                    return true;
+                }
+                if runs.len() == max {
+                    return false;
+                }
+                runs.push((n, run));
+                true
+            };
+            let mut tables_read = 0;
+            let mut pos = offset;
+            'spans: while pos < end {
+                let span_end = (pos / self.l2_span() + 1)
+                    .saturating_mul(self.l2_span())
+                    .min(end);
+                let (l2, _, first_idx) = self.l2_slot(&st, pos);
+                if l2 == 0 {
+                    let next = self.next_table(&st, pos, end);
+                    if !push(&mut runs, next - pos, Run::Unallocated) {
+                        break;
+                    }
+                    pos = next;
+                    continue;
+                }
+                if tables_read == EXTENT_TABLES {
+                    break;
+                }
+                tables_read += 1;
+                let table = read_table(&self.file, l2, self.l2_entries() as usize)?;
+                for (guest, _, n) in self.pieces(pos, span_end - pos) {
+                    let idx = (first_idx + (guest - pos + pos % cs) / cs) as usize;
+                    let run = match self.decode(table[idx]) {
+                        Cluster::Zero { .. } => Run::Zero,
+                        Cluster::Unallocated => Run::Unallocated,
+                        Cluster::Data { .. } | Cluster::Compressed { .. } => Run::Data,
+                    };
+                    if !push(&mut runs, n, run) {
+                        break 'spans;
+                    }
+                }
+                pos = span_end;
+            }
+        }
+        // Unallocated runs are what the backing file says they are.
         let mut out: Vec<(u64, bool)> = Vec::new();
-        // Extends the last run or starts one; false when `max` runs are full.
-        let push = |out: &mut Vec<(u64, bool)>, n: u64, zero: bool| {
+        let mut push = |n: u64, zero: bool| {
             if let Some((l, z)) = out.last_mut()
                 && *z == zero
             {
@@ -544,34 +687,50 @@ impl Qcow2 {
             out.push((n, zero));
             true
         };
-        let mut tables_read = 0;
         let mut pos = offset;
-        'spans: while pos < end {
-            let span_end = (pos / self.l2_span() + 1)
-                .saturating_mul(self.l2_span())
-                .min(end);
-            let (l2, _, first_idx) = self.l2_slot(&st, pos);
-            if l2 == 0 {
-                let next = self.next_table(&st, pos, end);
-                if !push(&mut out, next - pos, true) {
-                    break;
+        'runs: for (n, run) in runs {
+            let run_end = pos + n;
+            match (run, &self.backing) {
+                (Run::Data, _) => {
+                    if !push(n, false) {
+                        break;
+                    }
                 }
-                pos = next;
-                continue;
-            }
-            if tables_read == EXTENT_TABLES {
-                break;
-            }
-            tables_read += 1;
-            let table = read_table(&self.file, l2, self.l2_entries() as usize)?;
-            for (guest, _, n) in self.pieces(pos, span_end - pos) {
-                let idx = (first_idx + (guest - pos + pos % cs) / cs) as usize;
-                let zero = matches!(self.decode(table[idx]), Cluster::Zero { .. });
-                if !push(&mut out, n, zero) {
-                    break 'spans;
+                (Run::Zero, _) | (Run::Unallocated, None) => {
+                    if !push(n, true) {
+                        break;
+                    }
+                }
+                (Run::Unallocated, Some(backing)) => {
+                    let mut p = pos;
+                    let has = backing.size().clamp(pos, run_end);
+                    while p < has {
+                        let got = backing.extents(p, has - p)?;
+                        if got.iter().all(|e| e.len == 0) {
+                            // Said nothing: data, which is always a correct answer.
+                            if !push(has - p, false) {
+                                break 'runs;
+                            }
+                            p = has;
+                        }
+                        for e in got {
+                            let e_len = e.len.min(has - p);
+                            if e_len == 0 {
+                                continue;
+                            }
+                            if !push(e_len, e.hole) {
+                                break 'runs;
+                            }
+                            p += e_len;
+                        }
+                    }
+                    // Past the backing file's end: zeroes.
+                    if has < run_end && !push(run_end - has, true) {
+                        break;
+                    }
                 }
             }
-            pos = span_end;
+            pos = run_end;
         }
         Ok(out)
     }
@@ -634,6 +793,14 @@ impl Store for Qcow2 {
             .map(|(len, hole)| Extent { len, hole })
             .collect())
     }
+}
+
+/// A run of clusters as the image itself maps them, for block status.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Run {
+    Zero,
+    Data,
+    Unallocated,
 }
 
 /// What a host cluster is about to be written as.

@@ -38,6 +38,16 @@ pub(super) struct Header {
     pub compression: Compression,
 }
 
+/// What the header names beside the image: its backing file (as written: the caller
+/// resolves it) and that file's format (header extension 0xe2792aca), if any.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Names {
+    pub backing: Option<String>,
+    pub backing_format: Option<String>,
+}
+
+const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
+
 /// The compression type of compressed clusters (header byte 104).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Compression {
@@ -49,6 +59,7 @@ pub(super) enum Compression {
 /// An image as it is opened: its header and what was read of its tables.
 pub(super) struct Opened {
     pub header: Header,
+    pub names: Names,
     pub l1: Vec<u64>,
     pub refcount_table: Vec<u64>,
     pub refcount_table_offset: u64,
@@ -62,7 +73,7 @@ pub(super) struct Opened {
 /// Parses the header of `file` (which starts with the qcow2 magic), refuses what this
 /// reader does not handle, and reads the L1 and refcount tables (the caller names the file).
 pub(super) fn read(file: &File, read_only: bool) -> io::Result<Opened> {
-    let h = parse(file)?;
+    let (h, names) = parse(file)?;
     check_features(&h, read_only)?;
     let Header {
         cluster_bits,
@@ -129,6 +140,7 @@ pub(super) fn read(file: &File, read_only: bool) -> io::Result<Opened> {
     let next_free = file_len.div_ceil(cluster) * cluster;
     Ok(Opened {
         header: h,
+        names,
         l1,
         refcount_table,
         refcount_table_offset,
@@ -138,8 +150,8 @@ pub(super) fn read(file: &File, read_only: bool) -> io::Result<Opened> {
     })
 }
 
-/// The header's fields, with the checks that need no others.
-fn parse(file: &File) -> io::Result<Header> {
+/// The header's fields and the names it holds, with the checks that need no others.
+fn parse(file: &File) -> io::Result<(Header, Names)> {
     let mut h = vec![0u8; 112];
     let n = read_some(file, &mut h, 0)?;
     if n < 72 {
@@ -154,11 +166,8 @@ fn parse(file: &File) -> io::Result<Header> {
     if version != 2 && version != 3 {
         return Err(unsupported(format!("has unknown version {version}")));
     }
-    if be64(&h, 8) != 0 {
-        return Err(unsupported(
-            "has a backing file: not supported; flatten it with qemu-img convert -O qcow2",
-        ));
-    }
+    let backing_offset = be64(&h, 8);
+    let backing_len = be32(&h, 16) as u64;
     let cluster_bits = be32(&h, 20);
     if !(9..=21).contains(&cluster_bits) {
         return Err(unsupported(format!("has cluster_bits {cluster_bits}")));
@@ -195,7 +204,56 @@ fn parse(file: &File) -> io::Result<Header> {
             "has a compression type other than zlib without the incompatible feature bit that says so",
         ));
     }
-    Ok(Header {
+    // The header extensions and the backing file's name lie in the first cluster.
+    let cluster = 1u64 << cluster_bits;
+    let mut first = vec![0u8; cluster as usize];
+    let got = read_some(file, &mut first, 0)?;
+    first.truncate(got);
+    let mut names = Names::default();
+    if backing_offset != 0 {
+        // qemu's bound: 1023 bytes, in the first cluster.
+        if backing_len > 1023
+            || backing_offset
+                .checked_add(backing_len)
+                .is_none_or(|end| end > got as u64)
+        {
+            return Err(unsupported(
+                "has a backing file name that is too long or lies past its first cluster",
+            ));
+        }
+        let name = &first[backing_offset as usize..(backing_offset + backing_len) as usize];
+        names.backing = Some(
+            String::from_utf8(name.to_vec())
+                .map_err(|_| unsupported("has a backing file name that is not UTF-8"))?,
+        );
+    }
+    let ext_end = if backing_offset != 0 {
+        backing_offset as usize
+    } else {
+        got
+    };
+    let mut at = header_length as usize;
+    while at + 8 <= ext_end {
+        let (ty, len) = (be32(&first, at), be32(&first, at + 4) as usize);
+        if ty == 0 {
+            break;
+        }
+        let data = at + 8;
+        if data + len > ext_end {
+            return Err(unsupported(format!(
+                "has a header extension {ty:#x} past the end of its area"
+            )));
+        }
+        let text = || {
+            String::from_utf8(first[data..data + len].to_vec())
+                .map_err(|_| unsupported(format!("has a header extension {ty:#x} not in UTF-8")))
+        };
+        if ty == EXT_BACKING_FORMAT {
+            names.backing_format = Some(text()?);
+        }
+        at = data + len.div_ceil(8) * 8;
+    }
+    let header = Header {
         version,
         cluster_bits,
         size,
@@ -208,7 +266,8 @@ fn parse(file: &File) -> io::Result<Header> {
         autoclear,
         refcount_order,
         compression,
-    })
+    };
+    Ok((header, names))
 }
 
 /// Refuses the features this server does not handle, and those it serves read-only only.
