@@ -29,9 +29,9 @@ const WRITES: &[&str] = &[
     "write -z 11M 100",
 ];
 
-fn qemu_io_writes(format: &str, target: &str) {
+fn qemu_io_writes(format: &str, target: &str, cwd: &Path) {
     let mut cmd = Command::new("qemu-io");
-    cmd.args(["-f", format, target]);
+    cmd.current_dir(cwd).args(["-f", format, target]);
     for w in WRITES {
         cmd.args(["-c", w]);
     }
@@ -73,24 +73,27 @@ fn writes_match(served: &str, local: &str, args: &[&str]) -> String {
     server_args.extend(["--export".into(), format!("d={served}")]);
     let mut srv = start_server_v4(&server_args);
     let uri = srv.uri("d");
+    // qemu opens a relative data file name from its current directory: the images'.
+    let dir = Path::new(served).parent().unwrap();
+    let qemu_img = || {
+        let mut c = Command::new("qemu-img");
+        c.current_dir(dir);
+        c
+    };
 
-    let info = peer_ok(Command::new("qemu-img").args(["info", &uri]));
+    let info = peer_ok(qemu_img().args(["info", &uri]));
     assert!(
         info.contains("virtual size: 32 MiB (33554432 bytes)"),
         "the NBD disk is not the qcow2 virtual disk:\n{info}"
     );
     // Before the writes: qemu's own view of the image.
-    let cmp = peer_ok(
-        Command::new("qemu-img").args(["compare", "-f", "raw", "-F", "qcow2", &uri, local]),
-    );
+    let cmp = peer_ok(qemu_img().args(["compare", "-f", "raw", "-F", "qcow2", &uri, local]));
     assert!(cmp.contains("Images are identical"), "{cmp}");
-    qemu_io_writes("raw", &uri);
-    qemu_io_writes("qcow2", local);
-    let cmp = peer_ok(
-        Command::new("qemu-img").args(["compare", "-f", "raw", "-F", "qcow2", &uri, local]),
-    );
+    qemu_io_writes("raw", &uri, dir);
+    qemu_io_writes("qcow2", local, dir);
+    let cmp = peer_ok(qemu_img().args(["compare", "-f", "raw", "-F", "qcow2", &uri, local]));
     assert!(cmp.contains("Images are identical"), "{cmp}");
-    let map = peer_ok(Command::new("qemu-img").args(["map", "-f", "raw", "--output=json", &uri]));
+    let map = peer_ok(qemu_img().args(["map", "-f", "raw", "--output=json", &uri]));
 
     srv.signal(libc::SIGTERM);
     assert!(
@@ -100,15 +103,23 @@ fn writes_match(served: &str, local: &str, args: &[&str]) -> String {
         srv.log()
     );
     // The file itself: consistent for qemu, and the same disk as the local one.
-    check_clean(served);
-    let cmp = peer_ok(Command::new("qemu-img").args(["compare", served, local]));
+    check_clean_in(served, dir);
+    let cmp = peer_ok(qemu_img().args(["compare", served, local]));
     assert!(cmp.contains("Images are identical"), "{cmp}");
     map
 }
 
 /// `qemu-img check` finds neither errors nor leaked clusters.
 fn check_clean(path: &str) -> String {
-    let check = peer_ok(Command::new("qemu-img").args(["check", path]));
+    check_clean_in(path, Path::new("."))
+}
+
+fn check_clean_in(path: &str, cwd: &Path) -> String {
+    let check = peer_ok(
+        Command::new("qemu-img")
+            .current_dir(cwd)
+            .args(["check", path]),
+    );
     assert!(check.contains("No errors were found"), "{check}");
     check
 }
@@ -764,4 +775,80 @@ fn qcow2_backing_chain_is_read_and_written_copy_on_write() {
     peer_fails(Command::new("qemu-io").args(["-f", "qcow2", &mid, "-c", "write -P 1 0 512"]));
     peer_ok(Command::new("qemu-img").args(["info", &mid]));
     qemu_io(&srv.uri("d"), &["read -P 0x99 8M 64k"]);
+}
+
+/// An image whose data is in an external data file (`data_file`, named relative to the
+/// image's directory; the server runs elsewhere): read and written as qemu does, the L2
+/// tables in the image, the data at its guest offsets in the data file. With
+/// `data_file_raw=on` the data file stays a raw image of the disk.
+fn external_data_file_is_read_and_written(raw: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let raw_opt = if raw { "on" } else { "off" };
+    for (img, data) in [
+        ("served.qcow2", "served-data.raw"),
+        ("local.qcow2", "local-data.raw"),
+    ] {
+        qemu_img_in(
+            d,
+            &[
+                "create",
+                "-f",
+                "qcow2",
+                "-o",
+                &format!("data_file={data},data_file_raw={raw_opt}"),
+                img,
+                "32M",
+            ],
+        );
+        peer_ok(Command::new("qemu-io").current_dir(d).args([
+            "-f",
+            "qcow2",
+            img,
+            "-c",
+            "write -P 0x41 2M 3M",
+            "-c",
+            "write -P 0x42 20M 100k",
+        ]));
+    }
+    let served = d.join("served.qcow2").to_str().unwrap().to_string();
+    let local = d.join("local.qcow2").to_str().unwrap().to_string();
+    writes_match(&served, &local, &[]);
+    let info = qemu_img_in(d, &["info", &served]);
+    assert!(info.contains("data file: served-data.raw"), "{info}");
+    assert!(info.contains(&format!("data file raw: {raw}")), "{info}");
+    // The image file holds no data: every data cluster is in the data file.
+    assert!(std::fs::metadata(&served).unwrap().len() < 1 << 20);
+    if raw {
+        let data = d.join("served-data.raw");
+        let cmp = qemu_img_in(
+            d,
+            &[
+                "compare",
+                "-f",
+                "raw",
+                "-F",
+                "qcow2",
+                data.to_str().unwrap(),
+                &served,
+            ],
+        );
+        assert!(cmp.contains("Images are identical"), "{cmp}");
+    }
+}
+
+#[test]
+fn qcow2_external_data_file_is_read_and_written() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    external_data_file_is_read_and_written(false);
+}
+
+#[test]
+fn qcow2_external_raw_data_file_stays_a_raw_image_of_the_disk() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    external_data_file_is_read_and_written(true);
 }

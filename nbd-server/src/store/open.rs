@@ -294,6 +294,9 @@ fn open_image(
                 ));
             }
             let mut q = Qcow2::open(path, file, read_only)?;
+            if let Some(data_path) = q.data_file() {
+                q.set_data_file(open_data_file(&data_path, read_only, lock)?);
+            }
             if let Some((backing, format)) = q.backing_file()? {
                 q.set_backing(open_backing(&backing, format, lock, depth + 1)?);
             }
@@ -301,6 +304,22 @@ fn open_image(
         }
     };
     Ok((store, for_lock))
+}
+
+/// Opens a qcow2 image's external data file, as writable as the image, and locks it as the
+/// image is locked (qemu locks both). Errors name it, after the image's own name.
+fn open_data_file(path: &Path, read_only: bool, lock: bool) -> io::Result<File> {
+    let named =
+        |e: io::Error| io::Error::new(e.kind(), format!("its data file {}: {e}", path.display()));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(!read_only)
+        .open(path)
+        .map_err(named)?;
+    if lock {
+        lock::lock(&file, read_only).map_err(|e| named(io::Error::other(e.to_string())))?;
+    }
+    Ok(file)
 }
 
 /// Opens backing file `path` read-only (a qcow2 or raw image: the format the overlay's header

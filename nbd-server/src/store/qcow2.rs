@@ -3,7 +3,15 @@
 //! `header.rs`, its refcounts kept in `refcount.rs` (in `qcow2/`).
 //!
 //! Supported: version 3 (and version 2 read-only), any cluster size, byte-wide refcounts
-//! (8 to 64 bits), no encryption, no external data file, no extended L2 entries.
+//! (8 to 64 bits), no encryption, no extended L2 entries.
+//!
+//! An external data file (`data_file`, header extension 0x44415441) is opened beside the image
+//! by `store::open`, locked as the image is: its name resolved against the image's directory
+//! (qemu opens a relative name from its current directory; run from the image's directory,
+//! both agree). Data clusters lie there at their guest offsets, unrefcounted, as qemu keeps
+//! them (an L2 entry of offset 0 is the data file's first cluster where COPIED says so); with
+//! `data_file_raw` the data file is kept a raw image of the disk (zeroing zeroes it too) and
+//! the autoclear bit that says so is kept.
 //!
 //! A backing file (qcow2 or raw; its name resolved against this image's directory as qemu
 //! resolves it, its format from the header extension or probed) is opened read-only by
@@ -44,7 +52,7 @@ use super::{Extent, Store};
 mod header;
 mod refcount;
 
-use header::{Compression, INCOMPAT_CORRUPT};
+use header::{AUTOCLEAR_DATA_FILE_RAW, Compression, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE};
 
 const OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 const COPIED: u64 = 1 << 63;
@@ -96,8 +104,16 @@ pub struct Qcow2 {
     /// The backing file, opened read-only (by `store::open`, which follows the chain): what
     /// unallocated clusters read.
     backing: Option<Box<dyn Store>>,
-    /// Its name as the header has it, and its format (header extension), if any.
+    /// Its name as the header has it, and its format (header extension), if any; the
+    /// external data file's name.
     names: header::Names,
+    /// The external data file (set by `store::open`), where data clusters are: at their
+    /// guest offset, not refcounted, as qemu keeps them.
+    data: Option<File>,
+    /// Whether the image has an external data file.
+    external: bool,
+    /// Whether that file is a raw image of the disk (`data_file_raw`), kept so.
+    data_raw: bool,
     /// Refcount entry width in bytes.
     refcount_bytes: usize,
     state: Mutex<State>,
@@ -139,6 +155,10 @@ impl Qcow2 {
             compression: h.compression,
             backing: None,
             names: opened.names,
+            data: None,
+            external: h.incompat & INCOMPAT_DATA_FILE != 0,
+            data_raw: h.incompat & INCOMPAT_DATA_FILE != 0
+                && h.autoclear & AUTOCLEAR_DATA_FILE_RAW != 0,
             refcount_bytes: 1 << (h.refcount_order - 3),
             state: Mutex::new(State {
                 l1: opened.l1,
@@ -152,10 +172,16 @@ impl Qcow2 {
             #[cfg(test)]
             barriers: Default::default(),
         };
-        // Autoclear features (bitmaps, a raw external data file) describe data that a writer
-        // who does not know them would make stale: such a writer clears them, as qemu does.
-        if !read_only && h.autoclear != 0 {
-            q.file.write_all_at(&0u64.to_be_bytes(), 88)?;
+        // Autoclear features (bitmaps) describe data that a writer who does not know them
+        // would make stale: such a writer clears them, as qemu does. A raw external data file
+        // is kept raw, and the bit that says so kept.
+        let keep = if q.data_raw {
+            AUTOCLEAR_DATA_FILE_RAW
+        } else {
+            0
+        };
+        if !read_only && h.autoclear & !keep != 0 {
+            q.file.write_all_at(&keep.to_be_bytes(), 88)?;
             q.file.sync_data()?;
         }
         Ok(q)
@@ -186,6 +212,25 @@ impl Qcow2 {
             _ => PathBuf::from(name),
         };
         Ok(Some((path, self.names.backing_format.as_deref())))
+    }
+
+    /// The external data file the header names, resolved against this image's directory.
+    pub fn data_file(&self) -> Option<PathBuf> {
+        let name = self.names.data_file.as_deref()?;
+        Some(match self.path.parent() {
+            Some(dir) if !Path::new(name).is_absolute() => dir.join(name),
+            _ => PathBuf::from(name),
+        })
+    }
+
+    /// Attaches the external data file (opened writable unless the image is read-only).
+    pub fn set_data_file(&mut self, data: File) {
+        self.data = Some(data);
+    }
+
+    /// The file data clusters are in.
+    fn data(&self) -> &File {
+        self.data.as_ref().unwrap_or(&self.file)
     }
 
     /// Attaches the backing file (opened read-only): what unallocated clusters read.
@@ -221,7 +266,8 @@ impl Qcow2 {
         let host = entry & OFFSET_MASK;
         if self.version >= 3 && entry & ZERO != 0 {
             Cluster::Zero { host }
-        } else if host == 0 {
+        } else if host == 0 && !(self.external && entry & COPIED != 0) {
+            // Offset 0 is a data file's first cluster where COPIED says so (qemu's rule).
             Cluster::Unallocated
         } else {
             Cluster::Data {
@@ -266,7 +312,7 @@ impl Qcow2 {
             match self.lookup(&st, guest)? {
                 Cluster::Zero { .. } => out.fill(0),
                 Cluster::Unallocated => self.read_backing(out, guest + in_cluster)?,
-                Cluster::Data { host, .. } => self.file.read_exact_at(out, host + in_cluster)?,
+                Cluster::Data { host, .. } => self.read_data(out, host + in_cluster)?,
                 Cluster::Compressed { entry } => {
                     let whole = self.decompress(entry)?;
                     out.copy_from_slice(&whole[in_cluster as usize..(in_cluster + n) as usize]);
@@ -327,7 +373,7 @@ impl Qcow2 {
             let host = match self.decode(entry) {
                 Cluster::Data { host, copied: true } => {
                     self.guard(st, host, HostUse::Data)?;
-                    self.file.write_all_at(piece, host + in_cluster)?;
+                    self.data().write_all_at(piece, host + in_cluster)?;
                     continue;
                 }
                 Cluster::Data { copied: false, .. } => {
@@ -350,7 +396,7 @@ impl Qcow2 {
                 }
                 Cluster::Unallocated | Cluster::Zero { host: 0 } => {
                     allocated = true;
-                    self.alloc(st)?
+                    self.alloc_data(st, guest - in_cluster)?
                 }
                 Cluster::Zero { host } => host,
             };
@@ -362,7 +408,7 @@ impl Qcow2 {
                 self.read_backing(&mut whole, guest - in_cluster)?;
             }
             whole[in_cluster as usize..(in_cluster + n) as usize].copy_from_slice(piece);
-            self.file.write_all_at(&whole, host)?;
+            self.data().write_all_at(&whole, host)?;
             links.push((entry_at, host | COPIED));
         }
         if allocated {
@@ -408,6 +454,11 @@ impl Qcow2 {
     /// of it, or is corrupt, is EIO.
     fn decompress(&self, entry: u64) -> io::Result<Vec<u8>> {
         let (at, len) = self.compressed_range(entry);
+        if self.external {
+            return Err(io::Error::other(
+                "a compressed cluster in an image with an external data file (qemu makes none)",
+            ));
+        }
         let mut input = vec![0u8; len as usize];
         // The last compressed cluster may end before its last sector does.
         read_some(&self.file, &mut input, at)?;
@@ -487,6 +538,9 @@ impl Qcow2 {
         let on = |at: u64, len: u64| host < at.saturating_add(len) && at < host + cs;
         let lies_on = if !host.is_multiple_of(cs) {
             Some("an unaligned offset")
+        } else if self.external && what == HostUse::Data {
+            // Data in an external data file lies off this file's metadata.
+            None
         } else if on(0, cs) {
             Some("the header")
         } else if on(self.l1_offset, st.l1.len() as u64 * 8) {
@@ -524,7 +578,61 @@ impl Qcow2 {
         #[cfg(test)]
         self.barriers
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Some(data) = &self.data {
+            data.sync_data()?;
+        }
         self.file.sync_data()
+    }
+
+    /// A host cluster for the data of guest cluster `guest`: in an external data file, the
+    /// guest offset itself, not refcounted (as qemu places them); else a new cluster.
+    fn alloc_data(&self, st: &mut State, guest: u64) -> io::Result<u64> {
+        if self.external {
+            Ok(guest)
+        } else {
+            self.alloc(st)
+        }
+    }
+
+    /// Reads data cluster bytes at host offset `at`: past the end of an external data file,
+    /// zeroes (qemu creates it sparse, but another tool may have left it short).
+    fn read_data(&self, out: &mut [u8], at: u64) -> io::Result<()> {
+        if self.data.is_none() {
+            return self.file.read_exact_at(out, at);
+        }
+        let n = read_some(self.data(), out, at)?;
+        out[n..].fill(0);
+        Ok(())
+    }
+
+    /// Zeroes `[at, at + len)` of the raw external data file: holes punched, or zeroes
+    /// written where the file cannot have holes.
+    fn zero_data(&self, at: u64, len: u64) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let data = self.data();
+        let end = (at + len).min(data.metadata()?.len());
+        if end <= at {
+            return Ok(());
+        }
+        // SAFETY: a plain fallocate on a descriptor we own.
+        let punched = unsafe {
+            libc::fallocate(
+                data.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                at as libc::off_t,
+                (end - at) as libc::off_t,
+            )
+        } == 0;
+        if !punched {
+            let zeroes = vec![0u8; (1 << 20).min(end - at) as usize];
+            let mut pos = at;
+            while pos < end {
+                let n = (end - pos).min(zeroes.len() as u64) as usize;
+                data.write_all_at(&zeroes[..n], pos)?;
+                pos += n as u64;
+            }
+        }
+        Ok(())
     }
 
     /// Bytes of the virtual disk one L2 table maps.
@@ -553,6 +661,10 @@ impl Qcow2 {
         let end = offset + len;
         let mut st = self.state.lock();
         refuse_if_corrupt(&st)?;
+        if self.data_raw {
+            // The raw data file is the disk: it reads as zeroes too.
+            self.zero_data(offset, len)?;
+        }
         let mut pos = offset;
         while pos < end {
             let span_end = (pos / self.l2_span() + 1)
@@ -767,11 +879,14 @@ impl Store for Qcow2 {
         Qcow2::write_at(self, data, offset)?;
         if fua {
             // The whole file: the metadata that makes new clusters reachable too.
-            self.file.sync_data()?;
+            Store::flush(self)?;
         }
         Ok(())
     }
     fn flush(&self) -> io::Result<()> {
+        if let Some(data) = &self.data {
+            data.sync_data()?;
+        }
         self.file.sync_data()
     }
     fn trim(&self, offset: u64, len: u64) -> io::Result<()> {

@@ -10,9 +10,11 @@ use super::{OFFSET_MASK, be32, be64, read_some, read_table, unsupported};
 /// Incompatible feature bits.
 const INCOMPAT_DIRTY: u64 = 1 << 0;
 pub(super) const INCOMPAT_CORRUPT: u64 = 1 << 1;
-const INCOMPAT_DATA_FILE: u64 = 1 << 2;
+pub(super) const INCOMPAT_DATA_FILE: u64 = 1 << 2;
 const INCOMPAT_COMPRESSION: u64 = 1 << 3;
 const INCOMPAT_EXTL2: u64 = 1 << 4;
+/// Autoclear bit: the external data file is a raw image of the disk.
+pub(super) const AUTOCLEAR_DATA_FILE_RAW: u64 = 1 << 1;
 
 /// qemu's bound on an L1 table (QCOW_MAX_L1_SIZE, 32 MiB), in entries.
 const MAX_L1_ENTRIES: usize = (32 << 20) / 8;
@@ -31,7 +33,7 @@ pub(super) struct Header {
     refcount_table_offset: u64,
     refcount_table_clusters: usize,
     nb_snapshots: u32,
-    incompat: u64,
+    pub incompat: u64,
     pub autoclear: u64,
     pub refcount_order: u32,
     /// How compressed clusters are compressed.
@@ -44,9 +46,13 @@ pub(super) struct Header {
 pub(super) struct Names {
     pub backing: Option<String>,
     pub backing_format: Option<String>,
+    /// The external data file (header extension 0x44415441), when the incompatible feature
+    /// bit says the data is there.
+    pub data_file: Option<String>,
 }
 
 const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
+const EXT_DATA_FILE: u32 = 0x4441_5441;
 
 /// The compression type of compressed clusters (header byte 104).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -250,8 +256,15 @@ fn parse(file: &File) -> io::Result<(Header, Names)> {
         };
         if ty == EXT_BACKING_FORMAT {
             names.backing_format = Some(text()?);
+        } else if ty == EXT_DATA_FILE && incompat & INCOMPAT_DATA_FILE != 0 {
+            names.data_file = Some(text()?);
         }
         at = data + len.div_ceil(8) * 8;
+    }
+    if incompat & INCOMPAT_DATA_FILE != 0 && names.data_file.as_deref().is_none_or(str::is_empty) {
+        return Err(unsupported(
+            "keeps its data in an external file but does not name it (qemu takes it as the data-file option): not supported",
+        ));
     }
     let header = Header {
         version,
@@ -289,17 +302,12 @@ fn check_features(h: &Header, read_only: bool) -> io::Result<()> {
             "is marked corrupt: repair it with qemu-img check -r all",
         ));
     }
-    if incompat & INCOMPAT_DATA_FILE != 0 {
-        return Err(unsupported(
-            "keeps its data in an external file: not supported",
-        ));
-    }
     if incompat & INCOMPAT_EXTL2 != 0 {
         return Err(unsupported(
             "has extended L2 entries (subclusters): not supported",
         ));
     }
-    let unknown = incompat & !INCOMPAT_COMPRESSION;
+    let unknown = incompat & !(INCOMPAT_COMPRESSION | INCOMPAT_DATA_FILE);
     if unknown != 0 {
         return Err(unsupported(format!(
             "has unknown incompatible features {unknown:#x}"

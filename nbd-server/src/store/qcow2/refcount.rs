@@ -61,6 +61,10 @@ impl Qcow2 {
     /// and logged.
     pub(super) fn free_entry(&self, st: &mut State, entry: u64) -> io::Result<()> {
         let cs = self.cluster_size();
+        if self.external && entry & super::COMPRESSED == 0 {
+            // Data clusters in an external data file are not refcounted.
+            return Ok(());
+        }
         let (start, len) = if entry & super::COMPRESSED != 0 {
             let (at, len) = self.compressed_range(entry);
             (at & !511, (len + (at & 511)))
