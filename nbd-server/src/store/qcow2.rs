@@ -2,7 +2,7 @@
 //! `qemu-img create -f qcow2` makes, read and written in place. Its header is read in
 //! `header.rs`, its refcounts kept in `refcount.rs` (in `qcow2/`).
 //!
-//! Supported: version 3 (and version 2 read-only), any cluster size, byte-wide refcounts
+//! Supported: versions 3 and 2, any cluster size, byte-wide refcounts
 //! (8 to 64 bits), no encryption, no extended L2 entries.
 //!
 //! An external data file (`data_file`, header extension 0x44415441) is opened beside the image
@@ -23,8 +23,13 @@
 //! makes them) are read, decompressed into one cluster at most; a write into one allocates a
 //! new cluster with the decompressed contents (copy-on-write) and drops the compressed
 //! cluster's reference on every host cluster it spans, as qemu does.
-//! Images with internal snapshots are served read-only only: their clusters are shared and
-//! writing them would need copy-on-write.
+//! Images with internal snapshots are written as qemu writes them, leaving the snapshots
+//! intact: a cluster shared with a snapshot (no COPIED flag: refcount above 1) is copied to a
+//! new cluster before it changes, and the shared one loses a reference; an L2 table shared
+//! with a snapshot (L1 entry without COPIED) is copied first, and the copy made the active
+//! one's. Version 2 has no zero flag: zeroing a whole cluster zeroes its bytes (a hole
+//! punched) or, for a shared or compressed one, unmaps it; over a backing file, zeroes are
+//! written (allocating), so that the backing data stays hidden.
 //!
 //! Writes allocate clusters at the end of the file and keep the refcounts exact, in the order
 //! qemu uses (refcount, then data, then the L2 entry pointing at it, with a write barrier
@@ -142,7 +147,7 @@ impl Qcow2 {
     /// Opens the qcow2 image in `file` (which starts with the magic), found at `path`, and
     /// refuses what this reader does not handle (the caller names the file).
     pub fn open(path: &Path, file: File, read_only: bool) -> io::Result<Qcow2> {
-        let opened = header::read(&file, read_only)?;
+        let opened = header::read(&file)?;
         let h = opened.header;
         let q = Qcow2 {
             path: path.to_owned(),
@@ -352,6 +357,12 @@ impl Qcow2 {
             done += n as usize;
             let (l2, l1_idx, l2_idx) = self.l2_slot(st, guest);
             let (l2, fresh) = if l2 != 0 {
+                // A table shared with a snapshot is copied before it is changed.
+                let l2 = if st.l1[l1_idx] & COPIED == 0 {
+                    self.copy_table(st, l1_idx)?
+                } else {
+                    l2
+                };
                 self.guard(st, l2, HostUse::L2Table)?;
                 (l2, false)
             } else if let Some(&(_, t)) = new_tables.iter().find(|(i, _)| *i == l1_idx) {
@@ -376,10 +387,24 @@ impl Qcow2 {
                     self.data().write_all_at(piece, host + in_cluster)?;
                     continue;
                 }
-                Cluster::Data { copied: false, .. } => {
-                    return Err(io::Error::other(
-                        "cluster shared with a snapshot: copy-on-write is not supported",
-                    ));
+                Cluster::Data {
+                    host: old,
+                    copied: false,
+                } => {
+                    // Shared with a snapshot (refcount above 1): copy-on-write into a new
+                    // cluster; the shared one loses this reference after the link.
+                    let mut whole = vec![0u8; cs as usize];
+                    if n < cs {
+                        self.read_data(&mut whole, old)?;
+                    }
+                    whole[in_cluster as usize..(in_cluster + n) as usize].copy_from_slice(piece);
+                    let host = self.alloc_data(st, guest - in_cluster)?;
+                    allocated = true;
+                    self.guard(st, host, HostUse::Data)?;
+                    self.data().write_all_at(&whole, host)?;
+                    links.push((entry_at, host | COPIED));
+                    frees.push(entry);
+                    continue;
                 }
                 Cluster::Compressed { entry } => {
                     // Copy-on-write: the decompressed cluster, with the piece over it, in a
@@ -499,6 +524,28 @@ impl Qcow2 {
         Ok(out)
     }
 
+    /// Copies the L2 table of L1 entry `l1_idx`, shared with a snapshot (no COPIED flag), to
+    /// a new cluster that the active L1 table then points at, as qemu does before it changes
+    /// such a table (get_cluster_table): the copy durable before the L1 entry, the L1 entry
+    /// before the old table loses a reference. The clusters the table points at keep their
+    /// refcounts: they already count one reference per L1 table that reaches them.
+    fn copy_table(&self, st: &mut State, l1_idx: usize) -> io::Result<u64> {
+        let old = st.l1[l1_idx] & OFFSET_MASK;
+        let mut table = vec![0u8; self.cluster_size() as usize];
+        self.file.read_exact_at(&mut table, old)?;
+        let t = self.alloc(st)?;
+        self.guard(st, t, HostUse::L2Table)?;
+        self.file.write_all_at(&table, t)?;
+        st.l2_tables.insert(t);
+        self.barrier()?;
+        let entry = t | COPIED;
+        self.file
+            .write_all_at(&entry.to_be_bytes(), self.l1_offset + l1_idx as u64 * 8)?;
+        st.l1[l1_idx] = entry;
+        self.release(st, &[old | COPIED])?;
+        Ok(t)
+    }
+
     /// A new, empty L2 table for L1 entry `l1_idx` (which has none), made reachable at once
     /// (its zeroes and refcount durable first).
     fn new_table(&self, st: &mut State, l1_idx: usize) -> io::Result<u64> {
@@ -605,34 +652,9 @@ impl Qcow2 {
         Ok(())
     }
 
-    /// Zeroes `[at, at + len)` of the raw external data file: holes punched, or zeroes
-    /// written where the file cannot have holes.
+    /// Zeroes `[at, at + len)` of the raw external data file.
     fn zero_data(&self, at: u64, len: u64) -> io::Result<()> {
-        use std::os::fd::AsRawFd;
-        let data = self.data();
-        let end = (at + len).min(data.metadata()?.len());
-        if end <= at {
-            return Ok(());
-        }
-        // SAFETY: a plain fallocate on a descriptor we own.
-        let punched = unsafe {
-            libc::fallocate(
-                data.as_raw_fd(),
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                at as libc::off_t,
-                (end - at) as libc::off_t,
-            )
-        } == 0;
-        if !punched {
-            let zeroes = vec![0u8; (1 << 20).min(end - at) as usize];
-            let mut pos = at;
-            while pos < end {
-                let n = (end - pos).min(zeroes.len() as u64) as usize;
-                data.write_all_at(&zeroes[..n], pos)?;
-                pos += n as u64;
-            }
-        }
-        Ok(())
+        zero_file(self.data(), at, len)
     }
 
     /// Bytes of the virtual disk one L2 table maps.
@@ -697,18 +719,35 @@ impl Qcow2 {
                     partial.push((guest, in_cluster, n));
                     continue;
                 }
+                let v3 = self.version >= 3;
                 table[idx] = match cluster {
-                    Cluster::Data { host, copied: true } => host | COPIED | ZERO,
-                    Cluster::Unallocated => ZERO,
-                    // Shared or compressed: the entry drops its reference, as qemu's does.
+                    Cluster::Data { host, copied: true } if v3 => host | COPIED | ZERO,
+                    Cluster::Data { host, copied: true } => {
+                        // Version 2 has no zero flag: the cluster's own bytes are zeroed.
+                        self.guard(&mut st, host, HostUse::Data)?;
+                        zero_file(self.data(), host, cs)?;
+                        continue;
+                    }
+                    Cluster::Unallocated if v3 => ZERO,
+                    _ if !v3 && self.backing.is_some() => {
+                        // Unallocated would show the backing file: zeroes are written.
+                        partial.push((guest, in_cluster, n));
+                        continue;
+                    }
+                    // Shared or compressed: the entry drops its reference, as qemu's does,
+                    // and reads as zero (version 2: unallocated, with no backing file).
                     _ => {
                         frees.push(table[idx]);
-                        ZERO
+                        if v3 { ZERO } else { 0 }
                     }
                 };
                 changed = Some(changed.map_or((idx, idx), |(lo, _)| (lo, idx)));
             }
             if let Some((lo, hi)) = changed {
+                if st.l1[l1_idx] & COPIED == 0 {
+                    // Shared with a snapshot: changed in a copy.
+                    l2 = self.copy_table(&mut st, l1_idx)?;
+                }
                 self.guard(&mut st, l2, HostUse::L2Table)?;
                 let bytes: Vec<u8> = table[lo..=hi]
                     .iter()
@@ -717,7 +756,8 @@ impl Qcow2 {
                 self.file.write_all_at(&bytes, l2 + lo as u64 * 8)?;
             }
             self.release(&mut st, &frees)?;
-            // The partial clusters are the range's ends: entries the write-back left alone.
+            // The partial clusters (the range's ends; with version 2 over a backing file, any):
+            // entries the write-back left alone.
             for (guest, _, n) in partial {
                 self.write_locked(&mut st, &vec![0u8; n as usize], guest)?;
             }
@@ -942,6 +982,35 @@ fn check_range(offset: u64, len: u64, size: u64) -> io::Result<()> {
             io::ErrorKind::InvalidInput,
             "beyond the end of the virtual disk",
         ));
+    }
+    Ok(())
+}
+
+/// Zeroes `[at, at + len)` of `data` (up to its end): holes punched, or zeroes written where
+/// the file cannot have holes.
+fn zero_file(data: &File, at: u64, len: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let end = (at + len).min(data.metadata()?.len());
+    if end <= at {
+        return Ok(());
+    }
+    // SAFETY: a plain fallocate on a descriptor we own.
+    let punched = unsafe {
+        libc::fallocate(
+            data.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            at as libc::off_t,
+            (end - at) as libc::off_t,
+        )
+    } == 0;
+    if !punched {
+        let zeroes = vec![0u8; (1 << 20).min(end - at) as usize];
+        let mut pos = at;
+        while pos < end {
+            let n = (end - pos).min(zeroes.len() as u64) as usize;
+            data.write_all_at(&zeroes[..n], pos)?;
+            pos += n as u64;
+        }
     }
     Ok(())
 }

@@ -32,7 +32,6 @@ pub(super) struct Header {
     pub l1_offset: u64,
     refcount_table_offset: u64,
     refcount_table_clusters: usize,
-    nb_snapshots: u32,
     pub incompat: u64,
     pub autoclear: u64,
     pub refcount_order: u32,
@@ -78,9 +77,9 @@ pub(super) struct Opened {
 
 /// Parses the header of `file` (which starts with the qcow2 magic), refuses what this
 /// reader does not handle, and reads the L1 and refcount tables (the caller names the file).
-pub(super) fn read(file: &File, read_only: bool) -> io::Result<Opened> {
+pub(super) fn read(file: &File) -> io::Result<Opened> {
     let (h, names) = parse(file)?;
-    check_features(&h, read_only)?;
+    check_features(&h)?;
     let Header {
         cluster_bits,
         size,
@@ -186,7 +185,6 @@ fn parse(file: &File) -> io::Result<(Header, Names)> {
     let l1_offset = be64(&h, 40);
     let refcount_table_offset = be64(&h, 48);
     let refcount_table_clusters = be32(&h, 56) as usize;
-    let nb_snapshots = be32(&h, 60);
     let (incompat, autoclear, refcount_order, header_length) = if version == 3 {
         if n < 104 {
             return Err(unsupported("header is truncated"));
@@ -274,7 +272,6 @@ fn parse(file: &File) -> io::Result<(Header, Names)> {
         l1_offset,
         refcount_table_offset,
         refcount_table_clusters,
-        nb_snapshots,
         incompat,
         autoclear,
         refcount_order,
@@ -283,13 +280,11 @@ fn parse(file: &File) -> io::Result<(Header, Names)> {
     Ok((header, names))
 }
 
-/// Refuses the features this server does not handle, and those it serves read-only only.
-fn check_features(h: &Header, read_only: bool) -> io::Result<()> {
+/// Refuses the features this server does not handle.
+fn check_features(h: &Header) -> io::Result<()> {
     let Header {
-        version,
         incompat,
         refcount_order,
-        nb_snapshots,
         ..
     } = *h;
     if incompat & INCOMPAT_DIRTY != 0 {
@@ -317,16 +312,6 @@ fn check_features(h: &Header, read_only: bool) -> io::Result<()> {
         return Err(unsupported(format!(
             "has {}-bit refcounts: only 8 to 64 are supported",
             1u32 << refcount_order.min(31)
-        )));
-    }
-    if !read_only && version == 2 {
-        return Err(unsupported(
-            "is version 2 (compat=0.10): served read-only only (add --read-only, or upgrade it with qemu-img amend -o compat=1.1)",
-        ));
-    }
-    if !read_only && nb_snapshots != 0 {
-        return Err(unsupported(format!(
-            "has {nb_snapshots} internal snapshot(s): served read-only only (add --read-only)"
         )));
     }
     Ok(())
