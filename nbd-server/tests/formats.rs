@@ -1003,3 +1003,62 @@ fn qcow2_with_internal_snapshots_is_written_copy_on_write() {
         assert!(cmp.contains("Images are identical"), "{cmp}");
     }
 }
+
+/// What stays unsupported is refused at open, in one line naming the file (and, for a
+/// backing file, the overlay too): encryption, extended L2 entries (subclusters), refcounts
+/// narrower than a byte, backing files in other formats or over a protocol.
+#[test]
+fn unsupported_qcow2_features_are_refused_in_one_line() {
+    if !require(&["qemu-img"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let encrypted = d.join("encrypted.qcow2").to_str().unwrap().to_string();
+    peer_ok(Command::new("qemu-img").args([
+        "create",
+        "--object",
+        "secret,id=sec0,data=123456",
+        "-f",
+        "qcow2",
+        "-o",
+        "encrypt.format=luks,encrypt.key-secret=sec0,encrypt.iter-time=10",
+        &encrypted,
+        "32M",
+    ]));
+    let extl2 = qemu_img_create(d, "extl2.qcow2", &["-f", "qcow2", "-o", "extended_l2=on"]);
+    let narrow = qemu_img_create(d, "narrow.qcow2", &["-f", "qcow2", "-o", "refcount_bits=1"]);
+    let vmdk = qemu_img_create(d, "base.vmdk", &["-f", "vmdk"]);
+    let over_vmdk = qemu_img_create(
+        d,
+        "over-vmdk.qcow2",
+        &["-f", "qcow2", "-b", &vmdk, "-F", "vmdk"],
+    );
+    let over_nbd = qemu_img_create(
+        d,
+        "over-nbd.qcow2",
+        &[
+            "-f",
+            "qcow2",
+            "-u",
+            "-b",
+            "nbd://127.0.0.1:1/x",
+            "-F",
+            "raw",
+        ],
+    );
+    for (img, words) in [
+        (&encrypted, vec!["encrypted"]),
+        (&extl2, vec!["extended L2"]),
+        (&narrow, vec!["1-bit refcounts"]),
+        (&over_vmdk, vec!["backing file", "base.vmdk", "vmdk"]),
+        (
+            &over_nbd,
+            vec!["backing file", "nbd://127.0.0.1:1/x", "protocol"],
+        ),
+    ] {
+        let mut all = vec![img.as_str(), "not supported"];
+        all.extend(words);
+        refused(&["--export", &format!("x={img}")], &all);
+    }
+}

@@ -24,8 +24,8 @@ use super::{CephOptions, Store};
 pub enum Format {
     /// The file's bytes are the disk.
     Raw,
-    /// A qcow2 image (version 3 as `qemu-img create -f qcow2` makes it; version 2
-    /// read-only): the disk is its virtual disk.
+    /// A qcow2 image (versions 3 and 2, with compressed clusters, a backing chain, an
+    /// external data file or internal snapshots): the disk is its virtual disk.
     Qcow2,
 }
 
@@ -349,9 +349,7 @@ fn open_backing(
         Some(other) => {
             return Err(named(io::Error::new(
                 io::ErrorKind::Unsupported,
-                format!(
-                    "is a {other} image, which is not served as a backing file (only raw and qcow2)"
-                ),
+                format!("is a {other} image: not supported as a backing file (only raw and qcow2)"),
             )));
         }
     };

@@ -1,9 +1,13 @@
-//! The qcow2 store: a qcow2 image file served as its virtual disk, the subset that
-//! `qemu-img create -f qcow2` makes, read and written in place. Its header is read in
-//! `header.rs`, its refcounts kept in `refcount.rs` (in `qcow2/`).
+//! The qcow2 store: a qcow2 image file served as its virtual disk, as qemu serves it, read
+//! and written in place. Its header is read in `header.rs`, its refcounts kept in
+//! `refcount.rs` (in `qcow2/`).
 //!
-//! Supported: versions 3 and 2, any cluster size, byte-wide refcounts
-//! (8 to 64 bits), no encryption, no extended L2 entries.
+//! Served read-write: versions 3 and 2, any cluster size, byte-wide refcounts (8 to 64 bits),
+//! compressed clusters, backing chains, external data files and internal snapshots (below).
+//! Refused at open (`header.rs`), with one line: encryption, extended L2 entries
+//! (subclusters), narrower refcounts, unknown incompatible features, images marked dirty or
+//! corrupt; `store::open` refuses backing files over a protocol or in formats other than
+//! qcow2 and raw, and chains deeper than `open::MAX_BACKING_DEPTH`.
 //!
 //! An external data file (`data_file`, header extension 0x44415441) is opened beside the image
 //! by `store::open`, locked as the image is: its name resolved against the image's directory

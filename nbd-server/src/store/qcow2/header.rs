@@ -310,7 +310,7 @@ fn check_features(h: &Header) -> io::Result<()> {
     }
     if !(3..=6).contains(&refcount_order) {
         return Err(unsupported(format!(
-            "has {}-bit refcounts: only 8 to 64 are supported",
+            "has {}-bit refcounts: not supported (only 8 to 64 bits)",
             1u32 << refcount_order.min(31)
         )));
     }
