@@ -1115,4 +1115,51 @@ mod tests {
         assert!(back[512..2 * CS as usize].iter().all(|&b| b == 0));
         assert!(back[2 * CS as usize..].iter().all(|&b| b == 0x33));
     }
+
+    /// A crafted compressed cluster decompresses into one cluster at most: a zlib stream of
+    /// more than a cluster gives its first cluster (as qemu reads it), a zstd frame of more
+    /// than a cluster and garbage are EIO; nothing panics or allocates past a cluster.
+    #[test]
+    fn crafted_compressed_clusters_are_bounded_by_the_cluster() {
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        let f = image(dir.path());
+        // L2 table at cluster 4, compressed data at cluster 5 (refcounts 1).
+        f.write_all_at(&((4 * CS) | COPIED).to_be_bytes(), 3 * CS)
+            .unwrap();
+        f.write_all_at(&[0, 1, 0, 1], 2 * CS + 8).unwrap();
+        let entry = |len: usize| {
+            let sectors = len.div_ceil(512) as u64;
+            COMPRESSED | ((sectors - 1) << 54) | (5 * CS)
+        };
+        let big = vec![0x5au8; 1 << 20];
+        let mut z = flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::fast());
+        z.write_all(&big).unwrap();
+        let deflated = z.finish().unwrap();
+        let zstd_frame = zstd::bulk::compress(&big, 1).unwrap();
+        let garbage = vec![0xffu8; 4096];
+        f.write_all_at(&deflated, 5 * CS).unwrap();
+        f.write_all_at(&zstd_frame, 5 * CS + 16384).unwrap();
+        f.write_all_at(&garbage, 5 * CS + 32768).unwrap();
+        f.set_len(6 * CS).unwrap();
+        let l2 = |i: u64, e: u64| f.write_all_at(&e.to_be_bytes(), 4 * CS + i * 8).unwrap();
+        l2(0, entry(deflated.len()));
+        l2(1, entry(garbage.len()) + 32768);
+        let q = Qcow2::open(Path::new("t.qcow2"), f.try_clone().unwrap(), true).unwrap();
+        let mut back = vec![0u8; CS as usize];
+        q.read_at(&mut back, 0).unwrap();
+        assert!(back.iter().all(|&b| b == 0x5a));
+        assert!(q.read_at(&mut back, CS).is_err());
+        drop(q);
+        // The same image with zstd compression (header length 112, type 1, incompatible
+        // bit 3): the frame holds more than a cluster.
+        f.write_all_at(&112u32.to_be_bytes(), 100).unwrap();
+        f.write_all_at(&[1], 104).unwrap();
+        f.write_all_at(&8u64.to_be_bytes(), 72).unwrap();
+        l2(0, entry(zstd_frame.len()) + 16384);
+        let q = Qcow2::open(Path::new("t.qcow2"), f, true).unwrap();
+        let err = q.read_at(&mut back, 0).unwrap_err();
+        assert!(err.to_string().contains("more than a cluster"), "{err}");
+        assert!(q.read_at(&mut back, CS).is_err());
+    }
 }
