@@ -24,8 +24,8 @@ use super::{CephOptions, Store};
 pub enum Format {
     /// The file's bytes are the disk.
     Raw,
-    /// A qcow2 image (version 3 as `qemu-img create -f qcow2` makes it; version 2
-    /// read-only): the disk is its virtual disk.
+    /// A qcow2 image (versions 3 and 2, with compressed clusters, a backing chain, an
+    /// external data file or internal snapshots): the disk is its virtual disk.
     Qcow2,
 }
 
@@ -211,20 +211,21 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Box<dyn Store>, OpenErro
         })?;
         format = Some(Format::Raw); // ours: not probed
     }
-    let (store, file) = open_image(path, opts.read_only, format).map_err(|source| {
-        // A read-only file or file system: say how to serve it anyway.
-        let hint = match source.raw_os_error() {
-            Some(libc::EROFS | libc::EACCES | libc::EPERM) if !opts.read_only => {
-                " (to export it read-only, add --read-only)"
+    let (store, file) =
+        open_image(path, opts.read_only, format, opts.lock, 0).map_err(|source| {
+            // A read-only file or file system: say how to serve it anyway.
+            let hint = match source.raw_os_error() {
+                Some(libc::EROFS | libc::EACCES | libc::EPERM) if !opts.read_only => {
+                    " (to export it read-only, add --read-only)"
+                }
+                _ => "",
+            };
+            OpenError::Open {
+                path: path.to_owned(),
+                hint,
+                source,
             }
-            _ => "",
-        };
-        OpenError::Open {
-            path: path.to_owned(),
-            hint,
-            source,
-        }
-    })?;
+        })?;
     if opts.lock {
         lock::lock(&file, opts.read_only).map_err(|source| OpenError::Lock {
             path: path.to_owned(),
@@ -243,14 +244,23 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Box<dyn Store>, OpenErro
     Ok(store)
 }
 
+/// How many images a backing chain may have below the one served: a longer chain (or one
+/// that loops) is refused. qemu sets no such bound; 32 is far past the chains that image
+/// tools and clouds make.
+pub const MAX_BACKING_DEPTH: usize = 32;
+
 /// Opens an existing image in `format`, or probes its format from its first bytes (`None`).
 /// A format we do not serve (vmdk, vdi, qcow version 1, luks, ...) is refused unless
 /// `format` forces raw. Also returns a descriptor of the same open file description, to lock
-/// (the locks then last as long as the store's descriptor).
+/// (the locks then last as long as the store's descriptor). A qcow2 image's backing file is
+/// opened here too, read-only, and locked as qemu locks a backing file (consistent read, and
+/// no writer allowed) when `lock`; `depth` is the image's own depth in the chain.
 fn open_image(
     path: &Path,
     read_only: bool,
     format: Option<Format>,
+    lock: bool,
+    depth: usize,
 ) -> io::Result<(Box<dyn Store>, File)> {
     let file = std::fs::OpenOptions::new()
         .read(true)
@@ -283,8 +293,69 @@ fn open_image(
                     "is not a qcow2 image (no qcow2 magic in its first bytes); drop --format qcow2 to serve it as raw",
                 ));
             }
-            Box::new(Qcow2::open(path, file, read_only)?)
+            let mut q = Qcow2::open(path, file, read_only)?;
+            if let Some(data_path) = q.data_file() {
+                q.set_data_file(open_data_file(&data_path, read_only, lock)?);
+            }
+            if let Some((backing, format)) = q.backing_file()? {
+                q.set_backing(open_backing(&backing, format, lock, depth + 1)?);
+            }
+            Box::new(q)
         }
     };
     Ok((store, for_lock))
+}
+
+/// Opens a qcow2 image's external data file, as writable as the image, and locks it as the
+/// image is locked (qemu locks both). Errors name it, after the image's own name.
+fn open_data_file(path: &Path, read_only: bool, lock: bool) -> io::Result<File> {
+    let named =
+        |e: io::Error| io::Error::new(e.kind(), format!("its data file {}: {e}", path.display()));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(!read_only)
+        .open(path)
+        .map_err(named)?;
+    if lock {
+        lock::lock(&file, read_only).map_err(|e| named(io::Error::other(e.to_string())))?;
+    }
+    Ok(file)
+}
+
+/// Opens backing file `path` read-only (a qcow2 or raw image: the format the overlay's header
+/// names, or probed) and locks it shared. Errors name it, after the overlay's own name.
+fn open_backing(
+    path: &Path,
+    format: Option<&str>,
+    lock: bool,
+    depth: usize,
+) -> io::Result<Box<dyn Store>> {
+    let named = |e: io::Error| {
+        io::Error::new(
+            e.kind(),
+            format!("its backing file {}: {e}", path.display()),
+        )
+    };
+    if depth > MAX_BACKING_DEPTH {
+        return Err(named(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("the backing chain is deeper than {MAX_BACKING_DEPTH} images (does it loop?)"),
+        )));
+    }
+    let format = match format {
+        None => None,
+        Some("qcow2") => Some(Format::Qcow2),
+        Some("raw") => Some(Format::Raw),
+        Some(other) => {
+            return Err(named(io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!("is a {other} image: not supported as a backing file (only raw and qcow2)"),
+            )));
+        }
+    };
+    let (store, file) = open_image(path, true, format, lock, depth).map_err(named)?;
+    if lock {
+        lock::lock(&file, true).map_err(|e| named(io::Error::other(e.to_string())))?;
+    }
+    Ok(store)
 }

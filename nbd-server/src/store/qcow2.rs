@@ -1,12 +1,39 @@
-//! The qcow2 store: a qcow2 image file served as its virtual disk, the subset that
-//! `qemu-img create -f qcow2` makes, read and written in place. Its header is read in
-//! `header.rs`, its refcounts kept in `refcount.rs` (in `qcow2/`).
+//! The qcow2 store: a qcow2 image file served as its virtual disk, as qemu serves it, read
+//! and written in place. Its header is read in `header.rs`, its refcounts kept in
+//! `refcount.rs` (in `qcow2/`).
 //!
-//! Supported: version 3 (and version 2 read-only), any cluster size, byte-wide refcounts
-//! (8 to 64 bits), no backing file, no encryption, no external data file, no extended L2
-//! entries. Reads of compressed clusters fail with EIO (qemu-img convert decompresses).
-//! Images with internal snapshots are served read-only only: their clusters are shared and
-//! writing them would need copy-on-write.
+//! Served read-write: versions 3 and 2, any cluster size, byte-wide refcounts (8 to 64 bits),
+//! compressed clusters, backing chains, external data files and internal snapshots (below).
+//! Refused at open (`header.rs`), with one line: encryption, extended L2 entries
+//! (subclusters), narrower refcounts, unknown incompatible features, images marked dirty or
+//! corrupt; `store::open` refuses backing files over a protocol or in formats other than
+//! qcow2 and raw, and chains deeper than `open::MAX_BACKING_DEPTH`.
+//!
+//! An external data file (`data_file`, header extension 0x44415441) is opened beside the image
+//! by `store::open`, locked as the image is: its name resolved against the image's directory
+//! (qemu opens a relative name from its current directory; run from the image's directory,
+//! both agree). Data clusters lie there at their guest offsets, unrefcounted, as qemu keeps
+//! them (an L2 entry of offset 0 is the data file's first cluster where COPIED says so); with
+//! `data_file_raw` the data file is kept a raw image of the disk (zeroing zeroes it too) and
+//! the autoclear bit that says so is kept.
+//!
+//! A backing file (qcow2 or raw; its name resolved against this image's directory as qemu
+//! resolves it, its format from the header extension or probed) is opened read-only by
+//! `store::open`, which follows the chain up to `open::MAX_BACKING_DEPTH` images and locks
+//! each file as qemu locks a backing file. Unallocated clusters read from it (zeroes past its
+//! end); writes copy-on-write into this image (a partial cluster reads the backing cluster
+//! first); zeroing sets the zero flag, which hides the backing data; block status asks the
+//! backing file about unallocated runs. Compressed clusters (zlib, i.e. raw deflate, and zstd, as `qemu-img convert -c`
+//! makes them) are read, decompressed into one cluster at most; a write into one allocates a
+//! new cluster with the decompressed contents (copy-on-write) and drops the compressed
+//! cluster's reference on every host cluster it spans, as qemu does.
+//! Images with internal snapshots are written as qemu writes them, leaving the snapshots
+//! intact: a cluster shared with a snapshot (no COPIED flag: refcount above 1) is copied to a
+//! new cluster before it changes, and the shared one loses a reference; an L2 table shared
+//! with a snapshot (L1 entry without COPIED) is copied first, and the copy made the active
+//! one's. Version 2 has no zero flag: zeroing a whole cluster zeroes its bytes (a hole
+//! punched) or, for a shared or compressed one, unmaps it; over a backing file, zeroes are
+//! written (allocating), so that the backing data stays hidden.
 //!
 //! Writes allocate clusters at the end of the file and keep the refcounts exact, in the order
 //! qemu uses (refcount, then data, then the L2 entry pointing at it, with a write barrier
@@ -34,7 +61,7 @@ use super::{Extent, Store};
 mod header;
 mod refcount;
 
-use header::INCOMPAT_CORRUPT;
+use header::{AUTOCLEAR_DATA_FILE_RAW, Compression, INCOMPAT_CORRUPT, INCOMPAT_DATA_FILE};
 
 const OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
 const COPIED: u64 = 1 << 63;
@@ -44,7 +71,10 @@ const ZERO: u64 = 1;
 /// How one cluster of the virtual disk is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Cluster {
-    /// Reads as zeroes: unallocated, or allocated at `host` with the zero flag.
+    /// Not allocated: reads from the backing file, or as zeroes without one.
+    Unallocated,
+    /// Reads as zeroes (the v3 zero flag, which hides the backing file): allocated at
+    /// `host`, or not (0).
     Zero {
         host: u64,
     },
@@ -52,7 +82,10 @@ enum Cluster {
         host: u64,
         copied: bool,
     },
-    Compressed,
+    /// A compressed cluster: its L2 entry (host offset and sector count).
+    Compressed {
+        entry: u64,
+    },
 }
 
 /// Why an image is not served.
@@ -76,6 +109,20 @@ pub struct Qcow2 {
     cluster_bits: u32,
     size: u64,
     l1_offset: u64,
+    compression: Compression,
+    /// The backing file, opened read-only (by `store::open`, which follows the chain): what
+    /// unallocated clusters read.
+    backing: Option<Box<dyn Store>>,
+    /// Its name as the header has it, and its format (header extension), if any; the
+    /// external data file's name.
+    names: header::Names,
+    /// The external data file (set by `store::open`), where data clusters are: at their
+    /// guest offset, not refcounted, as qemu keeps them.
+    data: Option<File>,
+    /// Whether the image has an external data file.
+    external: bool,
+    /// Whether that file is a raw image of the disk (`data_file_raw`), kept so.
+    data_raw: bool,
     /// Refcount entry width in bytes.
     refcount_bytes: usize,
     state: Mutex<State>,
@@ -104,7 +151,7 @@ impl Qcow2 {
     /// Opens the qcow2 image in `file` (which starts with the magic), found at `path`, and
     /// refuses what this reader does not handle (the caller names the file).
     pub fn open(path: &Path, file: File, read_only: bool) -> io::Result<Qcow2> {
-        let opened = header::read(&file, read_only)?;
+        let opened = header::read(&file)?;
         let h = opened.header;
         let q = Qcow2 {
             path: path.to_owned(),
@@ -114,6 +161,13 @@ impl Qcow2 {
             cluster_bits: h.cluster_bits,
             size: h.size,
             l1_offset: h.l1_offset,
+            compression: h.compression,
+            backing: None,
+            names: opened.names,
+            data: None,
+            external: h.incompat & INCOMPAT_DATA_FILE != 0,
+            data_raw: h.incompat & INCOMPAT_DATA_FILE != 0
+                && h.autoclear & AUTOCLEAR_DATA_FILE_RAW != 0,
             refcount_bytes: 1 << (h.refcount_order - 3),
             state: Mutex::new(State {
                 l1: opened.l1,
@@ -127,13 +181,70 @@ impl Qcow2 {
             #[cfg(test)]
             barriers: Default::default(),
         };
-        // Autoclear features (bitmaps, a raw external data file) describe data that a writer
-        // who does not know them would make stale: such a writer clears them, as qemu does.
-        if !read_only && h.autoclear != 0 {
-            q.file.write_all_at(&0u64.to_be_bytes(), 88)?;
+        // Autoclear features (bitmaps) describe data that a writer who does not know them
+        // would make stale: such a writer clears them, as qemu does. A raw external data file
+        // is kept raw, and the bit that says so kept.
+        let keep = if q.data_raw {
+            AUTOCLEAR_DATA_FILE_RAW
+        } else {
+            0
+        };
+        if !read_only && h.autoclear & !keep != 0 {
+            q.file.write_all_at(&keep.to_be_bytes(), 88)?;
             q.file.sync_data()?;
         }
         Ok(q)
+    }
+
+    /// The backing file the header names, resolved as qemu resolves it (a relative name
+    /// against the directory of this image's path as given), and its format if the header
+    /// names one. A name with a protocol (`nbd:...`, `json:...`) is refused.
+    pub fn backing_file(&self) -> io::Result<Option<(PathBuf, Option<&str>)>> {
+        let Some(name) = self.names.backing.as_deref() else {
+            return Ok(None);
+        };
+        if name.is_empty() {
+            return Err(unsupported("has an empty backing file name"));
+        }
+        // qemu's path_has_protocol: a colon before any slash.
+        if name
+            .split('/')
+            .next()
+            .is_some_and(|head| head.contains(':'))
+        {
+            return Err(unsupported(format!(
+                "has backing file {name:?}, which names a protocol: not supported"
+            )));
+        }
+        let path = match self.path.parent() {
+            Some(dir) if !Path::new(name).is_absolute() => dir.join(name),
+            _ => PathBuf::from(name),
+        };
+        Ok(Some((path, self.names.backing_format.as_deref())))
+    }
+
+    /// The external data file the header names, resolved against this image's directory.
+    pub fn data_file(&self) -> Option<PathBuf> {
+        let name = self.names.data_file.as_deref()?;
+        Some(match self.path.parent() {
+            Some(dir) if !Path::new(name).is_absolute() => dir.join(name),
+            _ => PathBuf::from(name),
+        })
+    }
+
+    /// Attaches the external data file (opened writable unless the image is read-only).
+    pub fn set_data_file(&mut self, data: File) {
+        self.data = Some(data);
+    }
+
+    /// The file data clusters are in.
+    fn data(&self) -> &File {
+        self.data.as_ref().unwrap_or(&self.file)
+    }
+
+    /// Attaches the backing file (opened read-only): what unallocated clusters read.
+    pub fn set_backing(&mut self, backing: Box<dyn Store>) {
+        self.backing = Some(backing);
     }
 
     /// The virtual disk's size.
@@ -159,11 +270,14 @@ impl Qcow2 {
 
     fn decode(&self, entry: u64) -> Cluster {
         if entry & COMPRESSED != 0 {
-            return Cluster::Compressed;
+            return Cluster::Compressed { entry };
         }
         let host = entry & OFFSET_MASK;
-        if host == 0 || (self.version >= 3 && entry & ZERO != 0) {
+        if self.version >= 3 && entry & ZERO != 0 {
             Cluster::Zero { host }
+        } else if host == 0 && !(self.external && entry & COPIED != 0) {
+            // Offset 0 is a data file's first cluster where COPIED says so (qemu's rule).
+            Cluster::Unallocated
         } else {
             Cluster::Data {
                 host,
@@ -175,7 +289,7 @@ impl Qcow2 {
     fn lookup(&self, st: &State, guest: u64) -> io::Result<Cluster> {
         let (l2, _, l2_idx) = self.l2_slot(st, guest);
         if l2 == 0 {
-            return Ok(Cluster::Zero { host: 0 });
+            return Ok(Cluster::Unallocated);
         }
         Ok(self.decode(read_u64(&self.file, l2 + l2_idx * 8)?))
     }
@@ -206,14 +320,11 @@ impl Qcow2 {
             let out = &mut buf[done..done + n as usize];
             match self.lookup(&st, guest)? {
                 Cluster::Zero { .. } => out.fill(0),
-                Cluster::Data { host, .. } => self.file.read_exact_at(out, host + in_cluster)?,
-                Cluster::Compressed => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::Unsupported,
-                        format!(
-                            "compressed cluster at guest offset {guest}: not supported (decompress with qemu-img convert -O qcow2)"
-                        ),
-                    ));
+                Cluster::Unallocated => self.read_backing(out, guest + in_cluster)?,
+                Cluster::Data { host, .. } => self.read_data(out, host + in_cluster)?,
+                Cluster::Compressed { entry } => {
+                    let whole = self.decompress(entry)?;
+                    out.copy_from_slice(&whole[in_cluster as usize..(in_cluster + n) as usize]);
                 }
             }
             done += n as usize;
@@ -241,6 +352,8 @@ impl Qcow2 {
         // New L2 tables by L1 index, and the L2 entries to write after the barrier.
         let mut new_tables: Vec<(usize, u64)> = Vec::new();
         let mut links: Vec<(u64, u64)> = Vec::new();
+        // The entries the links replace, whose clusters lose a reference after them.
+        let mut frees: Vec<u64> = Vec::new();
         let mut allocated = false;
         let mut done = 0usize;
         for (guest, in_cluster, n) in self.pieces(offset, data.len() as u64) {
@@ -248,6 +361,12 @@ impl Qcow2 {
             done += n as usize;
             let (l2, l1_idx, l2_idx) = self.l2_slot(st, guest);
             let (l2, fresh) = if l2 != 0 {
+                // A table shared with a snapshot is copied before it is changed.
+                let l2 = if st.l1[l1_idx] & COPIED == 0 {
+                    self.copy_table(st, l1_idx)?
+                } else {
+                    l2
+                };
                 self.guard(st, l2, HostUse::L2Table)?;
                 (l2, false)
             } else if let Some(&(_, t)) = new_tables.iter().find(|(i, _)| *i == l1_idx) {
@@ -269,30 +388,56 @@ impl Qcow2 {
             let host = match self.decode(entry) {
                 Cluster::Data { host, copied: true } => {
                     self.guard(st, host, HostUse::Data)?;
-                    self.file.write_all_at(piece, host + in_cluster)?;
+                    self.data().write_all_at(piece, host + in_cluster)?;
                     continue;
                 }
-                Cluster::Data { copied: false, .. } => {
-                    return Err(io::Error::other(
-                        "cluster shared with a snapshot: copy-on-write is not supported",
-                    ));
-                }
-                Cluster::Compressed => {
-                    return Err(io::Error::other(
-                        "writing into a compressed cluster is not supported",
-                    ));
-                }
-                Cluster::Zero { host: 0 } => {
+                Cluster::Data {
+                    host: old,
+                    copied: false,
+                } => {
+                    // Shared with a snapshot (refcount above 1): copy-on-write into a new
+                    // cluster; the shared one loses this reference after the link.
+                    let mut whole = vec![0u8; cs as usize];
+                    if n < cs {
+                        self.read_data(&mut whole, old)?;
+                    }
+                    whole[in_cluster as usize..(in_cluster + n) as usize].copy_from_slice(piece);
+                    let host = self.alloc_data(st, guest - in_cluster)?;
                     allocated = true;
-                    self.alloc(st)?
+                    self.guard(st, host, HostUse::Data)?;
+                    self.data().write_all_at(&whole, host)?;
+                    links.push((entry_at, host | COPIED));
+                    frees.push(entry);
+                    continue;
+                }
+                Cluster::Compressed { entry } => {
+                    // Copy-on-write: the decompressed cluster, with the piece over it, in a
+                    // new cluster; the compressed one loses this reference after the link.
+                    let mut whole = self.decompress(entry)?;
+                    whole[in_cluster as usize..(in_cluster + n) as usize].copy_from_slice(piece);
+                    let host = self.alloc(st)?;
+                    allocated = true;
+                    self.guard(st, host, HostUse::Data)?;
+                    self.file.write_all_at(&whole, host)?;
+                    links.push((entry_at, host | COPIED));
+                    frees.push(entry);
+                    continue;
+                }
+                Cluster::Unallocated | Cluster::Zero { host: 0 } => {
+                    allocated = true;
+                    self.alloc_data(st, guest - in_cluster)?
                 }
                 Cluster::Zero { host } => host,
             };
             self.guard(st, host, HostUse::Data)?;
-            // A cluster that read as zeroes: written whole, then pointed at.
+            // A cluster that read as zeroes, or from the backing file (copy-on-write; not
+            // read where the piece covers it): written whole, then pointed at.
             let mut whole = vec![0u8; cs as usize];
+            if self.decode(entry) == Cluster::Unallocated && n < cs {
+                self.read_backing(&mut whole, guest - in_cluster)?;
+            }
             whole[in_cluster as usize..(in_cluster + n) as usize].copy_from_slice(piece);
-            self.file.write_all_at(&whole, host)?;
+            self.data().write_all_at(&whole, host)?;
             links.push((entry_at, host | COPIED));
         }
         if allocated {
@@ -307,6 +452,131 @@ impl Qcow2 {
                 .write_all_at(&entry.to_be_bytes(), self.l1_offset + l1_idx as u64 * 8)?;
             st.l1[l1_idx] = entry;
         }
+        self.release(st, &frees)
+    }
+
+    /// Drops one reference to the clusters of each of `entries`, L2 entries that no longer
+    /// point at them: after a barrier, so that a power loss leaks them at worst and never
+    /// leaves an entry pointing at a cluster whose refcount has dropped.
+    fn release(&self, st: &mut State, entries: &[u64]) -> io::Result<()> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        self.barrier()?;
+        for &entry in entries {
+            self.free_entry(st, entry)?;
+        }
+        Ok(())
+    }
+
+    /// The host range a compressed cluster's entry names: (offset, length in bytes).
+    fn compressed_range(&self, entry: u64) -> (u64, u64) {
+        let shift = 62 - (self.cluster_bits - 8);
+        let offset = entry & ((1 << shift) - 1);
+        let sectors = ((entry >> shift) & ((1 << (self.cluster_bits - 8)) - 1)) + 1;
+        (offset, sectors * 512 - (offset & 511))
+    }
+
+    /// The contents of a compressed cluster: exactly one cluster, however the stream is
+    /// crafted (at most two clusters of input are read, and output past the cluster is not
+    /// made). Like qemu, a stream that fills the cluster is accepted; one that ends short
+    /// of it, or is corrupt, is EIO.
+    fn decompress(&self, entry: u64) -> io::Result<Vec<u8>> {
+        let (at, len) = self.compressed_range(entry);
+        if self.external {
+            return Err(io::Error::other(
+                "a compressed cluster in an image with an external data file (qemu makes none)",
+            ));
+        }
+        let mut input = vec![0u8; len as usize];
+        // The last compressed cluster may end before its last sector does.
+        read_some(&self.file, &mut input, at)?;
+        let mut out = vec![0u8; self.cluster_size() as usize];
+        let bad = |why: String| {
+            io::Error::other(format!(
+                "compressed cluster at host offset {at:#x} does not decompress: {why}"
+            ))
+        };
+        match self.compression {
+            Compression::Zlib => {
+                let mut z = flate2::Decompress::new(false);
+                z.decompress(&input, &mut out, flate2::FlushDecompress::Finish)
+                    .map_err(|e| bad(e.to_string()))?;
+                if z.total_out() != out.len() as u64 {
+                    return Err(bad(format!("{} bytes, not a cluster", z.total_out())));
+                }
+            }
+            Compression::Zstd => {
+                use zstd::stream::raw::{Decoder, InBuffer, Operation, OutBuffer};
+                let mut z = Decoder::new()?;
+                let mut inb = InBuffer::around(&input);
+                let mut outb = OutBuffer::around(&mut out[..]);
+                let mut left = 1;
+                while outb.pos() < outb.capacity() {
+                    let (was_in, was_out) = (inb.pos(), outb.pos());
+                    left = z.run(&mut inb, &mut outb).map_err(|e| bad(e.to_string()))?;
+                    if inb.pos() == was_in && outb.pos() == was_out {
+                        return Err(bad(format!("{} bytes, not a cluster", outb.pos())));
+                    }
+                }
+                // The frame ends with the cluster (qemu's check): else it held more.
+                if left != 0 {
+                    return Err(bad("more than a cluster".into()));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Copies the L2 table of L1 entry `l1_idx`, shared with a snapshot (no COPIED flag), to
+    /// a new cluster that the active L1 table then points at, as qemu does before it changes
+    /// such a table (get_cluster_table): the copy durable before the L1 entry, the L1 entry
+    /// before the old table loses a reference. The clusters the table points at keep their
+    /// refcounts: they already count one reference per L1 table that reaches them.
+    fn copy_table(&self, st: &mut State, l1_idx: usize) -> io::Result<u64> {
+        let old = st.l1[l1_idx] & OFFSET_MASK;
+        let mut table = vec![0u8; self.cluster_size() as usize];
+        self.file.read_exact_at(&mut table, old)?;
+        let t = self.alloc(st)?;
+        self.guard(st, t, HostUse::L2Table)?;
+        self.file.write_all_at(&table, t)?;
+        st.l2_tables.insert(t);
+        self.barrier()?;
+        let entry = t | COPIED;
+        self.file
+            .write_all_at(&entry.to_be_bytes(), self.l1_offset + l1_idx as u64 * 8)?;
+        st.l1[l1_idx] = entry;
+        self.release(st, &[old | COPIED])?;
+        Ok(t)
+    }
+
+    /// A new, empty L2 table for L1 entry `l1_idx` (which has none), made reachable at once
+    /// (its zeroes and refcount durable first).
+    fn new_table(&self, st: &mut State, l1_idx: usize) -> io::Result<u64> {
+        let t = self.alloc(st)?;
+        self.file
+            .write_all_at(&vec![0u8; self.cluster_size() as usize], t)?;
+        st.l2_tables.insert(t);
+        self.barrier()?;
+        let entry = t | COPIED;
+        self.file
+            .write_all_at(&entry.to_be_bytes(), self.l1_offset + l1_idx as u64 * 8)?;
+        st.l1[l1_idx] = entry;
+        Ok(t)
+    }
+
+    /// Fills `out` with the backing file's bytes from guest offset `at`: zeroes past its end,
+    /// or without one.
+    fn read_backing(&self, out: &mut [u8], at: u64) -> io::Result<()> {
+        let Some(backing) = &self.backing else {
+            out.fill(0);
+            return Ok(());
+        };
+        let has = backing.size().saturating_sub(at).min(out.len() as u64) as usize;
+        if has > 0 {
+            backing.read_at(&mut out[..has], at)?;
+        }
+        out[has..].fill(0);
         Ok(())
     }
 
@@ -319,6 +589,9 @@ impl Qcow2 {
         let on = |at: u64, len: u64| host < at.saturating_add(len) && at < host + cs;
         let lies_on = if !host.is_multiple_of(cs) {
             Some("an unaligned offset")
+        } else if self.external && what == HostUse::Data {
+            // Data in an external data file lies off this file's metadata.
+            None
         } else if on(0, cs) {
             Some("the header")
         } else if on(self.l1_offset, st.l1.len() as u64 * 8) {
@@ -356,7 +629,36 @@ impl Qcow2 {
         #[cfg(test)]
         self.barriers
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Some(data) = &self.data {
+            data.sync_data()?;
+        }
         self.file.sync_data()
+    }
+
+    /// A host cluster for the data of guest cluster `guest`: in an external data file, the
+    /// guest offset itself, not refcounted (as qemu places them); else a new cluster.
+    fn alloc_data(&self, st: &mut State, guest: u64) -> io::Result<u64> {
+        if self.external {
+            Ok(guest)
+        } else {
+            self.alloc(st)
+        }
+    }
+
+    /// Reads data cluster bytes at host offset `at`: past the end of an external data file,
+    /// zeroes (qemu creates it sparse, but another tool may have left it short).
+    fn read_data(&self, out: &mut [u8], at: u64) -> io::Result<()> {
+        if self.data.is_none() {
+            return self.file.read_exact_at(out, at);
+        }
+        let n = read_some(self.data(), out, at)?;
+        out[n..].fill(0);
+        Ok(())
+    }
+
+    /// Zeroes `[at, at + len)` of the raw external data file.
+    fn zero_data(&self, at: u64, len: u64) -> io::Result<()> {
+        zero_file(self.data(), at, len)
     }
 
     /// Bytes of the virtual disk one L2 table maps.
@@ -385,24 +687,35 @@ impl Qcow2 {
         let end = offset + len;
         let mut st = self.state.lock();
         refuse_if_corrupt(&st)?;
+        if self.data_raw {
+            // The raw data file is the disk: it reads as zeroes too.
+            self.zero_data(offset, len)?;
+        }
         let mut pos = offset;
         while pos < end {
             let span_end = (pos / self.l2_span() + 1)
                 .saturating_mul(self.l2_span())
                 .min(end);
-            let (l2, _, first_idx) = self.l2_slot(&st, pos);
+            let (mut l2, l1_idx, first_idx) = self.l2_slot(&st, pos);
             if l2 == 0 {
-                pos = self.next_table(&st, pos, end);
-                continue;
+                if self.backing.is_none() {
+                    pos = self.next_table(&st, pos, end);
+                    continue;
+                }
+                // Unallocated reads the backing file: zero flags must hide it.
+                l2 = self.new_table(&mut st, l1_idx)?;
             }
             let mut table = read_table(&self.file, l2, self.l2_entries() as usize)?;
             let mut changed: Option<(usize, usize)> = None;
             let mut partial = Vec::new();
+            let mut frees = Vec::new();
             for (guest, in_cluster, n) in self.pieces(pos, span_end - pos) {
                 let idx = (first_idx + (guest - pos + pos % cs) / cs) as usize;
                 let cluster = self.decode(table[idx]);
-                if let Cluster::Zero { .. } = cluster {
-                    continue;
+                match cluster {
+                    Cluster::Zero { .. } => continue,
+                    Cluster::Unallocated if self.backing.is_none() => continue,
+                    _ => {}
                 }
                 // Up to the virtual end counts as whole.
                 let whole = in_cluster == 0 && (n == cs || guest + n == self.size);
@@ -410,15 +723,35 @@ impl Qcow2 {
                     partial.push((guest, in_cluster, n));
                     continue;
                 }
+                let v3 = self.version >= 3;
                 table[idx] = match cluster {
-                    Cluster::Data { host, copied: true } => host | COPIED | ZERO,
-                    // Shared or compressed: drop the reference (leaking it) rather than
-                    // change what a snapshot sees.
-                    _ => ZERO,
+                    Cluster::Data { host, copied: true } if v3 => host | COPIED | ZERO,
+                    Cluster::Data { host, copied: true } => {
+                        // Version 2 has no zero flag: the cluster's own bytes are zeroed.
+                        self.guard(&mut st, host, HostUse::Data)?;
+                        zero_file(self.data(), host, cs)?;
+                        continue;
+                    }
+                    Cluster::Unallocated if v3 => ZERO,
+                    _ if !v3 && self.backing.is_some() => {
+                        // Unallocated would show the backing file: zeroes are written.
+                        partial.push((guest, in_cluster, n));
+                        continue;
+                    }
+                    // Shared or compressed: the entry drops its reference, as qemu's does,
+                    // and reads as zero (version 2: unallocated, with no backing file).
+                    _ => {
+                        frees.push(table[idx]);
+                        if v3 { ZERO } else { 0 }
+                    }
                 };
                 changed = Some(changed.map_or((idx, idx), |(lo, _)| (lo, idx)));
             }
             if let Some((lo, hi)) = changed {
+                if st.l1[l1_idx] & COPIED == 0 {
+                    // Shared with a snapshot: changed in a copy.
+                    l2 = self.copy_table(&mut st, l1_idx)?;
+                }
                 self.guard(&mut st, l2, HostUse::L2Table)?;
                 let bytes: Vec<u8> = table[lo..=hi]
                     .iter()
@@ -426,7 +759,9 @@ impl Qcow2 {
                     .collect();
                 self.file.write_all_at(&bytes, l2 + lo as u64 * 8)?;
             }
-            // The partial clusters are the range's ends: entries the write-back left alone.
+            self.release(&mut st, &frees)?;
+            // The partial clusters (the range's ends; with version 2 over a backing file, any):
+            // entries the write-back left alone.
             for (guest, _, n) in partial {
                 self.write_locked(&mut st, &vec![0u8; n as usize], guest)?;
             }
@@ -442,10 +777,60 @@ impl Qcow2 {
     pub fn extents(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u64, bool)>> {
         let end = offset.saturating_add(len).min(self.size);
         let cs = self.cluster_size();
-        let st = self.state.lock();
+        // Runs of this image's own: zero, data, or unallocated (the backing file's).
+        let mut runs: Vec<(u64, Run)> = Vec::new();
+        {
+            let st = self.state.lock();
+            let push = |runs: &mut Vec<(u64, Run)>, n: u64, run: Run| {
+                if let Some((l, r)) = runs.last_mut()
+                    && *r == run
+                {
+                    *l += n;
+                    return true;
+                }
+                if runs.len() == max {
+                    return false;
+                }
+                runs.push((n, run));
+                true
+            };
+            let mut tables_read = 0;
+            let mut pos = offset;
+            'spans: while pos < end {
+                let span_end = (pos / self.l2_span() + 1)
+                    .saturating_mul(self.l2_span())
+                    .min(end);
+                let (l2, _, first_idx) = self.l2_slot(&st, pos);
+                if l2 == 0 {
+                    let next = self.next_table(&st, pos, end);
+                    if !push(&mut runs, next - pos, Run::Unallocated) {
+                        break;
+                    }
+                    pos = next;
+                    continue;
+                }
+                if tables_read == EXTENT_TABLES {
+                    break;
+                }
+                tables_read += 1;
+                let table = read_table(&self.file, l2, self.l2_entries() as usize)?;
+                for (guest, _, n) in self.pieces(pos, span_end - pos) {
+                    let idx = (first_idx + (guest - pos + pos % cs) / cs) as usize;
+                    let run = match self.decode(table[idx]) {
+                        Cluster::Zero { .. } => Run::Zero,
+                        Cluster::Unallocated => Run::Unallocated,
+                        Cluster::Data { .. } | Cluster::Compressed { .. } => Run::Data,
+                    };
+                    if !push(&mut runs, n, run) {
+                        break 'spans;
+                    }
+                }
+                pos = span_end;
+            }
+        }
+        // Unallocated runs are what the backing file says they are.
         let mut out: Vec<(u64, bool)> = Vec::new();
-        // Extends the last run or starts one; false when `max` runs are full.
-        let push = |out: &mut Vec<(u64, bool)>, n: u64, zero: bool| {
+        let mut push = |n: u64, zero: bool| {
             if let Some((l, z)) = out.last_mut()
                 && *z == zero
             {
@@ -458,34 +843,50 @@ impl Qcow2 {
             out.push((n, zero));
             true
         };
-        let mut tables_read = 0;
         let mut pos = offset;
-        'spans: while pos < end {
-            let span_end = (pos / self.l2_span() + 1)
-                .saturating_mul(self.l2_span())
-                .min(end);
-            let (l2, _, first_idx) = self.l2_slot(&st, pos);
-            if l2 == 0 {
-                let next = self.next_table(&st, pos, end);
-                if !push(&mut out, next - pos, true) {
-                    break;
+        'runs: for (n, run) in runs {
+            let run_end = pos + n;
+            match (run, &self.backing) {
+                (Run::Data, _) => {
+                    if !push(n, false) {
+                        break;
+                    }
                 }
-                pos = next;
-                continue;
-            }
-            if tables_read == EXTENT_TABLES {
-                break;
-            }
-            tables_read += 1;
-            let table = read_table(&self.file, l2, self.l2_entries() as usize)?;
-            for (guest, _, n) in self.pieces(pos, span_end - pos) {
-                let idx = (first_idx + (guest - pos + pos % cs) / cs) as usize;
-                let zero = matches!(self.decode(table[idx]), Cluster::Zero { .. });
-                if !push(&mut out, n, zero) {
-                    break 'spans;
+                (Run::Zero, _) | (Run::Unallocated, None) => {
+                    if !push(n, true) {
+                        break;
+                    }
+                }
+                (Run::Unallocated, Some(backing)) => {
+                    let mut p = pos;
+                    let has = backing.size().clamp(pos, run_end);
+                    while p < has {
+                        let got = backing.extents(p, has - p)?;
+                        if got.iter().all(|e| e.len == 0) {
+                            // Said nothing: data, which is always a correct answer.
+                            if !push(has - p, false) {
+                                break 'runs;
+                            }
+                            p = has;
+                        }
+                        for e in got {
+                            let e_len = e.len.min(has - p);
+                            if e_len == 0 {
+                                continue;
+                            }
+                            if !push(e_len, e.hole) {
+                                break 'runs;
+                            }
+                            p += e_len;
+                        }
+                    }
+                    // Past the backing file's end: zeroes.
+                    if has < run_end && !push(run_end - has, true) {
+                        break;
+                    }
                 }
             }
-            pos = span_end;
+            pos = run_end;
         }
         Ok(out)
     }
@@ -522,11 +923,14 @@ impl Store for Qcow2 {
         Qcow2::write_at(self, data, offset)?;
         if fua {
             // The whole file: the metadata that makes new clusters reachable too.
-            self.file.sync_data()?;
+            Store::flush(self)?;
         }
         Ok(())
     }
     fn flush(&self) -> io::Result<()> {
+        if let Some(data) = &self.data {
+            data.sync_data()?;
+        }
         self.file.sync_data()
     }
     fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
@@ -548,6 +952,14 @@ impl Store for Qcow2 {
             .map(|(len, hole)| Extent { len, hole })
             .collect())
     }
+}
+
+/// A run of clusters as the image itself maps them, for block status.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Run {
+    Zero,
+    Data,
+    Unallocated,
 }
 
 /// What a host cluster is about to be written as.
@@ -574,6 +986,35 @@ fn check_range(offset: u64, len: u64, size: u64) -> io::Result<()> {
             io::ErrorKind::InvalidInput,
             "beyond the end of the virtual disk",
         ));
+    }
+    Ok(())
+}
+
+/// Zeroes `[at, at + len)` of `data` (up to its end): holes punched, or zeroes written where
+/// the file cannot have holes.
+fn zero_file(data: &File, at: u64, len: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let end = (at + len).min(data.metadata()?.len());
+    if end <= at {
+        return Ok(());
+    }
+    // SAFETY: a plain fallocate on a descriptor we own.
+    let punched = unsafe {
+        libc::fallocate(
+            data.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            at as libc::off_t,
+            (end - at) as libc::off_t,
+        )
+    } == 0;
+    if !punched {
+        let zeroes = vec![0u8; (1 << 20).min(end - at) as usize];
+        let mut pos = at;
+        while pos < end {
+            let n = (end - pos).min(zeroes.len() as u64) as usize;
+            data.write_all_at(&zeroes[..n], pos)?;
+            pos += n as u64;
+        }
     }
     Ok(())
 }
@@ -673,5 +1114,52 @@ mod tests {
         assert!(back[..512].iter().all(|&b| b == 0x44));
         assert!(back[512..2 * CS as usize].iter().all(|&b| b == 0));
         assert!(back[2 * CS as usize..].iter().all(|&b| b == 0x33));
+    }
+
+    /// A crafted compressed cluster decompresses into one cluster at most: a zlib stream of
+    /// more than a cluster gives its first cluster (as qemu reads it), a zstd frame of more
+    /// than a cluster and garbage are EIO; nothing panics or allocates past a cluster.
+    #[test]
+    fn crafted_compressed_clusters_are_bounded_by_the_cluster() {
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        let f = image(dir.path());
+        // L2 table at cluster 4, compressed data at cluster 5 (refcounts 1).
+        f.write_all_at(&((4 * CS) | COPIED).to_be_bytes(), 3 * CS)
+            .unwrap();
+        f.write_all_at(&[0, 1, 0, 1], 2 * CS + 8).unwrap();
+        let entry = |len: usize| {
+            let sectors = len.div_ceil(512) as u64;
+            COMPRESSED | ((sectors - 1) << 54) | (5 * CS)
+        };
+        let big = vec![0x5au8; 1 << 20];
+        let mut z = flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::fast());
+        z.write_all(&big).unwrap();
+        let deflated = z.finish().unwrap();
+        let zstd_frame = zstd::bulk::compress(&big, 1).unwrap();
+        let garbage = vec![0xffu8; 4096];
+        f.write_all_at(&deflated, 5 * CS).unwrap();
+        f.write_all_at(&zstd_frame, 5 * CS + 16384).unwrap();
+        f.write_all_at(&garbage, 5 * CS + 32768).unwrap();
+        f.set_len(6 * CS).unwrap();
+        let l2 = |i: u64, e: u64| f.write_all_at(&e.to_be_bytes(), 4 * CS + i * 8).unwrap();
+        l2(0, entry(deflated.len()));
+        l2(1, entry(garbage.len()) + 32768);
+        let q = Qcow2::open(Path::new("t.qcow2"), f.try_clone().unwrap(), true).unwrap();
+        let mut back = vec![0u8; CS as usize];
+        q.read_at(&mut back, 0).unwrap();
+        assert!(back.iter().all(|&b| b == 0x5a));
+        assert!(q.read_at(&mut back, CS).is_err());
+        drop(q);
+        // The same image with zstd compression (header length 112, type 1, incompatible
+        // bit 3): the frame holds more than a cluster.
+        f.write_all_at(&112u32.to_be_bytes(), 100).unwrap();
+        f.write_all_at(&[1], 104).unwrap();
+        f.write_all_at(&8u64.to_be_bytes(), 72).unwrap();
+        l2(0, entry(zstd_frame.len()) + 16384);
+        let q = Qcow2::open(Path::new("t.qcow2"), f, true).unwrap();
+        let err = q.read_at(&mut back, 0).unwrap_err();
+        assert!(err.to_string().contains("more than a cluster"), "{err}");
+        assert!(q.read_at(&mut back, CS).is_err());
     }
 }

@@ -10,9 +10,11 @@ use super::{OFFSET_MASK, be32, be64, read_some, read_table, unsupported};
 /// Incompatible feature bits.
 const INCOMPAT_DIRTY: u64 = 1 << 0;
 pub(super) const INCOMPAT_CORRUPT: u64 = 1 << 1;
-const INCOMPAT_DATA_FILE: u64 = 1 << 2;
+pub(super) const INCOMPAT_DATA_FILE: u64 = 1 << 2;
 const INCOMPAT_COMPRESSION: u64 = 1 << 3;
 const INCOMPAT_EXTL2: u64 = 1 << 4;
+/// Autoclear bit: the external data file is a raw image of the disk.
+pub(super) const AUTOCLEAR_DATA_FILE_RAW: u64 = 1 << 1;
 
 /// qemu's bound on an L1 table (QCOW_MAX_L1_SIZE, 32 MiB), in entries.
 const MAX_L1_ENTRIES: usize = (32 << 20) / 8;
@@ -30,15 +32,39 @@ pub(super) struct Header {
     pub l1_offset: u64,
     refcount_table_offset: u64,
     refcount_table_clusters: usize,
-    nb_snapshots: u32,
-    incompat: u64,
+    pub incompat: u64,
     pub autoclear: u64,
     pub refcount_order: u32,
+    /// How compressed clusters are compressed.
+    pub compression: Compression,
+}
+
+/// What the header names beside the image: its backing file (as written: the caller
+/// resolves it) and that file's format (header extension 0xe2792aca), if any.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Names {
+    pub backing: Option<String>,
+    pub backing_format: Option<String>,
+    /// The external data file (header extension 0x44415441), when the incompatible feature
+    /// bit says the data is there.
+    pub data_file: Option<String>,
+}
+
+const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
+const EXT_DATA_FILE: u32 = 0x4441_5441;
+
+/// The compression type of compressed clusters (header byte 104).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Compression {
+    /// Raw deflate (no zlib header), as qemu writes it with window bits -12.
+    Zlib,
+    Zstd,
 }
 
 /// An image as it is opened: its header and what was read of its tables.
 pub(super) struct Opened {
     pub header: Header,
+    pub names: Names,
     pub l1: Vec<u64>,
     pub refcount_table: Vec<u64>,
     pub refcount_table_offset: u64,
@@ -51,9 +77,9 @@ pub(super) struct Opened {
 
 /// Parses the header of `file` (which starts with the qcow2 magic), refuses what this
 /// reader does not handle, and reads the L1 and refcount tables (the caller names the file).
-pub(super) fn read(file: &File, read_only: bool) -> io::Result<Opened> {
-    let h = parse(file)?;
-    check_features(&h, read_only)?;
+pub(super) fn read(file: &File) -> io::Result<Opened> {
+    let (h, names) = parse(file)?;
+    check_features(&h)?;
     let Header {
         cluster_bits,
         size,
@@ -119,6 +145,7 @@ pub(super) fn read(file: &File, read_only: bool) -> io::Result<Opened> {
     let next_free = file_len.div_ceil(cluster) * cluster;
     Ok(Opened {
         header: h,
+        names,
         l1,
         refcount_table,
         refcount_table_offset,
@@ -128,8 +155,8 @@ pub(super) fn read(file: &File, read_only: bool) -> io::Result<Opened> {
     })
 }
 
-/// The header's fields, with the checks that need no others.
-fn parse(file: &File) -> io::Result<Header> {
+/// The header's fields and the names it holds, with the checks that need no others.
+fn parse(file: &File) -> io::Result<(Header, Names)> {
     let mut h = vec![0u8; 112];
     let n = read_some(file, &mut h, 0)?;
     if n < 72 {
@@ -144,11 +171,8 @@ fn parse(file: &File) -> io::Result<Header> {
     if version != 2 && version != 3 {
         return Err(unsupported(format!("has unknown version {version}")));
     }
-    if be64(&h, 8) != 0 {
-        return Err(unsupported(
-            "has a backing file: not supported; flatten it with qemu-img convert -O qcow2",
-        ));
-    }
+    let backing_offset = be64(&h, 8);
+    let backing_len = be32(&h, 16) as u64;
     let cluster_bits = be32(&h, 20);
     if !(9..=21).contains(&cluster_bits) {
         return Err(unsupported(format!("has cluster_bits {cluster_bits}")));
@@ -161,16 +185,86 @@ fn parse(file: &File) -> io::Result<Header> {
     let l1_offset = be64(&h, 40);
     let refcount_table_offset = be64(&h, 48);
     let refcount_table_clusters = be32(&h, 56) as usize;
-    let nb_snapshots = be32(&h, 60);
-    let (incompat, autoclear, refcount_order) = if version == 3 {
+    let (incompat, autoclear, refcount_order, header_length) = if version == 3 {
         if n < 104 {
             return Err(unsupported("header is truncated"));
         }
-        (be64(&h, 72), be64(&h, 88), be32(&h, 96))
+        (be64(&h, 72), be64(&h, 88), be32(&h, 96), be32(&h, 100))
     } else {
-        (0, 0, 4)
+        (0, 0, 4, 72)
     };
-    Ok(Header {
+    // The compression type is in the header when it is longer than 104 bytes.
+    let compression = match (header_length > 104 && n > 104).then(|| h[104]) {
+        None | Some(0) => Compression::Zlib,
+        Some(1) => Compression::Zstd,
+        Some(t) => {
+            return Err(unsupported(format!(
+                "has unknown compression type {t}: not supported"
+            )));
+        }
+    };
+    if compression != Compression::Zlib && incompat & INCOMPAT_COMPRESSION == 0 {
+        return Err(unsupported(
+            "has a compression type other than zlib without the incompatible feature bit that says so",
+        ));
+    }
+    // The header extensions and the backing file's name lie in the first cluster.
+    let cluster = 1u64 << cluster_bits;
+    let mut first = vec![0u8; cluster as usize];
+    let got = read_some(file, &mut first, 0)?;
+    first.truncate(got);
+    let mut names = Names::default();
+    if backing_offset != 0 {
+        // qemu's bound: 1023 bytes, in the first cluster.
+        if backing_len > 1023
+            || backing_offset
+                .checked_add(backing_len)
+                .is_none_or(|end| end > got as u64)
+        {
+            return Err(unsupported(
+                "has a backing file name that is too long or lies past its first cluster",
+            ));
+        }
+        let name = &first[backing_offset as usize..(backing_offset + backing_len) as usize];
+        names.backing = Some(
+            String::from_utf8(name.to_vec())
+                .map_err(|_| unsupported("has a backing file name that is not UTF-8"))?,
+        );
+    }
+    let ext_end = if backing_offset != 0 {
+        backing_offset as usize
+    } else {
+        got
+    };
+    let mut at = header_length as usize;
+    while at + 8 <= ext_end {
+        let (ty, len) = (be32(&first, at), be32(&first, at + 4) as usize);
+        if ty == 0 {
+            break;
+        }
+        let data = at + 8;
+        if data + len > ext_end {
+            return Err(unsupported(format!(
+                "has a header extension {ty:#x} past the end of its area"
+            )));
+        }
+        let text = || {
+            String::from_utf8(first[data..data + len].to_vec())
+                .map_err(|_| unsupported(format!("has a header extension {ty:#x} not in UTF-8")))
+        };
+        if ty == EXT_BACKING_FORMAT {
+            names.backing_format = Some(text()?);
+        } else if ty == EXT_DATA_FILE && incompat & INCOMPAT_DATA_FILE != 0 {
+            names.data_file = Some(text()?);
+        }
+        at = data + len.div_ceil(8) * 8;
+    }
+    if incompat & INCOMPAT_DATA_FILE != 0 && names.data_file.as_deref().is_none_or(str::is_empty) {
+        return Err(unsupported(
+            "keeps its data in an external file but does not name it (qemu takes it as the data-file option): not supported",
+        ));
+    }
+    let header = Header {
         version,
         cluster_bits,
         size,
@@ -178,20 +272,19 @@ fn parse(file: &File) -> io::Result<Header> {
         l1_offset,
         refcount_table_offset,
         refcount_table_clusters,
-        nb_snapshots,
         incompat,
         autoclear,
         refcount_order,
-    })
+        compression,
+    };
+    Ok((header, names))
 }
 
-/// Refuses the features this server does not handle, and those it serves read-only only.
-fn check_features(h: &Header, read_only: bool) -> io::Result<()> {
+/// Refuses the features this server does not handle.
+fn check_features(h: &Header) -> io::Result<()> {
     let Header {
-        version,
         incompat,
         refcount_order,
-        nb_snapshots,
         ..
     } = *h;
     if incompat & INCOMPAT_DIRTY != 0 {
@@ -204,17 +297,12 @@ fn check_features(h: &Header, read_only: bool) -> io::Result<()> {
             "is marked corrupt: repair it with qemu-img check -r all",
         ));
     }
-    if incompat & INCOMPAT_DATA_FILE != 0 {
-        return Err(unsupported(
-            "keeps its data in an external file: not supported",
-        ));
-    }
     if incompat & INCOMPAT_EXTL2 != 0 {
         return Err(unsupported(
             "has extended L2 entries (subclusters): not supported",
         ));
     }
-    let unknown = incompat & !INCOMPAT_COMPRESSION;
+    let unknown = incompat & !(INCOMPAT_COMPRESSION | INCOMPAT_DATA_FILE);
     if unknown != 0 {
         return Err(unsupported(format!(
             "has unknown incompatible features {unknown:#x}"
@@ -222,18 +310,8 @@ fn check_features(h: &Header, read_only: bool) -> io::Result<()> {
     }
     if !(3..=6).contains(&refcount_order) {
         return Err(unsupported(format!(
-            "has {}-bit refcounts: only 8 to 64 are supported",
+            "has {}-bit refcounts: not supported (only 8 to 64 bits)",
             1u32 << refcount_order.min(31)
-        )));
-    }
-    if !read_only && version == 2 {
-        return Err(unsupported(
-            "is version 2 (compat=0.10): served read-only only (add --read-only, or upgrade it with qemu-img amend -o compat=1.1)",
-        ));
-    }
-    if !read_only && nb_snapshots != 0 {
-        return Err(unsupported(format!(
-            "has {nb_snapshots} internal snapshot(s): served read-only only (add --read-only)"
         )));
     }
     Ok(())

@@ -38,6 +38,55 @@ impl Qcow2 {
         )
     }
 
+    /// The refcount of host cluster `host` (0 where no block counts it).
+    pub(super) fn refcount(&self, st: &State, host: u64) -> io::Result<u64> {
+        let bi = self.block_index(host);
+        let block = st.refcount_table.get(bi).map_or(0, |e| e & OFFSET_MASK);
+        if block == 0 {
+            return Ok(0);
+        }
+        let ci = host >> self.cluster_bits;
+        let w = self.refcount_bytes;
+        let mut bytes = [0u8; 8];
+        self.file.read_exact_at(
+            &mut bytes[8 - w..],
+            block + (ci % self.refcounts_per_block()) * w as u64,
+        )?;
+        Ok(u64::from_be_bytes(bytes))
+    }
+
+    /// Drops the reference an L2 entry held, as qemu's qcow2_free_any_cluster does: a
+    /// compressed cluster's every host cluster (several compressed clusters may share one),
+    /// a data cluster's one. A refcount already at 0 is left so (the image was inconsistent)
+    /// and logged.
+    pub(super) fn free_entry(&self, st: &mut State, entry: u64) -> io::Result<()> {
+        let cs = self.cluster_size();
+        if self.external && entry & super::COMPRESSED == 0 {
+            // Data clusters in an external data file are not refcounted.
+            return Ok(());
+        }
+        let (start, len) = if entry & super::COMPRESSED != 0 {
+            let (at, len) = self.compressed_range(entry);
+            (at & !511, (len + (at & 511)))
+        } else {
+            (entry & OFFSET_MASK, cs)
+        };
+        if start == 0 {
+            return Ok(());
+        }
+        let first = start / cs * cs;
+        for host in (first..start + len).step_by(cs as usize) {
+            match self.refcount(st, host)? {
+                0 => tracing::warn!(
+                    "qcow2 {}: cluster {host:#x} freed with refcount 0 already",
+                    self.path.display()
+                ),
+                n => self.set_refcount(st, host, n - 1)?,
+            }
+        }
+        Ok(())
+    }
+
     pub(super) fn set_refcount(&self, st: &mut State, host: u64, value: u64) -> io::Result<()> {
         let cs = self.cluster_size();
         let bi = self.block_index(host);
