@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Server memory under many connections (issue 18): RSS of qpip-nbd-server with N idle
-clients past the handshake, with M unfinished handshakes (slowloris), and with B busy fio
-clients writing. Prints one line per case.
+"""Server memory under many connections (issues 18, 24): RSS of qpip-nbd-server with N idle
+clients past the handshake, with M unfinished handshakes (slowloris), with B busy fio
+clients writing, and with U clients that pipeline 32 READs of 32 MiB and never read the
+replies, on a qcow2 export and on the holes of a tmpfs image (reads that go through
+registered buffers, not the image's mapping). Prints one line per case.
 
-usage: rss_connections.py SERVER_BIN [--idle 200] [--slow 1000] [--busy 64]
+usage: rss_connections.py SERVER_BIN [--idle 200] [--slow 1000] [--busy 64] [--unread 64]
 """
 import argparse, os, socket, struct, subprocess, sys, tempfile, time
 
@@ -49,21 +51,38 @@ def handshaken(port, name=b"disk"):
             raise RuntimeError(f"GO refused: {rtype:#x}")
 
 
+def unread_reads(port, name, n, at):
+    """`n` clients on export `name` that each send 32 READs of 32 MiB from `at` and read
+    nothing."""
+    clients = []
+    for _ in range(n):
+        s = handshaken(port, name)
+        for i in range(32):
+            off = at + (i % 2) * (32 << 20)
+            s.sendall(struct.pack(">IHHQQI", 0x25609513, 0, 0, i, off, 32 << 20))
+        clients.append(s)
+    return clients
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("server")
     ap.add_argument("--idle", type=int, default=200)
     ap.add_argument("--slow", type=int, default=1000)
     ap.add_argument("--busy", type=int, default=64)
+    ap.add_argument("--unread", type=int, default=64)
     a = ap.parse_args()
     port = 11900
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
         img = os.path.join(d, "disk.img")
         with open(img, "wb") as f:
             f.truncate(4 << 30)
+        qcow = os.path.join(d, "disk.qcow2")
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", qcow, "1G"], check=True)
         srv = subprocess.Popen(
-            [a.server, "--export", f"disk={img}", "--listen", f"127.0.0.1:{port}",
-             "--max-connections", str(max(a.idle, a.busy) + 8), "--log", "error"],
+            [a.server, "--export", f"disk={img}", "--export", f"q={qcow}",
+             "--listen", f"127.0.0.1:{port}",
+             "--max-connections", str(max(a.idle, a.busy, a.unread) + 8), "--log", "error"],
             stdout=subprocess.DEVNULL)
         try:
             time.sleep(1)
@@ -94,6 +113,20 @@ def main():
                 time.sleep(0.2)
             print(f"{a.busy} busy fio clients (1 MiB writes, 16 in flight each): peak RSS "
                   f"{peak / 2**20:.1f} MiB")
+            # The busy clients wrote the tmpfs image's first 64 MiB: read holes beyond them.
+            for name, what, at in [(b"q", "qcow2", 0), (b"disk", "tmpfs holes", 2 << 30)]:
+                base = rss(srv.pid)
+                hogs = unread_reads(port, name, a.unread, at)
+                peak = base
+                for _ in range(15):
+                    peak = max(peak, rss(srv.pid))
+                    time.sleep(0.2)
+                print(f"{a.unread} clients with 32 x 32 MiB READs unread ({what}): RSS "
+                      f"{base / 2**20:.1f} -> peak {peak / 2**20:.1f} MiB "
+                      f"(asked for {a.unread} GiB)")
+                for x in hogs:
+                    x.close()
+                time.sleep(1)
         finally:
             srv.terminate()
             srv.wait()
