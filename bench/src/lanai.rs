@@ -8,7 +8,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use qpip_core::lanai::params::ChecksumAt;
 use qpip_core::lanai::pci::{PciBus, Use};
-use qpip_core::lanai::sim::apps::Proto;
+use qpip_core::lanai::sim::apps::{BulkConfig, PingPort, Proto};
 use qpip_core::lanai::sim::experiments::{self, Setup, StageUs, TtcpResult, Utilisation};
 use qpip_core::lanai::{FabricParams, LanaiParams};
 use serde_json::{Value, json};
@@ -116,6 +116,29 @@ fn what_if_rows() -> Vec<(&'static str, &'static str, Change)> {
     ]
 }
 
+/// How the programs were ported to QPs: what every headline figure assumes.
+const TTCP_PORT: &str = "ttcp v1.4 ported simply: one buffer each side, so 1 send outstanding \
+     (a write returns when the peer has acknowledged its bytes) and 1 receive posted, reposted \
+     as each read returns";
+const RTT_PORT: &str = "blocking ping-pong on one buffer: write returns when the send completes, \
+     then read posts its receive";
+
+/// The ports the sensitivity table tries: (sends outstanding, receives posted).
+const PORTS: [(usize, usize); 6] = [(1, 1), (1, 16), (2, 1), (2, 16), (8, 1), (8, 16)];
+
+fn port_key(sends: usize, recvs: usize) -> String {
+    format!("s{sends}_r{recvs}")
+}
+
+fn with_checksum_cycles(p: &LanaiParams, cycles_per_word: f64) -> LanaiParams {
+    // The loop's instructions set to give `cycles_per_word` with the loads' extra cycles.
+    let mut p = with_checksum(p, ChecksumAt::Firmware);
+    let d = &mut p.device;
+    d.firmware_checksum_instructions_per_word =
+        cycles_per_word - d.firmware_checksum_loads_per_word * d.sram_load_extra_cycles;
+    p
+}
+
 /// Runs everything; returns the JSON report.
 pub fn run(
     params: &LanaiParams,
@@ -125,36 +148,91 @@ pub fn run(
 ) -> Result<Value> {
     let hw = with_checksum(params, ChecksumAt::Hardware);
     let fw = with_checksum(params, ChecksumAt::Firmware);
+    let [cs_lo, cs_hi] = params.device.firmware_checksum_cycles_per_word_range;
     let rows = what_if_rows();
-    let bar = std::cell::RefCell::new(
-        progress.steps("virtual-time runs".into(), 8 + 2 * rows.len() as u64),
-    );
-    let rtt = |p: &LanaiParams, proto: Proto| -> Result<(f64, Utilisation)> {
-        let r = experiments::rtt(&setup(p.clone(), fabric), proto, sizes.rtt_rounds)
-            .with_context(|| format!("{proto:?} round trip"))?;
+    let mtus = [16384usize, 9000, 1500];
+    let bar = std::cell::RefCell::new(progress.steps(
+        "virtual-time runs".into(),
+        14 + 2 * rows.len() as u64 + (PORTS.len() * (mtus.len() + 1)) as u64,
+    ));
+    let rtt = |p: &LanaiParams, proto: Proto, port: PingPort| -> Result<(f64, Utilisation)> {
+        let r = experiments::rtt_ported(&setup(p.clone(), fabric), proto, sizes.rtt_rounds, port)
+            .with_context(|| format!("{proto:?} round trip ({port:?})"))?;
         bar.borrow_mut().inc(1);
         Ok(r)
     };
-    let ttcp = |p: &LanaiParams, f: &FabricParams| -> Result<TtcpResult> {
-        let r = experiments::ttcp(&setup(p.clone(), f), sizes.ttcp_bytes, sizes.ttcp_msg)
-            .with_context(|| format!("ttcp at MTU {}", f.mtu))?;
+    let bulk = |p: &LanaiParams, f: &FabricParams, sends, recvs| -> Result<TtcpResult> {
+        let cfg = BulkConfig::ttcp(sizes.ttcp_bytes, sizes.ttcp_msg).with_port(sends, recvs);
+        let r = experiments::bulk(&setup(p.clone(), f), cfg, None).with_context(|| {
+            format!(
+                "ttcp at MTU {} with {sends} sends outstanding, {recvs} receives",
+                f.mtu
+            )
+        })?;
         bar.borrow_mut().inc(1);
         Ok(r)
     };
-    let udp_hw = rtt(&hw, Proto::Udp)?;
-    let udp_fw = rtt(&fw, Proto::Udp)?;
-    let tcp_hw = rtt(&hw, Proto::Tcp)?;
-    let tcp_fw = rtt(&fw, Proto::Tcp)?;
+    // The program as ported: BulkConfig::ttcp's sends and receives.
+    let as_ported = BulkConfig::ttcp(0, 0);
+    let (ps, pr) = (as_ported.window, as_ported.recv_depth);
+    let ttcp = |p: &LanaiParams, f: &FabricParams| bulk(p, f, ps, pr);
+    let udp_hw = rtt(&hw, Proto::Udp, PingPort::Blocking)?;
+    let udp_fw = rtt(&fw, Proto::Udp, PingPort::Blocking)?;
+    let tcp_hw = rtt(&hw, Proto::Tcp, PingPort::Blocking)?;
+    let tcp_fw = rtt(&fw, Proto::Tcp, PingPort::Blocking)?;
+    let udp_pre = rtt(&hw, Proto::Udp, PingPort::Preposted)?;
+    let tcp_pre = rtt(&hw, Proto::Tcp, PingPort::Preposted)?;
     let t16 = ttcp(&hw, &with_mtu(fabric, 16384))?;
     let t9 = ttcp(&hw, &with_mtu(fabric, 9000))?;
     let t15 = ttcp(&hw, &with_mtu(fabric, 1500))?;
     let t16fw = ttcp(&fw, &with_mtu(fabric, 16384))?;
+    let t16fw_lo = ttcp(
+        &with_checksum_cycles(params, cs_lo),
+        &with_mtu(fabric, 16384),
+    )?;
+    let t16fw_hi = ttcp(
+        &with_checksum_cycles(params, cs_hi),
+        &with_mtu(fabric, 16384),
+    )?;
+    let tcp_fw_lo = rtt(
+        &with_checksum_cycles(params, cs_lo),
+        Proto::Tcp,
+        PingPort::Blocking,
+    )?;
+    let tcp_fw_hi = rtt(
+        &with_checksum_cycles(params, cs_hi),
+        Proto::Tcp,
+        PingPort::Blocking,
+    )?;
+    // Sensitivity: the other plausible ports of ttcp, at each MTU and with the firmware sum.
+    let mut sens = serde_json::Map::new();
+    let columns: Vec<(String, &LanaiParams, usize)> = mtus
+        .iter()
+        .map(|&m| (format!("mtu{m}"), &hw, m))
+        .chain(std::iter::once((
+            "mtu16384_fw_csum".to_string(),
+            &fw,
+            16384,
+        )))
+        .collect();
+    for (key, p, mtu) in &columns {
+        let mut col = serde_json::Map::new();
+        for (sends, recvs) in PORTS {
+            let t = bulk(p, &with_mtu(fabric, *mtu), sends, recvs)?;
+            col.insert(
+                port_key(sends, recvs),
+                json!({"sends_outstanding": sends, "receives_posted": recvs,
+                       "MBps": t.mbps, "bound": bound(&t.utilisation)}),
+            );
+        }
+        sens.insert(key.clone(), Value::Object(col));
+    }
     // The what-if table starts from the LANai 9 as built: receive checksum in firmware.
     let mut what_if = serde_json::Map::new();
     for (key, label, change) in &rows {
         let mut p = fw.clone();
         change(&mut p);
-        let (r, _) = rtt(&p, Proto::Tcp)?;
+        let (r, _) = rtt(&p, Proto::Tcp, PingPort::Blocking)?;
         let t = ttcp(&p, &with_mtu(fabric, 16384))?;
         what_if.insert(
             key.to_string(),
@@ -165,7 +243,14 @@ pub fn run(
     bar.into_inner().finish("done");
     let o = &t16.occupancy;
     let bus = PciBus::new(&params.device);
+    let d = &params.device;
     Ok(json!({
+        "app_port": {
+            "ttcp": TTCP_PORT,
+            "ttcp_sends_outstanding": ps,
+            "ttcp_receives_posted": pr,
+            "rtt": RTT_PORT,
+        },
         "rtt_us": {
             "udp": {"hw_csum": udp_hw.0, "fw_csum": udp_fw.0},
             "tcp": {"hw_csum": tcp_hw.0, "fw_csum": tcp_fw.0},
@@ -174,6 +259,7 @@ pub fn run(
             "udp": {"hw_csum": bound(&udp_hw.1), "fw_csum": bound(&udp_fw.1)},
             "tcp": {"hw_csum": bound(&tcp_hw.1), "fw_csum": bound(&tcp_fw.1)},
         },
+        "rtt_us_preposted": {"udp": udp_pre.0, "tcp": tcp_pre.0},
         "ttcp_MBps": {
             "mtu16384": t16.mbps,
             "mtu9000": t9.mbps,
@@ -186,6 +272,15 @@ pub fn run(
             "mtu1500": bound(&t15.utilisation),
             "mtu16384_fw_csum": bound(&t16fw.utilisation),
         },
+        "fw_csum_cycles_per_word": {
+            "model": d.firmware_checksum_cycles_per_word(),
+            "low": cs_lo,
+            "high": cs_hi,
+            "ttcp_MBps_mtu16384": {"model": t16fw.mbps, "low": t16fw_lo.mbps, "high": t16fw_hi.mbps},
+            "ttcp_bound_mtu16384": {"low": bound(&t16fw_lo.utilisation), "high": bound(&t16fw_hi.utilisation)},
+            "tcp_rtt_us": {"model": tcp_fw.0, "low": tcp_fw_lo.0, "high": tcp_fw_hi.0},
+        },
+        "ttcp_sensitivity": sens,
         "ttcp_bytes_per_segment": {
             "mtu16384": t16.bytes as f64 / t16.occupancy.packets[0].max(1) as f64,
             "mtu1500": t15.bytes as f64 / t15.occupancy.packets[0].max(1) as f64,
@@ -257,21 +352,36 @@ pub fn table(r: &Value) -> String {
         num(&r["inputs"]["sram_MBps"])
     );
     s += &format!(
-        "{:<30} {:>10} {:>10}   {}\n",
-        "1-byte round trip (µs)", "hw rx csum", "fw rx csum", "busiest resource (hw csum)"
+        "Programs as ported (every figure below unless it says otherwise):\n  round trips: {}\n  ttcp: {}\n\n",
+        r["app_port"]["rtt"].as_str().unwrap_or("?"),
+        r["app_port"]["ttcp"].as_str().unwrap_or("?")
+    );
+    s += &format!(
+        "{:<30} {:>10} {:>10}   {:<28} {}\n",
+        "1-byte round trip (µs)",
+        "hw rx csum",
+        "fw rx csum",
+        "busiest resource (hw csum)",
+        "receives posted ahead (hw)"
     );
     for proto in ["udp", "tcp"] {
         s += &format!(
-            "{:<30} {:>10.1} {:>10.1}   {}\n",
+            "{:<30} {:>10.1} {:>10.1}   {:<28} {:.1}\n",
             proto.to_uppercase(),
             num(&r["rtt_us"][proto]["hw_csum"]),
             num(&r["rtt_us"][proto]["fw_csum"]),
-            bound_cell(&r["rtt_bound"][proto]["hw_csum"])
+            bound_cell(&r["rtt_bound"][proto]["hw_csum"]),
+            num(&r["rtt_us_preposted"][proto])
         );
     }
     s += &format!(
         "\n{:<30} {:>10}   {}\n",
-        "ttcp, 16 KiB messages", "MB/s", "bound by (utilisation)"
+        format!(
+            "ttcp, 16 KiB, {} send/{} recv",
+            r["app_port"]["ttcp_sends_outstanding"], r["app_port"]["ttcp_receives_posted"]
+        ),
+        "MB/s",
+        "bound by (utilisation)"
     );
     for (k, label) in [
         ("mtu16384", "MTU 16384"),
@@ -295,6 +405,24 @@ pub fn table(r: &Value) -> String {
             all.join(", ")
         );
     }
+    let c = &r["fw_csum_cycles_per_word"];
+    s += &format!(
+        "firmware checksum {:.2} cycles/word (range {:.2}-{:.2}): ttcp MTU 16384 {:.1} MB/s \
+         ({:.1} at {:.2}, {:.1} at {:.2}; bound {} / {}), TCP RTT {:.1} µs ({:.1}-{:.1})\n",
+        num(&c["model"]),
+        num(&c["low"]),
+        num(&c["high"]),
+        num(&c["ttcp_MBps_mtu16384"]["model"]),
+        num(&c["ttcp_MBps_mtu16384"]["low"]),
+        num(&c["low"]),
+        num(&c["ttcp_MBps_mtu16384"]["high"]),
+        num(&c["high"]),
+        bound_cell(&c["ttcp_bound_mtu16384"]["low"]),
+        bound_cell(&c["ttcp_bound_mtu16384"]["high"]),
+        num(&c["tcp_rtt_us"]["model"]),
+        num(&c["tcp_rtt_us"]["low"]),
+        num(&c["tcp_rtt_us"]["high"])
+    );
     s += &format!(
         "payload per data segment: {:.0} B at MTU 1500, {:.0} B at MTU 16384\n",
         num(&r["ttcp_bytes_per_segment"]["mtu1500"]),
@@ -305,6 +433,39 @@ pub fn table(r: &Value) -> String {
         num(&r["host_cpu_pct_receiver"]),
         num(&r["host_cpu_pct_sender"])
     );
+    s += "\nttcp MB/s (bound by) for other ports of the program: sends outstanding x receives posted\n";
+    let cols = ["mtu16384", "mtu9000", "mtu1500", "mtu16384_fw_csum"];
+    s += &format!(
+        "{:<22}{}\n",
+        "sends x receives",
+        ["MTU 16384", "MTU 9000", "MTU 1500", "MTU 16384 fw csum"]
+            .iter()
+            .map(|h| format!("{h:<26}"))
+            .collect::<String>()
+    );
+    for (sends, recvs) in PORTS {
+        let key = port_key(sends, recvs);
+        let ported = sends as u64
+            == r["app_port"]["ttcp_sends_outstanding"]
+                .as_u64()
+                .unwrap_or(0)
+            && recvs as u64 == r["app_port"]["ttcp_receives_posted"].as_u64().unwrap_or(0);
+        let label = format!(
+            "{sends} x {recvs}{}",
+            if ported { " (as ported)" } else { "" }
+        );
+        let cells: String = cols
+            .iter()
+            .map(|c| {
+                let v = &r["ttcp_sensitivity"][*c][&key];
+                format!(
+                    "{:<26}",
+                    format!("{:.1} ({})", num(&v["MBps"]), bound_cell(&v["bound"]))
+                )
+            })
+            .collect();
+        s += &format!("{label:<22}{cells}\n");
+    }
     s += "\nNIC occupancy per packet during ttcp (MTU 16384), µs\n";
     for (side, kinds) in [("send", ["data", "ack"]), ("recv", ["data", "ack"])] {
         for kind in kinds {
@@ -323,7 +484,7 @@ pub fn table(r: &Value) -> String {
         }
     }
     s += &format!(
-        "\nWhat if (from the LANai 9 with its firmware receive checksum)\n{:<38} {:>10} {:>10}   {}\n",
+        "\nWhat if (from the LANai 9 with its firmware receive checksum; ttcp as ported)\n{:<38} {:>10} {:>10}   {}\n",
         "change", "TCP RTT µs", "ttcp MB/s", "ttcp bound by"
     );
     if let Some(m) = r["what_if"].as_object() {

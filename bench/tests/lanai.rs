@@ -64,6 +64,34 @@ fn lanai_json_has_every_prediction_and_is_deterministic() {
             positive(&v, &["occupancy_us", side, kind, "total"]);
         }
     }
+    // Every figure says which port of the program it assumes.
+    assert!(
+        v["app_port"]["ttcp"]
+            .as_str()
+            .is_some_and(|s| !s.is_empty())
+    );
+    assert!(v["app_port"]["rtt"].as_str().is_some_and(|s| !s.is_empty()));
+    positive(&v, &["app_port", "ttcp_sends_outstanding"]);
+    for proto in ["udp", "tcp"] {
+        positive(&v, &["rtt_us_preposted", proto]);
+    }
+    // The sensitivity table: each port of ttcp at each MTU, with its bound.
+    for col in ["mtu16384", "mtu9000", "mtu1500", "mtu16384_fw_csum"] {
+        for port in ["s1_r1", "s1_r16", "s2_r1", "s2_r16", "s8_r1", "s8_r16"] {
+            positive(&v, &["ttcp_sensitivity", col, port, "MBps"]);
+            positive(&v, &["ttcp_sensitivity", col, port, "bound", "utilisation"]);
+        }
+    }
+    // The firmware checksum's range: fewer cycles per word never make ttcp slower.
+    let c = &v["fw_csum_cycles_per_word"];
+    let (lo, model, hi) = (
+        positive(c, &["low"]),
+        positive(c, &["model"]),
+        positive(c, &["high"]),
+    );
+    assert!(lo <= model && model <= hi, "{lo} {model} {hi}");
+    let t = |k: &str| positive(c, &["ttcp_MBps_mtu16384", k]);
+    assert!(t("low") >= t("model") && t("model") >= t("high"), "{c}");
     let cpu = positive(&v, &["host_cpu_pct"]);
     assert!(cpu <= 100.0, "host CPU {cpu} %");
     positive(&v, &["host_cpu_pct_sender"]);

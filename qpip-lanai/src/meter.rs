@@ -139,9 +139,7 @@ impl CostModel {
                     Stage::Checksum => match d.recv_checksum {
                         ChecksumAt::Hardware => 0.0,
                         // Cycles at the table's 133 MHz, in µs; scaled to the clock below.
-                        ChecksumAt::Firmware => {
-                            d.firmware_checksum_instructions_per_word / 4.0 * payload as f64 / 133.0
-                        }
+                        ChecksumAt::Firmware => d.firmware_checksum_cycles(payload) / 133.0,
                     },
                     Stage::GetWr => s.get_wr,
                     Stage::PutData => s.put_data,
@@ -278,6 +276,35 @@ mod tests {
         p.device.clock_mhz = 266.0;
         let m = CostModel::new(&p);
         assert_eq!(m.stage_ns(Dir::Send, Kind::Data, Stage::GetWr, 0), 2_750);
+    }
+
+    #[test]
+    fn the_firmware_checksum_costs_its_cycles_per_word() {
+        let mut p = LanaiParams::default();
+        p.device.recv_checksum = ChecksumAt::Firmware;
+        let m = CostModel::new(&p);
+        let ns = |bytes| m.stage_ns(Dir::Recv, Kind::Data, Stage::Checksum, bytes);
+        // Twice the words, twice the time; a partial word costs a whole one.
+        assert_eq!(ns(8000), 2 * ns(4000));
+        assert_eq!(ns(4001), ns(4004));
+        let cpw = p.device.firmware_checksum_cycles_per_word();
+        let want = 1000.0 * cpw / 133.0 * 1000.0; // 1000 words at 133 MHz, in ns
+        assert!(
+            (ns(4000) as f64 - want).abs() <= 1.0,
+            "{} vs {want}",
+            ns(4000)
+        );
+        // Each extra cycle a load takes adds one cycle per word loaded.
+        p.device.sram_load_extra_cycles += 1.0;
+        let slower = CostModel::new(&p).stage_ns(Dir::Recv, Kind::Data, Stage::Checksum, 4000);
+        let per_word = p.device.firmware_checksum_loads_per_word * 1000.0 / 133.0;
+        assert!((slower as f64 - ns(4000) as f64 - 1000.0 * per_word).abs() <= 2.0);
+        // The hardware sum costs the processor nothing.
+        p.device.recv_checksum = ChecksumAt::Hardware;
+        assert_eq!(
+            CostModel::new(&p).stage_ns(Dir::Recv, Kind::Data, Stage::Checksum, 4000),
+            0
+        );
     }
 
     #[test]

@@ -49,14 +49,27 @@ pub struct DeviceParams {
     /// SRAM buffers a received frame is held in until its DMA to host memory is done.
     pub recv_staging_buffers: usize,
     pub recv_checksum: ChecksumAt,
-    /// Instructions the firmware's checksum loop spends per 32-bit word (one per cycle).
+    /// Instructions the firmware's checksum loop issues per 32-bit word (one per cycle
+    /// when memory does not hold it up), loop overhead included.
     pub firmware_checksum_instructions_per_word: f64,
+    /// Loads that loop makes per 32-bit word.
+    pub firmware_checksum_loads_per_word: f64,
+    /// Cycles a load's time step takes beyond one: its data access and the next
+    /// instruction's fetch both need the one SRAM port.
+    pub sram_load_extra_cycles: f64,
+    /// The cycles per word other forms of the loop and of the memory would take: the
+    /// prediction is also shown at both ends.
+    pub firmware_checksum_cycles_per_word_range: [f64; 2],
     pub qp_state_bytes: u64,
     pub tcb_bytes: u64,
     pub wr_cache_entries: u64,
     pub wr_entry_bytes: u64,
     pub tcp_send_buffer: usize,
     pub tcp_recv_buffer: usize,
+    /// Nagle's algorithm off on the firmware's TCP connections (a program's TCP_NODELAY);
+    /// off by default: with data in flight only full segments go (RFC 1122 4.2.3.4).
+    #[serde(default)]
+    pub tcp_nodelay: bool,
     pub udp_buffer: usize,
     /// What-if hardware support (all off on the LANai 9): doorbells decoded in hardware
     /// (no firmware doorbell stage), connection demultiplexing in hardware, a hardware
@@ -70,9 +83,22 @@ pub struct DeviceParams {
 }
 
 impl DeviceParams {
+    /// Processor cycles the firmware's checksum loop takes per 32-bit word: its
+    /// instructions, plus the extra cycle of each load on the one-port SRAM. (Cycles DMA
+    /// engines take from the SRAM meanwhile stretch the stage on top: `memport`.)
+    pub fn firmware_checksum_cycles_per_word(&self) -> f64 {
+        self.firmware_checksum_instructions_per_word
+            + self.firmware_checksum_loads_per_word * self.sram_load_extra_cycles
+    }
+
+    /// Cycles to checksum `bytes` (whole 32-bit words; a short tail costs a word).
+    pub fn firmware_checksum_cycles(&self, bytes: usize) -> f64 {
+        bytes.div_ceil(4) as f64 * self.firmware_checksum_cycles_per_word()
+    }
+
     /// Nanoseconds the firmware needs to checksum one byte at the NIC's clock.
     pub fn firmware_checksum_ns_per_byte(&self) -> f64 {
-        self.firmware_checksum_instructions_per_word / 4.0 * 1000.0 / self.clock_mhz
+        self.firmware_checksum_cycles_per_word() / 4.0 * 1000.0 / self.clock_mhz
     }
 }
 
@@ -293,10 +319,21 @@ mod tests {
     fn wire_time_follows_the_link_rate_and_checksum_the_clock() {
         let f = FabricParams::default();
         assert_eq!(f.wire_ns(250), 1000);
-        // 5 instructions per 4 bytes at 133 MHz.
-        let p = LanaiParams::default();
-        let ns = p.device.firmware_checksum_ns_per_byte();
-        assert!((ns - 5.0 / 4.0 * 1000.0 / 133.0).abs() < 1e-9, "{ns}");
+        // Instructions plus the loads' extra cycles, per 4 bytes, at 133 MHz.
+        let mut p = LanaiParams::default();
+        let d = &p.device;
+        let cpw = d.firmware_checksum_instructions_per_word
+            + d.firmware_checksum_loads_per_word * d.sram_load_extra_cycles;
+        let ns = d.firmware_checksum_ns_per_byte();
+        assert!((ns - cpw / 4.0 * 1000.0 / 133.0).abs() < 1e-9, "{ns}");
+        let [lo, hi] = d.firmware_checksum_cycles_per_word_range;
+        assert!(lo <= cpw && cpw <= hi, "{lo} <= {cpw} <= {hi}");
+        // A load that takes no extra cycle leaves the instruction count.
+        p.device.sram_load_extra_cycles = 0.0;
+        assert_eq!(
+            p.device.firmware_checksum_cycles_per_word(),
+            p.device.firmware_checksum_instructions_per_word
+        );
     }
 
     #[test]

@@ -249,7 +249,8 @@ impl Firmware {
         );
         // Sender-side silly window avoidance (RFC 1122 4.2.3.4): with data in flight only
         // full segments go; ACKs are not delayed, so a short tail waits one round trip at most.
-        s.set_nagle_enabled(true);
+        // A program that set TCP_NODELAY (ttcp -D) has it off.
+        s.set_nagle_enabled(!d.tcp_nodelay);
         s.set_ack_delay(None);
         s.set_congestion_control(tcp::CongestionControl::Reno);
         s.set_tsval_generator(Some(port::tsval));

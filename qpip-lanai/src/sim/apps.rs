@@ -33,6 +33,18 @@ pub enum Role {
 const RECV_SLOTS: usize = 4;
 const SLOT: usize = 64;
 
+/// How a ping-pong program was ported to QPs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PingPort {
+    /// The sockets program as it was, on one buffer: `write()` returns when the send has
+    /// completed (TCP: the peer acknowledged the byte; UDP: the datagram left) and only then
+    /// does `read()` post the receive WR and wait for it.
+    Blocking,
+    /// Receives posted ahead ([`RECV_SLOTS`] of them, reposted as each completes) and the
+    /// next message sent on the reply, whether or not the previous send has completed.
+    Preposted,
+}
+
 /// 1-byte messages back and forth, `rounds` times after one warm-up round trip (the NICs
 /// are busy with the initial receive doorbells at first); the client measures from handling
 /// the warm-up reply to handling the last reply.
@@ -41,6 +53,7 @@ pub struct PingPong {
     role: Role,
     port: u16,
     rounds: u64,
+    ping_port: PingPort,
     seen: u64,
     sent: u64,
     qp: Option<QueuePair>,
@@ -54,11 +67,16 @@ pub struct PingPong {
 
 impl PingPong {
     pub fn new(proto: Proto, role: Role, port: u16, rounds: u64) -> Self {
+        Self::ported(proto, role, port, rounds, PingPort::Blocking)
+    }
+
+    pub fn ported(proto: Proto, role: Role, port: u16, rounds: u64, ping_port: PingPort) -> Self {
         PingPong {
             proto,
             role,
             port,
             rounds,
+            ping_port,
             seen: 0,
             sent: 0,
             qp: None,
@@ -143,8 +161,15 @@ impl App for PingPong {
                 self.qp = Some(qp);
             }
         }
-        for slot in 0..RECV_SLOTS {
-            self.post_recv(host, slot);
+        match (self.ping_port, self.role) {
+            (PingPort::Preposted, _) => {
+                for slot in 0..RECV_SLOTS {
+                    self.post_recv(host, slot);
+                }
+            }
+            // The server's loop starts with a read; the client's with a write.
+            (PingPort::Blocking, Role::Server) => self.post_recv(host, 0),
+            (PingPort::Blocking, Role::Client { .. }) => {}
         }
     }
 
@@ -167,6 +192,10 @@ impl App for PingPong {
             return;
         }
         if c.opcode == Opcode::Send {
+            // The write returned: a blocking program now reads (the last reply excepted).
+            if self.ping_port == PingPort::Blocking && !self.done() {
+                self.post_recv(host, 0);
+            }
             return;
         }
         if c.byte_len != 1 {
@@ -174,7 +203,9 @@ impl App for PingPong {
             return;
         }
         self.seen += 1;
-        self.post_recv(host, c.wr_id as usize % RECV_SLOTS);
+        if self.ping_port == PingPort::Preposted {
+            self.post_recv(host, c.wr_id as usize % RECV_SLOTS);
+        }
         match self.role {
             Role::Server => {
                 let dest = match self.proto {
@@ -224,29 +255,65 @@ pub enum Sizes {
 }
 
 /// A bulk transfer over one TCP connection, client to server.
+///
+/// `window` and `recv_depth` are how the program was ported to QPs: ttcp's blocking
+/// `write(fd, buf, buflen)` on its one buffer becomes a send WR the program waits for (its
+/// buffer is the NIC's until the peer has acknowledged every byte), so one send is
+/// outstanding; its `read(fd, buf, buflen)` loop becomes one receive WR posted on that buffer
+/// and posted again when the read has returned (after `read_think_ns` of the host's own work).
 #[derive(Clone, Copy, Debug)]
 pub struct BulkConfig {
     pub total: u64,
     pub sizes: Sizes,
-    /// Send WRs the sender keeps posted.
+    /// Send WRs the sender keeps posted (1: a blocking write).
     pub window: usize,
-    /// Receive WRs the receiver keeps posted.
+    /// Receive WRs the receiver keeps posted (1: a blocking read on one buffer).
     pub recv_depth: usize,
+    /// Host time between a receive completing and its WR being posted again (the program's
+    /// own work per read; the per-receive overhead of the verbs is charged apart).
+    pub read_think_ns: Nanos,
+    /// The program set TCP_NODELAY: the connection's TCP sends a short tail at once instead
+    /// of waiting for the data in flight to be acknowledged (Nagle).
+    pub nodelay: bool,
     /// Fill messages with a pattern and check every byte on arrival.
     pub verify: bool,
     pub port: u16,
 }
 
 impl BulkConfig {
-    /// ttcp: `total` bytes in `msg`-byte messages.
+    /// ttcp v1.4 as the simplest QP port runs it: `total` bytes in `msg`-byte messages, one
+    /// buffer on each side, so one send outstanding (a write returns when the peer has
+    /// acknowledged its bytes) and one receive posted, reposted as each read returns; with
+    /// TCP_NODELAY, as the paper ran it.
     pub fn ttcp(total: u64, msg: usize) -> Self {
         BulkConfig {
             total,
             sizes: Sizes::Fixed(msg),
-            window: 8,
-            recv_depth: 16,
+            window: 1,
+            recv_depth: 1,
+            read_think_ns: 0,
+            nodelay: true,
             verify: false,
             port: 5001,
+        }
+    }
+
+    /// The same transfer from a program that keeps the NIC fed: 8 sends outstanding and 16
+    /// receives posted (the hardware's limits, not the program's, set the rate).
+    pub fn pipelined(total: u64, msg: usize) -> Self {
+        BulkConfig {
+            window: 8,
+            recv_depth: 16,
+            ..Self::ttcp(total, msg)
+        }
+    }
+
+    /// With `sends` outstanding and `recvs` posted.
+    pub fn with_port(self, sends: usize, recvs: usize) -> Self {
+        BulkConfig {
+            window: sends,
+            recv_depth: recvs,
+            ..self
         }
     }
 
@@ -293,6 +360,11 @@ pub struct Bulk {
     next: usize,
     completed: usize,
     bytes: u64,
+    /// Sends posted and not yet completed, now and at most.
+    outstanding: usize,
+    max_outstanding: usize,
+    /// Bytes completed (acknowledged, or received) so far, at each completion.
+    timeline: Vec<(Nanos, u64)>,
     started_at: Option<Nanos>,
     finished_at: Option<Nanos>,
     /// The tag of the client's connect: its reply starts the transfer.
@@ -312,6 +384,9 @@ impl Bulk {
             next: 0,
             completed: 0,
             bytes: 0,
+            outstanding: 0,
+            max_outstanding: 0,
+            timeline: Vec::new(),
             started_at: None,
             finished_at: None,
             connect_tag: None,
@@ -326,6 +401,17 @@ impl Bulk {
 
     pub fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// The most sends the sender ever had posted and not completed.
+    pub fn max_outstanding(&self) -> usize {
+        self.max_outstanding
+    }
+
+    /// Bytes completed by each completion's time: acknowledged by the peer (sender) or
+    /// placed in a receive WR (receiver).
+    pub fn timeline(&self) -> &[(Nanos, u64)] {
+        &self.timeline
     }
 
     /// When the sender posted its first message (sender) and when the last message was
@@ -367,6 +453,8 @@ impl Bulk {
                 self.fail(format!("post_send: {e}"));
                 return;
             }
+            self.outstanding += 1;
+            self.max_outstanding = self.max_outstanding.max(self.outstanding);
         }
     }
 
@@ -448,6 +536,8 @@ impl App for Bulk {
             (Role::Client { .. }, Opcode::Send) => {
                 self.bytes += u64::from(c.byte_len);
                 self.completed += 1;
+                self.outstanding = self.outstanding.saturating_sub(1);
+                self.timeline.push((host.now(), self.bytes));
                 self.free_slots.push(slot);
                 self.pump(host);
                 if self.completed == self.sizes.len() {
@@ -458,9 +548,12 @@ impl App for Bulk {
                 self.check(slot, c.byte_len as usize);
                 self.bytes += u64::from(c.byte_len);
                 self.completed += 1;
+                self.timeline.push((host.now(), self.bytes));
                 if self.completed == self.sizes.len() {
                     self.finished_at = Some(host.now());
                 } else {
+                    // The read returned; the program's loop comes round and reads again.
+                    host.compute(self.cfg.read_think_ns);
                     self.post_recv(host, slot);
                 }
             }

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use crate::meter::{Dir, Kind, Nanos, Occupancy};
 use crate::params::{FabricParams, LanaiParams};
 
-use super::apps::{Bulk, BulkConfig, PingPong, Proto, Role};
+use super::apps::{Bulk, BulkConfig, PingPong, PingPort, Proto, Role};
 use super::{FabricStats, Faults, Sim, SimError};
 
 /// The inputs of one run.
@@ -87,18 +87,40 @@ pub fn rtt_us(setup: &Setup, proto: Proto, rounds: u64) -> Result<f64, SimError>
 }
 
 /// Mean 1-byte round-trip time in microseconds, with the resources' utilisation over the
-/// run (client to server).
+/// run (client to server), of the blocking sockets program as ported.
 pub fn rtt(setup: &Setup, proto: Proto, rounds: u64) -> Result<(f64, Utilisation), SimError> {
+    rtt_ported(setup, proto, rounds, PingPort::Blocking)
+}
+
+/// [`rtt`] of the program ported as `ping_port` says.
+pub fn rtt_ported(
+    setup: &Setup,
+    proto: Proto,
+    rounds: u64,
+    ping_port: PingPort,
+) -> Result<(f64, Utilisation), SimError> {
     let (mut sim, s, c) = pair(setup)?;
     let port = 7000;
     let server = server_addr(setup, port)?;
     sim.set_app(
         s,
-        Box::new(PingPong::new(proto, Role::Server, port, rounds)),
+        Box::new(PingPong::ported(
+            proto,
+            Role::Server,
+            port,
+            rounds,
+            ping_port,
+        )),
     );
     sim.set_app(
         c,
-        Box::new(PingPong::new(proto, Role::Client { server }, port, rounds)),
+        Box::new(PingPong::ported(
+            proto,
+            Role::Client { server },
+            port,
+            rounds,
+            ping_port,
+        )),
     );
     let end = sim.run(LIMIT)?;
     let u = utilisation(&sim, c, s, end);
@@ -164,6 +186,10 @@ pub fn bulk(
     cfg: BulkConfig,
     faults: Option<Faults>,
 ) -> Result<TtcpResult, SimError> {
+    // The program's TCP_NODELAY: the firmware's connections (one here) without Nagle.
+    let mut setup = setup.clone();
+    setup.params.device.tcp_nodelay |= cfg.nodelay;
+    let setup = &setup;
     let (mut sim, s, c) = pair(setup)?;
     let server = server_addr(setup, cfg.port)?;
     if let Some(f) = faults {
@@ -219,7 +245,8 @@ pub fn bulk(
     })
 }
 
-/// ttcp: `total` bytes in `msg`-byte messages over TCP.
+/// ttcp: `total` bytes in `msg`-byte messages over TCP, as the simplest QP port of the
+/// program runs it ([`BulkConfig::ttcp`]: one send outstanding, one receive posted).
 pub fn ttcp(setup: &Setup, total: u64, msg: usize) -> Result<TtcpResult, SimError> {
     bulk(setup, BulkConfig::ttcp(total, msg), None)
 }

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::net::{Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 
-use super::apps::{PingPong, Proto, Role};
+use super::apps::{PingPong, PingPort, Proto, Role};
 use super::*;
 use crate::frame;
 use crate::meter::{CostModel, Dir, Kind, Stage};
@@ -137,17 +137,20 @@ fn echo_pair(rounds: u64, faults: Option<Faults>) -> (Sim, usize, usize) {
     let s = add("server");
     let c = add("client");
     let server = SocketAddr::new(fabric.node("server").unwrap().addr.into(), 9);
+    // Receives posted ahead: the timing below follows a receive's repost, then the send.
+    let port = PingPort::Preposted;
     sim.set_app(
         s,
-        Box::new(PingPong::new(Proto::Udp, Role::Server, 9, rounds)),
+        Box::new(PingPong::ported(Proto::Udp, Role::Server, 9, rounds, port)),
     );
     sim.set_app(
         c,
-        Box::new(PingPong::new(
+        Box::new(PingPong::ported(
             Proto::Udp,
             Role::Client { server },
             9,
             rounds,
+            port,
         )),
     );
     if let Some(f) = faults {
@@ -352,6 +355,8 @@ mod firmware {
             },
             window: 8,
             recv_depth: 16,
+            read_think_ns: 0,
+            nodelay: false,
             verify: true,
             port: 6000,
         }
@@ -432,7 +437,10 @@ mod firmware {
         setup.params.device.send_staging_buffers = 1;
         // Messages of exactly one segment's payload (MTU less IPv6, TCP and timestamps).
         let mss = setup.fabric.mtu - 72;
-        let r = experiments::ttcp(&setup, 200 * mss as u64, mss).unwrap();
+        let stream = |setup: &Setup| {
+            experiments::bulk(setup, BulkConfig::pipelined(200 * mss as u64, mss), None).unwrap()
+        };
+        let r = stream(&setup);
         let (p, f) = (&setup.params, &setup.fabric);
         let bus = PciBus::new(&p.device);
         let dma = bus.dma_ns(Use::Read, mss);
@@ -454,7 +462,7 @@ mod firmware {
         assert!(r.mbps < 0.7 * overlapped, "{} vs {overlapped}", r.mbps);
         // More buffers overlap them again.
         setup.params.device.send_staging_buffers = 2;
-        let two = experiments::ttcp(&setup, 200 * mss as u64, mss).unwrap();
+        let two = stream(&setup);
         assert!(two.mbps > 1.2 * r.mbps, "{} vs {}", two.mbps, r.mbps);
     }
 
@@ -541,7 +549,7 @@ mod firmware {
             |name: &str, port| SocketAddr::new(setup.fabric.node(name).unwrap().addr.into(), port);
         let cfg = |port| BulkConfig {
             port,
-            ..BulkConfig::ttcp(128 * 16384, 16384)
+            ..BulkConfig::pipelined(128 * 16384, 16384)
         };
         for (node, me, peer) in [(s, 5001, ("client", 5002)), (c, 5002, ("server", 5001))] {
             let both = BothWays {
@@ -574,7 +582,7 @@ mod firmware {
             );
         }
         // One way alone goes faster than each way of the pair.
-        let one = experiments::ttcp(&setup, 128 * 16384, 16384).unwrap();
+        let one = experiments::bulk(&setup, cfg(5001), None).unwrap();
         assert!(to_server < one.mbps && to_client < one.mbps);
     }
 
@@ -589,7 +597,7 @@ mod firmware {
         let mut sim = Sim::new(setup.fabric.clone(), setup.seed);
         let s = sim.add_lanai_node("server", &slow, 1).unwrap();
         let c = sim.add_lanai_node("client", &setup.params, 2).unwrap();
-        let cfg = BulkConfig::ttcp(64 * 16384, 16384);
+        let cfg = BulkConfig::pipelined(64 * 16384, 16384);
         let server = SocketAddr::new(setup.fabric.node("server").unwrap().addr.into(), cfg.port);
         sim.set_app(s, Box::new(Bulk::new(cfg, Role::Server)));
         sim.set_app(c, Box::new(Bulk::new(cfg, Role::Client { server })));
@@ -616,7 +624,94 @@ mod firmware {
             sim.link_busy_ns(c)
         );
         // The same transfer into a fast receiver is faster.
-        let fast = experiments::ttcp(&setup, 64 * 16384, 16384).unwrap();
+        let fast = experiments::bulk(&setup, cfg, None).unwrap();
         assert!(fast.mbps > 1.5 * rate, "{} vs {rate}", fast.mbps);
+    }
+}
+
+/// How the programs were ported: sends outstanding, receives posted, when they are posted.
+mod ports {
+    use super::super::apps::{Bulk, BulkConfig};
+    use super::super::experiments::{self, Setup};
+    use super::*;
+
+    /// Runs `cfg` between the two nodes; returns (sender, receiver).
+    fn run(setup: &Setup, cfg: BulkConfig) -> (Sim, usize, usize) {
+        let (mut sim, s, c) = experiments::pair(setup).unwrap();
+        let server = SocketAddr::new(setup.fabric.node("server").unwrap().addr.into(), cfg.port);
+        sim.set_app(s, Box::new(Bulk::new(cfg, Role::Server)));
+        sim.set_app(c, Box::new(Bulk::new(cfg, Role::Client { server })));
+        sim.run(experiments::LIMIT).unwrap();
+        (sim, c, s)
+    }
+
+    fn elapsed(sim: &Sim, c: usize, s: usize) -> Nanos {
+        let rx = sim.app::<Bulk>(s).unwrap();
+        rx.finished_at().unwrap() - sim.app::<Bulk>(c).unwrap().started_at().unwrap()
+    }
+
+    #[test]
+    fn a_blocking_sender_has_one_send_outstanding() {
+        let setup = Setup::default();
+        let total = 64 * 16384;
+        let (sim, c, s) = run(&setup, BulkConfig::ttcp(total, 16384));
+        assert_eq!(sim.app::<Bulk>(c).unwrap().max_outstanding(), 1);
+        assert_eq!(sim.app::<Bulk>(s).unwrap().bytes(), total);
+        let blocking = elapsed(&sim, c, s);
+        // The same program keeping 8 sends posted uses them, and the NIC overlaps them.
+        let (sim, c, s) = run(&setup, BulkConfig::pipelined(total, 16384));
+        assert_eq!(sim.app::<Bulk>(c).unwrap().max_outstanding(), 8);
+        assert!(elapsed(&sim, c, s) < blocking);
+    }
+
+    #[test]
+    fn a_receive_posted_late_shrinks_the_window() {
+        let setup = Setup::default();
+        let msg = 16384;
+        // 8 sends may be outstanding (128 KiB), but the receiver's one receive is posted
+        // again only 2 ms after each read returns.
+        let think = 2_000_000;
+        let cfg = BulkConfig {
+            read_think_ns: think,
+            ..BulkConfig::pipelined(32 * msg as u64, msg).with_port(8, 1)
+        };
+        let (sim, c, s) = run(&setup, cfg);
+        let tx = sim.app::<Bulk>(c).unwrap().timeline();
+        let rx = sim.app::<Bulk>(s).unwrap().timeline();
+        // Bytes the receiver's NIC acknowledged that no receive had taken yet: they sit in
+        // its SRAM buffer, out of the window it offers, so they never exceed that buffer
+        // (plus the one message placed in the receive WR and not yet handled by the host).
+        let taken_by = |t: Nanos| {
+            rx.iter()
+                .take_while(|(at, _)| *at <= t)
+                .last()
+                .map_or(0, |x| x.1)
+        };
+        let backlog = tx
+            .iter()
+            .map(|&(t, acked)| acked - taken_by(t))
+            .max()
+            .unwrap();
+        let buffer = setup.params.device.tcp_recv_buffer as u64;
+        assert!(backlog <= buffer + msg as u64 + 4, "{backlog} bytes held");
+        // And the window was what held the sender: its 8 sends would have carried more.
+        assert!(backlog > buffer / 2, "{backlog} bytes held");
+        let outstanding = sim.app::<Bulk>(c).unwrap().max_outstanding();
+        assert_eq!(outstanding, 8);
+        // The reader's pace sets the rate.
+        assert!(elapsed(&sim, c, s) >= 31 * think);
+    }
+
+    #[test]
+    fn receives_posted_ahead_keep_the_window_open() {
+        let setup = Setup::default();
+        let msg = 16384;
+        let base = BulkConfig::pipelined(64 * msg as u64, msg);
+        // Two sends outstanding: with one receive, the second message waits in the NIC's
+        // buffer until the first read returns and posts again; with 16 it goes straight on.
+        let (sim, c, s) = run(&setup, base.with_port(2, 1));
+        let late = elapsed(&sim, c, s);
+        let (sim, c, s) = run(&setup, base.with_port(2, 16));
+        assert!(elapsed(&sim, c, s) <= late);
     }
 }
