@@ -229,3 +229,17 @@ fn logging_follows_the_one_convention_of_every_binary() {
         assert!(err.contains("RUST_LOG") && err.contains(bad), "{err}");
     }
 }
+
+#[test]
+fn limits_of_zero_are_refused() {
+    refused(
+        &["--max-connections", "0"],
+        1,
+        &["--max-connections 0", "above 0"],
+    );
+    refused(
+        &["--max-handshakes", "0"],
+        1,
+        &["--max-handshakes 0", "above 0"],
+    );
+}

@@ -55,6 +55,9 @@ fn install_puts_programs_and_man_pages_under_the_prefix() {
         );
     }
     assert!(man.join("man1/qpip-nbd-copy.1").exists());
+    // The example config the server's --help points at.
+    let example = prefix.path().join("share/qpip/server.toml");
+    assert!(example.exists(), "{} was not installed", example.display());
     assert!(!bin.join("--generate-man-pages").exists());
 
     // The installed server and client, by name on PATH, together.

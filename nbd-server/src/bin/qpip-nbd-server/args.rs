@@ -25,7 +25,7 @@ use qpip_cli::logging::LogArgs;
         Examples:\n  \
         qpip-nbd-server --export disk=/var/lib/images/disk.img\n  \
         qpip-nbd-server --listen 0.0.0.0:10809 --export scratch=/tmp/s.img --create 4G\n  \
-        qpip-nbd-server --config configs/server.toml\n  \
+        qpip-nbd-server --config /usr/local/share/qpip/server.toml\n  \
         qpip-nbd-server --fork --pid-file /run/qpip.pid -f qcow2 --export vm=vm.qcow2\n  \
         qpip-nbd-server --export d=disk.img --run 'qemu-img info \"$uri\"'\n  \
         qemu-img info nbd://127.0.0.1/disk"
@@ -58,7 +58,8 @@ pub struct Cli {
     /// several.
     #[arg(short, long, value_name = "NAME=PATH")]
     pub export: Vec<String>,
-    /// A TOML configuration file (see configs/server.toml); flags add to it.
+    /// A TOML configuration file; flags add to it. An example with every key is installed
+    /// as PREFIX/share/qpip/server.toml (configs/server.toml in the source).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// The images' format: raw (the file's bytes are the disk) or qcow2 (its virtual disk).
@@ -117,9 +118,11 @@ pub struct Cli {
     /// after a restart.
     #[arg(long, value_name = "SECS")]
     pub idle_timeout: Option<u64>,
-    /// Memory for receive buffers shared by busy connections (default 256M). Each connection
-    /// has 4 MiB of its own; one whose client pipelines deeper takes more from this pool, up
-    /// to 32 MiB, and TCP flow control holds clients once it is spent.
+    /// Memory for request and reply buffers shared by busy connections (default 256M). Each
+    /// connection has 4 MiB of receive slots and 2 MiB of read buffers (replies of qcow2, RBD
+    /// and tmpfs holes waiting to be read by the client) of its own; beyond that it takes from
+    /// this pool, and once it is spent the connection stops reading requests: TCP flow control
+    /// holds its client.
     #[arg(long, value_name = "SIZE")]
     pub buffer_memory: Option<String>,
     /// Do not answer NBD_OPT_LIST with the export names.

@@ -205,6 +205,14 @@ fn stop_on_signals() -> Result<Arc<AtomicBool>> {
     Ok(stop)
 }
 
+/// `n`, unless it is 0: a limit of no clients would refuse everyone.
+fn at_least_one(option: &str, n: usize) -> Result<usize> {
+    if n == 0 {
+        bail!("{option} 0: give a number above 0 (a server that admits no client serves nobody)");
+    }
+    Ok(n)
+}
+
 /// The server's limits and protocol settings: the flags over the file over the defaults.
 fn server_options(
     cli: &Cli,
@@ -215,8 +223,14 @@ fn server_options(
     let cfg = &settings.cfg;
     Ok(ServerOptions {
         listen,
-        max_connections: cli.max_connections.or(cfg.max_connections).unwrap_or(64),
-        max_handshakes: cli.max_handshakes.or(cfg.max_handshakes).unwrap_or(256),
+        max_connections: at_least_one(
+            "--max-connections",
+            cli.max_connections.or(cfg.max_connections).unwrap_or(64),
+        )?,
+        max_handshakes: at_least_one(
+            "--max-handshakes",
+            cli.max_handshakes.or(cfg.max_handshakes).unwrap_or(256),
+        )?,
         buffer_memory: match cli
             .buffer_memory
             .as_deref()
