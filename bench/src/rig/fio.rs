@@ -37,6 +37,8 @@ pub struct Report {
     pub runtime_s: f64,
     /// fio's own CPU (usr + sys) over its runtime, in seconds.
     pub cpu_s: f64,
+    /// The fio process's wall time, start to exit, in seconds.
+    pub wall_s: f64,
 }
 
 /// `fio --version`, or "" if it does not run.
@@ -75,7 +77,9 @@ pub fn run(job: &Job, server: &Running, what: &str) -> Result<Report> {
         cmd.process_group(0);
     }
     die_with_parent(&mut cmd);
+    let started = std::time::Instant::now();
     let out = cmd.output().context("running fio")?;
+    let wall_s = started.elapsed().as_secs_f64();
     let stdout = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
         bail!(
@@ -87,7 +91,9 @@ pub fn run(job: &Job, server: &Running, what: &str) -> Result<Report> {
             server.log_tail()
         );
     }
-    parse(&stdout, job.rw).with_context(|| format!("fio {what}"))
+    let mut report = parse(&stdout, job.rw).with_context(|| format!("fio {what}"))?;
+    report.wall_s = wall_s;
+    Ok(report)
 }
 
 /// Reads the first job of fio's JSON output (which may follow notices); fails on a job error.
@@ -108,6 +114,7 @@ fn parse(stdout: &str, rw: &str) -> Result<Report> {
         bw_bytes: num(job, &[rw, "bw_bytes"])?,
         runtime_s,
         cpu_s: (num(job, &["usr_cpu"])? + num(job, &["sys_cpu"])?) / 100.0 * runtime_s,
+        wall_s: 0.0,
     })
 }
 

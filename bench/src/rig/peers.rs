@@ -284,8 +284,10 @@ pub(crate) fn start(
     launch(server, cmd, port, log, own_group, certs.is_some())
 }
 
-/// qemu-nbd serving `EXPORT` raw on 127.0.0.1:`port`, persistent, with a writeback cache and
-/// neither zero detection nor discards (the file and RBD rows share these settings).
+/// qemu-nbd serving `EXPORT` raw on 127.0.0.1:`port`, persistent, to any number of clients at
+/// once (its default is one: the others would wait for it, one after another), with a
+/// writeback cache and neither zero detection nor discards (the file and RBD rows share these
+/// settings).
 fn qemu_nbd(port: u16) -> Command {
     let mut c = Command::new("qemu-nbd");
     c.args(["-f", "raw", "-b", "127.0.0.1", "-p"])
@@ -294,6 +296,7 @@ fn qemu_nbd(port: u16) -> Command {
             "-x",
             EXPORT,
             "-t",
+            "--shared=0",
             "--cache=writeback",
             "--detect-zeroes=off",
             "--discard=ignore",
