@@ -243,3 +243,36 @@ fn limits_of_zero_are_refused() {
         &["--max-handshakes 0", "above 0"],
     );
 }
+
+#[test]
+fn qemu_nbd_forms_that_make_no_sense_here_are_refused_with_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = image(dir.path(), "a.img", 1 << 20);
+    let b = image(dir.path(), "b.img", 1 << 20);
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    let l = ["--listen", "127.0.0.1:0"];
+    // qemu-nbd serves one image.
+    refused(
+        &[&l[..], &[a, b]].concat(),
+        1,
+        &["2 image files", "--export"],
+    );
+    // -x names the positional image.
+    refused(
+        &[&l[..], &["-x", "disk"]].concat(),
+        1,
+        &["-x", "FILE", "--export disk="],
+    );
+    // -D and a plain --description TEXT want one export.
+    let (ea, eb) = (format!("a={a}"), format!("b={b}"));
+    refused(
+        &[&l[..], &["-e", &ea, "-e", &eb, "-D", "t"]].concat(),
+        1,
+        &["-D", "2 exports", "NAME=TEXT"],
+    );
+    refused(
+        &[&l[..], &["-e", &ea, "--description", "x=y"]].concat(),
+        1,
+        &["no export named \"x\"", "-D TEXT"],
+    );
+}

@@ -526,3 +526,60 @@ fn sparse_uploads_with_qemu_img_and_nbdcopy_into_raw_and_qcow2() {
         "the raw export's holes were written, not punched: {allocated} bytes allocated"
     );
 }
+
+/// qemu-nbd, persistent, with `flags` and the positional `image`, on a free port; its URI
+/// names `export`.
+fn qemu_nbd_with(flags: &[&str], image: &Path, export: &str) -> qpip_test_support::servers::Peer {
+    let image = image.to_str().unwrap();
+    qpip_test_support::servers::tcp_peer(
+        "qemu-nbd",
+        "-p",
+        &[&["-b", "127.0.0.1", "-t", "-f", "raw"], flags, &[image]].concat(),
+        &format!("nbd://127.0.0.1:PORT/{export}"),
+    )
+    .expect("qemu-nbd")
+}
+
+/// `nbdinfo --list` of `uri`, the lines naming the export and its description and size.
+fn listed(uri: &str) -> Vec<String> {
+    let out = peer_ok(Command::new("nbdinfo").args(["--list", uri]));
+    out.lines()
+        .map(str::trim)
+        .filter(|l| {
+            l.starts_with("export=")
+                || l.starts_with("description:")
+                || l.starts_with("export-size:")
+        })
+        .map(String::from)
+        .collect()
+}
+
+#[test]
+fn qemu_nbds_positional_form_serves_the_image_as_qemu_nbd_does() {
+    if !require(&["qemu-nbd", "qemu-io", "nbdinfo"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ours = image(dir.path(), "ours.img", 4 * MIB);
+    let theirs = image(dir.path(), "theirs.img", 4 * MIB);
+    for (x, d) in [(None, "one disk"), (Some("vm"), "a disk named vm")] {
+        let mut flags = vec!["-D", d];
+        if let Some(x) = x {
+            flags.extend(["-x", x]);
+        }
+        let q = qemu_nbd_with(&flags, &theirs, x.unwrap_or(""));
+        let mut a: Vec<String> = flags.iter().map(|s| s.to_string()).collect();
+        // -t changes nothing: without it too the server outlives its first client (the
+        // qemu-io runs below are several clients).
+        if x.is_some() {
+            a.push("-t".into());
+        }
+        a.push(ours.to_str().unwrap().into());
+        let srv = start_server_v4(&a);
+        // The same export name (default "") and description as qemu-nbd.
+        assert_eq!(listed(&srv.uri("")), listed(&q.uri), "{flags:?}");
+        // The image is the default export: a client naming none gets it.
+        qemu_io(&srv.uri(""), &["write -P 0x5c 0 64k", "read -P 0x5c 0 64k"]);
+        qemu_io(&srv.uri(x.unwrap_or("")), &["read -P 0x5c 0 64k"]);
+    }
+}
