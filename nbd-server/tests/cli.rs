@@ -263,6 +263,33 @@ fn qemu_nbd_forms_that_make_no_sense_here_are_refused_with_one_line() {
         1,
         &["-x", "FILE", "--export disk="],
     );
+    // As qemu-nbd: unmapping zero writes needs discards passed on.
+    refused(
+        &[&l[..], &["--discard=ignore", "--detect-zeroes=unmap", a]].concat(),
+        1,
+        &["--detect-zeroes unmap", "--discard unmap"],
+    );
+    let out = run_with_timeout(
+        Command::new(BIN).args([&l[..], &["--discard=trim", a]].concat()),
+        std::time::Duration::from_secs(20),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("'trim'") && stderr.contains("ignore"),
+        "{stderr}"
+    );
+    // The export must keep at least a byte, as qemu-nbd's "Offset has to be smaller".
+    refused(
+        &[&l[..], &["-o", "1M", a]].concat(),
+        1,
+        &["--offset 1048576", "a.img", "1048576 bytes"],
+    );
+    refused(
+        &[&l[..], &["--offset", "x", a]].concat(),
+        1,
+        &["--offset", "\"x\""],
+    );
     // -D and a plain --description TEXT want one export.
     let (ea, eb) = (format!("a={a}"), format!("b={b}"));
     refused(

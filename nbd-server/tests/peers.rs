@@ -583,3 +583,93 @@ fn qemu_nbds_positional_form_serves_the_image_as_qemu_nbd_does() {
         qemu_io(&srv.uri(x.unwrap_or("")), &["read -P 0x5c 0 64k"]);
     }
 }
+
+/// The same qemu-io commands through qemu-nbd and our server, each with `flags` and on its
+/// own copy of one dense image: the copies end up identical, with as much space allocated,
+/// and the clients see the same size and block status. Without --discard in `flags`, qemu-nbd
+/// gets --discard=unmap, our default.
+fn same_as_qemu_nbd(flags: &[&str], cmds: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 8 * MIB as usize;
+    let bytes = pattern(size, 25);
+    let (ours, theirs) = (dir.path().join("ours.img"), dir.path().join("theirs.img"));
+    std::fs::write(&ours, &bytes).unwrap();
+    std::fs::write(&theirs, &bytes).unwrap();
+    // Our default is qemu-nbd's --discard=unmap (qemu-nbd's own is ignore).
+    let default_discard: &[&str] = match flags.iter().any(|f| f.starts_with("--discard")) {
+        true => &[],
+        false => &["--discard=unmap"],
+    };
+    let q = qemu_nbd_with(
+        &[flags, default_discard, &["-x", "d"]].concat(),
+        &theirs,
+        "d",
+    );
+    let mut a: Vec<String> = flags.iter().map(|s| s.to_string()).collect();
+    a.extend([
+        "-f".into(),
+        "raw".into(),
+        "-x".into(),
+        "d".into(),
+        ours.to_str().unwrap().into(),
+    ]);
+    let srv = start_server_v4(&a);
+    let uri = srv.uri("d");
+    let info = |u: &str| {
+        let t = peer_ok(Command::new("qemu-img").args(["info", "--output=json", u]));
+        t.lines()
+            .find(|l| l.contains("virtual-size"))
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(info(&uri), info(&q.uri), "{flags:?}");
+    qemu_io(&q.uri, cmds);
+    qemu_io(&uri, cmds);
+    let map =
+        |u: &str| peer_ok(Command::new("qemu-img").args(["map", "-f", "raw", u])).replace(u, "URI");
+    assert_eq!(map(&uri), map(&q.uri), "{flags:?}: block status");
+    drop(srv);
+    drop(q);
+    assert!(
+        std::fs::read(&ours).unwrap() == std::fs::read(&theirs).unwrap(),
+        "{flags:?}: the images differ"
+    );
+    use std::os::unix::fs::MetadataExt;
+    let blocks = |p: &Path| std::fs::metadata(p).unwrap().blocks();
+    // Within 64 KiB: the file system's own blocks (an ext4 extent tree block) may differ;
+    // what the commands allocate or free differs by 512 KiB or more.
+    let (o, t) = (blocks(&ours), blocks(&theirs));
+    assert!(
+        o.abs_diff(t) <= 128,
+        "{flags:?}: {o} 512-byte blocks allocated by ours, {t} by qemu-nbd's"
+    );
+}
+
+#[test]
+fn offset_discard_and_detect_zeroes_mean_what_they_mean_to_qemu_nbd() {
+    if !require(&["qemu-nbd", "qemu-io", "qemu-img"]) {
+        return;
+    }
+    // Data, a zero write of data, a TRIM and a WRITE_ZEROES at places of the export.
+    let cmds = [
+        "write -P 0xa1 0 64k",
+        "write -P 0 1M 1M",
+        "discard 3M 1M",
+        "write -z 5M 512k",
+        "read -P 0xa1 0 64k",
+    ];
+    for flags in [
+        &["-o", "1048576"][..],
+        &["--offset=2097152", "--discard=unmap"],
+        &["--discard=ignore"],
+        &["--discard=off"],
+        &["--discard=unmap"],
+        &["--discard=on", "--detect-zeroes=off"],
+        &["--detect-zeroes=on"],
+        &["--discard=unmap", "--detect-zeroes=on"],
+        &["--discard=unmap", "--detect-zeroes=unmap"],
+        &["-o", "1048576", "--discard=unmap", "--detect-zeroes=unmap"],
+    ] {
+        same_as_qemu_nbd(flags, &cmds);
+    }
+}

@@ -120,6 +120,25 @@ pub struct Cli {
     /// export when there is no FILE (use --description NAME=TEXT with several).
     #[arg(short = 'D', value_name = "TEXT")]
     pub describe: Option<String>,
+    /// Serve every image from byte OFFSET on (qemu-nbd's -o, --offset): an export is its
+    /// image's disk from OFFSET to the end, which must lie beyond OFFSET (e.g. 1048576 or 1M).
+    /// WRITE payloads then go through the server (the NIC does not place them in the file).
+    /// qemu-nbd's -P/--partition is gone (qemu-nbd 10 refuses it): give the partition's start
+    /// as OFFSET.
+    #[arg(short = 'o', long, value_name = "OFFSET")]
+    pub offset: Option<String>,
+    /// TRIM, as qemu-nbd's --discard: unmap (or on; the default, unlike qemu-nbd's) punches
+    /// holes, and WRITE_ZEROES may too; ignore (or off) accepts TRIM and does nothing, and
+    /// WRITE_ZEROES writes zeroes without freeing space.
+    #[arg(long, value_name = "DISCARD", value_enum)]
+    pub discard: Option<DiscardArg>,
+    /// As qemu-nbd's --detect-zeroes: on turns a WRITE whose data is all zeroes into a
+    /// WRITE_ZEROES that keeps the space allocated; unmap into one that may free it (needs
+    /// --discard unmap, the default); off (the default) writes the zeroes as data. Other than
+    /// off, WRITE payloads go through the server to be inspected (the NIC does not place them
+    /// in the file).
+    #[arg(long, value_name = "MODE", value_enum)]
+    pub detect_zeroes: Option<DetectZeroesArg>,
     /// The export a client gets when it asks for the empty name.
     #[arg(long, value_name = "NAME")]
     pub default_export: Option<String>,
@@ -190,6 +209,23 @@ pub struct Cli {
     pub log: LogArgs,
     #[command(flatten)]
     pub backend: BackendArgs,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DiscardArg {
+    /// TRIM is accepted and does nothing.
+    #[value(alias = "off")]
+    Ignore,
+    /// TRIM punches holes (the default).
+    #[value(alias = "on")]
+    Unmap,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DetectZeroesArg {
+    Off,
+    On,
+    Unmap,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
