@@ -673,3 +673,64 @@ fn offset_discard_and_detect_zeroes_mean_what_they_mean_to_qemu_nbd() {
         same_as_qemu_nbd(flags, &cmds);
     }
 }
+
+#[test]
+fn offset_on_a_qcow2_image_is_into_its_virtual_disk_as_in_qemu_nbd() {
+    if !require(&["qemu-nbd", "qemu-io", "qemu-img"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (ours, theirs) = (
+        dir.path().join("ours.qcow2"),
+        dir.path().join("theirs.qcow2"),
+    );
+    peer_ok(
+        Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(&theirs)
+            .arg("8M"),
+    );
+    peer_ok(
+        Command::new("qemu-io")
+            .args(["-c", "write -P 0x33 1M 1M", "-c", "write -P 0x44 2M 64k"])
+            .arg(&theirs),
+    );
+    std::fs::copy(&theirs, &ours).unwrap();
+    let flags = ["-f", "qcow2", "-o", "1048576", "-x", "q"];
+    let q = qpip_test_support::servers::tcp_peer(
+        "qemu-nbd",
+        "-p",
+        &[
+            &["-b", "127.0.0.1", "-t", "--discard=unmap"],
+            &flags[..],
+            &[theirs.to_str().unwrap()],
+        ]
+        .concat(),
+        "nbd://127.0.0.1:PORT/q",
+    )
+    .expect("qemu-nbd");
+    let mut a = args(&flags);
+    a.push(ours.to_str().unwrap().into());
+    let srv = start_server_v4(&a);
+    let cmds = [
+        "read -P 0x33 0 1M",
+        "read -P 0x44 1M 64k",
+        "write -P 0x55 3M 64k",
+        "discard 0 64k",
+        "write -z 4M 1M",
+    ];
+    for uri in [&q.uri, &srv.uri("q")] {
+        let info = peer_ok(Command::new("qemu-img").args(["info", uri]));
+        assert!(info.contains("(7340032 bytes)"), "{uri}: {info}");
+        qemu_io(uri, &cmds);
+    }
+    drop(srv);
+    drop(q);
+    peer_ok(
+        Command::new("qemu-img")
+            .args(["compare", "-f", "qcow2", "-F", "qcow2"])
+            .arg(&ours)
+            .arg(&theirs),
+    );
+    peer_ok(Command::new("qemu-img").args(["check", "-q"]).arg(&ours));
+}
