@@ -243,3 +243,63 @@ fn limits_of_zero_are_refused() {
         &["--max-handshakes 0", "above 0"],
     );
 }
+
+#[test]
+fn qemu_nbd_forms_that_make_no_sense_here_are_refused_with_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = image(dir.path(), "a.img", 1 << 20);
+    let b = image(dir.path(), "b.img", 1 << 20);
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    let l = ["--listen", "127.0.0.1:0"];
+    // qemu-nbd serves one image.
+    refused(
+        &[&l[..], &[a, b]].concat(),
+        1,
+        &["2 image files", "--export"],
+    );
+    // -x names the positional image.
+    refused(
+        &[&l[..], &["-x", "disk"]].concat(),
+        1,
+        &["-x", "FILE", "--export disk="],
+    );
+    // As qemu-nbd: unmapping zero writes needs discards passed on.
+    refused(
+        &[&l[..], &["--discard=ignore", "--detect-zeroes=unmap", a]].concat(),
+        1,
+        &["--detect-zeroes unmap", "--discard unmap"],
+    );
+    let out = run_with_timeout(
+        Command::new(BIN).args([&l[..], &["--discard=trim", a]].concat()),
+        std::time::Duration::from_secs(20),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("'trim'") && stderr.contains("ignore"),
+        "{stderr}"
+    );
+    // The export must keep at least a byte, as qemu-nbd's "Offset has to be smaller".
+    refused(
+        &[&l[..], &["-o", "1M", a]].concat(),
+        1,
+        &["--offset 1048576", "a.img", "1048576 bytes"],
+    );
+    refused(
+        &[&l[..], &["--offset", "x", a]].concat(),
+        1,
+        &["--offset", "\"x\""],
+    );
+    // -D and a plain --description TEXT want one export.
+    let (ea, eb) = (format!("a={a}"), format!("b={b}"));
+    refused(
+        &[&l[..], &["-e", &ea, "-e", &eb, "-D", "t"]].concat(),
+        1,
+        &["-D", "2 exports", "NAME=TEXT"],
+    );
+    refused(
+        &[&l[..], &["-e", &ea, "--description", "x=y"]].concat(),
+        1,
+        &["no export named \"x\"", "-D TEXT"],
+    );
+}

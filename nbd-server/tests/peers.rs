@@ -526,3 +526,211 @@ fn sparse_uploads_with_qemu_img_and_nbdcopy_into_raw_and_qcow2() {
         "the raw export's holes were written, not punched: {allocated} bytes allocated"
     );
 }
+
+/// qemu-nbd, persistent, with `flags` and the positional `image`, on a free port; its URI
+/// names `export`.
+fn qemu_nbd_with(flags: &[&str], image: &Path, export: &str) -> qpip_test_support::servers::Peer {
+    let image = image.to_str().unwrap();
+    qpip_test_support::servers::tcp_peer(
+        "qemu-nbd",
+        "-p",
+        &[&["-b", "127.0.0.1", "-t", "-f", "raw"], flags, &[image]].concat(),
+        &format!("nbd://127.0.0.1:PORT/{export}"),
+    )
+    .expect("qemu-nbd")
+}
+
+/// `nbdinfo --list` of `uri`, the lines naming the export and its description and size.
+fn listed(uri: &str) -> Vec<String> {
+    let out = peer_ok(Command::new("nbdinfo").args(["--list", uri]));
+    out.lines()
+        .map(str::trim)
+        .filter(|l| {
+            l.starts_with("export=")
+                || l.starts_with("description:")
+                || l.starts_with("export-size:")
+        })
+        .map(String::from)
+        .collect()
+}
+
+#[test]
+fn qemu_nbds_positional_form_serves_the_image_as_qemu_nbd_does() {
+    if !require(&["qemu-nbd", "qemu-io", "nbdinfo"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ours = image(dir.path(), "ours.img", 4 * MIB);
+    let theirs = image(dir.path(), "theirs.img", 4 * MIB);
+    for (x, d) in [(None, "one disk"), (Some("vm"), "a disk named vm")] {
+        let mut flags = vec!["-D", d];
+        if let Some(x) = x {
+            flags.extend(["-x", x]);
+        }
+        let q = qemu_nbd_with(&flags, &theirs, x.unwrap_or(""));
+        let mut a: Vec<String> = flags.iter().map(|s| s.to_string()).collect();
+        // -t changes nothing: without it too the server outlives its first client (the
+        // qemu-io runs below are several clients).
+        if x.is_some() {
+            a.push("-t".into());
+        }
+        a.push(ours.to_str().unwrap().into());
+        let srv = start_server_v4(&a);
+        // The same export name (default "") and description as qemu-nbd.
+        assert_eq!(listed(&srv.uri("")), listed(&q.uri), "{flags:?}");
+        // The image is the default export: a client naming none gets it.
+        qemu_io(&srv.uri(""), &["write -P 0x5c 0 64k", "read -P 0x5c 0 64k"]);
+        qemu_io(&srv.uri(x.unwrap_or("")), &["read -P 0x5c 0 64k"]);
+    }
+}
+
+/// The same qemu-io commands through qemu-nbd and our server, each with `flags` and on its
+/// own copy of one dense image: the copies end up identical, with as much space allocated,
+/// and the clients see the same size and block status. Without --discard in `flags`, qemu-nbd
+/// gets --discard=unmap, our default.
+fn same_as_qemu_nbd(flags: &[&str], cmds: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 8 * MIB as usize;
+    let bytes = pattern(size, 25);
+    let (ours, theirs) = (dir.path().join("ours.img"), dir.path().join("theirs.img"));
+    std::fs::write(&ours, &bytes).unwrap();
+    std::fs::write(&theirs, &bytes).unwrap();
+    // Our default is qemu-nbd's --discard=unmap (qemu-nbd's own is ignore).
+    let default_discard: &[&str] = match flags.iter().any(|f| f.starts_with("--discard")) {
+        true => &[],
+        false => &["--discard=unmap"],
+    };
+    let q = qemu_nbd_with(
+        &[flags, default_discard, &["-x", "d"]].concat(),
+        &theirs,
+        "d",
+    );
+    let mut a: Vec<String> = flags.iter().map(|s| s.to_string()).collect();
+    a.extend([
+        "-f".into(),
+        "raw".into(),
+        "-x".into(),
+        "d".into(),
+        ours.to_str().unwrap().into(),
+    ]);
+    let srv = start_server_v4(&a);
+    let uri = srv.uri("d");
+    let info = |u: &str| {
+        let t = peer_ok(Command::new("qemu-img").args(["info", "--output=json", u]));
+        t.lines()
+            .find(|l| l.contains("virtual-size"))
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(info(&uri), info(&q.uri), "{flags:?}");
+    qemu_io(&q.uri, cmds);
+    qemu_io(&uri, cmds);
+    let map =
+        |u: &str| peer_ok(Command::new("qemu-img").args(["map", "-f", "raw", u])).replace(u, "URI");
+    assert_eq!(map(&uri), map(&q.uri), "{flags:?}: block status");
+    drop(srv);
+    drop(q);
+    assert!(
+        std::fs::read(&ours).unwrap() == std::fs::read(&theirs).unwrap(),
+        "{flags:?}: the images differ"
+    );
+    use std::os::unix::fs::MetadataExt;
+    let blocks = |p: &Path| std::fs::metadata(p).unwrap().blocks();
+    // Within 64 KiB: the file system's own blocks (an ext4 extent tree block) may differ;
+    // what the commands allocate or free differs by 512 KiB or more.
+    let (o, t) = (blocks(&ours), blocks(&theirs));
+    assert!(
+        o.abs_diff(t) <= 128,
+        "{flags:?}: {o} 512-byte blocks allocated by ours, {t} by qemu-nbd's"
+    );
+}
+
+#[test]
+fn offset_discard_and_detect_zeroes_mean_what_they_mean_to_qemu_nbd() {
+    if !require(&["qemu-nbd", "qemu-io", "qemu-img"]) {
+        return;
+    }
+    // Data, a zero write of data, a TRIM and a WRITE_ZEROES at places of the export.
+    let cmds = [
+        "write -P 0xa1 0 64k",
+        "write -P 0 1M 1M",
+        "discard 3M 1M",
+        "write -z 5M 512k",
+        "read -P 0xa1 0 64k",
+    ];
+    for flags in [
+        &["-o", "1048576"][..],
+        &["--offset=2097152", "--discard=unmap"],
+        &["--discard=ignore"],
+        &["--discard=off"],
+        &["--discard=unmap"],
+        &["--discard=on", "--detect-zeroes=off"],
+        &["--detect-zeroes=on"],
+        &["--discard=unmap", "--detect-zeroes=on"],
+        &["--discard=unmap", "--detect-zeroes=unmap"],
+        &["-o", "1048576", "--discard=unmap", "--detect-zeroes=unmap"],
+    ] {
+        same_as_qemu_nbd(flags, &cmds);
+    }
+}
+
+#[test]
+fn offset_on_a_qcow2_image_is_into_its_virtual_disk_as_in_qemu_nbd() {
+    if !require(&["qemu-nbd", "qemu-io", "qemu-img"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (ours, theirs) = (
+        dir.path().join("ours.qcow2"),
+        dir.path().join("theirs.qcow2"),
+    );
+    peer_ok(
+        Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(&theirs)
+            .arg("8M"),
+    );
+    peer_ok(
+        Command::new("qemu-io")
+            .args(["-c", "write -P 0x33 1M 1M", "-c", "write -P 0x44 2M 64k"])
+            .arg(&theirs),
+    );
+    std::fs::copy(&theirs, &ours).unwrap();
+    let flags = ["-f", "qcow2", "-o", "1048576", "-x", "q"];
+    let q = qpip_test_support::servers::tcp_peer(
+        "qemu-nbd",
+        "-p",
+        &[
+            &["-b", "127.0.0.1", "-t", "--discard=unmap"],
+            &flags[..],
+            &[theirs.to_str().unwrap()],
+        ]
+        .concat(),
+        "nbd://127.0.0.1:PORT/q",
+    )
+    .expect("qemu-nbd");
+    let mut a = args(&flags);
+    a.push(ours.to_str().unwrap().into());
+    let srv = start_server_v4(&a);
+    let cmds = [
+        "read -P 0x33 0 1M",
+        "read -P 0x44 1M 64k",
+        "write -P 0x55 3M 64k",
+        "discard 0 64k",
+        "write -z 4M 1M",
+    ];
+    for uri in [&q.uri, &srv.uri("q")] {
+        let info = peer_ok(Command::new("qemu-img").args(["info", uri]));
+        assert!(info.contains("(7340032 bytes)"), "{uri}: {info}");
+        qemu_io(uri, &cmds);
+    }
+    drop(srv);
+    drop(q);
+    peer_ok(
+        Command::new("qemu-img")
+            .args(["compare", "-f", "qcow2", "-F", "qcow2"])
+            .arg(&ours)
+            .arg(&theirs),
+    );
+    peer_ok(Command::new("qemu-img").args(["check", "-q"]).arg(&ours));
+}

@@ -6,7 +6,9 @@
 //! - [`qcow2`]: a qcow2 image file, served as its virtual disk through its cluster tables;
 //! - `rbd` (feature `rbd`): an image in a Ceph cluster through librbd;
 //! - [`open`]: the one place a store is chosen and opened: the `rbd:` scheme, the format
-//!   probe, `--create`, and the image locks (with [`lock`] and [`probe`]).
+//!   probe, `--create`, and the image locks (with [`lock`] and [`probe`]);
+//! - [`view`]: any store from an offset on, with TRIM ignored or zero WRITEs detected
+//!   (qemu-nbd's `--offset`, `--discard`, `--detect-zeroes`).
 //!
 //! Adding a store (NFS, S3, ...) is a new file here implementing [`Store`] and one arm in
 //! [`open::Opener::open`]; nothing outside `store/` names a store type.
@@ -28,6 +30,7 @@ pub mod probe;
 pub mod qcow2;
 #[cfg(feature = "rbd")]
 pub mod rbd;
+pub mod view;
 
 use std::fmt::Debug;
 use std::io;

@@ -28,6 +28,7 @@ use qpip_cli::logging::LogArgs;
         qpip-nbd-server --config /usr/local/share/qpip/server.toml\n  \
         qpip-nbd-server --fork --pid-file /run/qpip.pid -f qcow2 --export vm=vm.qcow2\n  \
         qpip-nbd-server --export d=disk.img --run 'qemu-img info \"$uri\"'\n  \
+        qpip-nbd-server -x disk -D 'the main disk' disk.img   (qemu-nbd's form)\n  \
         qemu-img info nbd://127.0.0.1/disk"
 )]
 pub struct Cli {
@@ -58,6 +59,20 @@ pub struct Cli {
     /// several.
     #[arg(short, long, value_name = "NAME=PATH")]
     pub export: Vec<String>,
+    /// qemu-nbd's form: an image file (or block device, or rbd:POOL/IMAGE) served as one more
+    /// export, named by --export-name (default: the empty name, as qemu-nbd's) and made the
+    /// default export unless --default-export names another. One FILE only (as qemu-nbd).
+    #[arg(value_name = "FILE")]
+    pub image: Vec<PathBuf>,
+    /// The export name of the positional FILE (qemu-nbd's -x); default "" (the empty name,
+    /// which every client gets when it asks for none).
+    #[arg(short = 'x', long, value_name = "NAME")]
+    pub export_name: Option<String>,
+    /// qemu-nbd's -t: accepted and changes nothing. This server always keeps serving after a
+    /// client leaves (qemu-nbd without -t exits after its last client); to stop once a job
+    /// is done, use --run.
+    #[arg(short = 't', long)]
+    pub persistent: bool,
     /// A TOML configuration file; flags add to it. An example with every key is installed
     /// as PREFIX/share/qpip/server.toml (configs/server.toml in the source).
     #[arg(long, value_name = "FILE")]
@@ -97,9 +112,33 @@ pub struct Cli {
     /// Create missing images, sparse, with this size (e.g. 1G, 512M).
     #[arg(long, value_name = "SIZE")]
     pub create: Option<String>,
-    /// A description for an export, shown by `nbdinfo --list`: NAME=TEXT.
+    /// A description for an export, shown by `nbdinfo --list`: NAME=TEXT; repeat for
+    /// several. A value without "=" is qemu-nbd's --description TEXT (see -D).
     #[arg(long, value_name = "NAME=TEXT")]
     pub description: Vec<String>,
+    /// qemu-nbd's -D: the description of the positional FILE's export, or of the only
+    /// export when there is no FILE (use --description NAME=TEXT with several).
+    #[arg(short = 'D', value_name = "TEXT")]
+    pub describe: Option<String>,
+    /// Serve every image from byte OFFSET on (qemu-nbd's -o, --offset): an export is its
+    /// image's disk from OFFSET to the end, which must lie beyond OFFSET (e.g. 1048576 or 1M).
+    /// WRITE payloads then go through the server (the NIC does not place them in the file).
+    /// qemu-nbd's -P/--partition is gone (qemu-nbd 10 refuses it): give the partition's start
+    /// as OFFSET.
+    #[arg(short = 'o', long, value_name = "OFFSET")]
+    pub offset: Option<String>,
+    /// TRIM, as qemu-nbd's --discard: unmap (or on; the default, unlike qemu-nbd's) punches
+    /// holes, and WRITE_ZEROES may too; ignore (or off) accepts TRIM and does nothing, and
+    /// WRITE_ZEROES writes zeroes without freeing space.
+    #[arg(long, value_name = "DISCARD", value_enum)]
+    pub discard: Option<DiscardArg>,
+    /// As qemu-nbd's --detect-zeroes: on turns a WRITE whose data is all zeroes into a
+    /// WRITE_ZEROES that keeps the space allocated; unmap into one that may free it (needs
+    /// --discard unmap, the default); off (the default) writes the zeroes as data. Other than
+    /// off, WRITE payloads go through the server to be inspected (the NIC does not place them
+    /// in the file).
+    #[arg(long, value_name = "MODE", value_enum)]
+    pub detect_zeroes: Option<DetectZeroesArg>,
     /// The export a client gets when it asks for the empty name.
     #[arg(long, value_name = "NAME")]
     pub default_export: Option<String>,
@@ -170,6 +209,23 @@ pub struct Cli {
     pub log: LogArgs,
     #[command(flatten)]
     pub backend: BackendArgs,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DiscardArg {
+    /// TRIM is accepted and does nothing.
+    #[value(alias = "off")]
+    Ignore,
+    /// TRIM punches holes (the default).
+    #[value(alias = "on")]
+    Unmap,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DetectZeroesArg {
+    Off,
+    On,
+    Unmap,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

@@ -7,10 +7,11 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use nbd_server::export::Export;
 use nbd_server::store::open::{self, OpenOptions, Opener};
+use nbd_server::store::view::{self, DetectZeroes, Discard, ViewOptions};
 use nbd_server::store::{CephOptions, Store};
 use qpip_core::Nic;
 
-use crate::args::Cli;
+use crate::args::{Cli, DetectZeroesArg, DiscardArg};
 use crate::config::{ExportConfig, parse_size};
 use crate::settings::Settings;
 
@@ -25,6 +26,7 @@ pub fn open_all(nic: &Nic, cli: &Cli, settings: &Settings) -> Result<Vec<Arc<Exp
         keyring: cli.ceph_keyring.clone(),
         timeout: Duration::from_secs(cli.ceph_timeout),
     });
+    let view = view_options(cli)?;
     let mut exports: Vec<Arc<Export>> = Vec::new();
     // Exports whose file is in a format the server does not serve, with why.
     let mut left_out = Vec::new();
@@ -43,6 +45,7 @@ pub fn open_all(nic: &Nic, cli: &Cli, settings: &Settings) -> Result<Vec<Arc<Exp
                 }
             }
         };
+        let store = view::apply(store, view).with_context(|| format!("export {}", e.name))?;
         tracing::info!(export = %e.name, "{} ({}, {} bytes{})", store.location(), store.kind(), store.size(), if store.read_only() { ", read-only" } else { "" });
         exports.push(Export::new(
             nic,
@@ -64,6 +67,29 @@ pub fn open_all(nic: &Nic, cli: &Cli, settings: &Settings) -> Result<Vec<Arc<Exp
         tracing::error!("{e:#}; serving the other exports without it");
     }
     Ok(exports)
+}
+
+/// --offset, --discard and --detect-zeroes, checked before any image is opened.
+pub fn view_options(cli: &Cli) -> Result<ViewOptions> {
+    let opts = ViewOptions {
+        offset: match cli.offset.as_deref() {
+            Some(o) => parse_size(o).context("--offset")?,
+            None => 0,
+        },
+        discard: match cli.discard {
+            Some(DiscardArg::Ignore) => Discard::Ignore,
+            Some(DiscardArg::Unmap) | None => Discard::Unmap,
+        },
+        detect_zeroes: match cli.detect_zeroes {
+            Some(DetectZeroesArg::On) => DetectZeroes::On,
+            Some(DetectZeroesArg::Unmap) => DetectZeroes::Unmap,
+            Some(DetectZeroesArg::Off) | None => DetectZeroes::Off,
+        },
+    };
+    if opts.detect_zeroes == DetectZeroes::Unmap && opts.discard == Discard::Ignore {
+        bail!("--detect-zeroes unmap needs --discard unmap (the default), as in qemu-nbd");
+    }
+    Ok(opts)
 }
 
 /// Opens one export's store: Ok(Err) for a file in a format the server does not serve,

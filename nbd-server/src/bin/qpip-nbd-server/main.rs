@@ -82,6 +82,7 @@ fn run(cli: Cli) -> Result<i32> {
 
 /// Flags that do not go together.
 fn check_flags(cli: &Cli) -> Result<()> {
+    exports::view_options(cli)?;
     if cli.fork && (cli.exit_with_parent || cli.run.is_some()) {
         bail!(
             "--fork goes with neither --run nor --exit-with-parent, which need the server to stay the caller's child"

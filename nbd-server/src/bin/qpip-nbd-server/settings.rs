@@ -69,28 +69,81 @@ fn split_pair<'a>(s: &'a str, what: &str) -> Result<(&'a str, &'a str)> {
         .with_context(|| format!("{what} {s:?} is not NAME=VALUE"))
 }
 
-/// Adds --export and --description to the file's exports, or the demo export when there
-/// are none (true).
+fn flag_export(name: &str, path: &str) -> ExportConfig {
+    ExportConfig {
+        name: name.into(),
+        path: path.into(),
+        description: String::new(),
+        read_only: false,
+        create_size: None,
+        format: None,
+    }
+}
+
+/// Adds --export, qemu-nbd's positional FILE (with -x) and the descriptions to the file's
+/// exports, or the demo export when there are none (true).
 fn add_exports(cli: &Cli, cfg: &mut Config) -> Result<bool> {
     for e in &cli.export {
         let (name, path) = split_pair(e, "--export")?;
-        cfg.exports.push(ExportConfig {
-            name: name.into(),
-            path: path.into(),
-            description: String::new(),
-            read_only: false,
-            create_size: None,
-            format: None,
-        });
+        cfg.exports.push(flag_export(name, path));
+    }
+    // qemu-nbd's form: one image, named by -x (default: the empty name, as qemu-nbd's).
+    let positional = match cli.image.as_slice() {
+        [] => {
+            if let Some(n) = &cli.export_name {
+                bail!(
+                    "-x/--export-name {n:?} names the image given as FILE, and there is none (give one, or use --export {n}=PATH)"
+                );
+            }
+            None
+        }
+        [image] => {
+            let name = cli.export_name.clone().unwrap_or_default();
+            let path = image
+                .to_str()
+                .with_context(|| format!("image path {} is not UTF-8", image.display()))?;
+            cfg.exports.push(flag_export(&name, path));
+            cfg.default_export.get_or_insert_with(|| name.clone());
+            Some(name)
+        }
+        [..] => bail!(
+            "{} image files given: like qemu-nbd, the server takes one FILE; serve more with --export NAME=PATH each",
+            cli.image.len()
+        ),
+    };
+    // -D TEXT and qemu-nbd's --description TEXT (no "="): the FILE's export, or the only one.
+    let single = |what: &str| -> Result<String> {
+        if let Some(name) = &positional {
+            return Ok(name.clone());
+        }
+        match cfg.exports.as_slice() {
+            [one] => Ok(one.name.clone()),
+            [] => bail!("{what}: there is no export to describe"),
+            all => bail!(
+                "{what}: {} exports, which one? Give --description NAME=TEXT",
+                all.len()
+            ),
+        }
+    };
+    let mut described = Vec::new();
+    if let Some(text) = &cli.describe {
+        described.push((single("-D")?, text.clone()));
     }
     for d in &cli.description {
-        let (name, text) = split_pair(d, "--description")?;
+        match d.split_once('=') {
+            Some((name, text)) => described.push((name.to_string(), text.to_string())),
+            None => described.push((single("--description TEXT")?, d.clone())),
+        }
+    }
+    for (name, text) in described {
         let e = cfg
             .exports
             .iter_mut()
             .find(|e| e.name == name)
-            .with_context(|| format!("--description: no export named {name:?}"))?;
-        e.description = text.into();
+            .with_context(|| {
+                format!("--description: no export named {name:?} (for a text with \"=\" in it, use -D TEXT)")
+            })?;
+        e.description = text;
     }
     let demo = cfg.exports.is_empty();
     if demo {

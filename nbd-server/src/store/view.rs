@@ -1,0 +1,280 @@
+//! A view of a store, as qemu-nbd's `--offset`, `--discard` and `--detect-zeroes` shape it:
+//! the disk from an offset on, TRIM ignored, WRITEs of zeroes turned into WRITE_ZEROES.
+//! [`apply`] wraps a store in a [`View`] only when one of them differs from the default.
+//!
+//! A view has no placement file: the NIC would place WRITE payloads at the export's offsets
+//! in the file, unshifted and unseen by the zero detection, so every write goes through
+//! [`Store::write_at`] (one more copy, from the receive slot).
+
+use std::fmt;
+use std::io;
+
+use super::{Extent, Pending, Store};
+
+/// What TRIM does, as qemu's `discard` option says.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Discard {
+    /// TRIM is accepted and does nothing; WRITE_ZEROES frees no space.
+    Ignore,
+    /// TRIM frees space (punches holes); WRITE_ZEROES may (the server's default).
+    #[default]
+    Unmap,
+}
+
+/// What a WRITE of all-zero data becomes, as qemu's `detect-zeroes` option says.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DetectZeroes {
+    /// Written as data (the default).
+    #[default]
+    Off,
+    /// A WRITE_ZEROES that keeps the range allocated.
+    On,
+    /// A WRITE_ZEROES that may free the range (with [`Discard::Unmap`] only).
+    Unmap,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ViewOptions {
+    /// The disk starts at this byte of the store's.
+    pub offset: u64,
+    pub discard: Discard,
+    pub detect_zeroes: DetectZeroes,
+}
+
+/// Why a view cannot be made.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ViewError {
+    #[error("--offset {offset} is not below the size of {location} ({size} bytes)")]
+    OffsetPastEnd {
+        offset: u64,
+        size: u64,
+        location: String,
+    },
+    #[error("--detect-zeroes unmap needs --discard unmap (as qemu-nbd)")]
+    UnmapWithoutDiscard,
+}
+
+/// `store` as `opts` shape it: the store itself with the default options.
+pub fn apply(store: Box<dyn Store>, opts: ViewOptions) -> Result<Box<dyn Store>, ViewError> {
+    if opts.detect_zeroes == DetectZeroes::Unmap && opts.discard == Discard::Ignore {
+        return Err(ViewError::UnmapWithoutDiscard);
+    }
+    if opts == ViewOptions::default() {
+        return Ok(store);
+    }
+    if opts.offset >= store.size() {
+        return Err(ViewError::OffsetPastEnd {
+            offset: opts.offset,
+            size: store.size(),
+            location: store.location(),
+        });
+    }
+    Ok(Box::new(View { inner: store, opts }))
+}
+
+pub struct View {
+    inner: Box<dyn Store>,
+    opts: ViewOptions,
+}
+
+impl fmt::Debug for View {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("View")
+            .field("inner", &self.inner)
+            .field("opts", &self.opts)
+            .finish()
+    }
+}
+
+impl View {
+    fn at(&self, offset: u64) -> u64 {
+        offset + self.opts.offset
+    }
+
+    /// With detect-zeroes on: `data` is all zeroes and was written as WRITE_ZEROES (true).
+    fn zeroes_written(&self, data: &[u8], offset: u64) -> io::Result<bool> {
+        let may_unmap = match self.opts.detect_zeroes {
+            DetectZeroes::Off => return Ok(false),
+            DetectZeroes::On => false,
+            DetectZeroes::Unmap => true,
+        };
+        if data.is_empty() || data.iter().any(|&b| b != 0) {
+            return Ok(false);
+        }
+        self.inner
+            .write_zeroes(self.at(offset), data.len() as u64, true, may_unmap)
+    }
+}
+
+impl Store for View {
+    fn location(&self) -> String {
+        match self.opts.offset {
+            0 => self.inner.location(),
+            o => format!("{} from byte {o}", self.inner.location()),
+        }
+    }
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    fn size(&self) -> u64 {
+        self.inner.size() - self.opts.offset
+    }
+    fn read_only(&self) -> bool {
+        self.inner.read_only()
+    }
+    fn mapping(&self) -> Option<(*const u8, usize)> {
+        let (ptr, len) = self.inner.mapping()?;
+        let skip = usize::try_from(self.opts.offset)
+            .ok()
+            .filter(|&s| s < len)?;
+        // SAFETY: `skip` is within the mapping of `len` bytes.
+        Some((unsafe { ptr.add(skip) }, len - skip))
+    }
+    // placement_file: None (the module's comment says why).
+    fn mapping_would_fill_holes(&self, offset: u64, len: u64) -> bool {
+        self.inner.mapping_would_fill_holes(self.at(offset), len)
+    }
+    fn still_holds(&self, end: u64) -> io::Result<bool> {
+        self.inner.still_holds(self.at(end))
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.inner.read_at(buf, self.at(offset))
+    }
+    fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+        if self.zeroes_written(data, offset)? {
+            return if fua { self.inner.flush() } else { Ok(()) };
+        }
+        self.inner.write_at(data, self.at(offset), fua)
+    }
+    unsafe fn start_write(
+        &self,
+        data: *const u8,
+        len: usize,
+        offset: u64,
+    ) -> io::Result<Option<Box<dyn Pending>>> {
+        if self.opts.detect_zeroes != DetectZeroes::Off {
+            // SAFETY: the caller vouches for the bytes, and nothing outlives this call.
+            let buf = unsafe { std::slice::from_raw_parts(data, len) };
+            if self.zeroes_written(buf, offset)? {
+                return Ok(None);
+            }
+        }
+        // SAFETY: passed on with the caller's guarantee.
+        unsafe { self.inner.start_write(data, len, self.at(offset)) }
+    }
+    unsafe fn start_read(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        offset: u64,
+    ) -> io::Result<Option<Box<dyn Pending>>> {
+        // SAFETY: passed on with the caller's guarantee.
+        unsafe { self.inner.start_read(buf, len, self.at(offset)) }
+    }
+    fn flush(&self) -> io::Result<()> {
+        self.inner.flush()
+    }
+    fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
+        match self.opts.discard {
+            Discard::Ignore => Ok(()),
+            Discard::Unmap => self.inner.trim(self.at(offset), len),
+        }
+    }
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        may_write: bool,
+        may_unmap: bool,
+    ) -> io::Result<bool> {
+        let may_unmap = may_unmap && self.opts.discard == Discard::Unmap;
+        self.inner
+            .write_zeroes(self.at(offset), len, may_write, may_unmap)
+    }
+    fn prefetch(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.inner.prefetch(self.at(offset), len)
+    }
+    fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
+        self.inner.extents(self.at(offset), len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::open;
+
+    fn store(size: u64) -> Box<dyn Store> {
+        let s = open::anonymous("view-test.img", size).unwrap();
+        let bytes: Vec<u8> = (0..size).map(|i| (i % 251) as u8 + 1).collect();
+        s.write_at(&bytes, 0, false).unwrap();
+        s
+    }
+
+    #[test]
+    fn an_offset_view_shifts_every_access() {
+        let v = apply(
+            store(64 << 10),
+            ViewOptions {
+                offset: 4096,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(v.size(), 60 << 10);
+        assert!(v.placement_file().is_none());
+        let mut b = [0u8; 4];
+        v.read_at(&mut b, 0).unwrap();
+        assert_eq!(b[0], (4096 % 251) as u8 + 1);
+        let (ptr, len) = v.mapping().unwrap();
+        assert_eq!(len, 60 << 10);
+        // SAFETY: the mapping covers `len` bytes while the store lives.
+        assert_eq!(unsafe { *ptr }, b[0]);
+        v.write_at(&[0xAA; 4], 0, false).unwrap();
+        v.trim(8192, 4096).unwrap();
+        let mut back = [0u8; 4];
+        v.read_at(&mut back, 8192).unwrap();
+        assert_eq!(back, [0; 4]);
+        v.read_at(&mut back, 0).unwrap();
+        assert_eq!(back, [0xAA; 4]);
+    }
+
+    #[test]
+    fn an_offset_at_or_past_the_end_and_unmap_without_discard_are_refused() {
+        let o = |offset| ViewOptions {
+            offset,
+            ..Default::default()
+        };
+        assert!(matches!(
+            apply(store(4096), o(4096)),
+            Err(ViewError::OffsetPastEnd { .. })
+        ));
+        assert!(apply(store(4096), o(4095)).is_ok());
+        let bad = ViewOptions {
+            discard: Discard::Ignore,
+            detect_zeroes: DetectZeroes::Unmap,
+            offset: 0,
+        };
+        assert!(matches!(
+            apply(store(4096), bad),
+            Err(ViewError::UnmapWithoutDiscard)
+        ));
+    }
+
+    #[test]
+    fn discard_ignore_keeps_the_data() {
+        let v = apply(
+            store(16 << 10),
+            ViewOptions {
+                discard: Discard::Ignore,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        v.trim(0, 8192).unwrap();
+        let mut b = [0u8; 1];
+        v.read_at(&mut b, 0).unwrap();
+        assert_eq!(b[0], 1);
+    }
+}
