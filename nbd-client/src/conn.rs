@@ -131,7 +131,7 @@ impl Conn {
             credentials,
             server_name: (!uri.host.is_empty()).then(|| uri.host.clone()),
         };
-        qpip_core::soft::check_tls(&config).map_err(|e| err(format!("TLS credentials: {e}")))?;
+        qpip_core::check_tls(&config).map_err(|e| err(format!("TLS credentials: {e}")))?;
         Ok(Some(config))
     }
 

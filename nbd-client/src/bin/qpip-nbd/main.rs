@@ -13,7 +13,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle, TermLike};
 use nbd_client::{Client, ClientOptions};
-use qpip_cli::BackendArgs;
+use qpip_cli::NicArgs;
 use qpip_core::Nic;
 
 #[derive(Parser, Debug)]
@@ -50,7 +50,7 @@ struct Cli {
     #[command(flatten)]
     log: qpip_cli::logging::LogArgs,
     #[command(flatten)]
-    backend: BackendArgs,
+    nic: NicArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -268,9 +268,9 @@ impl TermLike for ProgressLines {
 
 /// Client options on the NIC that `--backend` names (clients take the first free lanai node
 /// unless `--lanai-node` names one).
-fn client_options(args: &BackendArgs) -> Result<ClientOptions> {
-    let nic = Nic::open(args.backend(None)?)
-        .with_context(|| format!("starting the {} NIC", args.backend.name()))?;
+fn client_options(args: &NicArgs) -> Result<ClientOptions> {
+    let nic = Nic::open(args.choice(None)?)
+        .with_context(|| format!("starting the {} NIC", args.kind.name()))?;
     Ok(ClientOptions {
         nic: Some(nic),
         ..Default::default()
@@ -279,7 +279,7 @@ fn client_options(args: &BackendArgs) -> Result<ClientOptions> {
 
 /// Runs the command; the exit status (2: `info --can/--is` answered no).
 fn run(cli: Cli) -> Result<i32> {
-    let base = client_options(&cli.backend)?;
+    let base = client_options(&cli.nic)?;
     // -q: no summary line after a copy (nbdcopy prints none).
     let quiet = cli.log.quiet > 0;
     match cli.cmd {
