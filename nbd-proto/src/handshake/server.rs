@@ -394,28 +394,7 @@ impl ServerHandshake {
                 Ok(ServerEvent::Abort)
             }
             c::OPT_LIST => {
-                if !data.is_empty() {
-                    reply_err(
-                        out,
-                        option,
-                        c::REP_ERR_INVALID,
-                        "NBD_OPT_LIST takes no data",
-                    );
-                } else if !self.config.allow_list {
-                    reply_err(out, option, c::REP_ERR_POLICY, "listing is disabled");
-                } else {
-                    for e in &self.config.exports {
-                        let entry = ServerEntry {
-                            name: &e.name,
-                            description: &e.description,
-                        };
-                        // exports with over-long names cannot be listed; skip them
-                        if let Ok(d) = entry.encode() {
-                            reply(out, option, c::REP_SERVER, &d);
-                        }
-                    }
-                    reply(out, option, c::REP_ACK, &[]);
-                }
+                self.list(data, out);
                 Ok(ServerEvent::Continue)
             }
             c::OPT_STARTTLS if self.config.tls == TlsMode::Off => {
@@ -424,29 +403,7 @@ impl ServerHandshake {
                 reply_err(out, option, c::REP_ERR_UNSUP, "TLS is not supported");
                 Ok(ServerEvent::Continue)
             }
-            c::OPT_STARTTLS => {
-                if self.tls {
-                    // "the server MUST respond with NBD_REP_ERR_INVALID" to a second one.
-                    reply_err(out, option, c::REP_ERR_INVALID, "TLS is already running");
-                    return Ok(ServerEvent::Continue);
-                }
-                if !data.is_empty() {
-                    reply_err(
-                        out,
-                        option,
-                        c::REP_ERR_INVALID,
-                        "NBD_OPT_STARTTLS takes no data",
-                    );
-                    return Ok(ServerEvent::Continue);
-                }
-                reply(out, option, c::REP_ACK, &[]);
-                // The negotiation starts over inside TLS.
-                self.tls = true;
-                self.structured = false;
-                self.extended = false;
-                self.meta = None;
-                Ok(ServerEvent::StartTls)
-            }
+            c::OPT_STARTTLS => Ok(self.start_tls(data, out)),
             c::OPT_INFO | c::OPT_GO if self.config.support_go => self.info_or_go(option, data, out),
             c::OPT_STRUCTURED_REPLY if self.extended => {
                 // "The client has already successfully negotiated extended headers, which
@@ -503,6 +460,59 @@ impl ServerHandshake {
                 Ok(ServerEvent::Continue)
             }
         }
+    }
+
+    /// `NBD_OPT_LIST`: every export the server may list, or why not.
+    fn list(&self, data: &[u8], out: &mut Vec<u8>) {
+        let option = c::OPT_LIST;
+        if !data.is_empty() {
+            reply_err(
+                out,
+                option,
+                c::REP_ERR_INVALID,
+                "NBD_OPT_LIST takes no data",
+            );
+        } else if !self.config.allow_list {
+            reply_err(out, option, c::REP_ERR_POLICY, "listing is disabled");
+        } else {
+            for e in &self.config.exports {
+                let entry = ServerEntry {
+                    name: &e.name,
+                    description: &e.description,
+                };
+                // exports with over-long names cannot be listed; skip them
+                if let Ok(d) = entry.encode() {
+                    reply(out, option, c::REP_SERVER, &d);
+                }
+            }
+            reply(out, option, c::REP_ACK, &[]);
+        }
+    }
+
+    /// `NBD_OPT_STARTTLS` where TLS is offered: acknowledged, and the negotiation starts over.
+    fn start_tls(&mut self, data: &[u8], out: &mut Vec<u8>) -> ServerEvent {
+        let option = c::OPT_STARTTLS;
+        if self.tls {
+            // "the server MUST respond with NBD_REP_ERR_INVALID" to a second one.
+            reply_err(out, option, c::REP_ERR_INVALID, "TLS is already running");
+            return ServerEvent::Continue;
+        }
+        if !data.is_empty() {
+            reply_err(
+                out,
+                option,
+                c::REP_ERR_INVALID,
+                "NBD_OPT_STARTTLS takes no data",
+            );
+            return ServerEvent::Continue;
+        }
+        reply(out, option, c::REP_ACK, &[]);
+        // The negotiation starts over inside TLS.
+        self.tls = true;
+        self.structured = false;
+        self.extended = false;
+        self.meta = None;
+        ServerEvent::StartTls
     }
 
     fn negotiated(&self, idx: usize, via_go: bool, acked: bool) -> Option<ServerNegotiated> {

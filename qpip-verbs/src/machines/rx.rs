@@ -291,78 +291,8 @@ impl RxMachine {
     ) -> RxStop {
         loop {
             let Some(cur) = self.cur.as_mut() else {
-                if qp.rq.is_empty() {
-                    return RxStop::NoWr;
-                }
-                let frame = framer.frame(&self.hdr[..self.hdr_len]);
-                let need = match frame {
-                    Frame::NeedHeader(n) => n,
-                    Frame::Message { header_len, .. } | Frame::MessageAt { header_len, .. }
-                        if header_len > self.hdr_len =>
-                    {
-                        header_len
-                    }
-                    Frame::Message {
-                        header_len,
-                        strip,
-                        body_len,
-                    } => {
-                        if let Err(stop) =
-                            self.start_framed(qp, memory, header_len, strip, body_len, None)
-                        {
-                            return stop;
-                        }
-                        continue;
-                    }
-                    Frame::MessageAt {
-                        header_len,
-                        strip,
-                        body,
-                    } => {
-                        let body_len = body.len as usize;
-                        if let Err(stop) =
-                            self.start_framed(qp, memory, header_len, strip, body_len, Some(body))
-                        {
-                            return stop;
-                        }
-                        continue;
-                    }
-                    Frame::Stream => {
-                        if let Err(stop) = self.start_message(qp, memory, usize::MAX, None, true) {
-                            return stop;
-                        }
-                        let in_hdr = self.hdr_len.min(self.cur.as_ref().map_or(0, |c| c.total));
-                        self.take_hdr(0, in_hdr);
-                        if self.cur.as_ref().is_some_and(|c| c.filled > 0) {
-                            self.complete_cur(qp, WcStatus::Success, 0);
-                        }
-                        continue;
-                    }
-                    Frame::Invalid(reason) => {
-                        tracing::warn!(qp = qp.num, "framing error: {reason}");
-                        return self.fail_next(qp, WcStatus::FramingError, 0, "invalid message");
-                    }
-                };
-                if need > MAX_HEADER || need <= self.hdr_len {
-                    tracing::warn!(
-                        qp = qp.num,
-                        need,
-                        have = self.hdr_len,
-                        "framer asked for an impossible header"
-                    );
-                    return self.fail_next(qp, WcStatus::FramingError, 0, "bad header request");
-                }
-                // Read the header, and a little beyond: bounded read-ahead saves a system
-                // call per small message.
-                let mut iov = [IoSliceMut::new(&mut self.hdr[self.hdr_len..])];
-                match io.read(&mut iov) {
-                    Ok(0) => return self.fail_next(qp, WcStatus::RemoteClosed, 0, "peer closed"),
-                    Ok(k) => self.hdr_len += k,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return RxStop::WouldBlock,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => {
-                        return self.fail_next(qp, status_of(&e), os_error(&e), "read failed");
-                    }
+                if let Some(stop) = self.start_next(qp, memory, framer, io) {
+                    return stop;
                 }
                 continue;
             };
@@ -438,6 +368,90 @@ impl RxMachine {
                 }
             }
         }
+    }
+
+    /// With no message in progress: asks the framer where the next one ends, reading its
+    /// header first (and a little beyond), and starts it. `Some` when pumping stops.
+    fn start_next(
+        &mut self,
+        qp: &QpShared,
+        memory: &MemoryTable,
+        framer: &mut dyn Framer,
+        io: &mut dyn RxIo,
+    ) -> Option<RxStop> {
+        if qp.rq.is_empty() {
+            return Some(RxStop::NoWr);
+        }
+        let frame = framer.frame(&self.hdr[..self.hdr_len]);
+        let need = match frame {
+            Frame::NeedHeader(n) => n,
+            Frame::Message { header_len, .. } | Frame::MessageAt { header_len, .. }
+                if header_len > self.hdr_len =>
+            {
+                header_len
+            }
+            Frame::Message {
+                header_len,
+                strip,
+                body_len,
+            } => {
+                if let Err(stop) = self.start_framed(qp, memory, header_len, strip, body_len, None)
+                {
+                    return Some(stop);
+                }
+                return None;
+            }
+            Frame::MessageAt {
+                header_len,
+                strip,
+                body,
+            } => {
+                let body_len = body.len as usize;
+                if let Err(stop) =
+                    self.start_framed(qp, memory, header_len, strip, body_len, Some(body))
+                {
+                    return Some(stop);
+                }
+                return None;
+            }
+            Frame::Stream => {
+                if let Err(stop) = self.start_message(qp, memory, usize::MAX, None, true) {
+                    return Some(stop);
+                }
+                let in_hdr = self.hdr_len.min(self.cur.as_ref().map_or(0, |c| c.total));
+                self.take_hdr(0, in_hdr);
+                if self.cur.as_ref().is_some_and(|c| c.filled > 0) {
+                    self.complete_cur(qp, WcStatus::Success, 0);
+                }
+                return None;
+            }
+            Frame::Invalid(reason) => {
+                tracing::warn!(qp = qp.num, "framing error: {reason}");
+                return Some(self.fail_next(qp, WcStatus::FramingError, 0, "invalid message"));
+            }
+        };
+        if need > MAX_HEADER || need <= self.hdr_len {
+            tracing::warn!(
+                qp = qp.num,
+                need,
+                have = self.hdr_len,
+                "framer asked for an impossible header"
+            );
+            return Some(self.fail_next(qp, WcStatus::FramingError, 0, "bad header request"));
+        }
+        // Read the header, and a little beyond: bounded read-ahead saves a system
+        // call per small message.
+        let mut iov = [IoSliceMut::new(&mut self.hdr[self.hdr_len..])];
+        match io.read(&mut iov) {
+            Ok(0) => return Some(self.fail_next(qp, WcStatus::RemoteClosed, 0, "peer closed")),
+            Ok(k) => self.hdr_len += k,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Some(RxStop::WouldBlock),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                return Some(self.fail_next(qp, status_of(&e), os_error(&e), "read failed"));
+            }
+        }
+        None
     }
 
     /// Starts a framed message whose header (`header_len` bytes, `hdr` holds them) is
