@@ -17,7 +17,7 @@ use fuse_mount::session::{Cache, Config, Session, Transport};
 use fuse_mount::{file_name, mount, mountpoint};
 use nbd_client::client::STOP_GRACE;
 use nbd_client::{Client, ClientOptions, Error as NbdError, NbdUri, Nic, Pool};
-use qpip_cli::BackendArgs;
+use qpip_cli::NicArgs;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -113,7 +113,7 @@ struct Cli {
     #[command(flatten)]
     log: qpip_cli::logging::LogArgs,
     #[command(flatten)]
-    backend: BackendArgs,
+    nic: NicArgs,
 }
 
 /// The two orders of the positional arguments.
@@ -404,8 +404,8 @@ fn explain_connect_error(uri: &NbdUri, e: NbdError, opts: &ClientOptions) -> any
 }
 
 fn serve(cli: &Cli, target: &Target, uri: &NbdUri, mnt: &Path, ready: &mut Ready) -> Result<()> {
-    let nic = Nic::open(cli.backend.backend(None)?)
-        .with_context(|| format!("starting the {} NIC", cli.backend.backend.name()))?;
+    let nic = Nic::open(cli.nic.choice(None)?)
+        .with_context(|| format!("starting the {} NIC", cli.nic.kind.name()))?;
     let stop = Arc::new(AtomicBool::new(false));
     let export = Arc::new(Export::new(connect(cli, target, uri, &nic, &stop)?));
     let caps = *export.caps();

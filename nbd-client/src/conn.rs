@@ -131,20 +131,13 @@ impl Conn {
             credentials,
             server_name: (!uri.host.is_empty()).then(|| uri.host.clone()),
         };
-        qpip_core::soft::check_tls(&config).map_err(|e| err(format!("TLS credentials: {e}")))?;
+        qpip_core::check_tls(&config).map_err(|e| err(format!("TLS credentials: {e}")))?;
         Ok(Some(config))
     }
 
-    /// Connects to `uri` and runs `hs` to its terminal event. On `Connected` the connection
-    /// is ready for requests; after `Listed`/`Info` it has been closed.
-    pub fn open(
-        nic: &Nic,
-        uri: &NbdUri,
-        mut hs: ClientHandshake,
-        timeout: Duration,
-    ) -> Result<(Conn, ClientEvent)> {
-        let deadline = Instant::now() + timeout;
-        let tls = Self::tls_config(uri)?;
+    /// A QP connected to the server `uri` names (the first of its addresses that takes the
+    /// connection), with the client's framer in the greeting phase.
+    fn connect(nic: &Nic, uri: &NbdUri, limits: FrameLimits, deadline: Instant) -> Result<Conn> {
         // A Unix socket (None) is one place to try; a host name may resolve to several.
         let targets: Vec<Option<SocketAddr>> = match &uri.socket {
             Some(_) => vec![None],
@@ -157,10 +150,6 @@ impl Conn {
                 .into_iter()
                 .map(Some)
                 .collect(),
-        };
-        let limits = FrameLimits {
-            max_reply_len: (RECV_SLOT - c::STRUCTURED_REPLY_HEADER_LEN) as u32,
-            ..hs.frame_limits()
         };
         let mut last_err = None;
         let mut conn = None;
@@ -203,12 +192,27 @@ impl Conn {
                 Err(e) => last_err = Some(e),
             }
         }
-        let Some(mut conn) = conn else {
-            return Err(Error::Connect {
-                uri: uri.to_string(),
-                source: last_err.unwrap_or(qpip_core::Error::InvalidWr("no address")),
-            });
+        conn.ok_or_else(|| Error::Connect {
+            uri: uri.to_string(),
+            source: last_err.unwrap_or(qpip_core::Error::InvalidWr("no address")),
+        })
+    }
+
+    /// Connects to `uri` and runs `hs` to its terminal event. On `Connected` the connection
+    /// is ready for requests; after `Listed`/`Info` it has been closed.
+    pub fn open(
+        nic: &Nic,
+        uri: &NbdUri,
+        mut hs: ClientHandshake,
+        timeout: Duration,
+    ) -> Result<(Conn, ClientEvent)> {
+        let deadline = Instant::now() + timeout;
+        let tls = Self::tls_config(uri)?;
+        let limits = FrameLimits {
+            max_reply_len: (RECV_SLOT - c::STRUCTURED_REPLY_HEADER_LEN) as u32,
+            ..hs.frame_limits()
         };
+        let mut conn = Self::connect(nic, uri, limits, deadline)?;
         // A server that requires a client certificate closes the connection once TLS is up
         // (TLS 1.3) or fails the TLS handshake (1.2): say so when we presented none.
         let no_client_cert = matches!(

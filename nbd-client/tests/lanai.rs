@@ -16,7 +16,7 @@ use std::time::Duration;
 use common::{have, pattern, qpip_server_bin, workspace_bin};
 use lanai_common::*;
 use nbd_client::{Client, ClientOptions};
-use qpip_core::{Backend, Nic};
+use qpip_core::{Nic, NicChoice};
 
 const IMAGE: u64 = 64 << 20;
 
@@ -105,7 +105,7 @@ fn client_library_over_lanai_reads_writes_flushes_trims() {
     let dir = tempfile::tempdir().unwrap();
     let image = sparse_image(dir.path());
     let (_server, uri) = lanai_server(&fabric, &image);
-    let nic = Nic::open(Backend::Lanai(fabric.config("client"))).unwrap();
+    let nic = Nic::open(NicChoice::Lanai(fabric.config("client"))).unwrap();
     let mut c = Client::connect_with(
         &uri,
         ClientOptions {

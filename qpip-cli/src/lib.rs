@@ -1,7 +1,7 @@
 //! What the QPIP binaries share, kept out of the libraries so that none of them needs a
-//! command-line dependency: the options that choose a NIC backend for every binary that opens
-//! a [`Nic`](qpip_core::Nic) (`--backend soft|lanai`, `--lanai-node`, `--lanai-fabric`,
-//! `--lanai-params`; flatten [`BackendArgs`] into a clap parser), one logging convention
+//! command-line dependency: the options that choose the NIC for every binary that opens a
+//! [`Nic`](qpip_core::Nic) (`--backend soft|lanai`, `--lanai-node`, `--lanai-fabric`,
+//! `--lanai-params`; flatten [`NicArgs`] into a clap parser), one logging convention
 //! ([`logging`]), man pages from the clap definitions ([`man`]), writing files such as
 //! `--pid-file` where others may plant symlinks ([`files`]), and the `qpip-lanai-bridge`
 //! binary.
@@ -13,12 +13,12 @@ pub mod man;
 use std::net::Ipv6Addr;
 use std::path::PathBuf;
 
-use qpip_core::Backend;
-use qpip_core::lanai::{LanaiConfig, ParamsError};
+use qpip_core::lanai::ParamsError;
+use qpip_core::{LanaiConfig, NicChoice};
 
-/// Which NIC backend to run on.
+/// Which NIC to run on (`--backend`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum BackendKind {
+pub enum NicKind {
     /// The software NIC over the kernel's TCP/UDP sockets.
     #[default]
     Soft,
@@ -26,22 +26,28 @@ pub enum BackendKind {
     Lanai,
 }
 
-impl BackendKind {
+impl NicKind {
     pub fn name(self) -> &'static str {
         match self {
-            BackendKind::Soft => "soft",
-            BackendKind::Lanai => "lanai",
+            NicKind::Soft => "soft",
+            NicKind::Lanai => "lanai",
         }
     }
 }
 
-/// NIC backend options.
+/// The options that choose the NIC.
 #[derive(Clone, Debug, Default, clap::Args)]
-pub struct BackendArgs {
+pub struct NicArgs {
     /// NIC backend: the software NIC, or the QPIP firmware on an emulated LANai 9 NIC
     /// (IPv6 only; addresses and routes come from the fabric config).
-    #[arg(long, global = true, value_enum, default_value_t = BackendKind::Soft)]
-    pub backend: BackendKind,
+    #[arg(
+        long = "backend",
+        value_name = "BACKEND",
+        global = true,
+        value_enum,
+        default_value_t = NicKind::Soft
+    )]
+    pub kind: NicKind,
     /// With --backend lanai: this machine's node in the fabric config. Default: "server"
     /// for servers, the first other node whose fabric port is free for clients.
     #[arg(long, global = true, value_name = "NAME")]
@@ -61,10 +67,10 @@ pub struct BackendArgs {
     pub nic_queues: Option<u16>,
 }
 
-/// Why the backend options cannot be used.
+/// Why the NIC options cannot be used.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum BackendArgsError {
+pub enum NicArgsError {
     #[error(transparent)]
     Params(#[from] ParamsError),
     #[error("--lanai-node, --lanai-fabric and --lanai-params need --backend lanai")]
@@ -75,40 +81,37 @@ pub enum BackendArgsError {
     UnknownNode { name: String, nodes: Vec<String> },
 }
 
-impl BackendArgs {
+impl NicArgs {
     pub fn is_lanai(&self) -> bool {
-        self.backend == BackendKind::Lanai
+        self.kind == NicKind::Lanai
     }
 
-    /// The backend to open. `default_node` is the lanai node when `--lanai-node` is not
+    /// The NIC to open. `default_node` is the lanai node when `--lanai-node` is not
     /// given (servers pass `Some("server")`, clients `None`: the first free node).
-    pub fn backend(&self, default_node: Option<&str>) -> Result<Backend, BackendArgsError> {
-        match self.backend {
-            BackendKind::Soft => {
+    pub fn choice(&self, default_node: Option<&str>) -> Result<NicChoice, NicArgsError> {
+        match self.kind {
+            NicKind::Soft => {
                 if self.lanai_node.is_some()
                     || self.lanai_fabric.is_some()
                     || self.lanai_params.is_some()
                 {
-                    return Err(BackendArgsError::LanaiOptionsWithoutLanai);
+                    return Err(NicArgsError::LanaiOptionsWithoutLanai);
                 }
                 let mut cfg = qpip_core::SoftConfig::default();
                 if let Some(n) = self.nic_queues {
                     cfg.queues = n.into();
                 }
-                Ok(Backend::Soft(cfg))
+                Ok(NicChoice::Soft(cfg))
             }
-            BackendKind::Lanai => match self.nic_queues {
-                Some(n) if n > 1 => Err(BackendArgsError::LanaiQueues(n)),
-                _ => Ok(Backend::Lanai(self.lanai_config(default_node)?)),
+            NicKind::Lanai => match self.nic_queues {
+                Some(n) if n > 1 => Err(NicArgsError::LanaiQueues(n)),
+                _ => Ok(NicChoice::Lanai(self.lanai_config(default_node)?)),
             },
         }
     }
 
     /// The lanai configuration these options name (whatever `--backend` says).
-    pub fn lanai_config(
-        &self,
-        default_node: Option<&str>,
-    ) -> Result<LanaiConfig, BackendArgsError> {
+    pub fn lanai_config(&self, default_node: Option<&str>) -> Result<LanaiConfig, NicArgsError> {
         let cfg = LanaiConfig::from_options(
             self.lanai_node.as_deref().or(default_node),
             self.lanai_fabric.as_deref(),
@@ -117,7 +120,7 @@ impl BackendArgs {
         if let Some(name) = &cfg.node
             && cfg.fabric.node(name).is_none()
         {
-            return Err(BackendArgsError::UnknownNode {
+            return Err(NicArgsError::UnknownNode {
                 name: name.clone(),
                 nodes: cfg.fabric.node.iter().map(|n| n.name.clone()).collect(),
             });
@@ -127,7 +130,7 @@ impl BackendArgs {
 
     /// With `--backend lanai`: the IPv6 address of the node (`--lanai-node` or
     /// `default_node`), for default listen addresses.
-    pub fn lanai_addr(&self, default_node: &str) -> Result<Option<Ipv6Addr>, BackendArgsError> {
+    pub fn lanai_addr(&self, default_node: &str) -> Result<Option<Ipv6Addr>, NicArgsError> {
         if !self.is_lanai() {
             return Ok(None);
         }
@@ -148,51 +151,47 @@ mod tests {
     #[derive(Parser)]
     struct Cli {
         #[command(flatten)]
-        backend: BackendArgs,
+        nic: NicArgs,
     }
 
     #[test]
     fn soft_is_the_default_and_lanai_options_need_lanai() {
         let cli = Cli::try_parse_from(["x"]).unwrap();
-        assert!(matches!(cli.backend.backend(None), Ok(Backend::Soft(_))));
+        assert!(matches!(cli.nic.choice(None), Ok(NicChoice::Soft(_))));
         let cli = Cli::try_parse_from(["x", "--lanai-node", "client"]).unwrap();
         assert!(matches!(
-            cli.backend.backend(None),
-            Err(BackendArgsError::LanaiOptionsWithoutLanai)
+            cli.nic.choice(None),
+            Err(NicArgsError::LanaiOptionsWithoutLanai)
         ));
     }
 
     #[test]
     fn nic_queues_set_the_soft_nic_s_queues_and_are_refused_for_lanai() {
         let cli = Cli::try_parse_from(["x", "--nic-queues", "3"]).unwrap();
-        let Ok(Backend::Soft(cfg)) = cli.backend.backend(None) else {
+        let Ok(NicChoice::Soft(cfg)) = cli.nic.choice(None) else {
             panic!("soft backend expected");
         };
         assert_eq!(cfg.queues, 3);
         assert!(Cli::try_parse_from(["x", "--nic-queues", "0"]).is_err());
         let cli = Cli::try_parse_from(["x", "--backend", "lanai", "--nic-queues", "2"]).unwrap();
-        let e = cli.backend.backend(None).map(|_| ()).unwrap_err();
+        let e = cli.nic.choice(None).map(|_| ()).unwrap_err();
         assert!(e.to_string().contains("--nic-queues 2"), "{e}");
     }
 
     #[test]
     fn lanai_nodes_default_per_role_and_unknown_ones_are_named() {
         let cli = Cli::try_parse_from(["x", "--backend", "lanai"]).unwrap();
-        let Ok(Backend::Lanai(cfg)) = cli.backend.backend(Some("server")) else {
+        let Ok(NicChoice::Lanai(cfg)) = cli.nic.choice(Some("server")) else {
             panic!("lanai backend expected");
         };
         assert_eq!(cfg.node.as_deref(), Some("server"));
         assert_eq!(
-            cli.backend.lanai_addr("server").unwrap(),
+            cli.nic.lanai_addr("server").unwrap(),
             Some("fd00:4c41:4e41::1".parse().unwrap())
         );
         let err = |args: &[&str]| {
             let cli = Cli::try_parse_from(["x", "--backend", "lanai"].iter().chain(args)).unwrap();
-            cli.backend
-                .backend(None)
-                .map(|_| ())
-                .unwrap_err()
-                .to_string()
+            cli.nic.choice(None).map(|_| ()).unwrap_err().to_string()
         };
         let e = err(&["--lanai-node", "zz"]);
         assert!(e.contains("\"zz\""), "{e}");

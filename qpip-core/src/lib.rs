@@ -25,10 +25,12 @@
 //!
 //! # Where the NIC lives
 //!
-//! This crate opens a NIC on a backend ([`Nic::open`]); everything else is in the crates
-//! under it, and no backend imports another. The command-line options that choose a backend
-//! and the `qpip-lanai-bridge` binary are in `qpip-cli`, above this crate, so that no library
-//! depends on clap, anyhow, tracing-subscriber or signal-hook:
+//! This crate opens the chosen NIC ([`Nic::open`] on a [`NicChoice`]); everything else is in
+//! the crates under it, and no backend imports another. What applications need of a
+//! backend's own crate is here too: [`check_tls`] and [`DEFAULT_LANAI_SERVER_NODE`]. The
+//! command-line options that choose a NIC and the `qpip-lanai-bridge` binary are in
+//! `qpip-cli`, above this crate, so that no library depends on clap, anyhow,
+//! tracing-subscriber or signal-hook:
 //!
 //! | crate | what |
 //! |---|---|
@@ -51,8 +53,11 @@
 
 mod nic;
 
-pub use nic::{Backend, Nic};
+pub use nic::{Nic, NicChoice};
 pub use qpip_lanai as lanai;
+pub use qpip_lanai::LanaiConfig;
+/// The LANai fabric node a server is when none is named (`--lanai-node`).
+pub use qpip_lanai::realtime::DEFAULT_SERVER_NODE as DEFAULT_LANAI_SERVER_NODE;
 pub use qpip_soft as soft;
 pub use qpip_soft::{IoMode, SoftConfig};
 pub use qpip_verbs::backend;
@@ -64,3 +69,10 @@ pub use qpip_verbs::{
     QpNum, QpShared, QpState, QueuePair, RawStream, RecvWr, ReplyReceiver, ReplySender, Result,
     Segment, SendWr, SgList, Sge, TlsConfig, TlsCredentials, WcStatus, reply_channel,
 };
+
+/// Checks that `config`'s files load and fit together (certificate and key, CA), as a
+/// connection's TLS will load them: errors name the file at fault. Call it before opening
+/// connections, so that bad credentials fail at start and not at the first connection.
+pub fn check_tls(config: &TlsConfig) -> std::io::Result<()> {
+    qpip_soft::check_tls(config)
+}

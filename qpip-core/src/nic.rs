@@ -1,4 +1,5 @@
-//! The NIC an application opens: the backend is chosen here, above the backends.
+//! The NIC an application opens: the choice of NIC ([`NicChoice`]: soft or LANai) is made
+//! here, above the backends that implement it.
 
 use std::sync::Arc;
 
@@ -7,12 +8,13 @@ use qpip_soft::SoftConfig;
 use qpip_verbs::backend::NicBackend;
 use qpip_verbs::{MemoryTable, Result};
 
-/// Which NIC to open.
+/// Which NIC to open, with its settings: the software NIC or the LANai. (The trait each
+/// of them implements is qpip-verbs' `NicBackend`.)
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 // Built once per NIC: the size of the lanai parameters does not matter.
 #[allow(clippy::large_enum_variant)]
-pub enum Backend {
+pub enum NicChoice {
     /// The software NIC engine (runs anywhere).
     Soft(SoftConfig),
     /// The QPIP firmware on an emulated LANai 9, frames carried between processes over the
@@ -20,9 +22,9 @@ pub enum Backend {
     Lanai(LanaiConfig),
 }
 
-impl Default for Backend {
+impl Default for NicChoice {
     fn default() -> Self {
-        Backend::Soft(SoftConfig::default())
+        NicChoice::Soft(SoftConfig::default())
     }
 }
 
@@ -31,41 +33,33 @@ impl Default for Backend {
 #[derive(Clone, Debug)]
 pub struct Nic(qpip_verbs::Nic);
 
-impl From<qpip_verbs::Nic> for Nic {
-    fn from(nic: qpip_verbs::Nic) -> Self {
-        Nic(nic)
-    }
-}
-
 impl Nic {
-    /// Opens a NIC on the chosen backend.
-    pub fn open(backend: Backend) -> Result<Nic> {
+    /// Opens the chosen NIC.
+    pub fn open(choice: NicChoice) -> Result<Nic> {
         let memory = MemoryTable::new();
-        let backend: Box<dyn NicBackend> = match backend {
-            Backend::Soft(cfg) => Box::new(qpip_soft::SoftBackend::start(cfg, memory.clone())?),
-            Backend::Lanai(cfg) => Box::new(qpip_lanai::LanaiBackend::start(cfg, memory.clone())?),
+        let backend: Box<dyn NicBackend> = match choice {
+            NicChoice::Soft(cfg) => Box::new(qpip_soft::SoftBackend::start(cfg, memory.clone())?),
+            NicChoice::Lanai(cfg) => {
+                Box::new(qpip_lanai::LanaiBackend::start(cfg, memory.clone())?)
+            }
         };
         Ok(Self::with_backend(backend, memory))
     }
 
     /// Opens the software NIC with its default settings.
     pub fn soft() -> Result<Nic> {
-        Self::open(Backend::default())
+        Self::open(NicChoice::default())
     }
 
     /// Wraps a backend built elsewhere (it must resolve SGEs through `memory`).
     pub fn with_backend(backend: Box<dyn NicBackend>, memory: Arc<MemoryTable>) -> Nic {
         Nic(qpip_verbs::Nic::with_backend(backend, memory))
     }
-
-    /// The verbs-level handle (what the backends' own code works with).
-    pub fn verbs(&self) -> &qpip_verbs::Nic {
-        &self.0
-    }
 }
 
 /// Every verb (`alloc_region`, `create_cq`, `create_qp`, `listen`, ...) is the verbs NIC's
-/// own: this facade adds only the choice of backend.
+/// own: this facade adds only the choice of NIC. Applications name only this `Nic`: the
+/// verbs-level one inside it is not re-exported, and no accessor hands it out.
 impl std::ops::Deref for Nic {
     type Target = qpip_verbs::Nic;
 

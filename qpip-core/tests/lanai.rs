@@ -13,12 +13,12 @@ use common::wait_n;
 use lanai_common::*;
 use qpip_core::lanai::bridge::Bridge;
 use qpip_core::lanai::frame;
-use qpip_core::{Access, Backend, Nic, Opcode, QpAttr, RecvWr, SendWr, WcStatus};
+use qpip_core::{Access, Nic, NicChoice, Opcode, QpAttr, RecvWr, SendWr, WcStatus};
 
 const T: Duration = Duration::from_secs(30);
 
 fn nic(fabric: &TestFabric, node: &str) -> Nic {
-    Nic::open(Backend::Lanai(fabric.config(node))).expect("opening a lanai NIC")
+    Nic::open(NicChoice::Lanai(fabric.config(node))).expect("opening a lanai NIC")
 }
 
 /// Two NICs on different nodes: connect/accept, messages both ways, intact and in order.
@@ -141,7 +141,7 @@ fn ipv4_and_busy_ports_are_clear_errors() {
             .unwrap_or_default()
     );
     assert!(msg.contains("IPv6 only"), "{msg}");
-    let err = Nic::open(Backend::Lanai(fabric.config("server"))).unwrap_err();
+    let err = Nic::open(NicChoice::Lanai(fabric.config("server"))).unwrap_err();
     let port = fabric.params.node("server").unwrap().port.unwrap();
     assert!(
         err.to_string().contains(&format!(
@@ -357,7 +357,7 @@ fn a_tiny_doorbell_fifo_holds_hosts_back_without_losing_doorbells() {
     let fabric = test_fabric();
     let mut cfg = fabric.config("client");
     cfg.params.device.doorbell_fifo_entries = 1;
-    let b = Nic::open(Backend::Lanai(cfg)).unwrap();
+    let b = Nic::open(NicChoice::Lanai(cfg)).unwrap();
     let a = nic(&fabric, "server");
     let (cq_a, cq_b) = (a.create_cq(QPS * MSGS), b.create_cq(QPS * MSGS));
     let listener = a.listen(sock(&fabric, "server", 7002)).unwrap();

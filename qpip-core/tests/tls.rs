@@ -161,6 +161,6 @@ fn garbage_instead_of_a_handshake_fails_cleanly() {
     if let TlsCredentials::X509 { key, .. } = &mut bad.credentials {
         *key = Some(d.join("client-key.pem"));
     }
-    let e = qpip_core::soft::check_tls(&bad).unwrap_err().to_string();
+    let e = qpip_core::check_tls(&bad).unwrap_err().to_string();
     assert!(e.contains("client-key.pem"), "{e}");
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use lanai_common::{TestFabric, test_fabric};
 use qpip_core::{
-    Access, Backend, Completion, CompletionQueue, CqError, Framer, LengthPrefixed, Nic, Opcode,
+    Access, Completion, CompletionQueue, CqError, Framer, LengthPrefixed, Nic, NicChoice, Opcode,
     QpAttr, QpState, QueuePair, RecvWr, SendWr, Sge, SoftConfig, WcStatus,
 };
 
@@ -47,7 +47,7 @@ fn soft_queues(queues: usize) -> Net {
         queues,
         ..SoftConfig::default()
     };
-    soft_with(Nic::open(Backend::Soft(cfg)).unwrap())
+    soft_with(Nic::open(NicChoice::Soft(cfg)).unwrap())
 }
 
 fn soft_with(nic: Nic) -> Net {
@@ -70,7 +70,7 @@ fn soft_with(nic: Nic) -> Net {
 
 fn lanai() -> Net {
     let fabric = test_fabric();
-    let open = |node: &str| Nic::open(Backend::Lanai(fabric.config(node))).unwrap();
+    let open = |node: &str| Nic::open(NicChoice::Lanai(fabric.config(node))).unwrap();
     let at = |node: &str, port: u16| SocketAddr::from((fabric.addr(node), port));
     Net {
         server: open("server"),

@@ -13,7 +13,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle, TermLike};
 use nbd_client::{Client, ClientOptions};
-use qpip_cli::BackendArgs;
+use qpip_cli::NicArgs;
 use qpip_core::Nic;
 
 #[derive(Parser, Debug)]
@@ -50,7 +50,7 @@ struct Cli {
     #[command(flatten)]
     log: qpip_cli::logging::LogArgs,
     #[command(flatten)]
-    backend: BackendArgs,
+    nic: NicArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -268,9 +268,9 @@ impl TermLike for ProgressLines {
 
 /// Client options on the NIC that `--backend` names (clients take the first free lanai node
 /// unless `--lanai-node` names one).
-fn client_options(args: &BackendArgs) -> Result<ClientOptions> {
-    let nic = Nic::open(args.backend(None)?)
-        .with_context(|| format!("starting the {} NIC", args.backend.name()))?;
+fn client_options(args: &NicArgs) -> Result<ClientOptions> {
+    let nic = Nic::open(args.choice(None)?)
+        .with_context(|| format!("starting the {} NIC", args.kind.name()))?;
     Ok(ClientOptions {
         nic: Some(nic),
         ..Default::default()
@@ -279,7 +279,7 @@ fn client_options(args: &BackendArgs) -> Result<ClientOptions> {
 
 /// Runs the command; the exit status (2: `info --can/--is` answered no).
 fn run(cli: Cli) -> Result<i32> {
-    let base = client_options(&cli.backend)?;
+    let base = client_options(&cli.nic)?;
     // -q: no summary line after a copy (nbdcopy prints none).
     let quiet = cli.log.quiet > 0;
     match cli.cmd {
@@ -313,29 +313,7 @@ fn run(cli: Cli) -> Result<i32> {
             },
             &base,
         ),
-        Cmd::List { uri, json } => {
-            let list = Client::list_with(&uri, &base)
-                .with_context(|| format!("listing exports of {uri}"))?;
-            if json {
-                let v: Vec<_> = list
-                    .iter()
-                    .map(|e| serde_json::json!({"name": e.name, "description": e.description}))
-                    .collect();
-                println!("{}", serde_json::to_string_pretty(&v)?);
-            } else {
-                for e in &list {
-                    // Text from the server: escaped before it reaches the terminal (JSON
-                    // output escapes it by itself).
-                    let name = printable(e.name.as_bytes());
-                    if e.description.is_empty() {
-                        println!("{name}");
-                    } else {
-                        println!("{name}\t{}", printable(e.description.as_bytes()));
-                    }
-                }
-            }
-            Ok(0)
-        }
+        Cmd::List { uri, json } => list(&uri, json, &base),
         Cmd::Copy {
             src,
             dst,
@@ -365,26 +343,7 @@ fn run(cli: Cli) -> Result<i32> {
                 (Some(w), Some(q)) => w.min(q),
                 (w, q) => w.or(q).unwrap_or(32),
             };
-            let progress = if no_progress || !(progress || std::io::stderr().is_terminal()) {
-                ProgressBar::hidden()
-            } else {
-                let pb = ProgressBar::with_draw_target(
-                    Some(0),
-                    if progress {
-                        // Drawn even where stderr is no terminal, at most once a second.
-                        ProgressDrawTarget::term_like_with_hz(Box::new(ProgressLines), 1)
-                    } else {
-                        ProgressDrawTarget::stderr()
-                    },
-                );
-                pb.set_style(
-                    ProgressStyle::with_template(
-                        "{bytes}/{total_bytes} [{wide_bar}] {binary_bytes_per_sec} eta {eta}",
-                    )
-                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
-                );
-                pb
-            };
+            let progress = copy_progress(no_progress, progress);
             let allocated = allocated || no_sparse;
             let opts = copy::CopyOptions {
                 extents: !(no_extents || no_sparse),
@@ -436,5 +395,54 @@ fn run(cli: Cli) -> Result<i32> {
             );
             Ok(0)
         }
+    }
+}
+
+/// `qpip-nbd list`: the exports the server at `uri` names, as text or JSON.
+fn list(uri: &str, json: bool, base: &ClientOptions) -> Result<i32> {
+    let list = Client::list_with(uri, base).with_context(|| format!("listing exports of {uri}"))?;
+    if json {
+        let v: Vec<_> = list
+            .iter()
+            .map(|e| serde_json::json!({"name": e.name, "description": e.description}))
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        for e in &list {
+            // Text from the server: escaped before it reaches the terminal (JSON
+            // output escapes it by itself).
+            let name = printable(e.name.as_bytes());
+            if e.description.is_empty() {
+                println!("{name}");
+            } else {
+                println!("{name}\t{}", printable(e.description.as_bytes()));
+            }
+        }
+    }
+    Ok(0)
+}
+
+/// The progress bar of a copy: none with --no-progress or where stderr is no terminal (unless
+/// --progress asks for one).
+fn copy_progress(no_progress: bool, progress: bool) -> ProgressBar {
+    if no_progress || !(progress || std::io::stderr().is_terminal()) {
+        ProgressBar::hidden()
+    } else {
+        let pb = ProgressBar::with_draw_target(
+            Some(0),
+            if progress {
+                // Drawn even where stderr is no terminal, at most once a second.
+                ProgressDrawTarget::term_like_with_hz(Box::new(ProgressLines), 1)
+            } else {
+                ProgressDrawTarget::stderr()
+            },
+        );
+        pb.set_style(
+            ProgressStyle::with_template(
+                "{bytes}/{total_bytes} [{wide_bar}] {binary_bytes_per_sec} eta {eta}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        pb
     }
 }

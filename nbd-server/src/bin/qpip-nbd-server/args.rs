@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use nbd_server::store::open::Format;
-use qpip_cli::BackendArgs;
+use qpip_cli::NicArgs;
 use qpip_cli::logging::LogArgs;
 
 #[derive(Parser, Debug)]
@@ -208,7 +208,7 @@ pub struct Cli {
     #[command(flatten)]
     pub log: LogArgs,
     #[command(flatten)]
-    pub backend: BackendArgs,
+    pub nic: NicArgs,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

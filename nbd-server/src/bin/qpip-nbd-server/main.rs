@@ -25,7 +25,7 @@ use clap::Parser;
 use config::parse_size;
 use nbd_proto::handshake::TlsMode;
 use nbd_server::server::{Server, ServerOptions};
-use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
+use qpip_core::DEFAULT_LANAI_SERVER_NODE;
 use qpip_core::{Listener, Nic, TlsConfig, TlsCredentials};
 use settings::Settings;
 
@@ -149,7 +149,7 @@ fn tls_setup(cli: &Cli) -> Result<(TlsMode, Option<TlsConfig>)> {
         credentials,
         server_name: None,
     };
-    qpip_core::soft::check_tls(&config).with_context(|| what.clone())?;
+    qpip_core::check_tls(&config).with_context(|| what.clone())?;
     Ok((mode, Some(config)))
 }
 
@@ -167,8 +167,8 @@ fn daemonize(cli: &Cli) -> Result<Option<daemon::Readiness>> {
 }
 
 fn open_nic(cli: &Cli) -> Result<Nic> {
-    let backend = cli.backend.backend(Some(DEFAULT_SERVER_NODE))?;
-    Nic::open(backend).with_context(|| format!("starting the {} NIC", cli.backend.backend.name()))
+    let choice = cli.nic.choice(Some(DEFAULT_LANAI_SERVER_NODE))?;
+    Nic::open(choice).with_context(|| format!("starting the {} NIC", cli.nic.kind.name()))
 }
 
 /// The listeners: the sockets passed by socket activation, or the addresses and the Unix

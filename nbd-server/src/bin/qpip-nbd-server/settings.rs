@@ -4,7 +4,7 @@
 use std::net::{Ipv6Addr, SocketAddr};
 
 use anyhow::{Context, Result, bail};
-use qpip_core::lanai::realtime::DEFAULT_SERVER_NODE;
+use qpip_core::DEFAULT_LANAI_SERVER_NODE;
 
 use crate::args::Cli;
 use crate::config::{self, Config, ExportConfig, parse_listen};
@@ -29,7 +29,7 @@ impl Settings {
         };
         cfg.listen.extend(cli.listen.iter().cloned());
         let demo = add_exports(cli, &mut cfg)?;
-        let lanai_addr = cli.backend.lanai_addr(DEFAULT_SERVER_NODE)?;
+        let lanai_addr = cli.nic.lanai_addr(DEFAULT_LANAI_SERVER_NODE)?;
         add_addresses(cli, &mut cfg, lanai_addr)?;
         if let Some(d) = cli.default_export.clone() {
             cfg.default_export = Some(d);

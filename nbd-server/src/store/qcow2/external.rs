@@ -1,0 +1,95 @@
+//! What lies beside a qcow2 image file: its backing file (what unallocated clusters read)
+//! and its external data file (where data clusters are).
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use super::write::zero_file;
+use super::{Qcow2, read_some, unsupported};
+use crate::store::Store;
+
+impl Qcow2 {
+    /// The backing file the header names, resolved as qemu resolves it (a relative name
+    /// against the directory of this image's path as given), and its format if the header
+    /// names one. A name with a protocol (`nbd:...`, `json:...`) is refused.
+    pub fn backing_file(&self) -> io::Result<Option<(PathBuf, Option<&str>)>> {
+        let Some(name) = self.names.backing.as_deref() else {
+            return Ok(None);
+        };
+        if name.is_empty() {
+            return Err(unsupported("has an empty backing file name"));
+        }
+        // qemu's path_has_protocol: a colon before any slash.
+        if name
+            .split('/')
+            .next()
+            .is_some_and(|head| head.contains(':'))
+        {
+            return Err(unsupported(format!(
+                "has backing file {name:?}, which names a protocol: not supported"
+            )));
+        }
+        let path = match self.path.parent() {
+            Some(dir) if !Path::new(name).is_absolute() => dir.join(name),
+            _ => PathBuf::from(name),
+        };
+        Ok(Some((path, self.names.backing_format.as_deref())))
+    }
+
+    /// The external data file the header names, resolved against this image's directory.
+    pub fn data_file(&self) -> Option<PathBuf> {
+        let name = self.names.data_file.as_deref()?;
+        Some(match self.path.parent() {
+            Some(dir) if !Path::new(name).is_absolute() => dir.join(name),
+            _ => PathBuf::from(name),
+        })
+    }
+
+    /// Attaches the external data file (opened writable unless the image is read-only).
+    pub fn set_data_file(&mut self, data: File) {
+        self.data = Some(data);
+    }
+
+    /// The file data clusters are in.
+    pub(super) fn data(&self) -> &File {
+        self.data.as_ref().unwrap_or(&self.file)
+    }
+
+    /// Attaches the backing file (opened read-only): what unallocated clusters read.
+    pub fn set_backing(&mut self, backing: Box<dyn Store>) {
+        self.backing = Some(backing);
+    }
+
+    /// Fills `out` with the backing file's bytes from guest offset `at`: zeroes past its end,
+    /// or without one.
+    pub(super) fn read_backing(&self, out: &mut [u8], at: u64) -> io::Result<()> {
+        let Some(backing) = &self.backing else {
+            out.fill(0);
+            return Ok(());
+        };
+        let has = backing.size().saturating_sub(at).min(out.len() as u64) as usize;
+        if has > 0 {
+            backing.read_at(&mut out[..has], at)?;
+        }
+        out[has..].fill(0);
+        Ok(())
+    }
+
+    /// Reads data cluster bytes at host offset `at`: past the end of an external data file,
+    /// zeroes (qemu creates it sparse, but another tool may have left it short).
+    pub(super) fn read_data(&self, out: &mut [u8], at: u64) -> io::Result<()> {
+        if self.data.is_none() {
+            return self.file.read_exact_at(out, at);
+        }
+        let n = read_some(self.data(), out, at)?;
+        out[n..].fill(0);
+        Ok(())
+    }
+
+    /// Zeroes `[at, at + len)` of the raw external data file.
+    pub(super) fn zero_data(&self, at: u64, len: u64) -> io::Result<()> {
+        zero_file(self.data(), at, len)
+    }
+}
