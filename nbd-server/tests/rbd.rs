@@ -510,3 +510,38 @@ fn rbd_cluster_gone_mid_run_fails_requests_with_eio_while_other_exports_serve() 
     }
     stop(srv);
 }
+
+/// The client that holds the image's exclusive lock, as `rbd status` names its watcher
+/// (`client.N`).
+fn watchers(ceph: &Ceph, image: &str) -> Vec<String> {
+    let out = peer_ok(ceph.rbd().args(["status", &ceph.spec(image)]));
+    out.split_whitespace()
+        .filter(|w| w.starts_with("client."))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn rbd_exclusive_refuses_a_second_server_naming_the_holder() {
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ceph) = Ceph::get() else { return };
+    let img = ceph.image("excl", 16 * MIB);
+    let mut args = ceph.server_args(&[("disk", &img.name)]);
+    args.push("--exclusive".into());
+    let mut srv = start_server_v4(&args);
+    qemu_io(
+        &srv.uri("disk"),
+        &["write -P 0x31 0 1M", "flush", "read -P 0x31 0 1M"],
+    );
+    let holder = watchers(&ceph, &img.name);
+    assert_eq!(holder.len(), 1, "{holder:?}");
+    fails_with(&args, &format!("is locked exclusively by {} ", holder[0]));
+    // The first one serves on, and still alone.
+    qemu_io(&srv.uri("disk"), &["read -P 0x31 0 1M"]);
+    srv.assert_alive("after a second server was refused");
+    stop(srv);
+    // Released at exit: the next one takes it.
+    let srv = start_server_v4(&args);
+    qemu_io(&srv.uri("disk"), &["read -P 0x31 0 1M"]);
+    stop(srv);
+}

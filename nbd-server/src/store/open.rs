@@ -49,6 +49,9 @@ pub struct OpenOptions {
     pub create: Option<u64>,
     /// Take qemu's image locks (false: `--force-share`).
     pub lock: bool,
+    /// A writable RBD image: take its exclusive lock and keep it, refusing to open it when
+    /// another client holds it (`--exclusive`, rbd-nbd's spelling).
+    pub exclusive: bool,
 }
 
 /// Why a store could not be opened. Shown after the export's name.
@@ -159,11 +162,11 @@ impl Opener {
         if opts.format == Some(Format::Qcow2) {
             return Err(OpenError::RbdFormat);
         }
-        self.connect_rbd(spec, opts.read_only)
+        self.connect_rbd(spec, opts)
     }
 
     #[cfg(feature = "rbd")]
-    fn connect_rbd(&mut self, spec: &str, read_only: bool) -> Result<Box<dyn Store>, OpenError> {
+    fn connect_rbd(&mut self, spec: &str, opts: &OpenOptions) -> Result<Box<dyn Store>, OpenError> {
         use super::rbd::{Cluster, RbdImage, RbdSpec};
         let spec = RbdSpec::parse(spec).map_err(OpenError::Rbd)?;
         let cluster = match &self.cluster {
@@ -174,12 +177,17 @@ impl Opener {
                 c
             }
         };
-        let image = RbdImage::open(cluster, &spec, read_only).map_err(OpenError::Rbd)?;
+        let image = RbdImage::open(cluster, &spec, opts.read_only, opts.exclusive)
+            .map_err(OpenError::Rbd)?;
         Ok(Box::new(image))
     }
 
     #[cfg(not(feature = "rbd"))]
-    fn connect_rbd(&mut self, spec: &str, _read_only: bool) -> Result<Box<dyn Store>, OpenError> {
+    fn connect_rbd(
+        &mut self,
+        spec: &str,
+        _opts: &OpenOptions,
+    ) -> Result<Box<dyn Store>, OpenError> {
         let _ = &self.ceph;
         Err(OpenError::NoRbd(spec.to_owned()))
     }

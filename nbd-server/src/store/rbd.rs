@@ -36,6 +36,14 @@ mod ffi {
     pub type rbd_callback_t = Option<unsafe extern "C" fn(rbd_completion_t, *mut c_void)>;
     pub type diff_cb = unsafe extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int;
 
+    /// rbd_image_watcher_t.
+    #[repr(C)]
+    pub struct rbd_image_watcher_t {
+        pub addr: *mut c_char,
+        pub id: i64,
+        pub cookie: u64,
+    }
+
     /// rbd_image_info_t.
     #[repr(C)]
     pub struct rbd_image_info_t {
@@ -47,6 +55,11 @@ mod ffi {
         pub parent_pool: i64,
         pub parent_name: [c_char; 96],
     }
+
+    /// RBD_LOCK_MODE_EXCLUSIVE of rbd_lock_mode_t.
+    pub const RBD_LOCK_MODE_EXCLUSIVE: c_int = 0;
+    /// RBD_FEATURE_EXCLUSIVE_LOCK.
+    pub const RBD_FEATURE_EXCLUSIVE_LOCK: u64 = 1 << 2;
 
     #[link(name = "rados")]
     unsafe extern "C" {
@@ -87,6 +100,21 @@ mod ffi {
             snap_name: *const c_char,
         ) -> c_int;
         pub fn rbd_close(image: rbd_image_t) -> c_int;
+        pub fn rbd_get_features(image: rbd_image_t, features: *mut u64) -> c_int;
+        pub fn rbd_lock_acquire(image: rbd_image_t, lock_mode: c_int) -> c_int;
+        pub fn rbd_lock_get_owners(
+            image: rbd_image_t,
+            lock_mode: *mut c_int,
+            lock_owners: *mut *mut c_char,
+            max_lock_owners: *mut usize,
+        ) -> c_int;
+        pub fn rbd_lock_get_owners_cleanup(lock_owners: *mut *mut c_char, count: usize);
+        pub fn rbd_watchers_list(
+            image: rbd_image_t,
+            watchers: *mut rbd_image_watcher_t,
+            max_watchers: *mut usize,
+        ) -> c_int;
+        pub fn rbd_watchers_list_cleanup(watchers: *mut rbd_image_watcher_t, count: usize);
         pub fn rbd_stat(image: rbd_image_t, info: *mut rbd_image_info_t, infosize: usize) -> c_int;
         pub fn rbd_diff_iterate2(
             image: rbd_image_t,
@@ -432,11 +460,13 @@ impl std::fmt::Debug for RbdImage {
 
 impl RbdImage {
     /// Opens `spec` on `cluster`, or says in one line why it cannot. A snapshot is always
-    /// served read-only.
+    /// served read-only. `exclusive` (for a writable image) takes its exclusive lock for as
+    /// long as it is open ([`RbdImage::lock_exclusive`]).
     pub fn open(
         cluster: Arc<Cluster>,
         spec: &RbdSpec,
         read_only: bool,
+        exclusive: bool,
     ) -> Result<RbdImage, String> {
         let read_only = read_only || spec.snapshot.is_some();
         let pool = cstring("pool", &spec.pool).map_err(|e| e.to_string())?;
@@ -509,7 +539,115 @@ impl RbdImage {
         })
         .map_err(|e| format!("rbd_stat of {spec}: {e}"))?;
         img.size = info.size;
+        if exclusive && !read_only {
+            img.lock_exclusive()?;
+        }
         Ok(img)
+    }
+
+    /// `--exclusive`: takes the image's exclusive lock through librbd's managed lock
+    /// (`rbd_lock_acquire`), which librbd then keeps until the image is closed instead of
+    /// handing it to another client that asks for it; other clients' writes fail meanwhile.
+    /// Refused, naming the holder, when another client holds it that way.
+    ///
+    /// Without `--exclusive` the image is opened as qemu and rbd-nbd open it by default:
+    /// librbd's cooperative lock passes between writers as each one writes, so two servers
+    /// can both write (and a guest file system on it would be corrupted).
+    fn lock_exclusive(&self) -> Result<(), String> {
+        let (pool, image) = (&self.spec.pool, &self.spec.image);
+        let mut features = 0u64;
+        // SAFETY: the image is open; features is a valid out-pointer.
+        check(unsafe { ffi::rbd_get_features(self.image, &mut features) })
+            .map_err(|e| format!("reading the features of RBD image {pool}/{image}: {e}"))?;
+        if features & ffi::RBD_FEATURE_EXCLUSIVE_LOCK == 0 {
+            return Err(format!(
+                "--exclusive: RBD image {pool}/{image} has no exclusive-lock feature (rbd feature enable {pool}/{image} exclusive-lock)"
+            ));
+        }
+        // SAFETY: the image is open.
+        let r = unsafe { ffi::rbd_lock_acquire(self.image, ffi::RBD_LOCK_MODE_EXCLUSIVE) };
+        if r == 0 {
+            tracing::debug!("took the exclusive lock of {}", self.spec);
+            return Ok(());
+        }
+        let owners = self.lock_owners();
+        Err(if owners.is_empty() {
+            format!(
+                "--exclusive: taking the exclusive lock of RBD image {pool}/{image}: {}",
+                errno(r)
+            )
+        } else {
+            format!(
+                "RBD image {pool}/{image} is locked exclusively by {} (another server with --exclusive, rbd-nbd --exclusive, or rbd lock; librbd: {})",
+                owners.join(", "),
+                errno(r)
+            )
+        })
+    }
+
+    /// The clients that hold the image's exclusive lock: `client.N (ADDRESS)` where a
+    /// watcher of the image has the owner's address, else the address librbd gives.
+    fn lock_owners(&self) -> Vec<String> {
+        let watchers = self.watchers();
+        self.lock_owner_addrs()
+            .into_iter()
+            .map(|addr| match watchers.iter().find(|(a, _)| *a == addr) {
+                Some((_, id)) => format!("client.{id} ({addr})"),
+                None => addr,
+            })
+            .collect()
+    }
+
+    /// The image's watchers: (address, global client id).
+    fn watchers(&self) -> Vec<(String, i64)> {
+        // SAFETY: all-zero is a valid rbd_image_watcher_t (a null pointer and integers).
+        let mut w: [ffi::rbd_image_watcher_t; 16] = unsafe { std::mem::zeroed() };
+        let mut n = w.len();
+        // SAFETY: the image is open; w has room for n watchers, whose addresses librbd
+        // allocates and rbd_watchers_list_cleanup frees.
+        if unsafe { ffi::rbd_watchers_list(self.image, w.as_mut_ptr(), &mut n) } < 0 {
+            return Vec::new();
+        }
+        let n = n.min(w.len());
+        let out = w[..n]
+            .iter()
+            .filter(|x| !x.addr.is_null())
+            // SAFETY: librbd set addr to a NUL-terminated string.
+            .map(|x| {
+                let addr = unsafe { std::ffi::CStr::from_ptr(x.addr) };
+                (addr.to_string_lossy().into_owned(), x.id)
+            })
+            .collect();
+        // SAFETY: the n watchers librbd filled above, freed once.
+        unsafe { ffi::rbd_watchers_list_cleanup(w.as_mut_ptr(), n) };
+        out
+    }
+
+    /// The addresses of the clients that hold the image's exclusive lock, as librbd says.
+    fn lock_owner_addrs(&self) -> Vec<String> {
+        let mut owners: [*mut c_char; 8] = [std::ptr::null_mut(); 8];
+        let mut n = owners.len();
+        let mut mode: c_int = 0;
+        // SAFETY: the image is open; owners has room for n pointers, which librbd fills with
+        // strings of its own that rbd_lock_get_owners_cleanup frees.
+        let r =
+            unsafe { ffi::rbd_lock_get_owners(self.image, &mut mode, owners.as_mut_ptr(), &mut n) };
+        if r < 0 {
+            return Vec::new();
+        }
+        let names = owners[..n.min(owners.len())]
+            .iter()
+            .filter(|p| !p.is_null())
+            // SAFETY: librbd set these to NUL-terminated strings.
+            .map(|&p| {
+                unsafe { std::ffi::CStr::from_ptr(p) }
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect();
+        // SAFETY: the n strings librbd allocated above, freed once.
+        unsafe { ffi::rbd_lock_get_owners_cleanup(owners.as_mut_ptr(), n) };
+        names
     }
 
     /// Submits one aio call with a fresh completion, then waits for it.

@@ -93,6 +93,14 @@ pub struct Cli {
     /// before it fails (the client then gets EIO; other exports keep serving).
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     pub ceph_timeout: u64,
+    /// rbd: exports (writable ones), as rbd-nbd's --exclusive: take each image's exclusive
+    /// lock at start and keep it until exit, so that no other client writes the image
+    /// meanwhile; the server refuses to start, naming the holder, when another client holds
+    /// it so. Without it, librbd's lock passes between writers as each one writes (its
+    /// default, as with qemu and rbd-nbd): two servers on one image both write. The image
+    /// needs the exclusive-lock feature (on by default).
+    #[arg(long)]
+    pub exclusive: bool,
     /// Create missing images, sparse, with this size (e.g. 1G, 512M).
     #[arg(long, value_name = "SIZE")]
     pub create: Option<String>,

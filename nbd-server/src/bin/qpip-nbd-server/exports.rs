@@ -82,6 +82,7 @@ fn open_one(
         format: cli.format.or(e.format).map(Into::into),
         create,
         lock: !cli.force_share,
+        exclusive: cli.exclusive,
     };
     match opener.open(&e.path, &opts) {
         Ok(store) => Ok(Ok(store)),
