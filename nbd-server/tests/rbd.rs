@@ -545,3 +545,120 @@ fn rbd_exclusive_refuses_a_second_server_naming_the_holder() {
     qemu_io(&srv.uri("disk"), &["read -P 0x31 0 1M"]);
     stop(srv);
 }
+
+/// Waits until a new connection is told `size` (the server learns a resize through its
+/// watch on the image, a moment after `rbd resize` returns).
+fn wait_for_size(uri: &str, size: u64) {
+    let told = |info: &str| {
+        info.lines().any(|l| {
+            l.split_whitespace()
+                .take(2)
+                .eq(["export-size:", &size.to_string()])
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let info = peer_ok(Command::new("nbdinfo").arg(uri));
+        if told(&info) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "new connections are not told {size} bytes:\n{info}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn rbd_resize_grow_and_shrink_while_serving() {
+    use nbd::client::{NbdClient, handshake};
+    use std::io::{Read, Seek, SeekFrom, Write};
+
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ceph) = Ceph::get() else { return };
+    let img = ceph.image("resize", 32 * MIB);
+    let mut srv = start_server_v4(&ceph.server_args(&[("disk", &img.name)]));
+    let uri = srv.uri("disk");
+    qemu_io(
+        &uri,
+        &["write -P 0x11 0 1M", "write -P 0x44 24M 1M", "flush"],
+    );
+    // A connection open across both resizes, told 32 MiB.
+    let mut tcp = std::net::TcpStream::connect(srv.addr).unwrap();
+    let export = handshake(&mut tcp, b"disk").unwrap();
+    assert_eq!(export.size, 32 * MIB);
+    let mut old = NbdClient::new(tcp, &export);
+    let read = |c: &mut NbdClient<std::net::TcpStream>, at: u64| {
+        c.seek(SeekFrom::Start(at)).unwrap();
+        let mut b = vec![0u8; MIB as usize];
+        c.read_exact(&mut b).map(|()| b)
+    };
+
+    // Grow: new connections see 64 MiB and use all of it.
+    peer_ok(ceph.rbd().args([
+        "resize",
+        "--no-progress",
+        "--size",
+        "64M",
+        &ceph.spec(&img.name),
+    ]));
+    wait_for_size(&uri, 64 * MIB);
+    let length = qemu_io(&uri, &["length"]);
+    assert!(length.contains("64 MiB"), "{length}");
+    qemu_io(
+        &uri,
+        &[
+            "write -P 0x55 60M 1M",
+            "flush",
+            "read -P 0x55 60M 1M",
+            "read -P 0x44 24M 1M",
+        ],
+    );
+    // The old connection keeps its 32 MiB.
+    assert!(read(&mut old, 24 * MIB).unwrap().iter().all(|&b| b == 0x44));
+    assert!(
+        srv.log()
+            .contains("resized from 33554432 to 67108864 bytes"),
+        "{}",
+        srv.log()
+    );
+
+    // Shrink below what the old connection was told.
+    peer_ok(ceph.rbd().args([
+        "resize",
+        "--no-progress",
+        "--allow-shrink",
+        "--size",
+        "16M",
+        &ceph.spec(&img.name),
+    ]));
+    wait_for_size(&uri, 16 * MIB);
+    let length = qemu_io(&uri, &["length"]);
+    assert!(length.contains("16 MiB"), "{length}");
+    qemu_io(&uri, &["read -P 0x11 0 1M"]);
+    let out = run_with_timeout(
+        Command::new("qemu-io").args(["-f", "raw", "-c", "read 16M 4k", &uri]),
+        Duration::from_secs(60),
+    );
+    assert!(
+        !out.status.success() || text(&out).contains("failed"),
+        "{}",
+        text(&out)
+    );
+    // The old connection: past the new end, EINVAL for a read and ENOSPC for a write; within
+    // it, served as before, on the same connection.
+    let e = read(&mut old, 24 * MIB).unwrap_err();
+    assert!(e.to_string().contains("EINVAL"), "{e}");
+    old.seek(SeekFrom::Start(20 * MIB)).unwrap();
+    let e = old.write_all(&[0x66; 4096]).unwrap_err();
+    assert!(e.to_string().contains("ENOSPC"), "{e}");
+    assert!(read(&mut old, 0).unwrap().iter().all(|&b| b == 0x11));
+    old.seek(SeekFrom::Start(MIB)).unwrap();
+    old.write_all(&[0x77; 4096]).unwrap();
+    old.flush().unwrap();
+    drop(old);
+    srv.assert_alive("after the resizes");
+    qemu_io(&uri, &["read -P 0x77 1M 4k"]);
+    stop(srv);
+}

@@ -20,6 +20,7 @@
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::io;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{CephOptions, Extent, Pending, Store};
 
@@ -35,6 +36,7 @@ mod ffi {
     pub type rbd_completion_t = *mut c_void;
     pub type rbd_callback_t = Option<unsafe extern "C" fn(rbd_completion_t, *mut c_void)>;
     pub type diff_cb = unsafe extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int;
+    pub type rbd_update_callback_t = unsafe extern "C" fn(*mut c_void);
 
     /// rbd_image_watcher_t.
     #[repr(C)]
@@ -100,6 +102,14 @@ mod ffi {
             snap_name: *const c_char,
         ) -> c_int;
         pub fn rbd_close(image: rbd_image_t) -> c_int;
+        pub fn rbd_get_size(image: rbd_image_t, size: *mut u64) -> c_int;
+        pub fn rbd_update_watch(
+            image: rbd_image_t,
+            handle: *mut u64,
+            watch_cb: rbd_update_callback_t,
+            arg: *mut c_void,
+        ) -> c_int;
+        pub fn rbd_update_unwatch(image: rbd_image_t, handle: u64) -> c_int;
         pub fn rbd_get_features(image: rbd_image_t, features: *mut u64) -> c_int;
         pub fn rbd_lock_acquire(image: rbd_image_t, lock_mode: c_int) -> c_int;
         pub fn rbd_lock_get_owners(
@@ -431,12 +441,48 @@ impl Pending for InFlight {
     }
 }
 
+/// The image's size as librbd last said, kept up to date by its update watch: what
+/// [`on_update`] sees, boxed so that its address stays put while librbd holds it.
+struct SizeWatch {
+    image: ffi::rbd_image_t,
+    size: AtomicU64,
+    spec: String,
+}
+
+/// rbd_update_watch's callback, on a librbd thread after the image's header changed
+/// (`rbd resize`, a snapshot, a feature, ...): reads the size again.
+unsafe extern "C" fn on_update(arg: *mut c_void) {
+    // SAFETY: arg is the boxed SizeWatch registered with rbd_update_watch, which outlives
+    // the watch (Drop unwatches, which waits for a callback under way, before it goes).
+    let w = unsafe { &*(arg as *const SizeWatch) };
+    let mut size = 0u64;
+    // SAFETY: the image is open for as long as the watch is registered.
+    let r = unsafe { ffi::rbd_get_size(w.image, &mut size) };
+    if r < 0 {
+        tracing::warn!("{}: reading its size after an update: {}", w.spec, errno(r));
+        return;
+    }
+    let old = w.size.swap(size, Ordering::SeqCst);
+    if old != size {
+        tracing::info!(
+            "{}: resized from {old} to {size} bytes; new connections get the new size",
+            w.spec
+        );
+    }
+}
+
 /// An open RBD image: an export's store.
+///
+/// Its size follows the image's (see [`SizeWatch`]): new connections are told the size of
+/// the moment, and requests past the current end are refused here (ENOSPC for writes, EINVAL
+/// for reads), whatever size their connection was told.
 pub struct RbdImage {
     spec: RbdSpec,
     image: ffi::rbd_image_t,
     ioctx: ffi::rados_ioctx_t,
-    size: u64,
+    watch: Box<SizeWatch>,
+    /// rbd_update_watch's handle, once registered.
+    watch_handle: Option<u64>,
     read_only: bool,
     /// Keeps the cluster connected while the image is open.
     _cluster: Arc<Cluster>,
@@ -452,7 +498,7 @@ impl std::fmt::Debug for RbdImage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RbdImage")
             .field("spec", &self.spec)
-            .field("size", &self.size)
+            .field("size", &self.size())
             .field("read_only", &self.read_only)
             .finish()
     }
@@ -523,7 +569,12 @@ impl RbdImage {
             spec: spec.clone(),
             image,
             ioctx,
-            size: 0,
+            watch: Box::new(SizeWatch {
+                image,
+                size: AtomicU64::new(0),
+                spec: spec.to_string(),
+            }),
+            watch_handle: None,
             read_only,
             _cluster: cluster,
         };
@@ -538,7 +589,17 @@ impl RbdImage {
             )
         })
         .map_err(|e| format!("rbd_stat of {spec}: {e}"))?;
-        img.size = info.size;
+        img.watch.size.store(info.size, Ordering::SeqCst);
+        let mut handle = 0u64;
+        let arg = &*img.watch as *const SizeWatch as *mut c_void;
+        // SAFETY: the image is open; the boxed SizeWatch stays where it is until Drop
+        // unwatches.
+        check(unsafe { ffi::rbd_update_watch(img.image, &mut handle, on_update, arg) })
+            .map_err(|e| format!("watching RBD image {spec} for resizes: {e}"))?;
+        img.watch_handle = Some(handle);
+        // A resize between rbd_stat and the watch.
+        // SAFETY: the watch is registered, on the open image.
+        unsafe { on_update(arg) };
         if exclusive && !read_only {
             img.lock_exclusive()?;
         }
@@ -657,6 +718,21 @@ impl RbdImage {
         c.wait()
     }
 
+    /// Refuses a request that reaches past the image's current end (it may have shrunk since
+    /// the connection was told its size): ENOSPC for a write, EINVAL for a read, as the NBD
+    /// spec asks.
+    fn within(&self, what: &str, offset: u64, len: u64, write: bool) -> io::Result<()> {
+        let size = self.size();
+        if offset.checked_add(len).is_some_and(|end| end <= size) {
+            return Ok(());
+        }
+        tracing::debug!(
+            "{what} at {offset} of {len} bytes on {}: past its end ({size} bytes; resized?)",
+            self.spec
+        );
+        Err(errno(-(if write { libc::ENOSPC } else { libc::EINVAL })))
+    }
+
     fn log_failure<T>(&self, what: &str, r: io::Result<T>) -> io::Result<T> {
         if let Err(e) = &r {
             tracing::warn!("{what} on {}: {e}", self.spec);
@@ -667,6 +743,11 @@ impl RbdImage {
 
 impl Drop for RbdImage {
     fn drop(&mut self) {
+        if let Some(h) = self.watch_handle.take() {
+            // SAFETY: registered in `open` on this image; librbd waits for a callback under
+            // way before it returns, so the SizeWatch is no longer used after it.
+            unsafe { ffi::rbd_update_unwatch(self.image, h) };
+        }
         // SAFETY: the image and context were opened in `open` and no request is running
         // (they all borrow self and wait for their completion before returning).
         let r = unsafe { ffi::rbd_close(self.image) };
@@ -715,13 +796,14 @@ impl Store for RbdImage {
         "rbd"
     }
     fn size(&self) -> u64 {
-        self.size
+        self.watch.size.load(Ordering::SeqCst)
     }
     fn read_only(&self) -> bool {
         self.read_only
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.within("read", offset, buf.len() as u64, false)?;
         let (ptr, len) = (buf.as_mut_ptr() as *mut c_char, buf.len());
         // SAFETY: buf is exclusively borrowed until `aio` has waited for the completion, so
         // librbd writes into live memory that nothing else reads meanwhile.
@@ -733,6 +815,7 @@ impl Store for RbdImage {
     }
 
     fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+        self.within("write", offset, data.len() as u64, true)?;
         let (ptr, len) = (data.as_ptr() as *const c_char, data.len());
         // SAFETY: data is borrowed until the completion has been waited for.
         let r = self.aio(|c| unsafe { ffi::rbd_aio_write(self.image, offset, len, ptr, c) });
@@ -749,6 +832,7 @@ impl Store for RbdImage {
         len: usize,
         offset: u64,
     ) -> io::Result<Option<Box<dyn Pending>>> {
+        self.within("write", offset, len as u64, true)?;
         let mut completion = Completion::new()?;
         // SAFETY: the caller keeps the bytes valid and unchanged until the returned write is
         // waited for or dropped, and dropping it waits for librbd to be done with them.
@@ -769,6 +853,7 @@ impl Store for RbdImage {
         len: usize,
         offset: u64,
     ) -> io::Result<Option<Box<dyn Pending>>> {
+        self.within("read", offset, len as u64, false)?;
         let mut completion = Completion::new()?;
         // SAFETY: the caller keeps the bytes valid and to librbd alone until the returned
         // read is waited for or dropped, and dropping it waits for librbd to be done.
@@ -790,6 +875,7 @@ impl Store for RbdImage {
     }
 
     fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.within("discard", offset, len, true)?;
         // SAFETY: the image is open; no buffer is involved.
         let r = self.aio(|c| unsafe { ffi::rbd_aio_discard(self.image, offset, len, c) });
         self.log_failure("discard", r).map(drop)
@@ -804,6 +890,7 @@ impl Store for RbdImage {
     ) -> io::Result<bool> {
         // librbd zeroes by discarding whole objects and zeroing the edges, without writing
         // the zeroes: fast, so FAST_ZERO is honoured too.
+        self.within("write zeroes", offset, len, true)?;
         let len = usize::try_from(len).map_err(|_| errno(-libc::EINVAL))?;
         // SAFETY: the image is open; no buffer is involved.
         let r =
@@ -812,10 +899,12 @@ impl Store for RbdImage {
     }
 
     fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
-        let end = offset.saturating_add(len.min(DIFF_MAX)).min(self.size);
-        if end <= offset {
-            return Ok(Vec::new());
+        let size = self.size();
+        if offset >= size {
+            // Shrunk under a connection told a larger size.
+            return Err(errno(-libc::EINVAL));
         }
+        let end = offset.saturating_add(len.min(DIFF_MAX)).min(size);
         let mut d = Diff {
             pos: offset,
             out: Vec::new(),

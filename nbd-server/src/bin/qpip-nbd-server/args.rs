@@ -54,8 +54,9 @@ pub struct Cli {
     #[arg(short = 'k', long, visible_alias = "unix", value_name = "PATH")]
     pub socket: Option<PathBuf>,
     /// An export: NAME=PATH of an image file or block device, or NAME=rbd:POOL/IMAGE[@SNAP]
-    /// of a Ceph RBD image (see --ceph-conf; a snapshot is served read-only); repeat for
-    /// several.
+    /// of a Ceph RBD image (see --ceph-conf; a snapshot is served read-only; after `rbd
+    /// resize` new connections get the new size, open ones keep theirs and get EINVAL/ENOSPC
+    /// past a shrunk end); repeat for several.
     #[arg(short, long, value_name = "NAME=PATH")]
     pub export: Vec<String>,
     /// A TOML configuration file (see configs/server.toml); flags add to it.
