@@ -662,3 +662,66 @@ fn rbd_resize_grow_and_shrink_while_serving() {
     qemu_io(&uri, &["read -P 0x77 1M 4k"]);
     stop(srv);
 }
+
+#[test]
+fn rbd_luks2_image_is_served_decrypted_with_its_passphrase() {
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ceph) = Ceph::get() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let img = ceph.image("luks", 32 * MIB);
+    let pass = dir.path().join("pass");
+    std::fs::write(&pass, "qpip test passphrase").unwrap();
+    let wrong = dir.path().join("wrong");
+    std::fs::write(&wrong, "not the passphrase").unwrap();
+    peer_ok(
+        ceph.rbd()
+            .args(["encryption", "format", &ceph.spec(&img.name), "luks2"])
+            .arg(&pass),
+    );
+    let with = |format: &str, file: &str| {
+        let mut a = ceph.server_args(&[("disk", &img.name)]);
+        a.extend(["--encryption-format".into(), format.into()]);
+        a.extend(["--encryption-passphrase-file".into(), file.into()]);
+        a
+    };
+    // Per export: NAME=VALUE.
+    let srv = start_server_v4(&with("disk=luks2", &format!("disk={}", pass.display())));
+    let uri = srv.uri("disk");
+    // The disk inside: the image less librbd's 16 MiB LUKS2 header.
+    let length = qemu_io(&uri, &["length"]);
+    assert!(length.contains("16 MiB"), "{length}");
+    qemu_io(
+        &uri,
+        &["write -P 0xe7 0 1M", "write -P 0x3d 5M 512k", "flush"],
+    );
+    stop(srv);
+    // A fresh server, rbd-nbd's spelling (for every rbd: export), reads it back.
+    let srv = start_server_v4(&with("luks2", &pass.display().to_string()));
+    qemu_io(
+        &srv.uri("disk"),
+        &[
+            "read -P 0xe7 0 1M",
+            "read -P 0x3d 5M 512k",
+            "read -P 0 2M 1M",
+        ],
+    );
+    stop(srv);
+    // The cluster holds ciphertext: no sector of either pattern, and data where they went.
+    let raw = ceph.export(&img.name, dir.path());
+    for p in [0xe7u8, 0x3d] {
+        assert!(
+            !raw.chunks(512).any(|c| c.iter().all(|&b| b == p)),
+            "rbd export shows the pattern {p:#x} in clear"
+        );
+    }
+    assert!(raw[16 << 20..17 << 20].iter().any(|&b| b != 0));
+    // A wrong passphrase: one line at start.
+    fails_with(
+        &with("luks2", &wrong.display().to_string()),
+        "does not open its luks2 encryption (a wrong passphrase",
+    );
+    fails_with(
+        &with("luks1", &pass.display().to_string()),
+        "is not encrypted as luks1",
+    );
+}

@@ -49,6 +49,32 @@ pub struct CephOptions {
     pub timeout: Duration,
 }
 
+/// An `rbd:` image's LUKS encryption, loaded through librbd (`rbd_encryption_load`), as
+/// `rbd encryption format` made it: the export is then the decrypted disk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Encryption {
+    pub format: EncryptionFormat,
+    /// The file holding the passphrase: its bytes as they are (a trailing newline is part of
+    /// it), as `rbd encryption format` and rbd-nbd read it.
+    pub passphrase_file: PathBuf,
+}
+
+/// The LUKS version of an encrypted RBD image.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EncryptionFormat {
+    Luks1,
+    Luks2,
+}
+
+impl EncryptionFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            EncryptionFormat::Luks1 => "luks1",
+            EncryptionFormat::Luks2 => "luks2",
+        }
+    }
+}
+
 /// One extent of a block-status answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Extent {

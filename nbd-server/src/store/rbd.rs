@@ -22,7 +22,7 @@ use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{CephOptions, Extent, Pending, Store};
+use super::{CephOptions, Encryption, EncryptionFormat, Extent, Pending, Store};
 
 /// The hand-written declarations of the librados and librbd functions we call (see
 /// rados/librados.h and rbd/librbd.h).
@@ -37,6 +37,17 @@ mod ffi {
     pub type rbd_callback_t = Option<unsafe extern "C" fn(rbd_completion_t, *mut c_void)>;
     pub type diff_cb = unsafe extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int;
     pub type rbd_update_callback_t = unsafe extern "C" fn(*mut c_void);
+
+    /// rbd_encryption_luks1_format_options_t and rbd_encryption_luks2_format_options_t (the
+    /// same layout); `alg` is not used by rbd_encryption_load.
+    #[repr(C)]
+    pub struct rbd_encryption_luks_format_options_t {
+        pub alg: c_int,
+        pub passphrase: *const c_char,
+        pub passphrase_size: usize,
+    }
+    pub const RBD_ENCRYPTION_FORMAT_LUKS1: c_int = 0;
+    pub const RBD_ENCRYPTION_FORMAT_LUKS2: c_int = 1;
 
     /// rbd_image_watcher_t.
     #[repr(C)]
@@ -103,6 +114,12 @@ mod ffi {
         ) -> c_int;
         pub fn rbd_close(image: rbd_image_t) -> c_int;
         pub fn rbd_get_size(image: rbd_image_t, size: *mut u64) -> c_int;
+        pub fn rbd_encryption_load(
+            image: rbd_image_t,
+            format: c_int,
+            opts: *mut c_void,
+            opts_size: usize,
+        ) -> c_int;
         pub fn rbd_update_watch(
             image: rbd_image_t,
             handle: *mut u64,
@@ -507,12 +524,14 @@ impl std::fmt::Debug for RbdImage {
 impl RbdImage {
     /// Opens `spec` on `cluster`, or says in one line why it cannot. A snapshot is always
     /// served read-only. `exclusive` (for a writable image) takes its exclusive lock for as
-    /// long as it is open ([`RbdImage::lock_exclusive`]).
+    /// long as it is open ([`RbdImage::lock_exclusive`]). `encryption`: the image is LUKS
+    /// encrypted, served decrypted ([`RbdImage::load_encryption`]).
     pub fn open(
         cluster: Arc<Cluster>,
         spec: &RbdSpec,
         read_only: bool,
         exclusive: bool,
+        encryption: Option<&Encryption>,
     ) -> Result<RbdImage, String> {
         let read_only = read_only || spec.snapshot.is_some();
         let pool = cstring("pool", &spec.pool).map_err(|e| e.to_string())?;
@@ -578,6 +597,9 @@ impl RbdImage {
             read_only,
             _cluster: cluster,
         };
+        if let Some(enc) = encryption {
+            img.load_encryption(enc)?;
+        }
         // SAFETY: all-zero is a valid rbd_image_info_t (integers and char arrays).
         let mut info: ffi::rbd_image_info_t = unsafe { std::mem::zeroed() };
         // SAFETY: the image is open; info is a valid struct of the size we pass.
@@ -604,6 +626,53 @@ impl RbdImage {
             img.lock_exclusive()?;
         }
         Ok(img)
+    }
+
+    /// `--encryption-format`: loads the image's LUKS header with the passphrase in the file;
+    /// from then on librbd encrypts what is written and decrypts what is read, and the
+    /// image's size is that of the disk inside (without the header).
+    fn load_encryption(&self, enc: &Encryption) -> Result<(), String> {
+        let (pool, image) = (&self.spec.pool, &self.spec.image);
+        let file = enc.passphrase_file.display();
+        let passphrase = std::fs::read(&enc.passphrase_file)
+            .map_err(|e| format!("reading the passphrase file {file}: {e}"))?;
+        let mut opts = ffi::rbd_encryption_luks_format_options_t {
+            alg: 0,
+            passphrase: passphrase.as_ptr() as *const c_char,
+            passphrase_size: passphrase.len(),
+        };
+        let format = match enc.format {
+            EncryptionFormat::Luks1 => ffi::RBD_ENCRYPTION_FORMAT_LUKS1,
+            EncryptionFormat::Luks2 => ffi::RBD_ENCRYPTION_FORMAT_LUKS2,
+        };
+        // SAFETY: the image is open; opts is the options struct of its size, pointing at
+        // the passphrase, which outlives the call (librbd copies what it keeps).
+        let r = unsafe {
+            ffi::rbd_encryption_load(
+                self.image,
+                format,
+                &mut opts as *mut _ as *mut c_void,
+                std::mem::size_of::<ffi::rbd_encryption_luks_format_options_t>(),
+            )
+        };
+        let name = enc.format.name();
+        match -r {
+            0 => {
+                tracing::debug!("loaded the {name} encryption of {}", self.spec);
+                Ok(())
+            }
+            libc::EPERM | libc::EACCES => Err(format!(
+                "RBD image {pool}/{image}: the passphrase in {file} does not open its {name} encryption (a wrong passphrase; the file's bytes are used as they are, a trailing newline included)"
+            )),
+            libc::EINVAL => Err(format!(
+                "RBD image {pool}/{image} is not encrypted as {name} (made by rbd encryption format {pool}/{image} {name}?): librbd: {}",
+                errno(r)
+            )),
+            _ => Err(format!(
+                "loading the {name} encryption of RBD image {pool}/{image}: {}",
+                errno(r)
+            )),
+        }
     }
 
     /// `--exclusive`: takes the image's exclusive lock through librbd's managed lock

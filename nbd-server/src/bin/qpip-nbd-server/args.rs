@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
+use nbd_server::store::EncryptionFormat;
 use nbd_server::store::open::Format;
 use qpip_cli::BackendArgs;
 use qpip_cli::logging::LogArgs;
@@ -102,6 +103,17 @@ pub struct Cli {
     /// needs the exclusive-lock feature (on by default).
     #[arg(long)]
     pub exclusive: bool,
+    /// An rbd: export whose image `rbd encryption format` encrypted, served decrypted through
+    /// librbd (rbd-nbd's option): NAME=FORMAT for export NAME, or FORMAT alone for every
+    /// rbd: export; FORMAT is luks1 or luks2. Goes with --encryption-passphrase-file; a
+    /// wrong passphrase stops the server with one line.
+    #[arg(long, value_name = "[NAME=]FORMAT")]
+    pub encryption_format: Vec<String>,
+    /// The passphrase of an --encryption-format export: NAME=FILE for export NAME, or FILE
+    /// alone for every rbd: export. The file's bytes are the passphrase, as `rbd encryption
+    /// format` reads it (a trailing newline is part of it).
+    #[arg(long, value_name = "[NAME=]FILE")]
+    pub encryption_passphrase_file: Vec<String>,
     /// Create missing images, sparse, with this size (e.g. 1G, 512M).
     #[arg(long, value_name = "SIZE")]
     pub create: Option<String>,
@@ -183,6 +195,24 @@ pub enum TlsArg {
     Off,
     On,
     Require,
+}
+
+/// An RBD image's encryption, as `--encryption-format` and the config file's
+/// `encryption_format` spell it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EncryptionArg {
+    Luks1,
+    Luks2,
+}
+
+impl From<EncryptionArg> for EncryptionFormat {
+    fn from(f: EncryptionArg) -> EncryptionFormat {
+        match f {
+            EncryptionArg::Luks1 => EncryptionFormat::Luks1,
+            EncryptionArg::Luks2 => EncryptionFormat::Luks2,
+        }
+    }
 }
 
 /// An image's format, as `--format` and the config file's `format` spell it.

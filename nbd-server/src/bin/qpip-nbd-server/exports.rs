@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use nbd_server::export::Export;
 use nbd_server::store::open::{self, OpenOptions, Opener};
-use nbd_server::store::{CephOptions, Store};
+use nbd_server::store::{CephOptions, Encryption, Store};
 use qpip_core::Nic;
 
 use crate::args::Cli;
@@ -83,6 +83,21 @@ fn open_one(
         create,
         lock: !cli.force_share,
         exclusive: cli.exclusive,
+        encryption: match (e.encryption_format, &e.encryption_passphrase_file) {
+            (Some(format), Some(file)) => Some(Encryption {
+                format: format.into(),
+                passphrase_file: file.clone(),
+            }),
+            (None, None) => None,
+            (Some(_), None) => bail!(
+                "export {}: --encryption-format needs --encryption-passphrase-file",
+                e.name
+            ),
+            (None, Some(_)) => bail!(
+                "export {}: --encryption-passphrase-file needs --encryption-format (luks1 or luks2)",
+                e.name
+            ),
+        },
     };
     match opener.open(&e.path, &opts) {
         Ok(store) => Ok(Ok(store)),
