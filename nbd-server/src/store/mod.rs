@@ -15,11 +15,12 @@
 //! send WR then points at, so no store costs a user-space copy beyond the one into that
 //! buffer (which for RBD is librbd's own landing of the data).
 //!
-//! The calls are blocking, but for writes, a store that is asynchronous underneath (librbd's
-//! aio) can start them and hand back a [`Pending`] write instead ([`Store::start_write`]):
-//! a connection then starts every write of a batch of requests before it waits for any, so
-//! that a client's pipeline reaches the store. Other connections go on meanwhile on their
-//! own threads.
+//! The calls are blocking, but for reads and writes, a store that is asynchronous underneath
+//! (librbd's aio) can start them and hand back a [`Pending`] operation instead
+//! ([`Store::start_write`], [`Store::start_read`]) that wakes the connection when it is done:
+//! a connection then keeps as many of its client's requests at the store as the client
+//! sends, and answers each as it completes. Other connections go on meanwhile on their own
+//! threads.
 
 pub mod file;
 pub mod lock;
@@ -32,6 +33,7 @@ pub mod rbd;
 use std::fmt::Debug;
 use std::io;
 use std::path::PathBuf;
+use std::task::Waker;
 use std::time::Duration;
 
 /// How to reach the Ceph cluster of `rbd:` stores, as qemu's rbd driver takes it (unused
@@ -86,6 +88,9 @@ pub struct Extent {
 /// A read or write that [`Store::start_read`] or [`Store::start_write`] started;
 /// dropping it waits for it.
 pub trait Pending: Send {
+    /// Whether the operation is done: [`Pending::wait`] would not block (for long). The
+    /// waker given when it was started is woken when this turns true.
+    fn is_done(&self) -> bool;
     /// Waits for the operation to complete; its result.
     fn wait(self: Box<Self>) -> io::Result<()>;
 }
@@ -136,8 +141,8 @@ pub trait Store: Send + Sync + Debug {
     /// Writes `data` at `offset`; with `fua`, durably before it returns.
     fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()>;
     /// Starts writing the `len` bytes at `data` to `offset`, returning before the write is
-    /// done where the store can run writes concurrently (RBD). None: the write is done
-    /// already (the default, [`Store::write_at`]).
+    /// done where the store can run writes concurrently (RBD); `done` is woken when it is.
+    /// None: the write is done already (the default, [`Store::write_at`]).
     ///
     /// # Safety
     /// The `len` bytes at `data` must stay valid and unchanged until the returned write has
@@ -147,14 +152,15 @@ pub trait Store: Send + Sync + Debug {
         data: *const u8,
         len: usize,
         offset: u64,
+        _done: &Waker,
     ) -> io::Result<Option<Box<dyn Pending>>> {
         // SAFETY: the caller vouches for the bytes, and nothing outlives this call.
         let buf = unsafe { std::slice::from_raw_parts(data, len) };
         self.write_at(buf, offset, false).map(|()| None)
     }
     /// Starts reading `len` bytes from `offset` into the memory at `buf`, returning before
-    /// the read is done where the store can run reads concurrently (RBD). None: the bytes are
-    /// there already (the default, [`Store::read_at`]).
+    /// the read is done where the store can run reads concurrently (RBD); `done` is woken
+    /// when it is. None: the bytes are there already (the default, [`Store::read_at`]).
     ///
     /// # Safety
     /// The `len` bytes at `buf` must stay valid, and neither read nor written by anyone else,
@@ -164,6 +170,7 @@ pub trait Store: Send + Sync + Debug {
         buf: *mut u8,
         len: usize,
         offset: u64,
+        _done: &Waker,
     ) -> io::Result<Option<Box<dyn Pending>>> {
         // SAFETY: the caller vouches for the bytes, and nothing outlives this call.
         let buf = unsafe { std::slice::from_raw_parts_mut(buf, len) };

@@ -4,8 +4,10 @@
 //! this crate's unsafe code for Ceph is in this module. The safe types are [`Cluster`] (a
 //! connected `rados_t`), [`RbdImage`] (an open image with its I/O context) and a private
 //! completion that owns an `rbd_completion_t`. Every request is an `rbd_aio_*` call on a
-//! completion that the calling connection thread waits for; librbd runs them on its own
-//! threads, so connections on other threads (and other exports) go on meanwhile.
+//! completion; reads and writes return at once with a [`Pending`] whose completion callback
+//! (on a librbd thread) wakes the connection, which then replies; the others are waited for.
+//! librbd runs them on its own threads, so connections on other threads (and other exports)
+//! go on meanwhile.
 //!
 //! Reads land where the caller says: the connection passes a buffer in registered memory, which the
 //! reply's send WR then points at, so the data is copied by librbd from its messenger into
@@ -20,7 +22,8 @@
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::io;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::Waker;
 
 use super::{CephOptions, Encryption, EncryptionFormat, Extent, Pending, Store};
 
@@ -380,12 +383,31 @@ impl Drop for Cluster {
     }
 }
 
+/// What a completion's callback reaches: marked done, then the connection woken.
+struct Notify {
+    done: AtomicBool,
+    waker: Waker,
+}
+
+/// librbd's completion callback, on one of its threads: the operation's result is set.
+/// librbd's own "complete" state comes only after the callback returns, so the waiter looks
+/// at `done`, not at rbd_aio_is_complete.
+unsafe extern "C" fn on_complete(_c: ffi::rbd_completion_t, arg: *mut c_void) {
+    // SAFETY: arg is the Notify boxed in the Completion, which is released (and the box
+    // dropped) only after rbd_aio_wait_for_complete, i.e. after this callback has returned.
+    let n = unsafe { &*(arg as *const Notify) };
+    n.done.store(true, Ordering::Release);
+    n.waker.wake_by_ref();
+}
+
 /// One librbd completion, released when dropped; one that was submitted and not waited
 /// for is waited for first, so that librbd is done with the operation's buffer.
 struct Completion {
     c: ffi::rbd_completion_t,
     /// Submitted (an aio call took it) and not yet waited for.
     armed: bool,
+    /// With a callback: what it marks and wakes (dropped after the completion is released).
+    notify: Option<Box<Notify>>,
 }
 
 // SAFETY: a completion may be waited for and released from any thread.
@@ -396,7 +418,36 @@ impl Completion {
         let mut c: ffi::rbd_completion_t = std::ptr::null_mut();
         // SAFETY: c is a valid out-pointer; no callback (we wait for it instead).
         check(unsafe { ffi::rbd_aio_create_completion(std::ptr::null_mut(), None, &mut c) })?;
-        Ok(Completion { c, armed: false })
+        Ok(Completion {
+            c,
+            armed: false,
+            notify: None,
+        })
+    }
+
+    /// A completion whose callback wakes `waker` once the operation is done.
+    fn waking(waker: &Waker) -> io::Result<Completion> {
+        let notify = Box::new(Notify {
+            done: AtomicBool::new(false),
+            waker: waker.clone(),
+        });
+        let arg = &*notify as *const Notify as *mut c_void;
+        let mut c: ffi::rbd_completion_t = std::ptr::null_mut();
+        // SAFETY: c is a valid out-pointer; arg points at the boxed Notify, which lives (at
+        // the same address) until after the completion is released (see Drop).
+        check(unsafe { ffi::rbd_aio_create_completion(arg, Some(on_complete), &mut c) })?;
+        Ok(Completion {
+            c,
+            armed: false,
+            notify: Some(notify),
+        })
+    }
+
+    /// The callback has run: the result is there, and waiting does not block (for long).
+    fn is_done(&self) -> bool {
+        self.notify
+            .as_ref()
+            .is_some_and(|n| n.done.load(Ordering::Acquire))
     }
 
     /// Submits an operation with this completion.
@@ -443,6 +494,10 @@ struct InFlight {
 }
 
 impl Pending for InFlight {
+    fn is_done(&self) -> bool {
+        self.completion.is_done()
+    }
+
     fn wait(self: Box<Self>) -> io::Result<()> {
         let r = self.completion.wait().and_then(|n| match self.len {
             Some(len) if n as usize != len => Err(io::Error::new(
@@ -900,9 +955,10 @@ impl Store for RbdImage {
         data: *const u8,
         len: usize,
         offset: u64,
+        done: &Waker,
     ) -> io::Result<Option<Box<dyn Pending>>> {
         self.within("write", offset, len as u64, true)?;
-        let mut completion = Completion::new()?;
+        let mut completion = Completion::waking(done)?;
         // SAFETY: the caller keeps the bytes valid and unchanged until the returned write is
         // waited for or dropped, and dropping it waits for librbd to be done with them.
         completion.submit(|c| unsafe {
@@ -921,9 +977,10 @@ impl Store for RbdImage {
         buf: *mut u8,
         len: usize,
         offset: u64,
+        done: &Waker,
     ) -> io::Result<Option<Box<dyn Pending>>> {
         self.within("read", offset, len as u64, false)?;
-        let mut completion = Completion::new()?;
+        let mut completion = Completion::waking(done)?;
         // SAFETY: the caller keeps the bytes valid and to librbd alone until the returned
         // read is waited for or dropped, and dropping it waits for librbd to be done.
         completion.submit(|c| unsafe {
