@@ -4,7 +4,7 @@
 //! cluster runs (a missing cluster fails the test in CI when the feature is on).
 //!
 //! The tests take turns (a lock here, and nextest's "ceph" test group): one of them stops
-//! the OSD for a while.
+//! the OSD for a while, and one kills it and starts it again.
 
 mod common;
 
@@ -770,4 +770,154 @@ fn rbd_deep_queues_verify_and_flushed_writes_reach_the_cluster() {
         "rbd export differs from what the server served"
     );
     assert!(exported[63 << 20..].iter().all(|&b| b == 0x5e));
+}
+
+/// Starts the dev cluster's OSD again if it is not running (scripts/ceph-dev starts it so;
+/// it daemonizes and writes its pid file), and waits until the cluster has it up.
+fn start_osd(ceph: &Ceph) {
+    let alive = |pid: i32| unsafe { libc::kill(pid, 0) } == 0;
+    let pidfile = ceph.conf.parent().unwrap().join("run/osd.0.pid");
+    let running = std::fs::read_to_string(&pidfile)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .is_some_and(alive);
+    if !running {
+        peer_ok(
+            Command::new("ceph-osd")
+                .arg("-c")
+                .arg(&ceph.conf)
+                .args(["-i", "0"]),
+        );
+    }
+}
+
+/// Starts the OSD again when dropped, so that a failing test leaves the cluster running.
+struct Killed<'a>(&'a Ceph);
+
+impl Drop for Killed<'_> {
+    fn drop(&mut self) {
+        start_osd(self.0);
+    }
+}
+
+#[test]
+fn rbd_osd_killed_and_restarted_mid_write_loses_no_flushed_write() {
+    use nbd::client::{NbdClient, handshake};
+    use std::io::{Seek, SeekFrom, Write};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ceph) = Ceph::get() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut img = ceph.image("osdkill", 64 * MIB);
+    img.keep = true;
+    let file = image(dir.path(), "file.img", 16 * MIB);
+    let mut args = ceph.server_args(&[("disk", &img.name)]);
+    args.extend(["--ceph-timeout".into(), "60".into(), "--export".into()]);
+    args.push(format!("file={}", file.display()));
+    let mut srv = start_server_v4(&args);
+    // Another server whose requests may take 3 s: they fail with EIO while the OSD is down.
+    let img2 = ceph.image("osdkill-eio", 16 * MIB);
+    let mut args2 = ceph.server_args(&[("quick", &img2.name)]);
+    args2.extend(["--ceph-timeout".into(), "3".into()]);
+    let mut quick = start_server_v4(&args2);
+    qemu_io(&quick.uri("quick"), &["write -P 0x99 0 1M", "flush"]);
+
+    // A writer: 1 MiB i, pattern i+1, then FLUSH; `flushed` counts the ones acknowledged.
+    const N: usize = 48;
+    let flushed = std::sync::Arc::new(AtomicUsize::new(0));
+    let mut tcp = std::net::TcpStream::connect(srv.addr).unwrap();
+    let export = handshake(&mut tcp, b"disk").unwrap();
+    let mut c = NbdClient::new(tcp, &export);
+    let done = flushed.clone();
+    let writer = std::thread::spawn(move || -> Result<(), String> {
+        for i in 0..N {
+            c.seek(SeekFrom::Start(i as u64 * MIB)).unwrap();
+            c.write_all(&vec![i as u8 + 1; MIB as usize])
+                .map_err(|e| format!("write {i}: {e}"))?;
+            c.flush()
+                .map_err(|e| format!("flush after write {i}: {e}"))?;
+            done.store(i + 1, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    });
+    // Mid-run: the OSD killed, then started again a few seconds later.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while flushed.load(Ordering::SeqCst) < 8 {
+        assert!(Instant::now() < deadline, "the writer does not get going");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let osd = ceph.osd_pid();
+    // SAFETY: plain kill(2) on the dev cluster's OSD, started again by the guard.
+    assert_eq!(unsafe { libc::kill(osd, libc::SIGKILL) }, 0);
+    let killed = Killed(&ceph);
+    let at_kill = flushed.load(Ordering::SeqCst);
+    // Down for a while: the writer's requests wait, the quick server's fail with EIO after
+    // its 3 s, the file export serves.
+    let t = Instant::now();
+    let out = run_with_timeout(
+        Command::new("qemu-io").args([
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0x98 1M 64k",
+            "-c",
+            "flush",
+            &quick.uri("quick"),
+        ]),
+        Duration::from_secs(60),
+    );
+    assert!(text(&out).contains("Input/output error"), "{}", text(&out));
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    quick.assert_alive("with the OSD down");
+    qemu_io(
+        &srv.uri("file"),
+        &["write -P 0x42 0 1M", "flush", "read -P 0x42 0 1M"],
+    );
+    let while_down = flushed.load(Ordering::SeqCst);
+    assert!(
+        while_down <= at_kill + 1,
+        "flushes acknowledged with the OSD down: {at_kill} then {while_down}"
+    );
+    drop(killed);
+    writer.join().unwrap().expect("the writer's requests fail");
+    // The quick server serves again, its flushed write there.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = run_with_timeout(
+            Command::new("qemu-io").args([
+                "-f",
+                "raw",
+                "-c",
+                "read -P 0x99 0 1M",
+                &quick.uri("quick"),
+            ]),
+            Duration::from_secs(60),
+        );
+        if out.status.success() && !text(&out).contains("error") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the quick server did not come back:\n{}",
+            text(&out)
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    stop(quick);
+    assert_eq!(flushed.load(Ordering::SeqCst), N);
+    srv.assert_alive("after the OSD came back");
+    srv.kill9();
+    // Every flushed write is in the cluster.
+    let disk = ceph.export(&img.name, dir.path());
+    for i in 0..N {
+        let at = i * MIB as usize;
+        assert!(
+            disk[at..at + MIB as usize]
+                .iter()
+                .all(|&b| b == i as u8 + 1),
+            "flushed write {i} is not in the image"
+        );
+    }
 }

@@ -92,7 +92,8 @@ pub struct Cli {
     #[arg(long, value_name = "FILE")]
     pub ceph_keyring: Option<PathBuf>,
     /// Seconds that connecting to the Ceph cluster, and then each RBD request, may take
-    /// before it fails (the client then gets EIO; other exports keep serving).
+    /// before it fails (the client then gets EIO; other exports keep serving). Requests to an
+    /// OSD that restarts within it wait and complete.
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     pub ceph_timeout: u64,
     /// rbd: exports (writable ones), as rbd-nbd's --exclusive: take each image's exclusive
