@@ -305,9 +305,18 @@ fn run(cli: Cli) -> Result<()> {
                 dir.as_deref(),
                 prewrite,
                 tls,
-                rbd_conf.map(|conf| peers::RbdBench {
-                    conf,
-                    pool: rbd_pool,
+                rbd_conf.map(|conf| {
+                    let qemu = peers::qemu_has_rbd(&conf);
+                    if !qemu {
+                        progress(
+                            "qemu-nbd has no rbd driver here (qemu-block-extra of this qemu): the qemu-nbd-rbd row is left out",
+                        );
+                    }
+                    peers::RbdBench {
+                        conf,
+                        pool: rbd_pool,
+                        qemu,
+                    }
                 }),
                 &progress,
             )?;

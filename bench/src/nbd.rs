@@ -65,8 +65,11 @@ impl Params {
     /// The servers of each round.
     fn servers(&self) -> Vec<Server> {
         let mut v = Server::ALL.to_vec();
-        if self.rbd.is_some() {
-            v.extend([Server::QpipRbd, Server::QemuNbdRbd]);
+        if let Some(r) = &self.rbd {
+            v.push(Server::QpipRbd);
+            if r.qemu {
+                v.push(Server::QemuNbdRbd);
+            }
         }
         v
     }
@@ -396,7 +399,7 @@ pub fn run(
             q.read_server_cpu_s_per_GB / o.read_server_cpu_s_per_GB,
         );
     }
-    if params.rbd.is_some() {
+    if params.rbd.as_ref().is_some_and(|r| r.qemu) {
         let (q, o) = (&servers["qpip-rbd"], &servers["qemu-nbd-rbd"]);
         ratios.insert("rbd_write_vs_qemu-nbd".into(), q.write_MBps / o.write_MBps);
         ratios.insert("rbd_read_vs_qemu-nbd".into(), q.read_MBps / o.read_MBps);
@@ -510,7 +513,7 @@ pub fn table(r: &NbdRawReport) -> String {
             r.ratios[&format!("read_server_cpu_vs_{peer}")],
         );
     }
-    if p.rbd.is_some() {
+    if p.rbd.as_ref().is_some_and(|r| r.qemu) {
         s += &format!(
             "  {:<18} {:>9.2}x {:>9.2}x {:>16.2}x {:>15.2}x   (qpip-rbd to qemu-nbd-rbd)\n",
             "qemu-nbd, rbd:",

@@ -138,8 +138,8 @@ fn mutated_qcow2_images_are_refused_or_served_without_panics() {
     let opts = OpenOptions {
         read_only: false,
         format: Some(Format::Qcow2),
-        create: None,
         lock: false,
+        ..OpenOptions::default()
     };
     let (mut opened, mut refused) = (0, 0);
     for i in 0..3000 {

@@ -4,7 +4,7 @@
 //! cluster runs (a missing cluster fails the test in CI when the feature is on).
 //!
 //! The tests take turns (a lock here, and nextest's "ceph" test group): one of them stops
-//! the OSD for a while.
+//! the OSD for a while, and one kills it and starts it again.
 
 mod common;
 
@@ -509,4 +509,415 @@ fn rbd_cluster_gone_mid_run_fails_requests_with_eio_while_other_exports_serve() 
         std::thread::sleep(Duration::from_millis(500));
     }
     stop(srv);
+}
+
+/// The client that holds the image's exclusive lock, as `rbd status` names its watcher
+/// (`client.N`).
+fn watchers(ceph: &Ceph, image: &str) -> Vec<String> {
+    let out = peer_ok(ceph.rbd().args(["status", &ceph.spec(image)]));
+    out.split_whitespace()
+        .filter(|w| w.starts_with("client."))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn rbd_exclusive_refuses_a_second_server_naming_the_holder() {
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ceph) = Ceph::get() else { return };
+    let img = ceph.image("excl", 16 * MIB);
+    let mut args = ceph.server_args(&[("disk", &img.name)]);
+    args.push("--exclusive".into());
+    let mut srv = start_server_v4(&args);
+    qemu_io(
+        &srv.uri("disk"),
+        &["write -P 0x31 0 1M", "flush", "read -P 0x31 0 1M"],
+    );
+    let holder = watchers(&ceph, &img.name);
+    assert_eq!(holder.len(), 1, "{holder:?}");
+    fails_with(&args, &format!("is locked exclusively by {} ", holder[0]));
+    // The first one serves on, and still alone.
+    qemu_io(&srv.uri("disk"), &["read -P 0x31 0 1M"]);
+    srv.assert_alive("after a second server was refused");
+    stop(srv);
+    // Released at exit: the next one takes it.
+    let srv = start_server_v4(&args);
+    qemu_io(&srv.uri("disk"), &["read -P 0x31 0 1M"]);
+    stop(srv);
+}
+
+/// Waits until a new connection is told `size` (the server learns a resize through its
+/// watch on the image, a moment after `rbd resize` returns).
+fn wait_for_size(uri: &str, size: u64) {
+    let told = |info: &str| {
+        info.lines().any(|l| {
+            l.split_whitespace()
+                .take(2)
+                .eq(["export-size:", &size.to_string()])
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let info = peer_ok(Command::new("nbdinfo").arg(uri));
+        if told(&info) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "new connections are not told {size} bytes:\n{info}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn rbd_resize_grow_and_shrink_while_serving() {
+    use nbd::client::{NbdClient, handshake};
+    use std::io::{Read, Seek, SeekFrom, Write};
+
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ceph) = Ceph::get() else { return };
+    let img = ceph.image("resize", 32 * MIB);
+    let mut srv = start_server_v4(&ceph.server_args(&[("disk", &img.name)]));
+    let uri = srv.uri("disk");
+    qemu_io(
+        &uri,
+        &["write -P 0x11 0 1M", "write -P 0x44 24M 1M", "flush"],
+    );
+    // A connection open across both resizes, told 32 MiB.
+    let mut tcp = std::net::TcpStream::connect(srv.addr).unwrap();
+    let export = handshake(&mut tcp, b"disk").unwrap();
+    assert_eq!(export.size, 32 * MIB);
+    let mut old = NbdClient::new(tcp, &export);
+    let read = |c: &mut NbdClient<std::net::TcpStream>, at: u64| {
+        c.seek(SeekFrom::Start(at)).unwrap();
+        let mut b = vec![0u8; MIB as usize];
+        c.read_exact(&mut b).map(|()| b)
+    };
+
+    // Grow: new connections see 64 MiB and use all of it.
+    peer_ok(ceph.rbd().args([
+        "resize",
+        "--no-progress",
+        "--size",
+        "64M",
+        &ceph.spec(&img.name),
+    ]));
+    wait_for_size(&uri, 64 * MIB);
+    let length = qemu_io(&uri, &["length"]);
+    assert!(length.contains("64 MiB"), "{length}");
+    qemu_io(
+        &uri,
+        &[
+            "write -P 0x55 60M 1M",
+            "flush",
+            "read -P 0x55 60M 1M",
+            "read -P 0x44 24M 1M",
+        ],
+    );
+    // The old connection keeps its 32 MiB.
+    assert!(read(&mut old, 24 * MIB).unwrap().iter().all(|&b| b == 0x44));
+    assert!(
+        srv.log()
+            .contains("resized from 33554432 to 67108864 bytes"),
+        "{}",
+        srv.log()
+    );
+
+    // Shrink below what the old connection was told.
+    peer_ok(ceph.rbd().args([
+        "resize",
+        "--no-progress",
+        "--allow-shrink",
+        "--size",
+        "16M",
+        &ceph.spec(&img.name),
+    ]));
+    wait_for_size(&uri, 16 * MIB);
+    let length = qemu_io(&uri, &["length"]);
+    assert!(length.contains("16 MiB"), "{length}");
+    qemu_io(&uri, &["read -P 0x11 0 1M"]);
+    let out = run_with_timeout(
+        Command::new("qemu-io").args(["-f", "raw", "-c", "read 16M 4k", &uri]),
+        Duration::from_secs(60),
+    );
+    assert!(
+        !out.status.success() || text(&out).contains("failed"),
+        "{}",
+        text(&out)
+    );
+    // The old connection: past the new end, EINVAL for a read and ENOSPC for a write; within
+    // it, served as before, on the same connection.
+    let e = read(&mut old, 24 * MIB).unwrap_err();
+    assert!(e.to_string().contains("EINVAL"), "{e}");
+    old.seek(SeekFrom::Start(20 * MIB)).unwrap();
+    let e = old.write_all(&[0x66; 4096]).unwrap_err();
+    assert!(e.to_string().contains("ENOSPC"), "{e}");
+    assert!(read(&mut old, 0).unwrap().iter().all(|&b| b == 0x11));
+    old.seek(SeekFrom::Start(MIB)).unwrap();
+    old.write_all(&[0x77; 4096]).unwrap();
+    old.flush().unwrap();
+    drop(old);
+    srv.assert_alive("after the resizes");
+    qemu_io(&uri, &["read -P 0x77 1M 4k"]);
+    stop(srv);
+}
+
+#[test]
+fn rbd_luks2_image_is_served_decrypted_with_its_passphrase() {
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ceph) = Ceph::get() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let img = ceph.image("luks", 32 * MIB);
+    let pass = dir.path().join("pass");
+    std::fs::write(&pass, "qpip test passphrase").unwrap();
+    let wrong = dir.path().join("wrong");
+    std::fs::write(&wrong, "not the passphrase").unwrap();
+    peer_ok(
+        ceph.rbd()
+            .args(["encryption", "format", &ceph.spec(&img.name), "luks2"])
+            .arg(&pass),
+    );
+    let with = |format: &str, file: &str| {
+        let mut a = ceph.server_args(&[("disk", &img.name)]);
+        a.extend(["--encryption-format".into(), format.into()]);
+        a.extend(["--encryption-passphrase-file".into(), file.into()]);
+        a
+    };
+    // Per export: NAME=VALUE.
+    let srv = start_server_v4(&with("disk=luks2", &format!("disk={}", pass.display())));
+    let uri = srv.uri("disk");
+    // The disk inside: the image less librbd's 16 MiB LUKS2 header.
+    let length = qemu_io(&uri, &["length"]);
+    assert!(length.contains("16 MiB"), "{length}");
+    qemu_io(
+        &uri,
+        &["write -P 0xe7 0 1M", "write -P 0x3d 5M 512k", "flush"],
+    );
+    stop(srv);
+    // A fresh server, rbd-nbd's spelling (for every rbd: export), reads it back.
+    let srv = start_server_v4(&with("luks2", &pass.display().to_string()));
+    qemu_io(
+        &srv.uri("disk"),
+        &[
+            "read -P 0xe7 0 1M",
+            "read -P 0x3d 5M 512k",
+            "read -P 0 2M 1M",
+        ],
+    );
+    stop(srv);
+    // The cluster holds ciphertext: no sector of either pattern, and data where they went.
+    let raw = ceph.export(&img.name, dir.path());
+    for p in [0xe7u8, 0x3d] {
+        assert!(
+            !raw.chunks(512).any(|c| c.iter().all(|&b| b == p)),
+            "rbd export shows the pattern {p:#x} in clear"
+        );
+    }
+    assert!(raw[16 << 20..17 << 20].iter().any(|&b| b != 0));
+    // A wrong passphrase: one line at start.
+    fails_with(
+        &with("luks2", &wrong.display().to_string()),
+        "does not open its luks2 encryption (a wrong passphrase",
+    );
+    fails_with(
+        &with("luks1", &pass.display().to_string()),
+        "is not encrypted as luks1",
+    );
+}
+
+/// Deep queues: fio keeps 32 requests in flight on each of two connections, with a FLUSH
+/// every 8 writes; every block verifies, and after a last FLUSH and kill -9 the cluster holds
+/// what the server served.
+#[test]
+fn rbd_deep_queues_verify_and_flushed_writes_reach_the_cluster() {
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ceph) = Ceph::get() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut img = ceph.image("deep", 64 * MIB);
+    img.keep = true;
+    let mut srv = start_server_v4(&ceph.server_args(&[("disk", &img.name)]));
+    let uri = srv.uri("disk");
+    let out = peer_ok(Command::new("fio").args([
+        "--name=qpip-rbd-deep",
+        "--ioengine=nbd",
+        &format!("--uri={uri}"),
+        "--rw=randwrite",
+        "--bsrange=4k-1m",
+        "--size=24M",
+        "--numjobs=2",
+        "--offset_increment=32M",
+        "--iodepth=32",
+        "--iodepth_batch_submit=8",
+        "--fsync=8",
+        "--verify=crc32c",
+        "--do_verify=1",
+        "--verify_fatal=1",
+        "--randseed=777",
+        "--verify_state_save=0",
+        "--group_reporting",
+    ]));
+    assert!(out.contains("err= 0"), "fio reported an error:\n{out}");
+    for bad in ["verify failed", "bad magic", "mismatch"] {
+        assert!(!out.contains(bad), "fio verify complaint {bad:?}:\n{out}");
+    }
+    qemu_io(&uri, &["write -P 0x5e 63M 1M", "flush"]);
+    let served = nbdcopy_to(&uri, &dir.path().join("served"));
+    srv.kill9();
+    let exported = ceph.export(&img.name, dir.path());
+    assert!(
+        served == exported,
+        "rbd export differs from what the server served"
+    );
+    assert!(exported[63 << 20..].iter().all(|&b| b == 0x5e));
+}
+
+/// Starts the dev cluster's OSD again if it is not running (scripts/ceph-dev starts it so;
+/// it daemonizes and writes its pid file), and waits until the cluster has it up.
+fn start_osd(ceph: &Ceph) {
+    let alive = |pid: i32| unsafe { libc::kill(pid, 0) } == 0;
+    let pidfile = ceph.conf.parent().unwrap().join("run/osd.0.pid");
+    let running = std::fs::read_to_string(&pidfile)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .is_some_and(alive);
+    if !running {
+        peer_ok(
+            Command::new("ceph-osd")
+                .arg("-c")
+                .arg(&ceph.conf)
+                .args(["-i", "0"]),
+        );
+    }
+}
+
+/// Starts the OSD again when dropped, so that a failing test leaves the cluster running.
+struct Killed<'a>(&'a Ceph);
+
+impl Drop for Killed<'_> {
+    fn drop(&mut self) {
+        start_osd(self.0);
+    }
+}
+
+#[test]
+fn rbd_osd_killed_and_restarted_mid_write_loses_no_flushed_write() {
+    use nbd::client::{NbdClient, handshake};
+    use std::io::{Seek, SeekFrom, Write};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ceph) = Ceph::get() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut img = ceph.image("osdkill", 64 * MIB);
+    img.keep = true;
+    let file = image(dir.path(), "file.img", 16 * MIB);
+    let mut args = ceph.server_args(&[("disk", &img.name)]);
+    args.extend(["--ceph-timeout".into(), "60".into(), "--export".into()]);
+    args.push(format!("file={}", file.display()));
+    let mut srv = start_server_v4(&args);
+    // Another server whose requests may take 3 s: they fail with EIO while the OSD is down.
+    let img2 = ceph.image("osdkill-eio", 16 * MIB);
+    let mut args2 = ceph.server_args(&[("quick", &img2.name)]);
+    args2.extend(["--ceph-timeout".into(), "3".into()]);
+    let mut quick = start_server_v4(&args2);
+    qemu_io(&quick.uri("quick"), &["write -P 0x99 0 1M", "flush"]);
+
+    // A writer: 1 MiB i, pattern i+1, then FLUSH; `flushed` counts the ones acknowledged.
+    const N: usize = 48;
+    let flushed = std::sync::Arc::new(AtomicUsize::new(0));
+    let mut tcp = std::net::TcpStream::connect(srv.addr).unwrap();
+    let export = handshake(&mut tcp, b"disk").unwrap();
+    let mut c = NbdClient::new(tcp, &export);
+    let done = flushed.clone();
+    let writer = std::thread::spawn(move || -> Result<(), String> {
+        for i in 0..N {
+            c.seek(SeekFrom::Start(i as u64 * MIB)).unwrap();
+            c.write_all(&vec![i as u8 + 1; MIB as usize])
+                .map_err(|e| format!("write {i}: {e}"))?;
+            c.flush()
+                .map_err(|e| format!("flush after write {i}: {e}"))?;
+            done.store(i + 1, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    });
+    // Mid-run: the OSD killed, then started again a few seconds later.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while flushed.load(Ordering::SeqCst) < 8 {
+        assert!(Instant::now() < deadline, "the writer does not get going");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let osd = ceph.osd_pid();
+    // SAFETY: plain kill(2) on the dev cluster's OSD, started again by the guard.
+    assert_eq!(unsafe { libc::kill(osd, libc::SIGKILL) }, 0);
+    let killed = Killed(&ceph);
+    let at_kill = flushed.load(Ordering::SeqCst);
+    // Down for a while: the writer's requests wait, the quick server's fail with EIO after
+    // its 3 s, the file export serves.
+    let t = Instant::now();
+    let out = run_with_timeout(
+        Command::new("qemu-io").args([
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0x98 1M 64k",
+            "-c",
+            "flush",
+            &quick.uri("quick"),
+        ]),
+        Duration::from_secs(60),
+    );
+    assert!(text(&out).contains("Input/output error"), "{}", text(&out));
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    quick.assert_alive("with the OSD down");
+    qemu_io(
+        &srv.uri("file"),
+        &["write -P 0x42 0 1M", "flush", "read -P 0x42 0 1M"],
+    );
+    let while_down = flushed.load(Ordering::SeqCst);
+    assert!(
+        while_down <= at_kill + 1,
+        "flushes acknowledged with the OSD down: {at_kill} then {while_down}"
+    );
+    drop(killed);
+    writer.join().unwrap().expect("the writer's requests fail");
+    // The quick server serves again, its flushed write there.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = run_with_timeout(
+            Command::new("qemu-io").args([
+                "-f",
+                "raw",
+                "-c",
+                "read -P 0x99 0 1M",
+                &quick.uri("quick"),
+            ]),
+            Duration::from_secs(60),
+        );
+        if out.status.success() && !text(&out).contains("error") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the quick server did not come back:\n{}",
+            text(&out)
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    stop(quick);
+    assert_eq!(flushed.load(Ordering::SeqCst), N);
+    srv.assert_alive("after the OSD came back");
+    srv.kill9();
+    // Every flushed write is in the cluster.
+    let disk = ceph.export(&img.name, dir.path());
+    for i in 0..N {
+        let at = i * MIB as usize;
+        assert!(
+            disk[at..at + MIB as usize]
+                .iter()
+                .all(|&b| b == i as u8 + 1),
+            "flushed write {i} is not in the image"
+        );
+    }
 }

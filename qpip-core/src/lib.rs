@@ -64,10 +64,10 @@ pub use qpip_verbs::backend;
 pub use qpip_verbs::framer;
 pub use qpip_verbs::tls;
 pub use qpip_verbs::{
-    Access, Completion, CompletionQueue, CqError, Endpoint, Error, FileRegion, Frame, Framer,
-    LengthPrefixed, Listener, MemoryRegion, MemoryTable, Opcode, ProtectionFault, QpAttr, QpKind,
-    QpNum, QpShared, QpState, QueuePair, RawStream, RecvWr, ReplyReceiver, ReplySender, Result,
-    Segment, SendWr, SgList, Sge, TlsConfig, TlsCredentials, WcStatus, reply_channel,
+    Access, Completion, CompletionQueue, CqError, CqWaker, Endpoint, Error, FileRegion, Frame,
+    Framer, LengthPrefixed, Listener, MemoryRegion, MemoryTable, Opcode, ProtectionFault, QpAttr,
+    QpKind, QpNum, QpShared, QpState, QueuePair, RawStream, RecvWr, ReplyReceiver, ReplySender,
+    Result, Segment, SendWr, SgList, Sge, TlsConfig, TlsCredentials, WcStatus, reply_channel,
 };
 
 /// Checks that `config`'s files load and fit together (certificate and key, CA), as a

@@ -32,11 +32,36 @@ impl std::fmt::Debug for CompletionQueue {
     }
 }
 
+/// Wakes a CQ's waiters from any thread without a completion: their [`CompletionQueue::wait`]
+/// returns (`Ok(0)` when nothing completed meanwhile). For hosts that also wait for work done
+/// elsewhere (a storage library's callbacks) on the thread that waits for the CQ: the
+/// callback wakes it instead of the waiter polling. A wake with no waiter is kept for the
+/// next wait; several wakes before it count as one.
+#[derive(Clone)]
+pub struct CqWaker(Arc<CqShared>);
+
+impl CqWaker {
+    pub fn wake(&self) {
+        self.0.wake();
+    }
+}
+
+impl std::fmt::Debug for CqWaker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CqWaker")
+    }
+}
+
 impl CompletionQueue {
     pub fn new(depth: usize) -> Self {
         CompletionQueue {
             shared: Arc::new(CqShared::new(depth)),
         }
+    }
+
+    /// A handle that makes this CQ's waits return from another thread (see [`CqWaker`]).
+    pub fn waker(&self) -> CqWaker {
+        CqWaker(self.shared.clone())
     }
 
     /// The ring the NIC completes into (for backends and simulators that build QPs).
@@ -117,7 +142,7 @@ impl CompletionQueue {
     ) -> Result<usize, CqError> {
         let deadline = timeout.map(|t| Instant::now() + t);
         let n = self.spin_poll(out, spin)?;
-        if n > 0 {
+        if n > 0 || self.shared.take_wake() {
             return Ok(n);
         }
         let shared = &*self.shared;
@@ -136,14 +161,14 @@ impl CompletionQueue {
             shared.sleepers.fetch_add(1, Ordering::SeqCst);
             let seq = shared.seq.load(Ordering::SeqCst);
             let n = self.poll(out);
-            if !matches!(n, Ok(0)) {
+            if !matches!(n, Ok(0)) || shared.take_wake() {
                 shared.sleepers.fetch_sub(1, Ordering::Relaxed);
                 return n;
             }
             crate::futex::wait(&shared.seq, seq, left);
             shared.sleepers.fetch_sub(1, Ordering::Relaxed);
             let n = self.poll(out)?;
-            if n > 0 {
+            if n > 0 || shared.take_wake() {
                 return Ok(n);
             }
         }
@@ -158,7 +183,7 @@ impl CompletionQueue {
             }
             let listener = self.shared.event.listen();
             let n = self.poll(out)?;
-            if n > 0 {
+            if n > 0 || self.shared.take_wake() {
                 return Ok(n);
             }
             listener.await;
@@ -173,6 +198,9 @@ impl CompletionQueue {
         let mut rounds = 0u32;
         loop {
             let n = self.poll(out)?;
+            if n == 0 && self.shared.woken.load(Ordering::Relaxed) {
+                return Ok(0);
+            }
             // Reading the clock costs more than a poll: look at it every 16 rounds.
             if n > 0 || (rounds.is_multiple_of(16) && start.elapsed() >= spin) {
                 return Ok(n);
@@ -207,6 +235,34 @@ mod tests {
             cq.poll(&mut out),
             Err(CqError::Overflow { lost: 3, depth: 2 })
         );
+    }
+
+    #[test]
+    fn a_waker_makes_a_sleeping_wait_return_and_is_kept_for_the_next() {
+        let cq = CompletionQueue::new(4);
+        cq.set_spin(Duration::ZERO);
+        let waker = cq.waker();
+        let mut out = [Completion::default(); 1];
+        // Before the wait: the wait returns at once, and the wake is spent.
+        waker.wake();
+        waker.wake();
+        assert_eq!(cq.wait(&mut out, Some(Duration::from_secs(5))), Ok(0));
+        let t = Instant::now();
+        assert_eq!(cq.wait(&mut out, Some(Duration::from_millis(20))), Ok(0));
+        assert!(t.elapsed() >= Duration::from_millis(20));
+        // During the wait, once it sleeps.
+        let cq2 = cq.clone();
+        let h = std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while cq2.sleepers() == 0 && Instant::now() < deadline {
+                std::thread::yield_now();
+            }
+            waker.wake();
+        });
+        let t = Instant::now();
+        assert_eq!(cq.wait(&mut out, Some(Duration::from_secs(30))), Ok(0));
+        assert!(t.elapsed() < Duration::from_secs(10));
+        h.join().unwrap();
     }
 
     #[test]

@@ -22,7 +22,7 @@ pub mod shared;
 pub mod tls;
 pub mod wr;
 
-pub use cq::{CompletionQueue, CqError};
+pub use cq::{CompletionQueue, CqError, CqWaker};
 pub use error::{Error, Result};
 pub use framer::{Frame, Framer, LengthPrefixed, RawStream};
 pub use mr::{

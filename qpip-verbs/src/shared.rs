@@ -78,6 +78,9 @@ pub struct CqShared {
     pub(crate) event: Event,
     /// How long a host waiter polls before it sleeps.
     pub(crate) spin_nanos: AtomicU64,
+    /// Set by [`crate::cq::CqWaker::wake`]: the next wait returns, with or without
+    /// completions.
+    pub(crate) woken: AtomicBool,
 }
 
 impl CqShared {
@@ -91,6 +94,7 @@ impl CqShared {
             unnotified: AtomicBool::new(false),
             event: Event::new(),
             spin_nanos: AtomicU64::new(DEFAULT_CQ_SPIN.as_nanos() as u64),
+            woken: AtomicBool::new(false),
         }
     }
 
@@ -103,6 +107,23 @@ impl CqShared {
             tracing::error!(qp = c.qp_num, wr_id = c.wr_id, "completion queue overflow");
         }
         self.unnotified.store(true, Ordering::Release);
+    }
+
+    /// Makes the waiters return (see [`crate::cq::CqWaker`]).
+    pub(crate) fn wake(&self) {
+        self.woken.store(true, Ordering::Release);
+        // Pairs with the waiter's count-then-look, as in notify.
+        fence(Ordering::SeqCst);
+        if self.sleepers.load(Ordering::Relaxed) > 0 {
+            self.seq.fetch_add(1, Ordering::Release);
+            crate::futex::wake_all(&self.seq);
+        }
+        self.event.notify(usize::MAX);
+    }
+
+    /// Takes a wake-up ([`Self::wake`]), if there is one.
+    pub(crate) fn take_wake(&self) -> bool {
+        self.woken.load(Ordering::Relaxed) && self.woken.swap(false, Ordering::AcqRel)
     }
 
     /// Wakes sleeping waiters; call once after a batch of pushes. No system call unless a

@@ -58,6 +58,27 @@ impl Server {
 pub struct RbdBench {
     pub conf: PathBuf,
     pub pool: String,
+    /// qemu-nbd has its rbd driver (qemu-block-extra of the installed qemu): its row is run.
+    pub qemu: bool,
+}
+
+/// Whether this machine's qemu has its rbd block driver: asking qemu-img about an image of
+/// a pool that no cluster has fails either way, but without the driver it says so.
+pub fn qemu_has_rbd(conf: &Path) -> bool {
+    let out = Command::new("qemu-img")
+        .args(["info", "-f", "raw"])
+        .arg(format!(
+            "rbd:qpip-bench-probe/none:conf={}:client_mount_timeout=3",
+            conf.display()
+        ))
+        .output();
+    match out {
+        Ok(o) => {
+            let err = String::from_utf8_lossy(&o.stderr);
+            !(err.contains("Unable to load module rbd") || err.contains("Unknown protocol"))
+        }
+        Err(_) => false,
+    }
 }
 
 /// The qpip-nbd-server next to this executable (same target directory).

@@ -22,7 +22,15 @@ pub(crate) fn run(
     link: &mut Link,
     framer: &FramerState,
 ) -> Result<Option<(ServerNegotiated, Vec<u8>)>> {
-    let mut hs = ServerHandshake::new(link.shared.proto.clone());
+    let mut config = link.shared.proto.clone();
+    // A store's size may change while the server runs (an RBD image resized): each handshake
+    // tells the size of the moment.
+    for p in &mut config.exports {
+        if let Some(e) = link.shared.exports.iter().find(|e| e.name == p.name) {
+            p.size = e.store.size();
+        }
+    }
+    let mut hs = ServerHandshake::new(config);
     if link.shared.shutting_down() {
         hs.begin_shutdown();
     }

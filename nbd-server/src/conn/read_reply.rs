@@ -26,6 +26,8 @@ pub(crate) struct ReadContext<'a> {
     pub replies: &'a mut ReplySlots,
     pub export: &'a Export,
     pub session: &'a ServerTransmission,
+    /// Woken by the store when a started read is done.
+    pub waker: &'a std::task::Waker,
 }
 
 /// One piece of a reply: a read into `buffer`, maybe still under way.
@@ -72,6 +74,16 @@ impl ReadReply {
         self.started.iter().any(|p| p.pending.is_some())
     }
 
+    /// Every piece is started and read: [`ReadReply::finish`] sends the reply without
+    /// waiting for the store.
+    pub fn all_done(&self) -> bool {
+        self.fully_started()
+            && self
+                .started
+                .iter()
+                .all(|p| p.pending.as_ref().is_none_or(|p| p.is_done()))
+    }
+
     /// Starts reads of pieces while the connection's read memory has room without waiting.
     pub fn start(&mut self, cx: &mut ReadContext) -> io::Result<()> {
         while !self.fully_started() {
@@ -116,7 +128,7 @@ impl ReadReply {
         // read started into it is kept with it (Piece) until it is done.
         let pending = unsafe {
             let buf = buffer.mr().as_mut_slice()[..len].as_mut_ptr();
-            cx.export.store.start_read(buf, len, self.next)?
+            cx.export.store.start_read(buf, len, self.next, cx.waker)?
         };
         self.started.push_back(Piece {
             len,

@@ -12,16 +12,21 @@
 //!   qcow2's (0 / 2): through the mapping, tmpfs would allocate a page per hole.
 //! - WRITE: 1 / 1. The NIC reads the payload from the socket straight into a registered receive
 //!   slot (kernel copy); `pwrite` copies the slot into the page cache. A store that can run
-//!   writes concurrently (RBD) is handed every write of a batch of completions before the
-//!   connection waits for any: their receive slots are posted again, and their replies sent,
-//!   once they are done, at the end of the batch or before any other command. Its reads
-//!   are started likewise, into registered buffers counted against the connection's memory
-//!   bound, and replied to when done.
+//!   writes concurrently (RBD) is handed each write as it arrives and wakes the connection
+//!   (through its CQ's waker) when it is done; each turn of the loop then replies to the
+//!   writes that are done, in any order, and posts their receive slots again (each piece's
+//!   slot as soon as that piece is written), so the depth toward the store is the client's.
+//!   Its reads are started likewise, into registered buffers counted against the
+//!   connection's memory bound, and replied to when done. Ordering is the commands': a
+//!   READ waits for the writes before it; FLUSH, TRIM, WRITE_ZEROES, CACHE, BLOCK_STATUS
+//!   and DISC wait for the reads and writes before them (so FLUSH covers every write
+//!   answered or started before it); a FUA write flushes once its own data is written.
 //!
 //! Over 600 lines: the completion loop and every command's execution share the connection's state (slots, pending writes and reads).
 
 use std::io;
 use std::sync::Arc;
+use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
 
 use nbd_proto::consts as c;
@@ -29,7 +34,7 @@ use nbd_proto::handshake::server::ServerNegotiated;
 use nbd_proto::reply::{self, ReplyTo};
 use nbd_proto::transmission::server::{Refusal, RequestError, ServerTransmission, ValidRequest};
 use nbd_proto::transmission::{ByteRange, Command, ErrorValue, ValidCommand};
-use qpip_core::{Access, Completion, MemoryRegion, Opcode, RecvWr, WcStatus};
+use qpip_core::{Access, Completion, CqWaker, MemoryRegion, Opcode, RecvWr, WcStatus};
 
 use super::link::Link;
 use super::read_reply::{ReadContext, ReadReply};
@@ -80,6 +85,18 @@ pub(crate) fn serve(
     t.run()
 }
 
+/// Wakes the connection's CQ wait when the store finishes a read or write it started.
+struct WakeCq(CqWaker);
+
+impl Wake for WakeCq {
+    fn wake(self: Arc<Self>) {
+        self.0.wake();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.wake();
+    }
+}
+
 /// A WRITE whose payload is still arriving in pieces (or a refused request's payload, read
 /// on and dropped before its error reply).
 struct PendingWrite {
@@ -91,8 +108,28 @@ struct PendingWrite {
     fua: bool,
     received: u64,
     error: Option<ErrorValue>,
-    /// Pieces the store is still writing (from receive slots held until they are done).
-    pieces: Vec<Box<dyn Pending>>,
+    /// Pieces the store is still writing, each with the receive slot it reads from (held,
+    /// not posted again, until it is done).
+    pieces: Vec<(Box<dyn Pending>, usize)>,
+}
+
+impl PendingWrite {
+    /// Takes the pieces that are done (all of them with `block`, waiting for them): their
+    /// errors are kept, their slots pushed onto `freed`.
+    fn settle(&mut self, block: bool, freed: &mut Vec<usize>) {
+        let mut i = 0;
+        while i < self.pieces.len() {
+            if !block && !self.pieces[i].0.is_done() {
+                i += 1;
+                continue;
+            }
+            let (piece, slot) = self.pieces.swap_remove(i);
+            if let Err(e) = piece.wait() {
+                self.error.get_or_insert(io_error_value(&e));
+            }
+            freed.push(slot);
+        }
+    }
 }
 
 struct Transmission<'a> {
@@ -107,15 +144,16 @@ struct Transmission<'a> {
     pending_write: Option<PendingWrite>,
     shutdown_since: Option<Instant>,
     /// Writes fully received whose pieces the store is still writing: replied to by
-    /// `finish_writes`.
+    /// `reap_writes` once done.
     started_writes: Vec<PendingWrite>,
-    /// Receive slots whose bytes a started write still reads: posted again by
-    /// `finish_writes`.
-    held_slots: Vec<usize>,
-    /// Set by `on_message` when the message's slot must be held.
+    /// The receive slot of the message being handled.
+    msg_slot: usize,
+    /// Set by `on_message` when the message's slot must be held (a write piece reads it).
     hold_slot: bool,
-    /// Reads the store is still doing: replied to by `finish_reads`.
+    /// Reads the store is still doing: replied to by `reap_reads` once done.
     started_reads: Vec<ReadReply>,
+    /// Given to the store with every read and write it starts: wakes our CQ wait.
+    waker: Waker,
 }
 
 impl Drop for Transmission<'_> {
@@ -136,6 +174,7 @@ impl<'a> Transmission<'a> {
             .nic
             .alloc_region(RECV_SLOTS * stride, Access::READ_WRITE);
         let replies = ReplySlots::new(&link.shared.nic, link.shared.idle_timeout);
+        let waker = Waker::from(Arc::new(WakeCq(link.cq.waker())));
         let (window, first) = RecvWindow::new(RECV_SLOTS, stride);
         for slot in first {
             link.qp.post_recv(RecvWr::new(
@@ -154,9 +193,10 @@ impl<'a> Transmission<'a> {
             pending_write: None,
             shutdown_since: None,
             started_writes: Vec::new(),
-            held_slots: Vec::new(),
+            msg_slot: 0,
             hold_slot: false,
             started_reads: Vec::new(),
+            waker,
         })
     }
 
@@ -168,6 +208,8 @@ impl<'a> Transmission<'a> {
             if let Some(limit) = self.link.shared.idle_timeout
                 && last_request.elapsed() >= limit
                 && self.pending_write.is_none()
+                && self.started_writes.is_empty()
+                && self.started_reads.is_empty()
                 && self.replies.all_free()
             {
                 tracing::info!(peer = %self.link.peer, "closing: idle for {} s (--idle-timeout)", limit.as_secs_f64());
@@ -185,12 +227,17 @@ impl<'a> Transmission<'a> {
                 && self.pending_write.is_none()
             {
                 tracing::info!(peer = %self.link.peer, "closing for shutdown");
+                // The requests started are answered (their replies may still go out).
+                self.finish_writes()?;
+                self.finish_reads()?;
+                self.link.qp.ring_doorbell();
                 self.export.store.flush().ok();
                 self.link.qp.close();
                 return Ok(());
             }
             batch.clear();
             if self.link.stash.is_empty() {
+                // Also returns when the store finishes a request it started (the waker).
                 let n = self
                     .link
                     .cq
@@ -233,19 +280,20 @@ impl<'a> Transmission<'a> {
             }
             *last_request = Instant::now();
             let slot = c.wr_id as usize;
+            self.msg_slot = slot;
             self.hold_slot = false;
             if !self.on_message(slot, &c)? {
                 return Ok(false);
             }
-            if self.hold_slot {
-                self.held_slots.push(slot);
-            } else {
+            // A held slot is posted again when its write piece is done (reap_writes).
+            if !self.hold_slot {
                 let slot = self.window.reuse(slot);
                 self.post_slot(slot)?;
             }
         }
-        self.finish_writes()?;
-        self.finish_reads()?;
+        // What the store finished meanwhile is answered; the rest wakes us when done.
+        self.reap_writes(false)?;
+        self.reap_reads(false)?;
         for slot in self.window.top_up() {
             self.post_slot(slot)?;
         }
@@ -266,48 +314,68 @@ impl<'a> Transmission<'a> {
     fn write_piece(&mut self, pw: &mut PendingWrite, at: usize, len: usize, offset: u64) {
         let data = self.slot(at, len);
         // SAFETY: the slot is held (not posted again) until the piece is waited for, in
-        // finish_writes, or dropped, which waits too (Drop clears them before recv_mr goes).
-        match unsafe { self.export.store.start_write(data.as_ptr(), len, offset) } {
+        // reap_writes, or dropped, which waits too (Drop clears them before recv_mr goes).
+        match unsafe { (self.export.store).start_write(data.as_ptr(), len, offset, &self.waker) } {
             Ok(None) => {}
             Ok(Some(piece)) => {
-                pw.pieces.push(piece);
+                pw.pieces.push((piece, self.msg_slot));
                 self.hold_slot = true;
             }
             Err(e) => pw.error = Some(io_error_value(&e)),
         }
     }
 
-    /// Waits for the started writes, posts their receive slots again and replies to them.
+    /// Waits for every started write, posts their receive slots again and replies to them:
+    /// before a command that must come after them.
     fn finish_writes(&mut self) -> Result<()> {
-        let wait = |pw: &mut PendingWrite| {
-            for piece in pw.pieces.drain(..) {
-                if let Err(e) = piece.wait() {
-                    pw.error.get_or_insert(io_error_value(&e));
-                }
-            }
-        };
+        self.reap_writes(true)
+    }
+
+    /// Replies to the started writes the store is done with (with `block`, all of them,
+    /// in order, waiting), and posts the receive slots of the pieces done again, the ones of
+    /// a write still arriving included.
+    fn reap_writes(&mut self, block: bool) -> Result<()> {
+        let mut freed = Vec::new();
         if let Some(pw) = &mut self.pending_write {
-            wait(pw);
+            pw.settle(block, &mut freed);
         }
-        for mut pw in std::mem::take(&mut self.started_writes) {
-            wait(&mut pw);
+        let mut i = 0;
+        while i < self.started_writes.len() {
+            self.started_writes[i].settle(block, &mut freed);
+            if !self.started_writes[i].pieces.is_empty() {
+                i += 1;
+                continue;
+            }
+            let pw = self.started_writes.remove(i);
             let result = match pw.error {
                 Some(e) => Err(e),
                 None => self.after_write(&pw),
             };
             self.reply(pw.to, result)?;
         }
-        for slot in std::mem::take(&mut self.held_slots) {
+        for slot in freed {
             let slot = self.window.reuse(slot);
             self.post_slot(slot)?;
         }
         Ok(())
     }
 
-    /// Waits for the started reads and sends their replies.
+    /// Waits for the started reads and sends their replies, in order.
     fn finish_reads(&mut self) -> Result<()> {
-        for r in std::mem::take(&mut self.started_reads) {
-            self.finish_read(r)?;
+        self.reap_reads(true)
+    }
+
+    /// Sends the replies of the started reads the store is done with (with `block`, all of
+    /// them, in order, waiting).
+    fn reap_reads(&mut self, block: bool) -> Result<()> {
+        let mut i = 0;
+        while i < self.started_reads.len() {
+            if block || self.started_reads[i].all_done() {
+                let r = self.started_reads.remove(i);
+                self.finish_read(r)?;
+            } else {
+                i += 1;
+            }
         }
         Ok(())
     }
@@ -319,6 +387,7 @@ impl<'a> Transmission<'a> {
             replies: &mut self.replies,
             export: &self.export,
             session: &self.session,
+            waker: &self.waker,
         };
         if let Err(e) = r.finish(&mut cx)? {
             self.reply(to, Err(e))?;
@@ -584,6 +653,7 @@ impl<'a> Transmission<'a> {
             replies: &mut self.replies,
             export: &self.export,
             session: &self.session,
+            waker: &self.waker,
         };
         if let Err(e) = r.start(&mut cx) {
             let at = self.export.store.location();
@@ -591,7 +661,7 @@ impl<'a> Transmission<'a> {
             drop(r); // waits for the pieces started
             return self.reply(req.reply_to(), Err(io_error_value(&e)));
         }
-        // An asynchronous store (RBD) reads on while the batch goes on.
+        // An asynchronous store (RBD) reads on, and wakes us when done.
         if r.fully_started() && r.in_progress() {
             self.started_reads.push(r);
             return Ok(());

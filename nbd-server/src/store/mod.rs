@@ -17,11 +17,12 @@
 //! send WR then points at, so no store costs a user-space copy beyond the one into that
 //! buffer (which for RBD is librbd's own landing of the data).
 //!
-//! The calls are blocking, but for writes, a store that is asynchronous underneath (librbd's
-//! aio) can start them and hand back a [`Pending`] write instead ([`Store::start_write`]):
-//! a connection then starts every write of a batch of requests before it waits for any, so
-//! that a client's pipeline reaches the store. Other connections go on meanwhile on their
-//! own threads.
+//! The calls are blocking, but for reads and writes, a store that is asynchronous underneath
+//! (librbd's aio) can start them and hand back a [`Pending`] operation instead
+//! ([`Store::start_write`], [`Store::start_read`]) that wakes the connection when it is done:
+//! a connection then keeps as many of its client's requests at the store as the client
+//! sends, and answers each as it completes. Other connections go on meanwhile on their own
+//! threads.
 
 pub mod file;
 pub mod lock;
@@ -35,6 +36,7 @@ pub mod view;
 use std::fmt::Debug;
 use std::io;
 use std::path::PathBuf;
+use std::task::Waker;
 use std::time::Duration;
 
 /// How to reach the Ceph cluster of `rbd:` stores, as qemu's rbd driver takes it (unused
@@ -52,6 +54,32 @@ pub struct CephOptions {
     pub timeout: Duration,
 }
 
+/// An `rbd:` image's LUKS encryption, loaded through librbd (`rbd_encryption_load`), as
+/// `rbd encryption format` made it: the export is then the decrypted disk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Encryption {
+    pub format: EncryptionFormat,
+    /// The file holding the passphrase: its bytes as they are (a trailing newline is part of
+    /// it), as `rbd encryption format` and rbd-nbd read it.
+    pub passphrase_file: PathBuf,
+}
+
+/// The LUKS version of an encrypted RBD image.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EncryptionFormat {
+    Luks1,
+    Luks2,
+}
+
+impl EncryptionFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            EncryptionFormat::Luks1 => "luks1",
+            EncryptionFormat::Luks2 => "luks2",
+        }
+    }
+}
+
 /// One extent of a block-status answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Extent {
@@ -63,6 +91,9 @@ pub struct Extent {
 /// A read or write that [`Store::start_read`] or [`Store::start_write`] started;
 /// dropping it waits for it.
 pub trait Pending: Send {
+    /// Whether the operation is done: [`Pending::wait`] would not block (for long). The
+    /// waker given when it was started is woken when this turns true.
+    fn is_done(&self) -> bool;
     /// Waits for the operation to complete; its result.
     fn wait(self: Box<Self>) -> io::Result<()>;
 }
@@ -113,8 +144,8 @@ pub trait Store: Send + Sync + Debug {
     /// Writes `data` at `offset`; with `fua`, durably before it returns.
     fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()>;
     /// Starts writing the `len` bytes at `data` to `offset`, returning before the write is
-    /// done where the store can run writes concurrently (RBD). None: the write is done
-    /// already (the default, [`Store::write_at`]).
+    /// done where the store can run writes concurrently (RBD); `done` is woken when it is.
+    /// None: the write is done already (the default, [`Store::write_at`]).
     ///
     /// # Safety
     /// The `len` bytes at `data` must stay valid and unchanged until the returned write has
@@ -124,14 +155,15 @@ pub trait Store: Send + Sync + Debug {
         data: *const u8,
         len: usize,
         offset: u64,
+        _done: &Waker,
     ) -> io::Result<Option<Box<dyn Pending>>> {
         // SAFETY: the caller vouches for the bytes, and nothing outlives this call.
         let buf = unsafe { std::slice::from_raw_parts(data, len) };
         self.write_at(buf, offset, false).map(|()| None)
     }
     /// Starts reading `len` bytes from `offset` into the memory at `buf`, returning before
-    /// the read is done where the store can run reads concurrently (RBD). None: the bytes are
-    /// there already (the default, [`Store::read_at`]).
+    /// the read is done where the store can run reads concurrently (RBD); `done` is woken
+    /// when it is. None: the bytes are there already (the default, [`Store::read_at`]).
     ///
     /// # Safety
     /// The `len` bytes at `buf` must stay valid, and neither read nor written by anyone else,
@@ -141,6 +173,7 @@ pub trait Store: Send + Sync + Debug {
         buf: *mut u8,
         len: usize,
         offset: u64,
+        _done: &Waker,
     ) -> io::Result<Option<Box<dyn Pending>>> {
         // SAFETY: the caller vouches for the bytes, and nothing outlives this call.
         let buf = unsafe { std::slice::from_raw_parts_mut(buf, len) };

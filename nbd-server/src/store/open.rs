@@ -16,7 +16,7 @@ use super::file::FileStore;
 use super::lock::{self, LockError};
 use super::probe::{self, Probed, QCOW2_MAGIC};
 use super::qcow2::Qcow2;
-use super::{CephOptions, Store};
+use super::{CephOptions, Encryption, Store};
 
 /// An image file's format, as `--format` names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,7 +39,7 @@ impl Format {
 }
 
 /// How one export's store is opened.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct OpenOptions {
     pub read_only: bool,
     /// The file's format; None: probed from its first bytes.
@@ -49,6 +49,11 @@ pub struct OpenOptions {
     pub create: Option<u64>,
     /// Take qemu's image locks (false: `--force-share`).
     pub lock: bool,
+    /// A writable RBD image: take its exclusive lock and keep it, refusing to open it when
+    /// another client holds it (`--exclusive`, rbd-nbd's spelling).
+    pub exclusive: bool,
+    /// An encrypted RBD image: the format and passphrase to load (`--encryption-format`).
+    pub encryption: Option<Encryption>,
 }
 
 /// Why a store could not be opened. Shown after the export's name.
@@ -59,6 +64,10 @@ pub enum OpenError {
     CreateRbd,
     #[error("an RBD image is served as raw (its bytes are the disk)")]
     RbdFormat,
+    #[error(
+        "--encryption-format is for rbd: images (LUKS made by rbd encryption format); a LUKS image file is not served"
+    )]
+    EncryptionFile,
     /// The cluster or the image could not be reached.
     #[error("{0}")]
     Rbd(String),
@@ -148,6 +157,7 @@ impl Opener {
     pub fn open(&mut self, path: &Path, opts: &OpenOptions) -> Result<Box<dyn Store>, OpenError> {
         match Location::parse(path) {
             Location::Rbd(spec) => self.open_rbd(spec, opts),
+            Location::File(_) if opts.encryption.is_some() => Err(OpenError::EncryptionFile),
             Location::File(path) => open_file(path, opts),
         }
     }
@@ -159,11 +169,11 @@ impl Opener {
         if opts.format == Some(Format::Qcow2) {
             return Err(OpenError::RbdFormat);
         }
-        self.connect_rbd(spec, opts.read_only)
+        self.connect_rbd(spec, opts)
     }
 
     #[cfg(feature = "rbd")]
-    fn connect_rbd(&mut self, spec: &str, read_only: bool) -> Result<Box<dyn Store>, OpenError> {
+    fn connect_rbd(&mut self, spec: &str, opts: &OpenOptions) -> Result<Box<dyn Store>, OpenError> {
         use super::rbd::{Cluster, RbdImage, RbdSpec};
         let spec = RbdSpec::parse(spec).map_err(OpenError::Rbd)?;
         let cluster = match &self.cluster {
@@ -174,12 +184,23 @@ impl Opener {
                 c
             }
         };
-        let image = RbdImage::open(cluster, &spec, read_only).map_err(OpenError::Rbd)?;
+        let image = RbdImage::open(
+            cluster,
+            &spec,
+            opts.read_only,
+            opts.exclusive,
+            opts.encryption.as_ref(),
+        )
+        .map_err(OpenError::Rbd)?;
         Ok(Box::new(image))
     }
 
     #[cfg(not(feature = "rbd"))]
-    fn connect_rbd(&mut self, spec: &str, _read_only: bool) -> Result<Box<dyn Store>, OpenError> {
+    fn connect_rbd(
+        &mut self,
+        spec: &str,
+        _opts: &OpenOptions,
+    ) -> Result<Box<dyn Store>, OpenError> {
         let _ = &self.ceph;
         Err(OpenError::NoRbd(spec.to_owned()))
     }

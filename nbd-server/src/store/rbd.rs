@@ -4,8 +4,10 @@
 //! this crate's unsafe code for Ceph is in this module. The safe types are [`Cluster`] (a
 //! connected `rados_t`), [`RbdImage`] (an open image with its I/O context) and a private
 //! completion that owns an `rbd_completion_t`. Every request is an `rbd_aio_*` call on a
-//! completion that the calling connection thread waits for; librbd runs them on its own
-//! threads, so connections on other threads (and other exports) go on meanwhile.
+//! completion; reads and writes return at once with a [`Pending`] whose completion callback
+//! (on a librbd thread) wakes the connection, which then replies; the others are waited for.
+//! librbd runs them on its own threads, so connections on other threads (and other exports)
+//! go on meanwhile.
 //!
 //! Reads land where the caller says: the connection passes a buffer in registered memory, which the
 //! reply's send WR then points at, so the data is copied by librbd from its messenger into
@@ -20,8 +22,10 @@
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::io;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::Waker;
 
-use super::{CephOptions, Extent, Pending, Store};
+use super::{CephOptions, Encryption, EncryptionFormat, Extent, Pending, Store};
 
 /// The hand-written declarations of the librados and librbd functions we call (see
 /// rados/librados.h and rbd/librbd.h).
@@ -35,6 +39,26 @@ mod ffi {
     pub type rbd_completion_t = *mut c_void;
     pub type rbd_callback_t = Option<unsafe extern "C" fn(rbd_completion_t, *mut c_void)>;
     pub type diff_cb = unsafe extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int;
+    pub type rbd_update_callback_t = unsafe extern "C" fn(*mut c_void);
+
+    /// rbd_encryption_luks1_format_options_t and rbd_encryption_luks2_format_options_t (the
+    /// same layout); `alg` is not used by rbd_encryption_load.
+    #[repr(C)]
+    pub struct rbd_encryption_luks_format_options_t {
+        pub alg: c_int,
+        pub passphrase: *const c_char,
+        pub passphrase_size: usize,
+    }
+    pub const RBD_ENCRYPTION_FORMAT_LUKS1: c_int = 0;
+    pub const RBD_ENCRYPTION_FORMAT_LUKS2: c_int = 1;
+
+    /// rbd_image_watcher_t.
+    #[repr(C)]
+    pub struct rbd_image_watcher_t {
+        pub addr: *mut c_char,
+        pub id: i64,
+        pub cookie: u64,
+    }
 
     /// rbd_image_info_t.
     #[repr(C)]
@@ -47,6 +71,11 @@ mod ffi {
         pub parent_pool: i64,
         pub parent_name: [c_char; 96],
     }
+
+    /// RBD_LOCK_MODE_EXCLUSIVE of rbd_lock_mode_t.
+    pub const RBD_LOCK_MODE_EXCLUSIVE: c_int = 0;
+    /// RBD_FEATURE_EXCLUSIVE_LOCK.
+    pub const RBD_FEATURE_EXCLUSIVE_LOCK: u64 = 1 << 2;
 
     #[link(name = "rados")]
     unsafe extern "C" {
@@ -87,6 +116,35 @@ mod ffi {
             snap_name: *const c_char,
         ) -> c_int;
         pub fn rbd_close(image: rbd_image_t) -> c_int;
+        pub fn rbd_get_size(image: rbd_image_t, size: *mut u64) -> c_int;
+        pub fn rbd_encryption_load(
+            image: rbd_image_t,
+            format: c_int,
+            opts: *mut c_void,
+            opts_size: usize,
+        ) -> c_int;
+        pub fn rbd_update_watch(
+            image: rbd_image_t,
+            handle: *mut u64,
+            watch_cb: rbd_update_callback_t,
+            arg: *mut c_void,
+        ) -> c_int;
+        pub fn rbd_update_unwatch(image: rbd_image_t, handle: u64) -> c_int;
+        pub fn rbd_get_features(image: rbd_image_t, features: *mut u64) -> c_int;
+        pub fn rbd_lock_acquire(image: rbd_image_t, lock_mode: c_int) -> c_int;
+        pub fn rbd_lock_get_owners(
+            image: rbd_image_t,
+            lock_mode: *mut c_int,
+            lock_owners: *mut *mut c_char,
+            max_lock_owners: *mut usize,
+        ) -> c_int;
+        pub fn rbd_lock_get_owners_cleanup(lock_owners: *mut *mut c_char, count: usize);
+        pub fn rbd_watchers_list(
+            image: rbd_image_t,
+            watchers: *mut rbd_image_watcher_t,
+            max_watchers: *mut usize,
+        ) -> c_int;
+        pub fn rbd_watchers_list_cleanup(watchers: *mut rbd_image_watcher_t, count: usize);
         pub fn rbd_stat(image: rbd_image_t, info: *mut rbd_image_info_t, infosize: usize) -> c_int;
         pub fn rbd_diff_iterate2(
             image: rbd_image_t,
@@ -325,12 +383,31 @@ impl Drop for Cluster {
     }
 }
 
+/// What a completion's callback reaches: marked done, then the connection woken.
+struct Notify {
+    done: AtomicBool,
+    waker: Waker,
+}
+
+/// librbd's completion callback, on one of its threads: the operation's result is set.
+/// librbd's own "complete" state comes only after the callback returns, so the waiter looks
+/// at `done`, not at rbd_aio_is_complete.
+unsafe extern "C" fn on_complete(_c: ffi::rbd_completion_t, arg: *mut c_void) {
+    // SAFETY: arg is the Notify boxed in the Completion, which is released (and the box
+    // dropped) only after rbd_aio_wait_for_complete, i.e. after this callback has returned.
+    let n = unsafe { &*(arg as *const Notify) };
+    n.done.store(true, Ordering::Release);
+    n.waker.wake_by_ref();
+}
+
 /// One librbd completion, released when dropped; one that was submitted and not waited
 /// for is waited for first, so that librbd is done with the operation's buffer.
 struct Completion {
     c: ffi::rbd_completion_t,
     /// Submitted (an aio call took it) and not yet waited for.
     armed: bool,
+    /// With a callback: what it marks and wakes (dropped after the completion is released).
+    notify: Option<Box<Notify>>,
 }
 
 // SAFETY: a completion may be waited for and released from any thread.
@@ -341,7 +418,36 @@ impl Completion {
         let mut c: ffi::rbd_completion_t = std::ptr::null_mut();
         // SAFETY: c is a valid out-pointer; no callback (we wait for it instead).
         check(unsafe { ffi::rbd_aio_create_completion(std::ptr::null_mut(), None, &mut c) })?;
-        Ok(Completion { c, armed: false })
+        Ok(Completion {
+            c,
+            armed: false,
+            notify: None,
+        })
+    }
+
+    /// A completion whose callback wakes `waker` once the operation is done.
+    fn waking(waker: &Waker) -> io::Result<Completion> {
+        let notify = Box::new(Notify {
+            done: AtomicBool::new(false),
+            waker: waker.clone(),
+        });
+        let arg = &*notify as *const Notify as *mut c_void;
+        let mut c: ffi::rbd_completion_t = std::ptr::null_mut();
+        // SAFETY: c is a valid out-pointer; arg points at the boxed Notify, which lives (at
+        // the same address) until after the completion is released (see Drop).
+        check(unsafe { ffi::rbd_aio_create_completion(arg, Some(on_complete), &mut c) })?;
+        Ok(Completion {
+            c,
+            armed: false,
+            notify: Some(notify),
+        })
+    }
+
+    /// The callback has run: the result is there, and waiting does not block (for long).
+    fn is_done(&self) -> bool {
+        self.notify
+            .as_ref()
+            .is_some_and(|n| n.done.load(Ordering::Acquire))
     }
 
     /// Submits an operation with this completion.
@@ -388,6 +494,10 @@ struct InFlight {
 }
 
 impl Pending for InFlight {
+    fn is_done(&self) -> bool {
+        self.completion.is_done()
+    }
+
     fn wait(self: Box<Self>) -> io::Result<()> {
         let r = self.completion.wait().and_then(|n| match self.len {
             Some(len) if n as usize != len => Err(io::Error::new(
@@ -403,12 +513,48 @@ impl Pending for InFlight {
     }
 }
 
+/// The image's size as librbd last said, kept up to date by its update watch: what
+/// [`on_update`] sees, boxed so that its address stays put while librbd holds it.
+struct SizeWatch {
+    image: ffi::rbd_image_t,
+    size: AtomicU64,
+    spec: String,
+}
+
+/// rbd_update_watch's callback, on a librbd thread after the image's header changed
+/// (`rbd resize`, a snapshot, a feature, ...): reads the size again.
+unsafe extern "C" fn on_update(arg: *mut c_void) {
+    // SAFETY: arg is the boxed SizeWatch registered with rbd_update_watch, which outlives
+    // the watch (Drop unwatches, which waits for a callback under way, before it goes).
+    let w = unsafe { &*(arg as *const SizeWatch) };
+    let mut size = 0u64;
+    // SAFETY: the image is open for as long as the watch is registered.
+    let r = unsafe { ffi::rbd_get_size(w.image, &mut size) };
+    if r < 0 {
+        tracing::warn!("{}: reading its size after an update: {}", w.spec, errno(r));
+        return;
+    }
+    let old = w.size.swap(size, Ordering::SeqCst);
+    if old != size {
+        tracing::info!(
+            "{}: resized from {old} to {size} bytes; new connections get the new size",
+            w.spec
+        );
+    }
+}
+
 /// An open RBD image: an export's store.
+///
+/// Its size follows the image's (see [`SizeWatch`]): new connections are told the size of
+/// the moment, and requests past the current end are refused here (ENOSPC for writes, EINVAL
+/// for reads), whatever size their connection was told.
 pub struct RbdImage {
     spec: RbdSpec,
     image: ffi::rbd_image_t,
     ioctx: ffi::rados_ioctx_t,
-    size: u64,
+    watch: Box<SizeWatch>,
+    /// rbd_update_watch's handle, once registered.
+    watch_handle: Option<u64>,
     read_only: bool,
     /// Keeps the cluster connected while the image is open.
     _cluster: Arc<Cluster>,
@@ -424,7 +570,7 @@ impl std::fmt::Debug for RbdImage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RbdImage")
             .field("spec", &self.spec)
-            .field("size", &self.size)
+            .field("size", &self.size())
             .field("read_only", &self.read_only)
             .finish()
     }
@@ -432,11 +578,15 @@ impl std::fmt::Debug for RbdImage {
 
 impl RbdImage {
     /// Opens `spec` on `cluster`, or says in one line why it cannot. A snapshot is always
-    /// served read-only.
+    /// served read-only. `exclusive` (for a writable image) takes its exclusive lock for as
+    /// long as it is open ([`RbdImage::lock_exclusive`]). `encryption`: the image is LUKS
+    /// encrypted, served decrypted ([`RbdImage::load_encryption`]).
     pub fn open(
         cluster: Arc<Cluster>,
         spec: &RbdSpec,
         read_only: bool,
+        exclusive: bool,
+        encryption: Option<&Encryption>,
     ) -> Result<RbdImage, String> {
         let read_only = read_only || spec.snapshot.is_some();
         let pool = cstring("pool", &spec.pool).map_err(|e| e.to_string())?;
@@ -493,10 +643,18 @@ impl RbdImage {
             spec: spec.clone(),
             image,
             ioctx,
-            size: 0,
+            watch: Box::new(SizeWatch {
+                image,
+                size: AtomicU64::new(0),
+                spec: spec.to_string(),
+            }),
+            watch_handle: None,
             read_only,
             _cluster: cluster,
         };
+        if let Some(enc) = encryption {
+            img.load_encryption(enc)?;
+        }
         // SAFETY: all-zero is a valid rbd_image_info_t (integers and char arrays).
         let mut info: ffi::rbd_image_info_t = unsafe { std::mem::zeroed() };
         // SAFETY: the image is open; info is a valid struct of the size we pass.
@@ -508,8 +666,173 @@ impl RbdImage {
             )
         })
         .map_err(|e| format!("rbd_stat of {spec}: {e}"))?;
-        img.size = info.size;
+        img.watch.size.store(info.size, Ordering::SeqCst);
+        let mut handle = 0u64;
+        let arg = &*img.watch as *const SizeWatch as *mut c_void;
+        // SAFETY: the image is open; the boxed SizeWatch stays where it is until Drop
+        // unwatches.
+        check(unsafe { ffi::rbd_update_watch(img.image, &mut handle, on_update, arg) })
+            .map_err(|e| format!("watching RBD image {spec} for resizes: {e}"))?;
+        img.watch_handle = Some(handle);
+        // A resize between rbd_stat and the watch.
+        // SAFETY: the watch is registered, on the open image.
+        unsafe { on_update(arg) };
+        if exclusive && !read_only {
+            img.lock_exclusive()?;
+        }
         Ok(img)
+    }
+
+    /// `--encryption-format`: loads the image's LUKS header with the passphrase in the file;
+    /// from then on librbd encrypts what is written and decrypts what is read, and the
+    /// image's size is that of the disk inside (without the header).
+    fn load_encryption(&self, enc: &Encryption) -> Result<(), String> {
+        let (pool, image) = (&self.spec.pool, &self.spec.image);
+        let file = enc.passphrase_file.display();
+        let passphrase = std::fs::read(&enc.passphrase_file)
+            .map_err(|e| format!("reading the passphrase file {file}: {e}"))?;
+        let mut opts = ffi::rbd_encryption_luks_format_options_t {
+            alg: 0,
+            passphrase: passphrase.as_ptr() as *const c_char,
+            passphrase_size: passphrase.len(),
+        };
+        let format = match enc.format {
+            EncryptionFormat::Luks1 => ffi::RBD_ENCRYPTION_FORMAT_LUKS1,
+            EncryptionFormat::Luks2 => ffi::RBD_ENCRYPTION_FORMAT_LUKS2,
+        };
+        // SAFETY: the image is open; opts is the options struct of its size, pointing at
+        // the passphrase, which outlives the call (librbd copies what it keeps).
+        let r = unsafe {
+            ffi::rbd_encryption_load(
+                self.image,
+                format,
+                &mut opts as *mut _ as *mut c_void,
+                std::mem::size_of::<ffi::rbd_encryption_luks_format_options_t>(),
+            )
+        };
+        let name = enc.format.name();
+        match -r {
+            0 => {
+                tracing::debug!("loaded the {name} encryption of {}", self.spec);
+                Ok(())
+            }
+            libc::EPERM | libc::EACCES => Err(format!(
+                "RBD image {pool}/{image}: the passphrase in {file} does not open its {name} encryption (a wrong passphrase; the file's bytes are used as they are, a trailing newline included)"
+            )),
+            libc::EINVAL => Err(format!(
+                "RBD image {pool}/{image} is not encrypted as {name} (made by rbd encryption format {pool}/{image} {name}?): librbd: {}",
+                errno(r)
+            )),
+            _ => Err(format!(
+                "loading the {name} encryption of RBD image {pool}/{image}: {}",
+                errno(r)
+            )),
+        }
+    }
+
+    /// `--exclusive`: takes the image's exclusive lock through librbd's managed lock
+    /// (`rbd_lock_acquire`), which librbd then keeps until the image is closed instead of
+    /// handing it to another client that asks for it; other clients' writes fail meanwhile.
+    /// Refused, naming the holder, when another client holds it that way.
+    ///
+    /// Without `--exclusive` the image is opened as qemu and rbd-nbd open it by default:
+    /// librbd's cooperative lock passes between writers as each one writes, so two servers
+    /// can both write (and a guest file system on it would be corrupted).
+    fn lock_exclusive(&self) -> Result<(), String> {
+        let (pool, image) = (&self.spec.pool, &self.spec.image);
+        let mut features = 0u64;
+        // SAFETY: the image is open; features is a valid out-pointer.
+        check(unsafe { ffi::rbd_get_features(self.image, &mut features) })
+            .map_err(|e| format!("reading the features of RBD image {pool}/{image}: {e}"))?;
+        if features & ffi::RBD_FEATURE_EXCLUSIVE_LOCK == 0 {
+            return Err(format!(
+                "--exclusive: RBD image {pool}/{image} has no exclusive-lock feature (rbd feature enable {pool}/{image} exclusive-lock)"
+            ));
+        }
+        // SAFETY: the image is open.
+        let r = unsafe { ffi::rbd_lock_acquire(self.image, ffi::RBD_LOCK_MODE_EXCLUSIVE) };
+        if r == 0 {
+            tracing::debug!("took the exclusive lock of {}", self.spec);
+            return Ok(());
+        }
+        let owners = self.lock_owners();
+        Err(if owners.is_empty() {
+            format!(
+                "--exclusive: taking the exclusive lock of RBD image {pool}/{image}: {}",
+                errno(r)
+            )
+        } else {
+            format!(
+                "RBD image {pool}/{image} is locked exclusively by {} (another server with --exclusive, rbd-nbd --exclusive, or rbd lock; librbd: {})",
+                owners.join(", "),
+                errno(r)
+            )
+        })
+    }
+
+    /// The clients that hold the image's exclusive lock: `client.N (ADDRESS)` where a
+    /// watcher of the image has the owner's address, else the address librbd gives.
+    fn lock_owners(&self) -> Vec<String> {
+        let watchers = self.watchers();
+        self.lock_owner_addrs()
+            .into_iter()
+            .map(|addr| match watchers.iter().find(|(a, _)| *a == addr) {
+                Some((_, id)) => format!("client.{id} ({addr})"),
+                None => addr,
+            })
+            .collect()
+    }
+
+    /// The image's watchers: (address, global client id).
+    fn watchers(&self) -> Vec<(String, i64)> {
+        // SAFETY: all-zero is a valid rbd_image_watcher_t (a null pointer and integers).
+        let mut w: [ffi::rbd_image_watcher_t; 16] = unsafe { std::mem::zeroed() };
+        let mut n = w.len();
+        // SAFETY: the image is open; w has room for n watchers, whose addresses librbd
+        // allocates and rbd_watchers_list_cleanup frees.
+        if unsafe { ffi::rbd_watchers_list(self.image, w.as_mut_ptr(), &mut n) } < 0 {
+            return Vec::new();
+        }
+        let n = n.min(w.len());
+        let out = w[..n]
+            .iter()
+            .filter(|x| !x.addr.is_null())
+            // SAFETY: librbd set addr to a NUL-terminated string.
+            .map(|x| {
+                let addr = unsafe { std::ffi::CStr::from_ptr(x.addr) };
+                (addr.to_string_lossy().into_owned(), x.id)
+            })
+            .collect();
+        // SAFETY: the n watchers librbd filled above, freed once.
+        unsafe { ffi::rbd_watchers_list_cleanup(w.as_mut_ptr(), n) };
+        out
+    }
+
+    /// The addresses of the clients that hold the image's exclusive lock, as librbd says.
+    fn lock_owner_addrs(&self) -> Vec<String> {
+        let mut owners: [*mut c_char; 8] = [std::ptr::null_mut(); 8];
+        let mut n = owners.len();
+        let mut mode: c_int = 0;
+        // SAFETY: the image is open; owners has room for n pointers, which librbd fills with
+        // strings of its own that rbd_lock_get_owners_cleanup frees.
+        let r =
+            unsafe { ffi::rbd_lock_get_owners(self.image, &mut mode, owners.as_mut_ptr(), &mut n) };
+        if r < 0 {
+            return Vec::new();
+        }
+        let names = owners[..n.min(owners.len())]
+            .iter()
+            .filter(|p| !p.is_null())
+            // SAFETY: librbd set these to NUL-terminated strings.
+            .map(|&p| {
+                unsafe { std::ffi::CStr::from_ptr(p) }
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect();
+        // SAFETY: the n strings librbd allocated above, freed once.
+        unsafe { ffi::rbd_lock_get_owners_cleanup(owners.as_mut_ptr(), n) };
+        names
     }
 
     /// Submits one aio call with a fresh completion, then waits for it.
@@ -517,6 +840,21 @@ impl RbdImage {
         let mut c = Completion::new()?;
         c.submit(submit)?;
         c.wait()
+    }
+
+    /// Refuses a request that reaches past the image's current end (it may have shrunk since
+    /// the connection was told its size): ENOSPC for a write, EINVAL for a read, as the NBD
+    /// spec asks.
+    fn within(&self, what: &str, offset: u64, len: u64, write: bool) -> io::Result<()> {
+        let size = self.size();
+        if offset.checked_add(len).is_some_and(|end| end <= size) {
+            return Ok(());
+        }
+        tracing::debug!(
+            "{what} at {offset} of {len} bytes on {}: past its end ({size} bytes; resized?)",
+            self.spec
+        );
+        Err(errno(-(if write { libc::ENOSPC } else { libc::EINVAL })))
     }
 
     fn log_failure<T>(&self, what: &str, r: io::Result<T>) -> io::Result<T> {
@@ -529,6 +867,11 @@ impl RbdImage {
 
 impl Drop for RbdImage {
     fn drop(&mut self) {
+        if let Some(h) = self.watch_handle.take() {
+            // SAFETY: registered in `open` on this image; librbd waits for a callback under
+            // way before it returns, so the SizeWatch is no longer used after it.
+            unsafe { ffi::rbd_update_unwatch(self.image, h) };
+        }
         // SAFETY: the image and context were opened in `open` and no request is running
         // (they all borrow self and wait for their completion before returning).
         let r = unsafe { ffi::rbd_close(self.image) };
@@ -577,13 +920,14 @@ impl Store for RbdImage {
         "rbd"
     }
     fn size(&self) -> u64 {
-        self.size
+        self.watch.size.load(Ordering::SeqCst)
     }
     fn read_only(&self) -> bool {
         self.read_only
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.within("read", offset, buf.len() as u64, false)?;
         let (ptr, len) = (buf.as_mut_ptr() as *mut c_char, buf.len());
         // SAFETY: buf is exclusively borrowed until `aio` has waited for the completion, so
         // librbd writes into live memory that nothing else reads meanwhile.
@@ -595,6 +939,7 @@ impl Store for RbdImage {
     }
 
     fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+        self.within("write", offset, data.len() as u64, true)?;
         let (ptr, len) = (data.as_ptr() as *const c_char, data.len());
         // SAFETY: data is borrowed until the completion has been waited for.
         let r = self.aio(|c| unsafe { ffi::rbd_aio_write(self.image, offset, len, ptr, c) });
@@ -610,8 +955,10 @@ impl Store for RbdImage {
         data: *const u8,
         len: usize,
         offset: u64,
+        done: &Waker,
     ) -> io::Result<Option<Box<dyn Pending>>> {
-        let mut completion = Completion::new()?;
+        self.within("write", offset, len as u64, true)?;
+        let mut completion = Completion::waking(done)?;
         // SAFETY: the caller keeps the bytes valid and unchanged until the returned write is
         // waited for or dropped, and dropping it waits for librbd to be done with them.
         completion.submit(|c| unsafe {
@@ -630,8 +977,10 @@ impl Store for RbdImage {
         buf: *mut u8,
         len: usize,
         offset: u64,
+        done: &Waker,
     ) -> io::Result<Option<Box<dyn Pending>>> {
-        let mut completion = Completion::new()?;
+        self.within("read", offset, len as u64, false)?;
+        let mut completion = Completion::waking(done)?;
         // SAFETY: the caller keeps the bytes valid and to librbd alone until the returned
         // read is waited for or dropped, and dropping it waits for librbd to be done.
         completion.submit(|c| unsafe {
@@ -652,6 +1001,7 @@ impl Store for RbdImage {
     }
 
     fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.within("discard", offset, len, true)?;
         // SAFETY: the image is open; no buffer is involved.
         let r = self.aio(|c| unsafe { ffi::rbd_aio_discard(self.image, offset, len, c) });
         self.log_failure("discard", r).map(drop)
@@ -666,6 +1016,7 @@ impl Store for RbdImage {
     ) -> io::Result<bool> {
         // librbd zeroes by discarding whole objects and zeroing the edges, without writing
         // the zeroes: fast, so FAST_ZERO is honoured too.
+        self.within("write zeroes", offset, len, true)?;
         let len = usize::try_from(len).map_err(|_| errno(-libc::EINVAL))?;
         // SAFETY: the image is open; no buffer is involved.
         let r =
@@ -674,10 +1025,12 @@ impl Store for RbdImage {
     }
 
     fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
-        let end = offset.saturating_add(len.min(DIFF_MAX)).min(self.size);
-        if end <= offset {
-            return Ok(Vec::new());
+        let size = self.size();
+        if offset >= size {
+            // Shrunk under a connection told a larger size.
+            return Err(errno(-libc::EINVAL));
         }
+        let end = offset.saturating_add(len.min(DIFF_MAX)).min(size);
         let mut d = Diff {
             pos: offset,
             out: Vec::new(),

@@ -8,6 +8,7 @@
 
 use std::fmt;
 use std::io;
+use std::task::Waker;
 
 use super::{Extent, Pending, Store};
 
@@ -152,6 +153,7 @@ impl Store for View {
         data: *const u8,
         len: usize,
         offset: u64,
+        done: &Waker,
     ) -> io::Result<Option<Box<dyn Pending>>> {
         if self.opts.detect_zeroes != DetectZeroes::Off {
             // SAFETY: the caller vouches for the bytes, and nothing outlives this call.
@@ -161,16 +163,17 @@ impl Store for View {
             }
         }
         // SAFETY: passed on with the caller's guarantee.
-        unsafe { self.inner.start_write(data, len, self.at(offset)) }
+        unsafe { self.inner.start_write(data, len, self.at(offset), done) }
     }
     unsafe fn start_read(
         &self,
         buf: *mut u8,
         len: usize,
         offset: u64,
+        done: &Waker,
     ) -> io::Result<Option<Box<dyn Pending>>> {
         // SAFETY: passed on with the caller's guarantee.
-        unsafe { self.inner.start_read(buf, len, self.at(offset)) }
+        unsafe { self.inner.start_read(buf, len, self.at(offset), done) }
     }
     fn flush(&self) -> io::Result<()> {
         self.inner.flush()

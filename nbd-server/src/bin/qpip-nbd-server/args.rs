@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
+use nbd_server::store::EncryptionFormat;
 use nbd_server::store::open::Format;
 use qpip_cli::NicArgs;
 use qpip_cli::logging::LogArgs;
@@ -55,8 +56,9 @@ pub struct Cli {
     #[arg(short = 'k', long, visible_alias = "unix", value_name = "PATH")]
     pub socket: Option<PathBuf>,
     /// An export: NAME=PATH of an image file or block device, or NAME=rbd:POOL/IMAGE[@SNAP]
-    /// of a Ceph RBD image (see --ceph-conf; a snapshot is served read-only); repeat for
-    /// several.
+    /// of a Ceph RBD image (see --ceph-conf; a snapshot is served read-only; after `rbd
+    /// resize` new connections get the new size, open ones keep theirs and get EINVAL/ENOSPC
+    /// past a shrunk end); repeat for several.
     #[arg(short, long, value_name = "NAME=PATH")]
     pub export: Vec<String>,
     /// qemu-nbd's form: an image file (or block device, or rbd:POOL/IMAGE) served as one more
@@ -106,9 +108,29 @@ pub struct Cli {
     #[arg(long, value_name = "FILE")]
     pub ceph_keyring: Option<PathBuf>,
     /// Seconds that connecting to the Ceph cluster, and then each RBD request, may take
-    /// before it fails (the client then gets EIO; other exports keep serving).
+    /// before it fails (the client then gets EIO; other exports keep serving). Requests to an
+    /// OSD that restarts within it wait and complete.
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     pub ceph_timeout: u64,
+    /// rbd: exports (writable ones), as rbd-nbd's --exclusive: take each image's exclusive
+    /// lock at start and keep it until exit, so that no other client writes the image
+    /// meanwhile; the server refuses to start, naming the holder, when another client holds
+    /// it so. Without it, librbd's lock passes between writers as each one writes (its
+    /// default, as with qemu and rbd-nbd): two servers on one image both write. The image
+    /// needs the exclusive-lock feature (on by default).
+    #[arg(long)]
+    pub exclusive: bool,
+    /// An rbd: export whose image `rbd encryption format` encrypted, served decrypted through
+    /// librbd (rbd-nbd's option): NAME=FORMAT for export NAME, or FORMAT alone for every
+    /// rbd: export; FORMAT is luks1 or luks2. Goes with --encryption-passphrase-file; a
+    /// wrong passphrase stops the server with one line.
+    #[arg(long, value_name = "[NAME=]FORMAT")]
+    pub encryption_format: Vec<String>,
+    /// The passphrase of an --encryption-format export: NAME=FILE for export NAME, or FILE
+    /// alone for every rbd: export. The file's bytes are the passphrase, as `rbd encryption
+    /// format` reads it (a trailing newline is part of it).
+    #[arg(long, value_name = "[NAME=]FILE")]
+    pub encryption_passphrase_file: Vec<String>,
     /// Create missing images, sparse, with this size (e.g. 1G, 512M).
     #[arg(long, value_name = "SIZE")]
     pub create: Option<String>,
@@ -233,6 +255,24 @@ pub enum TlsArg {
     Off,
     On,
     Require,
+}
+
+/// An RBD image's encryption, as `--encryption-format` and the config file's
+/// `encryption_format` spell it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EncryptionArg {
+    Luks1,
+    Luks2,
+}
+
+impl From<EncryptionArg> for EncryptionFormat {
+    fn from(f: EncryptionArg) -> EncryptionFormat {
+        match f {
+            EncryptionArg::Luks1 => EncryptionFormat::Luks1,
+            EncryptionArg::Luks2 => EncryptionFormat::Luks2,
+        }
+    }
 }
 
 /// An image's format, as `--format` and the config file's `format` spell it.

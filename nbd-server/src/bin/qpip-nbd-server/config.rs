@@ -24,6 +24,12 @@ pub struct ExportConfig {
     /// The image's format ("raw" or "qcow2"); probed from its first bytes when absent.
     #[serde(default)]
     pub format: Option<crate::args::FormatArg>,
+    /// An rbd: image encrypted by `rbd encryption format`: "luks1" or "luks2".
+    #[serde(default)]
+    pub encryption_format: Option<crate::args::EncryptionArg>,
+    /// The file holding its passphrase (its bytes as they are).
+    #[serde(default)]
+    pub encryption_passphrase_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq, Default)]

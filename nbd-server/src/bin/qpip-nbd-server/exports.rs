@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use nbd_server::export::Export;
 use nbd_server::store::open::{self, OpenOptions, Opener};
 use nbd_server::store::view::{self, DetectZeroes, Discard, ViewOptions};
-use nbd_server::store::{CephOptions, Store};
+use nbd_server::store::{CephOptions, Encryption, Store};
 use qpip_core::Nic;
 
 use crate::args::{Cli, DetectZeroesArg, DiscardArg};
@@ -108,6 +108,22 @@ fn open_one(
         format: cli.format.or(e.format).map(Into::into),
         create,
         lock: !cli.force_share,
+        exclusive: cli.exclusive,
+        encryption: match (e.encryption_format, &e.encryption_passphrase_file) {
+            (Some(format), Some(file)) => Some(Encryption {
+                format: format.into(),
+                passphrase_file: file.clone(),
+            }),
+            (None, None) => None,
+            (Some(_), None) => bail!(
+                "export {}: --encryption-format needs --encryption-passphrase-file",
+                e.name
+            ),
+            (None, Some(_)) => bail!(
+                "export {}: --encryption-passphrase-file needs --encryption-format (luks1 or luks2)",
+                e.name
+            ),
+        },
     };
     match opener.open(&e.path, &opts) {
         Ok(store) => Ok(Ok(store)),

@@ -6,7 +6,7 @@ use std::net::{Ipv6Addr, SocketAddr};
 use anyhow::{Context, Result, bail};
 use qpip_core::DEFAULT_LANAI_SERVER_NODE;
 
-use crate::args::Cli;
+use crate::args::{Cli, EncryptionArg};
 use crate::config::{self, Config, ExportConfig, parse_listen};
 
 /// The configuration with the flags applied.
@@ -77,6 +77,8 @@ fn flag_export(name: &str, path: &str) -> ExportConfig {
         read_only: false,
         create_size: None,
         format: None,
+        encryption_format: None,
+        encryption_passphrase_file: None,
     }
 }
 
@@ -145,6 +147,28 @@ fn add_exports(cli: &Cli, cfg: &mut Config) -> Result<bool> {
             })?;
         e.description = text;
     }
+    for f in &cli.encryption_format {
+        let (name, value) = match f.split_once('=') {
+            Some((name, v)) => (Some(name), v),
+            None => (None, f.as_str()),
+        };
+        let format = <EncryptionArg as clap::ValueEnum>::from_str(value, true).map_err(|_| {
+            anyhow::anyhow!("--encryption-format {f:?}: the format is luks1 or luks2")
+        })?;
+        for e in encryption_targets(cfg, name, "--encryption-format")? {
+            e.encryption_format = Some(format);
+        }
+    }
+    for f in &cli.encryption_passphrase_file {
+        // NAME=FILE where NAME is an export; else the whole value is the file.
+        let (name, file) = match f.split_once('=') {
+            Some((name, file)) if cfg.exports.iter().any(|e| e.name == name) => (Some(name), file),
+            _ => (None, f.as_str()),
+        };
+        for e in encryption_targets(cfg, name, "--encryption-passphrase-file")? {
+            e.encryption_passphrase_file = Some(file.into());
+        }
+    }
     let demo = cfg.exports.is_empty();
     if demo {
         cfg.exports.push(ExportConfig {
@@ -154,10 +178,32 @@ fn add_exports(cli: &Cli, cfg: &mut Config) -> Result<bool> {
             read_only: false,
             create_size: None,
             format: None,
+            encryption_format: None,
+            encryption_passphrase_file: None,
         });
         cfg.default_export.get_or_insert_with(|| "demo".into());
     }
     Ok(demo)
+}
+
+/// The exports an --encryption-* option is for: export `name`, or every rbd: export.
+fn encryption_targets<'a>(
+    cfg: &'a mut Config,
+    name: Option<&str>,
+    what: &str,
+) -> Result<Vec<&'a mut ExportConfig>> {
+    let is_rbd = |e: &ExportConfig| e.path.to_str().is_some_and(|p| p.starts_with("rbd:"));
+    let all: Vec<&mut ExportConfig> = match name {
+        Some(n) => cfg.exports.iter_mut().filter(|e| e.name == n).collect(),
+        None => cfg.exports.iter_mut().filter(|e| is_rbd(e)).collect(),
+    };
+    if all.is_empty() {
+        match name {
+            Some(n) => bail!("{what}: no export named {n:?}"),
+            None => bail!("{what}: no rbd: export to apply it to"),
+        }
+    }
+    Ok(all)
 }
 
 /// Adds --bind (at --port) to the listen addresses, or the defaults when none is given.
