@@ -464,16 +464,7 @@ fn sparse_uploads_with_qemu_img_and_nbdcopy_into_raw_and_qcow2() {
     }
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let holes = [40 * MIB, 128 * MIB, 2048 * MIB];
-    let size = holes.iter().sum::<u64>() + 4 * MIB;
-    let mut data = Vec::new();
-    let mut at = 0;
-    for hole in holes {
-        data.push((at, MIB));
-        at += MIB + hole;
-    }
-    data.push((at, MIB));
-    let src = qpip_test_support::pattern::image_with(d, "src.raw", size, &data);
+    let (src, size) = sparse_upload_source(dir.path());
     let src_s = src.to_str().unwrap();
     let raw = image(d, "raw.img", size);
     let qcow = d.join("q.qcow2");
@@ -494,14 +485,7 @@ fn sparse_uploads_with_qemu_img_and_nbdcopy_into_raw_and_qcow2() {
         let uri = srv.uri(export);
         for tool in ["qemu-img", "nbdcopy"] {
             // Data in every hole first, which the upload must zero.
-            let junk: Vec<String> = holes
-                .iter()
-                .scan(MIB, |at, hole| {
-                    let w = format!("write -P 0x77 {} 1M", *at + hole / 2);
-                    *at += MIB + hole;
-                    Some(w)
-                })
-                .collect();
+            let junk = junk_in_upload_holes();
             qemu_io(&uri, &junk.iter().map(String::as_str).collect::<Vec<_>>());
             let (same, _) = compare("raw", src_s, "raw", &uri);
             assert!(!same, "{export}: the junk did not land");

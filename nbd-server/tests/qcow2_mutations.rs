@@ -12,22 +12,7 @@ use std::process::Command;
 
 use common::*;
 use nbd_server::store::open::{Format, OpenOptions, Opener};
-
-struct XorShift(u64);
-
-impl XorShift {
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
+use qpip_test_support::pattern::Rng;
 
 /// An image made by qemu-img with `opts`, then `cmds` run on it with qemu-io.
 fn made(dir: &Path, name: &str, opts: &[&str], cmds: &[&str]) -> Vec<u8> {
@@ -46,21 +31,21 @@ fn made(dir: &Path, name: &str, opts: &[&str], cmds: &[&str]) -> Vec<u8> {
 
 /// Mutates `img`: a few bytes of its first clusters (header, L1, refcount table and blocks,
 /// L2 tables) set, flipped or replaced by large values.
-fn mutate(rng: &mut XorShift, img: &[u8]) -> Vec<u8> {
+fn mutate(rng: &mut Rng, img: &[u8]) -> Vec<u8> {
     let mut v = img.to_vec();
     let meta = v.len().min(64 << 10) as u64;
     for _ in 0..=rng.below(6) {
         let at = rng.below(meta) as usize;
         match rng.below(4) {
             0 => v[at] ^= 1 << rng.below(8),
-            1 => v[at] = rng.next() as u8,
+            1 => v[at] = rng.next_u64() as u8,
             2 => {
                 // A big-endian 64-bit field, at an 8-byte boundary, made large or odd.
                 let at = at & !7;
                 if at + 8 <= v.len() {
                     let x = match rng.below(3) {
                         0 => u64::MAX >> rng.below(40),
-                        1 => rng.next(),
+                        1 => rng.next_u64(),
                         _ => 1 << rng.below(63),
                     };
                     v[at..at + 8].copy_from_slice(&x.to_be_bytes());
@@ -69,7 +54,7 @@ fn mutate(rng: &mut XorShift, img: &[u8]) -> Vec<u8> {
             _ => {
                 let at = at & !3;
                 if at + 4 <= v.len() {
-                    v[at..at + 4].copy_from_slice(&(rng.next() as u32).to_be_bytes());
+                    v[at..at + 4].copy_from_slice(&(rng.next_u64() as u32).to_be_bytes());
                 }
             }
         }
@@ -81,7 +66,7 @@ fn mutate(rng: &mut XorShift, img: &[u8]) -> Vec<u8> {
 }
 
 /// Random I/O on an opened store; errors are answers, panics are bugs.
-fn exercise(rng: &mut XorShift, store: &dyn nbd_server::store::Store) {
+fn exercise(rng: &mut Rng, store: &dyn nbd_server::store::Store) {
     let size = store.size();
     let buf_len = 128 << 10;
     let mut buf = vec![0u8; buf_len];
@@ -133,7 +118,7 @@ fn mutated_qcow2_images_are_refused_or_served_without_panics() {
             &["write -P 0x33 1M 16k"],
         ),
     ];
-    let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let target = d.join("crafted.qcow2");
     let opts = OpenOptions {
         read_only: false,

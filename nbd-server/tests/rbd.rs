@@ -931,29 +931,13 @@ fn rbd_sparse_uploads_with_qemu_img_and_nbdcopy() {
     let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
     let Some(ceph) = Ceph::get() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let holes = [40 * MIB, 128 * MIB, 2048 * MIB];
-    let size = holes.iter().sum::<u64>() + 4 * MIB;
-    let mut data = Vec::new();
-    let mut at = 0;
-    for hole in holes {
-        data.push((at, MIB));
-        at += MIB + hole;
-    }
-    data.push((at, MIB));
-    let src = qpip_test_support::pattern::image_with(dir.path(), "src.raw", size, &data);
+    let (src, size) = sparse_upload_source(dir.path());
     let src_s = src.to_str().unwrap();
     let img = ceph.image("sparse", size);
     let srv = start_server_v4(&ceph.server_args(&[("disk", &img.name)]));
     let uri = srv.uri("disk");
     for tool in ["qemu-img", "nbdcopy"] {
-        let junk: Vec<String> = holes
-            .iter()
-            .scan(MIB, |at, hole| {
-                let w = format!("write -P 0x77 {} 1M", *at + hole / 2);
-                *at += MIB + hole;
-                Some(w)
-            })
-            .collect();
+        let junk = junk_in_upload_holes();
         qemu_io(&uri, &junk.iter().map(String::as_str).collect::<Vec<_>>());
         match tool {
             "qemu-img" => {

@@ -49,3 +49,37 @@ pub fn qemu_io(uri: &str, cmds: &[&str]) -> String {
 pub fn args(a: &[&str]) -> Vec<String> {
     a.iter().map(|s| s.to_string()).collect()
 }
+
+/// The holes of the sparse-upload tests, each longer than the maximum block size (32 MiB), so
+/// that an upload sends each as one WRITE_ZEROES or TRIM past it (issue 25).
+pub const UPLOAD_HOLES: [u64; 3] = [40 << 20, 128 << 20, 2048 << 20];
+
+/// `dir/src.raw`: 1 MiB of data before, between and after the [`UPLOAD_HOLES`]; its size.
+pub fn sparse_upload_source(dir: &Path) -> (std::path::PathBuf, u64) {
+    const MIB: u64 = 1 << 20;
+    let size = UPLOAD_HOLES.iter().sum::<u64>() + 4 * MIB;
+    let mut data = Vec::new();
+    let mut at = 0;
+    for hole in UPLOAD_HOLES {
+        data.push((at, MIB));
+        at += MIB + hole;
+    }
+    data.push((at, MIB));
+    let src = qpip_test_support::pattern::image_with(dir, "src.raw", size, &data);
+    (src, size)
+}
+
+/// qemu-io commands that write 1 MiB of 0x77 into the middle of each of the source's holes:
+/// data an upload must zero.
+pub fn junk_in_upload_holes() -> Vec<String> {
+    const MIB: u64 = 1 << 20;
+    let mut at = MIB;
+    UPLOAD_HOLES
+        .iter()
+        .map(|hole| {
+            let w = format!("write -P 0x77 {} 1M", at + hole / 2);
+            at += MIB + hole;
+            w
+        })
+        .collect()
+}
