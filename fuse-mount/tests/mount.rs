@@ -649,15 +649,7 @@ fn a_server_gone_for_good_fails_io_with_eio_after_the_reconnect_timeout() {
     // Nothing of the file was read yet: the read below must go to the server.
     let f = std::fs::File::open(mnt.join("g")).unwrap();
     drop(server);
-    let t = std::time::Instant::now();
-    let mut buf = vec![0u8; 4096];
-    let e = f.read_exact_at(&mut buf, 8 * MIB).unwrap_err();
-    assert_eq!(errno(&e), libc::EIO, "{e}");
-    assert!(
-        t.elapsed() < std::time::Duration::from_secs(20),
-        "EIO after {:?}",
-        t.elapsed()
-    );
+    read_fails_with_eio_within(&f, 20);
 }
 
 /// Unmounted after its server died (with the default 30 s reconnect timeout): the last flush
@@ -829,16 +821,8 @@ fn a_silent_server_fails_a_read_within_request_plus_reconnect_timeout() {
     ];
     let _m = mount(&uri, &mnt, "q", &opts);
     let f = std::fs::File::open(mnt.join("q")).unwrap();
-    let t = std::time::Instant::now();
-    let mut buf = vec![0u8; 4096];
-    let e = f.read_exact_at(&mut buf, 8 * MIB).unwrap_err();
-    assert_eq!(errno(&e), libc::EIO, "{e}");
     // 7 s and the client's 1 s polling; twice the request timeout would be 12 s and more.
-    assert!(
-        t.elapsed() < std::time::Duration::from_secs(10),
-        "EIO after {:?}",
-        t.elapsed()
-    );
+    read_fails_with_eio_within(&f, 10);
 }
 
 /// Issue 24 item 9: with the default timeouts (60 + 30 s) a read is stuck on a server that
@@ -1013,4 +997,17 @@ fn daemon_keeps_its_log_in_log_file() {
     ]);
     assert_eq!(status.code(), Some(1), "{err}");
     assert!(err.contains("/nonexistent/dir/log"), "{err}");
+}
+
+/// A 4 KiB read of `f` at 8 MiB fails with EIO within `secs` seconds.
+fn read_fails_with_eio_within(f: &std::fs::File, secs: u64) {
+    let t = std::time::Instant::now();
+    let mut buf = vec![0u8; 4096];
+    let e = f.read_exact_at(&mut buf, 8 * MIB).unwrap_err();
+    assert_eq!(errno(&e), libc::EIO, "{e}");
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(secs),
+        "EIO after {:?}",
+        t.elapsed()
+    );
 }

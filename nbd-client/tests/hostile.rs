@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use nbd_client::{Client, ClientOptions, Error};
 use nbd_proto::consts as c;
 use nbd_proto::flags::ReplyFlags;
-use nbd_proto::handshake::{Export, ServerConfig, ServerEvent, ServerHandshake};
+use nbd_proto::handshake::{Export, ServerConfig};
 use nbd_proto::reply::{ReplyTo, StructuredReplyHeader, none_chunk, offset_data_header};
 use nbd_proto::transmission::{Command, Request};
 
@@ -69,31 +69,14 @@ impl Hostile {
 
 /// One connection: an honest handshake, then `answer` for each READ, honest replies else.
 fn serve(mut s: TcpStream, size: u64, extended: bool, answer: &Answer) {
-    let mut hs = ServerHandshake::new(ServerConfig {
+    let config = ServerConfig {
         support_extended_headers: extended,
         ..ServerConfig::new(vec![Export::new("disk", size)])
-    });
-    let mut out = hs.greeting().to_vec();
-    let mut buf = vec![0u8; 64 << 10];
-    loop {
-        if s.write_all(&out).is_err() {
-            return;
-        }
-        out.clear();
-        let n = match s.read(&mut buf) {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        match hs.feed(&buf[..n], &mut out) {
-            Ok(ServerEvent::Continue) => {}
-            Ok(ServerEvent::Done(_)) => break,
-            _ => return,
-        }
-    }
-    if s.write_all(&out).is_err() {
+    };
+    let Some(mut pending) = qpip_test_support::fake::handshake(&mut s, config) else {
         return;
-    }
-    let mut pending = hs.take_leftover();
+    };
+    let mut buf = vec![0u8; 64 << 10];
     let header_len = Request::header_len(extended);
     loop {
         while pending.len() < header_len {

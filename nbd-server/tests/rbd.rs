@@ -125,6 +125,29 @@ struct TestImage<'a> {
     keep: bool,
 }
 
+/// Waits (up to a minute) until qemu-io's `cmds` on `uri` all pass: `what` serves again after
+/// the cluster came back.
+fn serves_again(uri: &str, cmds: &[&str], what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut c = Command::new("qemu-io");
+        c.args(["-f", "raw"]);
+        for cmd in cmds {
+            c.args(["-c", cmd]);
+        }
+        let out = run_with_timeout(c.arg(uri), Duration::from_secs(60));
+        if out.status.success() && !text(&out).contains("error") {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what} did not come back:\n{}",
+            text(&out)
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
 /// Stops a server as SIGTERM does, which closes its RBD images (and their watches).
 fn stop(mut srv: ServerProcess) {
     srv.signal(libc::SIGTERM);
@@ -484,30 +507,11 @@ fn rbd_cluster_gone_mid_run_fails_requests_with_eio_while_other_exports_serve() 
     drop(stopped);
 
     // Back: the export serves again.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let out = run_with_timeout(
-            Command::new("qemu-io").args([
-                "-f",
-                "raw",
-                "-c",
-                "read -P 0x77 0 1M",
-                "-c",
-                "read -P 0x66 8M 64k",
-                &srv.uri("disk"),
-            ]),
-            Duration::from_secs(60),
-        );
-        if out.status.success() && !text(&out).contains("error") {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the export did not come back:\n{}",
-            text(&out)
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    serves_again(
+        &srv.uri("disk"),
+        &["read -P 0x77 0 1M", "read -P 0x66 8M 64k"],
+        "the export",
+    );
     stop(srv);
 }
 
@@ -883,28 +887,11 @@ fn rbd_osd_killed_and_restarted_mid_write_loses_no_flushed_write() {
     drop(killed);
     writer.join().unwrap().expect("the writer's requests fail");
     // The quick server serves again, its flushed write there.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let out = run_with_timeout(
-            Command::new("qemu-io").args([
-                "-f",
-                "raw",
-                "-c",
-                "read -P 0x99 0 1M",
-                &quick.uri("quick"),
-            ]),
-            Duration::from_secs(60),
-        );
-        if out.status.success() && !text(&out).contains("error") {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the quick server did not come back:\n{}",
-            text(&out)
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    serves_again(
+        &quick.uri("quick"),
+        &["read -P 0x99 0 1M"],
+        "the quick server",
+    );
     stop(quick);
     assert_eq!(flushed.load(Ordering::SeqCst), N);
     srv.assert_alive("after the OSD came back");

@@ -2,8 +2,9 @@
 //! only what is its own: free ports and waiting for listeners ([`net`]), deterministic test
 //! data ([`pattern`]), finding peer programs under one CI rule ([`ci`]), building and
 //! locating the workspace's binaries with the run's features ([`bins`]), running peer
-//! commands with a time limit ([`process`]), and peer servers as child processes that die
-//! with their guard ([`servers`]).
+//! commands with a time limit ([`process`]), peer servers as child processes that die
+//! with their guard ([`servers`]), and the honest handshake of hand-made fake servers
+//! ([`fake`]).
 //!
 //! # The CI rule
 //!
@@ -15,6 +16,7 @@
 
 pub mod bins;
 pub mod ci;
+pub mod fake;
 pub mod net;
 pub mod pattern;
 pub mod process;

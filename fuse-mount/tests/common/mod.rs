@@ -254,8 +254,8 @@ impl Drop for Mounted {
 /// A fake NBD server that completes every handshake (export `name`, `size` bytes) and then
 /// reads requests and never answers one. Returns its URI; it lives as long as the test.
 pub fn silent_server(name: &str, size: u64) -> String {
-    use nbd_proto::handshake::{Export, ServerConfig, ServerEvent, ServerHandshake};
-    use std::io::{Read, Write};
+    use nbd_proto::handshake::{Export, ServerConfig};
+    use std::io::Read;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let export = name.to_string();
@@ -264,28 +264,11 @@ pub fn silent_server(name: &str, size: u64) -> String {
             let Ok(mut s) = s else { return };
             let export = export.clone();
             std::thread::spawn(move || {
-                let mut hs =
-                    ServerHandshake::new(ServerConfig::new(vec![Export::new(export, size)]));
-                let mut out = hs.greeting().to_vec();
-                let mut buf = vec![0u8; 64 << 10];
-                loop {
-                    if s.write_all(&out).is_err() {
-                        return;
-                    }
-                    out.clear();
-                    let n = match s.read(&mut buf) {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => n,
-                    };
-                    match hs.feed(&buf[..n], &mut out) {
-                        Ok(ServerEvent::Continue) => {}
-                        Ok(ServerEvent::Done(_)) => break,
-                        _ => return,
-                    }
-                }
-                if s.write_all(&out).is_err() {
+                let config = ServerConfig::new(vec![Export::new(export, size)]);
+                if qpip_test_support::fake::handshake(&mut s, config).is_none() {
                     return;
                 }
+                let mut buf = vec![0u8; 64 << 10];
                 // Requests are read (so that the client's sends complete) and never answered.
                 while matches!(s.read(&mut buf), Ok(n) if n > 0) {}
             });
