@@ -179,6 +179,10 @@ impl NicBackend for SoftBackend {
         self.queues.engine_threads()
     }
 
+    fn driven_cpu(&self) -> Duration {
+        self.queues.driven_cpu()
+    }
+
     fn shutdown(&self) {
         self.queues.shutdown();
     }

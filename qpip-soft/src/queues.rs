@@ -174,6 +174,10 @@ impl Queues {
             .collect()
     }
 
+    pub fn driven_cpu(&self) -> std::time::Duration {
+        self.threads().iter().map(NicThread::driven_cpu).sum()
+    }
+
     pub fn shutdown(&self) {
         for t in self.threads() {
             t.shutdown();

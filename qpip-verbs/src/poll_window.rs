@@ -35,6 +35,11 @@ impl PollWindow {
         self.window
     }
 
+    /// The longest it may grow to.
+    pub fn max(&self) -> Duration {
+        self.max
+    }
+
     /// Work came `idle` after the last work; `slept`: the thread slept in between.
     pub fn idle_ended(&mut self, idle: Duration, slept: bool) {
         if !slept {

@@ -41,6 +41,11 @@ pub(crate) struct Handover {
     drives: AtomicU64,
     /// When the last host drive ended (ns since `epoch`; [`NEVER`] before the first).
     last_exit: AtomicU64,
+    /// CPU time host threads spent driving (ns): the NIC's work done on them. Counted from
+    /// the first time someone asks ([`Handover::driven_cpu`]): a thread's CPU clock costs a
+    /// system call, two per drive.
+    driven_cpu_ns: AtomicU64,
+    accounting: AtomicBool,
     epoch: Instant,
 }
 
@@ -53,6 +58,8 @@ impl Default for Handover {
             parked_untimed: AtomicBool::new(false),
             drives: AtomicU64::new(0),
             last_exit: AtomicU64::new(NEVER),
+            driven_cpu_ns: AtomicU64::new(0),
+            accounting: AtomicBool::new(false),
             epoch: Instant::now(),
         }
     }
@@ -63,6 +70,12 @@ impl Handover {
     pub(crate) fn kick(&self) {
         self.park.fetch_add(1, Ordering::SeqCst);
         crate::futex::wake_all(&self.park);
+    }
+
+    /// CPU time host threads have spent running the queue since the first call.
+    pub(crate) fn driven_cpu(&self) -> Duration {
+        self.accounting.store(true, Ordering::Relaxed);
+        Duration::from_nanos(self.driven_cpu_ns.load(Ordering::Relaxed))
     }
 
     /// Time since the last host drive ended (None: there never was one).
@@ -193,6 +206,12 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
         };
         h.drives.fetch_add(1, Ordering::AcqRel);
         driving.fetch_add(1, Ordering::SeqCst);
+        let accounting = h.accounting.load(Ordering::Relaxed);
+        let cpu0 = if accounting {
+            thread_cpu()
+        } else {
+            Duration::ZERO
+        };
         let mut done = || ready() || stopped() || h.wanted.load(Ordering::Acquire);
         let finished = !stopped()
             && drive(
@@ -202,6 +221,11 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
                 &mut done,
                 deadline,
             );
+        if accounting {
+            let cpu = thread_cpu().saturating_sub(cpu0);
+            h.driven_cpu_ns
+                .fetch_add(cpu.as_nanos() as u64, Ordering::Relaxed);
+        }
         driving.fetch_sub(1, Ordering::SeqCst);
         drop(nic);
         let now = h.epoch.elapsed().as_nanos().min(u128::from(NEVER - 1)) as u64;
@@ -231,4 +255,16 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
     fn interrupt(&self) {
         self.shared.wake();
     }
+}
+
+/// The calling thread's CPU time (a system call: thread clocks have no vDSO path; one pair per
+/// drive, against the drive's own system calls).
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes only the timespec we pass.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
