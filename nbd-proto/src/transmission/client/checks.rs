@@ -127,6 +127,28 @@ impl Limits {
             Command::BlockStatus if len == 0 => {
                 return Err(Refused::Invalid("zero-length block status"));
             }
+            // The new size travels in the offset field: a multiple of the minimum block
+            // size, so that every block of the export stays addressable.
+            Command::Resize if !self.has(TransmissionFlags::SEND_RESIZE) => {
+                return Err(Refused::Unsupported("RESIZE"));
+            }
+            Command::Resize => {
+                let min = u64::from(self.block_size.min.max(1));
+                if !sub.offset.is_multiple_of(min) {
+                    return Err(Refused::Unaligned {
+                        offset: sub.offset,
+                        len: 0,
+                        min: self.block_size.min,
+                    });
+                }
+                return Ok(Request {
+                    flags: CmdFlags::empty(),
+                    command,
+                    cookie: 0,
+                    offset: sub.offset,
+                    length: 0,
+                });
+            }
             Command::Read
             | Command::Write
             | Command::Flush
