@@ -370,40 +370,6 @@ impl Session {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn auto_uses_the_ring_when_offered_and_says_why_not() {
-        let ok = Ok(());
-        assert_eq!(
-            decide(Transport::Auto, true, UringSwitch::On, &ok),
-            Ok((true, None))
-        );
-        let (uring, why) = decide(Transport::Auto, false, UringSwitch::Off, &ok).unwrap();
-        assert!(!uring);
-        assert!(why.unwrap().contains("enable_uring is N"));
-        let (_, why) = decide(Transport::Auto, false, UringSwitch::Missing, &ok).unwrap();
-        assert!(why.unwrap().contains("CONFIG_FUSE_IO_URING"));
-        let denied = Err("Operation not permitted".to_string());
-        let (uring, why) = decide(Transport::Auto, true, UringSwitch::On, &denied).unwrap();
-        assert!(!uring && why.unwrap().contains("not permitted"));
-        // dev: never the ring, nothing to explain.
-        assert_eq!(
-            decide(Transport::Dev, true, UringSwitch::On, &ok),
-            Ok((false, None))
-        );
-        // uring: an error instead of a fallback.
-        assert!(decide(Transport::Uring, false, UringSwitch::Off, &ok).is_err());
-        assert!(decide(Transport::Uring, true, UringSwitch::On, &denied).is_err());
-        assert_eq!(
-            decide(Transport::Uring, true, UringSwitch::On, &ok),
-            Ok((true, None))
-        );
-    }
-}
-
 /// How often the size watch looks at the export's size.
 const SIZE_WATCH: std::time::Duration = std::time::Duration::from_millis(200);
 /// How often it asks the server, where the export offers RESIZE (its size may change).
@@ -467,5 +433,39 @@ fn watch_size(
             tracing::warn!("the file will not follow the export's size: starting its thread: {e}");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_uses_the_ring_when_offered_and_says_why_not() {
+        let ok = Ok(());
+        assert_eq!(
+            decide(Transport::Auto, true, UringSwitch::On, &ok),
+            Ok((true, None))
+        );
+        let (uring, why) = decide(Transport::Auto, false, UringSwitch::Off, &ok).unwrap();
+        assert!(!uring);
+        assert!(why.unwrap().contains("enable_uring is N"));
+        let (_, why) = decide(Transport::Auto, false, UringSwitch::Missing, &ok).unwrap();
+        assert!(why.unwrap().contains("CONFIG_FUSE_IO_URING"));
+        let denied = Err("Operation not permitted".to_string());
+        let (uring, why) = decide(Transport::Auto, true, UringSwitch::On, &denied).unwrap();
+        assert!(!uring && why.unwrap().contains("not permitted"));
+        // dev: never the ring, nothing to explain.
+        assert_eq!(
+            decide(Transport::Dev, true, UringSwitch::On, &ok),
+            Ok((false, None))
+        );
+        // uring: an error instead of a fallback.
+        assert!(decide(Transport::Uring, false, UringSwitch::Off, &ok).is_err());
+        assert!(decide(Transport::Uring, true, UringSwitch::On, &denied).is_err());
+        assert_eq!(
+            decide(Transport::Uring, true, UringSwitch::On, &ok),
+            Ok((true, None))
+        );
     }
 }
