@@ -206,6 +206,37 @@ mod tests {
     }
 
     #[test]
+    fn resize_carries_the_new_size_where_offered() {
+        let l = limits(TransmissionFlags::SEND_RESIZE);
+        // Past the export's end: the new size is no range.
+        let req = l.check(&sub(Command::Resize, 4 << 20, 0)).unwrap();
+        assert_eq!(
+            (req.command, req.offset, req.length),
+            (Command::Resize, 4 << 20, 0)
+        );
+        assert_eq!(req.flags, CmdFlags::empty());
+        let mut info = TransmissionInfo::new(l.size, l.flags);
+        info.block_size = l.block_size;
+        assert_eq!(validate_request(&req, &info), Ok(()));
+        assert!(matches!(
+            l.check(&sub(Command::Resize, 1000, 0)),
+            Err(Refused::Unaligned { offset: 1000, .. })
+        ));
+        assert_eq!(
+            limits(TransmissionFlags::empty()).check(&sub(Command::Resize, 4 << 20, 0)),
+            Err(Refused::Unsupported("RESIZE"))
+        );
+        assert_eq!(
+            limits(TransmissionFlags::SEND_RESIZE | TransmissionFlags::READ_ONLY).check(&sub(
+                Command::Resize,
+                4 << 20,
+                0
+            )),
+            Err(Refused::ReadOnly)
+        );
+    }
+
+    #[test]
     fn refusals_say_why() {
         let l = limits(TransmissionFlags::SEND_FUA);
         assert_eq!(
