@@ -497,3 +497,20 @@ fn copy_progress(no_progress: bool, progress: bool) -> ProgressBar {
         pb
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_as_rbd_resize_takes_them() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("64M"), Ok(64 << 20));
+        assert_eq!(parse_size("2g"), Ok(2 << 30));
+        assert_eq!(parse_size("1TiB"), Ok(1 << 40));
+        assert_eq!(parse_size("8KB"), Ok(8 << 10));
+        for bad in ["", "M", "1.5G", "12Q", "-1", "99999999999T"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+    }
+}
