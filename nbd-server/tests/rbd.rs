@@ -1223,3 +1223,55 @@ fn rbd_mount_follows_a_grow_across_a_restart_and_drops_bytes_past_a_shrink() {
     drop(mount);
     stop(srv);
 }
+
+#[test]
+fn rbd_read_only_mount_takes_a_grow_when_it_reconnects() {
+    use std::os::unix::fs::FileExt;
+
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ceph) = Ceph::get() else { return };
+    if !require(&["fusermount3"]) || !root("a FUSE mount") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let file = mnt.join("disk");
+    let img = ceph.image("romount", 32 * MIB);
+    // Read-only: no RESIZE offered, so the mount does not ask; only a reconnect tells it.
+    let mut args = ceph.server_args(&[("disk", &img.name)]);
+    args.push("--read-only".into());
+    let srv = start_server_v4(&args);
+    let addr = srv.addr.to_string();
+    let mount = RbdMount::start(&srv.uri("disk"), &mnt, &dir.path().join("mount.log"));
+    mount.wait_for_size(&file, 32 * MIB, 30);
+    stop(srv);
+    peer_ok(ceph.rbd().args([
+        "resize",
+        "--no-progress",
+        "--size",
+        "48M",
+        &ceph.spec(&img.name),
+    ]));
+    let srv = start_server(&addr, &args);
+    // Nothing has asked yet: the size stays.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(std::fs::metadata(&file).unwrap().len(), 32 * MIB);
+    // A read the page cache does not hold goes to the server: the connection is found
+    // closed, made again, and told 48 MiB.
+    let mut b = vec![0u8; 4096];
+    std::fs::File::open(&file)
+        .unwrap()
+        .read_exact_at(&mut b, 8 * MIB)
+        .unwrap();
+    mount.wait_for_size(&file, 48 * MIB, 20);
+    assert!(
+        mount
+            .log()
+            .contains("size changed from 33554432 to 50331648 bytes while reconnecting"),
+        "{}",
+        mount.log()
+    );
+    drop(mount);
+    stop(srv);
+}
