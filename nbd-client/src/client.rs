@@ -133,6 +133,11 @@ pub enum Op<'a> {
         mr: &'a MemoryRegion,
         at: usize,
     },
+    /// NBD_CMD_RESIZE (experimental): the export becomes `size` bytes long. No other request
+    /// may be in flight meanwhile (see [`Client::resize`]).
+    Resize {
+        size: u64,
+    },
     /// A WRITE sent from registered memory without a copy: `len` bytes of `mr` from `at`,
     /// which must stay unchanged until the request is answered.
     WriteFrom {
@@ -293,6 +298,17 @@ impl Client {
     }
     pub fn can_block_status(&self) -> bool {
         self.session.mode().allocation_ctx.is_some()
+    }
+    /// The server offers NBD's experimental RESIZE ([`Client::resize`]).
+    pub fn can_resize(&self) -> bool {
+        self.has(TransmissionFlags::SEND_RESIZE)
+    }
+
+    /// The export's size changed (a RESIZE, or a reconnect that found another size): what
+    /// [`Self::size`] says and what requests are checked against from now on.
+    pub(crate) fn set_size(&mut self, size: u64) {
+        self.info.size = size;
+        self.session.set_size(size);
     }
 
     /// `[offset, offset + len)` is aligned and inside the export.

@@ -57,6 +57,7 @@ impl Client {
             Op::Trim { offset, len } => (Command::Trim, offset, len, false),
             Op::WriteZeroes { offset, len, fua } => (Command::WriteZeroes, offset, len, fua),
             Op::BlockStatus { offset, len } => (Command::BlockStatus, offset, len, false),
+            Op::Resize { size } => (Command::Resize, size, 0, false),
             Op::ReadInto {
                 offset,
                 len,

@@ -50,12 +50,12 @@ impl Client {
                 self.opts.connect_timeout.min(left),
             ) {
                 Ok((conn, ClientEvent::Connected(neg))) => {
+                    // The export was resized meanwhile (`rbd resize`, a server restarted on
+                    // a grown image): from now on the new size is the export's. Requests in
+                    // flight past a shrunk end are reissued and get the server's error.
                     if neg.export.size != self.info.size {
-                        last = format!(
-                            "export size changed from {} to {}",
-                            self.info.size, neg.export.size
-                        );
-                        break;
+                        tracing::warn!(uri = %self.uri, "the export's size changed from {} to {} bytes while reconnecting", self.info.size, neg.export.size);
+                        self.set_size(neg.export.size);
                     }
                     self.conn = Some(conn);
                     let mut ok = true;
