@@ -161,7 +161,11 @@ impl CompletionQueue {
             driver.begin_wait();
             let r = match self.drive(driver.as_ref(), out, deadline) {
                 Ok(Some(n)) => Ok(n),
-                Ok(None) => self.sleep(out, deadline),
+                // Another thread drives: wait for it as for a NIC thread.
+                Ok(None) => match self.spin_poll(out, spin) {
+                    Ok(0) if !self.shared.take_wake() => self.sleep(out, deadline),
+                    r => r,
+                },
                 Err(e) => Err(e),
             };
             driver.end_wait();
