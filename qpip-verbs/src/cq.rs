@@ -159,7 +159,7 @@ impl CompletionQueue {
                 return Ok(n);
             }
             driver.begin_wait();
-            let r = match self.drive(driver.as_ref(), out, deadline) {
+            let r = match self.drive(driver.as_ref(), out, spin, deadline) {
                 Ok(Some(n)) => Ok(n),
                 // Another thread drives: wait for it as for a NIC thread.
                 Ok(None) => match self.spin_poll(out, spin) {
@@ -185,11 +185,12 @@ impl CompletionQueue {
         &self,
         driver: &dyn QueueDriver,
         out: &mut [Completion],
+        spin: Duration,
         deadline: Option<Instant>,
     ) -> Result<Option<usize>, CqError> {
         let shared = &*self.shared;
         loop {
-            let driven = driver.drive(&shared.driving, &|| shared.has_news(), deadline);
+            let driven = driver.drive(&shared.driving, &|| shared.has_news(), spin, deadline);
             match driven {
                 Driven::Busy => return Ok(None),
                 Driven::Ready | Driven::TimedOut => {

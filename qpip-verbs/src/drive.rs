@@ -10,7 +10,7 @@
 //! driven sleeps on its CQ as before, and the driver's completions wake it.
 
 use std::sync::atomic::AtomicU32;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// How a drive ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,11 +32,14 @@ pub trait QueueDriver: Send + Sync {
     fn end_wait(&self);
     /// Runs the queue's work on the calling thread (between `begin_wait` and `end_wait`)
     /// until `ready()` holds or `deadline` passes, counted in `driving` while it does;
-    /// returns [`Driven::Busy`] when another thread drives it, or asks for it.
+    /// polls after its last work for a window learned from arrivals, at most `spin`, then
+    /// sleeps until the queue's sockets wake it. Returns [`Driven::Busy`] when another
+    /// thread drives it, or asks for it.
     fn drive(
         &self,
         driving: &AtomicU32,
         ready: &dyn Fn() -> bool,
+        spin: Duration,
         deadline: Option<Instant>,
     ) -> Driven;
     /// Makes a drive that is blocked waiting for the queue's sockets look at `ready` again

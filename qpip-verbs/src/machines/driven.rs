@@ -94,14 +94,15 @@ impl Handover {
 /// A queue whose processor the NIC thread and host threads take turns to run.
 pub(crate) struct DrivenQueue<P> {
     shared: Arc<Shared>,
-    engine: Mutex<P>,
+    /// The processor, and what host threads driving it learned of arrivals.
+    engine: Mutex<(P, Turns)>,
 }
 
 impl<P: Processor + Send> DrivenQueue<P> {
     pub(crate) fn new(shared: Arc<Shared>, nic: P) -> Self {
         DrivenQueue {
             shared,
-            engine: Mutex::new(nic),
+            engine: Mutex::new((nic, Turns::host())),
         }
     }
 
@@ -110,24 +111,24 @@ impl<P: Processor + Send> DrivenQueue<P> {
         let (shared, handover) = (&*self.shared, &self.shared.handover);
         let mut turns = Turns::new(spin);
         while self.park() {
-            let Some(mut nic) = self.engine.try_lock() else {
+            let Some(mut engine) = self.engine.try_lock() else {
                 continue; // a host thread took it first
             };
             let mut let_go =
                 || shared.stop.load(Ordering::Acquire) || handover.wanted.load(Ordering::Acquire);
             if !let_go() {
-                drive(shared, &mut *nic, &mut turns, &mut let_go, None);
+                drive(shared, &mut engine.0, &mut turns, &mut let_go, None);
             }
             // Straight to the host thread that asked, if it waits already; `wanted` stays
             // set until it has the processor, so this thread does not drive again before.
-            parking_lot::MutexGuard::unlock_fair(nic);
+            parking_lot::MutexGuard::unlock_fair(engine);
             if handover.wanted.load(Ordering::Acquire) {
                 std::thread::yield_now();
             }
         }
         // Last commands (QPs destroyed as the NIC's handles went) still run, so peers are told.
-        let mut nic = self.engine.lock();
-        run_commands(shared, &mut *nic);
+        let (nic, _) = &mut *self.engine.lock();
+        run_commands(shared, nic);
         nic.stop();
     }
 
@@ -174,6 +175,7 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
         &self,
         driving: &AtomicU32,
         ready: &dyn Fn() -> bool,
+        spin: Duration,
         deadline: Option<Instant>,
     ) -> Driven {
         let (shared, h) = (&*self.shared, &self.shared.handover);
@@ -201,9 +203,11 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
             }
             None => None,
         };
-        let Some(mut nic) = nic else {
+        let Some(mut engine) = nic else {
             return Driven::Busy;
         };
+        let (nic, turns) = &mut *engine;
+        turns.set_max(spin);
         h.drives.fetch_add(1, Ordering::AcqRel);
         driving.fetch_add(1, Ordering::SeqCst);
         let accounting = h.accounting.load(Ordering::Relaxed);
@@ -213,21 +217,14 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
             Duration::ZERO
         };
         let mut done = || ready() || stopped() || h.wanted.load(Ordering::Acquire);
-        let finished = !stopped()
-            && drive(
-                shared,
-                &mut *nic,
-                &mut Turns::new(Duration::ZERO),
-                &mut done,
-                deadline,
-            );
+        let finished = !stopped() && drive(shared, nic, turns, &mut done, deadline);
         if accounting {
             let cpu = thread_cpu().saturating_sub(cpu0);
             h.driven_cpu_ns
                 .fetch_add(cpu.as_nanos() as u64, Ordering::Relaxed);
         }
         driving.fetch_sub(1, Ordering::SeqCst);
-        drop(nic);
+        drop(engine);
         let now = h.epoch.elapsed().as_nanos().min(u128::from(NEVER - 1)) as u64;
         h.last_exit.store(now, Ordering::Release);
         // Pairs with the parked NIC thread's store-then-look.

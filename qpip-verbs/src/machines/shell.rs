@@ -319,6 +319,8 @@ pub(super) struct Turns {
     window: PollWindow,
     last_work: Instant,
     slept: bool,
+    /// Run by application threads (which keep their core while polling).
+    host: bool,
 }
 
 impl Turns {
@@ -328,7 +330,21 @@ impl Turns {
             window: PollWindow::new(spin),
             last_work: Instant::now(),
             slept: false,
+            host: false,
         }
+    }
+
+    /// The turns of application threads driving a queue.
+    pub(super) fn host() -> Self {
+        Turns {
+            host: true,
+            ..Turns::new(Duration::ZERO)
+        }
+    }
+
+    /// Changes the longest poll window (a host thread's wait brings its own).
+    pub(super) fn set_max(&mut self, spin: Duration) {
+        self.window.set_max(spin);
     }
 
     fn worked(&mut self, slept: bool) {
@@ -366,8 +382,14 @@ pub(super) fn drive<P: Processor>(
             continue;
         }
         if !turns.slept && turns.last_work.elapsed() < turns.window.get() {
-            // Polling: let the application threads have the core (two-core machines).
-            std::thread::yield_now();
+            if turns.host {
+                // An application thread keeps its core while it polls: a yield would hand
+                // a busy core's slice to another thread, far longer than the window.
+                std::hint::spin_loop();
+            } else {
+                // The NIC thread lets the application threads have the core (two cores).
+                std::thread::yield_now();
+            }
             continue;
         }
         let timeout = match deadline {
