@@ -33,6 +33,8 @@ pub(crate) struct Handover {
     waiters: AtomicU32,
     /// A waiting host thread asks the NIC thread to let go of the processor.
     wanted: AtomicBool,
+    /// A driver left with sends still under way: the NIC thread carries on at once.
+    resume: AtomicBool,
     /// The futex word the parked NIC thread sleeps on.
     park: AtomicU32,
     /// The NIC thread sleeps without a timer behind a long drive: its end must wake it.
@@ -54,6 +56,7 @@ impl Default for Handover {
         Handover {
             waiters: AtomicU32::new(0),
             wanted: AtomicBool::new(false),
+            resume: AtomicBool::new(false),
             park: AtomicU32::new(0),
             parked_untimed: AtomicBool::new(false),
             drives: AtomicU64::new(0),
@@ -159,7 +162,10 @@ impl<P: Processor + Send> DrivenQueue<P> {
                 h.parked_untimed.store(false, Ordering::Relaxed);
                 continue;
             }
-            if h.waiters.load(Ordering::SeqCst) > 0 || shared.has_work() {
+            if h.resume.swap(false, Ordering::AcqRel)
+                || h.waiters.load(Ordering::SeqCst) > 0
+                || shared.has_work()
+            {
                 return true;
             }
             match h.since_last_drive() {
@@ -224,13 +230,17 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
                 .fetch_add(cpu.as_nanos() as u64, Ordering::Relaxed);
         }
         driving.fetch_sub(1, Ordering::SeqCst);
+        let sending = nic.sending();
         drop(engine);
+        if sending {
+            h.resume.store(true, Ordering::Release);
+        }
         let now = h.epoch.elapsed().as_nanos().min(u128::from(NEVER - 1)) as u64;
         h.last_exit.store(now, Ordering::Release);
         // Pairs with the parked NIC thread's store-then-look.
         fence(Ordering::SeqCst);
         let others = h.waiters.load(Ordering::SeqCst) > 1;
-        if others || shared.has_work() || h.parked_untimed.load(Ordering::SeqCst) {
+        if sending || others || shared.has_work() || h.parked_untimed.load(Ordering::SeqCst) {
             h.kick();
         }
         match (finished, ready()) {
