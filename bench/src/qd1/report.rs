@@ -77,7 +77,7 @@ fn header(p: &Params) -> String {
         p.repeat
     );
     s += &format!(
-        "{:<10} {:<9} {:>19} {:>15} {:>17} | {:>6} {:>6} {:>6} {:>6} {:>6} | {:>8}\n",
+        "{:<10} {:<9} {:>19} {:>15} {:>17} | {:>6} {:>6} {:>6} {:>6} {:>6} | {:>9}\n",
         "stack",
         "",
         "IOPS",
@@ -116,7 +116,7 @@ pub fn table(r: &Qd1Report) -> String {
                     .map_or(f64::NAN, |x| x.median)
             };
             s += &format!(
-                "{:<10} {:<9} {:>19} {:>15} {:>17} | {:>6.0} {:>6.0} {:>6.0} {:>6.0} {:>6.0} | {:>8.0}\n",
+                "{:<10} {:<9} {:>19} {:>15} {:>17} | {:>6.0} {:>6.0} {:>6.0} {:>6.0} {:>6.0} | {:>9.0}\n",
                 stack.name(),
                 rw,
                 iops.cell(0),
@@ -171,7 +171,7 @@ fn targets_text(r: &Qd1Report) -> String {
     let mut s = "\ntargets (issue 29):\n".to_string();
     for t in &r.targets {
         s += &format!(
-            "  {:<40} {:>5.2}x  {}\n",
+            "  {:<42} {:>5.2}x  {}\n",
             t.rule,
             t.value,
             if t.met { "met" } else { "MISSED" }

@@ -166,3 +166,25 @@ impl Drop for Image {
         let _ = std::fs::remove_file(&self.path);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_images_have_their_size_and_no_repeated_blocks() {
+        let dir = WorkDir::fresh_in(Some(&std::env::temp_dir()), "workdir-test").unwrap();
+        let path = dir.path.join("r.img");
+        let size = (3 << 20) + 4096;
+        let img = Image::random(path.clone(), size, 7).unwrap();
+        let data = std::fs::read(&path).unwrap();
+        assert_eq!(data.len() as u64, size);
+        let blocks: std::collections::HashSet<&[u8]> = data.chunks(4096).collect();
+        assert_eq!(blocks.len(), data.len() / 4096);
+        drop(img);
+        assert!(!path.exists());
+        let root = dir.path.clone();
+        drop(dir);
+        assert!(!root.exists() && std::env::temp_dir().is_dir());
+    }
+}
