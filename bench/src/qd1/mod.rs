@@ -234,6 +234,8 @@ fn record(s: &mut Samples, dir: RandDir, x: &Pass) {
     s.push(&format!("{rw}_iops"), x.fio.iops);
     s.push(&format!("{rw}_p50_us"), x.fio.clat_p50_us);
     s.push(&format!("{rw}_p99_us"), x.fio.clat_p99_us);
+    s.push(&format!("{rw}_p99_9_us"), x.fio.clat_p99_9_us);
+    s.push(&format!("{rw}_max_us"), x.fio.clat_max_us);
     s.push(&format!("{rw}_ios"), x.fio.ios);
     s.push(&format!("{rw}_runtime_s"), x.fio.runtime_s);
     let per_10k = |cpu_s: f64| cpu_s * 1e3 * 1e4 / x.fio.ios;

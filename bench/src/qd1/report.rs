@@ -157,11 +157,33 @@ pub fn table(r: &Qd1Report) -> String {
         );
     }
     s += &targets_text(r);
+    if stalled(r) {
+        s += "note: in some runs the IOPS were under half of 1/p50: a few requests stalled far \
+              beyond p99 (max latencies: --json)\n";
+    }
     if wide {
         s += "note: some IOPS spreads exceed 15%: the machine was noisy; consider a larger \
               --repeat\n";
     }
     s
+}
+
+/// Some run's mean latency (1/IOPS) was more than twice its median: its IOPS tell of rare
+/// stalls more than of the typical request.
+fn stalled(r: &Qd1Report) -> bool {
+    r.stacks.values().any(|f| {
+        RandDir::BOTH.iter().any(|d| {
+            let rw = d.rw();
+            match (f.get(&format!("{rw}_iops")), f.get(&format!("{rw}_p50_us"))) {
+                (Some(iops), Some(p50)) => iops
+                    .samples
+                    .iter()
+                    .zip(&p50.samples)
+                    .any(|(i, p)| i * p / 1e6 < 0.5),
+                _ => false,
+            }
+        })
+    })
 }
 
 fn targets_text(r: &Qd1Report) -> String {

@@ -147,6 +147,9 @@ pub struct LatencyReport {
     /// Completion latency percentiles, in microseconds.
     pub clat_p50_us: f64,
     pub clat_p99_us: f64,
+    pub clat_p99_9_us: f64,
+    /// The slowest request: stalls beyond the 99th percentile show here (and in the IOPS).
+    pub clat_max_us: f64,
     pub runtime_s: f64,
     /// fio's own CPU (usr + sys) over its runtime, in seconds.
     pub cpu_s: f64,
@@ -222,6 +225,8 @@ fn parse_latency(stdout: &str, dir: RandDir) -> Result<LatencyReport> {
         iops: num(&job, &[d, "iops"])?,
         clat_p50_us: pct("50.000000")?,
         clat_p99_us: pct("99.000000")?,
+        clat_p99_9_us: pct("99.900000")?,
+        clat_max_us: num(&job, &[d, "clat_ns", "max"])? / 1e3,
         runtime_s,
         cpu_s: (num(&job, &["usr_cpu"])? + num(&job, &["sys_cpu"])?) / 100.0 * runtime_s,
     })
@@ -280,12 +285,15 @@ mod tests {
         let out = r#"{"jobs":[{"error":0,"job_runtime":8000,"usr_cpu":5.0,"sys_cpu":20.0,
  "read":{"total_ios":0,"iops":0},
  "write":{"total_ios":80000,"iops":10000.5,
-  "clat_ns":{"percentile":{"50.000000":85000,"99.000000":250000}}}}]}"#;
+  "clat_ns":{"max":9000000,
+   "percentile":{"50.000000":85000,"99.000000":250000,"99.900000":900000}}}}]}"#;
         let r = parse_latency(out, RandDir::Write).unwrap();
         assert_eq!(r.ios, 80000.0);
         assert_eq!(r.iops, 10000.5);
         assert_eq!(r.clat_p50_us, 85.0);
         assert_eq!(r.clat_p99_us, 250.0);
+        assert_eq!(r.clat_p99_9_us, 900.0);
+        assert_eq!(r.clat_max_us, 9000.0);
         assert!((r.cpu_s - 2.0).abs() < 1e-9);
         let e = parse_latency(out, RandDir::Read).unwrap_err();
         assert!(e.to_string().contains("no randread completed"), "{e}");
