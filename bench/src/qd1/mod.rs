@@ -18,6 +18,7 @@
 //! their soft NIC engine threads (named "qpip-soft-nic", in /proc/PID/task), and fio's own.
 
 mod report;
+mod stops;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -194,6 +195,8 @@ struct Pass {
     client: f64,
     client_nic: f64,
     machine: f64,
+    /// How long the server or the client was seen stopped (SIGSTOP from outside).
+    stopped_s: f64,
 }
 
 fn pass(
@@ -215,7 +218,10 @@ fn pass(
         own_group: true,
     };
     let a = Counters::read(server, client, client_name)?;
-    let fio = fio::run_file(&job, &format!("{} through {client_name}", dir.rw()))?;
+    let (fio, stopped) = stops::watching(&[server.pid(), client.pid()], || {
+        fio::run_file(&job, &format!("{} through {client_name}", dir.rw()))
+    });
+    let fio = fio?;
     let b = Counters::read(server, client, client_name)?;
     let d = |x: Duration, y: Duration| x.saturating_sub(y).as_secs_f64();
     Ok(Pass {
@@ -225,6 +231,7 @@ fn pass(
         client: d(b.client, a.client),
         client_nic: d(b.client_nic, a.client_nic),
         machine: d(b.machine, a.machine),
+        stopped_s: stopped.as_secs_f64(),
     })
 }
 
@@ -238,6 +245,7 @@ fn record(s: &mut Samples, dir: RandDir, x: &Pass) {
     s.push(&format!("{rw}_max_us"), x.fio.clat_max_us);
     s.push(&format!("{rw}_ios"), x.fio.ios);
     s.push(&format!("{rw}_runtime_s"), x.fio.runtime_s);
+    s.push(&format!("{rw}_stopped_s"), x.stopped_s);
     let per_10k = |cpu_s: f64| cpu_s * 1e3 * 1e4 / x.fio.ios;
     for (k, v) in [
         ("server", x.server),

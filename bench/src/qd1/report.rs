@@ -157,6 +157,22 @@ pub fn table(r: &Qd1Report) -> String {
         );
     }
     s += &targets_text(r);
+    for (stack, f) in &r.stacks {
+        for d in RandDir::BOTH {
+            let Some(st) = f.get(&format!("{}_stopped_s", d.rw())) else {
+                continue;
+            };
+            let total: f64 = st.samples.iter().sum();
+            if total > 0.0 {
+                s += &format!(
+                    "note: {stack}'s server or client was stopped (state T: a signal from outside \
+                     the benchmark) for {total:.1} s during its {} runs; their IOPS and max \
+                     latencies say so, not the stack\n",
+                    d.rw()
+                );
+            }
+        }
+    }
     if stalled(r) {
         s += "note: in some runs the IOPS were under half of 1/p50: a few requests stalled far \
               beyond p99 (max latencies: --json)\n";
