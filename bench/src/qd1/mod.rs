@@ -16,6 +16,11 @@
 //! randread then randwrite, each `--runtime` long, then both stopped. Around each fio run:
 //! the CPU of the server process and of the FUSE client process (from /proc/PID/stat), of
 //! their soft NIC engine threads (named "qpip-soft-nic", in /proc/PID/task), and fio's own.
+//!
+//! On a shared machine another tool may pause processes (SIGSTOP) for a while; a request in
+//! flight then takes as long as the pause. A run during which the server or the client was
+//! seen stopped, or qpip-bench itself was (its watcher's 50 ms sleeps overran), is run again,
+//! at most twice; the report says how long the kept runs were stopped.
 
 mod report;
 mod stops;
@@ -40,6 +45,9 @@ pub use report::{Qd1Report, table};
 
 /// Request size.
 const BS: u64 = 4096;
+/// Runs of one direction per round at most: one during which the stack was stopped from
+/// outside (stops::watching) is run again.
+const TRIES: u32 = 3;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stack {
@@ -305,8 +313,21 @@ fn round(
     ));
     let mut passes = Vec::new();
     for d in RandDir::BOTH {
-        stop.check()?;
-        let x = pass(stack, d, &client.device, p, (&server, &client))?;
+        let mut tries = 1;
+        let x = loop {
+            stop.check()?;
+            let x = pass(stack, d, &client.device, p, (&server, &client))?;
+            if x.stopped_s == 0.0 || tries == TRIES {
+                break x;
+            }
+            progress.line(&format!(
+                "round {} {name} {}: stopped from outside for {:.1} s; running it again",
+                n + 1,
+                d.rw(),
+                x.stopped_s
+            ));
+            tries += 1;
+        };
         progress.line(&format!(
             "round {} {name} {}: {:.0} IOPS, p50 {:.0} µs, p99 {:.0} µs",
             n + 1,

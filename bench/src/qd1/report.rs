@@ -165,9 +165,9 @@ pub fn table(r: &Qd1Report) -> String {
             let total: f64 = st.samples.iter().sum();
             if total > 0.0 {
                 s += &format!(
-                    "note: {stack}'s server or client was stopped (state T: a signal from outside \
-                     the benchmark) for {total:.1} s during its {} runs; their IOPS and max \
-                     latencies say so, not the stack\n",
+                    "note: {stack} was stopped from outside the benchmark (SIGSTOP) for \
+                     {total:.1} s during its kept {} runs (each such run is tried again twice): \
+                     their IOPS and max latencies say so, not the stack\n",
                     d.rw()
                 );
             }

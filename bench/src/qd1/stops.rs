@@ -14,8 +14,12 @@ fn state(pid: u32) -> Option<char> {
     stat[stat.rfind(')')? + 1..].trim_start().chars().next()
 }
 
+/// A 50 ms sleep that took this much longer means we were stopped ourselves (a tool that
+/// pauses the benchmark pauses it whole, this watcher included).
+const OVERRUN: Duration = Duration::from_millis(500);
+
 /// Runs `run`, meanwhile sampling `pids` every 50 ms; returns its result and about how long
-/// any of them was seen stopped.
+/// any of them, or this process, was stopped.
 pub fn watching<R>(pids: &[u32], run: impl FnOnce() -> R) -> (R, Duration) {
     let done = AtomicBool::new(false);
     std::thread::scope(|s| {
@@ -25,7 +29,11 @@ pub fn watching<R>(pids: &[u32], run: impl FnOnce() -> R) -> (R, Duration) {
                 if pids.iter().any(|&p| matches!(state(p), Some('T' | 't'))) {
                     stopped += TICK;
                 }
+                let t = std::time::Instant::now();
                 std::thread::sleep(TICK);
+                if t.elapsed() > TICK + OVERRUN {
+                    stopped += t.elapsed();
+                }
             }
             stopped
         });
