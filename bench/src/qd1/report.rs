@@ -174,8 +174,8 @@ pub fn table(r: &Qd1Report) -> String {
         }
     }
     if stalled(r) {
-        s += "note: in some runs the IOPS were under half of 1/p50: a few requests stalled far \
-              beyond p99 (max latencies: --json)\n";
+        s += "note: in some runs the mean latency (1/IOPS) was over twice the p50: latencies \
+              in two modes, or rare stalls far beyond p99 (p99.9 and max: --json)\n";
     }
     if wide {
         s += "note: some IOPS spreads exceed 15%: the machine was noisy; consider a larger \
@@ -184,8 +184,8 @@ pub fn table(r: &Qd1Report) -> String {
     s
 }
 
-/// Some run's mean latency (1/IOPS) was more than twice its median: its IOPS tell of rare
-/// stalls more than of the typical request.
+/// Some run's mean latency (1/IOPS) was more than twice its median: its IOPS tell of a slow
+/// mode or rare stalls more than of the typical request.
 fn stalled(r: &Qd1Report) -> bool {
     r.stacks.values().any(|f| {
         RandDir::BOTH.iter().any(|d| {
