@@ -53,6 +53,17 @@ fn soft_queues(queues: usize) -> Net {
 
 /// The soft NIC whose engine threads alone run its queues (no run to completion; io_uring
 /// where the kernel allows it).
+/// The soft NIC with `queues` queues that waiting threads run themselves, whatever the
+/// environment says (`QPIP_SOFT_RTC=0` runs of the suite).
+fn soft_run_to_completion(queues: usize) -> Net {
+    let cfg = SoftConfig {
+        queues,
+        run_to_completion: true,
+        ..SoftConfig::default()
+    };
+    soft_with(Nic::open(NicChoice::Soft(cfg)).unwrap())
+}
+
 fn soft_engine_threads() -> Net {
     let cfg = SoftConfig {
         run_to_completion: false,
@@ -659,17 +670,26 @@ fn async_verbs_under_tokio(net: Net) {
 }
 
 /// The soft engine reports which kernel path it drives, from the moment the NIC is open;
-/// io_uring is the default where the kernel allows it, and `QPIP_SOFT_IO=epoll` forces the
-/// fallback (CI runs the suite both ways).
+/// Run to completion (the default) moves data with epoll; engine threads alone use io_uring
+/// where the kernel allows it, and `QPIP_SOFT_IO=epoll` forces the fallback (CI runs the
+/// suite both ways: `QPIP_SOFT_RTC=0` too).
 #[test]
 fn soft_io_path_is_reported() {
+    let rtc = std::env::var("QPIP_SOFT_RTC").as_deref() != Ok("0");
     let nic = Nic::soft().unwrap();
-    let want = match std::env::var("QPIP_SOFT_IO").as_deref() {
+    let want = if rtc { "epoll" } else { engine_io_path(&nic) };
+    assert_eq!(nic.io_path(), want);
+    let engines = soft_engine_threads().server;
+    assert_eq!(engines.io_path(), engine_io_path(&engines));
+}
+
+/// What an engine-threads-only soft NIC should report.
+fn engine_io_path(nic: &Nic) -> &'static str {
+    match std::env::var("QPIP_SOFT_IO").as_deref() {
         Ok("epoll") => "epoll",
         _ if qpip_test_support::ci::in_ci() => "io_uring", // CI machines allow io_uring
         _ => nic.io_path(),
-    };
-    assert_eq!(nic.io_path(), want);
+    }
 }
 
 /// One listener, four connections: the QPs that accept them are spread over the NIC's queues
@@ -731,7 +751,7 @@ fn connections_accepted_by_one_listener_land_on_different_queues() {
 /// drive all of them.
 #[test]
 fn qps_sharing_a_cq_share_its_queue() {
-    let nic = soft_queues(3).server;
+    let nic = soft_run_to_completion(3).server;
     let cq = nic.create_cq(64);
     let other = nic.create_cq(64);
     let qps: Vec<_> = (0..4)
@@ -814,7 +834,7 @@ fn who_frames(
 /// (the queue's engine thread does nothing for it).
 #[test]
 fn a_waiting_thread_runs_its_queue_itself() {
-    let (waiter, framed) = who_frames(soft_queues(1).server, true);
+    let (waiter, framed) = who_frames(soft_run_to_completion(1).server, true);
     assert!(!framed.is_empty());
     assert!(
         framed.iter().all(|t| *t == waiter),
