@@ -13,6 +13,7 @@ use qpip_core::MemoryRegion;
 use crate::abi::{self, bytes_of, fuse_attr, fuse_in_header};
 use crate::export::Export;
 use crate::proto::Op;
+use nbd_client::MrSlice;
 use std::sync::Arc;
 
 /// Attributes never change while mounted (the export's size is fixed), so the kernel may keep
@@ -266,7 +267,11 @@ impl NbdFs {
         if len == 0 {
             return Outcome::Reply(0);
         }
-        match self.export.read_into(offset, len, buf.mr, buf.out) {
+        // The one check of the buffer range: the client carries the slice down.
+        let Ok(into) = MrSlice::new(buf.mr, buf.out, len as usize) else {
+            return Outcome::Error(libc::EINVAL);
+        };
+        match self.export.read_into(offset, into) {
             Ok(()) => Outcome::Reply(len as usize),
             Err(e) => Outcome::Error(e),
         }
@@ -292,10 +297,10 @@ impl NbdFs {
                 Outcome::Error(libc::ENOSPC)
             };
         }
-        match self
-            .export
-            .write_from(offset, buf.mr, buf.input + data, len as usize)
-        {
+        let Ok(from) = MrSlice::new(buf.mr, buf.input + data, len as usize) else {
+            return Outcome::Error(libc::EINVAL);
+        };
+        match self.export.write_from(offset, from) {
             Ok(()) => buf.put(bytes_of(&abi::fuse_write_out {
                 size: len as u32,
                 padding: 0,

@@ -34,11 +34,12 @@ use std::time::Duration;
 
 use nbd_proto::flags::TransmissionFlags;
 use nbd_proto::handshake::{BlockSize, ExportDetails};
-use nbd_proto::transmission::client::{ClientSession, Liveness, ReadTarget};
+use nbd_proto::transmission::client::{ClientSession, Liveness};
 use qpip_core::{MemoryRegion, Nic};
 
 use crate::conn::Conn;
 use crate::error::{Error, Result};
+use crate::region::{MrSlice, Region};
 use crate::uri::NbdUri;
 
 pub use nbd_proto::transmission::client::{Extent, Output};
@@ -125,21 +126,17 @@ pub enum Op<'a> {
         offset: u64,
         len: u32,
     },
-    /// A READ whose data goes to registered memory: `mr` from `at` (its reply is
-    /// [`Output::Done`]).
+    /// A READ of `into.len()` bytes whose data go to registered memory, `into` (its reply
+    /// is [`Output::Done`]).
     ReadInto {
         offset: u64,
-        len: u32,
-        mr: &'a MemoryRegion,
-        at: usize,
+        into: MrSlice<'a>,
     },
-    /// A WRITE sent from registered memory without a copy: `len` bytes of `mr` from `at`,
+    /// A WRITE of `from.len()` bytes sent from registered memory without a copy: `from`,
     /// which must stay unchanged until the request is answered.
     WriteFrom {
         offset: u64,
-        len: u32,
-        mr: &'a MemoryRegion,
-        at: usize,
+        from: MrSlice<'a>,
         fua: bool,
     },
 }
@@ -158,19 +155,6 @@ pub(crate) enum Failure {
     Lost(String),
     /// The server broke the protocol.
     Violation(String),
-}
-
-/// The caller's registered memory a request reads into or writes from: `mr` from `at`.
-#[derive(Debug)]
-pub(crate) struct Region {
-    pub mr: MemoryRegion,
-    pub at: usize,
-}
-
-impl ReadTarget for Region {
-    fn write_at(&self, at: usize, bytes: &[u8]) {
-        self.mr.write_at(self.at + at, bytes);
-    }
 }
 
 /// An NBD client on one QP connection.

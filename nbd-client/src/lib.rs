@@ -12,9 +12,10 @@
 //! ```
 //!
 //! Every request travels as a send WR from registered memory; every reply lands, header and
-//! data, in one registered receive WR, delimited by [`framer::ClientFramer`] (nbd-proto's
-//! `client_need`) — except the data of a READ into registered memory, which the NIC places
-//! straight into the caller's buffer (nbd-proto's `client_data_at`). Requests are pipelined
+//! data, in one registered receive WR, delimited by the QP's framer, which asks nbd-proto's
+//! placement (`InFlight::frame`, over the session's own table of requests in flight) —
+//! except the data of a READ into registered memory, which the NIC places straight into the
+//! caller's buffer where that placement says. Requests are pipelined
 //! (a window of up to 64), split at the server's maximum block size, and reissued on a new
 //! connection when the old one is lost.
 //!
@@ -28,11 +29,12 @@ mod blocking;
 pub mod client;
 mod conn;
 pub mod error;
-pub mod framer;
+mod framer;
 mod options;
 mod pipeline;
 pub mod pool;
 mod recovery;
+pub mod region;
 pub mod uri;
 
 pub use client::{Client, ClientOptions, ExportInfo, Extent, Op, Output, Reply};
@@ -41,4 +43,5 @@ pub use error::{Error, Result};
 pub use nbd_proto::handshake::ExportListing;
 pub use pool::{Caps, Pool};
 pub use qpip_core::Nic;
+pub use region::MrSlice;
 pub use uri::{DEFAULT_PORT, NbdUri, TlsParams, UriError};

@@ -14,6 +14,7 @@ use qpip_core::{Access, Nic};
 use crate::client::{Client, ClientOptions, ExportInfo};
 use crate::conn::{Conn, MAX_IO, MAX_WINDOW};
 use crate::error::{Error, Result};
+use crate::framer::Reads;
 use crate::uri::NbdUri;
 
 /// The largest export the client accepts: offsets are `off_t` (signed 64-bit) in every file
@@ -40,9 +41,11 @@ impl Client {
             Some(n) => n.clone(),
             None => Nic::soft()?,
         };
+        let reads = Reads::new();
         let (conn, ev) = Conn::open(
             &nic,
             &uri,
+            &reads,
             ClientHandshake::connect(Self::config(&uri, &opts)),
             opts.connect_timeout,
         )?;
@@ -73,7 +76,7 @@ impl Client {
         let send_mr = nic.alloc_region(opts.window * slot_len, Access::READ);
         tracing::debug!(%uri, ?info, structured = neg.structured_replies, extended = neg.extended_headers, "connected");
         Ok(Client {
-            session: ClientSession::new(&neg, max_io, opts.window),
+            session: ClientSession::with_table(&neg, max_io, opts.window, reads),
             liveness: Liveness::new(Instant::now(), opts.request_timeout, opts.reconnect_timeout),
             uri,
             nic,
@@ -111,7 +114,7 @@ impl Client {
             None => Nic::soft()?,
         };
         let hs = ClientHandshake::info(Self::config(&parsed, opts));
-        match Conn::open(&nic, &parsed, hs, opts.connect_timeout) {
+        match Conn::open(&nic, &parsed, &Reads::new(), hs, opts.connect_timeout) {
             Ok((_, ClientEvent::Info(d))) => Ok(*d),
             Ok(_) => Err(Error::Protocol {
                 uri: parsed.to_string(),
@@ -185,7 +188,7 @@ impl Client {
             None => Nic::soft()?,
         };
         let hs = ClientHandshake::list_with(Self::config(&parsed, opts));
-        match Conn::open(&nic, &parsed, hs, opts.connect_timeout)? {
+        match Conn::open(&nic, &parsed, &Reads::new(), hs, opts.connect_timeout)? {
             (_, ClientEvent::Listed(v)) => Ok(v),
             _ => Err(Error::Protocol {
                 uri: parsed.to_string(),

@@ -9,10 +9,9 @@ use nbd_proto::transmission::client::{Delivered, Failed, Stall, Submission};
 use nbd_proto::transmission::{Command, Request};
 use qpip_core::{Completion, MemoryRegion, Opcode, SendWr, WcStatus};
 
-use crate::client::{Client, Failure, Op, Region, Reply, STOP_GRACE};
+use crate::client::{Client, Failure, Op, Reply, STOP_GRACE};
 use crate::conn::{RECV_BIT, RECV_SLOT};
 use crate::error::{Error, Result};
-use crate::framer::PendingRead;
 
 /// Above this much READ/WRITE data in flight a blocking wait sleeps on the CQ at once instead
 /// of spinning first: at loopback speeds (a few GB/s) 64 KiB plus a round trip fit in the
@@ -38,9 +37,9 @@ unsafe fn completed_bytes(region: &MemoryRegion, offset: usize, len: usize) -> &
     unsafe { std::slice::from_raw_parts(region.as_ptr().add(offset), len) }
 }
 
-/// `len` bytes of `mr` from `at` lie inside it.
-fn inside(mr: &MemoryRegion, at: usize, len: u32) -> bool {
-    at.checked_add(len as usize).is_some_and(|e| e <= mr.len())
+/// A READ or WRITE length, which a request header holds in 32 bits.
+fn length(len: usize) -> Result<u32> {
+    u32::try_from(len).map_err(|_| Error::Invalid("request too long"))
 }
 
 impl Client {
@@ -48,37 +47,15 @@ impl Client {
     fn check_op(&self, op: &Op) -> Result<Request> {
         let (command, offset, length, fua) = match *op {
             Op::Read { offset, len } => (Command::Read, offset, len, false),
-            Op::Write { offset, data, fua } => {
-                let len =
-                    u32::try_from(data.len()).map_err(|_| Error::Invalid("write too long"))?;
-                (Command::Write, offset, len, fua)
-            }
+            Op::Write { offset, data, fua } => (Command::Write, offset, length(data.len())?, fua),
             Op::Flush => (Command::Flush, 0, 0, false),
             Op::Trim { offset, len } => (Command::Trim, offset, len, false),
             Op::WriteZeroes { offset, len, fua } => (Command::WriteZeroes, offset, len, fua),
             Op::BlockStatus { offset, len } => (Command::BlockStatus, offset, len, false),
-            Op::ReadInto {
-                offset,
-                len,
-                mr,
-                at,
-            } => {
-                if !inside(mr, at, len) {
-                    return Err(Error::Invalid("read buffer outside its region"));
-                }
-                (Command::Read, offset, len, false)
-            }
-            Op::WriteFrom {
-                offset,
-                len,
-                mr,
-                at,
-                fua,
-            } => {
-                if !inside(mr, at, len) {
-                    return Err(Error::Invalid("write data outside its region"));
-                }
-                (Command::Write, offset, len, fua)
+            // The slices were checked to lie inside their regions when they were made.
+            Op::ReadInto { offset, into } => (Command::Read, offset, length(into.len())?, false),
+            Op::WriteFrom { offset, from, fua } => {
+                (Command::Write, offset, length(from.len())?, fua)
             }
         };
         let sub = Submission {
@@ -104,8 +81,8 @@ impl Client {
             self.liveness.restart_wait(Instant::now());
         }
         let region = match op {
-            Op::ReadInto { mr, at, .. } | Op::WriteFrom { mr, at, .. } => {
-                Some(Region { mr: mr.clone(), at })
+            Op::ReadInto { into: slice, .. } | Op::WriteFrom { from: slice, .. } => {
+                Some(slice.region())
             }
             _ => None,
         };
@@ -132,21 +109,9 @@ impl Client {
         // The header ends where the payload starts.
         let start = out.slot * self.slot_len + c::EXTENDED_REQUEST_LEN - header.len();
         self.send_mr.write_at(start, header);
-        if let Some(read) = out.read {
-            let into = out
-                .region
-                .filter(|_| read.placed)
-                .map(|r| r.mr.sge(r.at, read.length as usize));
-            let pending = PendingRead {
-                offset: read.offset,
-                length: read.length,
-                simple: read.simple,
-                into,
-            };
-            conn.reads.lock().insert(cookie, pending);
-        }
+        // A WRITE from the caller's memory: header from the send slot, payload from there.
         let wr = match out.region {
-            Some(r) if out.command == Command::Write => SendWr::new(
+            Some(r) => SendWr::new(
                 cookie,
                 &[
                     self.send_mr.sge(start, header.len()),
@@ -168,7 +133,7 @@ impl Client {
             if let Some(i) = self.done.iter().position(|r| r.tag & INTERNAL == 0) {
                 return Ok(self.done.remove(i).expect("position is in range"));
             }
-            if !self.session.tags().any(|t| t & INTERNAL == 0) {
+            if !self.session.any_tag(|t| t & INTERNAL == 0) {
                 return Err(Error::Invalid("reap with nothing in flight"));
             }
             self.pump(true)?;

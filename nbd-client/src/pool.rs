@@ -17,10 +17,10 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::{Mutex, RwLock};
-use qpip_core::MemoryRegion;
 
 use crate::client::{Client, ClientOptions};
 use crate::error::{Error, Result};
+use crate::region::MrSlice;
 use crate::uri::NbdUri;
 
 /// Zero-filled writes (servers without WRITE_ZEROES) go out in pieces of this size.
@@ -175,40 +175,31 @@ impl Pool {
         Ok(buf)
     }
 
-    /// Reads `len` bytes at `offset` into registered memory: `mr` from `at` (the caller keeps
-    /// the range inside the export and inside `mr`, and nothing else uses those bytes
-    /// meanwhile).
-    pub fn read_into(&self, offset: u64, len: u64, mr: &MemoryRegion, at: usize) -> Result<()> {
+    /// Reads `into.len()` bytes at `offset` into registered memory, `into` (the caller
+    /// keeps the range inside the export, and nothing else uses those bytes meanwhile).
+    pub fn read_into(&self, offset: u64, into: MrSlice<'_>) -> Result<()> {
         let min = self.caps.min_block;
-        if at
-            .checked_add(len as usize)
-            .is_none_or(|end| end > mr.len())
-        {
-            return Err(Error::Invalid("read buffer outside its region"));
-        }
+        let len = into.len() as u64;
         if offset.is_multiple_of(min) && len.is_multiple_of(min) {
-            return self.with(|c| c.read_at_mr(offset, mr, at, len as usize));
+            return self.with(|c| c.read_into(offset, into));
         }
         let buf = self.read(offset, len)?;
-        mr.write_at(at, &buf);
+        into.mr().write_at(into.at(), &buf);
         Ok(())
     }
 
-    /// Writes `len` bytes of registered memory (`mr` from `at`) at `offset`; the NIC sends
-    /// them from there.
-    pub fn write_from(&self, offset: u64, mr: &MemoryRegion, at: usize, len: usize) -> Result<()> {
+    /// Writes the bytes of registered memory `from` at `offset`; the NIC sends them from
+    /// there.
+    pub fn write_from(&self, offset: u64, from: MrSlice<'_>) -> Result<()> {
         self.writable()?;
-        if at.checked_add(len).is_none_or(|end| end > mr.len()) {
-            return Err(Error::Invalid("write data outside its region"));
-        }
         let min = self.caps.min_block;
-        if offset.is_multiple_of(min) && (len as u64).is_multiple_of(min) {
+        if offset.is_multiple_of(min) && (from.len() as u64).is_multiple_of(min) {
             let _shared = self.rmw.read();
-            return self.with(|c| c.write_at_mr(offset, mr, at, len, false));
+            return self.with(|c| c.write_from(offset, from, false));
         }
-        // SAFETY: the range is inside the region (checked above) and the caller leaves those
-        // bytes alone until this returns; no receive WR names them.
-        let data = unsafe { std::slice::from_raw_parts(mr.as_ptr().add(at), len) };
+        // SAFETY: the caller leaves those bytes alone until this returns; no receive WR
+        // names them.
+        let data = unsafe { from.bytes() };
         self.write(offset, data)
     }
 

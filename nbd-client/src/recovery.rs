@@ -46,6 +46,7 @@ impl Client {
             match Conn::open(
                 &self.nic,
                 &self.uri,
+                self.session.table(),
                 hs,
                 self.opts.connect_timeout.min(left),
             ) {

@@ -23,6 +23,7 @@ mod server;
 pub use client::{
     ClientPhase, DataAt, ReadChunk, client_data_at, client_need, client_read_chunk, reply_cookie,
 };
+pub(crate) use server::request_need;
 pub use server::{ServerPhase, server_need};
 
 /// Limits enforced by the framers (bounded memory).
@@ -134,7 +135,7 @@ impl Need {
     }
 }
 
-fn check_len(len: u64, limit: u32) -> Result<usize, FrameError> {
+pub(crate) fn check_len(len: u64, limit: u32) -> Result<usize, FrameError> {
     if len > u64::from(limit) {
         Err(FrameError::TooLong { len, limit })
     } else {

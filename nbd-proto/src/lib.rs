@@ -17,6 +17,7 @@
 //! | [`transmission::client::reply_check`] | a client's checks of one request's reply chunks ([`transmission::client::reply_check::ReplyCheck`]) |
 //! | [`reply`] | simple replies, structured and extended chunks, block-status builders |
 //! | [`framing`] | "where does this message end?" for message-based transports |
+//! | [`placement`] | the framers' machines: each message framed, a request parsed once, READ and WRITE data placed |
 //!
 //! # Driving the handshake
 //!
@@ -164,6 +165,7 @@ pub mod framing;
 pub mod fuzzing;
 pub mod handshake;
 pub mod peer_text;
+pub mod placement;
 pub mod reply;
 pub mod transmission;
 mod wire;

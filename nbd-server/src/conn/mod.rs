@@ -18,7 +18,9 @@ use std::sync::atomic::AtomicBool;
 
 use qpip_core::{CompletionQueue, Endpoint, QueuePair};
 
-use self::framer::{FramerState, WritePlacement};
+use nbd_proto::transmission::server::ServerTransmission;
+
+use self::framer::FramerState;
 use self::link::Link;
 use self::recv_window::RECV_SLOTS;
 use self::reply_slots::REPLY_SLOTS;
@@ -30,8 +32,8 @@ pub const CQ_DEPTH: usize = RECV_SLOTS + REPLY_SLOTS + 16;
 
 pub struct Connection {
     link: Link,
-    /// What the framer hears from the connection: the phase, which the handshake moves
-    /// on, and where WRITE payloads may be placed.
+    /// What the connection and its framer share: the phase, how requests are checked and
+    /// where WRITE payloads may be placed; the requests the framer parsed.
     framer: Arc<FramerState>,
 }
 
@@ -51,7 +53,7 @@ impl Connection {
     }
 
     pub fn run(mut self) -> Result<()> {
-        let handshake = handshake::run(&mut self.link, &self.framer);
+        let handshake = handshake::run(&mut self.link);
         self.link.evict = None;
         let Some((neg, last_reply)) = handshake? else {
             return Ok(());
@@ -64,17 +66,14 @@ impl Connection {
         };
         let export = self.link.shared.exports[neg.export_index].clone();
         tracing::info!(peer = %self.link.peer, export = %export.name, structured = neg.structured_replies, extended = neg.extended_headers, tls = neg.tls, "client connected");
-        if let Some(region) = &export.file_region {
-            // Before the reply that lets the client send requests (one that came before it
-            // would only cost its copy: the framer would leave it in the receive slot).
-            let info = neg.transmission_info();
-            let region = region.clone();
-            let from = export.place_from;
-            let _ = self
-                .framer
-                .placement
-                .set(WritePlacement { region, info, from });
-        }
-        transmission::serve(&mut self.link, export, &neg, &last_reply)
+        // Before the reply that lets the client send requests: from then on the framer
+        // parses them (and places large WRITEs in a raw image's file).
+        let place = (export.file_region.as_ref()).map(|region| (region.clone(), export.place_from));
+        self.framer.start_transmission(
+            neg.transmission_phase(),
+            ServerTransmission::new(&neg),
+            place,
+        );
+        transmission::serve(&mut self.link, &self.framer, export, &neg, &last_reply)
     }
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use nbd_client::uri::looks_like_uri;
-use nbd_client::{ClientOptions, Pool};
+use nbd_client::{ClientOptions, MrSlice, Pool};
 use qpip_core::MemoryRegion;
 
 /// Bytes read then written per step of a worker (each step is many requests in flight).
@@ -216,7 +216,10 @@ impl Side {
     ) -> Result<()> {
         if let Side::Nbd(p) = self {
             return p
-                .with(|c| c.write_at_mr_zeroing(off, mr, 0, n, zeroes, skip_zeroes))
+                .with(|c| {
+                    let from = MrSlice::new(mr, 0, n)?;
+                    c.write_from_zeroing(off, from, zeroes, skip_zeroes)
+                })
                 .with_context(|| format!("writing {} at {off}", p.uri()));
         }
         // SAFETY: the buffer is this worker's and no WR names it between its requests.

@@ -92,9 +92,21 @@ pub enum Violation {
     PlacedElsewhere,
 }
 
+/// How far the framer is with a request's replies on the current connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Framing {
+    /// Not sent on this connection: nothing of the server's is framed or placed for it.
+    Unsent,
+    /// Sent: its replies are framed by its numbers, a READ's data placed in its memory.
+    Open,
+    /// The framer has seen its last reply message: nothing more goes into its memory,
+    /// whatever the server sends.
+    Closed,
+}
+
 /// A request in flight and its reply so far.
 #[derive(Debug)]
-pub(super) struct Entry<R> {
+pub(crate) struct Entry<R> {
     pub tag: u64,
     pub req: Request,
     pub slot: usize,
@@ -106,6 +118,8 @@ pub(super) struct Entry<R> {
     extents: Vec<Extent>,
     /// The server's first error, with its message.
     error: Option<Failed>,
+    /// Where the framer is with its replies.
+    pub framing: Framing,
 }
 
 impl<R: ReadTarget> Entry<R> {
@@ -124,6 +138,7 @@ impl<R: ReadTarget> Entry<R> {
             check: ReplyCheck::new(&req),
             extents: Vec::new(),
             error: None,
+            framing: Framing::Unsent,
         }
     }
 
@@ -167,6 +182,7 @@ impl<R: ReadTarget> Entry<R> {
         self.check.restart();
         self.extents.clear();
         self.error = None;
+        self.framing = Framing::Unsent;
     }
 
     /// The server refused the request with ESHUTDOWN: it was not carried out.
