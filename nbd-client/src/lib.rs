@@ -20,20 +20,18 @@
 //! connection when the old one is lost.
 //!
 //! The protocol state (cookies, requests in flight, reply assembly, timeouts) is nbd-proto's
-//! sans-IO [`nbd_proto::transmission::client`]; here is the I/O around it: [`client`] (the types),
-//! `options` (connect, info, list), `pipeline` (submit, reap, completions), `recovery`
-//! (reconnect and reissue), `blocking` (the byte-range calls), and [`pool`], several
-//! connections to one export shared by threads.
+//! sans-IO [`nbd_proto::transmission::client`]; here is the I/O around it: [`client`] (the
+//! [`Client`] and its parts: the link, the session and recovery; connect, info and list;
+//! the pipelined and the blocking calls), `conn` (one QP connection and its handshake),
+//! `framer` (the QP's framer, an adapter over nbd-proto's placement), [`region`] (memory
+//! ranges checked once, [`MrSlice`]), and [`pool`], several connections to one export shared
+//! by threads.
 
-mod blocking;
 pub mod client;
 mod conn;
 pub mod error;
 mod framer;
-mod options;
-mod pipeline;
 pub mod pool;
-mod recovery;
 pub mod region;
 pub mod uri;
 

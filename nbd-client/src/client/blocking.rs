@@ -2,16 +2,12 @@
 //! TRIM / WRITE_ZEROES), run with the window full, the first error returned once every
 //! request has finished.
 
-use std::time::{Duration, Instant};
+use qpip_core::MemoryRegion;
 
-use nbd_proto::flags::CmdFlags;
-use nbd_proto::transmission::{Command, Request};
-use qpip_core::{Completion, MemoryRegion, Opcode, SendWr};
-
-use crate::client::{Client, Extent, Op, Output};
+use super::connect::round_down;
+use super::pipeline::INTERNAL;
+use super::{Client, Extent, Op, Output};
 use crate::error::{Error, Result};
-use crate::options::round_down;
-use crate::pipeline::INTERNAL;
 use crate::region::MrSlice;
 
 impl Client {
@@ -282,33 +278,7 @@ impl Client {
     /// Finishes in-flight requests, sends NBD_CMD_DISC and closes the connection.
     pub fn disconnect(mut self) -> Result<()> {
         self.drain()?;
-        let Some(conn) = self.conn.take() else {
-            return Ok(());
-        };
-        let req = Request {
-            flags: CmdFlags::empty(),
-            command: Command::Disc,
-            cookie: 0,
-            offset: 0,
-            length: 0,
-        };
-        let header = req
-            .encode(self.extended_headers())
-            .map_err(|_| Error::Invalid("NBD_CMD_DISC does not encode"))?;
-        self.send_mr.write_at(0, &header);
-        conn.qp
-            .post_send(SendWr::new(0, &[self.send_mr.sge(0, header.len())]))?;
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let mut buf = [Completion::default(); 8];
-        'wait: while Instant::now() < deadline {
-            let n = conn.cq.wait(&mut buf, Some(Duration::from_millis(200)))?;
-            for comp in &buf[..n] {
-                if comp.opcode == Opcode::Send && comp.wr_id == 0 {
-                    break 'wait;
-                }
-            }
-        }
-        conn.qp.close();
-        Ok(())
+        let extended = self.extended_headers();
+        self.link.disconnect(extended)
     }
 }

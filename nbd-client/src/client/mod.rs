@@ -16,16 +16,20 @@
 //! request is answered (a reissue after reconnection sends it again). A READ into registered
 //! memory ([`Op::ReadInto`], [`Client::read_at_mr`]) costs no copy either: the framer tells
 //! the NIC where each reply's data belong (by cookie, checked to lie inside the read,
-//! [`nbd_proto::framing::client_data_at`]), so the NIC places them straight into the caller's
+//! [`nbd_proto::placement::client`]), so the NIC places them straight into the caller's
 //! region and only the reply header into the receive slot. The caller's region belongs to
 //! the NIC until the request is answered; when a connection is dropped with such reads in
 //! flight, the client waits for the NIC's [`Nic::fence`] before it hands anything back.
 //!
 //! The protocol itself — cookies, the in-flight table, checking and assembling replies, the
 //! stall and back-off clocks — is nbd-proto's sans-IO [`nbd_proto::transmission::client`]; this crate does
-//! the I/O around it, one job a module: the handshake and its variants (`options`), posting
-//! requests and handling completions (`pipeline`), reconnecting (`recovery`), and the
-//! blocking calls on top (`blocking`).
+//! the I/O around it. A [`Client`] is made of parts that each own their state, one a module:
+//! `link` (the connection, the NIC and the send slots: posting requests and waiting for
+//! completions), the session, and `recovery` (liveness, reconnects, failures, and the
+//! reconnect-and-reissue that drives the other two). The rest drive the parts: getting a
+//! client, the handshake and its variants (`connect`), the pipelined API and completion
+//! handling (`pipeline`), and the blocking calls on top (`blocking`). Memory ranges enter
+//! checked ([`MrSlice`]) and are carried down as they are.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -34,13 +38,21 @@ use std::time::Duration;
 
 use nbd_proto::flags::TransmissionFlags;
 use nbd_proto::handshake::{BlockSize, ExportDetails};
-use nbd_proto::transmission::client::{ClientSession, Liveness};
-use qpip_core::{MemoryRegion, Nic};
+use nbd_proto::transmission::client::ClientSession;
+use qpip_core::Nic;
 
-use crate::conn::Conn;
 use crate::error::{Error, Result};
 use crate::region::{MrSlice, Region};
 use crate::uri::NbdUri;
+
+mod blocking;
+mod connect;
+mod link;
+mod pipeline;
+mod recovery;
+
+use link::Link;
+use recovery::Recovery;
 
 pub use nbd_proto::transmission::client::{Extent, Output};
 
@@ -157,25 +169,21 @@ pub(crate) enum Failure {
     Violation(String),
 }
 
-/// An NBD client on one QP connection.
+/// An NBD client on one QP connection, made of parts that each own their state: the link
+/// (connection, NIC and send slots: post and wait), the session (nbd-proto's requests in
+/// flight and their replies) with the finished requests not yet reaped, and recovery
+/// (liveness, reconnects, failures). The methods here and in the submodules
+/// drive the parts; no part reaches into another's fields.
 pub struct Client {
-    pub(crate) uri: NbdUri,
-    pub(crate) opts: ClientOptions,
-    pub(crate) nic: Nic,
-    pub(crate) conn: Option<Conn>,
-    pub(crate) info: ExportInfo,
+    uri: NbdUri,
+    opts: ClientOptions,
+    info: ExportInfo,
+    link: Link,
     /// Requests in flight and their replies (nbd-proto's sans-IO half).
-    pub(crate) session: ClientSession<Region>,
-    /// The send slots: `window` of `slot_len` bytes.
-    pub(crate) send_mr: MemoryRegion,
-    pub(crate) slot_len: usize,
-    pub(crate) done: VecDeque<Reply>,
-    /// Why the client gave up for good, if it has.
-    pub(crate) failed: Option<Failure>,
-    pub(crate) reconnects: u64,
-    pub(crate) liveness: Liveness,
-    /// A request was refused with ESHUTDOWN: reconnect once the batch is handled.
-    pub(crate) shutting_down: bool,
+    session: ClientSession<Region>,
+    /// Finished requests, for [`Client::reap`] and the blocking calls.
+    done: VecDeque<Reply>,
+    recovery: Recovery,
 }
 
 impl std::fmt::Debug for Client {
@@ -215,26 +223,26 @@ impl Client {
     pub fn in_flight(&self) -> usize {
         self.session.in_flight()
     }
-    /// Lowers how long a lost connection is retried (never raises it): for a last flush on
-    /// the way out, which should not hold a process for the whole reconnect timeout when
-    /// the server is gone.
     /// The process is stopping ([`ClientOptions::stop`]).
-    pub(crate) fn stopping(&self) -> bool {
+    fn stopping(&self) -> bool {
         self.opts
             .stop
             .as_ref()
             .is_some_and(|s| s.load(Ordering::Relaxed))
     }
 
+    /// Lowers how long a lost connection is retried (never raises it): for a last flush on
+    /// the way out, which should not hold a process for the whole reconnect timeout when
+    /// the server is gone.
     pub fn limit_reconnect_timeout(&mut self, limit: Duration) {
         self.opts.reconnect_timeout = self.opts.reconnect_timeout.min(limit);
-        self.liveness.limit_reconnect_timeout(limit);
+        self.recovery.limit_reconnect_timeout(limit);
     }
 
     /// The NIC the client's connections run on (to register memory for
     /// [`Op::ReadInto`] and [`Op::WriteFrom`]).
     pub fn nic(&self) -> &Nic {
-        &self.nic
+        self.link.nic()
     }
 
     /// Bytes of READ data the NIC placed straight into callers' registered regions
@@ -245,7 +253,7 @@ impl Client {
 
     /// How many times the connection was restored.
     pub fn reconnects(&self) -> u64 {
-        self.reconnects
+        self.recovery.reconnects()
     }
     pub fn structured_replies(&self) -> bool {
         self.session.mode().structured
@@ -280,11 +288,11 @@ impl Client {
     }
 
     /// `[offset, offset + len)` is aligned and inside the export.
-    pub(crate) fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+    fn check_range(&self, offset: u64, len: u64) -> Result<()> {
         Ok(self.session.limits().check_range(offset, len)?)
     }
 
-    pub(crate) fn lost(&self, why: String) -> Error {
+    fn lost(&self, why: String) -> Error {
         Error::ConnectionLost {
             uri: self.uri.to_string(),
             after: self.opts.reconnect_timeout,
@@ -292,7 +300,7 @@ impl Client {
         }
     }
 
-    pub(crate) fn failure_error(&self, f: &Failure) -> Error {
+    fn failure_error(&self, f: &Failure) -> Error {
         match f {
             Failure::Lost(why) => self.lost(why.clone()),
             Failure::Violation(why) => Error::Protocol {
