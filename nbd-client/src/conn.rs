@@ -25,16 +25,16 @@ use crate::uri::NbdUri;
 /// MiB of address space, touched only as used.
 pub const MAX_IO: usize = 1 << 20;
 /// Receive WRs posted in the transmission phase (replies, or reply chunks, in flight).
-pub const RECV_SLOTS: usize = 32;
+pub(crate) const RECV_SLOTS: usize = 32;
 /// One receive slot: a reply header (20 bytes + 8-byte offset of OFFSET_DATA) and up to
 /// `MAX_IO` bytes of data, or an error chunk with its message, or option replies (64 KiB).
-pub const RECV_SLOT: usize = MAX_IO + 8192;
+pub(crate) const RECV_SLOT: usize = MAX_IO + 8192;
 /// Requests in flight on one connection, at most.
 pub const MAX_WINDOW: usize = 64;
 /// The receive WR ids carry this bit; send WR ids are cookies (below it).
-pub const RECV_BIT: u64 = 1 << 62;
+pub(crate) const RECV_BIT: u64 = 1 << 62;
 
-pub struct Conn {
+pub(crate) struct Conn {
     pub qp: QueuePair,
     pub cq: CompletionQueue,
     pub phase: Arc<AtomicU8>,
@@ -46,7 +46,7 @@ pub struct Conn {
 }
 
 impl Conn {
-    pub fn repost(&self, slot: usize) -> Result<()> {
+    pub(crate) fn repost(&self, slot: usize) -> Result<()> {
         self.qp.post_recv(RecvWr::new(
             RECV_BIT | slot as u64,
             &[self.recv_mr.sge(slot * RECV_SLOT, RECV_SLOT)],
@@ -204,7 +204,7 @@ impl Conn {
     /// Connects to `uri` and runs `hs` to its terminal event. On `Connected` the connection
     /// is ready for requests, its framer reading the session's table `reads`; after
     /// `Listed`/`Info` it has been closed.
-    pub fn open(
+    pub(crate) fn open(
         nic: &Nic,
         uri: &NbdUri,
         reads: &Reads,

@@ -34,17 +34,26 @@ thread_local! {
 /// What the export supports, fixed at connect time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Caps {
+    /// The export's size in bytes.
     pub size: u64,
+    /// The server's minimum block size (at least 1).
     pub min_block: u64,
+    /// Writes are refused (by the server, or forced).
     pub read_only: bool,
+    /// The server takes FLUSH.
     pub flush: bool,
+    /// The server takes TRIM.
     pub trim: bool,
+    /// The server takes WRITE_ZEROES.
     pub write_zeroes: bool,
+    /// Block status (`base:allocation`) was negotiated.
     pub block_status: bool,
+    /// The server keeps several connections' caches coherent.
     pub multi_conn: bool,
 }
 
 impl Caps {
+    /// What `c`'s export supports; read-only anyway with `force_read_only`.
     pub fn of(c: &Client, force_read_only: bool) -> Caps {
         Caps {
             size: c.size(),
@@ -115,14 +124,17 @@ impl Pool {
         self.caps.read_only = true;
     }
 
+    /// What the export supports.
     pub fn caps(&self) -> &Caps {
         &self.caps
     }
 
+    /// The server's URI.
     pub fn uri(&self) -> &NbdUri {
         &self.uri
     }
 
+    /// Connections open.
     pub fn connections(&self) -> usize {
         self.conns.len()
     }

@@ -67,6 +67,7 @@ pub(crate) struct Region {
 // SAFETY: the region is plain bytes; who may touch them when is the WR ownership contract
 // (the NIC owns the memory of a posted WR until its completion), exactly as in verbs.
 unsafe impl Send for Region {}
+// SAFETY: as for Send: shared access is governed by the same WR ownership contract.
 unsafe impl Sync for Region {}
 
 impl Drop for Region {
@@ -146,6 +147,8 @@ impl MemoryRegion {
     /// No WR naming these bytes may be outstanding for writing by the NIC (a posted receive),
     /// and no `&mut` view may exist at the same time.
     pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the region's `len` bytes from `ptr` stay mapped while it lives; the caller
+        // guarantees nothing writes them meanwhile.
         unsafe { std::slice::from_raw_parts(self.region.ptr, self.region.len) }
     }
 
@@ -155,6 +158,7 @@ impl MemoryRegion {
     /// No WR naming these bytes may be outstanding, and no other view may exist meanwhile.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`; the caller guarantees this is the only view.
         unsafe { std::slice::from_raw_parts_mut(self.region.ptr, self.region.len) }
     }
 
@@ -211,6 +215,8 @@ impl Segment {
     /// # Safety
     /// Backend use only, while the WR that named the segment is owned by the NIC.
     pub unsafe fn bytes(&self) -> &[u8] {
+        // SAFETY: the segment lies inside its region (checked when it was resolved), which it
+        // keeps alive; the caller owns the WR's memory for now.
         unsafe { std::slice::from_raw_parts(self.region.ptr.add(self.offset), self.len) }
     }
     /// The bytes, for receiving into (the region was checked writable when resolved).
@@ -219,6 +225,7 @@ impl Segment {
     /// Backend use only, while the WR that named the segment is owned by the NIC.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn bytes_mut(&self) -> &mut [u8] {
+        // SAFETY: as in `bytes`.
         unsafe { std::slice::from_raw_parts_mut(self.region.ptr.add(self.offset), self.len) }
     }
 }
@@ -510,6 +517,7 @@ mod tests {
             Err(ProtectionFault::UnknownKey(_))
         ));
         // The segment resolved earlier still keeps its memory alive.
+        // SAFETY: no WR names the segment; the test is its only user.
         unsafe { seg.bytes_mut()[7] = 1 };
     }
 
@@ -517,9 +525,11 @@ mod tests {
     fn borrowed_memory_is_used_in_place() {
         let table = MemoryTable::new();
         let mut backing = vec![7u8; 16];
+        // SAFETY: `backing` outlives the region (dropped before it is read below).
         let mr =
             unsafe { table.register_borrowed(backing.as_mut_ptr(), 16, Access::READ_WRITE, None) };
         let seg = table.resolve(&mr.sge(4, 4), true).unwrap();
+        // SAFETY: no WR names the segment; the test is its only user.
         unsafe { seg.bytes_mut().copy_from_slice(&[1, 2, 3, 4]) };
         drop((seg, mr));
         assert_eq!(&backing[4..8], &[1, 2, 3, 4]);

@@ -84,6 +84,7 @@ impl Nic {
         access: Access,
         keep_alive: Option<Box<dyn Any + Send + Sync>>,
     ) -> MemoryRegion {
+        // SAFETY: the caller keeps `len` bytes at `ptr` valid for the region's life.
         unsafe {
             self.inner
                 .memory

@@ -12,7 +12,7 @@ use super::peers::{Running, die_with_parent};
 
 /// One fio job against a server's URI: `jobs` connections (fio's --numjobs), each moving its
 /// own slice of `size` bytes, reported together.
-pub struct Job<'a> {
+pub(crate) struct Job<'a> {
     /// fio's --name.
     pub name: &'a str,
     /// "write" or "read" (fio's --rw, and the key of its figures in the JSON).
@@ -31,7 +31,7 @@ pub struct Job<'a> {
 
 /// What fio reports of one job.
 #[derive(Clone, Copy, Debug)]
-pub struct Report {
+pub(crate) struct Report {
     pub io_bytes: f64,
     pub bw_bytes: f64,
     pub runtime_s: f64,
@@ -42,7 +42,7 @@ pub struct Report {
 }
 
 /// `fio --version`, or "" if it does not run.
-pub fn version() -> String {
+pub(crate) fn version() -> String {
     Command::new("fio")
         .arg("--version")
         .output()
@@ -51,7 +51,7 @@ pub fn version() -> String {
 }
 
 /// Runs `job` against `server`; `what` names it in errors.
-pub fn run(job: &Job, server: &Running, what: &str) -> Result<Report> {
+pub(crate) fn run(job: &Job, server: &Running, what: &str) -> Result<Report> {
     let mut cmd = Command::new("fio");
     cmd.args([
         &format!("--name={}", job.name),

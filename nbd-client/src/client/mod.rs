@@ -115,40 +115,63 @@ pub type ExportInfo = ExportDetails;
 /// A request of the pipelined API. READ and WRITE are at most [`Client::max_io`] bytes.
 #[derive(Clone, Copy, Debug)]
 pub enum Op<'a> {
+    /// A READ of `len` bytes at `offset` (its reply is [`Output::Data`]).
     Read {
+        /// Offset in the export.
         offset: u64,
+        /// Bytes to read.
         len: u32,
     },
+    /// A WRITE of `data` at `offset` (copied into the request's send slot).
     Write {
+        /// Offset in the export.
         offset: u64,
+        /// The bytes to write.
         data: &'a [u8],
+        /// Durable before the reply (where the server offers FUA).
         fua: bool,
     },
+    /// A FLUSH: every write answered before it is durable.
     Flush,
+    /// A TRIM of `len` bytes at `offset`.
     Trim {
+        /// Offset in the export.
         offset: u64,
+        /// Bytes to discard.
         len: u32,
     },
+    /// A WRITE_ZEROES of `len` bytes at `offset`.
     WriteZeroes {
+        /// Offset in the export.
         offset: u64,
+        /// Bytes to zero.
         len: u32,
+        /// Durable before the reply (where the server offers FUA).
         fua: bool,
     },
+    /// A BLOCK_STATUS of `len` bytes at `offset` (its reply is [`Output::Extents`]).
     BlockStatus {
+        /// Offset in the export.
         offset: u64,
+        /// Bytes to describe.
         len: u32,
     },
     /// A READ of `into.len()` bytes whose data go to registered memory, `into` (its reply
     /// is [`Output::Done`]).
     ReadInto {
+        /// Offset in the export.
         offset: u64,
+        /// Where the data go.
         into: MrSlice<'a>,
     },
     /// A WRITE of `from.len()` bytes sent from registered memory without a copy: `from`,
     /// which must stay unchanged until the request is answered.
     WriteFrom {
+        /// Offset in the export.
         offset: u64,
+        /// The bytes to write.
         from: MrSlice<'a>,
+        /// Durable before the reply (where the server offers FUA).
         fua: bool,
     },
 }
@@ -156,7 +179,9 @@ pub enum Op<'a> {
 /// A finished request of the pipelined API.
 #[derive(Debug)]
 pub struct Reply {
+    /// The tag the request was submitted with.
     pub tag: u64,
+    /// Its outcome.
     pub result: Result<Output>,
 }
 
@@ -197,18 +222,23 @@ impl std::fmt::Debug for Client {
 }
 
 impl Client {
+    /// The server's URI.
     pub fn uri(&self) -> &NbdUri {
         &self.uri
     }
+    /// The export's size in bytes.
     pub fn size(&self) -> u64 {
         self.info.size
     }
+    /// The export's transmission flags.
     pub fn flags(&self) -> TransmissionFlags {
         self.info.flags
     }
+    /// What the handshake reported of the export.
     pub fn export_info(&self) -> &ExportInfo {
         &self.info
     }
+    /// The export's block size constraints.
     pub fn block_size(&self) -> BlockSize {
         self.info.block_size
     }
@@ -220,6 +250,7 @@ impl Client {
     pub fn window(&self) -> usize {
         self.session.window()
     }
+    /// Requests in flight now.
     pub fn in_flight(&self) -> usize {
         self.session.in_flight()
     }
@@ -255,6 +286,7 @@ impl Client {
     pub fn reconnects(&self) -> u64 {
         self.recovery.reconnects()
     }
+    /// Structured replies are in use.
     pub fn structured_replies(&self) -> bool {
         self.session.mode().structured
     }
@@ -265,24 +297,31 @@ impl Client {
     fn has(&self, f: TransmissionFlags) -> bool {
         self.info.flags.contains(f)
     }
+    /// The server exports it read-only.
     pub fn is_read_only(&self) -> bool {
         self.has(TransmissionFlags::READ_ONLY)
     }
+    /// The server takes FLUSH.
     pub fn can_flush(&self) -> bool {
         self.has(TransmissionFlags::SEND_FLUSH)
     }
+    /// The server takes FUA.
     pub fn can_fua(&self) -> bool {
         self.has(TransmissionFlags::SEND_FUA)
     }
+    /// The server takes TRIM.
     pub fn can_trim(&self) -> bool {
         self.has(TransmissionFlags::SEND_TRIM)
     }
+    /// The server takes WRITE_ZEROES.
     pub fn can_write_zeroes(&self) -> bool {
         self.has(TransmissionFlags::SEND_WRITE_ZEROES)
     }
+    /// The server keeps several connections' caches coherent (multi-conn).
     pub fn can_multi_conn(&self) -> bool {
         self.has(TransmissionFlags::CAN_MULTI_CONN)
     }
+    /// Block status (`base:allocation`) was negotiated.
     pub fn can_block_status(&self) -> bool {
         self.session.mode().allocation_ctx.is_some()
     }

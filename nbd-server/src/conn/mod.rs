@@ -8,9 +8,9 @@ pub(crate) mod framer;
 mod handshake;
 mod link;
 mod read_reply;
-pub mod recv_window;
+pub(crate) mod recv_window;
 mod reply_slots;
-pub mod shared;
+pub(crate) mod shared;
 mod transmission;
 
 use std::sync::Arc;
@@ -28,9 +28,9 @@ use self::shared::ServerShared;
 use crate::error::Result;
 
 /// CQ depth: every WR the connection can have outstanding, so it can never overflow.
-pub const CQ_DEPTH: usize = RECV_SLOTS + REPLY_SLOTS + 16;
+pub(crate) const CQ_DEPTH: usize = RECV_SLOTS + REPLY_SLOTS + 16;
 
-pub struct Connection {
+pub(crate) struct Connection {
     link: Link,
     /// What the connection and its framer share: the phase, how requests are checked and
     /// where WRITE payloads may be placed; the requests the framer parsed.
@@ -38,7 +38,7 @@ pub struct Connection {
 }
 
 impl Connection {
-    pub fn new(
+    pub(crate) fn new(
         shared: Arc<ServerShared>,
         qp: QueuePair,
         cq: CompletionQueue,
@@ -52,7 +52,7 @@ impl Connection {
         }
     }
 
-    pub fn run(mut self) -> Result<()> {
+    pub(crate) fn run(mut self) -> Result<()> {
         let handshake = handshake::run(&mut self.link);
         self.link.evict = None;
         let Some((neg, last_reply)) = handshake? else {

@@ -123,7 +123,7 @@ pub(crate) struct Entry<R> {
 }
 
 impl<R: ReadTarget> Entry<R> {
-    pub fn new(tag: u64, req: Request, slot: usize, region: Option<R>) -> Self {
+    pub(crate) fn new(tag: u64, req: Request, slot: usize, region: Option<R>) -> Self {
         let data = if req.command == Command::Read && region.is_none() {
             vec![0; req.length as usize]
         } else {
@@ -143,12 +143,12 @@ impl<R: ReadTarget> Entry<R> {
     }
 
     /// A READ whose data the transport places into the caller's memory.
-    pub fn places_data(&self) -> bool {
+    pub(crate) fn places_data(&self) -> bool {
         self.req.command == Command::Read && self.region.is_some()
     }
 
     /// Carries out what the reply check accepted; `payload` is the message after its header.
-    pub fn apply(&mut self, step: Step, payload: &[u8]) {
+    pub(crate) fn apply(&mut self, step: Step, payload: &[u8]) {
         match step {
             Step::Data { src, dst } => match &self.region {
                 Some(r) => r.write_at(dst.start, &payload[src]),
@@ -175,7 +175,7 @@ impl<R: ReadTarget> Entry<R> {
     }
 
     /// Forgets the reply so far: the request goes again on a new connection.
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         if self.req.command == Command::Read {
             self.data.iter_mut().for_each(|b| *b = 0);
         }
@@ -186,12 +186,12 @@ impl<R: ReadTarget> Entry<R> {
     }
 
     /// The server refused the request with ESHUTDOWN: it was not carried out.
-    pub fn refused_for_shutdown(&self) -> bool {
+    pub(crate) fn refused_for_shutdown(&self) -> bool {
         self.check.finish() == Err(Unanswered::Server(ErrorValue::Shutdown))
     }
 
     /// The request's outcome, once its reply is complete.
-    pub fn outcome(self) -> Result<Output, Failed> {
+    pub(crate) fn outcome(self) -> Result<Output, Failed> {
         match self.check.finish() {
             Err(Unanswered::Server(error)) => Err(self.error.unwrap_or(Failed::Server {
                 error,

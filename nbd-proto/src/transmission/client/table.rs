@@ -52,14 +52,14 @@ pub(crate) struct Table<R> {
 }
 
 impl<R: super::ReadTarget> Table<R> {
-    pub fn entry(&mut self, cookie: u64) -> Result<&mut Entry<R>, Violation> {
+    pub(crate) fn entry(&mut self, cookie: u64) -> Result<&mut Entry<R>, Violation> {
         self.entries
             .get_mut(&cookie)
             .ok_or(Violation::UnknownCookie(cookie))
     }
 
     /// A new connection: every request starts over, unsent.
-    pub fn restart(&mut self, structured: bool) {
+    pub(crate) fn restart(&mut self, structured: bool) {
         self.structured = structured;
         self.entries.values_mut().for_each(Entry::reset);
         debug_assert!(self.entries.values().all(|e| e.framing == Framing::Unsent));
