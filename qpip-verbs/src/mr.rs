@@ -29,8 +29,11 @@ impl Access {
 /// One scatter/gather entry: `len` bytes at virtual address `addr` inside the region `lkey`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Sge {
+    /// Address in the registered region.
     pub addr: u64,
+    /// Bytes.
     pub len: u32,
+    /// The region's key.
     pub lkey: u32,
 }
 
@@ -38,12 +41,23 @@ pub struct Sge {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ProtectionFault {
+    /// No region has this key.
     #[error("no memory region has key {0:#x}")]
     UnknownKey(u32),
+    /// The SGE reaches outside its region.
     #[error("{len} bytes at {addr:#x} fall outside region {lkey:#x}")]
-    OutOfBounds { lkey: u32, addr: u64, len: u32 },
+    OutOfBounds {
+        /// The region's key.
+        lkey: u32,
+        /// The SGE's address.
+        addr: u64,
+        /// Its length.
+        len: u32,
+    },
+    /// The region with this key is not writable.
     #[error("region {0:#x} is not registered for NIC writes")]
     NotWritable(u32),
+    /// This key names a file, not memory.
     #[error("region {0:#x} is a file: only a framer may place message bodies there")]
     NotMemory(u32),
 }
@@ -118,12 +132,15 @@ impl MemoryRegion {
     pub fn addr(&self) -> u64 {
         self.region.ptr as u64
     }
+    /// Bytes in the region.
     pub fn len(&self) -> usize {
         self.region.len
     }
+    /// The region has no bytes.
     pub fn is_empty(&self) -> bool {
         self.region.len == 0
     }
+    /// What the NIC may do with it.
     pub fn access(&self) -> Access {
         self.region.access
     }
@@ -204,9 +221,11 @@ pub struct Segment {
 }
 
 impl Segment {
+    /// Bytes in the segment.
     pub fn len(&self) -> usize {
         self.len
     }
+    /// The segment has no bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -257,6 +276,7 @@ impl std::fmt::Debug for FileRegion {
 }
 
 impl FileRegion {
+    /// The file's key, for SGEs.
     pub fn lkey(&self) -> u32 {
         self._registration.lkey
     }
@@ -264,6 +284,7 @@ impl FileRegion {
     pub fn len(&self) -> u64 {
         self.region.len
     }
+    /// The registered range is empty.
     pub fn is_empty(&self) -> bool {
         self.region.len == 0
     }
@@ -286,6 +307,7 @@ pub struct FileSpan {
 }
 
 impl FileSpan {
+    /// The file.
     pub fn file(&self) -> &File {
         &self.space.file
     }
@@ -293,9 +315,11 @@ impl FileSpan {
     pub fn offset(&self) -> u64 {
         self.offset
     }
+    /// Bytes in the span.
     pub fn len(&self) -> usize {
         self.len
     }
+    /// The span has no bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -304,17 +328,21 @@ impl FileSpan {
 /// Where a framer's [`crate::Frame::MessageAt`] puts a body: memory, or a registered file.
 #[derive(Clone)]
 pub enum Placement {
+    /// Registered memory.
     Memory(Segment),
+    /// A range of a registered file.
     File(FileSpan),
 }
 
 impl Placement {
+    /// Bytes of the body.
     pub fn len(&self) -> usize {
         match self {
             Placement::Memory(s) => s.len(),
             Placement::File(f) => f.len(),
         }
     }
+    /// The body is empty.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -329,6 +357,7 @@ pub struct MemoryTable {
 }
 
 impl MemoryTable {
+    /// An empty table.
     pub fn new() -> Arc<Self> {
         Arc::new(MemoryTable {
             regions: RwLock::new(HashMap::new()),
