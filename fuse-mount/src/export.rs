@@ -28,14 +28,17 @@ pub struct Export {
 }
 
 impl Export {
+    /// The export behind `pool`'s connections.
     pub fn new(pool: Pool) -> Export {
         Export { pool }
     }
 
+    /// What the export supports.
     pub fn caps(&self) -> &Caps {
         self.pool.caps()
     }
 
+    /// Connections open to the server.
     pub fn connections(&self) -> usize {
         self.pool.connections()
     }

@@ -19,7 +19,9 @@ use std::sync::Arc;
 /// Attributes never change while mounted (the export's size is fixed), so the kernel may keep
 /// them long.
 const TTL: Duration = Duration::from_secs(3600);
+/// The root directory's inode.
 pub const DIR: u64 = abi::ROOT_ID;
+/// The export file's inode.
 pub const FILE: u64 = 2;
 
 /// Largest FUSE READ/WRITE asked of the kernel (its `fs.fuse.max_pages_limit` caps it; 1 MiB
@@ -41,12 +43,15 @@ pub enum Outcome {
 /// On the ring both are the entry's payload buffer (the input is used up before the reply is
 /// written); on /dev/fuse they are two halves of the worker's buffer.
 pub struct Buffers<'a> {
+    /// The registered region holding both.
     pub mr: &'a MemoryRegion,
     /// Where the bytes after the op struct (WRITE data) start.
     pub input: usize,
+    /// Bytes of input from `input` on.
     pub input_len: usize,
     /// Where the reply goes, and how much fits.
     pub out: usize,
+    /// Reply bytes that fit from `out` on.
     pub out_cap: usize,
 }
 
@@ -61,6 +66,7 @@ impl Buffers<'_> {
     }
 }
 
+/// The file system: a root directory holding one file, the export.
 pub struct NbdFs {
     export: Arc<Export>,
     name: Vec<u8>,
@@ -124,6 +130,7 @@ impl NbdFs {
         }
     }
 
+    /// The export behind the file.
     pub fn export(&self) -> &Arc<Export> {
         &self.export
     }
