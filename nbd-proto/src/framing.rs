@@ -23,7 +23,6 @@ mod server;
 pub use client::{
     ClientPhase, DataAt, ReadChunk, client_data_at, client_need, client_read_chunk, reply_cookie,
 };
-pub(crate) use server::request_need;
 pub use server::{ServerPhase, server_need};
 
 /// Limits enforced by the framers (bounded memory).
@@ -135,7 +134,7 @@ impl Need {
     }
 }
 
-pub(crate) fn check_len(len: u64, limit: u32) -> Result<usize, FrameError> {
+fn check_len(len: u64, limit: u32) -> Result<usize, FrameError> {
     if len > u64::from(limit) {
         Err(FrameError::TooLong { len, limit })
     } else {

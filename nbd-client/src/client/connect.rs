@@ -77,7 +77,7 @@ impl Client {
         Ok(Client {
             link: Link::new(nic, conn, opts.window, max_io),
             session: ClientSession::with_table(&neg, max_io, opts.window, reads),
-            recovery: Recovery::new(&opts),
+            recovery: Recovery::new(opts.request_timeout, opts.reconnect_timeout),
             done: VecDeque::new(),
             uri,
             info,

@@ -25,10 +25,10 @@
 //! stall and back-off clocks — is nbd-proto's sans-IO [`nbd_proto::transmission::client`]; this crate does
 //! the I/O around it. A [`Client`] is made of parts that each own their state, one a module:
 //! `link` (the connection, the NIC and the send slots: posting requests and waiting for
-//! completions), the session, and `recovery` (liveness, reconnects, failures, and the
-//! reconnect-and-reissue that drives the other two). The rest drive the parts: getting a
-//! client, the handshake and its variants (`connect`), the pipelined API and completion
-//! handling (`pipeline`), and the blocking calls on top (`blocking`). Memory ranges enter
+//! completions), the session, and `recovery` (liveness, reconnects, failures). The rest
+//! drive the parts: getting a client, the handshake and its variants (`connect`), the
+//! pipelined API and completion handling (`pipeline`), a lost connection (`reconnect`:
+//! reconnect, reissue, or fail), and the blocking calls on top (`blocking`). Memory ranges enter
 //! checked ([`MrSlice`]) and are carried down as they are.
 
 use std::collections::VecDeque;
@@ -49,10 +49,11 @@ mod blocking;
 mod connect;
 mod link;
 mod pipeline;
+mod reconnect;
 mod recovery;
 
 use link::Link;
-use recovery::Recovery;
+use recovery::{Failure, Recovery};
 
 pub use nbd_proto::transmission::client::{Extent, Output};
 
@@ -183,15 +184,6 @@ pub struct Reply {
     pub tag: u64,
     /// Its outcome.
     pub result: Result<Output>,
-}
-
-/// Why a client gave up on its server.
-#[derive(Clone, Debug)]
-pub(crate) enum Failure {
-    /// The connection was lost and could not be restored in time.
-    Lost(String),
-    /// The server broke the protocol.
-    Violation(String),
 }
 
 /// An NBD client on one QP connection, made of parts that each own their state: the link

@@ -6,7 +6,8 @@ use nbd_proto::transmission::client::{Delivered, Failed, Stall, Submission};
 use nbd_proto::transmission::{Command, Request};
 use qpip_core::{Completion, Opcode, WcStatus};
 
-use super::{Client, Failure, Op, Reply, STOP_GRACE};
+use super::recovery::Failure;
+use super::{Client, Op, Reply, STOP_GRACE};
 use crate::conn::RECV_BIT;
 use crate::error::{Error, Result};
 

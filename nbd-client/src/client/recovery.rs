@@ -1,32 +1,19 @@
 //! Recovery: the client's part that owns liveness (nbd-proto's
 //! [`nbd_proto::transmission::client::Liveness`] keeps the clocks), the reconnect count and
-//! the failure that ends the client; and a lost connection's handling: reconnect with
-//! exponential back-off and jitter, reissue every request not yet answered, or — once the
-//! server has had its reconnect timeout — fail them all.
+//! the failure that ends the client. The reconnect-and-reissue that drives the other parts
+//! is `reconnect.rs`.
 
 use std::time::{Duration, Instant};
 
-use nbd_proto::handshake::{ClientEvent, ClientHandshake};
-use nbd_proto::transmission::client::{Liveness, Mode, Stall};
+use nbd_proto::transmission::client::{Liveness, Stall};
 
-use super::{Client, ClientOptions, Failure, Reply};
-use crate::conn::Conn;
-
-/// A random number for the back-off's jitter.
-fn random() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    std::collections::hash_map::RandomState::new()
-        .build_hasher()
-        .finish()
-}
-
-/// How one reconnect attempt went.
-enum Attempt {
-    Reconnected,
-    /// Why not; try again.
-    Failed(String),
-    /// Why not; trying again cannot help.
-    Hopeless(String),
+/// Why a client gave up on its server.
+#[derive(Clone, Debug)]
+pub(crate) enum Failure {
+    /// The connection was lost and could not be restored in time.
+    Lost(String),
+    /// The server broke the protocol.
+    Violation(String),
 }
 
 /// Whether the server is alive, how often it came back, and why the client gave up.
@@ -40,9 +27,11 @@ pub(super) struct Recovery {
 }
 
 impl Recovery {
-    pub(super) fn new(opts: &ClientOptions) -> Self {
+    /// Replies are awaited `request_timeout` (None: forever) and a lost server
+    /// `reconnect_timeout`.
+    pub(super) fn new(request_timeout: Option<Duration>, reconnect_timeout: Duration) -> Self {
         Recovery {
-            liveness: Liveness::new(Instant::now(), opts.request_timeout, opts.reconnect_timeout),
+            liveness: Liveness::new(Instant::now(), request_timeout, reconnect_timeout),
             reconnects: 0,
             failed: None,
             server_stopping: false,
@@ -52,6 +41,26 @@ impl Recovery {
     /// Why the client gave up, if it has.
     pub(super) fn failed(&self) -> Option<&Failure> {
         self.failed.as_ref()
+    }
+
+    /// The client gives up for good.
+    pub(super) fn fail(&mut self, failure: Failure) {
+        self.failed = Some(failure);
+    }
+
+    /// The connection is lost now: the deadline for restoring it.
+    pub(super) fn lost(&mut self, now: Instant) -> Instant {
+        self.liveness.lost(now)
+    }
+
+    /// How long to wait before the next attempt (`random` for the jitter).
+    pub(super) fn next_wait(&mut self, random: u64) -> Duration {
+        self.liveness.next_wait(random)
+    }
+
+    /// The connection was restored.
+    pub(super) fn reconnected(&mut self) {
+        self.reconnects += 1;
     }
 
     pub(super) fn reconnects(&self) -> u64 {
@@ -96,106 +105,5 @@ impl Recovery {
     /// What a wait without completions means, with `busy` requests in flight or not.
     pub(super) fn stall(&mut self, busy: bool) -> Stall {
         self.liveness.stall(Instant::now(), busy)
-    }
-}
-
-impl Client {
-    /// The connection is gone: reconnect with exponential back-off and jitter, and reissue
-    /// every request not yet answered; once `reconnect_timeout` has passed since the server
-    /// last answered anything, fail them all with EIO.
-    pub(super) fn recover(&mut self, why: String) {
-        if self.recovery.failed.is_some() {
-            return;
-        }
-        tracing::warn!(uri = %self.uri, in_flight = self.session.in_flight(), "connection lost: {why}; reconnecting");
-        self.drop_conn();
-        let start = Instant::now();
-        let deadline = self.recovery.liveness.lost(start);
-        let mut last = why.clone();
-        loop {
-            if self.stopping() {
-                last = "stopping: not reconnecting".into();
-                break;
-            }
-            let wait = self.recovery.liveness.next_wait(random());
-            std::thread::sleep(wait.min(deadline.saturating_duration_since(Instant::now())));
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            match self.reconnect(self.opts.connect_timeout.min(left)) {
-                Attempt::Reconnected => {
-                    self.recovery.reconnects += 1;
-                    tracing::info!(uri = %self.uri, reissued = self.session.in_flight(), after = ?start.elapsed(), "reconnected");
-                    return;
-                }
-                Attempt::Failed(why) => last = why,
-                Attempt::Hopeless(why) => {
-                    last = why;
-                    break;
-                }
-            }
-        }
-        let why = format!("{why}; last attempt: {last}");
-        tracing::error!(uri = %self.uri, "giving up: {why}");
-        self.fail_all(Failure::Lost(why));
-    }
-
-    /// One attempt: a new connection to the same export, and every request in flight sent
-    /// again on it.
-    fn reconnect(&mut self, timeout: Duration) -> Attempt {
-        let hs = ClientHandshake::connect(Self::config(&self.uri, &self.opts));
-        let (conn, neg) = match Conn::open(
-            self.link.nic(),
-            &self.uri,
-            self.session.table(),
-            hs,
-            timeout,
-        ) {
-            Ok((conn, ClientEvent::Connected(neg))) => (conn, neg),
-            Ok(_) => return Attempt::Failed("handshake ended without transmission".into()),
-            Err(e) => return Attempt::Failed(e.to_string()),
-        };
-        if neg.export.size != self.info.size {
-            return Attempt::Hopeless(format!(
-                "export size changed from {} to {}",
-                self.info.size, neg.export.size
-            ));
-        }
-        self.link.attach(conn);
-        for cookie in self.session.reissue(Mode::of(&neg)) {
-            if let Err(e) = self.link.post(&self.session, cookie) {
-                self.drop_conn();
-                return Attempt::Failed(format!("reissuing failed: {e}"));
-            }
-        }
-        Attempt::Reconnected
-    }
-
-    /// The server broke the protocol: no reconnect, every request fails.
-    pub(super) fn give_up(&mut self, why: String) {
-        tracing::error!(uri = %self.uri, "giving up on the server: it broke the protocol: {why}");
-        self.drop_conn();
-        self.fail_all(Failure::Violation(why));
-    }
-
-    /// Closes the connection. The NIC may still be writing READ data into callers' regions
-    /// for a moment: with such reads in flight, wait for its fence before they are reissued
-    /// or failed (the caller then owns the memory again).
-    pub(super) fn drop_conn(&mut self) {
-        if !self.link.detach(self.session.places_data()) {
-            tracing::error!(uri = %self.uri, "the NIC did not confirm in 10 s that it stopped writing into READ buffers");
-        }
-    }
-
-    /// Every request in flight fails with `failure`, and so does every later one.
-    pub(super) fn fail_all(&mut self, failure: Failure) {
-        for tag in self.session.abandon_all() {
-            self.done.push_back(Reply {
-                tag,
-                result: Err(self.failure_error(&failure)),
-            });
-        }
-        self.recovery.failed = Some(failure);
     }
 }

@@ -2,10 +2,8 @@
 //! ends.
 
 use super::{FrameError, FrameLimits, Need, check_len};
-use crate::ProtoError;
 use crate::consts as c;
-use crate::transmission::Request;
-use crate::wire::{be_u32, be_u64};
+use crate::wire::{be_u16, be_u32, be_u64};
 
 /// Which client message a server expects next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -65,42 +63,42 @@ pub fn server_need(phase: ServerPhase, prefix: &[u8], limits: &FrameLimits) -> N
         }
         ServerPhase::Transmission | ServerPhase::TransmissionExtended => {
             let extended = phase == ServerPhase::TransmissionExtended;
-            match request_need(prefix, extended, limits) {
-                Ok((_, body_len)) => Need::Message {
-                    header_len: Request::header_len(extended),
-                    body_len,
-                },
-                Err(need) => need,
+            let (header_len, expected) = if extended {
+                (c::EXTENDED_REQUEST_LEN, c::EXTENDED_REQUEST_MAGIC)
+            } else {
+                (c::REQUEST_LEN, c::REQUEST_MAGIC)
+            };
+            if prefix.len() < header_len {
+                return Need::Header(header_len);
+            }
+            let magic = be_u32(prefix, 0).unwrap_or(0);
+            if magic != expected {
+                return Need::Invalid(FrameError::BadMagic {
+                    expected: expected.into(),
+                    found: magic.into(),
+                });
+            }
+            let flags = be_u16(prefix, 4).unwrap_or(0);
+            let cmd = be_u16(prefix, 6).unwrap_or(0);
+            // Compact: only a WRITE has a payload. Extended: the flag says so, whatever the
+            // command (the server then refuses a command that takes none, after reading it);
+            // a WRITE has one even without the flag, which qemu (10) does not set.
+            let payload = if extended {
+                (flags & c::CMD_FLAG_PAYLOAD_LEN != 0 || cmd == c::CMD_WRITE)
+                    .then(|| be_u64(prefix, 24).unwrap_or(0))
+            } else {
+                (cmd == c::CMD_WRITE).then(|| be_u32(prefix, 24).unwrap_or(0).into())
+            };
+            let body_len = match payload.map(|len| check_len(len, limits.max_write_len)) {
+                None => 0,
+                Some(Ok(n)) => n,
+                Some(Err(e)) => return Need::Invalid(e),
+            };
+            Need::Message {
+                header_len,
+                body_len,
             }
         }
-    }
-}
-
-/// A request header at the start of `prefix`, parsed, with the length of the payload that
-/// follows it; or what the framer answers instead (more bytes, or a disconnect). Compact
-/// headers: only a WRITE has a payload. Extended: the flag says so, whatever the command
-/// (the server then refuses a command that takes none, after reading it); a WRITE has one
-/// even without the flag, which qemu (10) does not set ([`Request::payload_len`]).
-pub(crate) fn request_need(
-    prefix: &[u8],
-    extended: bool,
-    limits: &FrameLimits,
-) -> Result<(Request, usize), Need> {
-    let header_len = Request::header_len(extended);
-    let Some(header) = prefix.get(..header_len) else {
-        return Err(Need::Header(header_len));
-    };
-    let req = match Request::parse(header, extended) {
-        Ok(req) => req,
-        Err(ProtoError::BadMagic { expected, found }) => {
-            return Err(Need::Invalid(FrameError::BadMagic { expected, found }));
-        }
-        // The whole header is there: nothing else can fail.
-        Err(_) => return Err(Need::Invalid(FrameError::Unexpected)),
-    };
-    match check_len(req.payload_len(extended), limits.max_write_len) {
-        Ok(body_len) => Ok((req, body_len)),
-        Err(e) => Err(Need::Invalid(e)),
     }
 }
 

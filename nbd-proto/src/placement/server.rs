@@ -7,9 +7,9 @@
 //! Nothing here allocates: a frame is decided from the header bytes and the machine's own
 //! few fields.
 
-use crate::framing::{FrameError, FrameLimits, Need, ServerPhase, request_need, server_need};
-use crate::transmission::ValidCommand;
+use crate::framing::{FrameError, FrameLimits, Need, ServerPhase, server_need};
 use crate::transmission::server::{Refusal, ServerTransmission, ValidRequest};
+use crate::transmission::{Request, ValidCommand};
 
 /// Which WRITE payloads the transport may place in the export itself (a raw image the NIC
 /// writes into): valid WRITEs of at least `min_len` bytes that start at `from` or later.
@@ -124,13 +124,21 @@ impl ServerPlacement {
         let Some(session) = &self.session else {
             return ServerFrame::Invalid(FrameError::Unexpected);
         };
-        let (req, payload) = match request_need(header, extended, &self.limits) {
-            Ok(found) => found,
-            Err(Need::Header(n)) => return ServerFrame::NeedHeader(n),
-            Err(Need::Invalid(e)) => return ServerFrame::Invalid(e),
-            Err(Need::Message { .. }) => return ServerFrame::Invalid(FrameError::Unexpected),
+        let (header_len, payload) = match server_need(*phase, header, &self.limits) {
+            Need::Header(n) => return ServerFrame::NeedHeader(n),
+            Need::Invalid(e) => return ServerFrame::Invalid(e),
+            Need::Message {
+                header_len,
+                body_len,
+            } => (header_len, body_len),
         };
-        let header_len = crate::transmission::Request::header_len(extended);
+        // The framer saw the whole header and its magic: it parses.
+        let Some(Ok(req)) = header
+            .get(..header_len)
+            .map(|h| Request::parse(h, extended))
+        else {
+            return ServerFrame::Invalid(FrameError::Unexpected);
+        };
         let request = session.check(&req);
         if let Ok(valid) = request
             && let Some((offset, len)) = self.placed(&valid, payload)

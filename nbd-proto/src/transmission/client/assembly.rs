@@ -3,8 +3,8 @@
 //! check says — or, for READ data the transport already placed into the caller's registered
 //! memory, only checked to be where they belong.
 
-use crate::ProtoError;
 use crate::consts as c;
+use crate::error::ProtoError;
 use crate::peer_text::printable;
 use crate::transmission::client::reply_check::{ReplyCheck, ReplyError, Step, Unanswered};
 use crate::transmission::{Command, ErrorValue, Request};

@@ -6,8 +6,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use super::Violation;
-use super::assembly::{Entry, Framing};
+use super::assembly::{Entry, Framing, ReadTarget, Violation};
 
 /// The requests in flight of one [`super::ClientSession`], a handle to share with the
 /// transport's framer: clones name the same table.
@@ -51,7 +50,7 @@ pub(crate) struct Table<R> {
     pub structured: bool,
 }
 
-impl<R: super::ReadTarget> Table<R> {
+impl<R: ReadTarget> Table<R> {
     pub(crate) fn entry(&mut self, cookie: u64) -> Result<&mut Entry<R>, Violation> {
         self.entries
             .get_mut(&cookie)
