@@ -15,12 +15,16 @@ use serde_json::{Value, json};
 
 use crate::progress::Progress;
 
+mod nbd;
+
 /// How much to run.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Sizes {
     pub rtt_rounds: u64,
     pub ttcp_bytes: u64,
     pub ttcp_msg: usize,
+    /// Bytes each NBD run reads or writes.
+    pub nbd_bytes: u64,
 }
 
 impl Sizes {
@@ -30,6 +34,8 @@ impl Sizes {
             rtt_rounds: 100,
             ttcp_bytes: 640 * 16384,
             ttcp_msg: 16384,
+            // 80 requests of 124 KiB: 10.2 MB, as much as ttcp moves.
+            nbd_bytes: 80 * 126_976,
         }
     }
     /// Seconds even in a debug build (smoke tests).
@@ -38,6 +44,7 @@ impl Sizes {
             rtt_rounds: 10,
             ttcp_bytes: 32 * 16384,
             ttcp_msg: 16384,
+            nbd_bytes: 8 * 126_976,
         }
     }
 }
@@ -142,6 +149,100 @@ fn with_checksum_cycles(p: &LanaiParams, cycles_per_word: f64) -> LanaiParams {
     p
 }
 
+type RttFn<'a> = dyn Fn(&LanaiParams, Proto, PingPort) -> Result<(f64, Utilisation)> + 'a;
+type BulkFn<'a> = dyn Fn(&LanaiParams, &FabricParams, usize, usize) -> Result<TtcpResult> + 'a;
+type TtcpFn<'a> = dyn Fn(&LanaiParams, &FabricParams) -> Result<TtcpResult> + 'a;
+
+/// Sensitivity: the other plausible ports of ttcp, at each MTU and with the firmware sum.
+fn ttcp_sensitivity(
+    hw: &LanaiParams,
+    fw: &LanaiParams,
+    fabric: &FabricParams,
+    mtus: &[usize],
+    bulk: &BulkFn,
+) -> Result<Value> {
+    let mut sens = serde_json::Map::new();
+    let columns: Vec<(String, &LanaiParams, usize)> = mtus
+        .iter()
+        .map(|&m| (format!("mtu{m}"), hw, m))
+        .chain(std::iter::once(("mtu16384_fw_csum".to_string(), fw, 16384)))
+        .collect();
+    for (key, p, mtu) in &columns {
+        let mut col = serde_json::Map::new();
+        for (sends, recvs) in PORTS {
+            let t = bulk(p, &with_mtu(fabric, *mtu), sends, recvs)?;
+            col.insert(
+                port_key(sends, recvs),
+                json!({"sends_outstanding": sends, "receives_posted": recvs,
+                       "MBps": t.mbps, "bound": bound(&t.utilisation)}),
+            );
+        }
+        sens.insert(key.clone(), Value::Object(col));
+    }
+    Ok(Value::Object(sens))
+}
+
+/// The what-if table, from the LANai 9 as built (`fw`: receive checksum in firmware): each
+/// change's TCP round trip, ttcp and NBD at MTU 16384, the programs as ported.
+fn what_if(
+    fw: &LanaiParams,
+    fabric: &FabricParams,
+    nbd_bytes: u64,
+    rtt: &RttFn,
+    ttcp: &TtcpFn,
+    tick: &dyn Fn(),
+) -> Result<Value> {
+    let mut what_if = serde_json::Map::new();
+    let f16 = with_mtu(fabric, 16384);
+    for (key, label, change) in what_if_rows() {
+        let mut p = fw.clone();
+        change(&mut p);
+        let (r, _) = rtt(&p, Proto::Tcp, PingPort::Blocking)?;
+        let t = ttcp(&p, &f16)?;
+        let mut row = json!({"change": label, "tcp_rtt_us": r, "ttcp_MBps": t.mbps,
+                             "ttcp_bound": bound(&t.utilisation)});
+        for (d, dir) in nbd::DIRS {
+            let n = nbd::one(&setup(p.clone(), &f16), dir, nbd_bytes, |_| {})?;
+            tick();
+            row[format!("nbd_{d}_MBps")] = json!(n.mbps);
+            row[format!("nbd_{d}_bound")] = bound(&n.utilisation);
+        }
+        what_if.insert(key.to_string(), row);
+    }
+    Ok(Value::Object(what_if))
+}
+
+/// ttcp and the TCP round trip at both ends of the firmware checksum's range of cycles per
+/// word, beside the model's (`tcp_fw_us`, `t16fw`).
+fn checksum_range(
+    params: &LanaiParams,
+    fabric: &FabricParams,
+    rtt: &RttFn,
+    ttcp: &TtcpFn,
+    tcp_fw_us: f64,
+    t16fw: &TtcpResult,
+) -> Result<Value> {
+    let [cs_lo, cs_hi] = params.device.firmware_checksum_cycles_per_word_range;
+    let (lo, hi) = (
+        with_checksum_cycles(params, cs_lo),
+        with_checksum_cycles(params, cs_hi),
+    );
+    let f16 = with_mtu(fabric, 16384);
+    let (t_lo, t_hi) = (ttcp(&lo, &f16)?, ttcp(&hi, &f16)?);
+    let (r_lo, r_hi) = (
+        rtt(&lo, Proto::Tcp, PingPort::Blocking)?,
+        rtt(&hi, Proto::Tcp, PingPort::Blocking)?,
+    );
+    Ok(json!({
+        "model": params.device.firmware_checksum_cycles_per_word(),
+        "low": cs_lo,
+        "high": cs_hi,
+        "ttcp_MBps_mtu16384": {"model": t16fw.mbps, "low": t_lo.mbps, "high": t_hi.mbps},
+        "ttcp_bound_mtu16384": {"low": bound(&t_lo.utilisation), "high": bound(&t_hi.utilisation)},
+        "tcp_rtt_us": {"model": tcp_fw_us, "low": r_lo.0, "high": r_hi.0},
+    }))
+}
+
 /// Runs everything; returns the JSON report.
 pub(crate) fn run(
     params: &LanaiParams,
@@ -151,12 +252,13 @@ pub(crate) fn run(
 ) -> Result<Value> {
     let hw = with_checksum(params, ChecksumAt::Hardware);
     let fw = with_checksum(params, ChecksumAt::Firmware);
-    let [cs_lo, cs_hi] = params.device.firmware_checksum_cycles_per_word_range;
     let rows = what_if_rows();
     let mtus = [16384usize, 9000, 1500];
     let bar = std::cell::RefCell::new(progress.steps(
         "virtual-time runs".into(),
-        14 + 2 * rows.len() as u64 + (PORTS.len() * (mtus.len() + 1)) as u64,
+        14 + 4 * rows.len() as u64
+            + (PORTS.len() * (mtus.len() + 1)) as u64
+            + 2 * nbd::rows().len() as u64,
     ));
     let rtt = |p: &LanaiParams, proto: Proto, port: PingPort| -> Result<(f64, Utilisation)> {
         let r = experiments::rtt_ported(&setup(p.clone(), fabric), proto, sizes.rtt_rounds, port)
@@ -189,70 +291,25 @@ pub(crate) fn run(
     let t9 = ttcp(&hw, &with_mtu(fabric, 9000))?;
     let t15 = ttcp(&hw, &with_mtu(fabric, 1500))?;
     let t16fw = ttcp(&fw, &with_mtu(fabric, 16384))?;
-    let t16fw_lo = ttcp(
-        &with_checksum_cycles(params, cs_lo),
-        &with_mtu(fabric, 16384),
+    let csum = checksum_range(params, fabric, &rtt, &ttcp, tcp_fw.0, &t16fw)?;
+    let sens = ttcp_sensitivity(&hw, &fw, fabric, &mtus, &bulk)?;
+    let tick = || bar.borrow_mut().inc(1);
+    let nbd = nbd::run(
+        &setup(hw.clone(), &with_mtu(fabric, 16384)),
+        sizes.nbd_bytes,
+        &tick,
     )?;
-    let t16fw_hi = ttcp(
-        &with_checksum_cycles(params, cs_hi),
-        &with_mtu(fabric, 16384),
-    )?;
-    let tcp_fw_lo = rtt(
-        &with_checksum_cycles(params, cs_lo),
-        Proto::Tcp,
-        PingPort::Blocking,
-    )?;
-    let tcp_fw_hi = rtt(
-        &with_checksum_cycles(params, cs_hi),
-        Proto::Tcp,
-        PingPort::Blocking,
-    )?;
-    // Sensitivity: the other plausible ports of ttcp, at each MTU and with the firmware sum.
-    let mut sens = serde_json::Map::new();
-    let columns: Vec<(String, &LanaiParams, usize)> = mtus
-        .iter()
-        .map(|&m| (format!("mtu{m}"), &hw, m))
-        .chain(std::iter::once((
-            "mtu16384_fw_csum".to_string(),
-            &fw,
-            16384,
-        )))
-        .collect();
-    for (key, p, mtu) in &columns {
-        let mut col = serde_json::Map::new();
-        for (sends, recvs) in PORTS {
-            let t = bulk(p, &with_mtu(fabric, *mtu), sends, recvs)?;
-            col.insert(
-                port_key(sends, recvs),
-                json!({"sends_outstanding": sends, "receives_posted": recvs,
-                       "MBps": t.mbps, "bound": bound(&t.utilisation)}),
-            );
-        }
-        sens.insert(key.clone(), Value::Object(col));
-    }
-    // The what-if table starts from the LANai 9 as built: receive checksum in firmware.
-    let mut what_if = serde_json::Map::new();
-    for (key, label, change) in &rows {
-        let mut p = fw.clone();
-        change(&mut p);
-        let (r, _) = rtt(&p, Proto::Tcp, PingPort::Blocking)?;
-        let t = ttcp(&p, &with_mtu(fabric, 16384))?;
-        what_if.insert(
-            key.to_string(),
-            json!({"change": label, "tcp_rtt_us": r, "ttcp_MBps": t.mbps,
-                   "ttcp_bound": bound(&t.utilisation)}),
-        );
-    }
+    let what_if = what_if(&fw, fabric, sizes.nbd_bytes, &rtt, &ttcp, &tick)?;
     bar.into_inner().finish("done");
     let o = &t16.occupancy;
     let bus = PciBus::new(&params.device);
-    let d = &params.device;
-    Ok(json!({
+    let mut report = json!({
         "app_port": {
             "ttcp": TTCP_PORT,
             "ttcp_sends_outstanding": ps,
             "ttcp_receives_posted": pr,
             "rtt": RTT_PORT,
+            "nbd": nbd::NBD_PORT,
         },
         "rtt_us": {
             "udp": {"hw_csum": udp_hw.0, "fw_csum": udp_fw.0},
@@ -275,14 +332,7 @@ pub(crate) fn run(
             "mtu1500": bound(&t15.utilisation),
             "mtu16384_fw_csum": bound(&t16fw.utilisation),
         },
-        "fw_csum_cycles_per_word": {
-            "model": d.firmware_checksum_cycles_per_word(),
-            "low": cs_lo,
-            "high": cs_hi,
-            "ttcp_MBps_mtu16384": {"model": t16fw.mbps, "low": t16fw_lo.mbps, "high": t16fw_hi.mbps},
-            "ttcp_bound_mtu16384": {"low": bound(&t16fw_lo.utilisation), "high": bound(&t16fw_hi.utilisation)},
-            "tcp_rtt_us": {"model": tcp_fw.0, "low": tcp_fw_lo.0, "high": tcp_fw_hi.0},
-        },
+        "fw_csum_cycles_per_word": csum,
         "ttcp_sensitivity": sens,
         "ttcp_bytes_per_segment": {
             "mtu16384": t16.bytes as f64 / t16.occupancy.packets[0].max(1) as f64,
@@ -315,27 +365,46 @@ pub(crate) fn run(
             "sram_MBps": params.device.clock_mhz * params.device.sram_bytes_per_cycle as f64,
             "host_send_overhead_us": params.host.send_overhead_us,
             "host_recv_overhead_us": params.host.recv_overhead_us,
+            "host_copy_ns_per_byte": params.host.copy_ns_per_byte,
+            "nbd_bytes": sizes.nbd_bytes,
         },
-    }))
+    });
+    if let (Some(r), Value::Object(n)) = (report.as_object_mut(), nbd) {
+        r.extend(n);
+    }
+    Ok(report)
 }
 
-/// The resource closest to saturation and every resource's utilisation.
+/// Busy at least this share of the time, a resource sets the rate; below it, nothing is
+/// saturated and what sets the rate is the programs' waits (a reply, an acknowledgement, a
+/// receive posted again), which no single resource's figure shows.
+const SATURATED: f64 = 0.9;
+
+/// The resource closest to saturation, whether it is saturated ([`SATURATED`]), and every
+/// resource's utilisation.
 fn bound(u: &Utilisation) -> Value {
     let (name, util) = experiments::bound(u);
     json!({
         "resource": name,
         "utilisation": util,
+        "saturated": util >= SATURATED,
         "all": u.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
     })
 }
 
-/// "PCI read 83 %": what bounds a prediction.
+/// "PCI read 93 %": what bounds a prediction; "waits; staging 62 %" when no resource is
+/// saturated, with the busiest.
 fn bound_cell(v: &Value) -> String {
-    format!(
+    let busiest = format!(
         "{} {:.0} %",
         v["resource"].as_str().unwrap_or("?"),
         100.0 * num(&v["utilisation"])
-    )
+    );
+    if v["saturated"].as_bool().unwrap_or(true) {
+        busiest
+    } else {
+        format!("waits; {busiest}")
+    }
 }
 
 fn num(v: &Value) -> f64 {
@@ -355,9 +424,10 @@ pub(crate) fn table(r: &Value) -> String {
         num(&r["inputs"]["sram_MBps"])
     );
     s += &format!(
-        "Programs as ported (every figure below unless it says otherwise):\n  round trips: {}\n  ttcp: {}\n\n",
+        "Programs as ported (every figure below unless it says otherwise):\n  round trips: {}\n  ttcp: {}\n  NBD: {}\n\n",
         r["app_port"]["rtt"].as_str().unwrap_or("?"),
-        r["app_port"]["ttcp"].as_str().unwrap_or("?")
+        r["app_port"]["ttcp"].as_str().unwrap_or("?"),
+        r["app_port"]["nbd"].as_str().unwrap_or("?")
     );
     s += &format!(
         "{:<30} {:>10} {:>10}   {:<28} {}\n",
@@ -436,6 +506,66 @@ pub(crate) fn table(r: &Value) -> String {
         num(&r["host_cpu_pct_receiver"]),
         num(&r["host_cpu_pct_sender"])
     );
+    s += &ttcp_sensitivity_table(r);
+    s += &nbd::table(r);
+    s += "\nNIC occupancy per packet during ttcp (MTU 16384), µs\n";
+    for (side, kinds) in [("send", ["data", "ack"]), ("recv", ["data", "ack"])] {
+        for kind in kinds {
+            let o = &r["occupancy_us"][side][kind];
+            let Some(m) = o.as_object() else { continue };
+            let parts: Vec<String> = m
+                .iter()
+                .filter(|(k, _)| k.as_str() != "total")
+                .map(|(k, v)| format!("{k} {:.2}", num(v)))
+                .collect();
+            s += &format!(
+                "  {side} {kind:<4} total {:>6.2}: {}\n",
+                num(&o["total"]),
+                parts.join(", ")
+            );
+        }
+    }
+    s += &what_if_table(r);
+    s
+}
+
+/// The what-if table: TCP round trip, ttcp and NBD for each change.
+fn what_if_table(r: &Value) -> String {
+    let mut s = format!(
+        "\nWhat if (from the LANai 9 with its firmware receive checksum; programs as ported)\n\
+         {:<38} {:>10} {:>10} {:<30} {:>9} {:<30} {:>9} {}\n",
+        "change",
+        "TCP RTT µs",
+        "ttcp MB/s",
+        " (bound by)",
+        "NBD read",
+        " (bound by)",
+        "NBD write",
+        " (bound by)"
+    );
+    let Some(m) = r["what_if"].as_object() else {
+        return s;
+    };
+    for (_, row) in what_if_order(m) {
+        let cell = |k: &str| [" (", &bound_cell(&row[k]), ")"].concat();
+        s += &format!(
+            "{:<38} {:>10.1} {:>10.1} {:<30} {:>9.1} {:<30} {:>9.1} {}\n",
+            row["change"].as_str().unwrap_or("?"),
+            num(&row["tcp_rtt_us"]),
+            num(&row["ttcp_MBps"]),
+            cell("ttcp_bound"),
+            num(&row["nbd_read_MBps"]),
+            cell("nbd_read_bound"),
+            num(&row["nbd_write_MBps"]),
+            cell("nbd_write_bound")
+        );
+    }
+    s
+}
+
+/// ttcp's sensitivity to its port, at each MTU.
+fn ttcp_sensitivity_table(r: &Value) -> String {
+    let mut s = String::new();
     s += "\nttcp MB/s (bound by) for other ports of the program: sends outstanding x receives posted\n";
     let cols = ["mtu16384", "mtu9000", "mtu1500", "mtu16384_fw_csum"];
     s += &format!(
@@ -443,7 +573,7 @@ pub(crate) fn table(r: &Value) -> String {
         "sends x receives",
         ["MTU 16384", "MTU 9000", "MTU 1500", "MTU 16384 fw csum"]
             .iter()
-            .map(|h| format!("{h:<26}"))
+            .map(|h| format!("{h:<34}"))
             .collect::<String>()
     );
     for (sends, recvs) in PORTS {
@@ -462,44 +592,12 @@ pub(crate) fn table(r: &Value) -> String {
             .map(|c| {
                 let v = &r["ttcp_sensitivity"][*c][&key];
                 format!(
-                    "{:<26}",
+                    "{:<34}",
                     format!("{:.1} ({})", num(&v["MBps"]), bound_cell(&v["bound"]))
                 )
             })
             .collect();
         s += &format!("{label:<22}{cells}\n");
-    }
-    s += "\nNIC occupancy per packet during ttcp (MTU 16384), µs\n";
-    for (side, kinds) in [("send", ["data", "ack"]), ("recv", ["data", "ack"])] {
-        for kind in kinds {
-            let o = &r["occupancy_us"][side][kind];
-            let Some(m) = o.as_object() else { continue };
-            let parts: Vec<String> = m
-                .iter()
-                .filter(|(k, _)| k.as_str() != "total")
-                .map(|(k, v)| format!("{k} {:.2}", num(v)))
-                .collect();
-            s += &format!(
-                "  {side} {kind:<4} total {:>6.2}: {}\n",
-                num(&o["total"]),
-                parts.join(", ")
-            );
-        }
-    }
-    s += &format!(
-        "\nWhat if (from the LANai 9 with its firmware receive checksum; ttcp as ported)\n{:<38} {:>10} {:>10}   {}\n",
-        "change", "TCP RTT µs", "ttcp MB/s", "ttcp bound by"
-    );
-    if let Some(m) = r["what_if"].as_object() {
-        for (_, row) in what_if_order(m) {
-            s += &format!(
-                "{:<38} {:>10.1} {:>10.1}   {}\n",
-                row["change"].as_str().unwrap_or("?"),
-                num(&row["tcp_rtt_us"]),
-                num(&row["ttcp_MBps"]),
-                bound_cell(&row["ttcp_bound"])
-            );
-        }
     }
     s
 }

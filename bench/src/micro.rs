@@ -51,9 +51,12 @@ pub(crate) struct MicroReport {
     /// polls costs when the cores have other work.
     pub rtt_loaded_us: Rtt,
     pub throughput_MBps: BySize,
+    /// The application threads' own CPU per GB: for QPs without the NIC's work they ran
+    /// while waiting (run to completion), which is counted in `engine_cpu_s_per_GB`.
     pub app_cpu_s_per_GB: BySize,
-    /// NIC engine threads' CPU per GB (QP only; a socket's "engine" is the kernel, which runs
-    /// in the application threads' system time).
+    /// The NIC's work per GB, wherever it ran: engine threads plus application threads
+    /// driving their queues (QP only; a socket's "engine" is the kernel, which runs in the
+    /// application threads' system time).
     pub engine_cpu_s_per_GB: BySize,
     pub repeat: usize,
     pub messages: MicroSizes,
@@ -425,9 +428,9 @@ pub(crate) fn ttcp_qp(bytes: u64, msg: usize) -> Result<Ttcp> {
 
 /// What one one-way stream of QP messages cost.
 struct Stream {
-    /// Sender plus receiver application threads.
+    /// Sender plus receiver application threads, less the NIC work they ran while waiting.
     app_cpu: Duration,
-    /// Both NICs' engine threads.
+    /// Both NICs' work: their engine threads and the application threads' drives.
     engine_cpu: Duration,
     wall: Duration,
 }
@@ -448,12 +451,18 @@ fn stream_qp(msgs: u64, msg: usize, window: usize) -> Result<Stream> {
         .chain(link.b_nic.engine_threads())
         .collect();
     let QpLink {
-        a, b, a_cq, b_cq, ..
+        a,
+        b,
+        a_cq,
+        b_cq,
+        a_nic,
+        b_nic,
     } = link;
     for i in 0..window {
         b.post_recv(RecvWr::new(i as u64, &[rx_mr.sge(i * msg, msg)]))?;
     }
-    let engine0 = cpu::threads(&engines);
+    let driven = || a_nic.driven_cpu() + b_nic.driven_cpu();
+    let (engine0, driven0) = (cpu::threads(&engines), driven());
     let wall = Instant::now();
     let receiver = spawn_on(HOST_B, move || -> Result<Duration> {
         let start = cpu::this_thread();
@@ -490,9 +499,10 @@ fn stream_qp(msgs: u64, msg: usize, window: usize) -> Result<Stream> {
     let recv_cpu = receiver
         .join()
         .map_err(|_| anyhow::anyhow!("receiver panicked"))??;
+    let driven = driven() - driven0;
     Ok(Stream {
-        app_cpu: send_cpu + recv_cpu,
-        engine_cpu: cpu::threads(&engines) - engine0,
+        app_cpu: (send_cpu + recv_cpu).saturating_sub(driven),
+        engine_cpu: cpu::threads(&engines) - engine0 + driven,
         wall: wall.elapsed(),
     })
 }
@@ -736,7 +746,20 @@ pub(crate) fn table(r: &MicroReport) -> String {
     );
     s += &format!(
         "{:<34} {:>12.3} {:>12}  {:<8}\n",
-        "NIC engine CPU per GB, 128 KiB", r.engine_cpu_s_per_GB.k128.qp, "(kernel)", "s/GB"
+        "NIC work CPU per GB, 128 KiB", r.engine_cpu_s_per_GB.k128.qp, "(kernel)", "s/GB"
+    );
+    let every = |size: &str, app: Pair, nic: Pair| {
+        let p = Pair {
+            qp: app.qp + nic.qp,
+            socket: app.socket,
+        };
+        row(&format!("every thread CPU per GB, {size}"), "s/GB", p, true)
+    };
+    s += &every("16 KiB", r.app_cpu_s_per_GB.k16, r.engine_cpu_s_per_GB.k16);
+    s += &every(
+        "128 KiB",
+        r.app_cpu_s_per_GB.k128,
+        r.engine_cpu_s_per_GB.k128,
     );
     s
 }

@@ -112,5 +112,49 @@ fn lanai_json_has_every_prediction_and_is_deterministic() {
         v["what_if"]["all"]["tcp_rtt_us"].as_f64()
             < v["what_if"]["baseline"]["tcp_rtt_us"].as_f64()
     );
+    // The storage experiment: each direction as ported, with its bound and its port.
+    let resources = [
+        "wire",
+        "PCI read",
+        "PCI write",
+        "NIC processor",
+        "staging",
+        "rx staging",
+        "host CPU",
+    ];
+    assert!(v["app_port"]["nbd"].as_str().is_some_and(|s| !s.is_empty()));
+    for d in ["read", "write"] {
+        positive(&v, &["nbd_MBps", d]);
+        let b = &v["nbd_bound"][d];
+        assert!(
+            resources.contains(&b["resource"].as_str().unwrap_or("")),
+            "{b}"
+        );
+        assert!(b["saturated"].is_boolean(), "{b}");
+        positive(&v, &["nbd_host_cpu_pct", d, "server"]);
+        for row in [
+            "as_ported",
+            "depth1",
+            "depth2",
+            "depth64",
+            "sends_free",
+            "direct",
+            "server_ahead",
+            "no_copy",
+            "pipelined",
+        ] {
+            positive(&v, &["nbd_sensitivity", row, d, "MBps"]);
+        }
+        for row in ["baseline", "all"] {
+            positive(&v, &["what_if", row, &format!("nbd_{d}_MBps")]);
+        }
+    }
+    // As ported, a sequential read has one request outstanding, writes use their slots.
+    assert_eq!(v["nbd_max_in_flight"]["read"], 1);
+    let w = positive(&v, &["nbd_max_in_flight", "write"]);
+    assert!(
+        w > 1.0 && w <= positive(&v, &["nbd_port", "write_depth"]),
+        "{w}"
+    );
     assert_eq!(v, run(), "two runs differ");
 }

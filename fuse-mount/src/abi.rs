@@ -18,6 +18,12 @@ pub const KERNEL_VERSION: u32 = 7;
 pub const KERNEL_MINOR_VERSION: u32 = 42;
 /// The root directory's node id.
 pub const ROOT_ID: u64 = 1;
+/// The kernel should drop an inode's cached attributes and page-cache range
+/// (`fuse_notify_code`'s FUSE_NOTIFY_INVAL_INODE, in the error field of an unsolicited
+/// message).
+pub const NOTIFY_INVAL_INODE: i32 = 2;
+/// The kernel should drop a name's cached directory entry (FUSE_NOTIFY_INVAL_ENTRY).
+pub const NOTIFY_INVAL_ENTRY: i32 = 3;
 /// The smallest read buffer /dev/fuse accepts.
 pub const MIN_READ_BUFFER: usize = 8192;
 
@@ -118,6 +124,8 @@ pod! {
         total_extlen: u16, padding: u16,
     }
     fuse_out_header { len: u32, error: i32, unique: u64 }
+    fuse_notify_inval_inode_out { ino: u64, off: i64, len: i64 }
+    fuse_notify_inval_entry_out { parent: u64, namelen: u32, flags: u32 }
     fuse_init_in {
         major: u32, minor: u32, max_readahead: u32, flags: u32, flags2: u32, unused: [u32; 11],
     }

@@ -82,6 +82,47 @@ pub fn reply(fd: RawFd, unique: u64, result: Result<(&MemoryRegion, usize, usize
     }
 }
 
+/// Tells the kernel to drop node `ino`'s cached attributes and its page cache from `off`
+/// (`len` 0: to the end); its next stat asks us again. Not from a request's handler: the
+/// kernel may wait there for pages that request holds.
+pub fn notify_inval_inode(fd: RawFd, ino: u64, off: i64, len: i64) -> io::Result<()> {
+    let body = abi::fuse_notify_inval_inode_out { ino, off, len };
+    notify(fd, abi::NOTIFY_INVAL_INODE, &[bytes_of(&body)])
+}
+
+/// Tells the kernel to drop its cached entry for `name` in directory `parent`: the next
+/// lookup of the name asks us again.
+pub fn notify_inval_entry(fd: RawFd, parent: u64, name: &[u8]) -> io::Result<()> {
+    let body = abi::fuse_notify_inval_entry_out {
+        parent,
+        namelen: name.len() as u32,
+        flags: 0,
+    };
+    // The kernel reads the name with its terminating NUL.
+    notify(fd, abi::NOTIFY_INVAL_ENTRY, &[bytes_of(&body), name, &[0]])
+}
+
+/// Writes one unsolicited message (`code` in the error field, unique 0) made of `parts`.
+fn notify(fd: RawFd, code: i32, parts: &[&[u8]]) -> io::Result<()> {
+    let len = size_of::<fuse_out_header>() + parts.iter().map(|p| p.len()).sum::<usize>();
+    let h = fuse_out_header {
+        len: len as u32,
+        error: code,
+        unique: 0,
+    };
+    let mut msg = Vec::with_capacity(len);
+    msg.extend_from_slice(bytes_of(&h));
+    for p in parts {
+        msg.extend_from_slice(p);
+    }
+    // SAFETY: msg is live for the duration of the call.
+    let r = unsafe { libc::write(fd, msg.as_ptr().cast(), msg.len()) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Handles one message the worker read into `mr`.
 pub fn serve_one(fd: RawFd, fs: &NbdFs, mr: &MemoryRegion, n: usize) {
     // SAFETY: the first `n` bytes were just written by read(2); nothing writes them while

@@ -38,6 +38,27 @@ impl Export {
         self.pool.caps()
     }
 
+    /// The export's size now: the size at mount time until a reconnect finds it resized.
+    pub fn size(&self) -> u64 {
+        self.pool.size()
+    }
+
+    /// The server offers RESIZE on the export (its size may change under the mount).
+    pub fn resizable(&self) -> bool {
+        self.pool.resizable()
+    }
+
+    /// Asks the server for the export's size now (a handshake of its own, NBD_OPT_INFO).
+    pub fn probe_size(&self) -> Option<u64> {
+        match self.pool.probe_size() {
+            Ok(n) => Some(n),
+            Err(e) => {
+                tracing::debug!("asking the server for the export's size: {e}");
+                None
+            }
+        }
+    }
+
     /// Connections open to the server.
     pub fn connections(&self) -> usize {
         self.pool.connections()

@@ -4,8 +4,10 @@
 //! brought it. Its buffers are registered memory ([`Buffers`]): READ data is asked of the
 //! server straight into the buffer that goes back to the kernel, WRITE data is sent to the
 //! server from the buffer the kernel filled. Metadata never reaches the server: it is fixed at
-//! mount time.
+//! mount time, but for the file's size, which follows the export's (a reconnect may find it
+//! resized: [`NbdFs::size_changed`]).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use qpip_core::MemoryRegion;
@@ -16,8 +18,8 @@ use crate::proto::Op;
 use nbd_client::MrSlice;
 use std::sync::Arc;
 
-/// Attributes never change while mounted (the export's size is fixed), so the kernel may keep
-/// them long.
+/// Attributes change only when the export is found resized, and the kernel is then told
+/// ([`NbdFs::size_changed`]), so it may keep them long.
 const TTL: Duration = Duration::from_secs(3600);
 /// The root directory's inode.
 pub const DIR: u64 = abi::ROOT_ID;
@@ -74,6 +76,9 @@ pub struct NbdFs {
     file: fuse_attr,
     /// The file is opened with FOPEN_DIRECT_IO (`--cache none`).
     direct_io: bool,
+    /// The file's node id now: [`FILE`] until the export is found resized under a writeback
+    /// cache ([`NbdFs::renew_file_node`]); the earlier ones stay served (files open then).
+    file_node: AtomicU64,
 }
 
 fn entry_out(attr: &fuse_attr) -> abi::fuse_entry_out {
@@ -127,7 +132,32 @@ impl NbdFs {
             dir,
             file,
             direct_io,
+            file_node: AtomicU64::new(FILE),
         }
+    }
+
+    /// The file's name in the mount point.
+    pub fn name(&self) -> &[u8] {
+        &self.name
+    }
+
+    /// Whether `ino` is the file: its node id now, or an earlier one still open.
+    fn is_file(&self, ino: u64) -> bool {
+        (FILE..=self.file_node.load(Ordering::SeqCst)).contains(&ino)
+    }
+
+    /// The export was found resized and the kernel keeps the file's size itself (a
+    /// writeback cache, where it never takes a size from us for an inode it holds): the
+    /// file gets a new node id, which the next lookup of its name returns with the new size
+    /// (once the kernel has dropped the name's cached entry). Files open before keep their
+    /// old node, and their size. Returns the new node id.
+    pub fn renew_file_node(&self) -> u64 {
+        self.file_node.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// The file's node id now.
+    pub fn file_node(&self) -> u64 {
+        self.file_node.load(Ordering::SeqCst)
     }
 
     /// The export behind the file.
@@ -135,16 +165,39 @@ impl NbdFs {
         &self.export
     }
 
-    fn attr(&self, ino: u64) -> Option<&fuse_attr> {
-        match ino {
-            DIR => Some(&self.dir),
-            FILE => Some(&self.file),
-            _ => None,
+    fn attr(&self, ino: u64) -> Option<fuse_attr> {
+        if ino == DIR {
+            return Some(self.dir);
         }
+        if !self.is_file(ino) {
+            return None;
+        }
+        let size = self.size();
+        Some(fuse_attr {
+            ino,
+            size,
+            blocks: size / 512,
+            ..self.file
+        })
     }
 
+    /// The file's attributes under its node id now.
+    fn file_attr(&self) -> fuse_attr {
+        self.attr(self.file_node()).unwrap_or(self.file)
+    }
+
+    /// The export's size now (a reconnect may have found it resized).
     fn size(&self) -> u64 {
-        self.file.size
+        self.export.size()
+    }
+
+    /// The export's size if it differs from `known` (what the kernel was last told): the
+    /// caller then drops the kernel's attributes and pages of the file
+    /// ([`crate::dev::notify_inval_inode`]), so that `stat` shows the new size and no byte
+    /// past a shrunk end is served from the page cache.
+    pub fn size_changed(&self, known: u64) -> Option<u64> {
+        let now = self.size();
+        (now != known).then_some(now)
     }
 
     fn read_only(&self) -> bool {
@@ -159,7 +212,7 @@ impl NbdFs {
             Op::Forget | Op::Interrupt { .. } => Silent,
             Op::Lookup { name } => {
                 if ino == DIR && *name == self.name {
-                    buf.put(bytes_of(&entry_out(&self.file)))
+                    buf.put(bytes_of(&entry_out(&self.file_attr())))
                 } else {
                     Error(libc::ENOENT)
                 }
@@ -167,7 +220,7 @@ impl NbdFs {
             Op::Getattr => match self.attr(ino) {
                 Some(a) => buf.put(bytes_of(&abi::fuse_attr_out {
                     attr_valid: TTL.as_secs(),
-                    attr: *a,
+                    attr: a,
                     ..Default::default()
                 })),
                 None => Error(libc::ENOENT),
@@ -175,13 +228,13 @@ impl NbdFs {
             Op::Setattr(s) => match self.setattr(ino, s) {
                 Ok(a) => buf.put(bytes_of(&abi::fuse_attr_out {
                     attr_valid: TTL.as_secs(),
-                    attr: *a,
+                    attr: a,
                     ..Default::default()
                 })),
                 Err(e) => Error(e),
             },
             Op::Open { flags } => {
-                if ino != FILE {
+                if !self.is_file(ino) {
                     return Error(libc::EISDIR);
                 }
                 let flags = *flags as i32;
@@ -242,10 +295,10 @@ impl NbdFs {
 
     /// The size is the export's: truncation to any other size is EINVAL (as for a block
     /// device); ownership and mode cannot change (EPERM); times are accepted and ignored.
-    fn setattr(&self, ino: u64, s: &abi::fuse_setattr_in) -> Result<&fuse_attr, i32> {
+    fn setattr(&self, ino: u64, s: &abi::fuse_setattr_in) -> Result<fuse_attr, i32> {
         let attr = self.attr(ino).ok_or(libc::ENOENT)?;
         if s.valid & abi::FATTR_SIZE != 0 {
-            if ino != FILE {
+            if !self.is_file(ino) {
                 return Err(libc::EISDIR);
             }
             if self.read_only() {
@@ -265,7 +318,7 @@ impl NbdFs {
     }
 
     fn read(&self, ino: u64, offset: u64, size: u32, buf: &Buffers) -> Outcome {
-        if ino != FILE {
+        if !self.is_file(ino) {
             return Outcome::Error(libc::EISDIR);
         }
         let len = u64::from(size)
@@ -287,7 +340,7 @@ impl NbdFs {
     /// Writes past the end are ENOSPC; one that straddles the end is short, as on a block
     /// device.
     fn write(&self, ino: u64, offset: u64, size: u32, data: usize, buf: &Buffers) -> Outcome {
-        if ino != FILE {
+        if !self.is_file(ino) {
             return Outcome::Error(libc::EISDIR);
         }
         if self.read_only() {
@@ -320,10 +373,11 @@ impl NbdFs {
         if ino != DIR {
             return Outcome::Error(libc::ENOTDIR);
         }
+        let file = self.file_attr();
         let entries: [(&fuse_attr, &[u8], u32); 3] = [
             (&self.dir, b".", libc::DT_DIR.into()),
             (&self.dir, b"..", libc::DT_DIR.into()),
-            (&self.file, &self.name, libc::DT_REG.into()),
+            (&file, &self.name, libc::DT_REG.into()),
         ];
         let cap = (size as usize).min(buf.out_cap);
         let mut out = Vec::with_capacity(512);
@@ -358,7 +412,7 @@ impl NbdFs {
     /// zeroes wherever the server does not report them); ZERO_RANGE → WRITE_ZEROES. Nothing can
     /// grow the file; other modes are EOPNOTSUPP.
     fn fallocate(&self, ino: u64, offset: u64, length: u64, mode: i32) -> Result<(), i32> {
-        if ino != FILE {
+        if !self.is_file(ino) {
             return Err(libc::EISDIR);
         }
         if self.read_only() {

@@ -28,7 +28,11 @@ use qpip_cli::NicArgs;
         The export appears inside MOUNTPOINT as a file named after the export (\"nbd\" for the \
         empty export name) with the export's size. read and write go to the server, fsync is \
         NBD FLUSH, fallocate PUNCH_HOLE is NBD TRIM (the range then reads as zeroes) and \
-        ZERO_RANGE is WRITE_ZEROES. The file cannot change size. A read-only export (or \
+        ZERO_RANGE is WRITE_ZEROES. truncate cannot change the file's size, but it follows the \
+        export's: when a reconnect finds the export resized, or (for exports that offer NBD's \
+        RESIZE, such as qpip-nbd-server's rbd: exports) the server says so when asked every \
+        2 s, stat shows the new size and the page cache past a shrunk end is dropped (with \
+        the writeback cache, files opened before keep their size). A read-only export (or \
         --read-only) gives a read-only mount and a 0444 file. The file can be used with \
         losetup, mkfs and mount like a disk.\n\n\
         Runs in the foreground until the file system is unmounted (fusermount3 -u MOUNTPOINT, \

@@ -353,6 +353,8 @@ impl Session {
                     .spawn(move || dev::worker(fd.as_raw_fd(), &fs, mr))?,
             );
         }
+        let writeback = self.started.agreed.has(abi::WRITEBACK_CACHE);
+        let size_watch = watch_size(self.fd.clone(), self.fs.clone(), writeback);
         let mut first_err = None;
         for h in handles {
             match h.join() {
@@ -366,9 +368,80 @@ impl Session {
                 }
             }
         }
+        // The watch holds the export: it ends (and lets it go) before we return.
+        if let Some((stop, h)) = size_watch {
+            drop(stop);
+            let _ = h.join();
+        }
         match first_err {
             Some(e) => Err(e),
             None => Ok(()),
+        }
+    }
+}
+
+/// How often the size watch looks at the export's size.
+const SIZE_WATCH: std::time::Duration = std::time::Duration::from_millis(200);
+/// How often it asks the server, where the export offers RESIZE (its size may change).
+const SIZE_PROBE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Follows the export's size: when a reconnect finds it resized (a server restarted on a
+/// grown or shrunk image), or, for an export that offers RESIZE (`rbd:` exports), the size
+/// the server gives a probe every [`SIZE_PROBE`] differs (`rbd resize` under a running
+/// server), the kernel is told to drop the file's attributes and its page cache
+/// (FUSE_NOTIFY_INVAL_INODE), so that `stat` shows the new size and no cached byte past a
+/// shrunk end is read again. Under a writeback cache, where the kernel keeps an inode's
+/// size itself, the file also gets a new node id and its name's entry is dropped
+/// (FUSE_NOTIFY_INVAL_ENTRY): opening it again gives the new size. From its own thread: the kernel may wait in
+/// the notification for pages that a request being served holds. Ends when the returned
+/// sender is dropped.
+fn watch_size(
+    fd: Arc<OwnedFd>,
+    fs: Arc<NbdFs>,
+    writeback: bool,
+) -> Option<(mpsc::Sender<()>, std::thread::JoinHandle<()>)> {
+    let (stop, stopped) = mpsc::channel::<()>();
+    let spawned = std::thread::Builder::new()
+        .name("fuse-size".into())
+        .spawn(move || {
+            let mut known = fs.export().size();
+            let mut probed = std::time::Instant::now();
+            while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(SIZE_WATCH) {
+                if fs.export().resizable() && probed.elapsed() >= SIZE_PROBE {
+                    fs.export().probe_size();
+                    probed = std::time::Instant::now();
+                }
+                let Some(now) = fs.size_changed(known) else {
+                    continue;
+                };
+                let old_node = fs.file_node();
+                let mut told = dev::notify_inval_inode(fd.as_raw_fd(), old_node, 0, 0);
+                if writeback && told.is_ok() {
+                    fs.renew_file_node();
+                    told = dev::notify_inval_entry(fd.as_raw_fd(), crate::fs::DIR, fs.name());
+                }
+                match told {
+                    Ok(()) => {
+                        tracing::info!(
+                            "the export is now {now} bytes (was {known}): the file follows"
+                        );
+                    }
+                    // Unmounted.
+                    Err(e) if e.raw_os_error() == Some(libc::ENODEV) => return,
+                    // ENOENT: the kernel holds no inode for the file; it asks afresh.
+                    Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+                    Err(e) => {
+                        tracing::warn!("telling the kernel the file is now {now} bytes: {e}")
+                    }
+                }
+                known = now;
+            }
+        });
+    match spawned {
+        Ok(h) => Some((stop, h)),
+        Err(e) => {
+            tracing::warn!("the file will not follow the export's size: starting its thread: {e}");
+            None
         }
     }
 }

@@ -14,9 +14,11 @@
 //! size above 1.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::{Mutex, RwLock};
+
+use nbd_proto::transmission::ErrorValue;
 
 use crate::client::{Client, ClientOptions};
 use crate::error::{Error, Result};
@@ -31,7 +33,8 @@ thread_local! {
     static PREFERRED: Cell<Option<usize>> = const { Cell::new(None) };
 }
 
-/// What the export supports, fixed at connect time.
+/// What the export supports, fixed at connect time (its size as it was then: the current
+/// one is [`Pool::size`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Caps {
     /// The export's size in bytes.
@@ -74,6 +77,14 @@ pub struct Pool {
     opts: ClientOptions,
     conns: Vec<Mutex<Client>>,
     caps: Caps,
+    /// The export's size as the connection that last heard it says (a reconnect may find
+    /// the export resized).
+    size: AtomicU64,
+    /// Each connection's size when last noted: a change in one is news, a connection that
+    /// has not reconnected yet (still at the old size) is not.
+    sizes: Vec<AtomicU64>,
+    /// The server offers RESIZE: the export's size may change (an RBD image).
+    resizable: bool,
     next: AtomicUsize,
     /// Shared by aligned writes, exclusive for read-modify-write.
     rmw: RwLock<()>,
@@ -104,6 +115,9 @@ impl Pool {
         Ok(Pool {
             uri: first.uri().clone(),
             caps: Caps::of(&first, false),
+            size: AtomicU64::new(first.size()),
+            sizes: vec![AtomicU64::new(first.size())],
+            resizable: first.can_resize(),
             conns: vec![Mutex::new(first)],
             opts,
             next: AtomicUsize::new(0),
@@ -115,6 +129,7 @@ impl Pool {
     /// server does not keep the connections' caches coherent).
     pub fn add_connection(&mut self) -> Result<()> {
         let c = Client::connect_with(&self.uri.to_string(), self.opts.clone())?;
+        self.sizes.push(AtomicU64::new(c.size()));
         self.conns.push(Mutex::new(c));
         Ok(())
     }
@@ -127,6 +142,52 @@ impl Pool {
     /// What the export supports.
     pub fn caps(&self) -> &Caps {
         &self.caps
+    }
+
+    /// The export's size now: what a connection was told when it last (re)connected. After
+    /// `rbd resize` and a reconnect it is the new size; a connection that has not reconnected
+    /// yet still refuses requests past its own old end.
+    pub fn size(&self) -> u64 {
+        self.size.load(Ordering::SeqCst)
+    }
+
+    /// Another connection found the export resized when it reconnected (a restarted
+    /// server), or a probe did: this one, still at the old size, would refuse requests past
+    /// its old end before sending them, so it looks at its connection first (if the server
+    /// closed it, it reconnects now and learns the new size too), and reconnects if it is
+    /// still at the old size.
+    fn catch_up(&self, c: &mut Client) {
+        c.catch_up_size(self.size());
+    }
+
+    /// The server offers NBD's RESIZE on the export: its size may change under us.
+    pub fn resizable(&self) -> bool {
+        self.resizable
+    }
+
+    /// Asks the server for the export's size on a connection of its own that never enters
+    /// transmission (NBD_OPT_INFO), and makes it [`Self::size`]: the connections still at
+    /// another size reconnect before their next request ([`Self::catch_up`]). For exports
+    /// whose size changes while nobody reconnects (`rbd resize` under a running server).
+    pub fn probe_size(&self) -> Result<u64> {
+        let now = Client::info_with(&self.uri.to_string(), &self.opts)?.size;
+        let before = self.size.swap(now, Ordering::SeqCst);
+        if before != now {
+            tracing::info!(uri = %self.uri, "the export is now {now} bytes (was {before})");
+        }
+        Ok(now)
+    }
+
+    /// Notes connection `i`'s size after a call on it.
+    fn note_size(&self, i: usize, c: &Client) {
+        let now = c.size();
+        if self.sizes[i].swap(now, Ordering::SeqCst) == now {
+            return;
+        }
+        let before = self.size.swap(now, Ordering::SeqCst);
+        if before != now {
+            tracing::info!(uri = %self.uri, "the export is now {now} bytes (was {before})");
+        }
     }
 
     /// The server's URI.
@@ -159,10 +220,36 @@ impl Pool {
             let i = (start + k) % n;
             if let Some(mut c) = self.conns[i].try_lock() {
                 PREFERRED.with(|p| p.set(Some(i)));
-                return f(&mut c);
+                self.catch_up(&mut c);
+                let r = f(&mut c);
+                self.note_size(i, &c);
+                return r;
             }
         }
-        f(&mut self.conns[start].lock())
+        let mut c = self.conns[start].lock();
+        self.catch_up(&mut c);
+        let r = f(&mut c);
+        self.note_size(start, &c);
+        r
+    }
+
+    /// [`Self::with`] for a read or write inside the export as the connection knows it: a
+    /// refusal as if it were past the end (EINVAL for a read, ENOSPC for a write) says the
+    /// export shrank under the connection (`rbd resize`; NBD cannot tell an open
+    /// connection), so the connection is made again to learn the size now, which
+    /// [`Self::size`] then says. The request itself still fails.
+    fn with_io<R>(&self, f: impl FnOnce(&mut Client) -> Result<R>) -> Result<R> {
+        self.with(|c| {
+            let r = f(c);
+            if let Err(Error::Server {
+                error: ErrorValue::Inval | ErrorValue::NoSpc,
+                ..
+            }) = &r
+            {
+                c.relearn_size();
+            }
+            r
+        })
     }
 
     fn writable(&self) -> Result<()> {
@@ -176,9 +263,9 @@ impl Pool {
     pub fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>> {
         let min = self.caps.min_block;
         let start = offset - offset % min;
-        let end = (offset + len).next_multiple_of(min).min(self.caps.size);
+        let end = (offset + len).next_multiple_of(min).min(self.size());
         let mut buf = vec![0u8; (end - start) as usize];
-        self.with(|c| c.read_at(start, &mut buf))?;
+        self.with_io(|c| c.read_at(start, &mut buf))?;
         if start != offset || end != offset + len {
             let at = (offset - start) as usize;
             buf.copy_within(at..at + len as usize, 0);
@@ -193,7 +280,7 @@ impl Pool {
         let min = self.caps.min_block;
         let len = into.len() as u64;
         if offset.is_multiple_of(min) && len.is_multiple_of(min) {
-            return self.with(|c| c.read_into(offset, into));
+            return self.with_io(|c| c.read_into(offset, into));
         }
         let buf = self.read(offset, len)?;
         into.mr().write_at(into.at(), &buf);
@@ -207,7 +294,7 @@ impl Pool {
         let min = self.caps.min_block;
         if offset.is_multiple_of(min) && (from.len() as u64).is_multiple_of(min) {
             let _shared = self.rmw.read();
-            return self.with(|c| c.write_from(offset, from, false));
+            return self.with_io(|c| c.write_from(offset, from, false));
         }
         // SAFETY: the caller leaves those bytes alone until this returns; no receive WR
         // names them.
@@ -222,7 +309,7 @@ impl Pool {
         let len = data.len() as u64;
         if offset.is_multiple_of(min) && len.is_multiple_of(min) {
             let _shared = self.rmw.read();
-            return self.with(|c| c.write_at(offset, data, false));
+            return self.with_io(|c| c.write_at(offset, data, false));
         }
         let _exclusive = self.rmw.write();
         let start = offset - offset % min;

@@ -1,6 +1,7 @@
 //! An export: a named disk the server offers (any [`Store`]), with its registered memory.
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
 
 use nbd_proto::flags::TransmissionFlags;
 use qpip_core::{Access, FileRegion, MemoryRegion, Nic};
@@ -22,6 +23,9 @@ pub struct Export {
     pub file_region: Option<FileRegion>,
     /// Writes below this offset are not placed in `file_region` ([`Store::placement_from`]).
     pub place_from: u64,
+    /// Connections in their transmission phase on this export (a RESIZE that shrinks it is
+    /// refused while others are open).
+    pub connections: AtomicUsize,
 }
 
 impl Export {
@@ -44,6 +48,7 @@ impl Export {
             region,
             file_region,
             place_from,
+            connections: AtomicUsize::new(0),
         })
     }
 
@@ -68,6 +73,10 @@ impl Export {
             f |= TransmissionFlags::SEND_TRIM
                 | TransmissionFlags::SEND_WRITE_ZEROES
                 | TransmissionFlags::SEND_FAST_ZERO;
+            // NBD's experimental RESIZE: where the store can change its size (RBD).
+            if self.store.can_resize() {
+                f |= TransmissionFlags::SEND_RESIZE;
+            }
         }
         f
     }

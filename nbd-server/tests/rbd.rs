@@ -947,3 +947,332 @@ fn rbd_sparse_uploads_with_qemu_img_and_nbdcopy() {
     }
     stop(srv);
 }
+
+/// The image's size as `rbd info` says.
+fn rbd_size(ceph: &Ceph, image: &str) -> u64 {
+    let info = peer_ok(
+        ceph.rbd()
+            .args(["info", "--format", "json", &ceph.spec(image)]),
+    );
+    let at = info
+        .find("\"size\":")
+        .expect("rbd info --format json has a size")
+        + 7;
+    let digits: String = info[at..]
+        .chars()
+        .skip_while(|c| c.is_whitespace())
+        .take_while(|c| c.is_ascii_digit())
+        .collect();
+    digits.parse().unwrap()
+}
+
+/// `qpip-nbd resize URI SIZE`: its output, and whether it succeeded.
+fn qpip_nbd_resize(uri: &str, size: &str) -> (bool, String) {
+    let bin = qpip_test_support::bins::workspace_bin("nbd-client", "qpip-nbd");
+    let out = run_with_timeout(
+        Command::new(bin).args(["resize", uri, size]),
+        Duration::from_secs(60),
+    );
+    (out.status.success(), text(&out))
+}
+
+#[test]
+fn rbd_nbd_resize_extension_grows_and_shrinks_the_image() {
+    use nbd::client::handshake;
+
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ceph) = Ceph::get() else { return };
+    let img = ceph.image("nbdresize", 32 * MIB);
+    let args = ceph.server_args(&[("disk", &img.name)]);
+    let srv = start_server_v4(&args);
+    let uri = srv.uri("disk");
+    qemu_io(&uri, &["write -P 0x21 0 1M", "flush"]);
+
+    // Grow through NBD: the image grows, the connection that asked may use it at once
+    // (qpip-nbd's own check would refuse it otherwise), and new connections are told.
+    let (ok, out) = qpip_nbd_resize(&uri, "64M");
+    assert!(ok, "{out}");
+    assert_eq!(rbd_size(&ceph, &img.name), 64 * MIB);
+    assert!(
+        srv.log()
+            .contains("resized from 33554432 to 67108864 bytes by a client (NBD_CMD_RESIZE)"),
+        "{}",
+        srv.log()
+    );
+    wait_for_size(&uri, 64 * MIB);
+    let length = qemu_io(&uri, &["length"]);
+    assert!(length.contains("64 MiB"), "{length}");
+    qemu_io(
+        &uri,
+        &[
+            "write -P 0x22 60M 1M",
+            "flush",
+            "read -P 0x22 60M 1M",
+            "read -P 0x21 0 1M",
+        ],
+    );
+
+    // qemu's NBD driver has no way to ask (it sends no NBD_CMD_RESIZE).
+    let q = run_with_timeout(
+        Command::new("qemu-img").args(["resize", "-f", "raw", &uri, "96M"]),
+        Duration::from_secs(60),
+    );
+    assert!(!q.status.success(), "{}", text(&q));
+    assert!(text(&q).contains("Cannot resize NBD nodes"), "{}", text(&q));
+    assert_eq!(rbd_size(&ceph, &img.name), 64 * MIB);
+
+    // A shrink while another connection is open: EPERM, as the extension allows; the image
+    // keeps its size.
+    let mut other = std::net::TcpStream::connect(srv.addr).unwrap();
+    handshake(&mut other, b"disk").unwrap();
+    let (ok, out) = qpip_nbd_resize(&uri, "16M");
+    assert!(!ok && out.contains("EPERM"), "{out}");
+    assert_eq!(rbd_size(&ceph, &img.name), 64 * MIB);
+    drop(other);
+
+    // Alone (once the server has seen the other one go): shrunk, as `rbd resize
+    // --allow-shrink` would; past the new end, new connections get EINVAL.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (ok, out) = qpip_nbd_resize(&uri, "16M");
+        if ok {
+            break;
+        }
+        assert!(out.contains("EPERM") && Instant::now() < deadline, "{out}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(rbd_size(&ceph, &img.name), 16 * MIB);
+    wait_for_size(&uri, 16 * MIB);
+    qemu_io(&uri, &["read -P 0x21 0 1M"]);
+    let out = run_with_timeout(
+        Command::new("qemu-io").args(["-f", "raw", "-c", "read 16M 4k", &uri]),
+        Duration::from_secs(60),
+    );
+    assert!(
+        !out.status.success() || text(&out).contains("failed"),
+        "{}",
+        text(&out)
+    );
+
+    // Exports that cannot resize do not offer it: a read-only one.
+    let mut ro_args = args.clone();
+    ro_args.push("--read-only".into());
+    let ro = start_server_v4(&ro_args);
+    let (ok, out) = qpip_nbd_resize(&ro.uri("disk"), "32M");
+    assert!(!ok && out.contains("does not offer"), "{out}");
+    assert_eq!(rbd_size(&ceph, &img.name), 16 * MIB);
+    stop(ro);
+    stop(srv);
+}
+
+/// A qpip-nbd-mount process, unmounted (and waited for) when dropped.
+struct RbdMount {
+    child: std::process::Child,
+    dir: PathBuf,
+    log: PathBuf,
+}
+
+impl RbdMount {
+    fn start(uri: &str, dir: &Path, log: &Path) -> RbdMount {
+        let bin = qpip_test_support::bins::workspace_bin("fuse-mount", "qpip-nbd-mount");
+        let child = Command::new(bin)
+            .args(["-v", uri])
+            .arg(dir)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(log).unwrap())
+            .spawn()
+            .unwrap();
+        RbdMount {
+            child,
+            dir: dir.to_path_buf(),
+            log: log.to_path_buf(),
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until `file` in the mount is `size` bytes long (stat, a fresh lookup).
+    fn wait_for_size(&self, file: &Path, size: u64, secs: u64) {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            let now = std::fs::metadata(file).map(|m| m.len()).ok();
+            if now == Some(size) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} is {now:?} bytes, not {size}, after {secs} s:\n{}",
+                file.display(),
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for RbdMount {
+    fn drop(&mut self) {
+        let _ = Command::new("fusermount3")
+            .arg("-u")
+            .arg(&self.dir)
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn rbd_mount_follows_a_grow_across_a_restart_and_drops_bytes_past_a_shrink() {
+    use std::os::unix::fs::FileExt;
+
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ceph) = Ceph::get() else { return };
+    if !require(&["fusermount3"]) {
+        return;
+    }
+    if !root("a FUSE mount") {
+        return;
+    }
+    if !Path::new("/dev/fuse").exists() {
+        missing("FUSE (/dev/fuse), for qpip-nbd-mount");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let file = mnt.join("disk");
+    let img = ceph.image("mount", 32 * MIB);
+    let args = ceph.server_args(&[("disk", &img.name)]);
+    let srv = start_server_v4(&args);
+    let addr = srv.addr.to_string();
+    let uri = srv.uri("disk");
+    qemu_io(&uri, &["write -P 0x45 30M 4k", "flush"]);
+
+    let mount = RbdMount::start(&uri, &mnt, &dir.path().join("mount.log"));
+    mount.wait_for_size(&file, 32 * MIB, 30);
+    // Opened before both resizes, and its page at 30 MiB in the page cache.
+    let early = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&file)
+        .unwrap();
+    let mut page = vec![0u8; 4096];
+    early.read_exact_at(&mut page, 30 * MIB).unwrap();
+    assert!(page.iter().all(|&b| b == 0x45));
+
+    // Grow while the server is down; it comes back on the same address, told 64 MiB.
+    stop(srv);
+    peer_ok(ceph.rbd().args([
+        "resize",
+        "--no-progress",
+        "--size",
+        "64M",
+        &ceph.spec(&img.name),
+    ]));
+    let srv = start_server(&addr, &args);
+    // The mount asks the server every 2 s; a reconnect would tell it too.
+    mount.wait_for_size(&file, 64 * MIB, 20);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&file)
+        .unwrap();
+    f.write_all_at(&[0x47; 4096], 60 * MIB).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    qemu_io(&uri, &["read -P 0x47 60M 4k", "read -P 0x45 30M 4k"]);
+    assert!(mount.log().contains("the file follows"), "{}", mount.log());
+
+    // Shrink under the running server and the open mount: no byte past the new end is
+    // served again, not even the page the kernel cached.
+    peer_ok(ceph.rbd().args([
+        "resize",
+        "--no-progress",
+        "--allow-shrink",
+        "--size",
+        "16M",
+        &ceph.spec(&img.name),
+    ]));
+    mount.wait_for_size(&file, 16 * MIB, 20);
+    let f = std::fs::File::open(&file).unwrap();
+    let n = f.read_at(&mut page, 30 * MIB).unwrap();
+    assert_eq!(n, 0, "a read past the new end of a fresh open");
+    // The file opened before keeps its size under the writeback cache (the kernel's), but
+    // its cached page is gone: zeroes or an error, never the old bytes.
+    match early.read_at(&mut page, 30 * MIB) {
+        Ok(n) => assert!(
+            page[..n].iter().all(|&b| b != 0x45),
+            "stale bytes past the new end through a file opened before the shrink"
+        ),
+        Err(e) => assert!(
+            matches!(e.raw_os_error(), Some(libc::EIO | libc::EINVAL)),
+            "{e}"
+        ),
+    }
+    let mut head = vec![0u8; 4096];
+    f.read_exact_at(&mut head, 0).unwrap();
+    drop((f, early));
+    drop(mount);
+    stop(srv);
+}
+
+#[test]
+fn rbd_read_only_mount_takes_a_grow_when_it_reconnects() {
+    use std::os::unix::fs::FileExt;
+
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(ceph) = Ceph::get() else { return };
+    if !require(&["fusermount3"]) || !root("a FUSE mount") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let file = mnt.join("disk");
+    let img = ceph.image("romount", 32 * MIB);
+    // Read-only: no RESIZE offered, so the mount does not ask; only a reconnect tells it.
+    let mut args = ceph.server_args(&[("disk", &img.name)]);
+    args.push("--read-only".into());
+    let srv = start_server_v4(&args);
+    let addr = srv.addr.to_string();
+    let mount = RbdMount::start(&srv.uri("disk"), &mnt, &dir.path().join("mount.log"));
+    mount.wait_for_size(&file, 32 * MIB, 30);
+    stop(srv);
+    peer_ok(ceph.rbd().args([
+        "resize",
+        "--no-progress",
+        "--size",
+        "48M",
+        &ceph.spec(&img.name),
+    ]));
+    let srv = start_server(&addr, &args);
+    // Nothing has asked yet: the size stays.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(std::fs::metadata(&file).unwrap().len(), 32 * MIB);
+    // A read the page cache does not hold goes to the server: the connection is found
+    // closed, made again, and told 48 MiB.
+    let mut b = vec![0u8; 4096];
+    std::fs::File::open(&file)
+        .unwrap()
+        .read_exact_at(&mut b, 8 * MIB)
+        .unwrap();
+    mount.wait_for_size(&file, 48 * MIB, 20);
+    assert!(
+        mount
+            .log()
+            .contains("size changed from 33554432 to 50331648 bytes while reconnecting"),
+        "{}",
+        mount.log()
+    );
+    drop(mount);
+    stop(srv);
+}

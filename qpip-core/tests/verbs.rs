@@ -6,6 +6,7 @@ mod common;
 mod lanai_common;
 
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -45,6 +46,16 @@ fn soft() -> Net {
 fn soft_queues(queues: usize) -> Net {
     let cfg = SoftConfig {
         queues,
+        ..SoftConfig::default()
+    };
+    soft_with(Nic::open(NicChoice::Soft(cfg)).unwrap())
+}
+
+/// The soft NIC whose engine threads alone run its queues (no run to completion; io_uring
+/// where the kernel allows it).
+fn soft_engine_threads() -> Net {
+    let cfg = SoftConfig {
+        run_to_completion: false,
         ..SoftConfig::default()
     };
     soft_with(Nic::open(NicChoice::Soft(cfg)).unwrap())
@@ -119,6 +130,9 @@ macro_rules! contract {
         }
         mod soft_three_queues {
             $( #[test] fn $test() { super::$test(super::soft_queues(3)) } )*
+        }
+        mod soft_engine_threads {
+            $( #[test] fn $test() { super::$test(super::soft_engine_threads()) } )*
         }
         mod lanai {
             $( #[test] fn $test() { super::$test(super::lanai()) } )*
@@ -665,11 +679,13 @@ fn connections_accepted_by_one_listener_land_on_different_queues() {
     let mut net = soft_queues(2);
     // The client on a NIC of its own, so that only the server's QPs count on its queues.
     net.client = Nic::soft().unwrap();
-    let cq = net.server.create_cq(1024);
     let listener = net.server.listen(net.locals[0].0).unwrap();
     let mut queues = Vec::new();
     let mut live = Vec::new();
     for _ in 0..4 {
+        // A CQ per connection, as a server gives each its thread: a QP joins the queue its
+        // CQ is driven on, so QPs sharing one would share a queue.
+        let cq = net.server.create_cq(1024);
         let attr = |cq| {
             QpAttr::new(cq)
                 .framer(LengthPrefixed::default())
@@ -709,4 +725,107 @@ fn connections_accepted_by_one_listener_land_on_different_queues() {
     queues.sort();
     queues.dedup();
     assert_eq!(queues, [0, 1], "accepted QPs spread over both queues");
+}
+
+/// QPs that complete into one CQ live on one queue, so that a thread waiting on the CQ can
+/// drive all of them.
+#[test]
+fn qps_sharing_a_cq_share_its_queue() {
+    let nic = soft_queues(3).server;
+    let cq = nic.create_cq(64);
+    let other = nic.create_cq(64);
+    let qps: Vec<_> = (0..4)
+        .map(|_| nic.create_qp(QpAttr::new(&cq).depths(4, 4)))
+        .collect();
+    let apart = nic.create_qp(QpAttr::new(&other).depths(4, 4));
+    assert!(qps.iter().all(|qp| qp.queue() == qps[0].queue()));
+    assert_ne!(
+        apart.queue(),
+        qps[0].queue(),
+        "a new CQ goes to the least loaded queue"
+    );
+}
+
+/// Which thread framed each incoming message.
+struct Witness(Arc<Mutex<Vec<std::thread::ThreadId>>>);
+
+impl Framer for Witness {
+    fn frame(&mut self, header: &[u8]) -> qpip_core::framer::Frame {
+        // The empty prefix is asked for whenever a receive WR is posted: only bytes count.
+        if !header.is_empty() {
+            self.0.lock().unwrap().push(std::thread::current().id());
+        }
+        LengthPrefixed::default().frame(header)
+    }
+}
+
+/// Sends one message to a server QP whose thread waits on its CQ (driving its queue, when
+/// `drives`, or asleep), and returns (the waiting thread, the threads that framed the
+/// message).
+fn who_frames(
+    server_nic: Nic,
+    drives: bool,
+) -> (std::thread::ThreadId, Vec<std::thread::ThreadId>) {
+    let client_nic = Nic::soft().unwrap();
+    let framed = Arc::new(Mutex::new(Vec::new()));
+    let (scq, ccq) = (server_nic.create_cq(16), client_nic.create_cq(16));
+    let listener = server_nic.listen(addr(V4)).unwrap();
+    let server = server_nic.create_qp(
+        QpAttr::new(&scq)
+            .framer(Witness(framed.clone()))
+            .depths(4, 4),
+    );
+    let client = client_nic.create_qp(
+        QpAttr::new(&ccq)
+            .framer(LengthPrefixed::default())
+            .depths(4, 4),
+    );
+    client.connect_timeout(listener.local_addr(), T).unwrap();
+    listener.accept_timeout(&server, T).unwrap();
+    let smr = server_nic.alloc_region(64, Access::READ_WRITE);
+    server.post_recv(RecvWr::new(1, &[smr.sge(0, 64)])).unwrap();
+    let waiter_cq = scq.clone();
+    let waiter = std::thread::spawn(move || {
+        let mut buf = [Completion::default(); 4];
+        let n = waiter_cq.wait(&mut buf, Some(T)).unwrap();
+        assert_eq!((n, buf[0].status), (1, WcStatus::Success));
+        std::thread::current().id()
+    });
+    // Send once the waiter waits: what the NIC does with the message from then on shows who
+    // runs the queue.
+    let deadline = Instant::now() + T;
+    while (if drives {
+        scq.drivers()
+    } else {
+        scq.sleepers()
+    }) == 0
+    {
+        assert!(Instant::now() < deadline, "the waiter never waited");
+        std::thread::yield_now();
+    }
+    let cmr = client_nic.alloc_region(8, Access::READ_WRITE);
+    client.post_send(SendWr::new(2, &[cmr.sge(0, 8)])).unwrap();
+    let waiter = waiter.join().unwrap();
+    let framed = framed.lock().unwrap().clone();
+    (waiter, framed)
+}
+
+/// Run to completion: the thread waiting on the CQ frames and completes the message itself
+/// (the queue's engine thread does nothing for it).
+#[test]
+fn a_waiting_thread_runs_its_queue_itself() {
+    let (waiter, framed) = who_frames(soft_queues(1).server, true);
+    assert!(!framed.is_empty());
+    assert!(
+        framed.iter().all(|t| *t == waiter),
+        "framed on {framed:?}, the waiter is {waiter:?}"
+    );
+}
+
+/// Without run to completion, the engine thread does it and the waiter only sleeps.
+#[test]
+fn without_run_to_completion_the_engine_thread_runs_the_queue() {
+    let (waiter, framed) = who_frames(soft_engine_threads().server, false);
+    assert!(!framed.is_empty());
+    assert!(framed.iter().all(|t| *t != waiter), "framed on the waiter");
 }

@@ -173,6 +173,15 @@ pub struct HostParams {
     pub cpu_mhz: f64,
     pub send_overhead_us: f64,
     pub recv_overhead_us: f64,
+    /// Host time per byte a program copies in memory (a `read()`/`write()` through the page
+    /// cache, a bounce buffer copied out); configs/lanai.toml gives the derivation.
+    #[serde(default = "default_copy_ns_per_byte")]
+    pub copy_ns_per_byte: f64,
+}
+
+/// The embedded configs/lanai.toml's value, for parameter files written before it existed.
+fn default_copy_ns_per_byte() -> f64 {
+    3.75
 }
 
 /// The fabric of `configs/fabric.toml`.

@@ -309,12 +309,16 @@ impl Processor for RealtimeNic {
         worked | self.send_frames()
     }
 
-    fn sleep(&mut self) -> bool {
-        // Until the firmware's next timer, a frame or the waker.
-        let timeout = self
+    fn sleep(&mut self, limit: Option<Duration>) -> bool {
+        // Until the firmware's next timer, a frame, the waker or the limit.
+        let timer = self
             .fw
             .poll_at()
             .map(|t| Duration::from_nanos(t.saturating_sub(self.timer_now())));
+        let timeout = match (timer, limit) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         if let Err(e) = self.poll.poll(&mut self.events, timeout)
             && e.kind() != io::ErrorKind::Interrupted
         {

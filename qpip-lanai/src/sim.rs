@@ -9,6 +9,7 @@
 //! - [`fabric`]: links, the cut-through switch, fault injection;
 //! - [`host`]: the host CPU model and the [`App`] trait;
 //! - [`apps`]: ping-pong (UDP, TCP) and bulk transfer (ttcp, verified streams);
+//! - [`nbd`]: the storage experiment's NBD client and server, as ported;
 //! - [`experiments`]: the paper's measurements, as `qpip-bench lanai` runs them.
 //!
 //! Over 600 lines: the discrete-event loop and the event kinds it dispatches.
@@ -17,6 +18,9 @@ pub mod apps;
 pub mod experiments;
 pub mod fabric;
 pub mod host;
+pub mod nbd;
+#[cfg(test)]
+mod nbd_tests;
 #[cfg(test)]
 mod tests;
 

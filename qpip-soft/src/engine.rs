@@ -86,13 +86,15 @@ impl Engine {
         }
     }
 
-    /// One turn of the physical layer: wait (or just look) for socket events and run them.
-    fn turn(&mut self, sleep: bool) -> bool {
+    /// One turn of the physical layer: wait (at most `sleep`, or without a limit when that
+    /// is `Some(None)`) or just look (`None`) for socket events, and run them.
+    fn turn(&mut self, sleep: Option<Option<Duration>>) -> bool {
         let Some(mut events) = self.events.take() else {
             return false;
         };
         let any = if self.ring.is_some() {
-            self.turn_uring(sleep, &mut events)
+            // Only the NIC thread runs an io_uring engine, and it sleeps without a limit.
+            self.turn_uring(sleep.is_some(), &mut events)
         } else {
             self.turn_epoll(sleep, &mut events)
         };
@@ -100,9 +102,10 @@ impl Engine {
         any
     }
 
-    /// One turn of the epoll engine: wait (or just look) for socket readiness.
-    fn turn_epoll(&mut self, sleep: bool, events: &mut Events) -> bool {
-        let timeout = if sleep { None } else { Some(Duration::ZERO) };
+    /// One turn of the epoll engine: wait (see [`Self::turn`]) or just look for socket
+    /// readiness.
+    fn turn_epoll(&mut self, sleep: Option<Option<Duration>>, events: &mut Events) -> bool {
+        let timeout = sleep.unwrap_or(Some(Duration::ZERO));
         if let Err(e) = self.poll.poll(events, timeout)
             && e.kind() != io::ErrorKind::Interrupted
         {
@@ -143,7 +146,7 @@ impl Engine {
             let registry = self.poll.registry();
             match ev {
                 Event::Epoll => {
-                    self.turn_epoll(false, events);
+                    self.turn_epoll(None, events);
                 }
                 Event::Io { qp, op, result } => {
                     if let Some(q) = self.qps.get_mut(&qp) {
@@ -291,11 +294,11 @@ impl Processor for Engine {
     }
 
     fn step(&mut self) -> bool {
-        self.turn(false)
+        self.turn(None)
     }
 
-    fn sleep(&mut self) -> bool {
-        self.turn(true)
+    fn sleep(&mut self, timeout: Option<Duration>) -> bool {
+        self.turn(Some(timeout))
     }
 
     fn stop(&mut self) {

@@ -53,12 +53,18 @@ pub struct SoftConfig {
     pub io: IoMode,
     /// Queues (engine threads), each owning the QPs placed on it. At least 1.
     pub queues: usize,
+    /// Host threads waiting on a CQ run its queue's engine themselves
+    /// ([`qpip_verbs::drive`]); the engine threads run only while none does. Needs the
+    /// epoll data path (an io_uring belongs to the thread that submits to it): on, the
+    /// engine uses epoll whatever `io` says.
+    pub run_to_completion: bool,
 }
 
 impl Default for SoftConfig {
-    /// A poll window of at most 50 µs, io_uring where available and one queue per core;
-    /// `QPIP_SOFT_SPIN_US`, `QPIP_SOFT_IO=epoll` and `QPIP_SOFT_QUEUES` in the environment
-    /// override them.
+    /// A poll window of at most 50 µs, one queue per core, run to completion (so epoll);
+    /// `QPIP_SOFT_SPIN_US`, `QPIP_SOFT_QUEUES` and `QPIP_SOFT_RTC=0` (engine threads only,
+    /// io_uring where available unless `QPIP_SOFT_IO=epoll`) in the environment override
+    /// them.
     fn default() -> Self {
         let us = std::env::var("QPIP_SOFT_SPIN_US")
             .ok()
@@ -72,10 +78,12 @@ impl Default for SoftConfig {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(default_queues);
+        let run_to_completion = std::env::var("QPIP_SOFT_RTC").as_deref() != Ok("0");
         SoftConfig {
             spin: Duration::from_micros(us),
             io,
             queues,
+            run_to_completion,
         }
     }
 }
@@ -111,15 +119,25 @@ impl SoftBackend {
             };
             let engine_uring = uring.clone();
             let (memory, engine_queues, io) = (memory.clone(), queues.clone(), cfg.io);
+            let io = if cfg.run_to_completion {
+                IoMode::Epoll
+            } else {
+                io
+            };
             // The ring is opened on the engine thread: the kernel ties a ring to the task
             // that creates it, and tearing it down interrupts that task's blocking calls.
-            let thread = NicThread::spawn(shell, waker, move || {
+            let build = move || {
                 let ring = engine::open_ring(&poll, io);
                 if q == 0 {
                     engine_uring.store(ring.is_some(), Ordering::Release);
                 }
                 engine::Engine::new(poll, memory, ring, q, engine_queues)
-            });
+            };
+            let thread = if cfg.run_to_completion {
+                NicThread::spawn_driven(shell, waker, build)
+            } else {
+                NicThread::spawn(shell, waker, build)
+            };
             match thread {
                 Ok(t) => threads.push(t),
                 Err(e) => {
@@ -162,6 +180,10 @@ impl NicBackend for SoftBackend {
 
     fn engine_threads(&self) -> Vec<i32> {
         self.queues.engine_threads()
+    }
+
+    fn driven_cpu(&self) -> Duration {
+        self.queues.driven_cpu()
     }
 
     fn shutdown(&self) {

@@ -76,6 +76,9 @@ pub(super) struct EngineQp {
     /// The receive WR taken for the next datagram.
     next_datagram: Option<RecvTarget>,
     readable: bool,
+    /// epoll said the peer has closed (or the socket failed): reads go on to EOF however
+    /// short the last one was.
+    read_closed: bool,
     writable: bool,
     closing: bool,
     /// Some when the TCP data path goes through io_uring.
@@ -122,11 +125,23 @@ impl RxIo for UringRx<'_> {
 struct SocketRx<'a> {
     stream: &'a Stream,
     splicer: &'a mut Option<Splicer>,
+    /// A read came back short: the socket is empty, and the read that would say so (EAGAIN)
+    /// is skipped. Safe with edge-triggered epoll: bytes that come after the short read
+    /// raise a new event; a FIN that came before it was in the event we are serving (its
+    /// state is read when the event is taken), so then (`read_closed`) reads go on to EOF.
+    emptied: bool,
+    read_closed: bool,
 }
 
 impl RxIo for SocketRx<'_> {
     fn read(&mut self, iov: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
-        self.stream.read_vectored(iov)
+        if self.emptied {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        let asked: usize = iov.iter().map(|b| b.len()).sum();
+        let n = self.stream.read_vectored(iov)?;
+        self.emptied = !self.read_closed && n > 0 && n < asked;
+        Ok(n)
     }
     fn read_into_file(
         &mut self,
@@ -154,6 +169,7 @@ impl EngineQp {
             rx: RxMachine::new(),
             next_datagram: None,
             readable: false,
+            read_closed: false,
             writable: false,
             closing: false,
             uring,
@@ -397,6 +413,9 @@ impl EngineQp {
         if event.is_readable() || event.is_read_closed() || event.is_error() {
             self.readable = true;
         }
+        if event.is_read_closed() || event.is_error() {
+            self.read_closed = true;
+        }
         if event.is_writable() || event.is_write_closed() || event.is_error() {
             self.writable = true;
         }
@@ -446,6 +465,7 @@ impl EngineQp {
             tx,
             rx,
             readable,
+            read_closed,
             writable,
             next_datagram,
             uring,
@@ -474,7 +494,12 @@ impl EngineQp {
                             rx.pump_io(shared, memory, framer.as_mut(), &mut conn)
                         }
                         None => {
-                            let mut conn = SocketRx { stream, splicer };
+                            let mut conn = SocketRx {
+                                stream,
+                                splicer,
+                                emptied: false,
+                                read_closed: *read_closed,
+                            };
                             rx.pump_io(shared, memory, framer.as_mut(), &mut conn)
                         }
                     };

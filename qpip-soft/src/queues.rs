@@ -4,7 +4,8 @@
 //! the one with the fewest QPs when it was created, so a server's connections spread over the
 //! queues as RSS spreads flows. A listener lives on one queue; a connection it accepts for a
 //! QP of another queue is handed to that queue ([`Accepted`]), behind the commands already
-//! sent there (the QP's creation among them).
+//! sent there (the QP's creation among them). A QP whose CQs already serve QPs of a queue
+//! joins that queue, so that a thread waiting on its CQ can drive one queue for all of them.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -74,11 +75,25 @@ impl Queues {
         }
     }
 
-    /// Places a new QP on the queue with the fewest QPs.
+    /// Places a new QP on the queue its CQs are driven on, if they are, else on the queue
+    /// with the fewest QPs; binds its CQs to that queue (run to completion).
     fn place(&self, qp: &QpShared) -> usize {
-        let q = (0..self.len())
-            .min_by_key(|&q| self.loads[q].load(Ordering::Relaxed))
-            .unwrap_or(0);
+        let threads = self.threads();
+        let driven_on = |t: &NicThread| {
+            qp.cqs().iter().any(|cq| {
+                cq.driver()
+                    .zip(t.driver())
+                    .is_some_and(|(a, b)| Arc::ptr_eq(a, b))
+            })
+        };
+        let q = threads.iter().position(driven_on).unwrap_or_else(|| {
+            (0..self.len())
+                .min_by_key(|&q| self.loads[q].load(Ordering::Relaxed))
+                .unwrap_or(0)
+        });
+        if let Some(driver) = threads.get(q).and_then(NicThread::driver) {
+            qp.cqs().iter().for_each(|cq| cq.bind_driver(driver));
+        }
         self.loads[q].fetch_add(1, Ordering::Relaxed);
         qp.queue.store(q as u32, Ordering::Release);
         self.placed.lock().insert(qp.num, q);
@@ -157,6 +172,10 @@ impl Queues {
             .iter()
             .flat_map(NicThread::engine_threads)
             .collect()
+    }
+
+    pub(crate) fn driven_cpu(&self) -> std::time::Duration {
+        self.threads().iter().map(NicThread::driven_cpu).sum()
     }
 
     pub(crate) fn shutdown(&self) {

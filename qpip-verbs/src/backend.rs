@@ -169,6 +169,11 @@ pub trait NicBackend: Send + Sync + 'static {
     fn io_path(&self) -> &'static str;
     /// Kernel thread ids of the threads that play the NIC processor (for CPU accounting).
     fn engine_threads(&self) -> Vec<i32>;
+    /// CPU time application threads spent doing the NIC's work while they waited on a CQ
+    /// (run to completion, [`crate::drive`]); their own accounting counts it as theirs.
+    fn driven_cpu(&self) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
     /// Stops the NIC; called when the last handle is gone.
     fn shutdown(&self);
 }

@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use crate::drive::{Driven, QueueDriver};
 use crate::shared::CqShared;
 use crate::wr::Completion;
 
@@ -98,6 +99,13 @@ impl CompletionQueue {
         self.shared.sleepers.load(Ordering::SeqCst) as usize
     }
 
+    /// Waiters running this CQ's NIC queue themselves now (run to completion,
+    /// [`crate::drive`]): for diagnostics and for tests that need a waiter driving before its
+    /// completion comes.
+    pub fn drivers(&self) -> usize {
+        self.shared.driving.load(Ordering::SeqCst) as usize
+    }
+
     /// How long [`Self::wait`] and [`Self::wait_async`] poll before sleeping. Zero sleeps at
     /// once (lowest CPU); a few tens of µs trade CPU for latency.
     pub fn set_spin(&self, spin: Duration) {
@@ -130,8 +138,11 @@ impl CompletionQueue {
     }
 
     /// Blocks until at least one completion is available (or `timeout` passes: then `Ok(0)`).
-    /// Polls for the spin window first, then sleeps on the CQ's futex; the NIC wakes it only
-    /// because it counted itself as a sleeper.
+    /// When the CQ's NIC queue may be driven by its waiters ([`crate::drive`]) and nobody
+    /// else drives it, runs the queue's work on this thread until a completion comes (one
+    /// wake-up: the kernel's, when bytes arrive). Otherwise polls for the spin window, then
+    /// sleeps on the CQ's futex; the NIC wakes it only because it counted itself as a
+    /// sleeper.
     pub fn wait(
         &self,
         out: &mut [Completion],
@@ -150,10 +161,59 @@ impl CompletionQueue {
         spin: Duration,
     ) -> Result<usize, CqError> {
         let deadline = timeout.map(|t| Instant::now() + t);
-        let n = self.spin_poll(out, spin)?;
-        if n > 0 || self.shared.take_wake() {
-            return Ok(n);
+        if let Some(driver) = self.shared.driver() {
+            // Run to completion: drive the queue instead of spinning on it.
+            let n = self.poll(out)?;
+            if n > 0 || self.shared.take_wake() {
+                return Ok(n);
+            }
+            driver.begin_wait();
+            let r = match self.drive(driver.as_ref(), out, spin, deadline) {
+                Ok(Some(n)) => Ok(n),
+                // Another thread drives: wait for it as for a NIC thread.
+                Ok(None) => match self.spin_poll(out, spin) {
+                    Ok(0) if !self.shared.take_wake() => self.sleep(out, deadline),
+                    r => r,
+                },
+                Err(e) => Err(e),
+            };
+            driver.end_wait();
+            return r;
+        } else {
+            let n = self.spin_poll(out, spin)?;
+            if n > 0 || self.shared.take_wake() {
+                return Ok(n);
+            }
         }
+        self.sleep(out, deadline)
+    }
+
+    /// Drives the CQ's queue until it has news: `Some` with what the wait returns, `None`
+    /// when another thread drives the queue (the caller then sleeps).
+    fn drive(
+        &self,
+        driver: &dyn QueueDriver,
+        out: &mut [Completion],
+        spin: Duration,
+        deadline: Option<Instant>,
+    ) -> Result<Option<usize>, CqError> {
+        let shared = &*self.shared;
+        loop {
+            let driven = driver.drive(&shared.driving, &|| shared.has_news(), spin, deadline);
+            match driven {
+                Driven::Busy => return Ok(None),
+                Driven::Ready | Driven::TimedOut => {
+                    let n = self.poll(out)?;
+                    if n > 0 || shared.take_wake() || driven == Driven::TimedOut {
+                        return Ok(Some(n));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sleeps on the CQ's futex until the NIC's notify (or a wake) comes, or `deadline`.
+    fn sleep(&self, out: &mut [Completion], deadline: Option<Instant>) -> Result<usize, CqError> {
         let shared = &*self.shared;
         loop {
             let left = match deadline {

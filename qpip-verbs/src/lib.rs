@@ -9,6 +9,7 @@
 
 pub mod backend;
 pub mod cq;
+pub mod drive;
 pub mod error;
 pub mod framer;
 mod futex;

@@ -59,6 +59,13 @@ impl Nic {
         self.inner.backend.engine_threads()
     }
 
+    /// CPU time application threads spent running the NIC's queues while they waited on
+    /// CQs (run to completion): the NIC's work, inside those threads' own CPU time. Counted
+    /// from the first call on (zero then): the count costs two system calls per wait.
+    pub fn driven_cpu(&self) -> Duration {
+        self.inner.backend.driven_cpu()
+    }
+
     /// Waits (up to `timeout`) until the NIC has run every command issued before this call
     /// and writes no more into memory named by QPs dropped before it ([`Command::Fence`]).
     /// False if the NIC did not answer in time (or is gone).

@@ -35,6 +35,17 @@ impl PollWindow {
         self.window
     }
 
+    /// The longest it may grow to.
+    pub fn max(&self) -> Duration {
+        self.max
+    }
+
+    /// Changes the longest it may grow to (the window shrinks to it if longer).
+    pub fn set_max(&mut self, max: Duration) {
+        self.max = max;
+        self.window = self.window.min(max);
+    }
+
     /// Work came `idle` after the last work; `slept`: the thread slept in between.
     pub fn idle_ended(&mut self, idle: Duration, slept: bool) {
         if !slept {

@@ -3,13 +3,14 @@
 //! writes completions. A leaf: it knows neither the verbs nor any backend.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering, fence};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use crossbeam_queue::ArrayQueue;
 use event_listener::Event;
 
+use crate::drive::QueueDriver;
 use crate::wr::{Completion, Opcode, QpNum, RecvWr, SendWr, WcStatus};
 
 /// Reliable (TCP) or unreliable (UDP).
@@ -85,6 +86,13 @@ pub struct CqShared {
     /// Set by [`crate::cq::CqWaker::wake`]: the next wait returns, with or without
     /// completions.
     pub(crate) woken: AtomicBool,
+    /// The NIC queue a waiter drives ([`crate::drive`]); unset when the backend has none.
+    driver: OnceLock<Arc<dyn QueueDriver>>,
+    /// QPs of more than one queue complete here: waiters sleep instead of driving.
+    mixed: AtomicBool,
+    /// Waiters of this CQ driving its queue now, counted by the driver while it holds the
+    /// queue (a wake must interrupt them).
+    pub(crate) driving: AtomicU32,
 }
 
 impl CqShared {
@@ -99,7 +107,35 @@ impl CqShared {
             event: Event::new(),
             spin_nanos: AtomicU64::new(DEFAULT_CQ_SPIN.as_nanos() as u64),
             woken: AtomicBool::new(false),
+            driver: OnceLock::new(),
+            mixed: AtomicBool::new(false),
+            driving: AtomicU32::new(0),
         }
+    }
+
+    /// Binds the CQ to the NIC queue of a QP that completes here (backend side, when the QP
+    /// is placed), so that waiters drive it. A CQ that QPs of two queues complete into is
+    /// driven by nobody: its waiters sleep until a NIC thread wakes them.
+    pub fn bind_driver(&self, driver: &Arc<dyn QueueDriver>) {
+        let bound = self.driver.get_or_init(|| driver.clone());
+        if !Arc::ptr_eq(bound, driver) {
+            self.mixed.store(true, Ordering::Release);
+        }
+    }
+
+    /// The queue this CQ's waiters drive, if exactly one.
+    pub fn driver(&self) -> Option<&Arc<dyn QueueDriver>> {
+        if self.mixed.load(Ordering::Acquire) {
+            return None;
+        }
+        self.driver.get()
+    }
+
+    /// What a driving waiter waits for: a completion, a wake or an overflow.
+    pub(crate) fn has_news(&self) -> bool {
+        !self.ring.is_empty()
+            || self.woken.load(Ordering::Acquire)
+            || self.overflowed.load(Ordering::Acquire)
     }
 
     /// Adds a completion (NIC side). A full queue records the loss and wakes waiters so
@@ -121,6 +157,11 @@ impl CqShared {
         if self.sleepers.load(Ordering::Relaxed) > 0 {
             self.seq.fetch_add(1, Ordering::Release);
             crate::futex::wake_all(&self.seq);
+        }
+        if self.driving.load(Ordering::Relaxed) > 0
+            && let Some(d) = self.driver.get()
+        {
+            d.interrupt();
         }
         self.event.notify(usize::MAX);
     }
@@ -318,6 +359,11 @@ impl QpShared {
         while let Some(wr) = self.rq.pop() {
             self.complete_recv(wr.wr_id, WcStatus::Flushed, 0, None, 0);
         }
+    }
+
+    /// The CQs this QP completes into (send, receive; the same one twice if shared).
+    pub fn cqs(&self) -> [&Arc<CqShared>; 2] {
+        [&self.send_cq, &self.recv_cq]
     }
 
     /// Wakes whoever waits on this QP's CQs (after a batch of completions).

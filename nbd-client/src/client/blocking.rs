@@ -267,6 +267,21 @@ impl Client {
         Ok(got)
     }
 
+    /// Makes the export `size` bytes long (NBD_CMD_RESIZE, the experimental RESIZE
+    /// extension; only where the server offers it, [`Self::can_resize`]). Every request in
+    /// flight is answered first, as the extension asks; afterwards requests are checked
+    /// against the new size. The server may refuse a shrink while others use the export
+    /// (EPERM).
+    pub fn resize(&mut self, size: u64) -> Result<()> {
+        if !self.can_resize() {
+            return Err(Error::Unsupported("RESIZE"));
+        }
+        self.drain()?;
+        self.run([Op::Resize { size }], |_, _| {})?;
+        self.set_size(size);
+        Ok(())
+    }
+
     /// Waits for every request in flight (their replies stay queued for `reap`).
     pub fn drain(&mut self) -> Result<()> {
         while self.session.in_flight() > 0 {

@@ -165,6 +165,12 @@ pub enum Op<'a> {
         /// Where the data go.
         into: MrSlice<'a>,
     },
+    /// NBD_CMD_RESIZE (experimental): the export becomes `size` bytes long. No other request
+    /// may be in flight meanwhile (see [`Client::resize`]).
+    Resize {
+        /// The export's new size in bytes.
+        size: u64,
+    },
     /// A WRITE of `from.len()` bytes sent from registered memory without a copy: `from`,
     /// which must stay unchanged until the request is answered.
     WriteFrom {
@@ -316,6 +322,17 @@ impl Client {
     /// Block status (`base:allocation`) was negotiated.
     pub fn can_block_status(&self) -> bool {
         self.session.mode().allocation_ctx.is_some()
+    }
+    /// The server offers NBD's experimental RESIZE ([`Client::resize`]).
+    pub fn can_resize(&self) -> bool {
+        self.has(TransmissionFlags::SEND_RESIZE)
+    }
+
+    /// The export's size changed (a RESIZE, or a reconnect that found another size): what
+    /// [`Self::size`] says and what requests are checked against from now on.
+    pub(crate) fn set_size(&mut self, size: u64) {
+        self.info.size = size;
+        self.session.set_size(size);
     }
 
     /// `[offset, offset + len)` is aligned and inside the export.

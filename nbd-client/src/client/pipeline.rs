@@ -29,6 +29,7 @@ impl Client {
             Op::Trim { offset, len } => (Command::Trim, offset, len, false),
             Op::WriteZeroes { offset, len, fua } => (Command::WriteZeroes, offset, len, fua),
             Op::BlockStatus { offset, len } => (Command::BlockStatus, offset, len, false),
+            Op::Resize { size } => (Command::Resize, size, 0, false),
             // The slices were checked to lie inside their regions when they were made.
             Op::ReadInto { offset, into } => (Command::Read, offset, length(into.len())?, false),
             Op::WriteFrom { offset, from, fua } => {

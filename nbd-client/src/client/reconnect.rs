@@ -25,8 +25,6 @@ enum Attempt {
     Reconnected,
     /// Why not; try again.
     Failed(String),
-    /// Why not; trying again cannot help.
-    Hopeless(String),
 }
 
 impl Client {
@@ -60,10 +58,6 @@ impl Client {
                     return;
                 }
                 Attempt::Failed(why) => last = why,
-                Attempt::Hopeless(why) => {
-                    last = why;
-                    break;
-                }
             }
         }
         let why = format!("{why}; last attempt: {last}");
@@ -86,11 +80,12 @@ impl Client {
             Ok(_) => return Attempt::Failed("handshake ended without transmission".into()),
             Err(e) => return Attempt::Failed(e.to_string()),
         };
+        // The export was resized meanwhile (`rbd resize`, a server restarted on a grown
+        // image): from now on the new size is the export's. Requests in flight past a shrunk
+        // end are reissued and get the server's error.
         if neg.export.size != self.info.size {
-            return Attempt::Hopeless(format!(
-                "export size changed from {} to {}",
-                self.info.size, neg.export.size
-            ));
+            tracing::warn!(uri = %self.uri, "the export's size changed from {} to {} bytes while reconnecting", self.info.size, neg.export.size);
+            self.set_size(neg.export.size);
         }
         self.link.attach(conn);
         for cookie in self.session.reissue(Mode::of(&neg)) {
@@ -100,6 +95,32 @@ impl Client {
             }
         }
         Attempt::Reconnected
+    }
+
+    /// The pool learned that the export is now `size` bytes (another connection found it
+    /// resized when it reconnected, or a probe asked) while this connection, idle, still
+    /// holds another size and would refuse requests past its old end before sending them:
+    /// it looks at its connection first (if the server closed it, it reconnects now and
+    /// learns the size too), and makes the connection again if it still holds the old size.
+    pub(crate) fn catch_up_size(&mut self, size: u64) {
+        if self.size() == size || self.session.in_flight() > 0 {
+            return;
+        }
+        let _ = self.pump(false);
+        if self.size() != size {
+            // Still open (the pool learned the size from a probe): made again.
+            self.recover("the export was resized: reconnecting to learn its size".into());
+        }
+    }
+
+    /// The server refused a request inside the export as this connection knows it as past
+    /// its end (EINVAL, ENOSPC): the export may have shrunk under the connection (NBD
+    /// cannot tell an open one), so it is made again to learn the size now.
+    pub(crate) fn relearn_size(&mut self) {
+        self.recover(
+            "the server refused a request inside the export as past its end: it may have shrunk; reconnecting to learn its size"
+                .into(),
+        );
     }
 
     /// The server broke the protocol: no reconnect, every request fails.

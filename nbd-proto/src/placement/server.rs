@@ -101,6 +101,14 @@ impl ServerPlacement {
         self.place = place;
     }
 
+    /// The export's size changed under the connection (a RESIZE it carried out): requests
+    /// are checked against `size` from now on.
+    pub fn set_size(&mut self, size: u64) {
+        if let Some(session) = &mut self.session {
+            session.set_size(size);
+        }
+    }
+
     /// The transmission phase has started.
     pub const fn in_transmission(&self) -> bool {
         self.session.is_some()

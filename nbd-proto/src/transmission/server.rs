@@ -137,6 +137,12 @@ impl ServerTransmission {
         &self.info
     }
 
+    /// The export's size changed under this connection: after a `RESIZE` it carried out,
+    /// requests are checked against `size` from now on.
+    pub fn set_size(&mut self, size: u64) {
+        self.info.size = size;
+    }
+
     /// Length of a request header: 32 bytes with extended headers, else 28.
     pub const fn header_len(&self) -> usize {
         Request::header_len(self.info.extended_headers)

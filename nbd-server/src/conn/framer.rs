@@ -19,7 +19,7 @@
 //! posts, and the machine decides from the header bytes.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use nbd_proto::framing::{FrameLimits, ServerPhase};
@@ -52,6 +52,10 @@ pub(crate) struct FramerState {
     phase: AtomicU8,
     /// Set once, before the phase becomes the transmission phase.
     setup: OnceLock<Setup>,
+    /// The export's size as this connection knows it: the negotiated one, then what a
+    /// RESIZE the connection carried out made it (set before its reply, and the client
+    /// sends nothing while a RESIZE is in flight, so the framer has it for the next request).
+    size: AtomicU64,
     /// Requests framed and not yet taken by the connection, in arrival order.
     requests: Mutex<VecDeque<Framed>>,
 }
@@ -61,6 +65,7 @@ impl FramerState {
         Arc::new(FramerState {
             phase: AtomicU8::new(ServerPhase::ClientFlags.to_u8()),
             setup: OnceLock::new(),
+            size: AtomicU64::new(0),
             // A request per receive WR at most: pushing never allocates.
             requests: Mutex::new(VecDeque::with_capacity(RECV_SLOTS)),
         })
@@ -91,8 +96,15 @@ impl FramerState {
             };
             (region, rule)
         });
+        self.size.store(session.info().size, Ordering::Release);
         let _ = self.setup.set(Setup { session, place });
         self.set_phase(phase);
+    }
+
+    /// The export's size changed under the connection (a RESIZE it carried out): the
+    /// framer checks the requests that follow against `size`.
+    pub(crate) fn set_size(&self, size: u64) {
+        self.size.store(size, Ordering::Release);
     }
 
     /// The request of the next message that carries a header, as the framer parsed it.
@@ -107,6 +119,8 @@ pub(crate) struct ServerFramer {
     machine: ServerPlacement,
     /// The export's file, once the transmission phase places writes there.
     region: Option<FileRegion>,
+    /// The export's size the machine checks requests against.
+    size: u64,
 }
 
 impl ServerFramer {
@@ -115,6 +129,7 @@ impl ServerFramer {
             state,
             machine: ServerPlacement::new(limits, chunk),
             region: None,
+            size: 0,
         }
     }
 
@@ -124,6 +139,16 @@ impl ServerFramer {
             let rule = setup.place.as_ref().map(|(_, rule)| *rule);
             self.region = setup.place.as_ref().map(|(region, _)| region.clone());
             self.machine.start_transmission(setup.session.clone(), rule);
+            self.size = setup.session.info().size;
+        }
+    }
+
+    /// Takes a size the connection changed (a RESIZE) into the machine.
+    fn follow_size(&mut self) {
+        let size = self.state.size.load(Ordering::Acquire);
+        if size != self.size {
+            self.machine.set_size(size);
+            self.size = size;
         }
     }
 }
@@ -138,6 +163,9 @@ impl Framer for ServerFramer {
         ) && !self.machine.in_transmission()
         {
             self.start();
+        }
+        if self.machine.in_transmission() {
+            self.follow_size();
         }
         let frame = self.machine.frame(&mut phase, header);
         if phase != before {
@@ -246,5 +274,34 @@ mod tests {
         let refused = state.take_request().unwrap().unwrap_err();
         assert_eq!(refused.cookie(), 2);
         assert!(state.take_request().is_none());
+    }
+
+    #[test]
+    fn requests_after_a_resize_are_checked_against_the_new_size() {
+        let state = FramerState::new();
+        let mut f = ServerFramer::new(state.clone(), FrameLimits::default(), 1000);
+        let info = TransmissionInfo::new(1 << 20, TransmissionFlags::HAS_FLAGS);
+        state.start_transmission(
+            ServerPhase::Transmission,
+            ServerTransmission::from_info(info),
+            None,
+        );
+        let read = Request {
+            flags: CmdFlags::empty(),
+            command: Command::Read,
+            cookie: 1,
+            offset: 1 << 20,
+            length: 512,
+        };
+        let header = read.encode(false).unwrap();
+        f.frame(&header);
+        assert!(state.take_request().unwrap().is_err(), "past the end");
+        // A RESIZE that grew the export, carried out before its reply.
+        state.set_size(2 << 20);
+        f.frame(&header);
+        assert_eq!(state.take_request().unwrap().unwrap().cookie(), 1);
+        state.set_size(1 << 20);
+        f.frame(&header);
+        assert!(state.take_request().unwrap().is_err(), "shrunk again");
     }
 }

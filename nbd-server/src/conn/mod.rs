@@ -14,7 +14,7 @@ pub(crate) mod shared;
 mod transmission;
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use qpip_core::{CompletionQueue, Endpoint, QueuePair};
 
@@ -74,6 +74,29 @@ impl Connection {
             ServerTransmission::new(&neg),
             place,
         );
-        transmission::serve(&mut self.link, &self.framer, export, &neg, &last_reply)
+        let _counted = Counted::new(&export.connections);
+        transmission::serve(
+            &mut self.link,
+            &self.framer,
+            export.clone(),
+            &neg,
+            &last_reply,
+        )
+    }
+}
+
+/// One connection counted on its export for as long as it serves it.
+struct Counted<'a>(&'a AtomicUsize);
+
+impl<'a> Counted<'a> {
+    fn new(n: &'a AtomicUsize) -> Self {
+        n.fetch_add(1, Ordering::SeqCst);
+        Counted(n)
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }

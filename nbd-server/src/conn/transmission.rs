@@ -21,11 +21,13 @@
 //!   READ waits for the writes before it; FLUSH, TRIM, WRITE_ZEROES, CACHE, BLOCK_STATUS
 //!   and DISC wait for the reads and writes before them (so FLUSH covers every write
 //!   answered or started before it); a FUA write flushes once its own data is written.
+//!   RESIZE (offered by stores that can resize) waits for all of them too.
 //!
 //! Over 600 lines: the completion loop and every command's execution share the connection's state (slots, pending writes and reads).
 
 use std::io;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
 
@@ -486,6 +488,10 @@ impl<'a> Transmission<'a> {
                 self.read(&req, range)?;
                 return Ok(true);
             }
+            ValidCommand::Resize { size } => {
+                self.resize(&req, size)?;
+                return Ok(true);
+            }
             ValidCommand::Write { range, fua } => {
                 let pw = PendingWrite {
                     to: req.reply_to(),
@@ -617,9 +623,27 @@ impl<'a> Transmission<'a> {
                 self.send_block_status(req, range)?;
                 Ok(Some(()))
             }
-            // RESIZE is never advertised; READ, WRITE and DISC are handled by the caller.
+            // READ, WRITE, RESIZE and DISC are handled by the caller.
             _ => Err(ErrorValue::Inval),
         }
+    }
+
+    /// NBD_CMD_RESIZE (offered where the store can resize: RBD). Every request before it is
+    /// done (it waits like the other commands), as the extension asks; on success this
+    /// connection's requests are checked against the new size, new connections are told it,
+    /// and other open connections keep the size they were told (past the new end of a
+    /// shrink their requests get EINVAL or ENOSPC from the store).
+    fn resize(&mut self, req: &ValidRequest, size: u64) -> Result<()> {
+        let alone = self.export.connections.load(Ordering::SeqCst) <= 1;
+        let result = (self.export.store)
+            .resize(size, alone)
+            .map_err(|e| io_error_value(&e));
+        if result.is_ok() {
+            // Before the reply: the framer checks the next request against the new size.
+            self.session.set_size(size);
+            self.framer.set_size(size);
+        }
+        self.reply(req.reply_to(), result)
     }
 
     /// The reply to a request without data: success, or the error.

@@ -199,6 +199,18 @@ pub trait Store: Send + Sync + Debug {
         may_write: bool,
         may_unmap: bool,
     ) -> io::Result<bool>;
+    /// Whether [`Store::resize`] can change the disk's size: the export then offers NBD's
+    /// (experimental) RESIZE extension. False unless a store says otherwise (RBD does).
+    fn can_resize(&self) -> bool {
+        false
+    }
+    /// NBD_CMD_RESIZE: makes the disk `size` bytes long (a shrink drops what lies past it).
+    /// `alone`: the asking connection is the only one on the export; a store may refuse a
+    /// shrink otherwise (EPERM, as the extension allows), and when it knows of other users
+    /// of the disk outside this server.
+    fn resize(&self, _size: u64, _alone: bool) -> io::Result<()> {
+        Err(io::Error::from_raw_os_error(libc::EINVAL))
+    }
     /// CACHE: a hint to read the range ahead.
     fn prefetch(&self, _offset: u64, _len: u64) -> io::Result<()> {
         Ok(())

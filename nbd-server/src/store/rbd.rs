@@ -117,6 +117,7 @@ mod ffi {
         ) -> c_int;
         pub(super) fn rbd_close(image: rbd_image_t) -> c_int;
         pub(super) fn rbd_get_size(image: rbd_image_t, size: *mut u64) -> c_int;
+        pub(super) fn rbd_resize(image: rbd_image_t, size: u64) -> c_int;
         pub(super) fn rbd_encryption_load(
             image: rbd_image_t,
             format: c_int,
@@ -563,6 +564,8 @@ pub struct RbdImage {
     /// rbd_update_watch's handle, once registered.
     watch_handle: Option<u64>,
     read_only: bool,
+    /// Served through librbd's LUKS layer (`--encryption-format`): not resized through NBD.
+    encrypted: bool,
     /// Keeps the cluster connected while the image is open.
     _cluster: Arc<Cluster>,
 }
@@ -657,6 +660,7 @@ impl RbdImage {
             }),
             watch_handle: None,
             read_only,
+            encrypted: encryption.is_some(),
             _cluster: cluster,
         };
         if let Some(enc) = encryption {
@@ -864,6 +868,51 @@ impl RbdImage {
         Err(errno(-(if write { libc::ENOSPC } else { libc::EINVAL })))
     }
 
+    /// NBD_CMD_RESIZE: `rbd_resize` on the open image, as `rbd resize` does (a shrink drops
+    /// the objects past the new end). A shrink is refused with EPERM while another
+    /// connection of ours uses the export (`alone` false) or another client has the image
+    /// open (a second watcher of its header: qemu, rbd-nbd, another server), as the
+    /// extension allows: `rbd resize` itself wants `--allow-shrink`. A grow is never refused
+    /// for that: it takes nothing from anyone.
+    fn resize_image(&self, size: u64, alone: bool) -> io::Result<()> {
+        let old = self.size();
+        if size < old {
+            let others = self.watchers().len().saturating_sub(1);
+            if !alone || others > 0 {
+                tracing::warn!(
+                    "{}: RESIZE from {old} to {size} bytes refused (EPERM): a shrink while {} uses the image",
+                    self.spec,
+                    if alone {
+                        format!("{others} other client(s) of the cluster")
+                    } else {
+                        "another connection".to_owned()
+                    }
+                );
+                return Err(errno(-libc::EPERM));
+            }
+        }
+        // SAFETY: the image is open; librbd waits for the requests in flight on it (the
+        // connection has none: RESIZE waits for every request before it).
+        let r = unsafe { ffi::rbd_resize(self.image, size) };
+        if r < 0 {
+            let e = errno(r);
+            tracing::warn!("{}: resizing to {size} bytes: {e}", self.spec);
+            return Err(e);
+        }
+        let mut now = size;
+        // SAFETY: the image is open; now is a valid out-pointer.
+        if unsafe { ffi::rbd_get_size(self.image, &mut now) } < 0 {
+            now = size;
+        }
+        // The watch may have seen it already (librbd calls it back from within rbd_resize).
+        self.watch.size.store(now, Ordering::SeqCst);
+        tracing::info!(
+            "{}: resized from {old} to {now} bytes by a client (NBD_CMD_RESIZE)",
+            self.spec
+        );
+        Ok(())
+    }
+
     fn log_failure<T>(&self, what: &str, r: io::Result<T>) -> io::Result<T> {
         if let Err(e) = &r {
             tracing::warn!("{what} on {}: {e}", self.spec);
@@ -931,6 +980,17 @@ impl Store for RbdImage {
     }
     fn read_only(&self) -> bool {
         self.read_only
+    }
+
+    fn can_resize(&self) -> bool {
+        !self.read_only && !self.encrypted
+    }
+
+    fn resize(&self, size: u64, alone: bool) -> io::Result<()> {
+        if !self.can_resize() {
+            return Err(errno(-libc::EPERM));
+        }
+        self.resize_image(size, alone)
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {

@@ -128,7 +128,18 @@ impl Store for View {
         self.inner.kind()
     }
     fn size(&self) -> u64 {
-        self.inner.size() - self.opts.offset
+        // An image shrunk below the offset (rbd resize) is an empty disk, not a wrap.
+        self.inner.size().saturating_sub(self.opts.offset)
+    }
+    fn can_resize(&self) -> bool {
+        self.inner.can_resize()
+    }
+    /// The disk from the offset on becomes `size` bytes: the store, `offset` more.
+    fn resize(&self, size: u64, alone: bool) -> io::Result<()> {
+        let total = size
+            .checked_add(self.opts.offset)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+        self.inner.resize(total, alone)
     }
     fn read_only(&self) -> bool {
         self.inner.read_only()

@@ -9,6 +9,7 @@ use crate::meter::{Dir, Kind, Nanos, Occupancy};
 use crate::params::{FabricParams, LanaiParams};
 
 use super::apps::{Bulk, BulkConfig, PingPong, PingPort, Proto, Role};
+use super::nbd::{NbdClient, NbdConfig, NbdDir, NbdServer};
 use super::{FabricStats, Faults, Sim, SimError};
 
 /// The inputs of one run.
@@ -249,4 +250,58 @@ pub fn bulk(
 /// program runs it ([`BulkConfig::ttcp`]: one send outstanding, one receive posted).
 pub fn ttcp(setup: &Setup, total: u64, msg: usize) -> Result<TtcpResult, SimError> {
     bulk(setup, BulkConfig::ttcp(total, msg), None)
+}
+
+/// What one run of the storage experiment predicts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NbdResult {
+    pub bytes: u64,
+    /// From the client's connection being up to its last reply handled.
+    pub elapsed_ns: Nanos,
+    /// Megabytes (10^6 bytes) per second.
+    pub mbps: f64,
+    pub client_cpu_pct: f64,
+    pub server_cpu_pct: f64,
+    /// Requests the client had handed over and not had answered, at most.
+    pub max_in_flight: usize,
+    /// How busy each resource was, data flowing server to client (read) or back (write),
+    /// with the busier host's CPU as "host CPU".
+    pub utilisation: Utilisation,
+}
+
+/// The storage experiment: the client reads or writes `cfg.total` bytes through the server.
+pub fn nbd(setup: &Setup, cfg: NbdConfig) -> Result<NbdResult, SimError> {
+    let (mut sim, s, c) = pair(setup)?;
+    let server = server_addr(setup, cfg.tcp_port)?;
+    sim.set_app(s, Box::new(NbdServer::new(cfg)));
+    sim.set_app(c, Box::new(NbdClient::new(cfg, server)));
+    sim.run(LIMIT)?;
+    let missing = |what: &str| SimError::App {
+        node: "client".into(),
+        message: format!("no {what}"),
+    };
+    let client = sim.app::<NbdClient>(c).ok_or_else(|| missing("client"))?;
+    let start = sim.mark_at().ok_or_else(|| missing("start mark"))?;
+    let end = client.finished_at().ok_or_else(|| missing("end"))?;
+    let elapsed = end.saturating_sub(start).max(1);
+    let pct = |busy: Nanos| 100.0 * busy as f64 / elapsed as f64;
+    let (client_cpu, server_cpu) = (sim.host(c).busy_ns(), sim.host(s).busy_ns());
+    let (from, to) = match cfg.dir {
+        NbdDir::Read => (s, c),
+        NbdDir::Write => (c, s),
+    };
+    let mut utilisation = utilisation(&sim, from, to, elapsed);
+    utilisation.push((
+        "host CPU",
+        client_cpu.max(server_cpu) as f64 / elapsed as f64,
+    ));
+    Ok(NbdResult {
+        bytes: cfg.total,
+        elapsed_ns: elapsed,
+        mbps: cfg.total as f64 / 1e6 / (elapsed as f64 / 1e9),
+        client_cpu_pct: pct(client_cpu),
+        server_cpu_pct: pct(server_cpu),
+        max_in_flight: client.max_in_flight(),
+        utilisation,
+    })
 }

@@ -156,6 +156,11 @@ impl Host {
         self.busy += ns;
     }
 
+    /// Copies `bytes` in host memory: spends the CPU time the copy takes.
+    pub fn copy(&mut self, bytes: usize) {
+        self.compute((bytes as f64 * self.params.copy_ns_per_byte).round() as Nanos);
+    }
+
     /// Moves what the backend recorded into the stamped outbound list.
     fn stamp(&mut self) {
         let now = self.clock;

@@ -4,14 +4,19 @@
 //!
 //! - [`shell`]: the NIC thread: command queue, doorbell FIFO (the doorbell machine), the
 //!   sleep/wake pairing, stop and join;
+//! - `driven`: run to completion, the NIC's side: the processor behind a lock that host
+//!   threads waiting on a CQ take to run its turns ([`crate::drive`]);
 //! - [`mgmt`]: the management machine's one dispatcher of [`crate::backend::Command`];
 //! - [`tx`]: the transmit machine's outgoing message (a send WR resolved for the wire);
 //! - [`rx`]: the receive machine: message boundaries by framer, placement into receive WRs.
 
+mod driven;
 pub mod mgmt;
 pub mod rx;
 pub mod shell;
 pub mod tx;
+
+pub use driven::GRACE as DRIVE_GRACE;
 
 /// The completion status for a failed socket (or socket-like) operation.
 pub fn status_of(e: &std::io::Error) -> crate::wr::WcStatus {

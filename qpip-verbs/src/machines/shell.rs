@@ -21,7 +21,9 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::{ArrayQueue, SegQueue};
 use parking_lot::Mutex;
 
+use super::driven::Handover;
 use crate::backend::Command;
+use crate::drive::QueueDriver;
 use crate::error::{Error, Result};
 use crate::poll_window::PollWindow;
 use crate::shared::QpShared;
@@ -36,9 +38,10 @@ pub trait Processor {
     fn doorbell(&mut self, qp: QpNum);
     /// Moves whatever the physical layer has ready, without blocking; true if anything moved.
     fn step(&mut self) -> bool;
-    /// Blocks until the physical layer has something or the waker rings; true if it already
-    /// handled work (the shell then counts the turn as busy).
-    fn sleep(&mut self) -> bool;
+    /// Blocks until the physical layer has something, the waker rings or `timeout` passes
+    /// (None: no limit); true if it already handled work (the shell then counts the turn as
+    /// busy).
+    fn sleep(&mut self, timeout: Option<Duration>) -> bool;
     /// The NIC stops (the last commands have run): last frames out, connections down.
     fn stop(&mut self);
 }
@@ -86,19 +89,23 @@ impl Doorbells {
 }
 
 /// What the host threads and the NIC thread share.
-struct Shared {
+pub(super) struct Shared {
     commands: SegQueue<Command>,
     doorbells: Doorbells,
+    /// Whoever runs the processor (the NIC thread or a driving host thread) blocks in its
+    /// `sleep`: a doorbell must ring the waker.
     sleeping: AtomicBool,
-    stop: AtomicBool,
+    pub(super) stop: AtomicBool,
     waker: mio::Waker,
     tid: AtomicI32,
     /// The NIC thread has ended (stopped or panicked): commands get no reply.
-    dead: AtomicBool,
+    pub(super) dead: AtomicBool,
+    /// Run to completion's hand-over between host drivers and the NIC thread.
+    pub(super) handover: Handover,
 }
 
 impl Shared {
-    fn wake(&self) {
+    pub(super) fn wake(&self) {
         if let Err(e) = self.waker.wake() {
             tracing::error!("cannot wake the NIC thread: {e}");
         }
@@ -110,7 +117,7 @@ impl Shared {
         while self.commands.pop().is_some() {}
     }
 
-    fn has_work(&self) -> bool {
+    pub(super) fn has_work(&self) -> bool {
         !self.doorbells.is_empty() || !self.commands.is_empty()
     }
 }
@@ -120,55 +127,83 @@ pub struct NicThread {
     shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
     name: &'static str,
+    /// Set when host threads may run the processor ([`Self::spawn_driven`]).
+    driver: Option<Arc<dyn QueueDriver>>,
 }
 
 impl NicThread {
     /// Starts the thread and returns once `build` has made the processor on it (it need not
     /// be `Send`, and what it sets up — an io_uring, say — belongs to the NIC thread, not to
-    /// the caller's). `waker` must interrupt the processor's `sleep`.
+    /// the caller's). `waker` must interrupt the processor's `sleep`. Only the NIC thread
+    /// runs the processor, as a device's own processor runs its firmware.
     pub fn spawn<P: Processor>(
         cfg: ShellConfig,
         waker: mio::Waker,
         build: impl FnOnce() -> P + Send + 'static,
     ) -> Result<NicThread> {
-        let doorbells = match cfg.doorbell_fifo {
-            Some(n) => Doorbells::Bounded(ArrayQueue::new(n.max(1))),
-            None => Doorbells::Unbounded(SegQueue::new()),
-        };
-        let shared = Arc::new(Shared {
-            commands: SegQueue::new(),
-            doorbells,
-            sleeping: AtomicBool::new(false),
-            stop: AtomicBool::new(false),
-            waker,
-            tid: AtomicI32::new(0),
-            dead: AtomicBool::new(false),
-        });
-        let thread_shared = shared.clone();
+        let shared = Shared::new(&cfg, waker);
         let spin = cfg.spin;
+        Self::start(cfg, shared, move |shared, started| {
+            let nic = build();
+            let _ = started.send(None);
+            run(shared, spin, nic);
+        })
+    }
+
+    /// [`Self::spawn`] for a processor that host threads may run too: a thread waiting on a
+    /// CQ bound to this queue drives it ([`crate::drive`], [`Self::driver`]); the NIC thread
+    /// runs it only while no host thread does.
+    pub fn spawn_driven<P: Processor + Send + 'static>(
+        cfg: ShellConfig,
+        waker: mio::Waker,
+        build: impl FnOnce() -> P + Send + 'static,
+    ) -> Result<NicThread> {
+        let shared = Shared::new(&cfg, waker);
+        let spin = cfg.spin;
+        Self::start(cfg, shared, move |shared, started| {
+            let engine = Arc::new(super::driven::DrivenQueue::new(shared.clone(), build()));
+            let _ = started.send(Some(engine.clone() as Arc<dyn QueueDriver>));
+            engine.run_nic_thread(spin);
+        })
+    }
+
+    fn start(
+        cfg: ShellConfig,
+        shared: Arc<Shared>,
+        body: impl FnOnce(&Arc<Shared>, Started) + Send + 'static,
+    ) -> Result<NicThread> {
+        let thread_shared = shared.clone();
         let (started, is_started) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new()
             .name(cfg.name.into())
             .spawn(move || {
                 // Also on unwinding: a panicking NIC must not leave hosts waiting.
                 let _guard = DeadGuard(thread_shared.clone());
-                let nic = build();
-                let _ = started.send(());
-                run(&thread_shared, spin, nic);
+                // SAFETY: gettid has no preconditions.
+                let tid = unsafe { libc::gettid() };
+                thread_shared.tid.store(tid, Ordering::Release);
+                body(&thread_shared, started);
             })
             .map_err(|e| Error::Engine(format!("cannot start {}: {e}", cfg.name)))?;
-        if is_started.recv().is_err() {
+        let Ok(driver) = is_started.recv() else {
             let _ = thread.join();
             return Err(Error::Engine(format!("{} failed to start", cfg.name)));
-        }
+        };
         Ok(NicThread {
             shared,
             thread: Mutex::new(Some(thread)),
             name: cfg.name,
+            driver,
         })
     }
 
-    /// Queues a management command and wakes the thread.
+    /// The queue host threads drive, for binding CQs to it; None when only the NIC thread
+    /// runs the processor.
+    pub fn driver(&self) -> Option<&Arc<dyn QueueDriver>> {
+        self.driver.as_ref()
+    }
+
+    /// Queues a management command and wakes the thread (or the host thread driving it).
     pub fn manage(&self, cmd: Command) {
         self.shared.commands.push(cmd);
         if self.shared.dead.load(Ordering::SeqCst) {
@@ -176,6 +211,7 @@ impl NicThread {
             return;
         }
         self.shared.wake();
+        self.shared.handover.kick();
     }
 
     /// Puts `qp` in the doorbell FIFO unless it is there already. An atomic swap and a fence;
@@ -201,6 +237,12 @@ impl NicThread {
         }
     }
 
+    /// CPU time host threads spent running this queue (run to completion), which a
+    /// thread's own CPU accounting counts as the application's.
+    pub fn driven_cpu(&self) -> Duration {
+        self.shared.handover.driven_cpu()
+    }
+
     /// Kernel thread id of the NIC thread, once it runs.
     pub fn engine_threads(&self) -> Vec<i32> {
         match self.shared.tid.load(Ordering::Acquire) {
@@ -213,11 +255,34 @@ impl NicThread {
     pub fn shutdown(&self) {
         self.shared.stop.store(true, Ordering::Release);
         self.shared.wake();
+        self.shared.handover.kick();
         if let Some(t) = self.thread.lock().take()
             && t.join().is_err()
         {
             tracing::error!("{} panicked", self.name);
         }
+    }
+}
+
+/// Tells the spawner the thread runs, with the queue hosts may drive (if any).
+type Started = std::sync::mpsc::Sender<Option<Arc<dyn QueueDriver>>>;
+
+impl Shared {
+    fn new(cfg: &ShellConfig, waker: mio::Waker) -> Arc<Shared> {
+        let doorbells = match cfg.doorbell_fifo {
+            Some(n) => Doorbells::Bounded(ArrayQueue::new(n.max(1))),
+            None => Doorbells::Unbounded(SegQueue::new()),
+        };
+        Arc::new(Shared {
+            commands: SegQueue::new(),
+            doorbells,
+            sleeping: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            waker,
+            tid: AtomicI32::new(0),
+            dead: AtomicBool::new(false),
+            handover: Handover::default(),
+        })
     }
 }
 
@@ -233,57 +298,125 @@ impl Drop for DeadGuard {
     }
 }
 
+/// The NIC thread's loop when only it runs the processor.
 fn run<P: Processor>(shared: &Shared, spin: Duration, mut nic: P) {
-    // SAFETY: gettid has no preconditions.
-    shared
-        .tid
-        .store(unsafe { libc::gettid() }, Ordering::Release);
-    let mut window = PollWindow::new(spin);
-    let mut last_work = Instant::now();
-    let mut slept = false;
-    loop {
-        let mut worked = run_commands(shared, &mut nic);
-        worked |= run_doorbells(shared, &mut nic);
-        if shared.stop.load(Ordering::Acquire) {
-            break;
-        }
-        worked |= nic.step();
-        if worked {
-            let now = Instant::now();
-            window.idle_ended(now - last_work, slept);
-            last_work = now;
-            slept = false;
-            continue;
-        }
-        if !slept && last_work.elapsed() < window.get() {
-            // Polling: let the application threads have the core (two-core machines).
-            std::thread::yield_now();
-            continue;
-        }
-        shared.sleeping.store(true, Ordering::Relaxed);
-        // Pairs with the fence in ring_doorbell: either the host sees `sleeping` and wakes
-        // us, or we see its doorbell here.
-        fence(Ordering::SeqCst);
-        if shared.has_work() {
-            shared.sleeping.store(false, Ordering::Relaxed);
-            continue;
-        }
-        let worked = nic.sleep();
-        shared.sleeping.store(false, Ordering::Relaxed);
-        slept = true;
-        if worked {
-            let now = Instant::now();
-            window.idle_ended(now - last_work, true);
-            last_work = now;
-            slept = false;
-        }
-    }
+    let mut turns = Turns::new(spin);
+    drive(
+        shared,
+        &mut nic,
+        &mut turns,
+        &mut || shared.stop.load(Ordering::Acquire),
+        None,
+    );
     // Last commands (QPs destroyed as the NIC's handles went) still run, so peers are told.
     run_commands(shared, &mut nic);
     nic.stop();
 }
 
-fn run_commands(shared: &Shared, nic: &mut impl Processor) -> bool {
+/// What a thread running the processor learns across its turns: the poll window and when
+/// work last came.
+pub(super) struct Turns {
+    window: PollWindow,
+    last_work: Instant,
+    slept: bool,
+    /// Run by application threads (which keep their core while polling).
+    host: bool,
+}
+
+impl Turns {
+    /// `spin`: the longest poll window (zero: sleep as soon as a turn finds nothing).
+    pub(super) fn new(spin: Duration) -> Self {
+        Turns {
+            window: PollWindow::new(spin),
+            last_work: Instant::now(),
+            slept: false,
+            host: false,
+        }
+    }
+
+    /// The turns of application threads driving a queue.
+    pub(super) fn host() -> Self {
+        Turns {
+            host: true,
+            ..Turns::new(Duration::ZERO)
+        }
+    }
+
+    /// Changes the longest poll window (a host thread's wait brings its own).
+    pub(super) fn set_max(&mut self, spin: Duration) {
+        self.window.set_max(spin);
+    }
+
+    fn worked(&mut self, slept: bool) {
+        let now = Instant::now();
+        self.window.idle_ended(now - self.last_work, slept);
+        self.last_work = now;
+        self.slept = false;
+    }
+}
+
+/// Runs the processor's turns — commands, then doorbells, then a look at the physical layer
+/// — until `done()` (looked at after the work of each turn and before sleeping) or
+/// `deadline`; polls for the learned window after the last work, then sleeps in the
+/// processor. True if `done()`, false at the deadline.
+pub(super) fn drive<P: Processor>(
+    shared: &Shared,
+    nic: &mut P,
+    turns: &mut Turns,
+    done: &mut dyn FnMut() -> bool,
+    deadline: Option<Instant>,
+) -> bool {
+    loop {
+        let mut worked = run_commands(shared, nic);
+        worked |= run_doorbells(shared, nic);
+        if done() {
+            return true;
+        }
+        // A thread that never polls sleeps at once: its sleep returns what is ready
+        // without a separate look first (one system call fewer per wait).
+        if turns.window.max() > Duration::ZERO {
+            worked |= nic.step();
+        }
+        if worked {
+            turns.worked(turns.slept);
+            continue;
+        }
+        if !turns.slept && turns.last_work.elapsed() < turns.window.get() {
+            if turns.host {
+                // An application thread keeps its core while it polls: a yield would hand
+                // a busy core's slice to another thread, far longer than the window.
+                std::hint::spin_loop();
+            } else {
+                // The NIC thread lets the application threads have the core (two cores).
+                std::thread::yield_now();
+            }
+            continue;
+        }
+        let timeout = match deadline {
+            Some(d) => match d.checked_duration_since(Instant::now()) {
+                Some(left) if !left.is_zero() => Some(left),
+                _ => return false,
+            },
+            None => None,
+        };
+        shared.sleeping.store(true, Ordering::Relaxed);
+        // Pairs with the fence in ring_doorbell: either the host sees `sleeping` and wakes
+        // us, or we see its doorbell here.
+        fence(Ordering::SeqCst);
+        if shared.has_work() || done() {
+            shared.sleeping.store(false, Ordering::Relaxed);
+            continue;
+        }
+        let worked = nic.sleep(timeout);
+        shared.sleeping.store(false, Ordering::Relaxed);
+        turns.slept = true;
+        if worked {
+            turns.worked(true);
+        }
+    }
+}
+
+pub(super) fn run_commands(shared: &Shared, nic: &mut impl Processor) -> bool {
     let mut worked = false;
     while let Some(cmd) = shared.commands.pop() {
         worked = true;

@@ -127,6 +127,28 @@ impl Limits {
             Command::BlockStatus if len == 0 => {
                 return Err(Refused::Invalid("zero-length block status"));
             }
+            // The new size travels in the offset field: a multiple of the minimum block
+            // size, so that every block of the export stays addressable.
+            Command::Resize if !self.has(TransmissionFlags::SEND_RESIZE) => {
+                return Err(Refused::Unsupported("RESIZE"));
+            }
+            Command::Resize => {
+                let min = u64::from(self.block_size.min.max(1));
+                if !sub.offset.is_multiple_of(min) {
+                    return Err(Refused::Unaligned {
+                        offset: sub.offset,
+                        len: 0,
+                        min: self.block_size.min,
+                    });
+                }
+                return Ok(Request {
+                    flags: CmdFlags::empty(),
+                    command,
+                    cookie: 0,
+                    offset: sub.offset,
+                    length: 0,
+                });
+            }
             Command::Read
             | Command::Write
             | Command::Flush
@@ -181,6 +203,37 @@ mod tests {
             length,
             fua: true,
         }
+    }
+
+    #[test]
+    fn resize_carries_the_new_size_where_offered() {
+        let l = limits(TransmissionFlags::SEND_RESIZE);
+        // Past the export's end: the new size is no range.
+        let req = l.check(&sub(Command::Resize, 4 << 20, 0)).unwrap();
+        assert_eq!(
+            (req.command, req.offset, req.length),
+            (Command::Resize, 4 << 20, 0)
+        );
+        assert_eq!(req.flags, CmdFlags::empty());
+        let mut info = TransmissionInfo::new(l.size, l.flags);
+        info.block_size = l.block_size;
+        assert_eq!(validate_request(&req, &info), Ok(()));
+        assert!(matches!(
+            l.check(&sub(Command::Resize, 1000, 0)),
+            Err(Refused::Unaligned { offset: 1000, .. })
+        ));
+        assert_eq!(
+            limits(TransmissionFlags::empty()).check(&sub(Command::Resize, 4 << 20, 0)),
+            Err(Refused::Unsupported("RESIZE"))
+        );
+        assert_eq!(
+            limits(TransmissionFlags::SEND_RESIZE | TransmissionFlags::READ_ONLY).check(&sub(
+                Command::Resize,
+                4 << 20,
+                0
+            )),
+            Err(Refused::ReadOnly)
+        );
     }
 
     #[test]

@@ -151,6 +151,12 @@ impl<R: ReadTarget + Clone> ClientSession<R> {
         &self.limits
     }
 
+    /// The export's size changed: after a `RESIZE` the server carried out, or a reconnect
+    /// that found another size. Requests are checked against `size` from now on.
+    pub fn set_size(&mut self, size: u64) {
+        self.limits.size = size;
+    }
+
     /// The current connection's reply style.
     pub fn mode(&self) -> Mode {
         self.mode

@@ -58,7 +58,8 @@ pub(crate) struct Cli {
     /// An export: NAME=PATH of an image file or block device, or NAME=rbd:POOL/IMAGE[@SNAP]
     /// of a Ceph RBD image (see --ceph-conf; a snapshot is served read-only; after `rbd
     /// resize` new connections get the new size, open ones keep theirs and get EINVAL/ENOSPC
-    /// past a shrunk end); repeat for several.
+    /// past a shrunk end; a writable one offers NBD's experimental RESIZE, `qpip-nbd
+    /// resize`); repeat for several.
     #[arg(short, long, value_name = "NAME=PATH")]
     pub export: Vec<String>,
     /// qemu-nbd's form: an image file (or block device, or rbd:POOL/IMAGE) served as one more
