@@ -9,6 +9,7 @@ mod nbd;
 mod pattern;
 mod plot;
 mod progress;
+mod qd1;
 mod report;
 mod rig;
 mod stats;
@@ -175,6 +176,37 @@ enum NbdCmd {
         /// Write no plot.
         #[arg(long)]
         no_plot: bool,
+    },
+    /// (root) Latency at queue depth 1 through a FUSE mount: 4 KiB O_DIRECT random reads, then
+    /// writes (fio psync, iodepth 1), on qpip-nbd-mount --cache none over qpip-nbd-server
+    /// against qemu-storage-daemon's FUSE export over nbdkit: IOPS, p50 and p99 latency, CPU
+    /// per 10 000 operations, and the verdict against issue 29's goals.
+    Qd1 {
+        /// Print one JSON object (every figure) instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Rounds; every round runs both stacks (interleaved); medians and min/max are reported.
+        #[arg(long, default_value_t = 3)]
+        repeat: usize,
+        /// Image size (random data; fio's offsets range over all of it).
+        #[arg(long, default_value = "1G", value_parser = units::parse_size)]
+        size: u64,
+        /// Seconds of each fio run (randread, randwrite).
+        #[arg(long, default_value_t = 8.0)]
+        runtime: f64,
+        /// The qpip-nbd-server to measure. Default: the one next to this executable.
+        #[arg(long, value_name = "PATH")]
+        server_bin: Option<PathBuf>,
+        /// The qpip-nbd-mount to measure. Default: the one next to this executable.
+        #[arg(long, value_name = "PATH")]
+        mount_bin: Option<PathBuf>,
+        /// An extra argument for qpip-nbd-mount (repeatable), after `--cache none`.
+        #[arg(long, value_name = "ARG", allow_hyphen_values = true)]
+        mount_arg: Vec<String>,
+        /// Directory in which a fresh work directory (image, mount points, logs) is made and
+        /// removed afterwards. Default: /dev/shm.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
     },
     /// Raw sequential NBD I/O over request sizes and queue depths: our client (nbd_client's
     /// pipelined API) against qpip-nbd-server, fio's nbd engine against nbdkit and qemu-nbd.
@@ -372,6 +404,40 @@ fn run(cli: Cli) -> Result<()> {
                 plot::ext2(&report, &path)
                     .with_context(|| format!("writing the plot {}", path.display()))?;
                 progress.line(&format!("plot written to {}", path.display()));
+            }
+        }
+        Cmd::Nbd {
+            cmd:
+                NbdCmd::Qd1 {
+                    json,
+                    repeat,
+                    size,
+                    runtime,
+                    server_bin,
+                    mount_bin,
+                    mount_arg,
+                    dir,
+                },
+        } => {
+            let runtime = std::time::Duration::try_from_secs_f64(runtime)
+                .with_context(|| format!("--runtime {runtime}: expected a number of seconds"))?;
+            let progress = progress::Progress::new("qpip-bench nbd qd1");
+            let opts = qd1::Options {
+                size,
+                runtime,
+                repeat,
+                server_bin: server_bin.map_or_else(peers::default_server_bin, Ok)?,
+                mount_bin: mount_bin.map_or_else(ext2::default_mount_bin, Ok)?,
+                mount_args: mount_arg,
+                dir,
+            };
+            let report = qd1::run_all(opts, &progress)?;
+            if json {
+                // The table still goes to the terminal, on stderr.
+                eprint!("{}", qd1::table(&report));
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                print!("{}", qd1::table(&report));
             }
         }
         Cmd::Nbd {

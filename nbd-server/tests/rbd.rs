@@ -600,25 +600,8 @@ fn rbd_resize_grow_and_shrink_while_serving() {
     };
 
     // Grow: new connections see 64 MiB and use all of it.
-    peer_ok(ceph.rbd().args([
-        "resize",
-        "--no-progress",
-        "--size",
-        "64M",
-        &ceph.spec(&img.name),
-    ]));
-    wait_for_size(&uri, 64 * MIB);
-    let length = qemu_io(&uri, &["length"]);
-    assert!(length.contains("64 MiB"), "{length}");
-    qemu_io(
-        &uri,
-        &[
-            "write -P 0x55 60M 1M",
-            "flush",
-            "read -P 0x55 60M 1M",
-            "read -P 0x44 24M 1M",
-        ],
-    );
+    rbd_resize(&ceph, &img.name, "64M", false);
+    serves_64m(&uri, 0x55, "read -P 0x44 24M 1M");
     // The old connection keeps its 32 MiB.
     assert!(read(&mut old, 24 * MIB).unwrap().iter().all(|&b| b == 0x44));
     assert!(
@@ -629,27 +612,12 @@ fn rbd_resize_grow_and_shrink_while_serving() {
     );
 
     // Shrink below what the old connection was told.
-    peer_ok(ceph.rbd().args([
-        "resize",
-        "--no-progress",
-        "--allow-shrink",
-        "--size",
-        "16M",
-        &ceph.spec(&img.name),
-    ]));
+    rbd_resize(&ceph, &img.name, "16M", true);
     wait_for_size(&uri, 16 * MIB);
     let length = qemu_io(&uri, &["length"]);
     assert!(length.contains("16 MiB"), "{length}");
     qemu_io(&uri, &["read -P 0x11 0 1M"]);
-    let out = run_with_timeout(
-        Command::new("qemu-io").args(["-f", "raw", "-c", "read 16M 4k", &uri]),
-        Duration::from_secs(60),
-    );
-    assert!(
-        !out.status.success() || text(&out).contains("failed"),
-        "{}",
-        text(&out)
-    );
+    read_past_16m_fails(&uri);
     // The old connection: past the new end, EINVAL for a read and ENOSPC for a write; within
     // it, served as before, on the same connection.
     let e = read(&mut old, 24 * MIB).unwrap_err();
@@ -999,18 +967,7 @@ fn rbd_nbd_resize_extension_grows_and_shrinks_the_image() {
         "{}",
         srv.log()
     );
-    wait_for_size(&uri, 64 * MIB);
-    let length = qemu_io(&uri, &["length"]);
-    assert!(length.contains("64 MiB"), "{length}");
-    qemu_io(
-        &uri,
-        &[
-            "write -P 0x22 60M 1M",
-            "flush",
-            "read -P 0x22 60M 1M",
-            "read -P 0x21 0 1M",
-        ],
-    );
+    serves_64m(&uri, 0x22, "read -P 0x21 0 1M");
 
     // qemu's NBD driver has no way to ask (it sends no NBD_CMD_RESIZE).
     let q = run_with_timeout(
@@ -1044,15 +1001,7 @@ fn rbd_nbd_resize_extension_grows_and_shrinks_the_image() {
     assert_eq!(rbd_size(&ceph, &img.name), 16 * MIB);
     wait_for_size(&uri, 16 * MIB);
     qemu_io(&uri, &["read -P 0x21 0 1M"]);
-    let out = run_with_timeout(
-        Command::new("qemu-io").args(["-f", "raw", "-c", "read 16M 4k", &uri]),
-        Duration::from_secs(60),
-    );
-    assert!(
-        !out.status.success() || text(&out).contains("failed"),
-        "{}",
-        text(&out)
-    );
+    read_past_16m_fails(&uri);
 
     // Exports that cannot resize do not offer it: a read-only one.
     let mut ro_args = args.clone();
@@ -1171,13 +1120,7 @@ fn rbd_mount_follows_a_grow_across_a_restart_and_drops_bytes_past_a_shrink() {
 
     // Grow while the server is down; it comes back on the same address, told 64 MiB.
     stop(srv);
-    peer_ok(ceph.rbd().args([
-        "resize",
-        "--no-progress",
-        "--size",
-        "64M",
-        &ceph.spec(&img.name),
-    ]));
+    rbd_resize(&ceph, &img.name, "64M", false);
     let srv = start_server(&addr, &args);
     // The mount asks the server every 2 s; a reconnect would tell it too.
     mount.wait_for_size(&file, 64 * MIB, 20);
@@ -1194,14 +1137,7 @@ fn rbd_mount_follows_a_grow_across_a_restart_and_drops_bytes_past_a_shrink() {
 
     // Shrink under the running server and the open mount: no byte past the new end is
     // served again, not even the page the kernel cached.
-    peer_ok(ceph.rbd().args([
-        "resize",
-        "--no-progress",
-        "--allow-shrink",
-        "--size",
-        "16M",
-        &ceph.spec(&img.name),
-    ]));
+    rbd_resize(&ceph, &img.name, "16M", true);
     mount.wait_for_size(&file, 16 * MIB, 20);
     let f = std::fs::File::open(&file).unwrap();
     let n = f.read_at(&mut page, 30 * MIB).unwrap();
@@ -1247,13 +1183,7 @@ fn rbd_read_only_mount_takes_a_grow_when_it_reconnects() {
     let mount = RbdMount::start(&srv.uri("disk"), &mnt, &dir.path().join("mount.log"));
     mount.wait_for_size(&file, 32 * MIB, 30);
     stop(srv);
-    peer_ok(ceph.rbd().args([
-        "resize",
-        "--no-progress",
-        "--size",
-        "48M",
-        &ceph.spec(&img.name),
-    ]));
+    rbd_resize(&ceph, &img.name, "48M", false);
     let srv = start_server(&addr, &args);
     // Nothing has asked yet: the size stays.
     std::thread::sleep(Duration::from_secs(3));
@@ -1275,4 +1205,39 @@ fn rbd_read_only_mount_takes_a_grow_when_it_reconnects() {
     );
     drop(mount);
     stop(srv);
+}
+
+/// qemu-io's read just past 16 MiB fails: the export ends there.
+fn read_past_16m_fails(uri: &str) {
+    let out = run_with_timeout(
+        Command::new("qemu-io").args(["-f", "raw", "-c", "read 16M 4k", uri]),
+        Duration::from_secs(60),
+    );
+    assert!(
+        !out.status.success() || text(&out).contains("failed"),
+        "{}",
+        text(&out)
+    );
+}
+
+/// New connections to `uri` are told 64 MiB and use all of it: a write at 60 MiB with
+/// `pattern` reads back, and `old` (a qemu-io read) still finds what was there before.
+fn serves_64m(uri: &str, pattern: u8, old: &str) {
+    wait_for_size(uri, 64 * MIB);
+    let length = qemu_io(uri, &["length"]);
+    assert!(length.contains("64 MiB"), "{length}");
+    let write = format!("write -P {pattern:#x} 60M 1M");
+    let read = format!("read -P {pattern:#x} 60M 1M");
+    qemu_io(uri, &[write.as_str(), "flush", read.as_str(), old]);
+}
+
+/// `rbd resize` of image `name` to `size` (`--allow-shrink` when `shrink`).
+fn rbd_resize(ceph: &Ceph, name: &str, size: &str, shrink: bool) {
+    let mut args = vec!["resize", "--no-progress", "--size", size];
+    if shrink {
+        args.push("--allow-shrink");
+    }
+    let spec = ceph.spec(name);
+    args.push(&spec);
+    peer_ok(ceph.rbd().args(&args));
 }

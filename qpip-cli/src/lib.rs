@@ -62,8 +62,10 @@ pub struct NicArgs {
     #[arg(long, global = true, value_name = "FILE")]
     pub lanai_params: Option<PathBuf>,
     /// Queues of the software NIC (engine threads, each owning the connections placed on
-    /// it, the least loaded taking each new one), 1 to 256. Default: one per core
-    /// (QPIP_SOFT_QUEUES overrides it). The LANai NIC has one processor and one queue.
+    /// it, the least loaded taking each new one), 1 to 256. Default: one per core, at
+    /// least 8 when waiting threads run their queues (run to completion, the default) so
+    /// that connections do not share one (QPIP_SOFT_QUEUES overrides it). The LANai NIC
+    /// has one processor and one queue.
     #[arg(long, global = true, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=256))]
     pub nic_queues: Option<u16>,
 }

@@ -301,6 +301,10 @@ impl Processor for Engine {
         self.turn(Some(timeout))
     }
 
+    fn sending(&self) -> bool {
+        self.qps.values().any(|q| q.sending())
+    }
+
     fn stop(&mut self) {
         let registry = self.poll.registry();
         for qp in self.qps.values_mut() {

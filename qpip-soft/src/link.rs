@@ -239,6 +239,11 @@ impl EngineQp {
         true
     }
 
+    /// Posted sends wait for the socket.
+    pub(super) fn sending(&self) -> bool {
+        !self.tx.is_idle()
+    }
+
     pub(super) fn is_idle(&self) -> bool {
         matches!(self.link, Link::Idle) && self.shared.state() == QpState::Init
     }

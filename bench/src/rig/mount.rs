@@ -218,10 +218,7 @@ impl FuseClient {
 impl Drop for FuseClient {
     fn drop(&mut self) {
         if let Err(e) = self.stop() {
-            eprintln!(
-                "qpip-bench nbd ext2: stopping {}: {e:#}",
-                self.program.name()
-            );
+            eprintln!("qpip-bench: stopping {}: {e:#}", self.program.name());
         }
     }
 }

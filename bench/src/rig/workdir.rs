@@ -44,6 +44,20 @@ impl WorkDir {
         WorkDir::created(path)
     }
 
+    /// A fresh `qpip-bench-NAME-PID` inside `root` (default: tmpfs, /dev/shm, if there is
+    /// one, else the temporary directory); removed on drop, `root` itself left alone.
+    pub fn fresh_in(root: Option<&Path>, name: &str) -> Result<WorkDir> {
+        let root = root.map(Path::to_path_buf).unwrap_or_else(|| {
+            let shm = Path::new("/dev/shm");
+            if shm.is_dir() {
+                shm.to_path_buf()
+            } else {
+                std::env::temp_dir()
+            }
+        });
+        WorkDir::created(root.join(run_dir_name(name)))
+    }
+
     /// Creates `path` (and its parents), removed on drop.
     pub(crate) fn created(path: PathBuf) -> Result<WorkDir> {
         std::fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
@@ -121,10 +135,56 @@ impl Image {
         }
         Ok(img)
     }
+
+    /// An image of `size` bytes of pseudo-random data (xorshift64* from `seed`): nothing a
+    /// store or a link could compress or skip as zeroes.
+    pub fn random(path: PathBuf, size: u64, seed: u64) -> Result<Image> {
+        let img = Image { path };
+        let mut f = std::fs::File::create(&img.path)
+            .with_context(|| format!("creating {}", img.path.display()))?;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut x = seed | 1;
+        let mut left = size;
+        while left > 0 {
+            for word in buf.chunks_exact_mut(8) {
+                x ^= x >> 12;
+                x ^= x << 25;
+                x ^= x >> 27;
+                word.copy_from_slice(&x.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes());
+            }
+            let n = left.min(buf.len() as u64) as usize;
+            f.write_all(&buf[..n])
+                .with_context(|| format!("writing {}", img.path.display()))?;
+            left -= n as u64;
+        }
+        Ok(img)
+    }
 }
 
 impl Drop for Image {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_images_have_their_size_and_no_repeated_blocks() {
+        let dir = WorkDir::fresh_in(Some(&std::env::temp_dir()), "workdir-test").unwrap();
+        let path = dir.path.join("r.img");
+        let size = (3 << 20) + 4096;
+        let img = Image::random(path.clone(), size, 7).unwrap();
+        let data = std::fs::read(&path).unwrap();
+        assert_eq!(data.len() as u64, size);
+        let blocks: std::collections::HashSet<&[u8]> = data.chunks(4096).collect();
+        assert_eq!(blocks.len(), data.len() / 4096);
+        drop(img);
+        assert!(!path.exists());
+        let root = dir.path.clone();
+        drop(dir);
+        assert!(!root.exists() && std::env::temp_dir().is_dir());
     }
 }

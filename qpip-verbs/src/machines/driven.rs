@@ -114,7 +114,10 @@ impl<P: Processor + Send> DrivenQueue<P> {
                 h.parked_untimed.store(false, Ordering::Relaxed);
                 continue;
             }
-            if h.waiters.load(Ordering::SeqCst) > 0 || shared.has_work() {
+            if h.resume.swap(false, Ordering::AcqRel)
+                || h.waiters.load(Ordering::SeqCst) > 0
+                || shared.has_work()
+            {
                 return true;
             }
             match h.since_last_drive() {
@@ -179,13 +182,17 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
                 .fetch_add(cpu.as_nanos() as u64, Ordering::Relaxed);
         }
         driving.fetch_sub(1, Ordering::SeqCst);
+        let sending = nic.sending();
         drop(engine);
+        if sending {
+            h.resume.store(true, Ordering::Release);
+        }
         let now = h.epoch.elapsed().as_nanos().min(u128::from(NEVER - 1)) as u64;
         h.last_exit.store(now, Ordering::Release);
         // Pairs with the parked NIC thread's store-then-look.
         fence(Ordering::SeqCst);
         let others = h.waiters.load(Ordering::SeqCst) > 1;
-        if others || shared.has_work() || h.parked_untimed.load(Ordering::SeqCst) {
+        if sending || others || shared.has_work() || h.parked_untimed.load(Ordering::SeqCst) {
             h.kick();
         }
         match (finished, ready()) {

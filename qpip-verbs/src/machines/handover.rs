@@ -14,6 +14,8 @@ pub(crate) struct Handover {
     pub(super) waiters: AtomicU32,
     /// A waiting host thread asks the NIC thread to let go of the processor.
     pub(super) wanted: AtomicBool,
+    /// A driver left with sends still under way: the NIC thread carries on at once.
+    pub(super) resume: AtomicBool,
     /// The futex word the parked NIC thread sleeps on.
     pub(super) park: AtomicU32,
     /// The NIC thread sleeps without a timer behind a long drive: its end must wake it.
@@ -37,6 +39,7 @@ impl Default for Handover {
         Handover {
             waiters: AtomicU32::new(0),
             wanted: AtomicBool::new(false),
+            resume: AtomicBool::new(false),
             park: AtomicU32::new(0),
             parked_untimed: AtomicBool::new(false),
             drives: AtomicU64::new(0),

@@ -44,6 +44,11 @@ pub trait Processor {
     fn sleep(&mut self, timeout: Option<Duration>) -> bool;
     /// The NIC stops (the last commands have run): last frames out, connections down.
     fn stop(&mut self);
+    /// Posted sends still wait for the wire (a socket that would block): a host thread that
+    /// stops driving hands the queue to the NIC thread at once, so they go on leaving.
+    fn sending(&self) -> bool {
+        false
+    }
 }
 
 /// How the shell runs.
