@@ -99,7 +99,7 @@ pub(crate) fn run(job: &Job, server: &Running, what: &str) -> Result<Report> {
 
 /// One time-based fio job on a file: `bs`-byte requests one at a time (the psync engine,
 /// queue depth 1) with O_DIRECT, at offsets over the file's first `size` bytes.
-pub struct FileJob<'a> {
+pub(crate) struct FileJob<'a> {
     /// fio's --name.
     pub name: &'a str,
     pub file: &'a Path,
@@ -113,16 +113,16 @@ pub struct FileJob<'a> {
 
 /// The direction of a [`FileJob`]: random reads or random writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RandDir {
+pub(crate) enum RandDir {
     Read,
     Write,
 }
 
 impl RandDir {
-    pub const BOTH: [RandDir; 2] = [RandDir::Read, RandDir::Write];
+    pub(crate) const BOTH: [RandDir; 2] = [RandDir::Read, RandDir::Write];
 
     /// fio's --rw.
-    pub fn rw(self) -> &'static str {
+    pub(crate) fn rw(self) -> &'static str {
         match self {
             RandDir::Read => "randread",
             RandDir::Write => "randwrite",
@@ -140,7 +140,7 @@ impl RandDir {
 
 /// What fio reports of a [`FileJob`]: operations, rate and completion latency.
 #[derive(Clone, Copy, Debug)]
-pub struct LatencyReport {
+pub(crate) struct LatencyReport {
     /// Requests completed.
     pub ios: f64,
     pub iops: f64,
@@ -156,7 +156,7 @@ pub struct LatencyReport {
 }
 
 /// Runs `job`; `what` names it in errors.
-pub fn run_file(job: &FileJob, what: &str) -> Result<LatencyReport> {
+pub(crate) fn run_file(job: &FileJob, what: &str) -> Result<LatencyReport> {
     let file = job
         .file
         .to_str()

@@ -46,7 +46,7 @@ impl WorkDir {
 
     /// A fresh `qpip-bench-NAME-PID` inside `root` (default: tmpfs, /dev/shm, if there is
     /// one, else the temporary directory); removed on drop, `root` itself left alone.
-    pub fn fresh_in(root: Option<&Path>, name: &str) -> Result<WorkDir> {
+    pub(crate) fn fresh_in(root: Option<&Path>, name: &str) -> Result<WorkDir> {
         let root = root.map(Path::to_path_buf).unwrap_or_else(|| {
             let shm = Path::new("/dev/shm");
             if shm.is_dir() {
@@ -138,7 +138,7 @@ impl Image {
 
     /// An image of `size` bytes of pseudo-random data (xorshift64* from `seed`): nothing a
     /// store or a link could compress or skip as zeroes.
-    pub fn random(path: PathBuf, size: u64, seed: u64) -> Result<Image> {
+    pub(crate) fn random(path: PathBuf, size: u64, seed: u64) -> Result<Image> {
         let img = Image { path };
         let mut f = std::fs::File::create(&img.path)
             .with_context(|| format!("creating {}", img.path.display()))?;
