@@ -15,30 +15,30 @@ fn clock(id: libc::clockid_t) -> Duration {
 }
 
 /// CPU time of the calling thread.
-pub fn this_thread() -> Duration {
+pub(crate) fn this_thread() -> Duration {
     clock(libc::CLOCK_THREAD_CPUTIME_ID)
 }
 
 /// CPU time of thread `tid` of this process (Linux's per-thread CPU clock id encoding).
-pub fn thread(tid: i32) -> Duration {
+pub(crate) fn thread(tid: i32) -> Duration {
     let id = (!(tid as libc::clockid_t) << 3) | 6;
     clock(id)
 }
 
 /// Sum of the CPU time of several threads of this process.
-pub fn threads(tids: &[i32]) -> Duration {
+pub(crate) fn threads(tids: &[i32]) -> Duration {
     tids.iter().map(|&t| thread(t)).sum()
 }
 
 /// User and system CPU time of a whole process: all its threads, living and exited.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct ProcessCpu {
+pub(crate) struct ProcessCpu {
     pub user: Duration,
     pub system: Duration,
 }
 
 impl ProcessCpu {
-    pub fn total(&self) -> Duration {
+    pub(crate) fn total(&self) -> Duration {
         self.user + self.system
     }
 }
@@ -56,7 +56,7 @@ impl std::ops::Sub for ProcessCpu {
 /// CPU time of process `pid` from `/proc/PID/stat` (utime and stime, in clock ticks: 10 ms
 /// resolution at the usual 100 Hz, fine for runs of seconds). Works for any process the caller
 /// may see, e.g. a server it started.
-pub fn process(pid: u32) -> std::io::Result<ProcessCpu> {
+pub(crate) fn process(pid: u32) -> std::io::Result<ProcessCpu> {
     let path = format!("/proc/{pid}/stat");
     let stat = std::fs::read_to_string(&path)?;
     parse_stat(&stat).ok_or_else(|| {
@@ -86,7 +86,7 @@ fn parse_stat(stat: &str) -> Option<ProcessCpu> {
 
 /// CPU time of the threads of process `pid` whose name is `name` (e.g. the soft NIC's engine
 /// thread, "qpip-soft-nic"): how much of a server's CPU went to its emulated NIC.
-pub fn threads_named(pid: u32, name: &str) -> std::io::Result<ProcessCpu> {
+pub(crate) fn threads_named(pid: u32, name: &str) -> std::io::Result<ProcessCpu> {
     let mut sum = ProcessCpu {
         user: Duration::ZERO,
         system: Duration::ZERO,
@@ -119,7 +119,7 @@ fn clock_ticks_per_s() -> f64 {
 /// Busy CPU time of the whole machine so far, from the first line of `/proc/stat`: user +
 /// nice + system + irq + softirq, all CPUs (idle, iowait and steal excluded; guest time is
 /// already inside user).
-pub fn machine_busy() -> std::io::Result<Duration> {
+pub(crate) fn machine_busy() -> std::io::Result<Duration> {
     let stat = std::fs::read_to_string("/proc/stat")?;
     parse_machine(&stat).ok_or_else(|| {
         std::io::Error::new(std::io::ErrorKind::InvalidData, "/proc/stat: no cpu line")
@@ -140,7 +140,7 @@ fn parse_machine(stat: &str) -> Option<Duration> {
 
 /// One process as seen in `/proc/PID/stat`.
 #[derive(Clone, Copy, Debug)]
-pub struct ProcEntry {
+pub(crate) struct ProcEntry {
     pub ppid: u32,
     pub cpu: Duration,
     /// A kernel thread (PF_KTHREAD): loop workers, kworkers doing writeback, ...
@@ -148,7 +148,7 @@ pub struct ProcEntry {
 }
 
 /// Every process of the machine: CPU time (user+system, all threads), parent, kind.
-pub fn all_processes() -> std::collections::HashMap<u32, ProcEntry> {
+pub(crate) fn all_processes() -> std::collections::HashMap<u32, ProcEntry> {
     let mut out = std::collections::HashMap::new();
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return out;
@@ -183,7 +183,7 @@ pub fn all_processes() -> std::collections::HashMap<u32, ProcEntry> {
 }
 
 /// `pid` and all its descendants in a snapshot of [`all_processes`].
-pub fn tree(
+pub(crate) fn tree(
     procs: &std::collections::HashMap<u32, ProcEntry>,
     pid: u32,
 ) -> std::collections::HashSet<u32> {
@@ -203,7 +203,7 @@ pub fn tree(
 
 /// The calling thread's kernel id.
 #[cfg(test)]
-pub fn tid() -> i32 {
+pub(crate) fn tid() -> i32 {
     // SAFETY: gettid has no preconditions.
     unsafe { libc::gettid() }
 }
@@ -211,7 +211,7 @@ pub fn tid() -> i32 {
 /// Restricts thread `tid` (0: the calling thread) to one CPU. The micro benchmarks give each
 /// simulated host one core, as two machines would have, so that neither stack gains or loses
 /// by where the scheduler happens to put its threads.
-pub fn pin(tid: i32, cpu: usize) -> std::io::Result<()> {
+pub(crate) fn pin(tid: i32, cpu: usize) -> std::io::Result<()> {
     // SAFETY: cpu_set_t is plain data; CPU_SET writes inside it; sched_setaffinity reads it.
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
@@ -224,7 +224,7 @@ pub fn pin(tid: i32, cpu: usize) -> std::io::Result<()> {
 }
 
 /// Lets thread `tid` (0: the calling thread) run on every CPU again.
-pub fn unpin(tid: i32) -> std::io::Result<()> {
+pub(crate) fn unpin(tid: i32) -> std::io::Result<()> {
     // SAFETY: as in `pin`.
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
@@ -238,13 +238,13 @@ pub fn unpin(tid: i32) -> std::io::Result<()> {
     Ok(())
 }
 
-pub fn online_cpus() -> usize {
+pub(crate) fn online_cpus() -> usize {
     // SAFETY: sysconf has no preconditions.
     (unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }).max(1) as usize
 }
 
 /// Median of a non-empty list.
-pub fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     let n = v.len();
     if n == 0 {
@@ -299,6 +299,7 @@ mod tests {
     fn stat_parsing_survives_odd_command_names() {
         let line = "42 (a) b (c) R 1 42 42 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 3 0 1";
         let c = parse_stat(line).unwrap();
+        // SAFETY: sysconf takes no pointers and only reads a system constant.
         let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
         assert_eq!(c.user, Duration::from_nanos(250 * 1_000_000_000 / hz));
         assert_eq!(c.system, Duration::from_nanos(50 * 1_000_000_000 / hz));

@@ -19,7 +19,7 @@ mod nbd;
 
 /// How much to run.
 #[derive(Clone, Copy, Debug)]
-pub struct Sizes {
+pub(crate) struct Sizes {
     pub rtt_rounds: u64,
     pub ttcp_bytes: u64,
     pub ttcp_msg: usize,
@@ -29,7 +29,7 @@ pub struct Sizes {
 
 impl Sizes {
     /// The paper's: ttcp moves 10 MB (640 messages of 16 KiB).
-    pub fn full() -> Self {
+    pub(crate) fn full() -> Self {
         Sizes {
             rtt_rounds: 100,
             ttcp_bytes: 640 * 16384,
@@ -39,7 +39,7 @@ impl Sizes {
         }
     }
     /// Seconds even in a debug build (smoke tests).
-    pub fn quick() -> Self {
+    pub(crate) fn quick() -> Self {
         Sizes {
             rtt_rounds: 10,
             ttcp_bytes: 32 * 16384,
@@ -50,7 +50,10 @@ impl Sizes {
 }
 
 /// Loads the model's inputs (the embedded defaults when no file is given).
-pub fn load(params: Option<&Path>, fabric: Option<&Path>) -> Result<(LanaiParams, FabricParams)> {
+pub(crate) fn load(
+    params: Option<&Path>,
+    fabric: Option<&Path>,
+) -> Result<(LanaiParams, FabricParams)> {
     let p = match params {
         Some(path) => LanaiParams::load(path)
             .with_context(|| format!("loading LANai parameters from {}", path.display()))?,
@@ -241,7 +244,7 @@ fn checksum_range(
 }
 
 /// Runs everything; returns the JSON report.
-pub fn run(
+pub(crate) fn run(
     params: &LanaiParams,
     fabric: &FabricParams,
     sizes: Sizes,
@@ -409,7 +412,7 @@ fn num(v: &Value) -> f64 {
 }
 
 /// The report as tables.
-pub fn table(r: &Value) -> String {
+pub(crate) fn table(r: &Value) -> String {
     let mut s = String::from("LANai 9 / Myrinet, predicted in virtual time\n");
     s += &format!(
         "PCI 64-bit/33 MHz: DMA read {:.0} MB/s, write {:.0} MB/s (one bus for both and PIO); \

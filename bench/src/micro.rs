@@ -23,19 +23,19 @@ use crate::cpu;
 
 /// Both figures of one comparison.
 #[derive(Clone, Copy, Debug, Serialize)]
-pub struct Pair {
+pub(crate) struct Pair {
     pub qp: f64,
     pub socket: f64,
 }
 
 #[derive(Debug, Serialize)]
-pub struct Rtt {
+pub(crate) struct Rtt {
     pub tcp: Pair,
     pub udp: Pair,
 }
 
 #[derive(Debug, Serialize)]
-pub struct BySize {
+pub(crate) struct BySize {
     #[serde(rename = "16k")]
     pub k16: Pair,
     #[serde(rename = "128k")]
@@ -44,7 +44,7 @@ pub struct BySize {
 
 #[derive(Debug, Serialize)]
 #[allow(non_snake_case)]
-pub struct MicroReport {
+pub(crate) struct MicroReport {
     pub overhead_ns: Pair,
     pub rtt_us: Rtt,
     /// The same round trips with a busy thread on every CPU ([`CpuLoad`]): what a NIC that
@@ -63,7 +63,7 @@ pub struct MicroReport {
 }
 
 #[derive(Clone, Copy, Debug, Serialize)]
-pub struct MicroSizes {
+pub(crate) struct MicroSizes {
     pub overhead_msgs: u64,
     pub rtt_rounds: u64,
     pub ttcp_16k_bytes: u64,
@@ -71,7 +71,7 @@ pub struct MicroSizes {
 }
 
 impl MicroSizes {
-    pub fn full() -> Self {
+    pub(crate) fn full() -> Self {
         MicroSizes {
             overhead_msgs: 200_000,
             rtt_rounds: 20_000,
@@ -79,7 +79,7 @@ impl MicroSizes {
             ttcp_128k_bytes: 1 << 30,
         }
     }
-    pub fn quick() -> Self {
+    pub(crate) fn quick() -> Self {
         MicroSizes {
             overhead_msgs: 20_000,
             rtt_rounds: 2_000,
@@ -214,12 +214,12 @@ fn wait(cq: &CompletionQueue, buf: &mut [Completion]) -> Result<usize> {
 // ---------------------------------------------------------------- host overhead
 
 /// Application-thread CPU per 1-byte message, send path plus receive path, in ns.
-pub fn overhead_qp(msgs: u64) -> Result<f64> {
+pub(crate) fn overhead_qp(msgs: u64) -> Result<f64> {
     let s = stream_qp(msgs, 1, 128)?;
     Ok(s.app_cpu.as_nanos() as f64 / msgs as f64)
 }
 
-pub fn overhead_socket(msgs: u64) -> Result<f64> {
+pub(crate) fn overhead_socket(msgs: u64) -> Result<f64> {
     let _host_a = OnCpu::new(HOST_A);
     let (mut a, mut b) = tcp_pair()?;
     let receiver = spawn_on(HOST_B, move || -> Result<Duration> {
@@ -244,7 +244,7 @@ pub fn overhead_socket(msgs: u64) -> Result<f64> {
 // ---------------------------------------------------------------- round-trip time
 
 /// Median 1-byte round trip over reliable QPs, in µs.
-pub fn rtt_qp_tcp(rounds: u64) -> Result<f64> {
+pub(crate) fn rtt_qp_tcp(rounds: u64) -> Result<f64> {
     let _host_a = OnCpu::new(HOST_A);
     let link = qp_link(4)?;
     rtt_qp(
@@ -260,7 +260,7 @@ pub fn rtt_qp_tcp(rounds: u64) -> Result<f64> {
 }
 
 /// Median 1-byte round trip over unreliable QPs, in µs.
-pub fn rtt_qp_udp(rounds: u64) -> Result<f64> {
+pub(crate) fn rtt_qp_udp(rounds: u64) -> Result<f64> {
     let _host_a = OnCpu::new(HOST_A);
     let a_nic = nic_on(HOST_A)?;
     let b_nic = nic_on(HOST_B)?;
@@ -343,7 +343,7 @@ fn rtt_qp(
     Ok(cpu::median(samples))
 }
 
-pub fn rtt_socket_tcp(rounds: u64) -> Result<f64> {
+pub(crate) fn rtt_socket_tcp(rounds: u64) -> Result<f64> {
     let _host_a = OnCpu::new(HOST_A);
     let (mut a, mut b) = tcp_pair()?;
     let warmup = rounds / 10;
@@ -371,7 +371,7 @@ pub fn rtt_socket_tcp(rounds: u64) -> Result<f64> {
     Ok(cpu::median(samples))
 }
 
-pub fn rtt_socket_udp(rounds: u64) -> Result<f64> {
+pub(crate) fn rtt_socket_udp(rounds: u64) -> Result<f64> {
     let _host_a = OnCpu::new(HOST_A);
     let a = UdpSocket::bind(any_addr())?;
     let b = UdpSocket::bind(any_addr())?;
@@ -407,13 +407,13 @@ pub fn rtt_socket_udp(rounds: u64) -> Result<f64> {
 
 /// One ttcp run: MB/s, application CPU seconds per GB, engine CPU seconds per GB.
 #[derive(Clone, Copy, Debug)]
-pub struct Ttcp {
+pub(crate) struct Ttcp {
     pub mbps: f64,
     pub app_s_per_gb: f64,
     pub engine_s_per_gb: f64,
 }
 
-pub fn ttcp_qp(bytes: u64, msg: usize) -> Result<Ttcp> {
+pub(crate) fn ttcp_qp(bytes: u64, msg: usize) -> Result<Ttcp> {
     // Enough WRs in flight to cover ~2 MiB, as a socket buffer would.
     let window = ((2 << 20) / msg).clamp(4, 128);
     let msgs = bytes.div_ceil(msg as u64);
@@ -507,7 +507,7 @@ fn stream_qp(msgs: u64, msg: usize, window: usize) -> Result<Stream> {
     })
 }
 
-pub fn ttcp_socket(bytes: u64, msg: usize) -> Result<Ttcp> {
+pub(crate) fn ttcp_socket(bytes: u64, msg: usize) -> Result<Ttcp> {
     let _host_a = OnCpu::new(HOST_A);
     let (mut a, mut b) = tcp_pair()?;
     let msgs = bytes.div_ceil(msg as u64);
@@ -624,7 +624,11 @@ fn round_trips(repeat: usize, rounds: u64, progress: &dyn Fn(&str), what: &str) 
     Ok(Rtt { tcp, udp })
 }
 
-pub fn run(repeat: usize, sizes: MicroSizes, progress: &dyn Fn(&str)) -> Result<MicroReport> {
+pub(crate) fn run(
+    repeat: usize,
+    sizes: MicroSizes,
+    progress: &dyn Fn(&str),
+) -> Result<MicroReport> {
     let repeat = repeat.max(1);
     progress("host overhead, 1-byte messages");
     let overhead = Pair {
@@ -685,7 +689,7 @@ pub fn run(repeat: usize, sizes: MicroSizes, progress: &dyn Fn(&str)) -> Result<
 }
 
 /// The report as a terminal table.
-pub fn table(r: &MicroReport) -> String {
+pub(crate) fn table(r: &MicroReport) -> String {
     let row = |name: &str, unit: &str, p: Pair, better_low: bool| {
         let ratio = if better_low {
             p.socket / p.qp

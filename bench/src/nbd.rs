@@ -41,7 +41,7 @@ use crate::units::human_bytes;
 
 /// What `nbd raw` runs.
 #[derive(Clone, Debug, Serialize)]
-pub struct Params {
+pub(crate) struct Params {
     pub size_bytes: u64,
     pub bs_bytes: u64,
     pub iodepth: u32,
@@ -152,7 +152,7 @@ fn fio_pass(r: &Running, dir: Dir, p: &Params) -> Result<Pass> {
 // ---------------------------------------------------------------- the whole run
 
 #[derive(Clone, Copy, Debug, Serialize)]
-pub struct Spread {
+pub(crate) struct Spread {
     pub min: f64,
     pub max: f64,
 }
@@ -160,7 +160,7 @@ pub struct Spread {
 /// Medians over the rounds, then min/max and every sample.
 #[derive(Clone, Debug, Serialize)]
 #[allow(non_snake_case)]
-pub struct ServerFigures {
+pub(crate) struct ServerFigures {
     pub write_MBps: f64,
     pub read_MBps: f64,
     pub write_server_cpu_s_per_GB: f64,
@@ -175,13 +175,13 @@ pub struct ServerFigures {
 }
 
 #[derive(Debug, Serialize)]
-pub struct Target {
+pub(crate) struct Target {
     pub rule: &'static str,
     pub met: bool,
 }
 
 #[derive(Debug, Serialize)]
-pub struct NbdRawReport {
+pub(crate) struct NbdRawReport {
     pub servers: BTreeMap<&'static str, ServerFigures>,
     /// qpip over the peer: throughput ratios (>1 is better for qpip) and server CPU per GB
     /// ratios (<1 is better for qpip).
@@ -277,7 +277,7 @@ fn round(server: Server, p: &Params, progress: &dyn Fn(&str)) -> Result<(Pass, P
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn run(
+pub(crate) fn run(
     size: u64,
     bs: u64,
     iodepth: u32,
@@ -428,7 +428,7 @@ pub fn run(
 }
 
 /// The report as a terminal table.
-pub fn table(r: &NbdRawReport) -> String {
+pub(crate) fn table(r: &NbdRawReport) -> String {
     let p = &r.params;
     let mut s = format!(
         "nbd raw: sequential write then read of {} in {} requests, {} in flight on each of {} \

@@ -4,17 +4,17 @@
 use anyhow::{Result, bail};
 
 const TABLE: usize = 1 << 20;
-pub const BLOCK: usize = 4096;
+pub(crate) const BLOCK: usize = 4096;
 
 /// Block-indexed pseudo-random data: block `b` (4 KiB) is 4 KiB of a 1 MiB pseudo-random
 /// table (chosen by `b`), with `b` and `seed ^ b` in its first 16 bytes.
-pub struct Pattern {
+pub(crate) struct Pattern {
     table: Vec<u8>,
     seed: u64,
 }
 
 impl Pattern {
-    pub fn new(seed: u64) -> Pattern {
+    pub(crate) fn new(seed: u64) -> Pattern {
         let mut x = seed | 1;
         let mut table = Vec::with_capacity(TABLE);
         while table.len() < TABLE {
@@ -35,14 +35,14 @@ impl Pattern {
     }
 
     /// Fills `buf` (a multiple of 4 KiB) with the data at file offset `off` (4 KiB aligned).
-    pub fn fill(&self, off: u64, buf: &mut [u8]) {
+    pub(crate) fn fill(&self, off: u64, buf: &mut [u8]) {
         for (i, blk) in buf.chunks_exact_mut(BLOCK).enumerate() {
             self.block(off / BLOCK as u64 + i as u64, blk);
         }
     }
 
     /// Checks `buf` against the pattern at `off`; names the first bad block.
-    pub fn check(&self, off: u64, buf: &[u8]) -> Result<()> {
+    pub(crate) fn check(&self, off: u64, buf: &[u8]) -> Result<()> {
         let mut want = vec![0u8; BLOCK];
         for (i, blk) in buf.chunks_exact(BLOCK).enumerate() {
             let b = off / BLOCK as u64 + i as u64;

@@ -22,7 +22,7 @@ fn err<E: std::fmt::Display>(e: E) -> anyhow::Error {
 }
 
 /// Two panels, MB/s and MB per CPU-second, each with a write and a read bar per stack.
-pub fn ext2(r: &Ext2Report, path: &Path) -> Result<()> {
+pub(crate) fn ext2(r: &Ext2Report, path: &Path) -> Result<()> {
     let stacks: Vec<&str> = Stack::ALL
         .iter()
         .map(|s| s.name())
@@ -122,7 +122,7 @@ fn size_label(b: u64) -> String {
 }
 
 /// MB/s against request size, one line per stack, one panel per queue depth.
-pub fn sweep(r: &SweepReport, dir: &str, path: &Path) -> Result<()> {
+pub(crate) fn sweep(r: &SweepReport, dir: &str, path: &Path) -> Result<()> {
     let sizes = r.params.sizes.clone();
     let depths = &r.params.depths;
     let root = SVGBackend::new(path, (420 * depths.len() as u32 + 20, 440)).into_drawing_area();

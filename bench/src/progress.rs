@@ -6,13 +6,13 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// Prints phase lines and makes byte and step bars, prefixed with the command's name.
-pub struct Progress {
+pub(crate) struct Progress {
     prefix: &'static str,
     tty: bool,
 }
 
 impl Progress {
-    pub fn new(prefix: &'static str) -> Progress {
+    pub(crate) fn new(prefix: &'static str) -> Progress {
         Progress {
             prefix,
             tty: std::io::stderr().is_terminal(),
@@ -20,12 +20,12 @@ impl Progress {
     }
 
     /// One line about what happens next (printed above any running bar).
-    pub fn line(&self, s: &str) {
+    pub(crate) fn line(&self, s: &str) {
         eprintln!("{}: {s}", self.prefix);
     }
 
     /// A bar over `total` bytes (MB/s and ETA on a terminal).
-    pub fn bytes(&self, label: String, total: u64) -> Bar {
+    pub(crate) fn bytes(&self, label: String, total: u64) -> Bar {
         self.bar(
             label,
             total,
@@ -34,7 +34,7 @@ impl Progress {
     }
 
     /// A bar over `total` steps (e.g. the points of a sweep).
-    pub fn steps(&self, label: String, total: u64) -> Bar {
+    pub(crate) fn steps(&self, label: String, total: u64) -> Bar {
         self.bar(label, total, "{prefix:.bold} [{bar:30}] {pos}/{len} {msg}")
     }
 
@@ -66,7 +66,7 @@ impl Progress {
 /// Plain mode prints at most one progress line per this interval.
 const PLAIN_EVERY: Duration = Duration::from_secs(10);
 
-pub struct Bar {
+pub(crate) struct Bar {
     pb: Option<ProgressBar>,
     label: String,
     prefix: &'static str,
@@ -76,7 +76,7 @@ pub struct Bar {
 }
 
 impl Bar {
-    pub fn inc(&mut self, n: u64) {
+    pub(crate) fn inc(&mut self, n: u64) {
         self.pos += n;
         match &self.pb {
             Some(pb) => pb.inc(n),
@@ -92,14 +92,14 @@ impl Bar {
         }
     }
 
-    pub fn set_message(&self, msg: String) {
+    pub(crate) fn set_message(&self, msg: String) {
         if let Some(pb) = &self.pb {
             pb.set_message(msg);
         }
     }
 
     /// Ends the bar with a result line.
-    pub fn finish(self, result: &str) {
+    pub(crate) fn finish(self, result: &str) {
         if let Some(pb) = &self.pb {
             pb.finish_and_clear();
         }

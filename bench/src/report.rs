@@ -4,14 +4,14 @@
 use serde::Serialize;
 
 #[derive(Clone, Debug, Serialize)]
-pub struct Machine {
+pub(crate) struct Machine {
     pub cpu: String,
     pub cpus: usize,
     pub kernel: String,
     pub os: String,
 }
 
-pub fn machine() -> Machine {
+pub(crate) fn machine() -> Machine {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let cpu = cpuinfo
         .lines()
@@ -37,7 +37,7 @@ pub fn machine() -> Machine {
 }
 
 #[derive(Debug, Serialize)]
-pub struct TargetCheck {
+pub(crate) struct TargetCheck {
     pub rule: String,
     pub value: f64,
     pub threshold: f64,

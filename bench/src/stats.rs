@@ -11,7 +11,7 @@ use serde::Serialize;
 use crate::cpu;
 
 #[derive(Clone, Debug, Serialize)]
-pub struct Stat {
+pub(crate) struct Stat {
     pub median: f64,
     pub min: f64,
     pub max: f64,
@@ -19,7 +19,7 @@ pub struct Stat {
 }
 
 impl Stat {
-    pub fn of(samples: &[f64]) -> Stat {
+    pub(crate) fn of(samples: &[f64]) -> Stat {
         Stat {
             median: cpu::median(samples.to_vec()),
             min: samples.iter().copied().fold(f64::INFINITY, f64::min),
@@ -29,7 +29,7 @@ impl Stat {
     }
 
     /// `median [min-max]` with `prec` decimals (just the median for one sample).
-    pub fn cell(&self, prec: usize) -> String {
+    pub(crate) fn cell(&self, prec: usize) -> String {
         if self.samples.len() < 2 {
             format!("{:.prec$}", self.median)
         } else {
@@ -41,21 +41,21 @@ impl Stat {
     }
 
     /// Spread wider than `frac` of the median.
-    pub fn wide(&self, frac: f64) -> bool {
+    pub(crate) fn wide(&self, frac: f64) -> bool {
         self.max - self.min > self.median.abs() * frac
     }
 }
 
 /// Samples keyed by measure name, turned into [`Stat`]s.
 #[derive(Default)]
-pub struct Samples(pub BTreeMap<String, Vec<f64>>);
+pub(crate) struct Samples(pub BTreeMap<String, Vec<f64>>);
 
 impl Samples {
-    pub fn push(&mut self, key: &str, v: f64) {
+    pub(crate) fn push(&mut self, key: &str, v: f64) {
         self.0.entry(key.to_string()).or_default().push(v);
     }
 
-    pub fn stats(&self) -> BTreeMap<String, Stat> {
+    pub(crate) fn stats(&self) -> BTreeMap<String, Stat> {
         self.0
             .iter()
             .map(|(k, v)| (k.clone(), Stat::of(v)))
@@ -67,10 +67,10 @@ impl Samples {
 /// Long phases poll it and return an error, so that the guards (unmount, detach, stop, delete)
 /// run in order on the way out.
 #[derive(Clone)]
-pub struct Interrupt(Arc<AtomicBool>);
+pub(crate) struct Interrupt(Arc<AtomicBool>);
 
 impl Interrupt {
-    pub fn install() -> Result<Interrupt> {
+    pub(crate) fn install() -> Result<Interrupt> {
         use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
         let flag = Arc::new(AtomicBool::new(false));
         for sig in [SIGINT, SIGTERM, SIGHUP] {
@@ -81,7 +81,7 @@ impl Interrupt {
         Ok(Interrupt(flag))
     }
 
-    pub fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         if self.0.load(Ordering::Relaxed) {
             bail!("interrupted (signal); cleaning up");
         }

@@ -43,7 +43,7 @@ fn stack_name(s: Server) -> &'static str {
     }
 }
 
-pub struct Options {
+pub(crate) struct Options {
     pub repeat: usize,
     pub sizes: Vec<u64>,
     pub depths: Vec<u32>,
@@ -54,7 +54,7 @@ pub struct Options {
 }
 
 #[derive(Clone, Debug, Serialize)]
-pub struct Params {
+pub(crate) struct Params {
     pub repeat: usize,
     pub sizes: Vec<u64>,
     pub depths: Vec<u32>,
@@ -67,7 +67,7 @@ pub struct Params {
 
 #[derive(Clone, Debug, Serialize)]
 #[allow(non_snake_case)]
-pub struct Point {
+pub(crate) struct Point {
     pub stack: &'static str,
     pub dir: &'static str,
     pub size: u64,
@@ -83,7 +83,7 @@ pub struct Point {
 }
 
 #[derive(Clone, Debug, Serialize)]
-pub struct Ratio {
+pub(crate) struct Ratio {
     pub dir: &'static str,
     pub size: u64,
     pub depth: u32,
@@ -92,7 +92,7 @@ pub struct Ratio {
 }
 
 #[derive(Debug, Serialize)]
-pub struct SweepReport {
+pub(crate) struct SweepReport {
     pub points: Vec<Point>,
     /// qpip's MB/s over the best peer's, per point.
     pub ratios: Vec<Ratio>,
@@ -233,7 +233,7 @@ fn fio_point(
 
 type Key = (&'static str, &'static str, u64, u32);
 
-pub fn run_all(o: Options, progress: &Progress) -> Result<SweepReport> {
+pub(crate) fn run_all(o: Options, progress: &Progress) -> Result<SweepReport> {
     let repeat = o.repeat.max(1);
     if o.sizes.is_empty() || o.depths.is_empty() {
         bail!("--sizes and --depths must not be empty");
@@ -397,7 +397,7 @@ pub fn run_all(o: Options, progress: &Progress) -> Result<SweepReport> {
 }
 
 /// The report as a terminal table.
-pub fn table(r: &SweepReport) -> String {
+pub(crate) fn table(r: &SweepReport) -> String {
     let p = &r.params;
     let mut s = format!(
         "nbd sweep: sequential raw NBD I/O, at most {} and {:.1} s per point, median of {} \

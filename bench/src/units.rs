@@ -3,7 +3,7 @@
 use anyhow::{Context, Result};
 
 /// Parses a size such as `1G`, `64M`, `256k`, `4096` (binary units, as fio reads them).
-pub fn parse_size(s: &str) -> Result<u64> {
+pub(crate) fn parse_size(s: &str) -> Result<u64> {
     let t = s.trim();
     let t = t
         .strip_suffix("iB")
@@ -24,7 +24,7 @@ pub fn parse_size(s: &str) -> Result<u64> {
         .with_context(|| format!("size {s:?} is zero or too large"))
 }
 
-pub fn human_bytes(b: u64) -> String {
+pub(crate) fn human_bytes(b: u64) -> String {
     for (unit, shift) in [("GiB", 30), ("MiB", 20), ("KiB", 10)] {
         if b >= 1 << shift && b.is_multiple_of(1 << shift) {
             return format!("{} {unit}", b >> shift);

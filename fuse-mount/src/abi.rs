@@ -7,6 +7,9 @@
 //! (the tests check that the field sizes add up to the struct size), so any byte pattern is a
 //! valid value and [`read`] / [`bytes_of`] are sound.
 
+// The opcodes, flags and structs below keep the kernel's names and are documented where
+// they are defined, in include/uapi/linux/fuse.h; the layouts are checked by the tests below.
+#![allow(missing_docs)]
 #![allow(non_camel_case_types)]
 
 /// Protocol major version.

@@ -2,8 +2,7 @@
 //! unaligned I/O and does read-modify-write), its failures logged and turned into the errno
 //! the application gets.
 
-use nbd_client::{Caps, Error, Pool};
-use qpip_core::MemoryRegion;
+use nbd_client::{Caps, Error, MrSlice, Pool};
 
 /// An errno for the application.
 pub type Errno = i32;
@@ -29,10 +28,12 @@ pub struct Export {
 }
 
 impl Export {
+    /// The export behind `pool`'s connections.
     pub fn new(pool: Pool) -> Export {
         Export { pool }
     }
 
+    /// What the export supports.
     pub fn caps(&self) -> &Caps {
         self.pool.caps()
     }
@@ -58,37 +59,25 @@ impl Export {
         }
     }
 
+    /// Connections open to the server.
     pub fn connections(&self) -> usize {
         self.pool.connections()
     }
 
-    /// Reads `len` bytes at `offset` into registered memory: `mr` from `at` (the caller keeps
-    /// the range inside the export and inside `mr`, and nothing else uses those bytes
-    /// meanwhile).
-    pub fn read_into(
-        &self,
-        offset: u64,
-        len: u64,
-        mr: &MemoryRegion,
-        at: usize,
-    ) -> Result<(), Errno> {
+    /// Reads `into.len()` bytes at `offset` into registered memory, `into` (the caller keeps
+    /// the range inside the export, and nothing else uses those bytes meanwhile).
+    pub fn read_into(&self, offset: u64, into: MrSlice<'_>) -> Result<(), Errno> {
         self.pool
-            .read_into(offset, len, mr, at)
-            .map_err(|e| log_err("read", offset, len, &e))
+            .read_into(offset, into)
+            .map_err(|e| log_err("read", offset, into.len() as u64, &e))
     }
 
-    /// Writes `len` bytes of registered memory (`mr` from `at`) at `offset`; the NIC sends
-    /// them from there.
-    pub fn write_from(
-        &self,
-        offset: u64,
-        mr: &MemoryRegion,
-        at: usize,
-        len: usize,
-    ) -> Result<(), Errno> {
+    /// Writes the bytes of registered memory `from` at `offset`; the NIC sends them from
+    /// there.
+    pub fn write_from(&self, offset: u64, from: MrSlice<'_>) -> Result<(), Errno> {
         self.pool
-            .write_from(offset, mr, at, len)
-            .map_err(|e| log_err("write", offset, len as u64, &e))
+            .write_from(offset, from)
+            .map_err(|e| log_err("write", offset, from.len() as u64, &e))
     }
 
     /// Makes acknowledged writes durable (NBD FLUSH).

@@ -15,12 +15,15 @@ use qpip_core::MemoryRegion;
 use crate::abi::{self, bytes_of, fuse_attr, fuse_in_header};
 use crate::export::Export;
 use crate::proto::Op;
+use nbd_client::MrSlice;
 use std::sync::Arc;
 
 /// Attributes change only when the export is found resized, and the kernel is then told
 /// ([`NbdFs::size_changed`]), so it may keep them long.
 const TTL: Duration = Duration::from_secs(3600);
+/// The root directory's inode.
 pub const DIR: u64 = abi::ROOT_ID;
+/// The export file's inode.
 pub const FILE: u64 = 2;
 
 /// Largest FUSE READ/WRITE asked of the kernel (its `fs.fuse.max_pages_limit` caps it; 1 MiB
@@ -42,12 +45,15 @@ pub enum Outcome {
 /// On the ring both are the entry's payload buffer (the input is used up before the reply is
 /// written); on /dev/fuse they are two halves of the worker's buffer.
 pub struct Buffers<'a> {
+    /// The registered region holding both.
     pub mr: &'a MemoryRegion,
     /// Where the bytes after the op struct (WRITE data) start.
     pub input: usize,
+    /// Bytes of input from `input` on.
     pub input_len: usize,
     /// Where the reply goes, and how much fits.
     pub out: usize,
+    /// Reply bytes that fit from `out` on.
     pub out_cap: usize,
 }
 
@@ -62,6 +68,7 @@ impl Buffers<'_> {
     }
 }
 
+/// The file system: a root directory holding one file, the export.
 pub struct NbdFs {
     export: Arc<Export>,
     name: Vec<u8>,
@@ -153,6 +160,7 @@ impl NbdFs {
         self.file_node.load(Ordering::SeqCst)
     }
 
+    /// The export behind the file.
     pub fn export(&self) -> &Arc<Export> {
         &self.export
     }
@@ -319,7 +327,11 @@ impl NbdFs {
         if len == 0 {
             return Outcome::Reply(0);
         }
-        match self.export.read_into(offset, len, buf.mr, buf.out) {
+        // The one check of the buffer range: the client carries the slice down.
+        let Ok(into) = MrSlice::new(buf.mr, buf.out, len as usize) else {
+            return Outcome::Error(libc::EINVAL);
+        };
+        match self.export.read_into(offset, into) {
             Ok(()) => Outcome::Reply(len as usize),
             Err(e) => Outcome::Error(e),
         }
@@ -345,10 +357,10 @@ impl NbdFs {
                 Outcome::Error(libc::ENOSPC)
             };
         }
-        match self
-            .export
-            .write_from(offset, buf.mr, buf.input + data, len as usize)
-        {
+        let Ok(from) = MrSlice::new(buf.mr, buf.input + data, len as usize) else {
+            return Outcome::Error(libc::EINVAL);
+        };
+        match self.export.write_from(offset, from) {
             Ok(()) => buf.put(bytes_of(&abi::fuse_write_out {
                 size: len as u32,
                 padding: 0,

@@ -13,8 +13,11 @@ use std::path::Path;
 pub struct Options {
     /// The "device" column of the mount table (the export's URI).
     pub fsname: String,
+    /// The file system's subtype (`fuse.SUBTYPE` in the mount table).
     pub subtype: String,
+    /// Mount read-only.
     pub read_only: bool,
+    /// Let other users reach the mount (`allow_other`).
     pub allow_other: bool,
 }
 

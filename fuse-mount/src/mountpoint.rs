@@ -8,15 +8,21 @@ use std::path::{Path, PathBuf};
 /// Why a directory cannot be the mount point.
 #[derive(Debug, thiserror::Error)]
 pub enum MountpointError {
+    /// The mount point does not exist.
     #[error("mount point {0} does not exist")]
     Missing(PathBuf),
+    /// It is not a directory.
     #[error("mount point {0} is not a directory")]
     NotDirectory(PathBuf),
+    /// Something is mounted there already.
     #[error("mount point {0} is busy: something is already mounted there")]
     AlreadyMounted(PathBuf),
+    /// Looking at it failed.
     #[error("mount point {path}: {source}")]
     Io {
+        /// The mount point.
         path: PathBuf,
+        /// The system's error.
         #[source]
         source: io::Error,
     },

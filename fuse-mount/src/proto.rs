@@ -15,45 +15,73 @@ use crate::abi::{self, fuse_in_header};
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Op {
+    /// INIT, with the kernel's offer.
     Init(abi::fuse_init_in),
+    /// LOOKUP of a name in a directory.
     Lookup {
+        /// The name.
         name: Vec<u8>,
     },
     /// FORGET and BATCH_FORGET: no reply.
     Forget,
+    /// GETATTR.
     Getattr,
+    /// SETATTR, with what to change.
     Setattr(abi::fuse_setattr_in),
+    /// OPEN of the file.
     Open {
+        /// The open(2) flags.
         flags: u32,
     },
+    /// OPENDIR.
     Opendir,
+    /// READ of the file.
     Read {
+        /// Offset in the file.
         offset: u64,
+        /// Bytes asked for.
         size: u32,
     },
     /// `data` is where the bytes start in the rest (0: right after the op struct).
     Write {
+        /// Offset in the file.
         offset: u64,
+        /// Bytes to write.
         size: u32,
+        /// Where they start after the op struct.
         data: usize,
     },
+    /// STATFS.
     Statfs,
+    /// RELEASE of the file.
     Release,
+    /// RELEASEDIR.
     Releasedir,
+    /// FLUSH (close(2) of a descriptor).
     Flush,
+    /// FSYNC of the file.
     Fsync,
+    /// FSYNCDIR.
     Fsyncdir,
+    /// READDIR or READDIRPLUS.
     Readdir {
+        /// Entries to skip.
         offset: u64,
+        /// Bytes of entries that fit.
         size: u32,
+        /// READDIRPLUS (entries with their attributes).
         plus: bool,
     },
+    /// ACCESS.
     Access,
     /// INTERRUPT: no reply (the requests are short and are not aborted).
     Interrupt {
+        /// The request to interrupt.
         unique: u64,
     },
+    /// DESTROY: the kernel is done with the connection.
     Destroy,
+    /// FALLOCATE: punch a hole, zero a range, or allocate.
     Fallocate(abi::fuse_fallocate_in),
     /// Anything else: answered ENOSYS.
     Other(u32),
@@ -63,12 +91,17 @@ pub enum Op {
 /// implementation does not understand).
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub enum BadRequest {
+    /// Fewer argument bytes than the opcode's struct.
     #[error("opcode {opcode}: {len} bytes of arguments, {want} needed")]
     Short {
+        /// The opcode.
         opcode: u32,
+        /// Bytes of arguments sent.
         len: usize,
+        /// Bytes its struct needs.
         want: usize,
     },
+    /// A message shorter than the request header.
     #[error("a message of {0} bytes is shorter than its header")]
     NoHeader(usize),
 }
@@ -174,28 +207,37 @@ pub fn parse(opcode: u32, op_in: &[u8], rest: &[u8]) -> Result<Op, BadRequest> {
 /// What the mount asks of the connection at INIT.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Wants {
+    /// Largest WRITE the kernel may send.
     pub max_write: u32,
+    /// Read-ahead the kernel may do, in bytes.
     pub max_readahead: u32,
+    /// Background requests the kernel may have outstanding.
     pub max_background: u16,
+    /// Outstanding background requests at which the kernel reports congestion.
     pub congestion_threshold: u16,
+    /// Ask for the kernel's writeback cache.
     pub writeback_cache: bool,
     /// The file is opened with FOPEN_DIRECT_IO: ask that it may still be mmap()ed.
     pub direct_io: bool,
+    /// Ask for FUSE over io_uring.
     pub io_uring: bool,
 }
 
 /// The INIT answer and what was agreed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Agreed {
+    /// The INIT answer sent.
     pub out: abi::fuse_init_out,
     /// Flags the kernel offered (flags | flags2 << 32).
     pub offered: u64,
     /// Flags in the answer.
     pub flags: u64,
+    /// The protocol minor version agreed.
     pub minor: u32,
 }
 
 impl Agreed {
+    /// The answer has `flag`.
     pub fn has(&self, flag: u64) -> bool {
         self.flags & flag != 0
     }
@@ -204,6 +246,7 @@ impl Agreed {
 /// Why INIT cannot be answered with a working connection.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub enum InitError {
+    /// The kernel's protocol version (major, minor) is too old.
     #[error("the kernel speaks FUSE {0}.{1}; this mount needs 7.{min} or later", min = MIN_MINOR)]
     TooOld(u32, u32),
 }

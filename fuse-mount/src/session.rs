@@ -44,13 +44,17 @@ pub enum UringSwitch {
     /// /sys/module/fuse/parameters/enable_uring does not exist: the kernel has no such
     /// transport.
     Missing,
+    /// The switch is off.
     Off,
+    /// The switch is on.
     On,
 }
 
 impl UringSwitch {
+    /// The switch's file.
     pub const PATH: &str = "/sys/module/fuse/parameters/enable_uring";
 
+    /// Reads the switch.
     pub fn read() -> UringSwitch {
         match std::fs::read_to_string(Self::PATH) {
             Ok(s) if s.trim() == "Y" || s.trim() == "1" => UringSwitch::On,
@@ -98,20 +102,25 @@ pub fn decide(
 /// Settings of the connection.
 #[derive(Clone, Copy, Debug)]
 pub struct Config {
+    /// How requests come from the kernel.
     pub transport: Transport,
     /// Threads reading /dev/fuse (all requests on the dev transport; only FORGET and
     /// INTERRUPT once the ring is up).
     pub threads: usize,
     /// Ring entries (each with its thread) per queue.
     pub ring_depth: usize,
+    /// How the kernel caches the file.
     pub cache: Cache,
+    /// Mount read-only.
     pub read_only: bool,
 }
 
 /// What INIT settled.
 #[derive(Debug)]
 pub struct Started {
+    /// The io_uring transport is in use.
     pub uring: bool,
+    /// What INIT agreed.
     pub agreed: Agreed,
     /// When io_uring was wanted (auto) but /dev/fuse is used: why.
     pub fallback: Option<String>,
@@ -126,6 +135,7 @@ pub struct Session {
     /// holds requests until then).
     rings: Option<RingThreads>,
     config: Config,
+    /// What INIT settled.
     pub started: Started,
 }
 

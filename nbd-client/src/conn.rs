@@ -25,20 +25,19 @@ use crate::uri::NbdUri;
 /// MiB of address space, touched only as used.
 pub const MAX_IO: usize = 1 << 20;
 /// Receive WRs posted in the transmission phase (replies, or reply chunks, in flight).
-pub const RECV_SLOTS: usize = 32;
+pub(crate) const RECV_SLOTS: usize = 32;
 /// One receive slot: a reply header (20 bytes + 8-byte offset of OFFSET_DATA) and up to
 /// `MAX_IO` bytes of data, or an error chunk with its message, or option replies (64 KiB).
-pub const RECV_SLOT: usize = MAX_IO + 8192;
+pub(crate) const RECV_SLOT: usize = MAX_IO + 8192;
 /// Requests in flight on one connection, at most.
 pub const MAX_WINDOW: usize = 64;
 /// The receive WR ids carry this bit; send WR ids are cookies (below it).
-pub const RECV_BIT: u64 = 1 << 62;
+pub(crate) const RECV_BIT: u64 = 1 << 62;
 
-pub struct Conn {
+pub(crate) struct Conn {
     pub qp: QueuePair,
     pub cq: CompletionQueue,
     pub phase: Arc<AtomicU8>,
-    pub reads: Reads,
     /// Why the framer refused a message, if it did.
     pub frame_fault: FrameFault,
     pub recv_mr: MemoryRegion,
@@ -47,7 +46,7 @@ pub struct Conn {
 }
 
 impl Conn {
-    pub fn repost(&self, slot: usize) -> Result<()> {
+    pub(crate) fn repost(&self, slot: usize) -> Result<()> {
         self.qp.post_recv(RecvWr::new(
             RECV_BIT | slot as u64,
             &[self.recv_mr.sge(slot * RECV_SLOT, RECV_SLOT)],
@@ -137,7 +136,13 @@ impl Conn {
 
     /// A QP connected to the server `uri` names (the first of its addresses that takes the
     /// connection), with the client's framer in the greeting phase.
-    fn connect(nic: &Nic, uri: &NbdUri, limits: FrameLimits, deadline: Instant) -> Result<Conn> {
+    fn connect(
+        nic: &Nic,
+        uri: &NbdUri,
+        reads: &Reads,
+        limits: FrameLimits,
+        deadline: Instant,
+    ) -> Result<Conn> {
         // A Unix socket (None) is one place to try; a host name may resolve to several.
         let targets: Vec<Option<SocketAddr>> = match &uri.socket {
             Some(_) => vec![None],
@@ -156,7 +161,6 @@ impl Conn {
         for addr in targets {
             let cq = nic.create_cq(2 * (MAX_WINDOW + RECV_SLOTS) + 16);
             let phase = Arc::new(AtomicU8::new(ClientPhase::Greeting.to_u8()));
-            let reads = Reads::default();
             let frame_fault = FrameFault::default();
             let qp = nic.create_qp(
                 QpAttr::new(&cq)
@@ -182,7 +186,6 @@ impl Conn {
                         qp,
                         cq,
                         phase,
-                        reads,
                         frame_fault,
                         recv_mr,
                         _sent: Vec::new(),
@@ -199,10 +202,12 @@ impl Conn {
     }
 
     /// Connects to `uri` and runs `hs` to its terminal event. On `Connected` the connection
-    /// is ready for requests; after `Listed`/`Info` it has been closed.
-    pub fn open(
+    /// is ready for requests, its framer reading the session's table `reads`; after
+    /// `Listed`/`Info` it has been closed.
+    pub(crate) fn open(
         nic: &Nic,
         uri: &NbdUri,
+        reads: &Reads,
         mut hs: ClientHandshake,
         timeout: Duration,
     ) -> Result<(Conn, ClientEvent)> {
@@ -212,7 +217,7 @@ impl Conn {
             max_reply_len: (RECV_SLOT - c::STRUCTURED_REPLY_HEADER_LEN) as u32,
             ..hs.frame_limits()
         };
-        let mut conn = Self::connect(nic, uri, limits, deadline)?;
+        let mut conn = Self::connect(nic, uri, reads, limits, deadline)?;
         // A server that requires a client certificate closes the connection once TLS is up
         // (TLS 1.3) or fails the TLS handshake (1.2): say so when we presented none.
         let no_client_cert = matches!(

@@ -9,69 +9,133 @@ use nbd_proto::transmission::client::Refused;
 
 use crate::uri::UriError;
 
+/// Why a client call failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
+    /// The NBD URI does not parse.
     #[error(transparent)]
     Uri(#[from] UriError),
+    /// The URI's host name does not resolve.
     #[error("cannot resolve {host}")]
     Resolve {
+        /// The host name.
         host: String,
+        /// The resolver's error.
         #[source]
         source: io::Error,
     },
+    /// No address of the server took the connection.
     #[error("cannot connect to {uri}")]
     Connect {
+        /// The server's URI.
         uri: String,
+        /// The last address's error.
         #[source]
         source: qpip_core::Error,
     },
+    /// The NBD handshake failed (the server refused or broke it).
     #[error("NBD handshake with {uri} failed")]
     Handshake {
+        /// The server's URI.
         uri: String,
+        /// What went wrong, as the handshake machine says.
         #[source]
         source: ClientError,
     },
+    /// The connection failed during the handshake.
     #[error("{uri}: {what}")]
-    HandshakeIo { uri: String, what: String },
+    HandshakeIo {
+        /// The server's URI.
+        uri: String,
+        /// What failed.
+        what: String,
+    },
     /// TLS could not be set up (credentials) or its handshake failed; never a fallback.
     #[error("{uri}: {why}")]
-    Tls { uri: String, why: String },
+    Tls {
+        /// The server's URI.
+        uri: String,
+        /// What failed.
+        why: String,
+    },
     /// The server answered a request with an NBD error.
     #[error("server error {error}{}", if .message.is_empty() { String::new() } else { format!(": {}", .message) })]
-    Server { error: ErrorValue, message: String },
+    Server {
+        /// The error value.
+        error: ErrorValue,
+        /// The server's message, made printable (may be empty).
+        message: String,
+    },
+    /// The export does not offer the command.
     #[error("the export does not support {0}")]
     Unsupported(&'static str),
     /// A write to an export used read-only (a [`crate::Pool`] forced read-only, or a
     /// read-only export).
     #[error("the export is used read-only")]
     ReadOnly,
+    /// Offset or length is not a multiple of the server's minimum block size.
     #[error(
         "request at offset {offset} of {len} bytes is not aligned to the server's minimum block size {min}"
     )]
-    Unaligned { offset: u64, len: u64, min: u32 },
+    Unaligned {
+        /// Offset of the request.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The server's minimum block size.
+        min: u32,
+    },
+    /// The range runs past the end of the export.
     #[error(
         "request at offset {offset} of {len} bytes is beyond the end of the export ({size} bytes)"
     )]
-    OutOfRange { offset: u64, len: u64, size: u64 },
+    OutOfRange {
+        /// Offset of the request.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The export's size.
+        size: u64,
+    },
+    /// Anything else the caller got wrong.
     #[error("{0}")]
     Invalid(&'static str),
+    /// The connection was lost and not restored within the reconnect timeout.
     #[error("connection to {uri} lost and not restored within {after:?}: {why}")]
     ConnectionLost {
+        /// The server's URI.
         uri: String,
+        /// The reconnect timeout.
         after: Duration,
+        /// Why it was lost, and the last attempt's error.
         why: String,
     },
+    /// The server broke the protocol; the client gave up on it.
     #[error("the server at {uri} broke the protocol: {why}")]
-    Protocol { uri: String, why: String },
+    Protocol {
+        /// The server's URI.
+        uri: String,
+        /// What it did.
+        why: String,
+    },
+    /// The export is not the same after a reconnect (its size changed).
     #[error("the export at {uri} changed across a reconnect: {why}")]
-    ExportChanged { uri: String, why: String },
+    ExportChanged {
+        /// The server's URI.
+        uri: String,
+        /// What changed.
+        why: String,
+    },
+    /// The NIC refused an operation.
     #[error(transparent)]
     Nic(#[from] qpip_core::Error),
+    /// Waiting on the completion queue failed.
     #[error("completion queue: {0}")]
     Cq(#[from] qpip_core::CqError),
 }
 
+/// A client call's result.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl From<Refused> for Error {

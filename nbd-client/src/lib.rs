@@ -12,27 +12,27 @@
 //! ```
 //!
 //! Every request travels as a send WR from registered memory; every reply lands, header and
-//! data, in one registered receive WR, delimited by [`framer::ClientFramer`] (nbd-proto's
-//! `client_need`) — except the data of a READ into registered memory, which the NIC places
-//! straight into the caller's buffer (nbd-proto's `client_data_at`). Requests are pipelined
+//! data, in one registered receive WR, delimited by the QP's framer, which asks nbd-proto's
+//! placement (`InFlight::frame`, over the session's own table of requests in flight) —
+//! except the data of a READ into registered memory, which the NIC places straight into the
+//! caller's buffer where that placement says. Requests are pipelined
 //! (a window of up to 64), split at the server's maximum block size, and reissued on a new
 //! connection when the old one is lost.
 //!
 //! The protocol state (cookies, requests in flight, reply assembly, timeouts) is nbd-proto's
-//! sans-IO [`nbd_proto::transmission::client`]; here is the I/O around it: [`client`] (the types),
-//! `options` (connect, info, list), `pipeline` (submit, reap, completions), `recovery`
-//! (reconnect and reissue), `blocking` (the byte-range calls), and [`pool`], several
-//! connections to one export shared by threads.
+//! sans-IO [`nbd_proto::transmission::client`]; here is the I/O around it: [`client`] (the
+//! [`Client`] and its parts: the link, the session and recovery; connect, info and list;
+//! the pipelined and the blocking calls), `conn` (one QP connection and its handshake),
+//! `framer` (the QP's framer, an adapter over nbd-proto's placement), [`region`] (memory
+//! ranges checked once, [`MrSlice`]), and [`pool`], several connections to one export shared
+//! by threads.
 
-mod blocking;
 pub mod client;
 mod conn;
 pub mod error;
-pub mod framer;
-mod options;
-mod pipeline;
+mod framer;
 pub mod pool;
-mod recovery;
+pub mod region;
 pub mod uri;
 
 pub use client::{Client, ClientOptions, ExportInfo, Extent, Op, Output, Reply};
@@ -41,4 +41,5 @@ pub use error::{Error, Result};
 pub use nbd_proto::handshake::ExportListing;
 pub use pool::{Caps, Pool};
 pub use qpip_core::Nic;
+pub use region::MrSlice;
 pub use uri::{DEFAULT_PORT, NbdUri, TlsParams, UriError};

@@ -17,12 +17,12 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::{Mutex, RwLock};
-use qpip_core::MemoryRegion;
 
 use nbd_proto::transmission::ErrorValue;
 
 use crate::client::{Client, ClientOptions};
 use crate::error::{Error, Result};
+use crate::region::MrSlice;
 use crate::uri::NbdUri;
 
 /// Zero-filled writes (servers without WRITE_ZEROES) go out in pieces of this size.
@@ -37,17 +37,26 @@ thread_local! {
 /// one is [`Pool::size`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Caps {
+    /// The export's size in bytes.
     pub size: u64,
+    /// The server's minimum block size (at least 1).
     pub min_block: u64,
+    /// Writes are refused (by the server, or forced).
     pub read_only: bool,
+    /// The server takes FLUSH.
     pub flush: bool,
+    /// The server takes TRIM.
     pub trim: bool,
+    /// The server takes WRITE_ZEROES.
     pub write_zeroes: bool,
+    /// Block status (`base:allocation`) was negotiated.
     pub block_status: bool,
+    /// The server keeps several connections' caches coherent.
     pub multi_conn: bool,
 }
 
 impl Caps {
+    /// What `c`'s export supports; read-only anyway with `force_read_only`.
     pub fn of(c: &Client, force_read_only: bool) -> Caps {
         Caps {
             size: c.size(),
@@ -130,6 +139,7 @@ impl Pool {
         self.caps.read_only = true;
     }
 
+    /// What the export supports.
     pub fn caps(&self) -> &Caps {
         &self.caps
     }
@@ -147,14 +157,7 @@ impl Pool {
     /// closed it, it reconnects now and learns the new size too), and reconnects if it is
     /// still at the old size.
     fn catch_up(&self, c: &mut Client) {
-        if c.size() == self.size() || c.in_flight() > 0 {
-            return;
-        }
-        let _ = c.pump(false);
-        if c.size() != self.size() {
-            // Still open (the pool learned the size from a probe): made again.
-            c.recover("the export was resized: reconnecting to learn its size".into());
-        }
+        c.catch_up_size(self.size());
     }
 
     /// The server offers NBD's RESIZE on the export: its size may change under us.
@@ -187,10 +190,12 @@ impl Pool {
         }
     }
 
+    /// The server's URI.
     pub fn uri(&self) -> &NbdUri {
         &self.uri
     }
 
+    /// Connections open.
     pub fn connections(&self) -> usize {
         self.conns.len()
     }
@@ -241,10 +246,7 @@ impl Pool {
                 ..
             }) = &r
             {
-                c.recover(
-                    "the server refused a request inside the export as past its end: it may have shrunk; reconnecting to learn its size"
-                        .into(),
-                );
+                c.relearn_size();
             }
             r
         })
@@ -272,40 +274,31 @@ impl Pool {
         Ok(buf)
     }
 
-    /// Reads `len` bytes at `offset` into registered memory: `mr` from `at` (the caller keeps
-    /// the range inside the export and inside `mr`, and nothing else uses those bytes
-    /// meanwhile).
-    pub fn read_into(&self, offset: u64, len: u64, mr: &MemoryRegion, at: usize) -> Result<()> {
+    /// Reads `into.len()` bytes at `offset` into registered memory, `into` (the caller
+    /// keeps the range inside the export, and nothing else uses those bytes meanwhile).
+    pub fn read_into(&self, offset: u64, into: MrSlice<'_>) -> Result<()> {
         let min = self.caps.min_block;
-        if at
-            .checked_add(len as usize)
-            .is_none_or(|end| end > mr.len())
-        {
-            return Err(Error::Invalid("read buffer outside its region"));
-        }
+        let len = into.len() as u64;
         if offset.is_multiple_of(min) && len.is_multiple_of(min) {
-            return self.with_io(|c| c.read_at_mr(offset, mr, at, len as usize));
+            return self.with_io(|c| c.read_into(offset, into));
         }
         let buf = self.read(offset, len)?;
-        mr.write_at(at, &buf);
+        into.mr().write_at(into.at(), &buf);
         Ok(())
     }
 
-    /// Writes `len` bytes of registered memory (`mr` from `at`) at `offset`; the NIC sends
-    /// them from there.
-    pub fn write_from(&self, offset: u64, mr: &MemoryRegion, at: usize, len: usize) -> Result<()> {
+    /// Writes the bytes of registered memory `from` at `offset`; the NIC sends them from
+    /// there.
+    pub fn write_from(&self, offset: u64, from: MrSlice<'_>) -> Result<()> {
         self.writable()?;
-        if at.checked_add(len).is_none_or(|end| end > mr.len()) {
-            return Err(Error::Invalid("write data outside its region"));
-        }
         let min = self.caps.min_block;
-        if offset.is_multiple_of(min) && (len as u64).is_multiple_of(min) {
+        if offset.is_multiple_of(min) && (from.len() as u64).is_multiple_of(min) {
             let _shared = self.rmw.read();
-            return self.with_io(|c| c.write_at_mr(offset, mr, at, len, false));
+            return self.with_io(|c| c.write_from(offset, from, false));
         }
-        // SAFETY: the range is inside the region (checked above) and the caller leaves those
-        // bytes alone until this returns; no receive WR names them.
-        let data = unsafe { std::slice::from_raw_parts(mr.as_ptr().add(at), len) };
+        // SAFETY: the caller leaves those bytes alone until this returns; no receive WR
+        // names them.
+        let data = unsafe { from.bytes() };
         self.write(offset, data)
     }
 

@@ -46,10 +46,17 @@ pub struct TlsParams {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum UriError {
+    /// Not an `nbd://`, `nbds://`, `nbd+unix://` or `nbds+unix://` URI.
     #[error("{0:?}: not an NBD URI (expected nbd://host[:port][/export])")]
     NotNbd(String),
+    /// An NBD URI with something wrong in it.
     #[error("{uri:?}: {why}")]
-    Invalid { uri: String, why: &'static str },
+    Invalid {
+        /// The URI.
+        uri: String,
+        /// What is wrong.
+        why: &'static str,
+    },
 }
 
 fn invalid(uri: &str, why: &'static str) -> UriError {

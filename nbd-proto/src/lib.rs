@@ -11,12 +11,14 @@
 //! | [`handshake::messages`] | encode/parse of greeting, options, option replies, infos |
 //! | [`handshake::server`] | [`ServerHandshake`] state machine |
 //! | [`handshake::client`] | [`ClientHandshake`] state machine |
-//! | [`transmission`] | [`Request`] header (compact or extended), [`validate_request`] (which error to send) |
+//! | [`request`] | the [`Request`] header (compact or extended), [`Command`], [`ErrorValue`] |
+//! | [`transmission`] | the transmission phase: [`validate_request`] (which error to send), the request types re-exported |
 //! | [`transmission::server`] | [`ServerTransmission`]: request header bytes to a [`ValidRequest`], replies to bytes |
 //! | [`transmission::client`] | the client's transmission phase: requests in flight, replies into buffers ([`transmission::client::ClientSession`]) |
 //! | [`transmission::client::reply_check`] | a client's checks of one request's reply chunks ([`transmission::client::reply_check::ReplyCheck`]) |
 //! | [`reply`] | simple replies, structured and extended chunks, block-status builders |
 //! | [`framing`] | "where does this message end?" for message-based transports |
+//! | [`placement`] | the framers' machines: each message framed, a request parsed once, READ and WRITE data placed |
 //!
 //! # Driving the handshake
 //!
@@ -164,7 +166,9 @@ pub mod framing;
 pub mod fuzzing;
 pub mod handshake;
 pub mod peer_text;
+pub mod placement;
 pub mod reply;
+pub mod request;
 pub mod transmission;
 mod wire;
 

@@ -9,7 +9,7 @@
 use crate::consts as c;
 use crate::error::ProtoError;
 use crate::flags::ReplyFlags;
-use crate::transmission::{ErrorValue, Request};
+use crate::request::{ErrorValue, Request};
 use crate::wire::Reader;
 
 mod block_status;

@@ -4,7 +4,6 @@ use std::io;
 
 use nbd_proto::handshake::server::ServerError;
 use nbd_proto::transmission::ErrorValue;
-use nbd_proto::transmission::server::RequestError;
 use qpip_core::WcStatus;
 
 /// Why the server could not start, or why a connection ended (each is logged with its
@@ -54,9 +53,10 @@ pub enum Error {
     /// A message shorter than a request header.
     #[error("short request ({0} bytes)")]
     ShortRequest(usize),
-    /// A request header that cannot be parsed (the stream is lost).
-    #[error(transparent)]
-    MalformedRequest(RequestError),
+    /// A message that starts a request the framer did not parse (its queue and the
+    /// completions disagree: never, unless the NIC delivered a message it did not frame).
+    #[error("a request the framer did not parse")]
+    UnframedRequest,
     /// A send to the client failed (`what`: a reply, or a handshake message).
     #[error("sending {what} failed: {status:?}")]
     SendFailed {

@@ -8,8 +8,11 @@ use qpip_core::{Access, FileRegion, MemoryRegion, Nic};
 
 use crate::store::Store;
 
+/// An export: a store served under a name, with its memory registered with the NIC.
 pub struct Export {
+    /// The export's name, as clients ask for it.
     pub name: String,
+    /// Its description (NBD_INFO_DESCRIPTION), possibly empty.
     pub description: String,
     /// The store behind the export (opened by [`crate::store::open`]).
     pub store: Box<dyn Store>,
@@ -26,6 +29,7 @@ pub struct Export {
 }
 
 impl Export {
+    /// `store` served as `name`, its mapping and file registered with `nic` where it has them.
     pub fn new(nic: &Nic, name: String, description: String, store: Box<dyn Store>) -> Arc<Export> {
         let region = store.mapping().map(|(ptr, len)| {
             // SAFETY: the mapping lives as long as the store, which the Export owns; the
@@ -48,6 +52,7 @@ impl Export {
         })
     }
 
+    /// Writes are refused.
     pub fn read_only(&self) -> bool {
         self.store.read_only()
     }

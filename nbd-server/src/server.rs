@@ -21,6 +21,7 @@ use crate::conn::{self, Connection};
 use crate::error::{Chain, Result};
 use crate::export::Export;
 
+/// What a server serves and how.
 pub struct ServerOptions {
     /// Where to accept clients: bound before the images are opened, so that an address in
     /// use is reported before any image is touched.
@@ -34,10 +35,13 @@ pub struct ServerOptions {
     /// Bytes of receive buffers that connections may share beyond their base slots (see
     /// [`crate::conn::recv_window`]).
     pub buffer_memory: u64,
+    /// The export a client gets when it asks for the empty name.
     pub default_export: Option<String>,
+    /// Answer NBD_OPT_LIST with the export names.
     pub list_exports: bool,
     /// TLS: how it is offered, and the credentials the NIC uses (with `On`/`Require`).
     pub tls: TlsMode,
+    /// The NIC's TLS credentials, with `tls` `On` or `Require`.
     pub tls_config: Option<TlsConfig>,
 }
 
@@ -53,6 +57,7 @@ pub struct Server {
 pub const MAX_BLOCK: u32 = 32 << 20;
 
 impl Server {
+    /// Starts serving `exports` on `nic` as `opts` say: one accept thread per listener.
     pub fn start(nic: Nic, exports: Vec<Arc<Export>>, opts: ServerOptions) -> Result<Server> {
         let proto_exports = exports
             .iter()
@@ -124,6 +129,7 @@ impl Server {
         &self.local
     }
 
+    /// Clients past their handshake, served now.
     pub fn active_connections(&self) -> usize {
         self.shared.active.load(Ordering::Acquire)
     }

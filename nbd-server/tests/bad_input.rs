@@ -455,6 +455,7 @@ fn statvfs(path: &std::path::Path) -> (u64, u64, u64) {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
     // SAFETY: a zeroed statvfs is a valid out-parameter; the path is NUL-terminated.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
     assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut st) }, 0);
     (st.f_blocks, st.f_bfree, st.f_frsize)
 }

@@ -19,6 +19,7 @@ fn demo_mode_does_not_follow_a_planted_symlink() {
     let secret = tmp.path().join("secret");
     std::fs::write(&secret, SECRET).unwrap();
     // The attacker's plant, at every name the old demo used (whatever uid runs the test).
+    // SAFETY: getuid takes nothing and cannot fail.
     let uid = unsafe { libc::getuid() };
     let mut planted = vec![format!("qpip-demo-{uid}"), "qpip-demo-0".into()];
     planted.dedup();

@@ -747,6 +747,7 @@ fn rbd_deep_queues_verify_and_flushed_writes_reach_the_cluster() {
 /// Starts the dev cluster's OSD again if it is not running (scripts/ceph-dev starts it so;
 /// it daemonizes and writes its pid file), and waits until the cluster has it up.
 fn start_osd(ceph: &Ceph) {
+    // SAFETY: signal 0 sends nothing; kill only checks that the process exists.
     let alive = |pid: i32| unsafe { libc::kill(pid, 0) } == 0;
     let pidfile = ceph.conf.parent().unwrap().join("run/osd.0.pid");
     let running = std::fs::read_to_string(&pidfile)

@@ -27,6 +27,7 @@ pub enum NicKind {
 }
 
 impl NicKind {
+    /// The backend's name on the command line.
     pub fn name(self) -> &'static str {
         match self {
             NicKind::Soft => "soft",
@@ -73,17 +74,27 @@ pub struct NicArgs {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum NicArgsError {
+    /// The LANai parameters file is wrong.
     #[error(transparent)]
     Params(#[from] ParamsError),
+    /// LANai options with the soft NIC.
     #[error("--lanai-node, --lanai-fabric and --lanai-params need --backend lanai")]
     LanaiOptionsWithoutLanai,
+    /// More than one queue asked of the LANai NIC.
     #[error("--nic-queues {0}: the LANai NIC has one queue (its one processor)")]
     LanaiQueues(u16),
+    /// `--lanai-node` names no node of the fabric.
     #[error("the fabric has no node named {name:?} (its nodes: {})", nodes.join(", "))]
-    UnknownNode { name: String, nodes: Vec<String> },
+    UnknownNode {
+        /// The name given.
+        name: String,
+        /// The fabric's nodes.
+        nodes: Vec<String>,
+    },
 }
 
 impl NicArgs {
+    /// The LANai backend was chosen.
     pub fn is_lanai(&self) -> bool {
         self.kind == NicKind::Lanai
     }

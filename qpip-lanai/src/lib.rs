@@ -12,6 +12,9 @@
 //! - `realtime`: the firmware as a working [`qpip_verbs::backend::NicBackend`], frames carried
 //!   between processes by datagram sockets, with a TUN bridge to the host's own IP stack.
 
+// The workspace's missing_docs, not yet met here: qpip-lanai: about 230 public items (the model parameters, the simulator's records, the bridge) are not documented yet (issue 27).
+#![allow(missing_docs)]
+
 pub mod bridge;
 pub mod firmware;
 pub mod frame;

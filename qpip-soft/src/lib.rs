@@ -49,6 +49,7 @@ pub struct SoftConfig {
     /// The longest the engine polls after its last piece of work before it sleeps (the
     /// window it learns from arrivals stays within it).
     pub spin: Duration,
+    /// How the engine does its socket I/O (io_uring where allowed, or epoll).
     pub io: IoMode,
     /// Queues (engine threads), each owning the QPs placed on it. At least 1.
     pub queues: usize,
@@ -105,6 +106,7 @@ pub fn default_queues(run_to_completion: bool) -> usize {
 /// IOPS of a queue per connection, `nbd qd1`); a queue nobody uses costs a parked thread.
 pub const RTC_MIN_QUEUES: usize = 8;
 
+/// The soft NIC: its queues' engine threads over kernel sockets.
 pub struct SoftBackend {
     queues: Arc<Queues>,
     /// "io_uring" or "epoll": decided before the engine starts.
@@ -114,6 +116,7 @@ pub struct SoftBackend {
 const WAKER_TOKEN: mio::Token = mio::Token(usize::MAX);
 
 impl SoftBackend {
+    /// Starts the queues' engines as `cfg` says, over the NIC's registered `memory`.
     pub fn start(cfg: SoftConfig, memory: Arc<MemoryTable>) -> Result<Self> {
         let queues = Queues::new(cfg.queues);
         let uring = Arc::new(AtomicBool::new(false));

@@ -629,6 +629,7 @@ impl EngineQp {
                 .map(|s| {
                     // SAFETY: the NIC owns the WR's memory; u8 and MaybeUninit<u8> share a layout.
                     let bytes = unsafe { s.bytes_mut() };
+                    // SAFETY: as above: the same bytes, viewed as MaybeUninit<u8>.
                     let uninit = unsafe { &mut *(bytes as *mut [u8] as *mut [MaybeUninit<u8>]) };
                     socket2::MaybeUninitSlice::new(uninit)
                 })

@@ -39,7 +39,7 @@ pub(crate) struct Queues {
 }
 
 impl Queues {
-    pub fn new(n: usize) -> Arc<Queues> {
+    pub(crate) fn new(n: usize) -> Arc<Queues> {
         Arc::new(Queues {
             threads: OnceLock::new(),
             loads: (0..n.max(1)).map(|_| AtomicUsize::new(0)).collect(),
@@ -47,11 +47,11 @@ impl Queues {
         })
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.loads.len()
     }
 
-    pub fn set_threads(&self, threads: Vec<NicThread>) {
+    pub(crate) fn set_threads(&self, threads: Vec<NicThread>) {
         debug_assert_eq!(threads.len(), self.len());
         if self.threads.set(threads).is_err() {
             tracing::error!("soft NIC queues started twice");
@@ -63,12 +63,12 @@ impl Queues {
     }
 
     /// The queue of `qp`, if it lives.
-    pub fn queue_of(&self, qp: QpNum) -> Option<usize> {
+    pub(crate) fn queue_of(&self, qp: QpNum) -> Option<usize> {
         self.placed.lock().get(&qp).copied()
     }
 
     /// Hands `cmd` to queue `q`.
-    pub fn send(&self, q: usize, cmd: Command) {
+    pub(crate) fn send(&self, q: usize, cmd: Command) {
         match self.threads().get(q) {
             Some(t) => t.manage(cmd),
             None => tracing::error!("soft NIC: no queue {q}"),
@@ -111,7 +111,7 @@ impl Queues {
     }
 
     /// Sends a management command to the queue it concerns.
-    pub fn route(&self, cmd: Command) {
+    pub(crate) fn route(&self, cmd: Command) {
         let q = match &cmd {
             Command::CreateQp { qp, .. } => self.place(qp),
             Command::BindUdp { qp, .. }
@@ -160,25 +160,25 @@ impl Queues {
 
     /// The doorbell of `qp`'s queue.
     #[inline]
-    pub fn ring_doorbell(&self, qp: &QpShared) {
+    pub(crate) fn ring_doorbell(&self, qp: &QpShared) {
         let q = qp.queue.load(Ordering::Acquire) as usize;
         if let Some(t) = self.threads().get(q) {
             t.ring_doorbell(qp);
         }
     }
 
-    pub fn engine_threads(&self) -> Vec<i32> {
+    pub(crate) fn engine_threads(&self) -> Vec<i32> {
         self.threads()
             .iter()
             .flat_map(NicThread::engine_threads)
             .collect()
     }
 
-    pub fn driven_cpu(&self) -> std::time::Duration {
+    pub(crate) fn driven_cpu(&self) -> std::time::Duration {
         self.threads().iter().map(NicThread::driven_cpu).sum()
     }
 
-    pub fn shutdown(&self) {
+    pub(crate) fn shutdown(&self) {
         for t in self.threads() {
             t.shutdown();
         }

@@ -31,10 +31,10 @@ impl Splicer {
             unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
         // SAFETY: plain fcntl on our descriptor; a refusal leaves the default size.
         let got = unsafe { libc::fcntl(write_end.as_raw_fd(), libc::F_SETPIPE_SZ, PIPE_SIZE) };
-        // SAFETY: as above.
         let size = if got > 0 {
             got
         } else {
+            // SAFETY: plain fcntl on our descriptor, as above.
             unsafe { libc::fcntl(write_end.as_raw_fd(), libc::F_GETPIPE_SZ) }
         };
         Ok(Splicer {

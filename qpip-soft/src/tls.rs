@@ -15,7 +15,7 @@ use super::stream::Stream;
 use qpip_verbs::tls::{TlsConfig, TlsCredentials};
 
 /// Builds the OpenSSL context for `config`; errors name the file at fault.
-pub fn context(config: &TlsConfig) -> io::Result<SslContext> {
+pub(crate) fn context(config: &TlsConfig) -> io::Result<SslContext> {
     let method = if config.server {
         SslMethod::tls_server()
     } else {

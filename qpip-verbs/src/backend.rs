@@ -32,60 +32,88 @@ pub const UNIX_ADDR: SocketAddr = SocketAddr::V6(SocketAddrV6::new(Ipv6Addr::UNS
 pub enum Command {
     /// A new QP: its rings and the framer that delimits its incoming messages.
     CreateQp {
+        /// The QP's shared state.
         qp: Arc<QpShared>,
+        /// Its framer.
         framer: Box<dyn Framer>,
     },
     /// Bind an unreliable QP to a UDP address; replies with the bound address.
     BindUdp {
+        /// The QP.
         qp: QpNum,
+        /// The address to bind.
         addr: SocketAddr,
+        /// Gets the bound address.
         reply: ReplySender<MgmtResult>,
     },
     /// Connect a reliable QP; replies with the local address once the connection is up.
     Connect {
+        /// The QP.
         qp: QpNum,
+        /// The peer's address.
         addr: SocketAddr,
+        /// Gets the local address once connected.
         reply: ReplySender<MgmtResult>,
     },
     /// Connect a reliable QP to a Unix-domain stream socket; replies [`UNIX_ADDR`] once the
     /// connection is up. NICs without host sockets refuse it.
     ConnectUnix {
+        /// The QP.
         qp: QpNum,
+        /// The socket's path.
         path: PathBuf,
+        /// Gets [`UNIX_ADDR`] once connected.
         reply: ReplySender<MgmtResult>,
     },
     /// Listen for connections; replies with the bound address.
     Listen {
+        /// The new listener.
         id: ListenerId,
+        /// The address to listen on.
         addr: SocketAddr,
+        /// Connections waiting to be accepted, at most.
         backlog: u32,
+        /// Gets the bound address.
         reply: ReplySender<MgmtResult>,
     },
     /// Listen on a Unix-domain stream socket created at `path` (owner-only access; removed
     /// when the listener closes); replies [`UNIX_ADDR`], and so does each accept on it. NICs
     /// without host sockets refuse it.
     ListenUnix {
+        /// The new listener.
         id: ListenerId,
+        /// The socket's path.
         path: PathBuf,
+        /// Connections waiting to be accepted, at most.
         backlog: u32,
+        /// Gets [`UNIX_ADDR`].
         reply: ReplySender<MgmtResult>,
     },
     /// Listen on a socket that is already bound and listening, handed over by its owner
     /// (systemd socket activation); replies with its address. The NIC owns it from then on.
     ListenFd {
+        /// The new listener.
         id: ListenerId,
+        /// The listening socket.
         fd: std::os::fd::OwnedFd,
+        /// Connections waiting to be accepted, at most.
         backlog: u32,
+        /// Gets its address.
         reply: ReplySender<MgmtResult>,
     },
     /// Mate the next incoming connection on `listener` to the idle QP `qp`; replies with the
     /// peer's address.
     Accept {
+        /// The listener.
         listener: ListenerId,
+        /// The idle QP that takes the connection.
         qp: QpNum,
+        /// Gets the peer's address.
         reply: ReplySender<MgmtResult>,
     },
+    /// Stop listening (waiting accepts fail).
     CloseListener {
+        /// The listener.
         listener: ListenerId,
     },
     /// Switch a connected reliable QP to TLS: the NIC runs the handshake, then carries every
@@ -93,26 +121,33 @@ pub enum Command {
     /// past the last message; replies once the handshake is done (or failed, which fails
     /// the QP). NICs without TLS refuse it.
     StartTls {
+        /// The QP.
         qp: QpNum,
+        /// Credentials and peer checks.
         config: Box<crate::tls::TlsConfig>,
+        /// Gets the handshake's outcome.
         reply: ReplySender<io::Result<()>>,
     },
     /// Orderly close: finish posted sends, shut the connection, flush receives.
     Close {
+        /// The QP.
         qp: QpNum,
     },
     /// Abortive close: flush everything now.
     Disconnect {
+        /// The QP.
         qp: QpNum,
     },
     /// Disconnect and forget the QP.
     Destroy {
+        /// The QP.
         qp: QpNum,
     },
     /// Answered once every command before it has run and the NIC writes no more into the
     /// memory of any QP destroyed before it (I/O it had under way has finished): after that,
     /// memory those QPs' WRs or framers named is the host's again.
     Fence {
+        /// Answered when the fence holds.
         reply: ReplySender<()>,
     },
     /// Work one queue of a multi-queue NIC hands another (a connection accepted for a QP

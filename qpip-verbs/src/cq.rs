@@ -15,7 +15,12 @@ pub enum CqError {
     /// More completions arrived than the queue could hold; `lost` of them were dropped. The CQ
     /// stays in this state: size CQs for the WRs that can be outstanding on them.
     #[error("completion queue overflowed: {lost} completions lost (depth {depth})")]
-    Overflow { lost: u64, depth: usize },
+    Overflow {
+        /// Completions dropped.
+        lost: u64,
+        /// The CQ's depth.
+        depth: usize,
+    },
 }
 
 /// A completion queue. Clones share the queue; one CQ may serve any number of QPs.
@@ -42,6 +47,7 @@ impl std::fmt::Debug for CompletionQueue {
 pub struct CqWaker(Arc<CqShared>);
 
 impl CqWaker {
+    /// Wakes the CQ's waiter (or the next wait).
     pub fn wake(&self) {
         self.0.wake();
     }
@@ -54,6 +60,7 @@ impl std::fmt::Debug for CqWaker {
 }
 
 impl CompletionQueue {
+    /// A CQ that holds up to `depth` completions.
     pub fn new(depth: usize) -> Self {
         CompletionQueue {
             shared: Arc::new(CqShared::new(depth)),
@@ -70,6 +77,7 @@ impl CompletionQueue {
         &self.shared
     }
 
+    /// Completions it holds at most.
     pub fn depth(&self) -> usize {
         self.shared.ring.capacity()
     }
@@ -79,6 +87,7 @@ impl CompletionQueue {
         self.shared.ring.len()
     }
 
+    /// No completion is waiting.
     pub fn is_empty(&self) -> bool {
         self.shared.ring.is_empty()
     }

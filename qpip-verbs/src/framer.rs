@@ -23,8 +23,11 @@ pub enum Frame {
     /// The message is the first `header_len` bytes plus `body_len` more; the first `strip`
     /// bytes are framing only and are not delivered (e.g. a length prefix).
     Message {
+        /// Header bytes.
         header_len: usize,
+        /// Leading header bytes not delivered.
         strip: usize,
+        /// Bytes after the header.
         body_len: usize,
     },
     /// As `Message`, but the body (`body.len` bytes) goes to `body`, registered memory the
@@ -33,8 +36,11 @@ pub enum Frame {
     /// access); the receive WR takes only the header. The completion's `placed` counts the
     /// body bytes that arrived, its `byte_len` the header bytes in the WR.
     MessageAt {
+        /// Header bytes.
         header_len: usize,
+        /// Leading header bytes not delivered.
         strip: usize,
+        /// Where the body goes.
         body: Sge,
     },
     /// No message boundaries: each receive WR takes whatever bytes have arrived (raw stream).

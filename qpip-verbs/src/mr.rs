@@ -29,8 +29,11 @@ impl Access {
 /// One scatter/gather entry: `len` bytes at virtual address `addr` inside the region `lkey`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Sge {
+    /// Address in the registered region.
     pub addr: u64,
+    /// Bytes.
     pub len: u32,
+    /// The region's key.
     pub lkey: u32,
 }
 
@@ -38,12 +41,23 @@ pub struct Sge {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ProtectionFault {
+    /// No region has this key.
     #[error("no memory region has key {0:#x}")]
     UnknownKey(u32),
+    /// The SGE reaches outside its region.
     #[error("{len} bytes at {addr:#x} fall outside region {lkey:#x}")]
-    OutOfBounds { lkey: u32, addr: u64, len: u32 },
+    OutOfBounds {
+        /// The region's key.
+        lkey: u32,
+        /// The SGE's address.
+        addr: u64,
+        /// Its length.
+        len: u32,
+    },
+    /// The region with this key is not writable.
     #[error("region {0:#x} is not registered for NIC writes")]
     NotWritable(u32),
+    /// This key names a file, not memory.
     #[error("region {0:#x} is a file: only a framer may place message bodies there")]
     NotMemory(u32),
 }
@@ -67,6 +81,7 @@ pub(crate) struct Region {
 // SAFETY: the region is plain bytes; who may touch them when is the WR ownership contract
 // (the NIC owns the memory of a posted WR until its completion), exactly as in verbs.
 unsafe impl Send for Region {}
+// SAFETY: as for Send: shared access is governed by the same WR ownership contract.
 unsafe impl Sync for Region {}
 
 impl Drop for Region {
@@ -117,12 +132,15 @@ impl MemoryRegion {
     pub fn addr(&self) -> u64 {
         self.region.ptr as u64
     }
+    /// Bytes in the region.
     pub fn len(&self) -> usize {
         self.region.len
     }
+    /// The region has no bytes.
     pub fn is_empty(&self) -> bool {
         self.region.len == 0
     }
+    /// What the NIC may do with it.
     pub fn access(&self) -> Access {
         self.region.access
     }
@@ -146,6 +164,8 @@ impl MemoryRegion {
     /// No WR naming these bytes may be outstanding for writing by the NIC (a posted receive),
     /// and no `&mut` view may exist at the same time.
     pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the region's `len` bytes from `ptr` stay mapped while it lives; the caller
+        // guarantees nothing writes them meanwhile.
         unsafe { std::slice::from_raw_parts(self.region.ptr, self.region.len) }
     }
 
@@ -155,6 +175,7 @@ impl MemoryRegion {
     /// No WR naming these bytes may be outstanding, and no other view may exist meanwhile.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`; the caller guarantees this is the only view.
         unsafe { std::slice::from_raw_parts_mut(self.region.ptr, self.region.len) }
     }
 
@@ -200,9 +221,11 @@ pub struct Segment {
 }
 
 impl Segment {
+    /// Bytes in the segment.
     pub fn len(&self) -> usize {
         self.len
     }
+    /// The segment has no bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -211,6 +234,8 @@ impl Segment {
     /// # Safety
     /// Backend use only, while the WR that named the segment is owned by the NIC.
     pub unsafe fn bytes(&self) -> &[u8] {
+        // SAFETY: the segment lies inside its region (checked when it was resolved), which it
+        // keeps alive; the caller owns the WR's memory for now.
         unsafe { std::slice::from_raw_parts(self.region.ptr.add(self.offset), self.len) }
     }
     /// The bytes, for receiving into (the region was checked writable when resolved).
@@ -219,6 +244,7 @@ impl Segment {
     /// Backend use only, while the WR that named the segment is owned by the NIC.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn bytes_mut(&self) -> &mut [u8] {
+        // SAFETY: as in `bytes`.
         unsafe { std::slice::from_raw_parts_mut(self.region.ptr.add(self.offset), self.len) }
     }
 }
@@ -250,6 +276,7 @@ impl std::fmt::Debug for FileRegion {
 }
 
 impl FileRegion {
+    /// The file's key, for SGEs.
     pub fn lkey(&self) -> u32 {
         self._registration.lkey
     }
@@ -257,6 +284,7 @@ impl FileRegion {
     pub fn len(&self) -> u64 {
         self.region.len
     }
+    /// The registered range is empty.
     pub fn is_empty(&self) -> bool {
         self.region.len == 0
     }
@@ -279,6 +307,7 @@ pub struct FileSpan {
 }
 
 impl FileSpan {
+    /// The file.
     pub fn file(&self) -> &File {
         &self.space.file
     }
@@ -286,9 +315,11 @@ impl FileSpan {
     pub fn offset(&self) -> u64 {
         self.offset
     }
+    /// Bytes in the span.
     pub fn len(&self) -> usize {
         self.len
     }
+    /// The span has no bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -297,17 +328,21 @@ impl FileSpan {
 /// Where a framer's [`crate::Frame::MessageAt`] puts a body: memory, or a registered file.
 #[derive(Clone)]
 pub enum Placement {
+    /// Registered memory.
     Memory(Segment),
+    /// A range of a registered file.
     File(FileSpan),
 }
 
 impl Placement {
+    /// Bytes of the body.
     pub fn len(&self) -> usize {
         match self {
             Placement::Memory(s) => s.len(),
             Placement::File(f) => f.len(),
         }
     }
+    /// The body is empty.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -322,6 +357,7 @@ pub struct MemoryTable {
 }
 
 impl MemoryTable {
+    /// An empty table.
     pub fn new() -> Arc<Self> {
         Arc::new(MemoryTable {
             regions: RwLock::new(HashMap::new()),
@@ -510,6 +546,7 @@ mod tests {
             Err(ProtectionFault::UnknownKey(_))
         ));
         // The segment resolved earlier still keeps its memory alive.
+        // SAFETY: no WR names the segment; the test is its only user.
         unsafe { seg.bytes_mut()[7] = 1 };
     }
 
@@ -517,9 +554,11 @@ mod tests {
     fn borrowed_memory_is_used_in_place() {
         let table = MemoryTable::new();
         let mut backing = vec![7u8; 16];
+        // SAFETY: `backing` outlives the region (dropped before it is read below).
         let mr =
             unsafe { table.register_borrowed(backing.as_mut_ptr(), 16, Access::READ_WRITE, None) };
         let seg = table.resolve(&mr.sge(4, 4), true).unwrap();
+        // SAFETY: no WR names the segment; the test is its only user.
         unsafe { seg.bytes_mut().copy_from_slice(&[1, 2, 3, 4]) };
         drop((seg, mr));
         assert_eq!(&backing[4..8], &[1, 2, 3, 4]);

@@ -44,6 +44,7 @@ impl Nic {
         }
     }
 
+    /// The backend's name (`soft`, `lanai`).
     pub fn backend_name(&self) -> &'static str {
         self.inner.backend.name()
     }
@@ -91,6 +92,7 @@ impl Nic {
         access: Access,
         keep_alive: Option<Box<dyn Any + Send + Sync>>,
     ) -> MemoryRegion {
+        // SAFETY: the caller keeps `len` bytes at `ptr` valid for the region's life.
         unsafe {
             self.inner
                 .memory
@@ -114,6 +116,7 @@ impl Nic {
         self.new_qp(QpKind::Reliable, attr)
     }
 
+    /// A new QP of `kind` as `attr` says.
     pub fn new_qp(&self, kind: QpKind, attr: QpAttr) -> QueuePair {
         let num = self.inner.next_qp.fetch_add(1, Ordering::Relaxed);
         let (qp, framer) = QueuePair::create(&self.inner, num, kind, attr);
@@ -247,7 +250,9 @@ fn wait_mgmt(
 /// Where a reliable connection ends: an IP address and port, or a Unix-domain socket's path.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Endpoint {
+    /// An IP address and port.
     Ip(SocketAddr),
+    /// A Unix-domain socket's path.
     Unix(PathBuf),
 }
 

@@ -15,10 +15,15 @@ use crate::wr::{QpNum, RecvWr, SendWr};
 
 /// How to build a QP.
 pub struct QpAttr {
+    /// The CQ of its send completions.
     pub send_cq: CompletionQueue,
+    /// The CQ of its receive completions.
     pub recv_cq: CompletionQueue,
+    /// Send WRs outstanding at most.
     pub max_send_wr: usize,
+    /// Receive WRs outstanding at most.
     pub max_recv_wr: usize,
+    /// How incoming messages are delimited.
     pub framer: Box<dyn Framer>,
 }
 
@@ -33,15 +38,18 @@ impl QpAttr {
             framer: Box::new(LengthPrefixed::default()),
         }
     }
+    /// With `framer` delimiting incoming messages.
     pub fn framer(mut self, framer: impl Framer) -> Self {
         self.framer = Box::new(framer);
         self
     }
+    /// With these queue depths.
     pub fn depths(mut self, max_send_wr: usize, max_recv_wr: usize) -> Self {
         self.max_send_wr = max_send_wr.max(1);
         self.max_recv_wr = max_recv_wr.max(1);
         self
     }
+    /// With receive completions on `cq` (sends stay on the first CQ).
     pub fn recv_cq(mut self, cq: &CompletionQueue) -> Self {
         self.recv_cq = cq.clone();
         self
@@ -91,6 +99,7 @@ impl QueuePair {
         &self.shared
     }
 
+    /// The QP's number.
     pub fn num(&self) -> QpNum {
         self.shared.num
     }
@@ -98,9 +107,11 @@ impl QueuePair {
     pub fn queue(&self) -> u32 {
         self.shared.queue.load(std::sync::atomic::Ordering::Acquire)
     }
+    /// Reliable or unreliable.
     pub fn kind(&self) -> QpKind {
         self.shared.kind
     }
+    /// Where it is in its life.
     pub fn state(&self) -> QpState {
         self.shared.state()
     }

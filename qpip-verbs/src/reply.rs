@@ -17,6 +17,7 @@ pub struct ReplySender<T>(Arc<Slot<T>>);
 /// The host's end: waits, blocking or async.
 pub struct ReplyReceiver<T>(Arc<Slot<T>>);
 
+/// A one-shot channel for a NIC command's answer.
 pub fn reply_channel<T>() -> (ReplySender<T>, ReplyReceiver<T>) {
     let slot = Arc::new(Slot {
         value: Mutex::new(None),
@@ -26,6 +27,7 @@ pub fn reply_channel<T>() -> (ReplySender<T>, ReplyReceiver<T>) {
 }
 
 impl<T> ReplySender<T> {
+    /// Answers (nothing happens if the receiver is gone).
     pub fn send(self, value: T) {
         *self.0.value.lock() = Some(value);
         self.0.event.notify(usize::MAX);
@@ -70,6 +72,7 @@ impl<T> ReplyReceiver<T> {
         }
     }
 
+    /// Waits for the answer from async code; None if the sender was dropped.
     pub async fn wait_async(self) -> Option<T> {
         loop {
             if let Some(v) = self.take() {

@@ -16,7 +16,9 @@ use crate::wr::{Completion, Opcode, QpNum, RecvWr, SendWr, WcStatus};
 /// Reliable (TCP) or unreliable (UDP).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QpKind {
+    /// A TCP connection (or a Unix-domain stream).
     Reliable,
+    /// A UDP port.
     Unreliable,
 }
 
@@ -27,11 +29,13 @@ pub enum QpKind {
 pub enum QpState {
     /// Created; WRs may be posted, nothing moves until it is connected (or accepted).
     Init = 0,
+    /// Connecting, or waiting to be accepted.
     Connecting = 1,
     /// Connected (reliable) or bound (unreliable): WRs are carried out.
     Ready = 2,
     /// An orderly close is under way: posted sends finish, new ones are refused.
     Closing = 3,
+    /// Closed.
     Closed = 4,
     /// A fatal error; every outstanding WR was flushed.
     Error = 5,
@@ -191,9 +195,13 @@ impl CqShared {
 /// The part of a QP that the host and the NIC share: the work queues (rings in memory both
 /// see), the CQs, the state and the doorbell flag.
 pub struct QpShared {
+    /// The QP's number.
     pub num: QpNum,
+    /// Reliable or unreliable.
     pub kind: QpKind,
+    /// The send queue.
     pub sq: ArrayQueue<SendWr>,
+    /// The receive queue.
     pub rq: ArrayQueue<RecvWr>,
     sq_outstanding: AtomicUsize,
     rq_outstanding: AtomicUsize,
@@ -215,6 +223,7 @@ pub struct QpShared {
 pub struct QueueFull(pub usize);
 
 impl QpShared {
+    /// A QP's shared state, in `Init`, with queues of these depths.
     pub fn new(
         num: QpNum,
         kind: QpKind,
@@ -264,21 +273,26 @@ impl QpShared {
         self.rq_outstanding.load(Ordering::Acquire)
     }
 
+    /// Where it is in its life.
     #[inline]
     pub fn state(&self) -> QpState {
         QpState::from_u8(self.state.load(Ordering::Acquire))
     }
+    /// Moves it on.
     #[inline]
     pub fn set_state(&self, s: QpState) {
         self.state.store(s as u8, Ordering::Release);
     }
 
+    /// Records its addresses once known.
     pub fn set_addrs(&self, local: Option<SocketAddr>, peer: Option<SocketAddr>) {
         *self.addrs.lock() = (local, peer);
     }
+    /// Its local address, once known.
     pub fn local_addr(&self) -> Option<SocketAddr> {
         self.addrs.lock().0
     }
+    /// Its peer's address, once known.
     pub fn peer_addr(&self) -> Option<SocketAddr> {
         self.addrs.lock().1
     }

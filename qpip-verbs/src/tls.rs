@@ -35,6 +35,7 @@ pub enum TlsCredentials {
 pub struct TlsConfig {
     /// This side runs the TLS server (else the client).
     pub server: bool,
+    /// Certificates or pre-shared keys.
     pub credentials: TlsCredentials,
     /// Client: the name the server's certificate must carry (with `verify_peer`); None when
     /// there is none to check (a Unix socket).

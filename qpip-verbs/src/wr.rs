@@ -15,13 +15,16 @@ pub type QpNum = u32;
 /// A send work request: the bytes named by `sg_list`, sent as one message.
 #[derive(Clone, Debug)]
 pub struct SendWr {
+    /// The caller's id, returned in the completion.
     pub wr_id: u64,
+    /// The memory it names.
     pub sg_list: SgList,
     /// Destination of the datagram; required on unreliable (UDP) QPs, ignored on reliable ones.
     pub dest: Option<SocketAddr>,
 }
 
 impl SendWr {
+    /// A WR with id `wr_id` naming `sges`.
     pub fn new(wr_id: u64, sges: &[Sge]) -> Self {
         SendWr {
             wr_id,
@@ -34,9 +37,11 @@ impl SendWr {
         self.dest = Some(dest);
         self
     }
+    /// Bytes it names.
     pub fn len(&self) -> u64 {
         self.sg_list.iter().map(|s| u64::from(s.len)).sum()
     }
+    /// It names no bytes.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -45,20 +50,25 @@ impl SendWr {
 /// A receive work request: memory for the next arriving message.
 #[derive(Clone, Debug)]
 pub struct RecvWr {
+    /// The caller's id, returned in the completion.
     pub wr_id: u64,
+    /// The memory it names.
     pub sg_list: SgList,
 }
 
 impl RecvWr {
+    /// A WR with id `wr_id` naming `sges`.
     pub fn new(wr_id: u64, sges: &[Sge]) -> Self {
         RecvWr {
             wr_id,
             sg_list: SgList::from_slice(sges),
         }
     }
+    /// Bytes it names.
     pub fn len(&self) -> u64 {
         self.sg_list.iter().map(|s| u64::from(s.len)).sum()
     }
+    /// It names no bytes.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -67,8 +77,10 @@ impl RecvWr {
 /// Which queue a completion comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Opcode {
+    /// A send WR's.
     #[default]
     Send,
+    /// A receive WR's.
     Recv,
 }
 
@@ -76,6 +88,7 @@ pub enum Opcode {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum WcStatus {
+    /// Done.
     #[default]
     Success,
     /// The arriving message was larger than the receive WR's memory.
@@ -102,9 +115,13 @@ pub enum WcStatus {
 /// A completion token: one for every finished WR.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Completion {
+    /// The WR's id.
     pub wr_id: u64,
+    /// Its QP.
     pub qp_num: QpNum,
+    /// Send or receive.
     pub opcode: Opcode,
+    /// How it ended.
     pub status: WcStatus,
     /// Bytes sent, or bytes placed into the receive WR's memory.
     pub byte_len: u32,
@@ -133,6 +150,7 @@ impl Default for Completion {
 }
 
 impl Completion {
+    /// It ended in success.
     pub fn is_ok(&self) -> bool {
         self.status == WcStatus::Success
     }

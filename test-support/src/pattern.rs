@@ -30,6 +30,7 @@ pub fn message_byte(msg: u64, i: usize) -> u8 {
 pub struct Rng(pub u64);
 
 impl Rng {
+    /// The next number (xorshift64).
     pub fn next_u64(&mut self) -> u64 {
         let mut x = self.0;
         x ^= x << 13;

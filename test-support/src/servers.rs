@@ -52,11 +52,13 @@ fn listen_line_in(log: &Path, child: &mut Child) -> Option<String> {
 
 /// A server process and how to reach it, killed on drop.
 pub struct Peer {
+    /// The server process (for a daemonizing one, the process that started it).
     pub child: Child,
     /// For servers that daemonize (nbd-server): the PID file of the real server.
     pub pidfile: Option<PathBuf>,
     /// 0 for a server on a Unix socket.
     pub port: u16,
+    /// The NBD URI of its export.
     pub uri: String,
     _dir: Option<tempfile::TempDir>,
 }
@@ -72,6 +74,7 @@ impl Peer {
         }
     }
 
+    /// Kills the server and waits for it.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -248,9 +251,11 @@ pub fn tls_certs() -> Option<tempfile::TempDir> {
 /// that watch the server itself (its log, memory, signals, exit).
 pub struct ServerProcess {
     child: Option<Child>,
+    /// The address it printed that it listens on.
     pub addr: SocketAddr,
     /// The Unix-domain socket, for a server that printed one first (`--socket` alone).
     pub unix: Option<PathBuf>,
+    /// Its process id.
     pub pid: u32,
     stderr_log: PathBuf,
     _logdir: tempfile::TempDir,
@@ -299,6 +304,7 @@ impl ServerProcess {
         s
     }
 
+    /// The TCP port it listens on.
     pub fn port(&self) -> u16 {
         self.addr.port()
     }

@@ -11,7 +11,7 @@ use crate::cpu::{self, ProcEntry};
 use crate::rig::peers::NIC_THREAD;
 
 /// The counters at one instant.
-pub struct Probe {
+pub(super) struct Probe {
     pub t: Instant,
     machine: Duration,
     procs: HashMap<u32, ProcEntry>,
@@ -19,7 +19,7 @@ pub struct Probe {
     client_nic: Duration,
 }
 
-pub fn probe(server: u32, client: u32) -> Result<Probe> {
+pub(super) fn probe(server: u32, client: u32) -> Result<Probe> {
     let nic = |pid| cpu::threads_named(pid, NIC_THREAD).map(|c| c.total());
     Ok(Probe {
         t: Instant::now(),
@@ -32,7 +32,7 @@ pub fn probe(server: u32, client: u32) -> Result<Probe> {
 
 /// CPU seconds of one phase, by component (they add up to `machine`).
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Split {
+pub(super) struct Split {
     pub machine: f64,
     pub server: f64,
     pub nic: f64,
@@ -43,7 +43,7 @@ pub struct Split {
     pub other: f64,
 }
 
-pub fn split(a: &Probe, b: &Probe, server: u32, client: u32) -> Split {
+pub(super) fn split(a: &Probe, b: &Probe, server: u32, client: u32) -> Split {
     let delta = |pids: &mut dyn Iterator<Item = u32>| -> f64 {
         pids.filter_map(|p| {
             let end = b.procs.get(&p)?.cpu;

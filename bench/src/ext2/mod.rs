@@ -44,12 +44,12 @@ use crate::rig::workdir::WorkDir;
 use crate::stats::{Interrupt, Samples, Stat};
 use cpu_split::{Split, probe, split};
 use report::targets;
-pub use report::{Ext2Report, table};
+pub(crate) use report::{Ext2Report, table};
 
 const CHUNK: usize = 1 << 20;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Stack {
+pub(crate) enum Stack {
     Qpip,
     /// qpip with the mount's `--cache none`: no page cache on the FUSE file, as
     /// qemu-storage-daemon's FUSE export keeps none for the socket stacks.
@@ -60,7 +60,7 @@ pub enum Stack {
 }
 
 impl Stack {
-    pub const ALL: [Stack; 5] = [
+    pub(crate) const ALL: [Stack; 5] = [
         Stack::Qpip,
         Stack::QpipDirect,
         Stack::NbdServer,
@@ -68,7 +68,7 @@ impl Stack {
         Stack::QemuNbd,
     ];
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Stack::QpipDirect => "qpip-direct",
             _ => self.server().name(),
@@ -76,7 +76,7 @@ impl Stack {
     }
 
     /// A qpip stack (server and mount over QPs)?
-    pub fn is_qpip(self) -> bool {
+    pub(crate) fn is_qpip(self) -> bool {
         matches!(self, Stack::Qpip | Stack::QpipDirect)
     }
 
@@ -97,7 +97,7 @@ impl Stack {
         }
     }
 
-    pub fn client(self) -> &'static str {
+    pub(crate) fn client(self) -> &'static str {
         self.fuse_program().name()
     }
 
@@ -108,7 +108,7 @@ impl Stack {
         }
     }
 
-    pub fn parse(s: &str) -> Result<Stack> {
+    pub(crate) fn parse(s: &str) -> Result<Stack> {
         Stack::ALL
             .into_iter()
             .find(|k| k.name() == s)
@@ -119,7 +119,7 @@ impl Stack {
 }
 
 #[derive(Clone, Debug, Serialize)]
-pub struct Params {
+pub(crate) struct Params {
     pub file_size_bytes: u64,
     pub image_size_bytes: u64,
     pub repeat: usize,
@@ -140,7 +140,7 @@ pub struct Params {
 // ---------------------------------------------------------------- prerequisites
 
 /// The qpip-nbd-mount next to this executable.
-pub fn default_mount_bin() -> Result<PathBuf> {
+pub(crate) fn default_mount_bin() -> Result<PathBuf> {
     Ok(peers::default_server_bin()?.with_file_name("qpip-nbd-mount"))
 }
 
@@ -373,7 +373,7 @@ fn round(
 
 // ---------------------------------------------------------------- the whole run
 
-pub struct Options {
+pub(crate) struct Options {
     pub file_size: u64,
     pub repeat: usize,
     pub stacks: Vec<Stack>,
@@ -415,7 +415,7 @@ fn record(s: &mut Samples, dir: &str, bytes: u64, ph: &Phase) {
     }
 }
 
-pub fn run_all(o: Options, progress: &Progress) -> Result<Ext2Report> {
+pub(crate) fn run_all(o: Options, progress: &Progress) -> Result<Ext2Report> {
     let repeat = o.repeat.max(1);
     if o.file_size < (1 << 20) || !o.file_size.is_multiple_of(BLOCK as u64) {
         bail!("--file-size must be at least 1 MiB and a multiple of 4 KiB");

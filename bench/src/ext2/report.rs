@@ -11,7 +11,7 @@ use crate::stats::Stat;
 use crate::units::human_bytes;
 
 #[derive(Debug, Serialize)]
-pub struct Ext2Report {
+pub(crate) struct Ext2Report {
     /// Per stack: every measure (median, min, max, samples over the rounds).
     pub stacks: BTreeMap<String, BTreeMap<String, Stat>>,
     /// Whether the loop device really ran with direct I/O on each stack's FUSE file.
@@ -77,7 +77,7 @@ pub(super) fn targets(stacks: &BTreeMap<String, BTreeMap<String, Stat>>) -> Targ
 }
 
 /// The report as a terminal table.
-pub fn table(r: &Ext2Report) -> String {
+pub(crate) fn table(r: &Ext2Report) -> String {
     let p = &r.params;
     let mut s = format!(
         "nbd ext2: {} file written + sync, then read back cold and verified, on ext2 on a loop \

@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 use super::{bound, bound_cell, num};
 
 /// What every NBD figure assumes.
-pub const NBD_PORT: &str = "Linux 2.4 nbd.c and nbd-server 2.0 ported simply: 124 KiB \
+pub(crate) const NBD_PORT: &str = "Linux 2.4 nbd.c and nbd-server 2.0 ported simply: 124 KiB \
      requests; the client sends each as the block layer hands it over (reads: 1 outstanding, \
      2.4's read-ahead window; writes: 64, its write request slots), waits for each send to \
      complete (the header is on nbd_send_req's stack), takes replies in one receive reposted \
@@ -20,7 +20,7 @@ pub const NBD_PORT: &str = "Linux 2.4 nbd.c and nbd-server 2.0 ported simply: 12
 type PortChange = fn(&mut NbdPort);
 
 /// The ports the sensitivity table tries: key, label, change from the simplest port.
-pub fn rows() -> Vec<(&'static str, &'static str, PortChange)> {
+pub(crate) fn rows() -> Vec<(&'static str, &'static str, PortChange)> {
     vec![
         ("as_ported", "as ported", |_| {}),
         ("depth1", "1 request outstanding", |p| p.depth = 1),
@@ -50,10 +50,10 @@ pub fn rows() -> Vec<(&'static str, &'static str, PortChange)> {
     ]
 }
 
-pub const DIRS: [(&str, NbdDir); 2] = [("read", NbdDir::Read), ("write", NbdDir::Write)];
+pub(crate) const DIRS: [(&str, NbdDir); 2] = [("read", NbdDir::Read), ("write", NbdDir::Write)];
 
 /// One run: `total` bytes in `dir`, the simplest port changed by `change`.
-pub fn one(setup: &Setup, dir: NbdDir, total: u64, change: PortChange) -> Result<NbdResult> {
+pub(crate) fn one(setup: &Setup, dir: NbdDir, total: u64, change: PortChange) -> Result<NbdResult> {
     let mut port = NbdPort::as_ported(dir);
     change(&mut port);
     let cfg = NbdConfig::as_ported(dir, total).with_port(port);
@@ -61,7 +61,7 @@ pub fn one(setup: &Setup, dir: NbdDir, total: u64, change: PortChange) -> Result
 }
 
 /// The storage experiment's part of the report; `tick` after every run.
-pub fn run(setup: &Setup, total: u64, tick: &dyn Fn()) -> Result<Value> {
+pub(crate) fn run(setup: &Setup, total: u64, tick: &dyn Fn()) -> Result<Value> {
     let mut mbps = serde_json::Map::new();
     let mut bounds = serde_json::Map::new();
     let mut cpu = serde_json::Map::new();
@@ -106,7 +106,7 @@ pub fn run(setup: &Setup, total: u64, tick: &dyn Fn()) -> Result<Value> {
 }
 
 /// The NBD part of the tables.
-pub fn table(r: &Value) -> String {
+pub(crate) fn table(r: &Value) -> String {
     let mut s = format!(
         "\n{:<30} {:>10}   {:<30} {}\n",
         format!(

@@ -41,7 +41,7 @@ use crate::rig::peers::{self, NIC_THREAD, Running, Server};
 use crate::rig::workdir::{Image, WorkDir};
 use crate::stats::{Interrupt, Samples, Stat};
 use crate::units::human_bytes;
-pub use report::{Qd1Report, table};
+pub(crate) use report::{Qd1Report, table};
 
 /// Request size.
 const BS: u64 = 4096;
@@ -50,16 +50,16 @@ const BS: u64 = 4096;
 const TRIES: u32 = 3;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Stack {
+pub(crate) enum Stack {
     Qpip,
     /// nbdkit behind qemu-storage-daemon's FUSE export.
     QsdNbdkit,
 }
 
 impl Stack {
-    pub const ALL: [Stack; 2] = [Stack::Qpip, Stack::QsdNbdkit];
+    pub(crate) const ALL: [Stack; 2] = [Stack::Qpip, Stack::QsdNbdkit];
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Stack::Qpip => "qpip",
             Stack::QsdNbdkit => "qsd-nbdkit",
@@ -92,7 +92,7 @@ impl Stack {
     }
 }
 
-pub struct Options {
+pub(crate) struct Options {
     pub size: u64,
     pub runtime: Duration,
     pub repeat: usize,
@@ -103,7 +103,7 @@ pub struct Options {
 }
 
 #[derive(Clone, Debug, Serialize)]
-pub struct Params {
+pub(crate) struct Params {
     pub size_bytes: u64,
     pub bs_bytes: u64,
     pub runtime_s: f64,
@@ -376,7 +376,7 @@ fn params(o: &Options, dir: PathBuf) -> Params {
     }
 }
 
-pub fn run_all(o: Options, progress: &Progress) -> Result<Qd1Report> {
+pub(crate) fn run_all(o: Options, progress: &Progress) -> Result<Qd1Report> {
     if o.size < (1 << 20) || !o.size.is_multiple_of(BS) {
         bail!("--size must be at least 1 MiB and a multiple of 4 KiB");
     }

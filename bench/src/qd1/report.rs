@@ -12,7 +12,7 @@ use crate::stats::Stat;
 use crate::units::human_bytes;
 
 #[derive(Debug, Serialize)]
-pub struct Qd1Report {
+pub(crate) struct Qd1Report {
     /// Per stack: every measure (median, min, max, samples over the rounds).
     pub stacks: BTreeMap<String, BTreeMap<String, Stat>>,
     /// qpip over qsd-nbdkit, medians: IOPS and latencies per direction.
@@ -94,7 +94,7 @@ fn header(p: &Params) -> String {
 }
 
 /// The report as a terminal table.
-pub fn table(r: &Qd1Report) -> String {
+pub(crate) fn table(r: &Qd1Report) -> String {
     let mut s = header(&r.params);
     let mut wide = false;
     for stack in Stack::ALL {

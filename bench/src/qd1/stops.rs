@@ -20,7 +20,7 @@ const OVERRUN: Duration = Duration::from_millis(500);
 
 /// Runs `run`, meanwhile sampling `pids` every 50 ms; returns its result and about how long
 /// any of them, or this process, was stopped.
-pub fn watching<R>(pids: &[u32], run: impl FnOnce() -> R) -> (R, Duration) {
+pub(super) fn watching<R>(pids: &[u32], run: impl FnOnce() -> R) -> (R, Duration) {
     let done = AtomicBool::new(false);
     std::thread::scope(|s| {
         let watcher = s.spawn(|| {

@@ -13,7 +13,7 @@ use super::peers::{Running, die_with_parent};
 
 /// One fio job against a server's URI: `jobs` connections (fio's --numjobs), each moving its
 /// own slice of `size` bytes, reported together.
-pub struct Job<'a> {
+pub(crate) struct Job<'a> {
     /// fio's --name.
     pub name: &'a str,
     /// "write" or "read" (fio's --rw, and the key of its figures in the JSON).
@@ -32,7 +32,7 @@ pub struct Job<'a> {
 
 /// What fio reports of one job.
 #[derive(Clone, Copy, Debug)]
-pub struct Report {
+pub(crate) struct Report {
     pub io_bytes: f64,
     pub bw_bytes: f64,
     pub runtime_s: f64,
@@ -43,7 +43,7 @@ pub struct Report {
 }
 
 /// `fio --version`, or "" if it does not run.
-pub fn version() -> String {
+pub(crate) fn version() -> String {
     Command::new("fio")
         .arg("--version")
         .output()
@@ -52,7 +52,7 @@ pub fn version() -> String {
 }
 
 /// Runs `job` against `server`; `what` names it in errors.
-pub fn run(job: &Job, server: &Running, what: &str) -> Result<Report> {
+pub(crate) fn run(job: &Job, server: &Running, what: &str) -> Result<Report> {
     let mut cmd = Command::new("fio");
     cmd.args([
         &format!("--name={}", job.name),
@@ -99,7 +99,7 @@ pub fn run(job: &Job, server: &Running, what: &str) -> Result<Report> {
 
 /// One time-based fio job on a file: `bs`-byte requests one at a time (the psync engine,
 /// queue depth 1) with O_DIRECT, at offsets over the file's first `size` bytes.
-pub struct FileJob<'a> {
+pub(crate) struct FileJob<'a> {
     /// fio's --name.
     pub name: &'a str,
     pub file: &'a Path,
@@ -113,16 +113,16 @@ pub struct FileJob<'a> {
 
 /// The direction of a [`FileJob`]: random reads or random writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RandDir {
+pub(crate) enum RandDir {
     Read,
     Write,
 }
 
 impl RandDir {
-    pub const BOTH: [RandDir; 2] = [RandDir::Read, RandDir::Write];
+    pub(crate) const BOTH: [RandDir; 2] = [RandDir::Read, RandDir::Write];
 
     /// fio's --rw.
-    pub fn rw(self) -> &'static str {
+    pub(crate) fn rw(self) -> &'static str {
         match self {
             RandDir::Read => "randread",
             RandDir::Write => "randwrite",
@@ -140,7 +140,7 @@ impl RandDir {
 
 /// What fio reports of a [`FileJob`]: operations, rate and completion latency.
 #[derive(Clone, Copy, Debug)]
-pub struct LatencyReport {
+pub(crate) struct LatencyReport {
     /// Requests completed.
     pub ios: f64,
     pub iops: f64,
@@ -156,7 +156,7 @@ pub struct LatencyReport {
 }
 
 /// Runs `job`; `what` names it in errors.
-pub fn run_file(job: &FileJob, what: &str) -> Result<LatencyReport> {
+pub(crate) fn run_file(job: &FileJob, what: &str) -> Result<LatencyReport> {
     let file = job
         .file
         .to_str()

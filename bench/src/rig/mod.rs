@@ -1,7 +1,7 @@
 //! The rig the NBD experiments stand on, one kind a module: the work directory and its images,
 //! the peer servers, the mounts of `nbd ext2`, and fio as a client.
 
-pub mod fio;
-pub mod mount;
-pub mod peers;
-pub mod workdir;
+pub(crate) mod fio;
+pub(crate) mod mount;
+pub(crate) mod peers;
+pub(crate) mod workdir;

@@ -17,7 +17,7 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Which program is the FUSE client.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FuseProgram {
+pub(crate) enum FuseProgram {
     /// qpip-nbd-mount (over QPs): mounts a directory holding the export's file.
     QpipMount,
     /// qemu-storage-daemon's FUSE export (over a TCP socket): mounts on a file.
@@ -25,7 +25,7 @@ pub enum FuseProgram {
 }
 
 impl FuseProgram {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             FuseProgram::QpipMount => "qpip-nbd-mount",
             FuseProgram::QemuStorageDaemon => "qemu-storage-daemon",
@@ -33,7 +33,7 @@ impl FuseProgram {
     }
 }
 
-pub fn run(prog: &str, args: &[&str]) -> Result<String> {
+pub(crate) fn run(prog: &str, args: &[&str]) -> Result<String> {
     let out = Command::new(prog)
         .args(args)
         .stdin(Stdio::null())
@@ -51,7 +51,7 @@ pub fn run(prog: &str, args: &[&str]) -> Result<String> {
 }
 
 /// Mount points of the machine (field 5 of /proc/self/mountinfo, octal escapes undone).
-pub fn mount_points() -> Vec<PathBuf> {
+pub(crate) fn mount_points() -> Vec<PathBuf> {
     let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     text.lines()
         .filter_map(|l| l.split(' ').nth(4))
@@ -70,14 +70,14 @@ fn is_mountpoint(p: &Path) -> bool {
     mount_points().iter().any(|m| m == p)
 }
 
-pub fn drop_caches() -> Result<()> {
+pub(crate) fn drop_caches() -> Result<()> {
     // SAFETY: sync has no preconditions.
     unsafe { libc::sync() };
     std::fs::write("/proc/sys/vm/drop_caches", "3").context("writing /proc/sys/vm/drop_caches")
 }
 
 /// A FUSE client: qpip-nbd-mount on a directory, or qemu-storage-daemon on a file.
-pub struct FuseClient {
+pub(crate) struct FuseClient {
     program: FuseProgram,
     child: Child,
     /// What is mounted: the directory (qpip-nbd-mount) or the file (qemu-storage-daemon).
@@ -90,7 +90,7 @@ pub struct FuseClient {
 impl FuseClient {
     /// Starts `program` on `server`'s export in `dir` (its log: `dir/LABEL-client.log`) and
     /// waits until the export's file is there.
-    pub fn start(
+    pub(crate) fn start(
         program: FuseProgram,
         label: &str,
         server: &Running,
@@ -169,12 +169,12 @@ impl FuseClient {
         }
     }
 
-    pub fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.child.id()
     }
 
     /// Unmounts (lazily if it is still busy) and stops the process.
-    pub fn stop(&mut self) -> Result<()> {
+    pub(crate) fn stop(&mut self) -> Result<()> {
         let mut errors = Vec::new();
         if is_mountpoint(&self.mount) {
             let m = self.mount.to_string_lossy().into_owned();
@@ -224,14 +224,14 @@ impl Drop for FuseClient {
 }
 
 /// A loop device on a file, detached on drop.
-pub struct LoopDev {
+pub(crate) struct LoopDev {
     dev: Option<String>,
     /// Whether the device really runs with direct I/O (it may fall back to buffered).
     pub direct_io: bool,
 }
 
 impl LoopDev {
-    pub fn attach(file: &Path, direct_io: bool) -> Result<LoopDev> {
+    pub(crate) fn attach(file: &Path, direct_io: bool) -> Result<LoopDev> {
         let f = file.to_string_lossy();
         let dio = if direct_io {
             "--direct-io=on"
@@ -248,11 +248,11 @@ impl LoopDev {
         Ok(l)
     }
 
-    pub fn path(&self) -> &str {
+    pub(crate) fn path(&self) -> &str {
         self.dev.as_deref().unwrap_or("")
     }
 
-    pub fn detach(&mut self) -> Result<()> {
+    pub(crate) fn detach(&mut self) -> Result<()> {
         let Some(dev) = self.dev.take() else {
             return Ok(());
         };
@@ -278,13 +278,13 @@ impl Drop for LoopDev {
 }
 
 /// The mounted ext2 file system; unmounted (lazily if busy) on drop.
-pub struct ExtMount {
+pub(crate) struct ExtMount {
     path: PathBuf,
     mounted: bool,
 }
 
 impl ExtMount {
-    pub fn mount(dev: &str, path: &Path) -> Result<ExtMount> {
+    pub(crate) fn mount(dev: &str, path: &Path) -> Result<ExtMount> {
         std::fs::create_dir_all(path)?;
         run("mount", &["-t", "ext2", dev, &path.to_string_lossy()])?;
         Ok(ExtMount {
@@ -293,7 +293,7 @@ impl ExtMount {
         })
     }
 
-    pub fn unmount(&mut self) -> Result<()> {
+    pub(crate) fn unmount(&mut self) -> Result<()> {
         if self.mounted {
             self.mounted = false;
             let p = self.path.to_string_lossy().into_owned();

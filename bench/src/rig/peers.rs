@@ -12,17 +12,17 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
 
-pub const EXPORT: &str = "bench";
+pub(crate) const EXPORT: &str = "bench";
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 const STOP_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// The soft NIC's engine thread, as named by qpip-core.
-pub const NIC_THREAD: &str = "qpip-soft-nic";
+pub(crate) const NIC_THREAD: &str = "qpip-soft-nic";
 
 /// The servers, in their default order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[allow(clippy::enum_variant_names)] // NbdServer is the program's name: nbd-server
-pub enum Server {
+pub(crate) enum Server {
     Qpip,
     Nbdkit,
     QemuNbd,
@@ -35,9 +35,9 @@ pub enum Server {
 }
 
 impl Server {
-    pub const ALL: [Server; 3] = [Server::Qpip, Server::Nbdkit, Server::QemuNbd];
+    pub(crate) const ALL: [Server; 3] = [Server::Qpip, Server::Nbdkit, Server::QemuNbd];
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Server::Qpip => "qpip",
             Server::Nbdkit => "nbdkit",
@@ -48,14 +48,14 @@ impl Server {
         }
     }
 
-    pub fn is_rbd(self) -> bool {
+    pub(crate) fn is_rbd(self) -> bool {
         matches!(self, Server::QpipRbd | Server::QemuNbdRbd)
     }
 }
 
 /// The Ceph cluster of the RBD rows.
 #[derive(Clone, Debug, Serialize)]
-pub struct RbdBench {
+pub(crate) struct RbdBench {
     pub conf: PathBuf,
     pub pool: String,
     /// qemu-nbd has its rbd driver (qemu-block-extra of the installed qemu): its row is run.
@@ -64,7 +64,7 @@ pub struct RbdBench {
 
 /// Whether this machine's qemu has its rbd block driver: asking qemu-img about an image of
 /// a pool that no cluster has fails either way, but without the driver it says so.
-pub fn qemu_has_rbd(conf: &Path) -> bool {
+pub(crate) fn qemu_has_rbd(conf: &Path) -> bool {
     let out = Command::new("qemu-img")
         .args(["info", "-f", "raw"])
         .arg(format!(
@@ -82,7 +82,7 @@ pub fn qemu_has_rbd(conf: &Path) -> bool {
 }
 
 /// The qpip-nbd-server next to this executable (same target directory).
-pub fn default_server_bin() -> Result<PathBuf> {
+pub(crate) fn default_server_bin() -> Result<PathBuf> {
     let exe = std::env::current_exe().context("locating the qpip-bench executable")?;
     let dir = exe
         .parent()
@@ -100,7 +100,7 @@ pub(crate) fn in_path(prog: &str) -> Option<PathBuf> {
 }
 
 /// Fails with a message naming every missing program.
-pub fn check_prerequisites(server_bin: &Path) -> Result<()> {
+pub(crate) fn check_prerequisites(server_bin: &Path) -> Result<()> {
     let mut missing = Vec::new();
     if !server_bin.is_file() {
         missing.push(format!(
@@ -158,7 +158,7 @@ pub(crate) struct Running {
 }
 
 impl Running {
-    pub fn server(&self) -> Server {
+    pub(crate) fn server(&self) -> Server {
         self.server
     }
 
@@ -327,7 +327,7 @@ fn qemu_nbd(port: u16) -> Command {
 
 /// Starts `server` (qpip-rbd or qemu-nbd-rbd) exporting RBD image `pool/image` of the
 /// cluster as `bench` on 127.0.0.1; returns once it accepts.
-pub fn start_rbd(
+pub(crate) fn start_rbd(
     server: Server,
     server_bin: &Path,
     rbd: &RbdBench,
@@ -362,13 +362,13 @@ pub fn start_rbd(
 }
 
 /// An RBD image made for one round, removed on drop (after its server has stopped).
-pub struct RbdImage {
+pub(crate) struct RbdImage {
     rbd: RbdBench,
     pub name: String,
 }
 
 impl RbdImage {
-    pub fn create(rbd: &RbdBench, name: String, size: u64) -> Result<RbdImage> {
+    pub(crate) fn create(rbd: &RbdBench, name: String, size: u64) -> Result<RbdImage> {
         let img = RbdImage {
             rbd: rbd.clone(),
             name,

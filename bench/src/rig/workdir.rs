@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 
 /// The directory holding a run's files; a directory we created is removed on drop.
-pub struct WorkDir {
+pub(crate) struct WorkDir {
     pub path: PathBuf,
     created: bool,
 }
@@ -16,7 +16,7 @@ pub struct WorkDir {
 impl WorkDir {
     /// `dir` as given (kept on drop), or a fresh `qpip-bench-NAME-PID` in the temporary
     /// directory (removed on drop).
-    pub fn new(dir: Option<&Path>, name: &str) -> Result<WorkDir> {
+    pub(crate) fn new(dir: Option<&Path>, name: &str) -> Result<WorkDir> {
         match dir {
             Some(d) => {
                 std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
@@ -31,7 +31,7 @@ impl WorkDir {
 
     /// `dir`, or a fresh `qpip-bench-NAME-PID` on tmpfs (/dev/shm) if there is one, else in
     /// the temporary directory; removed on drop either way.
-    pub fn on_tmpfs(dir: Option<&Path>, name: &str) -> Result<WorkDir> {
+    pub(crate) fn on_tmpfs(dir: Option<&Path>, name: &str) -> Result<WorkDir> {
         let path = dir.map(Path::to_path_buf).unwrap_or_else(|| {
             let shm = Path::new("/dev/shm");
             let root = if shm.is_dir() {
@@ -46,7 +46,7 @@ impl WorkDir {
 
     /// A fresh `qpip-bench-NAME-PID` inside `root` (default: tmpfs, /dev/shm, if there is
     /// one, else the temporary directory); removed on drop, `root` itself left alone.
-    pub fn fresh_in(root: Option<&Path>, name: &str) -> Result<WorkDir> {
+    pub(crate) fn fresh_in(root: Option<&Path>, name: &str) -> Result<WorkDir> {
         let root = root.map(Path::to_path_buf).unwrap_or_else(|| {
             let shm = Path::new("/dev/shm");
             if shm.is_dir() {
@@ -59,7 +59,7 @@ impl WorkDir {
     }
 
     /// Creates `path` (and its parents), removed on drop.
-    pub fn created(path: PathBuf) -> Result<WorkDir> {
+    pub(crate) fn created(path: PathBuf) -> Result<WorkDir> {
         std::fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
         Ok(WorkDir {
             path,
@@ -71,7 +71,7 @@ impl WorkDir {
     /// process, so a watcher thread deletes the directory (or, in a directory we did not
     /// create, the `files` in it) and exits with `note`. Child processes get SIGTERM from the
     /// kernel when we die (`peers::die_with_parent`).
-    pub fn clean_up_on_signals(&self, files: Vec<String>, note: &'static str) -> Result<()> {
+    pub(crate) fn clean_up_on_signals(&self, files: Vec<String>, note: &'static str) -> Result<()> {
         use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
         let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
             .context("installing signal handlers")?;
@@ -106,13 +106,13 @@ fn run_dir_name(name: &str) -> String {
 }
 
 /// An image file, deleted on drop.
-pub struct Image {
+pub(crate) struct Image {
     pub path: PathBuf,
 }
 
 impl Image {
     /// A fresh sparse image of `size` bytes (any old file there is replaced).
-    pub fn sparse(path: PathBuf, size: u64) -> Result<Image> {
+    pub(crate) fn sparse(path: PathBuf, size: u64) -> Result<Image> {
         let _ = std::fs::remove_file(&path);
         let f = std::fs::File::create_new(&path)
             .with_context(|| format!("creating image {}", path.display()))?;
@@ -122,7 +122,7 @@ impl Image {
     }
 
     /// An image of `size` bytes of `byte` (not zero: reads never hit holes).
-    pub fn filled(path: PathBuf, size: u64, byte: u8) -> Result<Image> {
+    pub(crate) fn filled(path: PathBuf, size: u64, byte: u8) -> Result<Image> {
         let img = Image { path };
         let mut f = std::fs::File::create(&img.path)
             .with_context(|| format!("creating {}", img.path.display()))?;
@@ -138,7 +138,7 @@ impl Image {
 
     /// An image of `size` bytes of pseudo-random data (xorshift64* from `seed`): nothing a
     /// store or a link could compress or skip as zeroes.
-    pub fn random(path: PathBuf, size: u64, seed: u64) -> Result<Image> {
+    pub(crate) fn random(path: PathBuf, size: u64, seed: u64) -> Result<Image> {
         let img = Image { path };
         let mut f = std::fs::File::create(&img.path)
             .with_context(|| format!("creating {}", img.path.display()))?;

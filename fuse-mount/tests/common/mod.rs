@@ -10,13 +10,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-pub use qpip_test_support::ci::{have, missing, root};
-pub use qpip_test_support::net::free_port;
-pub use qpip_test_support::pattern::{at_offset as pattern, sparse_image};
-pub use qpip_test_support::servers::{Peer, nbdkit, qpip_server, qpip_server_on};
+pub(crate) use qpip_test_support::ci::{have, missing, root};
+pub(crate) use qpip_test_support::net::free_port;
+pub(crate) use qpip_test_support::pattern::{at_offset as pattern, sparse_image};
+pub(crate) use qpip_test_support::servers::{Peer, nbdkit, qpip_server, qpip_server_on};
 
 /// Root, /dev/fuse and fusermount3: what every mount test needs.
-pub fn can_fuse() -> bool {
+pub(crate) fn can_fuse() -> bool {
     if !root("FUSE mounts and loop devices need it") {
         return false;
     }
@@ -26,7 +26,7 @@ pub fn can_fuse() -> bool {
     have("fusermount3")
 }
 
-pub const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
+pub(crate) const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
 
 thread_local! {
     /// The FUSE transport this test's mounts use ("dev" or "uring"; None: the mount's
@@ -36,10 +36,10 @@ thread_local! {
 
 /// A lock on the kernel's enable_uring switch, across test processes: tests that need it on
 /// hold it shared, the test that switches it off for a moment holds it exclusively.
-pub struct UringLock(std::fs::File);
+pub(crate) struct UringLock(std::fs::File);
 
 impl UringLock {
-    pub fn take(exclusive: bool) -> UringLock {
+    pub(crate) fn take(exclusive: bool) -> UringLock {
         let f = std::fs::OpenOptions::new()
             .create(true)
             .truncate(false)
@@ -59,7 +59,7 @@ impl UringLock {
 
 /// Makes this test's mounts use `transport`. For "uring" the kernel must offer FUSE over
 /// io_uring (scripts/setup switches it on): false (skip) when it does not, a failure in CI.
-pub fn use_transport(transport: &'static str) -> bool {
+pub(crate) fn use_transport(transport: &'static str) -> bool {
     let lock = if transport == "uring" {
         let lock = UringLock::take(false);
         match std::fs::read_to_string(ENABLE_URING) {
@@ -76,7 +76,7 @@ pub fn use_transport(transport: &'static str) -> bool {
 }
 
 /// The mount arguments that select this test's transport.
-pub fn transport_args() -> Vec<&'static str> {
+pub(crate) fn transport_args() -> Vec<&'static str> {
     TRANSPORT.with(|t| match &*t.borrow() {
         Some((name, _)) => vec!["--fuse-transport", name],
         None => vec![],
@@ -84,7 +84,7 @@ pub fn transport_args() -> Vec<&'static str> {
 }
 
 /// Which transport a mount's log (at -v) says it uses.
-pub fn transport_in_log(log: &str) -> Option<&'static str> {
+pub(crate) fn transport_in_log(log: &str) -> Option<&'static str> {
     let line = log.lines().find(|l| l.contains("mounted"))?;
     if line.contains("\"io_uring\"") {
         Some("uring")
@@ -96,20 +96,20 @@ pub fn transport_in_log(log: &str) -> Option<&'static str> {
 }
 
 /// A running qpip-nbd-mount. Dropping it unmounts lazily and kills the process.
-pub struct Mount {
+pub(crate) struct Mount {
     pub child: Option<Child>,
     pub dir: PathBuf,
     pub file: PathBuf,
 }
 
 /// The log file of a mount on `dir`.
-pub fn mount_log(dir: &Path) -> PathBuf {
+pub(crate) fn mount_log(dir: &Path) -> PathBuf {
     dir.with_extension("log")
 }
 
 impl Mount {
     /// Waits for the process to exit (after an unmount or a signal); returns its status.
-    pub fn wait_exit(&mut self) -> ExitStatus {
+    pub(crate) fn wait_exit(&mut self) -> ExitStatus {
         let mut child = self.child.take().expect("still running");
         let t = Instant::now();
         loop {
@@ -124,7 +124,7 @@ impl Mount {
         }
     }
 
-    pub fn pid(&self) -> i32 {
+    pub(crate) fn pid(&self) -> i32 {
         self.child.as_ref().unwrap().id() as i32
     }
 }
@@ -144,12 +144,12 @@ impl Drop for Mount {
     }
 }
 
-pub fn mount_bin() -> &'static str {
+pub(crate) fn mount_bin() -> &'static str {
     env!("CARGO_BIN_EXE_qpip-nbd-mount")
 }
 
 /// Mounts `uri` on `dir` and waits until the file `name` appears.
-pub fn mount(uri: &str, dir: &Path, name: &str, extra: &[&str]) -> Mount {
+pub(crate) fn mount(uri: &str, dir: &Path, name: &str, extra: &[&str]) -> Mount {
     // Its log goes to a file beside the mount point (a pipe nobody reads could fill up).
     let log = mount_log(dir);
     let mut child = Command::new(mount_bin())
@@ -188,7 +188,7 @@ pub fn mount(uri: &str, dir: &Path, name: &str, extra: &[&str]) -> Mount {
 }
 
 /// Runs qpip-nbd-mount to completion (for the error cases): (status, stderr).
-pub fn mount_fails(args: &[&str]) -> (ExitStatus, String) {
+pub(crate) fn mount_fails(args: &[&str]) -> (ExitStatus, String) {
     let out = Command::new(mount_bin()).args(args).output().unwrap();
     (
         out.status,
@@ -196,7 +196,7 @@ pub fn mount_fails(args: &[&str]) -> (ExitStatus, String) {
     )
 }
 
-pub fn run(cmd: &str, args: &[&str]) -> String {
+pub(crate) fn run(cmd: &str, args: &[&str]) -> String {
     let out = Command::new(cmd).args(args).output().unwrap();
     assert!(
         out.status.success(),
@@ -207,10 +207,10 @@ pub fn run(cmd: &str, args: &[&str]) -> String {
 }
 
 /// A loop device, detached on drop.
-pub struct LoopDev(pub String);
+pub(crate) struct LoopDev(pub String);
 
 impl LoopDev {
-    pub fn attach(file: &Path) -> LoopDev {
+    pub(crate) fn attach(file: &Path) -> LoopDev {
         let dev = run("losetup", &["-f", "--show", file.to_str().unwrap()]);
         LoopDev(dev.trim().to_string())
     }
@@ -232,14 +232,14 @@ impl Drop for LoopDev {
 }
 
 /// A mounted file system, lazily unmounted on drop (if still mounted).
-pub struct Mounted(pub PathBuf);
+pub(crate) struct Mounted(pub PathBuf);
 
 impl Mounted {
-    pub fn new(dev: &str, dir: &Path) -> Mounted {
+    pub(crate) fn new(dev: &str, dir: &Path) -> Mounted {
         run("mount", &[dev, dir.to_str().unwrap()]);
         Mounted(dir.to_path_buf())
     }
-    pub fn umount(self) {
+    pub(crate) fn umount(self) {
         run("umount", &[self.0.to_str().unwrap()]);
         std::mem::forget(self);
     }
@@ -253,7 +253,7 @@ impl Drop for Mounted {
 
 /// A fake NBD server that completes every handshake (export `name`, `size` bytes) and then
 /// reads requests and never answers one. Returns its URI; it lives as long as the test.
-pub fn silent_server(name: &str, size: u64) -> String {
+pub(crate) fn silent_server(name: &str, size: u64) -> String {
     use nbd_proto::handshake::{Export, ServerConfig};
     use std::io::Read;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

@@ -2,11 +2,11 @@
 //! rule, ports, patterns, workspace binaries); nothing here is nbd-client's own.
 #![allow(unused_imports)] // each test crate uses a different subset
 
-pub use qpip_test_support::bins::{qpip_server_bin, workspace_bin};
-pub use qpip_test_support::ci::have;
-pub use qpip_test_support::net::{free_port, wait_port, wait_socket};
-pub use qpip_test_support::pattern::{at_offset as pattern, image_with as image};
-pub use qpip_test_support::servers::{
+pub(crate) use qpip_test_support::bins::{qpip_server_bin, workspace_bin};
+pub(crate) use qpip_test_support::ci::have;
+pub(crate) use qpip_test_support::net::{free_port, wait_port, wait_socket};
+pub(crate) use qpip_test_support::pattern::{at_offset as pattern, image_with as image};
+pub(crate) use qpip_test_support::servers::{
     Peer, debian_nbd_server, nbdkit, qemu_nbd, qpip_server, qpip_server_on, tcp_peer, tls_certs,
     unix_peer,
 };

@@ -2,15 +2,17 @@
 //! own ([`crate::fuzzing::replies`]): any server bytes, through two client sessions.
 
 use crate::flags::{CmdFlags, TransmissionFlags};
-use crate::framing::{ClientPhase, FrameLimits, Need, client_need};
+use crate::framing::{ClientPhase, FrameLimits};
 use crate::handshake::BlockSize;
+use crate::placement::client::ClientFrame;
+use crate::transmission::client::ReadTarget;
 use crate::transmission::{Command, Request};
 
 /// The caller memory of [`replies`]: every write must lie inside it.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Shadow(std::rc::Rc<std::cell::RefCell<Vec<u8>>>);
 
-impl crate::transmission::client::ReadTarget for Shadow {
+impl ReadTarget for Shadow {
     fn write_at(&self, at: usize, bytes: &[u8]) {
         let mut buf = self.0.borrow_mut();
         let end = at.checked_add(bytes.len()).expect("no wrap");
@@ -19,9 +21,12 @@ impl crate::transmission::client::ReadTarget for Shadow {
     }
 }
 
-/// The input of [`crate::fuzzing::replies`] through the client session twice, a READ's data once into the
-/// session's own buffer and once into caller memory: both sessions must judge every message
-/// alike and end with the same bytes, and nothing may land outside the buffer.
+/// The input of [`crate::fuzzing::replies`] through the client session twice, a READ's data
+/// once into the session's own buffer and once into caller memory, framed by the second
+/// session's own table ([`crate::transmission::client::InFlight::frame`]): where it places
+/// data, the harness copies them as the NIC would (they must lie inside the buffer). Both
+/// sessions must judge every message alike and end with the same bytes, and nothing may
+/// land outside the buffer.
 pub fn replies(data: &[u8]) {
     use crate::handshake::{ClientNegotiated, ExportDetails};
     use crate::transmission::client::{ClientSession, Delivered, Output};
@@ -66,22 +71,50 @@ pub fn replies(data: &[u8]) {
     let memory = std::rc::Rc::new(std::cell::RefCell::new(vec![0; length as usize]));
     let shadow = (command == Command::Read).then(|| Shadow(memory.clone()));
     placed.start(0, req, shadow).expect("room");
-    let simple = (command == Command::Read).then_some(length);
+    owned.outgoing(cookie).expect("in flight");
+    placed.outgoing(cookie).expect("in flight");
     let limits = FrameLimits::default();
     let mut rest = r.rest();
-    while let Need::Message {
-        header_len,
-        body_len,
-    } = client_need(ClientPhase::Transmission, rest, &limits, |c| {
-        simple.filter(|_| c == cookie)
-    }) {
-        let Some((msg, tail)) = rest.split_at_checked(header_len + body_len) else {
-            break;
+    loop {
+        let frame = placed
+            .table()
+            .frame(ClientPhase::Transmission, rest, &limits, |_, at, len| {
+                (at, len)
+            });
+        let (msg, at) = match frame {
+            ClientFrame::Message {
+                header_len,
+                body_len,
+            } => (rest.get(..header_len + body_len), None),
+            ClientFrame::MessageAt {
+                header_len,
+                body: (at, len),
+            } => (rest.get(..header_len + len), Some((header_len, at, len))),
+            ClientFrame::NeedHeader(n) => {
+                assert!(
+                    n > rest.len(),
+                    "asked for {n} bytes with {} there",
+                    rest.len()
+                );
+                break;
+            }
+            _ => break,
         };
-        rest = tail;
-        match (owned.on_message(msg), placed.on_message(msg)) {
+        let Some(msg) = msg else { break };
+        rest = &rest[msg.len()..];
+        let by_placed = match at {
+            None => placed.on_message(msg),
+            Some((header_len, at, len)) => {
+                // The NIC's part: the data into the read's buffer, where the framer said.
+                Shadow(memory.clone()).write_at(at, &msg[header_len..]);
+                placed.on_placed_message(&msg[..header_len], len)
+            }
+        };
+        match (owned.on_message(msg), by_placed) {
             (Err(a), Err(b)) => {
-                assert_eq!(a, b);
+                if at.is_none() {
+                    assert_eq!(a, b);
+                }
                 break;
             }
             (Ok(Delivered::Partial), Ok(Delivered::Partial)) => {}

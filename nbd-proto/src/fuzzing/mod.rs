@@ -363,6 +363,7 @@ pub fn framers(data: &[u8]) {
                 }
             }
         }
+        server_placement(phase, data, &limits);
     }
     // Which cookies are pending reads, and their lengths, follow from the cookie.
     let read_len = |cookie: u64| (!cookie.is_multiple_of(3)).then_some((cookie % 10_000) as u32);
@@ -407,6 +408,108 @@ pub fn framers(data: &[u8]) {
             ClientPhase::Closed => unreachable!("no message is framed once closed"),
         }
     }
+}
+
+/// The server's placement machine in `phase` against `data`: it frames as [`server_need`]
+/// does, its request is what [`ServerTransmission::parse_request`] makes of the header, a
+/// payload comes whole in pieces of at most the chunk, and a placed WRITE is valid, inside
+/// the export, from the placement offset on and at least the placement minimum.
+fn server_placement(phase: ServerPhase, data: &[u8], limits: &FrameLimits) {
+    use crate::placement::server::{PlaceWrites, ServerFrame, ServerPlacement};
+    use crate::transmission::server::RequestError;
+    use crate::transmission::{TransmissionInfo, ValidCommand};
+    const CHUNK: usize = 1000;
+    let place = PlaceWrites {
+        min_len: 1024,
+        from: 4096,
+    };
+    let extended = phase == ServerPhase::TransmissionExtended;
+    let mut info = TransmissionInfo::new(
+        1 << 20,
+        crate::flags::TransmissionFlags(!crate::flags::TransmissionFlags::READ_ONLY.0),
+    );
+    info.structured_replies = data.first().is_some_and(|b| b & 1 == 0) || extended;
+    info.has_meta_context = info.structured_replies;
+    info.extended_headers = extended;
+    let session = ServerTransmission::from_info(info);
+    let mut machine = ServerPlacement::new(*limits, CHUNK);
+    let in_transmission = matches!(
+        phase,
+        ServerPhase::Transmission | ServerPhase::TransmissionExtended
+    );
+    if in_transmission {
+        machine.start_transmission(session.clone(), Some(place));
+    }
+    let mut now = phase;
+    let frame = core::hint::black_box(machine.frame(&mut now, data));
+    let (total, first) = match (frame, server_need(phase, data, limits)) {
+        (ServerFrame::NeedHeader(n), Need::Header(m)) => return assert_eq!(n, m),
+        (ServerFrame::NeedHeader(n), Need::Message { header_len, .. }) => {
+            return assert!(n == header_len && data.len() < n);
+        }
+        (ServerFrame::Invalid(a), Need::Invalid(b)) => return assert_eq!(a, b),
+        (
+            ServerFrame::Message {
+                header_len,
+                body_len,
+            },
+            need,
+        ) => {
+            assert!(!in_transmission);
+            let total = Some(header_len + body_len);
+            return assert_eq!(total, need.total());
+        }
+        (
+            ServerFrame::Request {
+                header_len,
+                body_len,
+                request,
+            },
+            need,
+        ) => {
+            let parsed = session.parse_request(data).map_err(|e| match e {
+                RequestError::Refused(r) => r,
+                RequestError::Malformed(e) => panic!("a framed request does not parse: {e}"),
+            });
+            assert_eq!(request, parsed);
+            let total = need.total().expect("framed") - header_len;
+            assert_eq!(body_len, total.min(CHUNK));
+            (total, body_len)
+        }
+        (
+            ServerFrame::PlacedWrite {
+                header_len,
+                offset,
+                len,
+                request,
+            },
+            need,
+        ) => {
+            assert_eq!(session.parse_request(data), Ok(request));
+            let ValidCommand::Write { range, .. } = *request.command() else {
+                panic!("placed a {request:?}");
+            };
+            assert_eq!((range.offset(), range.len()), (offset, u64::from(len)));
+            assert!(offset >= place.from && len >= place.min_len && range.end() <= 1 << 20);
+            assert_eq!(need.total(), Some(header_len + len as usize));
+            return;
+        }
+        (a, b) => panic!("the placement machine says {a:?}, the framer {b:?}"),
+    };
+    // The rest of the payload, in pieces of at most the chunk, then the next header.
+    let mut got = first;
+    while got < total {
+        let ServerFrame::Payload { len } = machine.frame(&mut now, &[]) else {
+            panic!("a payload cut short at {got} of {total}");
+        };
+        assert!(len > 0 && len <= CHUNK);
+        got += len;
+    }
+    assert_eq!(got, total);
+    assert!(matches!(
+        machine.frame(&mut now, &[]),
+        ServerFrame::NeedHeader(_)
+    ));
 }
 
 /// The contract a transport relies on: the answer depends only on the header, so more bytes

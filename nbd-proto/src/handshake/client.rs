@@ -18,6 +18,7 @@
 //!
 //! Over 600 lines: one state machine whose steps all act on the same negotiation state; split by step, each part would need all of it.
 
+use super::TransmissionInfo;
 use crate::consts as c;
 use crate::error::ProtoError;
 use crate::flags::{ClientFlags, HandshakeFlags, TransmissionFlags};
@@ -26,7 +27,6 @@ use crate::handshake::messages::{
     BlockSize, ExportNameReply, Greeting, InfoReply, InfoRequest, MetaContextEntry,
     MetaContextRequest, OptionReplyHeader, ServerEntry, encode_client_flags, encode_option,
 };
-use crate::transmission::TransmissionInfo;
 
 /// Most `NBD_REP_SERVER` entries a client collects from `NBD_OPT_LIST`.
 pub const MAX_LIST_ENTRIES: usize = 16 * 1024;

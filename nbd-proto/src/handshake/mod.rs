@@ -1,6 +1,7 @@
 //! The handshake phase: wire messages and the server / client state machines.
 
 pub mod client;
+mod info;
 pub mod messages;
 pub mod server;
 
@@ -11,6 +12,7 @@ pub use client::{
     ClientConfig, ClientError, ClientEvent, ClientHandshake, ClientNegotiated, ExportDetails,
     ExportListing,
 };
+pub use info::TransmissionInfo;
 pub use messages::{
     BlockSize, ExportNameReply, Greeting, InfoReply, InfoRequest, MetaContextEntry,
     MetaContextRequest, OptionHeader, OptionReplyHeader, ServerEntry, encode_client_flags,

@@ -10,6 +10,7 @@
 //!
 //! Over 600 lines: one state machine whose options all act on the same negotiation state; split by option, each part would need all of it.
 
+use super::TransmissionInfo;
 use crate::consts as c;
 use crate::error::{ProtoError, parse_string};
 use crate::flags::{ClientFlags, HandshakeFlags, TransmissionFlags};
@@ -18,7 +19,6 @@ use crate::handshake::messages::{
     BlockSize, ExportNameReply, Greeting, InfoReply, InfoRequest, MetaContextEntry,
     MetaContextRequest, OptionHeader, ServerEntry, encode_option_reply, parse_client_flags,
 };
-use crate::transmission::TransmissionInfo;
 
 mod config;
 

@@ -163,32 +163,53 @@ impl ServerTransmission {
     /// a write payload, are ignored). `DISC` is valid whatever else it says: the server
     /// closes on it without reading on.
     pub fn parse_request(&self, header: &[u8]) -> Result<ValidRequest, RequestError> {
+        let req =
+            Request::parse(header, self.info.extended_headers).map_err(RequestError::Malformed)?;
+        self.admit(self.check(&req)).map_err(RequestError::Refused)
+    }
+
+    /// Every check of a parsed request but the shutdown rule ([`Self::admit`]): what a
+    /// framer can decide when the request arrives, before the connection gets to it.
+    pub fn check(&self, req: &Request) -> Result<ValidRequest, Refusal> {
         let extended = self.info.extended_headers;
-        let req = Request::parse(header, extended).map_err(RequestError::Malformed)?;
-        let to = ReplyTo::new(&req, extended);
-        let payload_len = req.payload_len(extended);
-        let refuse = |error| {
-            RequestError::Refused(Refusal {
-                to,
-                command: req.command,
-                error,
-                payload_len,
-            })
-        };
+        let to = ReplyTo::new(req, extended);
         if req.command == Command::Disc {
             return Ok(ValidRequest {
                 to,
                 command: ValidCommand::Disc,
             });
         }
+        match check_request(req, &self.info) {
+            Ok(command) => Ok(ValidRequest { to, command }),
+            Err(error) => Err(Refusal {
+                to,
+                command: req.command,
+                error,
+                payload_len: req.payload_len(extended),
+            }),
+        }
+    }
+
+    /// The shutdown rule, applied when the connection executes a request [`Self::check`]ed
+    /// earlier: once [`Self::begin_shutdown`] ran, requests other than `WRITE`, `FLUSH` and
+    /// `DISC` that carry no payload are refused with `ESHUTDOWN`, whatever the check said.
+    pub fn admit(&self, checked: Result<ValidRequest, Refusal>) -> Result<ValidRequest, Refusal> {
+        let (to, command, payload_len) = match &checked {
+            Ok(req) => (req.to, req.command.command(), req.payload_len()),
+            Err(refusal) => (refusal.to, refusal.command, refusal.payload_len),
+        };
         if self.shutting_down
             && payload_len == 0
-            && !matches!(req.command, Command::Flush | Command::Write)
+            && !matches!(command, Command::Flush | Command::Write | Command::Disc)
         {
-            return Err(refuse(ErrorValue::Shutdown));
+            return Err(Refusal {
+                to,
+                command,
+                error: ErrorValue::Shutdown,
+                payload_len,
+            });
         }
-        let command = check_request(&req, &self.info).map_err(refuse)?;
-        Ok(ValidRequest { to, command })
+        checked
     }
 
     /// Append the whole reply to a request without data: success, or `result`'s error.

@@ -1,5 +1,8 @@
 use super::*;
+use crate::error::ProtoError;
+use crate::flags::CmdFlags;
 use crate::flags::TransmissionFlags as TF;
+use crate::handshake::BlockSize;
 
 fn req(command: Command, flags: u16, offset: u64, length: u32) -> Request {
     Request {

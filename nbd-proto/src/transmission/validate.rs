@@ -1,8 +1,9 @@
 //! The request checks ([`validate_request`]) and what they yield: a [`ValidCommand`] whose
 //! ranges lie inside the export and whose flags were negotiated.
 
-use super::{Command, ErrorValue, Request, TransmissionInfo};
 use crate::flags::{CmdFlags, TransmissionFlags};
+use crate::handshake::TransmissionInfo;
+use crate::request::{Command, ErrorValue, Request};
 
 /// A byte range of the export that passed the checks: aligned to the minimum block size,
 /// and `offset + len` does not overflow nor pass the export's end. Only the checks build one.

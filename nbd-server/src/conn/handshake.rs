@@ -7,7 +7,6 @@ use nbd_proto::consts as c;
 use nbd_proto::handshake::server::{ServerEvent, ServerHandshake, ServerNegotiated};
 use qpip_core::{Access, Opcode, RecvWr, WcStatus};
 
-use super::framer::FramerState;
 use super::link::Link;
 use crate::error::{Error, Result};
 
@@ -16,12 +15,8 @@ use crate::error::{Error, Result};
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Runs the handshake. Returns the negotiated export and the final reply (not yet sent),
-/// or None when the client ended it (ABORT, or a LIST/INFO-only session). `framer`'s phase
-/// moves to the transmission phase before the final reply goes out.
-pub(crate) fn run(
-    link: &mut Link,
-    framer: &FramerState,
-) -> Result<Option<(ServerNegotiated, Vec<u8>)>> {
+/// or None when the client ended it (ABORT, or a LIST/INFO-only session).
+pub(crate) fn run(link: &mut Link) -> Result<Option<(ServerNegotiated, Vec<u8>)>> {
     let mut config = link.shared.proto.clone();
     // A store's size may change while the server runs (an RBD image resized): each handshake
     // tells the size of the moment.
@@ -63,7 +58,6 @@ pub(crate) fn run(
                 link.qp.post_recv(RecvWr::new(0, &[rbuf.sge(0, max)]))?;
             }
             ServerEvent::Done(neg) => {
-                framer.set_phase(neg.transmission_phase());
                 return Ok(Some((*neg, out)));
             }
             ServerEvent::StartTls => {

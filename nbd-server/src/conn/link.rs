@@ -34,7 +34,7 @@ pub(crate) struct Link {
 }
 
 impl Link {
-    pub fn new(
+    pub(super) fn new(
         shared: Arc<ServerShared>,
         qp: QueuePair,
         cq: CompletionQueue,
@@ -53,7 +53,11 @@ impl Link {
         }
     }
 
-    pub fn wait_one(&mut self, deadline: Instant, during: &'static str) -> Result<Completion> {
+    pub(super) fn wait_one(
+        &mut self,
+        deadline: Instant,
+        during: &'static str,
+    ) -> Result<Completion> {
         if let Some(c) = self.stash.pop_front() {
             return Ok(c);
         }
@@ -78,7 +82,7 @@ impl Link {
     }
 
     /// Sends bytes that are not in registered memory yet (handshake replies).
-    pub fn send_bytes(&mut self, bytes: &[u8]) -> Result<()> {
+    pub(super) fn send_bytes(&mut self, bytes: &[u8]) -> Result<()> {
         if bytes.is_empty() {
             return Ok(());
         }
@@ -93,18 +97,18 @@ impl Link {
     }
 
     /// True while bytes given to [`Link::send_bytes`] are still being sent.
-    pub fn sending_bytes(&self) -> bool {
+    pub(super) fn sending_bytes(&self) -> bool {
         !self.handshake_sends.is_empty()
     }
 
     /// True for the completion of a [`Link::send_bytes`] send.
-    pub fn is_bytes_send(c: &Completion) -> bool {
+    pub(super) fn is_bytes_send(c: &Completion) -> bool {
         c.wr_id >= HANDSHAKE_WR
     }
 
     /// Waits (until `deadline`) for the handshake replies still being sent, so that their
     /// memory is not deregistered under the NIC.
-    pub fn finish_sending_bytes(&mut self, deadline: Instant) {
+    pub(super) fn finish_sending_bytes(&mut self, deadline: Instant) {
         while self.sending_bytes() {
             match self.wait_one(deadline, "the last handshake reply") {
                 Ok(c) if c.opcode == qpip_core::Opcode::Send => {
@@ -117,7 +121,7 @@ impl Link {
     }
 
     /// A [`Link::send_bytes`] send completed: its memory goes.
-    pub fn on_bytes_sent(&mut self, c: &Completion) -> Result<()> {
+    pub(super) fn on_bytes_sent(&mut self, c: &Completion) -> Result<()> {
         self.handshake_sends.remove(&c.wr_id);
         if !c.is_ok() {
             return Err(Error::SendFailed {

@@ -8,9 +8,9 @@ pub(crate) mod framer;
 mod handshake;
 mod link;
 mod read_reply;
-pub mod recv_window;
+pub(crate) mod recv_window;
 mod reply_slots;
-pub mod shared;
+pub(crate) mod shared;
 mod transmission;
 
 use std::sync::Arc;
@@ -18,7 +18,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use qpip_core::{CompletionQueue, Endpoint, QueuePair};
 
-use self::framer::{FramerState, WritePlacement};
+use nbd_proto::transmission::server::ServerTransmission;
+
+use self::framer::FramerState;
 use self::link::Link;
 use self::recv_window::RECV_SLOTS;
 use self::reply_slots::REPLY_SLOTS;
@@ -26,17 +28,17 @@ use self::shared::ServerShared;
 use crate::error::Result;
 
 /// CQ depth: every WR the connection can have outstanding, so it can never overflow.
-pub const CQ_DEPTH: usize = RECV_SLOTS + REPLY_SLOTS + 16;
+pub(crate) const CQ_DEPTH: usize = RECV_SLOTS + REPLY_SLOTS + 16;
 
-pub struct Connection {
+pub(crate) struct Connection {
     link: Link,
-    /// What the framer hears from the connection: the phase, which the handshake moves
-    /// on, and where WRITE payloads may be placed.
+    /// What the connection and its framer share: the phase, how requests are checked and
+    /// where WRITE payloads may be placed; the requests the framer parsed.
     framer: Arc<FramerState>,
 }
 
 impl Connection {
-    pub fn new(
+    pub(crate) fn new(
         shared: Arc<ServerShared>,
         qp: QueuePair,
         cq: CompletionQueue,
@@ -50,8 +52,8 @@ impl Connection {
         }
     }
 
-    pub fn run(mut self) -> Result<()> {
-        let handshake = handshake::run(&mut self.link, &self.framer);
+    pub(crate) fn run(mut self) -> Result<()> {
+        let handshake = handshake::run(&mut self.link);
         self.link.evict = None;
         let Some((neg, last_reply)) = handshake? else {
             return Ok(());
@@ -64,19 +66,22 @@ impl Connection {
         };
         let export = self.link.shared.exports[neg.export_index].clone();
         tracing::info!(peer = %self.link.peer, export = %export.name, structured = neg.structured_replies, extended = neg.extended_headers, tls = neg.tls, "client connected");
-        if let Some(region) = &export.file_region {
-            // Before the reply that lets the client send requests (one that came before it
-            // would only cost its copy: the framer would leave it in the receive slot).
-            let info = neg.transmission_info();
-            let region = region.clone();
-            let from = export.place_from;
-            let _ = self
-                .framer
-                .placement
-                .set(WritePlacement { region, info, from });
-        }
+        // Before the reply that lets the client send requests: from then on the framer
+        // parses them (and places large WRITEs in a raw image's file).
+        let place = (export.file_region.as_ref()).map(|region| (region.clone(), export.place_from));
+        self.framer.start_transmission(
+            neg.transmission_phase(),
+            ServerTransmission::new(&neg),
+            place,
+        );
         let _counted = Counted::new(&export.connections);
-        transmission::serve(&mut self.link, export.clone(), &neg, &last_reply)
+        transmission::serve(
+            &mut self.link,
+            &self.framer,
+            export.clone(),
+            &neg,
+            &last_reply,
+        )
     }
 }
 

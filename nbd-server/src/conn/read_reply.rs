@@ -50,7 +50,7 @@ pub(crate) struct ReadReply {
 }
 
 impl ReadReply {
-    pub fn new(req: ValidRequest, range: ByteRange) -> Self {
+    pub(super) fn new(req: ValidRequest, range: ByteRange) -> Self {
         ReadReply {
             req,
             range,
@@ -60,23 +60,23 @@ impl ReadReply {
         }
     }
 
-    pub fn reply_to(&self) -> nbd_proto::reply::ReplyTo {
+    pub(super) fn reply_to(&self) -> nbd_proto::reply::ReplyTo {
         self.req.reply_to()
     }
 
     /// Every piece has been started.
-    pub fn fully_started(&self) -> bool {
+    pub(super) fn fully_started(&self) -> bool {
         self.next == self.range.end()
     }
 
     /// Some started read is still under way (the store is asynchronous).
-    pub fn in_progress(&self) -> bool {
+    pub(super) fn in_progress(&self) -> bool {
         self.started.iter().any(|p| p.pending.is_some())
     }
 
     /// Every piece is started and read: [`ReadReply::finish`] sends the reply without
     /// waiting for the store.
-    pub fn all_done(&self) -> bool {
+    pub(super) fn all_done(&self) -> bool {
         self.fully_started()
             && self
                 .started
@@ -85,7 +85,7 @@ impl ReadReply {
     }
 
     /// Starts reads of pieces while the connection's read memory has room without waiting.
-    pub fn start(&mut self, cx: &mut ReadContext) -> io::Result<()> {
+    pub(super) fn start(&mut self, cx: &mut ReadContext) -> io::Result<()> {
         while !self.fully_started() {
             let len = self.next_len();
             let Some(buffer) = cx.replies.try_reserve(cx.link, len) else {
@@ -99,7 +99,7 @@ impl ReadReply {
     /// Sends the reply to its end: waits for the started pieces, then reads and sends the
     /// rest a piece at a time, waiting for the client to read earlier replies where memory is
     /// short. `Ok(Err(e))`: the read failed before anything was sent; reply with `e`.
-    pub fn finish(mut self, cx: &mut ReadContext) -> Result<Result<(), ErrorValue>> {
+    pub(super) fn finish(mut self, cx: &mut ReadContext) -> Result<Result<(), ErrorValue>> {
         loop {
             while let Some(piece) = self.started.pop_front() {
                 let read = piece.pending.map_or(Ok(()), |p| p.wait());

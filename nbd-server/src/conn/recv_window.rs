@@ -23,24 +23,24 @@ pub const RECV_SLOTS: usize = 32;
 /// Largest payload piece placed in one receive WR (longer writes arrive in pieces).
 pub const CHUNK: usize = 1 << 20;
 /// A receive slot: the longest request header (extended) and a payload piece.
-pub const SLOT_LEN: usize = EXTENDED_REQUEST_LEN + CHUNK;
+pub(crate) const SLOT_LEN: usize = EXTENDED_REQUEST_LEN + CHUNK;
 
 /// Slots every connection may use without asking the budget.
-pub const BASE_SLOTS: usize = 4;
+pub(crate) const BASE_SLOTS: usize = 4;
 
 /// The server-wide memory (`--buffer-memory`) that connections may take beyond their own
 /// base: extra receive slots, and read buffers of stores without a mapping
 /// (`super::reply_slots`). Counted in bytes.
 #[derive(Debug)]
-pub struct BufferBudget(AtomicUsize);
+pub(crate) struct BufferBudget(AtomicUsize);
 
 impl BufferBudget {
-    pub fn new(bytes: usize) -> Self {
+    pub(crate) fn new(bytes: usize) -> Self {
         BufferBudget(AtomicUsize::new(bytes))
     }
 
     /// Takes up to `want` units of `unit` bytes; returns how many it got.
-    pub fn take_units(&self, unit: usize, want: usize) -> usize {
+    pub(crate) fn take_units(&self, unit: usize, want: usize) -> usize {
         let mut got = 0;
         let _ = self
             .0
@@ -52,7 +52,7 @@ impl BufferBudget {
     }
 
     /// Takes `bytes`, all or nothing.
-    pub fn take(&self, bytes: usize) -> bool {
+    pub(crate) fn take(&self, bytes: usize) -> bool {
         self.0
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| {
                 left.checked_sub(bytes)
@@ -60,20 +60,20 @@ impl BufferBudget {
             .is_ok()
     }
 
-    pub fn give(&self, bytes: usize) {
+    pub(crate) fn give(&self, bytes: usize) {
         self.0.fetch_add(bytes, Ordering::AcqRel);
     }
 
     /// Bytes left.
     #[cfg(test)]
-    pub fn available(&self) -> usize {
+    pub(crate) fn available(&self) -> usize {
         self.0.load(Ordering::Acquire)
     }
 }
 
 /// One connection's posted receive slots.
 #[derive(Debug)]
-pub struct RecvWindow {
+pub(crate) struct RecvWindow {
     /// Slots to keep posted.
     target: usize,
     /// Slots posted and not yet completed.
@@ -89,7 +89,7 @@ pub struct RecvWindow {
 impl RecvWindow {
     /// A window over `slots` slots of `slot_len` bytes; returns it and the slots to post at
     /// once.
-    pub fn new(slots: usize, slot_len: usize) -> (Self, Vec<usize>) {
+    pub(crate) fn new(slots: usize, slot_len: usize) -> (Self, Vec<usize>) {
         let base = BASE_SLOTS.min(slots);
         let w = RecvWindow {
             target: base,
@@ -104,7 +104,7 @@ impl RecvWindow {
     /// `n` receive WRs completed in one batch. If that is every WR that was posted, the NIC
     /// may have had to stop reading while the server worked: the window doubles, as far as
     /// the budget allows.
-    pub fn arrived(&mut self, n: usize, budget: &BufferBudget) {
+    pub(crate) fn arrived(&mut self, n: usize, budget: &BufferBudget) {
         let ran_dry = n >= self.posted;
         self.posted = self.posted.saturating_sub(n);
         if ran_dry {
@@ -116,13 +116,13 @@ impl RecvWindow {
     }
 
     /// `slot` was emptied and is posted again (it is warm: reusing it touches no new page).
-    pub fn reuse(&mut self, slot: usize) -> usize {
+    pub(crate) fn reuse(&mut self, slot: usize) -> usize {
         self.posted += 1;
         slot
     }
 
     /// After a batch's slots are reposted: fresh slots to post so that `target` are posted.
-    pub fn top_up(&mut self) -> Vec<usize> {
+    pub(crate) fn top_up(&mut self) -> Vec<usize> {
         let mut post = Vec::new();
         while self.posted < self.target {
             let Some(s) = self.unused.pop() else { break };
@@ -134,12 +134,12 @@ impl RecvWindow {
 
     /// Slots kept posted now.
     #[cfg(test)]
-    pub fn target(&self) -> usize {
+    pub(crate) fn target(&self) -> usize {
         self.target
     }
 
     /// Gives the slots taken from `budget` back (the connection ends).
-    pub fn release(&mut self, budget: &BufferBudget) {
+    pub(crate) fn release(&mut self, budget: &BufferBudget) {
         budget.give(self.extra * self.slot_len);
         self.extra = 0;
     }

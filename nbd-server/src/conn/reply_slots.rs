@@ -45,7 +45,7 @@ pub(crate) struct SendBuffer {
 }
 
 impl SendBuffer {
-    pub fn mr(&self) -> &MemoryRegion {
+    pub(super) fn mr(&self) -> &MemoryRegion {
         &self.mr
     }
 }
@@ -75,7 +75,7 @@ pub(crate) struct ReplySlots {
 impl ReplySlots {
     /// `idle_timeout`: the server's `--idle-timeout`, which bounds how long a client may
     /// leave its replies unread (never above [`CLIENT_READ_TIMEOUT`]).
-    pub fn new(nic: &Nic, idle_timeout: Option<Duration>) -> Self {
+    pub(super) fn new(nic: &Nic, idle_timeout: Option<Duration>) -> Self {
         ReplySlots {
             mr: nic.alloc_region(REPLY_SLOTS * REPLY_SLOT_LEN, Access::READ),
             free: (0..REPLY_SLOTS).rev().collect(),
@@ -87,13 +87,13 @@ impl ReplySlots {
     }
 
     /// True when no reply is in flight.
-    pub fn all_free(&self) -> bool {
+    pub(super) fn all_free(&self) -> bool {
         self.free.len() == REPLY_SLOTS
     }
 
     /// Err when replies are in flight and the client has read none of them for the read
     /// timeout: the connection must be closed (the error says why).
-    pub fn check_reading(&self) -> Result<()> {
+    pub(super) fn check_reading(&self) -> Result<()> {
         if !self.all_free() && self.progress.elapsed() >= self.read_timeout {
             return Err(Error::ClientNotReading {
                 secs: self.read_timeout.as_secs_f64(),
@@ -104,7 +104,7 @@ impl ReplySlots {
 
     /// A read buffer of `len` bytes, counted against the connection's base or the server's
     /// budget, or None when neither has room now.
-    pub fn try_reserve(&mut self, link: &Link, len: usize) -> Option<SendBuffer> {
+    pub(super) fn try_reserve(&mut self, link: &Link, len: usize) -> Option<SendBuffer> {
         let (from_base, from_budget) = if self.base_used.load(Ordering::Acquire) + len <= READ_BASE
         {
             self.base_used.fetch_add(len, Ordering::AcqRel);
@@ -125,7 +125,7 @@ impl ReplySlots {
 
     /// A read buffer of `len` bytes (at most [`READ_BASE`]): waits for reply sends to
     /// complete until there is room. The NIC is told of the replies posted quietly first.
-    pub fn reserve(&mut self, link: &mut Link, len: usize) -> Result<SendBuffer> {
+    pub(super) fn reserve(&mut self, link: &mut Link, len: usize) -> Result<SendBuffer> {
         debug_assert!(len <= READ_BASE);
         loop {
             if let Some(b) = self.try_reserve(link, len) {
@@ -137,7 +137,7 @@ impl ReplySlots {
 
     /// Posts a reply send: `hdr` (may be empty), then `data` (an SGE into registered memory:
     /// the export's mapping, or `buffer`'s, which is kept until the send is done).
-    pub fn post(
+    pub(super) fn post(
         &mut self,
         link: &mut Link,
         hdr: &[u8],
@@ -189,7 +189,7 @@ impl ReplySlots {
 
     /// A send completed: a reply's slot (and buffer) is free again, or a handshake message's
     /// memory goes.
-    pub fn on_send(&mut self, link: &mut Link, c: &Completion) -> Result<()> {
+    pub(super) fn on_send(&mut self, link: &mut Link, c: &Completion) -> Result<()> {
         if Link::is_bytes_send(c) {
             return link.on_bytes_sent(c);
         }
@@ -210,7 +210,7 @@ impl ReplySlots {
     /// `within`, until every reply send has completed (the NIC has written it to the
     /// socket). Other completions (requests after the client's DISC) are dropped. False:
     /// some reply was still in flight at the deadline.
-    pub fn drain(&mut self, link: &mut Link, within: Duration) -> Result<bool> {
+    pub(super) fn drain(&mut self, link: &mut Link, within: Duration) -> Result<bool> {
         link.qp.ring_doorbell();
         let deadline = Instant::now() + within;
         let mut buf = [Completion::default(); 32];

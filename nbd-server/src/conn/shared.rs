@@ -16,7 +16,7 @@ use super::recv_window::BufferBudget;
 use crate::export::Export;
 
 /// What the accept loops and connections share.
-pub struct ServerShared {
+pub(crate) struct ServerShared {
     pub nic: Nic,
     pub exports: Vec<Arc<Export>>,
     pub proto: ServerConfig,
@@ -38,13 +38,13 @@ pub struct ServerShared {
 }
 
 impl ServerShared {
-    pub fn shutting_down(&self) -> bool {
+    pub(crate) fn shutting_down(&self) -> bool {
         self.shutdown.load(Ordering::Acquire)
     }
 
     /// Takes one of the `max_connections` transmission-phase places, or None when all are
     /// taken (the place is given back when the returned guard drops).
-    pub fn admit(self: &Arc<Self>, peer: &Endpoint) -> Option<Admitted> {
+    pub(crate) fn admit(self: &Arc<Self>, peer: &Endpoint) -> Option<Admitted> {
         if self.active.fetch_add(1, Ordering::AcqRel) >= self.max_connections {
             self.active.fetch_sub(1, Ordering::AcqRel);
             let max = self.max_connections;
@@ -79,7 +79,7 @@ impl ServerShared {
 }
 
 /// A place among the `max_connections`; given back on drop.
-pub struct Admitted(Arc<ServerShared>);
+pub(crate) struct Admitted(Arc<ServerShared>);
 
 impl Drop for Admitted {
     fn drop(&mut self) {

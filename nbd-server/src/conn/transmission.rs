@@ -34,10 +34,11 @@ use std::time::{Duration, Instant};
 use nbd_proto::consts as c;
 use nbd_proto::handshake::server::ServerNegotiated;
 use nbd_proto::reply::{self, ReplyTo};
-use nbd_proto::transmission::server::{Refusal, RequestError, ServerTransmission, ValidRequest};
+use nbd_proto::transmission::server::{ServerTransmission, ValidRequest};
 use nbd_proto::transmission::{ByteRange, Command, ErrorValue, ValidCommand};
 use qpip_core::{Access, Completion, CqWaker, MemoryRegion, Opcode, RecvWr, WcStatus};
 
+use super::framer::FramerState;
 use super::link::Link;
 use super::read_reply::{ReadContext, ReadReply};
 use super::recv_window::{RECV_SLOTS, RecvWindow, SLOT_LEN};
@@ -77,11 +78,12 @@ fn in_pieces(
 /// final reply) has gone out; returns when the client leaves or the connection must close.
 pub(crate) fn serve(
     link: &mut Link,
+    framer: &FramerState,
     export: Arc<Export>,
     negotiated: &ServerNegotiated,
     last_reply: &[u8],
 ) -> Result<()> {
-    let t = Transmission::new(link, export, negotiated)?;
+    let t = Transmission::new(link, framer, export, negotiated)?;
     // The receive slots are posted before the reply that lets the client send requests.
     t.link.send_bytes(last_reply)?;
     t.run()
@@ -136,6 +138,8 @@ impl PendingWrite {
 
 struct Transmission<'a> {
     link: &'a mut Link,
+    /// The requests the framer parsed, one per message that starts with a header.
+    framer: &'a FramerState,
     export: Arc<Export>,
     /// The protocol side: request checks, reply bytes.
     session: ServerTransmission,
@@ -169,7 +173,12 @@ impl Drop for Transmission<'_> {
 }
 
 impl<'a> Transmission<'a> {
-    fn new(link: &'a mut Link, export: Arc<Export>, neg: &ServerNegotiated) -> Result<Self> {
+    fn new(
+        link: &'a mut Link,
+        framer: &'a FramerState,
+        export: Arc<Export>,
+        neg: &ServerNegotiated,
+    ) -> Result<Self> {
         let stride = SLOT_LEN;
         let recv_mr = link
             .shared
@@ -186,6 +195,7 @@ impl<'a> Transmission<'a> {
         }
         Ok(Transmission {
             link,
+            framer,
             export,
             session: ServerTransmission::new(neg),
             recv_mr,
@@ -412,18 +422,16 @@ impl<'a> Transmission<'a> {
             self.pending_write = Some(pw);
             return self.on_message_done_write();
         }
-        let mut hdr = [0u8; c::EXTENDED_REQUEST_LEN];
-        let hdr = &mut hdr[..self.session.header_len()];
-        if len < hdr.len() {
+        let hdr_len = self.session.header_len();
+        if len < hdr_len {
             return Err(Error::ShortRequest(len));
         }
-        self.recv_mr.read_at(base, hdr);
-        let request: Result<ValidRequest, Refusal> = match self.session.parse_request(hdr) {
-            Ok(req) => Ok(req),
-            Err(RequestError::Refused(refusal)) => Err(refusal),
-            Err(malformed) => return Err(Error::MalformedRequest(malformed)),
+        // The framer parsed and checked the header; only the shutdown rule is the
+        // connection's (it may have begun since).
+        let Some(framed) = self.framer.take_request() else {
+            return Err(Error::UnframedRequest);
         };
-        let hdr_len = hdr.len();
+        let request = self.session.admit(framed);
         let body_len = len - hdr_len;
         tracing::trace!(peer = %self.link.peer, ?request, "request");
         let command = match &request {
@@ -631,7 +639,9 @@ impl<'a> Transmission<'a> {
             .resize(size, alone)
             .map_err(|e| io_error_value(&e));
         if result.is_ok() {
+            // Before the reply: the framer checks the next request against the new size.
             self.session.set_size(size);
+            self.framer.set_size(size);
         }
         self.reply(req.reply_to(), result)
     }

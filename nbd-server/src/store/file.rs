@@ -134,12 +134,15 @@ impl FileStore {
         })
     }
 
+    /// The image file's path.
     pub fn path(&self) -> &Path {
         &self.path
     }
+    /// The image's size in bytes.
     pub fn size(&self) -> u64 {
         self.size
     }
+    /// Opened read-only.
     pub fn read_only(&self) -> bool {
         self.read_only
     }
@@ -197,6 +200,7 @@ impl FileStore {
         Ok(!meta.file_type().is_file() || meta.len() >= end)
     }
 
+    /// Reads `buf.len()` bytes at `offset`.
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         self.file.read_exact_at(buf, offset)
     }
@@ -248,6 +252,7 @@ impl FileStore {
         }
     }
 
+    /// Writes `data` at `offset`; with `fua`, durable on return.
     pub fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()> {
         self.guard_head(offset, data.len() as u64, Some(data), || {
             self.file.write_all_at(data, offset)
@@ -471,6 +476,7 @@ impl Store for FileStore {
 fn on_shmem(file: &File) -> bool {
     // SAFETY: a zeroed statfs is a valid out-parameter for fstatfs on an owned descriptor.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a valid statfs to fill; the descriptor is the file's, open.
     let ok = unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } == 0;
     ok && st.f_type == libc::TMPFS_MAGIC
 }
@@ -529,6 +535,7 @@ mod tests {
         // The read-only mapping sees the write.
         let (ptr, len) = img.mapping().unwrap();
         assert_eq!(len, 16 << 20);
+        // SAFETY: the mapping is `len` (16 MiB) bytes long and lives as long as `img`.
         assert_eq!(unsafe { *ptr.add(4 << 20) }, 1);
 
         img.punch_hole(4 << 20, 1 << 20).unwrap();

@@ -14,9 +14,12 @@ pub enum LockError {
         "the image is in use: another program {what} its {permission} permission (qemu-nbd, qemu-img, another qpip-nbd-server?); --force-share skips locking"
     )]
     InUse {
+        /// What the other program does: holds, or wants.
         what: &'static str,
+        /// Which of qemu's permissions (read, write, ...).
         permission: &'static str,
     },
+    /// Taking or testing a lock failed.
     #[error("locking: {0}")]
     Io(io::Error),
 }

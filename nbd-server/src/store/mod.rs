@@ -58,6 +58,7 @@ pub struct CephOptions {
 /// `rbd encryption format` made it: the export is then the decrypted disk.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Encryption {
+    /// The LUKS version.
     pub format: EncryptionFormat,
     /// The file holding the passphrase: its bytes as they are (a trailing newline is part of
     /// it), as `rbd encryption format` and rbd-nbd read it.
@@ -67,11 +68,14 @@ pub struct Encryption {
 /// The LUKS version of an encrypted RBD image.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EncryptionFormat {
+    /// LUKS version 1.
     Luks1,
+    /// LUKS version 2.
     Luks2,
 }
 
 impl EncryptionFormat {
+    /// The name on the command line (`luks1`, `luks2`).
     pub fn name(self) -> &'static str {
         match self {
             EncryptionFormat::Luks1 => "luks1",
@@ -83,6 +87,7 @@ impl EncryptionFormat {
 /// One extent of a block-status answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Extent {
+    /// Bytes in the extent.
     pub len: u64,
     /// A hole: reads as zeroes, no storage allocated.
     pub hole: bool,
@@ -106,6 +111,7 @@ pub trait Store: Send + Sync + Debug {
     fn kind(&self) -> &'static str;
     /// The disk's size in bytes.
     fn size(&self) -> u64;
+    /// Writes are refused.
     fn read_only(&self) -> bool;
 
     /// The whole disk mapped read-only in our address space, when the store has such a

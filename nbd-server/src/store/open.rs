@@ -30,6 +30,7 @@ pub enum Format {
 }
 
 impl Format {
+    /// The format's name on the command line.
     pub fn name(self) -> &'static str {
         match self {
             Format::Raw => "raw",
@@ -41,6 +42,7 @@ impl Format {
 /// How one export's store is opened.
 #[derive(Clone, Debug, Default)]
 pub struct OpenOptions {
+    /// Open the store read-only.
     pub read_only: bool,
     /// The file's format; None: probed from its first bytes.
     pub format: Option<Format>,
@@ -60,10 +62,13 @@ pub struct OpenOptions {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum OpenError {
+    /// `--create` on an `rbd:` export.
     #[error("--create makes image files; make an RBD image with rbd create")]
     CreateRbd,
+    /// `-f` other than raw for an `rbd:` export.
     #[error("an RBD image is served as raw (its bytes are the disk)")]
     RbdFormat,
+    /// `--encryption-format` on an image file.
     #[error(
         "--encryption-format is for rbd: images (LUKS made by rbd encryption format); a LUKS image file is not served"
     )]
@@ -71,40 +76,59 @@ pub enum OpenError {
     /// The cluster or the image could not be reached.
     #[error("{0}")]
     Rbd(String),
+    /// An `rbd:` export on a server built without the `rbd` feature.
     #[error(
         "rbd:{0}: this qpip-nbd-server was built without RBD support (build it with --features nbd-server/rbd, which needs librbd-dev)"
     )]
     NoRbd(String),
+    /// `--create` for a qcow2 image that does not exist.
     #[error(
         "{} does not exist, and --create makes raw images only (make a qcow2 one with qemu-img create -f qcow2)",
         .0.display()
     )]
     CreateQcow2(PathBuf),
+    /// `--create 0`.
     #[error("--create 0: an export needs at least one byte")]
     CreateEmpty,
+    /// Creating the image file failed.
     #[error("creating {} ({size} bytes)", path.display())]
     Create {
+        /// The file.
         path: PathBuf,
+        /// The size asked for.
         size: u64,
+        /// Why it failed.
         source: io::Error,
     },
     /// The file could not be opened, or is in a format (or has qcow2 features) not served.
     #[error("opening {}{hint}", path.display())]
     Open {
+        /// The file.
         path: PathBuf,
         /// How to serve it anyway, where there is a way.
         hint: &'static str,
+        /// Why it failed.
         source: io::Error,
     },
+    /// Another program holds the image, or locking failed.
     #[error("{}", path.display())]
-    Lock { path: PathBuf, source: LockError },
+    Lock {
+        /// The image.
+        path: PathBuf,
+        /// What the lock says.
+        source: LockError,
+    },
+    /// `--create SIZE` for an existing file of another size.
     #[error(
         "{} has {size} bytes, not the {asked} that --create asks for (drop --create to serve it as it is)",
         path.display()
     )]
     CreateSize {
+        /// The file.
         path: PathBuf,
+        /// Its size.
         size: u64,
+        /// The size `--create` asks for.
         asked: u64,
     },
 }
@@ -127,6 +151,7 @@ pub enum Location<'a> {
 }
 
 impl<'a> Location<'a> {
+    /// Where `path` points: an `rbd:` image, or a file.
     pub fn parse(path: &'a Path) -> Location<'a> {
         match path.to_str().and_then(|p| p.strip_prefix("rbd:")) {
             Some(spec) => Location::Rbd(spec),
@@ -145,6 +170,7 @@ pub struct Opener {
 }
 
 impl Opener {
+    /// An opener whose `rbd:` images reach their cluster as `ceph` says.
     pub fn new(ceph: CephOptions) -> Opener {
         Opener {
             ceph,

@@ -14,7 +14,9 @@ pub const HEAD: u64 = 512;
 /// What the first bytes of an image say it is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Probed {
+    /// A raw image (no header of a known format).
     Raw,
+    /// A qcow2 image.
     Qcow2,
     /// A format this server does not serve, by its usual name.
     Other(&'static str),

@@ -267,6 +267,7 @@ impl Qcow2 {
         })
     }
 
+    /// Reads `buf.len()` bytes of the virtual disk at `offset`.
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         check_range(offset, buf.len() as u64, self.size)?;
         let st = self.state.lock();

@@ -33,28 +33,28 @@ use super::{CephOptions, Encryption, EncryptionFormat, Extent, Pending, Store};
 mod ffi {
     use std::ffi::{c_char, c_int, c_void};
 
-    pub type rados_t = *mut c_void;
-    pub type rados_ioctx_t = *mut c_void;
-    pub type rbd_image_t = *mut c_void;
-    pub type rbd_completion_t = *mut c_void;
-    pub type rbd_callback_t = Option<unsafe extern "C" fn(rbd_completion_t, *mut c_void)>;
-    pub type diff_cb = unsafe extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int;
-    pub type rbd_update_callback_t = unsafe extern "C" fn(*mut c_void);
+    pub(super) type rados_t = *mut c_void;
+    pub(super) type rados_ioctx_t = *mut c_void;
+    pub(super) type rbd_image_t = *mut c_void;
+    pub(super) type rbd_completion_t = *mut c_void;
+    pub(super) type rbd_callback_t = Option<unsafe extern "C" fn(rbd_completion_t, *mut c_void)>;
+    pub(super) type diff_cb = unsafe extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int;
+    pub(super) type rbd_update_callback_t = unsafe extern "C" fn(*mut c_void);
 
     /// rbd_encryption_luks1_format_options_t and rbd_encryption_luks2_format_options_t (the
     /// same layout); `alg` is not used by rbd_encryption_load.
     #[repr(C)]
-    pub struct rbd_encryption_luks_format_options_t {
+    pub(super) struct rbd_encryption_luks_format_options_t {
         pub alg: c_int,
         pub passphrase: *const c_char,
         pub passphrase_size: usize,
     }
-    pub const RBD_ENCRYPTION_FORMAT_LUKS1: c_int = 0;
-    pub const RBD_ENCRYPTION_FORMAT_LUKS2: c_int = 1;
+    pub(super) const RBD_ENCRYPTION_FORMAT_LUKS1: c_int = 0;
+    pub(super) const RBD_ENCRYPTION_FORMAT_LUKS2: c_int = 1;
 
     /// rbd_image_watcher_t.
     #[repr(C)]
-    pub struct rbd_image_watcher_t {
+    pub(super) struct rbd_image_watcher_t {
         pub addr: *mut c_char,
         pub id: i64,
         pub cookie: u64,
@@ -62,7 +62,7 @@ mod ffi {
 
     /// rbd_image_info_t.
     #[repr(C)]
-    pub struct rbd_image_info_t {
+    pub(super) struct rbd_image_info_t {
         pub size: u64,
         pub obj_size: u64,
         pub num_objs: u64,
@@ -73,81 +73,85 @@ mod ffi {
     }
 
     /// RBD_LOCK_MODE_EXCLUSIVE of rbd_lock_mode_t.
-    pub const RBD_LOCK_MODE_EXCLUSIVE: c_int = 0;
+    pub(super) const RBD_LOCK_MODE_EXCLUSIVE: c_int = 0;
     /// RBD_FEATURE_EXCLUSIVE_LOCK.
-    pub const RBD_FEATURE_EXCLUSIVE_LOCK: u64 = 1 << 2;
+    pub(super) const RBD_FEATURE_EXCLUSIVE_LOCK: u64 = 1 << 2;
 
     #[link(name = "rados")]
     unsafe extern "C" {
-        pub fn rados_create2(
+        pub(super) fn rados_create2(
             cluster: *mut rados_t,
             clustername: *const c_char,
             name: *const c_char,
             flags: u64,
         ) -> c_int;
-        pub fn rados_conf_read_file(cluster: rados_t, path: *const c_char) -> c_int;
-        pub fn rados_conf_set(
+        pub(super) fn rados_conf_read_file(cluster: rados_t, path: *const c_char) -> c_int;
+        pub(super) fn rados_conf_set(
             cluster: rados_t,
             option: *const c_char,
             value: *const c_char,
         ) -> c_int;
-        pub fn rados_connect(cluster: rados_t) -> c_int;
-        pub fn rados_shutdown(cluster: rados_t);
-        pub fn rados_ioctx_create(
+        pub(super) fn rados_connect(cluster: rados_t) -> c_int;
+        pub(super) fn rados_shutdown(cluster: rados_t);
+        pub(super) fn rados_ioctx_create(
             cluster: rados_t,
             pool: *const c_char,
             ioctx: *mut rados_ioctx_t,
         ) -> c_int;
-        pub fn rados_ioctx_destroy(ioctx: rados_ioctx_t);
+        pub(super) fn rados_ioctx_destroy(ioctx: rados_ioctx_t);
     }
 
     #[link(name = "rbd")]
     unsafe extern "C" {
-        pub fn rbd_open(
+        pub(super) fn rbd_open(
             io: rados_ioctx_t,
             name: *const c_char,
             image: *mut rbd_image_t,
             snap_name: *const c_char,
         ) -> c_int;
-        pub fn rbd_open_read_only(
+        pub(super) fn rbd_open_read_only(
             io: rados_ioctx_t,
             name: *const c_char,
             image: *mut rbd_image_t,
             snap_name: *const c_char,
         ) -> c_int;
-        pub fn rbd_close(image: rbd_image_t) -> c_int;
-        pub fn rbd_get_size(image: rbd_image_t, size: *mut u64) -> c_int;
-        pub fn rbd_resize(image: rbd_image_t, size: u64) -> c_int;
-        pub fn rbd_encryption_load(
+        pub(super) fn rbd_close(image: rbd_image_t) -> c_int;
+        pub(super) fn rbd_get_size(image: rbd_image_t, size: *mut u64) -> c_int;
+        pub(super) fn rbd_resize(image: rbd_image_t, size: u64) -> c_int;
+        pub(super) fn rbd_encryption_load(
             image: rbd_image_t,
             format: c_int,
             opts: *mut c_void,
             opts_size: usize,
         ) -> c_int;
-        pub fn rbd_update_watch(
+        pub(super) fn rbd_update_watch(
             image: rbd_image_t,
             handle: *mut u64,
             watch_cb: rbd_update_callback_t,
             arg: *mut c_void,
         ) -> c_int;
-        pub fn rbd_update_unwatch(image: rbd_image_t, handle: u64) -> c_int;
-        pub fn rbd_get_features(image: rbd_image_t, features: *mut u64) -> c_int;
-        pub fn rbd_lock_acquire(image: rbd_image_t, lock_mode: c_int) -> c_int;
-        pub fn rbd_lock_get_owners(
+        pub(super) fn rbd_update_unwatch(image: rbd_image_t, handle: u64) -> c_int;
+        pub(super) fn rbd_get_features(image: rbd_image_t, features: *mut u64) -> c_int;
+        pub(super) fn rbd_lock_acquire(image: rbd_image_t, lock_mode: c_int) -> c_int;
+        pub(super) fn rbd_lock_get_owners(
             image: rbd_image_t,
             lock_mode: *mut c_int,
             lock_owners: *mut *mut c_char,
             max_lock_owners: *mut usize,
         ) -> c_int;
-        pub fn rbd_lock_get_owners_cleanup(lock_owners: *mut *mut c_char, count: usize);
-        pub fn rbd_watchers_list(
+        pub(super) fn rbd_lock_get_owners_cleanup(lock_owners: *mut *mut c_char, count: usize);
+        pub(super) fn rbd_watchers_list(
             image: rbd_image_t,
             watchers: *mut rbd_image_watcher_t,
             max_watchers: *mut usize,
         ) -> c_int;
-        pub fn rbd_watchers_list_cleanup(watchers: *mut rbd_image_watcher_t, count: usize);
-        pub fn rbd_stat(image: rbd_image_t, info: *mut rbd_image_info_t, infosize: usize) -> c_int;
-        pub fn rbd_diff_iterate2(
+        pub(super) fn rbd_watchers_list_cleanup(watchers: *mut rbd_image_watcher_t, count: usize);
+        pub(super) fn rbd_stat(
+            image: rbd_image_t,
+            info: *mut rbd_image_info_t,
+            infosize: usize,
+        ) -> c_int;
+        pub(super) fn rbd_diff_iterate2(
             image: rbd_image_t,
             fromsnapname: *const c_char,
             ofs: u64,
@@ -158,37 +162,37 @@ mod ffi {
             arg: *mut c_void,
         ) -> c_int;
 
-        pub fn rbd_aio_create_completion(
+        pub(super) fn rbd_aio_create_completion(
             cb_arg: *mut c_void,
             complete_cb: rbd_callback_t,
             c: *mut rbd_completion_t,
         ) -> c_int;
-        pub fn rbd_aio_wait_for_complete(c: rbd_completion_t) -> c_int;
-        pub fn rbd_aio_get_return_value(c: rbd_completion_t) -> isize;
-        pub fn rbd_aio_release(c: rbd_completion_t);
+        pub(super) fn rbd_aio_wait_for_complete(c: rbd_completion_t) -> c_int;
+        pub(super) fn rbd_aio_get_return_value(c: rbd_completion_t) -> isize;
+        pub(super) fn rbd_aio_release(c: rbd_completion_t);
 
-        pub fn rbd_aio_read(
+        pub(super) fn rbd_aio_read(
             image: rbd_image_t,
             off: u64,
             len: usize,
             buf: *mut c_char,
             c: rbd_completion_t,
         ) -> c_int;
-        pub fn rbd_aio_write(
+        pub(super) fn rbd_aio_write(
             image: rbd_image_t,
             off: u64,
             len: usize,
             buf: *const c_char,
             c: rbd_completion_t,
         ) -> c_int;
-        pub fn rbd_aio_flush(image: rbd_image_t, c: rbd_completion_t) -> c_int;
-        pub fn rbd_aio_discard(
+        pub(super) fn rbd_aio_flush(image: rbd_image_t, c: rbd_completion_t) -> c_int;
+        pub(super) fn rbd_aio_discard(
             image: rbd_image_t,
             off: u64,
             len: u64,
             c: rbd_completion_t,
         ) -> c_int;
-        pub fn rbd_aio_write_zeroes(
+        pub(super) fn rbd_aio_write_zeroes(
             image: rbd_image_t,
             off: u64,
             len: usize,
@@ -221,8 +225,11 @@ fn cstring(what: &str, s: &str) -> io::Result<CString> {
 /// without its `:key=value` options, which are our --ceph-* flags).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RbdSpec {
+    /// The pool.
     pub pool: String,
+    /// The image.
     pub image: String,
+    /// The snapshot, if one is served.
     pub snapshot: Option<String>,
 }
 
@@ -801,8 +808,8 @@ impl RbdImage {
         let out = w[..n]
             .iter()
             .filter(|x| !x.addr.is_null())
-            // SAFETY: librbd set addr to a NUL-terminated string.
             .map(|x| {
+                // SAFETY: librbd set addr to a NUL-terminated string.
                 let addr = unsafe { std::ffi::CStr::from_ptr(x.addr) };
                 (addr.to_string_lossy().into_owned(), x.id)
             })
@@ -827,8 +834,8 @@ impl RbdImage {
         let names = owners[..n.min(owners.len())]
             .iter()
             .filter(|p| !p.is_null())
-            // SAFETY: librbd set these to NUL-terminated strings.
             .map(|&p| {
+                // SAFETY: librbd set these to NUL-terminated strings.
                 unsafe { std::ffi::CStr::from_ptr(p) }
                     .to_string_lossy()
                     .into_owned()

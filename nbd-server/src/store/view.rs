@@ -34,11 +34,14 @@ pub enum DetectZeroes {
     Unmap,
 }
 
+/// How an export shapes its store (qemu-nbd's `--offset`, `--discard`, `--detect-zeroes`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ViewOptions {
     /// The disk starts at this byte of the store's.
     pub offset: u64,
+    /// What TRIM and WRITE_ZEROES may free.
     pub discard: Discard,
+    /// Whether WRITEs of zeroes become WRITE_ZEROES.
     pub detect_zeroes: DetectZeroes,
 }
 
@@ -46,12 +49,17 @@ pub struct ViewOptions {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ViewError {
+    /// `--offset` at or past the store's end.
     #[error("--offset {offset} is not below the size of {location} ({size} bytes)")]
     OffsetPastEnd {
+        /// The offset asked for.
         offset: u64,
+        /// The store's size.
         size: u64,
+        /// The store.
         location: String,
     },
+    /// `--detect-zeroes unmap` with `--discard ignore`.
     #[error("--detect-zeroes unmap needs --discard unmap (as qemu-nbd)")]
     UnmapWithoutDiscard,
 }
@@ -74,6 +82,7 @@ pub fn apply(store: Box<dyn Store>, opts: ViewOptions) -> Result<Box<dyn Store>,
     Ok(Box::new(View { inner: store, opts }))
 }
 
+/// A store shaped by [`ViewOptions`].
 pub struct View {
     inner: Box<dyn Store>,
     opts: ViewOptions,

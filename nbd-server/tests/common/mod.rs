@@ -5,32 +5,36 @@
 
 use std::path::Path;
 
-pub use qpip_test_support::ci::{missing, require, root};
-pub use qpip_test_support::pattern::seeded as pattern;
-pub use qpip_test_support::pattern::sparse_image as image;
-pub use qpip_test_support::process::{peer_fails, peer_ok, run_with_timeout, text};
-pub use qpip_test_support::servers::ServerProcess;
+pub(crate) use qpip_test_support::ci::{missing, require, root};
+pub(crate) use qpip_test_support::pattern::seeded as pattern;
+pub(crate) use qpip_test_support::pattern::sparse_image as image;
+pub(crate) use qpip_test_support::process::{peer_fails, peer_ok, run_with_timeout, text};
+pub(crate) use qpip_test_support::servers::ServerProcess;
 
-pub const BIN: &str = env!("CARGO_BIN_EXE_qpip-nbd-server");
+pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_qpip-nbd-server");
 
 /// The server under test on `listen` (see [`ServerProcess::start`]) with the extra `args`.
-pub fn start_server(listen: &str, args: &[String]) -> ServerProcess {
+pub(crate) fn start_server(listen: &str, args: &[String]) -> ServerProcess {
     ServerProcess::start(Path::new(BIN), listen, args, &[])
 }
 
 /// As [`start_server`], with extra environment variables for the server.
-pub fn start_server_env(listen: &str, args: &[String], env: &[(&str, &Path)]) -> ServerProcess {
+pub(crate) fn start_server_env(
+    listen: &str,
+    args: &[String],
+    env: &[(&str, &Path)],
+) -> ServerProcess {
     ServerProcess::start(Path::new(BIN), listen, args, env)
 }
 
 /// [`start_server`] on 127.0.0.1:0.
-pub fn start_server_v4(args: &[String]) -> ServerProcess {
+pub(crate) fn start_server_v4(args: &[String]) -> ServerProcess {
     start_server("127.0.0.1:0", args)
 }
 
 /// `qemu-io -f raw URI -c CMD...`, asserting success and that no command reported a failure
 /// (qemu-io prints "Pattern verification failed" or "... failed: ..." for failed commands).
-pub fn qemu_io(uri: &str, cmds: &[&str]) -> String {
+pub(crate) fn qemu_io(uri: &str, cmds: &[&str]) -> String {
     let mut c = std::process::Command::new("qemu-io");
     c.arg("-f").arg("raw");
     for cmd in cmds {
@@ -46,16 +50,16 @@ pub fn qemu_io(uri: &str, cmds: &[&str]) -> String {
 }
 
 /// String args from literals.
-pub fn args(a: &[&str]) -> Vec<String> {
+pub(crate) fn args(a: &[&str]) -> Vec<String> {
     a.iter().map(|s| s.to_string()).collect()
 }
 
 /// The holes of the sparse-upload tests, each longer than the maximum block size (32 MiB), so
 /// that an upload sends each as one WRITE_ZEROES or TRIM past it (issue 25).
-pub const UPLOAD_HOLES: [u64; 3] = [40 << 20, 128 << 20, 2048 << 20];
+pub(crate) const UPLOAD_HOLES: [u64; 3] = [40 << 20, 128 << 20, 2048 << 20];
 
 /// `dir/src.raw`: 1 MiB of data before, between and after the [`UPLOAD_HOLES`]; its size.
-pub fn sparse_upload_source(dir: &Path) -> (std::path::PathBuf, u64) {
+pub(crate) fn sparse_upload_source(dir: &Path) -> (std::path::PathBuf, u64) {
     const MIB: u64 = 1 << 20;
     let size = UPLOAD_HOLES.iter().sum::<u64>() + 4 * MIB;
     let mut data = Vec::new();
@@ -71,7 +75,7 @@ pub fn sparse_upload_source(dir: &Path) -> (std::path::PathBuf, u64) {
 
 /// qemu-io commands that write 1 MiB of 0x77 into the middle of each of the source's holes:
 /// data an upload must zero.
-pub fn junk_in_upload_holes() -> Vec<String> {
+pub(crate) fn junk_in_upload_holes() -> Vec<String> {
     const MIB: u64 = 1 << 20;
     let mut at = MIB;
     UPLOAD_HOLES

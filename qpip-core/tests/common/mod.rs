@@ -2,26 +2,26 @@
 //! the CI rule are qpip-test-support's.
 #![allow(dead_code, unused_imports)]
 
-pub use qpip_test_support::pattern::{Rng, message_byte as pattern};
+pub(crate) use qpip_test_support::pattern::{Rng, message_byte as pattern};
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use qpip_core::{Completion, CompletionQueue, Framer, LengthPrefixed, Nic, QpAttr, QueuePair};
 
-pub const V6: &str = "[::1]:0";
-pub const V4: &str = "127.0.0.1:0";
+pub(crate) const V6: &str = "[::1]:0";
+pub(crate) const V4: &str = "127.0.0.1:0";
 
-pub fn addr(s: &str) -> SocketAddr {
+pub(crate) fn addr(s: &str) -> SocketAddr {
     s.parse().unwrap()
 }
 
 /// A connected pair of reliable QPs, both completing into `cq`.
-pub fn pair(nic: &Nic, cq: &CompletionQueue, local: &str) -> (QueuePair, QueuePair) {
+pub(crate) fn pair(nic: &Nic, cq: &CompletionQueue, local: &str) -> (QueuePair, QueuePair) {
     pair_with(nic, cq, local, LengthPrefixed::default, 256)
 }
 
-pub fn pair_with<F: Framer>(
+pub(crate) fn pair_with<F: Framer>(
     nic: &Nic,
     cq: &CompletionQueue,
     local: &str,
@@ -41,7 +41,7 @@ pub fn pair_with<F: Framer>(
 }
 
 /// Waits for exactly `n` completions; panics (instead of hanging) after `timeout`.
-pub fn wait_n(cq: &CompletionQueue, n: usize, timeout: Duration) -> Vec<Completion> {
+pub(crate) fn wait_n(cq: &CompletionQueue, n: usize, timeout: Duration) -> Vec<Completion> {
     let deadline = Instant::now() + timeout;
     let mut out = Vec::with_capacity(n);
     let mut buf = [Completion::default(); 64];

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU16, Ordering};
 
 use qpip_core::lanai::{FabricParams, LanaiConfig, LanaiParams};
 
-pub struct TestFabric {
+pub(crate) struct TestFabric {
     /// The fabric config file (deleted on drop).
     pub path: PathBuf,
     pub params: FabricParams,
@@ -25,7 +25,7 @@ impl Drop for TestFabric {
 }
 
 impl TestFabric {
-    pub fn addr(&self, node: &str) -> Ipv6Addr {
+    pub(crate) fn addr(&self, node: &str) -> Ipv6Addr {
         self.params
             .node(node)
             .expect("node in the test fabric")
@@ -33,7 +33,7 @@ impl TestFabric {
     }
 
     /// A lanai NIC configuration for `node` of this fabric.
-    pub fn config(&self, node: &str) -> LanaiConfig {
+    pub(crate) fn config(&self, node: &str) -> LanaiConfig {
         LanaiConfig {
             params: LanaiParams::default(),
             fabric: self.params.clone(),
@@ -50,7 +50,7 @@ fn free_udp_port() -> u16 {
 }
 
 /// Nodes "server", "client" and "client2" (routes 1, 2, 3) and a bridge (route 0).
-pub fn test_fabric() -> TestFabric {
+pub(crate) fn test_fabric() -> TestFabric {
     static N: AtomicU16 = AtomicU16::new(1);
     let n = N.fetch_add(1, Ordering::Relaxed);
     let pid = std::process::id();
@@ -84,12 +84,12 @@ pub fn test_fabric() -> TestFabric {
 }
 
 /// A socket address of `node` on this fabric.
-pub fn sock(fabric: &TestFabric, node: &str, port: u16) -> SocketAddr {
+pub(crate) fn sock(fabric: &TestFabric, node: &str, port: u16) -> SocketAddr {
     SocketAddr::from((fabric.addr(node), port))
 }
 
 /// Root-only prerequisites (TUN, `ip`): in CI their absence is a failure, elsewhere a skip.
-pub fn can_bridge() -> bool {
+pub(crate) fn can_bridge() -> bool {
     // SAFETY: plain syscall.
     let root = unsafe { libc::geteuid() } == 0;
     let tun = std::path::Path::new("/dev/net/tun").exists();

@@ -167,7 +167,7 @@ pub(crate) struct Fabric {
 }
 
 impl Fabric {
-    pub fn new(params: FabricParams, seed: u64) -> Self {
+    pub(crate) fn new(params: FabricParams, seed: u64) -> Self {
         Fabric {
             params,
             links: Vec::new(),
@@ -188,21 +188,21 @@ impl Fabric {
     }
 
     /// Attaches node `node` to switch port `port`.
-    pub fn attach(&mut self, node: usize, port: u8) {
+    pub(crate) fn attach(&mut self, node: usize, port: u8) {
         self.grow(node);
         self.ports.insert(port, node);
     }
 
     /// Time node `node`'s link was busy since the last reset.
-    pub fn link_busy_ns(&self, node: usize) -> Nanos {
+    pub(crate) fn link_busy_ns(&self, node: usize) -> Nanos {
         self.links.get(node).map_or(0, |l| l.busy)
     }
 
-    pub fn reset_accounts(&mut self) {
+    pub(crate) fn reset_accounts(&mut self) {
         self.links.iter_mut().for_each(|l| l.busy = 0);
     }
 
-    pub fn set_faults(&mut self, from: usize, to: usize, faults: Faults) {
+    pub(crate) fn set_faults(&mut self, from: usize, to: usize, faults: Faults) {
         self.faults.insert((from, to), faults);
     }
 
@@ -212,14 +212,14 @@ impl Fabric {
     }
 
     /// The sender's NIC hands `frame` to its network send DMA.
-    pub fn offer(&mut self, from: usize, frame: OutFrame) {
+    pub(crate) fn offer(&mut self, from: usize, frame: OutFrame) {
         self.grow(from);
         self.links[from].queue.push_back(frame);
     }
 
     /// Puts the next queued frame of `from` on its link if the link is free: returns when
     /// its head reaches the switch, the frame and when its head left.
-    pub fn start(&mut self, from: usize) -> Option<(Nanos, Vec<u8>, Nanos)> {
+    pub(crate) fn start(&mut self, from: usize) -> Option<(Nanos, Vec<u8>, Nanos)> {
         let link = self.links.get_mut(from)?;
         if link.taken.is_some() {
             return None;
@@ -245,7 +245,7 @@ impl Fabric {
     /// route byte is consumed and faults applied. Returns the sender link it freed (a frame
     /// the switch sinks streams through unhindered) and the heads that go on toward their
     /// receivers (none, the frame, or the frame and an injected copy).
-    pub fn switch(
+    pub(crate) fn switch(
         &mut self,
         now: Nanos,
         from: usize,
@@ -335,26 +335,26 @@ impl Fabric {
 
     /// A head reaches receiver `node`: it waits there, holding its links, until the NIC
     /// takes it.
-    pub fn arrive_head(&mut self, node: usize, head: Head) {
+    pub(crate) fn arrive_head(&mut self, node: usize, head: Head) {
         let input = &mut self.inputs[node];
         input.waiting.push_back(head);
         self.stats.max_waiting = self.stats.max_waiting.max(input.waiting.len());
     }
 
     /// The tail of the frame streaming into `node` has arrived.
-    pub fn tail_in(&mut self, node: usize) {
+    pub(crate) fn tail_in(&mut self, node: usize) {
         self.inputs[node].streaming = false;
     }
 
     /// Whether `node`'s NIC has a head waiting and is taking no frame.
-    pub fn wants_buffer(&self, node: usize) -> bool {
+    pub(crate) fn wants_buffer(&self, node: usize) -> bool {
         let input = &self.inputs[node];
         !input.streaming && !input.waiting.is_empty()
     }
 
     /// The NIC of `node` has a free receive buffer at `now`: the first waiting frame streams
     /// in (stop/go's GO); the sender's link and the switch output free when its tail passes.
-    pub fn admit(&mut self, node: usize, now: Nanos) -> Option<Admitted> {
+    pub(crate) fn admit(&mut self, node: usize, now: Nanos) -> Option<Admitted> {
         let path = self.path_ns();
         let cable = self.params.cable_ns;
         let input = &mut self.inputs[node];

@@ -77,6 +77,7 @@ impl SimNic for EchoNic {
         };
         let Some(wr) = qp.rq.pop() else { return };
         let seg = self.memory.resolve(&wr.sg_list[0], true).unwrap();
+        // SAFETY: the receive WR was just taken from its queue: its memory is the NIC's to write.
         unsafe { seg.bytes_mut()[..data.len()].copy_from_slice(data) };
         let src = SocketAddr::new(src_ip.into(), sport);
         qp.complete_recv(wr.wr_id, WcStatus::Success, data.len() as u32, Some(src), 0);
@@ -97,6 +98,7 @@ impl SimNic for EchoNic {
                 let mut p = self.addr.octets().to_vec();
                 p.extend_from_slice(&port.to_be_bytes());
                 p.extend_from_slice(&dest.port().to_be_bytes());
+                // SAFETY: the send WR is posted, so its memory is the NIC's (this test's) to read.
                 p.extend_from_slice(unsafe { seg.bytes() });
                 let route = self.fabric.route_to(&dip).unwrap();
                 self.out.push_back(OutFrame {

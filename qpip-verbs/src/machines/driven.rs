@@ -14,83 +14,35 @@
 //!   waits waits at most that long, as interrupt moderation delays an interrupt).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence};
+use std::sync::atomic::{AtomicU32, Ordering, fence};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::shell::{Processor, Shared, Turns, drive, run_commands};
+use super::handover::NEVER;
+use super::shell::{NicThread, Processor, Shared, ShellConfig, Turns, drive, run_commands};
 use crate::drive::{Driven, QueueDriver};
+use crate::error::Result;
 
 /// How long the NIC thread leaves the queue to its host threads after the last drive.
 pub const GRACE: Duration = Duration::from_millis(2);
 
-const NEVER: u64 = u64::MAX;
-
-/// What host drivers and the NIC thread share to hand the processor over.
-pub(crate) struct Handover {
-    /// Host threads in a CQ wait on this queue (driving it or asleep behind its driver).
-    waiters: AtomicU32,
-    /// A waiting host thread asks the NIC thread to let go of the processor.
-    wanted: AtomicBool,
-    /// A driver left with sends still under way: the NIC thread carries on at once.
-    resume: AtomicBool,
-    /// The futex word the parked NIC thread sleeps on.
-    park: AtomicU32,
-    /// The NIC thread sleeps without a timer behind a long drive: its end must wake it.
-    parked_untimed: AtomicBool,
-    /// Host drives begun (tells a busy queue from one long drive).
-    drives: AtomicU64,
-    /// When the last host drive ended (ns since `epoch`; [`NEVER`] before the first).
-    last_exit: AtomicU64,
-    /// CPU time host threads spent driving (ns): the NIC's work done on them. Counted from
-    /// the first time someone asks ([`Handover::driven_cpu`]): a thread's CPU clock costs a
-    /// system call, two per drive.
-    driven_cpu_ns: AtomicU64,
-    accounting: AtomicBool,
-    epoch: Instant,
-}
-
-impl Default for Handover {
-    fn default() -> Self {
-        Handover {
-            waiters: AtomicU32::new(0),
-            wanted: AtomicBool::new(false),
-            resume: AtomicBool::new(false),
-            park: AtomicU32::new(0),
-            parked_untimed: AtomicBool::new(false),
-            drives: AtomicU64::new(0),
-            last_exit: AtomicU64::new(NEVER),
-            driven_cpu_ns: AtomicU64::new(0),
-            accounting: AtomicBool::new(false),
-            epoch: Instant::now(),
-        }
-    }
-}
-
-impl Handover {
-    /// Wakes the parked NIC thread to look again.
-    pub(crate) fn kick(&self) {
-        self.park.fetch_add(1, Ordering::SeqCst);
-        crate::futex::wake_all(&self.park);
-    }
-
-    /// CPU time host threads have spent running the queue since the first call.
-    pub(crate) fn driven_cpu(&self) -> Duration {
-        self.accounting.store(true, Ordering::Relaxed);
-        Duration::from_nanos(self.driven_cpu_ns.load(Ordering::Relaxed))
-    }
-
-    /// Time since the last host drive ended (None: there never was one).
-    fn since_last_drive(&self) -> Option<Duration> {
-        match self.last_exit.load(Ordering::Acquire) {
-            NEVER => None,
-            ns => Some(
-                self.epoch
-                    .elapsed()
-                    .saturating_sub(Duration::from_nanos(ns)),
-            ),
-        }
+impl NicThread {
+    /// [`Self::spawn`] for a processor that host threads may run too: a thread waiting on a
+    /// CQ bound to this queue drives it ([`crate::drive`], [`Self::driver`]); the NIC thread
+    /// runs it only while no host thread does.
+    pub fn spawn_driven<P: Processor + Send + 'static>(
+        cfg: ShellConfig,
+        waker: mio::Waker,
+        build: impl FnOnce() -> P + Send + 'static,
+    ) -> Result<NicThread> {
+        let shared = Shared::new(&cfg, waker);
+        let spin = cfg.spin;
+        Self::start(cfg, shared, move |shared, started| {
+            let engine = Arc::new(DrivenQueue::new(shared.clone(), build()));
+            let _ = started.send(Some(engine.clone() as Arc<dyn QueueDriver>));
+            engine.run_nic_thread(spin);
+        })
     }
 }
 

@@ -61,7 +61,9 @@ pub trait Management {
     /// Queues `qp` for the next connection on `listener`; `reply` gets the peer. Only called
     /// for a listener that exists.
     fn accept(&mut self, listener: ListenerId, qp: QpNum, reply: ReplySender<MgmtResult>);
+    /// `listener` exists.
     fn has_listener(&self, listener: ListenerId) -> bool;
+    /// Closes `listener`; its waiting accepts fail.
     fn close_listener(&mut self, listener: ListenerId);
     /// Orderly close.
     fn close(&mut self, qp: QpNum);

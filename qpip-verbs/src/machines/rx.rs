@@ -24,7 +24,9 @@ use crate::wr::WcStatus;
 
 /// A receive WR taken off the ring, its memory checked: where the next message goes.
 pub struct RecvTarget {
+    /// The WR's id, for its completion.
     pub wr_id: u64,
+    /// Its memory, checked.
     pub segs: SmallVec<[Segment; 4]>,
 }
 
@@ -168,6 +170,7 @@ impl InMsg {
     }
 }
 
+/// The receive state machine of one QP: frames the byte stream and places each message in a receive WR (or its body where the framer says).
 pub struct RxMachine {
     /// Bytes of the next message(s) read before their WR was chosen. Never more than
     /// `MAX_HEADER`, so buffering outside WR memory stays bounded.
@@ -255,6 +258,7 @@ impl Default for RxMachine {
 }
 
 impl RxMachine {
+    /// A machine with nothing read yet.
     pub fn new() -> Self {
         RxMachine {
             hdr: [0; MAX_HEADER],

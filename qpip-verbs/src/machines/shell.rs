@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::{ArrayQueue, SegQueue};
 use parking_lot::Mutex;
 
-use super::driven::Handover;
+use super::handover::Handover;
 use crate::backend::Command;
 use crate::drive::QueueDriver;
 use crate::error::{Error, Result};
@@ -155,24 +155,8 @@ impl NicThread {
         })
     }
 
-    /// [`Self::spawn`] for a processor that host threads may run too: a thread waiting on a
-    /// CQ bound to this queue drives it ([`crate::drive`], [`Self::driver`]); the NIC thread
-    /// runs it only while no host thread does.
-    pub fn spawn_driven<P: Processor + Send + 'static>(
-        cfg: ShellConfig,
-        waker: mio::Waker,
-        build: impl FnOnce() -> P + Send + 'static,
-    ) -> Result<NicThread> {
-        let shared = Shared::new(&cfg, waker);
-        let spin = cfg.spin;
-        Self::start(cfg, shared, move |shared, started| {
-            let engine = Arc::new(super::driven::DrivenQueue::new(shared.clone(), build()));
-            let _ = started.send(Some(engine.clone() as Arc<dyn QueueDriver>));
-            engine.run_nic_thread(spin);
-        })
-    }
-
-    fn start(
+    /// Starts the thread that runs `body` and waits until it says it runs.
+    pub(super) fn start(
         cfg: ShellConfig,
         shared: Arc<Shared>,
         body: impl FnOnce(&Arc<Shared>, Started) + Send + 'static,
@@ -273,7 +257,7 @@ impl NicThread {
 type Started = std::sync::mpsc::Sender<Option<Arc<dyn QueueDriver>>>;
 
 impl Shared {
-    fn new(cfg: &ShellConfig, waker: mio::Waker) -> Arc<Shared> {
+    pub(super) fn new(cfg: &ShellConfig, waker: mio::Waker) -> Arc<Shared> {
         let doorbells = match cfg.doorbell_fifo {
             Some(n) => Doorbells::Bounded(ArrayQueue::new(n.max(1))),
             None => Doorbells::Unbounded(SegQueue::new()),

@@ -14,11 +14,15 @@ use crate::wr::SendWr;
 /// A send WR resolved for the wire: its memory checked against the region table and the
 /// framer's header built. Both backends' transmit machines queue these: the one outgoing-message type.
 pub struct SendMessage {
+    /// The WR's id, for its completion.
     pub wr_id: u64,
     hdr: [u8; MAX_HEADER],
+    /// Bytes of the framer's header.
     pub hdr_len: usize,
     segs: SmallVec<[Segment; 4]>,
+    /// Bytes of the WR's memory after the header.
     pub body_len: usize,
+    /// Where a datagram goes (unreliable QPs).
     pub dest: Option<SocketAddr>,
 }
 
@@ -64,6 +68,7 @@ impl SendMessage {
 
 /// A message on its way out: the resolved WR and how much of it the link has taken.
 pub struct OutMsg {
+    /// The resolved WR.
     pub msg: SendMessage,
     /// Bytes (header included) the link has taken.
     pub sent: usize,

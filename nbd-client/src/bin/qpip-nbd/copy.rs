@@ -12,12 +12,12 @@ use indicatif::ProgressBar;
 use nbd_client::{ClientOptions, Nic};
 use qpip_core::Access;
 
-pub use crate::side::Endpoint;
+pub(crate) use crate::side::Endpoint;
 use crate::side::{BATCH, Side};
 
 /// The copy stopped at a signal: the process should exit with 128 + `signal`.
 #[derive(Debug)]
-pub struct Interrupted {
+pub(crate) struct Interrupted {
     pub signal: i32,
     /// What became of the destination.
     pub what: String,
@@ -32,10 +32,10 @@ impl std::fmt::Display for Interrupted {
 impl std::error::Error for Interrupted {}
 
 /// The signal that asked the copy to stop (0: none), set by the handlers of [`stop_on_signals`].
-pub type StopFlag = Arc<AtomicUsize>;
+pub(crate) type StopFlag = Arc<AtomicUsize>;
 
 /// SIGINT and SIGTERM set the returned flag (a second one ends the process at once).
-pub fn stop_on_signals() -> Result<StopFlag> {
+pub(crate) fn stop_on_signals() -> Result<StopFlag> {
     let flag = StopFlag::default();
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -60,7 +60,7 @@ impl std::fmt::Display for Stopped {
 
 impl std::error::Error for Stopped {}
 
-pub struct CopyOptions {
+pub(crate) struct CopyOptions {
     /// Ask the source where its holes are (block status, SEEK_DATA); nbdcopy's
     /// `--no-extents` turns it off.
     pub extents: bool,
@@ -93,7 +93,7 @@ impl CopyOptions {
 }
 
 #[derive(Debug, Default)]
-pub struct CopyStats {
+pub(crate) struct CopyStats {
     pub size: u64,
     pub data_bytes: u64,
     pub zero_bytes: u64,
@@ -174,7 +174,7 @@ fn zero_blocks(buf: &[u8], offset: u64, block: u64) -> Vec<(u64, u64)> {
 
 /// Copies `src` to `dst`; with `verify`, re-reads both and compares. A signal stops it with
 /// an [`Interrupted`] error.
-pub fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopyStats> {
+pub(crate) fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<CopyStats> {
     let created = matches!(dst, Endpoint::File(p) if !p.exists());
     let opened = AtomicBool::new(false);
     let r = copy_any(src, dst, opts, &opened);

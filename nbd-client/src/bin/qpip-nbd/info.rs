@@ -12,13 +12,13 @@ use nbd_proto::peer_text::printable;
 use serde_json::{Map, Value, json};
 
 /// The one context `--map` can show.
-pub const BASE_ALLOCATION: &str = "base:allocation";
+pub(crate) const BASE_ALLOCATION: &str = "base:allocation";
 
 /// Bytes nbdinfo hands to file(1) for `content`.
 const CONTENT_PROBE: u64 = 8192;
 
 /// What `info` was asked for.
-pub struct InfoArgs {
+pub(crate) struct InfoArgs {
     pub uri: String,
     pub json: bool,
     pub size: bool,
@@ -32,7 +32,7 @@ pub struct InfoArgs {
 }
 
 /// Runs `info`; the exit status (2: a question answered no).
-pub fn run(a: &InfoArgs, base: &ClientOptions) -> Result<i32> {
+pub(crate) fn run(a: &InfoArgs, base: &ClientOptions) -> Result<i32> {
     if let Some((feature, negated)) = &a.question {
         let f = Feature::parse(feature)?;
         let info = query(&a.uri, base)?;
@@ -108,13 +108,13 @@ pub fn run(a: &InfoArgs, base: &ClientOptions) -> Result<i32> {
 
 /// NBD_OPT_INFO for the export `uri` names; an unknown export in one line naming those
 /// there are (as `copy` words it).
-pub fn query(uri: &str, base: &ClientOptions) -> Result<ExportInfo> {
+pub(crate) fn query(uri: &str, base: &ClientOptions) -> Result<ExportInfo> {
     Client::info_with(uri, base).map_err(|e| unknown_export(uri, e, base, "querying"))
 }
 
 /// The error of a failed connection to `uri`: the server's export list when it refused the
 /// name, else the error with "`doing` URI" as context.
-pub fn unknown_export(
+pub(crate) fn unknown_export(
     uri: &str,
     e: nbd_client::Error,
     base: &ClientOptions,

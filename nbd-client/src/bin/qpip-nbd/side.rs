@@ -10,14 +10,14 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use nbd_client::uri::looks_like_uri;
-use nbd_client::{ClientOptions, Pool};
+use nbd_client::{ClientOptions, MrSlice, Pool};
 use qpip_core::MemoryRegion;
 
 /// Bytes read then written per step of a worker (each step is many requests in flight).
-pub const BATCH: u64 = 4 << 20;
+pub(crate) const BATCH: u64 = 4 << 20;
 
 #[derive(Clone, Debug)]
-pub enum Endpoint {
+pub(crate) enum Endpoint {
     File(PathBuf),
     Nbd(String),
     /// `-`: standard input as a source, standard output as a destination (streamed in order).
@@ -27,7 +27,7 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
-    pub fn parse(s: &str) -> Endpoint {
+    pub(crate) fn parse(s: &str) -> Endpoint {
         match s {
             "-" => Endpoint::Stdio,
             "null:" => Endpoint::Null,
@@ -35,7 +35,7 @@ impl Endpoint {
             _ => Endpoint::File(PathBuf::from(s)),
         }
     }
-    pub fn name(&self) -> String {
+    pub(crate) fn name(&self) -> String {
         match self {
             Endpoint::File(p) => p.display().to_string(),
             Endpoint::Nbd(u) => u.clone(),
@@ -46,7 +46,7 @@ impl Endpoint {
 }
 
 /// One open side of a copy (one connection, or one file handle).
-pub enum Side {
+pub(crate) enum Side {
     File {
         file: File,
         path: PathBuf,
@@ -61,7 +61,7 @@ pub enum Side {
 }
 
 impl Side {
-    pub fn open_src(ep: &Endpoint, opts: &ClientOptions) -> Result<Side> {
+    pub(crate) fn open_src(ep: &Endpoint, opts: &ClientOptions) -> Result<Side> {
         match ep {
             Endpoint::Null => bail!("null: can only be a destination (it discards what it gets)"),
             Endpoint::Stdio => bail!("standard input is streamed, not opened as a side"),
@@ -83,7 +83,12 @@ impl Side {
 
     /// Opens the destination; `size` is the source size. `first`: this is the first handle
     /// (the one that prepares a local file).
-    pub fn open_dst(ep: &Endpoint, opts: &ClientOptions, size: u64, first: bool) -> Result<Side> {
+    pub(crate) fn open_dst(
+        ep: &Endpoint,
+        opts: &ClientOptions,
+        size: u64,
+        first: bool,
+    ) -> Result<Side> {
         match ep {
             Endpoint::Null => Ok(Side::Null { size }),
             Endpoint::Stdio => bail!("standard output is streamed, not opened as a side"),
@@ -133,7 +138,7 @@ impl Side {
     }
 
     /// An export gets `n` connections (a worker each); files and null: need nothing.
-    pub fn widen(&mut self, n: usize) -> Result<()> {
+    pub(crate) fn widen(&mut self, n: usize) -> Result<()> {
         let Side::Nbd(p) = self else {
             return Ok(());
         };
@@ -145,21 +150,21 @@ impl Side {
         Ok(())
     }
 
-    pub fn size(&self) -> u64 {
+    pub(crate) fn size(&self) -> u64 {
         match self {
             Side::File { size, .. } | Side::Null { size } => *size,
             Side::Nbd(p) => p.caps().size,
         }
     }
 
-    pub fn multi_conn(&self) -> bool {
+    pub(crate) fn multi_conn(&self) -> bool {
         match self {
             Side::File { .. } | Side::Null { .. } => true,
             Side::Nbd(p) => p.caps().multi_conn,
         }
     }
 
-    pub fn name(&self) -> String {
+    pub(crate) fn name(&self) -> String {
         match self {
             Side::File { path, .. } => path.display().to_string(),
             Side::Nbd(p) => p.uri().to_string(),
@@ -167,7 +172,7 @@ impl Side {
         }
     }
 
-    pub fn read(&mut self, off: u64, buf: &mut [u8]) -> Result<()> {
+    pub(crate) fn read(&mut self, off: u64, buf: &mut [u8]) -> Result<()> {
         match self {
             Side::File { file, path, .. } => file
                 .read_exact_at(buf, off)
@@ -181,7 +186,7 @@ impl Side {
 
     /// Reads `n` bytes at `off` into the start of the registered buffer: from an export, the
     /// NIC places the data there without a copy.
-    pub fn read_mr(&mut self, off: u64, mr: &MemoryRegion, n: usize) -> Result<()> {
+    pub(crate) fn read_mr(&mut self, off: u64, mr: &MemoryRegion, n: usize) -> Result<()> {
         match self {
             Side::Nbd(p) => p
                 .with(|c| c.read_at_mr(off, mr, 0, n))
@@ -193,7 +198,7 @@ impl Side {
 
     /// Writes the first `n` bytes of the registered buffer at `off`: to an export, the send
     /// WR points at the buffer, no copy.
-    pub fn write_mr(&mut self, off: u64, mr: &MemoryRegion, n: usize) -> Result<()> {
+    pub(crate) fn write_mr(&mut self, off: u64, mr: &MemoryRegion, n: usize) -> Result<()> {
         match self {
             Side::Nbd(p) => p
                 .with(|c| c.write_at_mr(off, mr, 0, n, false))
@@ -206,7 +211,7 @@ impl Side {
     /// As [`Self::write_mr`], but the ranges of `zeroes` (relative to `off`; the buffer holds
     /// zeroes there) are zeroed as [`Self::zero`] does, or left alone with `skip_zeroes` (the
     /// destination is known to read as zeroes there).
-    pub fn write_mr_zeroing(
+    pub(crate) fn write_mr_zeroing(
         &mut self,
         off: u64,
         mr: &MemoryRegion,
@@ -216,7 +221,10 @@ impl Side {
     ) -> Result<()> {
         if let Side::Nbd(p) = self {
             return p
-                .with(|c| c.write_at_mr_zeroing(off, mr, 0, n, zeroes, skip_zeroes))
+                .with(|c| {
+                    let from = MrSlice::new(mr, 0, n)?;
+                    c.write_from_zeroing(off, from, zeroes, skip_zeroes)
+                })
                 .with_context(|| format!("writing {} at {off}", p.uri()));
         }
         // SAFETY: the buffer is this worker's and no WR names it between its requests.
@@ -236,13 +244,13 @@ impl Side {
 
     /// Zeroes are to be written as data from now on (`--allocated`): a fresh local file no
     /// longer leaves all-zero granules as holes.
-    pub fn allocate_all(&mut self) {
+    pub(crate) fn allocate_all(&mut self) {
         if let Side::File { fresh, .. } = self {
             *fresh = false;
         }
     }
 
-    pub fn write(&mut self, off: u64, data: &[u8]) -> Result<()> {
+    pub(crate) fn write(&mut self, off: u64, data: &[u8]) -> Result<()> {
         match self {
             // A fresh sparse destination: all-zero granules stay holes (the source may not
             // report holes, or may have allocated zeroes).
@@ -274,7 +282,7 @@ impl Side {
     }
 
     /// Makes `len` bytes at `off` read as zeroes, without writing data where possible.
-    pub fn zero(&mut self, off: u64, len: u64) -> Result<()> {
+    pub(crate) fn zero(&mut self, off: u64, len: u64) -> Result<()> {
         match self {
             Side::File { fresh: true, .. } | Side::Null { .. } => Ok(()),
             Side::File { file, .. } => {
@@ -302,7 +310,7 @@ impl Side {
         }
     }
 
-    pub fn write_zero_bytes(&mut self, off: u64, len: u64) -> Result<()> {
+    pub(crate) fn write_zero_bytes(&mut self, off: u64, len: u64) -> Result<()> {
         let zeroes = vec![0u8; BATCH.min(len) as usize];
         let mut at = off;
         while at < off + len {
@@ -315,7 +323,7 @@ impl Side {
 
     /// The next extent from `off` (at most `len` bytes): (length, reads as zeroes). Without
     /// `extents` (no block status or SEEK_DATA), all of it is data.
-    pub fn extent(&mut self, off: u64, len: u64, extents: bool) -> Result<(u64, bool)> {
+    pub(crate) fn extent(&mut self, off: u64, len: u64, extents: bool) -> Result<(u64, bool)> {
         if !extents {
             return Ok((len, false));
         }
@@ -333,6 +341,7 @@ impl Side {
                 if data > off {
                     return Ok(((data - off).min(len), true));
                 }
+                // SAFETY: lseek on a descriptor this side owns; no memory is passed.
                 let hole = unsafe { libc::lseek(fd, off as libc::off_t, libc::SEEK_HOLE) };
                 let end = if hole < 0 { off + len } else { hole as u64 };
                 Ok(((end - off).clamp(1, len), false))
@@ -356,7 +365,7 @@ impl Side {
         }
     }
 
-    pub fn flush(&mut self) -> Result<()> {
+    pub(crate) fn flush(&mut self) -> Result<()> {
         match self {
             Side::File { file, path, .. } => file
                 .sync_all()
@@ -368,7 +377,7 @@ impl Side {
         }
     }
 
-    pub fn finish(self) -> Result<u64> {
+    pub(crate) fn finish(self) -> Result<u64> {
         match self {
             Side::File { .. } | Side::Null { .. } => Ok(0),
             // The workers share the pool: the last of them disconnects it.
@@ -394,7 +403,7 @@ fn connect(uri: &str, opts: &ClientOptions) -> Result<Pool> {
         .map_err(|e| crate::info::unknown_export(uri, e, opts, "connecting to"))
 }
 
-pub fn file_size(f: &File) -> std::io::Result<u64> {
+pub(crate) fn file_size(f: &File) -> std::io::Result<u64> {
     let md = f.metadata()?;
     if md.file_type().is_file() {
         return Ok(md.len());

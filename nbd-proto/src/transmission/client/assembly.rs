@@ -3,8 +3,8 @@
 //! check says — or, for READ data the transport already placed into the caller's registered
 //! memory, only checked to be where they belong.
 
-use crate::ProtoError;
 use crate::consts as c;
+use crate::error::ProtoError;
 use crate::peer_text::printable;
 use crate::transmission::client::reply_check::{ReplyCheck, ReplyError, Step, Unanswered};
 use crate::transmission::{Command, ErrorValue, Request};
@@ -92,9 +92,21 @@ pub enum Violation {
     PlacedElsewhere,
 }
 
+/// How far the framer is with a request's replies on the current connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Framing {
+    /// Not sent on this connection: nothing of the server's is framed or placed for it.
+    Unsent,
+    /// Sent: its replies are framed by its numbers, a READ's data placed in its memory.
+    Open,
+    /// The framer has seen its last reply message: nothing more goes into its memory,
+    /// whatever the server sends.
+    Closed,
+}
+
 /// A request in flight and its reply so far.
 #[derive(Debug)]
-pub(super) struct Entry<R> {
+pub(crate) struct Entry<R> {
     pub tag: u64,
     pub req: Request,
     pub slot: usize,
@@ -106,10 +118,12 @@ pub(super) struct Entry<R> {
     extents: Vec<Extent>,
     /// The server's first error, with its message.
     error: Option<Failed>,
+    /// Where the framer is with its replies.
+    pub framing: Framing,
 }
 
 impl<R: ReadTarget> Entry<R> {
-    pub fn new(tag: u64, req: Request, slot: usize, region: Option<R>) -> Self {
+    pub(crate) fn new(tag: u64, req: Request, slot: usize, region: Option<R>) -> Self {
         let data = if req.command == Command::Read && region.is_none() {
             vec![0; req.length as usize]
         } else {
@@ -124,16 +138,17 @@ impl<R: ReadTarget> Entry<R> {
             check: ReplyCheck::new(&req),
             extents: Vec::new(),
             error: None,
+            framing: Framing::Unsent,
         }
     }
 
     /// A READ whose data the transport places into the caller's memory.
-    pub fn places_data(&self) -> bool {
+    pub(crate) fn places_data(&self) -> bool {
         self.req.command == Command::Read && self.region.is_some()
     }
 
     /// Carries out what the reply check accepted; `payload` is the message after its header.
-    pub fn apply(&mut self, step: Step, payload: &[u8]) {
+    pub(crate) fn apply(&mut self, step: Step, payload: &[u8]) {
         match step {
             Step::Data { src, dst } => match &self.region {
                 Some(r) => r.write_at(dst.start, &payload[src]),
@@ -160,22 +175,23 @@ impl<R: ReadTarget> Entry<R> {
     }
 
     /// Forgets the reply so far: the request goes again on a new connection.
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         if self.req.command == Command::Read {
             self.data.iter_mut().for_each(|b| *b = 0);
         }
         self.check.restart();
         self.extents.clear();
         self.error = None;
+        self.framing = Framing::Unsent;
     }
 
     /// The server refused the request with ESHUTDOWN: it was not carried out.
-    pub fn refused_for_shutdown(&self) -> bool {
+    pub(crate) fn refused_for_shutdown(&self) -> bool {
         self.check.finish() == Err(Unanswered::Server(ErrorValue::Shutdown))
     }
 
     /// The request's outcome, once its reply is complete.
-    pub fn outcome(self) -> Result<Output, Failed> {
+    pub(crate) fn outcome(self) -> Result<Output, Failed> {
         match self.check.finish() {
             Err(Unanswered::Server(error)) => Err(self.error.unwrap_or(Failed::Server {
                 error,

@@ -20,8 +20,7 @@ pub mod assembly;
 pub mod checks;
 pub mod liveness;
 pub mod reply_check;
-
-use std::collections::HashMap;
+mod table;
 
 use crate::consts as c;
 use crate::flags::CmdFlags;
@@ -30,10 +29,12 @@ use crate::reply::{SimpleReply, StructuredReplyHeader};
 use crate::transmission::client::reply_check::Step;
 use crate::transmission::{Command, Request, RequestHeader};
 
-use assembly::Entry;
+use assembly::{Entry, Framing};
 pub use assembly::{Extent, Failed, Mode, Output, ReadTarget, Violation};
 pub use checks::{Limits, Refused, Submission};
 pub use liveness::{Liveness, Stall};
+pub use table::InFlight;
+use table::Table;
 
 /// A request the session took: its cookie and the send slot its header (and a copied WRITE
 /// payload) occupy until it is answered.
@@ -45,22 +46,9 @@ pub struct Started {
     pub slot: usize,
 }
 
-/// A READ the transport's framer must know about to frame or place its reply.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FramedRead {
-    /// The read's offset.
-    pub offset: u64,
-    /// The read's length.
-    pub length: u32,
-    /// Answered by a simple reply (its data length is the read's).
-    pub simple: bool,
-    /// The data go straight into the caller's memory.
-    pub placed: bool,
-}
-
 /// What to send for one request on the current connection.
 #[derive(Debug)]
-pub struct Outgoing<'a, R> {
+pub struct Outgoing<R> {
     /// The request's command.
     pub command: Command,
     /// The request header (compact or extended).
@@ -69,12 +57,8 @@ pub struct Outgoing<'a, R> {
     pub payload_len: usize,
     /// The request's send slot.
     pub slot: usize,
-    /// The caller's memory the request reads into or writes from, if any.
-    pub region: Option<&'a R>,
-    /// Tell the framer about this read before the request goes out (every READ: the framer
-    /// needs simple reads' lengths, placed reads' buffers, and every read's range to refuse
-    /// a data chunk that runs past it before waiting for its data).
-    pub read: Option<FramedRead>,
+    /// The caller's memory a WRITE's payload is sent from, if it has one.
+    pub region: Option<R>,
 }
 
 /// A finished request.
@@ -105,7 +89,8 @@ pub struct ClientSession<R> {
     mode: Mode,
     window: usize,
     free_slots: Vec<usize>,
-    inflight: HashMap<u64, Entry<R>>,
+    /// The requests in flight, shared with the transport's framer ([`InFlight::frame`]).
+    inflight: InFlight<R>,
     next_cookie: u64,
     bytes_placed: u64,
 }
@@ -121,11 +106,24 @@ impl Mode {
     }
 }
 
-impl<R: ReadTarget> ClientSession<R> {
+impl<R: ReadTarget + Clone> ClientSession<R> {
     /// A session on the export `neg` negotiated, with READs and WRITEs of at most `max_io`
     /// bytes and at most `window` requests in flight.
     pub fn new(neg: &ClientNegotiated, max_io: u32, window: usize) -> Self {
+        Self::with_table(neg, max_io, window, InFlight::new())
+    }
+
+    /// As [`Self::new`], keeping its requests in `inflight`: the table the transport's
+    /// framer was given before the handshake ended ([`InFlight::frame`]).
+    pub fn with_table(
+        neg: &ClientNegotiated,
+        max_io: u32,
+        window: usize,
+        inflight: InFlight<R>,
+    ) -> Self {
         let export = &neg.export;
+        let mode = Mode::of(neg);
+        inflight.lock().restart(mode.structured);
         ClientSession {
             limits: Limits {
                 size: export.size,
@@ -134,13 +132,18 @@ impl<R: ReadTarget> ClientSession<R> {
                 max_io,
                 block_status: neg.base_allocation.is_some(),
             },
-            mode: Mode::of(neg),
+            mode,
             window,
             free_slots: (0..window).rev().collect(),
-            inflight: HashMap::new(),
+            inflight,
             next_cookie: 1,
             bytes_placed: 0,
         }
+    }
+
+    /// The table of requests in flight, for the transport's framer.
+    pub fn table(&self) -> &InFlight<R> {
+        &self.inflight
     }
 
     /// What requests may ask of the export.
@@ -166,7 +169,7 @@ impl<R: ReadTarget> ClientSession<R> {
 
     /// Requests in flight.
     pub fn in_flight(&self) -> usize {
-        self.inflight.len()
+        self.window - self.free_slots.len()
     }
 
     /// A request can start now (the window is not full).
@@ -178,15 +181,17 @@ impl<R: ReadTarget> ClientSession<R> {
     /// still wait on.
     pub fn data_in_flight(&self) -> u64 {
         self.inflight
+            .lock()
+            .entries
             .values()
             .filter(|e| matches!(e.req.command, Command::Read | Command::Write))
             .map(|e| e.req.length)
             .sum()
     }
 
-    /// The tags of the requests in flight.
-    pub fn tags(&self) -> impl Iterator<Item = u64> + '_ {
-        self.inflight.values().map(|e| e.tag)
+    /// Some request in flight has a tag for which `f` holds.
+    pub fn any_tag(&self, mut f: impl FnMut(u64) -> bool) -> bool {
+        self.inflight.lock().entries.values().any(|e| f(e.tag))
     }
 
     /// Bytes of READ data the transport placed straight into callers' memory.
@@ -198,7 +203,11 @@ impl<R: ReadTarget> ClientSession<R> {
     /// connection the transport must confirm that it stopped writing there before such a
     /// read is reissued or failed.
     pub fn places_data(&self) -> bool {
-        self.inflight.values().any(Entry::places_data)
+        self.inflight
+            .lock()
+            .entries
+            .values()
+            .any(Entry::places_data)
     }
 
     /// Takes `req` (checked by [`Limits::check`]) in flight under `tag`. `region` is the
@@ -216,6 +225,8 @@ impl<R: ReadTarget> ClientSession<R> {
         req.cookie = self.next_cookie;
         self.next_cookie += 1;
         self.inflight
+            .lock()
+            .entries
             .insert(req.cookie, Entry::new(tag, req, slot, region));
         Ok(Started {
             cookie: req.cookie,
@@ -224,11 +235,14 @@ impl<R: ReadTarget> ClientSession<R> {
     }
 
     /// What to send for request `cookie` on the current connection (its header style may
-    /// have changed with a reconnect).
-    pub fn outgoing(&self, cookie: u64) -> Result<Outgoing<'_, R>, Refused> {
-        let entry = self
-            .inflight
-            .get(&cookie)
+    /// have changed with a reconnect). From now on the framer frames the request's replies
+    /// by its numbers (and places a READ's data in its memory): call it right before the
+    /// request goes out.
+    pub fn outgoing(&self, cookie: u64) -> Result<Outgoing<R>, Refused> {
+        let mut table = self.inflight.lock();
+        let entry = table
+            .entries
+            .get_mut(&cookie)
             .ok_or(Refused::Invalid("no such request in flight"))?;
         let extended = self.mode.extended;
         let mut req = entry.req;
@@ -239,19 +253,17 @@ impl<R: ReadTarget> ClientSession<R> {
         let header = req
             .encode(extended)
             .map_err(|_| Refused::Invalid("request too long for compact headers"))?;
+        entry.framing = Framing::Open;
         Ok(Outgoing {
             command: req.command,
             header,
             payload_len: req.payload_len(extended) as usize,
             slot: entry.slot,
-            region: entry.region.as_ref(),
-            read: (req.command == Command::Read).then_some(FramedRead {
-                offset: req.offset,
-                // reads are at most max_io bytes
-                length: req.length as u32,
-                simple: !self.mode.structured,
-                placed: entry.region.is_some() && req.length > 0,
-            }),
+            region: entry
+                .region
+                .as_ref()
+                .filter(|_| req.command == Command::Write)
+                .cloned(),
         })
     }
 
@@ -271,13 +283,15 @@ impl<R: ReadTarget> ClientSession<R> {
         } else {
             c::STRUCTURED_REPLY_MAGIC
         };
+        let inflight = self.inflight.clone();
+        let mut table = inflight.lock();
         if !extended && magic == Some(c::SIMPLE_REPLY_MAGIC) {
             let r = SimpleReply::parse(msg)?;
             let payload = &msg[c::SIMPLE_REPLY_LEN..];
-            let entry = self.entry(r.cookie)?;
+            let entry = table.entry(r.cookie)?;
             let accepted = entry.check.simple(&r, payload.len())?;
             entry.apply(accepted.step, payload);
-            Ok(self.delivered(r.cookie, accepted.done))
+            Ok(self.delivered(&mut table, r.cookie, accepted.done))
         } else if structured && magic == Some(chunk_magic) {
             let h = StructuredReplyHeader::parse_as(msg, extended)?;
             let payload = &msg[h.header_len()..];
@@ -287,10 +301,10 @@ impl<R: ReadTarget> ClientSession<R> {
                     has: payload.len(),
                 });
             }
-            let entry = self.entry(h.cookie)?;
+            let entry = table.entry(h.cookie)?;
             let accepted = entry.check.chunk(&h, payload, allocation_ctx)?;
             entry.apply(accepted.step, payload);
-            Ok(self.delivered(h.cookie, accepted.done))
+            Ok(self.delivered(&mut table, h.cookie, accepted.done))
         } else {
             Err(match magic {
                 Some(m) => Violation::UnknownMagic(m),
@@ -300,9 +314,9 @@ impl<R: ReadTarget> ClientSession<R> {
     }
 
     /// Handles a reply whose READ data (`placed` bytes) the transport put into the
-    /// request's memory where [`crate::framing::client_data_at`] said; `header` is the rest
-    /// of the message (its header, and a chunk's offset). The same checks as a message
-    /// delivered whole, and the data must be where the checks say they belong.
+    /// request's memory where [`InFlight::frame`] said; `header` is the rest of the message
+    /// (its header, and a chunk's offset). The same checks as a message delivered whole, and
+    /// the data must be where the checks say they belong.
     pub fn on_placed_message(
         &mut self,
         header: &[u8],
@@ -310,6 +324,8 @@ impl<R: ReadTarget> ClientSession<R> {
     ) -> Result<Delivered, Violation> {
         let header = &header[..header.len().min(c::EXTENDED_REPLY_HEADER_LEN + 8)];
         let simple = header.first_chunk::<4>() == Some(&c::SIMPLE_REPLY_MAGIC.to_be_bytes());
+        let inflight = self.inflight.clone();
+        let mut table = inflight.lock();
         let (cookie, accepted, at) = if !simple {
             let h = StructuredReplyHeader::parse_as(header, self.mode.extended)?;
             let offset = header
@@ -317,42 +333,36 @@ impl<R: ReadTarget> ClientSession<R> {
                 .and_then(|p| p.first_chunk::<8>())
                 .map(|o| u64::from_be_bytes(*o))
                 .ok_or(Violation::PlacedWithoutOffset)?;
-            let entry = self.entry(h.cookie)?;
+            let entry = table.entry(h.cookie)?;
             let at = offset.wrapping_sub(entry.req.offset) as usize;
             let accepted = entry.check.placed_chunk(&h, offset, placed)?;
             (h.cookie, accepted, at)
         } else {
             let r = SimpleReply::parse(header)?;
-            let accepted = self.entry(r.cookie)?.check.simple(&r, placed)?;
+            let accepted = table.entry(r.cookie)?.check.simple(&r, placed)?;
             (r.cookie, accepted, 0)
         };
-        let entry = self.entry(cookie)?;
+        let entry = table.entry(cookie)?;
         match (&accepted.step, &entry.region) {
             (Step::Data { dst, .. }, Some(_)) if dst.start == at && dst.len() == placed => {}
             _ => return Err(Violation::PlacedElsewhere),
         }
         self.bytes_placed += placed as u64;
-        Ok(self.delivered(cookie, accepted.done))
+        Ok(self.delivered(&mut table, cookie, accepted.done))
     }
 
-    fn entry(&mut self, cookie: u64) -> Result<&mut Entry<R>, Violation> {
-        self.inflight
-            .get_mut(&cookie)
-            .ok_or(Violation::UnknownCookie(cookie))
-    }
-
-    fn delivered(&mut self, cookie: u64, done: bool) -> Delivered {
+    fn delivered(&mut self, table: &mut Table<R>, cookie: u64, done: bool) -> Delivered {
         if !done {
             return Delivered::Partial;
         }
-        if self
-            .inflight
+        if table
+            .entries
             .get(&cookie)
             .is_some_and(Entry::refused_for_shutdown)
         {
             return Delivered::ShuttingDown;
         }
-        let Some(entry) = self.inflight.remove(&cookie) else {
+        let Some(entry) = table.entries.remove(&cookie) else {
             return Delivered::Partial;
         };
         self.free_slots.push(entry.slot);
@@ -367,8 +377,9 @@ impl<R: ReadTarget> ClientSession<R> {
     pub fn reissue(&mut self, mode: Mode) -> Vec<u64> {
         self.mode = mode;
         self.limits.block_status = mode.allocation_ctx.is_some();
-        self.inflight.values_mut().for_each(Entry::reset);
-        let mut cookies: Vec<u64> = self.inflight.keys().copied().collect();
+        let mut table = self.inflight.lock();
+        table.restart(mode.structured);
+        let mut cookies: Vec<u64> = table.entries.keys().copied().collect();
         cookies.sort_unstable();
         cookies
     }
@@ -376,8 +387,9 @@ impl<R: ReadTarget> ClientSession<R> {
     /// Ends every request in flight unanswered (the server is lost for good); returns their
     /// tags.
     pub fn abandon_all(&mut self) -> Vec<u64> {
-        let mut tags = Vec::with_capacity(self.inflight.len());
-        for (_, entry) in self.inflight.drain() {
+        let mut table = self.inflight.lock();
+        let mut tags = Vec::with_capacity(table.entries.len());
+        for (_, entry) in table.entries.drain() {
             self.free_slots.push(entry.slot);
             tags.push(entry.tag);
         }

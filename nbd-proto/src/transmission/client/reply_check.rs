@@ -13,9 +13,9 @@
 
 use std::ops::Range;
 
-use crate::ProtoError;
 use crate::consts as c;
 use crate::coverage::{ChunkError, ReadCoverage};
+use crate::error::ProtoError;
 use crate::reply::{Chunk, SimpleReply, StructuredReplyHeader};
 use crate::transmission::{Command, ErrorValue, Request};
 

@@ -83,15 +83,7 @@ fn simple_replies_answer_a_read_and_a_flush() {
     let r = read(&mut s, 7, 4096, 512, None);
     let out = s.outgoing(r.cookie).unwrap();
     assert_eq!(out.header.len(), c::REQUEST_LEN);
-    assert_eq!(
-        out.read,
-        Some(FramedRead {
-            offset: 4096,
-            length: 512,
-            simple: true,
-            placed: false
-        })
-    );
+    assert!(out.region.is_none());
     let data = pattern(512, 1);
     let mut msg = SimpleReply::ok(r.cookie).encode().to_vec();
     msg.extend_from_slice(&data);
@@ -114,7 +106,7 @@ fn simple_replies_answer_a_read_and_a_flush() {
         .unwrap();
     assert_eq!((req.offset, req.length), (0, 0));
     let f = s.start(8, req, None).unwrap();
-    assert!(s.outgoing(f.cookie).unwrap().read.is_none());
+    assert_eq!(s.outgoing(f.cookie).unwrap().command, Command::Flush);
     let err = SimpleReply::err(f.cookie, ErrorValue::Io).encode();
     let f = finished(s.on_message(&err).unwrap());
     assert_eq!(
@@ -314,16 +306,21 @@ fn placed_reads_are_framed_and_reported() {
     let mem = Mem(Rc::new(RefCell::new(vec![0; 4096])));
     let r = read(&mut s, 3, 8192, 4096, Some(mem));
     assert!(s.places_data());
-    let out = s.outgoing(r.cookie).unwrap();
-    assert!(out.region.is_some());
+    // A READ's region is where its data go, not something to send.
+    assert!(s.outgoing(r.cookie).unwrap().region.is_none());
+    let chunk = offset_data_header(ReplyTo::from(r.cookie), true, 8192 + 1024, 2048).unwrap();
+    let framed = s.table().frame(
+        crate::framing::ClientPhase::Transmission,
+        &chunk,
+        &crate::framing::FrameLimits::default(),
+        |_, at, len| (at, len),
+    );
     assert_eq!(
-        out.read,
-        Some(FramedRead {
-            offset: 8192,
-            length: 4096,
-            simple: false,
-            placed: true
-        })
+        framed,
+        crate::placement::client::ClientFrame::MessageAt {
+            header_len: c::STRUCTURED_REPLY_HEADER_LEN + 8,
+            body: (1024, 2048)
+        }
     );
 }
 

@@ -32,7 +32,7 @@ use qpip_cli::logging::LogArgs;
         qpip-nbd-server -x disk -D 'the main disk' disk.img   (qemu-nbd's form)\n  \
         qemu-img info nbd://127.0.0.1/disk"
 )]
-pub struct Cli {
+pub(crate) struct Cli {
     /// Address to listen on: ADDR:PORT (IPv6 in brackets), HOST:PORT, HOST (port 10809) or a
     /// bare PORT (the default addresses); repeat for several. Default: [::1]:10809 and
     /// 127.0.0.1:10809; with --backend lanai, the node's fabric address,
@@ -235,7 +235,7 @@ pub struct Cli {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum DiscardArg {
+pub(crate) enum DiscardArg {
     /// TRIM is accepted and does nothing.
     #[value(alias = "off")]
     Ignore,
@@ -245,14 +245,14 @@ pub enum DiscardArg {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum DetectZeroesArg {
+pub(crate) enum DetectZeroesArg {
     Off,
     On,
     Unmap,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum TlsArg {
+pub(crate) enum TlsArg {
     Off,
     On,
     Require,

@@ -11,7 +11,12 @@ use qpip_core::Endpoint;
 /// Starts `sh -c CMD` with $uri (and $nbd) naming `export` at the first IPv4 address served
 /// (else the first IPv6 one), and $port; with only a Unix socket, its nbd+unix URI and
 /// $unixsocket.
-pub fn spawn(cmd: &str, addrs: &[Endpoint], socket: Option<&Path>, export: &str) -> Result<Child> {
+pub(crate) fn spawn(
+    cmd: &str,
+    addrs: &[Endpoint],
+    socket: Option<&Path>,
+    export: &str,
+) -> Result<Child> {
     let ip = addrs.iter().filter_map(|e| match e {
         Endpoint::Ip(a) => Some(*a),
         Endpoint::Unix(_) => None,
@@ -44,7 +49,7 @@ pub fn spawn(cmd: &str, addrs: &[Endpoint], socket: Option<&Path>, export: &str)
 }
 
 /// The exit status a shell would report for the command.
-pub fn exit_code(status: std::process::ExitStatus) -> i32 {
+pub(crate) fn exit_code(status: std::process::ExitStatus) -> i32 {
     status
         .code()
         .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
@@ -52,7 +57,7 @@ pub fn exit_code(status: std::process::ExitStatus) -> i32 {
 
 /// After the server stopped: a command still running (a signal stopped the server first)
 /// gets SIGTERM too, and its status is the exit status; else `code`.
-pub fn finish(child: Option<Child>, code: i32) -> i32 {
+pub(crate) fn finish(child: Option<Child>, code: i32) -> i32 {
     let Some(mut child) = child else {
         return code;
     };

@@ -7,11 +7,11 @@ use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 
 /// The NBD port registered with IANA.
-pub const DEFAULT_PORT: u16 = 10809;
+pub(crate) const DEFAULT_PORT: u16 = 10809;
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
-pub struct ExportConfig {
+pub(crate) struct ExportConfig {
     pub name: String,
     pub path: PathBuf,
     #[serde(default)]
@@ -34,7 +34,7 @@ pub struct ExportConfig {
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq, Default)]
 #[serde(deny_unknown_fields)]
-pub struct Config {
+pub(crate) struct Config {
     #[serde(default)]
     pub listen: Vec<String>,
     #[serde(default, rename = "export")]
@@ -59,7 +59,7 @@ pub struct Config {
 }
 
 impl Config {
-    pub fn load(path: &Path) -> Result<Config> {
+    pub(crate) fn load(path: &Path) -> Result<Config> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading config {}", path.display()))?;
         toml::from_str(&text).with_context(|| format!("parsing config {}", path.display()))
@@ -67,7 +67,7 @@ impl Config {
 }
 
 /// The addresses served when none is given: loopback only, IPv6 and IPv4.
-pub fn default_listen(port: u16) -> Vec<SocketAddr> {
+pub(crate) fn default_listen(port: u16) -> Vec<SocketAddr> {
     vec![
         SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port)),
         SocketAddr::from(([127, 0, 0, 1], port)),
@@ -77,7 +77,7 @@ pub fn default_listen(port: u16) -> Vec<SocketAddr> {
 /// Parses a listen address: `ADDR:PORT` (IPv6 in brackets), `ADDR`, `HOST:PORT` or `HOST`
 /// (every address the name resolves to), or a bare `PORT` (the default loopback addresses).
 /// The port is 10809 where none is given.
-pub fn parse_listen(s: &str) -> Result<Vec<SocketAddr>> {
+pub(crate) fn parse_listen(s: &str) -> Result<Vec<SocketAddr>> {
     if let Ok(a) = s.parse::<SocketAddr>() {
         return Ok(vec![a]);
     }
@@ -115,7 +115,7 @@ pub fn parse_listen(s: &str) -> Result<Vec<SocketAddr>> {
 }
 
 /// Parses a size: bytes, or a number with K, M, G or T (powers of 1024).
-pub fn parse_size(s: &str) -> Result<u64> {
+pub(crate) fn parse_size(s: &str) -> Result<u64> {
     let t = s.trim();
     let (num, mult) = match t.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
         Some((i, _)) => {

@@ -15,7 +15,7 @@ const LISTEN_FDS_START: i32 = 3;
 /// The listening sockets passed by systemd socket activation (LISTEN_PID is us, LISTEN_FDS
 /// counts them from fd 3), or None when the server was not socket-activated. The variables
 /// are removed, so that children (`--run`) do not take the sockets for theirs.
-pub fn socket_activation() -> Result<Option<Vec<OwnedFd>>> {
+pub(crate) fn socket_activation() -> Result<Option<Vec<OwnedFd>>> {
     let (Ok(pid), Ok(n)) = (std::env::var("LISTEN_PID"), std::env::var("LISTEN_FDS")) else {
         return Ok(None);
     };
@@ -72,7 +72,7 @@ pub fn socket_activation() -> Result<Option<Vec<OwnedFd>>> {
 /// The parent's side of `--fork`: it waits until the server says it is ready, then exits 0;
 /// if the server fails first, it exits with the server's status (whose error is already on
 /// stderr). The child's side: a [`Readiness`] to signal with.
-pub fn fork() -> Result<Readiness> {
+pub(crate) fn fork() -> Result<Readiness> {
     let mut fds = [0; 2];
     // SAFETY: pipe2 into a local array.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
@@ -110,7 +110,7 @@ pub fn fork() -> Result<Readiness> {
 }
 
 /// Tells a waiting `--fork` parent that the server is ready.
-pub struct Readiness {
+pub(crate) struct Readiness {
     pipe: Option<File>,
 }
 
@@ -118,7 +118,7 @@ impl Readiness {
     /// The server is serving: release the parent, and detach from its stdin and stdout (and
     /// from stderr if it is a pipe, which would hold a caller's `$(...)` open; a terminal or a
     /// log file keeps getting the log).
-    pub fn ready(&mut self) {
+    pub(crate) fn ready(&mut self) {
         let Some(mut pipe) = self.pipe.take() else {
             return;
         };
@@ -145,7 +145,7 @@ impl Readiness {
 }
 
 /// `--exit-with-parent`: SIGTERM (a graceful shutdown) when the parent process exits.
-pub fn exit_with_parent() -> Result<()> {
+pub(crate) fn exit_with_parent() -> Result<()> {
     // SAFETY: the process's own parent at this moment.
     let parent = unsafe { libc::getppid() };
     // SAFETY: prctl with plain integer arguments.
@@ -169,13 +169,13 @@ pub fn exit_with_parent() -> Result<()> {
 }
 
 /// A pid file, removed when dropped (at a clean exit).
-pub struct PidFile(PathBuf);
+pub(crate) struct PidFile(PathBuf);
 
 impl PidFile {
     /// Writes our pid to `path` (through a new temporary file of an unguessable name and a
     /// rename, so a reader never sees it half written and a symlink planted in the directory
     /// is never written through).
-    pub fn write(path: &Path) -> Result<PidFile> {
+    pub(crate) fn write(path: &Path) -> Result<PidFile> {
         qpip_cli::files::write_pid_file(path)
             .with_context(|| format!("--pid-file {}", path.display()))?;
         Ok(PidFile(path.to_owned()))

@@ -19,7 +19,7 @@ const DEMO_SIZE: u64 = 64 << 20;
 
 /// Opens every export's store and registers it with the NIC. An export whose file is in a
 /// format the server does not serve is left out with an error line, unless none is left.
-pub fn open_all(nic: &Nic, cli: &Cli, settings: &Settings) -> Result<Vec<Arc<Export>>> {
+pub(crate) fn open_all(nic: &Nic, cli: &Cli, settings: &Settings) -> Result<Vec<Arc<Export>>> {
     let mut opener = Opener::new(CephOptions {
         conf: cli.ceph_conf.clone(),
         id: cli.ceph_id.clone(),
@@ -70,7 +70,7 @@ pub fn open_all(nic: &Nic, cli: &Cli, settings: &Settings) -> Result<Vec<Arc<Exp
 }
 
 /// --offset, --discard and --detect-zeroes, checked before any image is opened.
-pub fn view_options(cli: &Cli) -> Result<ViewOptions> {
+pub(crate) fn view_options(cli: &Cli) -> Result<ViewOptions> {
     let opts = ViewOptions {
         offset: match cli.offset.as_deref() {
             Some(o) => parse_size(o).context("--offset")?,

@@ -10,7 +10,7 @@ use crate::args::{Cli, EncryptionArg};
 use crate::config::{self, Config, ExportConfig, parse_listen};
 
 /// The configuration with the flags applied.
-pub struct Settings {
+pub(crate) struct Settings {
     /// The file's settings, the flags' exports, addresses and default export added.
     pub cfg: Config,
     /// No export was given: the demo image is served as export "demo".
@@ -22,7 +22,7 @@ pub struct Settings {
 }
 
 impl Settings {
-    pub fn merge(cli: &Cli) -> Result<Settings> {
+    pub(crate) fn merge(cli: &Cli) -> Result<Settings> {
         let mut cfg = match &cli.config {
             Some(path) => Config::load(path)?,
             None => Config::default(),

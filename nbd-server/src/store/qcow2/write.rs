@@ -10,6 +10,7 @@ use super::header::INCOMPAT_CORRUPT;
 use super::{COPIED, Cluster, OFFSET_MASK, Qcow2, State, ZERO, check_range, read_table, read_u64};
 
 impl Qcow2 {
+    /// Writes `data` at `offset` of the virtual disk, allocating clusters (and copying on write) as needed.
     pub fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
         check_range(offset, data.len() as u64, self.size)?;
         let mut st = self.state.lock();

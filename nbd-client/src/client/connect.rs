@@ -2,25 +2,27 @@
 //! with the options the caller asked for, and what the export's limits make of them.
 
 use std::collections::VecDeque;
-use std::time::Instant;
 
 use nbd_proto::consts as c;
 use nbd_proto::handshake::{
     ClientConfig, ClientError, ClientEvent, ClientHandshake, ExportListing,
 };
-use nbd_proto::transmission::client::{ClientSession, Liveness};
-use qpip_core::{Access, Nic};
+use nbd_proto::transmission::client::ClientSession;
+use qpip_core::Nic;
 
-use crate::client::{Client, ClientOptions, ExportInfo};
+use super::link::Link;
+use super::recovery::Recovery;
+use super::{Client, ClientOptions, ExportInfo};
 use crate::conn::{Conn, MAX_IO, MAX_WINDOW};
 use crate::error::{Error, Result};
+use crate::framer::Reads;
 use crate::uri::NbdUri;
 
 /// The largest export the client accepts: offsets are `off_t` (signed 64-bit) in every file
 /// and block device API.
 const MAX_EXPORT_SIZE: u64 = i64::MAX as u64;
 
-pub(crate) fn round_down(v: u64, to: u64) -> u64 {
+pub(super) fn round_down(v: u64, to: u64) -> u64 {
     v - v % to.max(1)
 }
 
@@ -40,9 +42,11 @@ impl Client {
             Some(n) => n.clone(),
             None => Nic::soft()?,
         };
+        let reads = Reads::new();
         let (conn, ev) = Conn::open(
             &nic,
             &uri,
+            &reads,
             ClientHandshake::connect(Self::config(&uri, &opts)),
             opts.connect_timeout,
         )?;
@@ -69,27 +73,19 @@ impl Client {
             .min(MAX_IO as u64)
             .min(opts.max_request.map_or(u64::MAX, u64::from));
         let max_io = round_down(max, u64::from(bs.min)).max(u64::from(bs.min)) as u32;
-        let slot_len = c::EXTENDED_REQUEST_LEN + max_io as usize;
-        let send_mr = nic.alloc_region(opts.window * slot_len, Access::READ);
         tracing::debug!(%uri, ?info, structured = neg.structured_replies, extended = neg.extended_headers, "connected");
         Ok(Client {
-            session: ClientSession::new(&neg, max_io, opts.window),
-            liveness: Liveness::new(Instant::now(), opts.request_timeout, opts.reconnect_timeout),
-            uri,
-            nic,
-            conn: Some(conn),
-            info,
-            send_mr,
-            slot_len,
+            link: Link::new(nic, conn, opts.window, max_io),
+            session: ClientSession::with_table(&neg, max_io, opts.window, reads),
+            recovery: Recovery::new(opts.request_timeout, opts.reconnect_timeout),
             done: VecDeque::new(),
-            failed: None,
-            reconnects: 0,
-            shutting_down: false,
+            uri,
+            info,
             opts,
         })
     }
 
-    pub(crate) fn config(uri: &NbdUri, opts: &ClientOptions) -> ClientConfig {
+    pub(super) fn config(uri: &NbdUri, opts: &ClientOptions) -> ClientConfig {
         let mut cfg = ClientConfig::new(uri.export.clone());
         cfg.structured_replies = opts.structured_replies;
         cfg.tls = uri.tls.is_some();
@@ -111,7 +107,7 @@ impl Client {
             None => Nic::soft()?,
         };
         let hs = ClientHandshake::info(Self::config(&parsed, opts));
-        match Conn::open(&nic, &parsed, hs, opts.connect_timeout) {
+        match Conn::open(&nic, &parsed, &Reads::new(), hs, opts.connect_timeout) {
             Ok((_, ClientEvent::Info(d))) => Ok(*d),
             Ok(_) => Err(Error::Protocol {
                 uri: parsed.to_string(),
@@ -185,7 +181,7 @@ impl Client {
             None => Nic::soft()?,
         };
         let hs = ClientHandshake::list_with(Self::config(&parsed, opts));
-        match Conn::open(&nic, &parsed, hs, opts.connect_timeout)? {
+        match Conn::open(&nic, &parsed, &Reads::new(), hs, opts.connect_timeout)? {
             (_, ClientEvent::Listed(v)) => Ok(v),
             _ => Err(Error::Protocol {
                 uri: parsed.to_string(),

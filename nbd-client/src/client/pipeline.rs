@@ -2,45 +2,21 @@
 //! WRITE from registered memory, the caller's region); every completion is handed to the
 //! session, whose finished requests queue up for [`Client::reap`].
 
-use std::time::{Duration, Instant};
-
-use nbd_proto::consts as c;
 use nbd_proto::transmission::client::{Delivered, Failed, Stall, Submission};
 use nbd_proto::transmission::{Command, Request};
-use qpip_core::{Completion, MemoryRegion, Opcode, SendWr, WcStatus};
+use qpip_core::{Completion, Opcode, WcStatus};
 
-use crate::client::{Client, Failure, Op, Region, Reply, STOP_GRACE};
-use crate::conn::{RECV_BIT, RECV_SLOT};
+use super::recovery::Failure;
+use super::{Client, Op, Reply, STOP_GRACE};
+use crate::conn::RECV_BIT;
 use crate::error::{Error, Result};
-use crate::framer::PendingRead;
-
-/// Above this much READ/WRITE data in flight a blocking wait sleeps on the CQ at once instead
-/// of spinning first: at loopback speeds (a few GB/s) 64 KiB plus a round trip fit in the
-/// CQ's default 50 µs window, a 1 MiB request does not, and spinning through its transfer
-/// only takes the core from the threads doing it (measured in BENCHMARKS.md, *The whole
-/// path*).
-const SPIN_MAX_DATA: u64 = 64 << 10;
 
 /// Tags of requests the blocking calls issue for themselves.
-pub(crate) const INTERNAL: u64 = 1 << 63;
+pub(super) const INTERNAL: u64 = 1 << 63;
 
-/// `len` bytes at `offset` of a receive region, read in place.
-///
-/// # Safety
-/// The bytes must belong to a receive WR that has completed and is not posted again while
-/// the slice lives, so that the NIC does not write them meanwhile.
-unsafe fn completed_bytes(region: &MemoryRegion, offset: usize, len: usize) -> &[u8] {
-    assert!(
-        offset.checked_add(len).is_some_and(|e| e <= region.len()),
-        "receive bytes out of bounds"
-    );
-    // SAFETY: in bounds (checked above); the caller guarantees nothing writes them.
-    unsafe { std::slice::from_raw_parts(region.as_ptr().add(offset), len) }
-}
-
-/// `len` bytes of `mr` from `at` lie inside it.
-fn inside(mr: &MemoryRegion, at: usize, len: u32) -> bool {
-    at.checked_add(len as usize).is_some_and(|e| e <= mr.len())
+/// A READ or WRITE length, which a request header holds in 32 bits.
+fn length(len: usize) -> Result<u32> {
+    u32::try_from(len).map_err(|_| Error::Invalid("request too long"))
 }
 
 impl Client {
@@ -48,38 +24,16 @@ impl Client {
     fn check_op(&self, op: &Op) -> Result<Request> {
         let (command, offset, length, fua) = match *op {
             Op::Read { offset, len } => (Command::Read, offset, len, false),
-            Op::Write { offset, data, fua } => {
-                let len =
-                    u32::try_from(data.len()).map_err(|_| Error::Invalid("write too long"))?;
-                (Command::Write, offset, len, fua)
-            }
+            Op::Write { offset, data, fua } => (Command::Write, offset, length(data.len())?, fua),
             Op::Flush => (Command::Flush, 0, 0, false),
             Op::Trim { offset, len } => (Command::Trim, offset, len, false),
             Op::WriteZeroes { offset, len, fua } => (Command::WriteZeroes, offset, len, fua),
             Op::BlockStatus { offset, len } => (Command::BlockStatus, offset, len, false),
             Op::Resize { size } => (Command::Resize, size, 0, false),
-            Op::ReadInto {
-                offset,
-                len,
-                mr,
-                at,
-            } => {
-                if !inside(mr, at, len) {
-                    return Err(Error::Invalid("read buffer outside its region"));
-                }
-                (Command::Read, offset, len, false)
-            }
-            Op::WriteFrom {
-                offset,
-                len,
-                mr,
-                at,
-                fua,
-            } => {
-                if !inside(mr, at, len) {
-                    return Err(Error::Invalid("write data outside its region"));
-                }
-                (Command::Write, offset, len, fua)
+            // The slices were checked to lie inside their regions when they were made.
+            Op::ReadInto { offset, into } => (Command::Read, offset, length(into.len())?, false),
+            Op::WriteFrom { offset, from, fua } => {
+                (Command::Write, offset, length(from.len())?, fua)
             }
         };
         let sub = Submission {
@@ -94,7 +48,7 @@ impl Client {
     /// Submits a request; blocks (processing replies) while the window is full. Its reply
     /// comes out of [`Self::reap`] with `tag` (tags must be below 2^63).
     pub fn submit(&mut self, tag: u64, op: Op) -> Result<()> {
-        if let Some(f) = &self.failed {
+        if let Some(f) = self.recovery.failed() {
             return Err(self.failure_error(f));
         }
         let req = self.check_op(&op)?;
@@ -102,11 +56,11 @@ impl Client {
             self.pump(true)?;
         }
         if self.session.in_flight() == 0 {
-            self.liveness.restart_wait(Instant::now());
+            self.recovery.restart_wait();
         }
         let region = match op {
-            Op::ReadInto { mr, at, .. } | Op::WriteFrom { mr, at, .. } => {
-                Some(Region { mr: mr.clone(), at })
+            Op::ReadInto { into: slice, .. } | Op::WriteFrom { from: slice, .. } => {
+                Some(slice.region())
             }
             _ => None,
         };
@@ -114,52 +68,11 @@ impl Client {
         // The header is written by `post`, right before the payload (its length depends on
         // the connection's header style, which a reconnect may change).
         if let Op::Write { data, .. } = op {
-            self.send_mr
-                .write_at(started.slot * self.slot_len + c::EXTENDED_REQUEST_LEN, data);
+            self.link.copy_payload(started.slot, data);
         }
-        if let Err(e) = self.post(started.cookie) {
+        if let Err(e) = self.link.post(&self.session, started.cookie) {
             self.recover(format!("posting a request failed: {e}"));
         }
-        Ok(())
-    }
-
-    /// Sends request `cookie` on the current connection.
-    pub(crate) fn post(&self, cookie: u64) -> Result<()> {
-        let Some(conn) = &self.conn else {
-            return Err(Error::Invalid("no connection"));
-        };
-        let out = self.session.outgoing(cookie)?;
-        let header = &out.header;
-        // The header ends where the payload starts.
-        let start = out.slot * self.slot_len + c::EXTENDED_REQUEST_LEN - header.len();
-        self.send_mr.write_at(start, header);
-        if let Some(read) = out.read {
-            let into = out
-                .region
-                .filter(|_| read.placed)
-                .map(|r| r.mr.sge(r.at, read.length as usize));
-            let pending = PendingRead {
-                offset: read.offset,
-                length: read.length,
-                simple: read.simple,
-                into,
-            };
-            conn.reads.lock().insert(cookie, pending);
-        }
-        let wr = match out.region {
-            Some(r) if out.command == Command::Write => SendWr::new(
-                cookie,
-                &[
-                    self.send_mr.sge(start, header.len()),
-                    r.mr.sge(r.at, out.payload_len),
-                ],
-            ),
-            _ => SendWr::new(
-                cookie,
-                &[self.send_mr.sge(start, header.len() + out.payload_len)],
-            ),
-        };
-        conn.qp.post_send(wr)?;
         Ok(())
     }
 
@@ -169,7 +82,7 @@ impl Client {
             if let Some(i) = self.done.iter().position(|r| r.tag & INTERNAL == 0) {
                 return Ok(self.done.remove(i).expect("position is in range"));
             }
-            if !self.session.tags().any(|t| t & INTERNAL == 0) {
+            if !self.session.any_tag(|t| t & INTERNAL == 0) {
                 return Err(Error::Invalid("reap with nothing in flight"));
             }
             self.pump(true)?;
@@ -187,25 +100,21 @@ impl Client {
     }
 
     /// Processes completions: one wait (up to 1 s) if `block`, else what is there.
-    pub(crate) fn pump(&mut self, block: bool) -> Result<()> {
-        if let Some(f) = &self.failed
+    pub(super) fn pump(&mut self, block: bool) -> Result<()> {
+        if let Some(f) = self.recovery.failed()
             && self.session.in_flight() == 0
         {
             return Err(self.failure_error(f));
         }
-        let Some(conn) = &self.conn else {
+        let mut buf = [Completion::default(); 32];
+        let data = if block {
+            self.session.data_in_flight()
+        } else {
+            0
+        };
+        let Some(n) = self.link.completions(&mut buf, block, data)? else {
             self.recover("no connection".into());
             return Ok(());
-        };
-        let mut buf = [Completion::default(); 32];
-        let n = if block && self.session.data_in_flight() > SPIN_MAX_DATA {
-            // Moving this much takes longer than the CQ's spin window: sleep at once.
-            conn.cq
-                .wait_spinning(&mut buf, Some(Duration::from_secs(1)), Duration::ZERO)?
-        } else if block {
-            conn.cq.wait(&mut buf, Some(Duration::from_secs(1)))?
-        } else {
-            conn.cq.poll(&mut buf)?
         };
         if n == 0 {
             self.check_stall();
@@ -215,7 +124,7 @@ impl Client {
             .iter()
             .any(|c| c.opcode == Opcode::Recv && c.is_ok())
         {
-            self.liveness.replied(Instant::now());
+            self.recovery.heard();
         }
         let mut fault = None;
         for comp in &buf[..n] {
@@ -236,14 +145,12 @@ impl Client {
                     WcStatus::RemoteClosed => {
                         Failure::Lost("the server closed the connection".into())
                     }
-                    WcStatus::FramingError => Failure::Violation(
-                        match self.conn.as_ref().and_then(|c| c.frame_fault.lock().take()) {
-                            Some(why) => format!("it sent a reply the client cannot frame: {why}"),
-                            None => "it sent a reply the client cannot frame (bad magic or an \
+                    WcStatus::FramingError => Failure::Violation(match self.link.frame_fault() {
+                        Some(why) => format!("it sent a reply the client cannot frame: {why}"),
+                        None => "it sent a reply the client cannot frame (bad magic or an \
                                      oversize chunk)"
-                                .into(),
-                        },
-                    ),
+                            .into(),
+                    }),
                     WcStatus::LengthError => {
                         Failure::Violation("it sent a reply longer than any request allows".into())
                     }
@@ -259,16 +166,14 @@ impl Client {
                 fault = Some(Failure::Violation(why));
                 continue;
             }
-            if let Some(conn) = &self.conn
-                && let Err(e) = conn.repost(slot)
-            {
+            if let Err(e) = self.link.repost(slot) {
                 fault = Some(Failure::Lost(format!("reposting a receive failed: {e}")));
             }
         }
         match fault {
             Some(Failure::Lost(why)) => self.recover(why),
             Some(Failure::Violation(why)) => self.give_up(why),
-            None if std::mem::take(&mut self.shutting_down) => {
+            None if self.recovery.take_server_stopping() => {
                 self.recover("the server is shutting down (ESHUTDOWN)".into())
             }
             None => {}
@@ -281,10 +186,9 @@ impl Client {
     /// of READ data went straight to the request's region (the framer said where); `len`
     /// bytes, the rest of the message, are in the slot.
     fn on_reply(&mut self, slot: usize, len: usize, placed: usize) -> Result<(), String> {
-        let conn = self.conn.as_ref().ok_or("no connection")?;
         // SAFETY: the slot's receive WR has completed; it is posted again only after this
         // function returns (`pump`), so the NIC does not write these bytes meanwhile.
-        let msg = unsafe { completed_bytes(&conn.recv_mr, slot * RECV_SLOT, len) };
+        let msg = unsafe { self.link.received(slot, len) }.ok_or("a reply outside its slot")?;
         let delivered = if placed > 0 {
             self.session.on_placed_message(msg, placed)
         } else {
@@ -294,10 +198,10 @@ impl Client {
             Delivered::Partial => {}
             // It goes again on the next connection (a restarted server), like requests a
             // lost connection leaves unanswered. It does not end an outage.
-            Delivered::ShuttingDown => self.shutting_down = true,
+            Delivered::ShuttingDown => self.recovery.server_stopping(),
             Delivered::Finished(f) => {
                 // A whole answer ends an outage; a chunk that never leads to one does not.
-                self.liveness.answered();
+                self.recovery.answered();
                 let result = f.result.map_err(|e| match e {
                     Failed::Server { error, message } => Error::Server { error, message },
                     other => Error::Protocol {
@@ -315,10 +219,7 @@ impl Client {
     /// the server has already been silent for `reconnect_timeout` past its first timeout.
     fn check_stall(&mut self) {
         let in_flight = self.session.in_flight();
-        if in_flight > 0
-            && self.stopping()
-            && self.liveness.silent_for(Instant::now()) >= STOP_GRACE
-        {
+        if in_flight > 0 && self.stopping() && self.recovery.silent_for() >= STOP_GRACE {
             let why = format!(
                 "stopping: no reply from the server for {} s",
                 STOP_GRACE.as_secs()
@@ -328,14 +229,11 @@ impl Client {
             self.fail_all(Failure::Lost(why));
             return;
         }
-        match self
-            .liveness
-            .stall(Instant::now(), self.session.in_flight() > 0)
-        {
+        match self.recovery.stall(self.session.in_flight() > 0) {
             Stall::None => {}
             Stall::Reconnect(why) => {
                 self.recover(why);
-                self.liveness.restart_wait(Instant::now());
+                self.recovery.restart_wait();
             }
             Stall::GiveUp(why) => {
                 tracing::error!(uri = %self.uri, "giving up: {why}");

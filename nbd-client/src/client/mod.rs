@@ -16,16 +16,20 @@
 //! request is answered (a reissue after reconnection sends it again). A READ into registered
 //! memory ([`Op::ReadInto`], [`Client::read_at_mr`]) costs no copy either: the framer tells
 //! the NIC where each reply's data belong (by cookie, checked to lie inside the read,
-//! [`nbd_proto::framing::client_data_at`]), so the NIC places them straight into the caller's
+//! [`nbd_proto::placement::client`]), so the NIC places them straight into the caller's
 //! region and only the reply header into the receive slot. The caller's region belongs to
 //! the NIC until the request is answered; when a connection is dropped with such reads in
 //! flight, the client waits for the NIC's [`Nic::fence`] before it hands anything back.
 //!
 //! The protocol itself — cookies, the in-flight table, checking and assembling replies, the
 //! stall and back-off clocks — is nbd-proto's sans-IO [`nbd_proto::transmission::client`]; this crate does
-//! the I/O around it, one job a module: the handshake and its variants (`options`), posting
-//! requests and handling completions (`pipeline`), reconnecting (`recovery`), and the
-//! blocking calls on top (`blocking`).
+//! the I/O around it. A [`Client`] is made of parts that each own their state, one a module:
+//! `link` (the connection, the NIC and the send slots: posting requests and waiting for
+//! completions), the session, and `recovery` (liveness, reconnects, failures). The rest
+//! drive the parts: getting a client, the handshake and its variants (`connect`), the
+//! pipelined API and completion handling (`pipeline`), a lost connection (`reconnect`:
+//! reconnect, reissue, or fail), and the blocking calls on top (`blocking`). Memory ranges enter
+//! checked ([`MrSlice`]) and are carried down as they are.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -34,12 +38,22 @@ use std::time::Duration;
 
 use nbd_proto::flags::TransmissionFlags;
 use nbd_proto::handshake::{BlockSize, ExportDetails};
-use nbd_proto::transmission::client::{ClientSession, Liveness, ReadTarget};
-use qpip_core::{MemoryRegion, Nic};
+use nbd_proto::transmission::client::ClientSession;
+use qpip_core::Nic;
 
-use crate::conn::Conn;
 use crate::error::{Error, Result};
+use crate::region::{MrSlice, Region};
 use crate::uri::NbdUri;
+
+mod blocking;
+mod connect;
+mod link;
+mod pipeline;
+mod reconnect;
+mod recovery;
+
+use link::Link;
+use recovery::{Failure, Recovery};
 
 pub use nbd_proto::transmission::client::{Extent, Output};
 
@@ -102,49 +116,69 @@ pub type ExportInfo = ExportDetails;
 /// A request of the pipelined API. READ and WRITE are at most [`Client::max_io`] bytes.
 #[derive(Clone, Copy, Debug)]
 pub enum Op<'a> {
+    /// A READ of `len` bytes at `offset` (its reply is [`Output::Data`]).
     Read {
+        /// Offset in the export.
         offset: u64,
+        /// Bytes to read.
         len: u32,
     },
+    /// A WRITE of `data` at `offset` (copied into the request's send slot).
     Write {
+        /// Offset in the export.
         offset: u64,
+        /// The bytes to write.
         data: &'a [u8],
+        /// Durable before the reply (where the server offers FUA).
         fua: bool,
     },
+    /// A FLUSH: every write answered before it is durable.
     Flush,
+    /// A TRIM of `len` bytes at `offset`.
     Trim {
+        /// Offset in the export.
         offset: u64,
+        /// Bytes to discard.
         len: u32,
     },
+    /// A WRITE_ZEROES of `len` bytes at `offset`.
     WriteZeroes {
+        /// Offset in the export.
         offset: u64,
+        /// Bytes to zero.
         len: u32,
+        /// Durable before the reply (where the server offers FUA).
         fua: bool,
     },
+    /// A BLOCK_STATUS of `len` bytes at `offset` (its reply is [`Output::Extents`]).
     BlockStatus {
+        /// Offset in the export.
         offset: u64,
+        /// Bytes to describe.
         len: u32,
     },
-    /// A READ whose data goes to registered memory: `mr` from `at` (its reply is
-    /// [`Output::Done`]).
+    /// A READ of `into.len()` bytes whose data go to registered memory, `into` (its reply
+    /// is [`Output::Done`]).
     ReadInto {
+        /// Offset in the export.
         offset: u64,
-        len: u32,
-        mr: &'a MemoryRegion,
-        at: usize,
+        /// Where the data go.
+        into: MrSlice<'a>,
     },
     /// NBD_CMD_RESIZE (experimental): the export becomes `size` bytes long. No other request
     /// may be in flight meanwhile (see [`Client::resize`]).
     Resize {
+        /// The export's new size in bytes.
         size: u64,
     },
-    /// A WRITE sent from registered memory without a copy: `len` bytes of `mr` from `at`,
+    /// A WRITE of `from.len()` bytes sent from registered memory without a copy: `from`,
     /// which must stay unchanged until the request is answered.
     WriteFrom {
+        /// Offset in the export.
         offset: u64,
-        len: u32,
-        mr: &'a MemoryRegion,
-        at: usize,
+        /// The bytes to write.
+        from: MrSlice<'a>,
+        /// Durable before the reply (where the server offers FUA).
         fua: bool,
     },
 }
@@ -152,51 +186,27 @@ pub enum Op<'a> {
 /// A finished request of the pipelined API.
 #[derive(Debug)]
 pub struct Reply {
+    /// The tag the request was submitted with.
     pub tag: u64,
+    /// Its outcome.
     pub result: Result<Output>,
 }
 
-/// Why a client gave up on its server.
-#[derive(Clone, Debug)]
-pub(crate) enum Failure {
-    /// The connection was lost and could not be restored in time.
-    Lost(String),
-    /// The server broke the protocol.
-    Violation(String),
-}
-
-/// The caller's registered memory a request reads into or writes from: `mr` from `at`.
-#[derive(Debug)]
-pub(crate) struct Region {
-    pub mr: MemoryRegion,
-    pub at: usize,
-}
-
-impl ReadTarget for Region {
-    fn write_at(&self, at: usize, bytes: &[u8]) {
-        self.mr.write_at(self.at + at, bytes);
-    }
-}
-
-/// An NBD client on one QP connection.
+/// An NBD client on one QP connection, made of parts that each own their state: the link
+/// (connection, NIC and send slots: post and wait), the session (nbd-proto's requests in
+/// flight and their replies) with the finished requests not yet reaped, and recovery
+/// (liveness, reconnects, failures). The methods here and in the submodules
+/// drive the parts; no part reaches into another's fields.
 pub struct Client {
-    pub(crate) uri: NbdUri,
-    pub(crate) opts: ClientOptions,
-    pub(crate) nic: Nic,
-    pub(crate) conn: Option<Conn>,
-    pub(crate) info: ExportInfo,
+    uri: NbdUri,
+    opts: ClientOptions,
+    info: ExportInfo,
+    link: Link,
     /// Requests in flight and their replies (nbd-proto's sans-IO half).
-    pub(crate) session: ClientSession<Region>,
-    /// The send slots: `window` of `slot_len` bytes.
-    pub(crate) send_mr: MemoryRegion,
-    pub(crate) slot_len: usize,
-    pub(crate) done: VecDeque<Reply>,
-    /// Why the client gave up for good, if it has.
-    pub(crate) failed: Option<Failure>,
-    pub(crate) reconnects: u64,
-    pub(crate) liveness: Liveness,
-    /// A request was refused with ESHUTDOWN: reconnect once the batch is handled.
-    pub(crate) shutting_down: bool,
+    session: ClientSession<Region>,
+    /// Finished requests, for [`Client::reap`] and the blocking calls.
+    done: VecDeque<Reply>,
+    recovery: Recovery,
 }
 
 impl std::fmt::Debug for Client {
@@ -210,18 +220,23 @@ impl std::fmt::Debug for Client {
 }
 
 impl Client {
+    /// The server's URI.
     pub fn uri(&self) -> &NbdUri {
         &self.uri
     }
+    /// The export's size in bytes.
     pub fn size(&self) -> u64 {
         self.info.size
     }
+    /// The export's transmission flags.
     pub fn flags(&self) -> TransmissionFlags {
         self.info.flags
     }
+    /// What the handshake reported of the export.
     pub fn export_info(&self) -> &ExportInfo {
         &self.info
     }
+    /// The export's block size constraints.
     pub fn block_size(&self) -> BlockSize {
         self.info.block_size
     }
@@ -233,29 +248,30 @@ impl Client {
     pub fn window(&self) -> usize {
         self.session.window()
     }
+    /// Requests in flight now.
     pub fn in_flight(&self) -> usize {
         self.session.in_flight()
     }
-    /// Lowers how long a lost connection is retried (never raises it): for a last flush on
-    /// the way out, which should not hold a process for the whole reconnect timeout when
-    /// the server is gone.
     /// The process is stopping ([`ClientOptions::stop`]).
-    pub(crate) fn stopping(&self) -> bool {
+    fn stopping(&self) -> bool {
         self.opts
             .stop
             .as_ref()
             .is_some_and(|s| s.load(Ordering::Relaxed))
     }
 
+    /// Lowers how long a lost connection is retried (never raises it): for a last flush on
+    /// the way out, which should not hold a process for the whole reconnect timeout when
+    /// the server is gone.
     pub fn limit_reconnect_timeout(&mut self, limit: Duration) {
         self.opts.reconnect_timeout = self.opts.reconnect_timeout.min(limit);
-        self.liveness.limit_reconnect_timeout(limit);
+        self.recovery.limit_reconnect_timeout(limit);
     }
 
     /// The NIC the client's connections run on (to register memory for
     /// [`Op::ReadInto`] and [`Op::WriteFrom`]).
     pub fn nic(&self) -> &Nic {
-        &self.nic
+        self.link.nic()
     }
 
     /// Bytes of READ data the NIC placed straight into callers' registered regions
@@ -266,8 +282,9 @@ impl Client {
 
     /// How many times the connection was restored.
     pub fn reconnects(&self) -> u64 {
-        self.reconnects
+        self.recovery.reconnects()
     }
+    /// Structured replies are in use.
     pub fn structured_replies(&self) -> bool {
         self.session.mode().structured
     }
@@ -278,24 +295,31 @@ impl Client {
     fn has(&self, f: TransmissionFlags) -> bool {
         self.info.flags.contains(f)
     }
+    /// The server exports it read-only.
     pub fn is_read_only(&self) -> bool {
         self.has(TransmissionFlags::READ_ONLY)
     }
+    /// The server takes FLUSH.
     pub fn can_flush(&self) -> bool {
         self.has(TransmissionFlags::SEND_FLUSH)
     }
+    /// The server takes FUA.
     pub fn can_fua(&self) -> bool {
         self.has(TransmissionFlags::SEND_FUA)
     }
+    /// The server takes TRIM.
     pub fn can_trim(&self) -> bool {
         self.has(TransmissionFlags::SEND_TRIM)
     }
+    /// The server takes WRITE_ZEROES.
     pub fn can_write_zeroes(&self) -> bool {
         self.has(TransmissionFlags::SEND_WRITE_ZEROES)
     }
+    /// The server keeps several connections' caches coherent (multi-conn).
     pub fn can_multi_conn(&self) -> bool {
         self.has(TransmissionFlags::CAN_MULTI_CONN)
     }
+    /// Block status (`base:allocation`) was negotiated.
     pub fn can_block_status(&self) -> bool {
         self.session.mode().allocation_ctx.is_some()
     }
@@ -312,11 +336,11 @@ impl Client {
     }
 
     /// `[offset, offset + len)` is aligned and inside the export.
-    pub(crate) fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+    fn check_range(&self, offset: u64, len: u64) -> Result<()> {
         Ok(self.session.limits().check_range(offset, len)?)
     }
 
-    pub(crate) fn lost(&self, why: String) -> Error {
+    fn lost(&self, why: String) -> Error {
         Error::ConnectionLost {
             uri: self.uri.to_string(),
             after: self.opts.reconnect_timeout,
@@ -324,7 +348,7 @@ impl Client {
         }
     }
 
-    pub(crate) fn failure_error(&self, f: &Failure) -> Error {
+    fn failure_error(&self, f: &Failure) -> Error {
         match f {
             Failure::Lost(why) => self.lost(why.clone()),
             Failure::Violation(why) => Error::Protocol {

@@ -2,16 +2,13 @@
 //! TRIM / WRITE_ZEROES), run with the window full, the first error returned once every
 //! request has finished.
 
-use std::time::{Duration, Instant};
+use qpip_core::MemoryRegion;
 
-use nbd_proto::flags::CmdFlags;
-use nbd_proto::transmission::{Command, Request};
-use qpip_core::{Completion, MemoryRegion, Opcode, SendWr};
-
-use crate::client::{Client, Extent, Op, Output};
+use super::connect::round_down;
+use super::pipeline::INTERNAL;
+use super::{Client, Extent, Op, Output};
 use crate::error::{Error, Result};
-use crate::options::round_down;
-use crate::pipeline::INTERNAL;
+use crate::region::MrSlice;
 
 impl Client {
     /// Runs `ops` with the window full; `on_done(index, output)` for each success. The first
@@ -96,22 +93,19 @@ impl Client {
         self.run(ops, |_, _| {})
     }
 
-    /// `len` bytes at `offset` of the export, to or from `mr` at `at`, checked and cut into
-    /// requests of at most `max_io`: (export offset, length, offset in `mr`).
-    fn region_pieces(
+    /// The export range `offset..offset + slice.len()`, checked, cut into requests of at most
+    /// `max_io`: (export offset, the piece of `slice` it moves). The slice was checked when
+    /// it was made; its pieces stay inside it.
+    fn slice_pieces<'m>(
         &self,
         offset: u64,
-        mr: &MemoryRegion,
-        at: usize,
-        len: usize,
-        outside: &'static str,
-    ) -> Result<impl Iterator<Item = (u64, u32, usize)> + use<>> {
-        self.check_range(offset, len as u64)?;
-        if at.checked_add(len).is_none_or(|e| e > mr.len()) {
-            return Err(Error::Invalid(outside));
-        }
-        Ok(Self::pieces(offset, len as u64, u64::from(self.max_io()))
-            .map(move |(o, n)| (o, n, at + (o - offset) as usize)))
+        slice: MrSlice<'m>,
+    ) -> Result<impl Iterator<Item = (u64, MrSlice<'m>)> + use<'m>> {
+        self.check_range(offset, slice.len() as u64)?;
+        Ok(
+            Self::pieces(offset, slice.len() as u64, u64::from(self.max_io()))
+                .map(move |(o, n)| (o, slice.piece((o - offset) as usize, n as usize))),
+        )
     }
 
     /// Reads `len` bytes at `offset` into registered memory (`mr` from `at`): the NIC places
@@ -123,14 +117,15 @@ impl Client {
         at: usize,
         len: usize,
     ) -> Result<()> {
+        self.read_into(offset, MrSlice::new(mr, at, len)?)
+    }
+
+    /// Reads `into.len()` bytes at `offset` into registered memory, as
+    /// [`Self::read_at_mr`] does.
+    pub fn read_into(&mut self, offset: u64, into: MrSlice<'_>) -> Result<()> {
         let ops: Vec<Op> = self
-            .region_pieces(offset, mr, at, len, "read buffer outside its region")?
-            .map(|(offset, len, at)| Op::ReadInto {
-                offset,
-                len,
-                mr,
-                at,
-            })
+            .slice_pieces(offset, into)?
+            .map(|(offset, into)| Op::ReadInto { offset, into })
             .collect();
         self.run(ops, |_, _| {})
     }
@@ -145,47 +140,40 @@ impl Client {
         len: usize,
         fua: bool,
     ) -> Result<()> {
+        self.write_from(offset, MrSlice::new(mr, at, len)?, fua)
+    }
+
+    /// Writes the bytes of `from` at `offset`, as [`Self::write_at_mr`] does.
+    pub fn write_from(&mut self, offset: u64, from: MrSlice<'_>, fua: bool) -> Result<()> {
         let ops: Vec<Op> = self
-            .region_pieces(offset, mr, at, len, "write data outside its region")?
-            .map(|(offset, len, at)| Op::WriteFrom {
-                offset,
-                len,
-                mr,
-                at,
-                fua,
-            })
+            .slice_pieces(offset, from)?
+            .map(|(offset, from)| Op::WriteFrom { offset, from, fua })
             .collect();
         self.run(ops, |_, _| {})
     }
 
-    /// Writes `len` bytes of `mr` from `at` at `offset` as [`Self::write_at_mr`] does, except
-    /// the ranges `zeroes` names (offsets relative to `offset`, in order, inside `len`):
-    /// those go as WRITE_ZEROES (or as the buffer's bytes where the server lacks it, which
-    /// the caller has seen to be zeroes), or not at all with `skip_zeroes`. One pipeline for
-    /// the lot.
-    pub fn write_at_mr_zeroing<'m>(
+    /// Writes the bytes of `from` at `offset` as [`Self::write_from`] does, except the
+    /// ranges `zeroes` names (offsets relative to `offset`, in order, inside `from`): those
+    /// go as WRITE_ZEROES (or as the buffer's bytes where the server lacks it, which the
+    /// caller has seen to be zeroes), or not at all with `skip_zeroes`. One pipeline for the
+    /// lot.
+    pub fn write_from_zeroing<'m>(
         &mut self,
         offset: u64,
-        mr: &'m MemoryRegion,
-        at: usize,
-        len: usize,
+        from: MrSlice<'m>,
         zeroes: &[(u64, u64)],
         skip_zeroes: bool,
     ) -> Result<()> {
+        let len = from.len();
         self.check_range(offset, len as u64)?;
-        if at.checked_add(len).is_none_or(|e| e > mr.len()) {
-            return Err(Error::Invalid("write data outside its region"));
-        }
         let (max, max_zero) = (u64::from(self.max_io()), self.max_zero());
         let zero_ok = self.can_write_zeroes();
         let mut ops: Vec<Op<'m>> = Vec::new();
-        let data = |from: u64, to: u64, ops: &mut Vec<Op<'m>>| {
+        let data = |start: u64, to: u64, ops: &mut Vec<Op<'m>>| {
             ops.extend(
-                Self::pieces(offset + from, to - from, max).map(|(o, n)| Op::WriteFrom {
+                Self::pieces(offset + start, to - start, max).map(|(o, n)| Op::WriteFrom {
                     offset: o,
-                    len: n,
-                    mr,
-                    at: at + (o - offset) as usize,
+                    from: from.piece((o - offset) as usize, n as usize),
                     fua: false,
                 }),
             )
@@ -305,33 +293,7 @@ impl Client {
     /// Finishes in-flight requests, sends NBD_CMD_DISC and closes the connection.
     pub fn disconnect(mut self) -> Result<()> {
         self.drain()?;
-        let Some(conn) = self.conn.take() else {
-            return Ok(());
-        };
-        let req = Request {
-            flags: CmdFlags::empty(),
-            command: Command::Disc,
-            cookie: 0,
-            offset: 0,
-            length: 0,
-        };
-        let header = req
-            .encode(self.extended_headers())
-            .map_err(|_| Error::Invalid("NBD_CMD_DISC does not encode"))?;
-        self.send_mr.write_at(0, &header);
-        conn.qp
-            .post_send(SendWr::new(0, &[self.send_mr.sge(0, header.len())]))?;
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let mut buf = [Completion::default(); 8];
-        'wait: while Instant::now() < deadline {
-            let n = conn.cq.wait(&mut buf, Some(Duration::from_millis(200)))?;
-            for comp in &buf[..n] {
-                if comp.opcode == Opcode::Send && comp.wr_id == 0 {
-                    break 'wait;
-                }
-            }
-        }
-        conn.qp.close();
-        Ok(())
+        let extended = self.extended_headers();
+        self.link.disconnect(extended)
     }
 }

@@ -1,0 +1,78 @@
+//! Run to completion's hand-over ([`crate::drive`]): what host threads driving a queue and
+//! its NIC thread share to pass the processor between them. The NIC thread's [`super::shell`]
+//! keeps it with the rest of what host and NIC share; the rules that use it are
+//! [`super::driven`]'s.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+pub(super) const NEVER: u64 = u64::MAX;
+
+/// What host drivers and the NIC thread share to hand the processor over.
+pub(crate) struct Handover {
+    /// Host threads in a CQ wait on this queue (driving it or asleep behind its driver).
+    pub(super) waiters: AtomicU32,
+    /// A waiting host thread asks the NIC thread to let go of the processor.
+    pub(super) wanted: AtomicBool,
+    /// A driver left with sends still under way: the NIC thread carries on at once.
+    pub(super) resume: AtomicBool,
+    /// The futex word the parked NIC thread sleeps on.
+    pub(super) park: AtomicU32,
+    /// The NIC thread sleeps without a timer behind a long drive: its end must wake it.
+    pub(super) parked_untimed: AtomicBool,
+    /// Host drives begun (tells a busy queue from one long drive).
+    pub(super) drives: AtomicU64,
+    /// When the last host drive ended (ns since `epoch`; [`NEVER`] before the first).
+    pub(super) last_exit: AtomicU64,
+    /// CPU time host threads spent driving (ns): the NIC's work done on them. Counted from
+    /// the first time someone asks ([`Handover::driven_cpu`]): a thread's CPU clock costs a
+    /// system call, two per drive.
+    pub(super) driven_cpu_ns: AtomicU64,
+    /// Someone asked for [`Handover::driven_cpu`]: drives count their CPU time.
+    pub(super) accounting: AtomicBool,
+    /// What `last_exit` counts from.
+    pub(super) epoch: Instant,
+}
+
+impl Default for Handover {
+    fn default() -> Self {
+        Handover {
+            waiters: AtomicU32::new(0),
+            wanted: AtomicBool::new(false),
+            resume: AtomicBool::new(false),
+            park: AtomicU32::new(0),
+            parked_untimed: AtomicBool::new(false),
+            drives: AtomicU64::new(0),
+            last_exit: AtomicU64::new(NEVER),
+            driven_cpu_ns: AtomicU64::new(0),
+            accounting: AtomicBool::new(false),
+            epoch: Instant::now(),
+        }
+    }
+}
+
+impl Handover {
+    /// Wakes the parked NIC thread to look again.
+    pub(crate) fn kick(&self) {
+        self.park.fetch_add(1, Ordering::SeqCst);
+        crate::futex::wake_all(&self.park);
+    }
+
+    /// CPU time host threads have spent running the queue since the first call.
+    pub(crate) fn driven_cpu(&self) -> Duration {
+        self.accounting.store(true, Ordering::Relaxed);
+        Duration::from_nanos(self.driven_cpu_ns.load(Ordering::Relaxed))
+    }
+
+    /// Time since the last host drive ended (None: there never was one).
+    pub(super) fn since_last_drive(&self) -> Option<Duration> {
+        match self.last_exit.load(Ordering::Acquire) {
+            NEVER => None,
+            ns => Some(
+                self.epoch
+                    .elapsed()
+                    .saturating_sub(Duration::from_nanos(ns)),
+            ),
+        }
+    }
+}
