@@ -167,9 +167,11 @@ fn copy_streams_stdin_and_stdout_and_discards_into_null() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    child.stdin.take().unwrap().write_all(&data).unwrap();
+    let fed = child.stdin.take().unwrap().write_all(&data);
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
+    // A copy that stops reading early breaks the pipe: what it said is the useful part.
+    assert!(fed.is_ok(), "feeding the copy: {fed:?}; it said: {err}");
     assert!(out.status.success(), "stdin copy failed: {err}");
     assert!(err.contains("MiB"), "no progress lines with -p: {err}");
     let on_disk = std::fs::read(&img).unwrap();
@@ -195,9 +197,11 @@ fn copy_streams_stdin_and_stdout_and_discards_into_null() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    child.stdin.take().unwrap().write_all(&data).unwrap();
+    let fed = child.stdin.take().unwrap().write_all(&data);
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
+    // A copy that stops reading early breaks the pipe: what it said is the useful part.
+    assert!(fed.is_ok(), "feeding the copy: {fed:?}; it said: {err}");
     assert!(out.status.success(), "stdin to null: {err}");
     // Longer than the export, a source that null: cannot be, and --verify without a way back.
     let mut child = Command::new(env!("CARGO_BIN_EXE_qpip-nbd"))

@@ -200,6 +200,7 @@ impl LanaiBackend {
             name: "qpip-lanai-nic",
             spin: SPIN,
             doorbell_fifo: Some(fw_cfg.params.device.doorbell_fifo_entries),
+            grace: Duration::ZERO, // the card's processor alone runs its firmware
         };
         let thread = NicThread::spawn(shell, waker, move || RealtimeNic {
             // Built on its own thread: the firmware need not be Send.

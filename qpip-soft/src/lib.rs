@@ -58,12 +58,17 @@ pub struct SoftConfig {
     /// epoll data path (an io_uring belongs to the thread that submits to it): on, the
     /// engine uses epoll whatever `io` says.
     pub run_to_completion: bool,
+    /// With run to completion: how long an engine thread leaves its queue to the
+    /// application threads after their last wait before it drives again itself (work that
+    /// arrives while nobody waits waits at most that long, as an interrupt moderation timer
+    /// delays an interrupt).
+    pub grace: Duration,
 }
 
 impl Default for SoftConfig {
     /// A poll window of at most 50 µs, run to completion (so epoll) with
     /// [`default_queues`] queues;
-    /// `QPIP_SOFT_SPIN_US`, `QPIP_SOFT_QUEUES` and `QPIP_SOFT_RTC=0` (engine threads only,
+    /// `QPIP_SOFT_SPIN_US`, `QPIP_SOFT_QUEUES`, `QPIP_SOFT_GRACE_US` and `QPIP_SOFT_RTC=0` (engine threads only,
     /// io_uring where available unless `QPIP_SOFT_IO=epoll`) in the environment override
     /// them.
     fn default() -> Self {
@@ -80,11 +85,16 @@ impl Default for SoftConfig {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| default_queues(run_to_completion));
+        let grace = std::env::var("QPIP_SOFT_GRACE_US")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map_or(qpip_verbs::machines::DRIVE_GRACE, Duration::from_micros);
         SoftConfig {
             spin: Duration::from_micros(us),
             io,
             queues,
             run_to_completion,
+            grace,
         }
     }
 }
@@ -129,6 +139,7 @@ impl SoftBackend {
                 name: "qpip-soft-nic",
                 spin: cfg.spin,
                 doorbell_fifo: None,
+                grace: cfg.grace,
             };
             let engine_uring = uring.clone();
             let (memory, engine_queues, io) = (memory.clone(), queues.clone(), cfg.io);

@@ -8,7 +8,8 @@
 //!   its next look; when another host thread drives, the waiter sleeps on its CQ and the
 //!   driver's completions wake it;
 //! - a driver that leaves while others still wait wakes the NIC thread, which drives for them;
-//! - the NIC thread stays parked for [`GRACE`] after the last drive ended, so a thread that
+//! - the NIC thread stays parked for its grace ([`super::shell::ShellConfig::grace`],
+//!   [`GRACE`] by default) after the last drive ended, so a thread that
 //!   comes back to wait within it (a request–reply loop) finds the processor free and nobody
 //!   to wake; past it, or on a command, the NIC thread drives again (what arrives while nobody
 //!   waits waits at most that long, as interrupt moderation delays an interrupt).
@@ -25,7 +26,7 @@ use crate::drive::{Driven, QueueDriver};
 use crate::error::Result;
 
 /// How long the NIC thread leaves the queue to its host threads after the last drive.
-pub const GRACE: Duration = Duration::from_millis(2);
+pub const GRACE: Duration = Duration::from_millis(20);
 
 impl NicThread {
     /// [`Self::spawn`] for a processor that host threads may run too: a thread waiting on a
@@ -37,9 +38,9 @@ impl NicThread {
         build: impl FnOnce() -> P + Send + 'static,
     ) -> Result<NicThread> {
         let shared = Shared::new(&cfg, waker);
-        let spin = cfg.spin;
+        let (spin, grace) = (cfg.spin, cfg.grace);
         Self::start(cfg, shared, move |shared, started| {
-            let engine = Arc::new(DrivenQueue::new(shared.clone(), build()));
+            let engine = Arc::new(DrivenQueue::new(shared.clone(), build(), grace));
             let _ = started.send(Some(engine.clone() as Arc<dyn QueueDriver>));
             engine.run_nic_thread(spin);
         })
@@ -51,13 +52,15 @@ pub(crate) struct DrivenQueue<P> {
     shared: Arc<Shared>,
     /// The processor, and what host threads driving it learned of arrivals.
     engine: Mutex<(P, Turns)>,
+    grace: Duration,
 }
 
 impl<P: Processor + Send> DrivenQueue<P> {
-    pub(crate) fn new(shared: Arc<Shared>, nic: P) -> Self {
+    pub(crate) fn new(shared: Arc<Shared>, nic: P, grace: Duration) -> Self {
         DrivenQueue {
             shared,
             engine: Mutex::new((nic, Turns::host())),
+            grace,
         }
     }
 
@@ -88,7 +91,7 @@ impl<P: Processor + Send> DrivenQueue<P> {
     }
 
     /// Waits until the NIC thread should drive: nobody does while threads wait, commands
-    /// came, or no host thread drove for [`GRACE`]. False once the NIC stops.
+    /// came, or no host thread drove for its grace. False once the NIC stops.
     fn park(&self) -> bool {
         let (shared, h) = (&*self.shared, &self.shared.handover);
         let mut seen_drives = h.drives.load(Ordering::Acquire);
@@ -102,7 +105,7 @@ impl<P: Processor + Send> DrivenQueue<P> {
                 if drives != seen_drives {
                     // Host threads keep driving: look again after a grace period.
                     seen_drives = drives;
-                    crate::futex::wait(&h.park, seq, Some(GRACE));
+                    crate::futex::wait(&h.park, seq, Some(self.grace));
                     continue;
                 }
                 // One drive for a whole grace period (a waiter blocked on an idle
@@ -121,7 +124,9 @@ impl<P: Processor + Send> DrivenQueue<P> {
                 return true;
             }
             match h.since_last_drive() {
-                Some(idle) if idle < GRACE => crate::futex::wait(&h.park, seq, Some(GRACE - idle)),
+                Some(idle) if idle < self.grace => {
+                    crate::futex::wait(&h.park, seq, Some(self.grace - idle))
+                }
                 _ => return true,
             }
         }

@@ -61,6 +61,10 @@ pub struct ShellConfig {
     /// Entries of the doorbell FIFO: `Some` for a device's bounded FIFO (a full one holds
     /// the host back), `None` for unbounded.
     pub doorbell_fifo: Option<usize>,
+    /// With [`NicThread::spawn_driven`]: how long the NIC thread leaves the queue to host
+    /// threads after their last drive before it drives again itself (what arrives while
+    /// nobody waits waits at most that long); unused otherwise.
+    pub grace: Duration,
 }
 
 /// The doorbell FIFO.
