@@ -241,16 +241,22 @@ mod tests {
         );
     }
 
-    #[test]
-    fn requests_reach_the_connection_parsed_in_order() {
+    /// A framer whose connection is in transmission on a 1 MiB export, with its state.
+    fn in_transmission() -> (Arc<FramerState>, ServerFramer) {
         let state = FramerState::new();
-        let mut f = ServerFramer::new(state.clone(), FrameLimits::default(), 1000);
+        let f = ServerFramer::new(state.clone(), FrameLimits::default(), 1000);
         let info = TransmissionInfo::new(1 << 20, TransmissionFlags::HAS_FLAGS);
         state.start_transmission(
             ServerPhase::Transmission,
             ServerTransmission::from_info(info),
             None,
         );
+        (state, f)
+    }
+
+    #[test]
+    fn requests_reach_the_connection_parsed_in_order() {
+        let (state, mut f) = in_transmission();
         let mut req = Request {
             flags: CmdFlags::empty(),
             command: Command::Write,
@@ -278,14 +284,7 @@ mod tests {
 
     #[test]
     fn requests_after_a_resize_are_checked_against_the_new_size() {
-        let state = FramerState::new();
-        let mut f = ServerFramer::new(state.clone(), FrameLimits::default(), 1000);
-        let info = TransmissionInfo::new(1 << 20, TransmissionFlags::HAS_FLAGS);
-        state.start_transmission(
-            ServerPhase::Transmission,
-            ServerTransmission::from_info(info),
-            None,
-        );
+        let (state, mut f) = in_transmission();
         let read = Request {
             flags: CmdFlags::empty(),
             command: Command::Read,
