@@ -405,8 +405,7 @@ fn nbd_raw(args: RawArgs) -> Result<()> {
         }),
         &progress,
     )?;
-    emit(json, &report, nbd::table(&report), false)?;
-    Ok(())
+    emit(json, &report, nbd::table(&report), false)
 }
 
 /// `qpip-bench nbd ext2`.
@@ -472,8 +471,7 @@ fn nbd_qd1(args: Qd1Args) -> Result<()> {
         dir,
     };
     let report = qd1::run_all(opts, &progress)?;
-    emit(json, &report, qd1::table(&report), true)?;
-    Ok(())
+    emit(json, &report, qd1::table(&report), true)
 }
 
 /// `qpip-bench nbd sweep`.

@@ -184,18 +184,7 @@ fn check_prerequisites(stacks: &[Stack], server_bin: &Path, mount_bin: &Path) ->
             Stack::Qpip | Stack::QpipDirect => {}
         }
     }
-    for (prog, pkg) in progs {
-        if peers::in_path(prog).is_none() {
-            missing.push(format!("{prog} not found in PATH (package {pkg})"));
-        }
-    }
-    if !Path::new("/dev/fuse").exists() {
-        missing.push("/dev/fuse does not exist (modprobe fuse)".into());
-    }
-    if !missing.is_empty() {
-        bail!("missing prerequisites:\n  {}", missing.join("\n  "));
-    }
-    Ok(())
+    peers::require_fuse_and(&progs, missing)
 }
 
 // ---------------------------------------------------------------- one round

@@ -144,23 +144,13 @@ fn check_prerequisites(o: &Options) -> Result<()> {
             ));
         }
     }
-    for (prog, pkg) in [
+    let progs = [
         ("fio", "fio"),
         ("nbdkit", "nbdkit"),
         ("qemu-storage-daemon", "qemu-system-common or qemu-utils"),
         ("fusermount3", "fuse3"),
-    ] {
-        if peers::in_path(prog).is_none() {
-            missing.push(format!("{prog} not found in PATH (package {pkg})"));
-        }
-    }
-    if !Path::new("/dev/fuse").exists() {
-        missing.push("/dev/fuse does not exist (modprobe fuse)".into());
-    }
-    if !missing.is_empty() {
-        bail!("missing prerequisites:\n  {}", missing.join("\n  "));
-    }
-    Ok(())
+    ];
+    peers::require_fuse_and(&progs, missing)
 }
 
 // ---------------------------------------------------------------- one fio run

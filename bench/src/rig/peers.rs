@@ -92,6 +92,24 @@ pub(crate) fn default_server_bin() -> Result<PathBuf> {
 
 // ---------------------------------------------------------------- prerequisites
 
+/// For the mount experiments: fails with one message listing `missing` (what the caller
+/// found wanting) and every program of `progs` (name, Debian package) not in PATH, and
+/// /dev/fuse if it is absent.
+pub(crate) fn require_fuse_and(progs: &[(&str, &str)], mut missing: Vec<String>) -> Result<()> {
+    for (prog, pkg) in progs {
+        if in_path(prog).is_none() {
+            missing.push(format!("{prog} not found in PATH (package {pkg})"));
+        }
+    }
+    if !Path::new("/dev/fuse").exists() {
+        missing.push("/dev/fuse does not exist (modprobe fuse)".into());
+    }
+    if !missing.is_empty() {
+        bail!("missing prerequisites:\n  {}", missing.join("\n  "));
+    }
+    Ok(())
+}
+
 pub(crate) fn in_path(prog: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path)
