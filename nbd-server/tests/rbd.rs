@@ -781,6 +781,7 @@ fn rbd_osd_killed_and_restarted_mid_write_loses_no_flushed_write() {
 
     let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
     let Some(ceph) = Ceph::get() else { return };
+    let began = Instant::now();
     let dir = tempfile::tempdir().unwrap();
     let mut img = ceph.image("osdkill", 64 * MIB);
     img.keep = true;
@@ -789,18 +790,26 @@ fn rbd_osd_killed_and_restarted_mid_write_loses_no_flushed_write() {
     args.extend(["--ceph-timeout".into(), "60".into(), "--export".into()]);
     args.push(format!("file={}", file.display()));
     let mut srv = start_server_v4(&args);
+    eprintln!("{:?}: server started", began.elapsed());
     // Another server whose requests may take 3 s: they fail with EIO while the OSD is down.
     let img2 = ceph.image("osdkill-eio", 16 * MIB);
     let mut args2 = ceph.server_args(&[("quick", &img2.name)]);
     args2.extend(["--ceph-timeout".into(), "3".into()]);
     let mut quick = start_server_v4(&args2);
     qemu_io(&quick.uri("quick"), &["write -P 0x99 0 1M", "flush"]);
+    eprintln!("{:?}: the quick server written", began.elapsed());
 
     // A writer: 1 MiB i, pattern i+1, then FLUSH; `flushed` counts the ones acknowledged.
     const N: usize = 48;
     let flushed = std::sync::Arc::new(AtomicUsize::new(0));
     let mut tcp = std::net::TcpStream::connect(srv.addr).unwrap();
-    let export = handshake(&mut tcp, b"disk").unwrap();
+    let export = handshake(&mut tcp, b"disk").unwrap_or_else(|e| {
+        panic!(
+            "handshake for export disk at {:?}: {e}; server:\n{}",
+            began.elapsed(),
+            srv.log()
+        )
+    });
     let mut c = NbdClient::new(tcp, &export);
     let done = flushed.clone();
     let writer = std::thread::spawn(move || -> Result<(), String> {

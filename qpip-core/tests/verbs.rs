@@ -164,6 +164,7 @@ contract!(
     queue_depth_is_enforced,
     async_verbs_under_tokio,
     quiet_posts_go_out_at_the_doorbell,
+    accepts_that_time_out_lose_no_connection,
 );
 
 /// Waits (on the CQ, without draining it) until it reports `lost` lost completions.
@@ -585,6 +586,50 @@ fn orderly_close_delivers_then_flushes(net: Net) {
     assert_eq!(&v, b"last words");
     assert_eq!(client.state(), QpState::Closed);
     assert_eq!(server.state(), QpState::Error);
+}
+
+/// A server's accept loop (nbd-server's): a fresh QP per `accept_timeout`, dropped when the
+/// wait times out. A connection that arrives as a wait ends goes to a QP whose waiter takes
+/// it, never to one being dropped: every client gets its greeting.
+fn accepts_that_time_out_lose_no_connection(net: Net) {
+    let clients = net.qps.min(24);
+    let listener = net.server.listen(net.locals[0].0).unwrap();
+    let addr = listener.local_addr();
+    let server_nic = net.server.clone();
+    let acceptor = std::thread::spawn(move || {
+        let mut accepted = Vec::new();
+        let deadline = Instant::now() + T;
+        while accepted.len() < clients && Instant::now() < deadline {
+            let cq = server_nic.create_cq(8);
+            let qp = server_nic.create_qp(QpAttr::new(&cq).depths(4, 4));
+            // Short waits, so that connections keep arriving as one ends.
+            match listener.accept_timeout(&qp, Duration::from_micros(300)) {
+                Ok(_) => {
+                    let mr = server_nic.alloc_region(8, Access::READ_WRITE);
+                    mr.write_at(0, b"greeting");
+                    qp.post_send(SendWr::new(1, &[mr.sge(0, 8)])).unwrap();
+                    wait_n(&cq, 1, T);
+                    accepted.push((qp, cq, mr));
+                }
+                Err(qpip_core::Error::Timeout { .. }) => {}
+                Err(e) => panic!("accept: {e}"),
+            }
+        }
+        accepted.len()
+    });
+    let cq = net.client.create_cq(8);
+    for i in 0..clients {
+        let qp = net.client.create_qp(QpAttr::new(&cq).depths(4, 4));
+        let mr = net.client.alloc_region(8, Access::READ_WRITE);
+        qp.post_recv(RecvWr::new(1, &[mr.sge(0, 8)])).unwrap();
+        qp.connect_timeout(addr, T).unwrap();
+        let got = wait_n(&cq, 1, T);
+        assert_eq!(got[0].status, WcStatus::Success, "client {i}: {:?}", got[0]);
+        let mut v = [0u8; 8];
+        mr.read_at(0, &mut v);
+        assert_eq!(&v, b"greeting", "client {i}");
+    }
+    assert_eq!(acceptor.join().unwrap(), clients);
 }
 
 /// Connecting to a port nobody listens on fails with an error naming the address.

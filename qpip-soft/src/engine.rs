@@ -219,15 +219,17 @@ impl Engine {
                     }
                 }
             }
-            while l.accepts.front().is_some_and(|(_, r)| r.is_abandoned()) {
-                l.accepts.pop_front();
-            }
-            if l.pending.is_empty() || l.accepts.is_empty() {
+            if l.pending.is_empty() {
                 return;
             }
-            let (Some((qp_num, reply)), Some((stream, peer))) =
-                (l.accepts.pop_front(), l.pending.pop_front())
-            else {
+            let Some((qp_num, reply)) = l.accepts.pop_front() else {
+                return;
+            };
+            // Its waiter gave up (a timed-out accept): its QP may be going away.
+            if !reply.claim() {
+                continue;
+            }
+            let Some((stream, peer)) = l.pending.pop_front() else {
                 return;
             };
             match self.qps.get_mut(&qp_num) {

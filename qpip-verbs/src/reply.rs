@@ -1,4 +1,10 @@
 //! One-shot replies from the NIC's management state machine to a waiting host thread or task.
+//!
+//! A waiter may give up (a timed-out accept). The NIC must not then do what the answer reports
+//! — mate a connection to a QP its host is about to drop, losing the connection — so before it
+//! acts it [claims](ReplySender::claim) the answer: a waiter that gives up before the claim
+//! abandons it and the NIC leaves the work undone; once claimed, the waiter takes the answer,
+//! however late it comes.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -6,8 +12,19 @@ use std::time::Instant;
 use event_listener::{Event, Listener};
 use parking_lot::Mutex;
 
+enum State<T> {
+    /// Nobody has acted on the command yet.
+    Waiting,
+    /// The NIC has begun to act on it: the waiter must take the answer.
+    Claimed,
+    /// The answer, not yet taken.
+    Answered(T),
+    /// The waiter gave up before the NIC claimed it, or took the answer.
+    Closed,
+}
+
 struct Slot<T> {
-    value: Mutex<Option<T>>,
+    state: Mutex<State<T>>,
     event: Event,
 }
 
@@ -20,7 +37,7 @@ pub struct ReplyReceiver<T>(Arc<Slot<T>>);
 /// A one-shot channel for a NIC command's answer.
 pub fn reply_channel<T>() -> (ReplySender<T>, ReplyReceiver<T>) {
     let slot = Arc::new(Slot {
-        value: Mutex::new(None),
+        state: Mutex::new(State::Waiting),
         event: Event::new(),
     });
     (ReplySender(slot.clone()), ReplyReceiver(slot))
@@ -29,18 +46,53 @@ pub fn reply_channel<T>() -> (ReplySender<T>, ReplyReceiver<T>) {
 impl<T> ReplySender<T> {
     /// Answers (nothing happens if the receiver is gone).
     pub fn send(self, value: T) {
-        *self.0.value.lock() = Some(value);
+        {
+            let mut state = self.0.state.lock();
+            if matches!(*state, State::Waiting | State::Claimed) {
+                *state = State::Answered(value);
+            }
+        }
         self.0.event.notify(usize::MAX);
     }
-    /// True when the waiter gave up (timed out or was dropped).
-    pub fn is_abandoned(&self) -> bool {
-        Arc::strong_count(&self.0) == 1
+
+    /// Commits the NIC to answering: false if the waiter has already given up (then the
+    /// command's work must not be done); after true, the waiter takes the answer.
+    pub fn claim(&self) -> bool {
+        let mut state = self.0.state.lock();
+        match *state {
+            State::Waiting => {
+                *state = State::Claimed;
+                true
+            }
+            State::Claimed => true,
+            State::Answered(_) | State::Closed => false,
+        }
     }
 }
 
 impl<T> ReplyReceiver<T> {
     fn take(&self) -> Option<T> {
-        self.0.value.lock().take()
+        let mut state = self.0.state.lock();
+        if matches!(*state, State::Answered(_)) {
+            match std::mem::replace(&mut *state, State::Closed) {
+                State::Answered(v) => return Some(v),
+                _ => unreachable!("checked above"),
+            }
+        }
+        None
+    }
+
+    /// Gives up unless the NIC has claimed the command: true if it has (the answer will come).
+    fn give_up(&self) -> bool {
+        let mut state = self.0.state.lock();
+        match *state {
+            State::Waiting => {
+                *state = State::Closed;
+                false
+            }
+            State::Claimed | State::Answered(_) => true,
+            State::Closed => false,
+        }
     }
 
     /// The reply if it has arrived, without waiting (the virtual-time simulation).
@@ -48,8 +100,9 @@ impl<T> ReplyReceiver<T> {
         self.take()
     }
 
-    /// Waits until the reply arrives or `deadline` passes.
-    pub fn wait_until(self, deadline: Option<Instant>) -> Option<T> {
+    /// Waits until the reply arrives or `deadline` passes — or, if the NIC claimed the command
+    /// by then, until its answer comes.
+    pub fn wait_until(self, mut deadline: Option<Instant>) -> Option<T> {
         loop {
             if let Some(v) = self.take() {
                 return Some(v);
@@ -64,7 +117,10 @@ impl<T> ReplyReceiver<T> {
             match deadline {
                 Some(d) => {
                     if listener.wait_deadline(d).is_none() {
-                        return self.take();
+                        if !self.give_up() {
+                            return None;
+                        }
+                        deadline = None; // claimed: the answer is on its way
                     }
                 }
                 None => listener.wait(),
@@ -90,9 +146,51 @@ impl<T> ReplyReceiver<T> {
     }
 }
 
+impl<T> Drop for ReplyReceiver<T> {
+    fn drop(&mut self) {
+        // A waiter that goes without its answer (a cancelled future) abandons the command if
+        // the NIC has not claimed it yet.
+        self.give_up();
+    }
+}
+
 impl<T> Drop for ReplySender<T> {
     fn drop(&mut self) {
         // Wake a waiter so it notices a sender that went away without replying.
         self.0.event.notify(usize::MAX);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_waiter_that_gives_up_first_abandons_the_command() {
+        let (tx, rx) = reply_channel::<u32>();
+        assert_eq!(rx.wait_until(Some(Instant::now())), None);
+        assert!(!tx.claim(), "the NIC must not act on an abandoned command");
+    }
+
+    #[test]
+    fn a_claimed_command_is_answered_even_after_the_deadline() {
+        let (tx, rx) = reply_channel::<u32>();
+        assert!(tx.claim());
+        let nic = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            tx.send(7);
+        });
+        assert_eq!(rx.wait_until(Some(Instant::now())), Some(7));
+        nic.join().unwrap();
+    }
+
+    #[test]
+    fn a_claim_that_is_dropped_unanswered_ends_the_wait() {
+        let (tx, rx) = reply_channel::<u32>();
+        assert!(tx.claim());
+        let nic = std::thread::spawn(move || drop(tx));
+        assert_eq!(rx.wait_until(Some(Instant::now())), None);
+        nic.join().unwrap();
     }
 }

@@ -406,9 +406,6 @@ impl Firmware {
             return false;
         };
         loop {
-            while l.accepts.front().is_some_and(|(_, r)| r.is_abandoned()) {
-                l.accepts.pop_front();
-            }
             if l.accepts.is_empty() {
                 return progress;
             }
@@ -424,6 +421,10 @@ impl Firmware {
             let Some((qp, reply)) = l.accepts.pop_front() else {
                 return progress;
             };
+            // Its waiter gave up (a timed-out accept): its QP may be going away.
+            if !reply.claim() {
+                continue;
+            }
             progress = true;
             match self.qps.get_mut(&qp) {
                 Some(q) if q.shared.kind == QpKind::Reliable && q.is_idle() => {
