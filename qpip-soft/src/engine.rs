@@ -307,6 +307,12 @@ impl Processor for Engine {
         self.qps.values().any(|q| q.sending())
     }
 
+    fn watch_fd(&self) -> Option<std::os::fd::RawFd> {
+        // An io_uring engine reaps its sockets through the ring, not the epoll instance.
+        use std::os::fd::AsRawFd;
+        self.ring.is_none().then(|| self.poll.as_raw_fd())
+    }
+
     fn stop(&mut self) {
         let registry = self.poll.registry();
         for qp in self.qps.values_mut() {

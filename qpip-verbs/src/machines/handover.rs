@@ -20,6 +20,9 @@ pub(crate) struct Handover {
     pub(super) park: AtomicU32,
     /// The NIC thread sleeps without a timer behind a long drive: its end must wake it.
     pub(super) parked_untimed: AtomicBool,
+    /// The NIC thread watches the physical layer without holding the processor
+    /// ([`super::shell::Processor::watch_fd`]): the waker, not the futex, reaches it.
+    pub(super) watching: AtomicBool,
     /// Host drives begun (tells a busy queue from one long drive).
     pub(super) drives: AtomicU64,
     /// When the last host drive ended (ns since `epoch`; [`NEVER`] before the first).
@@ -42,6 +45,7 @@ impl Default for Handover {
             resume: AtomicBool::new(false),
             park: AtomicU32::new(0),
             parked_untimed: AtomicBool::new(false),
+            watching: AtomicBool::new(false),
             drives: AtomicU64::new(0),
             last_exit: AtomicU64::new(NEVER),
             driven_cpu_ns: AtomicU64::new(0),

@@ -49,6 +49,14 @@ pub trait Processor {
     fn sending(&self) -> bool {
         false
     }
+    /// A descriptor that is readable (`poll(2)`) while the physical layer has something for
+    /// [`Self::step`], without taking it (an epoll instance's own descriptor): the NIC thread
+    /// of a driven queue watches it without holding the processor, so that a host thread
+    /// that comes to wait finds the processor free. None: the NIC thread sleeps in
+    /// [`Self::sleep`], holding it.
+    fn watch_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
 }
 
 /// How the shell runs.
@@ -225,7 +233,9 @@ impl NicThread {
         }
         // Pairs with the NIC's fence between announcing sleep and re-checking the FIFO.
         fence(Ordering::SeqCst);
-        if self.shared.sleeping.load(Ordering::Relaxed) {
+        if self.shared.sleeping.load(Ordering::Relaxed)
+            || self.shared.handover.watching.load(Ordering::Relaxed)
+        {
             self.shared.wake();
         }
     }
@@ -405,6 +415,26 @@ pub(super) fn drive<P: Processor>(
         turns.slept = true;
         if worked {
             turns.worked(true);
+        }
+    }
+}
+
+/// Runs the processor's turns, never sleeping, until a turn finds nothing to do (true) or
+/// `let_go()` (false).
+pub(super) fn run_until_idle<P: Processor>(
+    shared: &Shared,
+    nic: &mut P,
+    let_go: &mut dyn FnMut() -> bool,
+) -> bool {
+    loop {
+        let mut worked = run_commands(shared, nic);
+        worked |= run_doorbells(shared, nic);
+        worked |= nic.step();
+        if let_go() {
+            return false;
+        }
+        if !worked {
+            return true;
         }
     }
 }
