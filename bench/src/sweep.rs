@@ -14,7 +14,7 @@
 //! whole. The JSON says so per point (`nbd_requests_per_request`, `window`).
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -22,7 +22,7 @@ use nbd_client::{Client, ClientOptions, Op};
 use serde::Serialize;
 
 use crate::cpu;
-use crate::progress::Progress;
+use crate::progress::{Bar, Progress};
 use crate::report::{Machine, TargetCheck, machine};
 use crate::rig::fio;
 use crate::rig::peers::{self, NIC_THREAD, Running, Server};
@@ -233,8 +233,53 @@ fn fio_point(
 
 type Key = (&'static str, &'static str, u64, u32);
 
+/// What one round's measurements add up to, per point.
+#[derive(Default)]
+struct Collected {
+    samples: BTreeMap<Key, Samples>,
+    /// NBD requests per request and the window, per point.
+    shape: BTreeMap<Key, (u64, u64)>,
+}
+
 pub(crate) fn run_all(o: Options, progress: &Progress) -> Result<SweepReport> {
-    let repeat = o.repeat.max(1);
+    let image_bytes = check_options(&o)?;
+    peers::check_prerequisites(&o.server_bin)?;
+    let stop = Interrupt::install()?;
+    let work = WorkDir::on_tmpfs(o.dir.as_deref(), "sweep")?;
+    let base = work.path.clone();
+    let params = params(&o, image_bytes, base.clone());
+    let npoints = (o.sizes.len() * o.depths.len() * 2 * STACKS.len() * params.repeat) as u64;
+    let mut bar = progress.steps("points".into(), npoints);
+    let mut collected = Collected::default();
+    for i in 0..params.repeat {
+        let round = Round {
+            o: &o,
+            base: &base,
+            image_bytes,
+            number: i + 1,
+            stop: &stop,
+        };
+        for k in 0..STACKS.len() {
+            stop.check()?;
+            round.stack(STACKS[(i + k) % STACKS.len()], &mut bar, &mut collected)?;
+        }
+    }
+    bar.finish("done");
+    let points = points(&collected);
+    let ratios = ratios(&points, &o.sizes, &o.depths);
+    let target = target(&ratios);
+    Ok(SweepReport {
+        points,
+        ratios,
+        target,
+        params,
+        machine: machine(),
+    })
+}
+
+/// Checks the sizes and depths asked for; returns the image's size: at least a point's
+/// bytes, a whole number of the largest request.
+fn check_options(o: &Options) -> Result<u64> {
     if o.sizes.is_empty() || o.depths.is_empty() {
         bail!("--sizes and --depths must not be empty");
     }
@@ -248,21 +293,21 @@ pub(crate) fn run_all(o: Options, progress: &Progress) -> Result<SweepReport> {
     {
         bail!("request sizes must be multiples of 512 that divide the largest one");
     }
-    let image_bytes = o.point_size.max(largest).next_multiple_of(largest);
-    peers::check_prerequisites(&o.server_bin)?;
-    let stop = Interrupt::install()?;
-    let work = WorkDir::on_tmpfs(o.dir.as_deref(), "sweep")?;
-    let base = work.path.clone();
+    Ok(o.point_size.max(largest).next_multiple_of(largest))
+}
+
+/// The report's record of how the sweep ran.
+fn params(o: &Options, image_bytes: u64, dir: PathBuf) -> Params {
     let fio_version = fio::version();
     let fio = format!("{fio_version} --ioengine=nbd (libnbd, TCP), 1 job, 1 connection");
-    let params = Params {
-        repeat,
+    Params {
+        repeat: o.repeat.max(1),
         sizes: o.sizes.clone(),
         depths: o.depths.clone(),
         image_bytes,
         point_time_s: o.point_time.as_secs_f64(),
         server_bin: o.server_bin.clone(),
-        dir: base.clone(),
+        dir,
         clients: BTreeMap::from([
             (
                 "qpip",
@@ -273,66 +318,93 @@ pub(crate) fn run_all(o: Options, progress: &Progress) -> Result<SweepReport> {
             ("fio-nbdkit", fio.clone()),
             ("fio-qemu-nbd", fio),
         ]),
-    };
-    let npoints = (o.sizes.len() * o.depths.len() * 2 * STACKS.len() * repeat) as u64;
-    let bar = progress.steps("points".into(), npoints);
-    let mut bar = bar;
-    let mut samples: BTreeMap<Key, Samples> = BTreeMap::new();
-    let mut shape: BTreeMap<Key, (u64, u64)> = BTreeMap::new();
-    for i in 0..repeat {
-        for k in 0..STACKS.len() {
-            let server = STACKS[(i + k) % STACKS.len()];
-            let name = stack_name(server);
-            stop.check()?;
-            let image = Image::filled(base.join(format!("{name}.img")), image_bytes, 0xa5)?;
-            let mut running = peers::start(
-                server,
-                &o.server_bin,
-                &image.path,
-                base.join(format!("{name}.log")),
-                true,
-                None,
-            )?;
-            for &size in &o.sizes {
-                for &depth in &o.depths {
-                    for (dir, write) in [("write", true), ("read", false)] {
-                        stop.check()?;
-                        bar.set_message(format!(
-                            "round {} {name} {dir} {} qd{depth}",
-                            i + 1,
-                            human_bytes(size)
-                        ));
-                        let (m, per, window) = if server == Server::Qpip {
-                            qpip_point(&running, write, size, depth, image_bytes, o.point_time)?
-                        } else {
-                            let m =
-                                fio_point(&running, write, size, depth, image_bytes, o.point_time)?;
-                            (m, 1, u64::from(depth))
-                        };
-                        if m.bytes == 0 {
-                            bail!("{name} {dir} {size} qd{depth}: no bytes moved");
-                        }
-                        let gb = m.bytes as f64 / 1e9;
-                        let key = (name, dir, size, depth);
-                        let s = samples.entry(key).or_default();
-                        s.push("MBps", m.bytes as f64 / 1e6 / m.secs);
-                        s.push("server", m.server_cpu / gb);
-                        s.push("client", m.client_cpu / gb);
-                        s.push("nic", m.nic_cpu / gb);
-                        s.push("bytes", m.bytes as f64);
-                        shape.insert(key, (per, window));
-                        bar.inc(1);
-                    }
+    }
+}
+
+/// One stack's turn in one round.
+struct Round<'a> {
+    o: &'a Options,
+    base: &'a Path,
+    image_bytes: u64,
+    /// Counted from 1.
+    number: usize,
+    stop: &'a Interrupt,
+}
+
+impl Round<'_> {
+    /// Serves a fresh filled image with `server` and measures every size, depth and
+    /// direction against it.
+    fn stack(&self, server: Server, bar: &mut Bar, collected: &mut Collected) -> Result<()> {
+        let name = stack_name(server);
+        let image = Image::filled(
+            self.base.join(format!("{name}.img")),
+            self.image_bytes,
+            0xa5,
+        )?;
+        let mut running = peers::start(
+            server,
+            &self.o.server_bin,
+            &image.path,
+            self.base.join(format!("{name}.log")),
+            true,
+            None,
+        )?;
+        for &size in &self.o.sizes {
+            for &depth in &self.o.depths {
+                for (dir, write) in [("write", true), ("read", false)] {
+                    self.stop.check()?;
+                    bar.set_message(format!(
+                        "round {} {name} {dir} {} qd{depth}",
+                        self.number,
+                        human_bytes(size)
+                    ));
+                    let key = (name, dir, size, depth);
+                    self.point(&running, server, key, write, collected)?;
+                    bar.inc(1);
                 }
             }
-            running.stop()?;
         }
+        running.stop()
     }
-    bar.finish("done");
+
+    /// Measures one point and adds it to `collected`.
+    fn point(
+        &self,
+        running: &Running,
+        server: Server,
+        key: Key,
+        write: bool,
+        collected: &mut Collected,
+    ) -> Result<()> {
+        let (name, dir, size, depth) = key;
+        let (bytes, time) = (self.image_bytes, self.o.point_time);
+        let (m, per, window) = if server == Server::Qpip {
+            qpip_point(running, write, size, depth, bytes, time)?
+        } else {
+            let m = fio_point(running, write, size, depth, bytes, time)?;
+            (m, 1, u64::from(depth))
+        };
+        if m.bytes == 0 {
+            bail!("{name} {dir} {size} qd{depth}: no bytes moved");
+        }
+        let gb = m.bytes as f64 / 1e9;
+        let s = collected.samples.entry(key).or_default();
+        s.push("MBps", m.bytes as f64 / 1e6 / m.secs);
+        s.push("server", m.server_cpu / gb);
+        s.push("client", m.client_cpu / gb);
+        s.push("nic", m.nic_cpu / gb);
+        s.push("bytes", m.bytes as f64);
+        collected.shape.insert(key, (per, window));
+        Ok(())
+    }
+}
+
+/// Each point's figures over the rounds, writes first, by size, depth and stack.
+fn points(c: &Collected) -> Vec<Point> {
     let mut points = Vec::new();
-    for (key, s) in &samples {
+    for (key, s) in &c.samples {
         let st = s.stats();
-        let (per, window) = shape[key];
+        let (per, window) = c.shape[key];
         points.push(Point {
             stack: key.0,
             dir: key.1,
@@ -348,6 +420,11 @@ pub(crate) fn run_all(o: Options, progress: &Progress) -> Result<SweepReport> {
         });
     }
     points.sort_by_key(|p| (p.dir != "write", p.size, p.depth, p.stack));
+    points
+}
+
+/// qpip's median MB/s over the best peer's, per direction, size and depth.
+fn ratios(points: &[Point], sizes: &[u64], depths: &[u32]) -> Vec<Ratio> {
     let mbps = |stack: &str, dir: &str, size: u64, depth: u32| {
         points
             .iter()
@@ -356,8 +433,8 @@ pub(crate) fn run_all(o: Options, progress: &Progress) -> Result<SweepReport> {
     };
     let mut ratios = Vec::new();
     for dir in ["write", "read"] {
-        for &size in &o.sizes {
-            for &depth in &o.depths {
+        for &size in sizes {
+            for &depth in depths {
                 let Some(q) = mbps("qpip", dir, size, depth) else {
                     continue;
                 };
@@ -377,23 +454,21 @@ pub(crate) fn run_all(o: Options, progress: &Progress) -> Result<SweepReport> {
             }
         }
     }
+    ratios
+}
+
+/// The sweep's target: qpip at least 1.2x the best peer wherever requests are 256 KiB and up.
+fn target(ratios: &[Ratio]) -> TargetCheck {
     let big: Vec<&Ratio> = ratios.iter().filter(|r| r.size >= 256 << 10).collect();
     let worst = big.iter().map(|r| r.ratio).fold(f64::INFINITY, f64::min);
-    let target = TargetCheck {
+    TargetCheck {
         rule: "qpip MB/s >= 1.2x the best peer at every point with requests of 256 KiB and up \
                (value: the worst such point)"
             .into(),
         value: worst,
         threshold: 1.2,
         met: !big.is_empty() && worst >= 1.2,
-    };
-    Ok(SweepReport {
-        points,
-        ratios,
-        target,
-        params,
-        machine: machine(),
-    })
+    }
 }
 
 /// The report as a terminal table.

@@ -8,87 +8,87 @@
 //! valid value and [`read`] / [`bytes_of`] are sound.
 
 // The opcodes, flags and structs below keep the kernel's names and are documented where
-// they are defined, in include/uapi/linux/fuse.h; the layouts are checked by the tests below.
-#![allow(missing_docs)]
+// they are defined, in include/uapi/linux/fuse.h (the module is the crate's own, so
+// missing_docs leaves them be); the layouts are checked by the tests below.
 #![allow(non_camel_case_types)]
 
 /// Protocol major version.
-pub const KERNEL_VERSION: u32 = 7;
+pub(crate) const KERNEL_VERSION: u32 = 7;
 /// The minor version this implementation speaks (7.42 added FUSE over io_uring).
-pub const KERNEL_MINOR_VERSION: u32 = 42;
+pub(crate) const KERNEL_MINOR_VERSION: u32 = 42;
 /// The root directory's node id.
-pub const ROOT_ID: u64 = 1;
+pub(crate) const ROOT_ID: u64 = 1;
 /// The kernel should drop an inode's cached attributes and page-cache range
 /// (`fuse_notify_code`'s FUSE_NOTIFY_INVAL_INODE, in the error field of an unsolicited
 /// message).
-pub const NOTIFY_INVAL_INODE: i32 = 2;
+pub(crate) const NOTIFY_INVAL_INODE: i32 = 2;
 /// The kernel should drop a name's cached directory entry (FUSE_NOTIFY_INVAL_ENTRY).
-pub const NOTIFY_INVAL_ENTRY: i32 = 3;
+pub(crate) const NOTIFY_INVAL_ENTRY: i32 = 3;
 /// The smallest read buffer /dev/fuse accepts.
-pub const MIN_READ_BUFFER: usize = 8192;
+pub(crate) const MIN_READ_BUFFER: usize = 8192;
 
 // Opcodes (enum fuse_opcode).
-pub const LOOKUP: u32 = 1;
-pub const FORGET: u32 = 2;
-pub const GETATTR: u32 = 3;
-pub const SETATTR: u32 = 4;
-pub const OPEN: u32 = 14;
-pub const READ: u32 = 15;
-pub const WRITE: u32 = 16;
-pub const STATFS: u32 = 17;
-pub const RELEASE: u32 = 18;
-pub const FSYNC: u32 = 20;
-pub const FLUSH: u32 = 25;
-pub const INIT: u32 = 26;
-pub const OPENDIR: u32 = 27;
-pub const READDIR: u32 = 28;
-pub const RELEASEDIR: u32 = 29;
-pub const FSYNCDIR: u32 = 30;
-pub const ACCESS: u32 = 34;
-pub const INTERRUPT: u32 = 36;
-pub const DESTROY: u32 = 38;
-pub const BATCH_FORGET: u32 = 42;
-pub const FALLOCATE: u32 = 43;
-pub const READDIRPLUS: u32 = 44;
+pub(crate) const LOOKUP: u32 = 1;
+pub(crate) const FORGET: u32 = 2;
+pub(crate) const GETATTR: u32 = 3;
+pub(crate) const SETATTR: u32 = 4;
+pub(crate) const OPEN: u32 = 14;
+pub(crate) const READ: u32 = 15;
+pub(crate) const WRITE: u32 = 16;
+pub(crate) const STATFS: u32 = 17;
+pub(crate) const RELEASE: u32 = 18;
+pub(crate) const FSYNC: u32 = 20;
+pub(crate) const FLUSH: u32 = 25;
+pub(crate) const INIT: u32 = 26;
+pub(crate) const OPENDIR: u32 = 27;
+pub(crate) const READDIR: u32 = 28;
+pub(crate) const RELEASEDIR: u32 = 29;
+pub(crate) const FSYNCDIR: u32 = 30;
+pub(crate) const ACCESS: u32 = 34;
+pub(crate) const INTERRUPT: u32 = 36;
+pub(crate) const DESTROY: u32 = 38;
+pub(crate) const BATCH_FORGET: u32 = 42;
+pub(crate) const FALLOCATE: u32 = 43;
+pub(crate) const READDIRPLUS: u32 = 44;
 
 // INIT flags (fuse_init_in.flags / flags2 << 32).
-pub const ASYNC_READ: u64 = 1 << 0;
-pub const ATOMIC_O_TRUNC: u64 = 1 << 3;
-pub const BIG_WRITES: u64 = 1 << 5;
-pub const DO_READDIRPLUS: u64 = 1 << 13;
-pub const ASYNC_DIO: u64 = 1 << 15;
-pub const WRITEBACK_CACHE: u64 = 1 << 16;
-pub const PARALLEL_DIROPS: u64 = 1 << 18;
-pub const MAX_PAGES: u64 = 1 << 22;
-pub const INIT_EXT: u64 = 1 << 30;
-pub const DIRECT_IO_ALLOW_MMAP: u64 = 1 << 36;
-pub const OVER_IO_URING: u64 = 1 << 41;
+pub(crate) const ASYNC_READ: u64 = 1 << 0;
+pub(crate) const BIG_WRITES: u64 = 1 << 5;
+#[cfg(test)]
+pub(crate) const DO_READDIRPLUS: u64 = 1 << 13;
+pub(crate) const ASYNC_DIO: u64 = 1 << 15;
+pub(crate) const WRITEBACK_CACHE: u64 = 1 << 16;
+pub(crate) const PARALLEL_DIROPS: u64 = 1 << 18;
+pub(crate) const MAX_PAGES: u64 = 1 << 22;
+pub(crate) const INIT_EXT: u64 = 1 << 30;
+pub(crate) const DIRECT_IO_ALLOW_MMAP: u64 = 1 << 36;
+pub(crate) const OVER_IO_URING: u64 = 1 << 41;
 
 // fuse_open_out.open_flags
-pub const FOPEN_DIRECT_IO: u32 = 1 << 0;
-pub const FOPEN_PARALLEL_DIRECT_WRITES: u32 = 1 << 6;
+pub(crate) const FOPEN_DIRECT_IO: u32 = 1 << 0;
+pub(crate) const FOPEN_PARALLEL_DIRECT_WRITES: u32 = 1 << 6;
 
 // fuse_setattr_in.valid
-pub const FATTR_MODE: u32 = 1 << 0;
-pub const FATTR_UID: u32 = 1 << 1;
-pub const FATTR_GID: u32 = 1 << 2;
-pub const FATTR_SIZE: u32 = 1 << 3;
+pub(crate) const FATTR_MODE: u32 = 1 << 0;
+pub(crate) const FATTR_UID: u32 = 1 << 1;
+pub(crate) const FATTR_GID: u32 = 1 << 2;
+pub(crate) const FATTR_SIZE: u32 = 1 << 3;
 
 // FUSE over io_uring.
-pub const URING_IN_OUT_HEADER_SZ: usize = 128;
-pub const URING_OP_IN_OUT_SZ: usize = 128;
+pub(crate) const URING_IN_OUT_HEADER_SZ: usize = 128;
+pub(crate) const URING_OP_IN_OUT_SZ: usize = 128;
 /// enum fuse_uring_cmd
-pub const IO_URING_CMD_REGISTER: u32 = 1;
-pub const IO_URING_CMD_COMMIT_AND_FETCH: u32 = 2;
+pub(crate) const IO_URING_CMD_REGISTER: u32 = 1;
+pub(crate) const IO_URING_CMD_COMMIT_AND_FETCH: u32 = 2;
 
 /// Marker for the plain-old-data structs of this module.
 ///
 /// # Safety
 /// Implementors are `repr(C)`, made of integers only, without padding.
-pub unsafe trait Pod: Copy + Default + 'static {}
+pub(crate) unsafe trait Pod: Copy + Default + 'static {}
 
 /// Reads a `T` from the start of `b` (None if `b` is too short).
-pub fn read<T: Pod>(b: &[u8]) -> Option<T> {
+pub(crate) fn read<T: Pod>(b: &[u8]) -> Option<T> {
     if b.len() < size_of::<T>() {
         return None;
     }
@@ -98,7 +98,7 @@ pub fn read<T: Pod>(b: &[u8]) -> Option<T> {
 }
 
 /// The bytes of a `T`.
-pub fn bytes_of<T: Pod>(v: &T) -> &[u8] {
+pub(crate) fn bytes_of<T: Pod>(v: &T) -> &[u8] {
     // SAFETY: T is Pod: no padding, so every byte is initialised.
     unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), size_of::<T>()) }
 }
@@ -107,13 +107,13 @@ macro_rules! pod {
     ($($name:ident { $($field:ident : $ty:ty),* $(,)? })*) => {$(
         #[repr(C)]
         #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-        pub struct $name { $(pub $field: $ty),* }
+        pub(crate) struct $name { $(pub(crate) $field: $ty),* }
         // SAFETY: repr(C), integer fields; the tests check there is no padding.
         unsafe impl Pod for $name {}
         impl $name {
             /// The sum of the field sizes (equal to the struct's size when it has no padding).
             #[cfg(test)]
-            pub const FIELD_BYTES: usize = 0 $(+ size_of::<$ty>())*;
+            pub(crate) const FIELD_BYTES: usize = 0 $(+ size_of::<$ty>())*;
         }
     )*};
 }
@@ -184,7 +184,7 @@ pod! {
 /// `fuse_out_header` in `in_out` and the reply's length in `ring_ent_in_out.payload_sz`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct fuse_uring_req_header {
+pub(crate) struct fuse_uring_req_header {
     pub in_out: [u8; URING_IN_OUT_HEADER_SZ],
     pub op_in: [u8; URING_OP_IN_OUT_SZ],
     pub ring_ent_in_out: fuse_uring_ent_in_out,
@@ -205,13 +205,13 @@ unsafe impl Pod for fuse_uring_req_header {}
 
 #[cfg(test)]
 impl fuse_uring_req_header {
-    pub const FIELD_BYTES: usize = URING_IN_OUT_HEADER_SZ + URING_OP_IN_OUT_SZ + 32;
+    pub(crate) const FIELD_BYTES: usize = URING_IN_OUT_HEADER_SZ + URING_OP_IN_OUT_SZ + 32;
 }
 
 /// The size of the fixed per-operation struct the kernel sends first (the op header, in the
 /// ring's `op_in`; on /dev/fuse, right after `fuse_in_header`). The rest (names, write data)
 /// follows it on /dev/fuse and is the payload on the ring.
-pub fn op_in_size(opcode: u32) -> usize {
+pub(crate) fn op_in_size(opcode: u32) -> usize {
     match opcode {
         INIT => size_of::<fuse_init_in>(),
         GETATTR => size_of::<fuse_getattr_in>(),
@@ -251,6 +251,8 @@ mod tests {
         no_padding!(
             fuse_in_header = 40,
             fuse_out_header = 16,
+            fuse_notify_inval_inode_out = 24,
+            fuse_notify_inval_entry_out = 16,
             fuse_init_in = 64,
             fuse_init_out = 64,
             fuse_attr = 88,

@@ -13,15 +13,15 @@ use crate::proto;
 
 /// A worker's input area: the largest request (header, fuse_write_in, MAX_IO bytes of data)
 /// with room to spare, as the kernel demands of /dev/fuse readers.
-pub const IN_CAP: usize = crate::fs::MAX_IO as usize + abi::MIN_READ_BUFFER;
+pub(crate) const IN_CAP: usize = crate::fs::MAX_IO as usize + abi::MIN_READ_BUFFER;
 
 /// One worker's buffer: the request at the start, the reply at [`IN_CAP`].
-pub fn buffer(nic: &Nic) -> MemoryRegion {
+pub(crate) fn buffer(nic: &Nic) -> MemoryRegion {
     nic.alloc_region(2 * IN_CAP, Access::READ_WRITE)
 }
 
 /// Reads one message into `mr` (from 0). Ok(None): the connection is gone (unmounted).
-pub fn read_message(fd: RawFd, mr: &MemoryRegion) -> io::Result<Option<usize>> {
+pub(crate) fn read_message(fd: RawFd, mr: &MemoryRegion) -> io::Result<Option<usize>> {
     loop {
         // SAFETY: the first IN_CAP bytes of the region are this worker's and no WR names them
         // while the kernel writes there.
@@ -40,7 +40,7 @@ pub fn read_message(fd: RawFd, mr: &MemoryRegion) -> io::Result<Option<usize>> {
 }
 
 /// Answers request `unique`: `body` bytes of `mr` from `at` (or an error).
-pub fn reply(fd: RawFd, unique: u64, result: Result<(&MemoryRegion, usize, usize), i32>) {
+pub(crate) fn reply(fd: RawFd, unique: u64, result: Result<(&MemoryRegion, usize, usize), i32>) {
     let (error, body) = match result {
         Ok(b) => (0, Some(b)),
         Err(e) => (-e, None),
@@ -85,14 +85,14 @@ pub fn reply(fd: RawFd, unique: u64, result: Result<(&MemoryRegion, usize, usize
 /// Tells the kernel to drop node `ino`'s cached attributes and its page cache from `off`
 /// (`len` 0: to the end); its next stat asks us again. Not from a request's handler: the
 /// kernel may wait there for pages that request holds.
-pub fn notify_inval_inode(fd: RawFd, ino: u64, off: i64, len: i64) -> io::Result<()> {
+pub(crate) fn notify_inval_inode(fd: RawFd, ino: u64, off: i64, len: i64) -> io::Result<()> {
     let body = abi::fuse_notify_inval_inode_out { ino, off, len };
     notify(fd, abi::NOTIFY_INVAL_INODE, &[bytes_of(&body)])
 }
 
 /// Tells the kernel to drop its cached entry for `name` in directory `parent`: the next
 /// lookup of the name asks us again.
-pub fn notify_inval_entry(fd: RawFd, parent: u64, name: &[u8]) -> io::Result<()> {
+pub(crate) fn notify_inval_entry(fd: RawFd, parent: u64, name: &[u8]) -> io::Result<()> {
     let body = abi::fuse_notify_inval_entry_out {
         parent,
         namelen: name.len() as u32,
@@ -124,7 +124,7 @@ fn notify(fd: RawFd, code: i32, parts: &[&[u8]]) -> io::Result<()> {
 }
 
 /// Handles one message the worker read into `mr`.
-pub fn serve_one(fd: RawFd, fs: &NbdFs, mr: &MemoryRegion, n: usize) {
+pub(crate) fn serve_one(fd: RawFd, fs: &NbdFs, mr: &MemoryRegion, n: usize) {
     // SAFETY: the first `n` bytes were just written by read(2); nothing writes them while
     // this view lives (the reply goes to the other half).
     let msg = unsafe { std::slice::from_raw_parts(mr.as_ptr(), n) };
@@ -159,7 +159,7 @@ pub fn serve_one(fd: RawFd, fs: &NbdFs, mr: &MemoryRegion, n: usize) {
 }
 
 /// A worker: serves requests until the connection ends.
-pub fn worker(fd: RawFd, fs: &NbdFs, mr: MemoryRegion) -> io::Result<()> {
+pub(crate) fn worker(fd: RawFd, fs: &NbdFs, mr: MemoryRegion) -> io::Result<()> {
     while let Some(n) = read_message(fd, &mr)? {
         serve_one(fd, fs, &mr, n);
     }

@@ -1,6 +1,6 @@
 //! The filesystem: a directory (node 1) holding one regular file (node 2), the export.
 //!
-//! [`NbdFs::handle`] answers one parsed request ([`crate::proto::Op`]) whichever transport
+//! `NbdFs::handle` answers one parsed request (`proto::Op`) whichever transport
 //! brought it. Its buffers are registered memory ([`Buffers`]): READ data is asked of the
 //! server straight into the buffer that goes back to the kernel, WRITE data is sent to the
 //! server from the buffer the kernel filled. Metadata never reaches the server: it is fixed at
@@ -193,7 +193,7 @@ impl NbdFs {
 
     /// The export's size if it differs from `known` (what the kernel was last told): the
     /// caller then drops the kernel's attributes and pages of the file
-    /// ([`crate::dev::notify_inval_inode`]), so that `stat` shows the new size and no byte
+    /// (`dev::notify_inval_inode`), so that `stat` shows the new size and no byte
     /// past a shrunk end is served from the page cache.
     pub fn size_changed(&self, known: u64) -> Option<u64> {
         let now = self.size();
@@ -205,7 +205,7 @@ impl NbdFs {
     }
 
     /// Answers one request (INIT is the transport's business and answered there).
-    pub fn handle(&self, h: &fuse_in_header, op: &Op, buf: &Buffers) -> Outcome {
+    pub(crate) fn handle(&self, h: &fuse_in_header, op: &Op, buf: &Buffers) -> Outcome {
         use Outcome::{Error, Reply, Silent};
         let ino = h.nodeid;
         match op {

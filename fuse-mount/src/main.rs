@@ -478,7 +478,7 @@ fn serve(cli: &Cli, target: &Target, uri: &NbdUri, mnt: &Path, ready: &mut Ready
         read_only = caps.read_only,
         transport = if started.uring { "io_uring" } else { "/dev/fuse" },
         cache = ?cache,
-        writeback_cache = started.agreed.has(fuse_mount::abi::WRITEBACK_CACHE),
+        writeback_cache = started.agreed.writeback_cache(),
         "mounted"
     );
     if let Some(p) = &cli.pid_file {

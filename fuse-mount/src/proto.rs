@@ -14,7 +14,7 @@ use crate::abi::{self, fuse_in_header};
 /// one-file filesystem does not need are left out; `nodeid` is in the header.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum Op {
+pub(crate) enum Op {
     /// INIT, with the kernel's offer.
     Init(abi::fuse_init_in),
     /// LOOKUP of a name in a directory.
@@ -90,7 +90,7 @@ pub enum Op {
 /// Why a request could not be parsed (answered EINVAL; the kernel sent something this
 /// implementation does not understand).
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
-pub enum BadRequest {
+pub(crate) enum BadRequest {
     /// Fewer argument bytes than the opcode's struct.
     #[error("opcode {opcode}: {len} bytes of arguments, {want} needed")]
     Short {
@@ -108,20 +108,21 @@ pub enum BadRequest {
 
 impl Op {
     /// Does the kernel wait for an answer?
-    pub fn wants_reply(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn wants_reply(&self) -> bool {
         !matches!(self, Op::Forget | Op::Interrupt { .. })
     }
 }
 
 /// The header of a message from /dev/fuse and the bytes after it.
-pub fn split_message(msg: &[u8]) -> Result<(fuse_in_header, &[u8]), BadRequest> {
+pub(crate) fn split_message(msg: &[u8]) -> Result<(fuse_in_header, &[u8]), BadRequest> {
     let h: fuse_in_header = abi::read(msg).ok_or(BadRequest::NoHeader(msg.len()))?;
     let end = (h.len as usize).clamp(size_of::<fuse_in_header>(), msg.len());
     Ok((h, &msg[size_of::<fuse_in_header>()..end]))
 }
 
 /// Splits the bytes after a /dev/fuse header into the op struct and the rest.
-pub fn split_args(opcode: u32, args: &[u8]) -> Result<(&[u8], &[u8]), BadRequest> {
+pub(crate) fn split_args(opcode: u32, args: &[u8]) -> Result<(&[u8], &[u8]), BadRequest> {
     let want = abi::op_in_size(opcode);
     if args.len() < want {
         return Err(BadRequest::Short {
@@ -142,7 +143,7 @@ fn need<T: abi::Pod>(opcode: u32, op_in: &[u8]) -> Result<T, BadRequest> {
 }
 
 /// Parses one request: its opcode, the op struct and the rest (see the module notes).
-pub fn parse(opcode: u32, op_in: &[u8], rest: &[u8]) -> Result<Op, BadRequest> {
+pub(crate) fn parse(opcode: u32, op_in: &[u8], rest: &[u8]) -> Result<Op, BadRequest> {
     Ok(match opcode {
         abi::INIT => Op::Init(need(opcode, op_in)?),
         abi::LOOKUP => {
@@ -206,7 +207,7 @@ pub fn parse(opcode: u32, op_in: &[u8], rest: &[u8]) -> Result<Op, BadRequest> {
 
 /// What the mount asks of the connection at INIT.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Wants {
+pub(crate) struct Wants {
     /// Largest WRITE the kernel may send.
     pub max_write: u32,
     /// Read-ahead the kernel may do, in bytes.
@@ -227,7 +228,7 @@ pub struct Wants {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Agreed {
     /// The INIT answer sent.
-    pub out: abi::fuse_init_out,
+    pub(crate) out: abi::fuse_init_out,
     /// Flags the kernel offered (flags | flags2 << 32).
     pub offered: u64,
     /// Flags in the answer.
@@ -241,21 +242,26 @@ impl Agreed {
     pub fn has(&self, flag: u64) -> bool {
         self.flags & flag != 0
     }
+
+    /// The kernel caches writes and sends them back in batches (`FUSE_WRITEBACK_CACHE`).
+    pub fn writeback_cache(&self) -> bool {
+        self.has(abi::WRITEBACK_CACHE)
+    }
 }
 
 /// Why INIT cannot be answered with a working connection.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
-pub enum InitError {
+pub(crate) enum InitError {
     /// The kernel's protocol version (major, minor) is too old.
     #[error("the kernel speaks FUSE {0}.{1}; this mount needs 7.{min} or later", min = MIN_MINOR)]
     TooOld(u32, u32),
 }
 
 /// The oldest protocol minor this mount accepts (7.36: INIT flags2).
-pub const MIN_MINOR: u32 = 36;
+pub(crate) const MIN_MINOR: u32 = 36;
 
 /// Does the kernel offer FUSE over io_uring in its INIT request?
-pub fn offers_io_uring(init: &abi::fuse_init_in) -> bool {
+pub(crate) fn offers_io_uring(init: &abi::fuse_init_in) -> bool {
     offered_flags(init) & abi::OVER_IO_URING != 0
 }
 
@@ -269,7 +275,7 @@ fn offered_flags(init: &abi::fuse_init_in) -> u64 {
 
 /// Answers the kernel's INIT: the flags the mount wants that the kernel offers, sizes capped
 /// by what the kernel allows (max_readahead can only lower the kernel's value).
-pub fn negotiate(init: &abi::fuse_init_in, want: &Wants) -> Result<Agreed, InitError> {
+pub(crate) fn negotiate(init: &abi::fuse_init_in, want: &Wants) -> Result<Agreed, InitError> {
     if init.major != abi::KERNEL_VERSION || init.minor < MIN_MINOR {
         return Err(InitError::TooOld(init.major, init.minor));
     }

@@ -42,7 +42,7 @@ const GONE: [i32; 4] = [
 const SQE_LEN_OFFSET: usize = 24;
 
 /// The queues the kernel has: one per possible CPU (num_possible_cpus()).
-pub fn queue_count() -> usize {
+pub(crate) fn queue_count() -> usize {
     std::fs::read_to_string("/sys/devices/system/cpu/possible")
         .ok()
         .and_then(|s| possible_cpus(&s))
@@ -69,7 +69,7 @@ fn possible_cpus(list: &str) -> Option<usize> {
 }
 
 /// One ring entry with its io_uring, ready to register.
-pub struct Entry {
+pub(crate) struct Entry {
     ring: IoUring<squeue::Entry128>,
     mr: MemoryRegion,
     qid: u16,
@@ -82,7 +82,7 @@ impl Entry {
     /// Sets up an entry for queue `qid` whose payload holds `payload_len` bytes (at least the
     /// kernel's max(max_write, max_pages × page size)), to be served by the calling thread.
     /// Fails where io_uring is not allowed.
-    pub fn new(nic: &Nic, qid: u16, payload_len: usize) -> io::Result<Entry> {
+    pub(crate) fn new(nic: &Nic, qid: u16, payload_len: usize) -> io::Result<Entry> {
         // One thread (the caller's: a single-issuer ring belongs to the task that creates
         // it) submits and waits on this ring: the kernel's work for it (copying the next
         // request into the entry) can wait until that thread asks for completions, instead
@@ -164,7 +164,7 @@ impl Entry {
     /// Registers the entry and serves requests until the connection ends. Err: the entry
     /// could not be registered (the kernel then goes back to /dev/fuse for every request) or
     /// a commit failed.
-    pub fn serve(mut self, fd: RawFd, fs: &NbdFs) -> io::Result<()> {
+    pub(crate) fn serve(mut self, fd: RawFd, fs: &NbdFs) -> io::Result<()> {
         let reg = self.command(fd, abi::IO_URING_CMD_REGISTER, 0);
         let mut got = self
             .submit_wait(&reg)

@@ -353,7 +353,7 @@ impl Session {
                     .spawn(move || dev::worker(fd.as_raw_fd(), &fs, mr))?,
             );
         }
-        let writeback = self.started.agreed.has(abi::WRITEBACK_CACHE);
+        let writeback = self.started.agreed.writeback_cache();
         let size_watch = watch_size(self.fd.clone(), self.fs.clone(), writeback);
         let mut first_err = None;
         for h in handles {

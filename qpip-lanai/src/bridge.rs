@@ -22,31 +22,62 @@ use super::params::{BridgeParams, FabricParams};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum BridgeError {
+    /// The fabric has no bridge node to be.
     #[error("the fabric config has no [bridge] section")]
     NoBridge,
+    /// The bridge node has nowhere to receive the fabric's frames.
     #[error("the bridge has no UDP port in the fabric config")]
     NoPort,
+    /// The kernel takes interface names of 1 to 15 bytes.
     #[error("TUN device name {0:?} is empty or longer than 15 bytes")]
     BadName(String),
+    /// /dev/net/tun could not be opened (no TUN support, or not root).
     #[error("opening /dev/net/tun for {dev}: {source}")]
-    Open { dev: String, source: io::Error },
+    Open {
+        /// The TUN device's name.
+        dev: String,
+        /// What the kernel said.
+        source: io::Error,
+    },
+    /// The kernel refused to create the TUN device (TUNSETIFF).
     #[error("creating TUN device {dev}: {source}")]
-    Create { dev: String, source: io::Error },
+    Create {
+        /// The TUN device's name.
+        dev: String,
+        /// What the kernel said.
+        source: io::Error,
+    },
+    /// Bringing the device up or giving it its address and MTU failed.
     #[error("configuring TUN device {dev}: `{cmd}` failed: {why}")]
     Configure {
+        /// The TUN device's name.
         dev: String,
+        /// The `ip` command that failed.
         cmd: String,
+        /// Its exit status and output.
         why: String,
     },
+    /// The bridge's fabric port could not be bound or failed.
     #[error("bridge port {addr}: {source}")]
-    Port { addr: SocketAddr, source: io::Error },
+    Port {
+        /// The port's address.
+        addr: SocketAddr,
+        /// What the socket said.
+        source: io::Error,
+    },
+    /// Reading or writing the TUN device failed.
     #[error("TUN device {dev}: {source}")]
-    Io { dev: String, source: io::Error },
+    Io {
+        /// The TUN device's name.
+        dev: String,
+        /// What the kernel said.
+        source: io::Error,
+    },
 }
 
 /// A TUN device (IFF_TUN | IFF_NO_PI: bare IP packets). It disappears when dropped: it is
 /// not persistent, so closing its descriptor tears it down.
-pub struct Tun {
+pub(crate) struct Tun {
     file: std::fs::File,
     name: String,
 }
@@ -60,7 +91,7 @@ struct IfReq {
 
 impl Tun {
     /// Creates the device `name`.
-    pub fn create(name: &str) -> Result<Tun, BridgeError> {
+    pub(crate) fn create(name: &str) -> Result<Tun, BridgeError> {
         if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains('\0') {
             return Err(BridgeError::BadName(name.into()));
         }
@@ -94,12 +125,17 @@ impl Tun {
         })
     }
 
-    pub fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         &self.name
     }
 
     /// MTU, the kernel's address and prefix route, link up (with iproute2's `ip`).
-    pub fn configure(&self, mtu: usize, addr: Ipv6Addr, prefix_len: u8) -> Result<(), BridgeError> {
+    pub(crate) fn configure(
+        &self,
+        mtu: usize,
+        addr: Ipv6Addr,
+        prefix_len: u8,
+    ) -> Result<(), BridgeError> {
         let dev = self.name.as_str();
         let mtu = mtu.to_string();
         let cidr = format!("{addr}/{prefix_len}");
@@ -134,7 +170,7 @@ impl Tun {
 
 /// What a packet from the kernel is, for forwarding.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Outbound<'a> {
+pub(crate) enum Outbound<'a> {
     /// To this fabric node, along this route.
     Node { dst: Ipv6Addr, route: &'a [u8] },
     /// Not unicast IPv6 to a node (MLD, router solicitations, other prefixes): dropped.
@@ -142,7 +178,7 @@ pub enum Outbound<'a> {
 }
 
 /// Classifies an IP packet the kernel wrote to the TUN device.
-pub fn classify<'a>(fabric: &'a FabricParams, packet: &[u8]) -> Outbound<'a> {
+pub(crate) fn classify<'a>(fabric: &'a FabricParams, packet: &[u8]) -> Outbound<'a> {
     if packet.len() < 40 || packet[0] >> 4 != 6 {
         return Outbound::Drop("not IPv6");
     }
@@ -210,6 +246,7 @@ impl Bridge {
         })
     }
 
+    /// The name of the TUN device the bridge made (the host's side of the fabric).
     pub fn tun_name(&self) -> &str {
         self.tun.name()
     }

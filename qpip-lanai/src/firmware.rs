@@ -67,7 +67,7 @@ use qpip_verbs::wr::{QpNum, WcStatus};
 
 /// What a NIC needs to know about itself.
 #[derive(Clone, Debug)]
-pub struct FirmwareConfig {
+pub(crate) struct FirmwareConfig {
     /// The NIC's IPv6 address.
     pub addr: Ipv6Addr,
     pub params: LanaiParams,
@@ -79,7 +79,7 @@ pub struct FirmwareConfig {
 
 /// A frame ready for the network send DMA.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct OutFrame {
+pub(crate) struct OutFrame {
     /// The whole Myrinet frame (route included).
     pub bytes: Vec<u8>,
     /// When the frame is in SRAM and the processor has handed it to the send DMA engine.
@@ -116,7 +116,7 @@ struct Orphan {
 
 /// Time each hardware resource was busy (the bench's bound and utilisation report).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Usage {
+pub(crate) struct Usage {
     pub pci_read_ns: Nanos,
     pub pci_write_ns: Nanos,
     pub pci_pio_ns: Nanos,
@@ -131,7 +131,7 @@ pub struct Usage {
 
 /// Counters of things the firmware dropped.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct FirmwareStats {
+pub(crate) struct FirmwareStats {
     /// Packets to addresses without a route.
     pub no_route: u64,
     /// Frames that failed to decode (CRC, type, leftover route) or were not for this NIC.
@@ -139,7 +139,7 @@ pub struct FirmwareStats {
 }
 
 /// The firmware of one NIC.
-pub struct Firmware {
+pub(crate) struct Firmware {
     addr: Ipv6Addr,
     params: LanaiParams,
     fabric: FabricParams,
@@ -170,7 +170,7 @@ fn unsupported_v4() -> io::Error {
 }
 
 impl Firmware {
-    pub fn new(cfg: FirmwareConfig, memory: Arc<MemoryTable>) -> Firmware {
+    pub(crate) fn new(cfg: FirmwareConfig, memory: Arc<MemoryTable>) -> Firmware {
         let meter = Meter::new(CostModel::new(&cfg.params));
         let mut out = VecDeque::new();
         let mut bus = PciBus::new(&cfg.params.device);
@@ -227,14 +227,14 @@ impl Firmware {
     }
 
     /// Management state machine: a privileged command from the host.
-    pub fn command(&mut self, now: Nanos, cmd: Command) {
+    pub(crate) fn command(&mut self, now: Nanos, cmd: Command) {
         self.begin(now);
         dispatch(self, cmd);
         self.run();
     }
 
     /// Doorbell state machine: the doorbell FIFO held `qp` (new WRs in its rings).
-    pub fn doorbell(&mut self, now: Nanos, qp: QpNum) {
+    pub(crate) fn doorbell(&mut self, now: Nanos, qp: QpNum) {
         self.begin(now);
         if let Some(q) = self.qps.get_mut(&qp) {
             q.shared
@@ -254,7 +254,7 @@ impl Firmware {
     /// receive staging buffer (the caller took it off the wire only when
     /// [`Firmware::rx_free_at`] allowed). The buffer frees once the frame is handled and the
     /// DMA writes issued for it have finished.
-    pub fn receive(&mut self, now: Nanos, frame: &[u8]) {
+    pub(crate) fn receive(&mut self, now: Nanos, frame: &[u8]) {
         self.begin(now);
         let writes = self.bus.writes_done_at();
         self.handle_frame(frame);
@@ -267,7 +267,7 @@ impl Firmware {
     }
 
     /// When the network receive DMA can next take a frame off the wire, from `now` on.
-    pub fn rx_free_at(&mut self, now: Nanos) -> Nanos {
+    pub(crate) fn rx_free_at(&mut self, now: Nanos) -> Nanos {
         self.rx_staging.free_at(now)
     }
 
@@ -306,7 +306,7 @@ impl Firmware {
     }
 
     /// Transmit scheduler and timers: run whatever is due at `now`.
-    pub fn poll(&mut self, now: Nanos) {
+    pub(crate) fn poll(&mut self, now: Nanos) {
         self.begin(now);
         self.timers();
         self.run();
@@ -314,48 +314,48 @@ impl Firmware {
 
     /// When `poll` next has something to do (a retransmission or delayed-ACK timer, a
     /// QP with sendable work), if ever.
-    pub fn poll_at(&self) -> Option<Nanos> {
+    pub(crate) fn poll_at(&self) -> Option<Nanos> {
         self.next_poll
     }
 
     /// The next frame to put on the wire, in the order they were built.
-    pub fn transmit(&mut self) -> Option<OutFrame> {
+    pub(crate) fn transmit(&mut self) -> Option<OutFrame> {
         self.out.pop_front()
     }
 
     /// When everything written to host memory so far (received data, CQ entries) is visible
     /// to the host: the last DMA write has crossed the bus (later reads do not delay it).
-    pub fn host_visible_at(&self) -> Nanos {
+    pub(crate) fn host_visible_at(&self) -> Nanos {
         self.bus.writes_done_at()
     }
 
     /// When the next completion of `qp` (receive side if `recv`) the last handler made is
     /// visible to the host: its own CQ entry's DMA write has reached host memory.
-    pub fn completion_visible_at(&mut self, qp: QpNum, recv: bool) -> Option<Nanos> {
+    pub(crate) fn completion_visible_at(&mut self, qp: QpNum, recv: bool) -> Option<Nanos> {
         self.cq.visible_at(qp, recv)
     }
 
     /// A host PIO write (doorbell, command) issued at `at` crosses the shared bus: returns
     /// when it lands in the NIC.
-    pub fn pio(&mut self, at: Nanos) -> Nanos {
+    pub(crate) fn pio(&mut self, at: Nanos) -> Nanos {
         self.bus.pio(at)
     }
 
     /// A network DMA engine moved `bytes` of a frame through SRAM over `[start, end)` (the
     /// link's timing, which the fabric decides): its memory cycles slow the processor.
-    pub fn net_dma(&mut self, start: Nanos, end: Nanos, bytes: usize) {
+    pub(crate) fn net_dma(&mut self, start: Nanos, end: Nanos, bytes: usize) {
         self.meter.sram_dma(start, end, bytes);
     }
 
     /// The oldest frame handed to the link has left: its tail at `tail` (later than its
     /// wire time when Myrinet stop/go held it). Its send staging buffer frees then.
-    pub fn link_done(&mut self, tail: Nanos) {
+    pub(crate) fn link_done(&mut self, tail: Nanos) {
         self.staging.left(tail);
         self.update_poll_at();
     }
 
     /// How busy the hardware has been since the accounts were last reset.
-    pub fn usage(&self) -> Usage {
+    pub(crate) fn usage(&self) -> Usage {
         Usage {
             pci_read_ns: self.bus.busy_ns(Use::Read),
             pci_write_ns: self.bus.busy_ns(Use::Write),
@@ -369,33 +369,31 @@ impl Firmware {
     }
 
     /// Starts a measurement window: processor, bus and staging accounts from zero.
-    pub fn reset_accounts(&mut self) {
+    pub(crate) fn reset_accounts(&mut self) {
         self.meter.reset_accounts();
         self.bus.reset_accounts();
         self.staging.reset_accounts();
         self.rx_staging.reset_accounts();
     }
 
-    pub fn meter(&self) -> &Meter {
+    pub(crate) fn meter(&self) -> &Meter {
         &self.meter
     }
 
-    pub fn meter_mut(&mut self) -> &mut Meter {
+    pub(crate) fn meter_mut(&mut self) -> &mut Meter {
         &mut self.meter
     }
 
     /// SRAM in use by QPs, connections and listeners (the firmware image not counted).
-    pub fn sram_used(&self) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn sram_used(&self) -> u64 {
         self.sram.used()
     }
 
-    pub fn stats(&self) -> FirmwareStats {
+    /// What the firmware has dropped so far.
+    #[cfg(test)]
+    pub(crate) fn stats(&self) -> FirmwareStats {
         self.stats
-    }
-
-    /// The NIC's IPv6 address.
-    pub fn addr(&self) -> Ipv6Addr {
-        self.addr
     }
 
     // ---- internals ----

@@ -29,12 +29,16 @@ pub fn encode(route: &[u8], packet: &[u8]) -> Vec<u8> {
 /// Why a frame was dropped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum FrameError {
+    /// Shorter than its route, type and CRC need (or a switch got one with no route left).
     #[error("frame too short")]
     Truncated,
+    /// Corrupted on the way: the CRC-32 trailer does not match.
     #[error("CRC mismatch")]
     BadCrc,
+    /// A packet type other than IPv6.
     #[error("unknown packet type {0:#06x}")]
     UnknownType(u16),
+    /// Route bytes left over: the frame was delivered to a node before its last switch.
     #[error("frame still has {0} route bytes at its destination")]
     NotAtDestination(usize),
 }

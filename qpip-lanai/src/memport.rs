@@ -6,7 +6,7 @@
 //! the memory cycles the DMAs took meanwhile. Times are virtual nanoseconds.
 
 #[derive(Clone, Debug)]
-pub struct MemPort {
+pub(crate) struct MemPort {
     cycle_ns: f64,
     bytes_per_cycle: usize,
     /// DMA transfers through the memory: (start, end, fraction of the cycles they take).
@@ -14,7 +14,7 @@ pub struct MemPort {
 }
 
 impl MemPort {
-    pub fn new(clock_mhz: f64, bytes_per_cycle: usize) -> Self {
+    pub(crate) fn new(clock_mhz: f64, bytes_per_cycle: usize) -> Self {
         MemPort {
             cycle_ns: 1000.0 / clock_mhz,
             bytes_per_cycle: bytes_per_cycle.max(1),
@@ -23,7 +23,7 @@ impl MemPort {
     }
 
     /// A DMA engine moves `bytes` through the memory, evenly over `[start, end)`.
-    pub fn dma(&mut self, start: u64, end: u64, bytes: usize) {
+    pub(crate) fn dma(&mut self, start: u64, end: u64, bytes: usize) {
         if end > start && bytes > 0 {
             let cycles = bytes.div_ceil(self.bytes_per_cycle) as f64 * self.cycle_ns;
             let share = (cycles / (end - start) as f64).min(1.0);
@@ -33,7 +33,7 @@ impl MemPort {
 
     /// When the processor, with `work` ns of its own cycles to run from `start`, is done:
     /// `work` stretched by the cycles DMA engines take meanwhile.
-    pub fn stretch(&self, start: u64, work: u64) -> u64 {
+    pub(crate) fn stretch(&self, start: u64, work: u64) -> u64 {
         let mut t = start as f64;
         let mut left = work as f64;
         while left > 0.0 {
@@ -60,7 +60,7 @@ impl MemPort {
     }
 
     /// Forgets transfers over by `now` (no stage starts earlier again).
-    pub fn retire(&mut self, now: u64) {
+    pub(crate) fn retire(&mut self, now: u64) {
         self.dma.retain(|&(_, e, _)| e > now);
     }
 }

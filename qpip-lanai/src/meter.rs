@@ -12,7 +12,7 @@ use super::memport::MemPort;
 use super::params::{ChecksumAt, LanaiParams};
 
 /// Nanoseconds since the NIC's epoch (virtual or real).
-pub type Nanos = u64;
+pub(crate) type Nanos = u64;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Dir {

@@ -10,8 +10,10 @@ use serde::Deserialize;
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct LanaiParams {
+    /// The NIC: processor, SRAM, PCI, buffers and what its hardware does itself.
     pub device: DeviceParams,
-    pub cost: CostTable,
+    pub(crate) cost: CostTable,
+    /// The host CPU's own share of each message.
     pub host: HostParams,
 }
 
@@ -19,18 +21,22 @@ pub struct LanaiParams {
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum ChecksumAt {
+    /// The receive DMA engine's checksum assist: free for the processor.
     Hardware,
+    /// The LANai sums every byte itself (the cost model's checksum loop).
     Firmware,
 }
 
+/// The `[device]` table: the LANai 9 NIC the firmware runs on.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DeviceParams {
+    /// The LANai processor's clock; every firmware stage's cycles are counted at it.
     pub clock_mhz: f64,
-    pub sram_bytes: u64,
-    pub firmware_bytes: u64,
-    pub pci_width_bits: u32,
-    pub pci_clock_mhz: f64,
+    pub(crate) sram_bytes: u64,
+    pub(crate) firmware_bytes: u64,
+    pub(crate) pci_width_bits: u32,
+    pub(crate) pci_clock_mhz: f64,
     /// Bytes per PCI burst the DMA engines are programmed for.
     pub dma_burst_bytes: usize,
     /// Bus clocks each burst spends outside its data phases (address, DEVSEL, turnaround).
@@ -41,6 +47,7 @@ pub struct DeviceParams {
     pub pio_bus_clocks: u64,
     /// From the host's store to the write landing in the NIC.
     pub pio_write_ns: u64,
+    /// Doorbells the NIC queues before the host has to wait for room.
     pub doorbell_fifo_entries: usize,
     /// SRAM buffers a segment is staged in between its PCI DMA and the wire.
     pub send_staging_buffers: usize,
@@ -48,6 +55,7 @@ pub struct DeviceParams {
     pub sram_bytes_per_cycle: usize,
     /// SRAM buffers a received frame is held in until its DMA to host memory is done.
     pub recv_staging_buffers: usize,
+    /// Who checksums received segments.
     pub recv_checksum: ChecksumAt,
     /// Instructions the firmware's checksum loop issues per 32-bit word (one per cycle
     /// when memory does not hold it up), loop overhead included.
@@ -60,24 +68,26 @@ pub struct DeviceParams {
     /// The cycles per word other forms of the loop and of the memory would take: the
     /// prediction is also shown at both ends.
     pub firmware_checksum_cycles_per_word_range: [f64; 2],
-    pub qp_state_bytes: u64,
-    pub tcb_bytes: u64,
-    pub wr_cache_entries: u64,
-    pub wr_entry_bytes: u64,
-    pub tcp_send_buffer: usize,
-    pub tcp_recv_buffer: usize,
+    pub(crate) qp_state_bytes: u64,
+    pub(crate) tcb_bytes: u64,
+    pub(crate) wr_cache_entries: u64,
+    pub(crate) wr_entry_bytes: u64,
+    pub(crate) tcp_send_buffer: usize,
+    pub(crate) tcp_recv_buffer: usize,
     /// Nagle's algorithm off on the firmware's TCP connections (a program's TCP_NODELAY);
     /// off by default: with data in flight only full segments go (RFC 1122 4.2.3.4).
     #[serde(default)]
     pub tcp_nodelay: bool,
-    pub udp_buffer: usize,
+    pub(crate) udp_buffer: usize,
     /// What-if hardware support (all off on the LANai 9): doorbells decoded in hardware
     /// (no firmware doorbell stage), connection demultiplexing in hardware, a hardware
     /// multiplier for the RTT estimators.
     #[serde(default)]
     pub hw_doorbell: bool,
+    /// Connection demultiplexing in hardware (see `hw_doorbell`).
     #[serde(default)]
     pub hw_demux: bool,
+    /// A hardware multiplier for the RTT estimators (see `hw_doorbell`).
     #[serde(default)]
     pub hw_multiply: bool,
 }
@@ -106,72 +116,75 @@ impl DeviceParams {
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct CostTable {
-    pub send: SendCosts,
-    pub recv: RecvCosts,
-    pub udp: UdpCosts,
-    pub split: SplitCosts,
+    pub(crate) send: SendCosts,
+    pub(crate) recv: RecvCosts,
+    pub(crate) udp: UdpCosts,
+    pub(crate) split: SplitCosts,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
-pub struct SendCosts {
-    pub data: SendStages,
-    pub ack: SendStages,
+pub(crate) struct SendCosts {
+    pub(crate) data: SendStages,
+    pub(crate) ack: SendStages,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
-pub struct RecvCosts {
-    pub data: RecvStages,
-    pub ack: RecvStages,
+pub(crate) struct RecvCosts {
+    pub(crate) data: RecvStages,
+    pub(crate) ack: RecvStages,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
-pub struct SendStages {
-    pub doorbell: f64,
-    pub schedule: f64,
-    pub get_wr: f64,
-    pub get_data: f64,
-    pub build_tcp_header: f64,
-    pub build_ip_header: f64,
-    pub send: f64,
-    pub update: f64,
+pub(crate) struct SendStages {
+    pub(crate) doorbell: f64,
+    pub(crate) schedule: f64,
+    pub(crate) get_wr: f64,
+    pub(crate) get_data: f64,
+    pub(crate) build_tcp_header: f64,
+    pub(crate) build_ip_header: f64,
+    pub(crate) send: f64,
+    pub(crate) update: f64,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
-pub struct RecvStages {
-    pub doorbell: f64,
-    pub media_receive: f64,
-    pub ip_parse: f64,
-    pub tcp_parse: f64,
-    pub get_wr: f64,
-    pub put_data: f64,
-    pub update: f64,
+pub(crate) struct RecvStages {
+    pub(crate) doorbell: f64,
+    pub(crate) media_receive: f64,
+    pub(crate) ip_parse: f64,
+    pub(crate) tcp_parse: f64,
+    pub(crate) get_wr: f64,
+    pub(crate) put_data: f64,
+    pub(crate) update: f64,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
-pub struct UdpCosts {
-    pub build_udp_header: f64,
-    pub udp_parse: f64,
+pub(crate) struct UdpCosts {
+    pub(crate) build_udp_header: f64,
+    pub(crate) udp_parse: f64,
 }
 
 /// Parts of the stages that hardware support would remove (the what-if table).
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct SplitCosts {
-    pub ack_parse_multiply: f64,
-    pub ack_update_multiply: f64,
-    pub tcp_demux: f64,
+    pub(crate) ack_parse_multiply: f64,
+    pub(crate) ack_update_multiply: f64,
+    pub(crate) tcp_demux: f64,
 }
 
+/// The `[host]` table: the host CPU's own cost of a message through QPIP.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct HostParams {
-    pub cpu_mhz: f64,
+    pub(crate) cpu_mhz: f64,
+    /// Host CPU time each posted send costs.
     pub send_overhead_us: f64,
+    /// Host CPU time each receive costs (posting its WR and handling its completion).
     pub recv_overhead_us: f64,
     /// Host time per byte a program copies in memory (a `read()`/`write()` through the page
     /// cache, a bounce buffer copied out); configs/lanai.toml gives the derivation.
@@ -188,34 +201,45 @@ fn default_copy_ns_per_byte() -> f64 {
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct FabricParams {
+    /// Each link's speed, each way.
     pub link_gbps: f64,
-    pub switch_latency_ns: u64,
-    pub cable_ns: u64,
+    pub(crate) switch_latency_ns: u64,
+    pub(crate) cable_ns: u64,
+    /// Largest IPv6 packet a frame carries.
     pub mtu: usize,
+    /// The hosts on the fabric.
     #[serde(default)]
     pub node: Vec<NodeParams>,
+    /// Where frames for addresses no node owns go: a TUN device into the host's own stack.
     pub bridge: Option<BridgeParams>,
 }
 
+/// One `[[node]]`: a host on the fabric.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct NodeParams {
+    /// What `--lanai-node` calls it.
     pub name: String,
+    /// Its NIC's IPv6 address.
     pub addr: Ipv6Addr,
-    pub route: Vec<u8>,
+    pub(crate) route: Vec<u8>,
     /// Real-time mode: where this node's emulated NIC port binds on the local machine.
     pub port: Option<SocketAddr>,
 }
 
+/// The `[bridge]` table: the fabric port that carries frames to and from a TUN device, so
+/// that the host kernel's TCP/IP reaches firmware QPs (`qpip-lanai-bridge`).
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct BridgeParams {
-    pub name: String,
-    pub route: Vec<u8>,
+    pub(crate) name: String,
+    pub(crate) route: Vec<u8>,
+    /// Where the bridge's fabric port binds on this machine.
     pub port: Option<SocketAddr>,
-    pub tun: String,
+    pub(crate) tun: String,
+    /// The kernel's own address on the TUN device.
     pub host_addr: Ipv6Addr,
-    pub prefix_len: u8,
+    pub(crate) prefix_len: u8,
 }
 
 impl FabricParams {
@@ -237,10 +261,11 @@ impl FabricParams {
     pub fn wire_ns(&self, bytes: usize) -> u64 {
         (bytes as f64 * 8.0 / self.link_gbps).ceil() as u64
     }
+    /// The node called `name`.
     pub fn node(&self, name: &str) -> Option<&NodeParams> {
         self.node.iter().find(|n| n.name == name)
     }
-    pub fn node_by_addr(&self, addr: &Ipv6Addr) -> Option<&NodeParams> {
+    pub(crate) fn node_by_addr(&self, addr: &Ipv6Addr) -> Option<&NodeParams> {
         self.node.iter().find(|n| n.addr == *addr)
     }
     /// The source route to `addr`: its node's, or the bridge's for addresses no node owns.
@@ -255,13 +280,22 @@ impl FabricParams {
 /// Why a parameter file could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ParamsError {
+    /// The file could not be read.
     #[error("reading {path}: {source}")]
     Read {
+        /// The file.
         path: String,
+        /// What reading it said.
         source: std::io::Error,
     },
+    /// The file is not valid TOML for these parameters.
     #[error("{path}: {message}")]
-    Parse { path: String, message: String },
+    Parse {
+        /// The file.
+        path: String,
+        /// What the TOML parser said.
+        message: String,
+    },
 }
 
 const DEFAULT_LANAI: &str = include_str!("../../configs/lanai.toml");
@@ -292,6 +326,7 @@ impl Default for LanaiParams {
 }
 
 impl LanaiParams {
+    /// Reads a `configs/lanai.toml`-style file.
     pub fn load(path: &Path) -> Result<Self, ParamsError> {
         load(path)
     }
@@ -305,6 +340,7 @@ impl Default for FabricParams {
 }
 
 impl FabricParams {
+    /// Reads a `configs/fabric.toml`-style file.
     pub fn load(path: &Path) -> Result<Self, ParamsError> {
         load(path)
     }

@@ -48,6 +48,7 @@ pub struct PciBus {
 }
 
 impl PciBus {
+    /// An idle bus of `dev`'s width, clock and burst costs.
     pub fn new(dev: &DeviceParams) -> Self {
         PciBus {
             clock_ns: 1000.0 / dev.pci_clock_mhz,
@@ -213,7 +214,7 @@ impl PciBus {
         self.busy[kind as usize]
     }
 
-    pub fn reset_accounts(&mut self) {
+    pub(crate) fn reset_accounts(&mut self) {
         self.busy = [0; 3];
     }
 }

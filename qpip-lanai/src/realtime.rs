@@ -1,7 +1,7 @@
 //! The lanai backend in real time: the firmware as a working [`NicBackend`].
 //!
 //! One thread, `qpip-lanai-nic` (the shared NIC thread shell, [`qpip_verbs::machines::shell`]),
-//! plays the LANai processor: it owns the [`Firmware`] and feeds it management commands,
+//! plays the LANai processor: it owns the `Firmware` and feeds it management commands,
 //! doorbells and frames at wall-clock time (nanoseconds since the NIC started). The Myrinet port is a UDP socket on this machine (the node's `port` in
 //! the fabric config); the crossbar is emulated at the sender: a frame's first route byte
 //! names the switch output, so the frame, with that byte consumed, goes to the datagram
@@ -31,7 +31,10 @@ pub const DEFAULT_SERVER_NODE: &str = "server";
 /// Which emulated LANai NIC to open: the model, the fabric and this machine's node on it.
 #[derive(Clone, Debug)]
 pub struct LanaiConfig {
+    /// The NIC's model: clock, costs of each firmware stage, SRAM, PCI (`configs/lanai.toml`).
     pub params: LanaiParams,
+    /// The fabric: its nodes, their addresses and ports, the routes between them
+    /// (`configs/fabric.toml`).
     pub fabric: FabricParams,
     /// The node this NIC is. `None`: the first node other than [`DEFAULT_SERVER_NODE`] whose
     /// fabric port is free (what a client wants; servers name their node).
@@ -98,6 +101,8 @@ const RX_BATCH: usize = 64;
 /// Socket buffers of the emulated port: a burst of 16 KB frames must not overflow them.
 const PORT_BUFFER: usize = 4 << 20;
 
+/// The emulated LANai NIC as a backend: its firmware on the NIC thread, frames to and from
+/// the fabric through this node's datagram port.
 pub struct LanaiBackend {
     thread: NicThread,
 }
@@ -167,6 +172,8 @@ fn fresh_seed(addr: &Ipv6Addr) -> u64 {
 }
 
 impl LanaiBackend {
+    /// Claims `cfg`'s node (binds its fabric port) and starts the NIC thread running the
+    /// firmware over `memory`.
     pub fn start(cfg: LanaiConfig, memory: Arc<MemoryTable>) -> Result<Self> {
         let (node, sock) = claim_node(&cfg)?;
         let local = sock.local_addr().ok();

@@ -6,8 +6,8 @@
 //! the firmware's timers fire at `poll_at`; the host sees completions at the firmware's
 //! `host_visible_at` and pays its per-operation overhead for each.
 //!
-//! - [`fabric`]: links, the cut-through switch, fault injection;
-//! - [`host`]: the host CPU model and the [`App`] trait;
+//! - `fabric`: links, the cut-through switch, fault injection;
+//! - `host`: the host CPU model and the [`App`] trait;
 //! - [`apps`]: ping-pong (UDP, TCP) and bulk transfer (ttcp, verified streams);
 //! - [`nbd`]: the storage experiment's NBD client and server, as ported;
 //! - [`experiments`]: the paper's measurements, as `qpip-bench lanai` runs them.
@@ -16,8 +16,8 @@
 
 pub mod apps;
 pub mod experiments;
-pub mod fabric;
-pub mod host;
+pub(crate) mod fabric;
+pub(crate) mod host;
 pub mod nbd;
 #[cfg(test)]
 mod nbd_tests;
@@ -46,7 +46,7 @@ use host::Outbound;
 
 /// The NIC as the simulation drives it: the firmware's sans-IO API. A trait so that the
 /// scheduler can be tested with a stand-in NIC.
-pub trait SimNic {
+pub(crate) trait SimNic {
     fn command(&mut self, now: Nanos, cmd: Command);
     fn doorbell(&mut self, now: Nanos, qp: QpNum);
     fn receive(&mut self, now: Nanos, frame: &[u8]);
@@ -141,18 +141,35 @@ impl SimNic for Firmware {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum SimError {
+    /// A node the experiment names is not in the fabric config.
     #[error("no node named {0:?} in the fabric")]
     UnknownNode(String),
+    /// The simulated fabric is one switch: every node's route is one output port.
     #[error("node {0:?} has no route of one switch hop")]
     BadRoute(String),
+    /// The run's virtual time budget ran out.
     #[error("virtual time limit of {limit} ns reached with applications unfinished")]
-    TimeLimit { limit: Nanos },
+    TimeLimit {
+        /// The budget, in virtual nanoseconds.
+        limit: Nanos,
+    },
+    /// No event is pending, yet an application has not finished.
     #[error("nothing left to happen at {at} ns but applications are unfinished")]
-    Stalled { at: Nanos },
+    Stalled {
+        /// The virtual time it stopped at.
+        at: Nanos,
+    },
+    /// More events than any experiment needs, without the applications finishing.
     #[error("{0} events without finishing: the NIC keeps asking to be polled")]
     EventLimit(u64),
+    /// An application failed.
     #[error("application on {node}: {message}")]
-    App { node: String, message: String },
+    App {
+        /// The node it ran on.
+        node: String,
+        /// Why it failed.
+        message: String,
+    },
 }
 
 enum Event {
@@ -306,7 +323,7 @@ impl Sim {
 
     /// Adds the fabric's node `name` with any NIC; `memory` is the table the NIC resolves
     /// SGEs through.
-    pub fn add_node(
+    pub(crate) fn add_node(
         &mut self,
         name: &str,
         nic: Box<dyn SimNic>,
@@ -338,7 +355,7 @@ impl Sim {
         Ok(idx)
     }
 
-    pub fn set_app(&mut self, node: usize, app: Box<dyn App>) {
+    pub(crate) fn set_app(&mut self, node: usize, app: Box<dyn App>) {
         self.nodes[node].app = Some(app);
     }
 
@@ -347,19 +364,15 @@ impl Sim {
         self.nodes[node].app.as_ref()?.as_any().downcast_ref()
     }
 
-    pub fn set_faults(&mut self, from: usize, to: usize, faults: Faults) {
+    pub(crate) fn set_faults(&mut self, from: usize, to: usize, faults: Faults) {
         self.fabric.set_faults(from, to, faults);
     }
 
-    pub fn now(&self) -> Nanos {
-        self.now
-    }
-
-    pub fn host(&self, node: usize) -> &Host {
+    pub(crate) fn host(&self, node: usize) -> &Host {
         &self.nodes[node].host
     }
 
-    pub fn nic(&self, node: usize) -> &dyn SimNic {
+    pub(crate) fn nic(&self, node: usize) -> &dyn SimNic {
         self.nodes[node].nic.as_ref()
     }
 
@@ -368,7 +381,7 @@ impl Sim {
         self.fabric.link_busy_ns(node)
     }
 
-    pub fn fabric_stats(&self) -> &FabricStats {
+    pub(crate) fn fabric_stats(&self) -> &FabricStats {
         &self.fabric.stats
     }
 

@@ -5,7 +5,7 @@ use std::io;
 
 /// Bytes of SRAM in use against a fixed budget.
 #[derive(Clone, Debug)]
-pub struct Sram {
+pub(crate) struct Sram {
     /// The whole SRAM (for messages).
     total: u64,
     /// What is left after the firmware image.
@@ -30,7 +30,7 @@ impl From<SramExhausted> for io::Error {
 
 impl Sram {
     /// `total` bytes of SRAM of which `reserved` hold the firmware.
-    pub fn new(total: u64, reserved: u64) -> Self {
+    pub(crate) fn new(total: u64, reserved: u64) -> Self {
         Sram {
             total,
             budget: total.saturating_sub(reserved),
@@ -38,16 +38,18 @@ impl Sram {
         }
     }
 
-    pub fn free(&self) -> u64 {
+    pub(crate) fn free(&self) -> u64 {
         self.budget - self.used
     }
 
-    pub fn used(&self) -> u64 {
+    /// Bytes allocated now.
+    #[cfg(test)]
+    pub(crate) fn used(&self) -> u64 {
         self.used
     }
 
     /// Takes `need` bytes, or says how much is missing.
-    pub fn alloc(&mut self, need: u64) -> Result<(), SramExhausted> {
+    pub(crate) fn alloc(&mut self, need: u64) -> Result<(), SramExhausted> {
         if need > self.free() {
             return Err(SramExhausted {
                 need,
@@ -60,7 +62,7 @@ impl Sram {
     }
 
     /// Gives back bytes taken by [`Self::alloc`].
-    pub fn release(&mut self, bytes: u64) {
+    pub(crate) fn release(&mut self, bytes: u64) {
         debug_assert!(bytes <= self.used, "SRAM release of more than is in use");
         self.used = self.used.saturating_sub(bytes);
     }

@@ -1,20 +1,24 @@
 //! The blocking calls: a byte range cut into requests of at most `max_io` (or the largest
 //! TRIM / WRITE_ZEROES), run with the window full, the first error returned once every
-//! request has finished.
+//! request has finished. A call checks its export range once, where it enters
+//! (`Client::check_range`); its requests, pieces of that range cut at multiples of the
+//! minimum block size, are not checked against the export again (`Checks::InCheckedRange`).
 
 use qpip_core::MemoryRegion;
 
 use super::connect::round_down;
-use super::pipeline::INTERNAL;
+use super::pipeline::{Checks, INTERNAL};
 use super::{Client, Extent, Op, Output};
 use crate::error::{Error, Result};
 use crate::region::MrSlice;
 
 impl Client {
-    /// Runs `ops` with the window full; `on_done(index, output)` for each success. The first
-    /// error is returned after every request has finished.
+    /// Runs `ops` with the window full, each checked as `checks` says; `on_done(index,
+    /// output)` for each success. The first error is returned after every request has
+    /// finished.
     fn run<'a>(
         &mut self,
+        checks: Checks,
         ops: impl IntoIterator<Item = Op<'a>>,
         mut on_done: impl FnMut(u64, Output),
     ) -> Result<()> {
@@ -33,7 +37,7 @@ impl Client {
             }
         };
         for (i, op) in ops.into_iter().enumerate() {
-            if let Err(e) = self.submit(INTERNAL | i as u64, op) {
+            if let Err(e) = self.submit_checking(INTERNAL | i as u64, op, checks) {
                 drain(self, &mut pending);
                 while pending > 0 {
                     self.pump(true)?;
@@ -69,7 +73,7 @@ impl Client {
         let ops: Vec<Op> = Self::pieces(offset, buf.len() as u64, max)
             .map(|(offset, len)| Op::Read { offset, len })
             .collect();
-        self.run(ops, |i, out| {
+        self.run(Checks::InCheckedRange, ops, |i, out| {
             if let Output::Data(d) = out {
                 let at = (i * max) as usize;
                 buf[at..at + d.len()].copy_from_slice(&d);
@@ -90,7 +94,7 @@ impl Client {
                 fua,
             })
             .collect();
-        self.run(ops, |_, _| {})
+        self.run(Checks::InCheckedRange, ops, |_, _| {})
     }
 
     /// The export range `offset..offset + slice.len()`, checked, cut into requests of at most
@@ -127,7 +131,7 @@ impl Client {
             .slice_pieces(offset, into)?
             .map(|(offset, into)| Op::ReadInto { offset, into })
             .collect();
-        self.run(ops, |_, _| {})
+        self.run(Checks::InCheckedRange, ops, |_, _| {})
     }
 
     /// Writes `len` bytes of registered memory (`mr` from `at`) at `offset` without copying
@@ -149,7 +153,7 @@ impl Client {
             .slice_pieces(offset, from)?
             .map(|(offset, from)| Op::WriteFrom { offset, from, fua })
             .collect();
-        self.run(ops, |_, _| {})
+        self.run(Checks::InCheckedRange, ops, |_, _| {})
     }
 
     /// Writes the bytes of `from` at `offset` as [`Self::write_from`] does, except the
@@ -178,11 +182,21 @@ impl Client {
                 }),
             )
         };
+        let min = self.block_size().min;
         let mut pos = 0u64;
         for &(z, n) in zeroes {
             let (z, e) = (z.max(pos).min(len as u64), (z + n).min(len as u64));
             if z >= e {
                 continue;
+            }
+            // The range was checked; the pieces cut at a zero run's ends are aligned only if
+            // those are.
+            if !(z.is_multiple_of(u64::from(min)) && e.is_multiple_of(u64::from(min))) {
+                return Err(Error::Unaligned {
+                    offset: offset + z,
+                    len: e - z,
+                    min,
+                });
             }
             data(pos, z, &mut ops);
             if !skip_zeroes {
@@ -203,7 +217,7 @@ impl Client {
             pos = e;
         }
         data(pos, len as u64, &mut ops);
-        self.run(ops, |_, _| {})
+        self.run(Checks::InCheckedRange, ops, |_, _| {})
     }
 
     /// Makes every acknowledged write durable (a no-op if the server has no FLUSH).
@@ -211,7 +225,7 @@ impl Client {
         if !self.can_flush() {
             return Ok(());
         }
-        self.run([Op::Flush], |_, _| {})
+        self.run(Checks::All, [Op::Flush], |_, _| {})
     }
 
     /// Largest TRIM / WRITE_ZEROES length in one request: what a 32-bit length holds. The
@@ -231,7 +245,7 @@ impl Client {
         let ops: Vec<Op> = Self::pieces(offset, len, self.max_zero())
             .map(|(offset, len)| Op::Trim { offset, len })
             .collect();
-        self.run(ops, |_, _| {})
+        self.run(Checks::InCheckedRange, ops, |_, _| {})
     }
 
     /// Zeroes a range (NBD_CMD_WRITE_ZEROES; the server may punch holes).
@@ -243,7 +257,7 @@ impl Client {
         let ops: Vec<Op> = Self::pieces(offset, len, self.max_zero())
             .map(|(offset, len)| Op::WriteZeroes { offset, len, fua })
             .collect();
-        self.run(ops, |_, _| {})
+        self.run(Checks::InCheckedRange, ops, |_, _| {})
     }
 
     /// Allocation status from `offset` (base:allocation). The server may describe less than
@@ -254,6 +268,7 @@ impl Client {
         let len = round_down(len.min(u64::from(u32::MAX)), min).max(min.min(len));
         let mut got = Vec::new();
         self.run(
+            Checks::All,
             [Op::BlockStatus {
                 offset,
                 len: len as u32,
@@ -277,7 +292,7 @@ impl Client {
             return Err(Error::Unsupported("RESIZE"));
         }
         self.drain()?;
-        self.run([Op::Resize { size }], |_, _| {})?;
+        self.run(Checks::All, [Op::Resize { size }], |_, _| {})?;
         self.set_size(size);
         Ok(())
     }

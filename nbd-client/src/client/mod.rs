@@ -335,7 +335,8 @@ impl Client {
         self.session.set_size(size);
     }
 
-    /// `[offset, offset + len)` is aligned and inside the export.
+    /// `[offset, offset + len)` is aligned and inside the export: a blocking call's one
+    /// check of its range, where it enters.
     fn check_range(&self, offset: u64, len: u64) -> Result<()> {
         Ok(self.session.limits().check_range(offset, len)?)
     }

@@ -19,9 +19,19 @@ fn length(len: usize) -> Result<u32> {
     u32::try_from(len).map_err(|_| Error::Invalid("request too long"))
 }
 
+/// How much of a request [`Client::check_op`] checks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Checks {
+    /// Everything: a request of the pipelined API enters here.
+    All,
+    /// All but its export range: a piece of a range a blocking call checked where it
+    /// entered.
+    InCheckedRange,
+}
+
 impl Client {
     /// The request header `op` makes, or why it must not be sent.
-    fn check_op(&self, op: &Op) -> Result<Request> {
+    fn check_op(&self, op: &Op, checks: Checks) -> Result<Request> {
         let (command, offset, length, fua) = match *op {
             Op::Read { offset, len } => (Command::Read, offset, len, false),
             Op::Write { offset, data, fua } => (Command::Write, offset, length(data.len())?, fua),
@@ -42,16 +52,25 @@ impl Client {
             length,
             fua,
         };
-        Ok(self.session.limits().check(&sub)?)
+        let limits = self.session.limits();
+        Ok(match checks {
+            Checks::All => limits.check(&sub)?,
+            Checks::InCheckedRange => limits.check_piece(&sub)?,
+        })
     }
 
     /// Submits a request; blocks (processing replies) while the window is full. Its reply
     /// comes out of [`Self::reap`] with `tag` (tags must be below 2^63).
     pub fn submit(&mut self, tag: u64, op: Op) -> Result<()> {
+        self.submit_checking(tag, op, Checks::All)
+    }
+
+    /// [`Self::submit`], checking what `checks` says.
+    pub(super) fn submit_checking(&mut self, tag: u64, op: Op, checks: Checks) -> Result<()> {
         if let Some(f) = self.recovery.failed() {
             return Err(self.failure_error(f));
         }
-        let req = self.check_op(&op)?;
+        let req = self.check_op(&op, checks)?;
         while !self.session.has_room() {
             self.pump(true)?;
         }

@@ -103,11 +103,23 @@ pub type Seeds = Vec<(String, Vec<u8>)>;
 /// `fuzz/seeds/TARGET/NAME`; the test `committed_seeds_are_current` fails when they drift,
 /// and `QPIP_WRITE_SEEDS=1 cargo test -p nbd-proto committed_seeds` rewrites them.
 pub fn seeds() -> Vec<(&'static str, Seeds)> {
-    use crate::reply::{
-        Extent, block_status_chunk, error_chunk, none_chunk, offset_data_header, offset_hole,
-    };
+    let (c2s_seeds, s2c_seeds) = handshake_seeds();
+    let requests = request_seeds();
+    let replies = reply_seeds();
+    let framers = framer_seeds(&c2s_seeds, &s2c_seeds, &requests, &replies);
+    let transmission = transmission_seeds(requests, &replies);
+    vec![
+        ("server_handshake", c2s_seeds),
+        ("client_handshake", s2c_seeds),
+        ("transmission", transmission),
+        ("framers", framers),
+        ("replies", replies),
+    ]
+}
 
-    // Handshakes: the client's goal and config × the server's config.
+/// The handshake harnesses' seeds, (client→server, server→client): a transcript for each of
+/// the client's goals and configs × the server's configs.
+fn handshake_seeds() -> (Seeds, Seeds) {
     let mut c2s_seeds = Vec::new();
     let mut s2c_seeds = Vec::new();
     let clients: [(&str, u8); 7] = [
@@ -137,8 +149,13 @@ pub fn seeds() -> Vec<(&'static str, Seeds)> {
             s2c_seeds.push((format!("{cname}.{sname}"), b));
         }
     }
+    (c2s_seeds, s2c_seeds)
+}
 
-    // Requests (as a server receives them) and replies (as a client does).
+/// Requests as a server receives them, each followed by what the transmission harness reads
+/// after the header: the export's size, flags (all but READ_ONLY) and limits, then a write's
+/// payload.
+fn request_seeds() -> Seeds {
     let request = |command, flags: u16, offset, length: u32| {
         Request {
             flags: CmdFlags(flags),
@@ -165,8 +182,6 @@ pub fn seeds() -> Vec<(&'static str, Seeds)> {
         ("flush".to_string(), request(Command::Flush, 0, 0, 0)),
         ("disc".to_string(), request(Command::Disc, 0, 0, 0)),
     ];
-    // The transmission harness reads the export's size, flags (all but READ_ONLY) and limits
-    // after the header; a write's payload follows them.
     for (name, r) in &mut requests {
         r.extend_from_slice(&(1u64 << 30).to_be_bytes());
         r.extend_from_slice(&(0x0fffu16 & !c::FLAG_READ_ONLY).to_be_bytes());
@@ -177,8 +192,30 @@ pub fn seeds() -> Vec<(&'static str, Seeds)> {
             r.extend_from_slice(&[0x5a; 512]);
         }
     }
+    requests
+}
 
-    // Reply streams for one request: (name, knobs, offset, length, server bytes).
+/// The replies harness's seeds: each of [`reply_streams`] behind its knobs, offset and
+/// length (13 bytes).
+fn reply_seeds() -> Seeds {
+    let mut replies = Vec::new();
+    for (name, knobs, offset, length, stream) in reply_streams() {
+        let mut v = vec![knobs];
+        v.extend_from_slice(&offset.to_be_bytes());
+        v.extend_from_slice(&length.to_be_bytes());
+        v.extend_from_slice(&stream);
+        replies.push((name.to_string(), v));
+    }
+    replies
+}
+
+/// Reply streams for one request, as a client receives them: (name, knobs, offset, length,
+/// server bytes), well-formed ones and the hostile ones of issue 18.
+fn reply_streams() -> Vec<(&'static str, u8, u64, u32, Vec<u8>)> {
+    use crate::reply::{
+        Extent, block_status_chunk, error_chunk, none_chunk, offset_data_header, offset_hole,
+    };
+
     let ck = REPLY_COOKIE;
     let ok = |v: Result<Vec<u8>, crate::ProtoError>| v.expect("valid by construction");
     let data = |offset: u64, n: u32, last: bool| -> Result<Vec<u8>, crate::ProtoError> {
@@ -211,7 +248,7 @@ pub fn seeds() -> Vec<(&'static str, Seeds)> {
     .expect("nonzero extents");
     let mut bs_other = Vec::new();
     block_status_chunk(ck, false, 2, &[ext(512, 3)], &mut bs_other).expect("nonzero extents");
-    let reply_streams: Vec<(&str, u8, u64, u32, Vec<u8>)> = vec![
+    vec![
         ("read-simple", 0x10, 4096, 256, simple_read),
         (
             "read-simple-error",
@@ -279,51 +316,46 @@ pub fn seeds() -> Vec<(&'static str, Seeds)> {
             4096,
             SimpleReply::ok(ck).encode().to_vec(),
         ),
-    ];
-    let mut replies = Vec::new();
-    for (name, knobs, offset, length, stream) in reply_streams {
-        let mut v = vec![knobs];
-        v.extend_from_slice(&offset.to_be_bytes());
-        v.extend_from_slice(&length.to_be_bytes());
-        v.extend_from_slice(&stream);
-        replies.push((name.to_string(), v));
-    }
+    ]
+}
 
-    // Framers see every phase's bytes: the handshake streams both ways, requests, replies.
+/// The framers harness's seeds: every phase's bytes, the first handshake streams both ways,
+/// the requests' headers and the reply streams.
+fn framer_seeds(c2s_seeds: &Seeds, s2c_seeds: &Seeds, requests: &Seeds, replies: &Seeds) -> Seeds {
     let mut framers: Vec<(String, Vec<u8>)> = Vec::new();
-    for (dir, seeds) in [("c2s", &c2s_seeds), ("s2c", &s2c_seeds)] {
+    for (dir, seeds) in [("c2s", c2s_seeds), ("s2c", s2c_seeds)] {
         for (name, v) in seeds.iter().take(2) {
             let stream: Vec<u8> = chunks(&v[1..]).flatten().copied().collect();
             framers.push((format!("{dir}-{name}"), stream));
         }
     }
-    for (name, v) in &requests {
+    for (name, v) in requests {
         framers.push((format!("request-{name}"), v[..c::REQUEST_LEN].to_vec()));
     }
-    for (name, v) in &replies {
+    for (name, v) in replies {
         framers.push((format!("reply-{name}"), v[13..].to_vec()));
     }
+    framers
+}
+
+/// The transmission harness's seeds: the requests, the reply streams, and an option (bytes
+/// from the wrong phase).
+fn transmission_seeds(requests: Seeds, replies: &Seeds) -> Seeds {
     let mut transmission = requests;
-    for (name, v) in &replies {
+    for (name, v) in replies {
         transmission.push((format!("reply-{name}"), v[13..].to_vec()));
     }
     let mut opt = Vec::new();
     crate::handshake::encode_option(
         c::OPT_GO,
-        &ok(InfoRequest {
+        &InfoRequest {
             name: "disk",
             items: vec![c::INFO_BLOCK_SIZE],
         }
-        .encode()),
+        .encode()
+        .expect("valid by construction"),
         &mut opt,
     );
     transmission.push(("option-go".into(), opt[c::OPTION_HEADER_LEN..].to_vec()));
-
-    vec![
-        ("server_handshake", c2s_seeds),
-        ("client_handshake", s2c_seeds),
-        ("transmission", transmission),
-        ("framers", framers),
-        ("replies", replies),
-    ]
+    transmission
 }

@@ -16,223 +16,32 @@
 //! `NBD_REP_ERR_UNSUP` (or does not do fixed newstyle at all) — except after extended
 //! headers, which forbid `NBD_OPT_EXPORT_NAME` (a server offering them must do `GO`).
 //!
+//! What the client asks for is in `handshake/client/config.rs`; what it reports (events,
+//! export details, errors) in `handshake/client/outcome.rs`.
+//!
 //! Over 600 lines: one state machine whose steps all act on the same negotiation state; split by step, each part would need all of it.
 
-use super::TransmissionInfo;
 use crate::consts as c;
 use crate::error::ProtoError;
 use crate::flags::{ClientFlags, HandshakeFlags, TransmissionFlags};
-use crate::framing::{ClientPhase, FrameError, FrameLimits, Need, client_need};
+use crate::framing::{ClientPhase, FrameLimits, Need, client_need};
 use crate::handshake::messages::{
     BlockSize, ExportNameReply, Greeting, InfoReply, InfoRequest, MetaContextEntry,
     MetaContextRequest, OptionReplyHeader, ServerEntry, encode_client_flags, encode_option,
+};
+
+mod config;
+mod outcome;
+
+pub use config::ClientConfig;
+pub use outcome::{
+    ClientError, ClientEvent, ClientNegotiated, ExportDetails, ExportListing, reply_name,
 };
 
 /// Most `NBD_REP_SERVER` entries a client collects from `NBD_OPT_LIST`.
 pub const MAX_LIST_ENTRIES: usize = 16 * 1024;
 /// Most `NBD_REP_META_CONTEXT` / `NBD_REP_INFO` replies accepted for one option.
 pub const MAX_REPLIES_PER_OPTION: usize = 1024;
-
-/// Client configuration for connecting to / querying an export.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ClientConfig {
-    /// Export name ("" = default export).
-    pub export_name: String,
-    /// Ask for structured replies.
-    pub structured_replies: bool,
-    /// Ask for extended headers first (only with `use_go`, as the spec requires).
-    pub extended_headers: bool,
-    /// Ask for the `base:allocation` metadata context (needs structured replies).
-    pub base_allocation: bool,
-    /// Use `NBD_FLAG_C_NO_ZEROES` if the server offers it.
-    pub no_zeroes: bool,
-    /// Use `NBD_OPT_GO` (else go straight to `NBD_OPT_EXPORT_NAME`).
-    pub use_go: bool,
-    /// Largest option reply accepted (bounded memory).
-    pub max_option_reply_len: u32,
-    /// Upgrade to TLS with `NBD_OPT_STARTTLS` before anything else, and fail rather than
-    /// go on without it.
-    pub tls: bool,
-}
-
-impl ClientConfig {
-    /// Everything enabled for `export_name`.
-    pub fn new(export_name: impl Into<String>) -> Self {
-        Self {
-            export_name: export_name.into(),
-            structured_replies: true,
-            extended_headers: true,
-            base_allocation: true,
-            no_zeroes: true,
-            use_go: true,
-            max_option_reply_len: crate::framing::DEFAULT_MAX_OPTION_LEN,
-            tls: false,
-        }
-    }
-}
-
-/// What the client learned about an export.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ExportDetails {
-    /// Export size.
-    pub size: u64,
-    /// Transmission flags.
-    pub flags: TransmissionFlags,
-    /// Block size constraints (spec defaults if the server sent none).
-    pub block_size: BlockSize,
-    /// The server advertised `block_size`.
-    pub block_size_advertised: bool,
-    /// Canonical name, if the server sent `NBD_INFO_NAME`.
-    pub name: Option<String>,
-    /// Description, if the server sent `NBD_INFO_DESCRIPTION`.
-    pub description: Option<String>,
-}
-
-/// The outcome of a successful connect, client side.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ClientNegotiated {
-    /// The export.
-    pub export: ExportDetails,
-    /// Structured replies negotiated (also true with extended headers).
-    pub structured_replies: bool,
-    /// Extended headers negotiated: 32-byte requests, every reply an extended chunk.
-    pub extended_headers: bool,
-    /// Context id of `base:allocation`, if selected.
-    pub base_allocation: Option<u32>,
-    /// `NBD_FLAG_C_NO_ZEROES` negotiated.
-    pub no_zeroes: bool,
-    /// Transmission entered via `NBD_OPT_GO` (vs the `NBD_OPT_EXPORT_NAME` fallback).
-    pub via_go: bool,
-    /// The session runs over TLS.
-    pub tls: bool,
-}
-
-impl ClientNegotiated {
-    /// Session parameters (useful to pre-validate requests before sending them).
-    pub fn transmission_info(&self) -> TransmissionInfo {
-        TransmissionInfo {
-            size: self.export.size,
-            flags: self.export.flags,
-            structured_replies: self.structured_replies,
-            has_meta_context: self.base_allocation.is_some(),
-            block_size: self.export.block_size,
-            df_max_len: 65536,
-            extended_headers: self.extended_headers,
-        }
-    }
-
-    /// The framing phase of the transmission (compact or extended replies).
-    pub fn transmission_phase(&self) -> ClientPhase {
-        if self.extended_headers {
-            ClientPhase::TransmissionExtended
-        } else {
-            ClientPhase::Transmission
-        }
-    }
-}
-
-/// One entry of an `NBD_OPT_LIST` answer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ExportListing {
-    /// Export name.
-    pub name: String,
-    /// Description (may be empty).
-    pub description: String,
-}
-
-/// What happened after a message was handled.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ClientEvent {
-    /// Send the output (if any) and wait for the next message.
-    Continue,
-    /// Send the output (if any); the transmission phase starts now.
-    Connected(Box<ClientNegotiated>),
-    /// `NBD_OPT_LIST` result; an `NBD_OPT_ABORT` was queued: send it and close.
-    Listed(Vec<ExportListing>),
-    /// `NBD_OPT_INFO` result; an `NBD_OPT_ABORT` was queued: send it and close.
-    Info(Box<ExportDetails>),
-    /// The server acknowledged `NBD_OPT_STARTTLS`: run the TLS handshake, then call
-    /// [`ClientHandshake::resume`] and send what it appends, inside TLS.
-    StartTls,
-}
-
-/// Handshake failure, client side. Unless stated, the connection should be dropped.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum ClientError {
-    /// Undecodable server message.
-    #[error(transparent)]
-    Proto(#[from] ProtoError),
-    /// The server does not do fixed newstyle and the goal needs it (list / info / TLS).
-    #[error("server does not support fixed newstyle negotiation")]
-    NoFixedNewstyle,
-    /// TLS was asked for and the server refused `NBD_OPT_STARTTLS`; an `NBD_OPT_ABORT` was
-    /// queued. There is no plaintext fallback.
-    #[error("the server refused TLS ({}: {message}); not going on without it", reply_name(*.reply))]
-    TlsRefused {
-        /// Error reply type (`NBD_REP_ERR_UNSUP` from a server without TLS).
-        reply: u32,
-        /// Server message.
-        message: String,
-    },
-    /// The server refused an option with an error reply. An `NBD_OPT_ABORT` was
-    /// queued (soft disconnect): send it, then close.
-    #[error("server refused option {option} with {}: {message}", reply_name(*.reply))]
-    Rejected {
-        /// Option.
-        option: u32,
-        /// Error reply type (`NBD_REP_ERR_*`).
-        reply: u32,
-        /// Server message.
-        message: String,
-    },
-    /// The server is shutting down (`NBD_REP_ERR_SHUTDOWN`); an `NBD_OPT_ABORT`
-    /// was queued as the spec requires.
-    #[error("server is shutting down")]
-    ServerShutdown,
-    /// A reply to an option that was not sent, or of a type not valid for it.
-    #[error("unexpected reply {reply:#x} to option {option}")]
-    UnexpectedReply {
-        /// Option in the reply.
-        option: u32,
-        /// Reply type.
-        reply: u32,
-    },
-    /// `NBD_REP_ACK` to `NBD_OPT_GO`/`NBD_OPT_INFO` without `NBD_INFO_EXPORT`.
-    #[error("server acknowledged without NBD_INFO_EXPORT")]
-    MissingExportInfo,
-    /// Invalid block size constraints advertised.
-    #[error("invalid block size constraints: {0}")]
-    InvalidBlockSize(ProtoError),
-    /// Too many replies to one option (bounded memory).
-    #[error("too many replies")]
-    TooManyReplies,
-    /// Framing failure in the byte-stream interface.
-    #[error(transparent)]
-    Frame(#[from] FrameError),
-    /// A message arrived after the handshake ended.
-    #[error("handshake already finished")]
-    Finished,
-}
-
-/// An error reply's name, with what a user can do about the common ones.
-pub fn reply_name(reply: u32) -> String {
-    let name = match reply {
-        c::REP_ERR_UNSUP => "NBD_REP_ERR_UNSUP",
-        c::REP_ERR_POLICY => "NBD_REP_ERR_POLICY",
-        c::REP_ERR_INVALID => "NBD_REP_ERR_INVALID",
-        c::REP_ERR_PLATFORM => "NBD_REP_ERR_PLATFORM",
-        c::REP_ERR_TLS_REQD => "NBD_REP_ERR_TLS_REQD (the server requires TLS: use nbds://)",
-        c::REP_ERR_UNKNOWN => "NBD_REP_ERR_UNKNOWN",
-        c::REP_ERR_SHUTDOWN => "NBD_REP_ERR_SHUTDOWN",
-        c::REP_ERR_BLOCK_SIZE_REQD => "NBD_REP_ERR_BLOCK_SIZE_REQD",
-        c::REP_ERR_TOO_BIG => "NBD_REP_ERR_TOO_BIG",
-        c::REP_ERR_EXT_HEADER_REQD => "NBD_REP_ERR_EXT_HEADER_REQD",
-        other => return format!("reply {other:#x}"),
-    };
-    name.to_owned()
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Goal {
@@ -477,27 +286,53 @@ impl ClientHandshake {
         match self.state {
             State::Finished => return Err(ClientError::Finished),
             State::Greeting => return self.handle_greeting(msg, out),
-            State::ExportName => {
-                let r = ExportNameReply::parse(msg, self.no_zeroes)?;
-                return Ok(ClientEvent::Connected(Box::new(ClientNegotiated {
-                    export: ExportDetails {
-                        size: r.size,
-                        flags: r.flags,
-                        block_size: BlockSize::DEFAULT,
-                        block_size_advertised: false,
-                        name: None,
-                        description: None,
-                    },
-                    structured_replies: self.structured,
-                    extended_headers: false,
-                    base_allocation: self.base_allocation,
-                    no_zeroes: self.no_zeroes,
-                    via_go: false,
-                    tls: self.config.tls,
-                })));
-            }
+            State::ExportName => return self.handle_export_name_reply(msg),
             _ => {}
         }
+        let (h, data) = self.option_reply(msg, out)?;
+        let state = core::mem::replace(&mut self.state, State::Finished);
+        match state {
+            State::StartTls => self.on_starttls_reply(h, data, out),
+            State::ExtendedHeaders => self.on_extended_headers_reply(h, out),
+            State::StructuredReply => self.on_structured_reply(h, out),
+            State::SetMeta { id, replies } => self.on_meta_context_reply(h, data, id, replies, out),
+            State::Go(acc) | State::Info(acc) => self.on_info_reply(h, data, acc, out),
+            State::List(entries) => self.on_list_reply(h, data, entries, out),
+            State::Greeting | State::TlsPending | State::ExportName | State::Finished => {
+                Err(ClientError::Finished)
+            }
+        }
+    }
+
+    /// The reply to `NBD_OPT_EXPORT_NAME` ends the handshake (no block sizes, no GO details).
+    fn handle_export_name_reply(&mut self, msg: &[u8]) -> Result<ClientEvent, ClientError> {
+        let r = ExportNameReply::parse(msg, self.no_zeroes)?;
+        Ok(ClientEvent::Connected(Box::new(ClientNegotiated {
+            export: ExportDetails {
+                size: r.size,
+                flags: r.flags,
+                block_size: BlockSize::DEFAULT,
+                block_size_advertised: false,
+                name: None,
+                description: None,
+            },
+            structured_replies: self.structured,
+            extended_headers: false,
+            base_allocation: self.base_allocation,
+            no_zeroes: self.no_zeroes,
+            via_go: false,
+            tls: self.config.tls,
+        })))
+    }
+
+    /// An option reply's header and data, checked against what every state expects: the
+    /// length the header gives, the option in flight, and no `ERR_SHUTDOWN` (answered with
+    /// `NBD_OPT_ABORT`).
+    fn option_reply<'m>(
+        &self,
+        msg: &'m [u8],
+        out: &mut Vec<u8>,
+    ) -> Result<(OptionReplyHeader, &'m [u8]), ClientError> {
         let h = OptionReplyHeader::parse(msg)?;
         let data = &msg[c::OPTION_REPLY_HEADER_LEN..];
         if data.len() as u64 != u64::from(h.length) {
@@ -507,174 +342,206 @@ impl ClientHandshake {
             }
             .into());
         }
-        let expected = self.expected_option();
-        if expected != Some(h.option) {
-            return Err(ClientError::UnexpectedReply {
-                option: h.option,
-                reply: h.reply_type,
-            });
+        if self.expected_option() != Some(h.option) {
+            return Err(unexpected(h));
         }
         if h.reply_type == c::REP_ERR_SHUTDOWN {
             Self::abort(out);
             return Err(ClientError::ServerShutdown);
         }
-        let unexpected = Err(ClientError::UnexpectedReply {
+        Ok((h, data))
+    }
+
+    fn on_starttls_reply(
+        &mut self,
+        h: OptionReplyHeader,
+        data: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Result<ClientEvent, ClientError> {
+        match h.reply_type {
+            c::REP_ACK => {
+                self.state = State::TlsPending;
+                Ok(ClientEvent::StartTls)
+            }
+            _ if h.is_error() => {
+                Self::abort(out);
+                Err(ClientError::TlsRefused {
+                    reply: h.reply_type,
+                    message: crate::peer_text::printable(data),
+                })
+            }
+            _ => Err(unexpected(h)),
+        }
+    }
+
+    fn on_extended_headers_reply(
+        &mut self,
+        h: OptionReplyHeader,
+        out: &mut Vec<u8>,
+    ) -> Result<ClientEvent, ClientError> {
+        match h.reply_type {
+            c::REP_ACK => {
+                self.extended = true;
+                self.structured = true;
+                self.after_structured(out)?;
+            }
+            // Refused (ERR_UNSUP from older servers): compact headers.
+            _ if h.is_error() => self.ask_structured(out)?,
+            _ => return Err(unexpected(h)),
+        }
+        Ok(ClientEvent::Continue)
+    }
+
+    fn on_structured_reply(
+        &mut self,
+        h: OptionReplyHeader,
+        out: &mut Vec<u8>,
+    ) -> Result<ClientEvent, ClientError> {
+        match h.reply_type {
+            c::REP_ACK => self.structured = true,
+            _ if h.is_error() => self.structured = false,
+            _ => return Err(unexpected(h)),
+        }
+        self.after_structured(out)?;
+        Ok(ClientEvent::Continue)
+    }
+
+    /// A reply to `NBD_OPT_SET_META_CONTEXT`: `id` is `base:allocation`'s so far, `replies`
+    /// how many contexts came before this one.
+    fn on_meta_context_reply(
+        &mut self,
+        h: OptionReplyHeader,
+        data: &[u8],
+        id: Option<u32>,
+        replies: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<ClientEvent, ClientError> {
+        match h.reply_type {
+            c::REP_META_CONTEXT => {
+                if replies >= MAX_REPLIES_PER_OPTION {
+                    return Err(ClientError::TooManyReplies);
+                }
+                let e = MetaContextEntry::parse(data)?;
+                let id = if e.name == c::BASE_ALLOCATION {
+                    Some(e.id)
+                } else {
+                    id
+                };
+                self.state = State::SetMeta {
+                    id,
+                    replies: replies + 1,
+                };
+                Ok(ClientEvent::Continue)
+            }
+            c::REP_ACK => {
+                self.base_allocation = id;
+                self.send_go_or_export_name(out)?;
+                Ok(ClientEvent::Continue)
+            }
+            _ if h.is_error() => {
+                // "If an error is returned, the client MUST disregard any context replies"
+                self.base_allocation = None;
+                self.send_go_or_export_name(out)?;
+                Ok(ClientEvent::Continue)
+            }
+            _ => Err(unexpected(h)),
+        }
+    }
+
+    /// A reply to `NBD_OPT_GO` or `NBD_OPT_INFO` (which one, `h.option` says): an `INFO`
+    /// item goes into `acc`; the ACK connects (GO) or reports the details (INFO).
+    fn on_info_reply(
+        &mut self,
+        h: OptionReplyHeader,
+        data: &[u8],
+        mut acc: InfoAcc,
+        out: &mut Vec<u8>,
+    ) -> Result<ClientEvent, ClientError> {
+        let go = h.option == c::OPT_GO;
+        match h.reply_type {
+            c::REP_INFO => {
+                acc.replies += 1;
+                if acc.replies > MAX_REPLIES_PER_OPTION {
+                    return Err(ClientError::TooManyReplies);
+                }
+                match InfoReply::parse(data)? {
+                    InfoReply::Export { size, flags } => acc.export = Some((size, flags)),
+                    InfoReply::Name(n) => acc.name = Some(n.to_owned()),
+                    InfoReply::Description(d) => acc.description = Some(d.to_owned()),
+                    InfoReply::BlockSize(bs) => {
+                        bs.check().map_err(ClientError::InvalidBlockSize)?;
+                        acc.block_size = Some(bs);
+                    }
+                    _ => {}
+                }
+                self.state = if go { State::Go(acc) } else { State::Info(acc) };
+                Ok(ClientEvent::Continue)
+            }
+            c::REP_ACK => {
+                let details = acc.finish()?;
+                if go {
+                    Ok(ClientEvent::Connected(Box::new(ClientNegotiated {
+                        export: details,
+                        structured_replies: self.structured,
+                        extended_headers: self.extended,
+                        base_allocation: self.base_allocation,
+                        no_zeroes: self.no_zeroes,
+                        via_go: true,
+                        tls: self.config.tls,
+                    })))
+                } else {
+                    Self::abort(out);
+                    Ok(ClientEvent::Info(Box::new(details)))
+                }
+            }
+            c::REP_ERR_UNSUP if go && !self.extended => {
+                // "clients SHOULD be prepared to also handle NBD_REP_ERR_UNSUP
+                // by falling back to using NBD_OPT_EXPORT_NAME"
+                self.send_export_name(out)?;
+                Ok(ClientEvent::Continue)
+            }
+            _ if h.is_error() => Err(Self::rejected(h, data, out)),
+            _ => Err(unexpected(h)),
+        }
+    }
+
+    /// A reply to `NBD_OPT_LIST`: one export more in `entries`, or the end of the list.
+    fn on_list_reply(
+        &mut self,
+        h: OptionReplyHeader,
+        data: &[u8],
+        mut entries: Vec<ExportListing>,
+        out: &mut Vec<u8>,
+    ) -> Result<ClientEvent, ClientError> {
+        match h.reply_type {
+            c::REP_SERVER => {
+                if entries.len() >= MAX_LIST_ENTRIES {
+                    return Err(ClientError::TooManyReplies);
+                }
+                let e = ServerEntry::parse(data)?;
+                entries.push(ExportListing {
+                    name: e.name.to_owned(),
+                    description: e.description.to_owned(),
+                });
+                self.state = State::List(entries);
+                Ok(ClientEvent::Continue)
+            }
+            c::REP_ACK => {
+                Self::abort(out);
+                Ok(ClientEvent::Listed(entries))
+            }
+            _ if h.is_error() => Err(Self::rejected(h, data, out)),
+            _ => Err(unexpected(h)),
+        }
+    }
+
+    /// The server refused the option: abort the handshake, with the server's message.
+    fn rejected(h: OptionReplyHeader, data: &[u8], out: &mut Vec<u8>) -> ClientError {
+        Self::abort(out);
+        ClientError::Rejected {
             option: h.option,
             reply: h.reply_type,
-        });
-        let state = core::mem::replace(&mut self.state, State::Finished);
-        match state {
-            State::StartTls => match h.reply_type {
-                c::REP_ACK => {
-                    self.state = State::TlsPending;
-                    Ok(ClientEvent::StartTls)
-                }
-                _ if h.is_error() => {
-                    Self::abort(out);
-                    Err(ClientError::TlsRefused {
-                        reply: h.reply_type,
-                        message: crate::peer_text::printable(data),
-                    })
-                }
-                _ => unexpected,
-            },
-            State::ExtendedHeaders => {
-                match h.reply_type {
-                    c::REP_ACK => {
-                        self.extended = true;
-                        self.structured = true;
-                        self.after_structured(out)?;
-                    }
-                    // Refused (ERR_UNSUP from older servers): compact headers.
-                    _ if h.is_error() => self.ask_structured(out)?,
-                    _ => return unexpected,
-                }
-                Ok(ClientEvent::Continue)
-            }
-            State::StructuredReply => {
-                match h.reply_type {
-                    c::REP_ACK => self.structured = true,
-                    _ if h.is_error() => self.structured = false,
-                    _ => return unexpected,
-                }
-                self.after_structured(out)?;
-                Ok(ClientEvent::Continue)
-            }
-            State::SetMeta { id, replies } => match h.reply_type {
-                c::REP_META_CONTEXT => {
-                    if replies >= MAX_REPLIES_PER_OPTION {
-                        return Err(ClientError::TooManyReplies);
-                    }
-                    let e = MetaContextEntry::parse(data)?;
-                    let id = if e.name == c::BASE_ALLOCATION {
-                        Some(e.id)
-                    } else {
-                        id
-                    };
-                    self.state = State::SetMeta {
-                        id,
-                        replies: replies + 1,
-                    };
-                    Ok(ClientEvent::Continue)
-                }
-                c::REP_ACK => {
-                    self.base_allocation = id;
-                    self.send_go_or_export_name(out)?;
-                    Ok(ClientEvent::Continue)
-                }
-                _ if h.is_error() => {
-                    // "If an error is returned, the client MUST disregard any context replies"
-                    self.base_allocation = None;
-                    self.send_go_or_export_name(out)?;
-                    Ok(ClientEvent::Continue)
-                }
-                _ => unexpected,
-            },
-            State::Go(mut acc) | State::Info(mut acc) => {
-                let go = h.option == c::OPT_GO;
-                match h.reply_type {
-                    c::REP_INFO => {
-                        acc.replies += 1;
-                        if acc.replies > MAX_REPLIES_PER_OPTION {
-                            return Err(ClientError::TooManyReplies);
-                        }
-                        match InfoReply::parse(data)? {
-                            InfoReply::Export { size, flags } => acc.export = Some((size, flags)),
-                            InfoReply::Name(n) => acc.name = Some(n.to_owned()),
-                            InfoReply::Description(d) => acc.description = Some(d.to_owned()),
-                            InfoReply::BlockSize(bs) => {
-                                bs.check().map_err(ClientError::InvalidBlockSize)?;
-                                acc.block_size = Some(bs);
-                            }
-                            _ => {}
-                        }
-                        self.state = if go { State::Go(acc) } else { State::Info(acc) };
-                        Ok(ClientEvent::Continue)
-                    }
-                    c::REP_ACK => {
-                        let details = acc.finish()?;
-                        if go {
-                            Ok(ClientEvent::Connected(Box::new(ClientNegotiated {
-                                export: details,
-                                structured_replies: self.structured,
-                                extended_headers: self.extended,
-                                base_allocation: self.base_allocation,
-                                no_zeroes: self.no_zeroes,
-                                via_go: true,
-                                tls: self.config.tls,
-                            })))
-                        } else {
-                            Self::abort(out);
-                            Ok(ClientEvent::Info(Box::new(details)))
-                        }
-                    }
-                    c::REP_ERR_UNSUP if go && !self.extended => {
-                        // "clients SHOULD be prepared to also handle NBD_REP_ERR_UNSUP
-                        // by falling back to using NBD_OPT_EXPORT_NAME"
-                        self.send_export_name(out)?;
-                        Ok(ClientEvent::Continue)
-                    }
-                    _ if h.is_error() => {
-                        Self::abort(out);
-                        Err(ClientError::Rejected {
-                            option: h.option,
-                            reply: h.reply_type,
-                            message: crate::peer_text::printable(data),
-                        })
-                    }
-                    _ => unexpected,
-                }
-            }
-            State::List(mut entries) => match h.reply_type {
-                c::REP_SERVER => {
-                    if entries.len() >= MAX_LIST_ENTRIES {
-                        return Err(ClientError::TooManyReplies);
-                    }
-                    let e = ServerEntry::parse(data)?;
-                    entries.push(ExportListing {
-                        name: e.name.to_owned(),
-                        description: e.description.to_owned(),
-                    });
-                    self.state = State::List(entries);
-                    Ok(ClientEvent::Continue)
-                }
-                c::REP_ACK => {
-                    Self::abort(out);
-                    Ok(ClientEvent::Listed(entries))
-                }
-                _ if h.is_error() => {
-                    Self::abort(out);
-                    Err(ClientError::Rejected {
-                        option: h.option,
-                        reply: h.reply_type,
-                        message: crate::peer_text::printable(data),
-                    })
-                }
-                _ => unexpected,
-            },
-            State::Greeting | State::TlsPending | State::ExportName | State::Finished => {
-                Err(ClientError::Finished)
-            }
+            message: crate::peer_text::printable(data),
         }
     }
 
@@ -743,5 +610,13 @@ impl ClientHandshake {
             }
         }
         Ok(())
+    }
+}
+
+/// A reply of a type the option in flight does not have.
+fn unexpected(h: OptionReplyHeader) -> ClientError {
+    ClientError::UnexpectedReply {
+        option: h.option,
+        reply: h.reply_type,
     }
 }

@@ -168,6 +168,198 @@ impl TcpLink {
         any
     }
 
+    /// Closed on our side with everything acknowledged: what still arrives is discarded and
+    /// anything posted flushed, until the connection is gone and the link can be released.
+    /// Returns (progress, what to do after).
+    fn drain(&mut self, sock: &mut tcp::Socket<'_>, shared: &QpShared) -> (bool, After) {
+        self.placing.clear();
+        self.held = 0;
+        while let Ok(n) = sock.recv(|b| (b.len(), b.len())) {
+            if n == 0 {
+                break;
+            }
+        }
+        let progress = !shared.rq.is_empty() || !shared.sq.is_empty();
+        shared.flush_queues();
+        let after = if matches!(sock.state(), tcp::State::Closed | tcp::State::TimeWait) {
+            After::Release
+        } else {
+            After::Nothing
+        };
+        (progress, after)
+    }
+
+    /// One pass of an open connection: transmit, complete what is acknowledged, receive, and
+    /// close in order when asked to. Sets `progress` if anything moved.
+    fn step(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        shared: &QpShared,
+        framer: &mut dyn Framer,
+        seen: &mut Outstanding,
+        progress: &mut bool,
+    ) -> After {
+        let sock = cx.sockets.get_mut::<tcp::Socket>(self.handle);
+        if let Some(after) = self.take_sends(shared, framer, cx.memory, cx.meter, progress) {
+            return after;
+        }
+        // IPv6 (40) + TCP (20) + timestamps (12): the payload of a full segment.
+        *progress |= self.push(sock, cx.mtu.saturating_sub(72));
+        *progress |= self.complete_acked(sock, shared);
+        written!(cx, shared, seen);
+        // A peer silent this long is dead: the QP fails instead of hanging, and its SRAM
+        // comes back. A live peer is never that quiet: it answers zero-window probes
+        // (backed off to 60 s at most) and the keep-alives an idle connection sends.
+        sock.set_timeout(Some(DEAD_PEER));
+        *progress |= self.release_placed(sock, cx.meter.now());
+        let (received, stop) = self.receive(sock, shared, framer, cx.memory, cx.meter, cx.bus);
+        // Each receive completion's entry follows the data DMAs of its message.
+        written!(cx, shared, seen);
+        *progress |= received;
+        if stop == RxStop::Failed {
+            return After::Fail {
+                state: QpState::Error,
+                send: WcStatus::RemoteClosed,
+            };
+        }
+        if sock.state() == tcp::State::Closed {
+            // Reset by the peer (or timed out) under us.
+            tracing::debug!(qp = shared.num, "connection reset");
+            return After::Fail {
+                state: QpState::Error,
+                send: WcStatus::RemoteClosed,
+            };
+        }
+        *progress |= self.close_in_order(sock, shared);
+        After::Nothing
+    }
+
+    /// Takes posted send WRs into the transmit queue while the connection may still carry
+    /// them; a WR that cannot be prepared fails the QP.
+    fn take_sends(
+        &mut self,
+        shared: &QpShared,
+        framer: &mut dyn Framer,
+        memory: &MemoryTable,
+        meter: &mut Meter,
+        progress: &mut bool,
+    ) -> Option<After> {
+        if self.fin_sent {
+            return None;
+        }
+        while let Some(wr) = shared.sq.pop() {
+            *progress = true;
+            meter.charge(Dir::Send, Kind::Data, Stage::GetWr, 0);
+            match OutMsg::prepare(wr, memory, Some(&mut *framer)) {
+                Ok(msg) => self.tx.push_back(msg),
+                Err((wr_id, fault)) => {
+                    tracing::warn!(qp = shared.num, wr_id, "send WR refused: {fault}");
+                    // Failed before the host can see why (in real time it polls the
+                    // CQ while the firmware runs).
+                    shared.set_state(QpState::Error);
+                    shared.complete_send(wr_id, WcStatus::ProtectionError, 0, 0);
+                    return Some(After::Fail {
+                        state: QpState::Error,
+                        send: WcStatus::Flushed,
+                    });
+                }
+            }
+        }
+        None
+    }
+
+    /// Completes each send WR once the peer has acknowledged all of its bytes (a reset
+    /// socket acknowledges nothing, whatever its buffer says); true if any completed.
+    fn complete_acked(&mut self, sock: &tcp::Socket<'_>, shared: &QpShared) -> bool {
+        let reset = sock.state() == tcp::State::Closed;
+        let acked = self.pushed.saturating_sub(sock.send_queue() as u64);
+        let mut progress = false;
+        while !reset
+            && let Some(m) = self.tx.front()
+            && m.end.is_some_and(|end| end <= acked)
+        {
+            shared.complete_send(m.wr_id, WcStatus::Success, m.body_len as u32, 0);
+            self.tx.pop_front();
+            progress = true;
+        }
+        progress
+    }
+
+    /// Receive: the framer finds messages in the byte stream, bodies go to WRs. With no WR
+    /// posted the bytes stay in the socket and the window closes. Returns whether anything
+    /// moved (bytes placed count even when no WR was taken: the tail of a message split
+    /// over segments completes a WR taken earlier, and its CQ must be notified) and where
+    /// the receive machine stopped.
+    fn receive(
+        &mut self,
+        sock: &mut tcp::Socket<'_>,
+        shared: &QpShared,
+        framer: &mut dyn Framer,
+        memory: &MemoryTable,
+        meter: &mut Meter,
+        bus: &mut PciBus,
+    ) -> (bool, RxStop) {
+        let TcpLink {
+            rx, held, placing, ..
+        } = self;
+        let mut placed = 0usize;
+        let before = shared.rq.len();
+        let rq_seen = std::cell::Cell::new(before);
+        // Per receive WR the firmware fetches its descriptor (get WR); per DMA it sets up
+        // the move to host memory (put data): charged where that work happens, not per
+        // packet.
+        let take_wrs = |meter: &mut Meter| {
+            let now_len = shared.rq.len();
+            for _ in now_len..rq_seen.get() {
+                meter.charge(Dir::Recv, Kind::Data, Stage::GetWr, 0);
+            }
+            rq_seen.set(now_len);
+        };
+        let mut read = |iov: &mut [IoSliceMut<'_>]| -> io::Result<usize> {
+            take_wrs(meter);
+            let total = peek_past(sock, *held, iov);
+            if total > 0 {
+                placed += total;
+                meter.charge(Dir::Recv, Kind::Data, Stage::PutData, 0);
+                let done = bus.dma_now(Use::Write, meter, total);
+                placing.push_back((done, total));
+                *held += total;
+                return Ok(total);
+            }
+            if *held > 0 {
+                // End of stream is seen once the held bytes are in host memory.
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            match sock.recv_slice(&mut []) {
+                Ok(_) => Err(io::ErrorKind::WouldBlock.into()),
+                Err(tcp::RecvError::Finished) => Ok(0),
+                Err(_) => Err(io::ErrorKind::ConnectionReset.into()),
+            }
+        };
+        let stop = rx.pump(shared, memory, framer, &mut read);
+        take_wrs(meter);
+        (shared.rq.len() != before || placed > 0, stop)
+    }
+
+    /// Orderly close: FIN once every posted send is in the buffer; closed once all of it is
+    /// acknowledged, receives flushed. True if it moved.
+    fn close_in_order(&mut self, sock: &mut tcp::Socket<'_>, shared: &QpShared) -> bool {
+        let mut progress = false;
+        if self.closing && !self.fin_sent && self.all_pushed() && shared.sq.is_empty() {
+            sock.close();
+            self.fin_sent = true;
+            progress = true;
+        }
+        if self.fin_sent && self.tx.is_empty() {
+            self.draining = true;
+            shared.set_state(QpState::Closed);
+            self.rx.flush(shared);
+            shared.flush_queues();
+            progress = true;
+        }
+        progress
+    }
+
     /// When the next placed DMA finishes (the window reopens then).
     pub(super) fn next_release(&self) -> Option<Nanos> {
         self.placing.front().map(|&(t, _)| t)
@@ -295,160 +487,35 @@ impl FwQp {
             ..
         } = self;
         let Link::Tcp(t) = link else { return false };
-        let mut progress = false;
-        let sock = cx.sockets.get_mut::<tcp::Socket>(t.handle);
-        let after = 'm: {
-            if t.draining {
-                t.placing.clear();
-                t.held = 0;
-                while let Ok(n) = sock.recv(|b| (b.len(), b.len())) {
-                    if n == 0 {
-                        break;
-                    }
-                }
-                progress |= !shared.rq.is_empty() || !shared.sq.is_empty();
-                shared.flush_queues();
-                if matches!(sock.state(), tcp::State::Closed | tcp::State::TimeWait) {
-                    break 'm After::Release;
-                }
-                break 'm After::Nothing;
-            }
-            // Transmit: take posted WRs while the connection may still carry them.
-            if !t.fin_sent {
-                while let Some(wr) = shared.sq.pop() {
-                    progress = true;
-                    cx.meter.charge(Dir::Send, Kind::Data, Stage::GetWr, 0);
-                    match OutMsg::prepare(wr, cx.memory, Some(framer.as_mut())) {
-                        Ok(msg) => t.tx.push_back(msg),
-                        Err((wr_id, fault)) => {
-                            tracing::warn!(qp = shared.num, wr_id, "send WR refused: {fault}");
-                            // Failed before the host can see why (in real time it polls the
-                            // CQ while the firmware runs).
-                            shared.set_state(QpState::Error);
-                            shared.complete_send(wr_id, WcStatus::ProtectionError, 0, 0);
-                            break 'm After::Fail {
-                                state: QpState::Error,
-                                send: WcStatus::Flushed,
-                            };
-                        }
-                    }
-                }
-            }
-            // IPv6 (40) + TCP (20) + timestamps (12): the payload of a full segment.
-            progress |= t.push(sock, cx.mtu.saturating_sub(72));
-            // A send WR completes when the peer has acknowledged all of its bytes.
-            // (A reset socket acknowledges nothing, whatever its buffer says.)
-            let reset = sock.state() == tcp::State::Closed;
-            let acked = t.pushed.saturating_sub(sock.send_queue() as u64);
-            while !reset
-                && let Some(m) = t.tx.front()
-                && m.end.is_some_and(|end| end <= acked)
-            {
-                shared.complete_send(m.wr_id, WcStatus::Success, m.body_len as u32, 0);
-                t.tx.pop_front();
-                progress = true;
-            }
-            written!(cx, shared, seen);
-            // A peer silent this long is dead: the QP fails instead of hanging, and its SRAM
-            // comes back. A live peer is never that quiet: it answers zero-window probes
-            // (backed off to 60 s at most) and the keep-alives an idle connection sends.
-            sock.set_timeout(Some(DEAD_PEER));
-            // Receive: the framer finds messages in the byte stream, bodies go to WRs. With
-            // no WR posted the bytes stay in the socket and the window closes.
-            progress |= t.release_placed(sock, cx.meter.now());
-            let Ctx { meter, bus, .. } = cx;
-            let TcpLink {
-                rx, held, placing, ..
-            } = &mut **t;
-            // Bytes placed count as progress even when no WR was taken: the tail of a message
-            // split over segments completes a WR taken earlier, and its CQ must be notified.
-            let mut placed = 0usize;
-            let before = shared.rq.len();
-            let rq_seen = std::cell::Cell::new(before);
-            let ring = shared.clone();
-            // Per receive WR the firmware fetches its descriptor (get WR); per DMA it sets up
-            // the move to host memory (put data): charged where that work happens, not per
-            // packet.
-            let take_wrs = |meter: &mut Meter| {
-                let now_len = ring.rq.len();
-                for _ in now_len..rq_seen.get() {
-                    meter.charge(Dir::Recv, Kind::Data, Stage::GetWr, 0);
-                }
-                rq_seen.set(now_len);
-            };
-            let mut read = |iov: &mut [IoSliceMut<'_>]| -> io::Result<usize> {
-                take_wrs(meter);
-                let total = peek_past(sock, *held, iov);
-                if total > 0 {
-                    placed += total;
-                    meter.charge(Dir::Recv, Kind::Data, Stage::PutData, 0);
-                    let done = bus.dma_now(Use::Write, meter, total);
-                    placing.push_back((done, total));
-                    *held += total;
-                    return Ok(total);
-                }
-                if *held > 0 {
-                    // End of stream is seen once the held bytes are in host memory.
-                    return Err(io::ErrorKind::WouldBlock.into());
-                }
-                match sock.recv_slice(&mut []) {
-                    Ok(_) => Err(io::ErrorKind::WouldBlock.into()),
-                    Err(tcp::RecvError::Finished) => Ok(0),
-                    Err(_) => Err(io::ErrorKind::ConnectionReset.into()),
-                }
-            };
-            let stop = rx.pump(shared, cx.memory, framer.as_mut(), &mut read);
-            take_wrs(meter);
-            // Each receive completion's entry follows the data DMAs of its message.
-            written!(cx, shared, seen);
-            progress |= shared.rq.len() != before || placed > 0;
-            if stop == RxStop::Failed {
-                break 'm After::Fail {
-                    state: QpState::Error,
-                    send: WcStatus::RemoteClosed,
-                };
-            }
-            if sock.state() == tcp::State::Closed {
-                // Reset by the peer (or timed out) under us.
-                tracing::debug!(qp = shared.num, "connection reset");
-                break 'm After::Fail {
-                    state: QpState::Error,
-                    send: WcStatus::RemoteClosed,
-                };
-            }
-            // Orderly close: FIN once every posted send is in the buffer; closed once all of
-            // it is acknowledged, receives flushed.
-            if t.closing && !t.fin_sent && t.all_pushed() && shared.sq.is_empty() {
-                sock.close();
-                t.fin_sent = true;
-                progress = true;
-            }
-            if t.fin_sent && t.tx.is_empty() {
-                t.draining = true;
-                shared.set_state(QpState::Closed);
-                t.rx.flush(shared);
-                shared.flush_queues();
-                progress = true;
-            }
-            After::Nothing
+        let (progress, after) = if t.draining {
+            t.drain(cx.sockets.get_mut::<tcp::Socket>(t.handle), shared)
+        } else {
+            let mut progress = false;
+            let after = t.step(cx, shared, framer.as_mut(), seen, &mut progress);
+            (progress, after)
         };
+        self.settle(cx, seen, after) || progress
+    }
+
+    /// Carries out what the TCP machine decided once its socket borrow ended; true if
+    /// anything moved.
+    fn settle(&mut self, cx: &mut Ctx<'_>, seen: &mut Outstanding, after: After) -> bool {
         match after {
-            After::Nothing => {}
+            After::Nothing => false,
             After::Fail { state, send } => {
                 written!(cx, &self.shared, seen);
                 self.fail(cx, state, send);
                 *seen = Outstanding::of(&self.shared);
-                progress = true;
+                true
             }
             After::Release => {
                 if let Link::Tcp(t) = std::mem::replace(&mut self.link, Link::Down) {
                     cx.sockets.remove(t.handle);
                     cx.sram.release(tcp_sram(cx.dev));
                 }
-                progress = true;
+                true
             }
         }
-        progress
     }
 
     fn service_udp(&mut self, cx: &mut Ctx<'_>, seen: &mut Outstanding) -> bool {

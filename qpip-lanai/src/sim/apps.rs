@@ -17,7 +17,9 @@ use super::host::{App, Host};
 /// Transport of a ping-pong.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Proto {
+    /// Unreliable QPs: one datagram each way per round.
     Udp,
+    /// A reliable QP: the firmware's TCP connection.
     Tcp,
 }
 
@@ -27,7 +29,10 @@ pub enum Role {
     /// Listens (TCP) or binds and echoes (UDP); receives the bulk transfer.
     Server,
     /// Connects to the server's address; sends first.
-    Client { server: SocketAddr },
+    Client {
+        /// The server's address on the fabric.
+        server: SocketAddr,
+    },
 }
 
 const RECV_SLOTS: usize = 4;
@@ -40,7 +45,7 @@ pub enum PingPort {
     /// completed (TCP: the peer acknowledged the byte; UDP: the datagram left) and only then
     /// does `read()` post the receive WR and wait for it.
     Blocking,
-    /// Receives posted ahead ([`RECV_SLOTS`] of them, reposted as each completes) and the
+    /// Receives posted ahead (`RECV_SLOTS` of them, reposted as each completes) and the
     /// next message sent on the reply, whether or not the previous send has completed.
     Preposted,
 }
@@ -66,11 +71,13 @@ pub struct PingPong {
 }
 
 impl PingPong {
-    pub fn new(proto: Proto, role: Role, port: u16, rounds: u64) -> Self {
-        Self::ported(proto, role, port, rounds, PingPort::Blocking)
-    }
-
-    pub fn ported(proto: Proto, role: Role, port: u16, rounds: u64, ping_port: PingPort) -> Self {
+    pub(crate) fn ported(
+        proto: Proto,
+        role: Role,
+        port: u16,
+        rounds: u64,
+        ping_port: PingPort,
+    ) -> Self {
         PingPong {
             proto,
             role,
@@ -93,10 +100,6 @@ impl PingPong {
     pub fn mean_rtt_ns(&self) -> Option<f64> {
         let (a, b) = (self.started_at?, self.finished_at?);
         Some((b - a) as f64 / self.rounds.max(1) as f64)
-    }
-
-    pub fn rounds_seen(&self) -> u64 {
-        self.seen
     }
 
     fn fail(&mut self, msg: String) {
@@ -246,10 +249,13 @@ impl App for PingPong {
 /// Message sizes of a bulk transfer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Sizes {
+    /// Every message this many bytes.
     Fixed(usize),
     /// Uniform in 1..=max, from a seeded PRNG (both ends draw the same list).
     Varied {
+        /// The largest message.
         max: usize,
+        /// The PRNG's seed.
         seed: u64,
     },
 }
@@ -263,8 +269,8 @@ pub enum Sizes {
 /// and posted again when the read has returned (after `read_think_ns` of the host's own work).
 #[derive(Clone, Copy, Debug)]
 pub struct BulkConfig {
-    pub total: u64,
-    pub sizes: Sizes,
+    pub(crate) total: u64,
+    pub(crate) sizes: Sizes,
     /// Send WRs the sender keeps posted (1: a blocking write).
     pub window: usize,
     /// Receive WRs the receiver keeps posted (1: a blocking read on one buffer).
@@ -277,7 +283,7 @@ pub struct BulkConfig {
     pub nodelay: bool,
     /// Fill messages with a pattern and check every byte on arrival.
     pub verify: bool,
-    pub port: u16,
+    pub(crate) port: u16,
 }
 
 impl BulkConfig {
@@ -373,7 +379,7 @@ pub struct Bulk {
 }
 
 impl Bulk {
-    pub fn new(cfg: BulkConfig, role: Role) -> Self {
+    pub(crate) fn new(cfg: BulkConfig, role: Role) -> Self {
         Bulk {
             sizes: cfg.message_sizes(),
             cfg,
@@ -399,7 +405,7 @@ impl Bulk {
         self.completed
     }
 
-    pub fn bytes(&self) -> u64 {
+    pub(crate) fn bytes(&self) -> u64 {
         self.bytes
     }
 
@@ -419,7 +425,7 @@ impl Bulk {
     pub fn started_at(&self) -> Option<Nanos> {
         self.started_at
     }
-    pub fn finished_at(&self) -> Option<Nanos> {
+    pub(crate) fn finished_at(&self) -> Option<Nanos> {
         self.finished_at
     }
 

@@ -15,7 +15,9 @@ use super::{FabricStats, Faults, Sim, SimError};
 /// The inputs of one run.
 #[derive(Clone, Debug)]
 pub struct Setup {
+    /// Both NICs' and hosts' model.
     pub params: LanaiParams,
+    /// The fabric between them.
     pub fabric: FabricParams,
     /// Seeds the firmware (TCP initial sequence numbers) and fault injection.
     pub seed: u64,
@@ -141,9 +143,13 @@ pub type StageUs = BTreeMap<&'static str, f64>;
 /// transmits data and receives ACKs; the receiver's receives data and transmits ACKs).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct OccupancyReport {
+    /// Transmitting a data segment.
     pub send_data: StageUs,
+    /// Transmitting an ACK.
     pub send_ack: StageUs,
+    /// Receiving a data segment.
     pub recv_data: StageUs,
+    /// Receiving an ACK.
     pub recv_ack: StageUs,
     /// Packets behind each figure: send data, send ACK, receive data, receive ACK.
     pub packets: [u64; 4],
@@ -164,17 +170,21 @@ fn merged(a: Occupancy, b: Occupancy) -> (StageUs, u64) {
 /// What one ttcp run predicts.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TtcpResult {
+    /// Bytes the receiver got.
     pub bytes: u64,
     /// From the sender's first post to the receiver handling the last message.
     pub elapsed_ns: Nanos,
     /// Megabytes (10^6 bytes) per second.
     pub mbps: f64,
+    /// The sending host's CPU busy over `elapsed_ns`, in percent.
     pub sender_cpu_pct: f64,
+    /// The receiving host's CPU busy over `elapsed_ns`, in percent.
     pub receiver_cpu_pct: f64,
+    /// What each packet cost the NICs' processors, stage by stage.
     pub occupancy: OccupancyReport,
     /// Frames the sender's NIC put on the wire toward the receiver, and back.
     pub frames_to_server: u64,
-    pub frames_to_client: u64,
+    pub(crate) frames_to_client: u64,
     /// Everything the fabric counted (bytes per direction, faults injected).
     pub fabric: FabricStats,
     /// How busy each resource was during the transfer.
@@ -255,12 +265,14 @@ pub fn ttcp(setup: &Setup, total: u64, msg: usize) -> Result<TtcpResult, SimErro
 /// What one run of the storage experiment predicts.
 #[derive(Clone, Debug, PartialEq)]
 pub struct NbdResult {
-    pub bytes: u64,
+    pub(crate) bytes: u64,
     /// From the client's connection being up to its last reply handled.
     pub elapsed_ns: Nanos,
     /// Megabytes (10^6 bytes) per second.
     pub mbps: f64,
+    /// The client host's CPU busy over `elapsed_ns`, in percent.
     pub client_cpu_pct: f64,
+    /// The server host's CPU busy over `elapsed_ns`, in percent.
     pub server_cpu_pct: f64,
     /// Requests the client had handed over and not had answered, at most.
     pub max_in_flight: usize,

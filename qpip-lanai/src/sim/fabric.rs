@@ -20,12 +20,12 @@ use crate::params::FabricParams;
 pub struct XorShift(u64);
 
 impl XorShift {
-    pub fn new(seed: u64) -> Self {
+    pub(crate) fn new(seed: u64) -> Self {
         // Zero is the one state xorshift cannot leave.
         XorShift(seed ^ 0x9e37_79b9_7f4a_7c15 | 1)
     }
 
-    pub fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         let mut x = self.0;
         x ^= x >> 12;
         x ^= x << 25;
@@ -52,15 +52,17 @@ impl XorShift {
 /// frame.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Faults {
-    pub drop: f64,
-    pub duplicate: f64,
+    pub(crate) drop: f64,
+    pub(crate) duplicate: f64,
     /// Probability that a frame is held back by up to `delay_ns` (later frames overtake it).
     pub delay: f64,
-    pub delay_ns: Nanos,
+    pub(crate) delay_ns: Nanos,
 }
 
 impl Faults {
-    pub fn none() -> Self {
+    /// No faults.
+    #[cfg(test)]
+    pub(crate) fn none() -> Self {
         Faults::default()
     }
 }
@@ -68,11 +70,11 @@ impl Faults {
 /// What the fabric did, per direction (sender, receiver) by node index.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FabricStats {
-    pub frames: BTreeMap<(usize, usize), u64>,
-    pub bytes: BTreeMap<(usize, usize), u64>,
-    pub dropped: u64,
-    pub duplicated: u64,
-    pub delayed: u64,
+    pub(crate) frames: BTreeMap<(usize, usize), u64>,
+    pub(crate) bytes: BTreeMap<(usize, usize), u64>,
+    pub(crate) dropped: u64,
+    pub(crate) duplicated: u64,
+    pub(crate) delayed: u64,
     /// Frames whose route led to no simulated node (the bridge port, say).
     pub unroutable: u64,
     /// Frames the switch refused (bad CRC, truncated).
@@ -80,7 +82,7 @@ pub struct FabricStats {
     /// Frames stopped on the wire because their receiver had no free receive buffer, and
     /// the time they waited.
     pub stopped: u64,
-    pub stopped_ns: Nanos,
+    pub(crate) stopped_ns: Nanos,
     /// The most frame heads ever waiting at one receiver (each holds its link: bounded by the
     /// links into it, plus injected duplicates and delays).
     pub max_waiting: usize,

@@ -174,7 +174,7 @@ impl Host {
         t
     }
 
-    pub fn create_cq(&mut self, depth: usize) -> CompletionQueue {
+    pub(crate) fn create_cq(&mut self, depth: usize) -> CompletionQueue {
         let cq = self.nic.create_cq(depth);
         self.cqs.push(cq.clone());
         cq
@@ -297,5 +297,6 @@ pub trait App: Any {
     fn error(&self) -> Option<String> {
         None
     }
+    /// The application as `Any`, for `Sim::app` to hand back its concrete type.
     fn as_any(&self) -> &dyn Any;
 }

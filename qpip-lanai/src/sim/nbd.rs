@@ -72,6 +72,7 @@ pub struct NbdPort {
     /// request header is a local of `nbd_send_req`, which holds the transmit lock while it
     /// sends, and a send WR's memory is the NIC's until the peer has acknowledged it.
     pub send_waits: bool,
+    /// Where the client's reply receives are posted.
     pub reply_recv: ReplyRecv,
     /// Requests the server takes at once: 1 is nbd-server's loop on its one buffer (read a
     /// request, do it, send the reply, wait for the send, post the receive again).
@@ -103,12 +104,12 @@ impl NbdPort {
 /// One run of the storage experiment.
 #[derive(Clone, Copy, Debug)]
 pub struct NbdConfig {
-    pub dir: NbdDir,
-    pub total: u64,
+    pub(crate) dir: NbdDir,
+    pub(crate) total: u64,
     /// Bytes per request: 2.4's largest request of whole 4 KiB blocks (`MAX_SECTORS` 254).
     pub request_bytes: usize,
-    pub port: NbdPort,
-    pub tcp_port: u16,
+    pub(crate) port: NbdPort,
+    pub(crate) tcp_port: u16,
 }
 
 impl NbdConfig {
@@ -126,6 +127,7 @@ impl NbdConfig {
         }
     }
 
+    /// The same run with the programs ported as `port` says.
     pub fn with_port(self, port: NbdPort) -> Self {
         NbdConfig { port, ..self }
     }
@@ -274,9 +276,9 @@ fn request_header(dir: NbdDir, handle: u64, from: u64, len: usize) -> [u8; REQUE
 /// (server), in host time.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stamp {
-    pub handle: u64,
-    pub start: Nanos,
-    pub end: Nanos,
+    pub(crate) handle: u64,
+    pub(crate) start: Nanos,
+    pub(crate) end: Nanos,
 }
 
 /// The kernel NBD client: hands requests to the server as the block layer gives them.
@@ -324,7 +326,7 @@ impl ClientLayout {
 const BOUNCE: u64 = u64::MAX;
 
 impl NbdClient {
-    pub fn new(cfg: NbdConfig, server: SocketAddr) -> Self {
+    pub(crate) fn new(cfg: NbdConfig, server: SocketAddr) -> Self {
         NbdClient {
             reqs: Requests::new(cfg.port.depth.max(1)),
             cfg,
@@ -362,15 +364,19 @@ impl NbdClient {
         self.stamps.values().copied().collect()
     }
 
-    pub fn answered(&self) -> u64 {
+    /// Replies handled so far.
+    #[cfg(test)]
+    pub(crate) fn answered(&self) -> u64 {
         self.reqs.answered
     }
 
-    pub fn started_at(&self) -> Option<Nanos> {
+    /// When the first request was posted.
+    #[cfg(test)]
+    pub(crate) fn started_at(&self) -> Option<Nanos> {
         self.started_at
     }
 
-    pub fn finished_at(&self) -> Option<Nanos> {
+    pub(crate) fn finished_at(&self) -> Option<Nanos> {
         self.finished_at
     }
 
@@ -559,7 +565,7 @@ pub struct NbdServer {
 }
 
 impl NbdServer {
-    pub fn new(cfg: NbdConfig) -> Self {
+    pub(crate) fn new(cfg: NbdConfig) -> Self {
         NbdServer {
             cfg,
             qp: None,

@@ -96,6 +96,17 @@ impl Limits {
 
     /// The request header for `sub` (cookie 0), or why it must not be sent.
     pub fn check(&self, sub: &Submission) -> Result<Request, Refused> {
+        let req = self.check_piece(sub)?;
+        if !matches!(req.command, Command::Flush | Command::Resize) {
+            self.check_range(req.offset, req.length)?;
+        }
+        Ok(req)
+    }
+
+    /// [`Self::check`] but for the range: for a piece of a larger range the caller has
+    /// checked with [`Self::check_range`] (pieces cut at multiples of the minimum block size
+    /// stay aligned and inside it).
+    pub fn check_piece(&self, sub: &Submission) -> Result<Request, Refused> {
         let command = sub.command;
         let mut flags = CmdFlags::empty();
         if matches!(command, Command::Write | Command::WriteZeroes) {
@@ -160,7 +171,6 @@ impl Limits {
         let offset = if command == Command::Flush {
             0
         } else {
-            self.check_range(sub.offset, u64::from(len))?;
             sub.offset
         };
         Ok(Request {
@@ -268,6 +278,27 @@ mod tests {
         assert!(w.flags.contains(CmdFlags::FUA));
         let r = l.check(&sub(Command::Read, 512, 512)).unwrap();
         assert!(!r.flags.contains(CmdFlags::FUA), "FUA only on writes");
+    }
+
+    /// `check_piece` is `check` but for the range: the same header where both accept, the
+    /// same refusal for anything else.
+    #[test]
+    fn a_piece_is_checked_for_all_but_its_range() {
+        let l = limits(TransmissionFlags::SEND_FUA);
+        let past_the_end = sub(Command::Write, 1 << 20, 512);
+        assert!(matches!(
+            l.check(&past_the_end),
+            Err(Refused::OutOfRange { .. })
+        ));
+        assert!(l.check_piece(&past_the_end).is_ok());
+        let inside = sub(Command::Write, 512, 512);
+        assert_eq!(l.check_piece(&inside), l.check(&inside));
+        let ro = limits(TransmissionFlags::READ_ONLY);
+        assert_eq!(ro.check_piece(&inside), Err(Refused::ReadOnly));
+        assert_eq!(
+            l.check_piece(&sub(Command::Read, 0, 1 << 17)),
+            Err(Refused::Invalid("request longer than max_io()"))
+        );
     }
 
     /// Whatever the client accepts, a server checking by the spec accepts too.
