@@ -212,6 +212,19 @@ impl ServerTransmission {
         checked
     }
 
+    /// Append the whole reply to a request other than `READ`: as [`Self::reply`], except
+    /// that a success is a simple reply unless extended headers rule those out. The spec
+    /// allows either for commands other than `READ`, qemu-nbd and nbdkit answer so, and a
+    /// client reads a simple reply in one go where a chunk header makes it read again for
+    /// the rest (libnbd: two `recv`s per reply).
+    pub fn reply_not_read(&self, to: ReplyTo, result: Result<(), ErrorValue>, out: &mut Vec<u8>) {
+        if result.is_ok() && !self.info.extended_headers {
+            out.extend_from_slice(&SimpleReply::ok(to.cookie).encode());
+        } else {
+            self.reply(to, result, out);
+        }
+    }
+
     /// Append the whole reply to a request without data: success, or `result`'s error.
     pub fn reply(&self, to: ReplyTo, result: Result<(), ErrorValue>, out: &mut Vec<u8>) {
         match (result, self.info.structured_replies) {
@@ -447,6 +460,31 @@ mod tests {
             )),
             Some(ErrorValue::NoSpc)
         );
+    }
+
+    /// A success other than READ's is a simple reply, as with qemu-nbd and nbdkit, unless
+    /// extended headers are in use; errors keep the structured chunk and its message.
+    #[test]
+    fn other_successes_are_simple_replies_unless_extended() {
+        for (structured, extended) in [(false, false), (true, false), (true, true)] {
+            let s = session(structured, extended);
+            let write = s
+                .parse_request(&header(Command::Flush, CmdFlags::empty(), 0, 0, extended))
+                .unwrap();
+            let mut ok = Vec::new();
+            s.reply_not_read(write.reply_to(), Ok(()), &mut ok);
+            if extended {
+                let h = StructuredReplyHeader::parse_as(&ok, true).unwrap();
+                assert_eq!(h.reply_type, c::REPLY_TYPE_NONE);
+            } else {
+                assert_eq!(SimpleReply::parse(&ok), Ok(SimpleReply::ok(0xc0c0)));
+            }
+            let mut err = Vec::new();
+            s.reply_not_read(write.reply_to(), Err(ErrorValue::Io), &mut err);
+            let mut want = Vec::new();
+            s.reply(write.reply_to(), Err(ErrorValue::Io), &mut want);
+            assert_eq!(err, want, "errors as reply() says them");
+        }
     }
 
     #[test]

@@ -363,7 +363,7 @@ impl<'a> Transmission<'a> {
                 Some(e) => Err(e),
                 None => self.after_write(&pw),
             };
-            self.reply(pw.to, result)?;
+            self.reply_not_read(pw.to, result)?;
         }
         for slot in freed {
             let slot = self.window.reuse(slot);
@@ -508,8 +508,9 @@ impl<'a> Transmission<'a> {
         }
         match self.execute(&req) {
             Ok(Some(())) => Ok(true), // the command sent its own reply
+            // Not a READ: those are answered above.
             Ok(None) => {
-                self.reply(req.reply_to(), Ok(()))?;
+                self.reply_not_read(req.reply_to(), Ok(()))?;
                 Ok(true)
             }
             Err(e) => {
@@ -560,7 +561,7 @@ impl<'a> Transmission<'a> {
             Some(e) => Err(e),
             None => self.after_write(&pw),
         };
-        self.reply(pw.to, result)?;
+        self.reply_not_read(pw.to, result)?;
         Ok(true)
     }
 
@@ -650,6 +651,13 @@ impl<'a> Transmission<'a> {
     fn reply(&mut self, to: ReplyTo, result: Result<(), ErrorValue>) -> Result<()> {
         let mut out = Vec::with_capacity(64);
         self.session.reply(to, result, &mut out);
+        self.replies.post(self.link, &out, None, None)
+    }
+
+    /// The reply to a request other than READ (a success may be a simple reply).
+    fn reply_not_read(&mut self, to: ReplyTo, result: Result<(), ErrorValue>) -> Result<()> {
+        let mut out = Vec::with_capacity(64);
+        self.session.reply_not_read(to, result, &mut out);
         self.replies.post(self.link, &out, None, None)
     }
 
