@@ -677,6 +677,36 @@ fn qcow2_data_cluster_on_metadata_is_not_written_and_marks_the_image_corrupt() {
     }
 }
 
+/// A data cluster past the end of a truncated image (a copy cut short) reads as zeroes, as
+/// qemu reads it, instead of failing the read; the clusters before it read as written.
+#[test]
+fn qcow2_data_cluster_past_the_end_of_a_truncated_image_reads_as_zeroes() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = qemu_img_create(dir.path(), "cut.qcow2", &["-f", "qcow2"]);
+    peer_ok(Command::new("qemu-io").args(["-f", "qcow2", &img, "-c", "write -P 0x55 0 128k"]));
+    // Two 64 KiB data clusters at the end of the file: cut the second off.
+    let len = std::fs::metadata(&img).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .unwrap()
+        .set_len(len - 65536)
+        .unwrap();
+    let reads = ["read -P 0x55 0 64k", "read -P 0 64k 64k"];
+    let mut cmd = Command::new("qemu-io");
+    cmd.args(["-f", "qcow2", "-r", &img]);
+    for r in reads {
+        cmd.args(["-c", r]);
+    }
+    let qemu = peer_ok(&mut cmd);
+    assert!(!qemu.contains("failed"), "qemu reads it so: {qemu}");
+    let srv = start_server_v4(&["--export".into(), format!("x={img}")]);
+    qemu_io(&srv.uri("x"), &reads);
+}
+
 /// qemu-img in `dir` (so that backing file names given relative stay relative).
 fn qemu_img_in(dir: &Path, args: &[&str]) -> String {
     peer_ok(Command::new("qemu-img").current_dir(dir).args(args))

@@ -3,7 +3,6 @@
 
 use std::fs::File;
 use std::io;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::write::zero_file;
@@ -77,13 +76,15 @@ impl Qcow2 {
         Ok(())
     }
 
-    /// Reads data cluster bytes at host offset `at`: past the end of an external data file,
-    /// zeroes (qemu creates it sparse, but another tool may have left it short).
+    /// Reads data cluster bytes at host offset `at`: zeroes past the end of the file that
+    /// holds them (qemu reads a truncated image's clusters so, and creates an external data
+    /// file sparse that another tool may have left short).
     pub(super) fn read_data(&self, out: &mut [u8], at: u64) -> io::Result<()> {
-        if self.data.is_none() {
-            return self.file.read_exact_at(out, at);
-        }
-        let n = read_some(self.data(), out, at)?;
+        let file = match &self.data {
+            Some(_) => self.data(),
+            None => &self.file,
+        };
+        let n = read_some(file, out, at)?;
         out[n..].fill(0);
         Ok(())
     }
