@@ -1,5 +1,6 @@
 //! Reliable QPs over Unix-domain stream sockets on the soft NIC: the same messages as over
-//! TCP, a socket file only its owner may use, removed when the listener goes.
+//! TCP, a socket file only its owner may use (mode 0600 before it appears at its path),
+//! removed when the listener goes.
 
 mod common;
 
@@ -22,6 +23,12 @@ fn messages_over_a_unix_socket_then_the_file_is_removed() {
     let meta = std::fs::symlink_metadata(&path).unwrap();
     assert!(meta.file_type().is_socket());
     assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    // Bound in a private directory beside it and renamed into place: nothing else is left.
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["qp.sock"]);
 
     let cq = nic.create_cq(64);
     let server = nic.create_qp(QpAttr::new(&cq));

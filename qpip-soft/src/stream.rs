@@ -235,7 +235,7 @@ impl Drop for SocketFile {
 /// A Unix-domain listener at `path`, readable and writable by its owner only. A stale socket
 /// file (nothing accepts on it) is replaced; any other file there is left alone and refused.
 pub(super) fn listen_unix(path: &Path, backlog: u32) -> io::Result<(UnixListener, SocketFile)> {
-    use socket2::{Domain, SockAddr, Socket, Type};
+    use socket2::{Domain, Socket, Type};
     if let Ok(m) = std::fs::symlink_metadata(path) {
         if !m.file_type().is_socket() {
             return Err(io::Error::new(
@@ -257,17 +257,75 @@ pub(super) fn listen_unix(path: &Path, backlog: u32) -> io::Result<(UnixListener
         }
     }
     let sock = Socket::new(Domain::UNIX, Type::STREAM, None)?;
-    sock.bind(&SockAddr::unix(path)?)?;
-    // Not listening yet, so nobody can connect before the mode is tightened.
+    bind_private(&sock, path)?;
     let made = std::fs::symlink_metadata(path)?;
     let file = SocketFile {
         path: path.to_path_buf(),
         dev: made.dev(),
         ino: made.ino(),
     };
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
     sock.listen(backlog.min(i32::MAX as u32) as i32)?;
     sock.set_nonblocking(true)?;
     let std_listener: std::os::unix::net::UnixListener = sock.into();
     Ok((UnixListener::from_std(std_listener), file))
+}
+
+/// Binds `sock` at `path` with mode 0600 from the start: bound and tightened inside a private
+/// directory beside `path` (mode 0700, so nobody can swap the socket file for a symlink that
+/// a chmod by name would follow), then renamed into place, never over a file that appeared
+/// there meanwhile.
+fn bind_private(sock: &socket2::Socket, path: &Path) -> io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    // A short name: a socket's path has 107 bytes at most.
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos())
+        ^ std::process::id();
+    let private = parent.join(format!(".q{nonce:08x}"));
+    if private.join("s").as_os_str().len() > 107 {
+        // No room for the detour: bound in place and tightened before it listens, so
+        // nobody connects meanwhile (a chmod by name, as before).
+        sock.bind(&socket2::SockAddr::unix(path)?)?;
+        return std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
+    }
+    // Created here, never one found: an existing name is an error, not a place to bind.
+    std::fs::DirBuilder::new().mode(0o700).create(&private)?;
+    let inside = private.join("s");
+    let bound = sock
+        .bind(&socket2::SockAddr::unix(&inside)?)
+        .and_then(|()| std::fs::set_permissions(&inside, std::fs::Permissions::from_mode(0o600)))
+        .and_then(|()| rename_no_replace(&inside, path));
+    let _ = std::fs::remove_file(&inside);
+    let _ = std::fs::remove_dir(&private);
+    bound
+}
+
+/// `rename(2)` that fails with `AlreadyExists` instead of replacing what is at `to`.
+fn rename_no_replace(from: &Path, to: &Path) -> io::Result<()> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| {
+        CString::new(p.as_os_str().as_bytes())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in the path"))
+    };
+    let (from, to) = (c(from)?, c(to)?);
+    // SAFETY: two NUL-terminated paths that outlive the call.
+    let r = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }
