@@ -1,27 +1,14 @@
 //! Byte counts as the command line takes them (`1G`, `256k`) and as the tables print them.
 
-use anyhow::{Context, Result};
+use anyhow::{Result, anyhow};
 
-/// Parses a size such as `1G`, `64M`, `256k`, `4096` (binary units, as fio reads them).
+/// A size such as `1G`, `64M`, `256k`, `4096` (binary units, as fio reads them), not zero.
 pub(crate) fn parse_size(s: &str) -> Result<u64> {
-    let t = s.trim();
-    let t = t
-        .strip_suffix("iB")
-        .or_else(|| t.strip_suffix('B'))
-        .unwrap_or(t);
-    let (num, shift) = match t.chars().last() {
-        Some('k' | 'K') => (&t[..t.len() - 1], 10),
-        Some('m' | 'M') => (&t[..t.len() - 1], 20),
-        Some('g' | 'G') => (&t[..t.len() - 1], 30),
-        Some('t' | 'T') => (&t[..t.len() - 1], 40),
-        _ => (t, 0),
-    };
-    let n: u64 = num
-        .parse()
-        .with_context(|| format!("size {s:?}: expected a number with an optional k/M/G/T"))?;
-    n.checked_mul(1 << shift)
-        .filter(|&v| v > 0)
-        .with_context(|| format!("size {s:?} is zero or too large"))
+    match qpip_cli::size::parse_size(s) {
+        Ok(0) => Err(anyhow!("size {s:?} is zero")),
+        Ok(n) => Ok(n),
+        Err(e) => Err(anyhow!(e)),
+    }
 }
 
 pub(crate) fn human_bytes(b: u64) -> String {

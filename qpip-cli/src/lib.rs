@@ -3,12 +3,13 @@
 //! [`Nic`](qpip_core::Nic) (`--backend soft|lanai`, `--lanai-node`, `--lanai-fabric`,
 //! `--lanai-params`; flatten [`NicArgs`] into a clap parser), one logging convention
 //! ([`logging`]), man pages from the clap definitions ([`man`]), writing files such as
-//! `--pid-file` where others may plant symlinks ([`files`]), and the `qpip-lanai-bridge`
-//! binary.
+//! `--pid-file` where others may plant symlinks ([`files`]), sizes as the command lines take
+//! them ([`size`]), and the `qpip-lanai-bridge` binary.
 
 pub mod files;
 pub mod logging;
 pub mod man;
+pub mod size;
 
 use std::net::Ipv6Addr;
 use std::path::PathBuf;

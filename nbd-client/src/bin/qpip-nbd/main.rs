@@ -121,7 +121,7 @@ enum Cmd {
         /// nbd://HOST[:PORT][/EXPORT] or nbd+unix:///EXPORT?socket=PATH
         uri: String,
         /// The new size: bytes, or N[K|M|G|T].
-        #[arg(value_parser = parse_size)]
+        #[arg(value_parser = qpip_cli::size::parse_size)]
         size: u64,
     },
     /// List a server's exports and their descriptions.
@@ -213,34 +213,6 @@ enum Cmd {
         #[arg(short = 'p', long)]
         progress: bool,
     },
-}
-
-/// Bytes, or N with a K, M, G or T suffix (powers of 1024; an optional trailing B or iB).
-fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let t = t
-        .strip_suffix("iB")
-        .or_else(|| t.strip_suffix('B'))
-        .unwrap_or(t);
-    let (num, shift) = match t.chars().last() {
-        Some(c) if c.is_ascii_alphabetic() => {
-            let shift = match c.to_ascii_uppercase() {
-                'K' => 10,
-                'M' => 20,
-                'G' => 30,
-                'T' => 40,
-                _ => return Err(format!("{s}: not a size (bytes, or N with K, M, G or T)")),
-            };
-            (&t[..t.len() - 1], shift)
-        }
-        _ => (t, 0),
-    };
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s}: not a size (bytes, or N with K, M, G or T)"))?;
-    n.checked_shl(shift)
-        .filter(|v| v >> shift == n)
-        .ok_or_else(|| format!("{s}: too large"))
 }
 
 fn human(n: u64) -> String {
@@ -495,22 +467,5 @@ fn copy_progress(no_progress: bool, progress: bool) -> ProgressBar {
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
         pb
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_size;
-
-    #[test]
-    fn sizes_as_rbd_resize_takes_them() {
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert_eq!(parse_size("64M"), Ok(64 << 20));
-        assert_eq!(parse_size("2g"), Ok(2 << 30));
-        assert_eq!(parse_size("1TiB"), Ok(1 << 40));
-        assert_eq!(parse_size("8KB"), Ok(8 << 10));
-        for bad in ["", "M", "1.5G", "12Q", "-1", "99999999999T"] {
-            assert!(parse_size(bad).is_err(), "{bad}");
-        }
     }
 }

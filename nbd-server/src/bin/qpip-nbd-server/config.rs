@@ -116,28 +116,7 @@ pub(crate) fn parse_listen(s: &str) -> Result<Vec<SocketAddr>> {
 
 /// Parses a size: bytes, or a number with K, M, G or T (powers of 1024).
 pub(crate) fn parse_size(s: &str) -> Result<u64> {
-    let t = s.trim();
-    let (num, mult) = match t.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
-        Some((i, _)) => {
-            let unit = t[i..].to_ascii_uppercase();
-            let m = match unit.trim_end_matches("IB").trim_end_matches('B') {
-                "" => 1,
-                "K" => 1 << 10,
-                "M" => 1 << 20,
-                "G" => 1 << 30,
-                "T" => 1u64 << 40,
-                _ => bail!("size {s:?}: unknown unit {:?}", &t[i..]),
-            };
-            (&t[..i], m)
-        }
-        None => (t, 1),
-    };
-    let n: u64 = num
-        .trim()
-        .parse()
-        .with_context(|| format!("size {s:?} is not a number"))?;
-    n.checked_mul(mult)
-        .with_context(|| format!("size {s:?} is too large"))
+    qpip_cli::size::parse_size(s).map_err(|e| anyhow::anyhow!(e))
 }
 
 #[cfg(test)]
