@@ -100,7 +100,7 @@ impl Export {
     }
 
     /// Flushes and disconnects every connection. The file system is unmounted by now: a
-    /// server that is gone gets [`CLOSE_RECONNECT`] to come back, not the whole reconnect
+    /// server that is gone gets `CLOSE_RECONNECT` to come back, not the whole reconnect
     /// timeout, so the process exits promptly.
     pub fn close(self) {
         self.pool.limit_reconnect_timeout(CLOSE_RECONNECT);

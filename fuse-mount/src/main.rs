@@ -1,6 +1,10 @@
 //! qpip-nbd-mount URI MOUNTPOINT (or nbdfuse's MOUNTPOINT[/FILENAME] URI): an NBD export as
 //! one regular file in a FUSE mount.
 
+// The doc comments of the options are clap's --help text, where brackets are literal
+// ("[::1]", "nbd://HOST[:PORT]/EXPORT"), not links.
+#![allow(rustdoc::broken_intra_doc_links)]
+
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{FromRawFd, OwnedFd};

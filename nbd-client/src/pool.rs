@@ -167,7 +167,7 @@ impl Pool {
 
     /// Asks the server for the export's size on a connection of its own that never enters
     /// transmission (NBD_OPT_INFO), and makes it [`Self::size`]: the connections still at
-    /// another size reconnect before their next request ([`Self::catch_up`]). For exports
+    /// another size reconnect before their next request (`catch_up`). For exports
     /// whose size changes while nobody reconnects (`rbd resize` under a running server).
     pub fn probe_size(&self) -> Result<u64> {
         let now = Client::info_with(&self.uri.to_string(), &self.opts)?.size;

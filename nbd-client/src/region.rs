@@ -4,7 +4,7 @@
 //! mount's FUSE buffer, `qpip-nbd copy`'s worker buffer, a caller of
 //! [`crate::Client::read_at_mr`]); the read and write operations carry it down to the send
 //! WR or the framer's placement and cut it into pieces that stay inside it by construction.
-//! [`Region`] is the owned form the session keeps for a request in flight.
+//! `Region` is the owned form the session keeps for a request in flight.
 
 use nbd_proto::transmission::client::ReadTarget;
 use qpip_core::MemoryRegion;

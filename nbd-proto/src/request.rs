@@ -222,7 +222,7 @@ impl Request {
     /// Parse a compact (or, with `extended`, an extended) request header from the start
     /// of `buf` (extra bytes, such as a write payload, are ignored). Fails on short input
     /// or the other style's magic; unknown commands and flags are kept for
-    /// [`validate_request`] to reject.
+    /// [`crate::transmission::validate::validate_request`] to reject.
     pub fn parse(buf: &[u8], extended: bool) -> Result<Self, ProtoError> {
         let need = Self::header_len(extended);
         let mut r = crate::wire::Reader::new(buf);

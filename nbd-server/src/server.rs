@@ -33,7 +33,7 @@ pub struct ServerOptions {
     /// Close a connection with nothing in flight after this long without a request.
     pub idle_timeout: Option<Duration>,
     /// Bytes of receive buffers that connections may share beyond their base slots (see
-    /// [`crate::conn::recv_window`]).
+    /// `conn::recv_window`).
     pub buffer_memory: u64,
     /// The export a client gets when it asks for the empty name.
     pub default_export: Option<String>,

@@ -262,7 +262,7 @@ pub struct ServerProcess {
 }
 
 impl ServerProcess {
-    /// Starts `bin` listening on `listen` (e.g. "127.0.0.1:0" or "[::1]:0"; "" for none: the
+    /// Starts `bin` listening on `listen` (e.g. `127.0.0.1:0` or `[::1]:0`; "" for none: the
     /// args say where) with the extra `args` and environment `env`, and waits for its
     /// "listening on ADDR" line on stderr.
     pub fn start(bin: &Path, listen: &str, args: &[String], env: &[(&str, &Path)]) -> Self {

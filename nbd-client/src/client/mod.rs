@@ -19,7 +19,7 @@
 //! [`nbd_proto::placement::client`]), so the NIC places them straight into the caller's
 //! region and only the reply header into the receive slot. The caller's region belongs to
 //! the NIC until the request is answered; when a connection is dropped with such reads in
-//! flight, the client waits for the NIC's [`Nic::fence`] before it hands anything back.
+//! flight, the client waits for the NIC's fence (`Nic::fence`) before it hands anything back.
 //!
 //! The protocol itself — cookies, the in-flight table, checking and assembling replies, the
 //! stall and back-off clocks — is nbd-proto's sans-IO [`nbd_proto::transmission::client`]; this crate does

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use nbd_proto::consts::EXTENDED_REQUEST_LEN;
 
 /// Receive slots a connection may post at most in the transmission phase (how many it does
-/// post: [`RecvWindow`]): requests the client may have in flight before TCP flow control
+/// post: `RecvWindow`): requests the client may have in flight before TCP flow control
 /// holds it.
 pub const RECV_SLOTS: usize = 32;
 /// Largest payload piece placed in one receive WR (longer writes arrive in pieces).

@@ -1,7 +1,7 @@
 //! The stores: what holds an export's disk, behind one trait ([`Store`]) that the connection
 //! (`crate::conn`) reads, writes, flushes, trims and zeroes through, whatever holds the disk.
 //!
-//! - [`file`]: a raw file or block device, served zero-copy from its registered mapping (and
+//! - [`file`](mod@file): a raw file or block device, served zero-copy from its registered mapping (and
 //!   a memfd for the demo image);
 //! - [`qcow2`]: a qcow2 image file, served as its virtual disk through its cluster tables;
 //! - `rbd` (feature `rbd`): an image in a Ceph cluster through librbd;

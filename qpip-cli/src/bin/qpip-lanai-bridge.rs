@@ -1,6 +1,10 @@
 //! qpip-lanai-bridge: joins the host kernel's IPv6 stack to the emulated Myrinet fabric
 //! through a TUN device, so ordinary socket programs reach QPs on the lanai backend.
 
+// The doc comments of the options are clap's --help text, where brackets are literal
+// ("[::1]", "nbd://HOST[:PORT]/EXPORT"), not links.
+#![allow(rustdoc::broken_intra_doc_links)]
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;

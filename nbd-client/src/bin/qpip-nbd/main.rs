@@ -1,6 +1,10 @@
 //! qpip-nbd: inspect NBD exports and copy between local files and NBD exports, over Queue
 //! Pair IP.
 
+// The doc comments of the options are clap's --help text, where brackets are literal
+// ("[::1]", "nbd://HOST[:PORT]/EXPORT"), not links.
+#![allow(rustdoc::broken_intra_doc_links)]
+
 mod copy;
 mod info;
 mod side;

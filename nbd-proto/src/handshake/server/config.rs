@@ -94,7 +94,7 @@ pub struct ServerConfig {
     /// Support `base:allocation` via the meta context options (else `NBD_REP_ERR_UNSUP`).
     pub support_meta_contexts: bool,
     /// TLS: off, offered, or required. The caller performs the TLS handshake on
-    /// [`ServerEvent::StartTls`].
+    /// [`super::ServerEvent::StartTls`].
     pub tls: TlsMode,
     /// Option data larger than this is a hard disconnect (bounded memory).
     pub max_option_len: u32,

@@ -1,4 +1,4 @@
-//! The exports: each one's store opened through the library's [`store::open`], the demo
+//! The exports: each one's store opened through the library's `store::open`, the demo
 //! image made, and the exports in a format the server does not serve left out.
 
 use std::sync::Arc;

@@ -6,6 +6,10 @@
 //! [`settings`] (the two merged), [`exports`] (stores opened through the library's
 //! `store::open`), [`daemon`] (fork, pid file, socket activation), [`captive`] (`--run`).
 
+// The doc comments of the options are clap's --help text, where brackets are literal
+// ("[::1]", "nbd://HOST[:PORT]/EXPORT"), not links.
+#![allow(rustdoc::broken_intra_doc_links)]
+
 mod args;
 mod captive;
 mod config;

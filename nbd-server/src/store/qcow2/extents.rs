@@ -8,7 +8,7 @@ use super::{Cluster, Qcow2, read_table};
 impl Qcow2 {
     /// Data (`false`) and zero (`true`) runs from `offset` for up to `len` bytes, merged,
     /// at most `max` of them. A range without an L2 table is one zero run, however long; at
-    /// most [`EXTENT_TABLES`] tables are read per call, so the answer may stop short (the
+    /// most `EXTENT_TABLES` tables are read per call, so the answer may stop short (the
     /// client asks again from where it ends).
     pub fn extents(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u64, bool)>> {
         let end = offset.saturating_add(len).min(self.size);

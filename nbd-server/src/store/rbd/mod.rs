@@ -1,6 +1,6 @@
 //! Exports backed by a Ceph RBD image, through librbd's C API (Debian's librbd-dev, Ceph 16).
 //!
-//! Our own thin binding: the few functions used are declared by hand in [`ffi`], and all of
+//! Our own thin binding: the few functions used are declared by hand in `ffi`, and all of
 //! this crate's unsafe code for Ceph is in this module. The safe types are [`Cluster`] (a
 //! connected `rados_t`), [`RbdImage`] (an open image with its I/O context) and a private
 //! completion that owns an `rbd_completion_t`. Every request is an `rbd_aio_*` call on a
@@ -57,7 +57,7 @@ fn cstring(what: &str, s: &str) -> io::Result<CString> {
 
 /// An open RBD image: an export's store.
 ///
-/// Its size follows the image's (see [`SizeWatch`]): new connections are told the size of
+/// Its size follows the image's (see `SizeWatch`): new connections are told the size of
 /// the moment, and requests past the current end are refused here (ENOSPC for writes, EINVAL
 /// for reads), whatever size their connection was told.
 pub struct RbdImage {
@@ -93,8 +93,8 @@ impl std::fmt::Debug for RbdImage {
 impl RbdImage {
     /// Opens `spec` on `cluster`, or says in one line why it cannot. A snapshot is always
     /// served read-only. `exclusive` (for a writable image) takes its exclusive lock for as
-    /// long as it is open ([`RbdImage::lock_exclusive`]). `encryption`: the image is LUKS
-    /// encrypted, served decrypted ([`RbdImage::load_encryption`]).
+    /// long as it is open (`RbdImage::lock_exclusive`). `encryption`: the image is LUKS
+    /// encrypted, served decrypted (`RbdImage::load_encryption`).
     pub fn open(
         cluster: Arc<Cluster>,
         spec: &RbdSpec,
