@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use qpip_core::{Access, Completion, MemoryRegion, Nic, Opcode, SendWr, Sge};
 
 use super::link::Link;
+use super::recv_window::CHUNK;
 use super::shared::ServerShared;
 use crate::error::{Error, Result};
 
@@ -32,6 +33,11 @@ pub(crate) const READ_BASE: usize = 2 << 20;
 /// one that sends nothing, and it holds a connection place and memory meanwhile).
 const CLIENT_READ_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Read buffers a connection keeps for its next pieces when their sends are done, at most
+/// its [`READ_BASE`]'s worth of bytes: a fresh one costs an allocation, its registration and
+/// the zeroing of memory that the store's read then overwrites.
+type Spares = Arc<parking_lot::Mutex<Vec<MemoryRegion>>>;
+
 /// Registered memory that a reply send reads from until it completes; what it counts
 /// against the connection's base or the server's budget goes back when it is dropped.
 pub(crate) struct SendBuffer {
@@ -42,6 +48,8 @@ pub(crate) struct SendBuffer {
     /// The connection's base bytes in use, and this buffer's share of them.
     base_used: Arc<AtomicUsize>,
     from_base: usize,
+    /// Where a read buffer goes back to when its send is done.
+    spares: Option<Spares>,
 }
 
 impl SendBuffer {
@@ -52,6 +60,13 @@ impl SendBuffer {
 
 impl Drop for SendBuffer {
     fn drop(&mut self) {
+        if let Some(spares) = &self.spares {
+            let mut spares = spares.lock();
+            let kept: usize = spares.iter().map(|mr| mr.len()).sum();
+            if self.mr.len() <= CHUNK && kept + self.mr.len() <= READ_BASE {
+                spares.push(self.mr.clone());
+            }
+        }
         self.shared.buffer_budget.give(self.from_budget);
         self.base_used.fetch_sub(self.from_base, Ordering::AcqRel);
     }
@@ -65,6 +80,7 @@ pub(crate) struct ReplySlots {
     buffers: HashMap<usize, SendBuffer>,
     /// Read-buffer bytes held from the connection's own [`READ_BASE`].
     base_used: Arc<AtomicUsize>,
+    spares: Spares,
     /// When the client last read a reply (a reply send completed), or when a reply went out
     /// with none in flight before.
     progress: Instant,
@@ -81,6 +97,7 @@ impl ReplySlots {
             free: (0..REPLY_SLOTS).rev().collect(),
             buffers: HashMap::new(),
             base_used: Arc::new(AtomicUsize::new(0)),
+            spares: Spares::default(),
             progress: Instant::now(),
             read_timeout: idle_timeout.map_or(CLIENT_READ_TIMEOUT, |t| t.min(CLIENT_READ_TIMEOUT)),
         }
@@ -102,8 +119,8 @@ impl ReplySlots {
         Ok(())
     }
 
-    /// A read buffer of `len` bytes, counted against the connection's base or the server's
-    /// budget, or None when neither has room now.
+    /// A read buffer of `len` bytes (a spare one if the connection has one), counted against
+    /// the connection's base or the server's budget, or None when neither has room now.
     pub(super) fn try_reserve(&mut self, link: &Link, len: usize) -> Option<SendBuffer> {
         let (from_base, from_budget) = if self.base_used.load(Ordering::Acquire) + len <= READ_BASE
         {
@@ -114,12 +131,19 @@ impl ReplySlots {
         } else {
             return None;
         };
+        let spare = {
+            let mut spares = self.spares.lock();
+            let fits = spares.iter().position(|mr| mr.len() >= len);
+            fits.map(|i| spares.swap_remove(i))
+        };
+        let mr = spare.unwrap_or_else(|| link.shared.nic.alloc_region(len, Access::READ));
         Some(SendBuffer {
-            mr: link.shared.nic.alloc_region(len, Access::READ),
+            mr,
             shared: link.shared.clone(),
             from_budget,
             base_used: self.base_used.clone(),
             from_base,
+            spares: Some(self.spares.clone()),
         })
     }
 
@@ -178,6 +202,7 @@ impl ReplySlots {
                 from_budget: 0,
                 base_used: self.base_used.clone(),
                 from_base: 0,
+                spares: None,
             }),
             (None, None) => None,
         };
