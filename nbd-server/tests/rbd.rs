@@ -62,7 +62,12 @@ impl Ceph {
 
     /// A fresh image of `size` bytes, removed when dropped.
     fn image(&self, tag: &str, size: u64) -> TestImage<'_> {
-        let name = format!("qpip-test-{tag}-{}", std::process::id());
+        // The process id alone repeats in a long-lived dev cluster, where images of killed
+        // servers are kept (a dead server's watch blocks their removal for a while).
+        let nonce = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let name = format!("qpip-test-{tag}-{}-{nonce:x}", std::process::id());
         let _ = run_with_timeout(
             self.rbd().args(["rm", "--no-progress", &self.spec(&name)]),
             Duration::from_secs(60),
