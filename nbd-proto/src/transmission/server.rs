@@ -468,11 +468,11 @@ mod tests {
     fn other_successes_are_simple_replies_unless_extended() {
         for (structured, extended) in [(false, false), (true, false), (true, true)] {
             let s = session(structured, extended);
-            let write = s
+            let flush = s
                 .parse_request(&header(Command::Flush, CmdFlags::empty(), 0, 0, extended))
                 .unwrap();
             let mut ok = Vec::new();
-            s.reply_not_read(write.reply_to(), Ok(()), &mut ok);
+            s.reply_not_read(flush.reply_to(), Ok(()), &mut ok);
             if extended {
                 let h = StructuredReplyHeader::parse_as(&ok, true).unwrap();
                 assert_eq!(h.reply_type, c::REPLY_TYPE_NONE);
@@ -480,9 +480,9 @@ mod tests {
                 assert_eq!(SimpleReply::parse(&ok), Ok(SimpleReply::ok(0xc0c0)));
             }
             let mut err = Vec::new();
-            s.reply_not_read(write.reply_to(), Err(ErrorValue::Io), &mut err);
+            s.reply_not_read(flush.reply_to(), Err(ErrorValue::Io), &mut err);
             let mut want = Vec::new();
-            s.reply(write.reply_to(), Err(ErrorValue::Io), &mut want);
+            s.reply(flush.reply_to(), Err(ErrorValue::Io), &mut want);
             assert_eq!(err, want, "errors as reply() says them");
         }
     }
