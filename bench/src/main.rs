@@ -20,6 +20,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use qpip_cli::{out, outln};
 
 use rig::peers;
 
@@ -280,6 +281,7 @@ fn main() {
         .init("qpip-bench", tracing_subscriber::filter::LevelFilter::WARN);
     // One line per error, never a backtrace.
     if let Err(e) = run(cli) {
+        qpip_cli::stdout::exit_if_closed(&e);
         eprintln!("qpip-bench: {e:#}");
         std::process::exit(1);
     }
@@ -309,9 +311,9 @@ fn emit(
         if table_with_json {
             eprint!("{table}");
         }
-        println!("{}", serde_json::to_string(report)?);
+        outln!("{}", serde_json::to_string(report)?)?;
     } else {
-        print!("{table}");
+        out!("{table}")?;
     }
     Ok(())
 }

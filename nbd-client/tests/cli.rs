@@ -976,3 +976,66 @@ fn man_pages_have_exit_status_environment_and_see_also() {
         }
     }
 }
+
+/// Runs `program args` with its standard output a pipe whose reader is already gone, as
+/// `| true` leaves it when the reader wins the race: every write fails with EPIPE. The
+/// command must end as nbdinfo and nbdcopy end then (killed by SIGPIPE, status 141 in a
+/// shell) or succeed, never panic.
+fn with_stdout_closed(program: &std::path::Path, args: &[&str]) {
+    use std::os::unix::process::ExitStatusExt;
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = Command::new(program)
+        .args(args)
+        .stdout(writer)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let what = format!(
+        "{} {args:?}: {:?}, stderr: {err}",
+        program.display(),
+        out.status
+    );
+    assert!(!err.contains("panicked"), "{what}");
+    assert!(
+        out.status.success() || out.status.signal() == Some(libc::SIGPIPE),
+        "{what}"
+    );
+}
+
+#[test]
+fn every_command_that_prints_ends_quietly_when_its_reader_goes_away() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "a.img", 4 * MIB, &[(0, 64 * 1024)]);
+    let server = qpip_server("disk", &img, &[]);
+    let nbd = std::path::Path::new(env!("CARGO_BIN_EXE_qpip-nbd"));
+    let at = format!("nbd://127.0.0.1:{}", server.port);
+    for args in [
+        vec!["info", &server.uri],
+        vec!["info", "--json", &server.uri],
+        vec!["info", "--list", &at],
+        vec!["info", "--size", &server.uri],
+        vec!["info", "--map", &server.uri],
+        vec!["info", "--json", "--map", &server.uri],
+        vec!["info", "--map", "--totals", &server.uri],
+        vec!["info", "--json", "--map", "--totals", &server.uri],
+        vec!["list", &at],
+        vec!["list", "--json", &at],
+        vec!["copy", &server.uri, "-"],
+        vec!["--help"],
+        vec!["copy", "--help"],
+        vec!["--version"],
+    ] {
+        with_stdout_closed(nbd, &args);
+    }
+    let bench = workspace_bin("qpip-bench", "qpip-bench");
+    with_stdout_closed(&bench, &["lanai", "--quick"]);
+    with_stdout_closed(&bench, &["--help"]);
+    for (package, bin) in [
+        ("nbd-server", "qpip-nbd-server"),
+        ("fuse-mount", "qpip-nbd-mount"),
+        ("qpip-cli", "qpip-lanai-bridge"),
+    ] {
+        with_stdout_closed(&workspace_bin(package, bin), &["--help"]);
+    }
+}

@@ -4,12 +4,14 @@
 //! `--lanai-params`; flatten [`NicArgs`] into a clap parser), one logging convention
 //! ([`logging`]), man pages from the clap definitions ([`man`]), writing files such as
 //! `--pid-file` where others may plant symlinks ([`files`]), sizes as the command lines take
-//! them ([`size`]), and the `qpip-lanai-bridge` binary.
+//! them ([`size`]), standard output that a reader may close early ([`stdout`]), and the
+//! `qpip-lanai-bridge` binary.
 
 pub mod files;
 pub mod logging;
 pub mod man;
 pub mod size;
+pub mod stdout;
 
 use std::net::Ipv6Addr;
 use std::path::PathBuf;

@@ -181,6 +181,10 @@ pub(crate) fn copy(src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result
     let Err(e) = r else {
         return r;
     };
+    // A reader of standard output that went away ends the copy as SIGPIPE ends nbdcopy.
+    if qpip_cli::stdout::is_closed(&e) {
+        return Err(e);
+    }
     // What became of the destination: a file the copy created is removed, as a stopped copy
     // does; any other destination it opened is incomplete.
     let what = match dst {
@@ -410,19 +414,19 @@ fn stream_out(mut src: Side, nic: &Nic, opts: &CopyOptions) -> Result<CopyStats>
         let n = len as usize;
         if is_zero {
             out.write_all(&zeroes[..n])
-                .context("writing standard output")?;
+                .map_err(qpip_cli::stdout::closed_or)?;
             zero += len;
         } else {
             src.read_mr(pos, &buf, n)?;
             // SAFETY: the read has completed; no WR names the buffer now.
             out.write_all(unsafe { &buf.as_slice()[..n] })
-                .context("writing standard output")?;
+                .map_err(qpip_cli::stdout::closed_or)?;
             data += len;
         }
         pos += len;
         opts.progress.inc(len);
     }
-    out.flush().context("writing standard output")?;
+    out.flush().map_err(qpip_cli::stdout::closed_or)?;
     finish_progress(&opts.progress);
     let reconnects = src.finish()?;
     Ok(CopyStats {

@@ -9,6 +9,7 @@ use anyhow::{Context, Result, bail};
 use nbd_client::{Client, ClientOptions, ExportInfo, NbdUri};
 use nbd_proto::flags::TransmissionFlags as TF;
 use nbd_proto::peer_text::printable;
+use qpip_cli::outln;
 use serde_json::{Map, Value, json};
 
 /// The one context `--map` can show.
@@ -55,7 +56,7 @@ pub(crate) fn run(a: &InfoArgs, base: &ClientOptions) -> Result<i32> {
         return Ok(0);
     }
     if a.size {
-        println!("{}", query(&a.uri, base)?.size);
+        outln!("{}", query(&a.uri, base)?.size)?;
         return Ok(0);
     }
     let content = a.content.unwrap_or(!a.list);
@@ -85,9 +86,9 @@ pub(crate) fn run(a: &InfoArgs, base: &ClientOptions) -> Result<i32> {
             "structured": structured,
             "exports": exports.iter().map(Details::json).collect::<Vec<_>>(),
         });
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        outln!("{}", serde_json::to_string_pretty(&v)?)?;
     } else {
-        println!(
+        outln!(
             "protocol: newstyle-fixed {} TLS{}",
             if tls { "with" } else { "without" },
             if structured {
@@ -95,12 +96,12 @@ pub(crate) fn run(a: &InfoArgs, base: &ClientOptions) -> Result<i32> {
             } else {
                 ""
             }
-        );
+        )?;
         for (i, d) in exports.iter().enumerate() {
             if i > 0 {
-                println!();
+                outln!()?;
             }
-            d.print_text();
+            d.print_text()?;
         }
     }
     Ok(0)
@@ -365,34 +366,35 @@ impl Details {
         Value::Object(m)
     }
 
-    fn print_text(&self) {
+    fn print_text(&self) -> Result<()> {
         // Text from the server: escaped before it reaches the terminal.
-        println!("export=\"{}\":", printable(self.name.as_bytes()));
+        outln!("export=\"{}\":", printable(self.name.as_bytes()))?;
         if let Some(d) = self.description.as_deref().filter(|d| !d.is_empty()) {
-            println!("\tdescription: {}", printable(d.as_bytes()));
+            outln!("\tdescription: {}", printable(d.as_bytes()))?;
         }
-        println!(
+        outln!(
             "\texport-size: {} ({})",
             self.info.size,
             size_str(self.info.size)
-        );
+        )?;
         if let Some(c) = &self.content {
-            println!("\tcontent: {c}");
+            outln!("\tcontent: {c}")?;
         }
-        println!("\turi: {}", self.uri);
+        outln!("\turi: {}", self.uri)?;
         if !self.contexts.is_empty() {
-            println!("\tcontexts:");
+            outln!("\tcontexts:")?;
             for c in &self.contexts {
-                println!("\t\t{c}");
+                outln!("\t\t{c}")?;
             }
         }
         for (k, v) in self.bools() {
-            println!("\t{k}: {v}");
+            outln!("\t{k}: {v}")?;
         }
         let bs = self.info.block_size;
-        println!("\tblock_size_minimum: {}", bs.min);
-        println!("\tblock_size_preferred: {}", bs.preferred);
-        println!("\tblock_size_maximum: {}", bs.max);
+        outln!("\tblock_size_minimum: {}", bs.min)?;
+        outln!("\tblock_size_preferred: {}", bs.preferred)?;
+        outln!("\tblock_size_maximum: {}", bs.max)?;
+        Ok(())
     }
 }
 
@@ -442,10 +444,10 @@ fn print_map(map: &[(u64, u64, u32)], json: bool) -> Result<()> {
             .iter()
             .map(|(o, l, t)| json!({"offset": o, "length": l, "type": t, "description": describe(*t)}))
             .collect();
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        outln!("{}", serde_json::to_string_pretty(&v)?)?;
     } else {
         for (o, l, t) in map {
-            println!("{o:>12} {l:>12}  {t}  {}", describe(*t));
+            outln!("{o:>12} {l:>12}  {t}  {}", describe(*t))?;
         }
     }
     Ok(())
@@ -470,10 +472,10 @@ fn print_totals(map: &[(u64, u64, u32)], json: bool) -> Result<()> {
             .iter()
             .map(|(n, p, t)| json!({"size": n, "percent": p, "type": t, "description": describe(*t)}))
             .collect();
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        outln!("{}", serde_json::to_string_pretty(&v)?)?;
     } else {
         for (n, p, t) in rows {
-            println!("{n:>12} {p:5.1}%  {t}  {}", describe(t));
+            outln!("{n:>12} {p:5.1}%  {t}  {}", describe(t))?;
         }
     }
     Ok(())

@@ -17,7 +17,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle, TermLike};
 use nbd_client::{Client, ClientOptions};
-use qpip_cli::NicArgs;
+use qpip_cli::{NicArgs, outln};
 use qpip_core::Nic;
 
 #[derive(Parser, Debug)]
@@ -238,6 +238,7 @@ fn main() {
     match run(cli) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
+            qpip_cli::stdout::exit_if_closed(&e);
             eprintln!("qpip-nbd: {e:#}");
             std::process::exit(1);
         }
@@ -433,16 +434,16 @@ fn list(uri: &str, json: bool, base: &ClientOptions) -> Result<i32> {
             .iter()
             .map(|e| serde_json::json!({"name": e.name, "description": e.description}))
             .collect();
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        outln!("{}", serde_json::to_string_pretty(&v)?)?;
     } else {
         for e in &list {
             // Text from the server: escaped before it reaches the terminal (JSON
             // output escapes it by itself).
             let name = printable(e.name.as_bytes());
             if e.description.is_empty() {
-                println!("{name}");
+                outln!("{name}")?;
             } else {
-                println!("{name}\t{}", printable(e.description.as_bytes()));
+                outln!("{name}\t{}", printable(e.description.as_bytes()))?;
             }
         }
     }
