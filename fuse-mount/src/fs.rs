@@ -241,9 +241,6 @@ impl NbdFs {
                 if flags & libc::O_ACCMODE != libc::O_RDONLY && self.read_only() {
                     return Error(libc::EROFS);
                 }
-                if flags & libc::O_TRUNC != 0 && self.size() != 0 {
-                    return Error(libc::EINVAL);
-                }
                 let open_flags = if self.direct_io {
                     abi::FOPEN_DIRECT_IO | abi::FOPEN_PARALLEL_DIRECT_WRITES
                 } else {
@@ -293,8 +290,11 @@ impl NbdFs {
         }
     }
 
-    /// The size is the export's: truncation to any other size is EINVAL (as for a block
-    /// device); ownership and mode cannot change (EPERM); times are accepted and ignored.
+    /// The size is the export's. Truncation to 0 is what `open(O_TRUNC)` asks (the kernel
+    /// sends it as a SETATTR, FUSE's atomic O_TRUNC being off): accepted and ignored, as a
+    /// block device ignores O_TRUNC and as nbdfuse does, so that `dd of=` and `cp` onto the
+    /// file work; to any other size EINVAL. Ownership and mode cannot change (EPERM); times
+    /// are accepted and ignored.
     fn setattr(&self, ino: u64, s: &abi::fuse_setattr_in) -> Result<fuse_attr, i32> {
         let attr = self.attr(ino).ok_or(libc::ENOENT)?;
         if s.valid & abi::FATTR_SIZE != 0 {
@@ -304,7 +304,7 @@ impl NbdFs {
             if self.read_only() {
                 return Err(libc::EROFS);
             }
-            if s.size != self.size() {
+            if s.size != self.size() && s.size != 0 {
                 return Err(libc::EINVAL);
             }
         }

@@ -154,6 +154,20 @@ fn file_size_pattern_io_fsync_punch_hole_and_fusermount_exit() {
     // default) the page cache takes the byte and its writeback fails, which fsync reports.
     let e = f.set_len(MIB).unwrap_err();
     assert_eq!(errno(&e), libc::EINVAL, "{e}");
+    // O_TRUNC (dd without conv=notrunc, cp) is ignored, as a block device ignores it.
+    let before = std::fs::read(&m.file).unwrap();
+    let g = std::fs::OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(&m.file)
+        .expect("open(O_TRUNC) of the export's file");
+    g.write_all_at(b"trunc", 0).unwrap();
+    drop(g);
+    let after = std::fs::read(&m.file).unwrap();
+    assert_eq!(after.len() as u64, 64 * MIB, "O_TRUNC changed the size");
+    assert_eq!(&after[..5], b"trunc");
+    assert_eq!(after[5..], before[5..], "O_TRUNC changed the contents");
+    f.write_all_at(&before[..5], 0).unwrap();
     match f.write_at(b"x", 64 * MIB) {
         Err(e) => assert_eq!(errno(&e), libc::ENOSPC, "{e}"),
         Ok(_) => {
