@@ -32,7 +32,8 @@ use qpip_cli::NicArgs;
         The export appears inside MOUNTPOINT as a file named after the export (\"nbd\" for the \
         empty export name) with the export's size. read and write go to the server, fsync is \
         NBD FLUSH, fallocate PUNCH_HOLE is NBD TRIM (the range then reads as zeroes) and \
-        ZERO_RANGE is WRITE_ZEROES. truncate cannot change the file's size, but it follows the \
+        ZERO_RANGE is WRITE_ZEROES. truncate cannot change the file's size (O_TRUNC is ignored, \
+        as for a block device, so dd and cp write over it), but the size follows the \
         export's: when a reconnect finds the export resized, or (for exports that offer NBD's \
         RESIZE, such as qpip-nbd-server's rbd: exports) the server says so when asked every \
         2 s, stat shows the new size and the page cache past a shrunk end is dropped (with \
