@@ -22,6 +22,7 @@ use fuse_mount::{file_name, mount, mountpoint};
 use nbd_client::client::STOP_GRACE;
 use nbd_client::{Client, ClientOptions, Error as NbdError, NbdUri, Nic, Pool};
 use qpip_cli::NicArgs;
+use qpip_cli::refused::Refused;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -86,6 +87,9 @@ struct Cli {
     /// the ring entries (each with its thread) per queue (one queue per CPU).
     #[arg(short = 'T', long, value_parser = clap::value_parser!(u16).range(1..=256))]
     threads: Option<u16>,
+    /// One FUSE request thread (--threads 1), as nbdfuse's -s.
+    #[arg(short = 's', conflicts_with = "threads")]
+    single_thread: bool,
     /// How the kernel hands FUSE requests over: io_uring (Linux 6.14+ with
     /// /sys/module/fuse/parameters/enable_uring on), /dev/fuse, or auto (io_uring when the
     /// kernel offers it, else /dev/fuse, saying why).
@@ -179,6 +183,33 @@ fn target(first: &str, second: &str) -> Result<Target, String> {
     }
 }
 
+/// nbdfuse's options that the mount does not take, refused by name.
+const REFUSED: &[Refused] = &[
+    Refused {
+        names: &[
+            "--command",
+            "--fd",
+            "--tcp",
+            "--unix",
+            "--vsock",
+            "--socket-activation",
+        ],
+        tool: "nbdfuse",
+        why: "the server is given as an NBD URI here (nbd://HOST:PORT/EXPORT, \
+              nbd+unix:///EXPORT?socket=PATH): start it yourself and give its URI",
+    },
+    Refused {
+        names: &["--fuse-help"],
+        tool: "nbdfuse",
+        why: "the FUSE options taken are -o allow_other, ro and rw",
+    },
+    Refused {
+        names: &["-d"],
+        tool: "nbdfuse",
+        why: "libnbd and FUSE debugging: the mount's own log is -v -v (or --log debug)",
+    },
+];
+
 /// A usage error: one line, exit status 2 (as clap's).
 fn usage_error(msg: &str) -> ! {
     eprintln!("qpip-nbd-mount: {msg}");
@@ -193,7 +224,7 @@ fn main() {
              the server yourself and {ORDERS}"
         ));
     }
-    let mut cli = Cli::parse();
+    let mut cli: Cli = qpip_cli::refused::parse(REFUSED);
     for o in cli.fuse_options.iter().flat_map(|o| o.split(',')) {
         match o {
             "allow_other" => cli.allow_other = true,
@@ -422,10 +453,11 @@ fn serve(cli: &Cli, target: &Target, uri: &NbdUri, mnt: &Path, ready: &mut Ready
         .file
         .clone()
         .unwrap_or_else(|| file_name(&uri.export));
-    let threads = cli
-        .threads
-        .map_or(export.connections() + 2, usize::from)
-        .max(1);
+    let threads = match (cli.single_thread, cli.threads) {
+        (true, _) => 1,
+        (false, Some(n)) => usize::from(n),
+        (false, None) => export.connections() + 2,
+    };
 
     let cache = cli.cache;
     let fs = Arc::new(NbdFs::new(export.clone(), &name, cache == Cache::None));

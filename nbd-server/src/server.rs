@@ -30,6 +30,9 @@ pub struct ServerOptions {
     pub max_connections: usize,
     /// Connections in their handshake at once; a new one beyond this drops the oldest.
     pub max_handshakes: usize,
+    /// A client that has not finished its handshake in this time is dropped (qemu-nbd's
+    /// --handshake-limit, 10 s by default there and here); None: never.
+    pub handshake_limit: Option<Duration>,
     /// Close a connection with nothing in flight after this long without a request.
     pub idle_timeout: Option<Duration>,
     /// Bytes of receive buffers that connections may share beyond their base slots (see
@@ -94,6 +97,7 @@ impl Server {
             max_connections: opts.max_connections,
             handshakes: Mutex::new(VecDeque::new()),
             max_handshakes: opts.max_handshakes.max(1),
+            handshake_limit: opts.handshake_limit,
             idle_timeout: opts.idle_timeout,
             refusals: Mutex::new(RateLimitedLog::default()),
             buffer_budget: BufferBudget::new(

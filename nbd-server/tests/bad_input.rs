@@ -556,14 +556,21 @@ fn a_thousand_garbage_connections() {
 
 #[test]
 fn connections_beyond_max_connections_are_refused_then_served_again() {
+    beyond_the_connection_limit(&["--max-connections", "2"]);
+}
+
+#[test]
+fn qemu_nbds_shared_is_max_connections() {
+    beyond_the_connection_limit(&["--shared=2"]);
+}
+
+/// `limit` admits two clients: a third is refused until one leaves.
+fn beyond_the_connection_limit(limit: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let img = image(dir.path(), "disk.img", SIZE);
-    let mut srv = start_server_v4(&[
-        "--export".into(),
-        format!("disk={}", img.display()),
-        "--max-connections".into(),
-        "2".into(),
-    ]);
+    let mut args = vec!["--export".to_string(), format!("disk={}", img.display())];
+    args.extend(limit.iter().map(|a| a.to_string()));
+    let mut srv = start_server_v4(&args);
     let mut a = transmission(srv.addr);
     let mut b = transmission(srv.addr);
     // The third is closed without a greeting.

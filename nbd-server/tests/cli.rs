@@ -135,7 +135,11 @@ fn port_bind_and_bare_port_listen_like_qemu_nbd() {
     // -c and -d no longer mean --config and --description (qemu-nbd's connect/disconnect).
     let out = Command::new(BIN).args(["-c", "x.toml"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("unexpected argument '-c'"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("-c (qemu-nbd's): the kernel's NBD client"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -301,5 +305,38 @@ fn qemu_nbd_forms_that_make_no_sense_here_are_refused_with_one_line() {
         &[&l[..], &["-e", &ea, "--description", "x=y"]].concat(),
         1,
         &["no export named \"x\"", "-D TEXT"],
+    );
+}
+
+#[test]
+fn handshake_limit_drops_a_silent_client_as_qemu_nbds_does() {
+    use std::io::Read;
+    let dir = tempfile::tempdir().unwrap();
+    let a = image(dir.path(), "a.img", 1 << 20);
+    // A client that says nothing after the greeting is dropped after --handshake-limit.
+    let s = start_server_v4(&args(&[
+        "--handshake-limit",
+        "1",
+        "-e",
+        &format!("d={}", a.display()),
+    ]));
+    let mut c = std::net::TcpStream::connect(s.addr).unwrap();
+    c.set_read_timeout(Some(std::time::Duration::from_secs(8)))
+        .unwrap();
+    let t = std::time::Instant::now();
+    let mut buf = [0u8; 256];
+    let mut got = 0;
+    loop {
+        match c.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) => panic!("still open after {:?} ({got} bytes read): {e}", t.elapsed()),
+        }
+    }
+    assert!(got >= 18, "no greeting before the close ({got} bytes)");
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(5),
+        "{:?}",
+        t.elapsed()
     );
 }

@@ -4,12 +4,13 @@
 //! `--lanai-params`; flatten [`NicArgs`] into a clap parser), one logging convention
 //! ([`logging`]), man pages from the clap definitions ([`man`]), writing files such as
 //! `--pid-file` where others may plant symlinks ([`files`]), sizes as the command lines take
-//! them ([`size`]), standard output that a reader may close early ([`stdout`]), and the
+//! them ([`size`]), other tools' options refused by name ([`refused`]), standard output that a reader may close early ([`stdout`]), and the
 //! `qpip-lanai-bridge` binary.
 
 pub mod files;
 pub mod logging;
 pub mod man;
+pub mod refused;
 pub mod size;
 pub mod stdout;
 

@@ -10,10 +10,6 @@ use qpip_core::{Access, Opcode, RecvWr, WcStatus};
 use super::link::Link;
 use crate::error::{Error, Result};
 
-/// A client that does not finish its handshake in this time is dropped, so that idle
-/// sockets cannot hold the connection slots for long (qemu-nbd's --handshake-limit default).
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// Runs the handshake. Returns the negotiated export and the final reply (not yet sent),
 /// or None when the client ended it (ABORT, or a LIST/INFO-only session).
 pub(crate) fn run(link: &mut Link) -> Result<Option<(ServerNegotiated, Vec<u8>)>> {
@@ -33,7 +29,12 @@ pub(crate) fn run(link: &mut Link) -> Result<Option<(ServerNegotiated, Vec<u8>)>
     let rbuf = link.shared.nic.alloc_region(max, Access::READ_WRITE);
     link.qp.post_recv(RecvWr::new(0, &[rbuf.sge(0, max)]))?;
     link.send_bytes(&hs.greeting())?;
-    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    // A client that does not finish in time is dropped, so that idle sockets cannot hold
+    // the handshake slots for long; without a limit, only a newer handshake evicts it.
+    let deadline = link
+        .shared
+        .handshake_limit
+        .and_then(|limit| Instant::now().checked_add(limit));
     let mut msg = Vec::new();
     loop {
         let c = link.wait_one(deadline, "handshake")?;
@@ -78,7 +79,7 @@ pub(crate) fn run(link: &mut Link) -> Result<Option<(ServerNegotiated, Vec<u8>)>
 
 /// NBD_OPT_STARTTLS: the ACK goes out in plaintext, then the NIC switches the connection
 /// to TLS (no receive WR is posted meanwhile, so nothing is read in plaintext).
-fn start_tls(link: &mut Link, ack: &[u8], deadline: Instant) -> Result<()> {
+fn start_tls(link: &mut Link, ack: &[u8], deadline: Option<Instant>) -> Result<()> {
     let Some(config) = link.shared.tls.clone() else {
         return Err(Error::NoTlsCredentials);
     };
@@ -89,7 +90,10 @@ fn start_tls(link: &mut Link, ack: &[u8], deadline: Instant) -> Result<()> {
             link.on_bytes_sent(&c)?;
         }
     }
-    let left = deadline.saturating_duration_since(Instant::now());
+    // The NIC's TLS handshake needs a bound: without a handshake limit, a day.
+    let left = deadline.map_or(Duration::from_secs(86_400), |d| {
+        d.saturating_duration_since(Instant::now())
+    });
     link.qp
         .start_tls(config, left.max(Duration::from_millis(1)))
         .map_err(Error::Tls)?;

@@ -53,9 +53,11 @@ impl Link {
         }
     }
 
+    /// The next completion, before `deadline` (None: whenever it comes) unless the connection
+    /// is evicted first.
     pub(super) fn wait_one(
         &mut self,
-        deadline: Instant,
+        deadline: Option<Instant>,
         during: &'static str,
     ) -> Result<Completion> {
         if let Some(c) = self.stash.pop_front() {
@@ -70,7 +72,10 @@ impl Link {
             {
                 return Err(Error::Evicted { during });
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = match deadline {
+                Some(d) => d.saturating_duration_since(Instant::now()),
+                None => EVICT_POLL,
+            };
             if left.is_zero() {
                 return Err(Error::TimedOut { during });
             }
@@ -108,7 +113,7 @@ impl Link {
 
     /// Waits (until `deadline`) for the handshake replies still being sent, so that their
     /// memory is not deregistered under the NIC.
-    pub(super) fn finish_sending_bytes(&mut self, deadline: Instant) {
+    pub(super) fn finish_sending_bytes(&mut self, deadline: Option<Instant>) {
         while self.sending_bytes() {
             match self.wait_one(deadline, "the last handshake reply") {
                 Ok(c) if c.opcode == qpip_core::Opcode::Send => {

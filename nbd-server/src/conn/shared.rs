@@ -30,6 +30,8 @@ pub(crate) struct ServerShared {
     /// Eviction flags of the connections still in their handshake, oldest first.
     pub(crate) handshakes: Mutex<VecDeque<Arc<AtomicBool>>>,
     pub(crate) max_handshakes: usize,
+    /// How long a handshake may take (None: no limit).
+    pub(crate) handshake_limit: Option<std::time::Duration>,
     pub idle_timeout: Option<Duration>,
     pub(crate) refusals: Mutex<RateLimitedLog>,
     /// Memory connections may take beyond their base (`--buffer-memory`): receive slots

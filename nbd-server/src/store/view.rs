@@ -1,10 +1,12 @@
-//! A view of a store, as qemu-nbd's `--offset`, `--discard` and `--detect-zeroes` shape it:
-//! the disk from an offset on, TRIM ignored, WRITEs of zeroes turned into WRITE_ZEROES.
+//! A view of a store, as qemu-nbd's `--offset`, `--discard`, `--detect-zeroes` and `--cache`
+//! shape it: the disk from an offset on, TRIM ignored, WRITEs of zeroes turned into
+//! WRITE_ZEROES, every write made durable before its reply or FLUSH made a no-op.
 //! [`apply`] wraps a store in a [`View`] only when one of them differs from the default.
 //!
-//! A view has no placement file: the NIC would place WRITE payloads at the export's offsets
-//! in the file, unshifted and unseen by the zero detection, so every write goes through
-//! [`Store::write_at`] (one more copy, from the receive slot).
+//! A view with an offset, zero detection or write-through has no placement file: the NIC
+//! would place WRITE payloads at the export's offsets in the file, unshifted, unseen by the
+//! zero detection and unflushed, so every write goes through [`Store::write_at`] (one more
+//! copy, from the receive slot).
 
 use std::fmt;
 use std::io;
@@ -34,7 +36,23 @@ pub enum DetectZeroes {
     Unmap,
 }
 
-/// How an export shapes its store (qemu-nbd's `--offset`, `--discard`, `--detect-zeroes`).
+/// When writes become durable, as qemu's `cache` option says. Only the durability of
+/// qemu's modes applies here: the host page cache is never bypassed (O_DIRECT), since read
+/// replies are sent from the image's mapping, which is the page cache (`none` is
+/// `writeback`'s durability, `directsync` `writethrough`'s).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Cache {
+    /// Writes are durable after a FLUSH or with FUA (the default).
+    #[default]
+    Writeback,
+    /// Every write, zeroing and trim is durable before its reply.
+    Writethrough,
+    /// FLUSH and FUA are acknowledged without making anything durable (scratch disks).
+    Unsafe,
+}
+
+/// How an export shapes its store (qemu-nbd's `--offset`, `--discard`, `--detect-zeroes`,
+/// `--cache`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ViewOptions {
     /// The disk starts at this byte of the store's.
@@ -43,6 +61,8 @@ pub struct ViewOptions {
     pub discard: Discard,
     /// Whether WRITEs of zeroes become WRITE_ZEROES.
     pub detect_zeroes: DetectZeroes,
+    /// When writes become durable.
+    pub cache: Cache,
 }
 
 /// Why a view cannot be made.
@@ -102,6 +122,31 @@ impl View {
         offset + self.opts.offset
     }
 
+    /// A change with `fua` must be durable before its reply: FUA asked for it (unless the
+    /// cache is unsafe), or the cache writes through.
+    fn durable(&self, fua: bool) -> bool {
+        match self.opts.cache {
+            Cache::Writeback => fua,
+            Cache::Writethrough => true,
+            Cache::Unsafe => false,
+        }
+    }
+
+    /// After a change other than a write: made durable when the cache writes through.
+    fn written_through(&self) -> io::Result<()> {
+        match self.opts.cache {
+            Cache::Writethrough => self.inner.flush(),
+            Cache::Writeback | Cache::Unsafe => Ok(()),
+        }
+    }
+
+    /// The NIC may place WRITE payloads in the store's file: nothing here needs to see them.
+    fn places(&self) -> bool {
+        self.opts.offset == 0
+            && self.opts.detect_zeroes == DetectZeroes::Off
+            && self.opts.cache != Cache::Writethrough
+    }
+
     /// With detect-zeroes on: `data` is all zeroes and was written as WRITE_ZEROES (true).
     fn zeroes_written(&self, data: &[u8], offset: u64) -> io::Result<bool> {
         let may_unmap = match self.opts.detect_zeroes {
@@ -152,7 +197,14 @@ impl Store for View {
         // SAFETY: `skip` is within the mapping of `len` bytes.
         Some((unsafe { ptr.add(skip) }, len - skip))
     }
-    // placement_file: None (the module's comment says why).
+    fn placement_file(&self) -> Option<std::fs::File> {
+        // With an offset, zero detection or write-through: none (the module's comment says
+        // why).
+        self.places().then(|| self.inner.placement_file()).flatten()
+    }
+    fn placement_from(&self) -> u64 {
+        self.inner.placement_from()
+    }
     fn mapping_would_fill_holes(&self, offset: u64, len: u64) -> bool {
         self.inner.mapping_would_fill_holes(self.at(offset), len)
     }
@@ -163,6 +215,7 @@ impl Store for View {
         self.inner.read_at(buf, self.at(offset))
     }
     fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+        let fua = self.durable(fua);
         if self.zeroes_written(data, offset)? {
             return if fua { self.inner.flush() } else { Ok(()) };
         }
@@ -175,9 +228,14 @@ impl Store for View {
         offset: u64,
         done: &Waker,
     ) -> io::Result<Option<Box<dyn Pending>>> {
-        if self.opts.detect_zeroes != DetectZeroes::Off {
+        if self.opts.detect_zeroes != DetectZeroes::Off || self.opts.cache == Cache::Writethrough {
             // SAFETY: the caller vouches for the bytes, and nothing outlives this call.
             let buf = unsafe { std::slice::from_raw_parts(data, len) };
+            if self.opts.cache == Cache::Writethrough {
+                // Written and flushed here, before the reply (Ok(None): done).
+                self.write_at(buf, offset, true)?;
+                return Ok(None);
+            }
             if self.zeroes_written(buf, offset)? {
                 return Ok(None);
             }
@@ -196,12 +254,18 @@ impl Store for View {
         unsafe { self.inner.start_read(buf, len, self.at(offset), done) }
     }
     fn flush(&self) -> io::Result<()> {
-        self.inner.flush()
+        match self.opts.cache {
+            Cache::Unsafe => Ok(()),
+            Cache::Writeback | Cache::Writethrough => self.inner.flush(),
+        }
     }
     fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
         match self.opts.discard {
             Discard::Ignore => Ok(()),
-            Discard::Unmap => self.inner.trim(self.at(offset), len),
+            Discard::Unmap => {
+                self.inner.trim(self.at(offset), len)?;
+                self.written_through()
+            }
         }
     }
     fn write_zeroes(
@@ -212,8 +276,13 @@ impl Store for View {
         may_unmap: bool,
     ) -> io::Result<bool> {
         let may_unmap = may_unmap && self.opts.discard == Discard::Unmap;
-        self.inner
-            .write_zeroes(self.at(offset), len, may_write, may_unmap)
+        let done = self
+            .inner
+            .write_zeroes(self.at(offset), len, may_write, may_unmap)?;
+        if done {
+            self.written_through()?;
+        }
+        Ok(done)
     }
     fn prefetch(&self, offset: u64, len: u64) -> io::Result<()> {
         self.inner.prefetch(self.at(offset), len)
@@ -277,12 +346,94 @@ mod tests {
         let bad = ViewOptions {
             discard: Discard::Ignore,
             detect_zeroes: DetectZeroes::Unmap,
-            offset: 0,
+            ..Default::default()
         };
         assert!(matches!(
             apply(store(4096), bad),
             Err(ViewError::UnmapWithoutDiscard)
         ));
+    }
+
+    /// A store that counts what reaches it durably: flushes and FUA writes.
+    #[derive(Debug)]
+    struct Durable {
+        inner: Box<dyn Store>,
+        /// Flushes, then FUA writes.
+        seen: std::sync::Arc<[std::sync::atomic::AtomicUsize; 2]>,
+    }
+
+    impl Store for Durable {
+        fn location(&self) -> String {
+            self.inner.location()
+        }
+        fn kind(&self) -> &'static str {
+            self.inner.kind()
+        }
+        fn size(&self) -> u64 {
+            self.inner.size()
+        }
+        fn read_only(&self) -> bool {
+            false
+        }
+        fn placement_file(&self) -> Option<std::fs::File> {
+            self.inner.placement_file()
+        }
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+            self.inner.read_at(buf, offset)
+        }
+        fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+            if fua {
+                self.seen[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            self.inner.write_at(data, offset, fua)
+        }
+        fn flush(&self) -> io::Result<()> {
+            self.seen[0].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.inner.flush()
+        }
+        fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
+            self.inner.trim(offset, len)
+        }
+        fn write_zeroes(&self, o: u64, l: u64, w: bool, u: bool) -> io::Result<bool> {
+            self.inner.write_zeroes(o, l, w, u)
+        }
+    }
+
+    /// Flushes and FUA writes that reach the store under `cache` for a plain write, a FUA
+    /// write, a FLUSH, a TRIM and a WRITE_ZEROES; and whether the NIC may place writes.
+    fn durability(cache: Cache) -> (usize, usize, bool) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let seen = std::sync::Arc::new([Default::default(), Default::default()]);
+        let d = Box::new(Durable {
+            inner: open::anonymous("cache-test.img", 64 << 10).unwrap(),
+            seen: seen.clone(),
+        });
+        let v = apply(
+            d,
+            ViewOptions {
+                cache,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        v.write_at(&[1; 512], 0, false).unwrap();
+        v.write_at(&[2; 512], 512, true).unwrap();
+        v.flush().unwrap();
+        v.trim(4096, 4096).unwrap();
+        v.write_zeroes(8192, 4096, true, true).unwrap();
+        let places = v.placement_file().is_some();
+        (seen[0].load(Relaxed), seen[1].load(Relaxed), places)
+    }
+
+    #[test]
+    fn cache_modes_make_writes_durable_as_qemus_do() {
+        // writeback: the FLUSH and the FUA write; the NIC places writes.
+        assert_eq!(durability(Cache::Writeback), (1, 1, true));
+        // writethrough: every write FUA, the FLUSH, and a flush after TRIM and WRITE_ZEROES;
+        // the server writes (and flushes) every payload itself.
+        assert_eq!(durability(Cache::Writethrough), (3, 2, false));
+        // unsafe: nothing is made durable; the NIC still places writes.
+        assert_eq!(durability(Cache::Unsafe), (0, 0, true));
     }
 
     #[test]

@@ -7,6 +7,7 @@ use nbd_server::store::EncryptionFormat;
 use nbd_server::store::open::Format;
 use qpip_cli::NicArgs;
 use qpip_cli::logging::LogArgs;
+use qpip_cli::refused::Refused;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -162,6 +163,21 @@ pub(crate) struct Cli {
     /// in the file).
     #[arg(long, value_name = "MODE", value_enum)]
     pub detect_zeroes: Option<DetectZeroesArg>,
+    /// When writes become durable, as qemu-nbd's --cache: writeback (the default) after a
+    /// FLUSH or with FUA; writethrough every write, zeroing and trim before its reply (the
+    /// NIC then does not place WRITE payloads); unsafe never (FLUSH and FUA do nothing: for
+    /// scratch disks). none and directsync are writeback's and writethrough's durability:
+    /// the host page cache is not bypassed here, since read replies are sent from the
+    /// image's mapping.
+    #[arg(long, value_name = "CACHE", value_enum)]
+    pub cache: Option<CacheArg>,
+    /// --cache none, as qemu-nbd's -n/--nocache.
+    #[arg(short = 'n', long = "nocache", conflicts_with = "cache")]
+    pub nocache: bool,
+    /// qemu-nbd's --aio (threads, native, io_uring): accepted, and changes nothing: the NIC
+    /// and the stores choose their own I/O (io_uring or epoll, splice, pread/pwrite).
+    #[arg(long, value_name = "AIO", value_enum)]
+    pub aio: Option<AioArg>,
     /// The export a client gets when it asks for the empty name.
     #[arg(long, value_name = "NAME")]
     pub default_export: Option<String>,
@@ -169,11 +185,19 @@ pub(crate) struct Cli {
     /// handshake count, and one more is refused (its connection closed) with a log line.
     #[arg(long, value_name = "N")]
     pub max_connections: Option<usize>,
+    /// --max-connections N, as qemu-nbd's --shared=N (0: no limit, as in qemu-nbd). Its -e
+    /// is --export here.
+    #[arg(long, value_name = "N", conflicts_with = "max_connections")]
+    pub shared: Option<usize>,
     /// Connections still in their handshake at once (default 256); a new one beyond this
     /// drops the oldest, so idle or slow sockets cannot lock clients out. A handshake that
-    /// takes longer than 10 s is dropped in any case.
+    /// takes longer than --handshake-limit is dropped in any case.
     #[arg(long, value_name = "N")]
     pub max_handshakes: Option<usize>,
+    /// Seconds a client has to finish its handshake before it is dropped, as qemu-nbd's
+    /// --handshake-limit (default 10; 0: no limit).
+    #[arg(long, value_name = "N")]
+    pub handshake_limit: Option<u64>,
     /// Close a client's connection after SECS without a request while nothing is in flight
     /// (default: never), or after SECS (at most 60) in which the client read none of the
     /// replies sent to it (without this option: 60 s). The client sees its server go away, as
@@ -252,6 +276,23 @@ pub(crate) enum DetectZeroesArg {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum CacheArg {
+    Writeback,
+    Writethrough,
+    Unsafe,
+    None,
+    Directsync,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum AioArg {
+    Threads,
+    Native,
+    #[value(name = "io_uring")]
+    IoUring,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum TlsArg {
     Off,
     On,
@@ -295,3 +336,77 @@ impl From<FormatArg> for Format {
         }
     }
 }
+
+/// qemu-nbd's options that the server does not take, each refused by name with why and
+/// what to use instead (README lists them under qemu-nbd's spellings).
+pub(crate) const REFUSED: &[Refused] = &[
+    Refused {
+        names: &["-c", "--connect", "-d", "--disconnect"],
+        tool: "qemu-nbd",
+        why: "the kernel's NBD client (/dev/nbdN) is not used: mount the export with \
+              qpip-nbd-mount and losetup its file",
+    },
+    Refused {
+        names: &["-L", "--list"],
+        tool: "qemu-nbd",
+        why: "listing a server's exports is a client's job: qpip-nbd list URI (or qpip-nbd \
+              info --list URI)",
+    },
+    Refused {
+        names: &["--image-opts"],
+        tool: "qemu-nbd",
+        why: "not supported: give the image as FILE or --export NAME=PATH, with -f/--format \
+              and -o/--offset",
+    },
+    Refused {
+        names: &["--object"],
+        tool: "qemu-nbd",
+        why: "QEMU objects are not supported: TLS credentials are --tls-certs DIR or --tls-psk \
+              FILE, an RBD image's LUKS passphrase --encryption-passphrase-file",
+    },
+    Refused {
+        names: &["--tls-creds"],
+        tool: "qemu-nbd",
+        why: "TLS credentials are --tls-certs DIR (the layout of qemu's tls-creds-x509 \
+              directory) or --tls-psk FILE",
+    },
+    Refused {
+        names: &["--tls-authz"],
+        tool: "qemu-nbd",
+        why: "client certificates are checked with --tls-verify-peer, against --tls-certs' \
+              CA",
+    },
+    Refused {
+        names: &["--tls-hostname"],
+        tool: "qemu-nbd",
+        why: "a client's option (qemu-nbd -c or -L): a server checks no host name",
+    },
+    Refused {
+        names: &["-T", "--trace"],
+        tool: "qemu-nbd",
+        why: "QEMU's trace events: the server logs with -v/--log (e.g. --log \
+              nbd_server=debug)",
+    },
+    Refused {
+        names: &["-A", "--allocation-depth"],
+        tool: "qemu-nbd",
+        why: "the qemu:allocation-depth meta context is not offered yet (base:allocation is)",
+    },
+    Refused {
+        names: &["-B", "--bitmap"],
+        tool: "qemu-nbd",
+        why: "qcow2 dirty bitmaps are not exported yet (qemu:dirty-bitmap)",
+    },
+    Refused {
+        names: &["-s", "--snapshot"],
+        tool: "qemu-nbd",
+        why: "a throwaway overlay is not made yet: serve one you make (qemu-img create -f \
+              qcow2 -b IMAGE -F FORMAT overlay.qcow2) and delete it afterwards",
+    },
+    Refused {
+        names: &["--load-snapshot"],
+        tool: "qemu-nbd",
+        why: "internal snapshots are not served yet: qemu-img convert -l snapshot.name=NAME \
+              IMAGE copy.qcow2 and serve the copy (-l is --listen here)",
+    },
+];

@@ -7,11 +7,11 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use nbd_server::export::Export;
 use nbd_server::store::open::{self, OpenOptions, Opener};
-use nbd_server::store::view::{self, DetectZeroes, Discard, ViewOptions};
+use nbd_server::store::view::{self, Cache, DetectZeroes, Discard, ViewOptions};
 use nbd_server::store::{CephOptions, Encryption, Store};
 use qpip_core::Nic;
 
-use crate::args::{Cli, DetectZeroesArg, DiscardArg};
+use crate::args::{CacheArg, Cli, DetectZeroesArg, DiscardArg};
 use crate::config::{ExportConfig, parse_size};
 use crate::settings::Settings;
 
@@ -69,7 +69,7 @@ pub(crate) fn open_all(nic: &Nic, cli: &Cli, settings: &Settings) -> Result<Vec<
     Ok(exports)
 }
 
-/// --offset, --discard and --detect-zeroes, checked before any image is opened.
+/// --offset, --discard, --detect-zeroes and --cache, checked before any image is opened.
 pub(crate) fn view_options(cli: &Cli) -> Result<ViewOptions> {
     let opts = ViewOptions {
         offset: match cli.offset.as_deref() {
@@ -84,6 +84,11 @@ pub(crate) fn view_options(cli: &Cli) -> Result<ViewOptions> {
             Some(DetectZeroesArg::On) => DetectZeroes::On,
             Some(DetectZeroesArg::Unmap) => DetectZeroes::Unmap,
             Some(DetectZeroesArg::Off) | None => DetectZeroes::Off,
+        },
+        cache: match cli.cache.or(cli.nocache.then_some(CacheArg::None)) {
+            Some(CacheArg::Writeback | CacheArg::None) | None => Cache::Writeback,
+            Some(CacheArg::Writethrough | CacheArg::Directsync) => Cache::Writethrough,
+            Some(CacheArg::Unsafe) => Cache::Unsafe,
         },
     };
     if opts.detect_zeroes == DetectZeroes::Unmap && opts.discard == Discard::Ignore {

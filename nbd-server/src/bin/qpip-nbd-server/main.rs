@@ -25,7 +25,6 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use args::{Cli, TlsArg};
-use clap::Parser;
 use config::parse_size;
 use nbd_proto::handshake::TlsMode;
 use nbd_server::server::{Server, ServerOptions};
@@ -35,7 +34,7 @@ use settings::Settings;
 
 fn main() {
     qpip_cli::man::generate_if_asked(<Cli as clap::CommandFactory>::command);
-    let cli = Cli::parse();
+    let cli: Cli = qpip_cli::refused::parse(args::REFUSED);
     cli.log.init(
         "qpip-nbd-server",
         tracing_subscriber::filter::LevelFilter::INFO,
@@ -228,10 +227,19 @@ fn server_options(
     let cfg = &settings.cfg;
     Ok(ServerOptions {
         listen,
-        max_connections: at_least_one(
-            "--max-connections",
-            cli.max_connections.or(cfg.max_connections).unwrap_or(64),
-        )?,
+        max_connections: match cli.shared {
+            Some(0) => usize::MAX,
+            Some(n) => n,
+            None => at_least_one(
+                "--max-connections",
+                cli.max_connections.or(cfg.max_connections).unwrap_or(64),
+            )?,
+        },
+        handshake_limit: match cli.handshake_limit {
+            Some(0) => None,
+            Some(s) => Some(Duration::from_secs(s)),
+            None => Some(Duration::from_secs(10)),
+        },
         max_handshakes: at_least_one(
             "--max-handshakes",
             cli.max_handshakes.or(cfg.max_handshakes).unwrap_or(256),
