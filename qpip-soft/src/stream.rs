@@ -5,7 +5,7 @@
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, SocketAddr};
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use mio::event::Source;
@@ -270,62 +270,73 @@ pub(super) fn listen_unix(path: &Path, backlog: u32) -> io::Result<(UnixListener
     Ok((UnixListener::from_std(std_listener), file))
 }
 
-/// Binds `sock` at `path` with mode 0600 from the start: bound and tightened inside a private
-/// directory beside `path` (mode 0700, so nobody can swap the socket file for a symlink that
-/// a chmod by name would follow), then renamed into place, never over a file that appeared
-/// there meanwhile.
+/// Binds `sock` at `path` with mode 0600 from the start. Linux gives a Unix socket's file the
+/// mode of the socket's inode (less the umask) when it binds, and `fchmod` on the unbound
+/// socket sets that mode: so no name is ever chmod-ed (a chmod by name would follow a
+/// symlink that someone swapped in after the bind, in a directory others may write).
 fn bind_private(sock: &socket2::Socket, path: &Path) -> io::Result<()> {
-    use std::os::unix::fs::DirBuilderExt;
-    let parent = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    // A short name: a socket's path has 107 bytes at most.
-    let nonce = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos())
-        ^ std::process::id();
-    let private = parent.join(format!(".q{nonce:08x}"));
-    if private.join("s").as_os_str().len() > 107 {
-        // No room for the detour: bound in place and tightened before it listens, so
-        // nobody connects meanwhile (a chmod by name, as before).
-        sock.bind(&socket2::SockAddr::unix(path)?)?;
-        return std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
+    use std::os::fd::AsRawFd;
+    // SAFETY: fchmod on a descriptor this function borrows for the call.
+    if unsafe { libc::fchmod(sock.as_raw_fd(), 0o600) } != 0 {
+        return Err(io::Error::last_os_error());
     }
-    // Created here, never one found: an existing name is an error, not a place to bind.
-    std::fs::DirBuilder::new().mode(0o700).create(&private)?;
-    let inside = private.join("s");
-    let bound = sock
-        .bind(&socket2::SockAddr::unix(&inside)?)
-        .and_then(|()| std::fs::set_permissions(&inside, std::fs::Permissions::from_mode(0o600)))
-        .and_then(|()| rename_no_replace(&inside, path));
-    let _ = std::fs::remove_file(&inside);
-    let _ = std::fs::remove_dir(&private);
-    bound
+    sock.bind(&socket2::SockAddr::unix(path)?)
 }
 
-/// `rename(2)` that fails with `AlreadyExists` instead of replacing what is at `to`.
-fn rename_no_replace(from: &Path, to: &Path) -> io::Result<()> {
+#[cfg(test)]
+mod tests {
+    use super::*;
     use std::ffi::CString;
     use std::os::unix::ffi::OsStrExt;
-    let c = |p: &Path| {
-        CString::new(p.as_os_str().as_bytes())
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in the path"))
-    };
-    let (from, to) = (c(from)?, c(to)?);
-    // SAFETY: two NUL-terminated paths that outlive the call.
-    let r = unsafe {
-        libc::renameat2(
-            libc::AT_FDCWD,
-            from.as_ptr(),
-            libc::AT_FDCWD,
-            to.as_ptr(),
-            libc::RENAME_NOREPLACE,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
+
+    /// What happened in directory `dir` while `f` ran, as inotify saw it: (mask, name).
+    fn events_in(dir: &Path, f: impl FnOnce()) -> Vec<(u32, String)> {
+        // SAFETY: plain system calls on a descriptor this function owns.
+        unsafe {
+            let fd = libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC);
+            assert!(fd >= 0, "{}", io::Error::last_os_error());
+            let d = CString::new(dir.as_os_str().as_bytes()).unwrap();
+            assert!(libc::inotify_add_watch(fd, d.as_ptr(), libc::IN_ALL_EVENTS) >= 0);
+            f();
+            let mut buf = vec![0u8; 64 << 10];
+            let n = libc::read(fd, buf.as_mut_ptr().cast(), buf.len());
+            libc::close(fd);
+            let mut out = Vec::new();
+            let mut at = 0;
+            while n > 0 && at < n as usize {
+                let ev = buf
+                    .as_ptr()
+                    .add(at)
+                    .cast::<libc::inotify_event>()
+                    .read_unaligned();
+                let name = &buf[at + 16..at + 16 + ev.len as usize];
+                let name = String::from_utf8_lossy(name)
+                    .trim_end_matches('\0')
+                    .to_string();
+                out.push((ev.mask, name));
+                at += 16 + ev.len as usize;
+            }
+            out
+        }
+    }
+
+    #[test]
+    fn a_unix_listener_s_file_is_0600_from_its_bind_and_no_name_is_chmod_ed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let mut made = None;
+        let events = events_in(dir.path(), || made = Some(listen_unix(&path, 8).unwrap()));
+        let mode = std::fs::symlink_metadata(&path).unwrap().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        // One creation, of the socket itself, and nothing else: no directory beside it, no
+        // rename into place, no attribute change by name (IN_ATTRIB), which a path swapped
+        // for a symlink would have redirected.
+        assert_eq!(
+            events,
+            [(libc::IN_CREATE, "s.sock".to_string())],
+            "{events:x?}"
+        );
+        drop(made);
+        assert!(!path.exists(), "the listener's file outlived it");
     }
 }
