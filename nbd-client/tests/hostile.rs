@@ -29,19 +29,20 @@ struct Hostile {
 impl Hostile {
     /// Compact headers: the answers are structured chunks or simple replies.
     fn start(answer: Answer) -> Hostile {
-        Self::start_with(SIZE, false, answer)
+        Self::start_with(vec![SIZE], false, answer)
     }
 
-    fn start_sized(size: u64, answer: Answer) -> Hostile {
-        Self::start_with(size, false, answer)
+    /// Connection `i` reports export size `sizes[i]` (the last one for every later one).
+    fn start_sized(sizes: Vec<u64>, answer: Answer) -> Hostile {
+        Self::start_with(sizes, false, answer)
     }
 
     /// Extended headers offered: the answers are extended chunks.
     fn start_extended(answer: Answer) -> Hostile {
-        Self::start_with(SIZE, true, answer)
+        Self::start_with(vec![SIZE], true, answer)
     }
 
-    fn start_with(size: u64, extended: bool, answer: Answer) -> Hostile {
+    fn start_with(sizes: Vec<u64>, extended: bool, answer: Answer) -> Hostile {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let accepted = Arc::new(AtomicUsize::new(0));
@@ -50,7 +51,8 @@ impl Hostile {
         std::thread::spawn(move || {
             for s in listener.incoming() {
                 let Ok(s) = s else { return };
-                count.fetch_add(1, Ordering::SeqCst);
+                let i = count.fetch_add(1, Ordering::SeqCst);
+                let size = sizes[i.min(sizes.len() - 1)];
                 let answer = answer.clone();
                 std::thread::spawn(move || serve(s, size, extended, &answer));
             }
@@ -354,12 +356,27 @@ fn honest_replies_in_pieces_still_work() {
 
 #[test]
 fn an_export_too_big_to_address_is_refused_at_connect() {
-    let h = Hostile::start_sized(u64::MAX, Box::new(|_| (Vec::new(), false)));
+    let h = Hostile::start_sized(vec![u64::MAX], Box::new(|_| (Vec::new(), false)));
     let e = Client::connect_with(&h.uri(), options()).unwrap_err();
     assert!(
         matches!(e, Error::Protocol { .. }) && e.to_string().contains("18446744073709551615 bytes"),
         "{e}"
     );
+}
+
+#[test]
+fn an_export_too_big_to_address_is_refused_on_reconnect_and_by_a_size_probe() {
+    // The first connection is honest and closes at the first READ; every later one
+    // reports 2^63 bytes, which the first handshake would have refused.
+    let h = Hostile::start_sized(vec![SIZE, 1 << 63], Box::new(|_| (Vec::new(), true)));
+    let mut client = Client::connect_with(&h.uri(), options()).unwrap();
+    let mut buf = vec![0u8; 4096];
+    let e = client.read_at(0, &mut buf).unwrap_err();
+    assert!(matches!(e, Error::ConnectionLost { .. }), "{e}");
+    assert!(e.to_string().contains("9223372036854775808 bytes"), "{e}");
+    assert_eq!(client.size(), SIZE, "a reconnect took the size 2^63");
+    let e = Client::info_with(&h.uri(), &options()).unwrap_err();
+    assert!(e.to_string().contains("9223372036854775808 bytes"), "{e}");
 }
 
 #[test]

@@ -22,6 +22,22 @@ use crate::uri::NbdUri;
 /// and block device API.
 const MAX_EXPORT_SIZE: u64 = i64::MAX as u64;
 
+/// The one check of an export's size as a server reports it — at the first connect, on a
+/// reconnect and in a size probe alike: files, block devices and every offset we hand to
+/// the kernel are signed 64-bit, so a bigger export cannot be used, whatever it holds (qemu
+/// refuses it too).
+pub(crate) fn usable_size(uri: &NbdUri, size: u64) -> Result<u64> {
+    if size > MAX_EXPORT_SIZE {
+        return Err(Error::Protocol {
+            uri: uri.to_string(),
+            why: format!(
+                "it reports an export of {size} bytes, more than the 2^63 - 1 any file or block device can address"
+            ),
+        });
+    }
+    Ok(size)
+}
+
 pub(super) fn round_down(v: u64, to: u64) -> u64 {
     v - v % to.max(1)
 }
@@ -57,17 +73,7 @@ impl Client {
             });
         };
         let info = neg.export.clone();
-        if info.size > MAX_EXPORT_SIZE {
-            // Files, block devices and every offset we hand to the kernel are signed 64-bit:
-            // such an export cannot be used, whatever it holds (qemu refuses it too).
-            return Err(Error::Protocol {
-                uri: uri.to_string(),
-                why: format!(
-                    "it reports an export of {} bytes, more than the 2^63 - 1 any file or block device can address",
-                    info.size
-                ),
-            });
-        }
+        usable_size(&uri, info.size)?;
         let bs = info.block_size;
         let max = u64::from(bs.max)
             .min(MAX_IO as u64)
@@ -108,7 +114,7 @@ impl Client {
         };
         let hs = ClientHandshake::info(Self::config(&parsed, opts));
         match Conn::open(&nic, &parsed, &Reads::new(), hs, opts.connect_timeout) {
-            Ok((_, ClientEvent::Info(d))) => Ok(*d),
+            Ok((_, ClientEvent::Info(d))) => usable_size(&parsed, d.size).map(|_| *d),
             Ok(_) => Err(Error::Protocol {
                 uri: parsed.to_string(),
                 why: "unexpected answer to NBD_OPT_INFO".into(),

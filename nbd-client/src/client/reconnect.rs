@@ -80,6 +80,9 @@ impl Client {
             Ok(_) => return Attempt::Failed("handshake ended without transmission".into()),
             Err(e) => return Attempt::Failed(e.to_string()),
         };
+        if let Err(e) = super::connect::usable_size(&self.uri, neg.export.size) {
+            return Attempt::Failed(e.to_string());
+        }
         // The export was resized meanwhile (`rbd resize`, a server restarted on a grown
         // image): from now on the new size is the export's. Requests in flight past a shrunk
         // end are reissued and get the server's error.
