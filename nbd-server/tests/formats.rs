@@ -254,6 +254,9 @@ fn other_formats_and_unsupported_qcow2_features_are_refused_by_name() {
         ("vdi", "vdi"),
         ("vhdx", "vhdx"),
         ("vpc", "vpc"),
+        ("qcow", "qcow"),
+        ("qed", "qed"),
+        ("parallels", "parallels"),
     ] {
         let path = qemu_img_create(d, &format!("x.{fmt}"), &["-f", fmt]);
         refused(
@@ -261,6 +264,12 @@ fn other_formats_and_unsupported_qcow2_features_are_refused_by_name() {
             &[&path, name, "--format raw"],
         );
     }
+    // qemu probes dmg by the file's name alone (dmg_probe), and so do we.
+    let dmg = qemu_img_create(d, "plain.dmg", &["-f", "raw"]);
+    refused(
+        &["--export", &format!("x={dmg}")],
+        &[&dmg, "dmg image", "--format raw"],
+    );
     // A backing chain that loops (an image its own backing file), and one whose backing
     // file is missing: refused, naming the overlay and its backing file.
     let looped = qemu_img_create(
@@ -396,19 +405,21 @@ fn a_guest_cannot_change_the_format_of_its_probed_raw_image() {
         vec![write_hdr.as_str()],
         vec![write_big.as_str()],
         vec![write_vmdk.as_str()],
-        // Byte by byte: each write alone leaves raw bytes, the last one would not.
+        // Byte by byte: each write alone leaves raw bytes (a qcow2 magic needs a version
+        // from 2), the last one would not.
         vec![
+            "write -P 0x03 7 1",
             "write -P 0x51 0 1",
             "write -P 0x46 1 1",
             "write -P 0x49 2 1",
             "write -P 0xfb 3 1",
         ],
-        // Zeroes can finish a magic too ("QED\0").
+        // Zeroes can finish a magic too ("QED\0" from "QEDX").
         vec![
             "write -P 0x51 0 1",
             "write -P 0x45 1 1",
-            "write -P 0x44 2 1",
             "write -P 0x58 3 1",
+            "write -P 0x44 2 1",
             "write -z 3 1",
         ],
     ];
@@ -422,7 +433,7 @@ fn a_guest_cannot_change_the_format_of_its_probed_raw_image() {
         );
         let head = first_sector(&img);
         assert_eq!(
-            qemu_io_any(&uri, &["write -z 0 4"])
+            qemu_io_any(&uri, &["write -z 0 8"])
                 .matches("failed")
                 .count(),
             0
@@ -462,6 +473,207 @@ fn a_guest_cannot_change_the_format_of_its_probed_raw_image() {
     ]);
     qemu_io(&srv.uri("g"), &[&write_hdr]);
     assert_eq!(first_sector(&img), header);
+}
+
+/// The first 512 bytes of `path` as qemu's probe reads them (zeroes past its end).
+fn probe_head(path: &Path) -> Vec<u8> {
+    let mut head = std::fs::read(path).unwrap();
+    head.resize(512, 0);
+    head
+}
+
+/// `bytes` over 512 zero bytes from `at`.
+fn sector_with(mut sector: Vec<u8>, at: usize, bytes: &[u8]) -> Vec<u8> {
+    sector.resize(512, 0);
+    sector[at..at + bytes.len()].copy_from_slice(bytes);
+    sector
+}
+
+/// What each of `payloads`, written whole over the first sector by qemu-io at `uri`, came
+/// to: "refused" (EPERM), "written", or qemu-io's line.
+fn first_sector_writes(uri: &str, dir: &Path, payloads: &[(String, Vec<u8>)]) -> Vec<String> {
+    let mut cmds = Vec::new();
+    for (i, (_, bytes)) in payloads.iter().enumerate() {
+        let file = dir.join(format!("payload{i}.bin"));
+        std::fs::write(&file, bytes).unwrap();
+        cmds.push(format!("write -s {} 0 512", file.display()));
+    }
+    let cmds: Vec<&str> = cmds.iter().map(String::as_str).collect();
+    let out = qemu_io_any(uri, &cmds);
+    let outcomes: Vec<String> = out
+        .lines()
+        .filter(|l| l.starts_with("wrote ") || l.contains("failed"))
+        .map(|l| match l {
+            _ if l.starts_with("wrote 512/512") => "written".to_string(),
+            _ if l.contains("Operation not permitted") => "refused".to_string(),
+            _ => l.to_string(),
+        })
+        .collect();
+    assert_eq!(outcomes.len(), payloads.len(), "{out}");
+    outcomes
+}
+
+/// Issue 34 (D2): the probe guard is as wide as qemu's probes, and no wider. A guest of a
+/// probed raw image writes, over its first sector, the header of each format qemu 10 can
+/// probe by content (made by qemu-img where it makes them; vmdk text descriptors as a
+/// guest would write them, naming a host file as their FLAT extent) and ordinary data and
+/// near misses. Each write meets the same answer from qpip-nbd-server as from qemu-nbd
+/// without `-f` (whose raw driver guards probed images): EPERM for a header, written for
+/// the rest. (dmg is probed by file name only, which no write changes.)
+#[test]
+fn first_sector_writes_are_refused_exactly_where_qemu_nbd_refuses_them() {
+    if !require(&["qemu-img", "qemu-io", "qemu-nbd"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let made = |name: &str, opts: &[&str]| probe_head(Path::new(&qemu_img_create(d, name, opts)));
+    let mut headers: Vec<(String, Vec<u8>)> = vec![
+        ("qcow".into(), made("h.qcow", &["-f", "qcow"])),
+        ("qcow2".into(), made("h.qcow2", &["-f", "qcow2"])),
+        (
+            "qcow2 v2".into(),
+            made("h2.qcow2", &["-f", "qcow2", "-o", "compat=0.10"]),
+        ),
+        ("qed".into(), made("h.qed", &["-f", "qed"])),
+        ("vdi".into(), made("h.vdi", &["-f", "vdi"])),
+        ("vpc".into(), made("h.vpc", &["-f", "vpc"])),
+        ("vhdx".into(), made("h.vhdx", &["-f", "vhdx"])),
+        ("vmdk sparse".into(), made("h.vmdk", &["-f", "vmdk"])),
+        (
+            "vmdk flat descriptor".into(),
+            made("f.vmdk", &["-f", "vmdk", "-o", "subformat=monolithicFlat"]),
+        ),
+        (
+            "parallels".into(),
+            made("h.parallels", &["-f", "parallels"]),
+        ),
+        (
+            "luks".into(),
+            made(
+                "h.luks",
+                &[
+                    "-f",
+                    "luks",
+                    "--object",
+                    "secret,id=s0,data=pass",
+                    "-o",
+                    "key-secret=s0,iter-time=10",
+                ],
+            ),
+        ),
+    ];
+    let hand = |at: usize, bytes: &[u8]| sector_with(Vec::new(), at, bytes);
+    let flat = "RW 8192 FLAT \"/etc/hostname\" 0\n";
+    let bochs = |version: u32| {
+        let s = hand(0, b"Bochs Virtual HD Image");
+        let s = sector_with(s, 32, b"Redolog");
+        let s = sector_with(s, 48, b"Growing");
+        sector_with(s, 64, &version.to_le_bytes())
+    };
+    let cloop =
+        b"#!/bin/sh\n#V2.0 Format\nmodprobe cloop file=$0 && mount -r -t iso9660 /dev/cloop $1\n";
+    let parallels_v1 = sector_with(headers[9].1.clone(), 0, b"WithoutFreeSpace");
+    headers.extend([
+        ("vmdk COWD".into(), hand(0, b"COWD")),
+        (
+            "vmdk descriptor after comments".into(),
+            hand(
+                0,
+                format!("# a guest's descriptor\n#\nversion=1\n{flat}").as_bytes(),
+            ),
+        ),
+        (
+            "vmdk descriptor, version=1 first, CRLF".into(),
+            hand(0, format!("version=1\r\n{flat}").as_bytes()),
+        ),
+        (
+            "vmdk descriptor after blank lines of spaces".into(),
+            hand(0, format!("   \n \r\n# c\nversion=3\n{flat}").as_bytes()),
+        ),
+        ("parallels, first magic".into(), parallels_v1),
+        ("bochs v1".into(), bochs(0x0001_0000)),
+        ("bochs v2".into(), bochs(0x0002_0000)),
+        ("cloop".into(), hand(0, cloop)),
+    ]);
+    let mut mbr = pattern(512, 7);
+    mbr[510..].copy_from_slice(&[0x55, 0xaa]);
+    let ordinary: Vec<(String, Vec<u8>)> = vec![
+        ("zeroes".into(), hand(0, b"")),
+        ("an MBR".into(), mbr),
+        ("text".into(), hand(0, b"# notes\nhello, version=1\n")),
+        (
+            "an empty line, then version=1".into(),
+            hand(0, b"\nversion=1\n"),
+        ),
+        ("an indented version=1".into(), hand(0, b" version=1\n")),
+        ("version=4".into(), hand(0, b"version=4\n")),
+        ("version=1 without a line end".into(), hand(0, b"version=1")),
+        ("qcow2 magic, version 0".into(), hand(0, b"QFI\xfb\0\0\0\0")),
+        ("QEDX".into(), hand(0, b"QEDX")),
+        ("LUKS version 2".into(), hand(0, b"LUKS\xba\xbe\0\x02")),
+        (
+            "parallels version 3".into(),
+            hand(0, b"WithouFreSpacExt\x03"),
+        ),
+        (
+            "bochs, subtype Undoable".into(),
+            sector_with(bochs(0x0002_0000), 48, b"Undoable"),
+        ),
+        (
+            "cloop's first line only".into(),
+            hand(0, &cloop[..cloop.len() - 1]),
+        ),
+        (
+            "vdi's signature at 0".into(),
+            hand(0, &[0x7f, 0x10, 0xda, 0xbe]),
+        ),
+    ];
+    let payloads: Vec<(String, Vec<u8>)> = headers.iter().chain(&ordinary).cloned().collect();
+
+    let ours = image(d, "ours.img", 4 << 20);
+    let theirs = image(d, "theirs.img", 4 << 20);
+    let srv = start_server_v4(&["--export".into(), format!("g={}", ours.display())]);
+    let theirs_path = theirs.display().to_string();
+    let Some(qemu_nbd) = qpip_test_support::servers::tcp_peer(
+        "qemu-nbd",
+        "-p",
+        &["-b", "127.0.0.1", "-x", "g", "--persistent", &theirs_path],
+        "nbd://127.0.0.1:PORT/g",
+    ) else {
+        return;
+    };
+    let by_us = first_sector_writes(&srv.uri("g"), d, &payloads);
+    let by_qemu = first_sector_writes(&qemu_nbd.uri, d, &payloads);
+    let mut wrong = Vec::new();
+    for (i, (name, _)) in payloads.iter().enumerate() {
+        let expected = if i < headers.len() {
+            "refused"
+        } else {
+            "written"
+        };
+        if by_us[i] != expected || by_qemu[i] != expected {
+            wrong.push(format!(
+                "{name}: qpip {}, qemu-nbd {}, expected {expected}",
+                by_us[i], by_qemu[i]
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    // Data past the first sector is never checked: an ext2 superblock at 1024.
+    let mut sb = pattern(1024, 9);
+    sb[56..58].copy_from_slice(&[0x53, 0xef]);
+    let sb_file = d.join("sb.bin");
+    std::fs::write(&sb_file, &sb).unwrap();
+    qemu_io(
+        &srv.uri("g"),
+        &[&format!("write -s {} 1024 1024", sb_file.display())],
+    );
+    drop(srv);
+    // The image is still raw to qemu, with the last ordinary sector written.
+    let info = peer_ok(Command::new("qemu-img").args(["info", "-U", &ours.display().to_string()]));
+    assert!(info.contains("file format: raw"), "{info}");
+    assert_eq!(first_sector(&ours), ordinary.last().unwrap().1);
 }
 
 /// A file in a format the server does not serve takes down its own export only: the server

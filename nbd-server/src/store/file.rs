@@ -11,7 +11,8 @@
 //! making after a restart, or a vmdk one and stop the export from being served at all (and
 //! qemu, which follows backing files, would open a host file of the guest's choosing). As
 //! qemu's raw driver does for probed images, a write, zeroing or trim that would leave the
-//! first [`HEAD`] bytes probing as another format fails with EPERM.
+//! first [`HEAD`] bytes probing as another format (any qemu probes, by qemu's rules: see
+//! [`probe`]) fails with EPERM.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -238,7 +239,7 @@ impl FileStore {
             Some(data) => at.copy_from_slice(&data[..at.len()]),
             None => at.fill(0),
         }
-        match probe::probe(&head) {
+        match probe::probe(&head, None) {
             Probed::Raw => change(),
             Probed::Qcow2 | Probed::Other(_) => {
                 tracing::debug!(
@@ -575,11 +576,18 @@ mod tests {
         let img = open(true);
         assert_eq!(img.checked_below(), HEAD);
         let eperm = |e: io::Error| e.raw_os_error() == Some(libc::EPERM);
-        assert!(eperm(img.write_at(b"QFI\xfb", 0, false).unwrap_err()));
+        assert!(eperm(
+            img.write_at(b"QFI\xfb\0\0\0\x03", 0, false).unwrap_err()
+        ));
         assert!(eperm(
             img.write_at(&[0x7f, 0x10, 0xda, 0xbe], 64, false)
                 .unwrap_err()
         ));
+        // A vmdk text descriptor after comment lines (issue 34, D2).
+        let descriptor = b"# a guest's\nversion=1\nRW 8 FLAT \"/etc/hostname\" 0\n";
+        assert!(eperm(img.write_at(descriptor, 0, false).unwrap_err()));
+        img.write_at(b"QFI\xfb", 0, false).unwrap(); // version 0: raw to qemu too
+        img.write_at(b"\0\0\0\0", 0, false).unwrap();
         // Pieces that each leave it raw, until the last.
         img.write_at(b"QE", 0, false).unwrap();
         img.write_at(b"Dx", 2, false).unwrap();
@@ -597,7 +605,7 @@ mod tests {
         // Chosen as raw: the guest's bytes are the disk, whatever they say.
         let img = open(false);
         assert_eq!(img.checked_below(), 0);
-        img.write_at(b"QFI\xfb", 0, false).unwrap();
+        img.write_at(b"QFI\xfb\0\0\0\x03", 0, false).unwrap();
     }
 
     #[test]

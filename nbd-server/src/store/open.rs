@@ -317,7 +317,7 @@ fn open_image(
     let probed = format.is_none();
     let format = match format {
         Some(f) => f,
-        None => match probe::probe(&head) {
+        None => match probe::probe(&head, Some(path)) {
             Probed::Raw => Format::Raw,
             Probed::Qcow2 => Format::Qcow2,
             Probed::Other(name) => {

@@ -83,10 +83,11 @@ pub(crate) struct Cli {
     pub config: Option<PathBuf>,
     /// The images' format: raw (the file's bytes are the disk) or qcow2 (its virtual disk).
     /// Default: probed from each image's first bytes, as qemu-nbd does; an image in another
-    /// format (vmdk, vdi, qcow version 1, luks, ...) is left out with an error line while
-    /// the other exports are served (with none left, the server fails). A guest of an image
-    /// probed as raw cannot give it another format: a write that would put another format's
-    /// header in its first 512 bytes fails with EPERM. `-f raw` serves any file's bytes as
+    /// format qemu probes (vmdk, vdi, qcow version 1, luks, ...; dmg by its name) is left out
+    /// with an error line while the other exports are served (with none left, the server
+    /// fails). A guest of an image probed as raw cannot give it another format: a write that
+    /// would make its first 512 bytes probe as one, by qemu's rules (vmdk text descriptors
+    /// included), fails with EPERM, as with qemu-nbd. `-f raw` serves any file's bytes as
     /// they are, without that check.
     #[arg(short, long, value_name = "FORMAT", value_enum)]
     pub format: Option<FormatArg>,
