@@ -100,6 +100,7 @@ impl Server {
             handshake_limit: opts.handshake_limit,
             idle_timeout: opts.idle_timeout,
             refusals: Mutex::new(RateLimitedLog::default()),
+            handshake_failures: Mutex::new(RateLimitedLog::default()),
             buffer_budget: BufferBudget::new(
                 usize::try_from(opts.buffer_memory).unwrap_or(usize::MAX),
             ),

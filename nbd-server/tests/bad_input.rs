@@ -1121,3 +1121,42 @@ fn idle_timeout_frees_the_places_of_clients_that_never_read_their_replies() {
     );
     drop(hogs);
 }
+
+#[test]
+fn a_connect_and_reset_flood_is_logged_a_line_a_second_not_a_line_a_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", SIZE);
+    let mut srv = start_server_v4(&["--export".into(), format!("disk={}", img.display())]);
+    let t = Instant::now();
+    for _ in 0..600 {
+        let s = TcpStream::connect(srv.addr).unwrap();
+        // SO_LINGER 0: close sends a reset, as a port scanner or a crashed client does.
+        let linger = libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        };
+        // SAFETY: setsockopt on a socket this loop owns, with a linger struct that outlives
+        // the call.
+        let r = unsafe {
+            libc::setsockopt(
+                std::os::fd::AsRawFd::as_raw_fd(&s),
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&raw const linger).cast(),
+                std::mem::size_of::<libc::linger>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(r, 0);
+        drop(s);
+    }
+    assert_serves(&mut srv, "after 600 connect-and-reset clients");
+    // Their connection threads may still be ending.
+    std::thread::sleep(Duration::from_secs(1));
+    let secs = t.elapsed().as_secs() + 1;
+    let log = srv.log();
+    let lines = log.lines().filter(|l| l.contains("connection ended")).count() as u64;
+    assert!(
+        lines <= secs + 1,
+        "{lines} log lines about ended connections in {secs} s:\n{log}"
+    );
+}

@@ -345,7 +345,7 @@ impl Management for Engine {
     }
 
     fn listen(&mut self, id: ListenerId, addr: SocketAddr, backlog: u32) -> MgmtResult {
-        let sock = TcpListener::bind(addr)?;
+        let sock = super::stream::listen_tcp(addr, backlog)?;
         let local = sock.local_addr()?;
         self.add_listener(id, Acceptor::Tcp(sock), backlog)?;
         Ok(local)

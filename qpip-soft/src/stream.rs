@@ -232,6 +232,20 @@ impl Drop for SocketFile {
     }
 }
 
+/// A TCP listener on `addr` whose kernel queue holds `backlog` connections (capped by
+/// net.core.somaxconn). mio's bind asks for 128 only: a flood of clients that connect and
+/// reset overflowed it, and each dropped SYN cost its client a one-second retransmission
+/// (nbdkit and qemu-nbd listen with SOMAXCONN).
+pub(super) fn listen_tcp(addr: SocketAddr, backlog: u32) -> io::Result<TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let sock = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    sock.set_reuse_address(true)?;
+    sock.bind(&addr.into())?;
+    sock.listen(backlog.min(i32::MAX as u32) as i32)?;
+    sock.set_nonblocking(true)?;
+    Ok(TcpListener::from_std(sock.into()))
+}
+
 /// A Unix-domain listener at `path`, readable and writable by its owner only. A stale socket
 /// file (nothing accepts on it) is replaced; any other file there is left alone and refused.
 pub(super) fn listen_unix(path: &Path, backlog: u32) -> io::Result<(UnixListener, SocketFile)> {

@@ -55,8 +55,13 @@ impl Connection {
     pub(crate) fn run(mut self) -> Result<()> {
         let handshake = handshake::run(&mut self.link);
         self.link.evict = None;
-        let Some((neg, last_reply)) = handshake? else {
-            return Ok(());
+        let (neg, last_reply) = match handshake {
+            Ok(Some(done)) => done,
+            Ok(None) => return Ok(()),
+            Err(e) => {
+                self.link.shared.handshake_failed(&self.link.peer, &e);
+                return Ok(());
+            }
         };
         // Only clients past the handshake count toward --max-connections; the final reply
         // has not gone out, so a refused client sees the connection close in the handshake.

@@ -13,6 +13,7 @@ use parking_lot::Mutex;
 use qpip_core::{Endpoint, Nic, TlsConfig};
 
 use super::recv_window::BufferBudget;
+use crate::error::Chain;
 use crate::export::Export;
 
 /// What the accept loops and connections share.
@@ -34,6 +35,8 @@ pub(crate) struct ServerShared {
     pub(crate) handshake_limit: Option<std::time::Duration>,
     pub idle_timeout: Option<Duration>,
     pub(crate) refusals: Mutex<RateLimitedLog>,
+    /// Connections that ended in their handshake (a client that connects and resets).
+    pub(crate) handshake_failures: Mutex<RateLimitedLog>,
     /// Memory connections may take beyond their base (`--buffer-memory`): receive slots
     /// and read buffers.
     pub buffer_budget: BufferBudget,
@@ -56,6 +59,16 @@ impl ServerShared {
             return None;
         }
         Some(Admitted(self.clone()))
+    }
+
+    /// A connection ended in its handshake with `e`: each at debug level, and as a warning
+    /// at most once a second, since a flood of clients that connect and reset ends
+    /// thousands a second (qemu-nbd logs none of them).
+    pub(crate) fn handshake_failed(&self, peer: &Endpoint, e: &crate::error::Error) {
+        tracing::debug!(%peer, "connection ended in its handshake: {}", Chain(e));
+        self.handshake_failures.lock().log(|suppressed| {
+            tracing::warn!(%peer, "connection ended in its handshake: {}{suppressed}", Chain(e));
+        });
     }
 
     /// Registers a connection that starts its handshake. When `max_handshakes` are already
