@@ -1039,3 +1039,91 @@ fn every_command_that_prints_ends_quietly_when_its_reader_goes_away() {
         with_stdout_closed(&workspace_bin(package, bin), &["--help"]);
     }
 }
+
+/// Issue 34 (habits): `info`, `--list`, `--map` and `--map --totals` print nbdinfo's text
+/// byte for byte against the same export: its columns and widths, no blank line between
+/// listed exports, and can_df as libnbd reads it (from the connection's flags, which carry
+/// SEND_DF once structured replies are negotiated).
+#[test]
+fn info_text_is_nbdinfos_byte_for_byte() {
+    if !require(&["nbdinfo"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Offsets past ten digits, so that the map's columns widen as nbdinfo's do.
+    let size = 16 << 30;
+    let img = image(
+        dir.path(),
+        "a.img",
+        size,
+        &[(0, MIB), (5 * MIB, 3 * MIB), (size - MIB, MIB)],
+    );
+    let other = image(dir.path(), "b.img", 4 * MIB, &[(MIB, MIB)]);
+    let server = qpip_server(
+        "disk",
+        &img,
+        &[
+            "--export",
+            &format!("other={}", other.display()),
+            "--description",
+            "other=a second disk",
+        ],
+    );
+    let uri = server.uri.as_str();
+    let base = format!("nbd://127.0.0.1:{}", server.port);
+    for args in [
+        vec![uri],
+        vec!["--no-content", uri],
+        vec!["--map", uri],
+        vec!["--map=base:allocation", uri],
+        vec!["--map", "--totals", uri],
+        vec!["--list", &base],
+        vec!["--list", "--content", &base],
+    ] {
+        let theirs = Command::new("nbdinfo").args(&args).output().unwrap();
+        assert!(theirs.status.success(), "nbdinfo {args:?}: {theirs:?}");
+        let mut ours = vec!["info"];
+        ours.extend(&args);
+        let ours = ok(&ours);
+        let theirs = String::from_utf8(theirs.stdout).unwrap();
+        assert!(
+            ours == theirs,
+            "{args:?}:\nnbdinfo:\n{theirs}\nqpip-nbd:\n{ours}"
+        );
+    }
+    for feature in ["df", "structured-reply", "fua", "multi-conn"] {
+        let theirs = Command::new("nbdinfo")
+            .args(["--can", feature, uri])
+            .status()
+            .unwrap();
+        let ours = qpip_nbd(&["info", "--can", feature, uri]);
+        assert_eq!(ours.status.code(), theirs.code(), "--can {feature}");
+    }
+}
+
+/// Issue 34 (habits): a server that cannot be reached is one line that names its URI once
+/// ("cannot connect to URI: ..."), for info, list and either side of a copy.
+#[test]
+fn a_refused_connection_names_the_uri_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "a.img", MIB, &[(0, MIB)]);
+    let uri = format!("nbd://127.0.0.1:{}/x", free_port());
+    let at = format!("nbd://127.0.0.1:{}", free_port());
+    let back = dir.path().join("back.img");
+    let (img, back) = (img.to_str().unwrap(), back.to_str().unwrap());
+    for (args, named) in [
+        (vec!["info", &uri], &uri),
+        (vec!["info", "--map", &uri], &uri),
+        (vec!["info", "--list", &at], &at),
+        (vec!["list", &at], &at),
+        (vec!["copy", img, &uri], &uri),
+        (vec!["copy", &uri, back], &uri),
+    ] {
+        let out = qpip_nbd(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert_eq!(err.matches(named.as_str()).count(), 1, "{args:?}: {err}");
+        assert!(err.contains("cannot connect to"), "{args:?}: {err}");
+    }
+}

@@ -401,6 +401,10 @@ fn run(cli: Cli) -> Result<i32> {
                         eprintln!("qpip-nbd: copying {} to {}: {i}", s.name(), d.name());
                         return Ok(128 + i.signal);
                     }
+                    // A side that cannot be reached is named by the error itself.
+                    if info::names_uri(&e) {
+                        return Err(e);
+                    }
                     return Err(e.context(format!("copying {} to {}", s.name(), d.name())));
                 }
             };
@@ -428,7 +432,8 @@ fn run(cli: Cli) -> Result<i32> {
 
 /// `qpip-nbd list`: the exports the server at `uri` names, as text or JSON.
 fn list(uri: &str, json: bool, base: &ClientOptions) -> Result<i32> {
-    let list = Client::list_with(uri, base).with_context(|| format!("listing exports of {uri}"))?;
+    let list =
+        Client::list_with(uri, base).map_err(|e| info::in_context(e, "listing exports of", uri))?;
     if json {
         let v: Vec<_> = list
             .iter()
