@@ -1127,3 +1127,70 @@ fn a_refused_connection_names_the_uri_once() {
         assert!(err.contains("cannot connect to"), "{args:?}: {err}");
     }
 }
+
+/// The bytes READ asked of an nbdkit export, from its log filter's file.
+fn nbdkit_read_bytes(log: &std::path::Path) -> u64 {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(" Read "))
+        .filter_map(|l| l.split(" count=0x").nth(1))
+        .filter_map(|c| u64::from_str_radix(c.split_whitespace().next()?, 16).ok())
+        .sum()
+}
+
+/// Issue 34 (habits): `copy --verify` is sparse-aware, as `qemu-img compare`: what reads as
+/// zeroes on both sides is not read (a 256 MiB export holding 2 MiB of data is read for
+/// those 2 MiB, where it was read whole); a side that reads as zeroes where the other holds
+/// data is still caught, either way round.
+#[test]
+fn verify_reads_only_what_holds_data() {
+    if !require(&["nbdkit"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let size = 256 * MIB;
+    let src = image(dir.path(), "src.img", size, &[(0, MIB), (100 * MIB, MIB)]);
+    let s = src.to_str().unwrap();
+    let log = dir.path().join("nbdkit.log");
+    let peer = nbdkit(&[
+        "--filter=log",
+        "memory",
+        "256M",
+        &format!("logfile={}", log.display()),
+    ])
+    .unwrap();
+    ok(&["copy", "--verify", s, &peer.uri]);
+    let read = nbdkit_read_bytes(&log);
+    assert!(read <= 2 * MIB, "--verify read {read} bytes of the export");
+    let back = dir.path().join("back.img");
+    ok(&["copy", "--verify", &peer.uri, back.to_str().unwrap()]);
+    same(&src, &back);
+    drop(peer);
+
+    // Data where the source has a hole: stale bytes the copy was told not to zero.
+    let stale = image(dir.path(), "stale.img", size, &[(50 * MIB, MIB)]);
+    let server = qpip_server("stale", &stale, &[]);
+    let out = qpip_nbd(&["copy", "--verify", "--destination-is-zero", s, &server.uri]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    let first = |off: u64| {
+        off + pattern(off, MIB as usize)
+            .iter()
+            .position(|&b| b != 0)
+            .unwrap() as u64
+    };
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("differ at offset {}", first(50 * MIB))),
+        "{err}"
+    );
+    // Holes where the source has data: a destination that drops every write.
+    let null = nbdkit(&["null", "256M"]).unwrap();
+    let out = qpip_nbd(&["copy", "--verify", s, &null.uri]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("differ at offset {}", first(0))),
+        "{err}"
+    );
+}

@@ -323,7 +323,7 @@ fn copy_any(
     }
     finish_progress(&opts.progress);
     if opts.verify
-        && let Some(off) = first_mismatch(&mut srcs[0], &mut dsts[0], size)?
+        && let Some(off) = first_mismatch(&mut srcs[0], &mut dsts[0], size, opts.extents)?
     {
         bail!(
             "verify: {} and {} differ at offset {off}",
@@ -438,18 +438,41 @@ fn stream_out(mut src: Side, nic: &Nic, opts: &CopyOptions) -> Result<CopyStats>
     })
 }
 
-fn first_mismatch(a: &mut Side, b: &mut Side, size: u64) -> Result<Option<u64>> {
+/// The first offset where `a` and `b` differ. Sparse-aware, as `qemu-img compare`: a range
+/// that reads as zeroes on both sides (block status, SEEK_DATA) is not read; where only one
+/// side reads as zeroes, the other is read and must be zeroes. Without `extents`, both are
+/// read whole.
+fn first_mismatch(a: &mut Side, b: &mut Side, size: u64, extents: bool) -> Result<Option<u64>> {
     let mut x = vec![0u8; BATCH as usize];
     let mut y = vec![0u8; BATCH as usize];
     let mut pos = 0;
     while pos < size {
-        let n = (size - pos).min(BATCH) as usize;
-        a.read(pos, &mut x[..n])?;
-        b.read(pos, &mut y[..n])?;
-        if let Some(i) = x[..n].iter().zip(&y[..n]).position(|(p, q)| p != q) {
-            return Ok(Some(pos + i as u64));
+        let (la, za) = a.extent(pos, size - pos, extents)?;
+        let (lb, zb) = b.extent(pos, la, extents)?;
+        let end = pos + la.min(lb);
+        while pos < end {
+            let n = (end - pos).min(BATCH) as usize;
+            let differ = match (za, zb) {
+                (true, true) => None,
+                (true, false) => {
+                    b.read(pos, &mut y[..n])?;
+                    y[..n].iter().position(|&q| q != 0)
+                }
+                (false, true) => {
+                    a.read(pos, &mut x[..n])?;
+                    x[..n].iter().position(|&p| p != 0)
+                }
+                (false, false) => {
+                    a.read(pos, &mut x[..n])?;
+                    b.read(pos, &mut y[..n])?;
+                    x[..n].iter().zip(&y[..n]).position(|(p, q)| p != q)
+                }
+            };
+            if let Some(i) = differ {
+                return Ok(Some(pos + i as u64));
+            }
+            pos += n as u64;
         }
-        pos += n as u64;
     }
     Ok(None)
 }

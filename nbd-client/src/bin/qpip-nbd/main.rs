@@ -153,6 +153,9 @@ enum Cmd {
         /// (a read benchmark)
         dst: String,
         /// Re-read both sides afterwards and compare; report the first differing offset.
+        /// Sparse-aware, as qemu-img compare: ranges both sides report as zeroes (block
+        /// status, SEEK_DATA) are not read; where one side does, the other must read as
+        /// zeroes (--no-extents: both are read whole).
         #[arg(long)]
         verify: bool,
         /// Copy holes as data: no block status, no zero detection, zeroes written as data
