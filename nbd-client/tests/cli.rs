@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::os::unix::fs::FileExt;
 use std::process::{Command, Output};
 use std::time::Duration;
 
@@ -1193,4 +1194,115 @@ fn verify_reads_only_what_holds_data() {
         err.contains(&format!("differ at offset {}", first(0))),
         "{err}"
     );
+}
+
+/// `qpip-nbd ARGS` with `input` on its standard input (a pipe, as `cat img |` gives it).
+fn qpip_nbd_fed(args: &[&str], input: &[u8]) -> Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_qpip-nbd"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let fed = child.stdin.take().unwrap().write_all(input);
+    let out = child.wait_with_output().unwrap();
+    // A copy that stops reading early breaks the pipe: what it said is the useful part.
+    assert!(fed.is_ok(), "feeding {args:?}: {fed:?}; {out:?}");
+    out
+}
+
+/// Issue 34 (habits): a sparse image piped in stays sparse, as with nbdcopy: blocks of
+/// zeroes (-S, 4 KiB by default) go as WRITE_ZEROES to an export (which then holds the
+/// image's data, not 64 MiB) and stay holes in a local file, and the summary says so; -S 0
+/// writes them as data.
+#[test]
+fn a_sparse_image_piped_in_stays_sparse() {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 64 * MIB;
+    let mut bytes = vec![0u8; size as usize];
+    for (off, len) in [(0, MIB), (20 * MIB, 2 * MIB)] {
+        bytes[off as usize..(off + len) as usize].copy_from_slice(&pattern(off, len as usize));
+    }
+    let stale = |name: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, vec![0xEEu8; size as usize]).unwrap();
+        p
+    };
+    let dst = stale("dst.img");
+    let server = qpip_server("dst", &dst, &[]);
+    for sparse in [vec![], vec!["-S", "4096"]] {
+        let mut args = vec!["copy"];
+        args.extend(&sparse);
+        args.extend(["-", &server.uri]);
+        let out = qpip_nbd_fed(&args, &bytes);
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        assert_eq!(
+            summary(&out.stderr),
+            ("3.0 MiB data".into(), "61.0 MiB zero/holes".into()),
+            "{args:?}"
+        );
+        assert!(
+            std::fs::read(&dst).unwrap() == bytes,
+            "{args:?}: the export differs"
+        );
+        assert!(
+            allocated(&dst) <= 4 * MIB,
+            "{args:?}: {} bytes allocated",
+            allocated(&dst)
+        );
+    }
+    let out = qpip_nbd_fed(&["copy", "-S", "0", "-", &server.uri], &bytes);
+    assert_eq!(summary(&out.stderr).0, "64.0 MiB data", "{out:?}");
+    drop(server);
+    assert!(std::fs::read(&dst).unwrap() == bytes);
+
+    let local = dir.path().join("local.img");
+    let out = qpip_nbd_fed(&["copy", "-", local.to_str().unwrap()], &bytes);
+    assert!(out.status.success(), "{out:?}");
+    assert!(std::fs::read(&local).unwrap() == bytes);
+    assert!(
+        allocated(&local) <= 4 * MIB,
+        "{} bytes allocated",
+        allocated(&local)
+    );
+}
+
+/// Issue 34 (habits): -S 0 allocates a local destination's zeroes, as nbdcopy's -S 0 does (a
+/// fresh file kept them as holes whatever -S said, and the summary counted them as data):
+/// a source file holding allocated zeroes and holes makes the same file as nbdcopy's.
+#[test]
+fn s0_allocates_a_local_destinations_zeroes_as_nbdcopy() {
+    if !require(&["nbdcopy"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let size = 64 * MIB;
+    let src = image(dir.path(), "src.img", size, &[(0, MIB)]);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&src)
+        .unwrap()
+        .write_all_at(&vec![0u8; 8 * MIB as usize], 8 * MIB)
+        .unwrap();
+    let s = src.to_str().unwrap();
+    let (ours, theirs) = (dir.path().join("ours.img"), dir.path().join("theirs.img"));
+    ok(&["copy", "-S", "0", s, ours.to_str().unwrap()]);
+    let st = Command::new("nbdcopy")
+        .args(["-S", "0", s, theirs.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    same(&src, &ours);
+    assert_eq!(
+        allocated(&ours),
+        allocated(&theirs),
+        "-S 0: ours vs nbdcopy's"
+    );
+    assert!(allocated(&ours) >= 9 * MIB, "{}", allocated(&ours));
+    // And with zero detection on, both leave the zeroes as holes.
+    ok(&["copy", s, ours.to_str().unwrap()]);
+    assert!(allocated(&ours) <= 2 * MIB, "{}", allocated(&ours));
 }

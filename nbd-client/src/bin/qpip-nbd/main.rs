@@ -142,9 +142,11 @@ enum Cmd {
     /// a local destination is recreated sparse and keeps them as holes; an NBD destination
     /// gets WRITE_ZEROES (or zero writes if the server lacks it). A local destination file is
     /// truncated and sized to the source; an NBD destination must be at least as large.
-    /// Blocks of allocated zeroes are detected (-S) and zeroed instead of sent as data. The
-    /// destination is made durable only with --flush, as with nbdcopy. A summary line
-    /// follows on stderr; -q silences it.
+    /// Blocks of allocated zeroes, standard input's included, are detected (-S) and zeroed
+    /// (left as holes in a local file) instead of sent as data; with -S 0 they are written
+    /// as data, allocated in a local file too, as nbdcopy does. The destination is made
+    /// durable only with --flush, as with nbdcopy. A summary line follows on stderr; -q
+    /// silences it.
     Copy {
         /// Source: a file path, an NBD URI (nbd://, nbd+unix://, nbds://, nbds+unix://), or -
         /// for standard input
@@ -171,7 +173,8 @@ enum Cmd {
         #[arg(long, visible_alias = "target-is-zero")]
         destination_is_zero: bool,
         /// Zero detection: aligned blocks of N bytes that read as zeroes are sent as
-        /// WRITE_ZEROES (holes in a local file), not as data; 0 turns it off. As nbdcopy's.
+        /// WRITE_ZEROES (holes in a local file), not as data, standard input's too; 0 turns
+        /// it off: zeroes are written as data (allocated in a local file). As nbdcopy's.
         #[arg(short = 'S', long = "sparse", value_name = "N", default_value_t = 4096)]
         sparse: u64,
         /// A fully allocated destination: zero ranges are written as data, not as holes.
