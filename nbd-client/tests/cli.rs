@@ -712,6 +712,8 @@ fn copy_takes_nbdcopys_spellings_flush_and_zero_detection() {
         vec!["--allocated"],
         vec!["--no-extents"],
         vec!["--request-size=262144", "--queue-size=1048576"],
+        vec!["--queue-size=1M"],
+        vec!["--synchronous"],
         vec!["-R", "8", "-T", "2", "-C", "2"],
         vec!["--requests=4", "--threads=1", "--connections=1"],
     ] {
@@ -786,6 +788,10 @@ fn copy_takes_nbdcopys_spellings_flush_and_zero_detection() {
     ok(&["copy", "--flush", s, &peer.uri]);
     assert!(flushes() > 0, "--flush sends FLUSH");
 
+    // -V is the version, as nbdcopy's.
+    for v in ["-V", "--version"] {
+        assert!(ok(&["copy", v]).starts_with("qpip-nbd"), "copy {v}");
+    }
     // -q silences the summary; a window past 1..=64 is refused.
     let out = qpip_nbd(&["-q", "copy", s, &peer.uri]);
     assert!(out.status.success() && out.stderr.is_empty(), "{out:?}");
@@ -1026,6 +1032,7 @@ fn every_command_that_prints_ends_quietly_when_its_reader_goes_away() {
         vec!["--help"],
         vec!["copy", "--help"],
         vec!["--version"],
+        vec!["copy", "-V"],
     ] {
         with_stdout_closed(nbd, &args);
     }

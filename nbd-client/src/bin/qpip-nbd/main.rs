@@ -146,7 +146,8 @@ enum Cmd {
     /// (left as holes in a local file) instead of sent as data; with -S 0 they are written
     /// as data, allocated in a local file too, as nbdcopy does. The destination is made
     /// durable only with --flush, as with nbdcopy. A summary line follows on stderr; -q
-    /// silences it.
+    /// silences it. -V prints the version, as nbdcopy's.
+    #[command(version)]
     Copy {
         /// Source: a file path, an NBD URI (nbd://, nbd+unix://, nbds://, nbds+unix://), or -
         /// for standard input
@@ -210,9 +211,15 @@ enum Cmd {
         )]
         request_size: Option<u32>,
         /// Bytes in flight per connection at most (nbdcopy's): the window becomes N divided
-        /// by the request size, within 1..=64 and at most --requests.
-        #[arg(long, value_name = "N")]
+        /// by the request size, within 1..=64 and at most --requests. N in bytes or with a
+        /// K, M or G suffix (1M).
+        #[arg(long, value_name = "N", value_parser = qpip_cli::size::parse_size)]
         queue_size: Option<u64>,
+        /// No parallelism (nbdcopy's): one connection per side, one request in flight, the
+        /// blocks in order; slow, for servers that cannot take several requests at once.
+        /// (Standard input and output are always streamed in order, on one connection.)
+        #[arg(long)]
+        synchronous: bool,
         /// Give up on a lost connection after this many seconds.
         #[arg(long, default_value_t = 30.0, value_name = "SECS")]
         reconnect_timeout: f64,
@@ -363,6 +370,7 @@ fn run(cli: Cli) -> Result<i32> {
             window,
             request_size,
             queue_size,
+            synchronous,
             reconnect_timeout,
             no_progress,
             progress,
@@ -374,9 +382,11 @@ fn run(cli: Cli) -> Result<i32> {
                 (q / req).clamp(1, nbd_client::MAX_WINDOW as u64) as usize
             });
             let window = match (window.map(usize::from), by_queue) {
+                _ if synchronous => 1,
                 (Some(w), Some(q)) => w.min(q),
                 (w, q) => w.or(q).unwrap_or(32),
             };
+            let connections = if synchronous { 1 } else { connections };
             let progress = copy_progress(no_progress, progress);
             let allocated = allocated || no_sparse;
             let opts = copy::CopyOptions {
