@@ -457,30 +457,37 @@ fn stream_out(mut src: Side, nic: &Nic, opts: &CopyOptions) -> Result<CopyStats>
 fn first_mismatch(a: &mut Side, b: &mut Side, size: u64, extents: bool) -> Result<Option<u64>> {
     let mut x = vec![0u8; BATCH as usize];
     let mut y = vec![0u8; BATCH as usize];
+    // Compared against where one side reads as zeroes (slice equality is one memcmp).
+    let zeroes = vec![0u8; BATCH as usize];
     let mut pos = 0;
     while pos < size {
         let (la, za) = a.extent(pos, size - pos, extents)?;
         let (lb, zb) = b.extent(pos, la, extents)?;
         let end = pos + la.min(lb);
+        if za && zb {
+            pos = end;
+            continue;
+        }
         while pos < end {
             let n = (end - pos).min(BATCH) as usize;
-            let differ = match (za, zb) {
-                (true, true) => None,
-                (true, false) => {
+            let (p, q) = match (za, zb) {
+                (true, _) => {
                     b.read(pos, &mut y[..n])?;
-                    y[..n].iter().position(|&q| q != 0)
+                    (&zeroes[..n], &y[..n])
                 }
                 (false, true) => {
                     a.read(pos, &mut x[..n])?;
-                    x[..n].iter().position(|&p| p != 0)
+                    (&x[..n], &zeroes[..n])
                 }
                 (false, false) => {
                     a.read(pos, &mut x[..n])?;
                     b.read(pos, &mut y[..n])?;
-                    x[..n].iter().zip(&y[..n]).position(|(p, q)| p != q)
+                    (&x[..n], &y[..n])
                 }
             };
-            if let Some(i) = differ {
+            if p != q
+                && let Some(i) = p.iter().zip(q).position(|(u, v)| u != v)
+            {
                 return Ok(Some(pos + i as u64));
             }
             pos += n as u64;
