@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::os::unix::fs::FileExt;
 use std::process::{Command, Output};
 use std::time::Duration;
 
@@ -711,6 +712,8 @@ fn copy_takes_nbdcopys_spellings_flush_and_zero_detection() {
         vec!["--allocated"],
         vec!["--no-extents"],
         vec!["--request-size=262144", "--queue-size=1048576"],
+        vec!["--queue-size=1M"],
+        vec!["--synchronous"],
         vec!["-R", "8", "-T", "2", "-C", "2"],
         vec!["--requests=4", "--threads=1", "--connections=1"],
     ] {
@@ -785,6 +788,10 @@ fn copy_takes_nbdcopys_spellings_flush_and_zero_detection() {
     ok(&["copy", "--flush", s, &peer.uri]);
     assert!(flushes() > 0, "--flush sends FLUSH");
 
+    // -V is the version, as nbdcopy's.
+    for v in ["-V", "--version"] {
+        assert!(ok(&["copy", v]).starts_with("qpip-nbd"), "copy {v}");
+    }
     // -q silences the summary; a window past 1..=64 is refused.
     let out = qpip_nbd(&["-q", "copy", s, &peer.uri]);
     assert!(out.status.success() && out.stderr.is_empty(), "{out:?}");
@@ -1025,6 +1032,7 @@ fn every_command_that_prints_ends_quietly_when_its_reader_goes_away() {
         vec!["--help"],
         vec!["copy", "--help"],
         vec!["--version"],
+        vec!["copy", "-V"],
     ] {
         with_stdout_closed(nbd, &args);
     }
@@ -1038,4 +1046,270 @@ fn every_command_that_prints_ends_quietly_when_its_reader_goes_away() {
     ] {
         with_stdout_closed(&workspace_bin(package, bin), &["--help"]);
     }
+}
+
+/// Issue 34 (habits): `info`, `--list`, `--map` and `--map --totals` print nbdinfo's text
+/// byte for byte against the same export: its columns and widths, no blank line between
+/// listed exports, and can_df as libnbd reads it (from the connection's flags, which carry
+/// SEND_DF once structured replies are negotiated).
+#[test]
+fn info_text_is_nbdinfos_byte_for_byte() {
+    if !require(&["nbdinfo"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Offsets past ten digits, so that the map's columns widen as nbdinfo's do.
+    let size = 16 << 30;
+    let img = image(
+        dir.path(),
+        "a.img",
+        size,
+        &[(0, MIB), (5 * MIB, 3 * MIB), (size - MIB, MIB)],
+    );
+    let other = image(dir.path(), "b.img", 4 * MIB, &[(MIB, MIB)]);
+    let server = qpip_server(
+        "disk",
+        &img,
+        &[
+            "--export",
+            &format!("other={}", other.display()),
+            "--description",
+            "other=a second disk",
+        ],
+    );
+    let uri = server.uri.as_str();
+    let base = format!("nbd://127.0.0.1:{}", server.port);
+    for args in [
+        vec![uri],
+        vec!["--no-content", uri],
+        vec!["--map", uri],
+        vec!["--map=base:allocation", uri],
+        vec!["--map", "--totals", uri],
+        vec!["--list", &base],
+        vec!["--list", "--content", &base],
+    ] {
+        let theirs = Command::new("nbdinfo").args(&args).output().unwrap();
+        assert!(theirs.status.success(), "nbdinfo {args:?}: {theirs:?}");
+        let mut ours = vec!["info"];
+        ours.extend(&args);
+        let ours = ok(&ours);
+        let theirs = String::from_utf8(theirs.stdout).unwrap();
+        assert!(
+            ours == theirs,
+            "{args:?}:\nnbdinfo:\n{theirs}\nqpip-nbd:\n{ours}"
+        );
+    }
+    for feature in ["df", "structured-reply", "fua", "multi-conn"] {
+        let theirs = Command::new("nbdinfo")
+            .args(["--can", feature, uri])
+            .status()
+            .unwrap();
+        let ours = qpip_nbd(&["info", "--can", feature, uri]);
+        assert_eq!(ours.status.code(), theirs.code(), "--can {feature}");
+    }
+}
+
+/// Issue 34 (habits): a server that cannot be reached is one line that names its URI once
+/// ("cannot connect to URI: ..."), for info, list and either side of a copy.
+#[test]
+fn a_refused_connection_names_the_uri_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "a.img", MIB, &[(0, MIB)]);
+    let uri = format!("nbd://127.0.0.1:{}/x", free_port());
+    let at = format!("nbd://127.0.0.1:{}", free_port());
+    let back = dir.path().join("back.img");
+    let (img, back) = (img.to_str().unwrap(), back.to_str().unwrap());
+    for (args, named) in [
+        (vec!["info", &uri], &uri),
+        (vec!["info", "--map", &uri], &uri),
+        (vec!["info", "--list", &at], &at),
+        (vec!["list", &at], &at),
+        (vec!["copy", img, &uri], &uri),
+        (vec!["copy", &uri, back], &uri),
+    ] {
+        let out = qpip_nbd(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert_eq!(err.matches(named.as_str()).count(), 1, "{args:?}: {err}");
+        assert!(err.contains("cannot connect to"), "{args:?}: {err}");
+    }
+}
+
+/// The bytes READ asked of an nbdkit export, from its log filter's file.
+fn nbdkit_read_bytes(log: &std::path::Path) -> u64 {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(" Read "))
+        .filter_map(|l| l.split(" count=0x").nth(1))
+        .filter_map(|c| u64::from_str_radix(c.split_whitespace().next()?, 16).ok())
+        .sum()
+}
+
+/// Issue 34 (habits): `copy --verify` is sparse-aware, as `qemu-img compare`: what reads as
+/// zeroes on both sides is not read (a 256 MiB export holding 2 MiB of data is read for
+/// those 2 MiB, where it was read whole); a side that reads as zeroes where the other holds
+/// data is still caught, either way round.
+#[test]
+fn verify_reads_only_what_holds_data() {
+    if !require(&["nbdkit"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let size = 256 * MIB;
+    let src = image(dir.path(), "src.img", size, &[(0, MIB), (100 * MIB, MIB)]);
+    let s = src.to_str().unwrap();
+    let log = dir.path().join("nbdkit.log");
+    let peer = nbdkit(&[
+        "--filter=log",
+        "memory",
+        "256M",
+        &format!("logfile={}", log.display()),
+    ])
+    .unwrap();
+    ok(&["copy", "--verify", s, &peer.uri]);
+    let read = nbdkit_read_bytes(&log);
+    assert!(read <= 2 * MIB, "--verify read {read} bytes of the export");
+    let back = dir.path().join("back.img");
+    ok(&["copy", "--verify", &peer.uri, back.to_str().unwrap()]);
+    same(&src, &back);
+    drop(peer);
+
+    // Data where the source has a hole: stale bytes the copy was told not to zero.
+    let stale = image(dir.path(), "stale.img", size, &[(50 * MIB, MIB)]);
+    let server = qpip_server("stale", &stale, &[]);
+    let out = qpip_nbd(&["copy", "--verify", "--destination-is-zero", s, &server.uri]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    let first = |off: u64| {
+        off + pattern(off, MIB as usize)
+            .iter()
+            .position(|&b| b != 0)
+            .unwrap() as u64
+    };
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("differ at offset {}", first(50 * MIB))),
+        "{err}"
+    );
+    // Holes where the source has data: a destination that drops every write.
+    let null = nbdkit(&["null", "256M"]).unwrap();
+    let out = qpip_nbd(&["copy", "--verify", s, &null.uri]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("differ at offset {}", first(0))),
+        "{err}"
+    );
+}
+
+/// `qpip-nbd ARGS` with `input` on its standard input (a pipe, as `cat img |` gives it).
+fn qpip_nbd_fed(args: &[&str], input: &[u8]) -> Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_qpip-nbd"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let fed = child.stdin.take().unwrap().write_all(input);
+    let out = child.wait_with_output().unwrap();
+    // A copy that stops reading early breaks the pipe: what it said is the useful part.
+    assert!(fed.is_ok(), "feeding {args:?}: {fed:?}; {out:?}");
+    out
+}
+
+/// Issue 34 (habits): a sparse image piped in stays sparse, as with nbdcopy: blocks of
+/// zeroes (-S, 4 KiB by default) go as WRITE_ZEROES to an export (which then holds the
+/// image's data, not 64 MiB) and stay holes in a local file, and the summary says so; -S 0
+/// writes them as data.
+#[test]
+fn a_sparse_image_piped_in_stays_sparse() {
+    let dir = tempfile::tempdir().unwrap();
+    let size = 64 * MIB;
+    let mut bytes = vec![0u8; size as usize];
+    for (off, len) in [(0, MIB), (20 * MIB, 2 * MIB)] {
+        bytes[off as usize..(off + len) as usize].copy_from_slice(&pattern(off, len as usize));
+    }
+    let stale = |name: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, vec![0xEEu8; size as usize]).unwrap();
+        p
+    };
+    let dst = stale("dst.img");
+    let server = qpip_server("dst", &dst, &[]);
+    for sparse in [vec![], vec!["-S", "4096"]] {
+        let mut args = vec!["copy"];
+        args.extend(&sparse);
+        args.extend(["-", &server.uri]);
+        let out = qpip_nbd_fed(&args, &bytes);
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        assert_eq!(
+            summary(&out.stderr),
+            ("3.0 MiB data".into(), "61.0 MiB zero/holes".into()),
+            "{args:?}"
+        );
+        assert!(
+            std::fs::read(&dst).unwrap() == bytes,
+            "{args:?}: the export differs"
+        );
+        assert!(
+            allocated(&dst) <= 4 * MIB,
+            "{args:?}: {} bytes allocated",
+            allocated(&dst)
+        );
+    }
+    let out = qpip_nbd_fed(&["copy", "-S", "0", "-", &server.uri], &bytes);
+    assert_eq!(summary(&out.stderr).0, "64.0 MiB data", "{out:?}");
+    drop(server);
+    assert!(std::fs::read(&dst).unwrap() == bytes);
+
+    let local = dir.path().join("local.img");
+    let out = qpip_nbd_fed(&["copy", "-", local.to_str().unwrap()], &bytes);
+    assert!(out.status.success(), "{out:?}");
+    assert!(std::fs::read(&local).unwrap() == bytes);
+    assert!(
+        allocated(&local) <= 4 * MIB,
+        "{} bytes allocated",
+        allocated(&local)
+    );
+}
+
+/// Issue 34 (habits): -S 0 allocates a local destination's zeroes, as nbdcopy's -S 0 does (a
+/// fresh file kept them as holes whatever -S said, and the summary counted them as data):
+/// a source file holding allocated zeroes and holes makes the same file as nbdcopy's.
+#[test]
+fn s0_allocates_a_local_destinations_zeroes_as_nbdcopy() {
+    if !require(&["nbdcopy"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let size = 64 * MIB;
+    let src = image(dir.path(), "src.img", size, &[(0, MIB)]);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&src)
+        .unwrap()
+        .write_all_at(&vec![0u8; 8 * MIB as usize], 8 * MIB)
+        .unwrap();
+    let s = src.to_str().unwrap();
+    let (ours, theirs) = (dir.path().join("ours.img"), dir.path().join("theirs.img"));
+    ok(&["copy", "-S", "0", s, ours.to_str().unwrap()]);
+    let st = Command::new("nbdcopy")
+        .args(["-S", "0", s, theirs.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    same(&src, &ours);
+    assert_eq!(
+        allocated(&ours),
+        allocated(&theirs),
+        "-S 0: ours vs nbdcopy's"
+    );
+    assert!(allocated(&ours) >= 9 * MIB, "{}", allocated(&ours));
+    // And with zero detection on, both leave the zeroes as holes.
+    ok(&["copy", s, ours.to_str().unwrap()]);
+    assert!(allocated(&ours) <= 2 * MIB, "{}", allocated(&ours));
 }

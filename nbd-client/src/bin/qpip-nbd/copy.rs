@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use anyhow::{Context, Result, bail};
 use indicatif::ProgressBar;
 use nbd_client::{ClientOptions, Nic};
-use qpip_core::Access;
+use qpip_core::{Access, MemoryRegion};
 
 pub(crate) use crate::side::Endpoint;
 use crate::side::{BATCH, Side};
@@ -129,14 +129,7 @@ fn copy_range(
                 opts.check_stop()?;
                 let n = (pos + len - at).min(BATCH) as usize;
                 src.read_mr(at, &buf, n)?;
-                // SAFETY: the read has completed; no WR names the buffer now.
-                let zeroes = zero_blocks(unsafe { &buf.as_slice()[..n] }, at, opts.detect_zeroes);
-                if zeroes.is_empty() {
-                    dst.write_mr(at, &buf, n)?;
-                } else {
-                    dst.write_mr_zeroing(at, &buf, n, &zeroes, opts.destination_is_zero)?;
-                }
-                let z: u64 = zeroes.iter().map(|(_, l)| l).sum();
+                let z = write_detecting_zeroes(dst, at, &buf, n, opts)?;
                 at += n as u64;
                 data += n as u64 - z;
                 zero += z;
@@ -146,6 +139,26 @@ fn copy_range(
         pos += len;
     }
     Ok((data, zero))
+}
+
+/// Writes the first `n` bytes of `buf` at `at` of `dst`; its blocks of zeroes (`-S`) are
+/// zeroed instead, or left alone where the destination reads as zeroes. Returns the bytes
+/// zeroed so.
+fn write_detecting_zeroes(
+    dst: &mut Side,
+    at: u64,
+    buf: &MemoryRegion,
+    n: usize,
+    opts: &CopyOptions,
+) -> Result<u64> {
+    // SAFETY: the buffer is this worker's and no WR names it between its requests.
+    let zeroes = zero_blocks(unsafe { &buf.as_slice()[..n] }, at, opts.detect_zeroes);
+    if zeroes.is_empty() {
+        dst.write_mr(at, buf, n)?;
+    } else {
+        dst.write_mr_zeroing(at, buf, n, &zeroes, opts.destination_is_zero)?;
+    }
+    Ok(zeroes.iter().map(|(_, l)| l).sum())
 }
 
 /// The runs of `buf` (which sits at `offset` of its side) made of whole `block`-aligned
@@ -295,9 +308,6 @@ fn copy_any(
                 let start = (i as u64 * piece).min(size);
                 let end = ((i as u64 + 1) * piece).min(size);
                 s.spawn(move || {
-                    if opts.allocated {
-                        ds.allocate_all();
-                    }
                     let r = copy_range(sr, ds, start, end, opts, nic)?;
                     if opts.flush {
                         ds.flush()?;
@@ -323,7 +333,7 @@ fn copy_any(
     }
     finish_progress(&opts.progress);
     if opts.verify
-        && let Some(off) = first_mismatch(&mut srcs[0], &mut dsts[0], size)?
+        && let Some(off) = first_mismatch(&mut srcs[0], &mut dsts[0], size, opts.extents)?
     {
         bail!(
             "verify: {} and {} differ at offset {off}",
@@ -345,7 +355,7 @@ fn stream_in(mut dst: Side, nic: &Nic, opts: &CopyOptions) -> Result<CopyStats> 
         other => other.size(),
     };
     let mut stdin = std::io::stdin().lock();
-    let mut pos = 0u64;
+    let (mut pos, mut zero) = (0u64, 0u64);
     loop {
         opts.check_stop()?;
         // SAFETY: the buffer is ours; no WR names it between requests.
@@ -360,7 +370,9 @@ fn stream_in(mut dst: Side, nic: &Nic, opts: &CopyOptions) -> Result<CopyStats> 
                 dst.name()
             );
         }
-        dst.write_mr(pos, &buf, n)?;
+        // Zero blocks of the stream, as nbdcopy's: WRITE_ZEROES to an export, nothing to the
+        // fresh (truncated) file.
+        zero += write_detecting_zeroes(&mut dst, pos, &buf, n, opts)?;
         pos += n as u64;
         opts.progress.inc(n as u64);
     }
@@ -378,10 +390,10 @@ fn stream_in(mut dst: Side, nic: &Nic, opts: &CopyOptions) -> Result<CopyStats> 
     let reconnects = dst.finish()?;
     Ok(CopyStats {
         size: pos,
-        data_bytes: pos,
+        data_bytes: pos - zero,
+        zero_bytes: zero,
         connections: 1,
         reconnects,
-        ..Default::default()
     })
 }
 
@@ -438,18 +450,48 @@ fn stream_out(mut src: Side, nic: &Nic, opts: &CopyOptions) -> Result<CopyStats>
     })
 }
 
-fn first_mismatch(a: &mut Side, b: &mut Side, size: u64) -> Result<Option<u64>> {
+/// The first offset where `a` and `b` differ. Sparse-aware, as `qemu-img compare`: a range
+/// that reads as zeroes on both sides (block status, SEEK_DATA) is not read; where only one
+/// side reads as zeroes, the other is read and must be zeroes. Without `extents`, both are
+/// read whole.
+fn first_mismatch(a: &mut Side, b: &mut Side, size: u64, extents: bool) -> Result<Option<u64>> {
     let mut x = vec![0u8; BATCH as usize];
     let mut y = vec![0u8; BATCH as usize];
+    // Compared against where one side reads as zeroes (slice equality is one memcmp).
+    let zeroes = vec![0u8; BATCH as usize];
     let mut pos = 0;
     while pos < size {
-        let n = (size - pos).min(BATCH) as usize;
-        a.read(pos, &mut x[..n])?;
-        b.read(pos, &mut y[..n])?;
-        if let Some(i) = x[..n].iter().zip(&y[..n]).position(|(p, q)| p != q) {
-            return Ok(Some(pos + i as u64));
+        let (la, za) = a.extent(pos, size - pos, extents)?;
+        let (lb, zb) = b.extent(pos, la, extents)?;
+        let end = pos + la.min(lb);
+        if za && zb {
+            pos = end;
+            continue;
         }
-        pos += n as u64;
+        while pos < end {
+            let n = (end - pos).min(BATCH) as usize;
+            let (p, q) = match (za, zb) {
+                (true, _) => {
+                    b.read(pos, &mut y[..n])?;
+                    (&zeroes[..n], &y[..n])
+                }
+                (false, true) => {
+                    a.read(pos, &mut x[..n])?;
+                    (&x[..n], &zeroes[..n])
+                }
+                (false, false) => {
+                    a.read(pos, &mut x[..n])?;
+                    b.read(pos, &mut y[..n])?;
+                    (&x[..n], &y[..n])
+                }
+            };
+            if p != q
+                && let Some(i) = p.iter().zip(q).position(|(u, v)| u != v)
+            {
+                return Ok(Some(pos + i as u64));
+            }
+            pos += n as u64;
+        }
     }
     Ok(None)
 }

@@ -62,7 +62,7 @@ pub(crate) fn run(a: &InfoArgs, base: &ClientOptions) -> Result<i32> {
     let content = a.content.unwrap_or(!a.list);
     let exports = if a.list {
         let list = Client::list_with(&a.uri, base)
-            .with_context(|| format!("listing exports of {}", a.uri))?;
+            .map_err(|e| in_context(e, "listing exports of", &a.uri))?;
         let mut parsed = NbdUri::parse(&a.uri)?;
         let mut v = Vec::new();
         for e in list {
@@ -97,10 +97,8 @@ pub(crate) fn run(a: &InfoArgs, base: &ClientOptions) -> Result<i32> {
                 ""
             }
         )?;
-        for (i, d) in exports.iter().enumerate() {
-            if i > 0 {
-                outln!()?;
-            }
+        // One export after another, no blank line between them (as nbdinfo --list).
+        for d in &exports {
             d.print_text()?;
         }
     }
@@ -114,7 +112,7 @@ pub(crate) fn query(uri: &str, base: &ClientOptions) -> Result<ExportInfo> {
 }
 
 /// The error of a failed connection to `uri`: the server's export list when it refused the
-/// name, else the error with "`doing` URI" as context.
+/// name, else the error with "`doing` URI" as context (see [`in_context`]).
 pub(crate) fn unknown_export(
     uri: &str,
     e: nbd_client::Error,
@@ -123,8 +121,37 @@ pub(crate) fn unknown_export(
 ) -> anyhow::Error {
     match Client::explain_unknown_export(uri, &e, base) {
         Some(line) => anyhow::anyhow!(line),
-        None => anyhow::Error::new(e).context(format!("{doing} {uri}")),
+        None => in_context(e, doing, uri),
     }
+}
+
+/// `e` with "`doing` URI" as context, unless `e` names the URI itself ("cannot connect to
+/// URI: ..."): the message says the URI once.
+pub(crate) fn in_context(e: nbd_client::Error, doing: &str, uri: &str) -> anyhow::Error {
+    let e = anyhow::Error::new(e);
+    if names_uri(&e) {
+        e
+    } else {
+        e.context(format!("{doing} {uri}"))
+    }
+}
+
+/// `e` is a client error whose message names the server's URI (a failed connection or
+/// handshake, a lost connection, a broken protocol).
+pub(crate) fn names_uri(e: &anyhow::Error) -> bool {
+    use nbd_client::Error as E;
+    matches!(
+        e.downcast_ref::<E>(),
+        Some(
+            E::Connect { .. }
+                | E::Handshake { .. }
+                | E::HandshakeIo { .. }
+                | E::Tls { .. }
+                | E::ConnectionLost { .. }
+                | E::Protocol { .. }
+                | E::ExportChanged { .. }
+        )
+    )
 }
 
 fn connect_one(uri: &str, base: &ClientOptions) -> Result<Client> {
@@ -240,7 +267,9 @@ impl Feature {
             Feature::Trim => f.contains(TF::SEND_TRIM),
             Feature::Zero => f.contains(TF::SEND_WRITE_ZEROES),
             Feature::FastZero => f.contains(TF::SEND_FAST_ZERO),
-            Feature::Df => f.contains(TF::SEND_DF),
+            // Only a server's reply to NBD_OPT_GO after structured replies carries
+            // SEND_DF (NBD_OPT_INFO's flags lack it), as libnbd's can_df reads it.
+            Feature::Df => on_connection(|c| c.flags().contains(TF::SEND_DF))?,
             Feature::MultiConn => f.contains(TF::CAN_MULTI_CONN),
             Feature::Cache => f.contains(TF::SEND_CACHE),
             Feature::StructuredReply => on_connection(Client::structured_replies)?,
@@ -262,8 +291,11 @@ struct Details {
 }
 
 fn details(uri: &str, base: &ClientOptions, probe: bool) -> Result<Details> {
-    let info = query(uri, base)?;
+    let mut info = query(uri, base)?;
     let mut c = connect_one(uri, base)?;
+    // The flags of the connection, which negotiated structured replies: SEND_DF is sent
+    // only then (NBD_OPT_INFO precedes that negotiation), and libnbd's can_df reads these.
+    info.flags = c.flags();
     let structured = c.structured_replies();
     let contexts = if c.can_block_status() {
         vec![BASE_ALLOCATION]
@@ -447,7 +479,8 @@ fn print_map(map: &[(u64, u64, u32)], json: bool) -> Result<()> {
         outln!("{}", serde_json::to_string_pretty(&v)?)?;
     } else {
         for (o, l, t) in map {
-            outln!("{o:>12} {l:>12}  {t}  {}", describe(*t))?;
+            // nbdinfo's "%10" PRIu64 "  %10" PRIu64 "  %3" PRIu32 "  %s".
+            outln!("{o:>10}  {l:>10}  {t:>3}  {}", describe(*t))?;
         }
     }
     Ok(())
@@ -475,7 +508,8 @@ fn print_totals(map: &[(u64, u64, u32)], json: bool) -> Result<()> {
         outln!("{}", serde_json::to_string_pretty(&v)?)?;
     } else {
         for (n, p, t) in rows {
-            outln!("{n:>12} {p:5.1}%  {t}  {}", describe(t))?;
+            // nbdinfo's "%10" PRIu64 " %5.1f%% %3" PRIu32 " %s".
+            outln!("{n:>10} {p:5.1}% {t:>3} {}", describe(t))?;
         }
     }
     Ok(())

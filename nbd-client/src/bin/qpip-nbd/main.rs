@@ -142,9 +142,12 @@ enum Cmd {
     /// a local destination is recreated sparse and keeps them as holes; an NBD destination
     /// gets WRITE_ZEROES (or zero writes if the server lacks it). A local destination file is
     /// truncated and sized to the source; an NBD destination must be at least as large.
-    /// Blocks of allocated zeroes are detected (-S) and zeroed instead of sent as data. The
-    /// destination is made durable only with --flush, as with nbdcopy. A summary line
-    /// follows on stderr; -q silences it.
+    /// Blocks of allocated zeroes, standard input's included, are detected (-S) and zeroed
+    /// (left as holes in a local file) instead of sent as data; with -S 0 they are written
+    /// as data, allocated in a local file too, as nbdcopy does. The destination is made
+    /// durable only with --flush, as with nbdcopy. A summary line follows on stderr; -q
+    /// silences it. -V prints the version, as nbdcopy's.
+    #[command(version)]
     Copy {
         /// Source: a file path, an NBD URI (nbd://, nbd+unix://, nbds://, nbds+unix://), or -
         /// for standard input
@@ -153,6 +156,9 @@ enum Cmd {
         /// (a read benchmark)
         dst: String,
         /// Re-read both sides afterwards and compare; report the first differing offset.
+        /// Sparse-aware, as qemu-img compare: ranges both sides report as zeroes (block
+        /// status, SEEK_DATA) are not read; where one side does, the other must read as
+        /// zeroes (--no-extents: both are read whole).
         #[arg(long)]
         verify: bool,
         /// Copy holes as data: no block status, no zero detection, zeroes written as data
@@ -168,7 +174,8 @@ enum Cmd {
         #[arg(long, visible_alias = "target-is-zero")]
         destination_is_zero: bool,
         /// Zero detection: aligned blocks of N bytes that read as zeroes are sent as
-        /// WRITE_ZEROES (holes in a local file), not as data; 0 turns it off. As nbdcopy's.
+        /// WRITE_ZEROES (holes in a local file), not as data, standard input's too; 0 turns
+        /// it off: zeroes are written as data (allocated in a local file). As nbdcopy's.
         #[arg(short = 'S', long = "sparse", value_name = "N", default_value_t = 4096)]
         sparse: u64,
         /// A fully allocated destination: zero ranges are written as data, not as holes.
@@ -204,9 +211,15 @@ enum Cmd {
         )]
         request_size: Option<u32>,
         /// Bytes in flight per connection at most (nbdcopy's): the window becomes N divided
-        /// by the request size, within 1..=64 and at most --requests.
-        #[arg(long, value_name = "N")]
+        /// by the request size, within 1..=64 and at most --requests. N in bytes or with a
+        /// K, M or G suffix (1M).
+        #[arg(long, value_name = "N", value_parser = qpip_cli::size::parse_size)]
         queue_size: Option<u64>,
+        /// No parallelism (nbdcopy's): one connection per side, one request in flight, the
+        /// blocks in order; slow, for servers that cannot take several requests at once.
+        /// (Standard input and output are always streamed in order, on one connection.)
+        #[arg(long)]
+        synchronous: bool,
         /// Give up on a lost connection after this many seconds.
         #[arg(long, default_value_t = 30.0, value_name = "SECS")]
         reconnect_timeout: f64,
@@ -357,6 +370,7 @@ fn run(cli: Cli) -> Result<i32> {
             window,
             request_size,
             queue_size,
+            synchronous,
             reconnect_timeout,
             no_progress,
             progress,
@@ -368,9 +382,11 @@ fn run(cli: Cli) -> Result<i32> {
                 (q / req).clamp(1, nbd_client::MAX_WINDOW as u64) as usize
             });
             let window = match (window.map(usize::from), by_queue) {
+                _ if synchronous => 1,
                 (Some(w), Some(q)) => w.min(q),
                 (w, q) => w.or(q).unwrap_or(32),
             };
+            let connections = if synchronous { 1 } else { connections };
             let progress = copy_progress(no_progress, progress);
             let allocated = allocated || no_sparse;
             let opts = copy::CopyOptions {
@@ -401,6 +417,10 @@ fn run(cli: Cli) -> Result<i32> {
                         eprintln!("qpip-nbd: copying {} to {}: {i}", s.name(), d.name());
                         return Ok(128 + i.signal);
                     }
+                    // A side that cannot be reached is named by the error itself.
+                    if info::names_uri(&e) {
+                        return Err(e);
+                    }
                     return Err(e.context(format!("copying {} to {}", s.name(), d.name())));
                 }
             };
@@ -428,7 +448,8 @@ fn run(cli: Cli) -> Result<i32> {
 
 /// `qpip-nbd list`: the exports the server at `uri` names, as text or JSON.
 fn list(uri: &str, json: bool, base: &ClientOptions) -> Result<i32> {
-    let list = Client::list_with(uri, base).with_context(|| format!("listing exports of {uri}"))?;
+    let list =
+        Client::list_with(uri, base).map_err(|e| info::in_context(e, "listing exports of", uri))?;
     if json {
         let v: Vec<_> = list
             .iter()

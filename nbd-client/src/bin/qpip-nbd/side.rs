@@ -242,35 +242,8 @@ impl Side {
         Ok(())
     }
 
-    /// Zeroes are to be written as data from now on (`--allocated`): a fresh local file no
-    /// longer leaves all-zero granules as holes.
-    pub(crate) fn allocate_all(&mut self) {
-        if let Side::File { fresh, .. } = self {
-            *fresh = false;
-        }
-    }
-
     pub(crate) fn write(&mut self, off: u64, data: &[u8]) -> Result<()> {
         match self {
-            // A fresh sparse destination: all-zero granules stay holes (the source may not
-            // report holes, or may have allocated zeroes).
-            Side::File {
-                file,
-                path,
-                fresh: true,
-                ..
-            } => {
-                const GRANULE: usize = 64 * 1024;
-                for (i, g) in data.chunks(GRANULE).enumerate() {
-                    if g.iter().all(|&b| b == 0) {
-                        continue;
-                    }
-                    let at = off + (i * GRANULE) as u64;
-                    file.write_all_at(g, at)
-                        .with_context(|| format!("writing {} at {at}", path.display()))?;
-                }
-                Ok(())
-            }
             Side::File { file, path, .. } => file
                 .write_all_at(data, off)
                 .with_context(|| format!("writing {} at {off}", path.display())),
