@@ -1313,3 +1313,46 @@ fn s0_allocates_a_local_destinations_zeroes_as_nbdcopy() {
     ok(&["copy", s, ours.to_str().unwrap()]);
     assert!(allocated(&ours) <= 2 * MIB, "{}", allocated(&ours));
 }
+
+#[test]
+fn progress_to_a_descriptor_writes_nbdcopys_percent_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = image(dir.path(), "src.img", 16 * MIB, &[(0, 4 * MIB)]);
+    let (dst, lines) = (dir.path().join("dst.img"), dir.path().join("progress"));
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(r#""$0" copy --progress=3 "$1" "$2" 3>"$3""#)
+        .args([
+            env!("CARGO_BIN_EXE_qpip-nbd").as_ref(),
+            src.as_os_str(),
+            dst.as_os_str(),
+            lines.as_os_str(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    same(&src, &dst);
+    let text = std::fs::read_to_string(&lines).unwrap();
+    assert_eq!(text.lines().last(), Some("100/100"), "{text:?}");
+    for l in text.lines() {
+        let n = l.strip_suffix("/100").and_then(|n| n.parse::<u32>().ok());
+        assert!(n.is_some_and(|n| n <= 100), "{l:?} in {text:?}");
+    }
+    // A descriptor that is not open is one line naming it.
+    let bad = qpip_nbd(&[
+        "copy",
+        "--progress=200",
+        src.to_str().unwrap(),
+        dst.to_str().unwrap(),
+    ]);
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        err.contains("--progress=200") && err.trim().lines().count() == 1,
+        "{err}"
+    );
+}

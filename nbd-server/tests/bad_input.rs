@@ -1154,7 +1154,10 @@ fn a_connect_and_reset_flood_is_logged_a_line_a_second_not_a_line_a_connection()
     std::thread::sleep(Duration::from_secs(1));
     let secs = t.elapsed().as_secs() + 1;
     let log = srv.log();
-    let lines = log.lines().filter(|l| l.contains("connection ended")).count() as u64;
+    let lines = log
+        .lines()
+        .filter(|l| l.contains("connection ended"))
+        .count() as u64;
     assert!(
         lines <= secs + 1,
         "{lines} log lines about ended connections in {secs} s:\n{log}"

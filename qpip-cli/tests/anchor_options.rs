@@ -235,3 +235,72 @@ fn nbdfuse_options_are_the_mounts_or_refused_by_name() {
         table,
     );
 }
+#[test]
+fn nbdinfo_options_are_qpip_nbd_infos_or_refused_by_name() {
+    if !require(&["man", "nbdinfo"]) {
+        return;
+    }
+    let table: &[(&str, Fate)] = &[
+        ("--can", Taken(&["--can", "df"])),
+        ("--is", Taken(&["--is", "rotational"])),
+        ("--color", Taken(&["--color"])),
+        ("--colour", Taken(&["--colour"])),
+        ("--no-color", Taken(&["--no-color"])),
+        ("--no-colour", Taken(&["--no-colour"])),
+        ("--content", Taken(&["--content"])),
+        ("--no-content", Taken(&["--no-content"])),
+        ("--json", Taken(&["--json"])),
+        ("-L", Taken(&["-L"])),
+        ("--list", Taken(&["--list"])),
+        ("--map", Taken(&["--map=base:allocation"])),
+        ("--totals", Taken(&["--map", "--totals"])),
+        ("--size", Taken(&["--size"])),
+        ("--help", Taken(&[])),
+        ("-V", Taken(&["-V"])),
+        ("--version", Taken(&["--version"])),
+    ];
+    check(
+        "nbdinfo",
+        workspace_bin("nbd-client", "qpip-nbd"),
+        &["info"],
+        table,
+    );
+}
+
+#[test]
+fn nbdcopy_options_are_qpip_nbd_copys_or_refused_by_name() {
+    if !require(&["man", "nbdcopy"]) {
+        return;
+    }
+    let table: &[(&str, Fate)] = &[
+        ("--allocated", Taken(&["--allocated"])),
+        ("-C", Taken(&["-C", "2"])),
+        ("--connections", Taken(&["--connections=2"])),
+        ("--destination-is-zero", Taken(&["--destination-is-zero"])),
+        ("--target-is-zero", Taken(&["--target-is-zero"])),
+        ("--flush", Taken(&["--flush"])),
+        ("--no-extents", Taken(&["--no-extents"])),
+        ("-p", Taken(&["-p"])),
+        ("--progress", Taken(&["--progress=2"])),
+        ("--queue-size", Taken(&["--queue-size=1M"])),
+        ("--request-size", Taken(&["--request-size=1M"])),
+        ("-R", Taken(&["-R", "4"])),
+        ("--requests", Taken(&["--requests=4"])),
+        ("-S", Taken(&["-S", "0"])),
+        ("--sparse", Taken(&["--sparse=4096"])),
+        ("--synchronous", Taken(&["--synchronous"])),
+        ("-T", Taken(&["-T", "2"])),
+        ("--threads", Taken(&["--threads=2"])),
+        ("-v", Taken(&["-v"])),
+        ("--verbose", Taken(&["--verbose"])),
+        ("-V", Taken(&["-V"])),
+        ("--version", Taken(&["--version"])),
+        ("--help", Taken(&[])),
+    ];
+    check(
+        "nbdcopy",
+        workspace_bin("nbd-client", "qpip-nbd"),
+        &["copy"],
+        table,
+    );
+}

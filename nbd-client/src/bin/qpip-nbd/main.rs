@@ -67,6 +67,9 @@ enum Cmd {
     /// --size prints the size alone; --map[=CONTEXT] prints the allocation map, --totals its
     /// summary; --can, --is and --has FEATURE (synonyms, as in nbdinfo) answer by the exit
     /// status (0 yes, 2 no, 1 error), --cannot, --isnt and --hasnt the opposite.
+    /// --color/--colour and --no-color/--no-colour are accepted: the text has no colour
+    /// (what the server sends is escaped instead). -V prints the version, as nbdinfo's.
+    #[command(version)]
     Info {
         /// nbd://HOST[:PORT][/EXPORT] or nbd+unix:///EXPORT?socket=PATH
         uri: String,
@@ -115,6 +118,12 @@ enum Cmd {
         /// Exit 0 if the export lacks FEATURE, 2 if it has it; print nothing.
         #[arg(long, visible_aliases = ["isnt", "hasnt"], value_name = "FEATURE")]
         cannot: Option<String>,
+        /// Accepted, as nbdinfo's: the output has no colour to force.
+        #[arg(long, visible_alias = "colour", overrides_with = "no_color")]
+        color: bool,
+        /// Accepted, as nbdinfo's: the output has no colour.
+        #[arg(long, visible_alias = "no-colour", overrides_with = "color")]
+        no_color: bool,
     },
     /// Grow or shrink an export to SIZE, through NBD's experimental RESIZE extension
     /// (NBD_CMD_RESIZE), where the server offers it: qpip-nbd-server offers it on writable
@@ -204,11 +213,7 @@ enum Cmd {
         window: Option<u16>,
         /// The largest READ or WRITE request in bytes (nbdcopy's); above 1 MiB, the
         /// client's largest request, it is 1 MiB.
-        #[arg(
-            long,
-            value_name = "N",
-            value_parser = clap::value_parser!(u32).range(512..=(32 << 20))
-        )]
+        #[arg(long, value_name = "N", value_parser = request_size)]
         request_size: Option<u32>,
         /// Bytes in flight per connection at most (nbdcopy's): the window becomes N divided
         /// by the request size, within 1..=64 and at most --requests. N in bytes or with a
@@ -226,9 +231,17 @@ enum Cmd {
         /// No progress bar (it is shown only when stderr is a terminal anyway).
         #[arg(long, conflicts_with = "progress")]
         no_progress: bool,
-        /// A progress bar even when stderr is not a terminal (nbdcopy's -p).
-        #[arg(short = 'p', long)]
-        progress: bool,
+        /// A progress bar even when stderr is not a terminal (nbdcopy's -p); with =FD,
+        /// lines "PERCENT/100" written to file descriptor FD instead, as nbdcopy's
+        /// --progress=FD.
+        #[arg(
+            short = 'p',
+            long,
+            value_name = "FD",
+            num_args = 0..=1,
+            require_equals = true
+        )]
+        progress: Option<Option<i32>>,
     },
 }
 
@@ -258,10 +271,21 @@ fn main() {
     }
 }
 
-/// Progress where stderr is not a terminal (`copy -p` into a log): each redraw is one plain
-/// line, no cursor movement.
-#[derive(Debug)]
-struct ProgressLines;
+/// Progress as plain lines, one per redraw and no cursor movement: on stderr where it is not
+/// a terminal (`copy -p` into a log), or on the descriptor of `--progress=FD`.
+struct ProgressLines(parking_lot::Mutex<Box<dyn Write + Send>>);
+
+impl ProgressLines {
+    fn stderr() -> ProgressLines {
+        ProgressLines(parking_lot::Mutex::new(Box::new(std::io::stderr())))
+    }
+}
+
+impl std::fmt::Debug for ProgressLines {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ProgressLines")
+    }
+}
 
 impl TermLike for ProgressLines {
     fn width(&self) -> u16 {
@@ -280,19 +304,21 @@ impl TermLike for ProgressLines {
         Ok(())
     }
     fn write_line(&self, s: &str) -> std::io::Result<()> {
-        writeln!(std::io::stderr(), "{s}")
+        self.write_str(s)
     }
     fn write_str(&self, s: &str) -> std::io::Result<()> {
+        // indicatif pads over the previous, longer line with spaces: no line of its own.
+        let s = s.trim_end();
         if s.is_empty() {
             return Ok(());
         }
-        writeln!(std::io::stderr(), "{s}")
+        writeln!(self.0.lock(), "{s}")
     }
     fn clear_line(&self) -> std::io::Result<()> {
         Ok(())
     }
     fn flush(&self) -> std::io::Result<()> {
-        std::io::stderr().flush()
+        self.0.lock().flush()
     }
 }
 
@@ -324,6 +350,9 @@ fn run(cli: Cli) -> Result<i32> {
             totals,
             can,
             cannot,
+            // No colour to force or to take away.
+            color: _,
+            no_color: _,
         } => info::run(
             &info::InfoArgs {
                 uri,
@@ -387,7 +416,7 @@ fn run(cli: Cli) -> Result<i32> {
                 (w, q) => w.or(q).unwrap_or(32),
             };
             let connections = if synchronous { 1 } else { connections };
-            let progress = copy_progress(no_progress, progress);
+            let progress = copy_progress(no_progress, progress)?;
             let allocated = allocated || no_sparse;
             let opts = copy::CopyOptions {
                 extents: !(no_extents || no_sparse),
@@ -471,27 +500,46 @@ fn list(uri: &str, json: bool, base: &ClientOptions) -> Result<i32> {
     Ok(0)
 }
 
+/// `--request-size N`: bytes, or with a K or M suffix (nbdcopy takes 1M), 512 to 32 MiB.
+fn request_size(s: &str) -> Result<u32, String> {
+    let n = qpip_cli::size::parse_size(s).map_err(|e| e.to_string())?;
+    u32::try_from(n)
+        .ok()
+        .filter(|n| (512..=32 << 20).contains(n))
+        .ok_or_else(|| format!("{s}: give 512 bytes to 32M"))
+}
+
 /// The progress bar of a copy: none with --no-progress or where stderr is no terminal (unless
-/// --progress asks for one).
-fn copy_progress(no_progress: bool, progress: bool) -> ProgressBar {
-    if no_progress || !(progress || std::io::stderr().is_terminal()) {
-        ProgressBar::hidden()
-    } else {
-        let pb = ProgressBar::with_draw_target(
-            Some(0),
-            if progress {
-                // Drawn even where stderr is no terminal, at most once a second.
-                ProgressDrawTarget::term_like_with_hz(Box::new(ProgressLines), 1)
-            } else {
-                ProgressDrawTarget::stderr()
-            },
-        );
-        pb.set_style(
-            ProgressStyle::with_template(
-                "{bytes}/{total_bytes} [{wide_bar}] {binary_bytes_per_sec} eta {eta}",
+/// --progress asks for one); with --progress=FD, nbdcopy's "PERCENT/100" lines on FD.
+fn copy_progress(no_progress: bool, progress: Option<Option<i32>>) -> Result<ProgressBar> {
+    let (target, template) = match progress {
+        _ if no_progress => return Ok(ProgressBar::hidden()),
+        Some(Some(fd)) => {
+            // SAFETY: F_GETFD only asks whether `fd` is open.
+            if fd < 0 || unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+                anyhow::bail!("--progress={fd}: file descriptor {fd} is not open");
+            }
+            // SAFETY: the user handed the descriptor to this process for the progress
+            // lines; nothing else here uses it.
+            let file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+            let lines = ProgressLines(parking_lot::Mutex::new(Box::new(file)));
+            (
+                ProgressDrawTarget::term_like_with_hz(Box::new(lines), 1),
+                "{percent}/100",
             )
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-        );
-        pb
-    }
+        }
+        // Drawn even where stderr is no terminal, at most once a second.
+        Some(None) => (
+            ProgressDrawTarget::term_like_with_hz(Box::new(ProgressLines::stderr()), 1),
+            BAR,
+        ),
+        None if std::io::stderr().is_terminal() => (ProgressDrawTarget::stderr(), BAR),
+        None => return Ok(ProgressBar::hidden()),
+    };
+    const BAR: &str = "{bytes}/{total_bytes} [{wide_bar}] {binary_bytes_per_sec} eta {eta}";
+    let pb = ProgressBar::with_draw_target(Some(0), target);
+    pb.set_style(
+        ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    Ok(pb)
 }
