@@ -75,4 +75,7 @@ fn demo_writes_read_back_while_the_server_runs() {
     c.read_exact(&mut back).unwrap();
     assert!(back == data);
     assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+    // The hint names the port it listens on (not NBD's default here), so it works as given.
+    let want = format!("try: nbdinfo nbd://127.0.0.1:{}/demo", srv.addr.port());
+    assert!(srv.log().contains(&want), "{}", srv.log());
 }

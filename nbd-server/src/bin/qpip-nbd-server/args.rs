@@ -324,8 +324,8 @@ impl From<EncryptionArg> for EncryptionFormat {
 pub enum FormatArg {
     /// The file's bytes are the disk.
     Raw,
-    /// A qcow2 image (version 3 as `qemu-img create -f qcow2` makes it; version 2
-    /// read-only): the disk is its virtual disk.
+    /// A qcow2 image (version 3 as `qemu-img create -f qcow2` makes it, or version 2, as
+    /// `-o compat=0.10`): the disk is its virtual disk.
     Qcow2,
 }
 

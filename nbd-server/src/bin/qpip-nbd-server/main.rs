@@ -274,13 +274,23 @@ fn announce(cli: &Cli, settings: &Settings, server: &Server) {
         eprintln!("qpip-nbd-server: listening on {a}");
     }
     if settings.demo {
-        match settings.lanai_addr {
-            Some(a) => eprintln!(
-                "qpip-nbd-server: serving the demo image as export \"demo\"; try: qpip-nbd info --backend lanai nbd://[{a}]/demo"
-            ),
-            None => eprintln!(
-                "qpip-nbd-server: serving the demo image as export \"demo\"; try: nbdinfo nbd://127.0.0.1/demo"
-            ),
+        // The hint names an address the server listens on, with its port when it is not
+        // NBD's default (a URI without one means 10809).
+        let tcp = server.local_addrs().iter().filter_map(|e| match e {
+            qpip_core::Endpoint::Ip(a) => Some(*a),
+            qpip_core::Endpoint::Unix(_) => None,
+        });
+        let addr = tcp.clone().find(|a| a.is_ipv4()).or_else(|| tcp.clone().next());
+        let uri = |a: std::net::SocketAddr| match a.port() {
+            10809 if a.is_ipv4() => format!("nbd://{}/demo", a.ip()),
+            10809 => format!("nbd://[{}]/demo", a.ip()),
+            _ => format!("nbd://{a}/demo"),
+        };
+        let serving = "qpip-nbd-server: serving the demo image as export \"demo\"; try:";
+        match (settings.lanai_addr, addr) {
+            (Some(_), Some(a)) => eprintln!("{serving} qpip-nbd info --backend lanai {}", uri(a)),
+            (None, Some(a)) => eprintln!("{serving} nbdinfo {}", uri(a)),
+            (_, None) => {}
         }
     }
 }
