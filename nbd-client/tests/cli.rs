@@ -922,6 +922,14 @@ fn copy_progress_failure_cleanup_and_unknown_export() {
             "{args:?}: {err}"
         );
     }
+    // No export in the URI, and no default export: said so, with a URI that works.
+    let none = format!("nbd://127.0.0.1:{}/", server.port);
+    let err = String::from_utf8_lossy(&qpip_nbd(&["info", &none]).stderr).to_string();
+    let want = format!(
+        "no default export (the URI names none); its exports: \"disk\": name one in the URI (e.g. nbd://127.0.0.1:{}/disk)",
+        server.port
+    );
+    assert!(err.contains(&want) && err.lines().count() == 1, "{err}");
 
     // A source that fails every read: the new destination is removed, an old one kept.
     let Some(bad) = nbdkit(&[

@@ -163,14 +163,24 @@ impl Client {
             return None;
         }
         let names: Vec<String> = list.iter().map(|x| format!("{:?}", x.name)).collect();
+        let exports = if names.is_empty() {
+            "(none listed)".to_string()
+        } else {
+            names.join(", ")
+        };
+        // The empty name is the server's default export: a URI without one asks for it.
+        if parsed.export.is_empty() {
+            let example = list.first().map_or(String::new(), |x| {
+                base.export.clone_from(&x.name);
+                format!(" (e.g. {base})")
+            });
+            return Some(format!(
+                "{parsed}: the server has no default export (the URI names none); its exports: {exports}: name one in the URI{example}"
+            ));
+        }
         Some(format!(
-            "{parsed}: the server has no export named {:?}; its exports: {}",
+            "{parsed}: the server has no export named {:?}; its exports: {exports}",
             parsed.export,
-            if names.is_empty() {
-                "(none listed)".to_string()
-            } else {
-                names.join(", ")
-            }
         ))
     }
 

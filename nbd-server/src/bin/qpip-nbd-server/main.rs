@@ -280,7 +280,10 @@ fn announce(cli: &Cli, settings: &Settings, server: &Server) {
             qpip_core::Endpoint::Ip(a) => Some(*a),
             qpip_core::Endpoint::Unix(_) => None,
         });
-        let addr = tcp.clone().find(|a| a.is_ipv4()).or_else(|| tcp.clone().next());
+        let addr = tcp
+            .clone()
+            .find(|a| a.is_ipv4())
+            .or_else(|| tcp.clone().next());
         let uri = |a: std::net::SocketAddr| match a.port() {
             10809 if a.is_ipv4() => format!("nbd://{}/demo", a.ip()),
             10809 => format!("nbd://[{}]/demo", a.ip()),
