@@ -629,6 +629,14 @@ fn io_continues_across_a_server_restart() {
     let mut back = vec![0u8; first.len()];
     f.read_exact_at(&mut back, MIB).unwrap();
     assert!(back == first, "data differs after the reconnection");
+    // The loss and the reconnection are both warnings: a log at the default level that
+    // says "reconnecting" also says when it did.
+    let log = std::fs::read_to_string(mount_log(&mnt)).unwrap();
+    let warns = |what: &str| log.lines().any(|l| l.contains("WARN") && l.contains(what));
+    assert!(
+        warns("reconnecting") && warns("reconnected"),
+        "mount log: {log}"
+    );
     let second = pattern(8 * MIB, MIB as usize);
     f.write_all_at(&second, 8 * MIB).unwrap();
     f.sync_all().unwrap();

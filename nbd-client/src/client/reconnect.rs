@@ -54,7 +54,9 @@ impl Client {
             match self.reconnect(self.opts.connect_timeout.min(left)) {
                 Attempt::Reconnected => {
                     self.recovery.reconnected();
-                    tracing::info!(uri = %self.uri, reissued = self.session.in_flight(), after = ?start.elapsed(), "reconnected");
+                    // At the level of the loss's line: a log at the default level that says
+                    // "reconnecting" also says when it did.
+                    tracing::warn!(uri = %self.uri, reissued = self.session.in_flight(), after = ?start.elapsed(), "reconnected");
                     return;
                 }
                 Attempt::Failed(why) => last = why,
