@@ -990,6 +990,27 @@ fn man_pages_have_exit_status_environment_and_see_also() {
             assert!(roff.contains(m), "{page} does not mention {m}");
         }
     }
+    // The synopsis says what each option takes, as man shows it.
+    let text = Command::new("man")
+        .arg("-l")
+        .arg(dir.path().join("qpip-nbd-server.1"))
+        .env("MANWIDTH", "1000")
+        .output()
+        .unwrap();
+    // Overstrikes (bold, underline) undone, as col -b does.
+    let mut plain_text = String::new();
+    for c in String::from_utf8_lossy(&text.stdout).chars() {
+        if c == '\u{8}' {
+            plain_text.pop();
+        } else {
+            plain_text.push(c);
+        }
+    }
+    let text = plain_text;
+    for want in ["[-l|--listen ADDR:PORT]...", "[--cache CACHE]", "[FILE...]"] {
+        let plain: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert!(plain.contains(want), "the SYNOPSIS lacks {want}: {text}");
+    }
 }
 
 /// Runs `program args` with its standard output a pipe whose reader is already gone, as

@@ -53,8 +53,16 @@ fn write_page(cmd: &clap::Command, title: &str, dir: &Path) -> std::io::Result<(
         .unwrap_or_else(|| Sections::common(&[]));
     let cmd = cmd.clone().name(name);
     let mut out = Vec::new();
-    clap_mangen::Man::new(cmd).render(&mut out)?;
+    clap_mangen::Man::new(cmd.clone()).render(&mut out)?;
     let mut page = String::from_utf8_lossy(&out).into_owned();
+    // clap_mangen's synopsis names the options without their arguments ([-l|--listen]):
+    // ours says what each takes ([-l|--listen ADDR:PORT]), as man pages do.
+    if let Some(start) = page.find(".SH SYNOPSIS\n") {
+        let body = start + ".SH SYNOPSIS\n".len();
+        let end = page[body..].find(".SH ").map_or(page.len(), |n| body + n);
+        // No hyphenation: an option split across lines (--exclu- sive) reads wrong.
+        page.replace_range(body..end, &format!(".nh\n{}.hy\n", synopsis(&cmd)));
+    }
     let extra = roff_sections(known);
     // Before VERSION and AUTHORS, where man pages keep them.
     match page.find(".SH VERSION") {
@@ -231,6 +239,68 @@ pub fn sections(program: &str) -> Option<Sections> {
     Some(s)
 }
 
+/// The SYNOPSIS of `cmd`: its name, then every option it shows with the argument it takes,
+/// the arguments, and its subcommand.
+fn synopsis(cmd: &clap::Command) -> String {
+    let mut words = vec![format!("\\fB{}\\fR", roff_text(cmd.get_name()))];
+    for a in cmd.get_arguments().filter(|a| !a.is_hide_set()) {
+        let values: Vec<String> = a
+            .get_value_names()
+            .map(|v| {
+                v.iter()
+                    .map(|v| format!("\\fI{}\\fR", roff_text(v)))
+                    .collect()
+            })
+            .unwrap_or_else(|| {
+                vec![format!(
+                    "\\fI{}\\fR",
+                    roff_text(a.get_id().as_str()).to_uppercase()
+                )]
+            });
+        let takes = a.get_action().takes_values();
+        let optional_value = a.get_num_args().is_some_and(|n| n.min_values() == 0);
+        let many = matches!(
+            a.get_action(),
+            clap::ArgAction::Count | clap::ArgAction::Append
+        );
+        let word = if a.is_positional() {
+            let v = values.join(" ");
+            let v = if many { format!("{v}...") } else { v };
+            if a.is_required_set() {
+                v
+            } else {
+                format!("[{v}]")
+            }
+        } else {
+            let mut names = Vec::new();
+            if let Some(s) = a.get_short() {
+                names.push(format!("\\fB\\-{}\\fR", roff_text(&s.to_string())));
+            }
+            if let Some(l) = a.get_long() {
+                names.push(format!("\\fB\\-\\-{}\\fR", roff_text(l)));
+            }
+            let mut w = names.join("|");
+            if takes && optional_value {
+                w.push_str(&format!("[={}]", values.join(" ")));
+            } else if takes {
+                w.push(' ');
+                w.push_str(&values.join(" "));
+            }
+            let w = if a.is_required_set() {
+                w
+            } else {
+                format!("[{w}]")
+            };
+            if many { format!("{w}...") } else { w }
+        };
+        words.push(word);
+    }
+    if cmd.has_subcommands() {
+        words.push("\\fICOMMAND\\fR".into());
+    }
+    format!("{}\n", words.join(" "))
+}
+
 /// Roff for text: backslashes and hyphens escaped, no line taken for a request.
 fn roff_text(t: &str) -> String {
     let t = t.replace('\\', "\\e").replace('-', "\\-");
@@ -284,5 +354,30 @@ mod tests {
             assert!(r.contains(".SH \"SEE ALSO\""), "{p}");
         }
         assert_eq!(roff_text(".x-y"), "\\&.x\\-y");
+    }
+
+    #[test]
+    fn the_synopsis_names_what_each_option_takes() {
+        #[derive(clap::Parser)]
+        #[command(name = "x")]
+        struct Cli {
+            #[arg(short, long, value_name = "ADDR:PORT")]
+            listen: Vec<String>,
+            #[arg(short, long, action = clap::ArgAction::Count)]
+            verbose: u8,
+            #[arg(long, value_name = "FD", num_args = 0..=1, require_equals = true)]
+            progress: Option<Option<i32>>,
+            #[arg(long, hide = true)]
+            secret: bool,
+            file: Option<String>,
+        }
+        let cmd = <Cli as clap::CommandFactory>::command();
+        let s = synopsis(&cmd);
+        assert_eq!(
+            s,
+            "\\fBx\\fR [\\fB\\-l\\fR|\\fB\\-\\-listen\\fR \\fIADDR:PORT\\fR]... \
+             [\\fB\\-v\\fR|\\fB\\-\\-verbose\\fR]... \
+             [\\fB\\-\\-progress\\fR[=\\fIFD\\fR]] [\\fIFILE\\fR]\n"
+        );
     }
 }
