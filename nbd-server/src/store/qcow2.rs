@@ -9,19 +9,20 @@
 //! Refused at open (`header.rs`), with one line: encryption, extended L2 entries
 //! (subclusters), narrower refcounts, unknown incompatible features, images marked dirty or
 //! corrupt; `store::open` refuses backing files over a protocol or in formats other than
-//! qcow2 and raw, and chains deeper than `open::MAX_BACKING_DEPTH`.
+//! qcow2 and raw, chains deeper than `open::MAX_BACKING_DEPTH` or that loop, and the files an
+//! image names where the user did not allow them (`store::named`).
 //!
 //! An external data file (`data_file`, header extension 0x44415441) is opened beside the image
-//! by `store::open`, locked as the image is: its name resolved against the image's directory
-//! (qemu opens a relative name from its current directory; run from the image's directory,
-//! both agree). Data clusters lie there at their guest offsets, unrefcounted, as qemu keeps
+//! by `store::open` where `store::named` allows, locked as the image is: its name resolved
+//! against the image's directory (qemu opens a relative name from its current directory; run
+//! from the image's directory, both agree). Data clusters lie there at their guest offsets, unrefcounted, as qemu keeps
 //! them (an L2 entry of offset 0 is the data file's first cluster where COPIED says so); with
 //! `data_file_raw` the data file is kept a raw image of the disk (zeroing zeroes it too) and
 //! the autoclear bit that says so is kept.
 //!
 //! A backing file (qcow2 or raw; its name resolved against this image's directory as qemu
 //! resolves it, its format from the header extension or probed) is opened read-only by
-//! `store::open`, which follows the chain up to `open::MAX_BACKING_DEPTH` images and locks
+//! `store::open` where `store::named` allows, which follows the chain up to `open::MAX_BACKING_DEPTH` images and locks
 //! each file as qemu locks a backing file. Unallocated clusters read from it (zeroes past its
 //! end); writes copy-on-write into this image (a partial cluster reads the backing cluster
 //! first); zeroing sets the zero flag, which hides the backing data; block status asks the
