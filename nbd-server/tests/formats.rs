@@ -1219,6 +1219,37 @@ fn qcow2_backing_loop_is_refused_by_identity() {
     assert!(rss < 300 << 10, "the server took {} MiB", rss >> 10);
 }
 
+/// B4 (issue 34): the tables of a chain's images count against one bound
+/// (`MAX_CHAIN_TABLE_BYTES`, 256 MiB): a chain of eight images with 32 MiB L1 tables each is
+/// refused at the eighth, saying so.
+#[test]
+fn qcow2_backing_chain_tables_are_bounded_together() {
+    if !require(&["qemu-img"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    for i in (0..8).rev() {
+        let name = format!("c{i}.qcow2");
+        let backing = format!("c{}.qcow2", i + 1);
+        let mut create = vec!["create", "-f", "qcow2"];
+        if i < 7 {
+            create.extend(["-b", &backing, "-F", "qcow2"]);
+        }
+        create.extend([&name, "2P"]);
+        qemu_img_in(d, &create);
+    }
+    let top = s(&d.join("c0.qcow2"));
+    refused(
+        &["--export", &format!("x={top}")],
+        &[
+            &top,
+            "c7.qcow2",
+            "of the 256 MiB that the tables of one backing chain may take in memory",
+        ],
+    );
+}
+
 /// Version 2 images (compat=0.10, no zero flag) are written: zeroing deallocates or zeroes
 /// the clusters' bytes, and writes zeroes over a backing file rather than expose it.
 #[test]

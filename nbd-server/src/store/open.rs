@@ -268,6 +268,7 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Box<dyn Store>, OpenErro
         dirs: &opts.backing_dirs,
         allowed: None,
         seen: Vec::new(),
+        tables_left: MAX_CHAIN_TABLE_BYTES,
     };
     let opened = std::fs::OpenOptions::new()
         .read(true)
@@ -323,6 +324,13 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Box<dyn Store>, OpenErro
 /// make. (A chain that loops is refused at the first image met twice.)
 pub const MAX_BACKING_DEPTH: usize = 32;
 
+/// How many bytes of L1 and refcount tables the images of one export (the served one and its
+/// backing chain) may hold in memory together. qemu bounds each image's (32 MiB of L1 table,
+/// 8 MiB of refcount table), not a chain's; 256 MiB is six images with the largest tables
+/// qemu allows, far past what image tools make (a 1 TiB image with 64 KiB clusters has a
+/// 16 KiB L1 table and a 64 KiB refcount table).
+pub const MAX_CHAIN_TABLE_BYTES: u64 = 256 << 20;
+
 /// What opening one export's images keeps, from the served image down its backing chain.
 struct Chain<'a> {
     /// The served image, as the user named it.
@@ -333,6 +341,8 @@ struct Chain<'a> {
     allowed: Option<Allowed>,
     /// The images and data files opened so far: a file met again is refused (a loop).
     seen: Vec<Identity>,
+    /// What the tables of the images still to be opened may take.
+    tables_left: u64,
 }
 
 impl Chain<'_> {
@@ -412,7 +422,7 @@ fn open_image(
                     "is not a qcow2 image (no qcow2 magic in its first bytes); drop --format qcow2 to serve it as raw",
                 ));
             }
-            let mut q = Qcow2::open(path, file, read_only)?;
+            let mut q = Qcow2::open(path, file, read_only, &mut chain.tables_left)?;
             let data_file = q.data_file_name().map(str::to_owned);
             let backing = q
                 .backing_name()?

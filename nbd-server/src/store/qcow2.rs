@@ -46,8 +46,9 @@
 //! the v3 "reads as zero" flag and keep the cluster allocated.
 //!
 //! Crafted headers are bounded as qemu bounds them (L1 table 32 MiB, refcount table 8 MiB;
-//! of the L1 table only what the virtual disk needs is read), and the tables must lie in the
-//! file, off the header and off each other. A write through an L2 entry (or to an L2 table)
+//! of the L1 table only what the virtual disk needs is read), the tables of a backing chain's
+//! images together by `open::MAX_CHAIN_TABLE_BYTES`, and the tables must lie in the file, off
+//! the header and off each other. A write through an L2 entry (or to an L2 table)
 //! that lies on the image's own metadata fails with EIO and marks the image corrupt, as
 //! qemu's overlap check does.
 
@@ -156,9 +157,16 @@ struct State {
 
 impl Qcow2 {
     /// Opens the qcow2 image in `file` (which starts with the magic), found at `path`, and
-    /// refuses what this reader does not handle (the caller names the file).
-    pub fn open(path: &Path, file: File, read_only: bool) -> io::Result<Qcow2> {
-        let opened = header::read(&file)?;
+    /// refuses what this reader does not handle (the caller names the file). Its L1 and
+    /// refcount tables are read into memory if they fit in `tables_left` bytes, which they
+    /// then take from it (a backing chain shares one bound).
+    pub fn open(
+        path: &Path,
+        file: File,
+        read_only: bool,
+        tables_left: &mut u64,
+    ) -> io::Result<Qcow2> {
+        let opened = header::read(&file, tables_left)?;
         let h = opened.header;
         let q = Qcow2 {
             path: path.to_owned(),
@@ -448,7 +456,14 @@ mod tests {
     #[test]
     fn allocating_writes_order_refcounts_before_l2_entries_with_one_barrier() {
         let dir = tempfile::tempdir().unwrap();
-        let q = Qcow2::open(Path::new("t.qcow2"), image(dir.path()), false).unwrap();
+        let mut no_bound = u64::MAX;
+        let q = Qcow2::open(
+            Path::new("t.qcow2"),
+            image(dir.path()),
+            false,
+            &mut no_bound,
+        )
+        .unwrap();
         let barriers = || q.barriers.load(Ordering::Relaxed);
         // A new L2 table and a new cluster.
         q.write_at(&[0x11; 4096], 0).unwrap();
@@ -504,7 +519,14 @@ mod tests {
         let l2 = |i: u64, e: u64| f.write_all_at(&e.to_be_bytes(), 4 * CS + i * 8).unwrap();
         l2(0, entry(deflated.len()));
         l2(1, entry(garbage.len()) + 32768);
-        let q = Qcow2::open(Path::new("t.qcow2"), f.try_clone().unwrap(), true).unwrap();
+        let mut no_bound = u64::MAX;
+        let q = Qcow2::open(
+            Path::new("t.qcow2"),
+            f.try_clone().unwrap(),
+            true,
+            &mut no_bound,
+        )
+        .unwrap();
         let mut back = vec![0u8; CS as usize];
         q.read_at(&mut back, 0).unwrap();
         assert!(back.iter().all(|&b| b == 0x5a));
@@ -516,7 +538,7 @@ mod tests {
         f.write_all_at(&[1], 104).unwrap();
         f.write_all_at(&8u64.to_be_bytes(), 72).unwrap();
         l2(0, entry(zstd_frame.len()) + 16384);
-        let q = Qcow2::open(Path::new("t.qcow2"), f, true).unwrap();
+        let q = Qcow2::open(Path::new("t.qcow2"), f, true, &mut no_bound).unwrap();
         let err = q.read_at(&mut back, 0).unwrap_err();
         assert!(err.to_string().contains("more than a cluster"), "{err}");
         assert!(q.read_at(&mut back, CS).is_err());
