@@ -279,7 +279,7 @@ fn other_formats_and_unsupported_qcow2_features_are_refused_by_name() {
     );
     refused(
         &["--export", &format!("x={looped}")],
-        &[&looped, "backing file", "deeper than 32"],
+        &[&looped, "backing file", "the backing chain loops"],
     );
     let orphan = qemu_img_create(
         d,
@@ -1093,6 +1093,373 @@ fn qcow2_external_raw_data_file_stays_a_raw_image_of_the_disk() {
         return;
     }
     external_data_file_is_read_and_written(true);
+}
+
+/// Replaces `from` with `to` (as long) in the first cluster of `img`: one header field
+/// edited, as a crafted image has it.
+fn edit_header(img: &str, from: &str, to: &str) {
+    assert_eq!(from.len(), to.len());
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(img)
+        .unwrap();
+    let mut first = vec![0u8; 65536];
+    let n = f.read_at(&mut first, 0).unwrap();
+    let at = first[..n]
+        .windows(from.len())
+        .position(|w| w == from.as_bytes())
+        .unwrap_or_else(|| panic!("{from:?} is not in {img}'s header"));
+    f.write_all_at(to.as_bytes(), at as u64).unwrap();
+}
+
+/// A path as a string, for arguments.
+fn s(p: &Path) -> String {
+    p.to_str().unwrap().to_string()
+}
+
+/// D1 (issue 34): an image whose external data file is /proc/self/mem would have its guest
+/// read and write the server's own memory. It is refused in one line naming the image, the
+/// file and the rule: not beneath the image's directory; and still refused where the user
+/// allows every directory (/), as a file of /proc.
+#[test]
+fn qcow2_data_file_in_proc_is_refused() {
+    if !require(&["qemu-img"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // A name as long as "/proc/self/mem", then that name written over it.
+    qemu_img_in(
+        d,
+        &[
+            "create",
+            "-f",
+            "qcow2",
+            "-o",
+            "data_file=datafile.bytes",
+            "mem.qcow2",
+            "32M",
+        ],
+    );
+    let img = s(&d.join("mem.qcow2"));
+    edit_header(&img, "datafile.bytes", "/proc/self/mem");
+    refused(
+        &["--export", &format!("x={img}")],
+        &[
+            &img,
+            "its data file /proc/self/mem: refused: not beneath the image's directory or an --allow-backing-dir directory",
+        ],
+    );
+    refused(
+        &["--allow-backing-dir", "/", "--export", &format!("x={img}")],
+        &[&img, "/proc/self/mem", "refused", "/proc, /sys"],
+    );
+}
+
+/// B1 (issue 34): a backing file outside the image's directory (through a symlink to a
+/// root-only file, or by an absolute name, as `qemu-img create -b /abs/path` writes it) is
+/// refused, naming where it really is; served once the user allows its directory, with
+/// `--allow-backing-dir` or the config file's `allow_backing_dir`.
+#[test]
+fn qcow2_backing_file_outside_the_image_directory_needs_allowing() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    let (vms, bases) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (v, b) = (vms.path(), bases.path());
+    let secret = b.join("secret.raw");
+    std::fs::write(&secret, vec![0x5a; 1 << 20]).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::os::unix::fs::symlink(&secret, v.join("base.raw")).unwrap();
+    qemu_img_in(
+        v,
+        &[
+            "create",
+            "-f",
+            "qcow2",
+            "-u",
+            "-b",
+            "base.raw",
+            "-F",
+            "raw",
+            "top.qcow2",
+            "1M",
+        ],
+    );
+    let top = s(&v.join("top.qcow2"));
+    refused(
+        &["--export", &format!("x={top}")],
+        &[
+            &top,
+            "its backing file",
+            "base.raw: refused: not beneath",
+            &format!("(it is {})", secret.display()),
+        ],
+    );
+    qemu_img_in(b, &["create", "-f", "qcow2", "base.qcow2", "1M"]);
+    let base = s(&b.join("base.qcow2"));
+    peer_ok(Command::new("qemu-io").args(["-f", "qcow2", &base, "-c", "write -P 0x77 0 64k"]));
+    qemu_img_in(
+        v,
+        &[
+            "create",
+            "-f",
+            "qcow2",
+            "-b",
+            &base,
+            "-F",
+            "qcow2",
+            "abs.qcow2",
+            "1M",
+        ],
+    );
+    let abs = s(&v.join("abs.qcow2"));
+    refused(
+        &["--export", &format!("y={abs}")],
+        &[
+            &abs,
+            &format!("its backing file {base}: refused: not beneath"),
+        ],
+    );
+
+    let srv = start_server_v4(&args(&[
+        "--allow-backing-dir",
+        &s(b),
+        "--export",
+        &format!("x={top}"),
+        "--export",
+        &format!("y={abs}"),
+    ]));
+    qemu_io(&srv.uri("x"), &["read -P 0x5a 0 1M"]);
+    qemu_io(&srv.uri("y"), &["read -P 0x77 0 64k"]);
+    drop(srv);
+    let cfg = v.join("server.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[export]]\nname = \"y\"\npath = {abs:?}\nallow_backing_dir = [{:?}]\n",
+            s(b)
+        ),
+    )
+    .unwrap();
+    let srv = start_server_v4(&args(&["--config", &s(&cfg)]));
+    qemu_io(&srv.uri("y"), &["read -P 0x77 0 64k"]);
+}
+
+/// B2 (issue 34): a FIFO as backing file (which nobody writes) or as data file is refused as
+/// not a regular file, without blocking: the server starts at once and serves its other
+/// exports, each refused one left out with a line naming it.
+#[test]
+fn qcow2_fifo_backing_or_data_file_is_refused_without_blocking_other_exports() {
+    if !require(&["qemu-img", "qemu-io", "mkfifo"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    qemu_img_in(
+        d,
+        &[
+            "create",
+            "-f",
+            "qcow2",
+            "-u",
+            "-b",
+            "pipe",
+            "-F",
+            "raw",
+            "fifo-backed.qcow2",
+            "1M",
+        ],
+    );
+    qemu_img_in(
+        d,
+        &[
+            "create",
+            "-f",
+            "qcow2",
+            "-o",
+            "data_file=pipe-data",
+            "fifo-data.qcow2",
+            "1M",
+        ],
+    );
+    std::fs::remove_file(d.join("pipe-data")).unwrap();
+    peer_ok(
+        Command::new("mkfifo")
+            .current_dir(d)
+            .args(["pipe", "pipe-data"]),
+    );
+    let good = qemu_img_create(d, "good.qcow2", &["-f", "qcow2"]);
+    let (backed, data) = (
+        s(&d.join("fifo-backed.qcow2")),
+        s(&d.join("fifo-data.qcow2")),
+    );
+    let t = std::time::Instant::now();
+    let srv = start_server_v4(&args(&[
+        "--export",
+        &format!("a={backed}"),
+        "--export",
+        &format!("b={data}"),
+        "--export",
+        &format!("good={good}"),
+    ]));
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    qemu_io(&srv.uri("good"), &["read -P 0 0 64k"]);
+    let log = srv.log();
+    for (img, file) in [(&backed, "its backing file"), (&data, "its data file")] {
+        assert!(
+            log.lines().any(|l| l.contains(img.as_str())
+                && l.contains(file)
+                && l.contains("refused: it is a FIFO, not a regular file")),
+            "{img}: {log}"
+        );
+    }
+    peer_fails(Command::new("qemu-io").args(["-f", "raw", &srv.uri("a"), "-c", "read 0 512"]));
+}
+
+/// Whatever the user allows, a named file that is not a regular file, or is reached through
+/// a magic link, is refused: a device (in /dev, allowed; or made in the image's own
+/// directory), a directory, /proc/self/fd/N.
+#[test]
+fn qcow2_named_devices_directories_and_magic_links_are_refused_even_where_allowed() {
+    if !require(&["qemu-img"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::create_dir(d.join("sub")).unwrap();
+    use std::os::unix::fs::FileTypeExt;
+    let block = std::fs::read_dir("/dev").unwrap().find_map(|e| {
+        let e = e.unwrap();
+        e.file_type()
+            .unwrap()
+            .is_block_device()
+            .then(|| s(&e.path()))
+    });
+    // In the image's own directory (allowed by default), then in directories allowed with
+    // --allow-backing-dir /.
+    let mut cases = Vec::new();
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        peer_ok(
+            Command::new("mknod")
+                .current_dir(d)
+                .args(["null", "c", "1", "3"]),
+        );
+        cases.push((
+            "null".to_string(),
+            false,
+            "it is a character device, not a regular file",
+        ));
+    }
+    cases.push(("sub".into(), false, "it is a directory, not a regular file"));
+    cases.extend([
+        (
+            "/dev/null".to_string(),
+            true,
+            "it is a character device, not a regular file",
+        ),
+        ("/proc/self/fd/0".to_string(), true, "magic link"),
+    ]);
+    if let Some(block) = block {
+        cases.push((block, true, "it is a block device, not a regular file"));
+    }
+    for (i, (name, allow, why)) in cases.iter().enumerate() {
+        let img = format!("over-{i}.qcow2");
+        qemu_img_in(
+            d,
+            &[
+                "create", "-f", "qcow2", "-u", "-b", name, "-F", "raw", &img, "1M",
+            ],
+        );
+        let img = s(&d.join(img));
+        let export = format!("x={img}");
+        let mut args = vec!["--export", &export];
+        if *allow {
+            args.extend(["--allow-backing-dir", "/"]);
+        }
+        refused(&args, &[&img, "its backing file", name, why]);
+    }
+}
+
+/// Two images made with qemu's largest L1 tables (32 MiB), each the other's backing file.
+fn looped_pair(d: &Path) -> String {
+    for (name, backing) in [("a.qcow2", "b.qcow2"), ("b.qcow2", "a.qcow2")] {
+        qemu_img_in(
+            d,
+            &[
+                "create", "-f", "qcow2", "-u", "-b", backing, "-F", "qcow2", name, "2P",
+            ],
+        );
+    }
+    s(&d.join("a.qcow2"))
+}
+
+/// The largest resident set of the children waited for so far, in KiB.
+fn children_max_rss_kib() -> u64 {
+    // SAFETY: a zeroed rusage is a valid out-parameter.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is valid to fill.
+    let r = unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
+    assert_eq!(r, 0);
+    ru.ru_maxrss as u64
+}
+
+/// B4 (issue 34): a backing chain that loops is refused by the images' identity (device and
+/// inode) the first time an image comes back, before its tables are read again: at once,
+/// with a line that says it loops, in well under the memory of 33 images' tables (1 GiB).
+#[test]
+fn qcow2_backing_loop_is_refused_by_identity() {
+    if !require(&["qemu-img"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let a = looped_pair(dir.path());
+    let b = s(&dir.path().join("b.qcow2"));
+    let t = std::time::Instant::now();
+    refused(
+        &["--export", &format!("x={a}")],
+        &[
+            &a,
+            &format!("the backing chain loops: {b} names {a}, which is already in the chain"),
+        ],
+    );
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    let rss = children_max_rss_kib();
+    assert!(rss < 300 << 10, "the server took {} MiB", rss >> 10);
+}
+
+/// B4 (issue 34): the tables of a chain's images count against one bound
+/// (`MAX_CHAIN_TABLE_BYTES`, 256 MiB): a chain of eight images with 32 MiB L1 tables each is
+/// refused at the eighth, saying so.
+#[test]
+fn qcow2_backing_chain_tables_are_bounded_together() {
+    if !require(&["qemu-img"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    for i in (0..8).rev() {
+        let name = format!("c{i}.qcow2");
+        let backing = format!("c{}.qcow2", i + 1);
+        let mut create = vec!["create", "-f", "qcow2"];
+        if i < 7 {
+            create.extend(["-b", &backing, "-F", "qcow2"]);
+        }
+        create.extend([&name, "2P"]);
+        qemu_img_in(d, &create);
+    }
+    let top = s(&d.join("c0.qcow2"));
+    refused(
+        &["--export", &format!("x={top}")],
+        &[
+            &top,
+            "c7.qcow2",
+            "of the 256 MiB that the tables of one backing chain may take in memory",
+        ],
+    );
 }
 
 /// Version 2 images (compat=0.10, no zero flag) are written: zeroing deallocates or zeroes

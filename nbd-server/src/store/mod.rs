@@ -6,7 +6,8 @@
 //! - [`qcow2`]: a qcow2 image file, served as its virtual disk through its cluster tables;
 //! - `rbd` (feature `rbd`): an image in a Ceph cluster through librbd;
 //! - [`open`]: the one place a store is chosen and opened: the `rbd:` scheme, the format
-//!   probe, `--create`, and the image locks (with [`lock`] and [`probe`]);
+//!   probe, `--create`, and the image locks (with [`lock`] and [`probe`]); the files a qcow2
+//!   image names (backing and data files) opened only where the user allowed ([`named`]);
 //! - [`view`]: any store from an offset on, with TRIM ignored or zero WRITEs detected
 //!   (qemu-nbd's `--offset`, `--discard`, `--detect-zeroes`).
 //!
@@ -26,6 +27,7 @@
 
 pub mod file;
 pub mod lock;
+pub mod named;
 pub mod open;
 pub mod probe;
 pub mod qcow2;

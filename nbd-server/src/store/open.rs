@@ -3,8 +3,9 @@
 //! An export's location is parsed here ([`Location`]: `rbd:POOL/IMAGE[@SNAP]`, else a file
 //! path); a file's format is chosen or probed from its first bytes, as qemu-nbd does (qcow2
 //! by its magic, raw otherwise; a format we do not serve is refused); `--create` makes a
-//! missing raw image; and qemu's image locks are taken. Adding a store is one arm in
-//! [`Opener::open`] and the file that implements it.
+//! missing raw image; qemu's image locks are taken; and the files a qcow2 image names are
+//! opened only where the user allowed ([`named`]), a backing chain that loops refused.
+//! Adding a store is one arm in [`Opener::open`] and the file that implements it.
 
 use std::fs::File;
 use std::io;
@@ -14,6 +15,7 @@ use std::sync::Arc;
 
 use super::file::FileStore;
 use super::lock::{self, LockError};
+use super::named::{self, Allowed, Dir, Identity};
 use super::probe::{self, Probed, QCOW2_MAGIC};
 use super::qcow2::Qcow2;
 use super::{CephOptions, Encryption, Store};
@@ -56,6 +58,9 @@ pub struct OpenOptions {
     pub exclusive: bool,
     /// An encrypted RBD image: the format and passphrase to load (`--encryption-format`).
     pub encryption: Option<Encryption>,
+    /// Directories beside the image's own where the files a qcow2 image names (backing
+    /// files, the external data file) may lie (`--allow-backing-dir`; see [`named`]).
+    pub backing_dirs: Vec<PathBuf>,
 }
 
 /// Why a store could not be opened. Shown after the export's name.
@@ -258,21 +263,44 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Box<dyn Store>, OpenErro
         })?;
         format = Some(Format::Raw); // ours: not probed
     }
-    let (store, file) =
-        open_image(path, opts.read_only, format, opts.lock, 0).map_err(|source| {
-            // A read-only file or file system: say how to serve it anyway.
-            let hint = match source.raw_os_error() {
-                Some(libc::EROFS | libc::EACCES | libc::EPERM) if !opts.read_only => {
-                    " (to export it read-only, add --read-only)"
-                }
-                _ => "",
-            };
-            OpenError::Open {
-                path: path.to_owned(),
-                hint,
-                source,
+    let mut chain = Chain {
+        top: path,
+        dirs: &opts.backing_dirs,
+        allowed: None,
+        seen: Vec::new(),
+        tables_left: MAX_CHAIN_TABLE_BYTES,
+    };
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .write(!opts.read_only)
+        .open(path)
+        .and_then(|file| {
+            chain.seen.push(named::identity(&file)?);
+            open_image(
+                path,
+                file,
+                None,
+                opts.read_only,
+                format,
+                opts.lock,
+                &mut chain,
+                0,
+            )
+        });
+    let (store, file) = opened.map_err(|source| {
+        // A read-only file or file system: say how to serve it anyway.
+        let hint = match source.raw_os_error() {
+            Some(libc::EROFS | libc::EACCES | libc::EPERM) if !opts.read_only => {
+                " (to export it read-only, add --read-only)"
             }
-        })?;
+            _ => "",
+        };
+        OpenError::Open {
+            path: path.to_owned(),
+            hint,
+            source,
+        }
+    })?;
     if opts.lock {
         lock::lock(&file, opts.read_only).map_err(|source| OpenError::Lock {
             path: path.to_owned(),
@@ -291,28 +319,82 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Box<dyn Store>, OpenErro
     Ok(store)
 }
 
-/// How many images a backing chain may have below the one served: a longer chain (or one
-/// that loops) is refused. qemu sets no such bound; 32 is far past the chains that image
-/// tools and clouds make.
+/// How many images a backing chain may have below the one served: a longer chain is
+/// refused. qemu sets no such bound; 32 is far past the chains that image tools and clouds
+/// make. (A chain that loops is refused at the first image met twice.)
 pub const MAX_BACKING_DEPTH: usize = 32;
 
-/// Opens an existing image in `format`, or probes its format from its first bytes (`None`).
-/// A format we do not serve (vmdk, vdi, qcow version 1, luks, ...) is refused unless
-/// `format` forces raw. Also returns a descriptor of the same open file description, to lock
-/// (the locks then last as long as the store's descriptor). A qcow2 image's backing file is
-/// opened here too, read-only, and locked as qemu locks a backing file (consistent read, and
-/// no writer allowed) when `lock`; `depth` is the image's own depth in the chain.
+/// How many bytes of L1 and refcount tables the images of one export (the served one and its
+/// backing chain) may hold in memory together. qemu bounds each image's (32 MiB of L1 table,
+/// 8 MiB of refcount table), not a chain's; 256 MiB is six images with the largest tables
+/// qemu allows, far past what image tools make (a 1 TiB image with 64 KiB clusters has a
+/// 16 KiB L1 table and a 64 KiB refcount table).
+pub const MAX_CHAIN_TABLE_BYTES: u64 = 256 << 20;
+
+/// What opening one export's images keeps, from the served image down its backing chain.
+struct Chain<'a> {
+    /// The served image, as the user named it.
+    top: &'a Path,
+    /// The user's `--allow-backing-dir`s.
+    dirs: &'a [PathBuf],
+    /// Where the files the images name may lie: found when the first name is opened.
+    allowed: Option<Allowed>,
+    /// The images and data files opened so far: a file met again is refused (a loop).
+    seen: Vec<Identity>,
+    /// What the tables of the images still to be opened may take.
+    tables_left: u64,
+}
+
+impl Chain<'_> {
+    fn allowed(&mut self) -> io::Result<&Allowed> {
+        let allowed = match self.allowed.take() {
+            Some(a) => a,
+            None => Allowed::new(self.top, self.dirs)?,
+        };
+        Ok(self.allowed.insert(allowed))
+    }
+
+    /// Opens `name`, which an image in `dir` names, as `chain.allowed()` allows; refuses a
+    /// file already in the chain (`why` says what that means).
+    fn open_named(
+        &mut self,
+        dir: &Dir,
+        name: &str,
+        shown: &Path,
+        write: bool,
+        why: impl FnOnce() -> String,
+    ) -> io::Result<File> {
+        let (file, id) = self.allowed()?.open(dir, name, shown, write)?;
+        if self.seen.contains(&id) {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!("refused: {}", why()),
+            ));
+        }
+        self.seen.push(id);
+        Ok(file)
+    }
+}
+
+/// Opens the image at `path`, open in `file`, in `format`, or probes its format from its
+/// first bytes (`None`). A format we do not serve (vmdk, vdi, qcow version 1, luks, ...) is
+/// refused unless `format` forces raw. Also returns a descriptor of the same open file
+/// description, to lock (the locks then last as long as the store's descriptor). A qcow2
+/// image's data file and backing file are opened here too, as `named` allows (`dir`: where
+/// the image's names are resolved; None: beside `path`): the data file as writable as the
+/// image, the backing file read-only; each locked as qemu locks it when `lock`. `depth` is
+/// the image's own depth in the chain.
+#[allow(clippy::too_many_arguments)]
 fn open_image(
     path: &Path,
+    file: File,
+    dir: Option<Dir>,
     read_only: bool,
     format: Option<Format>,
     lock: bool,
+    chain: &mut Chain,
     depth: usize,
 ) -> io::Result<(Box<dyn Store>, File)> {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(!read_only)
-        .open(path)?;
     let head = probe::read_head(&file)?;
     let probed = format.is_none();
     let format = match format {
@@ -340,12 +422,32 @@ fn open_image(
                     "is not a qcow2 image (no qcow2 magic in its first bytes); drop --format qcow2 to serve it as raw",
                 ));
             }
-            let mut q = Qcow2::open(path, file, read_only)?;
-            if let Some(data_path) = q.data_file() {
-                q.set_data_file(open_data_file(&data_path, read_only, lock)?);
-            }
-            if let Some((backing, format)) = q.backing_file()? {
-                q.set_backing(open_backing(&backing, format, lock, depth + 1)?);
+            let mut q = Qcow2::open(path, file, read_only, &mut chain.tables_left)?;
+            let data_file = q.data_file_name().map(str::to_owned);
+            let backing = q
+                .backing_name()?
+                .map(|(name, format)| (name.to_owned(), format.map(str::to_owned)));
+            if data_file.is_some() || backing.is_some() {
+                let dir = match dir {
+                    Some(dir) => dir,
+                    None => Dir::of(path)?,
+                };
+                if let Some(name) = data_file {
+                    let shown = q.beside(&name);
+                    q.set_data_file(open_data_file(&dir, &name, &shown, read_only, lock, chain)?);
+                }
+                if let Some((name, format)) = backing {
+                    let shown = q.beside(&name);
+                    let backing = open_backing(
+                        path,
+                        (&dir, &name, &shown),
+                        format.as_deref(),
+                        lock,
+                        chain,
+                        depth + 1,
+                    )?;
+                    q.set_backing(backing);
+                }
             }
             Box::new(q)
         }
@@ -353,15 +455,23 @@ fn open_image(
     Ok((store, for_lock))
 }
 
-/// Opens a qcow2 image's external data file, as writable as the image, and locks it as the
-/// image is locked (qemu locks both). Errors name it, after the image's own name.
-fn open_data_file(path: &Path, read_only: bool, lock: bool) -> io::Result<File> {
+/// Opens a qcow2 image's external data file `name` (in `dir`, shown as `shown`), as writable
+/// as the image, and locks it as the image is locked (qemu locks both). Errors name it,
+/// after the image's own name.
+fn open_data_file(
+    dir: &Dir,
+    name: &str,
+    shown: &Path,
+    read_only: bool,
+    lock: bool,
+    chain: &mut Chain,
+) -> io::Result<File> {
     let named =
-        |e: io::Error| io::Error::new(e.kind(), format!("its data file {}: {e}", path.display()));
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(!read_only)
-        .open(path)
+        |e: io::Error| io::Error::new(e.kind(), format!("its data file {}: {e}", shown.display()));
+    let file = chain
+        .open_named(dir, name, shown, !read_only, || {
+            "it is already in the chain, as an image or a data file".into()
+        })
         .map_err(named)?;
     if lock {
         lock::lock(&file, read_only).map_err(|e| named(io::Error::other(e.to_string())))?;
@@ -369,24 +479,27 @@ fn open_data_file(path: &Path, read_only: bool, lock: bool) -> io::Result<File> 
     Ok(file)
 }
 
-/// Opens backing file `path` read-only (a qcow2 or raw image: the format the overlay's header
-/// names, or probed) and locks it shared. Errors name it, after the overlay's own name.
+/// Opens backing file `name` (in `dir`, shown as `shown`) of `image` read-only (a qcow2 or
+/// raw image: the format the overlay's header names, or probed) and locks it shared. Errors
+/// name it, after the overlay's own name.
 fn open_backing(
-    path: &Path,
+    image: &Path,
+    (dir, name, shown): (&Dir, &str, &Path),
     format: Option<&str>,
     lock: bool,
+    chain: &mut Chain,
     depth: usize,
 ) -> io::Result<Box<dyn Store>> {
     let named = |e: io::Error| {
         io::Error::new(
             e.kind(),
-            format!("its backing file {}: {e}", path.display()),
+            format!("its backing file {}: {e}", shown.display()),
         )
     };
     if depth > MAX_BACKING_DEPTH {
         return Err(named(io::Error::new(
             io::ErrorKind::Unsupported,
-            format!("the backing chain is deeper than {MAX_BACKING_DEPTH} images (does it loop?)"),
+            format!("the backing chain is deeper than {MAX_BACKING_DEPTH} images"),
         )));
     }
     let format = match format {
@@ -400,7 +513,27 @@ fn open_backing(
             )));
         }
     };
-    let (store, file) = open_image(path, true, format, lock, depth).map_err(named)?;
+    let file = chain
+        .open_named(dir, name, shown, false, || {
+            format!(
+                "the backing chain loops: {} names {}, which is already in the chain",
+                image.display(),
+                shown.display()
+            )
+        })
+        .map_err(named)?;
+    let names_in = dir.of_named(name).map_err(named)?;
+    let (store, file) = open_image(
+        shown,
+        file,
+        Some(names_in),
+        true,
+        format,
+        lock,
+        chain,
+        depth,
+    )
+    .map_err(named)?;
     if lock {
         lock::lock(&file, true).map_err(|e| named(io::Error::other(e.to_string())))?;
     }

@@ -9,19 +9,20 @@
 //! Refused at open (`header.rs`), with one line: encryption, extended L2 entries
 //! (subclusters), narrower refcounts, unknown incompatible features, images marked dirty or
 //! corrupt; `store::open` refuses backing files over a protocol or in formats other than
-//! qcow2 and raw, and chains deeper than `open::MAX_BACKING_DEPTH`.
+//! qcow2 and raw, chains deeper than `open::MAX_BACKING_DEPTH` or that loop, and the files an
+//! image names where the user did not allow them (`store::named`).
 //!
 //! An external data file (`data_file`, header extension 0x44415441) is opened beside the image
-//! by `store::open`, locked as the image is: its name resolved against the image's directory
-//! (qemu opens a relative name from its current directory; run from the image's directory,
-//! both agree). Data clusters lie there at their guest offsets, unrefcounted, as qemu keeps
+//! by `store::open` where `store::named` allows, locked as the image is: its name resolved
+//! against the image's directory (qemu opens a relative name from its current directory; run
+//! from the image's directory, both agree). Data clusters lie there at their guest offsets, unrefcounted, as qemu keeps
 //! them (an L2 entry of offset 0 is the data file's first cluster where COPIED says so); with
 //! `data_file_raw` the data file is kept a raw image of the disk (zeroing zeroes it too) and
 //! the autoclear bit that says so is kept.
 //!
 //! A backing file (qcow2 or raw; its name resolved against this image's directory as qemu
 //! resolves it, its format from the header extension or probed) is opened read-only by
-//! `store::open`, which follows the chain up to `open::MAX_BACKING_DEPTH` images and locks
+//! `store::open` where `store::named` allows, which follows the chain up to `open::MAX_BACKING_DEPTH` images and locks
 //! each file as qemu locks a backing file. Unallocated clusters read from it (zeroes past its
 //! end); writes copy-on-write into this image (a partial cluster reads the backing cluster
 //! first); zeroing sets the zero flag, which hides the backing data; block status asks the
@@ -45,8 +46,9 @@
 //! the v3 "reads as zero" flag and keep the cluster allocated.
 //!
 //! Crafted headers are bounded as qemu bounds them (L1 table 32 MiB, refcount table 8 MiB;
-//! of the L1 table only what the virtual disk needs is read), and the tables must lie in the
-//! file, off the header and off each other. A write through an L2 entry (or to an L2 table)
+//! of the L1 table only what the virtual disk needs is read), the tables of a backing chain's
+//! images together by `open::MAX_CHAIN_TABLE_BYTES`, and the tables must lie in the file, off
+//! the header and off each other. A write through an L2 entry (or to an L2 table)
 //! that lies on the image's own metadata fails with EIO and marks the image corrupt, as
 //! qemu's overlap check does.
 
@@ -155,9 +157,16 @@ struct State {
 
 impl Qcow2 {
     /// Opens the qcow2 image in `file` (which starts with the magic), found at `path`, and
-    /// refuses what this reader does not handle (the caller names the file).
-    pub fn open(path: &Path, file: File, read_only: bool) -> io::Result<Qcow2> {
-        let opened = header::read(&file)?;
+    /// refuses what this reader does not handle (the caller names the file). Its L1 and
+    /// refcount tables are read into memory if they fit in `tables_left` bytes, which they
+    /// then take from it (a backing chain shares one bound).
+    pub fn open(
+        path: &Path,
+        file: File,
+        read_only: bool,
+        tables_left: &mut u64,
+    ) -> io::Result<Qcow2> {
+        let opened = header::read(&file, tables_left)?;
         let h = opened.header;
         let q = Qcow2 {
             path: path.to_owned(),
@@ -447,7 +456,14 @@ mod tests {
     #[test]
     fn allocating_writes_order_refcounts_before_l2_entries_with_one_barrier() {
         let dir = tempfile::tempdir().unwrap();
-        let q = Qcow2::open(Path::new("t.qcow2"), image(dir.path()), false).unwrap();
+        let mut no_bound = u64::MAX;
+        let q = Qcow2::open(
+            Path::new("t.qcow2"),
+            image(dir.path()),
+            false,
+            &mut no_bound,
+        )
+        .unwrap();
         let barriers = || q.barriers.load(Ordering::Relaxed);
         // A new L2 table and a new cluster.
         q.write_at(&[0x11; 4096], 0).unwrap();
@@ -503,7 +519,14 @@ mod tests {
         let l2 = |i: u64, e: u64| f.write_all_at(&e.to_be_bytes(), 4 * CS + i * 8).unwrap();
         l2(0, entry(deflated.len()));
         l2(1, entry(garbage.len()) + 32768);
-        let q = Qcow2::open(Path::new("t.qcow2"), f.try_clone().unwrap(), true).unwrap();
+        let mut no_bound = u64::MAX;
+        let q = Qcow2::open(
+            Path::new("t.qcow2"),
+            f.try_clone().unwrap(),
+            true,
+            &mut no_bound,
+        )
+        .unwrap();
         let mut back = vec![0u8; CS as usize];
         q.read_at(&mut back, 0).unwrap();
         assert!(back.iter().all(|&b| b == 0x5a));
@@ -515,7 +538,7 @@ mod tests {
         f.write_all_at(&[1], 104).unwrap();
         f.write_all_at(&8u64.to_be_bytes(), 72).unwrap();
         l2(0, entry(zstd_frame.len()) + 16384);
-        let q = Qcow2::open(Path::new("t.qcow2"), f, true).unwrap();
+        let q = Qcow2::open(Path::new("t.qcow2"), f, true, &mut no_bound).unwrap();
         let err = q.read_at(&mut back, 0).unwrap_err();
         assert!(err.to_string().contains("more than a cluster"), "{err}");
         assert!(q.read_at(&mut back, CS).is_err());

@@ -91,6 +91,16 @@ pub(crate) struct Cli {
     /// they are, without that check.
     #[arg(short, long, value_name = "FORMAT", value_enum)]
     pub format: Option<FormatArg>,
+    /// A directory where the files a qcow2 image names (its backing files, its external data
+    /// file) may lie besides the image's own directory; repeat for several. Those names come
+    /// with the image, so they are not trusted: a named file is opened only where it really
+    /// lies (symlinks followed) beneath the served image's directory or such a directory, and
+    /// only if it is a regular file outside /proc and /sys (never a device, FIFO, socket or
+    /// magic link, whatever is allowed); otherwise the export is left out with a line naming
+    /// the image, the file and the rule. qemu-nbd opens whatever an image names. Per export
+    /// in the config file: allow_backing_dir = ["DIR", ...].
+    #[arg(long, value_name = "DIR")]
+    pub allow_backing_dir: Vec<PathBuf>,
     /// Export every image read-only.
     #[arg(short, long)]
     pub read_only: bool,

@@ -30,6 +30,10 @@ pub(crate) struct ExportConfig {
     /// The file holding its passphrase (its bytes as they are).
     #[serde(default)]
     pub encryption_passphrase_file: Option<PathBuf>,
+    /// Directories where the files its qcow2 image names may lie besides the image's own
+    /// (added to --allow-backing-dir).
+    #[serde(default)]
+    pub allow_backing_dir: Vec<PathBuf>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq, Default)]

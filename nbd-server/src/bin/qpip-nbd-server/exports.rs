@@ -108,6 +108,19 @@ fn open_one(
         Some(size) => Some(parse_size(size)?),
         None => None,
     };
+    let backing_dirs: Vec<_> = cli
+        .allow_backing_dir
+        .iter()
+        .chain(&e.allow_backing_dir)
+        .cloned()
+        .collect();
+    if let Some(d) = backing_dirs.iter().find(|d| !d.is_dir()) {
+        bail!(
+            "export {}: --allow-backing-dir {}: not a directory",
+            e.name,
+            d.display()
+        );
+    }
     let opts = OpenOptions {
         read_only: cli.read_only || e.read_only,
         format: cli.format.or(e.format).map(Into::into),
@@ -129,6 +142,7 @@ fn open_one(
                 e.name
             ),
         },
+        backing_dirs,
     };
     match opener.open(&e.path, &opts) {
         Ok(store) => Ok(Ok(store)),

@@ -79,6 +79,7 @@ fn flag_export(name: &str, path: &str) -> ExportConfig {
         format: None,
         encryption_format: None,
         encryption_passphrase_file: None,
+        allow_backing_dir: Vec::new(),
     }
 }
 
@@ -180,6 +181,7 @@ fn add_exports(cli: &Cli, cfg: &mut Config) -> Result<bool> {
             format: None,
             encryption_format: None,
             encryption_passphrase_file: None,
+            allow_backing_dir: Vec::new(),
         });
         cfg.default_export.get_or_insert_with(|| "demo".into());
     }

@@ -10,10 +10,11 @@ use super::{Qcow2, read_some, unsupported};
 use crate::store::Store;
 
 impl Qcow2 {
-    /// The backing file the header names, resolved as qemu resolves it (a relative name
-    /// against the directory of this image's path as given), and its format if the header
-    /// names one. A name with a protocol (`nbd:...`, `json:...`) is refused.
-    pub fn backing_file(&self) -> io::Result<Option<(PathBuf, Option<&str>)>> {
+    /// The backing file's name as the header has it (resolved by `store::open`, as qemu
+    /// resolves it: a relative name against the directory of this image's path as given),
+    /// and its format if the header names one. A name with a protocol (`nbd:...`,
+    /// `json:...`) is refused.
+    pub fn backing_name(&self) -> io::Result<Option<(&str, Option<&str>)>> {
         let Some(name) = self.names.backing.as_deref() else {
             return Ok(None);
         };
@@ -30,20 +31,22 @@ impl Qcow2 {
                 "has backing file {name:?}, which names a protocol: not supported"
             )));
         }
-        let path = match self.path.parent() {
-            Some(dir) if !Path::new(name).is_absolute() => dir.join(name),
-            _ => PathBuf::from(name),
-        };
-        Ok(Some((path, self.names.backing_format.as_deref())))
+        Ok(Some((name, self.names.backing_format.as_deref())))
     }
 
-    /// The external data file the header names, resolved against this image's directory.
-    pub fn data_file(&self) -> Option<PathBuf> {
-        let name = self.names.data_file.as_deref()?;
-        Some(match self.path.parent() {
+    /// The external data file's name as the header has it (resolved by `store::open`
+    /// against this image's directory).
+    pub fn data_file_name(&self) -> Option<&str> {
+        self.names.data_file.as_deref()
+    }
+
+    /// Where a name this image holds points, for messages: beside this image's path as
+    /// given, or the name itself when it is absolute.
+    pub fn beside(&self, name: &str) -> PathBuf {
+        match self.path.parent() {
             Some(dir) if !Path::new(name).is_absolute() => dir.join(name),
             _ => PathBuf::from(name),
-        })
+        }
     }
 
     /// Attaches the external data file (opened writable unless the image is read-only).

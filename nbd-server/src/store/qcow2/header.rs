@@ -6,6 +6,7 @@ use std::fs::File;
 use std::io;
 
 use super::{OFFSET_MASK, be32, be64, read_some, read_table, unsupported};
+use crate::store::open::MAX_CHAIN_TABLE_BYTES;
 
 /// Incompatible feature bits.
 const INCOMPAT_DIRTY: u64 = 1 << 0;
@@ -76,8 +77,9 @@ pub(super) struct Opened {
 }
 
 /// Parses the header of `file` (which starts with the qcow2 magic), refuses what this
-/// reader does not handle, and reads the L1 and refcount tables (the caller names the file).
-pub(super) fn read(file: &File) -> io::Result<Opened> {
+/// reader does not handle, and reads the L1 and refcount tables (the caller names the file)
+/// if they fit in `tables_left` bytes, which they then take from it.
+pub(super) fn read(file: &File, tables_left: &mut u64) -> io::Result<Opened> {
     let (h, names) = parse(file)?;
     check_features(&h)?;
     let Header {
@@ -117,6 +119,16 @@ pub(super) fn read(file: &File) -> io::Result<Opened> {
     let rt_range = (refcount_table_offset, rt_entries as u64 * 8);
     let header = (0, cluster);
     check_tables(cluster, file_len, header, l1_range, rt_range)?;
+    let tables = l1_range.1 + rt_range.1;
+    if tables > *tables_left {
+        return Err(unsupported(format!(
+            "has an L1 and a refcount table of {} KiB together, more than the {} KiB left of the {} MiB that the tables of one backing chain may take in memory",
+            tables >> 10,
+            *tables_left >> 10,
+            MAX_CHAIN_TABLE_BYTES >> 20
+        )));
+    }
+    *tables_left -= tables;
     let l1 = read_table(file, l1_offset, l1_used)?;
     let refcount_table = read_table(file, refcount_table_offset, rt_entries)?;
     let mut refcount_blocks = HashSet::new();
