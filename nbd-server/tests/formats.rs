@@ -1671,3 +1671,118 @@ fn unsupported_qcow2_features_are_refused_in_one_line() {
         refused(&["--export", &format!("x={img}")], &all);
     }
 }
+
+/// Internal snapshots' metadata is kept off as the active tables are: a data cluster that
+/// lies on the snapshot table or on a snapshot's (inactive) L1 table is not written, and the
+/// image is marked corrupt, as qemu's default overlap check does.
+#[test]
+fn qcow2_data_cluster_on_snapshot_metadata_is_not_written() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for (name, on_table) in [("on-snap-table.qcow2", true), ("on-snap-l1.qcow2", false)] {
+        let img = qemu_img_create(dir.path(), name, &["-f", "qcow2"]);
+        // The snapshot of the empty disk shares no L2 table: the data written after it is
+        // the active image's alone.
+        qemu_img_in(dir.path(), &["snapshot", "-c", "s1", &img]);
+        peer_ok(Command::new("qemu-io").args(["-f", "qcow2", &img, "-c", "write -P 0x5a 0 64k"]));
+        let head = std::fs::read(&img).unwrap();
+        let snapshots_at = be_u64(&head, 64);
+        let host = if on_table {
+            snapshots_at
+        } else {
+            be_u64(&head, snapshots_at as usize)
+        };
+        let l1_at = be_u64(&head, 40) as usize;
+        let l2_at = be_u64(&head, l1_at) & 0x00ff_ffff_ffff_fe00;
+        patch(&img, l2_at, &((1u64 << 63) | host).to_be_bytes());
+        let before = std::fs::read(&img).unwrap();
+
+        let srv = start_server_v4(&["--export".into(), format!("x={img}")]);
+        let out = qemu_io_any(&srv.uri("x"), &["write -P 0xee 0 4k"]);
+        assert!(
+            out.contains("write failed: Input/output error"),
+            "{name}: {out}"
+        );
+        drop(srv);
+        let after = std::fs::read(&img).unwrap();
+        assert_eq!(
+            after[80..],
+            before[80..],
+            "{name}: the snapshot's metadata changed"
+        );
+        assert_eq!(
+            be_u64(&after, 72),
+            be_u64(&before, 72) | 2,
+            "{name}: not marked corrupt"
+        );
+    }
+}
+
+/// Headers qemu refuses at open, each made by editing one field of an image qemu-img made:
+/// refused here too, with the reason.
+#[test]
+fn qcow2_headers_qemu_refuses_are_refused() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // (image, the fields written into its header (offset, bytes), the refusal's words)
+    type Case<'a> = (&'a str, &'a [(u64, &'a [u8])], &'a str);
+    let cases: [Case; 4] = [
+        // 2^32 - 1 snapshots at an unaligned offset.
+        (
+            "snapshots.qcow2",
+            &[(60, &[0xff; 4]), (64, &0x10001u64.to_be_bytes())],
+            "internal snapshots",
+        ),
+        // The snapshot table at an unaligned offset, with a count qemu allows.
+        (
+            "snapshot-table.qcow2",
+            &[(60, &1u32.to_be_bytes()), (64, &0x10008u64.to_be_bytes())],
+            "snapshot table",
+        ),
+        // A header longer than a cluster (header_length 0xfffffff0).
+        (
+            "header-length.qcow2",
+            &[(100, &0xffff_fff0u32.to_be_bytes())],
+            "longer than its cluster",
+        ),
+        // data_file_raw (autoclear bit 1) without a data file.
+        (
+            "data-file-raw.qcow2",
+            &[(88, &2u64.to_be_bytes())],
+            "data-file-raw",
+        ),
+    ];
+    for (name, fields, words) in cases {
+        let img = qemu_img_create(d, name, &["-f", "qcow2"]);
+        for (at, bytes) in fields {
+            patch(&img, *at, bytes);
+        }
+        // qemu-io opens an image as qemu-nbd does (qemu-img info opens it without I/O).
+        let qemu = Command::new("qemu-io")
+            .args(["-f", "qcow2", "-r", &img, "-c", "read 0 512"])
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&qemu.stderr);
+        assert!(said.contains("can't open"), "{name}: qemu opens it: {said}");
+        refused(&["--export", &format!("x={img}")], &[&img, words]);
+    }
+    // Images with snapshots, as qemu-img makes them, are served.
+    let snap = qemu_img_create(d, "snapped.qcow2", &["-f", "qcow2"]);
+    qemu_img_in(d, &["snapshot", "-c", "s1", &snap]);
+    qemu_img_in(
+        d,
+        &["snapshot", "-c", "a-longer-name-for-the-second", &snap],
+    );
+    let srv = start_server_v4(&["--export".into(), format!("x={snap}")]);
+    qemu_io(
+        &srv.uri("x"),
+        &["write -P 0x11 0 64k", "read -P 0x11 0 64k"],
+    );
+    drop(srv);
+    check_clean(&snap);
+}

@@ -133,6 +133,9 @@ pub struct Qcow2 {
     data_raw: bool,
     /// Refcount entry width in bytes.
     refcount_bytes: usize,
+    /// The snapshot table and the snapshots' L1 tables (at, len): metadata no write may
+    /// land on (this server makes no snapshots, so it never moves).
+    snapshot_metadata: Vec<(u64, u64)>,
     state: Mutex<State>,
     /// Barriers issued, for the tests.
     #[cfg(test)]
@@ -184,6 +187,7 @@ impl Qcow2 {
             data_raw: h.incompat & INCOMPAT_DATA_FILE != 0
                 && h.autoclear & AUTOCLEAR_DATA_FILE_RAW != 0,
             refcount_bytes: 1 << (h.refcount_order - 3),
+            snapshot_metadata: opened.snapshot_metadata,
             state: Mutex::new(State {
                 l1: opened.l1,
                 refcount_table: opened.refcount_table,

@@ -23,6 +23,15 @@ const MAX_L1_ENTRIES: usize = (32 << 20) / 8;
 /// qemu's bound on a refcount table (QCOW_MAX_REFTABLE_SIZE, 8 MiB), in entries.
 pub(super) const MAX_REFTABLE_ENTRIES: usize = (8 << 20) / 8;
 
+/// qemu's bound on internal snapshots (QCOW_MAX_SNAPSHOTS).
+const MAX_SNAPSHOTS: u32 = 65536;
+/// qemu's bounds on the snapshot table: its whole size (QCOW_MAX_SNAPSHOTS_SIZE, 1 KiB a
+/// snapshot) and one entry's extra data (QCOW_MAX_SNAPSHOT_EXTRA_DATA).
+const MAX_SNAPSHOT_TABLE: u64 = 1024 * MAX_SNAPSHOTS as u64;
+const MAX_SNAPSHOT_EXTRA: u64 = 1024;
+/// The fixed part of a snapshot table entry (QCowSnapshotHeader).
+const SNAPSHOT_ENTRY: u64 = 40;
+
 /// The header's fields this server reads.
 #[derive(Clone, Copy)]
 pub(super) struct Header {
@@ -33,6 +42,8 @@ pub(super) struct Header {
     pub l1_offset: u64,
     refcount_table_offset: u64,
     refcount_table_clusters: usize,
+    nb_snapshots: u32,
+    snapshots_offset: u64,
     pub incompat: u64,
     pub autoclear: u64,
     pub refcount_order: u32,
@@ -72,6 +83,9 @@ pub(super) struct Opened {
     /// The host offsets of the refcount blocks and of the L2 tables.
     pub refcount_blocks: HashSet<u64>,
     pub l2_tables: HashSet<u64>,
+    /// Where the internal snapshots' metadata lies (at, len): the snapshot table, then
+    /// each snapshot's (inactive) L1 table. Nothing may be written over them.
+    pub snapshot_metadata: Vec<(u64, u64)>,
     /// The end of the file, cluster aligned.
     pub next_free: u64,
 }
@@ -119,6 +133,7 @@ pub(super) fn read(file: &File, tables_left: &mut u64) -> io::Result<Opened> {
     let rt_range = (refcount_table_offset, rt_entries as u64 * 8);
     let header = (0, cluster);
     check_tables(cluster, file_len, header, l1_range, rt_range)?;
+    let snapshot_metadata = read_snapshots(file, &h, file_len)?;
     let tables = l1_range.1 + rt_range.1;
     if tables > *tables_left {
         return Err(unsupported(format!(
@@ -156,6 +171,7 @@ pub(super) fn read(file: &File, tables_left: &mut u64) -> io::Result<Opened> {
         .collect();
     let next_free = file_len.div_ceil(cluster) * cluster;
     Ok(Opened {
+        snapshot_metadata,
         header: h,
         names,
         l1,
@@ -205,6 +221,33 @@ fn parse(file: &File) -> io::Result<(Header, Names)> {
     } else {
         (0, 0, 4, 72)
     };
+    // qemu: "qcow2 header too short".
+    if version == 3 && header_length < 104 {
+        return Err(unsupported(format!(
+            "has a header of {header_length} bytes, shorter than version 3's 104"
+        )));
+    }
+    if u64::from(header_length) > 1u64 << cluster_bits {
+        // qemu: "qcow2 header exceeds cluster size".
+        return Err(unsupported(format!(
+            "has a header of {header_length} bytes, longer than its cluster"
+        )));
+    }
+    let nb_snapshots = be32(&h, 60);
+    let snapshots_offset = be64(&h, 64);
+    // qemu's validate_table for the snapshot table: a bounded count at a cluster-aligned
+    // offset.
+    if nb_snapshots > MAX_SNAPSHOTS {
+        return Err(unsupported(format!(
+            "has {nb_snapshots} internal snapshots: more than qemu's limit of {MAX_SNAPSHOTS}"
+        )));
+    }
+    if !snapshots_offset.is_multiple_of(1u64 << cluster_bits) || snapshots_offset > i64::MAX as u64
+    {
+        return Err(unsupported(format!(
+            "has its snapshot table at offset {snapshots_offset:#x}, not cluster aligned"
+        )));
+    }
     // The compression type is in the header when it is longer than 104 bytes.
     let compression = match (header_length > 104 && n > 104).then(|| h[104]) {
         None | Some(0) => Compression::Zlib,
@@ -271,6 +314,12 @@ fn parse(file: &File) -> io::Result<(Header, Names)> {
         }
         at = data + len.div_ceil(8) * 8;
     }
+    if autoclear & AUTOCLEAR_DATA_FILE_RAW != 0 && incompat & INCOMPAT_DATA_FILE == 0 {
+        // qemu: "data-file-raw requires a data file".
+        return Err(unsupported(
+            "says its data file is raw (data-file-raw) but has no data file",
+        ));
+    }
     if incompat & INCOMPAT_DATA_FILE != 0 && names.data_file.as_deref().is_none_or(str::is_empty) {
         return Err(unsupported(
             "keeps its data in an external file but does not name it (qemu takes it as the data-file option): not supported",
@@ -284,12 +333,65 @@ fn parse(file: &File) -> io::Result<(Header, Names)> {
         l1_offset,
         refcount_table_offset,
         refcount_table_clusters,
+        nb_snapshots,
+        snapshots_offset,
         incompat,
         autoclear,
         refcount_order,
         compression,
     };
     Ok((header, names))
+}
+
+/// Reads the snapshot table as qemu's qcow2_read_snapshots bounds it (the table at most 1 KiB
+/// a snapshot, each entry's extra data at most 1 KiB) and returns where the table and each
+/// snapshot's L1 table lie, checked as qemu checks an L1 table (cluster aligned, at most
+/// qemu's 32 MiB, in the file), so that writes can be kept off them.
+fn read_snapshots(file: &File, h: &Header, file_len: u64) -> io::Result<Vec<(u64, u64)>> {
+    let cluster = 1u64 << h.cluster_bits;
+    let mut at = h.snapshots_offset;
+    let mut l1s = Vec::new();
+    for i in 0..h.nb_snapshots {
+        let mut e = [0u8; SNAPSHOT_ENTRY as usize];
+        if read_some(file, &mut e, at)? < e.len() {
+            return Err(unsupported(format!(
+                "has snapshot {i}'s entry past the end of the file"
+            )));
+        }
+        let (l1_offset, l1_size) = (be64(&e, 0), u64::from(be32(&e, 8)));
+        let id_len = u64::from(u16::from_be_bytes([e[12], e[13]]));
+        let name_len = u64::from(u16::from_be_bytes([e[14], e[15]]));
+        let extra = u64::from(be32(&e, 36));
+        if extra > MAX_SNAPSHOT_EXTRA {
+            return Err(unsupported(format!(
+                "has {extra} bytes of extra data in snapshot {i}'s entry: more than qemu's limit of {MAX_SNAPSHOT_EXTRA}"
+            )));
+        }
+        at += (SNAPSHOT_ENTRY + extra + id_len + name_len).next_multiple_of(8);
+        if at - h.snapshots_offset > MAX_SNAPSHOT_TABLE {
+            return Err(unsupported(format!(
+                "has a snapshot table larger than qemu's limit of {} MiB",
+                MAX_SNAPSHOT_TABLE >> 20
+            )));
+        }
+        if l1_size > MAX_L1_ENTRIES as u64
+            || !l1_offset.is_multiple_of(cluster)
+            || l1_offset
+                .checked_add(l1_size * 8)
+                .is_none_or(|end| end > file_len)
+        {
+            return Err(unsupported(format!(
+                "has snapshot {i}'s L1 table of {l1_size} entries at offset {l1_offset:#x}: not cluster aligned, too large or past the end of the file"
+            )));
+        }
+        l1s.push((l1_offset, l1_size * 8));
+    }
+    if h.nb_snapshots == 0 {
+        return Ok(Vec::new());
+    }
+    let mut ranges = vec![(h.snapshots_offset, at - h.snapshots_offset)];
+    ranges.extend(l1s.into_iter().filter(|&(_, len)| len > 0));
+    Ok(ranges)
 }
 
 /// Refuses the features this server does not handle.

@@ -187,7 +187,8 @@ impl Qcow2 {
 
     /// Checks that host cluster `host`, about to be written as `what`, lies off the image's
     /// metadata (qemu's qcow2_check_metadata_overlap: header, L1 table, refcount table,
-    /// refcount blocks, and L2 tables for data). If it does not, the image is marked corrupt,
+    /// refcount blocks, the snapshot table and the snapshots' inactive L1 tables, and L2
+    /// tables for data). If it does not, the image is marked corrupt,
     /// as qemu marks it, and the write fails with EIO.
     fn guard(&self, st: &mut State, host: u64, what: HostUse) -> io::Result<()> {
         let cs = self.cluster_size();
@@ -205,6 +206,8 @@ impl Qcow2 {
             Some("the refcount table")
         } else if st.refcount_blocks.contains(&host) {
             Some("a refcount block")
+        } else if self.snapshot_metadata.iter().any(|&(at, len)| on(at, len)) {
+            Some("an internal snapshot's table")
         } else if what == HostUse::Data && st.l2_tables.contains(&host) {
             Some("an L2 table")
         } else {
