@@ -1033,3 +1033,49 @@ fn read_fails_with_eio_within(f: &std::fs::File, secs: u64) {
         t.elapsed()
     );
 }
+
+/// An image on a file system that hangs (here: this mount, its server stopped) does not stop
+/// qpip-nbd-server's other exports: its open misses --open-timeout, it is left out with one
+/// line, and the others are served.
+#[test]
+fn an_export_on_a_hung_file_system_is_left_out_after_the_open_timeout() {
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_image(dir.path(), "under.img", 16 * MIB);
+    let under = qpip_server("under", &img, &[]);
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let m = mount(&under.uri, &mnt, "under", &["--cache", "none"]);
+    // SAFETY: a signal to the child this test started.
+    unsafe { libc::kill(under.child.id() as i32, libc::SIGSTOP) };
+    let other = sparse_image(dir.path(), "other.img", MIB);
+    let t = std::time::Instant::now();
+    let served = std::panic::catch_unwind(|| {
+        qpip_server(
+            "hung",
+            &m.file,
+            &[
+                "--open-timeout",
+                "2",
+                "--export",
+                &format!("ok={}", other.display()),
+            ],
+        )
+    });
+    // SAFETY: as above.
+    unsafe { libc::kill(under.child.id() as i32, libc::SIGCONT) };
+    let srv = served.expect("the server did not start beside the hung export");
+    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
+    let ok = srv.uri.replace("/hung", "/ok");
+    let out = std::process::Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "read 0 4k", &ok])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

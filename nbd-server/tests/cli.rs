@@ -340,3 +340,27 @@ fn handshake_limit_drops_a_silent_client_as_qemu_nbds_does() {
         t.elapsed()
     );
 }
+
+#[test]
+fn an_export_that_is_a_fifo_is_left_out_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("pipe");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo on a NUL-terminated path that outlives the call.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let ok = image(dir.path(), "ok.img", 1 << 20);
+    let t = std::time::Instant::now();
+    let s = start_server_v4(&args(&[
+        "--export",
+        &format!("pipe={}", fifo.display()),
+        "--export",
+        &format!("ok={}", ok.display()),
+    ]));
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(5),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(s.log().contains("is a FIFO"), "{}", s.log());
+    qemu_io(&s.uri("ok"), &["read 0 4k"]);
+}

@@ -61,6 +61,10 @@ pub struct OpenOptions {
     /// Directories beside the image's own where the files a qcow2 image names (backing
     /// files, the external data file) may lie (`--allow-backing-dir`; see [`named`]).
     pub backing_dirs: Vec<PathBuf>,
+    /// How long an image file (with its backing chain) may take to open: one on a file
+    /// system that hangs is then left out instead of stopping every other export
+    /// (`--open-timeout`). None: no deadline.
+    pub deadline: Option<std::time::Duration>,
 }
 
 /// Why a store could not be opened. Shown after the export's name.
@@ -105,6 +109,18 @@ pub enum OpenError {
         /// Why it failed.
         source: io::Error,
     },
+    /// The file did not open within [`OpenOptions::deadline`].
+    #[error(
+        "opening {}: not done after {} s (a file system that hangs?); the export is left out (--open-timeout)",
+        path.display(),
+        deadline.as_secs_f64()
+    )]
+    TimedOut {
+        /// The file.
+        path: PathBuf,
+        /// The deadline it missed.
+        deadline: std::time::Duration,
+    },
     /// The file could not be opened, or is in a format (or has qcow2 features) not served.
     #[error("opening {}{hint}", path.display())]
     Open {
@@ -142,7 +158,11 @@ impl OpenError {
     /// A file in a format the server does not serve (probed, or qcow2 features): it takes
     /// down its own export only, so that a guest cannot stop the server.
     pub fn unserved(&self) -> bool {
-        matches!(self, OpenError::Open { source, .. } if source.kind() == io::ErrorKind::Unsupported)
+        match self {
+            OpenError::Open { source, .. } => source.kind() == io::ErrorKind::Unsupported,
+            OpenError::TimedOut { .. } => true,
+            _ => false,
+        }
     }
 }
 
@@ -189,7 +209,10 @@ impl Opener {
         match Location::parse(path) {
             Location::Rbd(spec) => self.open_rbd(spec, opts),
             Location::File(_) if opts.encryption.is_some() => Err(OpenError::EncryptionFile),
-            Location::File(path) => open_file(path, opts),
+            Location::File(path) => match opts.deadline {
+                None => open_file(path, opts),
+                Some(deadline) => open_file_within(path, opts, deadline),
+            },
         }
     }
 
@@ -244,8 +267,63 @@ pub fn anonymous(name: &str, size: u64) -> io::Result<Box<dyn Store>> {
     Ok(Box::new(FileStore::anonymous(name, size)?))
 }
 
+/// [`open_file`] on a thread of its own, waited for until `deadline`: an open, or a read of
+/// a header, on a file system that hangs (NFS, FUSE) blocks in the kernel, where nothing can
+/// interrupt it; the thread is then left behind and the export left out.
+fn open_file_within(
+    path: &Path,
+    opts: &OpenOptions,
+    deadline: std::time::Duration,
+) -> Result<Box<dyn Store>, OpenError> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (p, o) = (path.to_owned(), opts.clone());
+    std::thread::Builder::new()
+        .name("qpip-open".into())
+        .spawn(move || {
+            let _ = tx.send(open_file(&p, &o));
+        })
+        .map_err(|source| OpenError::Open {
+            path: path.to_owned(),
+            hint: "",
+            source,
+        })?;
+    rx.recv_timeout(deadline).unwrap_or_else(|_| {
+        Err(OpenError::TimedOut {
+            path: path.to_owned(),
+            deadline,
+        })
+    })
+}
+
 /// An image file: created if asked and missing, its format chosen or probed, locked.
 fn open_file(path: &Path, opts: &OpenOptions) -> Result<Box<dyn Store>, OpenError> {
+    // A FIFO (or socket, or character device) would block an open for read, or serve a
+    // stream: only regular files and block devices are disks. stat does not block.
+    if let Ok(m) = std::fs::metadata(path) {
+        use std::os::unix::fs::FileTypeExt;
+        let t = m.file_type();
+        let what = if t.is_fifo() {
+            Some("a FIFO")
+        } else if t.is_socket() {
+            Some("a socket")
+        } else if t.is_char_device() {
+            Some("a character device")
+        } else if t.is_dir() {
+            Some("a directory")
+        } else {
+            None
+        };
+        if let Some(what) = what {
+            return Err(OpenError::Open {
+                path: path.to_owned(),
+                hint: "",
+                source: io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    format!("is {what}: only regular files and block devices are served"),
+                ),
+            });
+        }
+    }
     let mut format = opts.format;
     if let Some(size) = opts.create
         && !path.exists()

@@ -125,6 +125,11 @@ pub(crate) struct Cli {
     /// OSD that restarts within it wait and complete.
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     pub ceph_timeout: u64,
+    /// Seconds an image file (with its backing chain) may take to open at start: one on a
+    /// file system that hangs (NFS, FUSE) is then left out with an error line, and the
+    /// other exports are served. 0: no deadline.
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    pub open_timeout: u64,
     /// rbd: exports (writable ones), as rbd-nbd's --exclusive: take each image's exclusive
     /// lock at start and keep it until exit, so that no other client writes the image
     /// meanwhile; the server refuses to start, naming the holder, when another client holds

@@ -143,6 +143,7 @@ fn open_one(
             ),
         },
         backing_dirs,
+        deadline: (cli.open_timeout > 0).then(|| Duration::from_secs(cli.open_timeout)),
     };
     match opener.open(&e.path, &opts) {
         Ok(store) => Ok(Ok(store)),
