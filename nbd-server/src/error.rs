@@ -98,9 +98,40 @@ impl std::fmt::Display for Chain<'_> {
     }
 }
 
+/// A store's refusal of a request, with the reason the client is told (the error chunk's
+/// message, where structured replies carry one) beside the errno it answers with.
+#[derive(Debug, thiserror::Error)]
+#[error("{why}")]
+pub struct Refusal {
+    /// The errno the client is answered with.
+    pub errno: i32,
+    /// Why, in words the client sees.
+    pub why: String,
+}
+
+impl Refusal {
+    /// An `io::Error` that answers the client with `errno` and says `why`.
+    pub fn error(errno: i32, why: impl Into<String>) -> io::Error {
+        io::Error::new(
+            io::Error::from_raw_os_error(errno).kind(),
+            Refusal {
+                errno,
+                why: why.into(),
+            },
+        )
+    }
+
+    /// The refusal inside `e`, if a store made it so.
+    pub fn of(e: &io::Error) -> Option<&Refusal> {
+        e.get_ref()
+            .and_then(|inner| inner.downcast_ref::<Refusal>())
+    }
+}
+
 /// The NBD error a client is answered with for a store's I/O error.
 pub(crate) fn io_error_value(e: &io::Error) -> ErrorValue {
-    match e.raw_os_error() {
+    let errno = Refusal::of(e).map(|r| r.errno).or(e.raw_os_error());
+    match errno {
         Some(libc::ENOSPC) | Some(libc::EDQUOT) => ErrorValue::NoSpc,
         Some(libc::EPERM) | Some(libc::EACCES) | Some(libc::EROFS) => ErrorValue::Perm,
         Some(libc::EINVAL) => ErrorValue::Inval,

@@ -227,12 +227,22 @@ impl ServerTransmission {
 
     /// Append the whole reply to a request without data: success, or `result`'s error.
     pub fn reply(&self, to: ReplyTo, result: Result<(), ErrorValue>, out: &mut Vec<u8>) {
-        match (result, self.info.structured_replies) {
-            (Ok(()), false) => out.extend_from_slice(&SimpleReply::ok(to.cookie).encode()),
-            (Err(e), false) => out.extend_from_slice(&SimpleReply::err(to.cookie, e).encode()),
-            (Ok(()), true) => out.extend_from_slice(&reply::none_chunk(to)),
-            (Err(e), true) => reply::error_chunk(to, true, e, &format!("{e:?}"), out),
+        match result {
+            Ok(()) if self.info.structured_replies => out.extend_from_slice(&reply::none_chunk(to)),
+            Ok(()) => out.extend_from_slice(&SimpleReply::ok(to.cookie).encode()),
+            Err(e) => self.reply_error(to, e, None, out),
         }
+    }
+
+    /// Append an error reply to a request without data: with structured replies, an error
+    /// chunk whose message says `why` (none without one, as qemu-nbd sends it: the error
+    /// value says the rest); a simple reply carries the error value alone.
+    pub fn reply_error(&self, to: ReplyTo, e: ErrorValue, why: Option<&str>, out: &mut Vec<u8>) {
+        if !self.info.structured_replies {
+            out.extend_from_slice(&SimpleReply::err(to.cookie, e).encode());
+            return;
+        }
+        reply::error_chunk(to, true, e, why.unwrap_or(""), out);
     }
 
     /// The header of a successful reply to a nonzero `READ`, which the whole range's data
@@ -484,6 +494,38 @@ mod tests {
             let mut want = Vec::new();
             s.reply(flush.reply_to(), Err(ErrorValue::Io), &mut want);
             assert_eq!(err, want, "errors as reply() says them");
+        }
+    }
+
+    #[test]
+    fn an_error_says_its_reason_in_the_chunk_and_nothing_else_without_one() {
+        for (structured, extended) in [(false, false), (true, false), (true, true)] {
+            let s = session(structured, extended);
+            let to = s
+                .parse_request(&header(Command::Flush, CmdFlags::empty(), 0, 0, extended))
+                .unwrap()
+                .reply_to();
+            let (mut why, mut plain) = (Vec::new(), Vec::new());
+            s.reply_error(
+                to,
+                ErrorValue::Perm,
+                Some("a shrink while another uses it"),
+                &mut why,
+            );
+            s.reply(to, Err(ErrorValue::Perm), &mut plain);
+            if !structured {
+                assert_eq!(why, plain, "a simple reply has no room for a reason");
+                continue;
+            }
+            for (bytes, want) in [(&why, "a shrink while another uses it"), (&plain, "")] {
+                let h = StructuredReplyHeader::parse_as(bytes, extended).unwrap();
+                match Chunk::parse(&h, &bytes[h.header_len()..]).unwrap() {
+                    Chunk::Error { error, message, .. } => {
+                        assert_eq!((error, message), (c::EPERM, want.as_bytes()));
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
         }
     }
 

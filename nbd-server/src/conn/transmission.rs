@@ -636,15 +636,21 @@ impl<'a> Transmission<'a> {
     /// shrink their requests get EINVAL or ENOSPC from the store).
     fn resize(&mut self, req: &ValidRequest, size: u64) -> Result<()> {
         let alone = self.export.connections.load(Ordering::SeqCst) <= 1;
-        let result = (self.export.store)
-            .resize(size, alone)
-            .map_err(|e| io_error_value(&e));
-        if result.is_ok() {
-            // Before the reply: the framer checks the next request against the new size.
-            self.session.set_size(size);
-            self.framer.set_size(size);
+        match self.export.store.resize(size, alone) {
+            Ok(()) => {
+                // Before the reply: the framer checks the next request against the new size.
+                self.session.set_size(size);
+                self.framer.set_size(size);
+                self.reply(req.reply_to(), Ok(()))
+            }
+            // The store's reason goes to the client in the error chunk's message.
+            Err(e) => {
+                let mut out = Vec::with_capacity(128);
+                let why = crate::error::Refusal::of(&e).map(|r| r.why.as_str());
+                (self.session).reply_error(req.reply_to(), io_error_value(&e), why, &mut out);
+                self.replies.post(self.link, &out, None, None)
+            }
         }
-        self.reply(req.reply_to(), result)
     }
 
     /// The reply to a request without data: success, or the error.

@@ -383,16 +383,19 @@ impl RbdImage {
         if size < old {
             let others = self.watchers().len().saturating_sub(1);
             if !alone || others > 0 {
-                tracing::warn!(
-                    "{}: RESIZE from {old} to {size} bytes refused (EPERM): a shrink while {} uses the image",
-                    self.spec,
+                let why = format!(
+                    "a shrink while {} uses the image",
                     if alone {
                         format!("{others} other client(s) of the cluster")
                     } else {
                         "another connection".to_owned()
                     }
                 );
-                return Err(errno(-libc::EPERM));
+                tracing::warn!(
+                    "{}: RESIZE from {old} to {size} bytes refused (EPERM): {why}",
+                    self.spec
+                );
+                return Err(crate::error::Refusal::error(libc::EPERM, why));
             }
         }
         // SAFETY: the image is open; librbd waits for the requests in flight on it (the
