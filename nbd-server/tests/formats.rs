@@ -1786,3 +1786,101 @@ fn qcow2_headers_qemu_refuses_are_refused() {
     drop(srv);
     check_clean(&snap);
 }
+
+/// `--load-snapshot` serves a qcow2 image's internal snapshot read-only, as qemu-nbd's does:
+/// by name, by ID or in qemu's snapshot.name= form, at the size the disk had then; an
+/// unknown snapshot is one line naming those there are.
+#[test]
+fn an_internal_snapshot_is_served_read_only_as_qemu_nbd_serves_it() {
+    if !require(&["qemu-img", "qemu-io", "qemu-nbd", "nbdinfo"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let img = qemu_img_create(d, "snaps.qcow2", &["-f", "qcow2"]);
+    let io = |cmd: &str| {
+        peer_ok(Command::new("qemu-io").args(["-f", "qcow2", &img, "-c", cmd]));
+    };
+    io("write -P 0x11 0 1M");
+    qemu_img_in(d, &["snapshot", "-c", "s1", &img]);
+    io("write -P 0x22 0 512k");
+    qemu_img_in(d, &["resize", &img, "48M"]);
+    io("write -P 0x33 40M 64k");
+    qemu_img_in(d, &["snapshot", "-c", "s2", &img]);
+    io("write -P 0x44 0 64k");
+    let reads_s1 = ["read -P 0x11 0 1M", "read -P 0 1M 31M"];
+    // Read-only exports: qemu-io must open them so.
+    let read = |uri: &str, cmds: &[&str]| {
+        let mut c = Command::new("qemu-io");
+        c.args(["-f", "raw", "-r", uri]);
+        for cmd in cmds {
+            c.args(["-c", cmd]);
+        }
+        let out = peer_ok(&mut c);
+        assert!(!out.contains("fail"), "{uri}: {out}");
+    };
+    for (which, reads, size) in [
+        ("s1", &reads_s1[..], "33554432"),
+        ("1", &reads_s1[..], "33554432"),
+        ("snapshot.name=s1", &reads_s1[..], "33554432"),
+        (
+            "snapshot.id=2,snapshot.name=s2",
+            &[
+                "read -P 0x22 0 512k",
+                "read -P 0x11 512k 512k",
+                "read -P 0x33 40M 64k",
+            ][..],
+            "50331648",
+        ),
+    ] {
+        let srv = start_server_v4(&args(&[
+            "--load-snapshot",
+            which,
+            "--export",
+            &format!("x={img}"),
+        ]));
+        read(&srv.uri("x"), reads);
+        let n = peer_ok(Command::new("nbdinfo").args(["--size", &srv.uri("x")]));
+        assert_eq!(n.trim(), size, "{which}");
+        let ro = Command::new("nbdinfo")
+            .args(["--is", "read-only", &srv.uri("x")])
+            .status()
+            .unwrap();
+        assert!(ro.success(), "{which}: the snapshot's export is writable");
+    }
+    // qemu-nbd serves the same bytes.
+    if let Some(q) = qpip_test_support::servers::tcp_peer(
+        "qemu-nbd",
+        "-p",
+        &[
+            "-b",
+            "127.0.0.1",
+            "-x",
+            "x",
+            "-l",
+            "s1",
+            "--persistent",
+            &img,
+        ],
+        "nbd://127.0.0.1:PORT/x",
+    ) {
+        read(&q.uri, &reads_s1);
+    }
+    // The active disk is untouched and the image clean.
+    peer_ok(Command::new("qemu-io").args(["-f", "qcow2", "-r", &img, "-c", "read -P 0x44 0 64k"]));
+    check_clean(&img);
+    refused(
+        &["--load-snapshot", "nope", "--export", &format!("x={img}")],
+        &[
+            &img,
+            "no internal snapshot \"nope\"",
+            "\"s1\" (id 1)",
+            "\"s2\" (id 2)",
+        ],
+    );
+    let raw = qemu_img_create(d, "plain.raw", &["-f", "raw"]);
+    refused(
+        &["--load-snapshot", "s1", "--export", &format!("x={raw}")],
+        &[&raw, "no internal snapshots"],
+    );
+}

@@ -157,7 +157,7 @@ fn qemu_nbd_options_are_the_servers_or_refused_by_name() {
         ("--image-opts", Refused(&["--image-opts"])),
         // Ours: --listen (README's clash list); qemu-nbd's is --load-snapshot.
         ("-l", Taken(&["-l", "127.0.0.1:10809"])),
-        ("--load-snapshot", Refused(&["--load-snapshot=s1"])),
+        ("--load-snapshot", Taken(&["--load-snapshot=s1"])),
         ("-L", Refused(&["-L"])),
         ("--list", Refused(&["--list"])),
         ("-n", Taken(&["-n"])),

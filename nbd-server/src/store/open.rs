@@ -61,6 +61,9 @@ pub struct OpenOptions {
     /// Directories beside the image's own where the files a qcow2 image names (backing
     /// files, the external data file) may lie (`--allow-backing-dir`; see [`named`]).
     pub backing_dirs: Vec<PathBuf>,
+    /// Serve this internal snapshot of a qcow2 image instead of its active disk, read-only
+    /// (qemu-nbd's `--load-snapshot`: an ID or name, or `snapshot.id=ID,snapshot.name=NAME`).
+    pub snapshot: Option<String>,
     /// How long an image file (with its backing chain) may take to open: one on a file
     /// system that hangs is then left out instead of stopping every other export
     /// (`--open-timeout`). None: no deadline.
@@ -341,12 +344,24 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Box<dyn Store>, OpenErro
         })?;
         format = Some(Format::Raw); // ours: not probed
     }
+    // An internal snapshot is served read-only, as qemu-nbd serves it.
+    let read_only_snapshot;
+    let opts = if opts.snapshot.is_some() && !opts.read_only {
+        read_only_snapshot = OpenOptions {
+            read_only: true,
+            ..opts.clone()
+        };
+        &read_only_snapshot
+    } else {
+        opts
+    };
     let mut chain = Chain {
         top: path,
         dirs: &opts.backing_dirs,
         allowed: None,
         seen: Vec::new(),
         tables_left: MAX_CHAIN_TABLE_BYTES,
+        snapshot: opts.snapshot.as_deref(),
     };
     let opened = std::fs::OpenOptions::new()
         .read(true)
@@ -421,6 +436,8 @@ struct Chain<'a> {
     seen: Vec<Identity>,
     /// What the tables of the images still to be opened may take.
     tables_left: u64,
+    /// The internal snapshot to serve of the top image (taken when it is opened).
+    snapshot: Option<&'a str>,
 }
 
 impl Chain<'_> {
@@ -492,6 +509,12 @@ fn open_image(
     };
     let for_lock = file.try_clone()?;
     let store: Box<dyn Store> = match format {
+        Format::Raw if chain.snapshot.is_some() => {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "is a raw image: it has no internal snapshots to load (--load-snapshot is for qcow2)",
+            ));
+        }
         Format::Raw => Box::new(FileStore::open(path, file, read_only, probed)?),
         Format::Qcow2 => {
             if !head.starts_with(QCOW2_MAGIC) {
@@ -500,7 +523,8 @@ fn open_image(
                     "is not a qcow2 image (no qcow2 magic in its first bytes); drop --format qcow2 to serve it as raw",
                 ));
             }
-            let mut q = Qcow2::open(path, file, read_only, &mut chain.tables_left)?;
+            let snapshot = chain.snapshot.take();
+            let mut q = Qcow2::open(path, file, read_only, &mut chain.tables_left, snapshot)?;
             let data_file = q.data_file_name().map(str::to_owned);
             let backing = q
                 .backing_name()?

@@ -162,14 +162,17 @@ impl Qcow2 {
     /// Opens the qcow2 image in `file` (which starts with the magic), found at `path`, and
     /// refuses what this reader does not handle (the caller names the file). Its L1 and
     /// refcount tables are read into memory if they fit in `tables_left` bytes, which they
-    /// then take from it (a backing chain shares one bound).
+    /// then take from it (a backing chain shares one bound). With `snapshot`, the internal
+    /// snapshot it names is the disk instead of the active one (the caller opens it
+    /// read-only).
     pub fn open(
         path: &Path,
         file: File,
         read_only: bool,
         tables_left: &mut u64,
+        snapshot: Option<&str>,
     ) -> io::Result<Qcow2> {
-        let opened = header::read(&file, tables_left)?;
+        let opened = header::read(&file, tables_left, snapshot)?;
         let h = opened.header;
         let q = Qcow2 {
             path: path.to_owned(),
@@ -466,6 +469,7 @@ mod tests {
             image(dir.path()),
             false,
             &mut no_bound,
+            None,
         )
         .unwrap();
         let barriers = || q.barriers.load(Ordering::Relaxed);
@@ -529,6 +533,7 @@ mod tests {
             f.try_clone().unwrap(),
             true,
             &mut no_bound,
+            None,
         )
         .unwrap();
         let mut back = vec![0u8; CS as usize];
@@ -542,7 +547,7 @@ mod tests {
         f.write_all_at(&[1], 104).unwrap();
         f.write_all_at(&8u64.to_be_bytes(), 72).unwrap();
         l2(0, entry(zstd_frame.len()) + 16384);
-        let q = Qcow2::open(Path::new("t.qcow2"), f, true, &mut no_bound).unwrap();
+        let q = Qcow2::open(Path::new("t.qcow2"), f, true, &mut no_bound, None).unwrap();
         let err = q.read_at(&mut back, 0).unwrap_err();
         assert!(err.to_string().contains("more than a cluster"), "{err}");
         assert!(q.read_at(&mut back, CS).is_err());

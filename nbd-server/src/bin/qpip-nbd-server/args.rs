@@ -125,6 +125,12 @@ pub(crate) struct Cli {
     /// OSD that restarts within it wait and complete.
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     pub ceph_timeout: u64,
+    /// Serve an internal snapshot of each qcow2 image (made by `qemu-img snapshot -c`)
+    /// instead of its active disk, read-only, as qemu-nbd's --load-snapshot: its ID or name,
+    /// or snapshot.id=ID,snapshot.name=NAME. qemu-nbd's short -l is --listen here. Per
+    /// export in the config file: load_snapshot = "NAME".
+    #[arg(long, value_name = "SNAPSHOT")]
+    pub load_snapshot: Option<String>,
     /// Seconds an image file (with its backing chain) may take to open at start: one on a
     /// file system that hangs (NFS, FUSE) is then left out with an error line, and the
     /// other exports are served. 0: no deadline.
@@ -418,11 +424,5 @@ pub(crate) const REFUSED: &[Refused] = &[
         tool: "qemu-nbd",
         why: "a throwaway overlay is not made yet: serve one you make (qemu-img create -f \
               qcow2 -b IMAGE -F FORMAT overlay.qcow2) and delete it afterwards",
-    },
-    Refused {
-        names: &["--load-snapshot"],
-        tool: "qemu-nbd",
-        why: "internal snapshots are not served yet: qemu-img convert -l snapshot.name=NAME \
-              IMAGE copy.qcow2 and serve the copy (-l is --listen here)",
     },
 ];

@@ -34,6 +34,9 @@ pub(crate) struct ExportConfig {
     /// (added to --allow-backing-dir).
     #[serde(default)]
     pub allow_backing_dir: Vec<PathBuf>,
+    /// Serve this internal snapshot of the qcow2 image, read-only (--load-snapshot).
+    #[serde(default)]
+    pub load_snapshot: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq, Default)]

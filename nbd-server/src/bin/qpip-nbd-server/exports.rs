@@ -144,6 +144,10 @@ fn open_one(
         },
         backing_dirs,
         deadline: (cli.open_timeout > 0).then(|| Duration::from_secs(cli.open_timeout)),
+        snapshot: cli
+            .load_snapshot
+            .clone()
+            .or_else(|| e.load_snapshot.clone()),
     };
     match opener.open(&e.path, &opts) {
         Ok(store) => Ok(Ok(store)),

@@ -80,6 +80,7 @@ fn flag_export(name: &str, path: &str) -> ExportConfig {
         encryption_format: None,
         encryption_passphrase_file: None,
         allow_backing_dir: Vec::new(),
+        load_snapshot: None,
     }
 }
 
@@ -182,6 +183,7 @@ fn add_exports(cli: &Cli, cfg: &mut Config) -> Result<bool> {
             encryption_format: None,
             encryption_passphrase_file: None,
             allow_backing_dir: Vec::new(),
+            load_snapshot: None,
         });
         cfg.default_export.get_or_insert_with(|| "demo".into());
     }

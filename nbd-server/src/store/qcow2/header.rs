@@ -73,6 +73,38 @@ pub(super) enum Compression {
     Zstd,
 }
 
+/// Where some metadata lies in the file: (offset, length).
+type Range = (u64, u64);
+
+/// An internal snapshot as the snapshot table names it.
+struct Snapshot {
+    id: String,
+    name: String,
+    l1_offset: u64,
+    l1_entries: u64,
+    /// The virtual disk's size when the snapshot was taken (v3 extra data), if recorded.
+    disk_size: Option<u64>,
+}
+
+/// Whether `s` is the snapshot qemu-nbd's `--load-snapshot` names with `want`:
+/// `snapshot.id=ID`, `snapshot.name=NAME` (either or both, comma-separated), or an ID or a
+/// name alone.
+fn matches(want: &str, s: &Snapshot) -> bool {
+    let mut id = None;
+    let mut name = None;
+    for part in want.split(',') {
+        if let Some(v) = part.strip_prefix("snapshot.id=") {
+            id = Some(v);
+        } else if let Some(v) = part.strip_prefix("snapshot.name=") {
+            name = Some(v);
+        }
+    }
+    if id.is_none() && name.is_none() {
+        return s.id == want || s.name == want;
+    }
+    id.is_none_or(|i| s.id == i) && name.is_none_or(|n| s.name == n)
+}
+
 /// An image as it is opened: its header and what was read of its tables.
 pub(super) struct Opened {
     pub header: Header,
@@ -93,9 +125,47 @@ pub(super) struct Opened {
 /// Parses the header of `file` (which starts with the qcow2 magic), refuses what this
 /// reader does not handle, and reads the L1 and refcount tables (the caller names the file)
 /// if they fit in `tables_left` bytes, which they then take from it.
-pub(super) fn read(file: &File, tables_left: &mut u64) -> io::Result<Opened> {
-    let (h, names) = parse(file)?;
+///
+/// With `snapshot`, the internal snapshot it names is served instead of the active image: its
+/// L1 table is read in place of the active one, and the disk has the snapshot's size.
+pub(super) fn read(
+    file: &File,
+    tables_left: &mut u64,
+    snapshot: Option<&str>,
+) -> io::Result<Opened> {
+    let (mut h, names) = parse(file)?;
     check_features(&h)?;
+    let file_len = file.metadata()?.len();
+    let (snapshot_metadata, snapshots) = read_snapshots(file, &h, file_len)?;
+    if let Some(want) = snapshot {
+        // An ID is tried before a name, as qemu does.
+        let Some(s) = snapshots
+            .iter()
+            .find(|s| s.id == want)
+            .or_else(|| snapshots.iter().find(|s| matches(want, s)))
+        else {
+            let names: Vec<String> = snapshots
+                .iter()
+                .map(|s| format!("{:?} (id {})", s.name, s.id))
+                .collect();
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!(
+                    "qcow2 image has no internal snapshot {want:?}; its snapshots: {}",
+                    if names.is_empty() {
+                        "none".to_string()
+                    } else {
+                        names.join(", ")
+                    }
+                ),
+            ));
+        };
+        // The snapshot's L1 table stands in for the active one: what follows reads and
+        // checks it as it would the active table.
+        h.size = s.disk_size.unwrap_or(h.size);
+        h.l1_offset = s.l1_offset;
+        h.l1_size = usize::try_from(s.l1_entries).unwrap_or(usize::MAX);
+    }
     let Header {
         cluster_bits,
         size,
@@ -128,12 +198,10 @@ pub(super) fn read(file: &File, tables_left: &mut u64) -> io::Result<Opened> {
     let l1_used = needed_l1 as usize;
     // The tables lie in the file, cluster aligned, off the header and off each other
     // (qemu's validate_table_offset, and more).
-    let file_len = file.metadata()?.len();
     let l1_range = (l1_offset, l1_used as u64 * 8);
     let rt_range = (refcount_table_offset, rt_entries as u64 * 8);
     let header = (0, cluster);
     check_tables(cluster, file_len, header, l1_range, rt_range)?;
-    let snapshot_metadata = read_snapshots(file, &h, file_len)?;
     let tables = l1_range.1 + rt_range.1;
     if tables > *tables_left {
         return Err(unsupported(format!(
@@ -346,11 +414,16 @@ fn parse(file: &File) -> io::Result<(Header, Names)> {
 /// Reads the snapshot table as qemu's qcow2_read_snapshots bounds it (the table at most 1 KiB
 /// a snapshot, each entry's extra data at most 1 KiB) and returns where the table and each
 /// snapshot's L1 table lie, checked as qemu checks an L1 table (cluster aligned, at most
-/// qemu's 32 MiB, in the file), so that writes can be kept off them.
-fn read_snapshots(file: &File, h: &Header, file_len: u64) -> io::Result<Vec<(u64, u64)>> {
+/// qemu's 32 MiB, in the file), so that writes can be kept off them; and the snapshots.
+fn read_snapshots(
+    file: &File,
+    h: &Header,
+    file_len: u64,
+) -> io::Result<(Vec<Range>, Vec<Snapshot>)> {
     let cluster = 1u64 << h.cluster_bits;
     let mut at = h.snapshots_offset;
     let mut l1s = Vec::new();
+    let mut snapshots = Vec::new();
     for i in 0..h.nb_snapshots {
         let mut e = [0u8; SNAPSHOT_ENTRY as usize];
         if read_some(file, &mut e, at)? < e.len() {
@@ -367,6 +440,17 @@ fn read_snapshots(file: &File, h: &Header, file_len: u64) -> io::Result<Vec<(u64
                 "has {extra} bytes of extra data in snapshot {i}'s entry: more than qemu's limit of {MAX_SNAPSHOT_EXTRA}"
             )));
         }
+        // Extra data (v3: vm_state_size_large, then disk_size), the ID, the name.
+        let mut rest = vec![0u8; (extra + id_len + name_len) as usize];
+        if read_some(file, &mut rest, at + SNAPSHOT_ENTRY)? < rest.len() {
+            return Err(unsupported(format!(
+                "has snapshot {i}'s entry past the end of the file"
+            )));
+        }
+        let disk_size = (extra >= 16).then(|| be64(&rest, 8));
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        let id = text(&rest[extra as usize..(extra + id_len) as usize]);
+        let name = text(&rest[(extra + id_len) as usize..]);
         at += (SNAPSHOT_ENTRY + extra + id_len + name_len).next_multiple_of(8);
         if at - h.snapshots_offset > MAX_SNAPSHOT_TABLE {
             return Err(unsupported(format!(
@@ -385,13 +469,20 @@ fn read_snapshots(file: &File, h: &Header, file_len: u64) -> io::Result<Vec<(u64
             )));
         }
         l1s.push((l1_offset, l1_size * 8));
+        snapshots.push(Snapshot {
+            id,
+            name,
+            l1_offset,
+            l1_entries: l1_size,
+            disk_size,
+        });
     }
     if h.nb_snapshots == 0 {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), snapshots));
     }
     let mut ranges = vec![(h.snapshots_offset, at - h.snapshots_offset)];
     ranges.extend(l1s.into_iter().filter(|&(_, len)| len > 0));
-    Ok(ranges)
+    Ok((ranges, snapshots))
 }
 
 /// Refuses the features this server does not handle.
