@@ -195,6 +195,17 @@ impl Overlay {
         })
     }
 
+    /// The state of the cluster holding `at`, and where the run of clusters in that state
+    /// from `at` ends (at most `end`).
+    fn run(&self, at: u64, end: u64) -> (State, u64) {
+        let state = self.state(at / self.cluster);
+        let mut run_end = at;
+        while run_end < end && self.state(run_end / self.cluster) == state {
+            run_end = ((run_end / self.cluster + 1) * self.cluster).min(end);
+        }
+        (state, run_end)
+    }
+
     fn check(&self, offset: u64, len: u64) -> io::Result<()> {
         if offset.checked_add(len).is_none_or(|e| e > self.size) {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
@@ -265,15 +276,18 @@ impl Store for Overlay {
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         self.check(offset, buf.len() as u64)?;
-        let mut done = 0usize;
-        for (c, at, n) in self.pieces(offset, buf.len() as u64) {
-            let part = &mut buf[done..done + n as usize];
-            match self.state(c) {
+        let end = offset + buf.len() as u64;
+        let mut at = offset;
+        while at < end {
+            // A run of clusters in one state, read at once.
+            let (state, run_end) = self.run(at, end);
+            let part = &mut buf[(at - offset) as usize..(run_end - offset) as usize];
+            match state {
                 State::Image => self.image.read_at(part, at)?,
                 State::Data => self.file.read_exact_at(part, at)?,
                 State::Zero => part.fill(0),
             }
-            done += n as usize;
+            at = run_end;
         }
         Ok(())
     }
@@ -335,12 +349,7 @@ impl Store for Overlay {
         let mut at = offset;
         let mut count = 0;
         while at < end && count < MAX_EXTENTS {
-            // A run of clusters in one state.
-            let state = self.state(at / self.cluster);
-            let mut run_end = at;
-            while run_end < end && self.state(run_end / self.cluster) == state {
-                run_end = ((run_end / self.cluster + 1) * self.cluster).min(end);
-            }
+            let (state, run_end) = self.run(at, end);
             match state {
                 State::Image => {
                     let mut p = at;
