@@ -9,7 +9,9 @@
 //!   probe, `--create`, and the image locks (with [`lock`] and [`probe`]); the files a qcow2
 //!   image names (backing and data files) opened only where the user allowed ([`named`]);
 //! - [`view`]: any store from an offset on, with TRIM ignored or zero WRITEs detected
-//!   (qemu-nbd's `--offset`, `--discard`, `--detect-zeroes`).
+//!   (qemu-nbd's `--offset`, `--discard`, `--detect-zeroes`);
+//! - [`overlay`]: any store with its writes sent to a temporary overlay thrown away at exit
+//!   (qemu-nbd's `--snapshot`).
 //!
 //! Adding a store (NFS, S3, ...) is a new file here implementing [`Store`] and one arm in
 //! [`open::Opener::open`]; nothing outside `store/` names a store type.
@@ -29,6 +31,7 @@ pub mod file;
 pub mod lock;
 pub mod named;
 pub mod open;
+pub mod overlay;
 pub mod probe;
 pub mod qcow2;
 #[cfg(feature = "rbd")]

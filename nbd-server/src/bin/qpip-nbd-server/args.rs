@@ -104,6 +104,13 @@ pub(crate) struct Cli {
     /// Export every image read-only.
     #[arg(short, long)]
     pub read_only: bool,
+    /// Snapshot mode, as qemu-nbd's -s: every image is opened read-only (shared locks) and
+    /// the exports' writes, zeroings and trims go to a temporary overlay in $TMPDIR (an
+    /// unnamed file, sparse, gone when the server exits, even on kill -9), so the image never
+    /// changes. With --read-only: the image served read-only. Per export in the config file:
+    /// snapshot = true.
+    #[arg(short = 's', long)]
+    pub snapshot: bool,
     /// Take no image locks (qemu's -U): serve an image that qemu or another server has open.
     /// Without it, a writable export is refused while anyone else uses the image, and a
     /// read-only one while anyone writes it, as qemu-nbd does.
@@ -418,11 +425,5 @@ pub(crate) const REFUSED: &[Refused] = &[
         names: &["-B", "--bitmap"],
         tool: "qemu-nbd",
         why: "qcow2 dirty bitmaps are not exported yet (qemu:dirty-bitmap)",
-    },
-    Refused {
-        names: &["-s", "--snapshot"],
-        tool: "qemu-nbd",
-        why: "a throwaway overlay is not made yet: serve one you make (qemu-img create -f \
-              qcow2 -b IMAGE -F FORMAT overlay.qcow2) and delete it afterwards",
     },
 ];

@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use nbd_server::export::Export;
 use nbd_server::store::open::{self, OpenOptions, Opener};
+use nbd_server::store::overlay::Overlay;
 use nbd_server::store::view::{self, Cache, DetectZeroes, Discard, ViewOptions};
 use nbd_server::store::{CephOptions, Encryption, Store};
 use qpip_core::Nic;
@@ -45,6 +46,7 @@ pub(crate) fn open_all(nic: &Nic, cli: &Cli, settings: &Settings) -> Result<Vec<
                 }
             }
         };
+        let store = snapshot(cli, e, store)?;
         let store = view::apply(store, view).with_context(|| format!("export {}", e.name))?;
         tracing::info!(export = %e.name, "{} ({}, {} bytes{})", store.location(), store.kind(), store.size(), if store.read_only() { ", read-only" } else { "" });
         exports.push(Export::new(
@@ -122,7 +124,8 @@ fn open_one(
         );
     }
     let opts = OpenOptions {
-        read_only: cli.read_only || e.read_only,
+        // Snapshot mode never writes the image: its locks are shared read locks.
+        read_only: cli.read_only || e.read_only || cli.snapshot || e.snapshot,
         format: cli.format.or(e.format).map(Into::into),
         create,
         lock: !cli.force_share,
@@ -156,6 +159,27 @@ fn open_one(
         )),
         Err(err) => Err(anyhow::Error::new(err).context(format!("export {}", e.name))),
     }
+}
+
+/// Snapshot mode (--snapshot): the store, opened read-only, with its writes sent to an
+/// overlay in $TMPDIR; read-only too with --read-only, as qemu-nbd's read-only snapshot.
+fn snapshot(cli: &Cli, e: &ExportConfig, store: Box<dyn Store>) -> Result<Box<dyn Store>> {
+    if !(cli.snapshot || e.snapshot) {
+        return Ok(store);
+    }
+    if cli.read_only || e.read_only {
+        tracing::info!(export = %e.name, "snapshot mode, read-only: no overlay is needed");
+        return Ok(store);
+    }
+    let overlay =
+        Overlay::new(store, &std::env::temp_dir()).with_context(|| format!("export {}", e.name))?;
+    tracing::info!(
+        export = %e.name,
+        "snapshot mode: writes go to a temporary overlay in {}, thrown away at exit (cluster map: {} KiB)",
+        overlay.dir().display(),
+        overlay.map_bytes().div_ceil(1024)
+    );
+    Ok(Box::new(overlay))
 }
 
 /// The demo export: a generated image in anonymous memory (a memfd). Not a file under
