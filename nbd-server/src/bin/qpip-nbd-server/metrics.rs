@@ -78,10 +78,14 @@ impl MetricsListener {
                     if !m.file_type().is_socket() {
                         bail!("{}: a file that is not a socket is in the way", what());
                     }
-                    if UnixStream::connect(path).is_ok() {
-                        bail!("{}: another server is listening on it", what());
+                    match UnixStream::connect(path) {
+                        Ok(_) => bail!("{}: another server is listening on it", what()),
+                        // Stale: its server is gone.
+                        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                            std::fs::remove_file(path).with_context(what)?;
+                        }
+                        Err(e) => return Err(e).with_context(what),
                     }
-                    std::fs::remove_file(path).with_context(what)?;
                 }
                 let l = UnixListener::bind(path).with_context(what)?;
                 Ok(MetricsListener::Unix(l, path.clone()))
