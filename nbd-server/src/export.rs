@@ -6,6 +6,7 @@ use std::sync::atomic::AtomicUsize;
 use nbd_proto::flags::TransmissionFlags;
 use qpip_core::{Access, FileRegion, MemoryRegion, Nic};
 
+use crate::metrics::ExportStats;
 use crate::store::Store;
 
 /// An export: a store served under a name, with its memory registered with the NIC.
@@ -26,6 +27,8 @@ pub struct Export {
     /// Connections in their transmission phase on this export (a RESIZE that shrinks it is
     /// refused while others are open).
     pub connections: AtomicUsize,
+    /// What its connections did ([`crate::metrics`]).
+    pub stats: ExportStats,
 }
 
 impl Export {
@@ -49,6 +52,7 @@ impl Export {
             file_region,
             place_from,
             connections: AtomicUsize::new(0),
+            stats: ExportStats::default(),
         })
     }
 

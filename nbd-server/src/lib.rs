@@ -8,6 +8,8 @@
 //!   the receive window); it sees an export's store through the trait only.
 //! - [`server::Server`]: listeners, an accept loop each, a thread per connection, shutdown.
 //!
+//! [`metrics`] counts what connections do, for the binary's `--metrics` listener.
+//!
 //! The binary (`src/bin/qpip-nbd-server/`) is a command line around them: its configuration
 //! file, daemon duties and clap arguments are its own modules, which report with `anyhow`;
 //! the library's errors are typed ([`Error`], [`store::open::OpenError`]).
@@ -15,6 +17,7 @@
 mod conn;
 pub mod error;
 pub mod export;
+pub mod metrics;
 pub mod server;
 pub mod store;
 

@@ -20,6 +20,7 @@ use crate::conn::shared::{RateLimitedLog, ServerShared};
 use crate::conn::{self, Connection};
 use crate::error::{Chain, Result};
 use crate::export::Export;
+use crate::metrics::{Registry, Snapshot};
 
 /// What a server serves and how.
 pub struct ServerOptions {
@@ -104,6 +105,7 @@ impl Server {
             buffer_budget: BufferBudget::new(
                 usize::try_from(opts.buffer_memory).unwrap_or(usize::MAX),
             ),
+            metrics: Registry::default(),
         });
         let connections = Arc::new(Mutex::new(Vec::new()));
         let mut accept_threads = Vec::new();
@@ -139,6 +141,11 @@ impl Server {
         self.shared.active.load(Ordering::Acquire)
     }
 
+    /// What reads the server's figures while it runs, from any thread.
+    pub fn stats(&self) -> Stats {
+        Stats(self.shared.clone())
+    }
+
     /// Orderly shutdown: stop accepting, let connections finish what is in flight (new
     /// requests get ESHUTDOWN), flush every export.
     pub fn shutdown(self, timeout: Duration) {
@@ -170,6 +177,18 @@ impl Server {
                 tracing::error!(export = %e.name, "final flush of {} failed: {err}", e.store.location());
             }
         }
+    }
+}
+
+/// Reads a running server's figures ([`Server::stats`]).
+#[derive(Clone)]
+pub struct Stats(Arc<ServerShared>);
+
+impl Stats {
+    /// The figures now, of the server, its exports and their open connections.
+    pub fn snapshot(&self) -> Snapshot {
+        let exports = self.0.exports.iter().map(|e| (e.name.as_str(), &e.stats));
+        self.0.metrics.snapshot(exports)
     }
 }
 

@@ -26,6 +26,7 @@ use self::recv_window::RECV_SLOTS;
 use self::reply_slots::REPLY_SLOTS;
 use self::shared::ServerShared;
 use crate::error::Result;
+use crate::metrics::Handshake;
 
 /// CQ depth: every WR the connection can have outstanding, so it can never overflow.
 pub(crate) const CQ_DEPTH: usize = RECV_SLOTS + REPLY_SLOTS + 16;
@@ -57,8 +58,12 @@ impl Connection {
         self.link.evict = None;
         let (neg, last_reply) = match handshake {
             Ok(Some(done)) => done,
-            Ok(None) => return Ok(()),
+            Ok(None) => {
+                self.link.shared.metrics.handshake(Handshake::Abandoned);
+                return Ok(());
+            }
             Err(e) => {
+                self.link.shared.metrics.handshake(Handshake::Failed);
                 self.link.shared.handshake_failed(&self.link.peer, &e);
                 return Ok(());
             }
@@ -66,9 +71,11 @@ impl Connection {
         // Only clients past the handshake count toward --max-connections; the final reply
         // has not gone out, so a refused client sees the connection close in the handshake.
         let Some(_place) = self.link.shared.admit(&self.link.peer) else {
+            self.link.shared.metrics.handshake(Handshake::Refused);
             self.link.qp.close();
             return Ok(());
         };
+        self.link.shared.metrics.handshake(Handshake::Completed);
         let export = self.link.shared.exports[neg.export_index].clone();
         tracing::info!(peer = %self.link.peer, export = %export.name, structured = neg.structured_replies, extended = neg.extended_headers, tls = neg.tls, "client connected");
         // Before the reply that lets the client send requests: from then on the framer
@@ -80,10 +87,13 @@ impl Connection {
             place,
         );
         let _counted = Counted::new(&export.connections);
+        let id = self.link.shared.metrics.next_id();
+        let stats = export.stats.attach(id, self.link.peer.to_string());
         transmission::serve(
             &mut self.link,
             &self.framer,
             export.clone(),
+            stats.conn.clone(),
             &neg,
             &last_reply,
         )

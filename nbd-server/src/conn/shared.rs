@@ -15,6 +15,7 @@ use qpip_core::{Endpoint, Nic, TlsConfig};
 use super::recv_window::BufferBudget;
 use crate::error::Chain;
 use crate::export::Export;
+use crate::metrics::Registry;
 
 /// What the accept loops and connections share.
 pub(crate) struct ServerShared {
@@ -40,6 +41,8 @@ pub(crate) struct ServerShared {
     /// Memory connections may take beyond their base (`--buffer-memory`): receive slots
     /// and read buffers.
     pub buffer_budget: BufferBudget,
+    /// Handshakes counted and connection ids ([`crate::metrics`]).
+    pub metrics: Registry,
 }
 
 impl ServerShared {

@@ -45,6 +45,7 @@ use super::recv_window::{RECV_SLOTS, RecvWindow, SLOT_LEN};
 use super::reply_slots::ReplySlots;
 use crate::error::{Chain, Error, Result, io_error_value};
 use crate::export::Export;
+use crate::metrics::{ConnStats, Started};
 use crate::store::Pending;
 
 /// Most extents in one block-status reply (the client asks again for the rest).
@@ -80,10 +81,11 @@ pub(crate) fn serve(
     link: &mut Link,
     framer: &FramerState,
     export: Arc<Export>,
+    stats: Arc<ConnStats>,
     negotiated: &ServerNegotiated,
     last_reply: &[u8],
 ) -> Result<()> {
-    let t = Transmission::new(link, framer, export, negotiated)?;
+    let t = Transmission::new(link, framer, export, stats, negotiated)?;
     // The receive slots are posted before the reply that lets the client send requests.
     t.link.send_bytes(last_reply)?;
     t.run()
@@ -105,6 +107,7 @@ impl Wake for WakeCq {
 /// on and dropped before its error reply).
 struct PendingWrite {
     to: ReplyTo,
+    started: Started,
     /// Where the payload goes.
     offset: u64,
     /// Payload bytes in all.
@@ -141,6 +144,8 @@ struct Transmission<'a> {
     /// The requests the framer parsed, one per message that starts with a header.
     framer: &'a FramerState,
     export: Arc<Export>,
+    /// What the connection counts ([`crate::metrics`]).
+    stats: Arc<ConnStats>,
     /// The protocol side: request checks, reply bytes.
     session: ServerTransmission,
     recv_mr: MemoryRegion,
@@ -157,7 +162,7 @@ struct Transmission<'a> {
     /// Set by `on_message` when the message's slot must be held (a write piece reads it).
     hold_slot: bool,
     /// Reads the store is still doing: replied to by `reap_reads` once done.
-    started_reads: Vec<ReadReply>,
+    started_reads: Vec<(ReadReply, Started)>,
     /// Given to the store with every read and write it starts: wakes our CQ wait.
     waker: Waker,
 }
@@ -177,6 +182,7 @@ impl<'a> Transmission<'a> {
         link: &'a mut Link,
         framer: &'a FramerState,
         export: Arc<Export>,
+        stats: Arc<ConnStats>,
         neg: &ServerNegotiated,
     ) -> Result<Self> {
         let stride = SLOT_LEN;
@@ -197,6 +203,7 @@ impl<'a> Transmission<'a> {
             link,
             framer,
             export,
+            stats,
             session: ServerTransmission::new(neg),
             recv_mr,
             stride,
@@ -290,11 +297,12 @@ impl<'a> Transmission<'a> {
                 }
                 s => return Err(Error::RequestRefused(s)),
             }
+            // Read per message already (the idle timeout); a request's arrival time too.
             *last_request = Instant::now();
             let slot = c.wr_id as usize;
             self.msg_slot = slot;
             self.hold_slot = false;
-            if !self.on_message(slot, &c)? {
+            if !self.on_message(slot, &c, *last_request)? {
                 return Ok(false);
             }
             // A held slot is posted again when its write piece is done (reap_writes).
@@ -363,7 +371,7 @@ impl<'a> Transmission<'a> {
                 Some(e) => Err(e),
                 None => self.after_write(&pw),
             };
-            self.reply_not_read(pw.to, result)?;
+            self.reply_not_read(pw.to, pw.started, result)?;
         }
         for slot in freed {
             let slot = self.window.reuse(slot);
@@ -382,9 +390,9 @@ impl<'a> Transmission<'a> {
     fn reap_reads(&mut self, block: bool) -> Result<()> {
         let mut i = 0;
         while i < self.started_reads.len() {
-            if block || self.started_reads[i].all_done() {
-                let r = self.started_reads.remove(i);
-                self.finish_read(r)?;
+            if block || self.started_reads[i].0.all_done() {
+                let (r, started) = self.started_reads.remove(i);
+                self.finish_read(r, started)?;
             } else {
                 i += 1;
             }
@@ -392,7 +400,7 @@ impl<'a> Transmission<'a> {
         Ok(())
     }
 
-    fn finish_read(&mut self, r: ReadReply) -> Result<()> {
+    fn finish_read(&mut self, r: ReadReply, started: Started) -> Result<()> {
         let to = r.reply_to();
         let mut cx = ReadContext {
             link: self.link,
@@ -401,8 +409,9 @@ impl<'a> Transmission<'a> {
             session: &self.session,
             waker: &self.waker,
         };
-        if let Err(e) = r.finish(&mut cx)? {
-            self.reply(to, Err(e))?;
+        match r.finish(&mut cx)? {
+            Ok(()) => self.stats.replied(started, None),
+            Err(e) => self.reply(to, started, Err(e))?,
         }
         Ok(())
     }
@@ -410,7 +419,7 @@ impl<'a> Transmission<'a> {
     /// Handles one message (a request, or a piece of a write payload), which arrived in
     /// receive slot `slot` (and, for a WRITE the framer placed, in the image). False:
     /// disconnect.
-    fn on_message(&mut self, slot: usize, wc: &Completion) -> Result<bool> {
+    fn on_message(&mut self, slot: usize, wc: &Completion, at: Instant) -> Result<bool> {
         let len = wc.byte_len as usize;
         let base = slot * self.stride;
         if let Some(mut pw) = self.pending_write.take() {
@@ -438,6 +447,7 @@ impl<'a> Transmission<'a> {
             Ok(req) => req.command().command(),
             Err(refusal) => refusal.command(),
         };
+        let started = self.stats.request(command, at);
         // Reads come after the writes before them are done and answered; every other
         // command (but a write) after the reads too.
         if command != Command::Write {
@@ -452,6 +462,7 @@ impl<'a> Transmission<'a> {
             Err(refusal) if refusal.payload_len() > 0 => {
                 let pw = PendingWrite {
                     to: refusal.reply_to(),
+                    started,
                     offset: 0,
                     len: refusal.payload_len(),
                     fua: false,
@@ -462,7 +473,7 @@ impl<'a> Transmission<'a> {
                 return self.begin_write(pw, base + hdr_len, body_len, wc);
             }
             Err(refusal) => {
-                self.reply(refusal.reply_to(), Err(refusal.error()))?;
+                self.reply(refusal.reply_to(), started, Err(refusal.error()))?;
                 return Ok(true);
             }
         };
@@ -485,16 +496,17 @@ impl<'a> Transmission<'a> {
                 return Ok(false);
             }
             ValidCommand::Read { range, .. } => {
-                self.read(&req, range)?;
+                self.read(&req, started.moving(range.len()), range)?;
                 return Ok(true);
             }
             ValidCommand::Resize { size } => {
-                self.resize(&req, size)?;
+                self.resize(&req, started, size)?;
                 return Ok(true);
             }
             ValidCommand::Write { range, fua } => {
                 let pw = PendingWrite {
                     to: req.reply_to(),
+                    started: started.moving(range.len()),
                     offset: range.offset(),
                     len: range.len(),
                     fua,
@@ -507,14 +519,18 @@ impl<'a> Transmission<'a> {
             _ => {}
         }
         match self.execute(&req) {
-            Ok(Some(())) => Ok(true), // the command sent its own reply
+            // The command sent its own reply.
+            Ok(Some(())) => {
+                self.stats.replied(started, None);
+                Ok(true)
+            }
             // Not a READ: those are answered above.
             Ok(None) => {
-                self.reply_not_read(req.reply_to(), Ok(()))?;
+                self.reply_not_read(req.reply_to(), started, Ok(()))?;
                 Ok(true)
             }
             Err(e) => {
-                self.reply(req.reply_to(), Err(e))?;
+                self.reply(req.reply_to(), started, Err(e))?;
                 Ok(true)
             }
         }
@@ -561,7 +577,7 @@ impl<'a> Transmission<'a> {
             Some(e) => Err(e),
             None => self.after_write(&pw),
         };
-        self.reply_not_read(pw.to, result)?;
+        self.reply_not_read(pw.to, pw.started, result)?;
         Ok(true)
     }
 
@@ -634,49 +650,63 @@ impl<'a> Transmission<'a> {
     /// connection's requests are checked against the new size, new connections are told it,
     /// and other open connections keep the size they were told (past the new end of a
     /// shrink their requests get EINVAL or ENOSPC from the store).
-    fn resize(&mut self, req: &ValidRequest, size: u64) -> Result<()> {
+    fn resize(&mut self, req: &ValidRequest, started: Started, size: u64) -> Result<()> {
         let alone = self.export.connections.load(Ordering::SeqCst) <= 1;
         match self.export.store.resize(size, alone) {
             Ok(()) => {
                 // Before the reply: the framer checks the next request against the new size.
                 self.session.set_size(size);
                 self.framer.set_size(size);
-                self.reply(req.reply_to(), Ok(()))
+                self.reply(req.reply_to(), started, Ok(()))
             }
             // The store's reason goes to the client in the error chunk's message.
             Err(e) => {
                 let mut out = Vec::with_capacity(128);
+                let value = io_error_value(&e);
                 let why = crate::error::Refusal::of(&e).map(|r| r.why.as_str());
-                (self.session).reply_error(req.reply_to(), io_error_value(&e), why, &mut out);
+                (self.session).reply_error(req.reply_to(), value, why, &mut out);
+                self.stats.replied(started, Some(value));
                 self.replies.post(self.link, &out, None, None)
             }
         }
     }
 
     /// The reply to a request without data: success, or the error.
-    fn reply(&mut self, to: ReplyTo, result: Result<(), ErrorValue>) -> Result<()> {
+    fn reply(
+        &mut self,
+        to: ReplyTo,
+        started: Started,
+        result: Result<(), ErrorValue>,
+    ) -> Result<()> {
         let mut out = Vec::with_capacity(64);
         self.session.reply(to, result, &mut out);
+        self.stats.replied(started, result.err());
         self.replies.post(self.link, &out, None, None)
     }
 
     /// The reply to a request other than READ (a success may be a simple reply).
-    fn reply_not_read(&mut self, to: ReplyTo, result: Result<(), ErrorValue>) -> Result<()> {
+    fn reply_not_read(
+        &mut self,
+        to: ReplyTo,
+        started: Started,
+        result: Result<(), ErrorValue>,
+    ) -> Result<()> {
         let mut out = Vec::with_capacity(64);
         self.session.reply_not_read(to, result, &mut out);
+        self.stats.replied(started, result.err());
         self.replies.post(self.link, &out, None, None)
     }
 
     /// READ: the reply header from a slot, the data straight from the image's mapping, or
     /// read by the store into registered buffers a piece at a time. Errors are replied to;
     /// `Err` ends the connection.
-    fn read(&mut self, req: &ValidRequest, range: ByteRange) -> Result<()> {
+    fn read(&mut self, req: &ValidRequest, started: Started, range: ByteRange) -> Result<()> {
         if range.is_empty() {
-            return self.reply(req.reply_to(), Ok(()));
+            return self.reply(req.reply_to(), started, Ok(()));
         }
         if !self.export.store.still_holds(range.end()).unwrap_or(false) {
             tracing::warn!(export = %self.export.name, "read at {} of {} bytes: {} is shorter than that now (truncated by another process?)", range.offset(), range.len(), self.export.store.location());
-            return self.reply(req.reply_to(), Err(ErrorValue::Io));
+            return self.reply(req.reply_to(), started, Err(ErrorValue::Io));
         }
         // No mapping (qcow2, RBD), or a range whose holes the mapping would fill with new
         // pages (tmpfs): the store reads into registered buffers.
@@ -686,13 +716,19 @@ impl<'a> Transmission<'a> {
             {
                 region.sge(range.offset() as usize, range.len() as usize)
             }
-            _ => return self.read_into_buffers(req, range),
+            _ => return self.read_into_buffers(req, started, range),
         };
         let hdr = self.session.read_reply_header(req).map_err(Error::Reply)?;
+        self.stats.replied(started, None);
         self.replies.post(self.link, &hdr, Some(mapped), None)
     }
 
-    fn read_into_buffers(&mut self, req: &ValidRequest, range: ByteRange) -> Result<()> {
+    fn read_into_buffers(
+        &mut self,
+        req: &ValidRequest,
+        started: Started,
+        range: ByteRange,
+    ) -> Result<()> {
         let mut r = ReadReply::new(*req, range);
         let mut cx = ReadContext {
             link: self.link,
@@ -705,18 +741,18 @@ impl<'a> Transmission<'a> {
             let at = self.export.store.location();
             tracing::warn!(export = %self.export.name, "read at {} of {} bytes from {at}: {e}", range.offset(), range.len());
             drop(r); // waits for the pieces started
-            return self.reply(req.reply_to(), Err(io_error_value(&e)));
+            return self.reply(req.reply_to(), started, Err(io_error_value(&e)));
         }
         // An asynchronous store (RBD) reads on, and wakes us when done.
         if r.fully_started() && r.in_progress() {
-            self.started_reads.push(r);
+            self.started_reads.push((r, started));
             return Ok(());
         }
         // Memory is short: the reads started before hold some of it; they go first.
         if !r.fully_started() {
             self.finish_reads()?;
         }
-        self.finish_read(r)
+        self.finish_read(r, started)
     }
 
     fn send_block_status(

@@ -277,6 +277,16 @@ pub(crate) struct Cli {
     /// per line); a client with any of them may connect.
     #[arg(long, value_name = "FILE", conflicts_with = "tls_certs")]
     pub tls_psk: Option<PathBuf>,
+    /// Serve live statistics in Prometheus' text format (GET /metrics over HTTP) on ADDR:PORT
+    /// (IPv6 in brackets, HOST:PORT; port 0 picks a free one, printed at start) or on a
+    /// Unix-domain socket: unix:PATH, or a PATH with a "/" in it. Per export and per open
+    /// connection (labelled by its id and peer address): requests by command, bytes read and
+    /// written, errors by NBD error, latency histograms by command, requests in flight; open
+    /// connections and handshakes. Off by default. A management port on the host's own
+    /// network stack, not on the NIC: keep it on loopback or a management network (it has
+    /// no authentication). Config file: metrics = "ADDR:PORT".
+    #[arg(long, value_name = "ADDR:PORT|unix:PATH")]
+    pub metrics: Option<String>,
     /// Shut down (as on SIGTERM) when the process that started the server exits.
     #[arg(long)]
     pub exit_with_parent: bool,

@@ -66,6 +66,9 @@ pub(crate) struct Config {
     /// Advertise the list of exports (NBD_OPT_LIST); on by default.
     #[serde(default)]
     pub list_exports: Option<bool>,
+    /// Where to serve live statistics (--metrics): "ADDR:PORT" or "unix:PATH".
+    #[serde(default)]
+    pub metrics: Option<String>,
 }
 
 impl Config {

@@ -4,7 +4,8 @@
 //!
 //! The binary's own modules: [`args`] (the command line), [`config`] (the TOML file),
 //! [`settings`] (the two merged), [`exports`] (stores opened through the library's
-//! `store::open`), [`daemon`] (fork, pid file, socket activation), [`captive`] (`--run`).
+//! `store::open`), [`daemon`] (fork, pid file, socket activation), [`captive`] (`--run`),
+//! [`metrics`] (`--metrics`: live statistics over HTTP).
 
 // The doc comments of the options are clap's --help text, where brackets are literal
 // ("[::1]", "nbd://HOST[:PORT]/EXPORT"), not links.
@@ -15,6 +16,7 @@ mod captive;
 mod config;
 mod daemon;
 mod exports;
+mod metrics;
 mod settings;
 
 use std::os::fd::OwnedFd;
@@ -26,6 +28,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use args::{Cli, TlsArg};
 use config::parse_size;
+use metrics::MetricsListener;
 use nbd_proto::handshake::TlsMode;
 use nbd_server::server::{Server, ServerOptions};
 use qpip_core::DEFAULT_LANAI_SERVER_NODE;
@@ -58,6 +61,9 @@ fn run(cli: Cli) -> Result<i32> {
     let nic = open_nic(&cli)?;
     // Bound before any image is opened or created: an address in use fails first.
     let listeners = listen(&nic, &cli, &settings, activated)?;
+    let metrics = (settings.metrics.as_ref())
+        .map(MetricsListener::bind)
+        .transpose()?;
     let exports = exports::open_all(&nic, &cli, &settings)?;
     // --run's URI names the default export, else the first one served.
     let first_export = exports.first().map(|e| e.name.clone()).unwrap_or_default();
@@ -68,6 +74,12 @@ fn run(cli: Cli) -> Result<i32> {
         server_options(&cli, &settings, listeners, tls)?,
     )?;
     announce(&cli, &settings, &server);
+    if let Some(m) = &metrics
+        && cli.log.quiet == 0
+    {
+        eprintln!("qpip-nbd-server: metrics on {}", m.describe());
+    }
+    let _metrics = metrics.map(|m| m.serve(server.stats())).transpose()?;
     let _pid_file = cli
         .pid_file
         .as_deref()

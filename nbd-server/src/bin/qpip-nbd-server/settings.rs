@@ -8,6 +8,7 @@ use qpip_core::DEFAULT_LANAI_SERVER_NODE;
 
 use crate::args::{Cli, EncryptionArg};
 use crate::config::{self, Config, ExportConfig, parse_listen};
+use crate::metrics::MetricsAddr;
 
 /// The configuration with the flags applied.
 pub(crate) struct Settings {
@@ -19,6 +20,8 @@ pub(crate) struct Settings {
     pub listen: Vec<SocketAddr>,
     /// With --backend lanai: this node's fabric address.
     pub lanai_addr: Option<Ipv6Addr>,
+    /// Where to serve live statistics (--metrics, or the file's `metrics`).
+    pub metrics: Option<MetricsAddr>,
 }
 
 impl Settings {
@@ -55,11 +58,15 @@ impl Settings {
                 "cannot listen on {v4}: the lanai NIC speaks IPv6 only (this node is {node}; try --listen [{node}]:10809)"
             );
         }
+        let metrics = (cli.metrics.as_deref().or(cfg.metrics.as_deref()))
+            .map(MetricsAddr::parse)
+            .transpose()?;
         Ok(Settings {
             cfg,
             demo,
             listen,
             lanai_addr,
+            metrics,
         })
     }
 }
