@@ -30,8 +30,9 @@
 //! new cluster with the decompressed contents (copy-on-write) and drops the compressed
 //! cluster's reference on every host cluster it spans, as qemu does.
 //! Images with internal snapshots are written as qemu writes them, leaving the snapshots
-//! intact: a cluster shared with a snapshot (no COPIED flag: refcount above 1) is copied to a
-//! new cluster before it changes, and the shared one loses a reference; an L2 table shared
+//! intact: a cluster shared with a snapshot (no COPIED flag: refcount above 1), a zeroed one
+//! that keeps such an allocation included, is copied to a new cluster before it changes (only
+//! a COPIED one is written in place), and the shared one loses a reference; an L2 table shared
 //! with a snapshot (L1 entry without COPIED) is copied first, and the copy made the active
 //! one's. Version 2 has no zero flag: zeroing a whole cluster zeroes its bytes (a hole
 //! punched) or, for a shared or compressed one, unmaps it; over a backing file, zeroes are

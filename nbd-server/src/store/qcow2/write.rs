@@ -102,11 +102,23 @@ impl Qcow2 {
                     frees.push(entry);
                     continue;
                 }
-                Cluster::Unallocated | Cluster::Zero { host: 0 } => {
+                // Zeroed keeping its allocation, and that cluster ours alone (COPIED; data
+                // clusters in an external data file are not refcounted): written in place.
+                Cluster::Zero { host } if host != 0 && (entry & COPIED != 0 || self.external) => {
+                    host
+                }
+                Cluster::Zero { host } if host != 0 => {
+                    // Zeroed keeping an allocation a snapshot shares (refcount above 1): as
+                    // qemu's handle_alloc, a new cluster, zeroes around the piece; the shared
+                    // one loses this reference after the link.
+                    frees.push(entry);
                     allocated = true;
                     self.alloc_data(st, guest - in_cluster)?
                 }
-                Cluster::Zero { host } => host,
+                Cluster::Unallocated | Cluster::Zero { .. } => {
+                    allocated = true;
+                    self.alloc_data(st, guest - in_cluster)?
+                }
             };
             self.guard(st, host, HostUse::Data)?;
             // A cluster that read as zeroes, or from the backing file (copy-on-write; not
