@@ -49,7 +49,8 @@
 //! of the L1 table only what the virtual disk needs is read), and the tables must lie in the
 //! file, off the header and off each other. A write through an L2 entry (or to an L2 table)
 //! that lies on the image's own metadata fails with EIO and marks the image corrupt, as
-//! qemu's overlap check does.
+//! qemu's overlap check does; so does a zeroing, trim or copy-on-write that would drop a
+//! reference an entry pointing there holds (a crafted compressed entry in the header).
 
 use std::collections::HashSet;
 use std::fs::File;
@@ -473,6 +474,31 @@ mod tests {
         assert!(back[..512].iter().all(|&b| b == 0x44));
         assert!(back[512..2 * CS as usize].iter().all(|&b| b == 0));
         assert!(back[2 * CS as usize..].iter().all(|&b| b == 0x33));
+    }
+
+    /// B5: a crafted compressed L2 entry starting in the header and reaching into the
+    /// refcount table, then trimmed: the request fails with EIO and the image is marked
+    /// corrupt, and the refcounts of the header and of the table keep their 1 (they dropped
+    /// to 0), the entry untouched.
+    #[test]
+    fn trimming_a_compressed_entry_on_the_header_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = image(dir.path());
+        // L2 table at cluster 4 (refcount 1); its first entry: 2 sectors from CS - 512.
+        f.write_all_at(&((4 * CS) | COPIED).to_be_bytes(), 3 * CS)
+            .unwrap();
+        f.write_all_at(&[0, 1], 2 * CS + 8).unwrap();
+        f.set_len(5 * CS).unwrap();
+        let entry = COMPRESSED | (1 << 54) | (CS - 512);
+        f.write_all_at(&entry.to_be_bytes(), 4 * CS).unwrap();
+        let q = Qcow2::open(Path::new("t.qcow2"), f.try_clone().unwrap(), false).unwrap();
+        let err = q.zero_range(0, CS).unwrap_err();
+        assert!(err.to_string().contains("lies on the header"), "{err}");
+        let st = q.state.lock();
+        assert_eq!(q.refcount(&st, 0).unwrap(), 1);
+        assert_eq!(q.refcount(&st, CS).unwrap(), 1);
+        assert_eq!(read_u64(&f, 4 * CS).unwrap(), entry);
+        assert!(st.corrupt);
     }
 
     /// A crafted compressed cluster decompresses into one cluster at most: a zlib stream of
