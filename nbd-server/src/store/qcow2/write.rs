@@ -248,7 +248,7 @@ impl Qcow2 {
     /// it, lie off the image's metadata: a crafted entry (a compressed one starting in the
     /// header, say) must not drop the refcounts of the header or of tables. If one does not,
     /// the image is marked corrupt as [`guard`](Self::guard) marks it, and the request fails
-    /// with EIO before anything changed.
+    /// with EIO before that entry or any refcount changes.
     fn guard_freed(&self, st: &mut State, entry: u64) -> io::Result<()> {
         let cs = self.cluster_size();
         if let Some((first, end)) = self.referenced(entry) {
