@@ -119,16 +119,6 @@ fn check_clean(path: &str) -> String {
     check_clean_in(path, Path::new("."))
 }
 
-fn check_clean_in(path: &str, cwd: &Path) -> String {
-    let check = peer_ok(
-        Command::new("qemu-img")
-            .current_dir(cwd)
-            .args(["check", path]),
-    );
-    assert!(check.contains("No errors were found"), "{check}");
-    check
-}
-
 /// A copy of `from` at `to` (in the same directory), for the local writes.
 fn copy(from: &str, to: &str) -> String {
     std::fs::copy(from, to).unwrap();
@@ -1522,20 +1512,6 @@ fn qcow2_version_2_is_written_alone_and_over_a_backing_file() {
         })
         .collect();
     writes_match_with(&top, &local, &[], &writes);
-}
-
-/// The disk of each internal snapshot of `img`, as raw bytes (qemu-img convert -l).
-fn snapshot_disk(img: &str, snap: &str, out: &Path) -> Vec<u8> {
-    peer_ok(Command::new("qemu-img").args([
-        "convert",
-        "-l",
-        &format!("snapshot.name={snap}"),
-        "-O",
-        "raw",
-        img,
-        out.to_str().unwrap(),
-    ]));
-    std::fs::read(out).unwrap()
 }
 
 /// An image with internal snapshots (v3 and v2) is written: clusters and L2 tables shared

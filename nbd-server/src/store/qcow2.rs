@@ -31,8 +31,9 @@
 //! new cluster with the decompressed contents (copy-on-write) and drops the compressed
 //! cluster's reference on every host cluster it spans, as qemu does.
 //! Images with internal snapshots are written as qemu writes them, leaving the snapshots
-//! intact: a cluster shared with a snapshot (no COPIED flag: refcount above 1) is copied to a
-//! new cluster before it changes, and the shared one loses a reference; an L2 table shared
+//! intact: a cluster shared with a snapshot (no COPIED flag: refcount above 1), a zeroed one
+//! that keeps such an allocation included, is copied to a new cluster before it changes (only
+//! a COPIED one is written in place), and the shared one loses a reference; an L2 table shared
 //! with a snapshot (L1 entry without COPIED) is copied first, and the copy made the active
 //! one's. Version 2 has no zero flag: zeroing a whole cluster zeroes its bytes (a hole
 //! punched) or, for a shared or compressed one, unmaps it; over a backing file, zeroes are
@@ -50,7 +51,8 @@
 //! images together by `open::MAX_CHAIN_TABLE_BYTES`, and the tables must lie in the file, off
 //! the header and off each other. A write through an L2 entry (or to an L2 table)
 //! that lies on the image's own metadata fails with EIO and marks the image corrupt, as
-//! qemu's overlap check does.
+//! qemu's overlap check does; so does a zeroing, trim or copy-on-write that would drop a
+//! reference an entry pointing there holds (a crafted compressed entry in the header).
 
 use std::collections::HashSet;
 use std::fs::File;
@@ -496,6 +498,39 @@ mod tests {
         assert!(back[..512].iter().all(|&b| b == 0x44));
         assert!(back[512..2 * CS as usize].iter().all(|&b| b == 0));
         assert!(back[2 * CS as usize..].iter().all(|&b| b == 0x33));
+    }
+
+    /// B5: a crafted compressed L2 entry starting in the header and reaching into the
+    /// refcount table, then trimmed: the request fails with EIO and the image is marked
+    /// corrupt, and the refcounts of the header and of the table keep their 1 (they dropped
+    /// to 0), the entry untouched.
+    #[test]
+    fn trimming_a_compressed_entry_on_the_header_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = image(dir.path());
+        // L2 table at cluster 4 (refcount 1); its first entry: 2 sectors from CS - 512.
+        f.write_all_at(&((4 * CS) | COPIED).to_be_bytes(), 3 * CS)
+            .unwrap();
+        f.write_all_at(&[0, 1], 2 * CS + 8).unwrap();
+        f.set_len(5 * CS).unwrap();
+        let entry = COMPRESSED | (1 << 54) | (CS - 512);
+        f.write_all_at(&entry.to_be_bytes(), 4 * CS).unwrap();
+        let mut no_bound = u64::MAX;
+        let q = Qcow2::open(
+            Path::new("t.qcow2"),
+            f.try_clone().unwrap(),
+            false,
+            &mut no_bound,
+            None,
+        )
+        .unwrap();
+        let err = q.zero_range(0, CS).unwrap_err();
+        assert!(err.to_string().contains("lies on the header"), "{err}");
+        let st = q.state.lock();
+        assert_eq!(q.refcount(&st, 0).unwrap(), 1);
+        assert_eq!(q.refcount(&st, CS).unwrap(), 1);
+        assert_eq!(read_u64(&f, 4 * CS).unwrap(), entry);
+        assert!(st.corrupt);
     }
 
     /// A crafted compressed cluster decompresses into one cluster at most: a zlib stream of

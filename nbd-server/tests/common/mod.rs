@@ -49,6 +49,33 @@ pub(crate) fn qemu_io(uri: &str, cmds: &[&str]) -> String {
     t
 }
 
+/// `qemu-img check` of `path`, run in `cwd` (where relative backing names resolve), finds
+/// neither errors nor leaked clusters.
+pub(crate) fn check_clean_in(path: &str, cwd: &Path) -> String {
+    let check = peer_ok(
+        std::process::Command::new("qemu-img")
+            .current_dir(cwd)
+            .args(["check", path]),
+    );
+    assert!(check.contains("No errors were found"), "{check}");
+    check
+}
+
+/// The disk of internal snapshot `snap` of `img`, as raw bytes (qemu-img convert -l), by
+/// way of the file `out`.
+pub(crate) fn snapshot_disk(img: &str, snap: &str, out: &Path) -> Vec<u8> {
+    peer_ok(std::process::Command::new("qemu-img").args([
+        "convert",
+        "-l",
+        &format!("snapshot.name={snap}"),
+        "-O",
+        "raw",
+        img,
+        out.to_str().unwrap(),
+    ]));
+    std::fs::read(out).unwrap()
+}
+
 /// String args from literals.
 pub(crate) fn args(a: &[&str]) -> Vec<String> {
     a.iter().map(|s| s.to_string()).collect()

@@ -60,22 +60,10 @@ impl Qcow2 {
     /// a data cluster's one. A refcount already at 0 is left so (the image was inconsistent)
     /// and logged.
     pub(super) fn free_entry(&self, st: &mut State, entry: u64) -> io::Result<()> {
-        let cs = self.cluster_size();
-        if self.external && entry & super::COMPRESSED == 0 {
-            // Data clusters in an external data file are not refcounted.
+        let Some((first, end)) = self.referenced(entry) else {
             return Ok(());
-        }
-        let (start, len) = if entry & super::COMPRESSED != 0 {
-            let (at, len) = self.compressed_range(entry);
-            (at & !511, (len + (at & 511)))
-        } else {
-            (entry & OFFSET_MASK, cs)
         };
-        if start == 0 {
-            return Ok(());
-        }
-        let first = start / cs * cs;
-        for host in (first..start + len).step_by(cs as usize) {
+        for host in (first..end).step_by(self.cluster_size() as usize) {
             match self.refcount(st, host)? {
                 0 => tracing::warn!(
                     "qcow2 {}: cluster {host:#x} freed with refcount 0 already",
@@ -85,6 +73,26 @@ impl Qcow2 {
             }
         }
         Ok(())
+    }
+
+    /// The host clusters an L2 entry holds a reference to, `[first, end)` (cluster aligned
+    /// at `first`): a compressed cluster's every host cluster, a data cluster's one; none
+    /// for an entry without an offset or for data in an external data file (not refcounted).
+    pub(super) fn referenced(&self, entry: u64) -> Option<(u64, u64)> {
+        let cs = self.cluster_size();
+        if self.external && entry & super::COMPRESSED == 0 {
+            return None;
+        }
+        let (start, len) = if entry & super::COMPRESSED != 0 {
+            let (at, len) = self.compressed_range(entry);
+            (at & !511, (len + (at & 511)))
+        } else {
+            (entry & OFFSET_MASK, cs)
+        };
+        if start == 0 {
+            return None;
+        }
+        Some((start / cs * cs, start + len))
     }
 
     pub(super) fn set_refcount(&self, st: &mut State, host: u64, value: u64) -> io::Result<()> {

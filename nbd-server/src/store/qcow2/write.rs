@@ -76,6 +76,7 @@ impl Qcow2 {
                 } => {
                     // Shared with a snapshot (refcount above 1): copy-on-write into a new
                     // cluster; the shared one loses this reference after the link.
+                    self.guard_freed(st, entry)?;
                     let mut whole = vec![0u8; cs as usize];
                     if n < cs {
                         self.read_data(&mut whole, old)?;
@@ -92,6 +93,7 @@ impl Qcow2 {
                 Cluster::Compressed { entry } => {
                     // Copy-on-write: the decompressed cluster, with the piece over it, in a
                     // new cluster; the compressed one loses this reference after the link.
+                    self.guard_freed(st, entry)?;
                     let mut whole = self.decompress(entry)?;
                     whole[in_cluster as usize..(in_cluster + n) as usize].copy_from_slice(piece);
                     let host = self.alloc(st)?;
@@ -102,11 +104,24 @@ impl Qcow2 {
                     frees.push(entry);
                     continue;
                 }
-                Cluster::Unallocated | Cluster::Zero { host: 0 } => {
+                // Zeroed keeping its allocation, and that cluster ours alone (COPIED; data
+                // clusters in an external data file are not refcounted): written in place.
+                Cluster::Zero { host } if host != 0 && (entry & COPIED != 0 || self.external) => {
+                    host
+                }
+                Cluster::Zero { host } if host != 0 => {
+                    // Zeroed keeping an allocation a snapshot shares (refcount above 1): as
+                    // qemu's handle_alloc, a new cluster, zeroes around the piece; the shared
+                    // one loses this reference after the link.
+                    self.guard_freed(st, entry)?;
+                    frees.push(entry);
                     allocated = true;
                     self.alloc_data(st, guest - in_cluster)?
                 }
-                Cluster::Zero { host } => host,
+                Cluster::Unallocated | Cluster::Zero { .. } => {
+                    allocated = true;
+                    self.alloc_data(st, guest - in_cluster)?
+                }
             };
             self.guard(st, host, HostUse::Data)?;
             // A cluster that read as zeroes, or from the backing file (copy-on-write; not
@@ -208,7 +223,7 @@ impl Qcow2 {
             Some("a refcount block")
         } else if self.snapshot_metadata.iter().any(|&(at, len)| on(at, len)) {
             Some("an internal snapshot's table")
-        } else if what == HostUse::Data && st.l2_tables.contains(&host) {
+        } else if what != HostUse::L2Table && st.l2_tables.contains(&host) {
             Some("an L2 table")
         } else {
             None
@@ -219,6 +234,7 @@ impl Qcow2 {
         let what = match what {
             HostUse::Data => "data cluster",
             HostUse::L2Table => "L2 table",
+            HostUse::Freed => "cluster an L2 entry frees",
         };
         let why = format!("a {what} at host offset {host:#x} lies on {lies_on}");
         tracing::error!("qcow2 image corrupt, marked so and refusing writes: {why}");
@@ -229,6 +245,21 @@ impl Qcow2 {
             self.file.sync_data()?;
         }
         Err(io::Error::other(format!("qcow2 image is corrupt: {why}")))
+    }
+
+    /// Checks that the host clusters L2 entry `entry` holds a reference to, about to lose
+    /// it, lie off the image's metadata: a crafted entry (a compressed one starting in the
+    /// header, say) must not drop the refcounts of the header or of tables. If one does not,
+    /// the image is marked corrupt as [`guard`](Self::guard) marks it, and the request fails
+    /// with EIO before that entry or any refcount changes.
+    fn guard_freed(&self, st: &mut State, entry: u64) -> io::Result<()> {
+        let cs = self.cluster_size();
+        if let Some((first, end)) = self.referenced(entry) {
+            for host in (first..end).step_by(cs as usize) {
+                self.guard(st, host, HostUse::Freed)?;
+            }
+        }
+        Ok(())
     }
 
     /// A write barrier (fdatasync): what was written before is durable before what is
@@ -317,6 +348,7 @@ impl Qcow2 {
                     // Shared or compressed: the entry drops its reference, as qemu's does,
                     // and reads as zero (version 2: unallocated, with no backing file).
                     _ => {
+                        self.guard_freed(&mut st, table[idx])?;
                         frees.push(table[idx]);
                         if v3 { ZERO } else { 0 }
                     }
@@ -352,6 +384,8 @@ impl Qcow2 {
 enum HostUse {
     Data,
     L2Table,
+    /// A cluster about to lose a data or compressed L2 entry's reference.
+    Freed,
 }
 
 /// Writes to an image marked corrupt fail with EIO (qemu stops all I/O to it).
