@@ -18,6 +18,9 @@ pub(crate) struct ExportConfig {
     pub description: String,
     #[serde(default)]
     pub read_only: bool,
+    /// Offer the qemu:allocation-depth metadata context (as --allocation-depth).
+    #[serde(default)]
+    pub allocation_depth: bool,
     /// Create the image, sparse, with this size if it does not exist ("1G", "512M", bytes).
     #[serde(default)]
     pub create_size: Option<String>,
