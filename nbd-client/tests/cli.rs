@@ -1385,3 +1385,80 @@ fn progress_to_a_descriptor_writes_nbdcopys_percent_lines() {
         "{err}"
     );
 }
+
+/// `qpip-nbd info --map=qemu:allocation-depth` (and `--totals`) and the contexts `info
+/// --list` shows are nbdinfo's, text for text, against qemu-nbd -A and qpip-nbd-server -A
+/// serving a qcow2 overlay over a qcow2 over a raw base (issue 35).
+#[test]
+fn info_maps_any_context_and_lists_contexts_as_nbdinfo() {
+    if !require(&["nbdinfo", "qemu-nbd", "qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    image(d, "base.raw", 3 * MIB, &[(64 << 10, 64 << 10)]);
+    let sh = |cmd: &str| {
+        let out = Command::new("sh")
+            .current_dir(d)
+            .args(["-c", cmd])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{cmd}: {out:?}");
+    };
+    sh(
+        "qemu-img create -q -f qcow2 -b base.raw -F raw mid.qcow2 4M \
+        && qemu-io -f qcow2 -c 'write -P 2 512k 64k' mid.qcow2 >/dev/null \
+        && qemu-img create -q -f qcow2 -b mid.qcow2 -F qcow2 top.qcow2 4M \
+        && qemu-io -f qcow2 -c 'write -P 3 1M 64k' -c 'write -z 1536k 64k' top.qcow2 >/dev/null",
+    );
+    let top = d.join("top.qcow2");
+    let ours = qpip_server("x", &top, &["-r", "-A"]);
+    let top_s = top.display().to_string();
+    let Some(theirs) = qpip_test_support::servers::tcp_peer(
+        "qemu-nbd",
+        "-p",
+        &[
+            "-r",
+            "-t",
+            "-A",
+            "-f",
+            "qcow2",
+            "-x",
+            "x",
+            "-b",
+            "127.0.0.1",
+            &top_s,
+        ],
+        "nbd://127.0.0.1:PORT/x",
+    ) else {
+        return;
+    };
+    let nbdinfo = |args: &[&str]| {
+        let out = Command::new("nbdinfo").args(args).output().unwrap();
+        assert!(out.status.success(), "nbdinfo {args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let contexts = |text: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| l.starts_with("\t\t"))
+            .map(|l| l.trim().to_string())
+            .collect()
+    };
+    for uri in [ours.uri.as_str(), theirs.uri.as_str()] {
+        for args in [
+            vec!["--map=qemu:allocation-depth"],
+            vec!["--map=qemu:allocation-depth", "--totals"],
+            vec!["--map=base:allocation"],
+        ] {
+            let mut a = args.clone();
+            a.push(uri);
+            let mut b = vec!["info"];
+            b.extend(&a);
+            assert_eq!(ok(&b), nbdinfo(&a), "{a:?}");
+        }
+        let listed = contexts(&ok(&["info", "--list", uri]));
+        assert_eq!(listed, ["base:allocation", "qemu:allocation-depth"]);
+        assert_eq!(listed, contexts(&nbdinfo(&["--list", uri])), "{uri}");
+    }
+    assert!(ok(&["info", "--map=qemu:allocation-depth", &ours.uri]).contains("backing depth 3"));
+}

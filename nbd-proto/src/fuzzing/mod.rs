@@ -613,7 +613,7 @@ pub fn replies(data: &[u8]) {
             if !structured || h.cookie != REPLY_COOKIE {
                 break;
             }
-            check.chunk(&h, payload, ctx)
+            check.chunk(&h, payload, |id| Some(id) == ctx)
         };
         let Ok(accepted) = accepted else {
             break; // a protocol violation ends the connection

@@ -136,6 +136,37 @@ fn go_with_structured_replies_and_meta_context() {
 }
 
 #[test]
+fn client_lists_contexts_and_selects_several() {
+    let mut cfg = config();
+    cfg.exports[0].contexts = vec![c::QEMU_ALLOCATION_DEPTH.to_owned()];
+    let mut cc = ClientConfig::new("disk");
+    cc.list_contexts = true;
+    cc.meta_contexts = vec![c::QEMU_ALLOCATION_DEPTH.to_owned(), "qemu:nope".to_owned()];
+    let o = run(cfg.clone(), ClientHandshake::connect(cc.clone()));
+    let (s, cl) = (server_done(&o), client_done(&o));
+    let both = vec![
+        (BASE_ALLOCATION_ID, c::BASE_ALLOCATION.to_owned()),
+        (BASE_ALLOCATION_ID + 1, c::QEMU_ALLOCATION_DEPTH.to_owned()),
+    ];
+    assert_eq!(s.meta_contexts, both);
+    assert_eq!(cl.meta_contexts, both);
+    assert_eq!(cl.base_allocation, Some(BASE_ALLOCATION_ID));
+    assert_eq!(
+        cl.listed_contexts,
+        vec![c::BASE_ALLOCATION, c::QEMU_ALLOCATION_DEPTH]
+    );
+    // qemu:allocation-depth alone, without base:allocation.
+    cc.base_allocation = false;
+    cc.list_contexts = false;
+    let o = run(cfg, ClientHandshake::connect(cc));
+    let cl = client_done(&o);
+    assert_eq!(cl.base_allocation, None);
+    assert_eq!(cl.meta_contexts, both[1..]);
+    assert!(cl.listed_contexts.is_empty());
+    assert!(cl.transmission_info().has_meta_context);
+}
+
+#[test]
 fn export_name_fallback_when_go_unsupported() {
     let cfg = ServerConfig {
         support_go: false,

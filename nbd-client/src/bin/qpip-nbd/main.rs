@@ -89,9 +89,11 @@ enum Cmd {
         /// Do not read the export's content (the default with --list).
         #[arg(long, overrides_with = "content")]
         no_content: bool,
-        /// Print the allocation map of CONTEXT (only base:allocation, the default): offset,
-        /// length, type (0 data, 1 hole, 2 zero, 3 hole and zero) and description per extent;
-        /// JSON with --json.
+        /// Print the map of the metadata context CONTEXT (default base:allocation; any the
+        /// server offers, e.g. qemu:allocation-depth or qemu:dirty-bitmap:NAME): offset,
+        /// length, type and description per extent, as nbdinfo prints them (base:allocation:
+        /// 0 data, 1 hole, 2 zero, 3 hole,zero; qemu:allocation-depth: 0 absent, 1 local, N
+        /// backing depth N; dirty bitmaps: 0 clean, 1 dirty); JSON with --json.
         #[arg(
             long,
             value_name = "CONTEXT",
