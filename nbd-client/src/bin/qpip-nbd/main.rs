@@ -172,6 +172,14 @@ enum Cmd {
         /// zeroes (--no-extents: both are read whole).
         #[arg(long)]
         verify: bool,
+        /// Copy only the extents of the source whose flags in the metadata context CONTEXT
+        /// are not 0 (qemu:dirty-bitmap:NAME: the dirty ones, for an incremental backup;
+        /// qemu:allocation-depth: what the image or its backing chain holds); the rest of the
+        /// destination is left as it is (a destination file is not truncated, only grown to
+        /// the source's size). The source must be an export offering CONTEXT (qpip-nbd info
+        /// --list shows them); nbdcopy has no such option.
+        #[arg(long, value_name = "CONTEXT")]
+        map: Option<String>,
         /// Copy holes as data: no block status, no zero detection, zeroes written as data
         /// (--no-extents -S 0 --allocated).
         #[arg(long)]
@@ -390,6 +398,7 @@ fn run(cli: Cli) -> Result<i32> {
             src,
             dst,
             verify,
+            map,
             no_sparse,
             flush,
             destination_is_zero,
@@ -437,6 +446,7 @@ fn run(cli: Cli) -> Result<i32> {
                         .context("--reconnect-timeout")?,
                     ..base
                 },
+                map,
                 progress,
             };
             let (s, d) = (copy::Endpoint::parse(&src), copy::Endpoint::parse(&dst));
