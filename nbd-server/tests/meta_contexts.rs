@@ -201,3 +201,102 @@ fn allocation_depth_per_export_in_the_config_file() {
     );
     assert_eq!(map.trim(), "0     1048576    1  local");
 }
+
+/// Option `option` with `queries` for export "x" over a raw connection to `port`, after
+/// NBD_OPT_STRUCTURED_REPLY when `structured`: the context names the server answers (or
+/// its error reply type).
+fn ask_contexts(
+    port: u16,
+    option: u32,
+    structured: bool,
+    queries: &[&str],
+) -> Result<Vec<String>, u32> {
+    use nbd_proto::consts as c;
+    use nbd_proto::handshake::messages::{
+        MetaContextEntry, MetaContextRequest, OptionReplyHeader, encode_option,
+    };
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let mut greeting = [0u8; c::GREETING_LEN];
+    s.read_exact(&mut greeting).unwrap();
+    s.write_all(&(c::FLAG_C_FIXED_NEWSTYLE | c::FLAG_C_NO_ZEROES).to_be_bytes())
+        .unwrap();
+    let reply = |s: &mut std::net::TcpStream| {
+        let mut h = [0u8; c::OPTION_REPLY_HEADER_LEN];
+        s.read_exact(&mut h).unwrap();
+        let h = OptionReplyHeader::parse(&h).unwrap();
+        let mut data = vec![0u8; h.length as usize];
+        s.read_exact(&mut data).unwrap();
+        (h.reply_type, data)
+    };
+    let mut out = Vec::new();
+    if structured {
+        encode_option(c::OPT_STRUCTURED_REPLY, &[], &mut out);
+        s.write_all(&out).unwrap();
+        assert_eq!(reply(&mut s).0, c::REP_ACK);
+        out.clear();
+    }
+    let req = MetaContextRequest {
+        export: "x",
+        queries: queries.to_vec(),
+    };
+    encode_option(option, &req.encode().unwrap(), &mut out);
+    encode_option(c::OPT_ABORT, &[], &mut out);
+    s.write_all(&out).unwrap();
+    let mut names = Vec::new();
+    loop {
+        match reply(&mut s) {
+            (c::REP_META_CONTEXT, data) => {
+                names.push(MetaContextEntry::parse(&data).unwrap().name.to_owned())
+            }
+            (c::REP_ACK, _) => return Ok(names),
+            (err, _) => return Err(err),
+        }
+    }
+}
+
+#[test]
+fn meta_context_queries_are_answered_as_qemu_nbd_answers_them() {
+    use nbd_proto::consts as c;
+    if !require(&["qemu-nbd", "qemu-img"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    qemu_img_in(d, &["create", "-q", "-f", "qcow2", "a.qcow2", "1M"]);
+    let queries: &[&[&str]] = &[
+        &[],
+        &["qemu:"],
+        &["base:"],
+        &["qemu:allocation-depth"],
+        &["qemu:allocation"],
+        &["qemu:dirty-bitmap:"],
+        &["qemu:allocation-depth", "base:allocation", "qemu:"],
+        &["x-other:", "base:allocation"],
+    ];
+    let mut differ = Vec::new();
+    for a in [&["-A"][..], &[]] {
+        let Some(theirs) = qemu_nbd(d, "a.qcow2", "qcow2", a) else {
+            return;
+        };
+        let ours = qpip_server("x", &d.join("a.qcow2"), &[&["-r"], a].concat());
+        for (option, structured) in [
+            (c::OPT_LIST_META_CONTEXT, false),
+            (c::OPT_LIST_META_CONTEXT, true),
+            (c::OPT_SET_META_CONTEXT, true),
+        ] {
+            for q in queries {
+                let q_ = ask_contexts(theirs.port, option, structured, q);
+                let o = ask_contexts(ours.port, option, structured, q);
+                if q_ != o {
+                    differ.push(format!(
+                        "{a:?} option {option} {q:?}: qemu-nbd {q_:?}, qpip-nbd-server {o:?}"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(differ.is_empty(), "{}", differ.join("\n"));
+}

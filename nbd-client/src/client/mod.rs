@@ -337,8 +337,10 @@ impl Client {
     /// The metadata contexts selected on this connection ([`Self::block_status_of`] answers
     /// them): `base:allocation` and those of [`ClientOptions::meta_contexts`] the server
     /// offers.
-    pub fn contexts(&self) -> impl Iterator<Item = &str> {
-        self.session.mode().contexts.iter().map(|(_, n)| n.as_str())
+    /// `(id, name)`: the id is the [`Extent::context_id`] of the context's extents in an
+    /// [`Output::Extents`] (ids may change when the client reconnects).
+    pub fn contexts(&self) -> &[(u32, String)] {
+        &self.session.mode().contexts
     }
     /// The export's metadata contexts as the server listed them when connecting (empty
     /// without [`ClientOptions::list_contexts`]).

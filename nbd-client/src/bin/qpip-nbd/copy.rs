@@ -309,7 +309,7 @@ fn copy_any(
     };
     let mut srcs = vec![Side::open_src(src, &src_opts)?];
     if let (Some(ctx), Side::Nbd(p)) = (&opts.map, &srcs[0])
-        && !p.with(|c| c.contexts().any(|n| n == ctx))
+        && !p.with(|c| c.contexts().iter().any(|(_, n)| n == ctx))
     {
         bail!(
             "--map {ctx}: {} offers no such metadata context (see qpip-nbd info --list)",

@@ -443,7 +443,7 @@ fn read_map(uri: &str, base: &ClientOptions, ctx: &str) -> Result<Vec<(u64, u64,
         ..base.clone()
     };
     let mut c = connect_one(uri, &opts)?;
-    if !c.contexts().any(|n| n == ctx) {
+    if !c.contexts().iter().any(|(_, n)| n == ctx) {
         bail!(
             "{uri}: the server offers no block status in the {} context",
             printable(ctx.as_bytes())
