@@ -1385,3 +1385,209 @@ fn progress_to_a_descriptor_writes_nbdcopys_percent_lines() {
         "{err}"
     );
 }
+
+/// `qpip-nbd info --map=qemu:allocation-depth` (and `--totals`) and the contexts `info
+/// --list` shows are nbdinfo's, text for text, against qemu-nbd -A and qpip-nbd-server -A
+/// serving a qcow2 overlay over a qcow2 over a raw base (issue 35).
+#[test]
+fn info_maps_any_context_and_lists_contexts_as_nbdinfo() {
+    if !require(&["nbdinfo", "qemu-nbd", "qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    image(d, "base.raw", 3 * MIB, &[(64 << 10, 64 << 10)]);
+    let sh = |cmd: &str| {
+        let out = Command::new("sh")
+            .current_dir(d)
+            .args(["-c", cmd])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{cmd}: {out:?}");
+    };
+    sh(
+        "qemu-img create -q -f qcow2 -b base.raw -F raw mid.qcow2 4M \
+        && qemu-io -f qcow2 -c 'write -P 2 512k 64k' mid.qcow2 >/dev/null \
+        && qemu-img create -q -f qcow2 -b mid.qcow2 -F qcow2 top.qcow2 4M \
+        && qemu-io -f qcow2 -c 'write -P 3 1M 64k' -c 'write -z 1536k 64k' top.qcow2 >/dev/null",
+    );
+    let top = d.join("top.qcow2");
+    let ours = qpip_server("x", &top, &["-r", "-A"]);
+    let top_s = top.display().to_string();
+    let Some(theirs) = qpip_test_support::servers::tcp_peer(
+        "qemu-nbd",
+        "-p",
+        &[
+            "-r",
+            "-t",
+            "-A",
+            "-f",
+            "qcow2",
+            "-x",
+            "x",
+            "-b",
+            "127.0.0.1",
+            &top_s,
+        ],
+        "nbd://127.0.0.1:PORT/x",
+    ) else {
+        return;
+    };
+    let nbdinfo = |args: &[&str]| {
+        let out = Command::new("nbdinfo").args(args).output().unwrap();
+        assert!(out.status.success(), "nbdinfo {args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let contexts = |text: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| l.starts_with("\t\t"))
+            .map(|l| l.trim().to_string())
+            .collect()
+    };
+    for uri in [ours.uri.as_str(), theirs.uri.as_str()] {
+        for args in [
+            vec!["--map=qemu:allocation-depth"],
+            vec!["--map=qemu:allocation-depth", "--totals"],
+            vec!["--map=base:allocation"],
+        ] {
+            let mut a = args.clone();
+            a.push(uri);
+            let mut b = vec!["info"];
+            b.extend(&a);
+            assert_eq!(ok(&b), nbdinfo(&a), "{a:?}");
+        }
+        let listed = contexts(&ok(&["info", "--list", uri]));
+        assert_eq!(listed, ["base:allocation", "qemu:allocation-depth"]);
+        assert_eq!(listed, contexts(&nbdinfo(&["--list", uri])), "{uri}");
+    }
+    assert!(ok(&["info", "--map=qemu:allocation-depth", &ours.uri]).contains("backing depth 3"));
+}
+
+/// `qpip-nbd copy --map CONTEXT` copies only the extents the context marks (flags not 0) and
+/// leaves the rest of an existing destination file as it was (issue 35): with
+/// qemu:allocation-depth of a qcow2 image, its data and zero clusters, not what it lacks.
+#[test]
+fn copy_map_copies_only_the_marked_extents() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let img = d.join("a.qcow2");
+    let out = Command::new("sh")
+        .current_dir(d)
+        .args([
+            "-c",
+            "qemu-img create -q -f qcow2 a.qcow2 4M \
+             && qemu-io -f qcow2 -c 'write -P 1 1M 64k' -c 'write -z 2M 64k' a.qcow2 >/dev/null",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let server = qpip_server("a", &img, &["-r", "-A"]);
+    let dst = d.join("backup.raw");
+    std::fs::write(&dst, vec![0xee; 4 * MIB as usize]).unwrap();
+    let dst_s = dst.to_str().unwrap();
+    ok(&["copy", "--map", "qemu:allocation-depth", &server.uri, dst_s]);
+    let got = std::fs::read(&dst).unwrap();
+    assert_eq!(got.len(), 4 * MIB as usize);
+    let (data, zero) = (
+        (MIB as usize)..(MIB as usize + (64 << 10)),
+        (2 * MIB as usize)..(2 * MIB as usize + (64 << 10)),
+    );
+    for (i, b) in got.iter().enumerate() {
+        let want = if data.contains(&i) {
+            1
+        } else if zero.contains(&i) {
+            0
+        } else {
+            0xee
+        };
+        assert_eq!(*b, want, "byte {i}");
+    }
+    // Refused in one line each: base:allocation, a file source, --verify, a context the
+    // server does not offer.
+    let src_file = d.join("src.raw");
+    std::fs::write(&src_file, [0u8; 4096]).unwrap();
+    for (args, word) in [
+        (
+            vec!["--map", "base:allocation", &server.uri, dst_s],
+            "base:allocation",
+        ),
+        (
+            vec![
+                "--map",
+                "qemu:allocation-depth",
+                src_file.to_str().unwrap(),
+                dst_s,
+            ],
+            "NBD export",
+        ),
+        (
+            vec![
+                "--map",
+                "qemu:allocation-depth",
+                "--verify",
+                &server.uri,
+                dst_s,
+            ],
+            "--verify",
+        ),
+        (
+            vec!["--map", "qemu:dirty-bitmap:b0", &server.uri, dst_s],
+            "no such metadata context",
+        ),
+    ] {
+        let mut a = vec!["copy"];
+        a.extend(&args);
+        let out = qpip_nbd(&a);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{a:?}: {err}");
+        assert!(
+            err.contains(word) && err.lines().count() == 1,
+            "{a:?}: {err}"
+        );
+    }
+    // The destination was left alone by the refused copies.
+    assert_eq!(std::fs::read(&dst).unwrap(), got);
+
+    // An incremental copy of a qcow2 dirty bitmap's dirty extents, from qemu-nbd -B.
+    let out = Command::new("sh")
+        .current_dir(d)
+        .args([
+            "-c",
+            "qemu-img create -q -f qcow2 bm.qcow2 4M && qemu-img bitmap --add bm.qcow2 b0 \
+             && qemu-io -f qcow2 -c 'write -P 7 3M 64k' bm.qcow2 >/dev/null",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let bm = d.join("bm.qcow2").display().to_string();
+    let Some(qemu) = qpip_test_support::servers::tcp_peer(
+        "qemu-nbd",
+        "-p",
+        &[
+            "-r",
+            "-t",
+            "-f",
+            "qcow2",
+            "-B",
+            "b0",
+            "-x",
+            "b",
+            "-b",
+            "127.0.0.1",
+            &bm,
+        ],
+        "nbd://127.0.0.1:PORT/b",
+    ) else {
+        return;
+    };
+    std::fs::write(&dst, vec![0xee; 4 * MIB as usize]).unwrap();
+    ok(&["copy", "--map", "qemu:dirty-bitmap:b0", &qemu.uri, dst_s]);
+    let got = std::fs::read(&dst).unwrap();
+    let dirty = (3 * MIB as usize)..(3 * MIB as usize + (64 << 10));
+    for (i, b) in got.iter().enumerate() {
+        assert_eq!(*b, if dirty.contains(&i) { 7 } else { 0xee }, "byte {i}");
+    }
+}

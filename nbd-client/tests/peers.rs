@@ -531,3 +531,104 @@ fn tls_refusals_are_clear() {
     let e = chain(&Client::connect(&plain_uri).unwrap_err());
     assert!(e.contains("TLS"), "{e}");
 }
+
+/// One BLOCK_STATUS asking for base:allocation and qemu:allocation-depth at once: a chunk
+/// for each context in the one reply, compact and extended (64-bit) alike, the same extents
+/// from qpip-nbd-server -A as from qemu-nbd -A (issue 35).
+#[test]
+fn both_contexts_in_one_block_status_reply() {
+    if !qpip_test_support::ci::require(&["qemu-nbd", "qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let out = std::process::Command::new("sh")
+        .current_dir(d)
+        .args([
+            "-c",
+            "qemu-img create -q -f qcow2 a.qcow2 4M \
+             && qemu-io -f qcow2 -c 'write -P 1 1M 64k' -c 'write -z 2M 64k' a.qcow2 >/dev/null",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let img = d.join("a.qcow2");
+    let ours = qpip_server("x", &img, &["-r", "-A"]);
+    let path = img.display().to_string();
+    let Some(theirs) = tcp_peer(
+        "qemu-nbd",
+        "-p",
+        &[
+            "-r",
+            "-t",
+            "-A",
+            "-f",
+            "qcow2",
+            "-x",
+            "x",
+            "-b",
+            "127.0.0.1",
+            &path,
+        ],
+        "nbd://127.0.0.1:PORT/x",
+    ) else {
+        return;
+    };
+    const DEPTH: &str = "qemu:allocation-depth";
+    // Each context's runs (offset, length, flags), merged, from one reply.
+    let runs = |uri: &str, extended: bool| {
+        let opts = ClientOptions {
+            meta_contexts: vec![DEPTH.to_owned()],
+            extended_headers: extended,
+            ..Default::default()
+        };
+        let mut c = Client::connect_with(uri, opts).unwrap();
+        assert_eq!(c.extended_headers(), extended, "{uri}");
+        let names: Vec<&str> = c.contexts().iter().map(|(_, n)| n.as_str()).collect();
+        assert_eq!(names, ["base:allocation", DEPTH], "{uri}");
+        let contexts = c.contexts().to_vec();
+        c.submit(
+            1,
+            nbd_client::Op::BlockStatus {
+                offset: 0,
+                len: 4 << 20,
+            },
+        )
+        .unwrap();
+        let nbd_client::Output::Extents(all) = c.reap().unwrap().result.unwrap() else {
+            panic!("not extents");
+        };
+        c.disconnect().unwrap();
+        contexts
+            .iter()
+            .map(|(id, name)| {
+                let mut v: Vec<(u64, u64, u32)> = Vec::new();
+                for e in all.iter().filter(|e| e.context_id == *id) {
+                    match v.last_mut() {
+                        Some((o, l, f)) if *f == e.flags && *o + *l == e.offset => *l += e.length,
+                        _ => v.push((e.offset, e.length, e.flags)),
+                    }
+                }
+                (name.clone(), v)
+            })
+            .collect::<Vec<_>>()
+    };
+    const K64: u64 = 64 << 10;
+    let depth = vec![
+        (0, MIB, 0),
+        (MIB, K64, 1),
+        (MIB + K64, MIB - K64, 0),
+        (2 * MIB, K64, 1),
+        (2 * MIB + K64, 2 * MIB - K64, 0),
+    ];
+    for extended in [true, false] {
+        let (o, q) = (runs(&ours.uri, extended), runs(&theirs.uri, extended));
+        assert_eq!(o, q, "extended headers: {extended}");
+        assert_eq!(o[1], (DEPTH.to_owned(), depth.clone()));
+        assert!(
+            o[0].1.iter().any(|r| r.2 == 0),
+            "base:allocation: {:?}",
+            o[0]
+        );
+    }
+}

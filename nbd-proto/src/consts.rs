@@ -212,6 +212,9 @@ pub const ESHUTDOWN: u32 = 108;
 
 /// Name of the only metadata context defined by the spec.
 pub const BASE_ALLOCATION: &str = "base:allocation";
+/// qemu's allocation depth context (docs/interop/nbd.rst): 0 unallocated in the whole
+/// backing chain, 1 allocated in the image itself, N in its (N-1)th backing file.
+pub const QEMU_ALLOCATION_DEPTH: &str = "qemu:allocation-depth";
 /// `NBD_STATE_HOLE`.
 pub const STATE_HOLE: u32 = 1 << 0;
 /// `NBD_STATE_ZERO`.

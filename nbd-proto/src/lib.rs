@@ -1,7 +1,8 @@
 //! The NBD wire protocol as a sans-IO codec (bytes in, events out).
 //!
 //! This crate knows the Network Block Device protocol (fixed-newstyle
-//! handshake, simple and structured replies, `base:allocation` block status)
+//! handshake, simple and structured replies, block status of `base:allocation` and of
+//! the other metadata contexts an export offers, such as `qemu:allocation-depth`)
 //! and nothing about I/O: no sockets, threads or clocks. It serves both roles:
 //!
 //! | module | job |
@@ -132,9 +133,13 @@
 //! * `NBD_OPT_SET_META_CONTEXT` before structured replies: `NBD_REP_ERR_INVALID`
 //!   ("a server SHOULD send `NBD_REP_ERR_INVALID`"); `NBD_OPT_LIST_META_CONTEXT`
 //!   is allowed without them (the spec only says MAY). Queries without a colon
-//!   are `NBD_REP_ERR_INVALID`; unknown namespaces and unknown `base:` leaves are
-//!   ignored; `base:` is a wildcard in LIST and ignored in SET. Contexts only
-//!   apply if the final export is the one named in the last SET.
+//!   are `NBD_REP_ERR_INVALID`; unknown namespaces and unknown leaves are ignored.
+//!   A LIST with no query lists every context of the export; in a LIST a query ending
+//!   in `:` (`base:`, `qemu:`, `qemu:dirty-bitmap:`) lists the contexts under it, in a
+//!   SET it selects nothing (SET takes exact names), as qemu-nbd answers. Each context
+//!   is answered once, in the export's order (`base:allocation` first, id 1, then
+//!   [`handshake::Export::contexts`]). Contexts only apply if the final export is the
+//!   one named in the last SET; a `BLOCK_STATUS` reply has one chunk per context.
 //! * `NBD_OPT_INFO`/`NBD_OPT_GO`: `NBD_INFO_EXPORT` is always sent; requested
 //!   NAME / DESCRIPTION (if non-empty) / BLOCK_SIZE are answered once each;
 //!   non-default block sizes are sent even unrequested; unknown exports get

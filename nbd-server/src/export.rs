@@ -9,6 +9,31 @@ use qpip_core::{Access, FileRegion, MemoryRegion, Nic};
 use crate::metrics::ExportStats;
 use crate::store::Store;
 
+/// A metadata context an export offers besides `base:allocation`, which every export offers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MetaContext {
+    /// `qemu:allocation-depth` (qemu-nbd's `-A`): which layer of the backing chain holds
+    /// each extent ([`Store::allocation_depth`]).
+    AllocationDepth,
+}
+
+impl MetaContext {
+    /// The context's name, as clients ask for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            MetaContext::AllocationDepth => nbd_proto::consts::QEMU_ALLOCATION_DEPTH,
+        }
+    }
+
+    /// The context called `name`, if it is one of these.
+    pub fn from_name(name: &str) -> Option<MetaContext> {
+        [MetaContext::AllocationDepth]
+            .into_iter()
+            .find(|c| c.name() == name)
+    }
+}
+
 /// An export: a store served under a name, with its memory registered with the NIC.
 pub struct Export {
     /// The export's name, as clients ask for it.
@@ -29,11 +54,20 @@ pub struct Export {
     pub connections: AtomicUsize,
     /// What its connections did ([`crate::metrics`]).
     pub stats: ExportStats,
+    /// The metadata contexts offered besides `base:allocation`, in the order they are listed.
+    pub contexts: Vec<MetaContext>,
 }
 
 impl Export {
-    /// `store` served as `name`, its mapping and file registered with `nic` where it has them.
-    pub fn new(nic: &Nic, name: String, description: String, store: Box<dyn Store>) -> Arc<Export> {
+    /// `store` served as `name`, its mapping and file registered with `nic` where it has them,
+    /// offering `contexts` besides `base:allocation`.
+    pub fn new(
+        nic: &Nic,
+        name: String,
+        description: String,
+        store: Box<dyn Store>,
+        contexts: Vec<MetaContext>,
+    ) -> Arc<Export> {
         let region = store.mapping().map(|(ptr, len)| {
             // SAFETY: the mapping lives as long as the store, which the Export owns; the
             // region is only read by the NIC (Access::READ), and Export outlives every QP's
@@ -53,6 +87,7 @@ impl Export {
             place_from,
             connections: AtomicUsize::new(0),
             stats: ExportStats::default(),
+            contexts,
         })
     }
 

@@ -76,6 +76,7 @@ impl Server {
                     max: MAX_BLOCK,
                 }),
                 require_block_size: false,
+                contexts: e.contexts.iter().map(|c| c.name().to_owned()).collect(),
             })
             .collect();
         let mut proto = ServerConfig::new(proto_exports);

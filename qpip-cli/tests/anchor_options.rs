@@ -127,8 +127,8 @@ fn qemu_nbd_options_are_the_servers_or_refused_by_name() {
         return;
     }
     let table: &[(&str, Fate)] = &[
-        ("-A", Refused(&["-A"])),
-        ("--allocation-depth", Refused(&["--allocation-depth"])),
+        ("-A", Taken(&["-A"])),
+        ("--allocation-depth", Taken(&["--allocation-depth"])),
         ("--aio", Taken(&["--aio=io_uring"])),
         ("-b", Taken(&["-b", "::1"])),
         ("--bind", Taken(&["--bind=::1"])),

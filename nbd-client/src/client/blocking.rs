@@ -4,6 +4,7 @@
 //! (`Client::check_range`); its requests, pieces of that range cut at multiples of the
 //! minimum block size, are not checked against the export again (`Checks::InCheckedRange`).
 
+use nbd_proto::consts as c;
 use qpip_core::MemoryRegion;
 
 use super::connect::round_down;
@@ -263,6 +264,21 @@ impl Client {
     /// Allocation status from `offset` (base:allocation). The server may describe less than
     /// `len` bytes; ask again from the end of the last extent.
     pub fn block_status(&mut self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        self.block_status_of(c::BASE_ALLOCATION, offset, len)
+    }
+
+    /// Block status from `offset` in the metadata context `context` (one of
+    /// [`Self::contexts`]: `base:allocation`, `qemu:allocation-depth`, ...), its flags in
+    /// [`Extent::flags`]. The server may describe less than `len` bytes; ask again from the
+    /// end of the last extent.
+    pub fn block_status_of(&mut self, context: &str, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        if self.session.mode().context_id(context).is_none() {
+            return Err(Error::Unsupported(if context == c::BASE_ALLOCATION {
+                "block status (base:allocation)"
+            } else {
+                "block status in a metadata context the server did not select"
+            }));
+        }
         let min = u64::from(self.info.block_size.min);
         let len = len.min(self.info.size.saturating_sub(offset));
         let len = round_down(len.min(u64::from(u32::MAX)), min).max(min.min(len));
@@ -279,6 +295,9 @@ impl Client {
                 }
             },
         )?;
+        // The id on the connection that answered (a reconnect may have renumbered them).
+        let id = self.session.mode().context_id(context);
+        got.retain(|e| Some(e.context_id) == id);
         Ok(got)
     }
 

@@ -88,6 +88,7 @@ impl Client {
             uri,
             info,
             opts,
+            listed_contexts: neg.listed_contexts.clone(),
         })
     }
 
@@ -97,6 +98,10 @@ impl Client {
         cfg.tls = uri.tls.is_some();
         cfg.extended_headers = opts.extended_headers && opts.structured_replies;
         cfg.base_allocation = opts.base_allocation && opts.structured_replies;
+        if opts.structured_replies {
+            cfg.meta_contexts = opts.meta_contexts.clone();
+        }
+        cfg.list_contexts = opts.list_contexts;
         cfg
     }
     /// The export's details without entering transmission (NBD_OPT_INFO); falls back to a

@@ -81,6 +81,11 @@ pub struct ClientOptions {
     pub extended_headers: bool,
     /// Ask for the `base:allocation` metadata context (block status).
     pub base_allocation: bool,
+    /// Further metadata contexts to select by name (e.g. `qemu:allocation-depth`), for
+    /// [`Client::block_status_of`]; those the server does not offer are left out.
+    pub meta_contexts: Vec<String>,
+    /// List the export's metadata contexts when connecting ([`Client::listed_contexts`]).
+    pub list_contexts: bool,
     /// The NIC to use (a new soft NIC if `None`); clients may share one.
     pub nic: Option<Nic>,
     /// Set by another thread (a signal handler, an unmount) when the process is stopping:
@@ -104,6 +109,8 @@ impl Default for ClientOptions {
             structured_replies: true,
             extended_headers: true,
             base_allocation: true,
+            meta_contexts: Vec::new(),
+            list_contexts: false,
             nic: None,
             stop: None,
         }
@@ -150,7 +157,8 @@ pub enum Op<'a> {
         /// Durable before the reply (where the server offers FUA).
         fua: bool,
     },
-    /// A BLOCK_STATUS of `len` bytes at `offset` (its reply is [`Output::Extents`]).
+    /// A BLOCK_STATUS of `len` bytes at `offset` (its reply is [`Output::Extents`]: those
+    /// of every selected context, each extent naming its context's id).
     BlockStatus {
         /// Offset in the export.
         offset: u64,
@@ -207,6 +215,9 @@ pub struct Client {
     /// Finished requests, for [`Client::reap`] and the blocking calls.
     done: VecDeque<Reply>,
     recovery: Recovery,
+    /// The export's metadata contexts, as the server listed them when connecting (with
+    /// [`ClientOptions::list_contexts`]).
+    listed_contexts: Vec<String>,
 }
 
 impl std::fmt::Debug for Client {
@@ -322,6 +333,19 @@ impl Client {
     /// Block status (`base:allocation`) was negotiated.
     pub fn can_block_status(&self) -> bool {
         self.session.mode().allocation_ctx.is_some()
+    }
+    /// The metadata contexts selected on this connection ([`Self::block_status_of`] answers
+    /// them): `base:allocation` and those of [`ClientOptions::meta_contexts`] the server
+    /// offers.
+    /// `(id, name)`: the id is the [`Extent::context_id`] of the context's extents in an
+    /// [`Output::Extents`] (ids may change when the client reconnects).
+    pub fn contexts(&self) -> &[(u32, String)] {
+        &self.session.mode().contexts
+    }
+    /// The export's metadata contexts as the server listed them when connecting (empty
+    /// without [`ClientOptions::list_contexts`]).
+    pub fn listed_contexts(&self) -> &[String] {
+        &self.listed_contexts
     }
     /// The server offers NBD's experimental RESIZE ([`Client::resize`]).
     pub fn can_resize(&self) -> bool {

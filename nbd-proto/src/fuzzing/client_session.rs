@@ -54,6 +54,11 @@ pub fn replies(data: &[u8]) {
         structured_replies: knobs & 4 == 0,
         extended_headers: false,
         base_allocation: (knobs & 8 == 0).then_some(u32::from(knobs >> 4)),
+        meta_contexts: ((knobs & 8 == 0).then_some(u32::from(knobs >> 4)))
+            .map(|id| (id, crate::consts::BASE_ALLOCATION.to_owned()))
+            .into_iter()
+            .collect(),
+        listed_contexts: Vec::new(),
         no_zeroes: true,
         via_go: true,
         tls: false,

@@ -34,6 +34,8 @@ fn server_config(knobs: u8) -> ServerConfig {
         max: 1 << 25,
     });
     disk.require_block_size = knobs & 0x40 != 0;
+    // A second context, so that queries meet more than base:allocation.
+    disk.contexts = vec![crate::consts::QEMU_ALLOCATION_DEPTH.to_owned()];
     ServerConfig {
         exports: vec![disk, Export::new("", 512)],
         default_export: None,
@@ -611,7 +613,7 @@ pub fn replies(data: &[u8]) {
             if !structured || h.cookie != REPLY_COOKIE {
                 break;
             }
-            check.chunk(&h, payload, ctx)
+            check.chunk(&h, payload, |id| Some(id) == ctx)
         };
         let Ok(accepted) = accepted else {
             break; // a protocol violation ends the connection

@@ -189,7 +189,7 @@ fn seeds_are_meaningful() {
                 _ => check.chunk(
                     &StructuredReplyHeader::parse(msg).unwrap(),
                     &msg[20..],
-                    Some(1),
+                    |id| id == 1,
                 ),
             };
             match res {

@@ -10,8 +10,9 @@
 //! [`ClientHandshake::resume`]; any refusal ends the handshake (no plaintext fallback).
 //!
 //! Connect sequence: greeting → client flags → `NBD_OPT_EXTENDED_HEADERS` (if
-//! wanted), else or if refused `NBD_OPT_STRUCTURED_REPLY` (if wanted) → `NBD_OPT_SET_META_CONTEXT base:allocation` (if wanted and structured
-//! replies were accepted) → `NBD_OPT_GO` requesting `NAME`, `DESCRIPTION` and
+//! wanted), else or if refused `NBD_OPT_STRUCTURED_REPLY` (if wanted) → `NBD_OPT_LIST_META_CONTEXT`
+//! (if wanted) → `NBD_OPT_SET_META_CONTEXT base:allocation` and the other contexts asked for
+//! (if any and structured replies were accepted) → `NBD_OPT_GO` requesting `NAME`, `DESCRIPTION` and
 //! `BLOCK_SIZE`, falling back to `NBD_OPT_EXPORT_NAME` if the server answers
 //! `NBD_REP_ERR_UNSUP` (or does not do fixed newstyle at all) — except after extended
 //! headers, which forbid `NBD_OPT_EXPORT_NAME` (a server offering them must do `GO`).
@@ -81,10 +82,10 @@ enum State {
     TlsPending,
     ExtendedHeaders,
     StructuredReply,
-    SetMeta {
-        id: Option<u32>,
-        replies: usize,
-    },
+    /// `NBD_OPT_LIST_META_CONTEXT` sent: the names so far.
+    ListMeta(Vec<String>),
+    /// `NBD_OPT_SET_META_CONTEXT` sent: the contexts selected so far.
+    SetMeta(Vec<(u32, String)>),
     Go(InfoAcc),
     Info(InfoAcc),
     List(Vec<ExportListing>),
@@ -101,7 +102,9 @@ pub struct ClientHandshake {
     no_zeroes: bool,
     structured: bool,
     extended: bool,
-    base_allocation: Option<u32>,
+    /// The contexts the last `NBD_OPT_SET_META_CONTEXT` selected.
+    meta_contexts: Vec<(u32, String)>,
+    listed_contexts: Vec<String>,
     inbuf: Vec<u8>,
 }
 
@@ -116,7 +119,8 @@ impl ClientHandshake {
             no_zeroes: false,
             structured: false,
             extended: false,
-            base_allocation: None,
+            meta_contexts: Vec::new(),
+            listed_contexts: Vec::new(),
             inbuf: Vec::new(),
         }
     }
@@ -248,17 +252,39 @@ impl ClientHandshake {
     }
 
     fn after_structured(&mut self, out: &mut Vec<u8>) -> Result<(), ClientError> {
-        if self.structured && self.config.base_allocation {
+        if self.config.list_contexts {
             let data = MetaContextRequest {
                 export: &self.config.export_name,
-                queries: vec![c::BASE_ALLOCATION],
+                queries: Vec::new(),
+            }
+            .encode()?;
+            encode_option(c::OPT_LIST_META_CONTEXT, &data, out);
+            self.state = State::ListMeta(Vec::new());
+            Ok(())
+        } else {
+            self.set_meta(out)
+        }
+    }
+
+    /// The queries of `NBD_OPT_SET_META_CONTEXT`: `base:allocation` if wanted, then the
+    /// other contexts asked for.
+    fn wanted_contexts(&self) -> Vec<&str> {
+        let base = self.config.base_allocation.then_some(c::BASE_ALLOCATION);
+        base.into_iter()
+            .chain(self.config.meta_contexts.iter().map(String::as_str))
+            .collect()
+    }
+
+    fn set_meta(&mut self, out: &mut Vec<u8>) -> Result<(), ClientError> {
+        let queries = self.wanted_contexts();
+        if self.structured && !queries.is_empty() {
+            let data = MetaContextRequest {
+                export: &self.config.export_name,
+                queries,
             }
             .encode()?;
             encode_option(c::OPT_SET_META_CONTEXT, &data, out);
-            self.state = State::SetMeta {
-                id: None,
-                replies: 0,
-            };
+            self.state = State::SetMeta(Vec::new());
             Ok(())
         } else {
             self.send_go_or_export_name(out)
@@ -270,7 +296,8 @@ impl ClientHandshake {
             State::StartTls => c::OPT_STARTTLS,
             State::ExtendedHeaders => c::OPT_EXTENDED_HEADERS,
             State::StructuredReply => c::OPT_STRUCTURED_REPLY,
-            State::SetMeta { .. } => c::OPT_SET_META_CONTEXT,
+            State::ListMeta(_) => c::OPT_LIST_META_CONTEXT,
+            State::SetMeta(_) => c::OPT_SET_META_CONTEXT,
             State::Go(_) => c::OPT_GO,
             State::Info(_) => c::OPT_INFO,
             State::List(_) => c::OPT_LIST,
@@ -295,7 +322,8 @@ impl ClientHandshake {
             State::StartTls => self.on_starttls_reply(h, data, out),
             State::ExtendedHeaders => self.on_extended_headers_reply(h, out),
             State::StructuredReply => self.on_structured_reply(h, out),
-            State::SetMeta { id, replies } => self.on_meta_context_reply(h, data, id, replies, out),
+            State::ListMeta(names) => self.on_list_meta_reply(h, data, names, out),
+            State::SetMeta(selected) => self.on_meta_context_reply(h, data, selected, out),
             State::Go(acc) | State::Info(acc) => self.on_info_reply(h, data, acc, out),
             State::List(entries) => self.on_list_reply(h, data, entries, out),
             State::Greeting | State::TlsPending | State::ExportName | State::Finished => {
@@ -318,7 +346,9 @@ impl ClientHandshake {
             },
             structured_replies: self.structured,
             extended_headers: false,
-            base_allocation: self.base_allocation,
+            base_allocation: self.base_allocation(),
+            meta_contexts: self.meta_contexts.clone(),
+            listed_contexts: self.listed_contexts.clone(),
             no_zeroes: self.no_zeroes,
             via_go: false,
             tls: self.config.tls,
@@ -406,41 +436,72 @@ impl ClientHandshake {
         Ok(ClientEvent::Continue)
     }
 
-    /// A reply to `NBD_OPT_SET_META_CONTEXT`: `id` is `base:allocation`'s so far, `replies`
-    /// how many contexts came before this one.
-    fn on_meta_context_reply(
+    /// The id the server gave `base:allocation`, if it selected it.
+    fn base_allocation(&self) -> Option<u32> {
+        self.meta_contexts
+            .iter()
+            .find(|(_, n)| n == c::BASE_ALLOCATION)
+            .map(|(id, _)| *id)
+    }
+
+    /// A reply to `NBD_OPT_LIST_META_CONTEXT`: `names` are the contexts listed so far. An
+    /// error leaves the list empty; either way the handshake goes on to select contexts.
+    fn on_list_meta_reply(
         &mut self,
         h: OptionReplyHeader,
         data: &[u8],
-        id: Option<u32>,
-        replies: usize,
+        mut names: Vec<String>,
         out: &mut Vec<u8>,
     ) -> Result<ClientEvent, ClientError> {
         match h.reply_type {
             c::REP_META_CONTEXT => {
-                if replies >= MAX_REPLIES_PER_OPTION {
+                if names.len() >= MAX_REPLIES_PER_OPTION {
+                    return Err(ClientError::TooManyReplies);
+                }
+                names.push(MetaContextEntry::parse(data)?.name.to_owned());
+                self.state = State::ListMeta(names);
+            }
+            c::REP_ACK => {
+                self.listed_contexts = names;
+                self.set_meta(out)?;
+            }
+            _ if h.is_error() => self.set_meta(out)?,
+            _ => return Err(unexpected(h)),
+        }
+        Ok(ClientEvent::Continue)
+    }
+
+    /// A reply to `NBD_OPT_SET_META_CONTEXT`: `selected` are the contexts selected so far,
+    /// each one the client asked for (others, and repeated ids or names, are ignored).
+    fn on_meta_context_reply(
+        &mut self,
+        h: OptionReplyHeader,
+        data: &[u8],
+        mut selected: Vec<(u32, String)>,
+        out: &mut Vec<u8>,
+    ) -> Result<ClientEvent, ClientError> {
+        match h.reply_type {
+            c::REP_META_CONTEXT => {
+                if selected.len() >= MAX_REPLIES_PER_OPTION {
                     return Err(ClientError::TooManyReplies);
                 }
                 let e = MetaContextEntry::parse(data)?;
-                let id = if e.name == c::BASE_ALLOCATION {
-                    Some(e.id)
-                } else {
-                    id
-                };
-                self.state = State::SetMeta {
-                    id,
-                    replies: replies + 1,
-                };
+                let asked = self.wanted_contexts().contains(&e.name);
+                let repeated = selected.iter().any(|(id, n)| *id == e.id || n == e.name);
+                if asked && !repeated {
+                    selected.push((e.id, e.name.to_owned()));
+                }
+                self.state = State::SetMeta(selected);
                 Ok(ClientEvent::Continue)
             }
             c::REP_ACK => {
-                self.base_allocation = id;
+                self.meta_contexts = selected;
                 self.send_go_or_export_name(out)?;
                 Ok(ClientEvent::Continue)
             }
             _ if h.is_error() => {
                 // "If an error is returned, the client MUST disregard any context replies"
-                self.base_allocation = None;
+                self.meta_contexts.clear();
                 self.send_go_or_export_name(out)?;
                 Ok(ClientEvent::Continue)
             }
@@ -484,7 +545,9 @@ impl ClientHandshake {
                         export: details,
                         structured_replies: self.structured,
                         extended_headers: self.extended,
-                        base_allocation: self.base_allocation,
+                        base_allocation: self.base_allocation(),
+                        meta_contexts: self.meta_contexts.clone(),
+                        listed_contexts: self.listed_contexts.clone(),
                         no_zeroes: self.no_zeroes,
                         via_go: true,
                         tls: self.config.tls,

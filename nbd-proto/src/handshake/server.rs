@@ -24,8 +24,18 @@ mod config;
 
 pub use config::{DEFAULT_MAX_OPTIONS, Export, ServerConfig, TlsMode};
 
-/// Context id the server assigns to `base:allocation` in `NBD_OPT_SET_META_CONTEXT`.
+/// Context id the server assigns to `base:allocation` in `NBD_OPT_SET_META_CONTEXT`; an
+/// export's other contexts ([`Export::contexts`]) get the ids after it.
 pub const BASE_ALLOCATION_ID: u32 = 1;
+
+/// Whether `query` selects the context `name`: the name itself, or (`NBD_OPT_LIST_META_CONTEXT`
+/// only) a prefix of it ending in `:`, so that `base:` lists `base:allocation`, `qemu:` every
+/// `qemu:` context and `qemu:dirty-bitmap:` every bitmap, as the spec suggests for a bare
+/// namespace and qemu-nbd answers. Each context is answered once, in the export's order,
+/// however many queries select it.
+fn query_matches(query: &str, name: &str, set: bool) -> bool {
+    query == name || (!set && query.ends_with(':') && name.starts_with(query))
+}
 
 /// The outcome of a successful handshake, server side.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -689,29 +699,23 @@ impl ServerHandshake {
             reply_err(out, option, c::REP_ERR_INVALID, "query lacks a namespace");
             return;
         }
-        let base_allocation = if set {
-            req.queries.contains(&c::BASE_ALLOCATION)
-        } else {
-            req.queries.is_empty()
-                || req
-                    .queries
-                    .iter()
-                    .any(|q| *q == "base:" || *q == c::BASE_ALLOCATION)
-        };
-        let id = if set { BASE_ALLOCATION_ID } else { 0 };
         let mut selected = Vec::new();
-        if base_allocation {
+        for (id, name) in self.config.exports[idx].offered_contexts() {
+            // LIST with no query lists every context, as qemu-nbd does.
+            let wanted = (!set && req.queries.is_empty())
+                || req.queries.iter().any(|q| query_matches(q, name, set));
+            if !wanted {
+                continue;
+            }
+            // "the server MUST use a context ID of 0" in LIST replies.
+            let id = if set { id } else { 0 };
             reply(
                 out,
                 option,
                 c::REP_META_CONTEXT,
-                &MetaContextEntry {
-                    id,
-                    name: c::BASE_ALLOCATION,
-                }
-                .encode(),
+                &MetaContextEntry { id, name }.encode(),
             );
-            selected.push((id, c::BASE_ALLOCATION.to_owned()));
+            selected.push((id, name.to_owned()));
         }
         reply(out, option, c::REP_ACK, &[]);
         if set {

@@ -19,6 +19,7 @@ fn disk() -> Export {
             max: 1 << 25,
         }),
         require_block_size: false,
+        contexts: Vec::new(),
     }
 }
 
@@ -132,6 +133,37 @@ fn go_with_structured_replies_and_meta_context() {
         t.df_max_len = u32::MAX;
         t
     });
+}
+
+#[test]
+fn client_lists_contexts_and_selects_several() {
+    let mut cfg = config();
+    cfg.exports[0].contexts = vec![c::QEMU_ALLOCATION_DEPTH.to_owned()];
+    let mut cc = ClientConfig::new("disk");
+    cc.list_contexts = true;
+    cc.meta_contexts = vec![c::QEMU_ALLOCATION_DEPTH.to_owned(), "qemu:nope".to_owned()];
+    let o = run(cfg.clone(), ClientHandshake::connect(cc.clone()));
+    let (s, cl) = (server_done(&o), client_done(&o));
+    let both = vec![
+        (BASE_ALLOCATION_ID, c::BASE_ALLOCATION.to_owned()),
+        (BASE_ALLOCATION_ID + 1, c::QEMU_ALLOCATION_DEPTH.to_owned()),
+    ];
+    assert_eq!(s.meta_contexts, both);
+    assert_eq!(cl.meta_contexts, both);
+    assert_eq!(cl.base_allocation, Some(BASE_ALLOCATION_ID));
+    assert_eq!(
+        cl.listed_contexts,
+        vec![c::BASE_ALLOCATION, c::QEMU_ALLOCATION_DEPTH]
+    );
+    // qemu:allocation-depth alone, without base:allocation.
+    cc.base_allocation = false;
+    cc.list_contexts = false;
+    let o = run(cfg, ClientHandshake::connect(cc));
+    let cl = client_done(&o);
+    assert_eq!(cl.base_allocation, None);
+    assert_eq!(cl.meta_contexts, both[1..]);
+    assert!(cl.listed_contexts.is_empty());
+    assert!(cl.transmission_info().has_meta_context);
 }
 
 #[test]
@@ -789,6 +821,92 @@ fn meta_context_rules() {
         Ok(ServerEvent::Done(n)) => assert!(n.transmission_info().has_meta_context),
         other => panic!("{other:?}"),
     }
+}
+
+/// The names (and ids) of the `NBD_REP_META_CONTEXT` replies in `rep`, which must end in an ACK.
+fn context_names(rep: &[Reply]) -> Vec<(u32, String)> {
+    assert_eq!(rep.last().map(|r| r.1), Some(c::REP_ACK), "{rep:?}");
+    rep[..rep.len() - 1]
+        .iter()
+        .map(|r| {
+            assert_eq!(r.1, c::REP_META_CONTEXT);
+            let e = MetaContextEntry::parse(&r.2).unwrap();
+            (e.id, e.name.to_owned())
+        })
+        .collect()
+}
+
+#[test]
+fn qemu_contexts_are_listed_and_selected_as_qemu_nbd_does() {
+    let mut cfg = config();
+    cfg.exports[0].contexts = vec![c::QEMU_ALLOCATION_DEPTH.to_owned()];
+    let mut s = started(cfg, 1);
+    let list = |s: &mut ServerHandshake, export: &str, q: &[&str]| {
+        context_names(&ask(s, c::OPT_LIST_META_CONTEXT, &meta(export, q)).1)
+    };
+    let both = vec![
+        (0, c::BASE_ALLOCATION.to_owned()),
+        (0, c::QEMU_ALLOCATION_DEPTH.to_owned()),
+    ];
+    let depth = vec![(0, c::QEMU_ALLOCATION_DEPTH.to_owned())];
+    // No query lists everything; a bare namespace lists that namespace; each context once,
+    // in the export's order, whatever the order of the queries.
+    assert_eq!(list(&mut s, "disk", &[]), both);
+    assert_eq!(list(&mut s, "disk", &["qemu:"]), depth);
+    assert_eq!(list(&mut s, "disk", &["qemu:allocation-depth"]), depth);
+    assert_eq!(
+        list(
+            &mut s,
+            "disk",
+            &["qemu:", c::QEMU_ALLOCATION_DEPTH, "base:"]
+        ),
+        both
+    );
+    assert!(list(&mut s, "disk", &["qemu:dirty-bitmap:"]).is_empty());
+    assert!(list(&mut s, "disk", &["qemu:allocation"]).is_empty());
+    // An export without it offers base:allocation only.
+    assert!(list(&mut s, "other", &["qemu:"]).is_empty());
+    assert_eq!(
+        list(&mut s, "other", &[]),
+        vec![(0, c::BASE_ALLOCATION.to_owned())]
+    );
+
+    let _ = ask(&mut s, c::OPT_STRUCTURED_REPLY, &[]);
+    let set = |s: &mut ServerHandshake, q: &[&str]| {
+        context_names(&ask(s, c::OPT_SET_META_CONTEXT, &meta("disk", q)).1)
+    };
+    // SET takes exact names only.
+    assert!(set(&mut s, &["qemu:"]).is_empty());
+    assert_eq!(
+        set(&mut s, &[c::QEMU_ALLOCATION_DEPTH]),
+        vec![(BASE_ALLOCATION_ID + 1, c::QEMU_ALLOCATION_DEPTH.to_owned())]
+    );
+    let both_set = vec![
+        (BASE_ALLOCATION_ID, c::BASE_ALLOCATION.to_owned()),
+        (BASE_ALLOCATION_ID + 1, c::QEMU_ALLOCATION_DEPTH.to_owned()),
+    ];
+    assert_eq!(
+        set(&mut s, &[c::QEMU_ALLOCATION_DEPTH, c::BASE_ALLOCATION]),
+        both_set
+    );
+    let go = InfoRequest {
+        name: "disk",
+        items: vec![],
+    }
+    .encode()
+    .unwrap();
+    let (r, _) = ask(&mut s, c::OPT_GO, &go);
+    let Ok(ServerEvent::Done(n)) = r else {
+        panic!("{r:?}");
+    };
+    assert_eq!(n.meta_contexts, both_set);
+    let t = crate::transmission::server::ServerTransmission::new(&n);
+    assert_eq!(t.contexts(), both_set.as_slice());
+    assert_eq!(t.base_allocation(), Some(BASE_ALLOCATION_ID));
+    assert_eq!(
+        t.context_id(c::QEMU_ALLOCATION_DEPTH),
+        Some(BASE_ALLOCATION_ID + 1)
+    );
 }
 
 #[test]

@@ -318,5 +318,50 @@ mod tests {
         let mut wide = p.to_vec();
         wide[16] = 1;
         assert!(Chunk::parse(&h, &wide).is_err());
+        // Several contexts (base:allocation and qemu:allocation-depth): one extended chunk
+        // each, with its own id, the last one DONE.
+        let depth = [Extent {
+            length: 1 << 33,
+            flags: 2,
+        }];
+        let mut v = Vec::new();
+        block_status_reply(
+            to,
+            CmdFlags::empty(),
+            1 << 34,
+            &[(1, &ex), (2, &depth)],
+            &mut v,
+        )
+        .unwrap();
+        let (h1, p1) = split_ext(&v);
+        let first = c::EXTENDED_REPLY_HEADER_LEN + h1.length as usize;
+        let (h2, p2) = split_ext(&v[first..]);
+        assert_eq!(
+            (h1.reply_type, h1.is_done(), h2.reply_type, h2.is_done()),
+            (
+                c::REPLY_TYPE_BLOCK_STATUS_EXT,
+                false,
+                c::REPLY_TYPE_BLOCK_STATUS_EXT,
+                true
+            )
+        );
+        assert_eq!(
+            Chunk::parse(&h1, &p1[..h1.length as usize]),
+            Ok(Chunk::BlockStatus {
+                context_id: 1,
+                extents: ex.to_vec()
+            })
+        );
+        assert_eq!(
+            Chunk::parse(&h2, p2),
+            Ok(Chunk::BlockStatus {
+                context_id: 2,
+                extents: depth.to_vec()
+            })
+        );
+        assert_eq!(
+            v.len(),
+            first + c::EXTENDED_REPLY_HEADER_LEN + h2.length as usize
+        );
     }
 }

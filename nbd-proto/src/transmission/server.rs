@@ -104,30 +104,26 @@ impl RequestError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerTransmission {
     info: TransmissionInfo,
-    base_allocation: Option<u32>,
+    /// The metadata contexts selected, `(id, name)`, in the order their chunks are sent.
+    contexts: Vec<(u32, String)>,
     shutting_down: bool,
 }
 
 impl ServerTransmission {
     /// The transmission phase that `negotiated` opens.
     pub fn new(negotiated: &ServerNegotiated) -> Self {
-        let base_allocation = negotiated
-            .meta_contexts
-            .iter()
-            .find(|(_, name)| name == c::BASE_ALLOCATION)
-            .map(|(id, _)| *id);
         Self {
             info: negotiated.transmission_info(),
-            base_allocation,
+            contexts: negotiated.meta_contexts.clone(),
             shutting_down: false,
         }
     }
 
-    /// A transmission phase described by `info` alone (no `base:allocation` context id).
+    /// A transmission phase described by `info` alone (no metadata context selected).
     pub fn from_info(info: TransmissionInfo) -> Self {
         Self {
             info,
-            base_allocation: None,
+            contexts: Vec::new(),
             shutting_down: false,
         }
     }
@@ -149,8 +145,22 @@ impl ServerTransmission {
     }
 
     /// The context id of `base:allocation`, if the client selected it.
-    pub const fn base_allocation(&self) -> Option<u32> {
-        self.base_allocation
+    pub fn base_allocation(&self) -> Option<u32> {
+        self.context_id(c::BASE_ALLOCATION)
+    }
+
+    /// The id of the context `name`, if the client selected it.
+    pub fn context_id(&self, name: &str) -> Option<u32> {
+        self.contexts
+            .iter()
+            .find(|(_, n)| n == name)
+            .map(|(id, _)| *id)
+    }
+
+    /// The metadata contexts the client selected, `(id, name)`: a `BLOCK_STATUS` reply has
+    /// one chunk for each, in this order.
+    pub fn contexts(&self) -> &[(u32, String)] {
+        &self.contexts
     }
 
     /// From now on, requests other than `WRITE`, `FLUSH` and `DISC` that carry no payload

@@ -44,7 +44,7 @@ use super::read_reply::{ReadContext, ReadReply};
 use super::recv_window::{RECV_SLOTS, RecvWindow, SLOT_LEN};
 use super::reply_slots::ReplySlots;
 use crate::error::{Chain, Error, Result, io_error_value};
-use crate::export::Export;
+use crate::export::{Export, MetaContext};
 use crate::metrics::{ConnStats, Started};
 use crate::store::Pending;
 
@@ -755,17 +755,15 @@ impl<'a> Transmission<'a> {
         self.finish_read(r, started)
     }
 
+    /// BLOCK_STATUS: one chunk per context the client selected, in the order it was told
+    /// them (each context's extents end where its own answer does).
     fn send_block_status(
         &mut self,
         req: &ValidRequest,
         range: ByteRange,
     ) -> Result<(), ErrorValue> {
-        let ctx = self.session.base_allocation().ok_or(ErrorValue::Inval)?;
-        let extents = self
-            .export
-            .store
-            .extents(range.offset(), range.len())
-            .map_err(|e| io_error_value(&e))?;
+        let store = &self.export.store;
+        let (at, len) = (range.offset(), range.len());
         // Extents of at most 2 GiB (block aligned) in 32-bit replies; under extended headers
         // one extent says it all, however long (a hole across a whole 1 PiB qcow2 disk).
         let most = if req.reply_to().offset.is_some() {
@@ -773,26 +771,52 @@ impl<'a> Transmission<'a> {
         } else {
             1 << 31
         };
-        let mut wire = Vec::new();
-        for e in extents {
-            let flags = if e.hole {
-                c::STATE_HOLE | c::STATE_ZERO
+        let mut chunks: Vec<(u32, Vec<reply::Extent>)> = Vec::new();
+        for (id, name) in self.session.contexts() {
+            let runs: Vec<(u64, u32)> = if name == c::BASE_ALLOCATION {
+                let extents = store.extents(at, len).map_err(|e| io_error_value(&e))?;
+                extents
+                    .into_iter()
+                    .map(|e| {
+                        let flags = if e.hole {
+                            c::STATE_HOLE | c::STATE_ZERO
+                        } else {
+                            0
+                        };
+                        (e.len, flags)
+                    })
+                    .collect()
             } else {
-                0
+                // The handshake selects only contexts the export offers.
+                match MetaContext::from_name(name) {
+                    Some(MetaContext::AllocationDepth) => store
+                        .allocation_depth(at, len)
+                        .map_err(|e| io_error_value(&e))?
+                        .into_iter()
+                        .map(|d| (d.len, d.depth))
+                        .collect(),
+                    _ => return Err(ErrorValue::Inval),
+                }
             };
-            let mut left = e.len;
-            while left > 0 && wire.len() < MAX_EXTENTS {
-                let piece = left.min(most);
-                wire.push(reply::Extent {
-                    length: piece,
-                    flags,
-                });
-                left -= piece;
+            let mut wire = Vec::new();
+            for (n, flags) in runs {
+                let mut left = n;
+                while left > 0 && wire.len() < MAX_EXTENTS {
+                    let piece = left.min(most);
+                    wire.push(reply::Extent {
+                        length: piece,
+                        flags,
+                    });
+                    left -= piece;
+                }
             }
+            chunks.push((*id, wire));
         }
+        let contexts: Vec<(u32, &[reply::Extent])> =
+            chunks.iter().map(|(id, w)| (*id, w.as_slice())).collect();
         let mut out = Vec::new();
         self.session
-            .block_status_reply(req, &[(ctx, &wire)], &mut out)
+            .block_status_reply(req, &contexts, &mut out)
             .map_err(|_| ErrorValue::Io)?;
         self.replies.post(self.link, &out, None, None).map_err(|e| {
             tracing::warn!("block status reply: {}", Chain(&e));

@@ -98,6 +98,17 @@ pub struct Extent {
     pub hole: bool,
 }
 
+/// One run of [`Store::allocation_depth`]: `len` bytes held at `depth` of the store's backing
+/// chain, as qemu's `qemu:allocation-depth` context counts: 0 nowhere (they read as zeroes),
+/// 1 the image itself, N its (N-1)th backing file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Depth {
+    /// Bytes in the run.
+    pub len: u64,
+    /// The layer that holds them.
+    pub depth: u32,
+}
+
 /// A read or write that [`Store::start_read`] or [`Store::start_write`] started;
 /// dropping it waits for it.
 pub trait Pending: Send {
@@ -227,6 +238,16 @@ pub trait Store: Send + Sync + Debug {
         Ok(vec![Extent {
             len: end.saturating_sub(offset),
             hole: false,
+        }])
+    }
+    /// Which layer of the backing chain holds the bytes from `offset`, for up to `len`
+    /// bytes (qemu-nbd's `-A`). A store without a backing chain holds every byte itself,
+    /// holes included, as qemu answers for a raw file: depth 1 throughout.
+    fn allocation_depth(&self, offset: u64, len: u64) -> io::Result<Vec<Depth>> {
+        let end = offset.saturating_add(len).min(self.size());
+        Ok(vec![Depth {
+            len: end.saturating_sub(offset),
+            depth: 1,
         }])
     }
 }

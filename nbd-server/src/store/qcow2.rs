@@ -62,7 +62,7 @@ use std::path::{Path, PathBuf};
 
 use parking_lot::Mutex;
 
-use super::{Extent, Store};
+use super::{Depth, Extent, Store};
 
 mod compressed;
 mod extents;
@@ -382,6 +382,9 @@ impl Store for Qcow2 {
             .into_iter()
             .map(|(len, hole)| Extent { len, hole })
             .collect())
+    }
+    fn allocation_depth(&self, offset: u64, len: u64) -> io::Result<Vec<Depth>> {
+        Qcow2::allocation_depth(self, offset, len, 64)
     }
 }
 

@@ -12,7 +12,7 @@ use std::fmt;
 use std::io;
 use std::task::Waker;
 
-use super::{Extent, Pending, Store};
+use super::{Depth, Extent, Pending, Store};
 
 /// What TRIM does, as qemu's `discard` option says.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -289,6 +289,9 @@ impl Store for View {
     }
     fn extents(&self, offset: u64, len: u64) -> io::Result<Vec<Extent>> {
         self.inner.extents(self.at(offset), len)
+    }
+    fn allocation_depth(&self, offset: u64, len: u64) -> io::Result<Vec<Depth>> {
+        self.inner.allocation_depth(self.at(offset), len)
     }
 }
 

@@ -78,6 +78,9 @@ pub(crate) struct CopyOptions {
     /// At most this many workers (each a thread with a connection per side); 0: no limit.
     pub threads: usize,
     pub client: ClientOptions,
+    /// `--map CONTEXT`: copy only the source's extents whose flags in this metadata context
+    /// are not 0 (a dirty bitmap's dirty ones); the rest of the destination is left alone.
+    pub map: Option<String>,
     pub progress: ProgressBar,
     /// Set (to the signal's number) when the copy should stop.
     pub stop: StopFlag,
@@ -109,8 +112,38 @@ fn copy_range(
     opts: &CopyOptions,
     nic: &Nic,
 ) -> Result<(u64, u64)> {
-    let (mut data, mut zero) = (0, 0);
     let buf = nic.alloc_region(BATCH as usize, Access::READ_WRITE);
+    let Some(ctx) = &opts.map else {
+        return copy_run(src, dst, start, end, opts, &buf);
+    };
+    // --map: the runs the context marks, each copied as a whole copy would copy it.
+    let (mut data, mut zero) = (0, 0);
+    let mut pos = start;
+    while pos < end {
+        opts.check_stop()?;
+        let (len, marked) = src.marked(pos, end - pos, ctx)?;
+        if marked {
+            let (d, z) = copy_run(src, dst, pos, pos + len, opts, &buf)?;
+            data += d;
+            zero += z;
+        } else {
+            opts.progress.inc(len);
+        }
+        pos += len;
+    }
+    Ok((data, zero))
+}
+
+/// Copies `start..end` of `src` to `dst` through `buf`: data as data, zeroes as zeroes.
+fn copy_run(
+    src: &mut Side,
+    dst: &mut Side,
+    start: u64,
+    end: u64,
+    opts: &CopyOptions,
+    buf: &MemoryRegion,
+) -> Result<(u64, u64)> {
+    let (mut data, mut zero) = (0, 0);
     let mut pos = start;
     while pos < end {
         opts.check_stop()?;
@@ -128,8 +161,8 @@ fn copy_range(
             while at < pos + len {
                 opts.check_stop()?;
                 let n = (pos + len - at).min(BATCH) as usize;
-                src.read_mr(at, &buf, n)?;
-                let z = write_detecting_zeroes(dst, at, &buf, n, opts)?;
+                src.read_mr(at, buf, n)?;
+                let z = write_detecting_zeroes(dst, at, buf, n, opts)?;
                 at += n as u64;
                 data += n as u64 - z;
                 zero += z;
@@ -249,13 +282,16 @@ fn copy_any(
     if opts.verify && matches!(dst, Endpoint::Null | Endpoint::Stdio) {
         bail!("--verify needs a destination that can be read back");
     }
+    if let Some(ctx) = &opts.map {
+        check_map(ctx, src, dst, opts)?;
+    }
     match (src, dst) {
         (Endpoint::Stdio, Endpoint::Stdio) => bail!("standard input to standard output: use cat"),
         (Endpoint::Stdio, _) => {
             if opts.verify {
                 bail!("--verify needs a source that can be read again");
             }
-            let d = Side::open_dst(dst, &copts, 0, true)?;
+            let d = Side::open_dst(dst, &copts, 0, true, false)?;
             opened.store(true, Ordering::Relaxed);
             return stream_in(d, &nic, opts);
         }
@@ -266,9 +302,22 @@ fn copy_any(
         }
         _ => {}
     }
-    let mut srcs = vec![Side::open_src(src, &copts)?];
+    // The source selects the --map context too.
+    let src_opts = ClientOptions {
+        meta_contexts: opts.map.iter().cloned().collect(),
+        ..copts.clone()
+    };
+    let mut srcs = vec![Side::open_src(src, &src_opts)?];
+    if let (Some(ctx), Side::Nbd(p)) = (&opts.map, &srcs[0])
+        && !p.with(|c| c.contexts().iter().any(|(_, n)| n == ctx))
+    {
+        bail!(
+            "--map {ctx}: {} offers no such metadata context (see qpip-nbd info --list)",
+            p.uri()
+        );
+    }
     let size = srcs[0].size();
-    let mut dsts = vec![Side::open_dst(dst, &copts, size, true)?];
+    let mut dsts = vec![Side::open_dst(dst, &copts, size, true, opts.map.is_some())?];
     opened.store(true, Ordering::Relaxed);
     let n = if srcs[0].multi_conn() && dsts[0].multi_conn() {
         opts.connections.max(1)
@@ -287,12 +336,12 @@ fn copy_any(
     for _ in 1..n {
         let more = match &srcs[0] {
             Side::Nbd(p) => Side::Nbd(p.clone()),
-            _ => Side::open_src(src, &copts)?,
+            _ => Side::open_src(src, &src_opts)?,
         };
         srcs.push(more);
         let more = match &dsts[0] {
             Side::Nbd(p) => Side::Nbd(p.clone()),
-            _ => Side::open_dst(dst, &copts, size, false)?,
+            _ => Side::open_dst(dst, &copts, size, false, opts.map.is_some())?,
         };
         dsts.push(more);
     }
@@ -345,6 +394,30 @@ fn copy_any(
         stats.reconnects += s.finish()?;
     }
     Ok(stats)
+}
+
+/// `--map CONTEXT` needs an export as the source (only a server has metadata contexts), a
+/// destination written at offsets, and another context than base:allocation, which every
+/// copy already reads to skip holes.
+fn check_map(ctx: &str, src: &Endpoint, dst: &Endpoint, opts: &CopyOptions) -> Result<()> {
+    if ctx == crate::info::BASE_ALLOCATION {
+        bail!(
+            "--map {ctx}: every copy reads base:allocation already (holes become zeroes); \
+             --map takes another context, e.g. qemu:dirty-bitmap:NAME or qemu:allocation-depth"
+        );
+    }
+    if !matches!(src, Endpoint::Nbd(_)) {
+        bail!(
+            "--map {ctx}: the source must be an NBD export (only a server has metadata contexts)"
+        );
+    }
+    if matches!(dst, Endpoint::Stdio) {
+        bail!("--map {ctx}: standard output is written in order; copy into a file or an export");
+    }
+    if opts.verify {
+        bail!("--map {ctx}: --verify compares whole images, and --map copies only part of one");
+    }
+    Ok(())
 }
 
 /// Standard input, in order, to `dst` from offset 0 until end of input.

@@ -12,7 +12,7 @@ use nbd_proto::peer_text::printable;
 use qpip_cli::outln;
 use serde_json::{Map, Value, json};
 
-/// The one context `--map` can show.
+/// The context `--map` shows unless told another.
 pub(crate) const BASE_ALLOCATION: &str = "base:allocation";
 
 /// Bytes nbdinfo hands to file(1) for `content`.
@@ -41,17 +41,11 @@ pub(crate) fn run(a: &InfoArgs, base: &ClientOptions) -> Result<i32> {
         return Ok(if yes { 0 } else { 2 });
     }
     if let Some(ctx) = &a.map {
-        if ctx != BASE_ALLOCATION {
-            bail!(
-                "--map={ctx}: qpip-nbd negotiates only the {BASE_ALLOCATION} context (no \
-                 qemu:dirty-bitmap or qemu:allocation-depth maps)"
-            );
-        }
-        let map = read_map(&a.uri, base)?;
+        let map = read_map(&a.uri, base, ctx)?;
         if a.totals {
-            print_totals(&map, a.json)?;
+            print_totals(&map, ctx, a.json)?;
         } else {
-            print_map(&map, a.json)?;
+            print_map(&map, ctx, a.json)?;
         }
         return Ok(0);
     }
@@ -287,21 +281,26 @@ struct Details {
     content: Option<String>,
     info: ExportInfo,
     structured: bool,
-    contexts: Vec<&'static str>,
+    contexts: Vec<String>,
 }
 
 fn details(uri: &str, base: &ClientOptions, probe: bool) -> Result<Details> {
     let mut info = query(uri, base)?;
-    let mut c = connect_one(uri, base)?;
+    let listing = ClientOptions {
+        list_contexts: true,
+        ..base.clone()
+    };
+    let mut c = connect_one(uri, &listing)?;
     // The flags of the connection, which negotiated structured replies: SEND_DF is sent
     // only then (NBD_OPT_INFO precedes that negotiation), and libnbd's can_df reads these.
     info.flags = c.flags();
     let structured = c.structured_replies();
-    let contexts = if c.can_block_status() {
-        vec![BASE_ALLOCATION]
-    } else {
-        vec![]
-    };
+    // The contexts the server listed (NBD_OPT_LIST_META_CONTEXT), as nbdinfo shows them; a
+    // server that lists none but selected base:allocation has that one.
+    let mut contexts = c.listed_contexts().to_vec();
+    if contexts.is_empty() && c.can_block_status() {
+        contexts.push(BASE_ALLOCATION.to_owned());
+    }
     let content = if probe {
         let n = CONTENT_PROBE.min(info.size) as usize;
         let mut head = vec![0u8; n];
@@ -430,18 +429,32 @@ impl Details {
     }
 }
 
-/// The whole export's extents (offset, length, type), adjacent ones of one type merged.
-fn read_map(uri: &str, base: &ClientOptions) -> Result<Vec<(u64, u64, u32)>> {
-    let mut c = connect_one(uri, base)?;
-    if !c.can_block_status() {
-        bail!("{uri}: the server offers no block status ({BASE_ALLOCATION})");
+/// The whole export's extents in the context `ctx` (offset, length, type), adjacent ones of
+/// one type merged.
+fn read_map(uri: &str, base: &ClientOptions, ctx: &str) -> Result<Vec<(u64, u64, u32)>> {
+    // Only the context asked for, as nbdinfo asks.
+    let opts = ClientOptions {
+        base_allocation: ctx == BASE_ALLOCATION,
+        meta_contexts: if ctx == BASE_ALLOCATION {
+            Vec::new()
+        } else {
+            vec![ctx.to_owned()]
+        },
+        ..base.clone()
+    };
+    let mut c = connect_one(uri, &opts)?;
+    if !c.contexts().iter().any(|(_, n)| n == ctx) {
+        bail!(
+            "{uri}: the server offers no block status in the {} context",
+            printable(ctx.as_bytes())
+        );
     }
     let size = c.size();
     let mut map: Vec<(u64, u64, u32)> = Vec::new();
     let mut pos = 0;
     while pos < size {
         let ext = c
-            .block_status(pos, size - pos)
+            .block_status_of(ctx, pos, size - pos)
             .with_context(|| format!("{uri}: block status at {pos}"))?;
         let mut advanced = false;
         let from = pos;
@@ -450,10 +463,9 @@ fn read_map(uri: &str, base: &ClientOptions) -> Result<Vec<(u64, u64, u32)>> {
             .filter(|e| e.offset >= from && e.offset < size && e.length > 0)
         {
             let len = e.length.min(size - e.offset);
-            let ty = u32::from(e.hole) | (u32::from(e.zero) << 1);
             match map.last_mut() {
-                Some((o, l, t)) if *t == ty && *o + *l == e.offset => *l += len,
-                _ => map.push((e.offset, len, ty)),
+                Some((o, l, t)) if *t == e.flags && *o + *l == e.offset => *l += len,
+                _ => map.push((e.offset, len, e.flags)),
             }
             pos = e.offset + len;
             advanced = true;
@@ -466,50 +478,92 @@ fn read_map(uri: &str, base: &ClientOptions) -> Result<Vec<(u64, u64, u32)>> {
     Ok(map)
 }
 
-fn describe(t: u32) -> &'static str {
-    ["data", "hole", "zero", "hole,zero"][t as usize & 3]
+/// What nbdinfo calls a type `t` of the context `ctx`; None where it names none (the
+/// description is then left out, as nbdinfo leaves it out).
+fn describe(ctx: &str, t: u32) -> Option<String> {
+    let name = |names: &[&str]| names.get(t as usize).map(|n| n.to_string());
+    if ctx == BASE_ALLOCATION {
+        name(&["data", "hole", "zero", "hole,zero"])
+    } else if ctx.starts_with("qemu:dirty-bitmap:") {
+        name(&["clean", "dirty"])
+    } else if ctx == "qemu:allocation-depth" {
+        Some(match t {
+            0 => "absent".to_owned(),
+            1 => "local".to_owned(),
+            n => format!("backing depth {n}"),
+        })
+    } else {
+        None
+    }
 }
 
-fn print_map(map: &[(u64, u64, u32)], json: bool) -> Result<()> {
+/// One JSON object of `--map --json` or `--map --totals --json`: `fields`, then the
+/// description where there is one.
+fn with_description(mut fields: Map<String, Value>, ctx: &str, t: u32) -> Value {
+    if let Some(d) = describe(ctx, t) {
+        fields.insert("description".into(), json!(d));
+    }
+    Value::Object(fields)
+}
+
+/// `text` followed by "  DESCRIPTION" where there is one, as nbdinfo prints a line.
+fn line(text: String, sep: &str, ctx: &str, t: u32) -> Result<()> {
+    match describe(ctx, t) {
+        Some(d) => outln!("{text}{sep}{d}"),
+        None => outln!("{text}"),
+    }
+}
+
+fn print_map(map: &[(u64, u64, u32)], ctx: &str, json: bool) -> Result<()> {
     if json {
         let v: Vec<_> = map
             .iter()
-            .map(|(o, l, t)| json!({"offset": o, "length": l, "type": t, "description": describe(*t)}))
+            .map(|(o, l, t)| {
+                let mut m = Map::new();
+                m.insert("offset".into(), json!(o));
+                m.insert("length".into(), json!(l));
+                m.insert("type".into(), json!(t));
+                with_description(m, ctx, *t)
+            })
             .collect();
         outln!("{}", serde_json::to_string_pretty(&v)?)?;
     } else {
         for (o, l, t) in map {
-            // nbdinfo's "%10" PRIu64 "  %10" PRIu64 "  %3" PRIu32 "  %s".
-            outln!("{o:>10}  {l:>10}  {t:>3}  {}", describe(*t))?;
+            // nbdinfo's "%10" PRIu64 "  %10" PRIu64 "  %3" PRIu32 ["  %s"].
+            line(format!("{o:>10}  {l:>10}  {t:>3}"), "  ", ctx, *t)?;
         }
     }
     Ok(())
 }
 
 /// `--map --totals`: bytes and share of the export per type, by type.
-fn print_totals(map: &[(u64, u64, u32)], json: bool) -> Result<()> {
+fn print_totals(map: &[(u64, u64, u32)], ctx: &str, json: bool) -> Result<()> {
     let size: u64 = map.iter().map(|(_, l, _)| l).sum();
-    let mut by_type = [0u64; 4];
+    let mut by_type = std::collections::BTreeMap::<u32, u64>::new();
     for (_, l, t) in map {
-        by_type[*t as usize & 3] += l;
+        *by_type.entry(*t).or_default() += l;
     }
-    let rows: Vec<(u64, f64, u32)> = (0..4u32)
-        .filter(|t| by_type[*t as usize] > 0)
-        .map(|t| {
-            let n = by_type[t as usize];
-            (n, 100.0 * n as f64 / size.max(1) as f64, t)
-        })
+    let rows: Vec<(u64, f64, u32)> = by_type
+        .into_iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(t, n)| (n, 100.0 * n as f64 / size.max(1) as f64, t))
         .collect();
     if json {
         let v: Vec<_> = rows
             .iter()
-            .map(|(n, p, t)| json!({"size": n, "percent": p, "type": t, "description": describe(*t)}))
+            .map(|(n, p, t)| {
+                let mut m = Map::new();
+                m.insert("size".into(), json!(n));
+                m.insert("percent".into(), json!(p));
+                m.insert("type".into(), json!(t));
+                with_description(m, ctx, *t)
+            })
             .collect();
         outln!("{}", serde_json::to_string_pretty(&v)?)?;
     } else {
         for (n, p, t) in rows {
-            // nbdinfo's "%10" PRIu64 " %5.1f%% %3" PRIu32 " %s".
-            outln!("{n:>10} {p:5.1}% {t:>3} {}", describe(t))?;
+            // nbdinfo's "%10" PRIu64 " %5.1f%% %3" PRIu32 [" %s"].
+            line(format!("{n:>10} {p:5.1}% {t:>3}"), " ", ctx, t)?;
         }
     }
     Ok(())

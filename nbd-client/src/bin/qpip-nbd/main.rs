@@ -89,9 +89,11 @@ enum Cmd {
         /// Do not read the export's content (the default with --list).
         #[arg(long, overrides_with = "content")]
         no_content: bool,
-        /// Print the allocation map of CONTEXT (only base:allocation, the default): offset,
-        /// length, type (0 data, 1 hole, 2 zero, 3 hole and zero) and description per extent;
-        /// JSON with --json.
+        /// Print the map of the metadata context CONTEXT (default base:allocation; any the
+        /// server offers, e.g. qemu:allocation-depth or qemu:dirty-bitmap:NAME): offset,
+        /// length, type and description per extent, as nbdinfo prints them (base:allocation:
+        /// 0 data, 1 hole, 2 zero, 3 hole,zero; qemu:allocation-depth: 0 absent, 1 local, N
+        /// backing depth N; dirty bitmaps: 0 clean, 1 dirty); JSON with --json.
         #[arg(
             long,
             value_name = "CONTEXT",
@@ -170,6 +172,14 @@ enum Cmd {
         /// zeroes (--no-extents: both are read whole).
         #[arg(long)]
         verify: bool,
+        /// Copy only the extents of the source whose flags in the metadata context CONTEXT
+        /// are not 0 (qemu:dirty-bitmap:NAME: the dirty ones, for an incremental backup;
+        /// qemu:allocation-depth: what the image or its backing chain holds); the rest of the
+        /// destination is left as it is (a destination file is not truncated, only grown to
+        /// the source's size). The source must be an export offering CONTEXT (qpip-nbd info
+        /// --list shows them); nbdcopy has no such option.
+        #[arg(long, value_name = "CONTEXT")]
+        map: Option<String>,
         /// Copy holes as data: no block status, no zero detection, zeroes written as data
         /// (--no-extents -S 0 --allocated).
         #[arg(long)]
@@ -388,6 +398,7 @@ fn run(cli: Cli) -> Result<i32> {
             src,
             dst,
             verify,
+            map,
             no_sparse,
             flush,
             destination_is_zero,
@@ -435,6 +446,7 @@ fn run(cli: Cli) -> Result<i32> {
                         .context("--reconnect-timeout")?,
                     ..base
                 },
+                map,
                 progress,
             };
             let (s, d) = (copy::Endpoint::parse(&src), copy::Endpoint::parse(&dst));

@@ -82,12 +82,15 @@ impl Side {
     }
 
     /// Opens the destination; `size` is the source size. `first`: this is the first handle
-    /// (the one that prepares a local file).
+    /// (the one that prepares a local file). `keep`: a local file keeps what it holds (only
+    /// part of the source is written, `--map`): it is grown to `size` if shorter, never
+    /// truncated.
     pub(crate) fn open_dst(
         ep: &Endpoint,
         opts: &ClientOptions,
         size: u64,
         first: bool,
+        keep: bool,
     ) -> Result<Side> {
         match ep {
             Endpoint::Null => Ok(Side::Null { size }),
@@ -101,7 +104,12 @@ impl Side {
                     .open(path)
                     .with_context(|| format!("opening {}", path.display()))?;
                 let regular = file.metadata()?.file_type().is_file();
-                if regular && first {
+                if regular && first && keep {
+                    if file_size(&file)? < size {
+                        file.set_len(size)
+                            .with_context(|| format!("sizing {}", path.display()))?;
+                    }
+                } else if regular && first {
                     // A fresh sparse file: holes of the source need no writes at all.
                     file.set_len(0)
                         .and_then(|()| file.set_len(size))
@@ -118,7 +126,7 @@ impl Side {
                     file,
                     path: path.clone(),
                     size: have,
-                    fresh: regular,
+                    fresh: regular && !keep,
                 })
             }
             Endpoint::Nbd(uri) => {
@@ -336,6 +344,31 @@ impl Side {
             }
             Side::Nbd(_) | Side::Null { .. } => Ok((len, false)),
         }
+    }
+
+    /// The next run from `off` (at most `len` bytes) in the metadata context `ctx` of an
+    /// export (`--map`): (length, marked: its flags are not 0).
+    pub(crate) fn marked(&mut self, off: u64, len: u64, ctx: &str) -> Result<(u64, bool)> {
+        let Side::Nbd(p) = self else {
+            bail!("--map {ctx}: {} has no metadata contexts", self.name());
+        };
+        let ext = p
+            .with(|c| c.block_status_of(ctx, off, len.min(1 << 30)))
+            .with_context(|| format!("block status ({ctx}) of {} at {off}", p.uri()))?;
+        let Some(first) = ext.first() else {
+            bail!(
+                "{}: block status ({ctx}) at {off} described nothing",
+                p.uri()
+            );
+        };
+        let marked = first.flags != 0;
+        // Merge following extents of the same kind.
+        let n: u64 = ext
+            .iter()
+            .take_while(|e| (e.flags != 0) == marked)
+            .map(|e| e.length)
+            .sum();
+        Ok((n.clamp(1, len), marked))
     }
 
     pub(crate) fn flush(&mut self) -> Result<()> {

@@ -11,6 +11,12 @@ pub struct ClientConfig {
     pub extended_headers: bool,
     /// Ask for the `base:allocation` metadata context (needs structured replies).
     pub base_allocation: bool,
+    /// Further metadata contexts to select, by name (e.g. `qemu:allocation-depth`), in the
+    /// same `NBD_OPT_SET_META_CONTEXT` (needs structured replies).
+    pub meta_contexts: Vec<String>,
+    /// List the export's metadata contexts first (`NBD_OPT_LIST_META_CONTEXT` with no
+    /// query: every one it offers), reported in [`super::ClientNegotiated::listed_contexts`].
+    pub list_contexts: bool,
     /// Use `NBD_FLAG_C_NO_ZEROES` if the server offers it.
     pub no_zeroes: bool,
     /// Use `NBD_OPT_GO` (else go straight to `NBD_OPT_EXPORT_NAME`).
@@ -30,6 +36,8 @@ impl ClientConfig {
             structured_replies: true,
             extended_headers: true,
             base_allocation: true,
+            meta_contexts: Vec::new(),
+            list_contexts: false,
             no_zeroes: true,
             use_go: true,
             max_option_reply_len: crate::framing::DEFAULT_MAX_OPTION_LEN,

@@ -36,6 +36,11 @@ pub struct ClientNegotiated {
     pub extended_headers: bool,
     /// Context id of `base:allocation`, if selected.
     pub base_allocation: Option<u32>,
+    /// Every metadata context selected, `(id, name)` (`base:allocation` too).
+    pub meta_contexts: Vec<(u32, String)>,
+    /// The export's metadata contexts, as `NBD_OPT_LIST_META_CONTEXT` listed them (with
+    /// [`super::ClientConfig::list_contexts`]; empty otherwise, or if the server refused).
+    pub listed_contexts: Vec<String>,
     /// `NBD_FLAG_C_NO_ZEROES` negotiated.
     pub no_zeroes: bool,
     /// Transmission entered via `NBD_OPT_GO` (vs the `NBD_OPT_EXPORT_NAME` fallback).
@@ -51,7 +56,7 @@ impl ClientNegotiated {
             size: self.export.size,
             flags: self.export.flags,
             structured_replies: self.structured_replies,
-            has_meta_context: self.base_allocation.is_some(),
+            has_meta_context: !self.meta_contexts.is_empty(),
             block_size: self.export.block_size,
             df_max_len: 65536,
             extended_headers: self.extended_headers,

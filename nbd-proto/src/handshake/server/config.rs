@@ -24,6 +24,10 @@ pub struct Export {
     /// `NBD_INFO_BLOCK_SIZE` request gets `NBD_REP_ERR_BLOCK_SIZE_REQD`;
     /// `NBD_OPT_EXPORT_NAME` gets a hard disconnect).
     pub require_block_size: bool,
+    /// Metadata contexts offered besides `base:allocation` (e.g.
+    /// [`crate::consts::QEMU_ALLOCATION_DEPTH`]), in the order they are listed; the caller
+    /// answers `BLOCK_STATUS` for them.
+    pub contexts: Vec<String>,
 }
 
 impl Export {
@@ -36,6 +40,7 @@ impl Export {
             flags: TransmissionFlags::empty(),
             block_size: None,
             require_block_size: false,
+            contexts: Vec::new(),
         }
     }
 
@@ -50,6 +55,15 @@ impl Export {
             f.set(TransmissionFlags::SEND_FAST_ZERO, false);
         }
         f
+    }
+
+    /// The metadata contexts offered, with the ids `NBD_OPT_SET_META_CONTEXT` gives them:
+    /// `base:allocation` ([`super::BASE_ALLOCATION_ID`]), then [`Self::contexts`] in order.
+    pub fn offered_contexts(&self) -> impl Iterator<Item = (u32, &str)> {
+        core::iter::once(crate::consts::BASE_ALLOCATION)
+            .chain(self.contexts.iter().map(String::as_str))
+            .zip(super::BASE_ALLOCATION_ID..)
+            .map(|(name, id)| (id, name))
     }
 
     pub(super) fn effective_block_size(&self) -> BlockSize {
@@ -91,7 +105,8 @@ pub struct ServerConfig {
     pub support_structured_replies: bool,
     /// Support `NBD_OPT_EXTENDED_HEADERS` (else `NBD_REP_ERR_UNSUP`; also without `support_go`).
     pub support_extended_headers: bool,
-    /// Support `base:allocation` via the meta context options (else `NBD_REP_ERR_UNSUP`).
+    /// Support metadata contexts (`base:allocation` and each export's
+    /// [`Export::contexts`]) via the meta context options (else `NBD_REP_ERR_UNSUP`).
     pub support_meta_contexts: bool,
     /// TLS: off, offered, or required. The caller performs the TLS handshake on
     /// [`super::ServerEvent::StartTls`].

@@ -26,6 +26,11 @@ fn session(structured: bool) -> ClientSession<Buf> {
         structured_replies: structured,
         extended_headers: false,
         base_allocation: None,
+        meta_contexts: (None)
+            .map(|id| (id, crate::consts::BASE_ALLOCATION.to_owned()))
+            .into_iter()
+            .collect(),
+        listed_contexts: Vec::new(),
         no_zeroes: true,
         via_go: true,
         tls: false,
@@ -100,7 +105,7 @@ fn placed_reads_name_their_memory_until_their_last_message() {
     );
     assert!(matches!(frame(&s, &ok), ClientFrame::Message { .. }));
     // Reissued on a new connection: open again once sent again.
-    s.reissue(s.mode());
+    s.reissue(s.mode().clone());
     assert!(matches!(frame(&s, &ok), ClientFrame::Message { .. }));
     s.outgoing(cookie).unwrap();
     assert!(matches!(frame(&s, &ok), ClientFrame::MessageAt { .. }));

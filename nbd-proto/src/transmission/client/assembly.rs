@@ -16,17 +16,21 @@ pub trait ReadTarget {
     fn write_at(&self, at: usize, bytes: &[u8]);
 }
 
-/// One extent of `base:allocation` block status.
+/// One extent of block status, of one metadata context.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Extent {
     /// Absolute offset.
     pub offset: u64,
     /// Length in bytes.
     pub length: u64,
-    /// Not allocated (NBD_STATE_HOLE).
+    /// Not allocated (NBD_STATE_HOLE): `flags` read as `base:allocation`'s.
     pub hole: bool,
-    /// Reads as zeroes (NBD_STATE_ZERO).
+    /// Reads as zeroes (NBD_STATE_ZERO): `flags` read as `base:allocation`'s.
     pub zero: bool,
+    /// The context's status flags as sent (`qemu:allocation-depth`: the depth).
+    pub flags: u32,
+    /// The context the extent describes (its id on the connection that answered).
+    pub context_id: u32,
 }
 
 /// The result of a successful request.
@@ -163,6 +167,8 @@ impl<R: ReadTarget> Entry<R> {
                 length: e.length,
                 hole: e.flags & c::STATE_HOLE != 0,
                 zero: e.flags & c::STATE_ZERO != 0,
+                flags: e.flags,
+                context_id: e.context_id,
             })),
             Step::Error { error, message } => {
                 self.error.get_or_insert(Failed::Server {
@@ -209,7 +215,7 @@ impl<R: ReadTarget> Entry<R> {
 }
 
 /// How the session reads the server's messages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mode {
     /// Structured replies negotiated.
     pub structured: bool,
@@ -217,4 +223,21 @@ pub struct Mode {
     pub extended: bool,
     /// The context id of `base:allocation`, if negotiated.
     pub allocation_ctx: Option<u32>,
+    /// Every metadata context selected, `(id, name)`: block status answers them all.
+    pub contexts: Vec<(u32, String)>,
+}
+
+impl Mode {
+    /// The id of the context `name` on this connection, if it was selected.
+    pub fn context_id(&self, name: &str) -> Option<u32> {
+        self.contexts
+            .iter()
+            .find(|(_, n)| n == name)
+            .map(|(id, _)| *id)
+    }
+
+    /// Whether `id` is a selected context's.
+    pub fn selected(&self, id: u32) -> bool {
+        self.contexts.iter().any(|(i, _)| *i == id)
+    }
 }

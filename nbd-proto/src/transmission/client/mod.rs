@@ -102,6 +102,7 @@ impl Mode {
             structured: neg.structured_replies,
             extended: neg.extended_headers,
             allocation_ctx: neg.base_allocation,
+            contexts: neg.meta_contexts.clone(),
         }
     }
 }
@@ -130,7 +131,7 @@ impl<R: ReadTarget + Clone> ClientSession<R> {
                 flags: export.flags,
                 block_size: export.block_size,
                 max_io,
-                block_status: neg.base_allocation.is_some(),
+                block_status: !neg.meta_contexts.is_empty(),
             },
             mode,
             window,
@@ -158,8 +159,8 @@ impl<R: ReadTarget + Clone> ClientSession<R> {
     }
 
     /// The current connection's reply style.
-    pub fn mode(&self) -> Mode {
-        self.mode
+    pub fn mode(&self) -> &Mode {
+        &self.mode
     }
 
     /// Requests in flight at most.
@@ -273,11 +274,7 @@ impl<R: ReadTarget + Clone> ClientSession<R> {
     /// server sent first.
     pub fn on_message(&mut self, msg: &[u8]) -> Result<Delivered, Violation> {
         let magic = msg.first_chunk::<4>().map(|m| u32::from_be_bytes(*m));
-        let Mode {
-            structured,
-            extended,
-            allocation_ctx,
-        } = self.mode;
+        let (structured, extended) = (self.mode.structured, self.mode.extended);
         let chunk_magic = if extended {
             c::EXTENDED_REPLY_MAGIC
         } else {
@@ -302,7 +299,8 @@ impl<R: ReadTarget + Clone> ClientSession<R> {
                 });
             }
             let entry = table.entry(h.cookie)?;
-            let accepted = entry.check.chunk(&h, payload, allocation_ctx)?;
+            let mode = &self.mode;
+            let accepted = entry.check.chunk(&h, payload, |id| mode.selected(id))?;
             entry.apply(accepted.step, payload);
             Ok(self.delivered(&mut table, h.cookie, accepted.done))
         } else {
@@ -375,10 +373,10 @@ impl<R: ReadTarget + Clone> ClientSession<R> {
     /// A new connection with `mode`: every request in flight starts over. Returns their
     /// cookies in the order they were first issued, to send again.
     pub fn reissue(&mut self, mode: Mode) -> Vec<u64> {
+        self.limits.block_status = !mode.contexts.is_empty();
         self.mode = mode;
-        self.limits.block_status = mode.allocation_ctx.is_some();
         let mut table = self.inflight.lock();
-        table.restart(mode.structured);
+        table.restart(self.mode.structured);
         let mut cookies: Vec<u64> = table.entries.keys().copied().collect();
         cookies.sort_unstable();
         cookies

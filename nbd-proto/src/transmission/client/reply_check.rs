@@ -51,7 +51,7 @@ pub enum ReplyError {
     /// A simple reply in the middle of a structured reply.
     #[error("a simple reply after structured chunks for the same request")]
     Mixed,
-    /// A block status chunk for `base:allocation` whose extents would run past 2^64.
+    /// A block status chunk whose extents would run past 2^64.
     #[error("a block status request whose range wraps")]
     Wraps,
     /// An extended chunk header whose offset is not the request's (it "MUST match").
@@ -82,7 +82,8 @@ pub enum Step<'a> {
         /// Where the hole lies in the request's buffer.
         dst: Range<usize>,
     },
-    /// `base:allocation` extents, absolute, contiguous, clipped to the request.
+    /// One context's extents, absolute, contiguous (after that context's earlier ones),
+    /// clipped to the request.
     Extents(Vec<CheckedExtent>),
     /// The server reports an error for this request (the first one is kept by
     /// [`ReplyCheck::finish`]); the message is raw peer bytes (see [`crate::peer_text`]).
@@ -93,7 +94,7 @@ pub enum Step<'a> {
         message: &'a [u8],
     },
     /// Nothing to do (a `NONE` chunk, a successful non-read simple reply, a block status
-    /// chunk for another context).
+    /// chunk for a context not selected).
     Nothing,
 }
 
@@ -104,8 +105,10 @@ pub struct CheckedExtent {
     pub offset: u64,
     /// Length (nonzero).
     pub length: u64,
-    /// `base:allocation` flags ([`crate::flags::AllocationFlags`]).
+    /// The context's status flags (`base:allocation`'s: [`crate::flags::AllocationFlags`]).
     pub flags: u32,
+    /// The context the extent describes (its id).
+    pub context_id: u32,
 }
 
 /// An accepted message: what to do, and whether it was the request's last.
@@ -132,8 +135,8 @@ pub enum Unanswered {
         /// Bytes the chunks covered.
         covered: u64,
     },
-    /// A block status reply without `base:allocation` extents.
-    #[error("a block status reply without base:allocation extents")]
+    /// A block status reply without extents of a selected context.
+    #[error("a block status reply without extents")]
     NoExtents,
 }
 
@@ -144,8 +147,8 @@ pub struct ReplyCheck {
     offset: u64,
     length: u64,
     coverage: ReadCoverage,
-    /// Where the next `base:allocation` extent starts.
-    next_extent: u64,
+    /// Where each selected context's next extent starts, for the contexts answered so far.
+    next_extents: Vec<(u32, u64)>,
     extents: bool,
     structured: bool,
     done: bool,
@@ -160,7 +163,7 @@ impl ReplyCheck {
             offset: req.offset,
             length: req.length,
             coverage: ReadCoverage::new(req.offset, req.length),
-            next_extent: req.offset,
+            next_extents: Vec::new(),
             extents: false,
             structured: false,
             done: false,
@@ -217,13 +220,13 @@ impl ReplyCheck {
         }
     }
 
-    /// A structured or extended chunk with its whole payload. `allocation_ctx` is the context
-    /// id the handshake gave `base:allocation` (block status for other contexts is ignored).
+    /// A structured or extended chunk with its whole payload. `selected` says which context
+    /// ids the handshake selected (block status for other contexts is ignored).
     pub fn chunk<'a>(
         &mut self,
         header: &StructuredReplyHeader,
         payload: &'a [u8],
-        allocation_ctx: Option<u32>,
+        selected: impl Fn(u32) -> bool,
     ) -> Result<Accepted<'a>, ReplyError> {
         if self.done {
             return Err(ReplyError::AfterDone);
@@ -257,7 +260,7 @@ impl ReplyCheck {
             Chunk::BlockStatus {
                 context_id,
                 extents,
-            } if Some(context_id) == allocation_ctx => {
+            } if selected(context_id) => {
                 if self.command != Command::BlockStatus {
                     return Err(wrong("BLOCK_STATUS"));
                 }
@@ -265,18 +268,33 @@ impl ReplyCheck {
                     .offset
                     .checked_add(self.length)
                     .ok_or(ReplyError::Wraps)?;
+                // Each context's extents follow on from its own earlier ones (the server
+                // may send several chunks for one context).
+                let at = match self
+                    .next_extents
+                    .iter()
+                    .position(|(id, _)| *id == context_id)
+                {
+                    Some(i) => i,
+                    None => {
+                        self.next_extents.push((context_id, self.offset));
+                        self.next_extents.len() - 1
+                    }
+                };
+                let next = &mut self.next_extents[at].1;
                 let mut out = Vec::new();
                 for e in extents {
-                    if self.next_extent >= end {
+                    if *next >= end {
                         break;
                     }
-                    let length = e.length.min(end - self.next_extent);
+                    let length = e.length.min(end - *next);
                     out.push(CheckedExtent {
-                        offset: self.next_extent,
+                        offset: *next,
                         length,
                         flags: e.flags,
+                        context_id,
                     });
-                    self.next_extent += length;
+                    *next += length;
                 }
                 self.extents |= !out.is_empty();
                 Step::Extents(out)
@@ -338,7 +356,7 @@ impl ReplyCheck {
     }
 
     /// The reply is complete: did the request succeed? A read succeeds only if its chunks
-    /// covered every byte; a block status only with at least one `base:allocation` extent.
+    /// covered every byte; a block status only with at least one extent of a selected context.
     pub fn finish(&self) -> Result<(), Unanswered> {
         if let Some(e) = self.error {
             return Err(Unanswered::Server(e));
@@ -361,7 +379,7 @@ impl ReplyCheck {
     /// Forgets what arrived (the request is sent again after a reconnect).
     pub fn restart(&mut self) {
         self.coverage.clear();
-        self.next_extent = self.offset;
+        self.next_extents.clear();
         self.extents = false;
         self.structured = false;
         self.done = false;
@@ -457,7 +475,7 @@ mod tests {
         let a = r.chunk(
             &hdr(ReplyFlags::empty(), c::REPLY_TYPE_OFFSET_DATA, &p),
             &p,
-            None,
+            |_| false,
         );
         assert_eq!(
             a.unwrap().step,
@@ -472,7 +490,7 @@ mod tests {
             .chunk(
                 &hdr(ReplyFlags::DONE, c::REPLY_TYPE_OFFSET_HOLE, &hole),
                 &hole,
-                None,
+                |_| false,
             )
             .unwrap();
         assert_eq!(
@@ -484,7 +502,9 @@ mod tests {
         );
         assert_eq!(r.finish(), Ok(()));
         assert_eq!(
-            r.chunk(&hdr(ReplyFlags::DONE, c::REPLY_TYPE_NONE, &[]), &[], None),
+            r.chunk(&hdr(ReplyFlags::DONE, c::REPLY_TYPE_NONE, &[]), &[], |_| {
+                false
+            }),
             Err(ReplyError::AfterDone)
         );
     }
@@ -496,16 +516,16 @@ mod tests {
         let p = data(u64::MAX - 7, 16);
         let h = hdr(ReplyFlags::empty(), c::REPLY_TYPE_OFFSET_DATA, &p);
         assert!(matches!(
-            r.chunk(&h, &p, None),
+            r.chunk(&h, &p, |_| false),
             Err(ReplyError::Chunk(ChunkError::Outside { .. }))
         ));
         let p = data(10, 10);
         let h = hdr(ReplyFlags::empty(), c::REPLY_TYPE_OFFSET_DATA, &p);
-        r.chunk(&h, &p, None).unwrap();
+        r.chunk(&h, &p, |_| false).unwrap();
         let p = data(15, 10);
         let h = hdr(ReplyFlags::empty(), c::REPLY_TYPE_OFFSET_DATA, &p);
         assert!(matches!(
-            r.chunk(&h, &p, None),
+            r.chunk(&h, &p, |_| false),
             Err(ReplyError::Chunk(ChunkError::Overlap { .. }))
         ));
         assert!(matches!(
@@ -516,7 +536,7 @@ mod tests {
         let p = data(0, 10);
         let h = hdr(ReplyFlags::DONE, c::REPLY_TYPE_OFFSET_DATA, &p);
         assert!(matches!(
-            w.chunk(&h, &p, None),
+            w.chunk(&h, &p, |_| false),
             Err(ReplyError::WrongCommand { .. })
         ));
         let mut s = ReplyCheck::new(&req(Command::Read, 0, 10));
@@ -535,7 +555,7 @@ mod tests {
         let mut e = Vec::new();
         crate::reply::error_chunk(7, false, ErrorValue::Io, "bad\x1b", &mut e);
         let h = StructuredReplyHeader::parse(&e).unwrap();
-        let a = r.chunk(&h, &e[20..], None).unwrap();
+        let a = r.chunk(&h, &e[20..], |_| false).unwrap();
         assert!(matches!(
             a.step,
             Step::Error {
@@ -568,26 +588,74 @@ mod tests {
         // another context: ignored, and then no extents at all
         let mut other = b.clone();
         assert_eq!(
-            other.chunk(&h, &bs[20..], Some(4)).unwrap().step,
+            other.chunk(&h, &bs[20..], |id| id == 4).unwrap().step,
             Step::Nothing
         );
         assert_eq!(other.finish(), Err(Unanswered::NoExtents));
-        let a = b.chunk(&h, &bs[20..], Some(3)).unwrap();
+        let a = b.chunk(&h, &bs[20..], |id| id == 3).unwrap();
         assert_eq!(
             a.step,
             Step::Extents(vec![
                 CheckedExtent {
                     offset: 512,
                     length: 600,
-                    flags: 1
+                    flags: 1,
+                    context_id: 3,
                 },
                 CheckedExtent {
                     offset: 1112,
                     length: 400,
-                    flags: 2
+                    flags: 2,
+                    context_id: 3,
                 },
             ])
         );
+        assert_eq!(b.finish(), Ok(()));
+    }
+
+    #[test]
+    fn each_selected_context_has_its_own_extents_in_one_reply() {
+        let mut b = ReplyCheck::new(&req(Command::BlockStatus, 0, 1000));
+        let chunk = |ctx: u32, last: bool, extents: &[(u64, u32)]| {
+            let ex: Vec<_> = extents
+                .iter()
+                .map(|&(length, flags)| crate::reply::Extent { length, flags })
+                .collect();
+            let mut v = Vec::new();
+            crate::reply::block_status_chunk(7, last, ctx, &ex, &mut v).unwrap();
+            v
+        };
+        let selected = |id: u32| id == 1 || id == 2;
+        // base:allocation (1), then qemu:allocation-depth (2): each starts at the request's
+        // offset; a context not selected (9) is ignored.
+        for (ctx, last, extents, want) in [
+            (1, false, vec![(600, 3)], vec![(0, 600, 3)]),
+            (9, false, vec![(1000, 1)], vec![]),
+            (
+                2,
+                false,
+                vec![(200, 1), (800, 0)],
+                vec![(0, 200, 1), (200, 800, 0)],
+            ),
+            (1, true, vec![(4096, 0)], vec![(600, 400, 0)]),
+        ] {
+            let v = chunk(ctx, last, &extents);
+            let h = StructuredReplyHeader::parse(&v).unwrap();
+            let a = b.chunk(&h, &v[20..], selected).unwrap();
+            let got: Vec<_> = match a.step {
+                Step::Extents(e) => e
+                    .iter()
+                    .map(|e| {
+                        assert_eq!(e.context_id, ctx);
+                        (e.offset, e.length, e.flags)
+                    })
+                    .collect(),
+                Step::Nothing => vec![],
+                other => panic!("{other:?}"),
+            };
+            assert_eq!(got, want, "context {ctx}");
+            assert_eq!(a.done, last);
+        }
         assert_eq!(b.finish(), Ok(()));
     }
 
@@ -601,7 +669,7 @@ mod tests {
         );
         h.offset = Some(0);
         assert_eq!(
-            r.chunk(&h, &data(4096, 100), None),
+            r.chunk(&h, &data(4096, 100), |_| false),
             Err(ReplyError::WrongOffset {
                 expected: 4096,
                 got: 0
@@ -615,7 +683,7 @@ mod tests {
             })
         );
         h.offset = Some(4096);
-        assert!(r.chunk(&h, &data(4096, 100), None).unwrap().done);
+        assert!(r.chunk(&h, &data(4096, 100), |_| false).unwrap().done);
         assert_eq!(r.finish(), Ok(()));
     }
 }

@@ -33,6 +33,11 @@ fn negotiated(structured: bool, extended: bool) -> ClientNegotiated {
         structured_replies: structured,
         extended_headers: extended,
         base_allocation: structured.then_some(1),
+        meta_contexts: (structured.then_some(1))
+            .map(|id| (id, crate::consts::BASE_ALLOCATION.to_owned()))
+            .into_iter()
+            .collect(),
+        listed_contexts: Vec::new(),
         no_zeroes: true,
         via_go: true,
         tls: false,

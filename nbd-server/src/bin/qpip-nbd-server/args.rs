@@ -111,6 +111,13 @@ pub(crate) struct Cli {
     /// snapshot = true.
     #[arg(short = 's', long)]
     pub snapshot: bool,
+    /// Offer the qemu:allocation-depth metadata context on every export, as qemu-nbd's
+    /// -A/--allocation-depth: block status saying which image of a qcow2 backing chain holds
+    /// each extent (0 absent: in none, reads as zeroes; 1 local: the image itself; N: its
+    /// (N-1)th backing file; a raw image is local throughout). Per export in the config file:
+    /// allocation_depth = true.
+    #[arg(short = 'A', long)]
+    pub allocation_depth: bool,
     /// Take no image locks (qemu's -U): serve an image that qemu or another server has open.
     /// Without it, a writable export is refused while anyone else uses the image, and a
     /// read-only one while anyone writes it, as qemu-nbd does.
@@ -425,11 +432,6 @@ pub(crate) const REFUSED: &[Refused] = &[
         tool: "qemu-nbd",
         why: "QEMU's trace events: the server logs with -v/--log (e.g. --log \
               nbd_server=debug)",
-    },
-    Refused {
-        names: &["-A", "--allocation-depth"],
-        tool: "qemu-nbd",
-        why: "the qemu:allocation-depth meta context is not offered yet (base:allocation is)",
     },
     Refused {
         names: &["-B", "--bitmap"],

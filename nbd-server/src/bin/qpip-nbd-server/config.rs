@@ -21,6 +21,9 @@ pub(crate) struct ExportConfig {
     /// Snapshot mode (--snapshot): the image opened read-only, writes to a temporary overlay.
     #[serde(default)]
     pub snapshot: bool,
+    /// Offer the qemu:allocation-depth metadata context (as --allocation-depth).
+    #[serde(default)]
+    pub allocation_depth: bool,
     /// Create the image, sparse, with this size if it does not exist ("1G", "512M", bytes).
     #[serde(default)]
     pub create_size: Option<String>,

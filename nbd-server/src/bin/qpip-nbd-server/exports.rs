@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use nbd_server::export::Export;
+use nbd_server::export::{Export, MetaContext};
 use nbd_server::store::open::{self, OpenOptions, Opener};
 use nbd_server::store::overlay::Overlay;
 use nbd_server::store::view::{self, Cache, DetectZeroes, Discard, ViewOptions};
@@ -49,11 +49,17 @@ pub(crate) fn open_all(nic: &Nic, cli: &Cli, settings: &Settings) -> Result<Vec<
         let store = snapshot(cli, e, store)?;
         let store = view::apply(store, view).with_context(|| format!("export {}", e.name))?;
         tracing::info!(export = %e.name, "{} ({}, {} bytes{})", store.location(), store.kind(), store.size(), if store.read_only() { ", read-only" } else { "" });
+        let contexts = if cli.allocation_depth || e.allocation_depth {
+            vec![MetaContext::AllocationDepth]
+        } else {
+            Vec::new()
+        };
         exports.push(Export::new(
             nic,
             e.name.clone(),
             e.description.clone(),
             store,
+            contexts,
         ));
     }
     // With no export left the server fails with the last one's error, as with one export.

@@ -1,19 +1,20 @@
 //! Block status of a qcow2 image: its own runs of data, zeroes and unallocated clusters, the
-//! unallocated ones answered by the backing file.
+//! unallocated ones answered by the backing file; and qemu's allocation depth, which layer of
+//! the backing chain holds each run.
 
 use std::io;
 
 use super::{Cluster, Qcow2, read_table};
+use crate::store::Depth;
 
 impl Qcow2 {
-    /// Data (`false`) and zero (`true`) runs from `offset` for up to `len` bytes, merged,
-    /// at most `max` of them. A range without an L2 table is one zero run, however long; at
-    /// most `EXTENT_TABLES` tables are read per call, so the answer may stop short (the
-    /// client asks again from where it ends).
-    pub fn extents(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u64, bool)>> {
+    /// Runs of this image's own from `offset` for up to `len` bytes: zero, data, or
+    /// unallocated (the backing file's), merged, at most `max` of them. A range without an L2
+    /// table is one unallocated run, however long; at most `EXTENT_TABLES` tables are read
+    /// per call, so the answer may stop short (the client asks again from where it ends).
+    fn own_runs(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u64, Run)>> {
         let end = offset.saturating_add(len).min(self.size);
         let cs = self.cluster_size();
-        // Runs of this image's own: zero, data, or unallocated (the backing file's).
         let mut runs: Vec<(u64, Run)> = Vec::new();
         {
             let st = self.state.lock();
@@ -64,6 +65,13 @@ impl Qcow2 {
                 pos = span_end;
             }
         }
+        Ok(runs)
+    }
+
+    /// Data (`false`) and zero (`true`) runs from `offset` for up to `len` bytes, merged,
+    /// at most `max` of them; they may stop short, as [`Self::own_runs`] does.
+    pub fn extents(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u64, bool)>> {
+        let runs = self.own_runs(offset, len, max)?;
         // Unallocated runs are what the backing file says they are.
         let mut out: Vec<(u64, bool)> = Vec::new();
         let mut push = |n: u64, zero: bool| {
@@ -118,6 +126,83 @@ impl Qcow2 {
                     }
                     // Past the backing file's end: zeroes.
                     if has < run_end && !push(run_end - has, true) {
+                        break;
+                    }
+                }
+            }
+            pos = run_end;
+        }
+        Ok(out)
+    }
+}
+
+impl Qcow2 {
+    /// qemu's allocation depth from `offset` for up to `len` bytes, at most `max` runs (they
+    /// may stop short, as [`Self::own_runs`] does): 1 where this image allocates the
+    /// clusters (data or zeroes), the backing file's answer plus one where it does not, and
+    /// 0 without a backing file. Past a shorter backing file's end its zeroes count as the
+    /// backing file's own, as qemu counts them (`bdrv_co_common_block_status_above`).
+    pub fn allocation_depth(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<Depth>> {
+        let runs = self.own_runs(offset, len, max)?;
+        let mut out: Vec<Depth> = Vec::new();
+        let mut push = |len: u64, depth: u32| {
+            if let Some(last) = out.last_mut()
+                && last.depth == depth
+            {
+                last.len += len;
+                return true;
+            }
+            if out.len() == max {
+                return false;
+            }
+            out.push(Depth { len, depth });
+            true
+        };
+        let mut pos = offset;
+        'runs: for (n, run) in runs {
+            let run_end = pos + n;
+            match (run, &self.backing) {
+                (Run::Data | Run::Zero, _) => {
+                    if !push(n, 1) {
+                        break;
+                    }
+                }
+                (Run::Unallocated, None) => {
+                    if !push(n, 0) {
+                        break;
+                    }
+                }
+                (Run::Unallocated, Some(backing)) => {
+                    let mut p = pos;
+                    let has = backing.size().clamp(pos, run_end);
+                    while p < has {
+                        let got = backing.allocation_depth(p, has - p)?;
+                        let before = p;
+                        for d in got {
+                            let d_len = d.len.min(has - p);
+                            if d_len == 0 {
+                                continue;
+                            }
+                            // Unallocated below stays unallocated; else one layer deeper.
+                            let depth = if d.depth == 0 {
+                                0
+                            } else {
+                                d.depth.saturating_add(1)
+                            };
+                            if !push(d_len, depth) {
+                                break 'runs;
+                            }
+                            p += d_len;
+                        }
+                        if p == before {
+                            // Said nothing: the backing file's own, which is never wrong.
+                            if !push(has - p, 2) {
+                                break 'runs;
+                            }
+                            p = has;
+                        }
+                    }
+                    if has < run_end && !push(run_end - has, 2) {
                         break;
                     }
                 }
