@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-pub(super) const NEVER: u64 = u64::MAX;
+const NEVER: u64 = u64::MAX;
 
 /// What host drivers and the NIC thread share to hand the processor over.
 pub(crate) struct Handover {
@@ -68,15 +68,18 @@ impl Handover {
         Duration::from_nanos(self.driven_cpu_ns.load(Ordering::Relaxed))
     }
 
-    /// Time since the last host drive ended (None: there never was one).
-    pub(super) fn since_last_drive(&self) -> Option<Duration> {
+    /// A host drive ended at `now`.
+    pub(super) fn drive_ended(&self, now: Instant) {
+        let ns = now.saturating_duration_since(self.epoch).as_nanos();
+        self.last_exit
+            .store(ns.min(u128::from(NEVER - 1)) as u64, Ordering::Release);
+    }
+
+    /// When the last host drive ended (None: there never was one).
+    pub(super) fn last_drive_end(&self) -> Option<Instant> {
         match self.last_exit.load(Ordering::Acquire) {
             NEVER => None,
-            ns => Some(
-                self.epoch
-                    .elapsed()
-                    .saturating_sub(Duration::from_nanos(ns)),
-            ),
+            ns => Some(self.epoch + Duration::from_nanos(ns)),
         }
     }
 }

@@ -19,7 +19,7 @@ pub mod rx;
 pub mod shell;
 pub mod tx;
 
-pub use driven::GRACE as DRIVE_GRACE;
+pub use crate::drive::rules::GRACE as DRIVE_GRACE;
 
 /// The completion status for a failed socket (or socket-like) operation.
 pub fn status_of(e: &std::io::Error) -> crate::wr::WcStatus {

@@ -24,6 +24,7 @@ use parking_lot::Mutex;
 use super::handover::Handover;
 use crate::backend::Command;
 use crate::drive::QueueDriver;
+use crate::drive::rules::{Ended, RunEnd};
 use crate::error::{Error, Result};
 use crate::poll_window::PollWindow;
 use crate::shared::QpShared;
@@ -36,12 +37,12 @@ pub trait Processor {
     /// Doorbell: `qp` has new WRs. Clear its doorbell flag before reading its rings, so a WR
     /// posted after that rings again.
     fn doorbell(&mut self, qp: QpNum);
-    /// Moves whatever the physical layer has ready, without blocking; true if anything moved.
-    fn step(&mut self) -> bool;
+    /// Moves whatever the physical layer has ready, without blocking.
+    fn step(&mut self) -> Progress;
     /// Blocks until the physical layer has something, the waker rings or `timeout` passes
-    /// (None: no limit); true if it already handled work (the shell then counts the turn as
-    /// busy).
-    fn sleep(&mut self, timeout: Option<Duration>) -> bool;
+    /// (None: no limit); [`Progress::Worked`] if it already handled work (the shell then
+    /// counts the turn as busy).
+    fn sleep(&mut self, timeout: Option<Duration>) -> Progress;
     /// The NIC stops (the last commands have run): last frames out, connections down.
     fn stop(&mut self);
     /// Posted sends still wait for the wire (a socket that would block): a host thread that
@@ -56,6 +57,21 @@ pub trait Processor {
     /// [`Self::sleep`], holding it.
     fn watch_fd(&self) -> Option<std::os::fd::RawFd> {
         None
+    }
+}
+
+/// What a turn of the physical layer ([`Processor::step`], [`Processor::sleep`]) did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// Something moved: data, a connection, a timer.
+    Worked,
+    /// Nothing did.
+    Idle,
+}
+
+impl Progress {
+    fn worked(self) -> bool {
+        self == Progress::Worked
     }
 }
 
@@ -207,7 +223,9 @@ impl NicThread {
     /// Queues a management command and wakes the thread (or the host thread driving it).
     pub fn manage(&self, cmd: Command) {
         self.shared.commands.push(cmd);
-        if self.shared.dead.load(Ordering::SeqCst) {
+        // Pairs with DeadGuard's: either the ending thread drops this command, or we do.
+        fence(Ordering::SeqCst);
+        if self.shared.dead.load(Ordering::Relaxed) {
             self.shared.drop_commands();
             return;
         }
@@ -293,7 +311,9 @@ struct DeadGuard(Arc<Shared>);
 
 impl Drop for DeadGuard {
     fn drop(&mut self) {
-        self.0.dead.store(true, Ordering::SeqCst);
+        self.0.dead.store(true, Ordering::Release);
+        // Pairs with manage's: either it sees `dead` and drops its command, or we drop it.
+        fence(Ordering::SeqCst);
         self.0.drop_commands();
         if std::thread::panicking() {
             tracing::error!("the NIC thread panicked; the NIC is gone");
@@ -361,24 +381,24 @@ impl Turns {
 /// Runs the processor's turns — commands, then doorbells, then a look at the physical layer
 /// — until `done()` (looked at after the work of each turn and before sleeping) or
 /// `deadline`; polls for the learned window after the last work, then sleeps in the
-/// processor. True if `done()`, false at the deadline.
+/// processor.
 pub(super) fn drive<P: Processor>(
     shared: &Shared,
     nic: &mut P,
     turns: &mut Turns,
     done: &mut dyn FnMut() -> bool,
     deadline: Option<Instant>,
-) -> bool {
+) -> Ended {
     loop {
         let mut worked = run_commands(shared, nic);
         worked |= run_doorbells(shared, nic);
         if done() {
-            return true;
+            return Ended::Done;
         }
         // A thread that never polls sleeps at once: its sleep returns what is ready
         // without a separate look first (one system call fewer per wait).
         if turns.window.max() > Duration::ZERO {
-            worked |= nic.step();
+            worked |= nic.step().worked();
         }
         if worked {
             turns.worked(turns.slept);
@@ -398,7 +418,7 @@ pub(super) fn drive<P: Processor>(
         let timeout = match deadline {
             Some(d) => match d.checked_duration_since(Instant::now()) {
                 Some(left) if !left.is_zero() => Some(left),
-                _ => return false,
+                _ => return Ended::Deadline,
             },
             None => None,
         };
@@ -410,31 +430,31 @@ pub(super) fn drive<P: Processor>(
             shared.sleeping.store(false, Ordering::Relaxed);
             continue;
         }
-        let worked = nic.sleep(timeout);
+        let progress = nic.sleep(timeout);
         shared.sleeping.store(false, Ordering::Relaxed);
         turns.slept = true;
-        if worked {
+        if progress.worked() {
             turns.worked(true);
         }
     }
 }
 
-/// Runs the processor's turns, never sleeping, until a turn finds nothing to do (true) or
-/// `let_go()` (false).
+/// Runs the processor's turns, never sleeping, until a turn finds nothing to do or
+/// `let_go()`.
 pub(super) fn run_until_idle<P: Processor>(
     shared: &Shared,
     nic: &mut P,
     let_go: &mut dyn FnMut() -> bool,
-) -> bool {
+) -> RunEnd {
     loop {
         let mut worked = run_commands(shared, nic);
         worked |= run_doorbells(shared, nic);
-        worked |= nic.step();
+        worked |= nic.step().worked();
         if let_go() {
-            return false;
+            return RunEnd::LetGo;
         }
         if !worked {
-            return true;
+            return RunEnd::Idle;
         }
     }
 }
