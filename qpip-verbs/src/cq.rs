@@ -1,7 +1,7 @@
 //! Completion queues: where the NIC reports every finished work request.
 
 use std::sync::Arc;
-use std::sync::atomic::{Ordering, fence};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::drive::{Driven, QueueDriver, Waiting};
@@ -96,7 +96,7 @@ impl CompletionQueue {
     /// itself and will wake only through the NIC's notify. For diagnostics, and for tests that
     /// need a waiter asleep before its completion comes instead of sleeping "long enough".
     pub fn sleepers(&self) -> usize {
-        self.shared.sleepers.load(Ordering::Relaxed) as usize
+        self.shared.sleepers.get() as usize
     }
 
     /// Waiters running this CQ's NIC queue themselves now (run to completion,
@@ -225,18 +225,16 @@ impl CompletionQueue {
                 }
                 None => None,
             };
-            // Count ourselves before the last look: pairs with the fence in notify and wake
-            // (a SeqCst count alone would not order the ring's loads after it).
-            shared.sleepers.fetch_add(1, Ordering::Relaxed);
-            fence(Ordering::SeqCst);
+            // Count ourselves before the last look: pairs with notify's and wake's `posted`.
+            shared.sleepers.enter();
             let seq = shared.seq.load(Ordering::Relaxed);
             let n = self.poll(out);
             if !matches!(n, Ok(0)) || shared.take_wake() {
-                shared.sleepers.fetch_sub(1, Ordering::Relaxed);
+                shared.sleepers.leave();
                 return n;
             }
             crate::futex::wait(&shared.seq, seq, left);
-            shared.sleepers.fetch_sub(1, Ordering::Relaxed);
+            shared.sleepers.leave();
             let n = self.poll(out)?;
             if n > 0 || shared.take_wake() {
                 return Ok(n);

@@ -39,7 +39,10 @@
 //! **Wake table**: every place a thread sleeps on a driven queue, who wakes it, and how a
 //! wake-up cannot be lost. "Dekker" means the store-buffering pair: each side stores its own
 //! flag, issues `fence(SeqCst)`, then loads the other's (the flags themselves `Relaxed`), so
-//! at least one side sees the other.
+//! at least one side sees the other: the sleeper's side is `sync::SleepFlag::raise` (or
+//! `SleepCount::enter`), the poster's `sync::posted`, and loom models check the pairs
+//! (`RUSTFLAGS="--cfg qpip_loom" cargo test -p qpip-verbs --release --lib loom`, in
+//! scripts/test).
 //!
 //! | sleeper, where | woken by | flag | fence pair |
 //! |---|---|---|---|
@@ -59,6 +62,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 pub(crate) mod rules;
+pub(crate) mod sync;
 
 /// How a drive ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

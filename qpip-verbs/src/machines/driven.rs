@@ -7,7 +7,7 @@
 //! fences the wake table of [`crate::drive`] names.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering, fence};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -19,6 +19,7 @@ use crate::drive::rules::{
     self, Approach, Arrival, Call, Departure, Ended, Holding, IfHeld, Park, ParkLook, Parking,
     Rest, Run, RunEnd, Watch, WatchLook, Watched, Woken,
 };
+use crate::drive::sync::posted;
 use crate::drive::{Driven, QueueDriver, Waiting};
 use crate::error::Result;
 
@@ -132,10 +133,9 @@ impl<P: Processor + Send> DrivenQueue<P> {
     /// (or stop); [`Watched::Park`] when a host thread has taken it.
     fn watch(&self, fd: std::os::fd::RawFd) -> Watched {
         let (shared, h) = (&*self.shared, &self.shared.handover);
-        h.watching.store(true, Ordering::Relaxed);
-        // Pairs with the fences of ring_doorbell and of a drive's end: either they see
-        // `watching` and ring the waker, or this sees their work.
-        fence(Ordering::SeqCst);
+        // Pairs with ring_doorbell's and a drive's end's `posted`: either they see `watching`
+        // and ring the waker, or this sees their work.
+        h.watching.raise();
         let look = WatchLook {
             stop: shared.stop.load(Ordering::Acquire),
             work: shared.has_work(),
@@ -151,7 +151,7 @@ impl<P: Processor + Send> DrivenQueue<P> {
             // SAFETY: one valid pollfd; the descriptor is the processor's and outlives it.
             unsafe { libc::poll(&mut pfd, 1, -1) };
         }
-        h.watching.store(false, Ordering::Relaxed);
+        h.watching.lower();
         let mut waited = false;
         loop {
             let seq = h.park.load(Ordering::SeqCst);
@@ -196,14 +196,13 @@ impl<P: Processor + Send> DrivenQueue<P> {
                 Park::Drive => return Go::Drive,
                 Park::Sleep(t) => crate::futex::wait(&h.park, seq, Some(t)),
                 Park::UntilDriveEnds { drives } => {
-                    h.parked_untimed.store(true, Ordering::Relaxed);
                     // Pairs with a drive's end: either it sees `parked_untimed` and kicks,
                     // or this sees the processor let go (or another drive begun).
-                    fence(Ordering::SeqCst);
+                    h.parked_untimed.raise();
                     if self.engine.is_locked() && h.drives.load(Ordering::Acquire) == drives {
                         crate::futex::wait(&h.park, seq, None);
                     }
-                    h.parked_untimed.store(false, Ordering::Relaxed);
+                    h.parked_untimed.lower();
                 }
             }
         }
@@ -274,15 +273,15 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
             h.resume.store(true, Ordering::Release);
         }
         h.drive_ended(Instant::now());
-        // Pairs with the fences of the parked NIC thread (`parked_untimed`) and the watching
-        // one (`watching`): either it sees what this drive left, or this sees it asleep.
-        fence(Ordering::SeqCst);
+        // Pairs with the parked NIC thread's `parked_untimed` and the watching one's
+        // `watching`: either it sees what this drive left, or this sees it asleep.
+        posted();
         let call = rules::leave(Departure {
             sending,
             waiters: h.waiters.load(Ordering::SeqCst),
             work: shared.has_work(),
-            parked_untimed: h.parked_untimed.load(Ordering::Relaxed),
-            watching: h.watching.load(Ordering::Relaxed),
+            parked_untimed: h.parked_untimed.raised(),
+            watching: h.watching.raised(),
         });
         match call {
             Call::Nobody => {}

@@ -6,6 +6,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::drive::sync::SleepFlag;
+
 const NEVER: u64 = u64::MAX;
 
 /// What host drivers and the NIC thread share to hand the processor over.
@@ -19,10 +21,10 @@ pub(crate) struct Handover {
     /// The futex word the parked NIC thread sleeps on.
     pub(super) park: AtomicU32,
     /// The NIC thread sleeps without a timer behind a long drive: its end must wake it.
-    pub(super) parked_untimed: AtomicBool,
+    pub(super) parked_untimed: SleepFlag,
     /// The NIC thread watches the physical layer without holding the processor
     /// ([`super::shell::Processor::watch_fd`]): the waker, not the futex, reaches it.
-    pub(super) watching: AtomicBool,
+    pub(super) watching: SleepFlag,
     /// Host drives begun (tells a busy queue from one long drive).
     pub(super) drives: AtomicU64,
     /// When the last host drive ended (ns since `epoch`; [`NEVER`] before the first).
@@ -44,8 +46,8 @@ impl Default for Handover {
             wanted: AtomicBool::new(false),
             resume: AtomicBool::new(false),
             park: AtomicU32::new(0),
-            parked_untimed: AtomicBool::new(false),
-            watching: AtomicBool::new(false),
+            parked_untimed: SleepFlag::new(),
+            watching: SleepFlag::new(),
             drives: AtomicU64::new(0),
             last_exit: AtomicU64::new(NEVER),
             driven_cpu_ns: AtomicU64::new(0),

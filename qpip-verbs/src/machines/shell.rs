@@ -25,6 +25,7 @@ use super::handover::Handover;
 use crate::backend::Command;
 use crate::drive::QueueDriver;
 use crate::drive::rules::{Ended, RunEnd};
+use crate::drive::sync::{SleepFlag, posted};
 use crate::error::{Error, Result};
 use crate::poll_window::PollWindow;
 use crate::shared::QpShared;
@@ -127,7 +128,7 @@ pub(super) struct Shared {
     doorbells: Doorbells,
     /// Whoever runs the processor (the NIC thread or a driving host thread) blocks in its
     /// `sleep`: a doorbell must ring the waker.
-    sleeping: AtomicBool,
+    sleeping: SleepFlag,
     pub(super) stop: AtomicBool,
     waker: mio::Waker,
     tid: AtomicI32,
@@ -249,11 +250,9 @@ impl NicThread {
             self.shared.wake();
             std::thread::yield_now();
         }
-        // Pairs with the NIC's fence between announcing sleep and re-checking the FIFO.
-        fence(Ordering::SeqCst);
-        if self.shared.sleeping.load(Ordering::Relaxed)
-            || self.shared.handover.watching.load(Ordering::Relaxed)
-        {
+        // Pairs with the sleeper's raised flag: either we see it, or it sees the doorbell.
+        posted();
+        if self.shared.sleeping.raised() || self.shared.handover.watching.raised() {
             self.shared.wake();
         }
     }
@@ -297,7 +296,7 @@ impl Shared {
         Arc::new(Shared {
             commands: SegQueue::new(),
             doorbells,
-            sleeping: AtomicBool::new(false),
+            sleeping: SleepFlag::new(),
             stop: AtomicBool::new(false),
             waker,
             tid: AtomicI32::new(0),
@@ -422,16 +421,15 @@ pub(super) fn drive<P: Processor>(
             },
             None => None,
         };
-        shared.sleeping.store(true, Ordering::Relaxed);
-        // Pairs with the fence in ring_doorbell: either the host sees `sleeping` and wakes
-        // us, or we see its doorbell here.
-        fence(Ordering::SeqCst);
+        // Pairs with ring_doorbell's `posted`: either the host sees `sleeping` and wakes us,
+        // or we see its doorbell here.
+        shared.sleeping.raise();
         if shared.has_work() || done() {
-            shared.sleeping.store(false, Ordering::Relaxed);
+            shared.sleeping.lower();
             continue;
         }
         let progress = nic.sleep(timeout);
-        shared.sleeping.store(false, Ordering::Relaxed);
+        shared.sleeping.lower();
         turns.slept = true;
         if progress.worked() {
             turns.worked(true);
