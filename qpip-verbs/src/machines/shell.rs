@@ -21,9 +21,9 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::{ArrayQueue, SegQueue};
 use parking_lot::Mutex;
 
-use super::handover::Handover;
 use crate::backend::Command;
 use crate::drive::QueueDriver;
+use crate::drive::handover::Handover;
 use crate::drive::rules::{Ended, RunEnd};
 use crate::drive::sync::{SleepFlag, posted};
 use crate::error::{Error, Result};
@@ -123,23 +123,23 @@ impl Doorbells {
 }
 
 /// What the host threads and the NIC thread share.
-pub(super) struct Shared {
+pub(crate) struct Shared {
     commands: SegQueue<Command>,
     doorbells: Doorbells,
     /// Whoever runs the processor (the NIC thread or a driving host thread) blocks in its
     /// `sleep`: a doorbell must ring the waker.
     sleeping: SleepFlag,
-    pub(super) stop: AtomicBool,
+    pub(crate) stop: AtomicBool,
     waker: mio::Waker,
     tid: AtomicI32,
     /// The NIC thread has ended (stopped or panicked): commands get no reply.
-    pub(super) dead: AtomicBool,
+    pub(crate) dead: AtomicBool,
     /// Run to completion's hand-over between host drivers and the NIC thread.
-    pub(super) handover: Handover,
+    pub(crate) handover: Handover,
 }
 
 impl Shared {
-    pub(super) fn wake(&self) {
+    pub(crate) fn wake(&self) {
         if let Err(e) = self.waker.wake() {
             tracing::error!("cannot wake the NIC thread: {e}");
         }
@@ -151,7 +151,7 @@ impl Shared {
         while self.commands.pop().is_some() {}
     }
 
-    pub(super) fn has_work(&self) -> bool {
+    pub(crate) fn has_work(&self) -> bool {
         !self.doorbells.is_empty() || !self.commands.is_empty()
     }
 }
@@ -185,7 +185,7 @@ impl NicThread {
     }
 
     /// Starts the thread that runs `body` and waits until it says it runs.
-    pub(super) fn start(
+    pub(crate) fn start(
         cfg: ShellConfig,
         shared: Arc<Shared>,
         body: impl FnOnce(&Arc<Shared>, Started) + Send + 'static,
@@ -288,7 +288,7 @@ impl NicThread {
 type Started = std::sync::mpsc::Sender<Option<Arc<dyn QueueDriver>>>;
 
 impl Shared {
-    pub(super) fn new(cfg: &ShellConfig, waker: mio::Waker) -> Arc<Shared> {
+    pub(crate) fn new(cfg: &ShellConfig, waker: mio::Waker) -> Arc<Shared> {
         let doorbells = match cfg.doorbell_fifo {
             Some(n) => Doorbells::Bounded(ArrayQueue::new(n.max(1))),
             None => Doorbells::Unbounded(SegQueue::new()),
@@ -337,7 +337,7 @@ fn run<P: Processor>(shared: &Shared, spin: Duration, mut nic: P) {
 
 /// What a thread running the processor learns across its turns: the poll window and when
 /// work last came.
-pub(super) struct Turns {
+pub(crate) struct Turns {
     window: PollWindow,
     last_work: Instant,
     slept: bool,
@@ -347,7 +347,7 @@ pub(super) struct Turns {
 
 impl Turns {
     /// `spin`: the longest poll window (zero: sleep as soon as a turn finds nothing).
-    pub(super) fn new(spin: Duration) -> Self {
+    pub(crate) fn new(spin: Duration) -> Self {
         Turns {
             window: PollWindow::new(spin),
             last_work: Instant::now(),
@@ -357,7 +357,7 @@ impl Turns {
     }
 
     /// The turns of application threads driving a queue.
-    pub(super) fn host() -> Self {
+    pub(crate) fn host() -> Self {
         Turns {
             host: true,
             ..Turns::new(Duration::ZERO)
@@ -365,7 +365,7 @@ impl Turns {
     }
 
     /// Changes the longest poll window (a host thread's wait brings its own).
-    pub(super) fn set_max(&mut self, spin: Duration) {
+    pub(crate) fn set_max(&mut self, spin: Duration) {
         self.window.set_max(spin);
     }
 
@@ -381,7 +381,7 @@ impl Turns {
 /// — until `done()` (looked at after the work of each turn and before sleeping) or
 /// `deadline`; polls for the learned window after the last work, then sleeps in the
 /// processor.
-pub(super) fn drive<P: Processor>(
+pub(crate) fn drive<P: Processor>(
     shared: &Shared,
     nic: &mut P,
     turns: &mut Turns,
@@ -439,7 +439,7 @@ pub(super) fn drive<P: Processor>(
 
 /// Runs the processor's turns, never sleeping, until a turn finds nothing to do or
 /// `let_go()`.
-pub(super) fn run_until_idle<P: Processor>(
+pub(crate) fn run_until_idle<P: Processor>(
     shared: &Shared,
     nic: &mut P,
     let_go: &mut dyn FnMut() -> bool,
@@ -457,7 +457,7 @@ pub(super) fn run_until_idle<P: Processor>(
     }
 }
 
-pub(super) fn run_commands(shared: &Shared, nic: &mut impl Processor) -> bool {
+pub(crate) fn run_commands(shared: &Shared, nic: &mut impl Processor) -> bool {
     let mut worked = false;
     while let Some(cmd) = shared.commands.pop() {
         worked = true;

@@ -12,9 +12,6 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::shell::{
-    NicThread, Processor, Shared, ShellConfig, Turns, drive, run_commands, run_until_idle,
-};
 use crate::drive::rules::{
     self, Approach, Arrival, Call, Departure, Ended, Holding, IfHeld, Park, ParkLook, Parking,
     Rest, Run, RunEnd, Watch, WatchLook, Watched, Woken,
@@ -22,6 +19,9 @@ use crate::drive::rules::{
 use crate::drive::sync::posted;
 use crate::drive::{Driven, QueueDriver, Waiting};
 use crate::error::Result;
+use crate::machines::shell::{
+    NicThread, Processor, Shared, ShellConfig, Turns, drive, run_commands, run_until_idle,
+};
 
 impl NicThread {
     /// [`Self::spawn`] for a processor that host threads may run too: a thread waiting on a

@@ -53,14 +53,23 @@
 //! | NIC thread in the doorbell wait, futex `Handover::park`, at most `rules::DOORBELL_WAIT` | `Handover::kick`, or its timeout | none: bounded | none needed |
 //! | waiter asking for the processor, blocked on the engine lock | the holder's unlock (the NIC thread's is fair: straight to the asker) | `Handover::wanted` | `wanted` (Release) then the waker, always; the NIC thread reads it (Acquire) after each turn and before each sleep |
 //! | async CQ waiter (`wait_async`, `CqShared::event`) | `notify`, `wake` | the listener | event-listener's: listen, then poll again / `Event::notify` fences before it looks for listeners. Async waiters never drive: on a driven queue their completions come from the NIC thread, at most a grace after the last drive |
-//! | command reply (`ReplyReceiver::wait`) | `ReplySender::send`, or its drop | the slot's state, under its mutex | the slot's mutex, then event-listener's as above; the command itself reaches the engine through `manage` (waker and kick, always) |
+//! | command reply (`ReplyReceiver::wait_until`) | `ReplySender::send`, or its drop | the slot's state, under its mutex | the slot's mutex, then event-listener's as above; the command itself reaches the engine through `manage` (waker and kick, always) |
 //!
 //! A full bounded doorbell FIFO is not a sleep: the poster rings the waker and yields until
 //! the engine makes room.
+//!
+//! **The files.** This one: the contract, and the [`QueueDriver`] a CQ wait drives through;
+//! `rules`: the hand-over decisions, pure; `driven`: the driven queue (the processor behind
+//! its engine lock, the NIC thread's loop, a host thread's drive) translating the shared
+//! flags to the rules and back; `handover`: the flags host drivers and the NIC thread share;
+//! `sync`: the sleepers' side of the fence pairs, and their loom models. The NIC thread's
+//! shell (command queue, doorbell FIFO, turns) is [`crate::machines::shell`].
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+mod driven;
+pub(crate) mod handover;
 pub(crate) mod rules;
 pub(crate) mod sync;
 
