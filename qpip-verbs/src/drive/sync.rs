@@ -142,4 +142,28 @@ mod loom_models {
             assert!(polled || woken, "the waiter slept through its completion");
         });
     }
+
+    /// A `CqWaker` against a waiter that drives its queue (`CqShared::wake` against
+    /// `QueueDriver::drive`): the driver's count in `driving` has no fence of its own; the
+    /// fence of the sleep it announces before it sleeps in the processor orders it.
+    #[test]
+    fn loom_cq_wake_reaches_a_driver_about_to_sleep() {
+        loom::model(|| {
+            let driving = Arc::new(AtomicU32::new(0));
+            let woken = Arc::new(AtomicBool::new(false));
+            let waker = {
+                let (driving, woken) = (driving.clone(), woken.clone());
+                loom::thread::spawn(move || {
+                    woken.store(true, Ordering::Release);
+                    posted();
+                    driving.load(Ordering::Relaxed) > 0 // interrupts the driver
+                })
+            };
+            driving.fetch_add(1, Ordering::Relaxed);
+            SleepFlag::new().raise(); // `Shared::sleeping`, before the last look
+            let news = woken.load(Ordering::Acquire);
+            let interrupted = waker.join().unwrap();
+            assert!(news || interrupted, "the driver slept through a wake");
+        });
+    }
 }
