@@ -53,6 +53,10 @@ enum Cmd {
         /// Smaller counts (seconds instead of minutes), for smoke tests.
         #[arg(long)]
         quick: bool,
+        /// Fail if the process holds more descriptors or threads after the run than before
+        /// it: every NIC the benchmarks opened must have given back what it took (tests).
+        #[arg(long, hide = true)]
+        check_leaks: bool,
     },
     /// The paper's experiments on the emulated LANai 9 and Myrinet, predicted in virtual
     /// time from the model's inputs: 1-byte RTT over UDP and TCP (hardware and firmware
@@ -324,6 +328,7 @@ fn run(cli: Cli) -> Result<()> {
             json,
             repeat,
             quick,
+            check_leaks,
         } => {
             let sizes = if quick {
                 micro::MicroSizes::quick()
@@ -331,7 +336,12 @@ fn run(cli: Cli) -> Result<()> {
                 micro::MicroSizes::full()
             };
             let progress = |s: &str| eprintln!("qpip-bench micro: {s}");
-            let report = micro::run(repeat, sizes, &progress)?;
+            let run = || micro::run(repeat, sizes, &progress);
+            let report = if check_leaks {
+                micro::without_leaks(run)?
+            } else {
+                run()?
+            };
             emit(json, &report, micro::table(&report), false)?;
         }
         Cmd::Lanai {

@@ -688,6 +688,56 @@ pub(crate) fn run(
     })
 }
 
+/// What the process holds: open descriptors and threads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Held {
+    descriptors: usize,
+    threads: usize,
+}
+
+impl Held {
+    fn now() -> Result<Held> {
+        let count = |dir: &str| -> Result<usize> {
+            Ok(std::fs::read_dir(dir)
+                .with_context(|| format!("reading {dir}"))?
+                .count())
+        };
+        Ok(Held {
+            descriptors: count("/proc/self/fd")?,
+            threads: count("/proc/self/task")?,
+        })
+    }
+
+    fn within(self, before: Held) -> bool {
+        self.descriptors <= before.descriptors && self.threads <= before.threads
+    }
+}
+
+/// Runs `f` and fails if the process then holds more descriptors or threads than before:
+/// every NIC it opened must have given back all it took.
+pub(crate) fn without_leaks<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let before = Held::now()?;
+    let out = f()?;
+    // The kernel lists an exited thread until it has reaped it, which may come a moment
+    // after its join returned.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut after = Held::now()?;
+    while !after.within(before) && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(1));
+        after = Held::now()?;
+    }
+    if !after.within(before) {
+        bail!(
+            "the run leaked: {} descriptors and {} threads after it, {} and {} before",
+            after.descriptors,
+            after.threads,
+            before.descriptors,
+            before.threads
+        );
+    }
+    Ok(out)
+}
+
 /// The report as a terminal table.
 pub(crate) fn table(r: &MicroReport) -> String {
     let row = |name: &str, unit: &str, p: Pair, better_low: bool| {

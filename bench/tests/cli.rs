@@ -31,6 +31,28 @@ fn logging_options_are_the_shared_ones_and_a_bad_rust_log_is_refused() {
     assert!(err.starts_with("qpip-bench: RUST_LOG"), "{err}");
 }
 
+/// `micro` opens and drops a NIC per measure: at its end the process holds no more
+/// descriptors and threads than before the first (`--check-leaks` makes it fail otherwise).
+#[test]
+fn micro_gives_back_every_descriptor_and_thread() {
+    let out = Command::new(env!("CARGO_BIN_EXE_qpip-bench"))
+        .args([
+            "micro",
+            "--quick",
+            "--repeat",
+            "1",
+            "--json",
+            "--check-leaks",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// `micro --json` reports round trips on an idle machine and with every CPU loaded, for QPs
 /// and sockets alike.
 #[test]

@@ -28,8 +28,9 @@ impl Default for NicChoice {
     }
 }
 
-/// A handle on a NIC. Clones share it; the NIC stops when the last handle, QP and listener
-/// are gone.
+/// A handle on a NIC. Clones share it, and so does every QP and listener: the NIC goes away
+/// (its threads joined, every descriptor it opened closed) when the last handle, QP and
+/// listener are gone; see `qpip_verbs::Nic`.
 #[derive(Clone, Debug)]
 pub struct Nic(qpip_verbs::Nic);
 

@@ -7,8 +7,8 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use mio::net::TcpListener;
@@ -65,9 +65,9 @@ pub(super) struct Engine {
     listeners: HashMap<ListenerId, EngineListener>,
     ring: Option<Ring>,
     /// This engine's queue, and the NIC's queues (where connections for QPs of other queues
-    /// are handed).
+    /// are handed). Weak: the queues own the engines ([`super::queues`]).
     queue: usize,
-    queues: Arc<Queues>,
+    queues: Weak<Queues>,
 }
 
 impl Engine {
@@ -78,7 +78,7 @@ impl Engine {
         memory: Arc<MemoryTable>,
         ring: Option<Ring>,
         queue: usize,
-        queues: Arc<Queues>,
+        queues: Weak<Queues>,
     ) -> Self {
         Engine {
             poll,
@@ -139,7 +139,9 @@ impl Engine {
             return Progress::Idle;
         };
         let mut completions = std::mem::take(&mut self.completions);
-        for q in self.qps.values_mut() {
+        // A destroyed QP's operations queued before its teardown go too: their completions
+        // end the teardown.
+        for q in self.qps.values_mut().chain(self.zombies.values_mut()) {
             if let Some(io) = q.uring.as_mut() {
                 for e in io.outbox.drain(..) {
                     if let Err(err) = ring.push(&e) {
@@ -261,16 +263,20 @@ impl Engine {
                     reply.send(Err(not_idle(qp_num, "reliable")));
                 }
                 // The QP lives on another queue: the connection goes there, behind the QP's
-                // creation.
-                None => match self.queues.queue_of(qp_num) {
-                    Some(q) if q != self.queue => {
+                // creation. (No queues: the NIC is going away.)
+                None => match self
+                    .queues
+                    .upgrade()
+                    .and_then(|all| Some((all.queue_of(qp_num)?, all)))
+                {
+                    Some((q, all)) if q != self.queue => {
                         let work = Accepted {
                             qp: qp_num,
                             stream,
                             peer,
                             reply,
                         };
-                        self.queues.send(q, Command::Private(Box::new(work)));
+                        all.send(q, Command::Private(Box::new(work)));
                     }
                     _ => {
                         l.pending.push_front((stream, peer));
@@ -333,6 +339,17 @@ impl Processor for Engine {
         let registry = self.poll.registry();
         for qp in self.qps.values_mut() {
             qp.disconnect(registry);
+        }
+        // Through io_uring a QP's teardown waits for its operations, which shutting its
+        // socket down ends at once: reap them, so that the WRs they held are flushed into
+        // their CQs (which may outlive the NIC) before the engine and its ring go.
+        while self
+            .zombies
+            .values()
+            .chain(self.qps.values())
+            .any(|q| q.io_in_flight())
+        {
+            self.turn(Turn::Sleep(None));
         }
     }
 }

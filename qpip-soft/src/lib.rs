@@ -142,7 +142,7 @@ impl SoftBackend {
                 grace: cfg.grace,
             };
             let engine_uring = uring.clone();
-            let (memory, engine_queues, io) = (memory.clone(), queues.clone(), cfg.io);
+            let (memory, engine_queues, io) = (memory.clone(), Arc::downgrade(&queues), cfg.io);
             let io = if cfg.run_to_completion {
                 IoMode::Epoll
             } else {

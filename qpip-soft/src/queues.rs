@@ -6,6 +6,12 @@
 //! QP of another queue is handed to that queue ([`Accepted`]), behind the commands already
 //! sent there (the QP's creation among them). A QP whose CQs already serve QPs of a queue
 //! joins that queue, so that a thread waiting on its CQ can drive one queue for all of them.
+//!
+//! Ownership: the backend owns the `Queues`, which own each queue's [`NicThread`] and through
+//! it the queue's engine; an engine reaches the other queues through a `Weak`, so nothing
+//! owns its owner. The backend goes when the verbs' last handle on the NIC does (the last
+//! `Nic`, QP or listener): [`Queues::shutdown`] stops and joins every engine thread, then
+//! dropping the queues drops the engines, closing their sockets, epolls and eventfds.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -83,7 +89,7 @@ impl Queues {
             qp.cqs().iter().any(|cq| {
                 cq.driver()
                     .zip(t.driver())
-                    .is_some_and(|(a, b)| Arc::ptr_eq(a, b))
+                    .is_some_and(|(a, b)| Arc::ptr_eq(&a, b))
             })
         };
         let q = threads.iter().position(driven_on).unwrap_or_else(|| {

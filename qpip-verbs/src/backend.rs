@@ -174,7 +174,9 @@ pub trait NicBackend: Send + Sync + 'static {
     fn driven_cpu(&self) -> std::time::Duration {
         std::time::Duration::ZERO
     }
-    /// Stops the NIC; called when the last handle is gone.
+    /// Stops the NIC; called when the last handle is gone. Its threads have ended when it
+    /// returns, and dropping the backend then closes every descriptor it opened: nothing the
+    /// backend owns may own the backend back.
     fn shutdown(&self);
 }
 

@@ -16,8 +16,12 @@ use crate::qp::{QpAttr, QueuePair};
 use crate::reply::{ReplyReceiver, reply_channel};
 use crate::shared::QpKind;
 
-/// A handle on a NIC. Clones share it; the NIC stops when the last handle, QP and listener
-/// are gone.
+/// A handle on a NIC. Clones share it, and so does every QP and listener: the NIC goes away
+/// when the last handle, QP and listener are gone. That drop stops and joins the NIC's threads
+/// and closes every descriptor the NIC opened (the sockets of its QPs and listeners among
+/// them) before it returns, unless another thread is inside a CQ wait on one of its queues,
+/// which lets go when its wait returns. CQs and memory regions do not keep the NIC: a CQ that
+/// outlives it holds the completions of the WRs flushed as its QPs were destroyed.
 #[derive(Clone)]
 pub struct Nic {
     inner: Arc<NicHandle>,

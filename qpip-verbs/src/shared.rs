@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use crossbeam_queue::ArrayQueue;
@@ -88,7 +88,9 @@ pub struct CqShared {
     /// completions.
     pub(crate) woken: AtomicBool,
     /// The NIC queue a waiter drives ([`crate::drive`]); unset when the backend has none.
-    driver: OnceLock<Arc<dyn QueueDriver>>,
+    /// Weak: the NIC owns its queues, and a CQ, which may outlive the NIC, must not keep a
+    /// queue's engine (its sockets and epoll) or the QPs in it alive.
+    driver: OnceLock<Weak<dyn QueueDriver>>,
     /// QPs of more than one queue complete here: waiters sleep instead of driving.
     mixed: AtomicBool,
     /// Waiters of this CQ driving its queue now, counted by the driver while it holds the
@@ -118,18 +120,18 @@ impl CqShared {
     /// is placed), so that waiters drive it. A CQ that QPs of two queues complete into is
     /// driven by nobody: its waiters sleep until a NIC thread wakes them.
     pub fn bind_driver(&self, driver: &Arc<dyn QueueDriver>) {
-        let bound = self.driver.get_or_init(|| driver.clone());
-        if !Arc::ptr_eq(bound, driver) {
+        let bound = self.driver.get_or_init(|| Arc::downgrade(driver));
+        if !std::ptr::addr_eq(bound.as_ptr(), Arc::as_ptr(driver)) {
             self.mixed.store(true, Ordering::Release);
         }
     }
 
-    /// The queue this CQ's waiters drive, if exactly one.
-    pub fn driver(&self) -> Option<&Arc<dyn QueueDriver>> {
+    /// The queue this CQ's waiters drive, if exactly one and its NIC is still there.
+    pub fn driver(&self) -> Option<Arc<dyn QueueDriver>> {
         if self.mixed.load(Ordering::Acquire) {
             return None;
         }
-        self.driver.get()
+        self.driver.get()?.upgrade()
     }
 
     /// What a driving waiter waits for: a completion, a wake or an overflow.
@@ -160,7 +162,7 @@ impl CqShared {
             crate::futex::wake_all(&self.seq);
         }
         if self.driving.load(Ordering::Relaxed) > 0
-            && let Some(d) = self.driver.get()
+            && let Some(d) = self.driver.get().and_then(Weak::upgrade)
         {
             d.interrupt();
         }

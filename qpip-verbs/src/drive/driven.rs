@@ -2,6 +2,17 @@
 //! host thread waiting on one of the queue's CQs takes to run the queue's turns itself, and
 //! the NIC thread that runs them only while no host thread does.
 //!
+//! Who owns the queue's engine (the [`DrivenQueue`] and its processor, with the processor's
+//! sockets and epoll): its [`NicThread`], whose owner is the backend (one owner, no cycle).
+//! Besides it, only for a while: the NIC thread until it ends, and a host thread inside a CQ
+//! wait. Everything else refers to it weakly: a CQ bound to it
+//! ([`crate::shared::CqShared::bind_driver`]), since a CQ may outlive the NIC; and the
+//! processor itself must hold nothing that owns its `NicThread` (the soft NIC's engines reach
+//! their sibling queues through a `Weak`). So when the NIC goes, [`NicThread::shutdown`]
+//! ends the thread (its last commands run, then [`Processor::stop`]) and dropping the
+//! `NicThread` drops the processor, closing every descriptor it holds (a thread still in a CQ
+//! wait drops it when its wait returns; the stopped queue no longer drives it).
+//!
 //! The hand-over decisions are [`crate::drive::rules`]'s; this file only reads the shared
 //! flags ([`super::handover`]) into the rules' looks and carries out their actions, with the
 //! fences the wake table of [`crate::drive`] names.

@@ -11,11 +11,14 @@
 //!
 //! # The contract
 //!
-//! **Ownership.** A driven queue's processor (its engine: sockets, QPs, listeners) sits behind
-//! one lock, the queue's *engine lock* (`machines::driven::DrivenQueue::engine`); whoever
-//! holds it owns the engine, and at every moment that is exactly one of: nobody (the NIC
-//! thread parked or watching, every waiter asleep), one host thread in a CQ wait, or the NIC
-//! thread. The hand-over decisions — who takes it, when the NIC thread takes it back, when it
+//! **Ownership.** A driven queue (`driven::DrivenQueue`: the processor — sockets, QPs,
+//! listeners, epoll — and what drives it) is owned by its [`crate::machines::shell::NicThread`]
+//! alone, which the backend owns; a CQ bound to it holds it weakly, a thread in a CQ wait
+//! holds it only for that wait, and the processor holds nothing that owns its `NicThread`, so
+//! dropping the NIC ends the thread and closes every descriptor (`driven`'s doc has the
+//! details). The processor sits behind one lock, the queue's *engine lock*; whoever holds it
+//! runs the engine, and at every moment that is exactly one of: nobody (the NIC thread parked
+//! or watching, every waiter asleep), one host thread in a CQ wait, or the NIC thread. The hand-over decisions — who takes it, when the NIC thread takes it back, when it
 //! lets go — are `rules`, a pure state machine; `machines::driven` only translates between
 //! the shared flags (`machines::handover`) and the rules' looks and actions.
 //!
