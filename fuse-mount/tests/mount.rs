@@ -34,6 +34,7 @@ macro_rules! on_both_transports {
 
 on_both_transports!(
     io_continues_across_a_server_restart,
+    reconnects_give_back_every_descriptor_and_thread,
     a_server_gone_for_good_fails_io_with_eio_after_the_reconnect_timeout,
     a_mount_whose_server_is_gone_exits_promptly_once_unmounted,
     write_through_refuses_writes_past_the_end_at_once,
@@ -640,6 +641,55 @@ fn io_continues_across_a_server_restart() {
     assert!(
         on_disk == second,
         "a write after the reconnection is not in the image"
+    );
+}
+
+/// The mount's process after each of several reconnections (its server restarted on the same
+/// port, a read going to the new one) holds no more descriptors and threads than before the
+/// first: a connection that went gives back its sockets and everything its NIC made for it.
+fn reconnects_give_back_every_descriptor_and_thread() {
+    if !can_fuse() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = sparse_image(dir.path(), "l.img", 16 * MIB);
+    let mut server = qpip_server("l", &img, &[]);
+    let port: u16 = server
+        .uri
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let m = mount(&server.uri, &mnt, "l", &["--connections", "1"]);
+    let f = std::fs::File::open(mnt.join("l")).unwrap();
+    let read_from_server = || {
+        // SAFETY: plain syscall on an open fd: the read below goes to the server.
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        let mut buf = vec![0u8; 64 * 1024];
+        f.read_exact_at(&mut buf, 0).unwrap();
+    };
+    read_from_server();
+    let held = |what: &str| {
+        std::fs::read_dir(format!("/proc/{}/{what}", m.pid()))
+            .unwrap()
+            .count()
+    };
+    let before = (held("fd"), held("task"));
+    for _ in 0..5 {
+        drop(server);
+        server = qpip_server_on(port, "l", &img, &[]);
+        read_from_server();
+    }
+    let after = (held("fd"), held("task"));
+    assert!(
+        after.0 <= before.0 && after.1 <= before.1,
+        "(descriptors, threads) of the mount: {after:?} after 5 reconnections, {before:?} before"
     );
 }
 
