@@ -20,7 +20,7 @@ use super::meter::Nanos;
 use super::params::{FabricParams, LanaiParams, NodeParams, ParamsError};
 use qpip_verbs::backend::{Command, NicBackend};
 use qpip_verbs::error::{Error, Result};
-use qpip_verbs::machines::shell::{NicThread, Processor, ShellConfig};
+use qpip_verbs::machines::shell::{NicThread, Processor, Progress, ShellConfig};
 use qpip_verbs::mr::MemoryTable;
 use qpip_verbs::shared::QpShared;
 use qpip_verbs::wr::QpNum;
@@ -306,7 +306,7 @@ impl Processor for RealtimeNic {
         self.fw.doorbell(now, qp);
     }
 
-    fn step(&mut self) -> bool {
+    fn step(&mut self) -> Progress {
         let mut worked = self.receive_frames();
         let now = self.timer_now();
         if self.fw.poll_at().is_some_and(|t| t <= now) {
@@ -314,10 +314,14 @@ impl Processor for RealtimeNic {
             self.fw.poll(now);
             worked = true;
         }
-        worked | self.send_frames()
+        if worked | self.send_frames() {
+            Progress::Worked
+        } else {
+            Progress::Idle
+        }
     }
 
-    fn sleep(&mut self, limit: Option<Duration>) -> bool {
+    fn sleep(&mut self, limit: Option<Duration>) -> Progress {
         // Until the firmware's next timer, a frame, the waker or the limit.
         let timer = self
             .fw
@@ -333,7 +337,7 @@ impl Processor for RealtimeNic {
             tracing::error!("lanai NIC thread: epoll failed: {e}");
             std::thread::sleep(Duration::from_millis(1));
         }
-        false
+        Progress::Idle
     }
 
     fn stop(&mut self) {

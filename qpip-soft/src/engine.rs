@@ -22,7 +22,7 @@ use super::{IoMode, WAKER_TOKEN};
 use qpip_verbs::backend::{Command, ListenerId, MgmtResult};
 use qpip_verbs::framer::Framer;
 use qpip_verbs::machines::mgmt::{self, Management, no_qp, not_idle};
-use qpip_verbs::machines::shell::Processor;
+use qpip_verbs::machines::shell::{Processor, Progress};
 use qpip_verbs::mr::MemoryTable;
 use qpip_verbs::reply::ReplySender;
 use qpip_verbs::shared::QpShared;
@@ -39,6 +39,15 @@ struct EngineListener {
     /// QPs waiting for a connection.
     accepts: VecDeque<(QpNum, ReplySender<MgmtResult>)>,
     readable: bool,
+}
+
+/// What a turn of the physical layer does before it runs what is ready.
+#[derive(Clone, Copy, Debug)]
+enum Turn {
+    /// Only look.
+    Look,
+    /// Wait until something is ready, at most this long (None: no limit).
+    Sleep(Option<Duration>),
 }
 
 pub(super) struct Engine {
@@ -86,17 +95,17 @@ impl Engine {
         }
     }
 
-    /// One turn of the physical layer: wait (at most `sleep`, or without a limit when that
-    /// is `Some(None)`) or just look (`None`) for socket events, and run them.
-    fn turn(&mut self, sleep: Option<Option<Duration>>) -> bool {
+    /// One turn of the physical layer: look or wait for socket events (see [`Turn`]), and
+    /// run them.
+    fn turn(&mut self, turn: Turn) -> Progress {
         let Some(mut events) = self.events.take() else {
-            return false;
+            return Progress::Idle;
         };
         let any = if self.ring.is_some() {
             // Only the NIC thread runs an io_uring engine, and it sleeps without a limit.
-            self.turn_uring(sleep.is_some(), &mut events)
+            self.turn_uring(turn, &mut events)
         } else {
-            self.turn_epoll(sleep, &mut events)
+            self.turn_epoll(turn, &mut events)
         };
         self.events = Some(events);
         any
@@ -104,17 +113,20 @@ impl Engine {
 
     /// One turn of the epoll engine: wait (see [`Self::turn`]) or just look for socket
     /// readiness.
-    fn turn_epoll(&mut self, sleep: Option<Option<Duration>>, events: &mut Events) -> bool {
-        let timeout = sleep.unwrap_or(Some(Duration::ZERO));
+    fn turn_epoll(&mut self, turn: Turn, events: &mut Events) -> Progress {
+        let timeout = match turn {
+            Turn::Look => Some(Duration::ZERO),
+            Turn::Sleep(timeout) => timeout,
+        };
         if let Err(e) = self.poll.poll(events, timeout)
             && e.kind() != io::ErrorKind::Interrupted
         {
             tracing::error!("soft NIC engine: epoll failed: {e}");
             std::thread::sleep(Duration::from_millis(1));
         }
-        let mut any = false;
+        let mut any = Progress::Idle;
         for event in events.iter() {
-            any = true;
+            any = Progress::Worked;
             self.dispatch(event);
         }
         any
@@ -122,9 +134,9 @@ impl Engine {
 
     /// One turn of the io_uring engine: submit every QP's queued I/O and wait (or just look)
     /// for completions; epoll readiness arrives as a completion too.
-    fn turn_uring(&mut self, sleep: bool, events: &mut Events) -> bool {
+    fn turn_uring(&mut self, turn: Turn, events: &mut Events) -> Progress {
         let Some(ring) = self.ring.as_mut() else {
-            return false;
+            return Progress::Idle;
         };
         let mut completions = std::mem::take(&mut self.completions);
         // A destroyed QP's operations queued before its teardown go too: their completions
@@ -138,17 +150,21 @@ impl Engine {
                 }
             }
         }
-        if let Err(e) = ring.submit(sleep) {
+        if let Err(e) = ring.submit(matches!(turn, Turn::Sleep(_))) {
             tracing::error!("soft NIC engine: io_uring_enter failed: {e}");
             std::thread::sleep(Duration::from_millis(1));
         }
         ring.completions(&mut completions);
-        let any = !completions.is_empty();
+        let any = if completions.is_empty() {
+            Progress::Idle
+        } else {
+            Progress::Worked
+        };
         for ev in completions.drain(..) {
             let registry = self.poll.registry();
             match ev {
                 Event::Epoll => {
-                    self.turn_epoll(None, events);
+                    self.turn_epoll(Turn::Look, events);
                 }
                 Event::Io { qp, op, result } => {
                     if let Some(q) = self.qps.get_mut(&qp) {
@@ -301,12 +317,12 @@ impl Processor for Engine {
         }
     }
 
-    fn step(&mut self) -> bool {
-        self.turn(None)
+    fn step(&mut self) -> Progress {
+        self.turn(Turn::Look)
     }
 
-    fn sleep(&mut self, timeout: Option<Duration>) -> bool {
-        self.turn(Some(timeout))
+    fn sleep(&mut self, timeout: Option<Duration>) -> Progress {
+        self.turn(Turn::Sleep(timeout))
     }
 
     fn sending(&self) -> bool {
@@ -333,7 +349,7 @@ impl Processor for Engine {
             .chain(self.qps.values())
             .any(|q| q.io_in_flight())
         {
-            self.turn(Some(None));
+            self.turn(Turn::Sleep(None));
         }
     }
 }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::drive::{Driven, QueueDriver};
+use crate::drive::{Driven, QueueDriver, Waiting};
 use crate::shared::CqShared;
 use crate::wr::Completion;
 
@@ -96,14 +96,14 @@ impl CompletionQueue {
     /// itself and will wake only through the NIC's notify. For diagnostics, and for tests that
     /// need a waiter asleep before its completion comes instead of sleeping "long enough".
     pub fn sleepers(&self) -> usize {
-        self.shared.sleepers.load(Ordering::SeqCst) as usize
+        self.shared.sleepers.get() as usize
     }
 
     /// Waiters running this CQ's NIC queue themselves now (run to completion,
     /// [`crate::drive`]): for diagnostics and for tests that need a waiter driving before its
     /// completion comes.
     pub fn drivers(&self) -> usize {
-        self.shared.driving.load(Ordering::SeqCst) as usize
+        self.shared.driving.load(Ordering::Relaxed) as usize
     }
 
     /// How long [`Self::wait`] and [`Self::wait_async`] poll before sleeping. Zero sleeps at
@@ -167,8 +167,8 @@ impl CompletionQueue {
             if n > 0 || self.shared.take_wake() {
                 return Ok(n);
             }
-            driver.begin_wait();
-            let r = match self.drive(driver.as_ref(), out, spin, deadline) {
+            let wait = driver.begin_wait();
+            return match self.drive(driver.as_ref(), &wait, out, spin, deadline) {
                 Ok(Some(n)) => Ok(n),
                 // Another thread drives: wait for it as for a NIC thread.
                 Ok(None) => match self.spin_poll(out, spin) {
@@ -177,8 +177,6 @@ impl CompletionQueue {
                 },
                 Err(e) => Err(e),
             };
-            driver.end_wait();
-            return r;
         } else {
             let n = self.spin_poll(out, spin)?;
             if n > 0 || self.shared.take_wake() {
@@ -193,13 +191,14 @@ impl CompletionQueue {
     fn drive(
         &self,
         driver: &dyn QueueDriver,
+        wait: &Waiting<'_>,
         out: &mut [Completion],
         spin: Duration,
         deadline: Option<Instant>,
     ) -> Result<Option<usize>, CqError> {
         let shared = &*self.shared;
         loop {
-            let driven = driver.drive(&shared.driving, &|| shared.has_news(), spin, deadline);
+            let driven = driver.drive(wait, &shared.driving, &|| shared.has_news(), spin, deadline);
             match driven {
                 Driven::Busy => return Ok(None),
                 Driven::Ready | Driven::TimedOut => {
@@ -226,16 +225,16 @@ impl CompletionQueue {
                 }
                 None => None,
             };
-            // Count ourselves before the last look: pairs with the fence in notify.
-            shared.sleepers.fetch_add(1, Ordering::SeqCst);
-            let seq = shared.seq.load(Ordering::SeqCst);
+            // Count ourselves before the last look: pairs with notify's and wake's `posted`.
+            shared.sleepers.enter();
+            let seq = shared.seq.load(Ordering::Relaxed);
             let n = self.poll(out);
             if !matches!(n, Ok(0)) || shared.take_wake() {
-                shared.sleepers.fetch_sub(1, Ordering::Relaxed);
+                shared.sleepers.leave();
                 return n;
             }
             crate::futex::wait(&shared.seq, seq, left);
-            shared.sleepers.fetch_sub(1, Ordering::Relaxed);
+            shared.sleepers.leave();
             let n = self.poll(out)?;
             if n > 0 || shared.take_wake() {
                 return Ok(n);

@@ -19,7 +19,8 @@ enum State<T> {
     Claimed,
     /// The answer, not yet taken.
     Answered(T),
-    /// The waiter gave up before the NIC claimed it, or took the answer.
+    /// The waiter gave up before the NIC claimed it, or took the answer, or the NIC dropped
+    /// the command unanswered.
     Closed,
 }
 
@@ -95,6 +96,12 @@ impl<T> ReplyReceiver<T> {
         }
     }
 
+    /// No answer will come (looked at after listening: the sender closes the slot before it
+    /// notifies, where its handle's count fell only after).
+    fn closed(&self) -> bool {
+        matches!(*self.0.state.lock(), State::Closed)
+    }
+
     /// The reply if it has arrived, without waiting (the virtual-time simulation).
     pub fn try_recv(&self) -> Option<T> {
         self.take()
@@ -111,8 +118,8 @@ impl<T> ReplyReceiver<T> {
             if let Some(v) = self.take() {
                 return Some(v);
             }
-            if Arc::strong_count(&self.0) == 1 {
-                return self.take(); // the sender is gone: it replied or never will
+            if self.closed() {
+                return None; // the sender went without replying
             }
             match deadline {
                 Some(d) => {
@@ -138,8 +145,8 @@ impl<T> ReplyReceiver<T> {
             if let Some(v) = self.take() {
                 return Some(v);
             }
-            if Arc::strong_count(&self.0) == 1 {
-                return self.take();
+            if self.closed() {
+                return None;
             }
             listener.await;
         }
@@ -156,7 +163,13 @@ impl<T> Drop for ReplyReceiver<T> {
 
 impl<T> Drop for ReplySender<T> {
     fn drop(&mut self) {
-        // Wake a waiter so it notices a sender that went away without replying.
+        // A sender that goes without replying closes the slot, then wakes the waiter to see it.
+        {
+            let mut state = self.0.state.lock();
+            if matches!(*state, State::Waiting | State::Claimed) {
+                *state = State::Closed;
+            }
+        }
         self.0.event.notify(usize::MAX);
     }
 }
@@ -183,6 +196,27 @@ mod tests {
         });
         assert_eq!(rx.wait_until(Some(Instant::now())), Some(7));
         nic.join().unwrap();
+    }
+
+    /// The sender's drop races the waiter's last look many times: a wake-up it sends before
+    /// the waiter listens again must not be lost (the waiter would hang).
+    #[test]
+    fn a_sender_dropped_while_the_waiter_looks_again_is_noticed() {
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for _ in 0..5_000 {
+                let (tx, rx) = reply_channel::<u32>();
+                assert!(tx.claim());
+                let nic = std::thread::spawn(move || drop(tx));
+                assert_eq!(rx.wait_until(Some(Instant::now())), None);
+                nic.join().unwrap();
+            }
+            let _ = done.send(());
+        });
+        assert!(
+            finished.recv_timeout(Duration::from_secs(60)).is_ok(),
+            "a waiter missed its sender's drop"
+        );
     }
 
     #[test]

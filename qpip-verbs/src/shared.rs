@@ -3,7 +3,7 @@
 //! writes completions. A leaf: it knows neither the verbs nor any backend.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering, fence};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
@@ -11,6 +11,7 @@ use crossbeam_queue::ArrayQueue;
 use event_listener::Event;
 
 use crate::drive::QueueDriver;
+use crate::drive::sync::{SleepCount, posted};
 use crate::wr::{Completion, Opcode, QpNum, RecvWr, SendWr, WcStatus};
 
 /// Reliable (TCP) or unreliable (UDP).
@@ -76,7 +77,7 @@ pub struct CqShared {
     /// The futex word of blocking waiters: changes whenever a notify finds sleepers.
     pub(crate) seq: AtomicU32,
     /// Blocking waiters that are asleep or about to be.
-    pub(crate) sleepers: AtomicU32,
+    pub(crate) sleepers: SleepCount,
     /// Completions were pushed since the last notify: a notify without news wakes nobody.
     unnotified: AtomicBool,
     /// Async waiters.
@@ -104,7 +105,7 @@ impl CqShared {
             lost: AtomicU64::new(0),
             overflowed: AtomicBool::new(false),
             seq: AtomicU32::new(0),
-            sleepers: AtomicU32::new(0),
+            sleepers: SleepCount::new(),
             unnotified: AtomicBool::new(false),
             event: Event::new(),
             spin_nanos: AtomicU64::new(DEFAULT_CQ_SPIN.as_nanos() as u64),
@@ -155,8 +156,8 @@ impl CqShared {
     pub(crate) fn wake(&self) {
         self.woken.store(true, Ordering::Release);
         // Pairs with the waiter's count-then-look, as in notify.
-        fence(Ordering::SeqCst);
-        if self.sleepers.load(Ordering::Relaxed) > 0 {
+        posted();
+        if self.sleepers.get() > 0 {
             self.seq.fetch_add(1, Ordering::Release);
             crate::futex::wake_all(&self.seq);
         }
@@ -184,8 +185,8 @@ impl CqShared {
         }
         // Pairs with the waiter's count-then-poll: either we see it counted, or it sees
         // what we pushed.
-        fence(Ordering::SeqCst);
-        if self.sleepers.load(Ordering::Relaxed) > 0 {
+        posted();
+        if self.sleepers.get() > 0 {
             self.seq.fetch_add(1, Ordering::Release);
             crate::futex::wake_all(&self.seq);
         }

@@ -3,23 +3,17 @@
 //! costs and clock.
 //!
 //! - [`shell`]: the NIC thread: command queue, doorbell FIFO (the doorbell machine), the
-//!   sleep/wake pairing, stop and join;
-//! - `driven`: run to completion, the NIC's side: the processor behind a lock that host
-//!   threads waiting on a CQ take to run its turns ([`crate::drive`]), and the NIC thread
-//!   spawned for such a queue;
-//! - `handover`: what host drivers and the NIC thread share to pass the processor over;
+//!   sleep/wake pairing, stop and join (run to completion's side of it is [`crate::drive`]);
 //! - [`mgmt`]: the management machine's one dispatcher of [`crate::backend::Command`];
 //! - [`tx`]: the transmit machine's outgoing message (a send WR resolved for the wire);
 //! - [`rx`]: the receive machine: message boundaries by framer, placement into receive WRs.
 
-mod driven;
-mod handover;
 pub mod mgmt;
 pub mod rx;
 pub mod shell;
 pub mod tx;
 
-pub use driven::GRACE as DRIVE_GRACE;
+pub use crate::drive::rules::GRACE as DRIVE_GRACE;
 
 /// The completion status for a failed socket (or socket-like) operation.
 pub fn status_of(e: &std::io::Error) -> crate::wr::WcStatus {

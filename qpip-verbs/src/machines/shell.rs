@@ -21,9 +21,11 @@ use std::time::{Duration, Instant};
 use crossbeam_queue::{ArrayQueue, SegQueue};
 use parking_lot::Mutex;
 
-use super::handover::Handover;
 use crate::backend::Command;
 use crate::drive::QueueDriver;
+use crate::drive::handover::Handover;
+use crate::drive::rules::{Ended, RunEnd};
+use crate::drive::sync::{SleepFlag, posted};
 use crate::error::{Error, Result};
 use crate::poll_window::PollWindow;
 use crate::shared::QpShared;
@@ -36,12 +38,12 @@ pub trait Processor {
     /// Doorbell: `qp` has new WRs. Clear its doorbell flag before reading its rings, so a WR
     /// posted after that rings again.
     fn doorbell(&mut self, qp: QpNum);
-    /// Moves whatever the physical layer has ready, without blocking; true if anything moved.
-    fn step(&mut self) -> bool;
+    /// Moves whatever the physical layer has ready, without blocking.
+    fn step(&mut self) -> Progress;
     /// Blocks until the physical layer has something, the waker rings or `timeout` passes
-    /// (None: no limit); true if it already handled work (the shell then counts the turn as
-    /// busy).
-    fn sleep(&mut self, timeout: Option<Duration>) -> bool;
+    /// (None: no limit); [`Progress::Worked`] if it already handled work (the shell then
+    /// counts the turn as busy).
+    fn sleep(&mut self, timeout: Option<Duration>) -> Progress;
     /// The NIC stops (the last commands have run): last frames out, connections down.
     fn stop(&mut self);
     /// Posted sends still wait for the wire (a socket that would block): a host thread that
@@ -56,6 +58,21 @@ pub trait Processor {
     /// [`Self::sleep`], holding it.
     fn watch_fd(&self) -> Option<std::os::fd::RawFd> {
         None
+    }
+}
+
+/// What a turn of the physical layer ([`Processor::step`], [`Processor::sleep`]) did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// Something moved: data, a connection, a timer.
+    Worked,
+    /// Nothing did.
+    Idle,
+}
+
+impl Progress {
+    fn worked(self) -> bool {
+        self == Progress::Worked
     }
 }
 
@@ -106,23 +123,23 @@ impl Doorbells {
 }
 
 /// What the host threads and the NIC thread share.
-pub(super) struct Shared {
+pub(crate) struct Shared {
     commands: SegQueue<Command>,
     doorbells: Doorbells,
     /// Whoever runs the processor (the NIC thread or a driving host thread) blocks in its
     /// `sleep`: a doorbell must ring the waker.
-    sleeping: AtomicBool,
-    pub(super) stop: AtomicBool,
+    sleeping: SleepFlag,
+    pub(crate) stop: AtomicBool,
     waker: mio::Waker,
     tid: AtomicI32,
     /// The NIC thread has ended (stopped or panicked): commands get no reply.
-    pub(super) dead: AtomicBool,
+    pub(crate) dead: AtomicBool,
     /// Run to completion's hand-over between host drivers and the NIC thread.
-    pub(super) handover: Handover,
+    pub(crate) handover: Handover,
 }
 
 impl Shared {
-    pub(super) fn wake(&self) {
+    pub(crate) fn wake(&self) {
         if let Err(e) = self.waker.wake() {
             tracing::error!("cannot wake the NIC thread: {e}");
         }
@@ -134,7 +151,7 @@ impl Shared {
         while self.commands.pop().is_some() {}
     }
 
-    pub(super) fn has_work(&self) -> bool {
+    pub(crate) fn has_work(&self) -> bool {
         !self.doorbells.is_empty() || !self.commands.is_empty()
     }
 }
@@ -168,7 +185,7 @@ impl NicThread {
     }
 
     /// Starts the thread that runs `body` and waits until it says it runs.
-    pub(super) fn start(
+    pub(crate) fn start(
         cfg: ShellConfig,
         shared: Arc<Shared>,
         body: impl FnOnce(&Arc<Shared>, Started) + Send + 'static,
@@ -207,7 +224,9 @@ impl NicThread {
     /// Queues a management command and wakes the thread (or the host thread driving it).
     pub fn manage(&self, cmd: Command) {
         self.shared.commands.push(cmd);
-        if self.shared.dead.load(Ordering::SeqCst) {
+        // Pairs with DeadGuard's: either the ending thread drops this command, or we do.
+        fence(Ordering::SeqCst);
+        if self.shared.dead.load(Ordering::Relaxed) {
             self.shared.drop_commands();
             return;
         }
@@ -231,11 +250,9 @@ impl NicThread {
             self.shared.wake();
             std::thread::yield_now();
         }
-        // Pairs with the NIC's fence between announcing sleep and re-checking the FIFO.
-        fence(Ordering::SeqCst);
-        if self.shared.sleeping.load(Ordering::Relaxed)
-            || self.shared.handover.watching.load(Ordering::Relaxed)
-        {
+        // Pairs with the sleeper's raised flag: either we see it, or it sees the doorbell.
+        posted();
+        if self.shared.sleeping.raised() || self.shared.handover.watching.raised() {
             self.shared.wake();
         }
     }
@@ -271,7 +288,7 @@ impl NicThread {
 type Started = std::sync::mpsc::Sender<Option<Arc<dyn QueueDriver>>>;
 
 impl Shared {
-    pub(super) fn new(cfg: &ShellConfig, waker: mio::Waker) -> Arc<Shared> {
+    pub(crate) fn new(cfg: &ShellConfig, waker: mio::Waker) -> Arc<Shared> {
         let doorbells = match cfg.doorbell_fifo {
             Some(n) => Doorbells::Bounded(ArrayQueue::new(n.max(1))),
             None => Doorbells::Unbounded(SegQueue::new()),
@@ -279,7 +296,7 @@ impl Shared {
         Arc::new(Shared {
             commands: SegQueue::new(),
             doorbells,
-            sleeping: AtomicBool::new(false),
+            sleeping: SleepFlag::new(),
             stop: AtomicBool::new(false),
             waker,
             tid: AtomicI32::new(0),
@@ -293,7 +310,9 @@ struct DeadGuard(Arc<Shared>);
 
 impl Drop for DeadGuard {
     fn drop(&mut self) {
-        self.0.dead.store(true, Ordering::SeqCst);
+        self.0.dead.store(true, Ordering::Release);
+        // Pairs with manage's: either it sees `dead` and drops its command, or we drop it.
+        fence(Ordering::SeqCst);
         self.0.drop_commands();
         if std::thread::panicking() {
             tracing::error!("the NIC thread panicked; the NIC is gone");
@@ -318,7 +337,7 @@ fn run<P: Processor>(shared: &Shared, spin: Duration, mut nic: P) {
 
 /// What a thread running the processor learns across its turns: the poll window and when
 /// work last came.
-pub(super) struct Turns {
+pub(crate) struct Turns {
     window: PollWindow,
     last_work: Instant,
     slept: bool,
@@ -328,7 +347,7 @@ pub(super) struct Turns {
 
 impl Turns {
     /// `spin`: the longest poll window (zero: sleep as soon as a turn finds nothing).
-    pub(super) fn new(spin: Duration) -> Self {
+    pub(crate) fn new(spin: Duration) -> Self {
         Turns {
             window: PollWindow::new(spin),
             last_work: Instant::now(),
@@ -338,7 +357,7 @@ impl Turns {
     }
 
     /// The turns of application threads driving a queue.
-    pub(super) fn host() -> Self {
+    pub(crate) fn host() -> Self {
         Turns {
             host: true,
             ..Turns::new(Duration::ZERO)
@@ -346,7 +365,7 @@ impl Turns {
     }
 
     /// Changes the longest poll window (a host thread's wait brings its own).
-    pub(super) fn set_max(&mut self, spin: Duration) {
+    pub(crate) fn set_max(&mut self, spin: Duration) {
         self.window.set_max(spin);
     }
 
@@ -361,24 +380,24 @@ impl Turns {
 /// Runs the processor's turns — commands, then doorbells, then a look at the physical layer
 /// — until `done()` (looked at after the work of each turn and before sleeping) or
 /// `deadline`; polls for the learned window after the last work, then sleeps in the
-/// processor. True if `done()`, false at the deadline.
-pub(super) fn drive<P: Processor>(
+/// processor.
+pub(crate) fn drive<P: Processor>(
     shared: &Shared,
     nic: &mut P,
     turns: &mut Turns,
     done: &mut dyn FnMut() -> bool,
     deadline: Option<Instant>,
-) -> bool {
+) -> Ended {
     loop {
         let mut worked = run_commands(shared, nic);
         worked |= run_doorbells(shared, nic);
         if done() {
-            return true;
+            return Ended::Done;
         }
         // A thread that never polls sleeps at once: its sleep returns what is ready
         // without a separate look first (one system call fewer per wait).
         if turns.window.max() > Duration::ZERO {
-            worked |= nic.step();
+            worked |= nic.step().worked();
         }
         if worked {
             turns.worked(turns.slept);
@@ -398,48 +417,47 @@ pub(super) fn drive<P: Processor>(
         let timeout = match deadline {
             Some(d) => match d.checked_duration_since(Instant::now()) {
                 Some(left) if !left.is_zero() => Some(left),
-                _ => return false,
+                _ => return Ended::Deadline,
             },
             None => None,
         };
-        shared.sleeping.store(true, Ordering::Relaxed);
-        // Pairs with the fence in ring_doorbell: either the host sees `sleeping` and wakes
-        // us, or we see its doorbell here.
-        fence(Ordering::SeqCst);
+        // Pairs with ring_doorbell's `posted`: either the host sees `sleeping` and wakes us,
+        // or we see its doorbell here.
+        shared.sleeping.raise();
         if shared.has_work() || done() {
-            shared.sleeping.store(false, Ordering::Relaxed);
+            shared.sleeping.lower();
             continue;
         }
-        let worked = nic.sleep(timeout);
-        shared.sleeping.store(false, Ordering::Relaxed);
+        let progress = nic.sleep(timeout);
+        shared.sleeping.lower();
         turns.slept = true;
-        if worked {
+        if progress.worked() {
             turns.worked(true);
         }
     }
 }
 
-/// Runs the processor's turns, never sleeping, until a turn finds nothing to do (true) or
-/// `let_go()` (false).
-pub(super) fn run_until_idle<P: Processor>(
+/// Runs the processor's turns, never sleeping, until a turn finds nothing to do or
+/// `let_go()`.
+pub(crate) fn run_until_idle<P: Processor>(
     shared: &Shared,
     nic: &mut P,
     let_go: &mut dyn FnMut() -> bool,
-) -> bool {
+) -> RunEnd {
     loop {
         let mut worked = run_commands(shared, nic);
         worked |= run_doorbells(shared, nic);
-        worked |= nic.step();
+        worked |= nic.step().worked();
         if let_go() {
-            return false;
+            return RunEnd::LetGo;
         }
         if !worked {
-            return true;
+            return RunEnd::Idle;
         }
     }
 }
 
-pub(super) fn run_commands(shared: &Shared, nic: &mut impl Processor) -> bool {
+pub(crate) fn run_commands(shared: &Shared, nic: &mut impl Processor) -> bool {
     let mut worked = false;
     while let Some(cmd) = shared.commands.pop() {
         worked = true;

@@ -13,44 +13,26 @@
 //! `NicThread` drops the processor, closing every descriptor it holds (a thread still in a CQ
 //! wait drops it when its wait returns; the stopped queue no longer drives it).
 //!
-//! The hand-over rules:
-//! - a waiter takes the processor when it is free; when the NIC thread holds it and nobody
-//!   else waits, the waiter asks for it (`wanted`, the waker) and the NIC thread lets go at
-//!   its next look; when another host thread drives, the waiter sleeps on its CQ and the
-//!   driver's completions wake it;
-//! - a driver that leaves while others still wait wakes the NIC thread, which drives for them;
-//! - the NIC thread stays parked for its grace ([`super::shell::ShellConfig::grace`],
-//!   [`GRACE`] by default) after the last drive ended, so a thread that
-//!   comes back to wait within it (a request–reply loop) finds the processor free and nobody
-//!   to wake; past it, or on a command, the NIC thread drives again (what arrives while nobody
-//!   waits waits at most that long, as interrupt moderation delays an interrupt);
-//! - the NIC thread holds the processor only while there is work: idle, it lets go and
-//!   watches the physical layer ([`Processor::watch_fd`]), so that a host thread that comes
-//!   to wait on a queue idle for longer than the grace takes the processor at once (holding
-//!   it while asleep cost every such wait two hand-overs: 4 KiB QD1 reads through the mount,
-//!   whose rarely used connections' queues sat with their NIC threads, spent 110–150 ms of
-//!   NIC thread per 10 000 requests).
+//! The hand-over decisions are [`crate::drive::rules`]'s; this file only reads the shared
+//! flags ([`super::handover`]) into the rules' looks and carries out their actions, with the
+//! fences the wake table of [`crate::drive`] names.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering, fence};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::handover::NEVER;
-use super::shell::{
+use crate::drive::rules::{
+    self, Approach, Arrival, Call, Departure, Ended, Holding, IfHeld, Park, ParkLook, Parking,
+    Rest, Run, RunEnd, Watch, WatchLook, Watched, Woken,
+};
+use crate::drive::sync::posted;
+use crate::drive::{Driven, QueueDriver, Waiting};
+use crate::error::Result;
+use crate::machines::shell::{
     NicThread, Processor, Shared, ShellConfig, Turns, drive, run_commands, run_until_idle,
 };
-use crate::drive::{Driven, QueueDriver};
-use crate::error::Result;
-
-/// How long the NIC thread leaves the queue to its host threads after the last drive.
-pub const GRACE: Duration = Duration::from_millis(20);
-
-/// How long a watching NIC thread woken by a doorbell leaves it to the posting thread, which
-/// usually comes to wait on its CQ within microseconds (a poster that never waits has its WRs
-/// go out this much later).
-const DOORBELL_WAIT: Duration = Duration::from_micros(100);
 
 impl NicThread {
     /// [`Self::spawn`] for a processor that host threads may run too: a thread waiting on a
@@ -79,6 +61,15 @@ pub(crate) struct DrivenQueue<P> {
     grace: Duration,
 }
 
+/// What the parked or watching NIC thread does next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Go {
+    /// Take the processor and drive.
+    Drive,
+    /// End: the NIC stops.
+    Stop,
+}
+
 impl<P: Processor + Send> DrivenQueue<P> {
     pub(crate) fn new(shared: Arc<Shared>, nic: P, grace: Duration) -> Self {
         DrivenQueue {
@@ -93,40 +84,52 @@ impl<P: Processor + Send> DrivenQueue<P> {
     /// the physical layer without it when idle, so that a host thread that comes to wait
     /// takes it at once instead of asking this thread to let go.
     pub(crate) fn run_nic_thread(&self, spin: Duration) {
-        let (shared, handover) = (&*self.shared, &self.shared.handover);
+        let (shared, h) = (&*self.shared, &self.shared.handover);
         let mut turns = Turns::new(spin);
         let watch_fd = self.engine.lock().0.watch_fd();
-        let mut act = self.park();
-        while act {
+        let mut go = self.park();
+        while go == Go::Drive {
             let Some(mut engine) = self.engine.try_lock() else {
-                act = self.park(); // a host thread took it first
+                go = self.park(); // a host thread took it first
                 continue;
             };
             let mut let_go =
-                || shared.stop.load(Ordering::Acquire) || handover.wanted.load(Ordering::Acquire);
-            let mut idle = false;
-            if !let_go() {
-                let nic = &mut engine.0;
-                if watch_fd.is_none() {
+                || shared.stop.load(Ordering::Acquire) || h.wanted.load(Ordering::Acquire);
+            let run = rules::hold(Holding {
+                let_go: let_go(),
+                watches: watch_fd.is_some(),
+                waiters: h.waiters.load(Ordering::SeqCst),
+            });
+            let nic = &mut engine.0;
+            let end = match run {
+                Run::LetGo => RunEnd::LetGo,
+                Run::UntilLetGo => {
                     drive(shared, nic, &mut turns, &mut let_go, None);
-                } else if handover.waiters.load(Ordering::SeqCst) == 0 {
-                    idle = run_until_idle(shared, nic, &mut let_go);
-                } else {
-                    // Host threads wait without driving (asleep behind a driver that left):
-                    // drive for them, sleeping in the processor, while they do.
-                    let mut until = || let_go() || handover.waiters.load(Ordering::SeqCst) == 0;
-                    idle = drive(shared, nic, &mut turns, &mut until, None) && !let_go();
+                    RunEnd::LetGo
                 }
-            }
+                Run::UntilIdle => run_until_idle(shared, nic, &mut let_go),
+                Run::ForWaiters => {
+                    let mut until = || let_go() || h.waiters.load(Ordering::SeqCst) == 0;
+                    drive(shared, nic, &mut turns, &mut until, None);
+                    if let_go() {
+                        RunEnd::LetGo
+                    } else {
+                        RunEnd::Idle
+                    }
+                }
+            };
             // Straight to the host thread that asked, if it waits already; `wanted` stays
             // set until it has the processor, so this thread does not drive again before.
             parking_lot::MutexGuard::unlock_fair(engine);
-            if handover.wanted.load(Ordering::Acquire) {
+            if h.wanted.load(Ordering::Acquire) {
                 std::thread::yield_now();
             }
-            act = match watch_fd {
-                Some(fd) if idle => self.watch(fd) || self.park(),
-                _ => self.park(),
+            go = match rules::rest(end, watch_fd) {
+                Rest::Watch(fd) => match self.watch(fd) {
+                    Watched::Park => self.park(),
+                    _ => Go::Drive,
+                },
+                Rest::Park => self.park(),
             };
         }
         // Last commands (QPs destroyed as the NIC's handles went) still run, so peers are told.
@@ -136,19 +139,21 @@ impl<P: Processor + Send> DrivenQueue<P> {
     }
 
     /// Sleeps until `fd` (the physical layer) is readable or the waker rings (a doorbell, a
-    /// command, a host thread that leaves work behind), without holding the processor. True
-    /// when this thread should run the processor now; false when a host thread has taken it.
-    fn watch(&self, fd: std::os::fd::RawFd) -> bool {
+    /// command, a host thread that leaves work behind), without holding the processor; then
+    /// the doorbell wait. [`Watched::Drive`] when this thread should run the processor now
+    /// (or stop); [`Watched::Park`] when a host thread has taken it.
+    fn watch(&self, fd: std::os::fd::RawFd) -> Watched {
         let (shared, h) = (&*self.shared, &self.shared.handover);
-        h.watching.store(true, Ordering::SeqCst);
-        // Pairs with the fences of ring_doorbell and of a drive's end: either they see
-        // `watching` and ring the waker, or this sees their work.
-        fence(Ordering::SeqCst);
-        let pending = shared.stop.load(Ordering::Acquire)
-            || shared.has_work()
-            || h.resume.load(Ordering::Acquire)
-            || h.waiters.load(Ordering::SeqCst) > 0;
-        if !pending {
+        // Pairs with ring_doorbell's and a drive's end's `posted`: either they see `watching`
+        // and ring the waker, or this sees their work.
+        h.watching.raise();
+        let look = WatchLook {
+            stop: shared.stop.load(Ordering::Acquire),
+            work: shared.has_work(),
+            resume: h.resume.load(Ordering::Acquire),
+            waiters: h.waiters.load(Ordering::SeqCst),
+        };
+        if rules::watch(look) == Watch::Poll {
             let mut pfd = libc::pollfd {
                 fd,
                 events: libc::POLLIN,
@@ -157,67 +162,72 @@ impl<P: Processor + Send> DrivenQueue<P> {
             // SAFETY: one valid pollfd; the descriptor is the processor's and outlives it.
             unsafe { libc::poll(&mut pfd, 1, -1) };
         }
-        h.watching.store(false, Ordering::SeqCst);
-        if shared.has_work() && !shared.stop.load(Ordering::Acquire) {
-            // A doorbell: its poster usually waits on its CQ right after and drives the
-            // queue itself; give it that moment rather than take the processor from it.
+        h.watching.lower();
+        let mut waited = false;
+        loop {
             let seq = h.park.load(Ordering::SeqCst);
-            if !self.engine.is_locked() {
-                crate::futex::wait(&h.park, seq, Some(DOORBELL_WAIT));
+            let woken = Woken {
+                stop: shared.stop.load(Ordering::Acquire),
+                work: shared.has_work(),
+                held: self.engine.is_locked(),
+            };
+            match rules::after_watch(woken, waited) {
+                Watched::LeaveToPoster(wait) => {
+                    crate::futex::wait(&h.park, seq, Some(wait));
+                    waited = true;
+                }
+                done => return done,
             }
         }
-        !self.engine.is_locked() || shared.stop.load(Ordering::Acquire)
     }
 
-    /// Waits until the NIC thread should drive: nobody does while threads wait, commands
-    /// came, or no host thread drove for its grace. False once the NIC stops.
-    fn park(&self) -> bool {
+    /// Waits until the NIC thread should drive ([`rules::Parking`]): nobody does while
+    /// threads wait, commands came, or no host thread drove for its grace.
+    fn park(&self) -> Go {
         let (shared, h) = (&*self.shared, &self.shared.handover);
-        // None: no look yet. The first look at a held processor waits a grace period, timed:
-        // the host thread it was just handed to may not have counted its drive yet, and
-        // parking untimed behind it would have its end wake this thread (every request).
-        let mut seen_drives = None;
+        let mut parking = Parking::new(self.grace);
         loop {
-            if shared.stop.load(Ordering::Acquire) {
-                return false;
-            }
             let seq = h.park.load(Ordering::SeqCst);
-            if self.engine.is_locked() {
-                let drives = h.drives.load(Ordering::Acquire);
-                if seen_drives != Some(drives) {
-                    // Host threads keep driving: look again after a grace period.
-                    seen_drives = Some(drives);
-                    crate::futex::wait(&h.park, seq, Some(self.grace));
-                    continue;
+            let look = if shared.stop.load(Ordering::Acquire) {
+                ParkLook::Stopped
+            } else if self.engine.is_locked() {
+                ParkLook::Held {
+                    drives: h.drives.load(Ordering::Acquire),
                 }
-                // One drive for a whole grace period (a waiter blocked on an idle
-                // connection): sleep until its end wakes us.
-                h.parked_untimed.store(true, Ordering::SeqCst);
-                if self.engine.is_locked() && h.drives.load(Ordering::SeqCst) == drives {
-                    crate::futex::wait(&h.park, seq, None);
+            } else {
+                ParkLook::Free {
+                    resume: h.resume.swap(false, Ordering::AcqRel),
+                    waiters: h.waiters.load(Ordering::SeqCst),
+                    work: shared.has_work(),
+                    last_drive_end: h.last_drive_end(),
                 }
-                h.parked_untimed.store(false, Ordering::Relaxed);
-                continue;
-            }
-            if h.resume.swap(false, Ordering::AcqRel)
-                || h.waiters.load(Ordering::SeqCst) > 0
-                || shared.has_work()
-            {
-                return true;
-            }
-            match h.since_last_drive() {
-                Some(idle) if idle < self.grace => {
-                    crate::futex::wait(&h.park, seq, Some(self.grace - idle))
+            };
+            match parking.look(look, Instant::now()) {
+                Park::Stop => return Go::Stop,
+                Park::Drive => return Go::Drive,
+                Park::Sleep(t) => crate::futex::wait(&h.park, seq, Some(t)),
+                Park::UntilDriveEnds { drives } => {
+                    // Pairs with a drive's end: either it sees `parked_untimed` and kicks,
+                    // or this sees the processor let go (or another drive begun).
+                    h.parked_untimed.raise();
+                    if self.engine.is_locked() && h.drives.load(Ordering::Acquire) == drives {
+                        crate::futex::wait(&h.park, seq, None);
+                    }
+                    h.parked_untimed.lower();
                 }
-                _ => return true,
             }
         }
     }
 }
 
 impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
+    fn begin_wait(&self) -> Waiting<'_> {
+        Waiting::new(&self.shared.handover.waiters)
+    }
+
     fn drive(
         &self,
+        _wait: &Waiting<'_>,
         driving: &AtomicU32,
         ready: &dyn Fn() -> bool,
         spin: Duration,
@@ -225,36 +235,31 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
     ) -> Driven {
         let (shared, h) = (&*self.shared, &self.shared.handover);
         let stopped = || shared.stop.load(Ordering::Acquire) || shared.dead.load(Ordering::Acquire);
-        if stopped() {
-            return Driven::Busy;
-        }
-        let alone = h.waiters.load(Ordering::SeqCst) == 1;
-        // Not while another waiter has asked for it: it may be what we wait for.
-        let free = if h.wanted.load(Ordering::Acquire) {
-            None
-        } else {
-            self.engine.try_lock()
+        let approach = rules::arrive(Arrival {
+            gone: stopped(),
+            wanted: h.wanted.load(Ordering::Acquire),
+            waiters: h.waiters.load(Ordering::SeqCst),
+        });
+        let taken = match approach {
+            Approach::Gone => return Driven::Busy,
+            Approach::Take(if_held) => self.engine.try_lock().ok_or(if_held),
+            Approach::Held(if_held) => Err(if_held),
         };
-        let nic = match free {
-            Some(nic) => Some(nic),
-            // Only waiter: the holder is the NIC thread (or a driver on its way out, which
-            // lets go at once); ask for it and wait.
-            None if alone => {
-                h.wanted.store(true, Ordering::SeqCst);
+        let mut engine = match taken {
+            Ok(engine) => engine,
+            Err(IfHeld::Ask) => {
+                h.wanted.store(true, Ordering::Release);
                 shared.wake();
-                let nic = self.engine.lock();
+                let engine = self.engine.lock();
                 h.wanted.store(false, Ordering::Release);
-                Some(nic)
+                engine
             }
-            None => None,
-        };
-        let Some(mut engine) = nic else {
-            return Driven::Busy;
+            Err(IfHeld::SleepBehind) => return Driven::Busy,
         };
         let (nic, turns) = &mut *engine;
         turns.set_max(spin);
         h.drives.fetch_add(1, Ordering::AcqRel);
-        driving.fetch_add(1, Ordering::SeqCst);
+        driving.fetch_add(1, Ordering::Relaxed);
         let accounting = h.accounting.load(Ordering::Relaxed);
         let cpu0 = if accounting {
             thread_cpu()
@@ -262,43 +267,42 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
             Duration::ZERO
         };
         let mut done = || ready() || stopped() || h.wanted.load(Ordering::Acquire);
-        let finished = !stopped() && drive(shared, nic, turns, &mut done, deadline);
+        let ended = if stopped() {
+            Ended::Deadline
+        } else {
+            drive(shared, nic, turns, &mut done, deadline)
+        };
         if accounting {
             let cpu = thread_cpu().saturating_sub(cpu0);
             h.driven_cpu_ns
                 .fetch_add(cpu.as_nanos() as u64, Ordering::Relaxed);
         }
-        driving.fetch_sub(1, Ordering::SeqCst);
+        driving.fetch_sub(1, Ordering::Relaxed);
         let sending = nic.sending();
         drop(engine);
         if sending {
             h.resume.store(true, Ordering::Release);
         }
-        let now = h.epoch.elapsed().as_nanos().min(u128::from(NEVER - 1)) as u64;
-        h.last_exit.store(now, Ordering::Release);
-        // Pairs with the parked NIC thread's store-then-look.
-        fence(Ordering::SeqCst);
-        let others = h.waiters.load(Ordering::SeqCst) > 1;
-        if sending || others || shared.has_work() || h.parked_untimed.load(Ordering::SeqCst) {
-            h.kick();
-            if h.watching.load(Ordering::SeqCst) {
+        h.drive_ended(Instant::now());
+        // Pairs with the parked NIC thread's `parked_untimed` and the watching one's
+        // `watching`: either it sees what this drive left, or this sees it asleep.
+        posted();
+        let call = rules::leave(Departure {
+            sending,
+            waiters: h.waiters.load(Ordering::SeqCst),
+            work: shared.has_work(),
+            parked_untimed: h.parked_untimed.raised(),
+            watching: h.watching.raised(),
+        });
+        match call {
+            Call::Nobody => {}
+            Call::Parked => h.kick(),
+            Call::ParkedAndWatching => {
+                h.kick();
                 shared.wake();
             }
         }
-        match (finished, ready()) {
-            (true, true) => Driven::Ready,
-            // Stopped, or another waiter asked for the queue: sleep behind it.
-            (true, false) => Driven::Busy,
-            (false, _) => Driven::TimedOut,
-        }
-    }
-
-    fn begin_wait(&self) {
-        self.shared.handover.waiters.fetch_add(1, Ordering::SeqCst);
-    }
-
-    fn end_wait(&self) {
-        self.shared.handover.waiters.fetch_sub(1, Ordering::SeqCst);
+        rules::outcome(ended, ready())
     }
 
     fn interrupt(&self) {
@@ -322,6 +326,7 @@ fn thread_cpu() -> Duration {
 mod tests {
     use super::*;
     use crate::backend::Command;
+    use crate::machines::shell::Progress;
     use crate::wr::QpNum;
     use mio::unix::SourceFd;
     use mio::{Events, Interest, Poll, Token};
@@ -342,15 +347,15 @@ mod tests {
     }
 
     impl PipeNic {
-        fn turn(&mut self, timeout: Option<Duration>) -> bool {
+        fn turn(&mut self, timeout: Option<Duration>) -> Progress {
             self.poll.poll(&mut self.events, timeout).unwrap();
-            let mut any = false;
+            let mut any = Progress::Idle;
             for e in self.events.iter() {
                 if e.token() == PIPE {
                     let mut buf = [0u8; 64];
                     while matches!(self.pipe.read(&mut buf), Ok(n) if n > 0) {}
                     self.turns_with_bytes.fetch_add(1, Ordering::SeqCst);
-                    any = true;
+                    any = Progress::Worked;
                 }
             }
             any
@@ -360,10 +365,10 @@ mod tests {
     impl Processor for PipeNic {
         fn command(&mut self, _: Command) {}
         fn doorbell(&mut self, _: QpNum) {}
-        fn step(&mut self) -> bool {
+        fn step(&mut self) -> Progress {
             self.turn(Some(Duration::ZERO))
         }
-        fn sleep(&mut self, timeout: Option<Duration>) -> bool {
+        fn sleep(&mut self, timeout: Option<Duration>) -> Progress {
             self.turn(timeout)
         }
         fn stop(&mut self) {}

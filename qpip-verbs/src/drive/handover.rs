@@ -1,40 +1,42 @@
 //! Run to completion's hand-over ([`crate::drive`]): what host threads driving a queue and
-//! its NIC thread share to pass the processor between them. The NIC thread's [`super::shell`]
+//! its NIC thread share to pass the processor between them. The NIC thread's [`crate::machines::shell`]
 //! keeps it with the rest of what host and NIC share; the rules that use it are
 //! [`super::driven`]'s.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-pub(super) const NEVER: u64 = u64::MAX;
+use crate::drive::sync::SleepFlag;
+
+const NEVER: u64 = u64::MAX;
 
 /// What host drivers and the NIC thread share to hand the processor over.
 pub(crate) struct Handover {
     /// Host threads in a CQ wait on this queue (driving it or asleep behind its driver).
-    pub(super) waiters: AtomicU32,
+    pub(crate) waiters: AtomicU32,
     /// A waiting host thread asks the NIC thread to let go of the processor.
-    pub(super) wanted: AtomicBool,
+    pub(crate) wanted: AtomicBool,
     /// A driver left with sends still under way: the NIC thread carries on at once.
-    pub(super) resume: AtomicBool,
+    pub(crate) resume: AtomicBool,
     /// The futex word the parked NIC thread sleeps on.
-    pub(super) park: AtomicU32,
+    pub(crate) park: AtomicU32,
     /// The NIC thread sleeps without a timer behind a long drive: its end must wake it.
-    pub(super) parked_untimed: AtomicBool,
+    pub(crate) parked_untimed: SleepFlag,
     /// The NIC thread watches the physical layer without holding the processor
-    /// ([`super::shell::Processor::watch_fd`]): the waker, not the futex, reaches it.
-    pub(super) watching: AtomicBool,
+    /// ([`crate::machines::shell::Processor::watch_fd`]): the waker, not the futex, reaches it.
+    pub(crate) watching: SleepFlag,
     /// Host drives begun (tells a busy queue from one long drive).
-    pub(super) drives: AtomicU64,
+    pub(crate) drives: AtomicU64,
     /// When the last host drive ended (ns since `epoch`; [`NEVER`] before the first).
-    pub(super) last_exit: AtomicU64,
+    pub(crate) last_exit: AtomicU64,
     /// CPU time host threads spent driving (ns): the NIC's work done on them. Counted from
     /// the first time someone asks ([`Handover::driven_cpu`]): a thread's CPU clock costs a
     /// system call, two per drive.
-    pub(super) driven_cpu_ns: AtomicU64,
+    pub(crate) driven_cpu_ns: AtomicU64,
     /// Someone asked for [`Handover::driven_cpu`]: drives count their CPU time.
-    pub(super) accounting: AtomicBool,
+    pub(crate) accounting: AtomicBool,
     /// What `last_exit` counts from.
-    pub(super) epoch: Instant,
+    pub(crate) epoch: Instant,
 }
 
 impl Default for Handover {
@@ -44,8 +46,8 @@ impl Default for Handover {
             wanted: AtomicBool::new(false),
             resume: AtomicBool::new(false),
             park: AtomicU32::new(0),
-            parked_untimed: AtomicBool::new(false),
-            watching: AtomicBool::new(false),
+            parked_untimed: SleepFlag::new(),
+            watching: SleepFlag::new(),
             drives: AtomicU64::new(0),
             last_exit: AtomicU64::new(NEVER),
             driven_cpu_ns: AtomicU64::new(0),
@@ -68,15 +70,18 @@ impl Handover {
         Duration::from_nanos(self.driven_cpu_ns.load(Ordering::Relaxed))
     }
 
-    /// Time since the last host drive ended (None: there never was one).
-    pub(super) fn since_last_drive(&self) -> Option<Duration> {
+    /// A host drive ended at `now`.
+    pub(crate) fn drive_ended(&self, now: Instant) {
+        let ns = now.saturating_duration_since(self.epoch).as_nanos();
+        self.last_exit
+            .store(ns.min(u128::from(NEVER - 1)) as u64, Ordering::Release);
+    }
+
+    /// When the last host drive ended (None: there never was one).
+    pub(crate) fn last_drive_end(&self) -> Option<Instant> {
         match self.last_exit.load(Ordering::Acquire) {
             NEVER => None,
-            ns => Some(
-                self.epoch
-                    .elapsed()
-                    .saturating_sub(Duration::from_nanos(ns)),
-            ),
+            ns => Some(self.epoch + Duration::from_nanos(ns)),
         }
     }
 }
