@@ -40,9 +40,11 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// QP verbs against kernel sockets: host overhead per 1-byte message, round-trip time over
-    /// TCP and UDP, ttcp throughput (10 MB in 16 KiB messages; 1 GiB in 128 KiB messages) with
-    /// application and NIC-engine CPU per GB.
+    /// QP verbs against kernel sockets: host overhead per 1-byte message; round-trip time over
+    /// TCP and UDP with every thread's CPU per round trip, a QP whose completion waits spin
+    /// (200 µs) against sockets that busy-poll (non-blocking recv in a loop) and a QP whose
+    /// waits sleep at once (set_spin(0)) against blocking sockets; ttcp throughput (10 MB in
+    /// 16 KiB messages; 1 GiB in 128 KiB messages) with application and NIC-engine CPU per GB.
     Micro {
         /// Print one JSON object instead of a table.
         #[arg(long)]

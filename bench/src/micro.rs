@@ -28,10 +28,23 @@ pub(crate) struct Pair {
     pub socket: f64,
 }
 
+/// The round trips of one protocol: each QP waiter beside the socket that waits as it does.
+#[derive(Debug, Serialize)]
+pub(crate) struct RttWays {
+    /// QP completion waits that spin up to 200 µs: against `socket_busy_poll`.
+    pub qp_spin: RttRow,
+    /// Non-blocking `recv` in a loop on both sides (busy polling).
+    pub socket_busy_poll: RttRow,
+    /// QP completion waits that sleep at once (`set_spin(0)`): against `socket_blocking`.
+    pub qp_sleep: RttRow,
+    /// Blocking `recv` on both sides.
+    pub socket_blocking: RttRow,
+}
+
 #[derive(Debug, Serialize)]
 pub(crate) struct Rtt {
-    pub tcp: Pair,
-    pub udp: Pair,
+    pub tcp: RttWays,
+    pub udp: RttWays,
 }
 
 #[derive(Debug, Serialize)]
@@ -46,10 +59,14 @@ pub(crate) struct BySize {
 #[allow(non_snake_case)]
 pub(crate) struct MicroReport {
     pub overhead_ns: Pair,
-    pub rtt_us: Rtt,
+    /// 1-byte round trips: latency and every thread's CPU per round trip, in µs.
+    pub rtt: Rtt,
     /// The same round trips with a busy thread on every CPU ([`CpuLoad`]): what a NIC that
     /// polls costs when the cores have other work.
-    pub rtt_loaded_us: Rtt,
+    pub rtt_loaded: Rtt,
+    /// Which round-trip rows are compared: a spinning QP waiter with busy-polling sockets, a
+    /// sleeping one with blocking sockets.
+    pub rtt_comparisons: [[&'static str; 2]; 2],
     pub throughput_MBps: BySize,
     /// The application threads' own CPU per GB: for QPs without the NIC's work they ran
     /// while waiting (run to completion), which is counted in `engine_cpu_s_per_GB`.
@@ -243,8 +260,34 @@ pub(crate) fn overhead_socket(msgs: u64) -> Result<f64> {
 
 // ---------------------------------------------------------------- round-trip time
 
-/// Median 1-byte round trip over reliable QPs, in µs.
-pub(crate) fn rtt_qp_tcp(rounds: u64) -> Result<f64> {
+/// How the waiting side of a round trip waits for its answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Waiter {
+    /// QP: completion waits spin up to 200 µs before sleeping. Socket: a non-blocking recv
+    /// in a loop (busy polling), never sleeping.
+    Spin,
+    /// QP: completion waits sleep at once (`set_spin(0)`). Socket: a blocking recv.
+    Sleep,
+}
+
+/// The QP's spin before a completion wait sleeps, for a latency-bound QP user.
+const QP_SPIN: Duration = Duration::from_micros(200);
+
+/// One round-trip run: the median latency and every thread's CPU (client, echo and, for QPs,
+/// both NICs' engine threads; user + system) per round trip, both in µs.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub(crate) struct RttRow {
+    pub us: f64,
+    pub cpu_us: f64,
+}
+
+/// The CPU per round trip of a run of `total` rounds.
+fn cpu_per_round(cpu: Duration, total: u64) -> f64 {
+    cpu.as_secs_f64() * 1e6 / total as f64
+}
+
+/// Median 1-byte round trip over reliable QPs.
+pub(crate) fn rtt_qp_tcp(rounds: u64, waiter: Waiter) -> Result<RttRow> {
     let _host_a = OnCpu::new(HOST_A);
     let link = qp_link(4)?;
     rtt_qp(
@@ -256,11 +299,12 @@ pub(crate) fn rtt_qp_tcp(rounds: u64) -> Result<f64> {
         link.b_cq,
         None,
         rounds,
+        waiter,
     )
 }
 
-/// Median 1-byte round trip over unreliable QPs, in µs.
-pub(crate) fn rtt_qp_udp(rounds: u64) -> Result<f64> {
+/// Median 1-byte round trip over unreliable QPs.
+pub(crate) fn rtt_qp_udp(rounds: u64, waiter: Waiter) -> Result<RttRow> {
     let _host_a = OnCpu::new(HOST_A);
     let a_nic = nic_on(HOST_A)?;
     let b_nic = nic_on(HOST_B)?;
@@ -269,7 +313,7 @@ pub(crate) fn rtt_qp_udp(rounds: u64) -> Result<f64> {
     let a = a_nic.create_udp_qp(any_addr(), QpAttr::new(&a_cq).depths(4, 4))?;
     let b = b_nic.create_udp_qp(any_addr(), QpAttr::new(&b_cq).depths(4, 4))?;
     let b_addr = b.local_addr().context("bound UDP QP has an address")?;
-    rtt_qp(a_nic, b_nic, a, b, a_cq, b_cq, Some(b_addr), rounds)
+    rtt_qp(a_nic, b_nic, a, b, a_cq, b_cq, Some(b_addr), rounds, waiter)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -282,16 +326,27 @@ fn rtt_qp(
     b_cq: CompletionQueue,
     b_addr: Option<SocketAddr>,
     rounds: u64,
-) -> Result<f64> {
-    // Latency mode: waiters poll for a while before sleeping, as a latency-bound QP user would.
-    a_cq.set_spin(Duration::from_micros(200));
-    b_cq.set_spin(Duration::from_micros(200));
+    waiter: Waiter,
+) -> Result<RttRow> {
+    let spin = match waiter {
+        Waiter::Spin => QP_SPIN,
+        Waiter::Sleep => Duration::ZERO,
+    };
+    a_cq.set_spin(spin);
+    b_cq.set_spin(spin);
     let a_mr = a_nic.alloc_region(2, Access::READ_WRITE);
     let b_mr = b_nic.alloc_region(2, Access::READ_WRITE);
+    let engines: Vec<i32> = a_nic
+        .engine_threads()
+        .into_iter()
+        .chain(b_nic.engine_threads())
+        .collect();
+    let engine0 = cpu::threads(&engines);
     let warmup = rounds / 10;
     let total = rounds + warmup;
     b.post_recv(RecvWr::new(0, &[b_mr.sge(0, 1)]))?;
-    let echo = spawn_on(HOST_B, move || -> Result<()> {
+    let echo = spawn_on(HOST_B, move || -> Result<Duration> {
+        let start = cpu::this_thread();
         let mut buf = [Completion::default(); 4];
         let mut echoed = 0;
         while echoed < total {
@@ -311,8 +366,9 @@ fn rtt_qp(
         while b.outstanding_sends() > 0 {
             wait(&b_cq, &mut buf)?;
         }
-        Ok(())
+        Ok(cpu::this_thread() - start)
     });
+    let start = cpu::this_thread();
     let mut samples = Vec::with_capacity(rounds as usize);
     let mut buf = [Completion::default(); 4];
     a.post_recv(RecvWr::new(0, &[a_mr.sge(0, 1)]))?;
@@ -338,69 +394,124 @@ fn rtt_qp(
             samples.push(rtt.as_secs_f64() * 1e6);
         }
     }
-    echo.join()
+    let client = cpu::this_thread() - start;
+    let echo = echo
+        .join()
         .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
-    Ok(cpu::median(samples))
+    let engines = cpu::threads(&engines).saturating_sub(engine0);
+    Ok(RttRow {
+        us: cpu::median(samples),
+        cpu_us: cpu_per_round(client + echo + engines, total),
+    })
 }
 
-pub(crate) fn rtt_socket_tcp(rounds: u64) -> Result<f64> {
+/// Receives with `recv`: once, blocking (`Sleep`), or polled in a loop on a non-blocking
+/// socket (`Spin`, as `recv(MSG_DONTWAIT)` in a loop), failing after `T` either way.
+fn receive<R>(waiter: Waiter, mut recv: impl FnMut() -> std::io::Result<R>) -> Result<R> {
+    if waiter == Waiter::Sleep {
+        return Ok(recv()?);
+    }
+    let t0 = Instant::now();
+    for i in 0u64.. {
+        match recv() {
+            Ok(r) => return Ok(r),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e.into()),
+        }
+        if i % 4096 == 4095 && t0.elapsed() > T {
+            break;
+        }
+    }
+    bail!("nothing received within {T:?}")
+}
+
+/// A 1-byte TCP read under `waiter`; the end of the stream is an error.
+fn read_byte(s: &mut TcpStream, byte: &mut [u8; 1], waiter: Waiter) -> Result<()> {
+    if receive(waiter, || s.read(byte))? == 0 {
+        bail!("the peer closed the connection");
+    }
+    Ok(())
+}
+
+pub(crate) fn rtt_socket_tcp(rounds: u64, waiter: Waiter) -> Result<RttRow> {
     let _host_a = OnCpu::new(HOST_A);
     let (mut a, mut b) = tcp_pair()?;
+    let busy = waiter == Waiter::Spin;
+    a.set_nonblocking(busy)?;
+    b.set_nonblocking(busy)?;
     let warmup = rounds / 10;
     let total = rounds + warmup;
-    let echo = spawn_on(HOST_B, move || -> Result<()> {
+    let echo = spawn_on(HOST_B, move || -> Result<Duration> {
+        let start = cpu::this_thread();
         let mut byte = [0u8; 1];
         for _ in 0..total {
-            b.read_exact(&mut byte)?;
+            read_byte(&mut b, &mut byte, waiter)?;
+            // One byte into an empty send buffer: never EAGAIN.
             b.write_all(&byte)?;
         }
-        Ok(())
+        Ok(cpu::this_thread() - start)
     });
+    let start = cpu::this_thread();
     let mut samples = Vec::with_capacity(rounds as usize);
     let mut byte = [7u8; 1];
     for i in 0..total {
         let t0 = Instant::now();
         a.write_all(&byte)?;
-        a.read_exact(&mut byte)?;
+        read_byte(&mut a, &mut byte, waiter)?;
         if i >= warmup {
             samples.push(t0.elapsed().as_secs_f64() * 1e6);
         }
     }
-    echo.join()
+    let client = cpu::this_thread() - start;
+    let echo = echo
+        .join()
         .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
-    Ok(cpu::median(samples))
+    Ok(RttRow {
+        us: cpu::median(samples),
+        cpu_us: cpu_per_round(client + echo, total),
+    })
 }
 
-pub(crate) fn rtt_socket_udp(rounds: u64) -> Result<f64> {
+pub(crate) fn rtt_socket_udp(rounds: u64, waiter: Waiter) -> Result<RttRow> {
     let _host_a = OnCpu::new(HOST_A);
     let a = UdpSocket::bind(any_addr())?;
     let b = UdpSocket::bind(any_addr())?;
-    a.set_read_timeout(Some(T))?;
-    b.set_read_timeout(Some(T))?;
+    let busy = waiter == Waiter::Spin;
+    for s in [&a, &b] {
+        s.set_read_timeout(Some(T))?;
+        s.set_nonblocking(busy)?;
+    }
     let b_addr = b.local_addr()?;
     let warmup = rounds / 10;
     let total = rounds + warmup;
-    let echo = spawn_on(HOST_B, move || -> Result<()> {
+    let echo = spawn_on(HOST_B, move || -> Result<Duration> {
+        let start = cpu::this_thread();
         let mut byte = [0u8; 1];
         for _ in 0..total {
-            let (_, from) = b.recv_from(&mut byte)?;
+            let (_, from) = receive(waiter, || b.recv_from(&mut byte))?;
             b.send_to(&byte, from)?;
         }
-        Ok(())
+        Ok(cpu::this_thread() - start)
     });
+    let start = cpu::this_thread();
     let mut samples = Vec::with_capacity(rounds as usize);
     let mut byte = [7u8; 1];
     for i in 0..total {
         let t0 = Instant::now();
         a.send_to(&byte, b_addr)?;
-        a.recv_from(&mut byte)?;
+        receive(waiter, || a.recv_from(&mut byte))?;
         if i >= warmup {
             samples.push(t0.elapsed().as_secs_f64() * 1e6);
         }
     }
-    echo.join()
+    let client = cpu::this_thread() - start;
+    let echo = echo
+        .join()
         .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
-    Ok(cpu::median(samples))
+    Ok(RttRow {
+        us: cpu::median(samples),
+        cpu_us: cpu_per_round(client + echo, total),
+    })
 }
 
 // ---------------------------------------------------------------- throughput (ttcp)
@@ -609,18 +720,53 @@ impl Drop for CpuLoad {
     }
 }
 
+/// The rows of `RttWays`, in its order: (QP?, waiter).
+const WAYS: [(bool, Waiter); 4] = [
+    (true, Waiter::Spin),
+    (false, Waiter::Spin),
+    (true, Waiter::Sleep),
+    (false, Waiter::Sleep),
+];
+
+/// The four round trips of one protocol, interleaved in every one of `repeat` runs of
+/// `rounds` each; medians of latency and of CPU.
+fn rtt_ways(repeat: usize, run: impl Fn(bool, Waiter) -> Result<RttRow>) -> Result<RttWays> {
+    let mut rows: [Vec<RttRow>; 4] = Default::default();
+    for _ in 0..repeat {
+        for (v, &(qp, waiter)) in rows.iter_mut().zip(&WAYS) {
+            v.push(run(qp, waiter)?);
+        }
+    }
+    let [a, b, c, d] = rows.map(|v| RttRow {
+        us: cpu::median(v.iter().map(|r| r.us).collect()),
+        cpu_us: cpu::median(v.iter().map(|r| r.cpu_us).collect()),
+    });
+    Ok(RttWays {
+        qp_spin: a,
+        socket_busy_poll: b,
+        qp_sleep: c,
+        socket_blocking: d,
+    })
+}
+
 /// TCP and UDP round trips, QP and socket, medians of `repeat` runs of `rounds` each.
 fn round_trips(repeat: usize, rounds: u64, progress: &dyn Fn(&str), what: &str) -> Result<Rtt> {
     progress(&format!("round-trip time, TCP{what}"));
-    let tcp = Pair {
-        qp: med(repeat, || rtt_qp_tcp(rounds))?,
-        socket: med(repeat, || rtt_socket_tcp(rounds))?,
-    };
+    let tcp = rtt_ways(repeat, |qp, w| {
+        if qp {
+            rtt_qp_tcp(rounds, w)
+        } else {
+            rtt_socket_tcp(rounds, w)
+        }
+    })?;
     progress(&format!("round-trip time, UDP{what}"));
-    let udp = Pair {
-        qp: med(repeat, || rtt_qp_udp(rounds))?,
-        socket: med(repeat, || rtt_socket_udp(rounds))?,
-    };
+    let udp = rtt_ways(repeat, |qp, w| {
+        if qp {
+            rtt_qp_udp(rounds, w)
+        } else {
+            rtt_socket_udp(rounds, w)
+        }
+    })?;
     Ok(Rtt { tcp, udp })
 }
 
@@ -651,8 +797,12 @@ pub(crate) fn run(
     let (q128, s128) = ttcp_pair(repeat, sizes.ttcp_128k_bytes, 128 * 1024, progress)?;
     Ok(MicroReport {
         overhead_ns: overhead,
-        rtt_us: rtt,
-        rtt_loaded_us: rtt_loaded,
+        rtt,
+        rtt_loaded,
+        rtt_comparisons: [
+            ["qp_spin", "socket_busy_poll"],
+            ["qp_sleep", "socket_blocking"],
+        ],
         throughput_MBps: BySize {
             k16: Pair {
                 qp: q16.mbps,
@@ -697,29 +847,43 @@ pub(crate) fn table(r: &MicroReport) -> String {
             p.qp / p.socket
         };
         format!(
-            "{name:<34} {:>12.2} {:>12.2}  {unit:<8} {:>6.2}x\n",
+            "{name:<44} {:>12.2} {:>12.2}  {unit:<8} {:>6.2}x\n",
             p.qp, p.socket, ratio
         )
     };
     let mut s = format!(
-        "{:<34} {:>12} {:>12}  {:<8} {:>7}\n",
+        "{:<44} {:>12} {:>12}  {:<8} {:>7}\n",
         "measure", "QP", "socket", "unit", "QP gain"
     );
     s += &row("host overhead, 1-byte msg", "ns", r.overhead_ns, true);
-    s += &row("round trip, 1 byte, TCP", "µs", r.rtt_us.tcp, true);
-    s += &row("round trip, 1 byte, UDP", "µs", r.rtt_us.udp, true);
-    s += &row(
-        "round trip, TCP, CPUs loaded",
-        "µs",
-        r.rtt_loaded_us.tcp,
-        true,
-    );
-    s += &row(
-        "round trip, UDP, CPUs loaded",
-        "µs",
-        r.rtt_loaded_us.udp,
-        true,
-    );
+    for (rtt, loaded) in [(&r.rtt, ""), (&r.rtt_loaded, ", CPUs loaded")] {
+        for (proto, w) in [("TCP", &rtt.tcp), ("UDP", &rtt.udp)] {
+            for (qp, sock, how) in [
+                (w.qp_spin, w.socket_busy_poll, "spin/busy-poll"),
+                (w.qp_sleep, w.socket_blocking, "sleep/blocking"),
+            ] {
+                let name = format!("round trip {proto}, {how}{loaded}");
+                s += &row(
+                    &name,
+                    "µs",
+                    Pair {
+                        qp: qp.us,
+                        socket: sock.us,
+                    },
+                    true,
+                );
+                s += &row(
+                    "  every thread CPU per round trip",
+                    "µs",
+                    Pair {
+                        qp: qp.cpu_us,
+                        socket: sock.cpu_us,
+                    },
+                    true,
+                );
+            }
+        }
+    }
     s += &row(
         "ttcp 10 MB in 16 KiB msgs",
         "MB/s",
@@ -745,7 +909,7 @@ pub(crate) fn table(r: &MicroReport) -> String {
         true,
     );
     s += &format!(
-        "{:<34} {:>12.3} {:>12}  {:<8}\n",
+        "{:<44} {:>12.3} {:>12}  {:<8}\n",
         "NIC work CPU per GB, 128 KiB", r.engine_cpu_s_per_GB.k128.qp, "(kernel)", "s/GB"
     );
     let every = |size: &str, app: Pair, nic: Pair| {
@@ -761,5 +925,10 @@ pub(crate) fn table(r: &MicroReport) -> String {
         r.app_cpu_s_per_GB.k128,
         r.engine_cpu_s_per_GB.k128,
     );
+    s += "\nround trips, each QP waiter against the socket that waits as it does:\n  \
+          spin/busy-poll: QP completion waits spin up to 200 µs, sockets poll a non-blocking \
+          recv in a loop;\n  sleep/blocking: QP completion waits sleep at once (set_spin(0)), \
+          sockets block in recv.\n  CPU: client and echo threads (and both NICs' engine \
+          threads), user + system.\n";
     s
 }

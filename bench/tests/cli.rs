@@ -32,7 +32,8 @@ fn logging_options_are_the_shared_ones_and_a_bad_rust_log_is_refused() {
 }
 
 /// `micro --json` reports round trips on an idle machine and with every CPU loaded, for QPs
-/// and sockets alike.
+/// that spin and that sleep and for sockets that busy-poll and that block, each with its CPU
+/// per round trip.
 #[test]
 fn micro_reports_round_trips_idle_and_under_load() {
     let out = Command::new(env!("CARGO_BIN_EXE_qpip-bench"))
@@ -45,12 +46,24 @@ fn micro_reports_round_trips_idle_and_under_load() {
         String::from_utf8_lossy(&out.stderr)
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    for key in ["rtt_us", "rtt_loaded_us"] {
+    for key in ["rtt", "rtt_loaded"] {
         for proto in ["tcp", "udp"] {
-            for side in ["qp", "socket"] {
-                let x = v[key][proto][side].as_f64();
-                assert!(x.is_some_and(|x| x > 0.0), "{key}.{proto}.{side}: {x:?}");
+            for way in ["qp_spin", "socket_busy_poll", "qp_sleep", "socket_blocking"] {
+                for fig in ["us", "cpu_us"] {
+                    let x = v[key][proto][way][fig].as_f64();
+                    assert!(
+                        x.is_some_and(|x| x > 0.0),
+                        "{key}.{proto}.{way}.{fig}: {x:?}"
+                    );
+                }
             }
         }
     }
+    assert_eq!(
+        v["rtt_comparisons"],
+        serde_json::json!([
+            ["qp_spin", "socket_busy_poll"],
+            ["qp_sleep", "socket_blocking"]
+        ])
+    );
 }
