@@ -22,6 +22,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use qpip_cli::{out, outln};
 
+use rig::netns::NetnsArgs;
 use rig::peers;
 
 #[derive(Parser)]
@@ -173,6 +174,8 @@ struct RawArgs {
     /// The pool for those images.
     #[arg(long, value_name = "POOL", default_value = "rbd")]
     rbd_pool: String,
+    #[command(flatten)]
+    net: NetnsArgs,
 }
 
 /// The options of `qpip-bench nbd ext2`.
@@ -212,6 +215,8 @@ struct Ext2Args {
     /// Write no plot.
     #[arg(long)]
     no_plot: bool,
+    #[command(flatten)]
+    net: NetnsArgs,
 }
 
 /// The options of `qpip-bench nbd qd1`.
@@ -238,6 +243,8 @@ struct Qd1Args {
     /// removed afterwards. Default: /dev/shm.
     #[arg(long, value_name = "DIR")]
     dir: Option<PathBuf>,
+    #[command(flatten)]
+    net: NetnsArgs,
 }
 
 /// The options of `qpip-bench nbd sweep`.
@@ -274,6 +281,8 @@ struct SweepArgs {
     /// Write no plots.
     #[arg(long)]
     no_plot: bool,
+    #[command(flatten)]
+    net: NetnsArgs,
 }
 
 fn main() {
@@ -378,6 +387,7 @@ fn nbd_raw(args: RawArgs) -> Result<()> {
         tls,
         rbd_conf,
         rbd_pool,
+        net,
     } = args;
     let server_bin = match server_bin {
         Some(p) => p,
@@ -407,6 +417,7 @@ fn nbd_raw(args: RawArgs) -> Result<()> {
                 qemu,
             }
         }),
+        net,
         &progress,
     )?;
     emit(json, &report, nbd::table(&report), false)
@@ -425,6 +436,7 @@ fn nbd_ext2(args: Ext2Args) -> Result<()> {
         loop_direct_io,
         plot_dir,
         no_plot,
+        net,
     } = args;
     check_plot_dir(&plot_dir, no_plot)?;
     let (server_bin, mount_bin) = bins.resolve()?;
@@ -438,6 +450,7 @@ fn nbd_ext2(args: Ext2Args) -> Result<()> {
         mount_args: mount_arg,
         dir,
         loop_direct_io: loop_direct_io == "on",
+        netns: net,
     };
     let report = ext2::run_all(opts, &progress)?;
     emit(json, &report, ext2::table(&report), true)?;
@@ -460,6 +473,7 @@ fn nbd_qd1(args: Qd1Args) -> Result<()> {
         bins,
         mount_arg,
         dir,
+        net,
     } = args;
     let runtime = std::time::Duration::try_from_secs_f64(runtime)
         .with_context(|| format!("--runtime {runtime}: expected a number of seconds"))?;
@@ -473,6 +487,7 @@ fn nbd_qd1(args: Qd1Args) -> Result<()> {
         mount_bin,
         mount_args: mount_arg,
         dir,
+        netns: net,
     };
     let report = qd1::run_all(opts, &progress)?;
     emit(json, &report, qd1::table(&report), true)
@@ -491,6 +506,7 @@ fn nbd_sweep(args: SweepArgs) -> Result<()> {
         dir,
         plot_dir,
         no_plot,
+        net,
     } = args;
     check_plot_dir(&plot_dir, no_plot)?;
     let progress = progress::Progress::new("qpip-bench nbd sweep");
@@ -502,6 +518,7 @@ fn nbd_sweep(args: SweepArgs) -> Result<()> {
         point_time: std::time::Duration::from_secs_f64(point_time),
         server_bin: server_bin.map_or_else(peers::default_server_bin, Ok)?,
         dir,
+        netns: net,
     };
     let report = sweep::run_all(opts, &progress)?;
     emit(json, &report, sweep::table(&report), true)?;
