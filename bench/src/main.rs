@@ -56,6 +56,16 @@ enum Cmd {
         /// Smaller counts (seconds instead of minutes), for smoke tests.
         #[arg(long)]
         quick: bool,
+        #[command(flatten)]
+        net: NetnsArgs,
+    },
+    /// The far side of one `micro` measure, as a process of its own (run by `micro --netns`
+    /// inside the namespace).
+    #[command(hide = true)]
+    MicroEcho {
+        job: String,
+        #[arg(long)]
+        listen: std::net::IpAddr,
     },
     /// The paper's experiments on the emulated LANai 9 and Myrinet, predicted in virtual
     /// time from the model's inputs: 1-byte RTT over UDP and TCP (hardware and firmware
@@ -335,6 +345,7 @@ fn run(cli: Cli) -> Result<()> {
             json,
             repeat,
             quick,
+            net,
         } => {
             let sizes = if quick {
                 micro::MicroSizes::quick()
@@ -342,9 +353,15 @@ fn run(cli: Cli) -> Result<()> {
                 micro::MicroSizes::full()
             };
             let progress = |s: &str| eprintln!("qpip-bench micro: {s}");
-            let report = micro::run(repeat, sizes, &progress)?;
+            let link = net.create()?;
+            if link.is_some() {
+                rig::netns::clean_up_on_signals("qpip-bench micro: interrupted")?;
+            }
+            let side = link.as_ref().map(|l| &l.side);
+            let report = micro::run(repeat, sizes, side, &progress)?;
             emit(json, &report, micro::table(&report), false)?;
         }
+        Cmd::MicroEcho { job, listen } => micro::far::child_main(&job, listen)?,
         Cmd::Lanai {
             json,
             params,

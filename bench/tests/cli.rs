@@ -59,6 +59,7 @@ fn micro_reports_round_trips_idle_and_under_load() {
             }
         }
     }
+    assert!(v["netns"].is_null());
     assert_eq!(
         v["rtt_comparisons"],
         serde_json::json!([
@@ -66,4 +67,36 @@ fn micro_reports_round_trips_idle_and_under_load() {
             ["qp_sleep", "socket_blocking"]
         ])
     );
+}
+
+/// `micro --netns` runs side B as `qpip-bench micro-echo` inside a namespace of its own,
+/// across a veth pair of the MTU asked for, and removes the namespace afterwards.
+#[test]
+fn micro_netns_runs_the_far_side_across_a_veth_link() {
+    use qpip_test_support::ci::{have, root};
+    if !root("--netns makes network namespaces") || !have("ip") {
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_qpip-bench"))
+        .args(["micro", "--quick", "--repeat", "1", "--json"])
+        .args(["--netns", "--mtu", "9000"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["netns"]["mtu"], 9000, "{}", v["netns"]);
+    for fig in [
+        &v["rtt"]["udp"]["qp_sleep"]["cpu_us"],
+        &v["rtt"]["tcp"]["socket_busy_poll"]["us"],
+        &v["throughput_MBps"]["128k"]["qp"],
+        &v["overhead_ns"]["socket"],
+    ] {
+        assert!(fig.as_f64().is_some_and(|x| x > 0.0), "{v}");
+    }
+    let ns = v["netns"]["namespace"].as_str().unwrap();
+    assert!(!std::path::Path::new("/run/netns").join(ns).exists());
 }

@@ -136,6 +136,22 @@ pub(crate) fn remove_active() {
     }
 }
 
+/// For runs with no other signal watcher: a signal removes the namespace and exits with
+/// `note` (guards do not run when a signal ends the process; children die with us).
+pub(crate) fn clean_up_on_signals(note: &'static str) -> Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
+        .context("installing signal handlers")?;
+    std::thread::spawn(move || {
+        if let Some(sig) = signals.forever().next() {
+            remove_active();
+            eprintln!("{note}; network namespace removed");
+            std::process::exit(128 + sig);
+        }
+    });
+    Ok(())
+}
+
 fn remove(namespace: &str, host_if: &str) {
     // Deleting one end deletes the pair at once, even while a process still holds the
     // namespace.
