@@ -22,6 +22,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use qpip_cli::{out, outln};
 
+use rig::netns::NetnsArgs;
 use rig::peers;
 
 #[derive(Parser)]
@@ -40,9 +41,11 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// QP verbs against kernel sockets: host overhead per 1-byte message, round-trip time over
-    /// TCP and UDP, ttcp throughput (10 MB in 16 KiB messages; 1 GiB in 128 KiB messages) with
-    /// application and NIC-engine CPU per GB.
+    /// QP verbs against kernel sockets: host overhead per 1-byte message; round-trip time over
+    /// TCP and UDP with every thread's CPU per round trip, a QP whose completion waits spin
+    /// (200 µs) against sockets that busy-poll (non-blocking recv in a loop) and a QP whose
+    /// waits sleep at once (set_spin(0)) against blocking sockets; ttcp throughput (10 MB in
+    /// 16 KiB messages; 1 GiB in 128 KiB messages) with application and NIC-engine CPU per GB.
     Micro {
         /// Print one JSON object instead of a table.
         #[arg(long)]
@@ -57,6 +60,16 @@ enum Cmd {
         /// it: every NIC the benchmarks opened must have given back what it took (tests).
         #[arg(long, hide = true)]
         check_leaks: bool,
+        #[command(flatten)]
+        net: NetnsArgs,
+    },
+    /// The far side of one `micro` measure, as a process of its own (run by `micro --netns`
+    /// inside the namespace).
+    #[command(hide = true)]
+    MicroEcho {
+        job: String,
+        #[arg(long)]
+        listen: std::net::IpAddr,
     },
     /// The paper's experiments on the emulated LANai 9 and Myrinet, predicted in virtual
     /// time from the model's inputs: 1-byte RTT over UDP and TCP (hardware and firmware
@@ -175,6 +188,8 @@ struct RawArgs {
     /// The pool for those images.
     #[arg(long, value_name = "POOL", default_value = "rbd")]
     rbd_pool: String,
+    #[command(flatten)]
+    net: NetnsArgs,
 }
 
 /// The options of `qpip-bench nbd ext2`.
@@ -214,6 +229,8 @@ struct Ext2Args {
     /// Write no plot.
     #[arg(long)]
     no_plot: bool,
+    #[command(flatten)]
+    net: NetnsArgs,
 }
 
 /// The options of `qpip-bench nbd qd1`.
@@ -240,6 +257,8 @@ struct Qd1Args {
     /// removed afterwards. Default: /dev/shm.
     #[arg(long, value_name = "DIR")]
     dir: Option<PathBuf>,
+    #[command(flatten)]
+    net: NetnsArgs,
 }
 
 /// The options of `qpip-bench nbd sweep`.
@@ -276,6 +295,8 @@ struct SweepArgs {
     /// Write no plots.
     #[arg(long)]
     no_plot: bool,
+    #[command(flatten)]
+    net: NetnsArgs,
 }
 
 fn main() {
@@ -329,6 +350,7 @@ fn run(cli: Cli) -> Result<()> {
             repeat,
             quick,
             check_leaks,
+            net,
         } => {
             let sizes = if quick {
                 micro::MicroSizes::quick()
@@ -336,7 +358,12 @@ fn run(cli: Cli) -> Result<()> {
                 micro::MicroSizes::full()
             };
             let progress = |s: &str| eprintln!("qpip-bench micro: {s}");
-            let run = || micro::run(repeat, sizes, &progress);
+            let link = net.create()?;
+            if link.is_some() {
+                rig::netns::clean_up_on_signals("qpip-bench micro: interrupted")?;
+            }
+            let side = link.as_ref().map(|l| &l.side);
+            let run = || micro::run(repeat, sizes, side, &progress);
             let report = if check_leaks {
                 micro::without_leaks(run)?
             } else {
@@ -344,6 +371,7 @@ fn run(cli: Cli) -> Result<()> {
             };
             emit(json, &report, micro::table(&report), false)?;
         }
+        Cmd::MicroEcho { job, listen } => micro::far::child_main(&job, listen)?,
         Cmd::Lanai {
             json,
             params,
@@ -386,6 +414,7 @@ fn nbd_raw(args: RawArgs) -> Result<()> {
         tls,
         rbd_conf,
         rbd_pool,
+        net,
     } = args;
     let server_bin = match server_bin {
         Some(p) => p,
@@ -415,6 +444,7 @@ fn nbd_raw(args: RawArgs) -> Result<()> {
                 qemu,
             }
         }),
+        net,
         &progress,
     )?;
     emit(json, &report, nbd::table(&report), false)
@@ -433,6 +463,7 @@ fn nbd_ext2(args: Ext2Args) -> Result<()> {
         loop_direct_io,
         plot_dir,
         no_plot,
+        net,
     } = args;
     check_plot_dir(&plot_dir, no_plot)?;
     let (server_bin, mount_bin) = bins.resolve()?;
@@ -446,6 +477,7 @@ fn nbd_ext2(args: Ext2Args) -> Result<()> {
         mount_args: mount_arg,
         dir,
         loop_direct_io: loop_direct_io == "on",
+        netns: net,
     };
     let report = ext2::run_all(opts, &progress)?;
     emit(json, &report, ext2::table(&report), true)?;
@@ -468,6 +500,7 @@ fn nbd_qd1(args: Qd1Args) -> Result<()> {
         bins,
         mount_arg,
         dir,
+        net,
     } = args;
     let runtime = std::time::Duration::try_from_secs_f64(runtime)
         .with_context(|| format!("--runtime {runtime}: expected a number of seconds"))?;
@@ -481,6 +514,7 @@ fn nbd_qd1(args: Qd1Args) -> Result<()> {
         mount_bin,
         mount_args: mount_arg,
         dir,
+        netns: net,
     };
     let report = qd1::run_all(opts, &progress)?;
     emit(json, &report, qd1::table(&report), true)
@@ -499,6 +533,7 @@ fn nbd_sweep(args: SweepArgs) -> Result<()> {
         dir,
         plot_dir,
         no_plot,
+        net,
     } = args;
     check_plot_dir(&plot_dir, no_plot)?;
     let progress = progress::Progress::new("qpip-bench nbd sweep");
@@ -510,6 +545,7 @@ fn nbd_sweep(args: SweepArgs) -> Result<()> {
         point_time: std::time::Duration::from_secs_f64(point_time),
         server_bin: server_bin.map_or_else(peers::default_server_bin, Ok)?,
         dir,
+        netns: net,
     };
     let report = sweep::run_all(opts, &progress)?;
     emit(json, &report, sweep::table(&report), true)?;

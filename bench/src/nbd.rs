@@ -35,6 +35,7 @@ use serde::Serialize;
 
 use crate::cpu;
 use crate::rig::fio;
+use crate::rig::netns::{NetnsArgs, Side};
 use crate::rig::peers::{self, NIC_THREAD, RbdBench, RbdImage, Running, Server};
 use crate::rig::workdir::{Image, WorkDir};
 use crate::units::human_bytes;
@@ -59,6 +60,8 @@ pub(crate) struct Params {
     pub tls: Option<PathBuf>,
     /// RBD rows too: qpip-rbd and qemu-nbd-rbd on this cluster.
     pub rbd: Option<RbdBench>,
+    /// `--netns`: the servers run in this namespace, fio here, across a veth link.
+    pub netns: Option<Side>,
 }
 
 impl Params {
@@ -237,7 +240,7 @@ fn round(server: Server, p: &Params, progress: &dyn Fn(&str)) -> Result<(Pass, P
             format!("qpip-bench-{name}-{}", std::process::id()),
             p.size_bytes,
         )?;
-        running = peers::start_rbd(server, &p.server_bin, rbd, &img.name, log)?;
+        running = peers::start_rbd(server, &p.server_bin, rbd, &img.name, log, p.netns.as_ref())?;
         _rbd_image = Some(img);
         _file = None;
     } else {
@@ -249,6 +252,7 @@ fn round(server: Server, p: &Params, progress: &dyn Fn(&str)) -> Result<(Pass, P
             log,
             false,
             p.tls.as_deref(),
+            p.netns.as_ref(),
         )?;
         _file = Some(image);
         _rbd_image = None;
@@ -288,6 +292,7 @@ pub(crate) fn run(
     prewrite: bool,
     tls: bool,
     rbd: Option<RbdBench>,
+    netns: NetnsArgs,
     progress: &dyn Fn(&str),
 ) -> Result<NbdRawReport> {
     let repeat = repeat.max(1);
@@ -318,6 +323,8 @@ pub(crate) fn run(
         .flat_map(|s| ["img", "log"].map(|ext| format!("{}.{ext}", s.name())))
         .collect();
     work.clean_up_on_signals(files, "qpip-bench nbd raw: interrupted; images deleted")?;
+    // Dropped after every server (each stops within its round).
+    let link = netns.create()?;
     let fio_version = fio::version();
     let params = Params {
         size_bytes: size,
@@ -348,6 +355,7 @@ pub(crate) fn run(
             None
         },
         rbd,
+        netns: link.as_ref().map(|l| l.side.clone()),
     };
     let servers = params.servers();
     let mut samples: BTreeMap<&'static str, BTreeMap<&'static str, Vec<f64>>> = servers
@@ -427,13 +435,24 @@ pub(crate) fn run(
     })
 }
 
+/// The table's line on where the servers ran: over loopback, or across the veth link.
+pub(crate) fn link_line(net: Option<&Side>) -> String {
+    match net {
+        None => "servers on 127.0.0.1 (loopback, MTU 65536)\n\n".into(),
+        Some(n) => format!(
+            "servers in network namespace {} at {}, clients here at {}: veth link, MTU {}\n\n",
+            n.namespace, n.ns_ip, n.host_ip, n.mtu
+        ),
+    }
+}
+
 /// The report as a terminal table.
 pub(crate) fn table(r: &NbdRawReport) -> String {
     let p = &r.params;
     let mut s = format!(
         "nbd raw: sequential write then read of {} in {} requests, {} in flight on each of {} \
          connection(s), fio nbd engine;\n\
-         page-cache-hot {} raw files for all servers; median of {} rounds [min-max]{}\n\n",
+         page-cache-hot {} raw files for all servers; median of {} rounds [min-max]{}\n",
         human_bytes(p.size_bytes),
         human_bytes(p.bs_bytes),
         p.iodepth,
@@ -450,6 +469,7 @@ pub(crate) fn table(r: &NbdRawReport) -> String {
             ""
         }
     );
+    s += &link_line(p.netns.as_ref());
     s += &format!(
         "{:<10} {:<6} {:>22} {:>24} {:>20}\n",
         "server", "dir", "MB/s", "server CPU s/GB", "fio CPU s/GB"

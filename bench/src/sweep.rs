@@ -25,6 +25,7 @@ use crate::cpu;
 use crate::progress::{Bar, Progress};
 use crate::report::{Machine, TargetCheck, machine};
 use crate::rig::fio;
+use crate::rig::netns::{NetnsArgs, Side};
 use crate::rig::peers::{self, NIC_THREAD, Running, Server};
 use crate::rig::workdir::{Image, WorkDir};
 use crate::stats::{Interrupt, Samples, Stat};
@@ -51,6 +52,7 @@ pub(crate) struct Options {
     pub point_time: Duration,
     pub server_bin: PathBuf,
     pub dir: Option<PathBuf>,
+    pub netns: NetnsArgs,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -63,6 +65,8 @@ pub(crate) struct Params {
     pub server_bin: PathBuf,
     pub dir: PathBuf,
     pub clients: BTreeMap<&'static str, String>,
+    /// `--netns`: the servers run in this namespace, the clients here, across a veth link.
+    pub netns: Option<Side>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -247,7 +251,10 @@ pub(crate) fn run_all(o: Options, progress: &Progress) -> Result<SweepReport> {
     let stop = Interrupt::install()?;
     let work = WorkDir::on_tmpfs(o.dir.as_deref(), "sweep")?;
     let base = work.path.clone();
-    let params = params(&o, image_bytes, base.clone());
+    // Dropped after every server (each stops within its round).
+    let link = o.netns.create()?;
+    let net = link.as_ref().map(|l| l.side.clone());
+    let params = params(&o, image_bytes, base.clone(), net.clone());
     let npoints = (o.sizes.len() * o.depths.len() * 2 * STACKS.len() * params.repeat) as u64;
     let mut bar = progress.steps("points".into(), npoints);
     let mut collected = Collected::default();
@@ -258,6 +265,7 @@ pub(crate) fn run_all(o: Options, progress: &Progress) -> Result<SweepReport> {
             image_bytes,
             number: i + 1,
             stop: &stop,
+            net: net.as_ref(),
         };
         for k in 0..STACKS.len() {
             stop.check()?;
@@ -297,7 +305,7 @@ fn check_options(o: &Options) -> Result<u64> {
 }
 
 /// The report's record of how the sweep ran.
-fn params(o: &Options, image_bytes: u64, dir: PathBuf) -> Params {
+fn params(o: &Options, image_bytes: u64, dir: PathBuf, netns: Option<Side>) -> Params {
     let fio_version = fio::version();
     let fio = format!("{fio_version} --ioengine=nbd (libnbd, TCP), 1 job, 1 connection");
     Params {
@@ -308,6 +316,7 @@ fn params(o: &Options, image_bytes: u64, dir: PathBuf) -> Params {
         point_time_s: o.point_time.as_secs_f64(),
         server_bin: o.server_bin.clone(),
         dir,
+        netns,
         clients: BTreeMap::from([
             (
                 "qpip",
@@ -329,6 +338,8 @@ struct Round<'a> {
     /// Counted from 1.
     number: usize,
     stop: &'a Interrupt,
+    /// `--netns`: the namespace the servers run in.
+    net: Option<&'a Side>,
 }
 
 impl Round<'_> {
@@ -348,6 +359,7 @@ impl Round<'_> {
             self.base.join(format!("{name}.log")),
             true,
             None,
+            self.net,
         )?;
         for &size in &self.o.sizes {
             for &depth in &self.o.depths {
@@ -477,11 +489,12 @@ pub(crate) fn table(r: &SweepReport) -> String {
     let mut s = format!(
         "nbd sweep: sequential raw NBD I/O, at most {} and {:.1} s per point, median of {} \
          round(s) [min-max]; MB = 10^6 bytes\nqpip = nbd_client load generator -> \
-         qpip-nbd-server (QPs); peers = fio nbd engine (libnbd, TCP) -> nbdkit / qemu-nbd\n\n",
+         qpip-nbd-server (QPs); peers = fio nbd engine (libnbd, TCP) -> nbdkit / qemu-nbd\n",
         human_bytes(p.image_bytes),
         p.point_time_s,
         p.repeat
     );
+    s += &crate::nbd::link_line(p.netns.as_ref());
     s += &format!(
         "{:<5} {:>8} {:>3} | {:>16} {:>16} {:>16} | {:>6} | {:>20}\n",
         "dir",

@@ -54,7 +54,8 @@ fn micro_gives_back_every_descriptor_and_thread() {
 }
 
 /// `micro --json` reports round trips on an idle machine and with every CPU loaded, for QPs
-/// and sockets alike.
+/// that spin and that sleep and for sockets that busy-poll and that block, each with its CPU
+/// per round trip.
 #[test]
 fn micro_reports_round_trips_idle_and_under_load() {
     let out = Command::new(env!("CARGO_BIN_EXE_qpip-bench"))
@@ -67,12 +68,57 @@ fn micro_reports_round_trips_idle_and_under_load() {
         String::from_utf8_lossy(&out.stderr)
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    for key in ["rtt_us", "rtt_loaded_us"] {
+    for key in ["rtt", "rtt_loaded"] {
         for proto in ["tcp", "udp"] {
-            for side in ["qp", "socket"] {
-                let x = v[key][proto][side].as_f64();
-                assert!(x.is_some_and(|x| x > 0.0), "{key}.{proto}.{side}: {x:?}");
+            for way in ["qp_spin", "socket_busy_poll", "qp_sleep", "socket_blocking"] {
+                for fig in ["us", "cpu_us"] {
+                    let x = v[key][proto][way][fig].as_f64();
+                    assert!(
+                        x.is_some_and(|x| x > 0.0),
+                        "{key}.{proto}.{way}.{fig}: {x:?}"
+                    );
+                }
             }
         }
     }
+    assert!(v["netns"].is_null());
+    assert_eq!(
+        v["rtt_comparisons"],
+        serde_json::json!([
+            ["qp_spin", "socket_busy_poll"],
+            ["qp_sleep", "socket_blocking"]
+        ])
+    );
+}
+
+/// `micro --netns` runs side B as `qpip-bench micro-echo` inside a namespace of its own,
+/// across a veth pair of the MTU asked for, and removes the namespace afterwards.
+#[test]
+fn micro_netns_runs_the_far_side_across_a_veth_link() {
+    use qpip_test_support::ci::{have, root};
+    if !root("--netns makes network namespaces") || !have("ip") {
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_qpip-bench"))
+        .args(["micro", "--quick", "--repeat", "1", "--json"])
+        .args(["--netns", "--mtu", "9000"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["netns"]["mtu"], 9000, "{}", v["netns"]);
+    for fig in [
+        &v["rtt"]["udp"]["qp_sleep"]["cpu_us"],
+        &v["rtt"]["tcp"]["socket_busy_poll"]["us"],
+        &v["throughput_MBps"]["128k"]["qp"],
+        &v["overhead_ns"]["socket"],
+    ] {
+        assert!(fig.as_f64().is_some_and(|x| x > 0.0), "{v}");
+    }
+    let ns = v["netns"]["namespace"].as_str().unwrap();
+    assert!(!std::path::Path::new("/run/netns").join(ns).exists());
 }

@@ -6,17 +6,42 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use qpip_test_support::bins::workspace_bin;
-use qpip_test_support::ci::require;
+use qpip_test_support::ci::{require, root};
 
 #[test]
 fn nbd_raw_json_has_positive_figures_for_every_server() {
     if !require(&["fio", "nbdkit", "qemu-nbd"]) {
         return;
     }
+    let v = raw_json(&[]);
+    assert!(v["params"]["netns"].is_null(), "{}", v["params"]);
+}
+
+/// With `--netns --mtu 9000` the servers listen in a namespace of their own, on the far
+/// address of a veth pair of that MTU, and fio reaches them across it; the namespace is gone
+/// afterwards.
+#[test]
+fn nbd_raw_netns_runs_the_servers_across_a_veth_link_and_removes_it() {
+    if !root("--netns makes network namespaces") || !require(&["fio", "nbdkit", "qemu-nbd", "ip"]) {
+        return;
+    }
+    let v = raw_json(&["--netns", "--mtu", "9000"]);
+    let net = &v["params"]["netns"];
+    assert_eq!(net["mtu"], 9000, "{net}");
+    let ns = net["namespace"].as_str().expect("namespace name");
+    assert!(!std::path::Path::new("/run/netns").join(ns).exists());
+    let ip = net["ns_ip"].as_str().expect("namespace address");
+    assert!(ip.starts_with("10.77."), "{net}");
+}
+
+/// `qpip-bench nbd raw` on 64 MiB, one round, with `extra` options: its JSON, checked for a
+/// positive figure of every measure of every server.
+fn raw_json(extra: &[&str]) -> serde_json::Value {
     let bench = PathBuf::from(env!("CARGO_BIN_EXE_qpip-bench"));
     let server = workspace_bin("nbd-server", "qpip-nbd-server");
     let out = Command::new(&bench)
         .args(["nbd", "raw", "--size", "64M", "--repeat", "1", "--json"])
+        .args(extra)
         .arg("--server-bin")
         .arg(&server)
         .output()
@@ -46,6 +71,7 @@ fn nbd_raw_json_has_positive_figures_for_every_server() {
     }
     assert_eq!(v["params"]["size_bytes"], 64 << 20);
     assert_eq!(v["params"]["repeat"], 1);
+    v
 }
 
 #[test]

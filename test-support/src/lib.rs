@@ -3,8 +3,8 @@
 //! data ([`pattern`]), finding peer programs under one CI rule ([`ci`]), building and
 //! locating the workspace's binaries with the run's features ([`bins`]), running peer
 //! commands with a time limit ([`process`]), peer servers as child processes that die
-//! with their guard ([`servers`]), and the honest handshake of hand-made fake servers
-//! ([`fake`]).
+//! with their guard ([`servers`]), the honest handshake of hand-made fake servers
+//! ([`fake`]), and a second host across a veth link ([`netns`]).
 //!
 //! # The CI rule
 //!
@@ -18,6 +18,7 @@ pub mod bins;
 pub mod ci;
 pub mod fake;
 pub mod net;
+pub mod netns;
 pub mod pattern;
 pub mod process;
 pub mod servers;

@@ -1,7 +1,8 @@
-//! NBD servers as child processes on 127.0.0.1 (or a Unix socket), each killed when its
-//! guard drops: qpip-nbd-server ([`ServerProcess`], or [`qpip_server`] as a plain [`Peer`]),
-//! and the peers qemu-nbd, nbdkit and Debian's nbd-server. A peer that is not installed is
-//! `None` under the CI rule ([`crate::ci::have`]).
+//! NBD servers as child processes on 127.0.0.1 (or a Unix socket, or qpip-nbd-server in a
+//! network namespace: [`qpip_server_in`]), each killed when its guard drops:
+//! qpip-nbd-server ([`ServerProcess`], or [`qpip_server`] as a plain [`Peer`]), and the peers
+//! qemu-nbd, nbdkit and Debian's nbd-server. A peer that is not installed is `None` under the
+//! CI rule ([`crate::ci::have`]).
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -13,6 +14,7 @@ use std::time::{Duration, Instant};
 use crate::bins::qpip_server_bin;
 use crate::ci::{have, require};
 use crate::net::{LISTEN_TIMEOUT, free_port, wait_port, wait_socket};
+use crate::netns::Netns;
 
 /// What qpip-nbd-server prints once it listens, before the address.
 const LISTENING: &str = "qpip-nbd-server: listening on ";
@@ -104,21 +106,33 @@ pub fn qpip_server(name: &str, path: &Path, extra: &[&str]) -> Peer {
 
 /// [`qpip_server`] on `port` (0: a free one).
 pub fn qpip_server_on(port: u16, name: &str, path: &Path, extra: &[&str]) -> Peer {
-    let mut child = Command::new(qpip_server_bin())
-        .args(["--listen", &format!("127.0.0.1:{port}"), "--log", "warn"])
+    qpip_server_at(None, port, name, path, extra)
+}
+
+/// [`qpip_server_on`] inside the network namespace `ns`, on its address.
+pub fn qpip_server_in(ns: &Netns, port: u16, name: &str, path: &Path, extra: &[&str]) -> Peer {
+    qpip_server_at(Some(ns), port, name, path, extra)
+}
+
+fn qpip_server_at(ns: Option<&Netns>, port: u16, name: &str, path: &Path, extra: &[&str]) -> Peer {
+    let host = ns.map_or("127.0.0.1", |n| &n.ns_ip);
+    let mut cmd = Command::new(qpip_server_bin());
+    cmd.args(["--listen", &format!("{host}:{port}"), "--log", "warn"])
         .arg("--export")
         .arg(format!("{name}={}", path.display()))
         .args(extra)
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting qpip-nbd-server");
+        .stderr(Stdio::piped());
+    if let Some(n) = ns {
+        n.enter(&mut cmd);
+    }
+    let mut child = cmd.spawn().expect("starting qpip-nbd-server");
     let addr = listen_line(child.stderr.take().expect("piped stderr"));
     let Some(addr) = addr else {
         let _ = child.kill();
         panic!("qpip-nbd-server exited or stayed silent before listening");
     };
     let port = addr.rsplit(':').next().unwrap().parse().unwrap();
-    Peer::new(child, port, format!("nbd://127.0.0.1:{port}/{name}"))
+    Peer::new(child, port, format!("nbd://{host}:{port}/{name}"))
 }
 
 /// qemu-nbd exporting `path` (raw) as `name`, persistent, 8 clients, discards passed on.

@@ -39,6 +39,7 @@ use crate::pattern::{BLOCK, Pattern};
 use crate::progress::{Bar, Progress};
 use crate::report::machine;
 use crate::rig::mount::{self, ExtMount, FuseClient, FuseProgram, LoopDev};
+use crate::rig::netns::{NetnsArgs, Side};
 use crate::rig::peers::{self, Server};
 use crate::rig::workdir::WorkDir;
 use crate::stats::{Interrupt, Samples, Stat};
@@ -135,6 +136,8 @@ pub(crate) struct Params {
     pub loop_direct_io: bool,
     pub mkfs: &'static str,
     pub cpu_accounting: &'static str,
+    /// `--netns`: the servers run in this namespace, the mounts here, across a veth link.
+    pub netns: Option<Side>,
 }
 
 // ---------------------------------------------------------------- prerequisites
@@ -305,6 +308,7 @@ fn round(
         dir.path.join("server.log"),
         true,
         None,
+        p.netns.as_ref(),
     )?;
     stop.check()?;
     let mount_args: Vec<String> = (stack.mount_args().iter().map(|a| a.to_string()))
@@ -371,6 +375,7 @@ pub(crate) struct Options {
     pub mount_args: Vec<String>,
     pub dir: Option<PathBuf>,
     pub loop_direct_io: bool,
+    pub netns: NetnsArgs,
 }
 
 fn record(s: &mut Samples, dir: &str, bytes: u64, ph: &Phase) {
@@ -412,6 +417,8 @@ pub(crate) fn run_all(o: Options, progress: &Progress) -> Result<Ext2Report> {
     check_prerequisites(&o.stacks, &o.server_bin, &o.mount_bin)?;
     let stop = Interrupt::install()?;
     let work = WorkDir::on_tmpfs(o.dir.as_deref(), "ext2")?;
+    // Dropped after every server (each stops within its round).
+    let link = o.netns.create()?;
     let base = work.path.clone();
     // Room for ext2's metadata (inode tables, bitmaps, indirect blocks) around the file.
     let image = (o.file_size + o.file_size / 4 + (64 << 20)).next_multiple_of(1 << 20);
@@ -434,6 +441,7 @@ pub(crate) fn run_all(o: Options, progress: &Progress) -> Result<Ext2Report> {
              (writer/reader); other = user processes not ours (excluded from MB per CPU-s); \
              MB per host CPU-s also excludes nic; \
              kernel = machine - server - nic - client - bench - other",
+        netns: link.as_ref().map(|l| l.side.clone()),
     };
     let mut samples: BTreeMap<Stack, Samples> = BTreeMap::new();
     let mut dio = BTreeMap::new();

@@ -82,11 +82,12 @@ pub(crate) fn table(r: &Ext2Report) -> String {
     let mut s = format!(
         "nbd ext2: {} file written + sync, then read back cold and verified, on ext2 on a loop \
          device on a FUSE file;\nimage {} on tmpfs; median of {} round(s) [min-max]; MB = 10^6 \
-         bytes; CPU split in CPU-seconds per GB moved\n\n",
+         bytes; CPU split in CPU-seconds per GB moved\n",
         human_bytes(p.file_size_bytes),
         human_bytes(p.image_size_bytes),
         p.repeat
     );
+    s += &crate::nbd::link_line(p.netns.as_ref());
     s += &format!(
         "{:<11} {:<5} {:>17} {:>15} {:>15} | {:>6} {:>6} {:>6} {:>6} {:>6} | {:>6} {:>6}\n",
         "stack",

@@ -37,6 +37,7 @@ use crate::progress::Progress;
 use crate::report::machine;
 use crate::rig::fio::{self, FileJob, LatencyReport, RandDir};
 use crate::rig::mount::{FuseClient, FuseProgram};
+use crate::rig::netns::{NetnsArgs, Side};
 use crate::rig::peers::{self, NIC_THREAD, Running, Server};
 use crate::rig::workdir::{Image, WorkDir};
 use crate::stats::{Interrupt, Samples, Stat};
@@ -100,6 +101,7 @@ pub(crate) struct Options {
     pub mount_bin: PathBuf,
     pub mount_args: Vec<String>,
     pub dir: Option<PathBuf>,
+    pub netns: NetnsArgs,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -117,6 +119,8 @@ pub(crate) struct Params {
     pub fio: String,
     pub cache: &'static str,
     pub cpu_accounting: &'static str,
+    /// `--netns`: the servers run in this namespace, the mounts here, across a veth link.
+    pub netns: Option<Side>,
 }
 
 // ---------------------------------------------------------------- prerequisites
@@ -279,6 +283,7 @@ fn round(
         dir.path.join("server.log"),
         true,
         None,
+        p.netns.as_ref(),
     )?;
     stop.check()?;
     let mount_args: Vec<String> = ["--cache", "none"]
@@ -335,8 +340,9 @@ fn round(
 
 // ---------------------------------------------------------------- the whole run
 
-fn params(o: &Options, dir: PathBuf) -> Params {
+fn params(o: &Options, dir: PathBuf, netns: Option<Side>) -> Params {
     Params {
+        netns,
         size_bytes: o.size,
         bs_bytes: BS,
         runtime_s: o.runtime.as_secs_f64(),
@@ -379,7 +385,9 @@ pub(crate) fn run_all(o: Options, progress: &Progress) -> Result<Qd1Report> {
     check_prerequisites(&o)?;
     let stop = Interrupt::install()?;
     let work = WorkDir::fresh_in(o.dir.as_deref(), "qd1")?;
-    let p = params(&o, work.path.clone());
+    // Dropped after every server (each stops within its round).
+    let link = o.netns.create()?;
+    let p = params(&o, work.path.clone(), link.as_ref().map(|l| l.side.clone()));
     progress.line(&format!(
         "writing a {} image of random data to {}",
         human_bytes(p.size_bytes),

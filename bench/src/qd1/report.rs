@@ -70,12 +70,13 @@ fn header(p: &Params) -> String {
     let mut s = format!(
         "nbd qd1: {} O_DIRECT random reads, then writes, one at a time (fio psync, iodepth 1), \
          {} s each, through a FUSE file;\n{} image of random data on tmpfs; median of {} \
-         round(s) [min-max]; CPU in CPU-ms per 10 000 operations\n\n",
+         round(s) [min-max]; CPU in CPU-ms per 10 000 operations\n",
         human_bytes(p.bs_bytes),
         p.runtime_s,
         human_bytes(p.size_bytes),
         p.repeat
     );
+    s += &crate::nbd::link_line(p.netns.as_ref());
     s += &format!(
         "{:<10} {:<9} {:>19} {:>15} {:>17} | {:>6} {:>6} {:>6} {:>6} {:>6} | {:>9}\n",
         "stack",

@@ -110,16 +110,11 @@ impl FuseClient {
         } else {
             let file = dir.join("fuse-file");
             File::create(&file).with_context(|| format!("creating {}", file.display()))?;
-            let port = server.uri();
-            let port = port
-                .rsplit_once(':')
-                .and_then(|(_, p)| p.split('/').next())
-                .context("server URI has no port")?
-                .to_string();
+            let (host, port) = (server.addr().ip(), server.addr().port());
             let mut c = Command::new("qemu-storage-daemon");
             c.arg("--blockdev")
                 .arg(format!(
-                    "driver=nbd,node-name=n,server.type=inet,server.host=127.0.0.1,\
+                    "driver=nbd,node-name=n,server.type=inet,server.host={host},\
                      server.port={port},export={EXPORT}"
                 ))
                 .arg("--export")

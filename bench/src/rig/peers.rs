@@ -1,9 +1,9 @@
 //! Peer servers: qpip-nbd-server, nbdkit, qemu-nbd and Debian's nbd-server (on a file) or
-//! qpip-nbd-server and qemu-nbd on an RBD image, each a child process on a port of 127.0.0.1,
-//! stopped (SIGTERM, then SIGKILL) by a guard. Also where the programs are found, and the
+//! qpip-nbd-server and qemu-nbd on an RBD image, each a child process on a port of 127.0.0.1
+//! (with `--netns`: of the namespace's address, the process started inside it), stopped (SIGTERM, then SIGKILL) by a guard. Also where the programs are found, and the
 //! prerequisites of the fio-driven experiments.
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
+
+use super::netns::Side;
 
 pub(crate) const EXPORT: &str = "bench";
 const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -184,6 +186,11 @@ impl Running {
         self.child.id()
     }
 
+    /// Where it listens.
+    pub(crate) fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
     pub(crate) fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
@@ -241,10 +248,10 @@ pub(crate) fn free_port() -> Result<u16> {
     Ok(l.local_addr()?.port())
 }
 
-/// Starts `server` exporting `image` as `bench` on 127.0.0.1; returns once it accepts.
-/// `own_group`: in a process group of its own, so that a terminal's Ctrl-C reaches only us
-/// (and our guards stop the server in order). `tls`: the x509 credentials directory (qemu's
-/// layout) the server requires TLS with.
+/// Starts `server` exporting `image` as `bench` on 127.0.0.1 (or in the namespace `net`, on
+/// its address); returns once it accepts. `own_group`: in a process group of its own, so that
+/// a terminal's Ctrl-C reaches only us (and our guards stop the server in order). `tls`: the
+/// x509 credentials directory (qemu's layout) the server requires TLS with.
 pub(crate) fn start(
     server: Server,
     server_bin: &Path,
@@ -252,7 +259,10 @@ pub(crate) fn start(
     log: PathBuf,
     own_group: bool,
     tls: Option<&Path>,
+    net: Option<&Side>,
 ) -> Result<Running> {
+    let host = host_ip(net);
+    let listen = format!("{host}:0");
     let img = image.to_str().context("image path is not UTF-8")?;
     let certs = match tls {
         Some(d) => Some(d.to_str().context("TLS directory path is not UTF-8")?),
@@ -261,7 +271,7 @@ pub(crate) fn start(
     let (cmd, port) = match server {
         Server::Qpip => {
             let mut c = Command::new(server_bin);
-            c.args(["--listen", "127.0.0.1:0", "--log", "warn", "--export"])
+            c.args(["--listen", &listen, "--log", "warn", "--export"])
                 .arg(format!("{EXPORT}={img}"));
             if let Some(d) = certs {
                 c.args(["--tls", "require", "--tls-certs", d]);
@@ -271,14 +281,10 @@ pub(crate) fn start(
         Server::Nbdkit => {
             let port = free_port()?;
             let mut c = Command::new("nbdkit");
-            c.args([
-                "--foreground",
-                "--exit-with-parent",
-                "-i",
-                "127.0.0.1",
-                "-p",
-            ])
-            .arg(port.to_string());
+            c.args(["--foreground", "--exit-with-parent", "-i"])
+                .arg(host.to_string())
+                .arg("-p")
+                .arg(port.to_string());
             if let Some(d) = certs {
                 c.arg("--tls=require")
                     .arg(format!("--tls-certificates={d}"));
@@ -288,7 +294,7 @@ pub(crate) fn start(
         }
         Server::QemuNbd => {
             let port = free_port()?;
-            let mut c = qemu_nbd(port);
+            let mut c = qemu_nbd(host, port);
             c.arg("--aio=threads");
             if let Some(d) = certs {
                 c.arg("--object")
@@ -307,7 +313,7 @@ pub(crate) fn start(
             std::fs::write(
                 &cfg,
                 format!(
-                    "[generic]\n    port = {port}\n    listenaddr = 127.0.0.1\n    \
+                    "[generic]\n    port = {port}\n    listenaddr = {host}\n    \
                      allowlist = true\n[{EXPORT}]\n    exportname = {img}\n    \
                      flush = true\n    fua = true\n    trim = true\n"
                 ),
@@ -320,16 +326,23 @@ pub(crate) fn start(
         }
         Server::QpipRbd | Server::QemuNbdRbd => bail!("{} serves RBD images", server.name()),
     };
-    launch(server, cmd, port, log, own_group, certs.is_some())
+    launch(server, cmd, port, log, own_group, certs.is_some(), net)
 }
 
-/// qemu-nbd serving `EXPORT` raw on 127.0.0.1:`port`, persistent, to any number of clients at
+/// The address servers listen on: loopback, or the namespace's side of the link.
+fn host_ip(net: Option<&Side>) -> Ipv4Addr {
+    net.map_or(Ipv4Addr::LOCALHOST, |n| n.ns_ip)
+}
+
+/// qemu-nbd serving `EXPORT` raw on `host`:`port`, persistent, to any number of clients at
 /// once (its default is one: the others would wait for it, one after another), with a
 /// writeback cache and neither zero detection nor discards (the file and RBD rows share these
 /// settings).
-fn qemu_nbd(port: u16) -> Command {
+fn qemu_nbd(host: Ipv4Addr, port: u16) -> Command {
     let mut c = Command::new("qemu-nbd");
-    c.args(["-f", "raw", "-b", "127.0.0.1", "-p"])
+    c.args(["-f", "raw", "-b"])
+        .arg(host.to_string())
+        .arg("-p")
         .arg(port.to_string())
         .args([
             "-x",
@@ -344,39 +357,35 @@ fn qemu_nbd(port: u16) -> Command {
 }
 
 /// Starts `server` (qpip-rbd or qemu-nbd-rbd) exporting RBD image `pool/image` of the
-/// cluster as `bench` on 127.0.0.1; returns once it accepts.
+/// cluster as `bench` on 127.0.0.1 (or in the namespace `net`); returns once it accepts.
 pub(crate) fn start_rbd(
     server: Server,
     server_bin: &Path,
     rbd: &RbdBench,
     image: &str,
     log: PathBuf,
+    net: Option<&Side>,
 ) -> Result<Running> {
     let conf = rbd.conf.to_str().context("ceph.conf path is not UTF-8")?;
+    let host = host_ip(net);
+    let listen = format!("{host}:0");
     let (cmd, port) = match server {
         Server::QpipRbd => {
             let mut c = Command::new(server_bin);
-            c.args([
-                "--listen",
-                "127.0.0.1:0",
-                "--log",
-                "warn",
-                "--ceph-conf",
-                conf,
-            ])
-            .arg("--export")
-            .arg(format!("{EXPORT}=rbd:{}/{image}", rbd.pool));
+            c.args(["--listen", &listen, "--log", "warn", "--ceph-conf", conf])
+                .arg("--export")
+                .arg(format!("{EXPORT}=rbd:{}/{image}", rbd.pool));
             (c, None)
         }
         Server::QemuNbdRbd => {
             let port = free_port()?;
-            let mut c = qemu_nbd(port);
+            let mut c = qemu_nbd(host, port);
             c.arg(format!("rbd:{}/{image}:conf={conf}", rbd.pool));
             (c, Some(port))
         }
         _ => bail!("{} does not serve RBD images", server.name()),
     };
-    launch(server, cmd, port, log, false, false)
+    launch(server, cmd, port, log, false, false, net)
 }
 
 /// An RBD image made for one round, removed on drop (after its server has stopped).
@@ -425,8 +434,8 @@ impl Drop for RbdImage {
     }
 }
 
-/// Spawns a server's command and waits until it accepts (qpip's: until it prints its
-/// address, `port` None).
+/// Spawns a server's command (inside the namespace `net`, if any) and waits until it accepts
+/// (qpip's: until it prints its address, `port` None).
 /// `tls`: it requires TLS (its URI is nbds://).
 fn launch(
     server: Server,
@@ -435,6 +444,7 @@ fn launch(
     log: PathBuf,
     own_group: bool,
     tls: bool,
+    net: Option<&Side>,
 ) -> Result<Running> {
     let logf =
         std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
@@ -445,6 +455,9 @@ fn launch(
     if own_group {
         cmd.process_group(0);
     }
+    if let Some(n) = net {
+        n.enter(&mut cmd)?;
+    }
     let program = cmd.get_program().to_string_lossy().into_owned();
     let child = cmd
         .spawn()
@@ -453,7 +466,7 @@ fn launch(
     let mut running = Running {
         server,
         child,
-        addr: SocketAddr::from(([127, 0, 0, 1], port.unwrap_or(0))),
+        addr: SocketAddr::from((IpAddr::V4(host_ip(net)), port.unwrap_or(0))),
         log,
         tls,
     };
@@ -474,7 +487,7 @@ fn launch(
         // nbd-server -d serves one connection and exits: a probe connection would be it, so
         // we wait for its listening socket instead.
         let up = if server == Server::NbdServer {
-            listening(running.addr.port())
+            listening(pid, running.addr.port())
         } else {
             TcpStream::connect_timeout(&running.addr, Duration::from_millis(200)).is_ok()
         };
@@ -493,9 +506,10 @@ fn launch(
     }
 }
 
-/// Whether some socket listens on TCP `port` of IPv4 (from /proc/net/tcp, state 0A).
-fn listening(port: u16) -> bool {
-    let text = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+/// Whether some socket listens on TCP `port` of IPv4 in the network namespace of process
+/// `pid` (from /proc/PID/net/tcp, state 0A).
+fn listening(pid: u32, port: u16) -> bool {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).unwrap_or_default();
     let want = format!(":{port:04X}");
     text.lines().skip(1).any(|l| {
         let f: Vec<&str> = l.split_ascii_whitespace().collect();

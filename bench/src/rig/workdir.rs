@@ -69,7 +69,7 @@ impl WorkDir {
 
     /// Interrupted (SIGINT, SIGTERM, SIGHUP): Drop guards do not run when a signal ends the
     /// process, so a watcher thread deletes the directory (or, in a directory we did not
-    /// create, the `files` in it) and exits with `note`. Child processes get SIGTERM from the
+    /// create, the `files` in it) and `--netns`'s namespace and exits with `note`. Child processes get SIGTERM from the
     /// kernel when we die (`peers::die_with_parent`).
     pub(crate) fn clean_up_on_signals(&self, files: Vec<String>, note: &'static str) -> Result<()> {
         use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
@@ -85,6 +85,7 @@ impl WorkDir {
                         let _ = std::fs::remove_file(path.join(f));
                     }
                 }
+                super::netns::remove_active();
                 eprintln!("{note}");
                 std::process::exit(128 + sig);
             }

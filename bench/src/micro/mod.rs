@@ -8,8 +8,10 @@
 //! One file over 600 lines on purpose: each measure's QP half and socket half sit side by
 //! side, so that a change to one is seen next to the other.
 
+pub(crate) mod far;
+
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::net::{SocketAddr, TcpStream, UdpSocket};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -20,6 +22,8 @@ use qpip_core::{
 use serde::Serialize;
 
 use crate::cpu;
+use crate::rig::netns::Side;
+use far::{FarSide, Job, Meter, SideCpu};
 
 /// Both figures of one comparison.
 #[derive(Clone, Copy, Debug, Serialize)]
@@ -28,10 +32,23 @@ pub(crate) struct Pair {
     pub socket: f64,
 }
 
+/// The round trips of one protocol: each QP waiter beside the socket that waits as it does.
+#[derive(Debug, Serialize)]
+pub(crate) struct RttWays {
+    /// QP completion waits that spin up to 200 µs: against `socket_busy_poll`.
+    pub qp_spin: RttRow,
+    /// Non-blocking `recv` in a loop on both sides (busy polling).
+    pub socket_busy_poll: RttRow,
+    /// QP completion waits that sleep at once (`set_spin(0)`): against `socket_blocking`.
+    pub qp_sleep: RttRow,
+    /// Blocking `recv` on both sides.
+    pub socket_blocking: RttRow,
+}
+
 #[derive(Debug, Serialize)]
 pub(crate) struct Rtt {
-    pub tcp: Pair,
-    pub udp: Pair,
+    pub tcp: RttWays,
+    pub udp: RttWays,
 }
 
 #[derive(Debug, Serialize)]
@@ -46,10 +63,14 @@ pub(crate) struct BySize {
 #[allow(non_snake_case)]
 pub(crate) struct MicroReport {
     pub overhead_ns: Pair,
-    pub rtt_us: Rtt,
+    /// 1-byte round trips: latency and every thread's CPU per round trip, in µs.
+    pub rtt: Rtt,
     /// The same round trips with a busy thread on every CPU ([`CpuLoad`]): what a NIC that
     /// polls costs when the cores have other work.
-    pub rtt_loaded_us: Rtt,
+    pub rtt_loaded: Rtt,
+    /// Which round-trip rows are compared: a spinning QP waiter with busy-polling sockets, a
+    /// sleeping one with blocking sockets.
+    pub rtt_comparisons: [[&'static str; 2]; 2],
     pub throughput_MBps: BySize,
     /// The application threads' own CPU per GB: for QPs without the NIC's work they ran
     /// while waiting (run to completion), which is counted in `engine_cpu_s_per_GB`.
@@ -60,6 +81,8 @@ pub(crate) struct MicroReport {
     pub engine_cpu_s_per_GB: BySize,
     pub repeat: usize,
     pub messages: MicroSizes,
+    /// `--netns`: side B ran in this namespace, across a veth link.
+    pub netns: Option<Side>,
 }
 
 #[derive(Clone, Copy, Debug, Serialize)]
@@ -89,27 +112,13 @@ impl MicroSizes {
     }
 }
 
-const LOOPBACK: &str = "127.0.0.1:0";
 const T: Duration = Duration::from_secs(60);
-
-fn any_addr() -> SocketAddr {
-    LOOPBACK.parse().expect("literal address")
-}
-
-/// Two NICs and a connected pair of reliable QPs between them.
-struct QpLink {
-    a_nic: Nic,
-    b_nic: Nic,
-    a_cq: CompletionQueue,
-    b_cq: CompletionQueue,
-    a: QueuePair,
-    b: QueuePair,
-}
 
 /// Side A of every measure (its application thread and, for QPs, its NIC's engine) runs on
 /// CPU 0 and side B on CPU 1: two hosts of one core each, as the paper's two machines. Left to
 /// the scheduler, the same run lands both sides on one core or on two, and the figures of
-/// both stacks jump by several times between the two cases.
+/// both stacks jump by several times between the two cases. Side B is the far side
+/// ([`far`]): a thread here, or a process in `--netns`'s namespace.
 const HOST_A: usize = 0;
 const HOST_B: usize = 1;
 
@@ -137,17 +146,6 @@ impl Drop for OnCpu {
     }
 }
 
-/// A thread of side `cpu`.
-fn spawn_on<T: Send + 'static>(
-    cpu: usize,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> thread::JoinHandle<T> {
-    thread::spawn(move || {
-        let _on = OnCpu::new(cpu);
-        f()
-    })
-}
-
 /// A soft NIC whose engine thread runs on `cpu`.
 fn nic_on(cpu: usize) -> Result<Nic> {
     let nic = Nic::soft()?;
@@ -166,33 +164,23 @@ fn nic_on(cpu: usize) -> Result<Nic> {
     Ok(nic)
 }
 
-fn qp_link(depth: usize) -> Result<QpLink> {
-    let a_nic = nic_on(HOST_A)?;
-    let b_nic = nic_on(HOST_B)?;
-    let a_cq = a_nic.create_cq(depth * 2);
-    let b_cq = b_nic.create_cq(depth * 2);
-    let listener = b_nic.listen(any_addr())?;
-    let b = b_nic.create_qp(QpAttr::new(&b_cq).depths(depth, depth));
-    let a = a_nic.create_qp(QpAttr::new(&a_cq).depths(depth, depth));
-    a.connect(listener.local_addr())?;
-    listener.accept_timeout(&b, T)?;
-    Ok(QpLink {
-        a_nic,
-        b_nic,
-        a_cq,
-        b_cq,
-        a,
-        b,
-    })
+/// Side A's reliable QP of `depth` WRs each way, connected to the far side at `addr`.
+fn connect_qp(
+    nic: &Nic,
+    cq: &CompletionQueue,
+    depth: usize,
+    addr: SocketAddr,
+) -> Result<QueuePair> {
+    let qp = nic.create_qp(QpAttr::new(cq).depths(depth, depth));
+    qp.connect(addr)?;
+    Ok(qp)
 }
 
-fn tcp_pair() -> Result<(TcpStream, TcpStream)> {
-    let l = TcpListener::bind(any_addr())?;
-    let a = TcpStream::connect(l.local_addr()?)?;
-    let (b, _) = l.accept()?;
-    a.set_nodelay(true)?;
-    b.set_nodelay(true)?;
-    Ok((a, b))
+/// Side A's TCP socket, connected to the far side at `addr`.
+fn connect_tcp(addr: SocketAddr) -> Result<TcpStream> {
+    let s = TcpStream::connect_timeout(&addr, T)?;
+    s.set_nodelay(true)?;
+    Ok(s)
 }
 
 fn check(c: &Completion) -> Result<()> {
@@ -214,116 +202,102 @@ fn wait(cq: &CompletionQueue, buf: &mut [Completion]) -> Result<usize> {
 // ---------------------------------------------------------------- host overhead
 
 /// Application-thread CPU per 1-byte message, send path plus receive path, in ns.
-pub(crate) fn overhead_qp(msgs: u64) -> Result<f64> {
-    let s = stream_qp(msgs, 1, 128)?;
+pub(crate) fn overhead_qp(net: Option<&Side>, msgs: u64) -> Result<f64> {
+    let s = stream_qp(net, msgs, 1, 128)?;
     Ok(s.app_cpu.as_nanos() as f64 / msgs as f64)
 }
 
-pub(crate) fn overhead_socket(msgs: u64) -> Result<f64> {
-    let _host_a = OnCpu::new(HOST_A);
-    let (mut a, mut b) = tcp_pair()?;
-    let receiver = spawn_on(HOST_B, move || -> Result<Duration> {
-        let start = cpu::this_thread();
-        let mut byte = [0u8; 1];
-        for _ in 0..msgs {
-            b.read_exact(&mut byte)?;
-        }
-        Ok(cpu::this_thread() - start)
-    });
-    let start = cpu::this_thread();
-    for _ in 0..msgs {
-        a.write_all(&[7])?;
-    }
-    let send_cpu = cpu::this_thread() - start;
-    let recv_cpu = receiver
-        .join()
-        .map_err(|_| anyhow::anyhow!("receiver panicked"))??;
-    Ok((send_cpu + recv_cpu).as_nanos() as f64 / msgs as f64)
+pub(crate) fn overhead_socket(net: Option<&Side>, msgs: u64) -> Result<f64> {
+    let (cpu, _) = stream_socket(net, msgs, 1)?;
+    Ok(cpu.as_nanos() as f64 / msgs as f64)
 }
 
 // ---------------------------------------------------------------- round-trip time
 
-/// Median 1-byte round trip over reliable QPs, in µs.
-pub(crate) fn rtt_qp_tcp(rounds: u64) -> Result<f64> {
-    let _host_a = OnCpu::new(HOST_A);
-    let link = qp_link(4)?;
-    rtt_qp(
-        link.a_nic.clone(),
-        link.b_nic.clone(),
-        link.a,
-        link.b,
-        link.a_cq,
-        link.b_cq,
-        None,
-        rounds,
-    )
+/// How the waiting side of a round trip waits for its answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Waiter {
+    /// QP: completion waits spin up to 200 µs before sleeping. Socket: a non-blocking recv
+    /// in a loop (busy polling), never sleeping.
+    Spin,
+    /// QP: completion waits sleep at once (`set_spin(0)`). Socket: a blocking recv.
+    Sleep,
 }
 
-/// Median 1-byte round trip over unreliable QPs, in µs.
-pub(crate) fn rtt_qp_udp(rounds: u64) -> Result<f64> {
-    let _host_a = OnCpu::new(HOST_A);
-    let a_nic = nic_on(HOST_A)?;
-    let b_nic = nic_on(HOST_B)?;
-    let a_cq = a_nic.create_cq(8);
-    let b_cq = b_nic.create_cq(8);
-    let a = a_nic.create_udp_qp(any_addr(), QpAttr::new(&a_cq).depths(4, 4))?;
-    let b = b_nic.create_udp_qp(any_addr(), QpAttr::new(&b_cq).depths(4, 4))?;
-    let b_addr = b.local_addr().context("bound UDP QP has an address")?;
-    rtt_qp(a_nic, b_nic, a, b, a_cq, b_cq, Some(b_addr), rounds)
+impl Waiter {
+    /// How long a QP completion wait spins before it sleeps.
+    fn qp_spin(self) -> Duration {
+        match self {
+            // As a latency-bound QP user would.
+            Waiter::Spin => Duration::from_micros(200),
+            Waiter::Sleep => Duration::ZERO,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Waiter::Spin => "spin",
+            Waiter::Sleep => "sleep",
+        }
+    }
+
+    fn parse(s: &str) -> Result<Waiter> {
+        match s {
+            "spin" => Ok(Waiter::Spin),
+            "sleep" => Ok(Waiter::Sleep),
+            _ => bail!("expected spin or sleep, not {s:?}"),
+        }
+    }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn rtt_qp(
-    a_nic: Nic,
-    b_nic: Nic,
-    a: QueuePair,
-    b: QueuePair,
-    a_cq: CompletionQueue,
-    b_cq: CompletionQueue,
-    b_addr: Option<SocketAddr>,
-    rounds: u64,
-) -> Result<f64> {
-    // Latency mode: waiters poll for a while before sleeping, as a latency-bound QP user would.
-    a_cq.set_spin(Duration::from_micros(200));
-    b_cq.set_spin(Duration::from_micros(200));
-    let a_mr = a_nic.alloc_region(2, Access::READ_WRITE);
-    let b_mr = b_nic.alloc_region(2, Access::READ_WRITE);
+/// One round-trip run: the median latency and every thread's CPU (client, echo and, for QPs,
+/// both NICs' engine threads; user + system) per round trip, both in µs.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub(crate) struct RttRow {
+    pub us: f64,
+    pub cpu_us: f64,
+}
+
+/// The row of a run of `total` rounds whose timed ones took `samples` µs, `near` and `far`
+/// the CPU of its two sides.
+fn rtt_row(samples: Vec<f64>, near: SideCpu, far: SideCpu, total: u64) -> RttRow {
+    RttRow {
+        us: cpu::median(samples),
+        cpu_us: (near.total() + far.total()).as_secs_f64() * 1e6 / total as f64,
+    }
+}
+
+/// Median 1-byte round trip over QPs: reliable, or unreliable (`udp`).
+pub(crate) fn rtt_qp(net: Option<&Side>, udp: bool, rounds: u64, waiter: Waiter) -> Result<RttRow> {
+    let _host_a = OnCpu::new(HOST_A);
     let warmup = rounds / 10;
     let total = rounds + warmup;
-    b.post_recv(RecvWr::new(0, &[b_mr.sge(0, 1)]))?;
-    let echo = spawn_on(HOST_B, move || -> Result<()> {
-        let mut buf = [Completion::default(); 4];
-        let mut echoed = 0;
-        while echoed < total {
-            let n = wait(&b_cq, &mut buf)?;
-            for c in &buf[..n] {
-                check(c)?;
-                if c.opcode == Opcode::Recv {
-                    b.post_recv(RecvWr::new(0, &[b_mr.sge(0, 1)]))?;
-                    let mut wr = SendWr::new(1, &[b_mr.sge(1, 1)]);
-                    wr.dest = c.src;
-                    b.post_send(wr)?;
-                    echoed += 1;
-                }
-            }
-        }
-        // Let the last echo's send complete before the QP goes away.
-        while b.outstanding_sends() > 0 {
-            wait(&b_cq, &mut buf)?;
-        }
-        Ok(())
-    });
+    let mut far = FarSide::start(net, Job::RttQp { udp, total, waiter })?;
+    let addr = far.addr()?;
+    let nic = nic_on(HOST_A)?;
+    let cq = nic.create_cq(8);
+    cq.set_spin(waiter.qp_spin());
+    let (a, dest) = if udp {
+        let me = SocketAddr::new(far::near_ip(net), 0);
+        let qp = nic.create_udp_qp(me, QpAttr::new(&cq).depths(4, 4))?;
+        (qp, Some(addr))
+    } else {
+        (connect_qp(&nic, &cq, 4, addr)?, None)
+    };
+    let mr = nic.alloc_region(2, Access::READ_WRITE);
+    a.post_recv(RecvWr::new(0, &[mr.sge(0, 1)]))?;
+    far.ready()?;
+    let meter = Meter::start(Some(&nic));
     let mut samples = Vec::with_capacity(rounds as usize);
     let mut buf = [Completion::default(); 4];
-    a.post_recv(RecvWr::new(0, &[a_mr.sge(0, 1)]))?;
     for i in 0..total {
         let t0 = Instant::now();
-        let mut wr = SendWr::new(1, &[a_mr.sge(1, 1)]);
-        wr.dest = b_addr;
+        let mut wr = SendWr::new(1, &[mr.sge(1, 1)]);
+        wr.dest = dest;
         a.post_send(wr)?;
         let (mut sent, mut back) = (false, false);
         while !(sent && back) {
-            let n = wait(&a_cq, &mut buf)?;
+            let n = wait(&cq, &mut buf)?;
             for c in &buf[..n] {
                 check(c)?;
                 match c.opcode {
@@ -333,74 +307,89 @@ fn rtt_qp(
             }
         }
         let rtt = t0.elapsed();
-        a.post_recv(RecvWr::new(0, &[a_mr.sge(0, 1)]))?;
+        a.post_recv(RecvWr::new(0, &[mr.sge(0, 1)]))?;
         if i >= warmup {
             samples.push(rtt.as_secs_f64() * 1e6);
         }
     }
-    echo.join()
-        .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
-    Ok(cpu::median(samples))
+    let near = meter.stop();
+    Ok(rtt_row(samples, near, far.finish()?, total))
 }
 
-pub(crate) fn rtt_socket_tcp(rounds: u64) -> Result<f64> {
-    let _host_a = OnCpu::new(HOST_A);
-    let (mut a, mut b) = tcp_pair()?;
-    let warmup = rounds / 10;
-    let total = rounds + warmup;
-    let echo = spawn_on(HOST_B, move || -> Result<()> {
-        let mut byte = [0u8; 1];
-        for _ in 0..total {
-            b.read_exact(&mut byte)?;
-            b.write_all(&byte)?;
+/// Receives with `recv`: once, blocking (`Sleep`), or polled in a loop on a non-blocking
+/// socket (`Spin`, as `recv(MSG_DONTWAIT)` in a loop), failing after `T` either way.
+fn receive<R>(waiter: Waiter, mut recv: impl FnMut() -> std::io::Result<R>) -> Result<R> {
+    if waiter == Waiter::Sleep {
+        return Ok(recv()?);
+    }
+    let t0 = Instant::now();
+    for i in 0u64.. {
+        match recv() {
+            Ok(r) => return Ok(r),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e.into()),
         }
-        Ok(())
-    });
-    let mut samples = Vec::with_capacity(rounds as usize);
-    let mut byte = [7u8; 1];
-    for i in 0..total {
-        let t0 = Instant::now();
-        a.write_all(&byte)?;
-        a.read_exact(&mut byte)?;
-        if i >= warmup {
-            samples.push(t0.elapsed().as_secs_f64() * 1e6);
+        if i % 4096 == 4095 && t0.elapsed() > T {
+            break;
         }
     }
-    echo.join()
-        .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
-    Ok(cpu::median(samples))
+    bail!("nothing received within {T:?}")
 }
 
-pub(crate) fn rtt_socket_udp(rounds: u64) -> Result<f64> {
+/// A 1-byte TCP read under `waiter`; the end of the stream is an error.
+fn read_byte(s: &mut TcpStream, byte: &mut [u8; 1], waiter: Waiter) -> Result<()> {
+    if receive(waiter, || s.read(byte))? == 0 {
+        bail!("the peer closed the connection");
+    }
+    Ok(())
+}
+
+/// Median 1-byte round trip over a TCP or UDP socket.
+pub(crate) fn rtt_socket(
+    net: Option<&Side>,
+    udp: bool,
+    rounds: u64,
+    waiter: Waiter,
+) -> Result<RttRow> {
     let _host_a = OnCpu::new(HOST_A);
-    let a = UdpSocket::bind(any_addr())?;
-    let b = UdpSocket::bind(any_addr())?;
-    a.set_read_timeout(Some(T))?;
-    b.set_read_timeout(Some(T))?;
-    let b_addr = b.local_addr()?;
     let warmup = rounds / 10;
     let total = rounds + warmup;
-    let echo = spawn_on(HOST_B, move || -> Result<()> {
-        let mut byte = [0u8; 1];
-        for _ in 0..total {
-            let (_, from) = b.recv_from(&mut byte)?;
-            b.send_to(&byte, from)?;
-        }
-        Ok(())
-    });
+    let busy = waiter == Waiter::Spin;
+    let mut far = FarSide::start(net, Job::RttSocket { udp, total, waiter })?;
+    let addr = far.addr()?;
     let mut samples = Vec::with_capacity(rounds as usize);
     let mut byte = [7u8; 1];
-    for i in 0..total {
-        let t0 = Instant::now();
-        a.send_to(&byte, b_addr)?;
-        a.recv_from(&mut byte)?;
-        if i >= warmup {
-            samples.push(t0.elapsed().as_secs_f64() * 1e6);
+    let meter;
+    if udp {
+        let a = UdpSocket::bind(SocketAddr::new(far::near_ip(net), 0))?;
+        a.set_read_timeout(Some(T))?;
+        a.set_nonblocking(busy)?;
+        far.ready()?;
+        meter = Meter::start(None);
+        for i in 0..total {
+            let t0 = Instant::now();
+            a.send_to(&byte, addr)?;
+            receive(waiter, || a.recv_from(&mut byte))?;
+            if i >= warmup {
+                samples.push(t0.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+    } else {
+        let mut a = connect_tcp(addr)?;
+        a.set_nonblocking(busy)?;
+        far.ready()?;
+        meter = Meter::start(None);
+        for i in 0..total {
+            let t0 = Instant::now();
+            a.write_all(&byte)?;
+            read_byte(&mut a, &mut byte, waiter)?;
+            if i >= warmup {
+                samples.push(t0.elapsed().as_secs_f64() * 1e6);
+            }
         }
     }
-    echo.join()
-        .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
-    Ok(cpu::median(samples))
+    let near = meter.stop();
+    Ok(rtt_row(samples, near, far.finish()?, total))
 }
 
 // ---------------------------------------------------------------- throughput (ttcp)
@@ -413,11 +402,11 @@ pub(crate) struct Ttcp {
     pub engine_s_per_gb: f64,
 }
 
-pub(crate) fn ttcp_qp(bytes: u64, msg: usize) -> Result<Ttcp> {
+pub(crate) fn ttcp_qp(net: Option<&Side>, bytes: u64, msg: usize) -> Result<Ttcp> {
     // Enough WRs in flight to cover ~2 MiB, as a socket buffer would.
     let window = ((2 << 20) / msg).clamp(4, 128);
     let msgs = bytes.div_ceil(msg as u64);
-    let s = stream_qp(msgs, msg, window)?;
+    let s = stream_qp(net, msgs, msg, window)?;
     let gb = (msgs * msg as u64) as f64 / 1e9;
     Ok(Ttcp {
         mbps: gb * 1e3 / s.wall.as_secs_f64(),
@@ -437,51 +426,18 @@ struct Stream {
 
 /// Streams `msgs` messages of `msg` bytes from one NIC's QP to another's, `window` WRs in
 /// flight on each side; both application threads sleep on their CQs when idle.
-fn stream_qp(msgs: u64, msg: usize, window: usize) -> Result<Stream> {
+fn stream_qp(net: Option<&Side>, msgs: u64, msg: usize, window: usize) -> Result<Stream> {
     let _host_a = OnCpu::new(HOST_A);
-    let link = qp_link(window)?;
-    link.a_cq.set_spin(Duration::ZERO);
-    link.b_cq.set_spin(Duration::ZERO);
-    let tx_mr = link.a_nic.alloc_region(msg, Access::READ);
-    let rx_mr = link.b_nic.alloc_region(window * msg, Access::READ_WRITE);
-    let engines: Vec<i32> = link
-        .a_nic
-        .engine_threads()
-        .into_iter()
-        .chain(link.b_nic.engine_threads())
-        .collect();
-    let QpLink {
-        a,
-        b,
-        a_cq,
-        b_cq,
-        a_nic,
-        b_nic,
-    } = link;
-    for i in 0..window {
-        b.post_recv(RecvWr::new(i as u64, &[rx_mr.sge(i * msg, msg)]))?;
-    }
-    let driven = || a_nic.driven_cpu() + b_nic.driven_cpu();
-    let (engine0, driven0) = (cpu::threads(&engines), driven());
+    let mut far = FarSide::start(net, Job::StreamQp { msgs, msg, window })?;
+    let addr = far.addr()?;
+    let nic = nic_on(HOST_A)?;
+    let cq = nic.create_cq(window * 2);
+    cq.set_spin(Duration::ZERO);
+    let a = connect_qp(&nic, &cq, window, addr)?;
+    let tx_mr = nic.alloc_region(msg, Access::READ);
+    far.ready()?;
     let wall = Instant::now();
-    let receiver = spawn_on(HOST_B, move || -> Result<Duration> {
-        let start = cpu::this_thread();
-        let mut got = 0u64;
-        let mut buf = [Completion::default(); 64];
-        while got < msgs {
-            let n = wait(&b_cq, &mut buf)?;
-            for c in &buf[..n] {
-                check(c)?;
-                got += 1;
-                if got + window as u64 <= msgs {
-                    let slot = c.wr_id as usize;
-                    b.post_recv(RecvWr::new(c.wr_id, &[rx_mr.sge(slot * msg, msg)]))?;
-                }
-            }
-        }
-        Ok(cpu::this_thread() - start)
-    });
-    let start = cpu::this_thread();
+    let meter = Meter::start(Some(&nic));
     let (mut posted, mut done) = (0u64, 0u64);
     let mut buf = [Completion::default(); 64];
     while done < msgs {
@@ -489,51 +445,47 @@ fn stream_qp(msgs: u64, msg: usize, window: usize) -> Result<Stream> {
             a.post_send(SendWr::new(posted, &[tx_mr.sge(0, msg)]))?;
             posted += 1;
         }
-        let n = wait(&a_cq, &mut buf)?;
+        let n = wait(&cq, &mut buf)?;
         for c in &buf[..n] {
             check(c)?;
             done += 1;
         }
     }
-    let send_cpu = cpu::this_thread() - start;
-    let recv_cpu = receiver
-        .join()
-        .map_err(|_| anyhow::anyhow!("receiver panicked"))??;
-    let driven = driven() - driven0;
+    let near = meter.stop();
+    let far = far.finish()?;
+    let wall = wall.elapsed();
+    let driven = near.driven + far.driven;
     Ok(Stream {
-        app_cpu: (send_cpu + recv_cpu).saturating_sub(driven),
-        engine_cpu: cpu::threads(&engines) - engine0 + driven,
-        wall: wall.elapsed(),
+        app_cpu: (near.app + far.app).saturating_sub(driven),
+        engine_cpu: near.engine + far.engine + driven,
+        wall,
     })
 }
 
-pub(crate) fn ttcp_socket(bytes: u64, msg: usize) -> Result<Ttcp> {
+/// Streams `msgs` messages of `msg` bytes over TCP: both threads' CPU, and the wall time.
+fn stream_socket(net: Option<&Side>, msgs: u64, msg: usize) -> Result<(Duration, Duration)> {
     let _host_a = OnCpu::new(HOST_A);
-    let (mut a, mut b) = tcp_pair()?;
-    let msgs = bytes.div_ceil(msg as u64);
-    let wall = Instant::now();
-    let receiver = spawn_on(HOST_B, move || -> Result<Duration> {
-        let start = cpu::this_thread();
-        let mut buf = vec![0u8; msg];
-        for _ in 0..msgs {
-            b.read_exact(&mut buf)?;
-        }
-        Ok(cpu::this_thread() - start)
-    });
-    let start = cpu::this_thread();
+    let mut far = FarSide::start(net, Job::StreamSocket { msgs, msg })?;
+    let mut a = connect_tcp(far.addr()?)?;
+    far.ready()?;
     let buf = vec![7u8; msg];
+    let wall = Instant::now();
+    let meter = Meter::start(None);
     for _ in 0..msgs {
         a.write_all(&buf)?;
     }
-    let send_cpu = cpu::this_thread() - start;
-    let recv_cpu = receiver
-        .join()
-        .map_err(|_| anyhow::anyhow!("receiver panicked"))??;
-    let secs = wall.elapsed().as_secs_f64();
+    let near = meter.stop();
+    let far = far.finish()?;
+    Ok((near.total() + far.total(), wall.elapsed()))
+}
+
+pub(crate) fn ttcp_socket(net: Option<&Side>, bytes: u64, msg: usize) -> Result<Ttcp> {
+    let msgs = bytes.div_ceil(msg as u64);
+    let (cpu, wall) = stream_socket(net, msgs, msg)?;
     let gb = (msgs * msg as u64) as f64 / 1e9;
     Ok(Ttcp {
-        mbps: gb * 1e3 / secs,
-        app_s_per_gb: (send_cpu + recv_cpu).as_secs_f64() / gb,
+        mbps: gb * 1e3 / wall.as_secs_f64(),
+        app_s_per_gb: cpu.as_secs_f64() / gb,
         engine_s_per_gb: 0.0,
     })
 }
@@ -550,6 +502,7 @@ fn med(n: usize, mut f: impl FnMut() -> Result<f64>) -> Result<f64> {
 }
 
 fn ttcp_pair(
+    net: Option<&Side>,
     repeat: usize,
     bytes: u64,
     msg: usize,
@@ -563,8 +516,8 @@ fn ttcp_pair(
             i + 1
         ));
         // Interleave so that machine noise hits both stacks alike.
-        q.push(ttcp_qp(bytes, msg)?);
-        s.push(ttcp_socket(bytes, msg)?);
+        q.push(ttcp_qp(net, bytes, msg)?);
+        s.push(ttcp_socket(net, bytes, msg)?);
     }
     let pick = |v: &[Ttcp]| Ttcp {
         mbps: cpu::median(v.iter().map(|t| t.mbps).collect()),
@@ -609,37 +562,77 @@ impl Drop for CpuLoad {
     }
 }
 
+/// The rows of `RttWays`, in its order: (QP?, waiter).
+const WAYS: [(bool, Waiter); 4] = [
+    (true, Waiter::Spin),
+    (false, Waiter::Spin),
+    (true, Waiter::Sleep),
+    (false, Waiter::Sleep),
+];
+
+/// The four round trips of one protocol, interleaved in every one of `repeat` runs of
+/// `rounds` each; medians of latency and of CPU.
+fn rtt_ways(repeat: usize, run: impl Fn(bool, Waiter) -> Result<RttRow>) -> Result<RttWays> {
+    let mut rows: [Vec<RttRow>; 4] = Default::default();
+    for _ in 0..repeat {
+        for (v, &(qp, waiter)) in rows.iter_mut().zip(&WAYS) {
+            v.push(run(qp, waiter)?);
+        }
+    }
+    let [a, b, c, d] = rows.map(|v| RttRow {
+        us: cpu::median(v.iter().map(|r| r.us).collect()),
+        cpu_us: cpu::median(v.iter().map(|r| r.cpu_us).collect()),
+    });
+    Ok(RttWays {
+        qp_spin: a,
+        socket_busy_poll: b,
+        qp_sleep: c,
+        socket_blocking: d,
+    })
+}
+
 /// TCP and UDP round trips, QP and socket, medians of `repeat` runs of `rounds` each.
-fn round_trips(repeat: usize, rounds: u64, progress: &dyn Fn(&str), what: &str) -> Result<Rtt> {
+fn round_trips(
+    net: Option<&Side>,
+    repeat: usize,
+    rounds: u64,
+    progress: &dyn Fn(&str),
+    what: &str,
+) -> Result<Rtt> {
+    let ways = |udp: bool| {
+        rtt_ways(repeat, |qp, w| {
+            if qp {
+                rtt_qp(net, udp, rounds, w)
+            } else {
+                rtt_socket(net, udp, rounds, w)
+            }
+        })
+    };
     progress(&format!("round-trip time, TCP{what}"));
-    let tcp = Pair {
-        qp: med(repeat, || rtt_qp_tcp(rounds))?,
-        socket: med(repeat, || rtt_socket_tcp(rounds))?,
-    };
+    let tcp = ways(false)?;
     progress(&format!("round-trip time, UDP{what}"));
-    let udp = Pair {
-        qp: med(repeat, || rtt_qp_udp(rounds))?,
-        socket: med(repeat, || rtt_socket_udp(rounds))?,
-    };
+    let udp = ways(true)?;
     Ok(Rtt { tcp, udp })
 }
 
 pub(crate) fn run(
     repeat: usize,
     sizes: MicroSizes,
+    net: Option<&Side>,
     progress: &dyn Fn(&str),
 ) -> Result<MicroReport> {
     let repeat = repeat.max(1);
     progress("host overhead, 1-byte messages");
     let overhead = Pair {
-        qp: med(repeat, || overhead_qp(sizes.overhead_msgs))?,
-        socket: med(repeat, || overhead_socket(sizes.overhead_msgs))?,
+        qp: med(repeat, || overhead_qp(net, sizes.overhead_msgs))?,
+        socket: med(repeat, || overhead_socket(net, sizes.overhead_msgs))?,
     };
-    let rtt = round_trips(repeat, sizes.rtt_rounds, progress, "")?;
+    let rtt = round_trips(net, repeat, sizes.rtt_rounds, progress, "")?;
     let rtt_loaded = {
         let _load = CpuLoad::start();
         // Under load a round trip waits for the scheduler: fewer rounds, the same repeats.
         round_trips(
+            net,
             repeat,
             (sizes.rtt_rounds / 10).max(200),
             progress,
@@ -647,12 +640,16 @@ pub(crate) fn run(
         )?
     };
     // The 10 MB run is over in milliseconds: take more samples of it.
-    let (q16, s16) = ttcp_pair(repeat * 3, sizes.ttcp_16k_bytes, 16 * 1024, progress)?;
-    let (q128, s128) = ttcp_pair(repeat, sizes.ttcp_128k_bytes, 128 * 1024, progress)?;
+    let (q16, s16) = ttcp_pair(net, repeat * 3, sizes.ttcp_16k_bytes, 16 * 1024, progress)?;
+    let (q128, s128) = ttcp_pair(net, repeat, sizes.ttcp_128k_bytes, 128 * 1024, progress)?;
     Ok(MicroReport {
         overhead_ns: overhead,
-        rtt_us: rtt,
-        rtt_loaded_us: rtt_loaded,
+        rtt,
+        rtt_loaded,
+        rtt_comparisons: [
+            ["qp_spin", "socket_busy_poll"],
+            ["qp_sleep", "socket_blocking"],
+        ],
         throughput_MBps: BySize {
             k16: Pair {
                 qp: q16.mbps,
@@ -685,6 +682,7 @@ pub(crate) fn run(
         },
         repeat,
         messages: sizes,
+        netns: net.cloned(),
     })
 }
 
@@ -747,29 +745,51 @@ pub(crate) fn table(r: &MicroReport) -> String {
             p.qp / p.socket
         };
         format!(
-            "{name:<34} {:>12.2} {:>12.2}  {unit:<8} {:>6.2}x\n",
+            "{name:<44} {:>12.2} {:>12.2}  {unit:<8} {:>6.2}x\n",
             p.qp, p.socket, ratio
         )
     };
-    let mut s = format!(
-        "{:<34} {:>12} {:>12}  {:<8} {:>7}\n",
+    let mut s = match &r.netns {
+        None => "side B in this process, over loopback (MTU 65536)\n\n".to_string(),
+        Some(n) => format!(
+            "side B in network namespace {} at {} (qpip-bench micro-echo), side A here at {}: \
+             veth link, MTU {}\n\n",
+            n.namespace, n.ns_ip, n.host_ip, n.mtu
+        ),
+    };
+    s += &format!(
+        "{:<44} {:>12} {:>12}  {:<8} {:>7}\n",
         "measure", "QP", "socket", "unit", "QP gain"
     );
     s += &row("host overhead, 1-byte msg", "ns", r.overhead_ns, true);
-    s += &row("round trip, 1 byte, TCP", "µs", r.rtt_us.tcp, true);
-    s += &row("round trip, 1 byte, UDP", "µs", r.rtt_us.udp, true);
-    s += &row(
-        "round trip, TCP, CPUs loaded",
-        "µs",
-        r.rtt_loaded_us.tcp,
-        true,
-    );
-    s += &row(
-        "round trip, UDP, CPUs loaded",
-        "µs",
-        r.rtt_loaded_us.udp,
-        true,
-    );
+    for (rtt, loaded) in [(&r.rtt, ""), (&r.rtt_loaded, ", CPUs loaded")] {
+        for (proto, w) in [("TCP", &rtt.tcp), ("UDP", &rtt.udp)] {
+            for (qp, sock, how) in [
+                (w.qp_spin, w.socket_busy_poll, "spin/busy-poll"),
+                (w.qp_sleep, w.socket_blocking, "sleep/blocking"),
+            ] {
+                let name = format!("round trip {proto}, {how}{loaded}");
+                s += &row(
+                    &name,
+                    "µs",
+                    Pair {
+                        qp: qp.us,
+                        socket: sock.us,
+                    },
+                    true,
+                );
+                s += &row(
+                    "  every thread CPU per round trip",
+                    "µs",
+                    Pair {
+                        qp: qp.cpu_us,
+                        socket: sock.cpu_us,
+                    },
+                    true,
+                );
+            }
+        }
+    }
     s += &row(
         "ttcp 10 MB in 16 KiB msgs",
         "MB/s",
@@ -795,7 +815,7 @@ pub(crate) fn table(r: &MicroReport) -> String {
         true,
     );
     s += &format!(
-        "{:<34} {:>12.3} {:>12}  {:<8}\n",
+        "{:<44} {:>12.3} {:>12}  {:<8}\n",
         "NIC work CPU per GB, 128 KiB", r.engine_cpu_s_per_GB.k128.qp, "(kernel)", "s/GB"
     );
     let every = |size: &str, app: Pair, nic: Pair| {
@@ -811,5 +831,10 @@ pub(crate) fn table(r: &MicroReport) -> String {
         r.app_cpu_s_per_GB.k128,
         r.engine_cpu_s_per_GB.k128,
     );
+    s += "\nround trips, each QP waiter against the socket that waits as it does:\n  \
+          spin/busy-poll: QP completion waits spin up to 200 µs, sockets poll a non-blocking \
+          recv in a loop;\n  sleep/blocking: QP completion waits sleep at once (set_spin(0)), \
+          sockets block in recv.\n  CPU: client and echo threads (and both NICs' engine \
+          threads), user + system.\n";
     s
 }
