@@ -1860,3 +1860,70 @@ fn an_internal_snapshot_is_served_read_only_as_qemu_nbd_serves_it() {
         &[&raw, "no internal snapshots"],
     );
 }
+
+/// WRITE_ZEROES on a version 2 image without a backing file frees the clusters, as qemu-nbd's
+/// zeroing does there (version 2 has no zero flag, and qemu discards instead): the same map
+/// and the same clean check after the same zeroing through both servers.
+#[test]
+fn qcow2_v2_write_zeroes_frees_clusters_as_qemu_nbd() {
+    if !require(&["qemu-img", "qemu-io", "qemu-nbd"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let mut maps = Vec::new();
+    for which in ["ours", "qemu"] {
+        let img = qemu_img_create(
+            d,
+            &format!("{which}.qcow2"),
+            &["-f", "qcow2", "-o", "compat=0.10"],
+        );
+        peer_ok(Command::new("qemu-io").args(["-f", "qcow2", &img, "-c", "write -P 0x5a 0 2M"]));
+        let peer = if which == "ours" {
+            let srv = start_server_v4(&["--export".into(), format!("x={img}")]);
+            qemu_io(
+                &srv.uri("x"),
+                &["write -z 0 1M", "write -z -u 1M 512k", "read -P 0 0 1536k"],
+            );
+            drop(srv);
+            None
+        } else {
+            let q = qpip_test_support::servers::tcp_peer(
+                "qemu-nbd",
+                "-p",
+                &[
+                    "-b",
+                    "127.0.0.1",
+                    "-x",
+                    "x",
+                    "-f",
+                    "qcow2",
+                    "--persistent",
+                    &img,
+                ],
+                "nbd://127.0.0.1:PORT/x",
+            )
+            .expect("qemu-nbd");
+            qemu_io(
+                &q.uri,
+                &["write -z 0 1M", "write -z -u 1M 512k", "read -P 0 0 1536k"],
+            );
+            Some(q)
+        };
+        // Stopped before its image is checked.
+        drop(peer);
+        check_clean(&img);
+        maps.push(peer_ok(Command::new("qemu-img").args([
+            "map",
+            "--output=json",
+            "-f",
+            "qcow2",
+            &img,
+        ])));
+    }
+    assert_eq!(
+        maps[0], maps[1],
+        "ours:\n{}\nqemu-nbd's:\n{}",
+        maps[0], maps[1]
+    );
+}

@@ -333,8 +333,10 @@ impl Qcow2 {
                 let v3 = self.version >= 3;
                 table[idx] = match cluster {
                     Cluster::Data { host, copied: true } if v3 => host | COPIED | ZERO,
-                    Cluster::Data { host, copied: true } => {
-                        // Version 2 has no zero flag: the cluster's own bytes are zeroed.
+                    // Version 2 has no zero flag: with no backing file the cluster is freed
+                    // (below) and reads as zeroes unallocated, as qemu's zeroing discards it;
+                    // over a backing file its own bytes are zeroed.
+                    Cluster::Data { host, copied: true } if self.backing.is_some() => {
                         self.guard(&mut st, host, HostUse::Data)?;
                         zero_file(self.data(), host, cs)?;
                         continue;
@@ -345,8 +347,9 @@ impl Qcow2 {
                         partial.push((guest, in_cluster, n));
                         continue;
                     }
-                    // Shared or compressed: the entry drops its reference, as qemu's does,
-                    // and reads as zero (version 2: unallocated, with no backing file).
+                    // Shared or compressed (or, version 2 with no backing file, any): the
+                    // entry drops its reference, as qemu's does, and reads as zero (version 2:
+                    // unallocated).
                     _ => {
                         self.guard_freed(&mut st, table[idx])?;
                         frees.push(table[idx]);
