@@ -306,7 +306,7 @@ pub(crate) fn run(
     }
     peers::check_prerequisites(&server_bin)?;
     if let Some(r) = &rbd {
-        if peers::in_path("rbd").is_none() {
+        if crate::rig::in_path("rbd").is_none() {
             bail!("--rbd-conf: rbd not found in PATH (package ceph-common)");
         }
         if !r.conf.is_file() {

@@ -2,7 +2,7 @@
 //! their text in Prometheus' exposition format (version 0.0.4).
 //!
 //! Counting is on the data path, so it costs a few relaxed atomic additions per request on
-//! counters the connection's own thread writes ([`ConnStats`]: no lock, no allocation; a
+//! counters the connection's own thread writes (`ConnStats`: no lock, no allocation; a
 //! latency histogram is a fixed array of buckets) and one clock read at the reply (the
 //! arrival time is the one the connection reads already for its idle timeout). Locks are
 //! taken only when a connection starts or ends and when a snapshot is taken.

@@ -84,7 +84,7 @@ impl Netns {
         if unsafe { libc::geteuid() } != 0 {
             bail!("--netns needs root: it makes a network namespace and a veth pair");
         }
-        if super::peers::in_path("ip").is_none() {
+        if super::in_path("ip").is_none() {
             bail!("--netns needs the ip command (package iproute2): not found in PATH");
         }
         let pid = std::process::id();

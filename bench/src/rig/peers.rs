@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
 
+use super::in_path;
 use super::netns::Side;
 
 pub(crate) const EXPORT: &str = "bench";
@@ -110,13 +111,6 @@ pub(crate) fn require_fuse_and(progs: &[(&str, &str)], mut missing: Vec<String>)
         bail!("missing prerequisites:\n  {}", missing.join("\n  "));
     }
     Ok(())
-}
-
-pub(crate) fn in_path(prog: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|d| d.join(prog))
-        .find(|p| p.is_file())
 }
 
 /// Fails with a message naming every missing program.

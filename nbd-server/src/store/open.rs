@@ -417,12 +417,7 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Box<dyn Store>, OpenErro
 /// make. (A chain that loops is refused at the first image met twice.)
 pub const MAX_BACKING_DEPTH: usize = 32;
 
-/// How many bytes of L1 and refcount tables the images of one export (the served one and its
-/// backing chain) may hold in memory together. qemu bounds each image's (32 MiB of L1 table,
-/// 8 MiB of refcount table), not a chain's; 256 MiB is six images with the largest tables
-/// qemu allows, far past what image tools make (a 1 TiB image with 64 KiB clusters has a
-/// 16 KiB L1 table and a 64 KiB refcount table).
-pub const MAX_CHAIN_TABLE_BYTES: u64 = 256 << 20;
+pub use super::qcow2::MAX_CHAIN_TABLE_BYTES;
 
 /// What opening one export's images keeps, from the served image down its backing chain.
 struct Chain<'a> {

@@ -48,7 +48,7 @@
 //!
 //! Crafted headers are bounded as qemu bounds them (L1 table 32 MiB, refcount table 8 MiB;
 //! of the L1 table only what the virtual disk needs is read), the tables of a backing chain's
-//! images together by `open::MAX_CHAIN_TABLE_BYTES`, and the tables must lie in the file, off
+//! images together by [`MAX_CHAIN_TABLE_BYTES`], and the tables must lie in the file, off
 //! the header and off each other. A write through an L2 entry (or to an L2 table)
 //! that lies on the image's own metadata fails with EIO and marks the image corrupt, as
 //! qemu's overlap check does; so does a zeroing, trim or copy-on-write that would drop a
@@ -68,6 +68,7 @@ mod compressed;
 mod extents;
 mod external;
 mod header;
+pub use header::MAX_CHAIN_TABLE_BYTES;
 mod refcount;
 mod write;
 

@@ -69,7 +69,7 @@ impl Qcow2 {
     }
 
     /// Data (`false`) and zero (`true`) runs from `offset` for up to `len` bytes, merged,
-    /// at most `max` of them; they may stop short, as [`Self::own_runs`] does.
+    /// at most `max` of them; they may stop short, as `own_runs` does.
     pub fn extents(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u64, bool)>> {
         let runs = self.own_runs(offset, len, max)?;
         // Unallocated runs are what the backing file says they are.
@@ -138,7 +138,7 @@ impl Qcow2 {
 
 impl Qcow2 {
     /// qemu's allocation depth from `offset` for up to `len` bytes, at most `max` runs (they
-    /// may stop short, as [`Self::own_runs`] does): 1 where this image allocates the
+    /// may stop short, as `own_runs` does): 1 where this image allocates the
     /// clusters (data or zeroes), the backing file's answer plus one where it does not, and
     /// 0 without a backing file. Past a shorter backing file's end its zeroes count as the
     /// backing file's own, as qemu counts them (`bdrv_co_common_block_status_above`).

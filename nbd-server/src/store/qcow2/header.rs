@@ -6,7 +6,6 @@ use std::fs::File;
 use std::io;
 
 use super::{OFFSET_MASK, be32, be64, read_some, read_table, unsupported};
-use crate::store::open::MAX_CHAIN_TABLE_BYTES;
 
 /// Incompatible feature bits.
 const INCOMPAT_DIRTY: u64 = 1 << 0;
@@ -22,6 +21,13 @@ const MAX_L1_ENTRIES: usize = (32 << 20) / 8;
 
 /// qemu's bound on a refcount table (QCOW_MAX_REFTABLE_SIZE, 8 MiB), in entries.
 pub(super) const MAX_REFTABLE_ENTRIES: usize = (8 << 20) / 8;
+
+/// How many bytes of L1 and refcount tables the images of one export (the served one and its
+/// backing chain) may hold in memory together. qemu bounds each image's (32 MiB of L1 table,
+/// 8 MiB of refcount table), not a chain's; 256 MiB is six images with the largest tables
+/// qemu allows, far past what image tools make (a 1 TiB image with 64 KiB clusters has a
+/// 16 KiB L1 table and a 64 KiB refcount table).
+pub const MAX_CHAIN_TABLE_BYTES: u64 = 256 << 20;
 
 /// qemu's bound on internal snapshots (QCOW_MAX_SNAPSHOTS).
 const MAX_SNAPSHOTS: u32 = 65536;
