@@ -204,6 +204,25 @@ fn requests_refused_with_eshutdown_go_again_after_a_graceful_restart() {
     c.disconnect().unwrap();
 }
 
+/// A server gone for good: once the reconnect timeout has passed, the error says why the
+/// last attempt failed (here the connection refused), not only "cannot connect to URI".
+#[test]
+fn giving_up_on_a_vanished_server_says_why_the_last_attempt_failed() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "v.img", 4 * MIB, &[]);
+    let server = qpip_server("disk", &img, &[]);
+    let opts = ClientOptions {
+        reconnect_timeout: std::time::Duration::from_secs(2),
+        ..ClientOptions::default()
+    };
+    let mut c = Client::connect_with(&server.uri, opts).unwrap();
+    drop(server);
+    let mut buf = vec![0u8; 4096];
+    let e = c.read_at(0, &mut buf).unwrap_err();
+    assert!(matches!(e, nbd_client::Error::ConnectionLost { .. }), "{e}");
+    assert!(e.to_string().contains("Connection refused"), "{e}");
+}
+
 #[test]
 fn list_and_info() {
     let dir = tempfile::tempdir().unwrap();

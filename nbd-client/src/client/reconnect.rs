@@ -20,6 +20,17 @@ fn random() -> u64 {
         .finish()
 }
 
+/// `e` and its sources, `: `-separated: "cannot connect" alone does not say why.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        s.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    s
+}
+
 /// How one reconnect attempt went.
 enum Attempt {
     Reconnected,
@@ -59,7 +70,10 @@ impl Client {
                     tracing::warn!(uri = %self.uri, reissued = self.session.in_flight(), after = ?start.elapsed(), "reconnected");
                     return;
                 }
-                Attempt::Failed(why) => last = why,
+                Attempt::Failed(why) => {
+                    tracing::debug!(uri = %self.uri, after = ?start.elapsed(), "reconnect attempt failed: {why}");
+                    last = why;
+                }
             }
         }
         let why = format!("{why}; last attempt: {last}");
@@ -80,7 +94,7 @@ impl Client {
         ) {
             Ok((conn, ClientEvent::Connected(neg))) => (conn, neg),
             Ok(_) => return Attempt::Failed("handshake ended without transmission".into()),
-            Err(e) => return Attempt::Failed(e.to_string()),
+            Err(e) => return Attempt::Failed(chain(&e)),
         };
         if let Err(e) = super::connect::usable_size(&self.uri, neg.export.size) {
             return Attempt::Failed(e.to_string());
