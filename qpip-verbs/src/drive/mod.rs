@@ -18,9 +18,10 @@
 //! dropping the NIC ends the thread and closes every descriptor (`driven`'s doc has the
 //! details). The processor sits behind one lock, the queue's *engine lock*; whoever holds it
 //! runs the engine, and at every moment that is exactly one of: nobody (the NIC thread parked
-//! or watching, every waiter asleep), one host thread in a CQ wait, or the NIC thread. The hand-over decisions — who takes it, when the NIC thread takes it back, when it
-//! lets go — are `rules`, a pure state machine; `machines::driven` only translates between
-//! the shared flags (`machines::handover`) and the rules' looks and actions.
+//! or watching, every waiter asleep), one host thread in a CQ wait, or the NIC thread. The
+//! hand-over decisions — who takes it, when the NIC thread takes it back, when it lets go —
+//! are `rules`, a pure state machine; `driven` only translates between the shared flags
+//! (`handover`) and the rules' looks and actions.
 //!
 //! **Lock order**, outermost first; a thread takes a lock only while holding locks of earlier
 //! levels:

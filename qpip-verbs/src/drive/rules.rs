@@ -1,8 +1,8 @@
 //! The hand-over rules ([`crate::drive`]): who runs a driven queue's processor at each moment,
 //! decided from what the deciding thread sees, with no atomics, no locks and no clock of
-//! their own. Each decision point of `machines::driven` builds one of the looks
-//! below from the shared flags, asks the rules, and carries out the action they return; the
-//! time is passed in (`now`), so every rule is tested here without threads.
+//! their own. Each decision point of `driven` builds one of the looks below from the shared
+//! flags, asks the rules, and carries out the action they return; the time is passed in
+//! (`now`), so every rule is tested here without threads.
 
 use std::time::{Duration, Instant};
 
