@@ -601,16 +601,7 @@ fn io_continues_across_a_server_restart() {
     let dir = tempfile::tempdir().unwrap();
     let img = sparse_image(dir.path(), "r.img", 16 * MIB);
     let server = qpip_server("r", &img, &[]);
-    let port: u16 = server
-        .uri
-        .rsplit(':')
-        .next()
-        .unwrap()
-        .split('/')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let port = server.port;
     let mnt = dir.path().join("mnt");
     std::fs::create_dir(&mnt).unwrap();
     let _m = mount(&server.uri, &mnt, "r", &["--connections", "1"]);
@@ -662,16 +653,7 @@ fn reconnects_give_back_every_descriptor_and_thread() {
     let dir = tempfile::tempdir().unwrap();
     let img = sparse_image(dir.path(), "l.img", 16 * MIB);
     let mut server = qpip_server("l", &img, &[]);
-    let port: u16 = server
-        .uri
-        .rsplit(':')
-        .next()
-        .unwrap()
-        .split('/')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let port = server.port;
     let mnt = dir.path().join("mnt");
     std::fs::create_dir(&mnt).unwrap();
     let m = mount(&server.uri, &mnt, "l", &["--connections", "1"]);

@@ -29,16 +29,6 @@ const WRITES: &[&str] = &[
     "write -z 11M 100",
 ];
 
-fn qemu_io_writes(format: &str, target: &str, cwd: &Path, writes: &[&str]) {
-    let mut cmd = Command::new("qemu-io");
-    cmd.current_dir(cwd).args(["-f", format, target]);
-    for w in writes {
-        cmd.args(["-c", w]);
-    }
-    let out = peer_ok(&mut cmd);
-    assert!(!out.contains("error") && !out.contains("failed"), "{out}");
-}
-
 fn qemu_img_create(dir: &Path, name: &str, opts: &[&str]) -> String {
     let path = dir.join(name);
     let path = path.to_str().unwrap().to_string();
@@ -94,8 +84,8 @@ fn writes_match_with(served: &str, local: &str, args: &[&str], writes: &[&str]) 
     // Before the writes: qemu's own view of the image.
     let cmp = peer_ok(qemu_img().args(["compare", "-f", "raw", "-F", "qcow2", &uri, local]));
     assert!(cmp.contains("Images are identical"), "{cmp}");
-    qemu_io_writes("raw", &uri, dir, writes);
-    qemu_io_writes("qcow2", local, dir, writes);
+    qemu_io_in(dir, "raw", &uri, writes);
+    qemu_io_in(dir, "qcow2", local, writes);
     let cmp = peer_ok(qemu_img().args(["compare", "-f", "raw", "-F", "qcow2", &uri, local]));
     assert!(cmp.contains("Images are identical"), "{cmp}");
     let map = peer_ok(qemu_img().args(["map", "-f", "raw", "--output=json", &uri]));
@@ -907,11 +897,6 @@ fn qcow2_data_cluster_past_the_end_of_a_truncated_image_reads_as_zeroes() {
     assert!(!qemu.contains("failed"), "qemu reads it so: {qemu}");
     let srv = start_server_v4(&["--export".into(), format!("x={img}")]);
     qemu_io(&srv.uri("x"), &reads);
-}
-
-/// qemu-img in `dir` (so that backing file names given relative stay relative).
-fn qemu_img_in(dir: &Path, args: &[&str]) -> String {
-    peer_ok(Command::new("qemu-img").current_dir(dir).args(args))
 }
 
 /// A chain top.qcow2 -> mid.qcow2 -> base.raw, named relative to their directory (the

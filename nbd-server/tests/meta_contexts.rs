@@ -11,22 +11,6 @@ use std::process::Command;
 use common::*;
 use qpip_test_support::servers::{Peer, qpip_server, tcp_peer};
 
-/// `qemu-io -f FORMAT IMAGE -c CMD...` in `dir`.
-fn qemu_io_in(dir: &Path, format: &str, image: &str, cmds: &[&str]) {
-    let mut c = Command::new("qemu-io");
-    c.current_dir(dir).args(["-f", format, image]);
-    for cmd in cmds {
-        c.args(["-c", cmd]);
-    }
-    let out = peer_ok(&mut c);
-    assert!(!out.contains("failed") && !out.contains("error"), "{out}");
-}
-
-/// `qemu-img ARGS` in `dir`.
-fn qemu_img_in(dir: &Path, args: &[&str]) {
-    peer_ok(Command::new("qemu-img").current_dir(dir).args(args));
-}
-
 /// The images of the comparison, made in `d`: (file, format).
 fn images(d: &Path) -> Vec<(&'static str, &'static str)> {
     const MIB: u64 = 1 << 20;

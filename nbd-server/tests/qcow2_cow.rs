@@ -5,7 +5,6 @@
 mod common;
 
 use std::collections::HashSet;
-use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -27,24 +26,6 @@ fn stop(mut srv: ServerProcess) {
     );
 }
 
-fn qemu_img(dir: &Path, a: &[&str]) -> String {
-    peer_ok(Command::new("qemu-img").current_dir(dir).args(a))
-}
-
-/// `qemu-io -f FORMAT TARGET -c CMD...` in `dir`, asserting that no command failed.
-fn qemu_io_in(dir: &Path, format: &str, target: &str, cmds: &[String]) {
-    let mut c = Command::new("qemu-io");
-    c.current_dir(dir).args(["-f", format, target]);
-    for cmd in cmds {
-        c.arg("-c").arg(cmd);
-    }
-    let t = peer_ok(&mut c);
-    assert!(
-        !t.contains("failed") && !t.contains("error"),
-        "qemu-io {cmds:?} on {target} reported a failure:\n{t}"
-    );
-}
-
 /// D3: a cluster a snapshot shares, zeroed by qemu keeping its allocation (an L2 entry with
 /// an offset and the zero flag, without COPIED: refcount 2), then written by a guest: the
 /// write goes to a new cluster; the snapshot keeps its data and `qemu-img check` is clean.
@@ -55,11 +36,11 @@ fn write_to_zeroed_cluster_shared_with_a_snapshot_copies_it() {
     }
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    qemu_img(d, &["create", "-f", "qcow2", "img.qcow2", "1M"]);
+    qemu_img_in(d, &["create", "-f", "qcow2", "img.qcow2", "1M"]);
     let img = d.join("img.qcow2").to_str().unwrap().to_string();
-    qemu_io_in(d, "qcow2", &img, &["write -P 0x5a 0 64k".into()]);
-    qemu_img(d, &["snapshot", "-c", "s1", &img]);
-    qemu_io_in(d, "qcow2", &img, &["write -z 0 64k".into()]);
+    qemu_io_in(d, "qcow2", &img, &["write -P 0x5a 0 64k"]);
+    qemu_img_in(d, &["snapshot", "-c", "s1", &img]);
+    qemu_io_in(d, "qcow2", &img, &["write -z 0 64k"]);
 
     let srv = serve(&img);
     qemu_io(&srv.uri("d"), &["write -P 0xc3 0 4k"]);
@@ -71,7 +52,7 @@ fn write_to_zeroed_cluster_shared_with_a_snapshot_copies_it() {
         s1[..65536].iter().all(|&b| b == 0x5a),
         "snapshot s1 changed by a write to the active disk"
     );
-    qemu_img(d, &["convert", "-O", "raw", &img, "active.raw"]);
+    qemu_img_in(d, &["convert", "-O", "raw", &img, "active.raw"]);
     let active = std::fs::read(d.join("active.raw")).unwrap();
     assert!(active[..4096].iter().all(|&b| b == 0xc3));
     assert!(active[4096..].iter().all(|&b| b == 0));
@@ -189,7 +170,7 @@ fn differential(seed: u64) {
             };
             // Sometimes shorter than the disk: past its end, it reads as zeroes.
             let size = if rng.chance(30) { 3 << 20 } else { DISK };
-            qemu_img(d, &["create", "-f", fmt, name, &size.to_string()]);
+            qemu_img_in(d, &["create", "-f", fmt, name, &size.to_string()]);
             let cmds: Vec<String> = (0..4)
                 .map(|_| {
                     let off = hot_offset(&mut rng, cs, 512).min(size - 4096);
@@ -206,7 +187,7 @@ fn differential(seed: u64) {
     let mut touched = HashSet::new();
     if rng.chance(35) {
         // Compressed clusters from a raw source; a backing file set afterwards, unsafely.
-        qemu_img(d, &["create", "-f", "raw", "src.raw", &DISK.to_string()]);
+        qemu_img_in(d, &["create", "-f", "raw", "src.raw", &DISK.to_string()]);
         let cmds: Vec<String> = (0..5)
             .map(|_| {
                 let off = hot_offset(&mut rng, cs, 512);
@@ -216,7 +197,7 @@ fn differential(seed: u64) {
             })
             .collect();
         qemu_io_in(d, "raw", "src.raw", &cmds);
-        qemu_img(
+        qemu_img_in(
             d,
             &[
                 "convert",
@@ -231,7 +212,7 @@ fn differential(seed: u64) {
         );
         recipe.push(format!("convert -c of {cmds:?}"));
         if let Some((name, fmt)) = backing {
-            qemu_img(d, &["rebase", "-u", "-b", name, "-F", fmt, "img.qcow2"]);
+            qemu_img_in(d, &["rebase", "-u", "-b", name, "-F", fmt, "img.qcow2"]);
         }
     } else {
         let mut a = vec!["create", "-f", "qcow2", "-o", &fmt_opts];
@@ -240,13 +221,13 @@ fn differential(seed: u64) {
         }
         let size = DISK.to_string();
         a.extend(["img.qcow2", &size]);
-        qemu_img(d, &a);
+        qemu_img_in(d, &a);
     }
     let mut snapshots = Vec::new();
     for step in 0..2 + rng.below(5) {
         if rng.chance(55) {
             let name = format!("s{step}");
-            qemu_img(d, &["snapshot", "-c", &name, "img.qcow2"]);
+            qemu_img_in(d, &["snapshot", "-c", &name, "img.qcow2"]);
             recipe.push(format!("snapshot -c {name}"));
             snapshots.push(name);
         }
@@ -285,7 +266,7 @@ fn differential(seed: u64) {
         check.contains("No errors were found"),
         "{recipe}\nqemu-img check:\n{check}"
     );
-    let cmp = qemu_img(d, &["compare", "ours.qcow2", "qemus.qcow2"]);
+    let cmp = qemu_img_in(d, &["compare", "ours.qcow2", "qemus.qcow2"]);
     assert!(cmp.contains("Images are identical"), "{recipe}\n{cmp}");
     for s in &snapshots {
         let a = snapshot_disk(&ours, s, &d.join("ours.raw"));

@@ -77,6 +77,30 @@ pub(crate) fn snapshot_disk(img: &str, snap: &str, out: &Path) -> Vec<u8> {
 }
 
 /// String args from literals.
+/// `qemu-img ARGS` in `dir` (so that backing file names given relative stay relative).
+pub(crate) fn qemu_img_in(dir: &Path, args: &[&str]) -> String {
+    peer_ok(
+        std::process::Command::new("qemu-img")
+            .current_dir(dir)
+            .args(args),
+    )
+}
+
+/// `qemu-io -f FORMAT TARGET -c CMD...` in `dir`, asserting that no command failed (qemu-io
+/// exits 0 and prints "failed" or "error" for a command that did not succeed).
+pub(crate) fn qemu_io_in<S: AsRef<str>>(dir: &Path, format: &str, target: &str, cmds: &[S]) {
+    let mut c = std::process::Command::new("qemu-io");
+    c.current_dir(dir).args(["-f", format, target]);
+    for cmd in cmds {
+        c.args(["-c", cmd.as_ref()]);
+    }
+    let out = peer_ok(&mut c);
+    assert!(
+        !out.contains("failed") && !out.contains("error"),
+        "qemu-io {target}: a command failed:\n{out}"
+    );
+}
+
 pub(crate) fn args(a: &[&str]) -> Vec<String> {
     a.iter().map(|s| s.to_string()).collect()
 }
