@@ -192,7 +192,8 @@ fn refused(why: impl std::fmt::Display) -> io::Error {
     io::Error::new(io::ErrorKind::Unsupported, format!("refused: {why}"))
 }
 
-fn kind_name(kind: libc::mode_t) -> &'static str {
+/// A file type (`st_mode & S_IFMT`) other than a regular file's, as a refusal names it.
+pub(crate) fn kind_name(kind: libc::mode_t) -> &'static str {
     match kind {
         libc::S_IFDIR => "a directory",
         libc::S_IFBLK => "a block device",

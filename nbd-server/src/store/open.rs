@@ -303,26 +303,18 @@ fn open_file(path: &Path, opts: &OpenOptions) -> Result<Box<dyn Store>, OpenErro
     // A FIFO (or socket, or character device) would block an open for read, or serve a
     // stream: only regular files and block devices are disks. stat does not block.
     if let Ok(m) = std::fs::metadata(path) {
-        use std::os::unix::fs::FileTypeExt;
-        let t = m.file_type();
-        let what = if t.is_fifo() {
-            Some("a FIFO")
-        } else if t.is_socket() {
-            Some("a socket")
-        } else if t.is_char_device() {
-            Some("a character device")
-        } else if t.is_dir() {
-            Some("a directory")
-        } else {
-            None
-        };
-        if let Some(what) = what {
+        use std::os::unix::fs::MetadataExt;
+        let kind = m.mode() & libc::S_IFMT;
+        if kind != libc::S_IFREG && kind != libc::S_IFBLK {
             return Err(OpenError::Open {
                 path: path.to_owned(),
                 hint: "",
                 source: io::Error::new(
                     io::ErrorKind::Unsupported,
-                    format!("is {what}: only regular files and block devices are served"),
+                    format!(
+                        "is {}: only regular files and block devices are served",
+                        named::kind_name(kind)
+                    ),
                 ),
             });
         }
