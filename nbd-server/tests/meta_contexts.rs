@@ -82,7 +82,8 @@ fn images(d: &Path) -> Vec<(&'static str, &'static str)> {
 /// `nbdinfo ARGS URI`'s output, the URI's port written as PORT.
 fn nbdinfo(args: &[&str], peer: &Peer) -> String {
     let out = peer_ok(Command::new("nbdinfo").args(args).arg(&peer.uri));
-    out.replace(&peer.port.to_string(), "PORT")
+    // Only the URI's port: a bare number would also match extents (port 39321 in 393216).
+    out.replace(&format!(":{}/", peer.port), ":PORT/")
 }
 
 /// `nbdinfo --list --content` without the lines where qpip-nbd-server deliberately differs
