@@ -510,3 +510,38 @@ fn an_incremental_backup_copies_the_dirty_extents_only() {
     assert_eq!(dirty[0], dirty[1], "dirty extents: ours, then qemu-nbd's");
     assert!(dirty[0].contains("dirty"), "{}", dirty[0]);
 }
+
+/// A crafted L2 entry pointing at a bitmap's table: a write through it fails (EIO) and marks
+/// the image corrupt, as qemu's overlap check does, and the table is left as it was.
+#[test]
+fn a_write_onto_a_bitmap_table_is_refused() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    qemu_img_in(d, &["create", "-q", "-f", "qcow2", "bm.qcow2", "16M"]);
+    qemu_io_in(d, "qcow2", "bm.qcow2", &["write -P 1 0 64k"]);
+    qemu_img_in(d, &["bitmap", "--add", "bm.qcow2", "b0"]);
+    let path = d.join("bm.qcow2");
+    let mut img = std::fs::read(&path).unwrap();
+    let be64 = |b: &[u8], at: usize| u64::from_be_bytes(b[at..at + 8].try_into().unwrap());
+    let mask = 0x00ff_ffff_ffff_fe00u64;
+    let l2 = (be64(&img, be64(&img, 40) as usize) & mask) as usize;
+    let ext = bitmaps_ext(&img);
+    let table = be64(&img, be64(&img, ext + 16) as usize);
+    img[l2..l2 + 8].copy_from_slice(&(table | 1 << 63).to_be_bytes());
+    std::fs::write(&path, &img).unwrap();
+    let before = img[table as usize..table as usize + 4096].to_vec();
+    let srv = qpip_server("x", &path, &[]);
+    let out = text(&run_with_timeout(
+        Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 9 0 4k", &srv.uri]),
+        std::time::Duration::from_secs(30),
+    ));
+    assert!(out.contains("write failed"), "{out}");
+    drop(srv);
+    let after = std::fs::read(&path).unwrap();
+    assert_eq!(after[table as usize..table as usize + 4096], before[..]);
+    let incompat = be64(&after, 72);
+    assert_ne!(incompat & 2, 0, "not marked corrupt");
+}
