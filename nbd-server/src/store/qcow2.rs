@@ -441,7 +441,7 @@ impl Store for Qcow2 {
 }
 
 /// Runs of a dirty bitmap one answer gives at most (the client asks again from its end).
-const DIRTY_RUNS: usize = 1 << 16;
+const DIRTY_RUNS: usize = 64;
 
 /// A writable image dropped without [`Store::close`] (a library user's, a test's) is closed
 /// here, so that its bitmaps are stored.
