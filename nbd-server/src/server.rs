@@ -19,7 +19,7 @@ use crate::conn::recv_window::{BufferBudget, CHUNK, RECV_SLOTS};
 use crate::conn::shared::{RateLimitedLog, ServerShared};
 use crate::conn::{self, Connection};
 use crate::error::{Chain, Result};
-use crate::export::Export;
+use crate::export::{Export, MetaContext};
 use crate::metrics::{Registry, Snapshot};
 
 /// What a server serves and how.
@@ -76,7 +76,7 @@ impl Server {
                     max: MAX_BLOCK,
                 }),
                 require_block_size: false,
-                contexts: e.contexts.iter().map(|c| c.name().to_owned()).collect(),
+                contexts: e.contexts.iter().map(MetaContext::name).collect(),
             })
             .collect();
         let mut proto = ServerConfig::new(proto_exports);
@@ -174,8 +174,8 @@ impl Server {
             }
         }
         for e in &self.shared.exports {
-            if let Err(err) = e.store.flush() {
-                tracing::error!(export = %e.name, "final flush of {} failed: {err}", e.store.location());
+            if let Err(err) = e.store.close() {
+                tracing::error!(export = %e.name, "closing {} failed: {err}", e.store.location());
             }
         }
     }

@@ -2,7 +2,8 @@
 //! and written in place. Here: the image's state, its cluster tables read, and reads. In
 //! `qcow2/`: the header (`header.rs`), refcounts and cluster allocation (`refcount.rs`),
 //! writes, copy-on-write and zeroing (`write.rs`), compressed clusters (`compressed.rs`), the
-//! backing file and the external data file (`external.rs`), block status (`extents.rs`).
+//! backing file and the external data file (`external.rs`), block status (`extents.rs`),
+//! persistent dirty bitmaps, served and kept current by writes (`bitmaps.rs`).
 //!
 //! Served read-write: versions 3 and 2, any cluster size, byte-wide refcounts (8 to 64 bits),
 //! compressed clusters, backing chains, external data files and internal snapshots (below).
@@ -62,8 +63,9 @@ use std::path::{Path, PathBuf};
 
 use parking_lot::Mutex;
 
-use super::{Depth, Extent, Store};
+use super::{Depth, Dirty, Extent, Store};
 
+mod bitmaps;
 mod compressed;
 mod extents;
 mod external;
@@ -159,6 +161,10 @@ struct State {
     /// Set when a write would have gone over metadata: the image is marked corrupt and
     /// takes no more writes.
     corrupt: bool,
+    /// The persistent dirty bitmaps, set by writes (`qcow2/bitmaps.rs`).
+    bitmaps: bitmaps::Bitmaps,
+    /// Closed ([`Store::close`]): the bitmaps stored, no more writes.
+    closed: bool,
 }
 
 impl Qcow2 {
@@ -202,21 +208,32 @@ impl Qcow2 {
                 l2_tables: opened.l2_tables,
                 next_free: opened.next_free,
                 corrupt: false,
+                bitmaps: opened.bitmaps,
+                closed: false,
             }),
             #[cfg(test)]
             barriers: Default::default(),
         };
-        // Autoclear features (bitmaps) describe data that a writer who does not know them
-        // would make stale: such a writer clears them, as qemu does. A raw external data file
-        // is kept raw, and the bit that says so kept.
-        let keep = if q.data_raw {
+        // Autoclear features describe data that a writer who does not know them would make
+        // stale: such a writer clears them, as qemu does. A raw external data file is kept
+        // raw, and the bitmaps kept current (marked in use until a clean close): the bits that
+        // say so are kept.
+        let mut keep = if q.data_raw {
             AUTOCLEAR_DATA_FILE_RAW
         } else {
             0
         };
-        if !read_only && h.autoclear & !keep != 0 {
-            q.file.write_all_at(&keep.to_be_bytes(), 88)?;
-            q.file.sync_data()?;
+        if !read_only {
+            let mut st = q.state.lock();
+            if !st.bitmaps.is_empty() {
+                keep |= bitmaps::AUTOCLEAR_BITMAPS;
+            }
+            if h.autoclear & !keep != 0 {
+                q.file
+                    .write_all_at(&(h.autoclear & keep).to_be_bytes(), 88)?;
+                q.file.sync_data()?;
+            }
+            st.bitmaps.claim(&q.file)?;
         }
         Ok(q)
     }
@@ -386,6 +403,53 @@ impl Store for Qcow2 {
     }
     fn allocation_depth(&self, offset: u64, len: u64) -> io::Result<Vec<Depth>> {
         Qcow2::allocation_depth(self, offset, len, 64)
+    }
+    /// This image's bitmap, else its backing chain's (qemu-nbd looks down the chain too).
+    fn has_bitmap(&self, name: &str) -> io::Result<()> {
+        match self.state.lock().bitmaps.find(name) {
+            Some(found) => found.map(|_| ()),
+            None => match self.backing.as_deref().map(|b| b.has_bitmap(name)) {
+                Some(Ok(())) => Ok(()),
+                Some(Err(e)) if e.kind() == io::ErrorKind::InvalidData => Err(e),
+                _ => Err(bitmaps::not_found(name)),
+            },
+        }
+    }
+    fn dirty_bitmap(&self, name: &str, offset: u64, len: u64) -> io::Result<Vec<Dirty>> {
+        let end = offset.saturating_add(len).min(self.size);
+        match self.state.lock().bitmaps.find(name) {
+            Some(found) => Ok(found?.runs(offset, end, DIRTY_RUNS)),
+            None => match &self.backing {
+                Some(b) => b.dirty_bitmap(name, offset, end.saturating_sub(offset)),
+                None => Err(bitmaps::not_found(name)),
+            },
+        }
+    }
+    /// Flushes, and stores the dirty bitmaps a writable open marked in use, out of use.
+    fn close(&self) -> io::Result<()> {
+        let mut st = self.state.lock();
+        if st.closed || self.read_only {
+            return Ok(());
+        }
+        Store::flush(self)?;
+        if !st.corrupt {
+            self.store_bitmaps(&mut st)?;
+        }
+        st.closed = true;
+        Ok(())
+    }
+}
+
+/// Runs of a dirty bitmap one answer gives at most (the client asks again from its end).
+const DIRTY_RUNS: usize = 64;
+
+/// A writable image dropped without [`Store::close`] (a library user's, a test's) is closed
+/// here, so that its bitmaps are stored.
+impl Drop for Qcow2 {
+    fn drop(&mut self) {
+        if let Err(e) = Store::close(self) {
+            tracing::error!("closing qcow2 image {}: {e}", self.path.display());
+        }
     }
 }
 

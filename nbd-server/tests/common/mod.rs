@@ -9,7 +9,7 @@ pub(crate) use qpip_test_support::ci::{missing, require, root};
 pub(crate) use qpip_test_support::pattern::seeded as pattern;
 pub(crate) use qpip_test_support::pattern::sparse_image as image;
 pub(crate) use qpip_test_support::process::{peer_fails, peer_ok, run_with_timeout, text};
-pub(crate) use qpip_test_support::servers::ServerProcess;
+pub(crate) use qpip_test_support::servers::{Peer, ServerProcess, tcp_peer};
 
 pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_qpip-nbd-server");
 
@@ -99,6 +99,30 @@ pub(crate) fn qemu_io_in<S: AsRef<str>>(dir: &Path, format: &str, target: &str, 
         !out.contains("failed") && !out.contains("error"),
         "qemu-io {target}: a command failed:\n{out}"
     );
+}
+
+/// `nbdinfo ARGS URI`'s output, the URI's port written as PORT.
+pub(crate) fn nbdinfo(args: &[&str], peer: &Peer) -> String {
+    let out = peer_ok(
+        std::process::Command::new("nbdinfo")
+            .args(args)
+            .arg(&peer.uri),
+    );
+    // Only the URI's port: a bare number would also match extents (port 39321 in 393216).
+    out.replace(&format!(":{}/", peer.port), ":PORT/")
+}
+
+/// qemu-nbd serving `d/file` in `format` as export "x" on 127.0.0.1, persistent, with the
+/// `extra` flags (None: qemu-nbd is missing, outside CI).
+pub(crate) fn qemu_nbd_x(d: &Path, file: &str, format: &str, extra: &[&str]) -> Option<Peer> {
+    let path = d.join(file).display().to_string();
+    let args = [
+        &["-t", "-f", format, "-x", "x", "-b", "127.0.0.1"][..],
+        extra,
+        &[&path],
+    ]
+    .concat();
+    tcp_peer("qemu-nbd", "-p", &args, "nbd://127.0.0.1:PORT/x")
 }
 
 pub(crate) fn args(a: &[&str]) -> Vec<String> {

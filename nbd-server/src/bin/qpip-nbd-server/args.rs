@@ -118,6 +118,17 @@ pub(crate) struct Cli {
     /// allocation_depth = true.
     #[arg(short = 'A', long)]
     pub allocation_depth: bool,
+    /// Offer the qcow2 image's persistent dirty bitmap NAME as the metadata context
+    /// qemu:dirty-bitmap:NAME, as qemu-nbd's -B/--bitmap (flag 1: dirty, at the bitmap's
+    /// granularity); repeat for several. It is looked for in the image, then down its
+    /// backing chain. A bitmap that is missing, or inconsistent (in use when the image was
+    /// last closed: a crash), is refused at start, as qemu-nbd refuses it; a disabled one is
+    /// served as it is. Writes through a writable export set the bits of every enabled
+    /// bitmap of the image, kept in memory with the bitmaps marked in use, and stored at a
+    /// clean shutdown (as qemu stores them; after kill -9 they are inconsistent). Raw images
+    /// have no bitmaps. Per export in the config file: bitmap = ["NAME", ...].
+    #[arg(short = 'B', long, value_name = "NAME")]
+    pub bitmap: Vec<String>,
     /// Take no image locks (qemu's -U): serve an image that qemu or another server has open.
     /// Without it, a writable export is refused while anyone else uses the image, and a
     /// read-only one while anyone writes it, as qemu-nbd does.
@@ -432,10 +443,5 @@ pub(crate) const REFUSED: &[Refused] = &[
         tool: "qemu-nbd",
         why: "QEMU's trace events: the server logs with -v/--log (e.g. --log \
               nbd_server=debug)",
-    },
-    Refused {
-        names: &["-B", "--bitmap"],
-        tool: "qemu-nbd",
-        why: "qcow2 dirty bitmaps are not exported yet (qemu:dirty-bitmap)",
     },
 ];

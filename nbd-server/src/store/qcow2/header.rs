@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::fs::File;
 use std::io;
 
+use super::bitmaps::{self, Bitmaps, EXT_BITMAPS};
 use super::{OFFSET_MASK, be32, be64, read_some, read_table, unsupported};
 
 /// Incompatible feature bits.
@@ -55,6 +56,8 @@ pub(super) struct Header {
     pub refcount_order: u32,
     /// How compressed clusters are compressed.
     pub compression: Compression,
+    /// The bitmaps extension's data (offset in the file, length), if the header has one.
+    bitmaps_ext: Option<(u64, usize)>,
 }
 
 /// What the header names beside the image: its backing file (as written: the caller
@@ -126,6 +129,8 @@ pub(super) struct Opened {
     pub snapshot_metadata: Vec<(u64, u64)>,
     /// The end of the file, cluster aligned.
     pub next_free: u64,
+    /// The persistent dirty bitmaps.
+    pub bitmaps: Bitmaps,
 }
 
 /// Parses the header of `file` (which starts with the qcow2 magic), refuses what this
@@ -244,7 +249,17 @@ pub(super) fn read(
         .filter(|&t| t != 0)
         .collect();
     let next_free = file_len.div_ceil(cluster) * cluster;
+    let bitmaps = bitmaps::read(
+        file,
+        h.bitmaps_ext,
+        h.autoclear,
+        cluster_bits,
+        size,
+        file_len,
+        tables_left,
+    )?;
     Ok(Opened {
+        bitmaps,
         snapshot_metadata,
         header: h,
         names,
@@ -365,6 +380,7 @@ fn parse(file: &File) -> io::Result<(Header, Names)> {
     } else {
         got
     };
+    let mut bitmaps_ext = None;
     let mut at = header_length as usize;
     while at + 8 <= ext_end {
         let (ty, len) = (be32(&first, at), be32(&first, at + 4) as usize);
@@ -385,6 +401,8 @@ fn parse(file: &File) -> io::Result<(Header, Names)> {
             names.backing_format = Some(text()?);
         } else if ty == EXT_DATA_FILE && incompat & INCOMPAT_DATA_FILE != 0 {
             names.data_file = Some(text()?);
+        } else if ty == EXT_BITMAPS {
+            bitmaps_ext = Some((data as u64, len));
         }
         at = data + len.div_ceil(8) * 8;
     }
@@ -413,6 +431,7 @@ fn parse(file: &File) -> io::Result<(Header, Names)> {
         autoclear,
         refcount_order,
         compression,
+        bitmaps_ext,
     };
     Ok((header, names))
 }
