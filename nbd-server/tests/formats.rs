@@ -205,23 +205,6 @@ fn qcow2_with_small_clusters_grows_l2_tables_and_refcount_blocks() {
     written_over_nbd_equals_written_locally(&["-o", "cluster_size=512"]);
 }
 
-/// The server must fail at once, exit 1, with one line naming the file and every word.
-fn refused(args: &[&str], words: &[&str]) {
-    let out = run_with_timeout(
-        Command::new(BIN)
-            .args(["--listen", "127.0.0.1:0"])
-            .args(args),
-        Duration::from_secs(20),
-    );
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
-    let lines: Vec<&str> = stderr.lines().filter(|l| !l.contains(" INFO ")).collect();
-    assert_eq!(lines.len(), 1, "{args:?}: {stderr}");
-    for w in words {
-        assert!(lines[0].contains(w), "{args:?}: {w:?} not in {stderr}");
-    }
-}
-
 #[test]
 fn other_formats_and_unsupported_qcow2_features_are_refused_by_name() {
     if !require(&["qemu-img"]) {
@@ -738,20 +721,6 @@ fn qcow2_refcount_table_grows() {
         "read -P 0 80M 48M",
     ]));
     assert!(!out.contains("fail"), "{out}");
-}
-
-fn be_u64(b: &[u8], at: usize) -> u64 {
-    u64::from_be_bytes(b[at..at + 8].try_into().unwrap())
-}
-
-/// Patches `bytes` into the file at `at`.
-fn patch(path: &str, at: u64, bytes: &[u8]) {
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(path)
-        .unwrap()
-        .write_all_at(bytes, at)
-        .unwrap();
 }
 
 /// Crafted headers: tables larger than qemu allows, or overlapping each other or the header,
