@@ -479,3 +479,57 @@ fn a_data_cluster_on_the_luks_header_is_not_written() {
     );
     assert_eq!(after[80..], before[80..], "the image changed");
 }
+
+/// The passphrase per export, in the config file (`encryption_passphrase_file`) and as
+/// `--encryption-passphrase-file NAME=FILE`, beside an image that is not encrypted; and
+/// snapshot mode (`-s`) over an encrypted image: its writes are read back, the image file
+/// stays byte for byte as it was.
+#[test]
+fn passphrase_per_export_and_snapshot_mode() {
+    if !require(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let a = create(d, "a.qcow2", "4M", "");
+    let b = create(d, "b.qcow2", "4M", "");
+    qemu_io_secret(d, &a, &["write -P 0xa1 0 64k"]);
+    qemu_io_secret(d, &b, &["write -P 0xb2 0 64k"]);
+    let plain = d.join("plain.qcow2").display().to_string();
+    peer_ok(Command::new("qemu-img").args(["create", "-q", "-f", "qcow2", &plain, "4M"]));
+    let cfg = d.join("server.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[export]]\nname = \"a\"\npath = \"{a}\"\nencryption_passphrase_file = \"{}\"\n\n\
+             [[export]]\nname = \"plain\"\npath = \"{plain}\"\n",
+            pw(d)
+        ),
+    )
+    .unwrap();
+    let before = std::fs::read(&b).unwrap();
+    let srv = start_server_v4(&args(&[
+        "--config",
+        cfg.to_str().unwrap(),
+        "--export",
+        &format!("b={b}"),
+        "--encryption-passphrase-file",
+        &format!("b={}", pw(d)),
+        "-s",
+    ]));
+    qemu_io(&srv.uri("a"), &["read -P 0xa1 0 64k"]);
+    qemu_io(&srv.uri("plain"), &["read -P 0 0 64k"]);
+    qemu_io(
+        &srv.uri("b"),
+        &[
+            "read -P 0xb2 0 64k",
+            "write -P 0xee 512 1000",
+            "read -P 0xee 512 1000",
+        ],
+    );
+    stop(srv);
+    assert!(
+        std::fs::read(&b).unwrap() == before,
+        "snapshot mode changed the image"
+    );
+}
