@@ -411,6 +411,20 @@ fn crafted_luks_headers_are_refused_at_once() {
         ),
         (slot0 + 40, 0u32.to_be_bytes().to_vec(), "key material"),
         (luks, b"LUKZ".to_vec(), "no LUKS magic"),
+        // Slot 1 made active (1000 iterations, 4000 stripes) on slot 0's key material.
+        (
+            slot0 + 48,
+            [
+                &0x00ac_71f3u32.to_be_bytes()[..],
+                &1000u32.to_be_bytes(),
+                &[0; 32],
+                &8u32.to_be_bytes(),
+                &4000u32.to_be_bytes(),
+            ]
+            .concat(),
+            "key slot 1's key material overlapping",
+        ),
+        (luks + 8, b"ae\ns".to_vec(), "names cipher ae?s-xts-plain64"),
         (
             ext,
             (luks + 512).to_be_bytes().to_vec(),

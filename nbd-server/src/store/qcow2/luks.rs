@@ -189,9 +189,14 @@ pub(super) fn unlock(file: &File, at: u64, len: u64, passphrase_file: &Path) -> 
             "is LUKS version {version}: only version 1 (qemu's) is served"
         )));
     }
-    let text = |b: &[u8]| {
+    // Names as the header has them, up to their NUL; control characters (a crafted header's
+    // line breaks) shown as '?', so that a refusal stays one line.
+    let text = |b: &[u8]| -> String {
         let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
-        String::from_utf8_lossy(&b[..end]).into_owned()
+        String::from_utf8_lossy(&b[..end])
+            .chars()
+            .map(|c| if c.is_control() { '?' } else { c })
+            .collect()
     };
     let (cipher, mode, hash_name) = (text(&h[8..40]), text(&h[40..72]), text(&h[72..104]));
     let key_bytes = be32(&h, 108) as usize;
@@ -203,7 +208,7 @@ pub(super) fn unlock(file: &File, at: u64, len: u64, passphrase_file: &Path) -> 
     }
     let hash = Hash::parse(&hash_name).ok_or_else(|| {
         bad(format!(
-            "names hash {hash_name:?}: only sha1, sha224, sha256, sha384 and sha512 are served"
+            "names hash {hash_name}: only sha1, sha224, sha256, sha384 and sha512 are served"
         ))
     })?;
     let mk_digest = &h[112..112 + DIGEST_LEN];
@@ -239,13 +244,12 @@ pub(super) fn unlock(file: &File, at: u64, len: u64, passphrase_file: &Path) -> 
                 "has key slot {i}'s key material at byte {material}, on the header or past the end of its area ({len} bytes)"
             )));
         }
-        if let Some(j) = areas
+        if areas
             .iter()
-            .position(|&(a, l)| material < a + l && a < material + material_len)
+            .any(|&(a, l)| material < a + l && a < material + material_len)
         {
             return Err(bad(format!(
-                "has key slot {i}'s key material overlapping another slot's (the {}th active one)",
-                j + 1
+                "has key slot {i}'s key material overlapping another slot's"
             )));
         }
         areas.push((material, material_len));
