@@ -3,15 +3,17 @@
 //! `qcow2/`: the header (`header.rs`), refcounts and cluster allocation (`refcount.rs`),
 //! writes, copy-on-write and zeroing (`write.rs`), compressed clusters (`compressed.rs`), the
 //! backing file and the external data file (`external.rs`), block status (`extents.rs`),
-//! persistent dirty bitmaps, served and kept current by writes (`bitmaps.rs`).
+//! LUKS encryption (`luks.rs`), persistent dirty bitmaps, served and kept current by writes
+//! (`bitmaps.rs`).
 //!
 //! Served read-write: versions 3 and 2, any cluster size, byte-wide refcounts (8 to 64 bits),
-//! compressed clusters, backing chains, external data files and internal snapshots (below).
-//! Refused at open (`header.rs`), with one line: encryption, extended L2 entries
-//! (subclusters), narrower refcounts, unknown incompatible features, images marked dirty or
-//! corrupt; `store::open` refuses backing files over a protocol or in formats other than
-//! qcow2 and raw, chains deeper than `open::MAX_BACKING_DEPTH` or that loop, and the files an
-//! image names where the user did not allow them (`store::named`).
+//! compressed clusters, backing chains, external data files, internal snapshots and LUKS
+//! encryption (below). Refused at open (`header.rs`), with one line: qcow2's legacy AES
+//! encryption, encryption with an external data file, extended L2 entries (subclusters),
+//! narrower refcounts, unknown incompatible features, images marked dirty or corrupt;
+//! `store::open` refuses backing files over a protocol or in formats other than qcow2 and
+//! raw, chains deeper than `open::MAX_BACKING_DEPTH` or that loop, and the files an image
+//! names where the user did not allow them (`store::named`).
 //!
 //! An external data file (`data_file`, header extension 0x44415441) is opened beside the image
 //! by `store::open` where `store::named` allows, locked as the image is: its name resolved
@@ -39,6 +41,16 @@
 //! one's. Version 2 has no zero flag: zeroing a whole cluster zeroes its bytes (a hole
 //! punched) or, for a shared or compressed one, unmaps it; over a backing file, zeroes are
 //! written (allocating), so that the backing data stays hidden.
+//!
+//! An image encrypted with LUKS (crypt_method 2, as `qemu-img create -o
+//! encrypt.format=luks` makes it) is opened with a passphrase (`luks.rs` unlocks the LUKS
+//! header the full disk encryption header extension points at): data clusters are
+//! decrypted as they are read and encrypted as they are written, a 512-byte sector at a
+//! time with its host offset as IV, as qemu does; a write that covers part of a sector
+//! reads and decrypts the rest of it first. Zero and unallocated clusters read as zeroes
+//! (or as the backing file, which is not encrypted) without the cipher. A compressed
+//! cluster in an encrypted image (qemu makes none) is EIO; an encrypted backing file is
+//! refused by `store::open`. The LUKS header's area is metadata no write may land on.
 //!
 //! Writes allocate clusters at the end of the file and keep the refcounts exact, in the order
 //! qemu uses (refcount, then data, then the L2 entry pointing at it, with a write barrier
@@ -71,6 +83,7 @@ mod extents;
 mod external;
 mod header;
 pub use header::MAX_CHAIN_TABLE_BYTES;
+mod luks;
 mod refcount;
 mod write;
 
@@ -141,6 +154,10 @@ pub struct Qcow2 {
     /// The snapshot table and the snapshots' L1 tables (at, len): metadata no write may
     /// land on (this server makes no snapshots, so it never moves).
     snapshot_metadata: Vec<(u64, u64)>,
+    /// An encrypted image's LUKS header area (at, len), which no write may land on, and the
+    /// cipher its data clusters are encrypted with (keyed by the unlocked master key).
+    luks_area: Option<(u64, u64)>,
+    crypt: Option<luks::Cipher>,
     state: Mutex<State>,
     /// Barriers issued, for the tests.
     #[cfg(test)]
@@ -173,16 +190,28 @@ impl Qcow2 {
     /// refcount tables are read into memory if they fit in `tables_left` bytes, which they
     /// then take from it (a backing chain shares one bound). With `snapshot`, the internal
     /// snapshot it names is the disk instead of the active one (the caller opens it
-    /// read-only).
+    /// read-only). An image encrypted with LUKS is unlocked with the passphrase in
+    /// `passphrase` (the file's bytes as they are), and refused without one.
     pub fn open(
         path: &Path,
         file: File,
         read_only: bool,
         tables_left: &mut u64,
         snapshot: Option<&str>,
+        passphrase: Option<&Path>,
     ) -> io::Result<Qcow2> {
         let opened = header::read(&file, tables_left, snapshot)?;
         let h = opened.header;
+        let crypt = match (h.luks, passphrase) {
+            (None, _) => None,
+            (Some((at, len)), Some(passphrase)) => Some(luks::unlock(&file, at, len, passphrase)?),
+            (Some(_), None) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "qcow2 image is encrypted (LUKS) and no passphrase was given for it (--encryption-passphrase-file)",
+                ));
+            }
+        };
         let q = Qcow2 {
             path: path.to_owned(),
             read_only,
@@ -200,6 +229,8 @@ impl Qcow2 {
                 && h.autoclear & AUTOCLEAR_DATA_FILE_RAW != 0,
             refcount_bytes: 1 << (h.refcount_order - 3),
             snapshot_metadata: opened.snapshot_metadata,
+            luks_area: h.luks,
+            crypt,
             state: Mutex::new(State {
                 l1: opened.l1,
                 refcount_table: opened.refcount_table,
@@ -540,6 +571,7 @@ mod tests {
             false,
             &mut no_bound,
             None,
+            None,
         )
         .unwrap();
         let barriers = || q.barriers.load(Ordering::Relaxed);
@@ -590,6 +622,7 @@ mod tests {
             false,
             &mut no_bound,
             None,
+            None,
         )
         .unwrap();
         let err = q.zero_range(0, CS).unwrap_err();
@@ -637,6 +670,7 @@ mod tests {
             true,
             &mut no_bound,
             None,
+            None,
         )
         .unwrap();
         let mut back = vec![0u8; CS as usize];
@@ -650,7 +684,7 @@ mod tests {
         f.write_all_at(&[1], 104).unwrap();
         f.write_all_at(&8u64.to_be_bytes(), 72).unwrap();
         l2(0, entry(zstd_frame.len()) + 16384);
-        let q = Qcow2::open(Path::new("t.qcow2"), f, true, &mut no_bound, None).unwrap();
+        let q = Qcow2::open(Path::new("t.qcow2"), f, true, &mut no_bound, None, None).unwrap();
         let err = q.read_at(&mut back, 0).unwrap_err();
         assert!(err.to_string().contains("more than a cluster"), "{err}");
         assert!(q.read_at(&mut back, CS).is_err());

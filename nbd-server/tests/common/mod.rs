@@ -3,7 +3,10 @@
 //! qpip-test-support's.
 #![allow(dead_code, unused_imports)] // each test crate uses a different subset
 
+use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
 
 pub(crate) use qpip_test_support::ci::{missing, require, root};
 pub(crate) use qpip_test_support::pattern::seeded as pattern;
@@ -161,4 +164,36 @@ pub(crate) fn junk_in_upload_holes() -> Vec<String> {
             w
         })
         .collect()
+}
+
+/// The server must fail at once, exit 1, with one line naming the file and every word.
+pub(crate) fn refused(args: &[&str], words: &[&str]) {
+    let out = run_with_timeout(
+        Command::new(BIN)
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args),
+        Duration::from_secs(20),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.contains(" INFO ")).collect();
+    assert_eq!(lines.len(), 1, "{args:?}: {stderr}");
+    for w in words {
+        assert!(lines[0].contains(w), "{args:?}: {w:?} not in {stderr}");
+    }
+}
+
+/// The big-endian u64 at `at` of `b`.
+pub(crate) fn be_u64(b: &[u8], at: usize) -> u64 {
+    u64::from_be_bytes(b[at..at + 8].try_into().unwrap())
+}
+
+/// Patches `bytes` into the file at `at`.
+pub(crate) fn patch(path: &str, at: u64, bytes: &[u8]) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .write_all_at(bytes, at)
+        .unwrap();
 }

@@ -29,6 +29,7 @@ use qpip_cli::refused::Refused;
         qpip-nbd-server --listen 0.0.0.0:10809 --export scratch=/tmp/s.img --create 4G\n  \
         qpip-nbd-server --config /usr/local/share/qpip/server.toml\n  \
         qpip-nbd-server --fork --pid-file /run/qpip.pid -f qcow2 --export vm=vm.qcow2\n  \
+        qpip-nbd-server --encryption-passphrase-file pass.txt --export vm=luks.qcow2\n  \
         qpip-nbd-server --export d=disk.img --run 'qemu-img info \"$uri\"'\n  \
         qpip-nbd-server -x disk -D 'the main disk' disk.img   (qemu-nbd's form)\n  \
         qemu-img info nbd://127.0.0.1/disk"
@@ -175,9 +176,13 @@ pub(crate) struct Cli {
     /// wrong passphrase stops the server with one line.
     #[arg(long, value_name = "[NAME=]FORMAT")]
     pub encryption_format: Vec<String>,
-    /// The passphrase of an --encryption-format export: NAME=FILE for export NAME, or FILE
-    /// alone for every rbd: export. The file's bytes are the passphrase, as `rbd encryption
-    /// format` reads it (a trailing newline is part of it).
+    /// The passphrase of an encrypted image: a qcow2 image encrypted with LUKS (`qemu-img
+    /// create -o encrypt.format=luks`; the image says its format), or an --encryption-format
+    /// rbd: export. NAME=FILE for export NAME, or FILE alone for every export (image files
+    /// that are not encrypted ignore it; an rbd: export needs --encryption-format with it). The file's bytes are the passphrase, as `rbd encryption
+    /// format` and qemu's `--object secret,file=FILE` read it (a trailing newline is part of
+    /// it). A wrong passphrase stops the server with one line. Per export in the config file:
+    /// encryption_passphrase_file = "FILE".
     #[arg(long, value_name = "[NAME=]FILE")]
     pub encryption_passphrase_file: Vec<String>,
     /// Create missing images, sparse, with this size (e.g. 1G, 512M).
@@ -412,14 +417,15 @@ pub(crate) const REFUSED: &[Refused] = &[
     Refused {
         names: &["--image-opts"],
         tool: "qemu-nbd",
-        why: "not supported: give the image as FILE or --export NAME=PATH, with -f/--format \
-              and -o/--offset",
+        why: "not supported: give the image as FILE or --export NAME=PATH, with -f/--format, \
+              -o/--offset and, for encrypt.key-secret, --encryption-passphrase-file FILE",
     },
     Refused {
         names: &["--object"],
         tool: "qemu-nbd",
         why: "QEMU objects are not supported: TLS credentials are --tls-certs DIR or --tls-psk \
-              FILE, an RBD image's LUKS passphrase --encryption-passphrase-file",
+              FILE, the LUKS passphrase of an encrypted qcow2 or RBD image \
+              --encryption-passphrase-file FILE",
     },
     Refused {
         names: &["--tls-creds"],

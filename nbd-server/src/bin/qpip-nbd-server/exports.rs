@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use nbd_server::export::{Export, MetaContext};
-use nbd_server::store::open::{self, OpenOptions, Opener};
+use nbd_server::store::open::{self, Location, OpenOptions, Opener};
 use nbd_server::store::overlay::Overlay;
 use nbd_server::store::view::{self, Cache, DetectZeroes, Discard, ViewOptions};
 use nbd_server::store::{CephOptions, Encryption, Store};
@@ -158,15 +158,24 @@ fn open_one(
                 format: format.into(),
                 passphrase_file: file.clone(),
             }),
-            (None, None) => None,
+            (None, _) => None,
             (Some(_), None) => bail!(
                 "export {}: --encryption-format needs --encryption-passphrase-file",
                 e.name
             ),
-            (None, Some(_)) => bail!(
-                "export {}: --encryption-passphrase-file needs --encryption-format (luks1 or luks2)",
-                e.name
-            ),
+        },
+        // An encrypted qcow2 image names its own format: the passphrase is all it needs.
+        passphrase_file: match Location::parse(&e.path) {
+            Location::File(_) => e.encryption_passphrase_file.clone(),
+            Location::Rbd(_)
+                if e.encryption_passphrase_file.is_some() && e.encryption_format.is_none() =>
+            {
+                bail!(
+                    "export {}: --encryption-passphrase-file needs --encryption-format (luks1 or luks2) for an rbd: image",
+                    e.name
+                )
+            }
+            Location::Rbd(_) => None,
         },
         backing_dirs,
         deadline: (cli.open_timeout > 0).then(|| Duration::from_secs(cli.open_timeout)),

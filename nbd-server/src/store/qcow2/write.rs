@@ -68,7 +68,7 @@ impl Qcow2 {
             let host = match self.decode(entry) {
                 Cluster::Data { host, copied: true } => {
                     self.guard(st, host, HostUse::Data)?;
-                    self.data().write_all_at(piece, host + in_cluster)?;
+                    self.write_data(piece, host + in_cluster)?;
                     continue;
                 }
                 Cluster::Data {
@@ -86,7 +86,7 @@ impl Qcow2 {
                     let host = self.alloc_data(st, guest - in_cluster)?;
                     allocated = true;
                     self.guard(st, host, HostUse::Data)?;
-                    self.data().write_all_at(&whole, host)?;
+                    self.write_data(&whole, host)?;
                     links.push((entry_at, host | COPIED));
                     frees.push(entry);
                     continue;
@@ -132,7 +132,7 @@ impl Qcow2 {
                 self.read_backing(&mut whole, guest - in_cluster)?;
             }
             whole[in_cluster as usize..(in_cluster + n) as usize].copy_from_slice(piece);
-            self.data().write_all_at(&whole, host)?;
+            self.write_data(&whole, host)?;
             links.push((entry_at, host | COPIED));
         }
         if allocated {
@@ -203,9 +203,9 @@ impl Qcow2 {
 
     /// Checks that host cluster `host`, about to be written as `what`, lies off the image's
     /// metadata (qemu's qcow2_check_metadata_overlap: header, L1 table, refcount table,
-    /// refcount blocks, the snapshot table and the snapshots' inactive L1 tables, the dirty
-    /// bitmaps' directory, tables and bits, and L2
-    /// tables for data). If it does not, the image is marked corrupt,
+    /// refcount blocks, the snapshot table and the snapshots' inactive L1 tables, the LUKS
+    /// header, the dirty bitmaps' directory, tables and bits, and L2 tables for data). If it
+    /// does not, the image is marked corrupt,
     /// as qemu marks it, and the write fails with EIO.
     pub(super) fn guard(&self, st: &mut State, host: u64, what: HostUse) -> io::Result<()> {
         let cs = self.cluster_size();
@@ -225,6 +225,8 @@ impl Qcow2 {
             Some("a refcount block")
         } else if self.snapshot_metadata.iter().any(|&(at, len)| on(at, len)) {
             Some("an internal snapshot's table")
+        } else if self.luks_area.is_some_and(|(at, len)| on(at, len)) {
+            Some("the LUKS header")
         } else if what != HostUse::L2Table && st.l2_tables.contains(&host) {
             Some("an L2 table")
         } else if what != HostUse::BitmapFreed && st.bitmaps.lies_on(host, cs) {
@@ -342,14 +344,17 @@ impl Qcow2 {
                     // Version 2 has no zero flag: with no backing file the cluster is freed
                     // (below) and reads as zeroes unallocated, as qemu's zeroing discards it;
                     // over a backing file its own bytes are zeroed.
-                    Cluster::Data { host, copied: true } if self.backing.is_some() => {
+                    Cluster::Data { host, copied: true }
+                        if self.backing.is_some() && self.crypt.is_none() =>
+                    {
                         self.guard(&mut st, host, HostUse::Data)?;
                         zero_file(self.data(), host, cs)?;
                         continue;
                     }
                     Cluster::Unallocated if v3 => ZERO,
                     _ if !v3 && self.backing.is_some() => {
-                        // Unallocated would show the backing file: zeroes are written.
+                        // Unallocated would show the backing file: zeroes are written
+                        // (encrypted, in an encrypted image: its zero bytes are not zeroes).
                         partial.push((guest, in_cluster, n));
                         continue;
                     }
