@@ -111,17 +111,6 @@ fn check_clean_secret(d: &Path, img: &str) {
     assert!(check.contains("No errors were found"), "{check}");
 }
 
-/// Stops `srv` with SIGTERM and waits for its clean exit.
-fn stop(mut srv: ServerProcess) {
-    srv.signal(libc::SIGTERM);
-    assert!(
-        srv.wait_timeout(Duration::from_secs(20))
-            .is_some_and(|s| s.success()),
-        "{}",
-        srv.log()
-    );
-}
-
 /// Images qemu-img made and qemu-io wrote (aes-256-xts with sha256, qemu-img's default),
 /// and one that qemu-img convert encrypted from a raw disk (aes-128-xts with sha1, 4 KiB
 /// clusters): read through the server, each is the disk qemu reads with the secret.

@@ -197,3 +197,15 @@ pub(crate) fn patch(path: &str, at: u64, bytes: &[u8]) {
         .write_all_at(bytes, at)
         .unwrap();
 }
+
+/// Stops `srv` with SIGTERM and waits for its clean exit (a qcow2 image's bitmaps and
+/// metadata stored).
+pub(crate) fn stop(mut srv: ServerProcess) {
+    srv.signal(libc::SIGTERM);
+    assert!(
+        srv.wait_timeout(Duration::from_secs(20))
+            .is_some_and(|s| s.success()),
+        "{}",
+        srv.log()
+    );
+}
