@@ -7,6 +7,7 @@
 //! learned from arrivals (so a busy stream never pays a wake-up), then sleeps in `epoll_wait`
 //! (or io_uring).
 
+mod accept;
 mod engine;
 mod link;
 mod queues;
