@@ -173,19 +173,13 @@ fn allocation_depth_per_export_in_the_config_file() {
     assert_eq!(map.trim(), "0     1048576    1  local");
 }
 
-/// Option `option` with `queries` for export "x" over a raw connection to `port`, after
-/// NBD_OPT_STRUCTURED_REPLY when `structured`: the context names the server answers (or
-/// its error reply type).
-fn ask_contexts(
-    port: u16,
-    option: u32,
-    structured: bool,
-    queries: &[&str],
-) -> Result<Vec<String>, u32> {
+/// Option `option` with option data `data` over a raw connection to `port`, after
+/// NBD_OPT_STRUCTURED_REPLY when `structured`: the replies up to the final ACK or error, as
+/// (reply type, data), less what is the server's own to choose: the context ids of
+/// NBD_REP_META_CONTEXT (qemu-nbd numbers base:allocation 0, we 1) and the text of errors.
+fn meta_replies(port: u16, option: u32, structured: bool, data: &[u8]) -> Vec<(u32, Vec<u8>)> {
     use nbd_proto::consts as c;
-    use nbd_proto::handshake::messages::{
-        MetaContextEntry, MetaContextRequest, OptionReplyHeader, encode_option,
-    };
+    use nbd_proto::handshake::messages::{OptionReplyHeader, encode_option};
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
@@ -209,23 +203,35 @@ fn ask_contexts(
         assert_eq!(reply(&mut s).0, c::REP_ACK);
         out.clear();
     }
-    let req = MetaContextRequest {
-        export: "x",
-        queries: queries.to_vec(),
-    };
-    encode_option(option, &req.encode().unwrap(), &mut out);
+    encode_option(option, data, &mut out);
     encode_option(c::OPT_ABORT, &[], &mut out);
     s.write_all(&out).unwrap();
-    let mut names = Vec::new();
+    let mut replies = Vec::new();
     loop {
         match reply(&mut s) {
             (c::REP_META_CONTEXT, data) => {
-                names.push(MetaContextEntry::parse(&data).unwrap().name.to_owned())
+                replies.push((c::REP_META_CONTEXT, data.get(4..).unwrap_or(&[]).to_vec()))
             }
-            (c::REP_ACK, _) => return Ok(names),
-            (err, _) => return Err(err),
+            (t, data) => {
+                let error = t & (1 << 31) != 0;
+                replies.push((t, if error { Vec::new() } else { data }));
+                return replies;
+            }
         }
     }
+}
+
+/// NBD_OPT_{LIST,SET}_META_CONTEXT data for export "x" with `queries` as raw bytes.
+fn meta_request(queries: &[&[u8]]) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(&1u32.to_be_bytes());
+    out.push(b'x');
+    out.extend_from_slice(&(queries.len() as u32).to_be_bytes());
+    for q in queries {
+        out.extend_from_slice(&(q.len() as u32).to_be_bytes());
+        out.extend_from_slice(q);
+    }
+    out
 }
 
 #[test]
@@ -237,18 +243,56 @@ fn meta_context_queries_are_answered_as_qemu_nbd_answers_them() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     qemu_img_in(d, &["create", "-q", "-f", "qcow2", "a.qcow2", "1M"]);
-    let queries: &[&[&str]] = &[
+    qemu_img_in(d, &["bitmap", "--add", "a.qcow2", "b0"]);
+    qemu_img_in(d, &["bitmap", "--add", "a.qcow2", "b1"]);
+    let long = [&b"base:"[..], &[b'a'; 4092]].concat();
+    let queries: &[&[&[u8]]] = &[
         &[],
-        &["qemu:"],
-        &["base:"],
-        &["qemu:allocation-depth"],
-        &["qemu:allocation"],
-        &["qemu:dirty-bitmap:"],
-        &["qemu:allocation-depth", "base:allocation", "qemu:"],
-        &["x-other:", "base:allocation"],
+        &[b"qemu:"],
+        &[b"base:"],
+        &[b"qemu:allocation-depth"],
+        &[b"qemu:allocation"],
+        &[b"qemu:dirty-bitmap:"],
+        &[b"qemu:dirty-bitmap:b1"],
+        &[b"qemu:dirty-bitmap:b1", b"qemu:dirty-bitmap:b0"],
+        &[b"qemu:dirty-bitmap:nope", b"qemu:dirty-bitmap"],
+        &[b"qemu:allocation-depth", b"base:allocation", b"qemu:"],
+        &[b"base:allocation", b"base:allocation"],
+        &[b"x-other:", b"base:allocation"],
+        &[
+            b"x-other:base:allocation",
+            b"nbd-server:",
+            b":",
+            b":allocation",
+        ],
+        // no namespace: ignored, as queries of an unknown namespace are
+        &[b"allocation"],
+        &[b""],
+        &[b"base", b"qemu"],
+        &[b"allocation", b"base:allocation"],
+        &[
+            b"base:allocation:",
+            b"BASE:allocation",
+            b"base:Allocation",
+            b" base:allocation",
+        ],
+        &[b"qemu:dirty-bitmap:b0:", b"qemu:allocation-depth "],
+        // a query longer than a string may be is skipped
+        &[&long, b"base:allocation"],
+        &[&long[..4096], b"base:allocation"],
+        &[b"qemu:\xff\xfe", b"base:allocation"],
     ];
+    let mut cases: Vec<Vec<u8>> = queries.iter().map(|q| meta_request(q)).collect();
+    let valid = meta_request(&[b"base:allocation"]);
+    // malformed: a query longer than the data, a count beyond the data, no count, no export
+    // name, an unknown export (trailing bytes: below)
+    cases.push(valid[..valid.len() - 1].to_vec());
+    cases.push([&meta_request(&[])[..5], &1000u32.to_be_bytes()].concat());
+    cases.push(valid[..5].to_vec());
+    cases.push(Vec::new());
+    cases.push([&2u32.to_be_bytes()[..], b"yy", &0u32.to_be_bytes()].concat());
     let mut differ = Vec::new();
-    for a in [&["-A"][..], &[]] {
+    for a in [&["-A", "-B", "b0", "-B", "b1"][..], &["-B", "b1"], &[]] {
         let Some(theirs) = qemu_nbd(d, "a.qcow2", "qcow2", a) else {
             return;
         };
@@ -258,16 +302,23 @@ fn meta_context_queries_are_answered_as_qemu_nbd_answers_them() {
             (c::OPT_LIST_META_CONTEXT, true),
             (c::OPT_SET_META_CONTEXT, true),
         ] {
-            for q in queries {
-                let q_ = ask_contexts(theirs.port, option, structured, q);
-                let o = ask_contexts(ours.port, option, structured, q);
-                if q_ != o {
+            for data in &cases {
+                let q = meta_replies(theirs.port, option, structured, data);
+                let o = meta_replies(ours.port, option, structured, data);
+                if q != o {
                     differ.push(format!(
-                        "{a:?} option {option} {q:?}: qemu-nbd {q_:?}, qpip-nbd-server {o:?}"
+                        "{a:?} option {option} {:?}: qemu-nbd {q:?}, qpip-nbd-server {o:?}",
+                        String::from_utf8_lossy(&data[..data.len().min(64)])
                     ));
                 }
             }
         }
     }
     assert!(differ.is_empty(), "{}", differ.join("\n"));
+    // Trailing bytes after the queries: qemu-nbd ignores them; the spec's "syntactically
+    // invalid" gets NBD_REP_ERR_INVALID here, deliberately (README).
+    let ours = qpip_server("x", &d.join("a.qcow2"), &["-r"]);
+    let trailing = [&valid[..], b"z"].concat();
+    let o = meta_replies(ours.port, c::OPT_LIST_META_CONTEXT, true, &trailing);
+    assert_eq!(o, [(c::REP_ERR_INVALID, Vec::new())]);
 }

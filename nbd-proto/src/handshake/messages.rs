@@ -266,7 +266,9 @@ pub struct MetaContextRequest<'a> {
 
 impl<'a> MetaContextRequest<'a> {
     /// Parse the option data; every length must fit in the data and the data
-    /// must be consumed exactly. Memory is bounded by the data length.
+    /// must be consumed exactly. Memory is bounded by the data length. A query that is
+    /// not a protocol string (longer than 4096 bytes, not UTF-8, with a NUL) is left out:
+    /// it names no context, and qemu-nbd skips it rather than failing the option.
     pub fn parse(data: &'a [u8]) -> Result<Self, ProtoError> {
         let mut r = Reader::new(data);
         let invalid = ProtoError::Invalid("meta context request");
@@ -286,7 +288,9 @@ impl<'a> MetaContextRequest<'a> {
             let q = r
                 .bytes(usize::try_from(ql).map_err(|_| invalid.clone())?)
                 .ok_or(invalid.clone())?;
-            queries.push(parse_string(q, "meta context query")?);
+            if let Ok(q) = parse_string(q, "meta context query") {
+                queries.push(q);
+            }
         }
         if r.remaining() != 0 {
             return Err(ProtoError::Invalid(

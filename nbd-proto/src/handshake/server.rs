@@ -695,10 +695,6 @@ impl ServerHandshake {
             reply_err(out, option, c::REP_ERR_UNKNOWN, "unknown export");
             return;
         };
-        if req.queries.iter().any(|q| !q.contains(':')) {
-            reply_err(out, option, c::REP_ERR_INVALID, "query lacks a namespace");
-            return;
-        }
         let mut selected = Vec::new();
         for (id, name) in self.config.exports[idx].offered_contexts() {
             // LIST with no query lists every context, as qemu-nbd does.
