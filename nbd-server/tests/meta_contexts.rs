@@ -322,3 +322,65 @@ fn meta_context_queries_are_answered_as_qemu_nbd_answers_them() {
     let o = meta_replies(ours.port, c::OPT_LIST_META_CONTEXT, true, &trailing);
     assert_eq!(o, [(c::REP_ERR_INVALID, Vec::new())]);
 }
+
+/// `qpip-nbd info --map` prints what nbdinfo prints, byte for byte, JSON included, for every
+/// context and with `--totals`: the images of the comparison, an empty one, one whose shares
+/// are not round (printf's %g), and a qcow2 image with a dirty bitmap, served by qemu-nbd.
+#[test]
+fn info_map_prints_what_nbdinfo_prints() {
+    if !require(&["qemu-nbd", "qemu-img", "qemu-io", "nbdinfo"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let qpip_nbd = qpip_test_support::bins::workspace_bin("nbd-client", "qpip-nbd");
+    let mut files = images(d);
+    image(d, "empty.raw", 0);
+    qpip_test_support::pattern::image_with(d, "third.raw", 3 << 20, &[(0, 1 << 20)]);
+    qemu_img_in(d, &["create", "-q", "-f", "qcow2", "bm.qcow2", "4M"]);
+    qemu_img_in(d, &["bitmap", "--add", "bm.qcow2", "b0"]);
+    qemu_io_in(
+        d,
+        "qcow2",
+        "bm.qcow2",
+        &["write -P 1 1M 64k", "write -z 2M 64k"],
+    );
+    files.extend([
+        ("empty.raw", "raw"),
+        ("third.raw", "raw"),
+        ("bm.qcow2", "qcow2"),
+    ]);
+    let mut differ = Vec::new();
+    for (file, format) in files {
+        let bitmap = file == "bm.qcow2";
+        let extra: &[&str] = if bitmap { &["-A", "-B", "b0"] } else { &["-A"] };
+        let Some(peer) = qemu_nbd(d, file, format, extra) else {
+            return;
+        };
+        let mut maps = vec!["--map", "--map=qemu:allocation-depth"];
+        if bitmap {
+            maps.push("--map=qemu:dirty-bitmap:b0");
+        }
+        for m in maps {
+            for extra in [&[][..], &["--totals"], &["--json"], &["--totals", "--json"]] {
+                let opts = [&[m][..], extra].concat();
+                let theirs = nbdinfo(&opts, &peer);
+                let out = Command::new(&qpip_nbd)
+                    .arg("info")
+                    .args(&opts)
+                    .arg(&peer.uri)
+                    .output()
+                    .unwrap();
+                let ours = String::from_utf8_lossy(&out.stdout)
+                    .replace(&format!(":{}/", peer.port), ":PORT/");
+                if theirs != ours || !out.status.success() {
+                    differ.push(format!(
+                        "{file} {opts:?}:\nnbdinfo:\n{theirs}\nqpip-nbd info:\n{ours}{}",
+                        String::from_utf8_lossy(&out.stderr)
+                    ));
+                }
+            }
+        }
+    }
+    assert!(differ.is_empty(), "{}", differ.join("\n\n"));
+}

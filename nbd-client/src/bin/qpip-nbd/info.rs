@@ -497,13 +497,13 @@ fn describe(ctx: &str, t: u32) -> Option<String> {
     }
 }
 
-/// One JSON object of `--map --json` or `--map --totals --json`: `fields`, then the
-/// description where there is one.
-fn with_description(mut fields: Map<String, Value>, ctx: &str, t: u32) -> Value {
-    if let Some(d) = describe(ctx, t) {
-        fields.insert("description".into(), json!(d));
+/// One line of `--map --json` or `--map --totals --json` as nbdinfo prints it: `fields`
+/// (already `"key": value`), then the description where there is one, then `close`.
+fn json_line(fields: &str, ctx: &str, t: u32, close: &str) -> String {
+    match describe(ctx, t) {
+        Some(d) => format!("{{ {fields}, \"description\": {}{close}", json!(d)),
+        None => format!("{{ {fields}{close}"),
     }
-    Value::Object(fields)
 }
 
 /// `text` followed by "  DESCRIPTION" where there is one, as nbdinfo prints a line.
@@ -516,17 +516,16 @@ fn line(text: String, sep: &str, ctx: &str, t: u32) -> Result<()> {
 
 fn print_map(map: &[(u64, u64, u32)], ctx: &str, json: bool) -> Result<()> {
     if json {
-        let v: Vec<_> = map
+        // nbdinfo's own layout, one extent a line: "[", the lines joined by ",", "]" (an
+        // empty map leaves an empty line between them).
+        let lines: Vec<_> = map
             .iter()
             .map(|(o, l, t)| {
-                let mut m = Map::new();
-                m.insert("offset".into(), json!(o));
-                m.insert("length".into(), json!(l));
-                m.insert("type".into(), json!(t));
-                with_description(m, ctx, *t)
+                let f = format!("\"offset\": {o}, \"length\": {l}, \"type\": {t}");
+                json_line(&f, ctx, *t, "}")
             })
             .collect();
-        outln!("{}", serde_json::to_string_pretty(&v)?)?;
+        outln!("[\n{}\n]", lines.join(",\n"))?;
     } else {
         for (o, l, t) in map {
             // nbdinfo's "%10" PRIu64 "  %10" PRIu64 "  %3" PRIu32 ["  %s"].
@@ -549,17 +548,22 @@ fn print_totals(map: &[(u64, u64, u32)], ctx: &str, json: bool) -> Result<()> {
         .map(|(t, n)| (n, 100.0 * n as f64 / size.max(1) as f64, t))
         .collect();
     if json {
-        let v: Vec<_> = rows
+        // nbdinfo's layout as for the map, the percentage as printf's %g; "[]" when empty.
+        let lines: Vec<_> = rows
             .iter()
             .map(|(n, p, t)| {
-                let mut m = Map::new();
-                m.insert("size".into(), json!(n));
-                m.insert("percent".into(), json!(p));
-                m.insert("type".into(), json!(t));
-                with_description(m, ctx, *t)
+                let f = format!(
+                    "\"size\": {n}, \"percent\": {}, \"type\": {t}",
+                    printf_g(*p)
+                );
+                json_line(&f, ctx, *t, " }")
             })
             .collect();
-        outln!("{}", serde_json::to_string_pretty(&v)?)?;
+        if lines.is_empty() {
+            outln!("[]")?;
+        } else {
+            outln!("[\n{}\n]", lines.join(",\n"))?;
+        }
     } else {
         for (n, p, t) in rows {
             // nbdinfo's "%10" PRIu64 " %5.1f%% %3" PRIu32 [" %s"].
@@ -567,6 +571,30 @@ fn print_totals(map: &[(u64, u64, u32)], ctx: &str, json: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `x` as C's printf "%g" writes it: 6 significant digits, trailing zeros dropped,
+/// exponent form below 1e-4 and from 1e6.
+fn printf_g(x: f64) -> String {
+    if x == 0.0 || !x.is_finite() {
+        return format!("{x}");
+    }
+    let sci = format!("{x:.5e}");
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let trim = |s: &str| {
+        if s.contains('.') {
+            s.trim_end_matches('0').trim_end_matches('.').to_owned()
+        } else {
+            s.to_owned()
+        }
+    };
+    if (-4..6).contains(&exp) {
+        trim(&format!("{x:.*}", (5 - exp) as usize))
+    } else {
+        let sign = if exp < 0 { '-' } else { '+' };
+        format!("{}e{sign}{:02}", trim(mantissa), exp.abs())
+    }
 }
 
 #[cfg(test)]
@@ -587,5 +615,22 @@ mod tests {
             Feature::StructuredReply
         );
         assert!(Feature::parse("teleport").is_err());
+    }
+
+    #[test]
+    fn percentages_as_printf_g() {
+        for (x, g) in [
+            (100.0, "100"),
+            (33.333_333_333, "33.3333"),
+            (66.666_666_667, "66.6667"),
+            (1.5625, "1.5625"),
+            (98.4375, "98.4375"),
+            (0.000_123_456_7, "0.000123457"),
+            (0.000_058_207_66, "5.82077e-05"),
+            (99.999_999_9, "100"),
+            (1e-9, "1e-09"),
+        ] {
+            assert_eq!(printf_g(x), g, "{x}");
+        }
     }
 }
