@@ -153,10 +153,17 @@
 //! * Extended headers (`NBD_OPT_EXTENDED_HEADERS`): offered only with `NBD_OPT_GO`
 //!   (the spec requires it), they imply structured replies; a later
 //!   `NBD_OPT_STRUCTURED_REPLY` gets `NBD_REP_ERR_EXT_HEADER_REQD` and a later
-//!   `NBD_OPT_EXPORT_NAME` a hard disconnect. Only a `WRITE` may carry
-//!   `NBD_CMD_FLAG_PAYLOAD_LEN` (the optional block-status payload is not
-//!   implemented), and a `WRITE` without it still has its payload (qemu sends them so), block status is answered with `BLOCK_STATUS_EXT`, and the client
-//!   checks that each extended reply echoes its request's offset.
+//!   `NBD_OPT_EXPORT_NAME` a hard disconnect. A `WRITE` carries
+//!   `NBD_CMD_FLAG_PAYLOAD_LEN` (one without it still has its payload: qemu sends them so),
+//!   and so may a `BLOCK_STATUS` where `NBD_FLAG_BLOCK_STATUS_PAYLOAD` was advertised (with
+//!   contexts selected, at most [`transmission::ContextSet::MAX`], as qemu-nbd offers it):
+//!   its payload, the effect length and the ids of the contexts to answer for, is read and
+//!   checked by [`transmission::server::ServerTransmission::block_status_payload`] (an id
+//!   not selected or named twice, a payload that is not 8 + 4n bytes with 1 ≤ n ≤ the
+//!   contexts selected, a zero or out-of-bounds effect length: `EINVAL`, the payload read
+//!   on); any other command with the flag is `EINVAL`. Block status is answered with
+//!   `BLOCK_STATUS_EXT`, and the client checks that each extended reply echoes its
+//!   request's offset.
 //!
 //! The TLS record layer itself is the caller's (in qpip, the NIC's).
 #![forbid(unsafe_code)]

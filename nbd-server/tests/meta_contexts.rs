@@ -384,3 +384,212 @@ fn info_map_prints_what_nbdinfo_prints() {
     }
     assert!(differ.is_empty(), "{}", differ.join("\n\n"));
 }
+
+/// A raw connection to `port` with extended headers, `queries` selected for export "x" and
+/// NBD_OPT_GO done: the stream, the transmission flags, the contexts selected (id, name).
+fn extended_session(port: u16, queries: &[&str]) -> (std::net::TcpStream, u16, Vec<(u32, String)>) {
+    use nbd_proto::consts as c;
+    use nbd_proto::handshake::messages::{
+        MetaContextEntry, MetaContextRequest, OptionReplyHeader, encode_option,
+    };
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let mut greeting = [0u8; c::GREETING_LEN];
+    s.read_exact(&mut greeting).unwrap();
+    s.write_all(&(c::FLAG_C_FIXED_NEWSTYLE | c::FLAG_C_NO_ZEROES).to_be_bytes())
+        .unwrap();
+    let reply = |s: &mut std::net::TcpStream| {
+        let mut h = [0u8; c::OPTION_REPLY_HEADER_LEN];
+        s.read_exact(&mut h).unwrap();
+        let h = OptionReplyHeader::parse(&h).unwrap();
+        let mut data = vec![0u8; h.length as usize];
+        s.read_exact(&mut data).unwrap();
+        (h.reply_type, data)
+    };
+    let mut out = Vec::new();
+    encode_option(c::OPT_EXTENDED_HEADERS, &[], &mut out);
+    let req = MetaContextRequest {
+        export: "x",
+        queries: queries.to_vec(),
+    };
+    encode_option(c::OPT_SET_META_CONTEXT, &req.encode().unwrap(), &mut out);
+    encode_option(c::OPT_GO, &[0, 0, 0, 1, b'x', 0, 0], &mut out);
+    s.write_all(&out).unwrap();
+    assert_eq!(reply(&mut s).0, c::REP_ACK, "extended headers");
+    let mut contexts = Vec::new();
+    loop {
+        match reply(&mut s) {
+            (c::REP_META_CONTEXT, d) => {
+                let e = MetaContextEntry::parse(&d).unwrap();
+                contexts.push((e.id, e.name.to_owned()));
+            }
+            (t, _) => {
+                assert_eq!(t, c::REP_ACK, "SET_META_CONTEXT");
+                break;
+            }
+        }
+    }
+    let mut flags = 0;
+    loop {
+        match reply(&mut s) {
+            (c::REP_INFO, d) if d.len() == 12 && d[..2] == [0, 0] => {
+                flags = u16::from_be_bytes([d[10], d[11]]);
+            }
+            (c::REP_INFO, _) => {}
+            (t, _) => {
+                assert_eq!(t, c::REP_ACK, "GO");
+                break;
+            }
+        }
+    }
+    (s, flags, contexts)
+}
+
+/// Sends NBD_CMD_BLOCK_STATUS (`flags`, `offset`, `length`, then `payload`) on `s` and reads
+/// its reply: one line per chunk, a context named rather than numbered, an error by its
+/// value (the message is the server's own).
+fn block_status(
+    s: &mut std::net::TcpStream,
+    contexts: &[(u32, String)],
+    flags: u16,
+    offset: u64,
+    length: u64,
+    payload: &[u8],
+) -> Vec<String> {
+    use nbd_proto::consts as c;
+    use nbd_proto::reply::StructuredReplyHeader;
+    use nbd_proto::transmission::{Command, Request};
+    use std::io::{Read, Write};
+    let req = Request {
+        flags: nbd_proto::flags::CmdFlags(flags),
+        command: Command::BlockStatus,
+        cookie: 7,
+        offset,
+        length,
+    };
+    s.write_all(&req.encode(true).unwrap()).unwrap();
+    s.write_all(payload).unwrap();
+    let mut chunks = Vec::new();
+    loop {
+        let mut h = [0u8; c::EXTENDED_REPLY_HEADER_LEN];
+        s.read_exact(&mut h).unwrap();
+        let h = StructuredReplyHeader::parse_as(&h, true).unwrap();
+        let mut p = vec![0u8; h.length as usize];
+        s.read_exact(&mut p).unwrap();
+        let be32 = |at: usize| u32::from_be_bytes(p[at..at + 4].try_into().unwrap());
+        let be64 = |at: usize| u64::from_be_bytes(p[at..at + 8].try_into().unwrap());
+        chunks.push(match h.reply_type {
+            c::REPLY_TYPE_BLOCK_STATUS_EXT => {
+                let id = be32(0);
+                let name = contexts
+                    .iter()
+                    .find(|(i, _)| *i == id)
+                    .map(|(_, n)| n.as_str());
+                let extents: Vec<_> = (8..p.len())
+                    .step_by(16)
+                    .map(|at| format!("{}/{}", be64(at), be64(at + 8)))
+                    .collect();
+                format!("{name:?}: {}", extents.join(" "))
+            }
+            t if t & c::REPLY_TYPE_FLAG_ERROR != 0 => format!("error {}", be32(0)),
+            t => format!("chunk type {t}"),
+        });
+        if h.is_done() {
+            return chunks;
+        }
+    }
+}
+
+/// NBD_CMD_BLOCK_STATUS with a payload that selects some of the contexts (extended headers,
+/// NBD_FLAG_BLOCK_STATUS_PAYLOAD) answers as qemu-nbd answers, chunk for chunk: a subset in
+/// the server's order, REQ_ONE, and EINVAL for duplicate, unknown or missing ids, a payload
+/// of the wrong length, a zero or out-of-bounds effect length; the connection goes on.
+#[test]
+fn block_status_payload_selects_contexts_as_qemu_nbd() {
+    use nbd_proto::consts as c;
+    if !require(&["qemu-nbd", "qemu-img", "qemu-io"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    qemu_img_in(d, &["create", "-q", "-f", "qcow2", "bm.qcow2", "4M"]);
+    qemu_img_in(d, &["bitmap", "--add", "bm.qcow2", "b0"]);
+    qemu_io_in(
+        d,
+        "qcow2",
+        "bm.qcow2",
+        &["write -P 1 1M 64k", "write -z 2M 64k"],
+    );
+    let flags = ["-A", "-B", "b0"];
+    let Some(theirs) = qemu_nbd(d, "bm.qcow2", "qcow2", &flags) else {
+        return;
+    };
+    let ours = qpip_server(
+        "x",
+        &d.join("bm.qcow2"),
+        &[&["-r", "-f", "qcow2"], &flags[..]].concat(),
+    );
+    let queries = [
+        c::BASE_ALLOCATION,
+        c::QEMU_ALLOCATION_DEPTH,
+        "qemu:dirty-bitmap:b0",
+    ];
+    let size = 4u64 << 20;
+    let answers = |port: u16| {
+        let (mut s, tflags, contexts) = extended_session(port, &queries);
+        let id = |name: &str| contexts.iter().find(|(_, n)| n == name).unwrap().0;
+        let (base, depth, bm) = (id(queries[0]), id(queries[1]), id(queries[2]));
+        let payload = |effect: u64, ids: &[u32]| {
+            let mut p = effect.to_be_bytes().to_vec();
+            ids.iter()
+                .for_each(|i| p.extend_from_slice(&i.to_be_bytes()));
+            p
+        };
+        let pl = c::CMD_FLAG_PAYLOAD_LEN;
+        let one = c::CMD_FLAG_REQ_ONE;
+        let cases: Vec<(u16, u64, Vec<u8>)> = vec![
+            (0, 0, Vec::new()),
+            (pl, 0, payload(size, &[depth])),
+            (pl, 0, payload(size, &[bm, base])),
+            (pl, 1 << 20, payload(1 << 20, &[bm, depth, base])),
+            (pl | one, 0, payload(2 << 20, &[base])),
+            (pl, 0, payload(size, &[base, base])),
+            (pl, 0, payload(size, &[999])),
+            (pl, 0, payload(size, &[])),
+            (pl, 0, [&payload(size, &[base])[..], &[0, 0]].concat()),
+            (pl, 0, payload(size, &[base, depth, bm, 999])),
+            (pl, 0, payload(size, &[base, depth, bm, base, depth])),
+            (pl, 0, payload(0, &[base])),
+            (pl, 0, payload(size + 512, &[base])),
+            (pl, size, payload(512, &[base])),
+            (pl, 0, payload(1 << 40, &[bm])),
+            (0, 2 << 20, Vec::new()),
+        ];
+        let mut out = vec![format!(
+            "BLOCK_STATUS_PAYLOAD {}",
+            tflags & c::FLAG_BLOCK_STATUS_PAYLOAD != 0
+        )];
+        // the case by its number: the payloads hold each server's own ids
+        for (i, (f, offset, p)) in cases.into_iter().enumerate() {
+            let length = if f & pl != 0 {
+                p.len() as u64
+            } else {
+                size - offset
+            };
+            let r = block_status(&mut s, &contexts, f, offset, length, &p);
+            out.push(format!("case {i}: flags {f:#x} offset {offset}: {r:?}"));
+        }
+        out
+    };
+    let (q, o) = (answers(theirs.port), answers(ours.port));
+    let differ: Vec<_> = q
+        .iter()
+        .zip(&o)
+        .filter(|(q, o)| q != o)
+        .map(|(q, o)| format!("qemu-nbd:        {q}\nqpip-nbd-server: {o}"))
+        .collect();
+    assert!(differ.is_empty(), "{}", differ.join("\n"));
+    assert_eq!(q[0], "BLOCK_STATUS_PAYLOAD true");
+}

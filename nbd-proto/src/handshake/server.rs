@@ -19,6 +19,7 @@ use crate::handshake::messages::{
     BlockSize, ExportNameReply, Greeting, InfoReply, InfoRequest, MetaContextEntry,
     MetaContextRequest, OptionHeader, ServerEntry, encode_option_reply, parse_client_flags,
 };
+use crate::transmission::ContextSet;
 
 mod config;
 
@@ -531,11 +532,18 @@ impl ServerHandshake {
             Some((i, ctx)) if *i == idx => ctx.clone(),
             _ => Vec::new(),
         };
+        let mut flags = e.transmission_flags(self.structured);
+        // The payload form of BLOCK_STATUS, as qemu-nbd offers it: with extended headers and
+        // contexts selected (the spec's SHOULD), while a selection fits a ContextSet.
+        flags.set(
+            TransmissionFlags::BLOCK_STATUS_PAYLOAD,
+            self.extended && (1..=ContextSet::MAX).contains(&meta_contexts.len()),
+        );
         Some(ServerNegotiated {
             export_index: idx,
             export_name: e.name.clone(),
             size: e.size,
-            flags: e.transmission_flags(self.structured),
+            flags,
             structured_replies: self.structured,
             extended_headers: self.extended,
             meta_contexts,
