@@ -323,6 +323,70 @@ fn meta_context_queries_are_answered_as_qemu_nbd_answers_them() {
     assert_eq!(o, [(c::REP_ERR_INVALID, Vec::new())]);
 }
 
+/// What `qpip-nbd info OPTS` prints on `peer` where nbdinfo prints something else (or it
+/// fails), with both outputs.
+fn unlike_nbdinfo(opts: &[&str], peer: &Peer) -> Option<String> {
+    let theirs = nbdinfo(opts, peer);
+    let out = Command::new(qpip_test_support::bins::workspace_bin(
+        "nbd-client",
+        "qpip-nbd",
+    ))
+    .arg("info")
+    .args(opts)
+    .arg(&peer.uri)
+    .output()
+    .unwrap();
+    let ours = String::from_utf8_lossy(&out.stdout).replace(&format!(":{}/", peer.port), ":PORT/");
+    (theirs != ours || !out.status.success()).then(|| {
+        format!(
+            "{opts:?}:\nnbdinfo:\n{theirs}\nqpip-nbd info:\n{ours}{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+/// `qpip-nbd info --json` prints nbdinfo's JSON byte for byte (its key order, its tabs, its
+/// escapes), one export or the list, on qemu-nbd with contexts and on our server with two
+/// exports, one with a description that needs escaping.
+#[test]
+fn info_json_prints_what_nbdinfo_prints() {
+    if !require(&["qemu-nbd", "qemu-img", "nbdinfo"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    qemu_img_in(d, &["create", "-q", "-f", "qcow2", "bm.qcow2", "4M"]);
+    qemu_img_in(d, &["bitmap", "--add", "bm.qcow2", "b0"]);
+    image(d, "a.raw", 1 << 20);
+    image(d, "b.raw", 0);
+    let Some(theirs) = qemu_nbd(d, "bm.qcow2", "qcow2", &["-A", "-B", "b0"]) else {
+        return;
+    };
+    let b = format!("b={}", d.join("b.raw").display());
+    let ours = qpip_server(
+        "a",
+        &d.join("a.raw"),
+        &[
+            "--export",
+            &b,
+            "--description",
+            "a=the \"main\" disk\\\tof two",
+        ],
+    );
+    let mut differ = Vec::new();
+    for peer in [&theirs, &ours] {
+        for opts in [
+            &["--json"][..],
+            &["--json", "--no-content"],
+            &["--json", "--list"],
+            &["--json", "--list", "--content"],
+        ] {
+            differ.extend(unlike_nbdinfo(opts, peer));
+        }
+    }
+    assert!(differ.is_empty(), "{}", differ.join("\n\n"));
+}
+
 /// `qpip-nbd info --map` prints what nbdinfo prints, byte for byte, JSON included, for every
 /// context and with `--totals`: the images of the comparison, an empty one, one whose shares
 /// are not round (printf's %g), and a qcow2 image with a dirty bitmap, served by qemu-nbd.
@@ -333,7 +397,6 @@ fn info_map_prints_what_nbdinfo_prints() {
     }
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let qpip_nbd = qpip_test_support::bins::workspace_bin("nbd-client", "qpip-nbd");
     let mut files = images(d);
     image(d, "empty.raw", 0);
     qpip_test_support::pattern::image_with(d, "third.raw", 3 << 20, &[(0, 1 << 20)]);
@@ -364,21 +427,7 @@ fn info_map_prints_what_nbdinfo_prints() {
         for m in maps {
             for extra in [&[][..], &["--totals"], &["--json"], &["--totals", "--json"]] {
                 let opts = [&[m][..], extra].concat();
-                let theirs = nbdinfo(&opts, &peer);
-                let out = Command::new(&qpip_nbd)
-                    .arg("info")
-                    .args(&opts)
-                    .arg(&peer.uri)
-                    .output()
-                    .unwrap();
-                let ours = String::from_utf8_lossy(&out.stdout)
-                    .replace(&format!(":{}/", peer.port), ":PORT/");
-                if theirs != ours || !out.status.success() {
-                    differ.push(format!(
-                        "{file} {opts:?}:\nnbdinfo:\n{theirs}\nqpip-nbd info:\n{ours}{}",
-                        String::from_utf8_lossy(&out.stderr)
-                    ));
-                }
+                differ.extend(unlike_nbdinfo(&opts, &peer).map(|d| format!("{file} {d}")));
             }
         }
     }

@@ -10,7 +10,6 @@ use nbd_client::{Client, ClientOptions, ExportInfo, NbdUri};
 use nbd_proto::flags::TransmissionFlags as TF;
 use nbd_proto::peer_text::printable;
 use qpip_cli::outln;
-use serde_json::{Map, Value, json};
 
 /// The context `--map` shows unless told another.
 pub(crate) const BASE_ALLOCATION: &str = "base:allocation";
@@ -74,13 +73,19 @@ pub(crate) fn run(a: &InfoArgs, base: &ClientOptions) -> Result<i32> {
     let tls = NbdUri::parse(&a.uri)?.tls.is_some();
     let structured = exports.first().is_none_or(|d| d.structured);
     if a.json {
-        let v = json!({
-            "protocol": "newstyle-fixed",
-            "TLS": tls,
-            "structured": structured,
-            "exports": exports.iter().map(Details::json).collect::<Vec<_>>(),
-        });
-        outln!("{}", serde_json::to_string_pretty(&v)?)?;
+        // nbdinfo's own layout, byte for byte: one key a line, the exports' keys indented by
+        // a tab, in its order.
+        let mut out = format!(
+            "{{\n\"protocol\": \"newstyle-fixed\",\n\"TLS\": {tls},\n\"structured\": {structured},\n"
+        );
+        let objects: Vec<String> = exports.iter().map(Details::json).collect();
+        if objects.is_empty() {
+            out.push_str("\"exports\": [ ]\n");
+        } else {
+            out.push_str(&format!("\"exports\": [\n{} ]\n", objects.join(",\n")));
+        }
+        out.push('}');
+        outln!("{out}")?;
     } else {
         outln!(
             "protocol: newstyle-fixed {} TLS{}",
@@ -374,27 +379,35 @@ impl Details {
         ]
     }
 
-    fn json(&self) -> Value {
-        let mut m = Map::new();
-        m.insert("export-name".into(), json!(self.name));
+    /// The export's JSON object as nbdinfo prints it, from "\t{" to "\t}" (no newline).
+    fn json(&self) -> String {
+        let mut lines = vec![format!("\"export-name\": {}", json_str(&self.name))];
         if let Some(d) = self.description.as_deref().filter(|d| !d.is_empty()) {
-            m.insert("description".into(), json!(d));
+            lines.push(format!("\"description\": {}", json_str(d)));
         }
         if let Some(c) = &self.content {
-            m.insert("content".into(), json!(c));
+            lines.push(format!("\"content\": {}", json_str(c)));
         }
-        m.insert("uri".into(), json!(self.uri));
-        m.insert("contexts".into(), json!(self.contexts));
+        lines.push(format!("\"uri\": {}", json_str(&self.uri)));
+        let contexts: Vec<String> = self
+            .contexts
+            .iter()
+            .map(|c| format!("\t\t{}", json_str(c)))
+            .collect();
+        lines.push(format!("\"contexts\": [\n{}\n\t]", contexts.join(",\n")));
         for (k, v) in self.bools() {
-            m.insert(k.into(), json!(v));
+            lines.push(format!("\"{k}\": {v}"));
         }
         let bs = self.info.block_size;
-        m.insert("block_size_minimum".into(), json!(bs.min));
-        m.insert("block_size_preferred".into(), json!(bs.preferred));
-        m.insert("block_size_maximum".into(), json!(bs.max));
-        m.insert("export-size".into(), json!(self.info.size));
-        m.insert("export-size-str".into(), json!(size_str(self.info.size)));
-        Value::Object(m)
+        lines.push(format!("\"block_size_minimum\": {}", bs.min));
+        lines.push(format!("\"block_size_preferred\": {}", bs.preferred));
+        lines.push(format!("\"block_size_maximum\": {}", bs.max));
+        lines.push(format!("\"export-size\": {}", self.info.size));
+        lines.push(format!(
+            "\"export-size-str\": {}",
+            json_str(&size_str(self.info.size))
+        ));
+        format!("\t{{\n\t{}\n\t}}", lines.join(",\n\t"))
     }
 
     fn print_text(&self) -> Result<()> {
@@ -501,9 +514,28 @@ fn describe(ctx: &str, t: u32) -> Option<String> {
 /// (already `"key": value`), then the description where there is one, then `close`.
 fn json_line(fields: &str, ctx: &str, t: u32, close: &str) -> String {
     match describe(ctx, t) {
-        Some(d) => format!("{{ {fields}, \"description\": {}{close}", json!(d)),
+        Some(d) => format!("{{ {fields}, \"description\": {}{close}", json_str(&d)),
         None => format!("{{ {fields}{close}"),
     }
+}
+
+/// `s` as a JSON string, escaped as nbdinfo escapes it: `"` and `\\` with a backslash,
+/// control characters as `\u00XX`.
+fn json_str(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for ch in s.chars() {
+        match ch {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(ch);
+            }
+            c if u32::from(c) < 0x20 => out.push_str(&format!("\\u{:04x}", u32::from(c))),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
 }
 
 /// `text` followed by "  DESCRIPTION" where there is one, as nbdinfo prints a line.

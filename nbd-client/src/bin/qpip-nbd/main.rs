@@ -73,7 +73,7 @@ enum Cmd {
     Info {
         /// nbd://HOST[:PORT][/EXPORT] or nbd+unix:///EXPORT?socket=PATH
         uri: String,
-        /// Print JSON (nbdinfo's keys) instead of text.
+        /// Print JSON instead of text: nbdinfo's, byte for byte (its keys, order and layout).
         #[arg(long)]
         json: bool,
         /// Print only the size in bytes.
