@@ -140,8 +140,9 @@
 //!   A LIST with no query lists every context of the export; in a LIST a query ending
 //!   in `:` (`base:`, `qemu:`, `qemu:dirty-bitmap:`) lists the contexts under it, in a
 //!   SET it selects nothing (SET takes exact names), as qemu-nbd answers. Each context
-//!   is answered once, in the export's order (`base:allocation` first, id 1, then
-//!   [`handshake::Export::contexts`]). Contexts only apply if the final export is the
+//!   is answered once, in the export's order (`base:allocation` first, then
+//!   [`handshake::Export::contexts`]), with qemu-nbd's ids (`base:allocation` 0,
+//!   `qemu:allocation-depth` 1, the others 2 on). Contexts only apply if the final export is the
 //!   one named in the last SET; a `BLOCK_STATUS` reply has one chunk per context.
 //! * `NBD_OPT_INFO`/`NBD_OPT_GO`: `NBD_INFO_EXPORT` is always sent; requested
 //!   NAME / DESCRIPTION (if non-empty) / BLOCK_SIZE are answered once each;

@@ -175,8 +175,8 @@ fn allocation_depth_per_export_in_the_config_file() {
 
 /// Option `option` with option data `data` over a raw connection to `port`, after
 /// NBD_OPT_STRUCTURED_REPLY when `structured`: the replies up to the final ACK or error, as
-/// (reply type, data), less what is the server's own to choose: the context ids of
-/// NBD_REP_META_CONTEXT (qemu-nbd numbers base:allocation 0, we 1) and the text of errors.
+/// (reply type, data), less the text of errors (the server's own; context ids are compared:
+/// we number them as qemu-nbd does).
 fn meta_replies(port: u16, option: u32, structured: bool, data: &[u8]) -> Vec<(u32, Vec<u8>)> {
     use nbd_proto::consts as c;
     use nbd_proto::handshake::messages::{OptionReplyHeader, encode_option};
@@ -209,9 +209,7 @@ fn meta_replies(port: u16, option: u32, structured: bool, data: &[u8]) -> Vec<(u
     let mut replies = Vec::new();
     loop {
         match reply(&mut s) {
-            (c::REP_META_CONTEXT, data) => {
-                replies.push((c::REP_META_CONTEXT, data.get(4..).unwrap_or(&[]).to_vec()))
-            }
+            (c::REP_META_CONTEXT, data) => replies.push((c::REP_META_CONTEXT, data)),
             (t, data) => {
                 let error = t & (1 << 31) != 0;
                 replies.push((t, if error { Vec::new() } else { data }));

@@ -25,9 +25,10 @@ mod config;
 
 pub use config::{DEFAULT_MAX_OPTIONS, Export, ServerConfig, TlsMode};
 
-/// Context id the server assigns to `base:allocation` in `NBD_OPT_SET_META_CONTEXT`; an
-/// export's other contexts ([`Export::contexts`]) get the ids after it.
-pub const BASE_ALLOCATION_ID: u32 = 1;
+/// Context id the server assigns to `base:allocation` in `NBD_OPT_SET_META_CONTEXT`, as
+/// qemu-nbd numbers them: `base:allocation` 0, `qemu:allocation-depth` 1, an export's
+/// other contexts ([`Export::contexts`], dirty bitmaps) 2 on, in order.
+pub const BASE_ALLOCATION_ID: u32 = 0;
 
 /// Whether `query` selects the context `name`: the name itself, or (`NBD_OPT_LIST_META_CONTEXT`
 /// only) a prefix of it ending in `:`, so that `base:` lists `base:allocation`, `qemu:` every
