@@ -432,9 +432,13 @@ fn info_map_prints_what_nbdinfo_prints() {
     assert!(differ.is_empty(), "{}", differ.join("\n\n"));
 }
 
-/// A raw connection to `port` with extended headers, `queries` selected for export "x" and
-/// NBD_OPT_GO done: the stream, the transmission flags, the contexts selected (id, name).
-fn extended_session(port: u16, queries: &[&str]) -> (std::net::TcpStream, u16, Vec<(u32, String)>) {
+/// A raw connection to `port` with extended headers, `queries` selected for export "x",
+/// NBD_OPT_INFO and NBD_OPT_GO done: the stream, the transmission flags (of INFO, of GO),
+/// the contexts selected (id, name).
+fn extended_session(
+    port: u16,
+    queries: &[&str],
+) -> (std::net::TcpStream, [u16; 2], Vec<(u32, String)>) {
     use nbd_proto::consts as c;
     use nbd_proto::handshake::messages::{
         MetaContextEntry, MetaContextRequest, OptionReplyHeader, encode_option,
@@ -462,6 +466,7 @@ fn extended_session(port: u16, queries: &[&str]) -> (std::net::TcpStream, u16, V
         queries: queries.to_vec(),
     };
     encode_option(c::OPT_SET_META_CONTEXT, &req.encode().unwrap(), &mut out);
+    encode_option(c::OPT_INFO, &[0, 0, 0, 1, b'x', 0, 0], &mut out);
     encode_option(c::OPT_GO, &[0, 0, 0, 1, b'x', 0, 0], &mut out);
     s.write_all(&out).unwrap();
     assert_eq!(reply(&mut s).0, c::REP_ACK, "extended headers");
@@ -478,16 +483,18 @@ fn extended_session(port: u16, queries: &[&str]) -> (std::net::TcpStream, u16, V
             }
         }
     }
-    let mut flags = 0;
-    loop {
-        match reply(&mut s) {
-            (c::REP_INFO, d) if d.len() == 12 && d[..2] == [0, 0] => {
-                flags = u16::from_be_bytes([d[10], d[11]]);
-            }
-            (c::REP_INFO, _) => {}
-            (t, _) => {
-                assert_eq!(t, c::REP_ACK, "GO");
-                break;
+    let mut flags = [0; 2];
+    for f in &mut flags {
+        loop {
+            match reply(&mut s) {
+                (c::REP_INFO, d) if d.len() == 12 && d[..2] == [0, 0] => {
+                    *f = u16::from_be_bytes([d[10], d[11]]);
+                }
+                (c::REP_INFO, _) => {}
+                (t, _) => {
+                    assert_eq!(t, c::REP_ACK, "INFO, GO");
+                    break;
+                }
             }
         }
     }
@@ -615,10 +622,10 @@ fn block_status_payload_selects_contexts_as_qemu_nbd() {
             (0, 2 << 20, Vec::new()),
         ];
         let mut out = vec![format!(
-            "BLOCK_STATUS_PAYLOAD {}",
-            tflags & c::FLAG_BLOCK_STATUS_PAYLOAD != 0
+            "BLOCK_STATUS_PAYLOAD {:?}",
+            tflags.map(|f| f & c::FLAG_BLOCK_STATUS_PAYLOAD != 0)
         )];
-        // the case by its number: the payloads hold each server's own ids
+        // the case by its number (the ids in the payloads are looked up on each server)
         for (i, (f, offset, p)) in cases.into_iter().enumerate() {
             let length = if f & pl != 0 {
                 p.len() as u64
@@ -638,5 +645,5 @@ fn block_status_payload_selects_contexts_as_qemu_nbd() {
         .map(|(q, o)| format!("qemu-nbd:        {q}\nqpip-nbd-server: {o}"))
         .collect();
     assert!(differ.is_empty(), "{}", differ.join("\n"));
-    assert_eq!(q[0], "BLOCK_STATUS_PAYLOAD true");
+    assert_eq!(q[0], "BLOCK_STATUS_PAYLOAD [true, true]");
 }
