@@ -416,11 +416,12 @@ impl Details {
         if let Some(d) = self.description.as_deref().filter(|d| !d.is_empty()) {
             outln!("\tdescription: {}", printable(d.as_bytes()))?;
         }
-        outln!(
-            "\texport-size: {} ({})",
-            self.info.size,
-            size_str(self.info.size)
-        )?;
+        // nbdinfo adds the short form only where it has a unit (not for 0 or 1000).
+        let size = self.info.size;
+        match size_str(size) {
+            short if short != size.to_string() => outln!("\texport-size: {size} ({short})")?,
+            _ => outln!("\texport-size: {size}")?,
+        }
         if let Some(c) = &self.content {
             outln!("\tcontent: {c}")?;
         }
@@ -647,6 +648,14 @@ mod tests {
             Feature::StructuredReply
         );
         assert!(Feature::parse("teleport").is_err());
+    }
+
+    #[test]
+    fn json_strings_escaped_as_nbdinfo() {
+        assert_eq!(
+            json_str("a\"b\\c\td\u{1}é"),
+            "\"a\\\"b\\\\c\\u0009d\\u0001é\""
+        );
     }
 
     #[test]
