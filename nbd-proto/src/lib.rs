@@ -135,8 +135,8 @@
 //!   is allowed without them (the spec only says MAY). Queries without a colon, of
 //!   unknown namespaces or with unknown leaves are ignored (the spec allows
 //!   `NBD_REP_ERR_INVALID` for the first; qemu-nbd ignores them all), and so are queries
-//!   that are not protocol strings (too long, not UTF-8); a length beyond the data or
-//!   trailing bytes are `NBD_REP_ERR_INVALID` (qemu-nbd ignores trailing bytes).
+//!   too long or not UTF-8; a NUL in a query, a length beyond the data or trailing bytes
+//!   are `NBD_REP_ERR_INVALID` (qemu-nbd ignores trailing bytes).
 //!   A LIST with no query lists every context of the export; in a LIST a query ending
 //!   in `:` (`base:`, `qemu:`, `qemu:dirty-bitmap:`) lists the contexts under it, in a
 //!   SET it selects nothing (SET takes exact names), as qemu-nbd answers. Each context

@@ -275,10 +275,17 @@ fn meta_context_queries_are_answered_as_qemu_nbd_answers_them() {
             b" base:allocation",
         ],
         &[b"qemu:dirty-bitmap:b0:", b"qemu:allocation-depth "],
-        // a query longer than a string may be is skipped
+        // a query longer than a string may be is skipped (still a query: a LIST of it alone
+        // lists nothing)
         &[&long, b"base:allocation"],
+        &[&long],
+        &[b"qemu:\xff\xfe"],
         &[&long[..4096], b"base:allocation"],
         &[b"qemu:\xff\xfe", b"base:allocation"],
+        // a NUL: invalid, unless the query is too long to be read
+        &[b"base:allocation\0junk"],
+        &[b"base:allocation", b"qemu:allocation-depth\0"],
+        &[&[&long[..], b"\0"].concat(), b"base:allocation"],
     ];
     let mut cases: Vec<Vec<u8>> = queries.iter().map(|q| meta_request(q)).collect();
     let valid = meta_request(&[b"base:allocation"]);
