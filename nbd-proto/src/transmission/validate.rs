@@ -128,7 +128,7 @@ pub enum ValidCommand {
     BlockStatusPayload {
         /// The request's offset.
         offset: u64,
-        /// Payload bytes (at least 12, 8 + 4 per id, at most 4 per selected context more).
+        /// Payload bytes: 8, then 4 per id (checked against the selection by the server).
         payload_len: u64,
         /// `NBD_CMD_FLAG_REQ_ONE`.
         req_one: bool,
