@@ -62,6 +62,9 @@ pub const FLAG_SEND_RESIZE: u16 = 1 << 9;
 pub const FLAG_SEND_CACHE: u16 = 1 << 10;
 /// `NBD_FLAG_SEND_FAST_ZERO`.
 pub const FLAG_SEND_FAST_ZERO: u16 = 1 << 11;
+/// `NBD_FLAG_BLOCK_STATUS_PAYLOAD` (extended headers): `NBD_CMD_BLOCK_STATUS` may carry a
+/// payload that selects some of the negotiated contexts.
+pub const FLAG_BLOCK_STATUS_PAYLOAD: u16 = 1 << 12;
 
 // ---- Options --------------------------------------------------------------
 

@@ -137,6 +137,8 @@ flag_set! {
         SEND_CACHE = c::FLAG_SEND_CACHE;
         /// `NBD_FLAG_SEND_FAST_ZERO`.
         SEND_FAST_ZERO = c::FLAG_SEND_FAST_ZERO;
+        /// `NBD_FLAG_BLOCK_STATUS_PAYLOAD`.
+        BLOCK_STATUS_PAYLOAD = c::FLAG_BLOCK_STATUS_PAYLOAD;
     }
 }
 
@@ -194,7 +196,7 @@ mod tests {
         g.set(ClientFlags::NO_ZEROES, true);
         assert_eq!(g.bits(), 2);
         assert_eq!(g.with(ClientFlags::NO_ZEROES, false), ClientFlags::empty());
-        assert_eq!(TransmissionFlags::KNOWN.bits(), 0x0fff);
+        assert_eq!(TransmissionFlags::KNOWN.bits(), 0x1fff);
         assert_eq!(CmdFlags::KNOWN.bits(), 0x3f);
     }
 }

@@ -132,13 +132,17 @@
 //!   the export, it MUST terminate the session").
 //! * `NBD_OPT_SET_META_CONTEXT` before structured replies: `NBD_REP_ERR_INVALID`
 //!   ("a server SHOULD send `NBD_REP_ERR_INVALID`"); `NBD_OPT_LIST_META_CONTEXT`
-//!   is allowed without them (the spec only says MAY). Queries without a colon
-//!   are `NBD_REP_ERR_INVALID`; unknown namespaces and unknown leaves are ignored.
+//!   is allowed without them (the spec only says MAY). Queries without a colon, of
+//!   unknown namespaces or with unknown leaves are ignored (the spec allows
+//!   `NBD_REP_ERR_INVALID` for the first; qemu-nbd ignores them all), and so are queries
+//!   too long or not UTF-8; a NUL in a query, a length beyond the data or trailing bytes
+//!   are `NBD_REP_ERR_INVALID` (qemu-nbd ignores trailing bytes).
 //!   A LIST with no query lists every context of the export; in a LIST a query ending
 //!   in `:` (`base:`, `qemu:`, `qemu:dirty-bitmap:`) lists the contexts under it, in a
 //!   SET it selects nothing (SET takes exact names), as qemu-nbd answers. Each context
-//!   is answered once, in the export's order (`base:allocation` first, id 1, then
-//!   [`handshake::Export::contexts`]). Contexts only apply if the final export is the
+//!   is answered once, in the export's order (`base:allocation` first, then
+//!   [`handshake::Export::contexts`]), with qemu-nbd's ids (`base:allocation` 0,
+//!   `qemu:allocation-depth` 1, the others 2 on). Contexts only apply if the final export is the
 //!   one named in the last SET; a `BLOCK_STATUS` reply has one chunk per context.
 //! * `NBD_OPT_INFO`/`NBD_OPT_GO`: `NBD_INFO_EXPORT` is always sent; requested
 //!   NAME / DESCRIPTION (if non-empty) / BLOCK_SIZE are answered once each;
@@ -150,10 +154,17 @@
 //! * Extended headers (`NBD_OPT_EXTENDED_HEADERS`): offered only with `NBD_OPT_GO`
 //!   (the spec requires it), they imply structured replies; a later
 //!   `NBD_OPT_STRUCTURED_REPLY` gets `NBD_REP_ERR_EXT_HEADER_REQD` and a later
-//!   `NBD_OPT_EXPORT_NAME` a hard disconnect. Only a `WRITE` may carry
-//!   `NBD_CMD_FLAG_PAYLOAD_LEN` (the optional block-status payload is not
-//!   implemented), and a `WRITE` without it still has its payload (qemu sends them so), block status is answered with `BLOCK_STATUS_EXT`, and the client
-//!   checks that each extended reply echoes its request's offset.
+//!   `NBD_OPT_EXPORT_NAME` a hard disconnect. A `WRITE` carries
+//!   `NBD_CMD_FLAG_PAYLOAD_LEN` (one without it still has its payload: qemu sends them so),
+//!   and so may a `BLOCK_STATUS` where `NBD_FLAG_BLOCK_STATUS_PAYLOAD` was advertised (with
+//!   contexts selected, at most [`transmission::ContextSet::MAX`], as qemu-nbd offers it):
+//!   its payload, the effect length and the ids of the contexts to answer for, is read and
+//!   checked by [`transmission::server::ServerTransmission::block_status_payload`] (an id
+//!   not selected or named twice, a payload that is not 8 + 4n bytes with 1 ≤ n ≤ the
+//!   contexts selected, a zero or out-of-bounds effect length: `EINVAL`, the payload read
+//!   on); any other command with the flag is `EINVAL`. Block status is answered with
+//!   `BLOCK_STATUS_EXT`, and the client checks that each extended reply echoes its
+//!   request's offset.
 //!
 //! The TLS record layer itself is the caller's (in qpip, the NIC's).
 #![forbid(unsafe_code)]

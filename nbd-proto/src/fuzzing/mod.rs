@@ -231,6 +231,7 @@ fn transmission_request(data: &[u8], extended: bool) {
                         assert!(range.len() <= u64::from(info.block_size.max));
                     }
                 }
+                V::BlockStatusPayload { payload_len, .. } => assert_eq!(payload_len, req.length),
                 V::Flush => assert_eq!((req.offset, req.length), (0, 0)),
                 V::Disc | V::Resize { .. } => {}
             }
@@ -255,7 +256,11 @@ fn transmission_request(data: &[u8], extended: bool) {
             assert_eq!(refusal.command(), req.command);
             // the payload is read on before the error reply, or the stream loses its place
             assert_eq!(refusal.payload_len(), req.payload_len(extended));
-            if refusal.error() != ErrorValue::Shutdown {
+            // (a BLOCK_STATUS payload's length is checked against the contexts selected,
+            // which validate_request does not know)
+            let payload_form = req.command == Command::BlockStatus
+                && req.flags.contains(crate::flags::CmdFlags::PAYLOAD_LEN);
+            if refusal.error() != ErrorValue::Shutdown && !payload_form {
                 assert_eq!(validate_request(&req, &info), Err(refusal.error()));
             }
             server.reply(refusal.reply_to(), Err(refusal.error()), &mut reply);

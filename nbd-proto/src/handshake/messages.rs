@@ -266,7 +266,11 @@ pub struct MetaContextRequest<'a> {
 
 impl<'a> MetaContextRequest<'a> {
     /// Parse the option data; every length must fit in the data and the data
-    /// must be consumed exactly. Memory is bounded by the data length.
+    /// must be consumed exactly. Memory is bounded by the data length. A query longer than
+    /// 4096 bytes or not UTF-8 becomes the empty query: like it, it names no context (still
+    /// a query: a LIST of only such queries lists nothing), and qemu-nbd skips it rather
+    /// than failing the option; one with a NUL (within 4096 bytes) is invalid, as qemu-nbd
+    /// finds it.
     pub fn parse(data: &'a [u8]) -> Result<Self, ProtoError> {
         let mut r = Reader::new(data);
         let invalid = ProtoError::Invalid("meta context request");
@@ -286,7 +290,10 @@ impl<'a> MetaContextRequest<'a> {
             let q = r
                 .bytes(usize::try_from(ql).map_err(|_| invalid.clone())?)
                 .ok_or(invalid.clone())?;
-            queries.push(parse_string(q, "meta context query")?);
+            if q.len() <= crate::consts::MAX_STRING_LEN && q.contains(&0) {
+                return Err(ProtoError::BadString("meta context query"));
+            }
+            queries.push(parse_string(q, "meta context query").unwrap_or(""));
         }
         if r.remaining() != 0 {
             return Err(ProtoError::Invalid(

@@ -19,14 +19,16 @@ use crate::handshake::messages::{
     BlockSize, ExportNameReply, Greeting, InfoReply, InfoRequest, MetaContextEntry,
     MetaContextRequest, OptionHeader, ServerEntry, encode_option_reply, parse_client_flags,
 };
+use crate::transmission::ContextSet;
 
 mod config;
 
 pub use config::{DEFAULT_MAX_OPTIONS, Export, ServerConfig, TlsMode};
 
-/// Context id the server assigns to `base:allocation` in `NBD_OPT_SET_META_CONTEXT`; an
-/// export's other contexts ([`Export::contexts`]) get the ids after it.
-pub const BASE_ALLOCATION_ID: u32 = 1;
+/// Context id the server assigns to `base:allocation` in `NBD_OPT_SET_META_CONTEXT`, as
+/// qemu-nbd numbers them: `base:allocation` 0, `qemu:allocation-depth` 1, an export's
+/// other contexts ([`Export::contexts`], dirty bitmaps) 2 on, in order.
+pub const BASE_ALLOCATION_ID: u32 = 0;
 
 /// Whether `query` selects the context `name`: the name itself, or (`NBD_OPT_LIST_META_CONTEXT`
 /// only) a prefix of it ending in `:`, so that `base:` lists `base:allocation`, `qemu:` every
@@ -531,11 +533,18 @@ impl ServerHandshake {
             Some((i, ctx)) if *i == idx => ctx.clone(),
             _ => Vec::new(),
         };
+        let mut flags = e.transmission_flags(self.structured);
+        // The payload form of BLOCK_STATUS, as qemu-nbd offers it: with extended headers and
+        // contexts selected (the spec's SHOULD), while a selection fits a ContextSet.
+        flags.set(
+            TransmissionFlags::BLOCK_STATUS_PAYLOAD,
+            self.extended && (1..=ContextSet::MAX).contains(&meta_contexts.len()),
+        );
         Some(ServerNegotiated {
             export_index: idx,
             export_name: e.name.clone(),
             size: e.size,
-            flags: e.transmission_flags(self.structured),
+            flags,
             structured_replies: self.structured,
             extended_headers: self.extended,
             meta_contexts,
@@ -695,10 +704,6 @@ impl ServerHandshake {
             reply_err(out, option, c::REP_ERR_UNKNOWN, "unknown export");
             return;
         };
-        if req.queries.iter().any(|q| !q.contains(':')) {
-            reply_err(out, option, c::REP_ERR_INVALID, "query lacks a namespace");
-            return;
-        }
         let mut selected = Vec::new();
         for (id, name) in self.config.exports[idx].offered_contexts() {
             // LIST with no query lists every context, as qemu-nbd does.

@@ -779,13 +779,13 @@ fn meta_context_rules() {
         &meta("disk", &["qemu:dirty"]),
     );
     assert_eq!(types(&rep), vec![c::REP_ACK]);
-    // missing colon → invalid; unknown export → unknown
+    // missing colon → ignored, as qemu-nbd does; unknown export → unknown
     let (_, rep) = ask(
         &mut s,
         c::OPT_LIST_META_CONTEXT,
-        &meta("disk", &["nocolon"]),
+        &meta("disk", &["nocolon", "", c::BASE_ALLOCATION]),
     );
-    assert_eq!(types(&rep), vec![c::REP_ERR_INVALID]);
+    assert_eq!(types(&rep), vec![c::REP_META_CONTEXT, c::REP_ACK]);
     let (_, rep) = ask(&mut s, c::OPT_LIST_META_CONTEXT, &meta("zzz", &[]));
     assert_eq!(types(&rep), vec![c::REP_ERR_UNKNOWN]);
 

@@ -15,7 +15,7 @@ pub mod validate;
 
 pub use crate::handshake::TransmissionInfo;
 pub use crate::request::{Command, ErrorValue, Request, RequestHeader};
-pub use validate::{ByteRange, ValidCommand, validate_request};
+pub use validate::{ByteRange, ContextSet, ValidCommand, validate_request};
 
 #[cfg(test)]
 mod tests;

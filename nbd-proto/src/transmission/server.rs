@@ -10,7 +10,9 @@ use crate::flags::CmdFlags;
 use crate::handshake::server::ServerNegotiated;
 use crate::reply::{self, ChunkBytes, Extent, ReplyTo, SimpleReply};
 use crate::transmission::validate::check_request;
-use crate::transmission::{Command, ErrorValue, Request, TransmissionInfo, ValidCommand};
+use crate::transmission::{
+    Command, ContextSet, ErrorValue, Request, TransmissionInfo, ValidCommand,
+};
 
 /// A request that passed every check of [`crate::transmission::validate_request`]: only
 /// [`ServerTransmission::parse_request`] makes one, so holding one means the checks ran.
@@ -189,14 +191,80 @@ impl ServerTransmission {
                 command: ValidCommand::Disc,
             });
         }
+        let refusal = |error| Refusal {
+            to,
+            command: req.command,
+            error,
+            payload_len: req.payload_len(extended),
+        };
         match check_request(req, &self.info) {
+            // A BLOCK_STATUS payload is the effect length and at least one id, and names
+            // each selected context at most once: anything else is read on and refused
+            // (as qemu-nbd does), unseen.
+            Ok(ValidCommand::BlockStatusPayload { payload_len, .. })
+                if payload_len < 12
+                    || !(payload_len - 8).is_multiple_of(4)
+                    || (payload_len - 8) / 4 > self.contexts.len() as u64 =>
+            {
+                Err(refusal(ErrorValue::Inval))
+            }
             Ok(command) => Ok(ValidRequest { to, command }),
-            Err(error) => Err(Refusal {
-                to,
-                command: req.command,
-                error,
-                payload_len: req.payload_len(extended),
+            Err(error) => Err(refusal(error)),
+        }
+    }
+
+    /// The `BLOCK_STATUS` `req` ([`ValidCommand::BlockStatusPayload`]) with its `payload`
+    /// read: the effect length and the ids of the contexts to answer for, checked into a
+    /// [`ValidCommand::BlockStatus`]. An id not selected, or named twice, is `EINVAL` (the
+    /// spec's MUST); the effect length is checked as a `BLOCK_STATUS` length is (nonzero,
+    /// aligned, within the export).
+    pub fn block_status_payload(
+        &self,
+        req: &ValidRequest,
+        payload: &[u8],
+    ) -> Result<ValidRequest, ErrorValue> {
+        let ValidCommand::BlockStatusPayload {
+            offset,
+            payload_len,
+            req_one,
+        } = req.command
+        else {
+            return Err(ErrorValue::Inval);
+        };
+        if payload.len() as u64 != payload_len {
+            return Err(ErrorValue::Inval);
+        }
+        let (effect, ids) = payload.split_at_checked(8).ok_or(ErrorValue::Inval)?;
+        let effect = u64::from_be_bytes(effect.try_into().map_err(|_| ErrorValue::Inval)?);
+        let mut contexts = ContextSet::EMPTY;
+        for id in ids.chunks_exact(4) {
+            let id = u32::from_be_bytes(id.try_into().map_err(|_| ErrorValue::Inval)?);
+            let at = self.contexts.iter().position(|(i, _)| *i == id);
+            contexts = at
+                .and_then(|at| contexts.with(at))
+                .ok_or(ErrorValue::Inval)?;
+        }
+        let plain = Request {
+            flags: if req_one {
+                CmdFlags::REQ_ONE
+            } else {
+                CmdFlags::empty()
+            },
+            command: Command::BlockStatus,
+            cookie: req.to.cookie,
+            offset,
+            length: effect,
+        };
+        match check_request(&plain, &self.info)? {
+            ValidCommand::BlockStatus { range, req_one, .. } => Ok(ValidRequest {
+                to: req.to,
+                command: ValidCommand::BlockStatus {
+                    range,
+                    req_one,
+                    contexts,
+                },
             }),
+            _ => Err(ErrorValue::Inval),
         }
     }
 
@@ -283,7 +351,7 @@ impl ServerTransmission {
         contexts: &[(u32, &[Extent])],
         out: &mut Vec<u8>,
     ) -> Result<(), ProtoError> {
-        let ValidCommand::BlockStatus { range, req_one } = req.command else {
+        let ValidCommand::BlockStatus { range, req_one, .. } = req.command else {
             return Err(ProtoError::Invalid(
                 "a block status reply answers a BLOCK_STATUS",
             ));
@@ -329,6 +397,83 @@ mod tests {
             length,
         };
         req.encode(extended).unwrap().to_vec()
+    }
+
+    #[test]
+    fn block_status_payload_selects_contexts() {
+        let mut s = session(true, true);
+        s.contexts = vec![
+            (1, "base:allocation".into()),
+            (2, "qemu:allocation-depth".into()),
+        ];
+        let pl = CmdFlags::PAYLOAD_LEN;
+        // not offered: refused, the payload read on
+        let r = s.parse_request(&header(Command::BlockStatus, pl, 0, 12, true));
+        let Err(RequestError::Refused(r)) = r else {
+            panic!("{r:?}")
+        };
+        assert_eq!((r.error(), r.payload_len()), (ErrorValue::Inval, 12));
+        s.info.flags |= TF::BLOCK_STATUS_PAYLOAD;
+        // lengths: 8 + 4 per id, one id at least, no more ids than contexts
+        for len in [0, 8, 10, 13, 20] {
+            let r = s.parse_request(&header(Command::BlockStatus, pl, 0, len, true));
+            let Err(RequestError::Refused(r)) = r else {
+                panic!("{len}: {r:?}")
+            };
+            assert_eq!(
+                (r.error(), r.payload_len()),
+                (ErrorValue::Inval, len),
+                "{len}"
+            );
+        }
+        let req = s
+            .parse_request(&header(Command::BlockStatus, pl, 4096, 16, true))
+            .unwrap();
+        assert_eq!(req.payload_len(), 16);
+        let payload = |effect: u64, ids: &[u32]| {
+            let mut p = effect.to_be_bytes().to_vec();
+            ids.iter()
+                .for_each(|i| p.extend_from_slice(&i.to_be_bytes()));
+            p
+        };
+        let checked = s
+            .block_status_payload(&req, &payload(8192, &[2, 1]))
+            .unwrap();
+        let ValidCommand::BlockStatus {
+            range, contexts, ..
+        } = *checked.command()
+        else {
+            panic!("{checked:?}")
+        };
+        assert_eq!((range.offset(), range.len()), (4096, 8192));
+        assert!(contexts.contains(0) && contexts.contains(1) && !contexts.contains(2));
+        let req = s
+            .parse_request(&header(Command::BlockStatus, pl, 4096, 12, true))
+            .unwrap();
+        let checked = s.block_status_payload(&req, &payload(512, &[2])).unwrap();
+        let ValidCommand::BlockStatus { contexts, .. } = *checked.command() else {
+            panic!("{checked:?}")
+        };
+        assert!(!contexts.contains(0) && contexts.contains(1));
+        // unknown or twice-named ids, zero or out-of-bounds effect lengths, a short payload
+        for (effect, ids) in [
+            (512, &[3][..]),
+            (0, &[1]),
+            (1 << 20, &[1]),
+            (u64::MAX, &[1]),
+        ] {
+            let p = payload(effect, ids);
+            assert_eq!(s.block_status_payload(&req, &p), Err(ErrorValue::Inval));
+        }
+        let req = s
+            .parse_request(&header(Command::BlockStatus, pl, 0, 16, true))
+            .unwrap();
+        let twice = payload(512, &[1, 1]);
+        assert_eq!(s.block_status_payload(&req, &twice), Err(ErrorValue::Inval));
+        assert_eq!(
+            s.block_status_payload(&req, &twice[..12]),
+            Err(ErrorValue::Inval)
+        );
     }
 
     #[test]

@@ -35,6 +35,35 @@ impl ByteRange {
     }
 }
 
+/// Which of the selected metadata contexts a `BLOCK_STATUS` answers: positions in the list
+/// `NBD_OPT_SET_META_CONTEXT` selected (at most [`ContextSet::MAX`]; a server offers the
+/// payload form of `BLOCK_STATUS` only when the selection fits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ContextSet(u64);
+
+impl ContextSet {
+    /// Most contexts a set can name.
+    pub const MAX: usize = 64;
+    /// Every selected context (a `BLOCK_STATUS` without a payload).
+    pub const ALL: Self = Self(u64::MAX);
+    /// None yet.
+    pub const EMPTY: Self = Self(0);
+
+    /// Whether the context at position `i` of the selection is in the set.
+    pub const fn contains(&self, i: usize) -> bool {
+        i < Self::MAX && self.0 & (1 << i) != 0
+    }
+
+    /// The set with position `i` added; None where `i` is past [`Self::MAX`] or already in.
+    pub const fn with(self, i: usize) -> Option<Self> {
+        if i >= Self::MAX || self.contains(i) {
+            None
+        } else {
+            Some(Self(self.0 | (1 << i)))
+        }
+    }
+}
+
 /// A command that passed [`validate_request`]'s checks, with the flags that matter to it.
 /// `READ` and `WRITE` ranges are at most the maximum block size long, so their length fits
 /// in a `u32`; the ranges of commands without a payload may reach the export's end.
@@ -88,6 +117,21 @@ pub enum ValidCommand {
         range: ByteRange,
         /// `NBD_CMD_FLAG_REQ_ONE`: one extent per context.
         req_one: bool,
+        /// The contexts to answer for (all of them, unless a payload chose some).
+        contexts: ContextSet,
+    },
+    /// `NBD_CMD_BLOCK_STATUS` with `NBD_CMD_FLAG_PAYLOAD_LEN` (extended headers, where the
+    /// server offered `NBD_FLAG_BLOCK_STATUS_PAYLOAD`): its `payload_len` bytes (the effect
+    /// length, then the context ids to answer for) follow the header, and only they say
+    /// which range is asked about: the server reads them, then checks them into a
+    /// [`ValidCommand::BlockStatus`] ([`crate::transmission::server::ServerTransmission::block_status_payload`]).
+    BlockStatusPayload {
+        /// The request's offset.
+        offset: u64,
+        /// Payload bytes: 8, then 4 per id (checked against the selection by the server).
+        payload_len: u64,
+        /// `NBD_CMD_FLAG_REQ_ONE`.
+        req_one: bool,
     },
     /// `NBD_CMD_RESIZE` (experimental): the new size, not range-checked.
     Resize {
@@ -107,15 +151,17 @@ impl ValidCommand {
             Self::Trim { .. } => Command::Trim,
             Self::Cache { .. } => Command::Cache,
             Self::WriteZeroes { .. } => Command::WriteZeroes,
-            Self::BlockStatus { .. } => Command::BlockStatus,
+            Self::BlockStatus { .. } | Self::BlockStatusPayload { .. } => Command::BlockStatus,
             Self::Resize { .. } => Command::Resize,
         }
     }
 
-    /// Payload bytes that follow the header: a `WRITE`'s length, else 0.
+    /// Payload bytes that follow the header: a `WRITE`'s length, a `BLOCK_STATUS`
+    /// payload's, else 0.
     pub const fn payload_len(&self) -> u64 {
         match self {
             Self::Write { range, .. } => range.len,
+            Self::BlockStatusPayload { payload_len, .. } => *payload_len,
             _ => 0,
         }
     }
@@ -140,7 +186,10 @@ impl ValidCommand {
 ///    negotiation (`FUA` needs `SEND_FUA`; `DF` only on `READ` and needs `SEND_DF`;
 ///    `NO_HOLE` only on `WRITE_ZEROES`; `FAST_ZERO` only on `WRITE_ZEROES` and needs
 ///    `SEND_FAST_ZERO`; `REQ_ONE` only on `BLOCK_STATUS`; `PAYLOAD_LEN` only on
-///    `WRITE` with extended headers) → `EINVAL`.
+///    `WRITE` with extended headers, and on `BLOCK_STATUS` where
+///    `BLOCK_STATUS_PAYLOAD` was advertised) → `EINVAL`. A `BLOCK_STATUS` with a payload
+///    passes here as [`ValidCommand::BlockStatusPayload`]: its range is in the payload,
+///    checked (from 6 on) once the server has read it.
 /// 4. `WRITE`/`TRIM`/`WRITE_ZEROES`/`RESIZE` on a read-only export → `EPERM`, checked
 ///    before all the others (also where the command is not advertised, as qemu-nbd does).
 /// 5. `FLUSH` with nonzero offset or length → `EINVAL` (they "MUST be set to all-zero").
@@ -227,10 +276,19 @@ pub(crate) fn check_request(
     if f.contains(CmdFlags::REQ_ONE) && req.command != C::BlockStatus {
         return Err(ErrorValue::Inval);
     }
-    // With extended headers only a WRITE may say it carries a payload (no optional payload
-    // form, such as BLOCK_STATUS's, is implemented); without them the flag does not exist.
-    if f.contains(CmdFlags::PAYLOAD_LEN) && !(info.extended_headers && req.command == C::Write) {
+    // With extended headers a WRITE says it carries a payload, and so may a BLOCK_STATUS
+    // where the server offered the payload form; without them the flag does not exist.
+    let payload_form = req.command == C::Write
+        || (req.command == C::BlockStatus && tf.contains(TransmissionFlags::BLOCK_STATUS_PAYLOAD));
+    if f.contains(CmdFlags::PAYLOAD_LEN) && !(info.extended_headers && payload_form) {
         return Err(ErrorValue::Inval);
+    }
+    if req.command == C::BlockStatus && f.contains(CmdFlags::PAYLOAD_LEN) {
+        return Ok(ValidCommand::BlockStatusPayload {
+            offset: req.offset,
+            payload_len: req.length,
+            req_one: f.contains(CmdFlags::REQ_ONE),
+        });
     }
 
     match req.command {
@@ -307,6 +365,7 @@ pub(crate) fn check_request(
         C::BlockStatus => ValidCommand::BlockStatus {
             range,
             req_one: f.contains(CmdFlags::REQ_ONE),
+            contexts: ContextSet::ALL,
         },
         // answered above
         C::Disc | C::Flush | C::Resize | C::Unknown(_) => return Err(ErrorValue::Inval),

@@ -35,7 +35,7 @@ use nbd_proto::consts as c;
 use nbd_proto::handshake::server::ServerNegotiated;
 use nbd_proto::reply::{self, ReplyTo};
 use nbd_proto::transmission::server::{ServerTransmission, ValidRequest};
-use nbd_proto::transmission::{ByteRange, Command, ErrorValue, ValidCommand};
+use nbd_proto::transmission::{ByteRange, Command, ContextSet, ErrorValue, ValidCommand};
 use qpip_core::{Access, Completion, CqWaker, MemoryRegion, Opcode, RecvWr, WcStatus};
 
 use super::framer::FramerState;
@@ -47,6 +47,9 @@ use crate::error::{Chain, Error, Result, io_error_value};
 use crate::export::{Export, MetaContext};
 use crate::metrics::{ConnStats, Started};
 use crate::store::Pending;
+
+// A BLOCK_STATUS payload (8 + 4 per context id) arrives whole with its header.
+const _: () = assert!(8 + 4 * ContextSet::MAX <= super::recv_window::CHUNK);
 
 /// Most extents in one block-status reply (the client asks again for the rest).
 const MAX_EXTENTS: usize = 32;
@@ -516,9 +519,26 @@ impl<'a> Transmission<'a> {
                 };
                 return self.begin_write(pw, base + hdr_len, body_len, wc);
             }
+            // Its payload came with the header: it is at most 8 + 4 * ContextSet::MAX bytes
+            // (nbd-proto refuses more), well within a receive slot.
+            ValidCommand::BlockStatusPayload { .. } => {
+                let payload = self.slot(base + hdr_len, body_len);
+                match self.session.block_status_payload(&req, payload) {
+                    Ok(checked) => return self.execute_and_reply(&checked, started),
+                    Err(e) => {
+                        self.reply(req.reply_to(), started, Err(e))?;
+                        return Ok(true);
+                    }
+                }
+            }
             _ => {}
         }
-        match self.execute(&req) {
+        self.execute_and_reply(&req, started)
+    }
+
+    /// Runs a command other than READ, WRITE and DISC ([`Self::execute`]) and replies.
+    fn execute_and_reply(&mut self, req: &ValidRequest, started: Started) -> Result<bool> {
+        match self.execute(req) {
             // The command sent its own reply.
             Ok(Some(())) => {
                 self.stats.replied(started, None);
@@ -636,8 +656,10 @@ impl<'a> Transmission<'a> {
                 store.prefetch(at, n).map(|()| true)
             }))
             .map(|_| None),
-            ValidCommand::BlockStatus { range, .. } => {
-                self.send_block_status(req, range)?;
+            ValidCommand::BlockStatus {
+                range, contexts, ..
+            } => {
+                self.send_block_status(req, range, contexts)?;
                 Ok(Some(()))
             }
             // READ, WRITE, RESIZE and DISC are handled by the caller.
@@ -761,6 +783,7 @@ impl<'a> Transmission<'a> {
         &mut self,
         req: &ValidRequest,
         range: ByteRange,
+        wanted: ContextSet,
     ) -> Result<(), ErrorValue> {
         let store = &self.export.store;
         let (at, len) = (range.offset(), range.len());
@@ -772,7 +795,8 @@ impl<'a> Transmission<'a> {
             1 << 31
         };
         let mut chunks: Vec<(u32, Vec<reply::Extent>)> = Vec::new();
-        for (id, name) in self.session.contexts() {
+        let selected = self.session.contexts().iter().enumerate();
+        for (_, (id, name)) in selected.filter(|(i, _)| wanted.contains(*i)) {
             let runs: Vec<(u64, u32)> = if name == c::BASE_ALLOCATION {
                 let extents = store.extents(at, len).map_err(|e| io_error_value(&e))?;
                 extents

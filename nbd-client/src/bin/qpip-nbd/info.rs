@@ -10,7 +10,6 @@ use nbd_client::{Client, ClientOptions, ExportInfo, NbdUri};
 use nbd_proto::flags::TransmissionFlags as TF;
 use nbd_proto::peer_text::printable;
 use qpip_cli::outln;
-use serde_json::{Map, Value, json};
 
 /// The context `--map` shows unless told another.
 pub(crate) const BASE_ALLOCATION: &str = "base:allocation";
@@ -74,13 +73,19 @@ pub(crate) fn run(a: &InfoArgs, base: &ClientOptions) -> Result<i32> {
     let tls = NbdUri::parse(&a.uri)?.tls.is_some();
     let structured = exports.first().is_none_or(|d| d.structured);
     if a.json {
-        let v = json!({
-            "protocol": "newstyle-fixed",
-            "TLS": tls,
-            "structured": structured,
-            "exports": exports.iter().map(Details::json).collect::<Vec<_>>(),
-        });
-        outln!("{}", serde_json::to_string_pretty(&v)?)?;
+        // nbdinfo's own layout, byte for byte: one key a line, the exports' keys indented by
+        // a tab, in its order.
+        let mut out = format!(
+            "{{\n\"protocol\": \"newstyle-fixed\",\n\"TLS\": {tls},\n\"structured\": {structured},\n"
+        );
+        let objects: Vec<String> = exports.iter().map(Details::json).collect();
+        if objects.is_empty() {
+            out.push_str("\"exports\": [ ]\n");
+        } else {
+            out.push_str(&format!("\"exports\": [\n{} ]\n", objects.join(",\n")));
+        }
+        out.push('}');
+        outln!("{out}")?;
     } else {
         outln!(
             "protocol: newstyle-fixed {} TLS{}",
@@ -374,27 +379,35 @@ impl Details {
         ]
     }
 
-    fn json(&self) -> Value {
-        let mut m = Map::new();
-        m.insert("export-name".into(), json!(self.name));
+    /// The export's JSON object as nbdinfo prints it, from "\t{" to "\t}" (no newline).
+    fn json(&self) -> String {
+        let mut lines = vec![format!("\"export-name\": {}", json_str(&self.name))];
         if let Some(d) = self.description.as_deref().filter(|d| !d.is_empty()) {
-            m.insert("description".into(), json!(d));
+            lines.push(format!("\"description\": {}", json_str(d)));
         }
         if let Some(c) = &self.content {
-            m.insert("content".into(), json!(c));
+            lines.push(format!("\"content\": {}", json_str(c)));
         }
-        m.insert("uri".into(), json!(self.uri));
-        m.insert("contexts".into(), json!(self.contexts));
+        lines.push(format!("\"uri\": {}", json_str(&self.uri)));
+        let contexts: Vec<String> = self
+            .contexts
+            .iter()
+            .map(|c| format!("\t\t{}", json_str(c)))
+            .collect();
+        lines.push(format!("\"contexts\": [\n{}\n\t]", contexts.join(",\n")));
         for (k, v) in self.bools() {
-            m.insert(k.into(), json!(v));
+            lines.push(format!("\"{k}\": {v}"));
         }
         let bs = self.info.block_size;
-        m.insert("block_size_minimum".into(), json!(bs.min));
-        m.insert("block_size_preferred".into(), json!(bs.preferred));
-        m.insert("block_size_maximum".into(), json!(bs.max));
-        m.insert("export-size".into(), json!(self.info.size));
-        m.insert("export-size-str".into(), json!(size_str(self.info.size)));
-        Value::Object(m)
+        lines.push(format!("\"block_size_minimum\": {}", bs.min));
+        lines.push(format!("\"block_size_preferred\": {}", bs.preferred));
+        lines.push(format!("\"block_size_maximum\": {}", bs.max));
+        lines.push(format!("\"export-size\": {}", self.info.size));
+        lines.push(format!(
+            "\"export-size-str\": {}",
+            json_str(&size_str(self.info.size))
+        ));
+        format!("\t{{\n\t{}\n\t}}", lines.join(",\n\t"))
     }
 
     fn print_text(&self) -> Result<()> {
@@ -403,11 +416,12 @@ impl Details {
         if let Some(d) = self.description.as_deref().filter(|d| !d.is_empty()) {
             outln!("\tdescription: {}", printable(d.as_bytes()))?;
         }
-        outln!(
-            "\texport-size: {} ({})",
-            self.info.size,
-            size_str(self.info.size)
-        )?;
+        // nbdinfo adds the short form only where it has a unit (not for 0 or 1000).
+        let size = self.info.size;
+        match size_str(size) {
+            short if short != size.to_string() => outln!("\texport-size: {size} ({short})")?,
+            _ => outln!("\texport-size: {size}")?,
+        }
         if let Some(c) = &self.content {
             outln!("\tcontent: {c}")?;
         }
@@ -497,13 +511,32 @@ fn describe(ctx: &str, t: u32) -> Option<String> {
     }
 }
 
-/// One JSON object of `--map --json` or `--map --totals --json`: `fields`, then the
-/// description where there is one.
-fn with_description(mut fields: Map<String, Value>, ctx: &str, t: u32) -> Value {
-    if let Some(d) = describe(ctx, t) {
-        fields.insert("description".into(), json!(d));
+/// One line of `--map --json` or `--map --totals --json` as nbdinfo prints it: `fields`
+/// (already `"key": value`), then the description where there is one, then `close`.
+fn json_line(fields: &str, ctx: &str, t: u32, close: &str) -> String {
+    match describe(ctx, t) {
+        Some(d) => format!("{{ {fields}, \"description\": {}{close}", json_str(&d)),
+        None => format!("{{ {fields}{close}"),
     }
-    Value::Object(fields)
+}
+
+/// `s` as a JSON string, escaped as nbdinfo escapes it: `"` and `\\` with a backslash,
+/// control characters as `\u00XX`.
+fn json_str(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for ch in s.chars() {
+        match ch {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(ch);
+            }
+            c if u32::from(c) < 0x20 => out.push_str(&format!("\\u{:04x}", u32::from(c))),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
 }
 
 /// `text` followed by "  DESCRIPTION" where there is one, as nbdinfo prints a line.
@@ -516,17 +549,16 @@ fn line(text: String, sep: &str, ctx: &str, t: u32) -> Result<()> {
 
 fn print_map(map: &[(u64, u64, u32)], ctx: &str, json: bool) -> Result<()> {
     if json {
-        let v: Vec<_> = map
+        // nbdinfo's own layout, one extent a line: "[", the lines joined by ",", "]" (an
+        // empty map leaves an empty line between them).
+        let lines: Vec<_> = map
             .iter()
             .map(|(o, l, t)| {
-                let mut m = Map::new();
-                m.insert("offset".into(), json!(o));
-                m.insert("length".into(), json!(l));
-                m.insert("type".into(), json!(t));
-                with_description(m, ctx, *t)
+                let f = format!("\"offset\": {o}, \"length\": {l}, \"type\": {t}");
+                json_line(&f, ctx, *t, "}")
             })
             .collect();
-        outln!("{}", serde_json::to_string_pretty(&v)?)?;
+        outln!("[\n{}\n]", lines.join(",\n"))?;
     } else {
         for (o, l, t) in map {
             // nbdinfo's "%10" PRIu64 "  %10" PRIu64 "  %3" PRIu32 ["  %s"].
@@ -549,17 +581,22 @@ fn print_totals(map: &[(u64, u64, u32)], ctx: &str, json: bool) -> Result<()> {
         .map(|(t, n)| (n, 100.0 * n as f64 / size.max(1) as f64, t))
         .collect();
     if json {
-        let v: Vec<_> = rows
+        // nbdinfo's layout as for the map, the percentage as printf's %g; "[]" when empty.
+        let lines: Vec<_> = rows
             .iter()
             .map(|(n, p, t)| {
-                let mut m = Map::new();
-                m.insert("size".into(), json!(n));
-                m.insert("percent".into(), json!(p));
-                m.insert("type".into(), json!(t));
-                with_description(m, ctx, *t)
+                let f = format!(
+                    "\"size\": {n}, \"percent\": {}, \"type\": {t}",
+                    printf_g(*p)
+                );
+                json_line(&f, ctx, *t, " }")
             })
             .collect();
-        outln!("{}", serde_json::to_string_pretty(&v)?)?;
+        if lines.is_empty() {
+            outln!("[]")?;
+        } else {
+            outln!("[\n{}\n]", lines.join(",\n"))?;
+        }
     } else {
         for (n, p, t) in rows {
             // nbdinfo's "%10" PRIu64 " %5.1f%% %3" PRIu32 [" %s"].
@@ -567,6 +604,30 @@ fn print_totals(map: &[(u64, u64, u32)], ctx: &str, json: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `x` as C's printf "%g" writes it: 6 significant digits, trailing zeros dropped,
+/// exponent form below 1e-4 and from 1e6.
+fn printf_g(x: f64) -> String {
+    if x == 0.0 || !x.is_finite() {
+        return format!("{x}");
+    }
+    let sci = format!("{x:.5e}");
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let trim = |s: &str| {
+        if s.contains('.') {
+            s.trim_end_matches('0').trim_end_matches('.').to_owned()
+        } else {
+            s.to_owned()
+        }
+    };
+    if (-4..6).contains(&exp) {
+        trim(&format!("{x:.*}", (5 - exp) as usize))
+    } else {
+        let sign = if exp < 0 { '-' } else { '+' };
+        format!("{}e{sign}{:02}", trim(mantissa), exp.abs())
+    }
 }
 
 #[cfg(test)]
@@ -587,5 +648,30 @@ mod tests {
             Feature::StructuredReply
         );
         assert!(Feature::parse("teleport").is_err());
+    }
+
+    #[test]
+    fn json_strings_escaped_as_nbdinfo() {
+        assert_eq!(
+            json_str("a\"b\\c\td\u{1}é"),
+            "\"a\\\"b\\\\c\\u0009d\\u0001é\""
+        );
+    }
+
+    #[test]
+    fn percentages_as_printf_g() {
+        for (x, g) in [
+            (100.0, "100"),
+            (33.333_333_333, "33.3333"),
+            (66.666_666_667, "66.6667"),
+            (1.5625, "1.5625"),
+            (98.4375, "98.4375"),
+            (0.000_123_456_7, "0.000123457"),
+            (0.000_058_207_66, "5.82077e-05"),
+            (99.999_999_9, "100"),
+            (1e-9, "1e-09"),
+        ] {
+            assert_eq!(printf_g(x), g, "{x}");
+        }
     }
 }

@@ -73,7 +73,7 @@ enum Cmd {
     Info {
         /// nbd://HOST[:PORT][/EXPORT] or nbd+unix:///EXPORT?socket=PATH
         uri: String,
-        /// Print JSON (nbdinfo's keys) instead of text.
+        /// Print JSON instead of text: nbdinfo's, byte for byte (its keys, order and layout).
         #[arg(long)]
         json: bool,
         /// Print only the size in bytes.
@@ -93,7 +93,8 @@ enum Cmd {
         /// server offers, e.g. qemu:allocation-depth or qemu:dirty-bitmap:NAME): offset,
         /// length, type and description per extent, as nbdinfo prints them (base:allocation:
         /// 0 data, 1 hole, 2 zero, 3 hole,zero; qemu:allocation-depth: 0 absent, 1 local, N
-        /// backing depth N; dirty bitmaps: 0 clean, 1 dirty); JSON with --json.
+        /// backing depth N; dirty bitmaps: 0 clean, 1 dirty); with --json, nbdinfo's JSON
+        /// byte for byte (one object a line).
         #[arg(
             long,
             value_name = "CONTEXT",

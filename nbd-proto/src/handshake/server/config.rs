@@ -57,13 +57,25 @@ impl Export {
         f
     }
 
-    /// The metadata contexts offered, with the ids `NBD_OPT_SET_META_CONTEXT` gives them:
-    /// `base:allocation` ([`super::BASE_ALLOCATION_ID`]), then [`Self::contexts`] in order.
+    /// The metadata contexts offered, with the ids `NBD_OPT_SET_META_CONTEXT` gives them, as
+    /// qemu-nbd numbers them: `base:allocation` ([`super::BASE_ALLOCATION_ID`], 0), then
+    /// [`Self::contexts`] in order, `qemu:allocation-depth` 1 and the others 2 on.
     pub fn offered_contexts(&self) -> impl Iterator<Item = (u32, &str)> {
-        core::iter::once(crate::consts::BASE_ALLOCATION)
+        use crate::consts::{BASE_ALLOCATION, QEMU_ALLOCATION_DEPTH};
+        let mut next = super::BASE_ALLOCATION_ID + 2;
+        core::iter::once(BASE_ALLOCATION)
             .chain(self.contexts.iter().map(String::as_str))
-            .zip(super::BASE_ALLOCATION_ID..)
-            .map(|(name, id)| (id, name))
+            .map(move |name| {
+                let id = match name {
+                    BASE_ALLOCATION => super::BASE_ALLOCATION_ID,
+                    QEMU_ALLOCATION_DEPTH => super::BASE_ALLOCATION_ID + 1,
+                    _ => {
+                        next += 1;
+                        next - 1
+                    }
+                };
+                (id, name)
+            })
     }
 
     pub(super) fn effective_block_size(&self) -> BlockSize {
