@@ -33,6 +33,7 @@ use crate::error::Result;
 use crate::machines::shell::{
     NicThread, Processor, Shared, ShellConfig, Turns, drive, run_commands, run_until_idle,
 };
+use crate::poll_window::KeptWindow;
 
 impl NicThread {
     /// [`Self::spawn`] for a processor that host threads may run too: a thread waiting on a
@@ -56,8 +57,8 @@ impl NicThread {
 /// A queue whose processor the NIC thread and host threads take turns to run.
 pub(crate) struct DrivenQueue<P> {
     shared: Arc<Shared>,
-    /// The processor, and what host threads driving it learned of arrivals.
-    engine: Mutex<(P, Turns)>,
+    /// The processor.
+    engine: Mutex<P>,
     grace: Duration,
 }
 
@@ -74,7 +75,7 @@ impl<P: Processor + Send> DrivenQueue<P> {
     pub(crate) fn new(shared: Arc<Shared>, nic: P, grace: Duration) -> Self {
         DrivenQueue {
             shared,
-            engine: Mutex::new((nic, Turns::host())),
+            engine: Mutex::new(nic),
             grace,
         }
     }
@@ -86,7 +87,7 @@ impl<P: Processor + Send> DrivenQueue<P> {
     pub(crate) fn run_nic_thread(&self, spin: Duration) {
         let (shared, h) = (&*self.shared, &self.shared.handover);
         let mut turns = Turns::new(spin);
-        let watch_fd = self.engine.lock().0.watch_fd();
+        let watch_fd = self.engine.lock().watch_fd();
         let mut go = self.park();
         while go == Go::Drive {
             let Some(mut engine) = self.engine.try_lock() else {
@@ -100,7 +101,7 @@ impl<P: Processor + Send> DrivenQueue<P> {
                 watches: watch_fd.is_some(),
                 waiters: h.waiters.load(Ordering::SeqCst),
             });
-            let nic = &mut engine.0;
+            let nic = &mut *engine;
             let end = match run {
                 Run::LetGo => RunEnd::LetGo,
                 Run::UntilLetGo => {
@@ -133,7 +134,7 @@ impl<P: Processor + Send> DrivenQueue<P> {
             };
         }
         // Last commands (QPs destroyed as the NIC's handles went) still run, so peers are told.
-        let (nic, _) = &mut *self.engine.lock();
+        let nic = &mut *self.engine.lock();
         run_commands(shared, nic);
         nic.stop();
     }
@@ -229,6 +230,7 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
         &self,
         _wait: &Waiting<'_>,
         driving: &AtomicU32,
+        window: &KeptWindow,
         ready: &dyn Fn() -> bool,
         spin: Duration,
         deadline: Option<Instant>,
@@ -256,8 +258,8 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
             }
             Err(IfHeld::SleepBehind) => return Driven::Busy,
         };
-        let (nic, turns) = &mut *engine;
-        turns.set_max(spin);
+        let nic = &mut *engine;
+        let mut turns = Turns::host(window.resume(spin));
         h.drives.fetch_add(1, Ordering::AcqRel);
         driving.fetch_add(1, Ordering::Relaxed);
         let accounting = h.accounting.load(Ordering::Relaxed);
@@ -270,8 +272,9 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
         let ended = if stopped() {
             Ended::Deadline
         } else {
-            drive(shared, nic, turns, &mut done, deadline)
+            drive(shared, nic, &mut turns, &mut done, deadline)
         };
+        window.keep(turns.window());
         if accounting {
             let cpu = thread_cpu().saturating_sub(cpu0);
             h.driven_cpu_ns
@@ -344,6 +347,8 @@ mod tests {
         events: Events,
         pipe: File,
         turns_with_bytes: Arc<AtomicUsize>,
+        /// Non-blocking looks at the pipe (a thread polling rather than sleeping).
+        steps: Arc<AtomicUsize>,
     }
 
     impl PipeNic {
@@ -366,6 +371,7 @@ mod tests {
         fn command(&mut self, _: Command) {}
         fn doorbell(&mut self, _: QpNum) {}
         fn step(&mut self) -> Progress {
+            self.steps.fetch_add(1, Ordering::SeqCst);
             self.turn(Some(Duration::ZERO))
         }
         fn sleep(&mut self, timeout: Option<Duration>) -> Progress {
@@ -385,11 +391,17 @@ mod tests {
         }
     }
 
-    /// The NIC thread runs what arrives while no host thread waits, then lets go of the
-    /// processor and watches the physical layer without it: a host thread that comes to wait
-    /// takes the processor at once instead of asking the NIC thread for it.
-    #[test]
-    fn an_idle_nic_thread_watches_without_holding_the_processor() {
+    /// A driven queue over a [`PipeNic`], with the pipe's write end, the count of turns
+    /// that found bytes and the count of steps.
+    struct PipeQueue {
+        queue: Arc<DrivenQueue<PipeNic>>,
+        shared: Arc<Shared>,
+        write: File,
+        counted: Arc<AtomicUsize>,
+        steps: Arc<AtomicUsize>,
+    }
+
+    fn pipe_queue() -> PipeQueue {
         let poll = Poll::new().unwrap();
         let waker = mio::Waker::new(poll.registry(), WAKER).unwrap();
         let mut fds = [0; 2];
@@ -397,7 +409,7 @@ mod tests {
         let made = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK) };
         assert_eq!(made, 0);
         // SAFETY: pipe2 made both descriptors; each File owns one.
-        let (read, mut write) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
+        let (read, write) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
         poll.registry()
             .register(&mut SourceFd(&read.as_raw_fd()), PIPE, Interest::READABLE)
             .unwrap();
@@ -408,14 +420,36 @@ mod tests {
             grace: Duration::from_millis(1),
         };
         let shared = Shared::new(&cfg, waker);
-        let counted = Arc::new(AtomicUsize::new(0));
+        let (counted, steps) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
         let nic = PipeNic {
             poll,
             events: Events::with_capacity(8),
             pipe: read,
             turns_with_bytes: counted.clone(),
+            steps: steps.clone(),
         };
         let queue = Arc::new(DrivenQueue::new(shared.clone(), nic, cfg.grace));
+        PipeQueue {
+            queue,
+            shared,
+            write,
+            counted,
+            steps,
+        }
+    }
+
+    /// The NIC thread runs what arrives while no host thread waits, then lets go of the
+    /// processor and watches the physical layer without it: a host thread that comes to wait
+    /// takes the processor at once instead of asking the NIC thread for it.
+    #[test]
+    fn an_idle_nic_thread_watches_without_holding_the_processor() {
+        let PipeQueue {
+            queue,
+            shared,
+            mut write,
+            counted,
+            ..
+        } = pipe_queue();
         let nic_thread = {
             let queue = queue.clone();
             std::thread::spawn(move || queue.run_nic_thread(Duration::ZERO))
@@ -433,5 +467,50 @@ mod tests {
         shared.wake();
         shared.handover.kick();
         nic_thread.join().unwrap();
+    }
+
+    /// Each CQ's waiters learn their own poll window: a CQ whose completions come back soon
+    /// after each sleep polls before sleeping, and a CQ of the same queue whose completions
+    /// come rarely sleeps at once, whatever the other learned.
+    #[test]
+    fn each_cq_learns_its_own_poll_window() {
+        let PipeQueue {
+            queue,
+            mut write,
+            counted,
+            steps,
+            ..
+        } = pipe_queue();
+        let (driving, spin) = (AtomicU32::new(0), Duration::from_millis(100));
+        let deadline = || Some(Instant::now() + Duration::from_secs(10));
+        let soon = KeptWindow::default();
+        // The busy CQ: each arrival 1 ms after its waiter fell asleep.
+        let mut write2 = write.try_clone().unwrap();
+        for round in 1..=8 {
+            let writer = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(1));
+                write2.write_all(b"x").unwrap();
+                write2
+            });
+            let wait = queue.begin_wait();
+            let ready = || counted.load(Ordering::SeqCst) >= round;
+            let driven = queue.drive(&wait, &driving, &soon, &ready, spin, deadline());
+            assert_eq!(driven, Driven::Ready);
+            write2 = writer.join().unwrap();
+        }
+        // The quiet CQ: a waiter that has learned nothing sleeps at once, without polling.
+        let quiet = KeptWindow::default();
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            write.write_all(b"x").unwrap();
+        });
+        let steps0 = steps.load(Ordering::SeqCst);
+        let wait = queue.begin_wait();
+        let ready = || counted.load(Ordering::SeqCst) >= 9;
+        let driven = queue.drive(&wait, &driving, &quiet, &ready, spin, deadline());
+        assert_eq!(driven, Driven::Ready);
+        writer.join().unwrap();
+        let polled = steps.load(Ordering::SeqCst) - steps0;
+        assert!(polled < 10, "the quiet CQ's waiter polled {polled} times");
     }
 }

@@ -356,17 +356,18 @@ impl Turns {
         }
     }
 
-    /// The turns of application threads driving a queue.
-    pub(crate) fn host() -> Self {
+    /// The turns of an application thread's drive, polling within `window` (its CQ's).
+    pub(crate) fn host(window: PollWindow) -> Self {
         Turns {
+            window,
             host: true,
             ..Turns::new(Duration::ZERO)
         }
     }
 
-    /// Changes the longest poll window (a host thread's wait brings its own).
-    pub(crate) fn set_max(&mut self, spin: Duration) {
-        self.window.set_max(spin);
+    /// The poll window as learned so far.
+    pub(crate) fn window(&self) -> &PollWindow {
+        &self.window
     }
 
     fn worked(&mut self, slept: bool) {
