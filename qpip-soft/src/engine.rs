@@ -17,7 +17,7 @@ use mio::{Events, Interest, Poll, Token};
 use super::link::EngineQp;
 use super::queues::{Accepted, Queues};
 use super::stream::{Acceptor, Stream};
-use super::uring::{Event, Ring};
+use super::uring::{Event, NoRing, Ring, RingIo, UringIo};
 use super::{IoMode, WAKER_TOKEN};
 use qpip_verbs::backend::{Command, ListenerId, MgmtResult};
 use qpip_verbs::framer::Framer;
@@ -50,19 +50,23 @@ enum Turn {
     Sleep(Option<Duration>),
 }
 
-pub(super) struct Engine {
+/// The engine of one queue. `Q`: what its QPs hold for I/O through its io_uring —
+/// [`NoRing`] on the epoll engine, which may run on any thread (a driven queue's), or
+/// [`UringIo`] on the engine with a ring, which only its NIC thread runs (it is not `Send`).
+pub(super) struct Engine<Q> {
     poll: Poll,
     memory: Arc<MemoryTable>,
     /// Taken while a turn hands its events out.
     events: Option<Events>,
     completions: Vec<Event>,
     /// Boxed: an io_uring operation may point into a QP's buffers, which must not move.
-    qps: HashMap<QpNum, Box<EngineQp>>,
+    qps: HashMap<QpNum, Box<EngineQp<Q>>>,
     /// Destroyed QPs whose io_uring operations have not completed yet.
-    zombies: HashMap<QpNum, Box<EngineQp>>,
+    zombies: HashMap<QpNum, Box<EngineQp<Q>>>,
     /// Fences waiting for the zombies' I/O to finish.
     fences: Vec<ReplySender<()>>,
     listeners: HashMap<ListenerId, EngineListener>,
+    /// Some exactly when `Q` is [`UringIo`].
     ring: Option<Ring>,
     /// This engine's queue, and the NIC's queues (where connections for QPs of other queues
     /// are handed). Weak: the queues own the engines ([`super::queues`]).
@@ -70,10 +74,33 @@ pub(super) struct Engine {
     queues: Weak<Queues>,
 }
 
-impl Engine {
-    /// The engine of queue `queue` over `poll`, with the io_uring `ring` carrying TCP data if
-    /// there is one.
-    pub(super) fn new(
+impl Engine<NoRing> {
+    /// The epoll engine of queue `queue` over `poll`.
+    pub(super) fn epoll(
+        poll: Poll,
+        memory: Arc<MemoryTable>,
+        queue: usize,
+        queues: Weak<Queues>,
+    ) -> Self {
+        Engine::new(poll, memory, None, queue, queues)
+    }
+}
+
+impl Engine<UringIo> {
+    /// The engine of queue `queue` over `poll` whose TCP data goes through `ring`.
+    pub(super) fn uring(
+        poll: Poll,
+        memory: Arc<MemoryTable>,
+        ring: Ring,
+        queue: usize,
+        queues: Weak<Queues>,
+    ) -> Self {
+        Engine::new(poll, memory, Some(ring), queue, queues)
+    }
+}
+
+impl<Q: RingIo> Engine<Q> {
+    fn new(
         poll: Poll,
         memory: Arc<MemoryTable>,
         ring: Option<Ring>,
@@ -102,7 +129,8 @@ impl Engine {
             return Progress::Idle;
         };
         let any = if self.ring.is_some() {
-            // Only the NIC thread runs an io_uring engine, and it sleeps without a limit.
+            // Only the NIC thread runs an io_uring engine (it is not `Send`), and it sleeps
+            // without a limit.
             self.turn_uring(turn, &mut events)
         } else {
             self.turn_epoll(turn, &mut events)
@@ -143,7 +171,7 @@ impl Engine {
         // end the teardown.
         for q in self.qps.values_mut().chain(self.zombies.values_mut()) {
             if let Some(io) = q.uring.as_mut() {
-                for e in io.outbox.drain(..) {
+                for e in io.get_mut().outbox.drain(..) {
                     if let Err(err) = ring.push(&e) {
                         tracing::error!("io_uring submit failed: {err}");
                     }
@@ -304,7 +332,7 @@ pub(super) fn open_ring(poll: &Poll, mode: IoMode) -> Option<Ring> {
     }
 }
 
-impl Processor for Engine {
+impl<Q: RingIo> Processor for Engine<Q> {
     fn command(&mut self, cmd: Command) {
         mgmt::dispatch(self, cmd);
     }
@@ -354,10 +382,10 @@ impl Processor for Engine {
     }
 }
 
-impl Management for Engine {
+impl<Q: RingIo> Management for Engine<Q> {
     fn create_qp(&mut self, qp: Arc<QpShared>, framer: Box<dyn Framer>) {
         let num = qp.num;
-        let mut eq = Box::new(EngineQp::new(qp, framer, self.ring.is_some()));
+        let mut eq = Box::new(EngineQp::new(qp, framer));
         eq.service(self.poll.registry(), &self.memory);
         self.qps.insert(num, eq);
     }
@@ -499,5 +527,28 @@ impl Management for Engine {
             Some(_) => reply.send(Err(not_idle(qp, "reliable"))),
             None => reply.send(Err(no_qp(qp))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Host threads run a driven queue's processor, so it must be `Send`: the epoll engine
+    /// is, and an engine with an io_uring is not, so it cannot be bound to host drivers
+    /// ([`qpip_verbs::machines::shell::NicThread::spawn_driven`] refuses it at compile time).
+    #[test]
+    fn only_the_epoll_engine_may_run_on_any_thread() {
+        fn may_run_anywhere<T: Send>() {}
+        may_run_anywhere::<Engine<NoRing>>();
+        // Were `Engine<UringIo>` Send, both impls would apply and the path below would be
+        // ambiguous: this test would not compile.
+        trait AmbiguousIfSend<A> {
+            fn some_item() {}
+        }
+        impl<T: ?Sized> AmbiguousIfSend<()> for T {}
+        struct IsSend;
+        impl<T: ?Sized + Send> AmbiguousIfSend<IsSend> for T {}
+        let _ = <Engine<UringIo> as AmbiguousIfSend<_>>::some_item;
     }
 }

@@ -38,7 +38,9 @@ use crate::poll_window::KeptWindow;
 impl NicThread {
     /// [`Self::spawn`] for a processor that host threads may run too: a thread waiting on a
     /// CQ bound to this queue drives it ([`crate::drive`], [`Self::driver`]); the NIC thread
-    /// runs it only while no host thread does.
+    /// runs it only while no host thread does. `Send` is what says a processor may run on
+    /// any thread: one tied to the thread that made it (an io_uring's, whose submitter owns
+    /// it) is not, so it cannot be bound to host drivers.
     pub fn spawn_driven<P: Processor + Send + 'static>(
         cfg: ShellConfig,
         waker: mio::Waker,

@@ -4,7 +4,8 @@
 //! (the kernel's, when the reply's bytes arrive), as a blocking socket does, where a NIC
 //! thread in between costs two hand-offs.
 //!
-//! A backend whose processor may run on any thread binds each CQ to the queue its QPs live on
+//! A backend whose processor may run on any thread (is `Send`: the soft NIC's epoll engine,
+//! not its io_uring one) binds each CQ to the queue its QPs live on
 //! ([`crate::shared::CqShared::bind_driver`]); [`crate::CompletionQueue::wait`] then drives
 //! that queue while it waits. One thread drives a queue at a time; a waiter that finds it
 //! driven sleeps on its CQ as before, and the driver's completions wake it.

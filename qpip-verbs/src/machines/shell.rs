@@ -61,6 +61,32 @@ pub trait Processor {
     }
 }
 
+/// A processor chosen when the NIC thread starts (say, io_uring or epoll, as the kernel
+/// allows).
+impl<P: Processor + ?Sized> Processor for Box<P> {
+    fn command(&mut self, cmd: Command) {
+        (**self).command(cmd)
+    }
+    fn doorbell(&mut self, qp: QpNum) {
+        (**self).doorbell(qp)
+    }
+    fn step(&mut self) -> Progress {
+        (**self).step()
+    }
+    fn sleep(&mut self, timeout: Option<Duration>) -> Progress {
+        (**self).sleep(timeout)
+    }
+    fn stop(&mut self) {
+        (**self).stop()
+    }
+    fn sending(&self) -> bool {
+        (**self).sending()
+    }
+    fn watch_fd(&self) -> Option<std::os::fd::RawFd> {
+        (**self).watch_fd()
+    }
+}
+
 /// What a turn of the physical layer ([`Processor::step`], [`Processor::sleep`]) did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Progress {
