@@ -1,7 +1,8 @@
 //! The soft NIC's processor: the physical layer (kernel sockets through io_uring or epoll) and
 //! the QPs' links over it. The NIC thread shell ([`qpip_verbs::machines::shell`]) hands it
-//! commands and doorbells; its `step` looks at the sockets without blocking, its `sleep`
-//! waits in epoll (or io_uring) until a doorbell, a command or a socket wakes it.
+//! commands and doorbells; its `step` looks at the sockets without blocking, and the shell
+//! sleeps on its epoll (or io_uring) descriptor until a doorbell, a command or a socket
+//! makes it readable.
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -46,8 +47,9 @@ struct EngineListener {
 enum Turn {
     /// Only look.
     Look,
-    /// Wait until something is ready, at most this long (None: no limit).
-    Sleep(Option<Duration>),
+    /// Wait until something is ready (the last reaping when the NIC stops: every other
+    /// sleep is the shell's, on [`Processor::watch_fd`]).
+    Wait,
 }
 
 /// The engine of one queue. `Q`: what its QPs hold for I/O through its io_uring —
@@ -129,8 +131,7 @@ impl<Q: RingIo> Engine<Q> {
             return Progress::Idle;
         };
         let any = if self.ring.is_some() {
-            // Only the NIC thread runs an io_uring engine (it is not `Send`), and it sleeps
-            // without a limit.
+            // Only the NIC thread runs an io_uring engine (it is not `Send`).
             self.turn_uring(turn, &mut events)
         } else {
             self.turn_epoll(turn, &mut events)
@@ -144,7 +145,7 @@ impl<Q: RingIo> Engine<Q> {
     fn turn_epoll(&mut self, turn: Turn, events: &mut Events) -> Progress {
         let timeout = match turn {
             Turn::Look => Some(Duration::ZERO),
-            Turn::Sleep(timeout) => timeout,
+            Turn::Wait => None,
         };
         if let Err(e) = self.poll.poll(events, timeout)
             && e.kind() != io::ErrorKind::Interrupted
@@ -178,7 +179,7 @@ impl<Q: RingIo> Engine<Q> {
                 }
             }
         }
-        if let Err(e) = ring.submit(matches!(turn, Turn::Sleep(_))) {
+        if let Err(e) = ring.submit(matches!(turn, Turn::Wait)) {
             tracing::error!("soft NIC engine: io_uring_enter failed: {e}");
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -349,18 +350,17 @@ impl<Q: RingIo> Processor for Engine<Q> {
         self.turn(Turn::Look)
     }
 
-    fn sleep(&mut self, timeout: Option<Duration>) -> Progress {
-        self.turn(Turn::Sleep(timeout))
-    }
-
     fn sending(&self) -> bool {
         self.qps.values().any(|q| q.sending())
     }
 
-    fn watch_fd(&self) -> Option<std::os::fd::RawFd> {
-        // An io_uring engine reaps its sockets through the ring, not the epoll instance.
+    fn watch_fd(&self) -> std::os::fd::RawFd {
+        // An io_uring engine reaps its sockets (and its epoll instance) through the ring.
         use std::os::fd::AsRawFd;
-        self.ring.is_none().then(|| self.poll.as_raw_fd())
+        match &self.ring {
+            Some(ring) => ring.fd(),
+            None => self.poll.as_raw_fd(),
+        }
     }
 
     fn stop(&mut self) {
@@ -377,7 +377,7 @@ impl<Q: RingIo> Processor for Engine<Q> {
             .chain(self.qps.values())
             .any(|q| q.io_in_flight())
         {
-            self.turn(Turn::Sleep(None));
+            self.turn(Turn::Wait);
         }
     }
 }

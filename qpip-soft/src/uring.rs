@@ -49,6 +49,12 @@ impl Ring {
         })
     }
 
+    /// The ring's descriptor: readable while completions wait in it.
+    pub(super) fn fd(&self) -> RawFd {
+        use std::os::fd::AsRawFd;
+        self.ring.as_raw_fd()
+    }
+
     pub(super) fn push(&mut self, entry: &squeue::Entry) -> io::Result<()> {
         loop {
             // SAFETY: every entry's buffers (iovec arrays and the memory they name) stay alive
