@@ -4,8 +4,8 @@
 //! The host side only writes WRs into rings and polls CQs. Ringing the doorbell costs an atomic
 //! swap, plus one `eventfd` write when the engine sleeps. The engine runs in the shared NIC
 //! thread shell ([`qpip_verbs::machines::shell`]): it polls after its last work for a window
-//! learned from arrivals (so a busy stream never pays a wake-up), then sleeps in `epoll_wait`
-//! (or io_uring).
+//! learned from arrivals (so a busy stream never pays a wake-up), then the shell sleeps on the
+//! engine's epoll (or io_uring) descriptor.
 
 mod engine;
 mod link;
