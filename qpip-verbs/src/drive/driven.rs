@@ -140,8 +140,9 @@ impl<P: Processor + Send> DrivenQueue<P> {
 
     /// Sleeps until `fd` (the processor's) is readable — the kernel, or the waker for a
     /// doorbell or a command — or the kick rings (a host thread that leaves work behind),
-    /// without holding the processor; then the doorbell wait. [`Watched::Drive`] when this thread should run the processor now
-    /// (or stop); [`Watched::Park`] when a host thread has taken it.
+    /// without holding the processor; then the doorbell wait. [`Watched::Drive`] when this
+    /// thread should run the processor now (or stop); [`Watched::Park`] when a host thread
+    /// has taken it.
     fn watch(&self, fd: std::os::fd::RawFd) -> Watched {
         let (shared, h) = (&*self.shared, &self.shared.handover);
         // Pairs with ring_doorbell's and a drive's end's `posted`: either they see `watching`
@@ -479,6 +480,32 @@ mod tests {
         shared.wake();
         shared.handover.kick();
         nic_thread.join().unwrap();
+    }
+
+    /// A host thread that never polls (a CQ spin of zero) does not step before it sleeps:
+    /// its sleep returns at once if something is ready, and the one step after it takes
+    /// what woke it (one system call per wait, as a blocking socket's).
+    #[test]
+    fn a_host_that_never_polls_steps_only_after_its_sleep() {
+        let PipeQueue {
+            queue,
+            mut write,
+            counted,
+            steps,
+            ..
+        } = pipe_queue();
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(5));
+            write.write_all(b"x").unwrap();
+        });
+        let (driving, window) = (AtomicU32::new(0), KeptWindow::default());
+        let wait = queue.begin_wait();
+        let ready = || counted.load(Ordering::SeqCst) >= 1;
+        let deadline = Some(Instant::now() + Duration::from_secs(10));
+        let driven = queue.drive(&wait, &driving, &window, &ready, Duration::ZERO, deadline);
+        assert_eq!(driven, Driven::Ready);
+        writer.join().unwrap();
+        assert_eq!(steps.load(Ordering::SeqCst), 1);
     }
 
     /// Each CQ's waiters learn their own poll window: a CQ whose completions come back soon

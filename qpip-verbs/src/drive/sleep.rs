@@ -1,8 +1,9 @@
 //! The one place a thread that runs or watches a queue sleeps ([`crate::drive`]'s wake
-//! table): `ppoll(2)` on the processor's descriptor ([`crate::machines::shell::Processor::watch_fd`],
-//! which its waker makes readable too) and, for the NIC thread, its [`Kick`]. The processor
-//! itself never sleeps — it steps, and says what to watch and when its timers are due — as
-//! smoltcp's interface never sleeps and only its caller waits on the device.
+//! table): `ppoll(2)` on the processor's descriptor
+//! ([`crate::machines::shell::Processor::watch_fd`], which its waker makes readable too)
+//! and, for the NIC thread, its [`Kick`]. The processor itself never sleeps — it steps, and
+//! says what to watch and when its timers are due — as smoltcp's interface never sleeps and
+//! only its caller waits on the device.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
