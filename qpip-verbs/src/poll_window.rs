@@ -4,7 +4,6 @@
 //! the polling thread takes the core the work needs. (The same rule for a host thread
 //! waiting on a CQ was measured and not kept: docs/bench/qd1-cq-window.txt.)
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// How long to poll for work before sleeping, learned from how soon work came back, as KVM's halt polling learns its window (virt/kvm/kvm_main.c, `grow_halt_poll_ns` /
@@ -41,6 +40,12 @@ impl PollWindow {
         self.max
     }
 
+    /// Changes the longest it may grow to (the window shrinks to it if longer).
+    pub fn set_max(&mut self, max: Duration) {
+        self.max = max;
+        self.window = self.window.min(max);
+    }
+
     /// Work came `idle` after the last work; `slept`: the thread slept in between.
     pub fn idle_ended(&mut self, idle: Duration, slept: bool) {
         if !slept {
@@ -54,28 +59,6 @@ impl PollWindow {
                 self.window = Duration::ZERO;
             }
         }
-    }
-}
-
-/// The poll window one CQ's waiters learned, kept between their drives of its queue
-/// ([`crate::drive`]): each CQ learns its own arrivals (a connection's round trip), not
-/// those of whichever CQ of the queue was driven last.
-#[derive(Debug, Default)]
-pub struct KeptWindow(AtomicU64);
-
-impl KeptWindow {
-    /// The kept window, within a drive's longest `max`.
-    pub fn resume(&self, max: Duration) -> PollWindow {
-        let kept = Duration::from_nanos(self.0.load(Ordering::Relaxed));
-        PollWindow {
-            window: kept.min(max),
-            max,
-        }
-    }
-
-    /// Keeps what a drive learned. Only the queue's one driver writes it at a time.
-    pub fn keep(&self, w: &PollWindow) {
-        self.0.store(w.window.as_nanos() as u64, Ordering::Relaxed);
     }
 }
 
@@ -103,18 +86,6 @@ mod tests {
             w.idle_ended(Duration::from_millis(200), true);
             assert_eq!(w.get(), Duration::from_nanos(want));
         }
-    }
-
-    #[test]
-    fn a_kept_window_resumes_within_the_next_maximum() {
-        let kept = KeptWindow::default();
-        assert_eq!(kept.resume(50 * US).get(), Duration::ZERO);
-        let mut w = kept.resume(50 * US);
-        w.idle_ended(20 * US, true);
-        w.idle_ended(20 * US, true);
-        kept.keep(&w);
-        assert_eq!(kept.resume(50 * US).get(), 20 * US);
-        assert_eq!(kept.resume(15 * US).get(), 15 * US);
     }
 
     #[test]

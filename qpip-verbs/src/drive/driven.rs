@@ -34,7 +34,6 @@ use crate::error::Result;
 use crate::machines::shell::{
     NicThread, Processor, Shared, ShellConfig, Turns, drive, run_commands, run_until_idle,
 };
-use crate::poll_window::KeptWindow;
 
 impl NicThread {
     /// [`Self::spawn`] for a processor that host threads may run too: a thread waiting on a
@@ -60,8 +59,8 @@ impl NicThread {
 /// A queue whose processor the NIC thread and host threads take turns to run.
 pub(crate) struct DrivenQueue<P> {
     shared: Arc<Shared>,
-    /// The processor.
-    engine: Mutex<P>,
+    /// The processor, and what host threads driving it learned of arrivals.
+    engine: Mutex<(P, Turns)>,
     grace: Duration,
 }
 
@@ -78,7 +77,7 @@ impl<P: Processor + Send> DrivenQueue<P> {
     pub(crate) fn new(shared: Arc<Shared>, nic: P, grace: Duration) -> Self {
         DrivenQueue {
             shared,
-            engine: Mutex::new(nic),
+            engine: Mutex::new((nic, Turns::host())),
             grace,
         }
     }
@@ -91,7 +90,7 @@ impl<P: Processor + Send> DrivenQueue<P> {
     pub(crate) fn run_nic_thread(&self, spin: Duration) {
         let (shared, h) = (&*self.shared, &self.shared.handover);
         let mut turns = Turns::new(spin);
-        let watch_fd = self.engine.lock().watch_fd();
+        let watch_fd = self.engine.lock().0.watch_fd();
         let mut go = self.park();
         while go == Go::Drive {
             let Some(mut engine) = self.engine.try_lock() else {
@@ -104,7 +103,7 @@ impl<P: Processor + Send> DrivenQueue<P> {
                 let_go: let_go(),
                 waiters: h.waiters.load(Ordering::SeqCst),
             });
-            let nic = &mut *engine;
+            let nic = &mut engine.0;
             let end = match run {
                 Run::LetGo => RunEnd::LetGo,
                 Run::UntilIdle => run_until_idle(shared, nic, &mut let_go),
@@ -133,7 +132,7 @@ impl<P: Processor + Send> DrivenQueue<P> {
             };
         }
         // Last commands (QPs destroyed as the NIC's handles went) still run, so peers are told.
-        let nic = &mut *self.engine.lock();
+        let (nic, _) = &mut *self.engine.lock();
         run_commands(shared, nic);
         nic.stop();
     }
@@ -222,7 +221,6 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
         &self,
         _wait: &Waiting<'_>,
         driving: &AtomicU32,
-        window: &KeptWindow,
         ready: &dyn Fn() -> bool,
         spin: Duration,
         deadline: Option<Instant>,
@@ -250,8 +248,8 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
             }
             Err(IfHeld::SleepBehind) => return Driven::Busy,
         };
-        let nic = &mut *engine;
-        let mut turns = Turns::host(window.resume(spin));
+        let (nic, turns) = &mut *engine;
+        turns.set_max(spin);
         h.drives.fetch_add(1, Ordering::AcqRel);
         driving.fetch_add(1, Ordering::Relaxed);
         let accounting = h.accounting.load(Ordering::Relaxed);
@@ -264,9 +262,8 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
         let ended = if stopped() {
             Ended::Deadline
         } else {
-            drive(shared, nic, &mut turns, &mut done, deadline)
+            drive(shared, nic, turns, &mut done, deadline)
         };
-        window.keep(turns.window());
         if accounting {
             let cpu = thread_cpu().saturating_sub(cpu0);
             h.driven_cpu_ns
@@ -498,58 +495,13 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
             write.write_all(b"x").unwrap();
         });
-        let (driving, window) = (AtomicU32::new(0), KeptWindow::default());
+        let driving = AtomicU32::new(0);
         let wait = queue.begin_wait();
         let ready = || counted.load(Ordering::SeqCst) >= 1;
         let deadline = Some(Instant::now() + Duration::from_secs(10));
-        let driven = queue.drive(&wait, &driving, &window, &ready, Duration::ZERO, deadline);
+        let driven = queue.drive(&wait, &driving, &ready, Duration::ZERO, deadline);
         assert_eq!(driven, Driven::Ready);
         writer.join().unwrap();
         assert_eq!(steps.load(Ordering::SeqCst), 1);
-    }
-
-    /// Each CQ's waiters learn their own poll window: a CQ whose completions come back soon
-    /// after each sleep polls before sleeping, and a CQ of the same queue whose completions
-    /// come rarely sleeps at once, whatever the other learned.
-    #[test]
-    fn each_cq_learns_its_own_poll_window() {
-        let PipeQueue {
-            queue,
-            mut write,
-            counted,
-            steps,
-            ..
-        } = pipe_queue();
-        let (driving, spin) = (AtomicU32::new(0), Duration::from_millis(100));
-        let deadline = || Some(Instant::now() + Duration::from_secs(10));
-        let soon = KeptWindow::default();
-        // The busy CQ: each arrival 1 ms after its waiter fell asleep.
-        let mut write2 = write.try_clone().unwrap();
-        for round in 1..=8 {
-            let writer = std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(1));
-                write2.write_all(b"x").unwrap();
-                write2
-            });
-            let wait = queue.begin_wait();
-            let ready = || counted.load(Ordering::SeqCst) >= round;
-            let driven = queue.drive(&wait, &driving, &soon, &ready, spin, deadline());
-            assert_eq!(driven, Driven::Ready);
-            write2 = writer.join().unwrap();
-        }
-        // The quiet CQ: a waiter that has learned nothing sleeps at once, without polling.
-        let quiet = KeptWindow::default();
-        let writer = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(20));
-            write.write_all(b"x").unwrap();
-        });
-        let steps0 = steps.load(Ordering::SeqCst);
-        let wait = queue.begin_wait();
-        let ready = || counted.load(Ordering::SeqCst) >= 9;
-        let driven = queue.drive(&wait, &driving, &quiet, &ready, spin, deadline());
-        assert_eq!(driven, Driven::Ready);
-        writer.join().unwrap();
-        let polled = steps.load(Ordering::SeqCst) - steps0;
-        assert!(polled < 10, "the quiet CQ's waiter polled {polled} times");
     }
 }

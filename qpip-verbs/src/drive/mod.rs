@@ -81,8 +81,6 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::poll_window::KeptWindow;
-
 mod driven;
 pub(crate) mod handover;
 pub(crate) mod rules;
@@ -127,14 +125,13 @@ pub trait QueueDriver: Send + Sync {
     fn begin_wait(&self) -> Waiting<'_>;
     /// Runs the queue's work on the calling thread (within its `wait`) until `ready()` holds
     /// or `deadline` passes, counted in `driving` while it does; polls after its last work
-    /// for the window its CQ learned from arrivals (`window`, kept there for the CQ's next
-    /// drive), at most `spin`, then sleeps until the queue's sockets wake it. Returns
-    /// [`Driven::Busy`] when another thread drives it, or asks for it.
+    /// for a window learned from arrivals, at most `spin`, then sleeps until the queue's
+    /// sockets wake it. Returns [`Driven::Busy`] when another thread drives it, or asks for
+    /// it.
     fn drive(
         &self,
         wait: &Waiting<'_>,
         driving: &AtomicU32,
-        window: &KeptWindow,
         ready: &dyn Fn() -> bool,
         spin: Duration,
         deadline: Option<Instant>,

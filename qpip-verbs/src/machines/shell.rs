@@ -386,18 +386,17 @@ impl Turns {
         }
     }
 
-    /// The turns of an application thread's drive, polling within `window` (its CQ's).
-    pub(crate) fn host(window: PollWindow) -> Self {
+    /// The turns of application threads driving a queue.
+    pub(crate) fn host() -> Self {
         Turns {
-            window,
             host: true,
             ..Turns::new(Duration::ZERO)
         }
     }
 
-    /// The poll window as learned so far.
-    pub(crate) fn window(&self) -> &PollWindow {
-        &self.window
+    /// Changes the longest poll window (a host thread's wait brings its own).
+    pub(crate) fn set_max(&mut self, spin: Duration) {
+        self.window.set_max(spin);
     }
 
     fn worked(&mut self, slept: bool) {
@@ -419,17 +418,20 @@ pub(crate) fn drive<P: Processor>(
     done: &mut dyn FnMut() -> bool,
     deadline: Option<Instant>,
 ) -> Ended {
+    // The processor may hold what no step has taken: after a sleep (what woke it), or
+    // after a step that found work (a stream). Otherwise a host thread that never polls
+    // skips the step: its sleep returns at once if something is ready (one system call
+    // fewer per wait); the NIC thread always steps (an io_uring engine submits there).
+    let mut fresh = false;
     loop {
         let mut worked = run_commands(shared, nic);
         worked |= run_doorbells(shared, nic);
         if done() {
             return Ended::Done;
         }
-        // After a sleep the step takes what woke it. Before one, a host thread that never
-        // polls skips it: the sleep returns at once if something is ready (one system call
-        // fewer per wait); the NIC thread always steps (an io_uring engine submits there).
-        if turns.slept || !turns.host || turns.window.max() > Duration::ZERO {
-            worked |= nic.step().worked();
+        if fresh || !turns.host || turns.window.max() > Duration::ZERO {
+            fresh = nic.step().worked();
+            worked |= fresh;
         }
         if worked {
             turns.worked(turns.slept);
@@ -465,6 +467,7 @@ pub(crate) fn drive<P: Processor>(
             continue;
         }
         sleep(Some(nic.watch_fd()), None, timeout);
+        fresh = true;
         shared.sleeping.lower();
         // The next turn's step takes what woke us, and learns from it.
         turns.slept = true;
