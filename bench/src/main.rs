@@ -218,11 +218,12 @@ struct Ext2Args {
     /// removed afterwards.
     #[arg(long, value_name = "DIR")]
     dir: Option<PathBuf>,
-    /// The loop device's direct I/O on the FUSE file (losetup --direct-io=on|off). Off by
-    /// default: with it on, qemu-storage-daemon's FUSE export (QEMU 10.0) returned corrupt
-    /// blocks to the read-back check intermittently.
-    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
-    loop_direct_io: String,
+    /// The loop device's direct I/O on the FUSE file (losetup --direct-io=on|off). `auto`
+    /// (the default) gives each stack the setting its users should use: on for the qpip
+    /// stacks (README's recipe: one page cache, not two), off for qemu-storage-daemon's FUSE
+    /// export, which (QEMU 10.0) returns corrupt blocks to the read-back check with it on.
+    #[arg(long, value_enum, default_value_t = ext2::LoopDirectIo::Auto)]
+    loop_direct_io: ext2::LoopDirectIo,
     /// Directory for the plot (qpip-bench-ext2.svg).
     #[arg(long, value_name = "DIR", default_value = ".")]
     plot_dir: PathBuf,
@@ -476,7 +477,7 @@ fn nbd_ext2(args: Ext2Args) -> Result<()> {
         mount_bin,
         mount_args: mount_arg,
         dir,
-        loop_direct_io: loop_direct_io == "on",
+        loop_direct_io,
         netns: net,
     };
     let report = ext2::run_all(opts, &progress)?;

@@ -99,7 +99,9 @@ struct Cli {
     /// kernel's default is 128). 0 leaves the kernel's value.
     #[arg(long, default_value_t = 4096, value_name = "KIB")]
     read_ahead_kb: u32,
-    /// What the kernel caches of the file (`none` for a file system on a loop device).
+    /// What the kernel caches of the file (`none` for large sequential copies onto it; for a
+    /// file system on a loop device, keep the default and attach it with
+    /// `losetup --direct-io=on`).
     #[arg(long, value_enum, default_value_t = Cache::Writeback)]
     cache: Cache,
     /// How long to keep reconnecting after the server was lost (reset, closed, silent) before

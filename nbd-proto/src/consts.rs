@@ -215,6 +215,11 @@ pub const BASE_ALLOCATION: &str = "base:allocation";
 /// qemu's allocation depth context (docs/interop/nbd.rst): 0 unallocated in the whole
 /// backing chain, 1 allocated in the image itself, N in its (N-1)th backing file.
 pub const QEMU_ALLOCATION_DEPTH: &str = "qemu:allocation-depth";
+/// The prefix of qemu's dirty bitmap contexts, `qemu:dirty-bitmap:NAME` (docs/interop/nbd.rst).
+pub const QEMU_DIRTY_BITMAP: &str = "qemu:dirty-bitmap:";
+/// `NBD_STATE_DIRTY` of a dirty bitmap context: the extent was written since the bitmap was
+/// made.
+pub const STATE_DIRTY: u32 = 1 << 0;
 /// `NBD_STATE_HOLE`.
 pub const STATE_HOLE: u32 = 1 << 0;
 /// `NBD_STATE_ZERO`.

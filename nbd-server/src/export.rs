@@ -10,27 +10,24 @@ use crate::metrics::ExportStats;
 use crate::store::Store;
 
 /// A metadata context an export offers besides `base:allocation`, which every export offers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum MetaContext {
     /// `qemu:allocation-depth` (qemu-nbd's `-A`): which layer of the backing chain holds
     /// each extent ([`Store::allocation_depth`]).
     AllocationDepth,
+    /// `qemu:dirty-bitmap:NAME` (qemu-nbd's `-B NAME`): the persistent dirty bitmap NAME,
+    /// flag 1 for dirty ([`Store::dirty_bitmap`]).
+    DirtyBitmap(String),
 }
 
 impl MetaContext {
     /// The context's name, as clients ask for it.
-    pub fn name(self) -> &'static str {
+    pub fn name(&self) -> String {
         match self {
-            MetaContext::AllocationDepth => nbd_proto::consts::QEMU_ALLOCATION_DEPTH,
+            MetaContext::AllocationDepth => nbd_proto::consts::QEMU_ALLOCATION_DEPTH.to_owned(),
+            MetaContext::DirtyBitmap(b) => format!("{}{b}", nbd_proto::consts::QEMU_DIRTY_BITMAP),
         }
-    }
-
-    /// The context called `name`, if it is one of these.
-    pub fn from_name(name: &str) -> Option<MetaContext> {
-        [MetaContext::AllocationDepth]
-            .into_iter()
-            .find(|c| c.name() == name)
     }
 }
 
@@ -59,6 +56,11 @@ pub struct Export {
 }
 
 impl Export {
+    /// The context called `name`, if the export offers it.
+    pub fn context(&self, name: &str) -> Option<&MetaContext> {
+        self.contexts.iter().find(|c| c.name() == name)
+    }
+
     /// `store` served as `name`, its mapping and file registered with `nic` where it has them,
     /// offering `contexts` besides `base:allocation`.
     pub fn new(

@@ -12,14 +12,14 @@ use nbd_proto::handshake::TlsMode;
 use nbd_proto::handshake::messages::BlockSize;
 use nbd_proto::handshake::server::{Export as ProtoExport, ServerConfig};
 use parking_lot::Mutex;
-use qpip_core::{Endpoint, Listener, Nic, QpAttr, TlsConfig};
+use qpip_core::{CompletionQueue, Endpoint, Listener, Nic, QpAttr, QueuePair, TlsConfig};
 
 use crate::conn::framer::{FramerState, ServerFramer};
 use crate::conn::recv_window::{BufferBudget, CHUNK, RECV_SLOTS};
 use crate::conn::shared::{RateLimitedLog, ServerShared};
 use crate::conn::{self, Connection};
 use crate::error::{Chain, Result};
-use crate::export::Export;
+use crate::export::{Export, MetaContext};
 use crate::metrics::{Registry, Snapshot};
 
 /// What a server serves and how.
@@ -76,7 +76,7 @@ impl Server {
                     max: MAX_BLOCK,
                 }),
                 require_block_size: false,
-                contexts: e.contexts.iter().map(|c| c.name().to_owned()).collect(),
+                contexts: e.contexts.iter().map(MetaContext::name).collect(),
             })
             .collect();
         let mut proto = ServerConfig::new(proto_exports);
@@ -174,8 +174,8 @@ impl Server {
             }
         }
         for e in &self.shared.exports {
-            if let Err(err) = e.store.flush() {
-                tracing::error!(export = %e.name, "final flush of {} failed: {err}", e.store.location());
+            if let Err(err) = e.store.close() {
+                tracing::error!(export = %e.name, "closing {} failed: {err}", e.store.location());
             }
         }
     }
@@ -198,19 +198,17 @@ fn accept_loop(
     listener: Listener,
     connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
 ) {
+    // The QP that waits for the next client, made once it is needed: a timed-out accept
+    // leaves it idle, so the loop's timeouts make no CQ or QP.
+    let mut next = None;
     while !shared.shutting_down() {
-        let cq = shared.nic.create_cq(conn::CQ_DEPTH);
-        cq.set_spin(Duration::ZERO);
-        let state = FramerState::new();
-        let framer = ServerFramer::new(state.clone(), shared.limits, CHUNK);
-        let qp = shared.nic.create_qp(
-            QpAttr::new(&cq)
-                .framer(framer)
-                .depths(conn::CQ_DEPTH, RECV_SLOTS),
-        );
+        let (qp, cq, state) = next.take().unwrap_or_else(|| idle_qp(&shared));
         let peer = match listener.accept_timeout(&qp, Duration::from_millis(200)) {
             Ok(peer) => listener.peer_endpoint(peer),
-            Err(qpip_core::Error::Timeout { .. }) => continue,
+            Err(qpip_core::Error::Timeout { .. }) => {
+                next = Some((qp, cq, state));
+                continue;
+            }
             Err(e) => {
                 tracing::warn!("accept on {}: {e}", listener.endpoint());
                 std::thread::sleep(Duration::from_millis(50));
@@ -236,4 +234,18 @@ fn accept_loop(
             Err(e) => tracing::error!(%peer, "cannot start a connection thread: {e}"),
         }
     }
+}
+
+/// A connection's idle QP, its CQ and its framer's state.
+fn idle_qp(shared: &ServerShared) -> (QueuePair, CompletionQueue, Arc<FramerState>) {
+    let cq = shared.nic.create_cq(conn::CQ_DEPTH);
+    cq.set_spin(Duration::ZERO);
+    let state = FramerState::new();
+    let framer = ServerFramer::new(state.clone(), shared.limits, CHUNK);
+    let qp = shared.nic.create_qp(
+        QpAttr::new(&cq)
+            .framer(framer)
+            .depths(conn::CQ_DEPTH, RECV_SLOTS),
+    );
+    (qp, cq, state)
 }

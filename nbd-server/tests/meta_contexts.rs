@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::Command;
 
 use common::*;
-use qpip_test_support::servers::{Peer, qpip_server, tcp_peer};
+use qpip_test_support::servers::qpip_server;
 
 /// The images of the comparison, made in `d`: (file, format).
 fn images(d: &Path) -> Vec<(&'static str, &'static str)> {
@@ -79,13 +79,6 @@ fn images(d: &Path) -> Vec<(&'static str, &'static str)> {
     ]
 }
 
-/// `nbdinfo ARGS URI`'s output, the URI's port written as PORT.
-fn nbdinfo(args: &[&str], peer: &Peer) -> String {
-    let out = peer_ok(Command::new("nbdinfo").args(args).arg(&peer.uri));
-    // Only the URI's port: a bare number would also match extents (port 39321 in 393216).
-    out.replace(&format!(":{}/", peer.port), ":PORT/")
-}
-
 /// `nbdinfo --list --content` without the lines where qpip-nbd-server deliberately differs
 /// from qemu-nbd (multi-conn, which qemu-nbd offers only with --shared; the minimum block
 /// size, which qemu-nbd raises to 512 for a raw file).
@@ -98,14 +91,7 @@ fn listing(peer: &Peer) -> String {
 }
 
 fn qemu_nbd(d: &Path, file: &str, format: &str, extra: &[&str]) -> Option<Peer> {
-    let path = d.join(file).display().to_string();
-    let args = [
-        &["-r", "-t", "-f", format, "-x", "x", "-b", "127.0.0.1"][..],
-        extra,
-        &[&path],
-    ]
-    .concat();
-    tcp_peer("qemu-nbd", "-p", &args, "nbd://127.0.0.1:PORT/x")
+    qemu_nbd_x(d, file, format, &[&["-r"], extra].concat())
 }
 
 #[test]

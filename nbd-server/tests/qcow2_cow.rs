@@ -6,24 +6,12 @@ mod common;
 
 use std::collections::HashSet;
 use std::process::Command;
-use std::time::Duration;
 
 use common::*;
 
 /// The server on `img` (export `d`).
 fn serve(img: &str) -> ServerProcess {
     start_server_v4(&args(&["--export", &format!("d={img}")]))
-}
-
-/// Stops `srv` with SIGTERM and waits for its clean exit.
-fn stop(mut srv: ServerProcess) {
-    srv.signal(libc::SIGTERM);
-    assert!(
-        srv.wait_timeout(Duration::from_secs(20))
-            .is_some_and(|s| s.success()),
-        "{}",
-        srv.log()
-    );
 }
 
 /// D3: a cluster a snapshot shares, zeroed by qemu keeping its allocation (an L2 entry with

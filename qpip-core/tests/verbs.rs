@@ -165,6 +165,8 @@ contract!(
     async_verbs_under_tokio,
     quiet_posts_go_out_at_the_doorbell,
     accepts_that_time_out_lose_no_connection,
+    a_connection_reset_before_its_accept_never_reaches_a_qp,
+    an_accept_that_finds_a_connection_waiting_needs_no_wait,
 );
 
 /// Waits (on the CQ, without draining it) until it reports `lost` lost completions.
@@ -630,6 +632,88 @@ fn accepts_that_time_out_lose_no_connection(net: Net) {
         assert_eq!(&v, b"greeting", "client {i}");
     }
     assert_eq!(acceptor.join().unwrap(), clients);
+}
+
+/// Closes a kernel socket with a reset (SO_LINGER 0), as a port scanner does.
+fn reset(sock: std::net::TcpStream) {
+    use std::os::fd::AsRawFd;
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: setsockopt on a descriptor `sock` owns, with a value of the size it names.
+    let r = unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&raw const linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+}
+
+/// Clients that connect and reset before the server accepts (a port scanner's flood) are
+/// dropped inside the NIC: the accept gets the next live client, and its QP works.
+fn a_connection_reset_before_its_accept_never_reaches_a_qp(net: Net) {
+    if !net.kernel_peers {
+        return;
+    }
+    let listener = net.server.listen(net.locals[1].0).unwrap();
+    for _ in 0..3 {
+        reset(std::net::TcpStream::connect(listener.local_addr()).unwrap());
+    }
+    let mut live = std::net::TcpStream::connect(listener.local_addr()).unwrap();
+    let cq = net.server.create_cq(4);
+    let qp = net.server.create_qp(QpAttr::new(&cq).depths(4, 4));
+    let peer = listener.accept_timeout(&qp, T).unwrap();
+    assert_eq!(
+        peer,
+        live.local_addr().unwrap(),
+        "a reset client was accepted"
+    );
+    assert_eq!(qp.peer_addr(), Some(peer));
+    let mr = net.server.alloc_region(5, Access::READ_WRITE);
+    mr.write_at(0, b"hello");
+    qp.post_send(SendWr::new(1, &[mr.sge(0, 5)])).unwrap();
+    assert_eq!(wait_n(&cq, 1, T)[0].status, WcStatus::Success);
+    let mut got = [0u8; 9];
+    std::io::Read::read_exact(&mut live, &mut got).unwrap();
+    assert_eq!(&got, b"\0\0\0\x05hello", "the length-prefixed message");
+}
+
+/// An accept that finds a connection already waiting is answered on the calling thread (no
+/// command to an engine, no hand-off): even with no time to wait it gets the connection, as
+/// a non-blocking accept(2) would, and the QP is Ready with its peer.
+fn an_accept_that_finds_a_connection_waiting_needs_no_wait(net: Net) {
+    if !net.kernel_peers {
+        return;
+    }
+    let listener = net.server.listen(net.locals[1].0).unwrap();
+    let cq = net.server.create_cq(64);
+    for i in 0..20 {
+        // Connected: the kernel's listen queue holds it.
+        let client = std::net::TcpStream::connect(listener.local_addr()).unwrap();
+        let qp = net.server.create_qp(QpAttr::new(&cq).depths(4, 4));
+        let peer = listener
+            .accept_timeout(&qp, Duration::ZERO)
+            .unwrap_or_else(|e| panic!("accept {i}: {e}"));
+        assert_eq!(peer, client.local_addr().unwrap());
+        assert_eq!(qp.state(), QpState::Ready);
+    }
+    // None waiting: it times out and leaves the QP idle for the next accept.
+    let qp = net.server.create_qp(QpAttr::new(&cq).depths(4, 4));
+    assert!(matches!(
+        listener.accept_timeout(&qp, Duration::ZERO),
+        Err(qpip_core::Error::Timeout { .. })
+    ));
+    assert_eq!(qp.state(), QpState::Init);
+    let client = std::net::TcpStream::connect(listener.local_addr()).unwrap();
+    assert_eq!(
+        listener.accept_timeout(&qp, T).unwrap(),
+        client.local_addr().unwrap()
+    );
 }
 
 /// Connecting to a port nobody listens on fails with an error naming the address.

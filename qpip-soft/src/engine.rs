@@ -4,7 +4,7 @@
 //! sleeps on its epoll (or io_uring) descriptor until a doorbell, a command or a socket
 //! makes it readable.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -13,16 +13,18 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use mio::net::TcpListener;
+use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token};
 
+use super::accept::{Inbox, Listening};
 use super::link::EngineQp;
-use super::queues::{Accepted, Queues};
-use super::stream::{Acceptor, Stream};
+use super::queues::Queues;
+use super::stream::Acceptor;
 use super::uring::{Event, NoRing, Ring, RingIo, UringIo};
 use super::{IoMode, WAKER_TOKEN};
 use qpip_verbs::backend::{Command, ListenerId, MgmtResult};
 use qpip_verbs::framer::Framer;
-use qpip_verbs::machines::mgmt::{self, Management, no_qp, not_idle};
+use qpip_verbs::machines::mgmt::{self, Management, no_qp};
 use qpip_verbs::machines::shell::{Processor, Progress};
 use qpip_verbs::mr::MemoryTable;
 use qpip_verbs::reply::ReplySender;
@@ -33,13 +35,10 @@ use qpip_verbs::wr::QpNum;
 const LISTENER_BASE: usize = 1 << 40;
 
 struct EngineListener {
-    sock: Acceptor,
-    backlog: usize,
-    /// Connections accepted from the kernel and not yet mated to a QP.
-    pending: VecDeque<(Stream, SocketAddr)>,
-    /// QPs waiting for a connection.
-    accepts: VecDeque<(QpNum, ReplySender<MgmtResult>)>,
-    readable: bool,
+    listening: Arc<Listening>,
+    /// In the epoll set: only while accepts wait, so that connections taken by accepts on
+    /// their own threads wake no engine.
+    armed: bool,
 }
 
 /// What a turn of the physical layer does before it runs what is ready.
@@ -70,10 +69,11 @@ pub(super) struct Engine<Q> {
     listeners: HashMap<ListenerId, EngineListener>,
     /// Some exactly when `Q` is [`UringIo`].
     ring: Option<Ring>,
-    /// This engine's queue, and the NIC's queues (where connections for QPs of other queues
-    /// are handed). Weak: the queues own the engines ([`super::queues`]).
-    queue: usize,
+    /// The NIC's queues (where connections for QPs of other queues are handed). Weak: the
+    /// queues own the engines ([`super::queues`]).
     queues: Weak<Queues>,
+    /// Connections handed to this queue's QPs.
+    inbox: Arc<Inbox>,
 }
 
 impl Engine<NoRing> {
@@ -109,6 +109,9 @@ impl<Q: RingIo> Engine<Q> {
         queue: usize,
         queues: Weak<Queues>,
     ) -> Self {
+        let inbox = queues
+            .upgrade()
+            .map_or_else(Default::default, |q| q.inbox(queue).clone());
         Engine {
             poll,
             memory,
@@ -119,8 +122,8 @@ impl<Q: RingIo> Engine<Q> {
             fences: Vec::new(),
             listeners: HashMap::new(),
             ring,
-            queue,
             queues,
+            inbox,
         }
     }
 
@@ -220,99 +223,72 @@ impl<Q: RingIo> Engine<Q> {
             return;
         }
         if t >= LISTENER_BASE {
-            let id = (t - LISTENER_BASE) as ListenerId;
-            if let Some(l) = self.listeners.get_mut(&id) {
-                l.readable = true;
-            }
-            self.mate(id);
+            self.mate((t - LISTENER_BASE) as ListenerId);
         } else if let Some(qp) = self.qps.get_mut(&(t as QpNum)) {
             qp.on_event(self.poll.registry(), event, &self.memory);
         }
     }
 
-    fn add_listener(&mut self, id: ListenerId, mut sock: Acceptor, backlog: u32) -> io::Result<()> {
-        self.poll.registry().register(
-            &mut sock,
-            Token(LISTENER_BASE + id as usize),
-            Interest::READABLE,
-        )?;
-        let l = EngineListener {
-            sock,
-            backlog: backlog as usize,
-            pending: VecDeque::new(),
-            accepts: VecDeque::new(),
-            readable: true,
+    fn add_listener(&mut self, id: ListenerId, sock: Acceptor) -> io::Result<()> {
+        let listening = Arc::new(Listening::new(sock));
+        let mut l = EngineListener {
+            listening,
+            armed: false,
         };
+        self.arm(id, &mut l)?;
+        if let Some(all) = self.queues.upgrade() {
+            all.add_listener(id, l.listening.clone());
+        }
         self.listeners.insert(id, l);
         Ok(())
     }
 
-    /// Takes connections from the kernel and mates them to waiting QPs.
+    /// Puts a listener in the epoll set (reported at once if connections wait).
+    fn arm(&self, id: ListenerId, l: &mut EngineListener) -> io::Result<()> {
+        if !l.armed {
+            use std::os::fd::AsRawFd;
+            let fd = l.listening.sock.as_raw_fd();
+            self.poll.registry().register(
+                &mut SourceFd(&fd),
+                Token(LISTENER_BASE + id as usize),
+                Interest::READABLE,
+            )?;
+            l.armed = true;
+        }
+        Ok(())
+    }
+
+    fn disarm(&self, l: &mut EngineListener) {
+        if l.armed {
+            use std::os::fd::AsRawFd;
+            let fd = l.listening.sock.as_raw_fd();
+            let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
+            l.armed = false;
+        }
+    }
+
+    /// Mates the accepts waiting on listener `id` with the connections there are; stops
+    /// watching it when none waits.
     fn mate(&mut self, id: ListenerId) {
-        let registry = self.poll.registry();
-        let Some(l) = self.listeners.get_mut(&id) else {
+        let Some(all) = self.queues.upgrade() else {
+            return; // the NIC is going away
+        };
+        let Some(mut l) = self.listeners.remove(&id) else {
             return;
         };
-        loop {
-            while l.readable && l.pending.len() < l.backlog {
-                match l.sock.accept() {
-                    Ok(conn) => l.pending.push_back(conn),
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => l.readable = false,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => {
-                        // EMFILE and friends: leave the connection in the kernel's backlog.
-                        tracing::warn!("accept failed: {e}");
-                        break;
-                    }
-                }
-            }
-            if l.pending.is_empty() {
-                return;
-            }
-            let Some((qp_num, reply)) = l.accepts.pop_front() else {
-                return;
-            };
-            // Its waiter gave up (a timed-out accept): its QP may be going away.
-            if !reply.claim() {
-                continue;
-            }
-            let Some((stream, peer)) = l.pending.pop_front() else {
-                return;
-            };
-            match self.qps.get_mut(&qp_num) {
-                Some(qp) if qp.is_idle() => match qp.attach(registry, stream, peer) {
-                    Ok(()) => {
-                        reply.send(Ok(peer));
-                        qp.service(registry, &self.memory);
-                    }
-                    Err(e) => reply.send(Err(e)),
-                },
-                Some(_) => {
-                    l.pending.push_front((stream, peer));
-                    reply.send(Err(not_idle(qp_num, "reliable")));
-                }
-                // The QP lives on another queue: the connection goes there, behind the QP's
-                // creation. (No queues: the NIC is going away.)
-                None => match self
-                    .queues
-                    .upgrade()
-                    .and_then(|all| Some((all.queue_of(qp_num)?, all)))
-                {
-                    Some((q, all)) if q != self.queue => {
-                        let work = Accepted {
-                            qp: qp_num,
-                            stream,
-                            peer,
-                            reply,
-                        };
-                        all.send(q, Command::Private(Box::new(work)));
-                    }
-                    _ => {
-                        l.pending.push_front((stream, peer));
-                        reply.send(Err(no_qp(qp_num)));
-                    }
-                },
-            }
+        if !l.listening.mate(&all) {
+            self.disarm(&mut l);
+        }
+        self.listeners.insert(id, l);
+    }
+
+    /// Takes in the connection handed to `qp`, if one waits (none if the QP is gone: it
+    /// closes).
+    fn take_handed(&mut self, qp: QpNum) {
+        if let Some(stream) = self.inbox.take(qp)
+            && let Some(q) = self.qps.get_mut(&qp)
+        {
+            q.attach(self.poll.registry(), stream, &self.memory);
         }
     }
 }
@@ -335,13 +311,30 @@ pub(super) fn open_ring(poll: &Poll, mode: IoMode) -> Option<Ring> {
 
 impl<Q: RingIo> Processor for Engine<Q> {
     fn command(&mut self, cmd: Command) {
+        // A command the host sent about a QP after its accept returned finds the connection
+        // attached, even if the QP's doorbell has not been seen yet.
+        if let Command::StartTls { qp, .. }
+        | Command::Close { qp }
+        | Command::Disconnect { qp }
+        | Command::Destroy { qp } = &cmd
+        {
+            self.take_handed(*qp);
+        }
         mgmt::dispatch(self, cmd);
     }
 
     fn doorbell(&mut self, num: QpNum) {
+        let Some(qp) = self.qps.get(&num) else {
+            // Destroyed: a connection handed to it meanwhile closes. (Not yet created cannot
+            // be: the shell runs the commands queued before a doorbell first.)
+            drop(self.inbox.take(num));
+            return;
+        };
+        // Clear before draining: a WR (or a connection) handed after this point rings again;
+        // a swap, so that what was handed before the ring is seen.
+        qp.shared.doorbell.swap(false, Ordering::SeqCst);
+        self.take_handed(num);
         if let Some(qp) = self.qps.get_mut(&num) {
-            // Clear before draining: a WR posted after this point rings again.
-            qp.shared.doorbell.store(false, Ordering::SeqCst);
             qp.service(self.poll.registry(), &self.memory);
         }
     }
@@ -408,7 +401,7 @@ impl<Q: RingIo> Management for Engine<Q> {
     fn listen(&mut self, id: ListenerId, addr: SocketAddr, backlog: u32) -> MgmtResult {
         let sock = super::stream::listen_tcp(addr, backlog)?;
         let local = sock.local_addr()?;
-        self.add_listener(id, Acceptor::Tcp(sock), backlog)?;
+        self.add_listener(id, Acceptor::Tcp(sock))?;
         Ok(local)
     }
 
@@ -418,7 +411,7 @@ impl<Q: RingIo> Management for Engine<Q> {
             listener: sock,
             _file: file,
         };
-        self.add_listener(id, sock, backlog)?;
+        self.add_listener(id, sock)?;
         Ok(qpip_verbs::backend::UNIX_ADDR)
     }
 
@@ -429,12 +422,13 @@ impl<Q: RingIo> Management for Engine<Q> {
         }
     }
 
-    fn listen_fd(&mut self, id: ListenerId, fd: std::os::fd::OwnedFd, backlog: u32) -> MgmtResult {
+    fn listen_fd(&mut self, id: ListenerId, fd: std::os::fd::OwnedFd, _backlog: u32) -> MgmtResult {
+        // Its owner set its kernel queue when it listened.
         let std_sock = std::net::TcpListener::from(fd);
         std_sock.set_nonblocking(true)?;
         let local = std_sock.local_addr()?; // fails for anything but a TCP socket
         let sock = TcpListener::from_std(std_sock);
-        self.add_listener(id, Acceptor::Tcp(sock), backlog)?;
+        self.add_listener(id, Acceptor::Tcp(sock))?;
         Ok(local)
     }
 
@@ -455,21 +449,24 @@ impl<Q: RingIo> Management for Engine<Q> {
     }
 
     fn accept(&mut self, listener: ListenerId, qp: QpNum, reply: ReplySender<MgmtResult>) {
-        if let Some(l) = self.listeners.get_mut(&listener) {
-            l.accepts.push_back((qp, reply));
-            self.mate(listener);
+        let Some(mut l) = self.listeners.remove(&listener) else {
+            return;
+        };
+        l.listening.wait(qp, reply);
+        if let Err(e) = self.arm(listener, &mut l) {
+            tracing::error!("soft NIC: cannot watch a listener: {e}");
         }
+        self.listeners.insert(listener, l);
+        self.mate(listener);
     }
 
     fn close_listener(&mut self, listener: ListenerId) {
         if let Some(mut l) = self.listeners.remove(&listener) {
-            let _ = self.poll.registry().deregister(&mut l.sock);
-            for (_, reply) in l.accepts.drain(..) {
-                reply.send(Err(io::Error::new(
-                    io::ErrorKind::ConnectionAborted,
-                    "listener closed",
-                )));
+            self.disarm(&mut l);
+            if let Some(all) = self.queues.upgrade() {
+                all.remove_listener(listener);
             }
+            l.listening.close();
         }
     }
 
@@ -499,33 +496,6 @@ impl<Q: RingIo> Management for Engine<Q> {
             reply.send(());
         } else {
             self.fences.push(reply);
-        }
-    }
-
-    /// A connection another queue's listener accepted for one of this queue's QPs.
-    fn private(&mut self, work: Box<dyn std::any::Any + Send>) {
-        let Ok(work) = work.downcast::<Accepted>() else {
-            tracing::error!("soft NIC queue {}: unknown hand-over", self.queue);
-            return;
-        };
-        let Accepted {
-            qp,
-            stream,
-            peer,
-            reply,
-        } = *work;
-        let registry = self.poll.registry();
-        match self.qps.get_mut(&qp) {
-            Some(q) if q.is_idle() => match q.attach(registry, stream, peer) {
-                Ok(()) => {
-                    reply.send(Ok(peer));
-                    q.service(registry, &self.memory);
-                }
-                Err(e) => reply.send(Err(e)),
-            },
-            // Destroyed (or connected) meanwhile: the connection is closed.
-            Some(_) => reply.send(Err(not_idle(qp, "reliable"))),
-            None => reply.send(Err(no_qp(qp))),
         }
     }
 }

@@ -7,6 +7,7 @@
 //! learned from arrivals (so a busy stream never pays a wake-up), then the shell sleeps on the
 //! engine's epoll (or io_uring) descriptor.
 
+mod accept;
 mod engine;
 mod link;
 mod queues;

@@ -301,29 +301,33 @@ impl<Q: RingIo> EngineQp<Q> {
         self.link = Link::Connecting { stream, reply };
     }
 
-    /// Gives the QP an established connection (management: accept).
-    pub(super) fn attach(
-        &mut self,
-        registry: &Registry,
-        mut stream: Stream,
-        peer: SocketAddr,
-    ) -> io::Result<()> {
-        if self.uring.is_none() {
-            registry.register(
+    /// Takes in a connection paired with this QP ([`crate::accept`]): whoever paired it made
+    /// the QP Ready with its addresses and answered the accept. A QP closed or failed
+    /// meanwhile lets it go (it closes).
+    pub(super) fn attach(&mut self, registry: &Registry, mut stream: Stream, memory: &MemoryTable) {
+        if !matches!(self.link, Link::Idle) || self.shared.state() != QpState::Ready {
+            return;
+        }
+        if self.uring.is_none()
+            && let Err(e) = registry.register(
                 &mut stream,
                 token(&self.shared),
                 Interest::READABLE | Interest::WRITABLE,
-            )?;
+            )
+        {
+            tracing::warn!(
+                qp = self.shared.num,
+                "cannot watch an accepted connection: {e}"
+            );
+            self.fail(registry);
+            return;
         }
-        self.established(stream, Some(peer));
-        Ok(())
+        self.established(stream);
+        self.service(registry, memory);
     }
 
-    fn established(&mut self, stream: Stream, peer: Option<SocketAddr>) {
+    fn established(&mut self, stream: Stream) {
         stream.set_nodelay();
-        let (local, remote) = stream.ip_addrs();
-        self.shared
-            .set_addrs(local, peer.filter(|_| remote.is_some()).or(remote));
         self.shared.set_state(QpState::Ready);
         self.link = Link::Stream(stream);
         self.readable = true;
@@ -444,7 +448,9 @@ impl<Q: RingIo> EngineQp<Q> {
                         let _ = registry.deregister(&mut stream);
                     }
                     let local = stream.reply_addr();
-                    self.established(stream, None);
+                    let (local_ip, peer_ip) = stream.ip_addrs();
+                    self.shared.set_addrs(local_ip, peer_ip);
+                    self.established(stream);
                     reply.send(local);
                 }
                 Err(e) => {

@@ -2,10 +2,12 @@
 //! queue is an engine thread of its own (its own epoll or io_uring, doorbell FIFO and QPs), so
 //! nothing on the data path is shared between queues. A QP lives on one queue for its life,
 //! the one with the fewest QPs when it was created, so a server's connections spread over the
-//! queues as RSS spreads flows. A listener lives on one queue; a connection it accepts for a
-//! QP of another queue is handed to that queue ([`Accepted`]), behind the commands already
-//! sent there (the QP's creation among them). A QP whose CQs already serve QPs of a queue
-//! joins that queue, so that a thread waiting on its CQ can drive one queue for all of them.
+//! queues as RSS spreads flows. A listener lives on one queue, which mates the accepts that
+//! wait on it; an accept that finds a connection waiting is answered on the calling thread
+//! ([`crate::accept`]). Either way the connection reaches its QP's queue through that queue's
+//! inbox and the QP's doorbell, behind the commands already sent there (the QP's creation
+//! among them). A QP whose CQs already serve QPs of a queue joins that queue, so that a thread
+//! waiting on its CQ can drive one queue for all of them.
 //!
 //! Ownership: the backend owns the `Queues`, which own each queue's [`NicThread`] and through
 //! it the queue's engine; an engine reaches the other queues through a `Weak`, so nothing
@@ -14,25 +16,25 @@
 //! dropping the queues drops the engines, closing their sockets, epolls and eventfds.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::io;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 
 use parking_lot::Mutex;
-use qpip_verbs::backend::{Command, ListenerId, MgmtResult};
+use qpip_verbs::backend::{Command, ListenerId};
+use qpip_verbs::machines::mgmt::{no_qp, not_idle};
 use qpip_verbs::machines::shell::NicThread;
-use qpip_verbs::reply::{ReplySender, reply_channel};
-use qpip_verbs::shared::QpShared;
+use qpip_verbs::reply::reply_channel;
+use qpip_verbs::shared::{QpKind, QpShared, QpState};
 use qpip_verbs::wr::QpNum;
 
-use crate::stream::Stream;
+use crate::accept::{Inbox, Listening};
 
-/// A connection the listener's queue accepted for a QP that lives on another queue.
-pub(crate) struct Accepted {
-    pub qp: QpNum,
-    pub stream: Stream,
-    pub peer: SocketAddr,
-    pub reply: ReplySender<MgmtResult>,
+/// Where a live QP is.
+struct Placed {
+    queue: usize,
+    /// Its rings and state, for pairing it with a connection (weak: the QP's handle owns it).
+    qp: Weak<QpShared>,
 }
 
 pub(crate) struct Queues {
@@ -40,17 +42,29 @@ pub(crate) struct Queues {
     threads: OnceLock<Vec<NicThread>>,
     /// Live QPs per queue.
     loads: Vec<AtomicUsize>,
-    /// The queue of each live QP, for the commands that name a QP by number.
-    placed: Mutex<HashMap<QpNum, usize>>,
+    /// Each live QP, for the commands that name a QP by number.
+    placed: Mutex<HashMap<QpNum, Placed>>,
+    /// Each queue's inbox of connections for its QPs.
+    inboxes: Vec<Arc<Inbox>>,
+    /// The open listeners, for accepts answered on the calling thread.
+    listening: Mutex<HashMap<ListenerId, Arc<Listening>>>,
 }
 
 impl Queues {
     pub(crate) fn new(n: usize) -> Arc<Queues> {
+        let n = n.max(1);
         Arc::new(Queues {
             threads: OnceLock::new(),
-            loads: (0..n.max(1)).map(|_| AtomicUsize::new(0)).collect(),
+            loads: (0..n).map(|_| AtomicUsize::new(0)).collect(),
             placed: Mutex::new(HashMap::new()),
+            inboxes: (0..n).map(|_| Arc::default()).collect(),
+            listening: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Queue `q`'s inbox.
+    pub(crate) fn inbox(&self, q: usize) -> &Arc<Inbox> {
+        &self.inboxes[q.min(self.inboxes.len() - 1)]
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -69,8 +83,31 @@ impl Queues {
     }
 
     /// The queue of `qp`, if it lives.
-    pub(crate) fn queue_of(&self, qp: QpNum) -> Option<usize> {
-        self.placed.lock().get(&qp).copied()
+    fn queue_of(&self, qp: QpNum) -> Option<usize> {
+        self.placed.lock().get(&qp).map(|p| p.queue)
+    }
+
+    /// Takes the idle reliable QP `qp` for a connection (Init → Connecting), so that nothing
+    /// else pairs or connects it meanwhile.
+    pub(crate) fn claim(&self, qp: QpNum) -> io::Result<Arc<QpShared>> {
+        let shared = self.placed.lock().get(&qp).and_then(|p| p.qp.upgrade());
+        let shared = shared.ok_or_else(|| no_qp(qp))?;
+        if shared.kind == QpKind::Reliable && shared.transition(QpState::Init, QpState::Connecting)
+        {
+            Ok(shared)
+        } else {
+            Err(not_idle(qp, "reliable"))
+        }
+    }
+
+    /// A listener opened on one of the queues.
+    pub(crate) fn add_listener(&self, id: ListenerId, l: Arc<Listening>) {
+        self.listening.lock().insert(id, l);
+    }
+
+    /// A listener closed.
+    pub(crate) fn remove_listener(&self, id: ListenerId) {
+        self.listening.lock().remove(&id);
     }
 
     /// Hands `cmd` to queue `q`.
@@ -83,7 +120,7 @@ impl Queues {
 
     /// Places a new QP on the queue its CQs are driven on, if they are, else on the queue
     /// with the fewest QPs; binds its CQs to that queue (run to completion).
-    fn place(&self, qp: &QpShared) -> usize {
+    fn place(&self, qp: &Arc<QpShared>) -> usize {
         let threads = self.threads();
         let driven_on = |t: &NicThread| {
             qp.cqs().iter().any(|cq| {
@@ -102,12 +139,16 @@ impl Queues {
         }
         self.loads[q].fetch_add(1, Ordering::Relaxed);
         qp.queue.store(q as u32, Ordering::Release);
-        self.placed.lock().insert(qp.num, q);
+        let placed = Placed {
+            queue: q,
+            qp: Arc::downgrade(qp),
+        };
+        self.placed.lock().insert(qp.num, placed);
         q
     }
 
     fn forget(&self, qp: QpNum) -> Option<usize> {
-        let q = self.placed.lock().remove(&qp)?;
+        let q = self.placed.lock().remove(&qp)?.queue;
         self.loads[q].fetch_sub(1, Ordering::Relaxed);
         Some(q)
     }
@@ -116,8 +157,31 @@ impl Queues {
         id as usize % self.len()
     }
 
-    /// Sends a management command to the queue it concerns.
+    /// Sends a management command to the queue it concerns; an accept that finds a
+    /// connection waiting is answered here, on the calling thread.
     pub(crate) fn route(&self, cmd: Command) {
+        let cmd = match cmd {
+            Command::Accept {
+                listener,
+                qp,
+                reply,
+            } => {
+                let l = self.listening.lock().get(&listener).cloned();
+                let reply = match l {
+                    Some(l) => match l.accept_now(self, qp, reply) {
+                        Some(reply) => reply,
+                        None => return,
+                    },
+                    None => reply,
+                };
+                Command::Accept {
+                    listener,
+                    qp,
+                    reply,
+                }
+            }
+            cmd => cmd,
+        };
         let q = match &cmd {
             Command::CreateQp { qp, .. } => self.place(qp),
             Command::BindUdp { qp, .. }

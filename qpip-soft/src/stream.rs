@@ -55,6 +55,16 @@ impl Stream {
         }
     }
 
+    /// Its peer reset it (a TCP RST): nothing can be sent or read on it any more.
+    pub(super) fn was_reset(&self) -> bool {
+        match self {
+            Stream::Tcp(s) => s
+                .take_error()
+                .is_ok_and(|e| e.is_some_and(|e| e.kind() == io::ErrorKind::ConnectionReset)),
+            Stream::Unix(_) => false,
+        }
+    }
+
     /// The address a connect reply carries.
     pub(super) fn reply_addr(&self) -> io::Result<SocketAddr> {
         match self {
@@ -193,23 +203,11 @@ impl Acceptor {
     }
 }
 
-impl Source for Acceptor {
-    fn register(&mut self, r: &Registry, t: Token, i: Interest) -> io::Result<()> {
+impl AsRawFd for Acceptor {
+    fn as_raw_fd(&self) -> RawFd {
         match self {
-            Acceptor::Tcp(l) => l.register(r, t, i),
-            Acceptor::Unix { listener, .. } => listener.register(r, t, i),
-        }
-    }
-    fn reregister(&mut self, r: &Registry, t: Token, i: Interest) -> io::Result<()> {
-        match self {
-            Acceptor::Tcp(l) => l.reregister(r, t, i),
-            Acceptor::Unix { listener, .. } => listener.reregister(r, t, i),
-        }
-    }
-    fn deregister(&mut self, r: &Registry) -> io::Result<()> {
-        match self {
-            Acceptor::Tcp(l) => l.deregister(r),
-            Acceptor::Unix { listener, .. } => listener.deregister(r),
+            Acceptor::Tcp(l) => l.as_raw_fd(),
+            Acceptor::Unix { listener, .. } => listener.as_raw_fd(),
         }
     }
 }

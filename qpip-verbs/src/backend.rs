@@ -102,7 +102,8 @@ pub enum Command {
         reply: ReplySender<MgmtResult>,
     },
     /// Mate the next incoming connection on `listener` to the idle QP `qp`; replies with the
-    /// peer's address.
+    /// peer's address. A backend may answer it on the calling thread when a connection is
+    /// already waiting (the soft NIC does).
     Accept {
         /// The listener.
         listener: ListenerId,
@@ -150,10 +151,6 @@ pub enum Command {
         /// Answered when the fence holds.
         reply: ReplySender<()>,
     },
-    /// Work one queue of a multi-queue NIC hands another (a connection accepted for a QP
-    /// that lives there), queued behind the commands sent to that queue before it. Only
-    /// the backend that made it knows what it holds.
-    Private(Box<dyn std::any::Any + Send>),
 }
 
 /// A NIC implementation under the verbs.

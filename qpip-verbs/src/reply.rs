@@ -56,6 +56,12 @@ impl<T> ReplySender<T> {
         self.0.event.notify(usize::MAX);
     }
 
+    /// Nobody will take the answer: the waiter gave up before a claim (or is gone). A NIC
+    /// that keeps commands queued drops these.
+    pub fn abandoned(&self) -> bool {
+        matches!(*self.0.state.lock(), State::Closed)
+    }
+
     /// Commits the NIC to answering: false if the waiter has already given up (then the
     /// command's work must not be done); after true, the waiter takes the answer.
     pub fn claim(&self) -> bool {

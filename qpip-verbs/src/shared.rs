@@ -287,6 +287,13 @@ impl QpShared {
         self.state.store(s as u8, Ordering::Release);
     }
 
+    /// Moves it from state `from` to `to`; false (and no change) if it is not in `from`.
+    pub fn transition(&self, from: QpState, to: QpState) -> bool {
+        self.state
+            .compare_exchange(from as u8, to as u8, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
     /// Records its addresses once known.
     pub fn set_addrs(&self, local: Option<SocketAddr>, peer: Option<SocketAddr>) {
         *self.addrs.lock() = (local, peer);

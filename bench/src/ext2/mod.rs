@@ -132,8 +132,11 @@ pub(crate) struct Params {
     pub dir: PathBuf,
     pub io: &'static str,
     pub loop_device: &'static str,
-    /// losetup --direct-io=on (else off: the loop device then caches in the page cache too).
-    pub loop_direct_io: bool,
+    /// `--loop-direct-io`: losetup --direct-io=on for which stacks (where off, the loop device
+    /// caches in the FUSE file's page cache too).
+    pub loop_direct_io: &'static str,
+    #[serde(skip)]
+    pub direct_io: LoopDirectIo,
     pub mkfs: &'static str,
     pub cpu_accounting: &'static str,
     /// `--netns`: the servers run in this namespace, the mounts here, across a veth link.
@@ -322,7 +325,7 @@ fn round(
         &dir.path,
     )?;
     stop.check()?;
-    let mut lo = LoopDev::attach(&client.device, p.loop_direct_io)?;
+    let mut lo = LoopDev::attach(&client.device, p.direct_io.for_stack(stack))?;
     mount::run(
         "mkfs.ext2",
         &["-F", "-q", "-m", "0", "-b", "4096", lo.path()],
@@ -374,7 +377,7 @@ pub(crate) struct Options {
     pub mount_bin: PathBuf,
     pub mount_args: Vec<String>,
     pub dir: Option<PathBuf>,
-    pub loop_direct_io: bool,
+    pub loop_direct_io: LoopDirectIo,
     pub netns: NetnsArgs,
 }
 
@@ -434,7 +437,8 @@ pub(crate) fn run_all(o: Options, progress: &Progress) -> Result<Ext2Report> {
         io: "1 MiB buffered write()s then sync(), timed together; read after umount + \
              drop_caches + mount, 1 MiB read()s, every block verified",
         loop_device: "losetup on the FUSE file",
-        loop_direct_io: o.loop_direct_io,
+        loop_direct_io: o.loop_direct_io.describe(),
+        direct_io: o.loop_direct_io,
         mkfs: "mkfs.ext2 -F -q -m 0 -b 4096",
         cpu_accounting: "machine = /proc/stat user+nice+system+irq+softirq; server and client = \
              process trees minus their qpip-soft-nic threads (= nic); bench = qpip-bench \
@@ -496,5 +500,36 @@ mod tests {
             assert_eq!(Stack::parse(s.name()).unwrap(), s);
         }
         assert!(Stack::parse("nfs").is_err());
+    }
+}
+
+/// `--loop-direct-io`: whether the loop device reads and writes the FUSE file with O_DIRECT.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum LoopDirectIo {
+    /// On for the qpip stacks (README's recipe), off for qemu-storage-daemon's FUSE export
+    /// (corrupt blocks with it on, QEMU 10.0).
+    Auto,
+    /// On for every stack.
+    On,
+    /// Off for every stack.
+    Off,
+}
+
+impl LoopDirectIo {
+    /// Whether `stack`'s loop device is attached with direct I/O.
+    pub(crate) fn for_stack(self, stack: Stack) -> bool {
+        match self {
+            LoopDirectIo::Auto => stack.is_qpip(),
+            LoopDirectIo::On => true,
+            LoopDirectIo::Off => false,
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            LoopDirectIo::Auto => "auto: on for the qpip stacks, off for qemu-storage-daemon's",
+            LoopDirectIo::On => "on",
+            LoopDirectIo::Off => "off",
+        }
     }
 }

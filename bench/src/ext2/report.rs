@@ -136,15 +136,14 @@ pub(crate) fn table(r: &Ext2Report) -> String {
           (kernel includes loop/writeback workers and interrupt work); MB/host-CPU-s leaves \
           out the NIC column too (the soft NIC's engine threads, the paper's NIC processor; \
           socket stacks have none)\n";
-    if p.loop_direct_io && r.loop_direct_io.values().any(|d| !d) {
-        s += &format!(
-            "note: the loop device fell back to buffered I/O on: {:?}\n",
-            r.loop_direct_io
-                .iter()
-                .filter(|(_, d)| !**d)
-                .map(|(k, _)| k)
-                .collect::<Vec<_>>()
-        );
+    let fell_back: Vec<&String> = r
+        .loop_direct_io
+        .iter()
+        .filter(|(k, d)| !**d && Stack::parse(k).is_ok_and(|s| p.direct_io.for_stack(s)))
+        .map(|(k, _)| k)
+        .collect();
+    if !fell_back.is_empty() {
+        s += &format!("note: the loop device fell back to buffered I/O on: {fell_back:?}\n");
     }
     if !r.targets.is_empty() {
         s += "\ntargets:\n";

@@ -788,12 +788,18 @@ impl<'a> Transmission<'a> {
                     .collect()
             } else {
                 // The handshake selects only contexts the export offers.
-                match MetaContext::from_name(name) {
+                match self.export.context(name) {
                     Some(MetaContext::AllocationDepth) => store
                         .allocation_depth(at, len)
                         .map_err(|e| io_error_value(&e))?
                         .into_iter()
                         .map(|d| (d.len, d.depth))
+                        .collect(),
+                    Some(MetaContext::DirtyBitmap(b)) => store
+                        .dirty_bitmap(b, at, len)
+                        .map_err(|e| io_error_value(&e))?
+                        .into_iter()
+                        .map(|d| (d.len, if d.dirty { c::STATE_DIRTY } else { 0 }))
                         .collect(),
                     _ => return Err(ErrorValue::Inval),
                 }

@@ -109,6 +109,16 @@ pub struct Depth {
     pub depth: u32,
 }
 
+/// One run of [`Store::dirty_bitmap`]: `len` bytes that a dirty bitmap says were written
+/// (dirty) or not since it was made, as qemu's `qemu:dirty-bitmap:NAME` context answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dirty {
+    /// Bytes in the run.
+    pub len: u64,
+    /// Written since the bitmap was made (or last cleared).
+    pub dirty: bool,
+}
+
 /// A read or write that [`Store::start_read`] or [`Store::start_write`] started;
 /// dropping it waits for it.
 pub trait Pending: Send {
@@ -249,5 +259,30 @@ pub trait Store: Send + Sync + Debug {
             len: end.saturating_sub(offset),
             depth: 1,
         }])
+    }
+    /// Whether the store has the persistent dirty bitmap `name` and can serve it (qemu-nbd's
+    /// `-B`): an error saying why not otherwise (ErrorKind::NotFound: no such bitmap;
+    /// InvalidData: inconsistent, in use when the image was last closed). Only qcow2 images
+    /// keep bitmaps.
+    fn has_bitmap(&self, _name: &str) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!(
+                "a {} image has no dirty bitmaps (only qcow2 images keep them)",
+                self.kind()
+            ),
+        ))
+    }
+    /// The runs of dirty bitmap `name` (one [`Store::has_bitmap`] accepted) from `offset`
+    /// for up to `len` bytes, at the bitmap's granularity, cut at both ends; possibly
+    /// stopping short (the client asks again from where it ends).
+    fn dirty_bitmap(&self, name: &str, _offset: u64, _len: u64) -> io::Result<Vec<Dirty>> {
+        self.has_bitmap(name).map(|()| Vec::new())
+    }
+    /// The last call, at shutdown: makes all completed writes durable, with what the store
+    /// keeps in memory (a qcow2 image's dirty bitmaps, stored and marked consistent). Writes
+    /// after it fail.
+    fn close(&self) -> io::Result<()> {
+        self.flush()
     }
 }

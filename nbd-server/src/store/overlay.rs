@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
-use super::{Extent, Store};
+use super::{Dirty, Extent, Store};
 
 /// The smallest cluster: qemu's default qcow2 cluster size.
 const MIN_CLUSTER: u64 = 64 << 10;
@@ -306,6 +306,15 @@ impl Store for Overlay {
     /// written.
     fn flush(&self) -> io::Result<()> {
         Ok(())
+    }
+
+    // The image's bitmaps, as qemu-nbd -s finds them below its overlay: the overlay's
+    // writes leave them as they are.
+    fn has_bitmap(&self, name: &str) -> io::Result<()> {
+        self.image.has_bitmap(name)
+    }
+    fn dirty_bitmap(&self, name: &str, offset: u64, len: u64) -> io::Result<Vec<Dirty>> {
+        self.image.dirty_bitmap(name, offset, len)
     }
 
     fn trim(&self, offset: u64, len: u64) -> io::Result<()> {

@@ -2,15 +2,18 @@
 //! and written in place. Here: the image's state, its cluster tables read, and reads. In
 //! `qcow2/`: the header (`header.rs`), refcounts and cluster allocation (`refcount.rs`),
 //! writes, copy-on-write and zeroing (`write.rs`), compressed clusters (`compressed.rs`), the
-//! backing file and the external data file (`external.rs`), block status (`extents.rs`).
+//! backing file and the external data file (`external.rs`), block status (`extents.rs`),
+//! LUKS encryption (`luks.rs`), persistent dirty bitmaps, served and kept current by writes
+//! (`bitmaps.rs`).
 //!
 //! Served read-write: versions 3 and 2, any cluster size, byte-wide refcounts (8 to 64 bits),
-//! compressed clusters, backing chains, external data files and internal snapshots (below).
-//! Refused at open (`header.rs`), with one line: encryption, extended L2 entries
-//! (subclusters), narrower refcounts, unknown incompatible features, images marked dirty or
-//! corrupt; `store::open` refuses backing files over a protocol or in formats other than
-//! qcow2 and raw, chains deeper than `open::MAX_BACKING_DEPTH` or that loop, and the files an
-//! image names where the user did not allow them (`store::named`).
+//! compressed clusters, backing chains, external data files, internal snapshots and LUKS
+//! encryption (below). Refused at open (`header.rs`), with one line: qcow2's legacy AES
+//! encryption, encryption with an external data file, extended L2 entries (subclusters),
+//! narrower refcounts, unknown incompatible features, images marked dirty or corrupt;
+//! `store::open` refuses backing files over a protocol or in formats other than qcow2 and
+//! raw, chains deeper than `open::MAX_BACKING_DEPTH` or that loop, and the files an image
+//! names where the user did not allow them (`store::named`).
 //!
 //! An external data file (`data_file`, header extension 0x44415441) is opened beside the image
 //! by `store::open` where `store::named` allows, locked as the image is: its name resolved
@@ -39,6 +42,16 @@
 //! punched) or, for a shared or compressed one, unmaps it; over a backing file, zeroes are
 //! written (allocating), so that the backing data stays hidden.
 //!
+//! An image encrypted with LUKS (crypt_method 2, as `qemu-img create -o
+//! encrypt.format=luks` makes it) is opened with a passphrase (`luks.rs` unlocks the LUKS
+//! header the full disk encryption header extension points at): data clusters are
+//! decrypted as they are read and encrypted as they are written, a 512-byte sector at a
+//! time with its host offset as IV, as qemu does; a write that covers part of a sector
+//! reads and decrypts the rest of it first. Zero and unallocated clusters read as zeroes
+//! (or as the backing file, which is not encrypted) without the cipher. A compressed
+//! cluster in an encrypted image (qemu makes none) is EIO; an encrypted backing file is
+//! refused by `store::open`. The LUKS header's area is metadata no write may land on.
+//!
 //! Writes allocate clusters at the end of the file and keep the refcounts exact, in the order
 //! qemu uses (refcount, then data, then the L2 entry pointing at it, with a write barrier
 //! before the entries that make new clusters reachable), so that a crash or a power loss leaks
@@ -62,13 +75,15 @@ use std::path::{Path, PathBuf};
 
 use parking_lot::Mutex;
 
-use super::{Depth, Extent, Store};
+use super::{Depth, Dirty, Extent, Store};
 
+mod bitmaps;
 mod compressed;
 mod extents;
 mod external;
 mod header;
 pub use header::MAX_CHAIN_TABLE_BYTES;
+mod luks;
 mod refcount;
 mod write;
 
@@ -139,6 +154,10 @@ pub struct Qcow2 {
     /// The snapshot table and the snapshots' L1 tables (at, len): metadata no write may
     /// land on (this server makes no snapshots, so it never moves).
     snapshot_metadata: Vec<(u64, u64)>,
+    /// An encrypted image's LUKS header area (at, len), which no write may land on, and the
+    /// cipher its data clusters are encrypted with (keyed by the unlocked master key).
+    luks_area: Option<(u64, u64)>,
+    crypt: Option<luks::Cipher>,
     state: Mutex<State>,
     /// Barriers issued, for the tests.
     #[cfg(test)]
@@ -159,6 +178,10 @@ struct State {
     /// Set when a write would have gone over metadata: the image is marked corrupt and
     /// takes no more writes.
     corrupt: bool,
+    /// The persistent dirty bitmaps, set by writes (`qcow2/bitmaps.rs`).
+    bitmaps: bitmaps::Bitmaps,
+    /// Closed ([`Store::close`]): the bitmaps stored, no more writes.
+    closed: bool,
 }
 
 impl Qcow2 {
@@ -167,16 +190,28 @@ impl Qcow2 {
     /// refcount tables are read into memory if they fit in `tables_left` bytes, which they
     /// then take from it (a backing chain shares one bound). With `snapshot`, the internal
     /// snapshot it names is the disk instead of the active one (the caller opens it
-    /// read-only).
+    /// read-only). An image encrypted with LUKS is unlocked with the passphrase in
+    /// `passphrase` (the file's bytes as they are), and refused without one.
     pub fn open(
         path: &Path,
         file: File,
         read_only: bool,
         tables_left: &mut u64,
         snapshot: Option<&str>,
+        passphrase: Option<&Path>,
     ) -> io::Result<Qcow2> {
         let opened = header::read(&file, tables_left, snapshot)?;
         let h = opened.header;
+        let crypt = match (h.luks, passphrase) {
+            (None, _) => None,
+            (Some((at, len)), Some(passphrase)) => Some(luks::unlock(&file, at, len, passphrase)?),
+            (Some(_), None) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "qcow2 image is encrypted (LUKS) and no passphrase was given for it (--encryption-passphrase-file)",
+                ));
+            }
+        };
         let q = Qcow2 {
             path: path.to_owned(),
             read_only,
@@ -194,6 +229,8 @@ impl Qcow2 {
                 && h.autoclear & AUTOCLEAR_DATA_FILE_RAW != 0,
             refcount_bytes: 1 << (h.refcount_order - 3),
             snapshot_metadata: opened.snapshot_metadata,
+            luks_area: h.luks,
+            crypt,
             state: Mutex::new(State {
                 l1: opened.l1,
                 refcount_table: opened.refcount_table,
@@ -202,21 +239,32 @@ impl Qcow2 {
                 l2_tables: opened.l2_tables,
                 next_free: opened.next_free,
                 corrupt: false,
+                bitmaps: opened.bitmaps,
+                closed: false,
             }),
             #[cfg(test)]
             barriers: Default::default(),
         };
-        // Autoclear features (bitmaps) describe data that a writer who does not know them
-        // would make stale: such a writer clears them, as qemu does. A raw external data file
-        // is kept raw, and the bit that says so kept.
-        let keep = if q.data_raw {
+        // Autoclear features describe data that a writer who does not know them would make
+        // stale: such a writer clears them, as qemu does. A raw external data file is kept
+        // raw, and the bitmaps kept current (marked in use until a clean close): the bits that
+        // say so are kept.
+        let mut keep = if q.data_raw {
             AUTOCLEAR_DATA_FILE_RAW
         } else {
             0
         };
-        if !read_only && h.autoclear & !keep != 0 {
-            q.file.write_all_at(&keep.to_be_bytes(), 88)?;
-            q.file.sync_data()?;
+        if !read_only {
+            let mut st = q.state.lock();
+            if !st.bitmaps.is_empty() {
+                keep |= bitmaps::AUTOCLEAR_BITMAPS;
+            }
+            if h.autoclear & !keep != 0 {
+                q.file
+                    .write_all_at(&(h.autoclear & keep).to_be_bytes(), 88)?;
+                q.file.sync_data()?;
+            }
+            st.bitmaps.claim(&q.file)?;
         }
         Ok(q)
     }
@@ -387,6 +435,53 @@ impl Store for Qcow2 {
     fn allocation_depth(&self, offset: u64, len: u64) -> io::Result<Vec<Depth>> {
         Qcow2::allocation_depth(self, offset, len, 64)
     }
+    /// This image's bitmap, else its backing chain's (qemu-nbd looks down the chain too).
+    fn has_bitmap(&self, name: &str) -> io::Result<()> {
+        match self.state.lock().bitmaps.find(name) {
+            Some(found) => found.map(|_| ()),
+            None => match self.backing.as_deref().map(|b| b.has_bitmap(name)) {
+                Some(Ok(())) => Ok(()),
+                Some(Err(e)) if e.kind() == io::ErrorKind::InvalidData => Err(e),
+                _ => Err(bitmaps::not_found(name)),
+            },
+        }
+    }
+    fn dirty_bitmap(&self, name: &str, offset: u64, len: u64) -> io::Result<Vec<Dirty>> {
+        let end = offset.saturating_add(len).min(self.size);
+        match self.state.lock().bitmaps.find(name) {
+            Some(found) => Ok(found?.runs(offset, end, DIRTY_RUNS)),
+            None => match &self.backing {
+                Some(b) => b.dirty_bitmap(name, offset, end.saturating_sub(offset)),
+                None => Err(bitmaps::not_found(name)),
+            },
+        }
+    }
+    /// Flushes, and stores the dirty bitmaps a writable open marked in use, out of use.
+    fn close(&self) -> io::Result<()> {
+        let mut st = self.state.lock();
+        if st.closed || self.read_only {
+            return Ok(());
+        }
+        Store::flush(self)?;
+        if !st.corrupt {
+            self.store_bitmaps(&mut st)?;
+        }
+        st.closed = true;
+        Ok(())
+    }
+}
+
+/// Runs of a dirty bitmap one answer gives at most (the client asks again from its end).
+const DIRTY_RUNS: usize = 64;
+
+/// A writable image dropped without [`Store::close`] (a library user's, a test's) is closed
+/// here, so that its bitmaps are stored.
+impl Drop for Qcow2 {
+    fn drop(&mut self) {
+        if let Err(e) = Store::close(self) {
+            tracing::error!("closing qcow2 image {}: {e}", self.path.display());
+        }
+    }
 }
 
 fn check_range(offset: u64, len: u64, size: u64) -> io::Result<()> {
@@ -476,6 +571,7 @@ mod tests {
             false,
             &mut no_bound,
             None,
+            None,
         )
         .unwrap();
         let barriers = || q.barriers.load(Ordering::Relaxed);
@@ -526,6 +622,7 @@ mod tests {
             false,
             &mut no_bound,
             None,
+            None,
         )
         .unwrap();
         let err = q.zero_range(0, CS).unwrap_err();
@@ -573,6 +670,7 @@ mod tests {
             true,
             &mut no_bound,
             None,
+            None,
         )
         .unwrap();
         let mut back = vec![0u8; CS as usize];
@@ -586,7 +684,7 @@ mod tests {
         f.write_all_at(&[1], 104).unwrap();
         f.write_all_at(&8u64.to_be_bytes(), 72).unwrap();
         l2(0, entry(zstd_frame.len()) + 16384);
-        let q = Qcow2::open(Path::new("t.qcow2"), f, true, &mut no_bound, None).unwrap();
+        let q = Qcow2::open(Path::new("t.qcow2"), f, true, &mut no_bound, None, None).unwrap();
         let err = q.read_at(&mut back, 0).unwrap_err();
         assert!(err.to_string().contains("more than a cluster"), "{err}");
         assert!(q.read_at(&mut back, CS).is_err());

@@ -12,7 +12,7 @@ use std::fmt;
 use std::io;
 use std::task::Waker;
 
-use super::{Depth, Extent, Pending, Store};
+use super::{Depth, Dirty, Extent, Pending, Store};
 
 /// What TRIM does, as qemu's `discard` option says.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -292,6 +292,16 @@ impl Store for View {
     }
     fn allocation_depth(&self, offset: u64, len: u64) -> io::Result<Vec<Depth>> {
         self.inner.allocation_depth(self.at(offset), len)
+    }
+    fn has_bitmap(&self, name: &str) -> io::Result<()> {
+        self.inner.has_bitmap(name)
+    }
+    fn dirty_bitmap(&self, name: &str, offset: u64, len: u64) -> io::Result<Vec<Dirty>> {
+        self.inner.dirty_bitmap(name, self.at(offset), len)
+    }
+    // Even with cache=unsafe: what the store keeps in memory is stored at close, as qemu's.
+    fn close(&self) -> io::Result<()> {
+        self.inner.close()
     }
 }
 

@@ -3,13 +3,16 @@
 //! qpip-test-support's.
 #![allow(dead_code, unused_imports)] // each test crate uses a different subset
 
+use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
 
 pub(crate) use qpip_test_support::ci::{missing, require, root};
 pub(crate) use qpip_test_support::pattern::seeded as pattern;
 pub(crate) use qpip_test_support::pattern::sparse_image as image;
 pub(crate) use qpip_test_support::process::{peer_fails, peer_ok, run_with_timeout, text};
-pub(crate) use qpip_test_support::servers::ServerProcess;
+pub(crate) use qpip_test_support::servers::{Peer, ServerProcess, tcp_peer};
 
 pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_qpip-nbd-server");
 
@@ -101,6 +104,30 @@ pub(crate) fn qemu_io_in<S: AsRef<str>>(dir: &Path, format: &str, target: &str, 
     );
 }
 
+/// `nbdinfo ARGS URI`'s output, the URI's port written as PORT.
+pub(crate) fn nbdinfo(args: &[&str], peer: &Peer) -> String {
+    let out = peer_ok(
+        std::process::Command::new("nbdinfo")
+            .args(args)
+            .arg(&peer.uri),
+    );
+    // Only the URI's port: a bare number would also match extents (port 39321 in 393216).
+    out.replace(&format!(":{}/", peer.port), ":PORT/")
+}
+
+/// qemu-nbd serving `d/file` in `format` as export "x" on 127.0.0.1, persistent, with the
+/// `extra` flags (None: qemu-nbd is missing, outside CI).
+pub(crate) fn qemu_nbd_x(d: &Path, file: &str, format: &str, extra: &[&str]) -> Option<Peer> {
+    let path = d.join(file).display().to_string();
+    let args = [
+        &["-t", "-f", format, "-x", "x", "-b", "127.0.0.1"][..],
+        extra,
+        &[&path],
+    ]
+    .concat();
+    tcp_peer("qemu-nbd", "-p", &args, "nbd://127.0.0.1:PORT/x")
+}
+
 pub(crate) fn args(a: &[&str]) -> Vec<String> {
     a.iter().map(|s| s.to_string()).collect()
 }
@@ -137,4 +164,48 @@ pub(crate) fn junk_in_upload_holes() -> Vec<String> {
             w
         })
         .collect()
+}
+
+/// The server must fail at once, exit 1, with one line naming the file and every word.
+pub(crate) fn refused(args: &[&str], words: &[&str]) {
+    let out = run_with_timeout(
+        Command::new(BIN)
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args),
+        Duration::from_secs(20),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.contains(" INFO ")).collect();
+    assert_eq!(lines.len(), 1, "{args:?}: {stderr}");
+    for w in words {
+        assert!(lines[0].contains(w), "{args:?}: {w:?} not in {stderr}");
+    }
+}
+
+/// The big-endian u64 at `at` of `b`.
+pub(crate) fn be_u64(b: &[u8], at: usize) -> u64 {
+    u64::from_be_bytes(b[at..at + 8].try_into().unwrap())
+}
+
+/// Patches `bytes` into the file at `at`.
+pub(crate) fn patch(path: &str, at: u64, bytes: &[u8]) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .write_all_at(bytes, at)
+        .unwrap();
+}
+
+/// Stops `srv` with SIGTERM and waits for its clean exit (a qcow2 image's bitmaps and
+/// metadata stored).
+pub(crate) fn stop(mut srv: ServerProcess) {
+    srv.signal(libc::SIGTERM);
+    assert!(
+        srv.wait_timeout(Duration::from_secs(20))
+            .is_some_and(|s| s.success()),
+        "{}",
+        srv.log()
+    );
 }

@@ -30,8 +30,11 @@
 //!    pool's per-connection `Mutex<Client>`, an application's own);
 //! 2. the queue's engine lock;
 //! 3. what the processor takes under it: the framers' locks (nbd-proto's `InFlight` table,
-//!    the server framer's parsed requests), the soft NIC's `Queues::placed`, reply slots
-//!    ([`crate::reply`]), the memory table ([`crate::mr::MemoryTable`]), a QP's addresses.
+//!    the server framer's parsed requests), the soft NIC's `Queues::placed` and a listener's
+//!    backlog (its `accept::Listening`, taken before `placed`; an accept that finds a
+//!    connection waiting takes both on the calling thread, without the engine lock), reply
+//!    slots ([`crate::reply`]), the memory table ([`crate::mr::MemoryTable`]), a QP's
+//!    addresses.
 //!
 //! Framers (and everything else at level 3) run under the engine lock **on whichever thread
 //! drives** — the NIC thread or any application thread waiting on any CQ of the queue — so

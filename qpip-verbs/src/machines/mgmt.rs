@@ -76,11 +76,6 @@ pub trait Management {
     fn fence(&mut self, reply: ReplySender<()>) {
         reply.send(());
     }
-    /// A [`Command::Private`] from another queue of this NIC. A NIC with one queue never
-    /// gets one.
-    fn private(&mut self, work: Box<dyn std::any::Any + Send>) {
-        drop(work);
-    }
 }
 
 /// Runs one command on `nic`.
@@ -128,7 +123,6 @@ pub fn dispatch(nic: &mut impl Management, cmd: Command) {
         Command::Disconnect { qp } => nic.disconnect(qp),
         Command::Destroy { qp } => nic.destroy(qp),
         Command::Fence { reply } => nic.fence(reply),
-        Command::Private(work) => nic.private(work),
     }
 }
 

@@ -29,6 +29,7 @@ use qpip_cli::refused::Refused;
         qpip-nbd-server --listen 0.0.0.0:10809 --export scratch=/tmp/s.img --create 4G\n  \
         qpip-nbd-server --config /usr/local/share/qpip/server.toml\n  \
         qpip-nbd-server --fork --pid-file /run/qpip.pid -f qcow2 --export vm=vm.qcow2\n  \
+        qpip-nbd-server --encryption-passphrase-file pass.txt --export vm=luks.qcow2\n  \
         qpip-nbd-server --export d=disk.img --run 'qemu-img info \"$uri\"'\n  \
         qpip-nbd-server -x disk -D 'the main disk' disk.img   (qemu-nbd's form)\n  \
         qemu-img info nbd://127.0.0.1/disk"
@@ -118,6 +119,17 @@ pub(crate) struct Cli {
     /// allocation_depth = true.
     #[arg(short = 'A', long)]
     pub allocation_depth: bool,
+    /// Offer the qcow2 image's persistent dirty bitmap NAME as the metadata context
+    /// qemu:dirty-bitmap:NAME, as qemu-nbd's -B/--bitmap (flag 1: dirty, at the bitmap's
+    /// granularity); repeat for several. It is looked for in the image, then down its
+    /// backing chain. A bitmap that is missing, or inconsistent (in use when the image was
+    /// last closed: a crash), is refused at start, as qemu-nbd refuses it; a disabled one is
+    /// served as it is. Writes through a writable export set the bits of every enabled
+    /// bitmap of the image, kept in memory with the bitmaps marked in use, and stored at a
+    /// clean shutdown (as qemu stores them; after kill -9 they are inconsistent). Raw images
+    /// have no bitmaps. Per export in the config file: bitmap = ["NAME", ...].
+    #[arg(short = 'B', long, value_name = "NAME")]
+    pub bitmap: Vec<String>,
     /// Take no image locks (qemu's -U): serve an image that qemu or another server has open.
     /// Without it, a writable export is refused while anyone else uses the image, and a
     /// read-only one while anyone writes it, as qemu-nbd does.
@@ -164,9 +176,13 @@ pub(crate) struct Cli {
     /// wrong passphrase stops the server with one line.
     #[arg(long, value_name = "[NAME=]FORMAT")]
     pub encryption_format: Vec<String>,
-    /// The passphrase of an --encryption-format export: NAME=FILE for export NAME, or FILE
-    /// alone for every rbd: export. The file's bytes are the passphrase, as `rbd encryption
-    /// format` reads it (a trailing newline is part of it).
+    /// The passphrase of an encrypted image: a qcow2 image encrypted with LUKS (`qemu-img
+    /// create -o encrypt.format=luks`; the image says its format), or an --encryption-format
+    /// rbd: export. NAME=FILE for export NAME, or FILE alone for every export (image files
+    /// that are not encrypted ignore it; an rbd: export needs --encryption-format with it). The file's bytes are the passphrase, as `rbd encryption
+    /// format` and qemu's `--object secret,file=FILE` read it (a trailing newline is part of
+    /// it). A wrong passphrase stops the server with one line. Per export in the config file:
+    /// encryption_passphrase_file = "FILE".
     #[arg(long, value_name = "[NAME=]FILE")]
     pub encryption_passphrase_file: Vec<String>,
     /// Create missing images, sparse, with this size (e.g. 1G, 512M).
@@ -401,14 +417,15 @@ pub(crate) const REFUSED: &[Refused] = &[
     Refused {
         names: &["--image-opts"],
         tool: "qemu-nbd",
-        why: "not supported: give the image as FILE or --export NAME=PATH, with -f/--format \
-              and -o/--offset",
+        why: "not supported: give the image as FILE or --export NAME=PATH, with -f/--format, \
+              -o/--offset and, for encrypt.key-secret, --encryption-passphrase-file FILE",
     },
     Refused {
         names: &["--object"],
         tool: "qemu-nbd",
         why: "QEMU objects are not supported: TLS credentials are --tls-certs DIR or --tls-psk \
-              FILE, an RBD image's LUKS passphrase --encryption-passphrase-file",
+              FILE, the LUKS passphrase of an encrypted qcow2 or RBD image \
+              --encryption-passphrase-file FILE",
     },
     Refused {
         names: &["--tls-creds"],
@@ -432,10 +449,5 @@ pub(crate) const REFUSED: &[Refused] = &[
         tool: "qemu-nbd",
         why: "QEMU's trace events: the server logs with -v/--log (e.g. --log \
               nbd_server=debug)",
-    },
-    Refused {
-        names: &["-B", "--bitmap"],
-        tool: "qemu-nbd",
-        why: "qcow2 dirty bitmaps are not exported yet (qemu:dirty-bitmap)",
     },
 ];

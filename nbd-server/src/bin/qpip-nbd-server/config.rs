@@ -24,6 +24,9 @@ pub(crate) struct ExportConfig {
     /// Offer the qemu:allocation-depth metadata context (as --allocation-depth).
     #[serde(default)]
     pub allocation_depth: bool,
+    /// The qcow2 persistent dirty bitmaps to offer as qemu:dirty-bitmap:NAME (as --bitmap).
+    #[serde(default)]
+    pub bitmap: Vec<String>,
     /// Create the image, sparse, with this size if it does not exist ("1G", "512M", bytes).
     #[serde(default)]
     pub create_size: Option<String>,

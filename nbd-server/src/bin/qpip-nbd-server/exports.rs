@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use nbd_server::export::{Export, MetaContext};
-use nbd_server::store::open::{self, OpenOptions, Opener};
+use nbd_server::store::open::{self, Location, OpenOptions, Opener};
 use nbd_server::store::overlay::Overlay;
 use nbd_server::store::view::{self, Cache, DetectZeroes, Discard, ViewOptions};
 use nbd_server::store::{CephOptions, Encryption, Store};
@@ -49,11 +49,7 @@ pub(crate) fn open_all(nic: &Nic, cli: &Cli, settings: &Settings) -> Result<Vec<
         let store = snapshot(cli, e, store)?;
         let store = view::apply(store, view).with_context(|| format!("export {}", e.name))?;
         tracing::info!(export = %e.name, "{} ({}, {} bytes{})", store.location(), store.kind(), store.size(), if store.read_only() { ", read-only" } else { "" });
-        let contexts = if cli.allocation_depth || e.allocation_depth {
-            vec![MetaContext::AllocationDepth]
-        } else {
-            Vec::new()
-        };
+        let contexts = contexts(cli, e, store.as_ref())?;
         exports.push(Export::new(
             nic,
             e.name.clone(),
@@ -75,6 +71,27 @@ pub(crate) fn open_all(nic: &Nic, cli: &Cli, settings: &Settings) -> Result<Vec<
         tracing::error!("{e:#}; serving the other exports without it");
     }
     Ok(exports)
+}
+
+/// The contexts an export offers besides base:allocation, in qemu-nbd's order:
+/// allocation depth, then the bitmaps, the last given first. A bitmap the image cannot serve
+/// (missing, inconsistent; a raw image) stops the server, as it stops qemu-nbd.
+fn contexts(cli: &Cli, e: &ExportConfig, store: &dyn Store) -> Result<Vec<MetaContext>> {
+    let mut contexts = Vec::new();
+    if cli.allocation_depth || e.allocation_depth {
+        contexts.push(MetaContext::AllocationDepth);
+    }
+    let mut names: Vec<&String> = Vec::new();
+    for name in cli.bitmap.iter().chain(&e.bitmap) {
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    for name in names.into_iter().rev() {
+        store.has_bitmap(name).context(store.location())?;
+        contexts.push(MetaContext::DirtyBitmap(name.clone()));
+    }
+    Ok(contexts)
 }
 
 /// --offset, --discard, --detect-zeroes and --cache, checked before any image is opened.
@@ -141,15 +158,24 @@ fn open_one(
                 format: format.into(),
                 passphrase_file: file.clone(),
             }),
-            (None, None) => None,
+            (None, _) => None,
             (Some(_), None) => bail!(
                 "export {}: --encryption-format needs --encryption-passphrase-file",
                 e.name
             ),
-            (None, Some(_)) => bail!(
-                "export {}: --encryption-passphrase-file needs --encryption-format (luks1 or luks2)",
-                e.name
-            ),
+        },
+        // An encrypted qcow2 image names its own format: the passphrase is all it needs.
+        passphrase_file: match Location::parse(&e.path) {
+            Location::File(_) => e.encryption_passphrase_file.clone(),
+            Location::Rbd(_)
+                if e.encryption_passphrase_file.is_some() && e.encryption_format.is_none() =>
+            {
+                bail!(
+                    "export {}: --encryption-passphrase-file needs --encryption-format (luks1 or luks2) for an rbd: image",
+                    e.name
+                )
+            }
+            Location::Rbd(_) => None,
         },
         backing_dirs,
         deadline: (cli.open_timeout > 0).then(|| Duration::from_secs(cli.open_timeout)),

@@ -84,6 +84,7 @@ fn flag_export(name: &str, path: &str) -> ExportConfig {
         read_only: false,
         snapshot: false,
         allocation_depth: false,
+        bitmap: Vec::new(),
         create_size: None,
         format: None,
         encryption_format: None,
@@ -166,7 +167,7 @@ fn add_exports(cli: &Cli, cfg: &mut Config) -> Result<bool> {
         let format = <EncryptionArg as clap::ValueEnum>::from_str(value, true).map_err(|_| {
             anyhow::anyhow!("--encryption-format {f:?}: the format is luks1 or luks2")
         })?;
-        for e in encryption_targets(cfg, name, "--encryption-format")? {
+        for e in encryption_targets(cfg, name, "--encryption-format", true)? {
             e.encryption_format = Some(format);
         }
     }
@@ -176,7 +177,9 @@ fn add_exports(cli: &Cli, cfg: &mut Config) -> Result<bool> {
             Some((name, file)) if cfg.exports.iter().any(|e| e.name == name) => (Some(name), file),
             _ => (None, f.as_str()),
         };
-        for e in encryption_targets(cfg, name, "--encryption-passphrase-file")? {
+        // FILE alone: every rbd: export and every image file (those not encrypted
+        // ignore it).
+        for e in encryption_targets(cfg, name, "--encryption-passphrase-file", false)? {
             e.encryption_passphrase_file = Some(file.into());
         }
     }
@@ -189,6 +192,7 @@ fn add_exports(cli: &Cli, cfg: &mut Config) -> Result<bool> {
             read_only: false,
             snapshot: false,
             allocation_depth: false,
+            bitmap: Vec::new(),
             create_size: None,
             format: None,
             encryption_format: None,
@@ -201,21 +205,28 @@ fn add_exports(cli: &Cli, cfg: &mut Config) -> Result<bool> {
     Ok(demo)
 }
 
-/// The exports an --encryption-* option is for: export `name`, or every rbd: export.
+/// The exports an --encryption-* option is for: export `name`, or every export (every
+/// rbd: export with `rbd_only`).
 fn encryption_targets<'a>(
     cfg: &'a mut Config,
     name: Option<&str>,
     what: &str,
+    rbd_only: bool,
 ) -> Result<Vec<&'a mut ExportConfig>> {
     let is_rbd = |e: &ExportConfig| e.path.to_str().is_some_and(|p| p.starts_with("rbd:"));
     let all: Vec<&mut ExportConfig> = match name {
         Some(n) => cfg.exports.iter_mut().filter(|e| e.name == n).collect(),
-        None => cfg.exports.iter_mut().filter(|e| is_rbd(e)).collect(),
+        None => cfg
+            .exports
+            .iter_mut()
+            .filter(|e| !rbd_only || is_rbd(e))
+            .collect(),
     };
     if all.is_empty() {
         match name {
             Some(n) => bail!("{what}: no export named {n:?}"),
-            None => bail!("{what}: no rbd: export to apply it to"),
+            None if rbd_only => bail!("{what}: no rbd: export to apply it to"),
+            None => bail!("{what}: no export to apply it to"),
         }
     }
     Ok(all)

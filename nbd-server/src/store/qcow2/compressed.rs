@@ -26,6 +26,11 @@ impl Qcow2 {
                 "a compressed cluster in an image with an external data file (qemu makes none)",
             ));
         }
+        if self.crypt.is_some() {
+            return Err(io::Error::other(
+                "a compressed cluster in an encrypted image (qemu makes none)",
+            ));
+        }
         let mut input = vec![0u8; len as usize];
         // The last compressed cluster may end before its last sector does.
         read_some(&self.file, &mut input, at)?;

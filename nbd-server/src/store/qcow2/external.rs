@@ -5,6 +5,11 @@ use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
 
+use std::os::unix::fs::FileExt;
+
+use zeroize::Zeroizing;
+
+use super::luks::SECTOR;
 use super::write::zero_file;
 use super::{Qcow2, read_some, unsupported};
 use crate::store::Store;
@@ -81,19 +86,54 @@ impl Qcow2 {
 
     /// Reads data cluster bytes at host offset `at`: zeroes past the end of the file that
     /// holds them (qemu reads a truncated image's clusters so, and creates an external data
-    /// file sparse that another tool may have left short).
+    /// file sparse that another tool may have left short). In an encrypted image, the
+    /// sectors they lie in are read and decrypted.
     pub(super) fn read_data(&self, out: &mut [u8], at: u64) -> io::Result<()> {
-        let file = match &self.data {
-            Some(_) => self.data(),
-            None => &self.file,
+        let Some(crypt) = &self.crypt else {
+            return read_zero_filled(self.data(), out, at);
         };
-        let n = read_some(file, out, at)?;
-        out[n..].fill(0);
+        let (start, end) = sectors(at, out.len());
+        let mut whole = Zeroizing::new(vec![0u8; (end - start) as usize]);
+        read_zero_filled(self.data(), &mut whole, start)?;
+        crypt.decrypt(&mut whole, start / SECTOR);
+        let skip = (at - start) as usize;
+        out.copy_from_slice(&whole[skip..skip + out.len()]);
         Ok(())
+    }
+
+    /// Writes data cluster bytes at host offset `at`. In an encrypted image the sectors
+    /// they lie in are encrypted and written, the bytes around them read first where the
+    /// data does not cover a whole sector.
+    pub(super) fn write_data(&self, data: &[u8], at: u64) -> io::Result<()> {
+        let Some(crypt) = &self.crypt else {
+            return self.data().write_all_at(data, at);
+        };
+        let (start, end) = sectors(at, data.len());
+        let mut whole = Zeroizing::new(vec![0u8; (end - start) as usize]);
+        let skip = (at - start) as usize;
+        if skip != 0 || whole.len() != data.len() {
+            self.read_data(&mut whole, start)?;
+        }
+        whole[skip..skip + data.len()].copy_from_slice(data);
+        crypt.encrypt(&mut whole, start / SECTOR);
+        self.data().write_all_at(&whole, start)
     }
 
     /// Zeroes `[at, at + len)` of the raw external data file.
     pub(super) fn zero_data(&self, at: u64, len: u64) -> io::Result<()> {
         zero_file(self.data(), at, len)
     }
+}
+
+/// Reads `out.len()` bytes of `file` at `at`, zeroes past its end.
+fn read_zero_filled(file: &File, out: &mut [u8], at: u64) -> io::Result<()> {
+    let n = read_some(file, out, at)?;
+    out[n..].fill(0);
+    Ok(())
+}
+
+/// The whole sectors `[start, end)` that `len` bytes at `at` lie in.
+fn sectors(at: u64, len: usize) -> (u64, u64) {
+    let start = at / SECTOR * SECTOR;
+    (start, (at + len as u64).div_ceil(SECTOR) * SECTOR)
 }

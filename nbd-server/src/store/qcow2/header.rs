@@ -5,7 +5,12 @@ use std::collections::HashSet;
 use std::fs::File;
 use std::io;
 
+use super::bitmaps::{self, Bitmaps, EXT_BITMAPS};
 use super::{OFFSET_MASK, be32, be64, read_some, read_table, unsupported};
+
+/// crypt_method: qcow2's legacy AES, and LUKS.
+const CRYPT_AES: u32 = 1;
+const CRYPT_LUKS: u32 = 2;
 
 /// Incompatible feature bits.
 const INCOMPAT_DIRTY: u64 = 1 << 0;
@@ -55,6 +60,11 @@ pub(super) struct Header {
     pub refcount_order: u32,
     /// How compressed clusters are compressed.
     pub compression: Compression,
+    /// The bitmaps extension's data (offset in the file, length), if the header has one.
+    bitmaps_ext: Option<(u64, usize)>,
+    /// Encrypted with LUKS (crypt_method 2): where its LUKS header lies (at, len), from the
+    /// full disk encryption header extension.
+    pub luks: Option<Range>,
 }
 
 /// What the header names beside the image: its backing file (as written: the caller
@@ -70,6 +80,7 @@ pub(super) struct Names {
 
 const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
 const EXT_DATA_FILE: u32 = 0x4441_5441;
+const EXT_CRYPTO_HEADER: u32 = 0x0537_be77;
 
 /// The compression type of compressed clusters (header byte 104).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,6 +137,8 @@ pub(super) struct Opened {
     pub snapshot_metadata: Vec<(u64, u64)>,
     /// The end of the file, cluster aligned.
     pub next_free: u64,
+    /// The persistent dirty bitmaps.
+    pub bitmaps: Bitmaps,
 }
 
 /// Parses the header of `file` (which starts with the qcow2 magic), refuses what this
@@ -207,7 +220,17 @@ pub(super) fn read(
     let l1_range = (l1_offset, l1_used as u64 * 8);
     let rt_range = (refcount_table_offset, rt_entries as u64 * 8);
     let header = (0, cluster);
-    check_tables(cluster, file_len, header, l1_range, rt_range)?;
+    let luks = h.luks.unwrap_or((0, 0));
+    check_tables(
+        cluster,
+        file_len,
+        &[
+            ("header", header),
+            ("L1 table", l1_range),
+            ("refcount table", rt_range),
+            ("LUKS header", luks),
+        ],
+    )?;
     let tables = l1_range.1 + rt_range.1;
     if tables > *tables_left {
         return Err(unsupported(format!(
@@ -231,6 +254,7 @@ pub(super) fn read(
             || on_table(header)
             || on_table(l1_range)
             || on_table(rt_range)
+            || on_table(luks)
         {
             return Err(unsupported(format!(
                 "has a refcount block at offset {block:#x}, on its header or tables: repair it with qemu-img check -r all"
@@ -244,7 +268,17 @@ pub(super) fn read(
         .filter(|&t| t != 0)
         .collect();
     let next_free = file_len.div_ceil(cluster) * cluster;
+    let bitmaps = bitmaps::read(
+        file,
+        h.bitmaps_ext,
+        h.autoclear,
+        cluster_bits,
+        size,
+        file_len,
+        tables_left,
+    )?;
     Ok(Opened {
+        bitmaps,
         snapshot_metadata,
         header: h,
         names,
@@ -280,8 +314,15 @@ fn parse(file: &File) -> io::Result<(Header, Names)> {
         return Err(unsupported(format!("has cluster_bits {cluster_bits}")));
     }
     let size = be64(&h, 24);
-    if be32(&h, 32) != 0 {
-        return Err(unsupported("is encrypted: not supported"));
+    let crypt_method = be32(&h, 32);
+    match crypt_method {
+        0 | CRYPT_LUKS => {}
+        CRYPT_AES => {
+            return Err(unsupported(
+                "is encrypted with the legacy AES of qcow2 (crypt_method 1), which qemu refuses for new use: not supported (re-encrypt it with qemu-img convert -O qcow2 -o encrypt.format=luks)",
+            ));
+        }
+        m => return Err(unsupported(format!("has unknown crypt_method {m}"))),
     }
     let l1_size = be32(&h, 36) as usize;
     let l1_offset = be64(&h, 40);
@@ -365,6 +406,8 @@ fn parse(file: &File) -> io::Result<(Header, Names)> {
     } else {
         got
     };
+    let mut bitmaps_ext = None;
+    let mut luks = None;
     let mut at = header_length as usize;
     while at + 8 <= ext_end {
         let (ty, len) = (be32(&first, at), be32(&first, at + 4) as usize);
@@ -385,6 +428,15 @@ fn parse(file: &File) -> io::Result<(Header, Names)> {
             names.backing_format = Some(text()?);
         } else if ty == EXT_DATA_FILE && incompat & INCOMPAT_DATA_FILE != 0 {
             names.data_file = Some(text()?);
+        } else if ty == EXT_BITMAPS {
+            bitmaps_ext = Some((data as u64, len));
+        } else if ty == EXT_CRYPTO_HEADER && crypt_method == CRYPT_LUKS {
+            if len != 16 {
+                return Err(unsupported(format!(
+                    "has a full disk encryption header extension of {len} bytes, not 16"
+                )));
+            }
+            luks = Some((be64(&first, data), be64(&first, data + 8)));
         }
         at = data + len.div_ceil(8) * 8;
     }
@@ -398,6 +450,24 @@ fn parse(file: &File) -> io::Result<(Header, Names)> {
         return Err(unsupported(
             "keeps its data in an external file but does not name it (qemu takes it as the data-file option): not supported",
         ));
+    }
+    if crypt_method == CRYPT_LUKS {
+        // qemu: "Missing crypto header for crypt method 2"; the area's placement is
+        // checked with the tables'.
+        let Some((at, len)) = luks else {
+            return Err(unsupported(
+                "is encrypted with LUKS but has no full disk encryption header extension",
+            ));
+        };
+        if len == 0 {
+            return Err(unsupported("has an empty LUKS header area"));
+        }
+        if incompat & INCOMPAT_DATA_FILE != 0 {
+            return Err(unsupported(
+                "is encrypted and keeps its data in an external file: not supported",
+            ));
+        }
+        luks = Some((at, len));
     }
     let header = Header {
         version,
@@ -413,6 +483,8 @@ fn parse(file: &File) -> io::Result<(Header, Names)> {
         autoclear,
         refcount_order,
         compression,
+        bitmaps_ext,
+        luks,
     };
     Ok((header, names))
 }
@@ -528,27 +600,10 @@ fn check_features(h: &Header) -> io::Result<()> {
     Ok(())
 }
 
-/// The L1 and refcount tables (at, len) lie in the file, cluster aligned, off the header and
-/// off each other.
-fn check_tables(
-    cluster: u64,
-    file_len: u64,
-    header: (u64, u64),
-    l1_range: (u64, u64),
-    rt_range: (u64, u64),
-) -> io::Result<()> {
-    for (name, (at, len), others) in [
-        (
-            "L1 table",
-            l1_range,
-            [("header", header), ("refcount table", rt_range)],
-        ),
-        (
-            "refcount table",
-            rt_range,
-            [("header", header), ("L1 table", l1_range)],
-        ),
-    ] {
+/// The tables (at, len) lie in the file, cluster aligned, off each other (the header, at
+/// 0, is checked as one); those of length 0 are absent.
+fn check_tables(cluster: u64, file_len: u64, tables: &[(&str, Range)]) -> io::Result<()> {
+    for (i, &(name, (at, len))) in tables.iter().enumerate().skip(1) {
         if len == 0 {
             continue;
         }
@@ -562,7 +617,7 @@ fn check_tables(
                 "has its {name} at offset {at:#x}, past the end of the file"
             )));
         }
-        for (other, (o_at, o_len)) in others {
+        for &(other, (o_at, o_len)) in &tables[..i] {
             if o_len != 0 && at < o_at + o_len && o_at < at + len {
                 return Err(unsupported(format!(
                     "has its {name} at offset {at:#x}, which overlaps the {other}"

@@ -11,9 +11,18 @@ impl Qcow2 {
     /// Allocates one cluster at the end of the file, with refcount 1. The caller writes it
     /// whole.
     pub(super) fn alloc(&self, st: &mut State) -> io::Result<u64> {
+        self.alloc_run(st, 1)
+    }
+
+    /// Allocates `n` clusters in one piece at the end of the file (a table, a directory),
+    /// each with refcount 1; the refcount blocks they need go after them. The caller writes
+    /// them whole.
+    pub(super) fn alloc_run(&self, st: &mut State, n: u64) -> io::Result<u64> {
         let at = st.next_free;
-        st.next_free += self.cluster_size();
-        self.set_refcount(st, at, 1)?;
+        st.next_free += n * self.cluster_size();
+        for i in 0..n {
+            self.set_refcount(st, at + i * self.cluster_size(), 1)?;
+        }
         Ok(at)
     }
 
@@ -64,13 +73,20 @@ impl Qcow2 {
             return Ok(());
         };
         for host in (first..end).step_by(self.cluster_size() as usize) {
-            match self.refcount(st, host)? {
-                0 => tracing::warn!(
-                    "qcow2 {}: cluster {host:#x} freed with refcount 0 already",
-                    self.path.display()
-                ),
-                n => self.set_refcount(st, host, n - 1)?,
-            }
+            self.unref(st, host)?;
+        }
+        Ok(())
+    }
+
+    /// Drops one reference to host cluster `host`. A refcount already at 0 is left so (the
+    /// image was inconsistent) and logged.
+    pub(super) fn unref(&self, st: &mut State, host: u64) -> io::Result<()> {
+        match self.refcount(st, host)? {
+            0 => tracing::warn!(
+                "qcow2 {}: cluster {host:#x} freed with refcount 0 already",
+                self.path.display()
+            ),
+            n => self.set_refcount(st, host, n - 1)?,
         }
         Ok(())
     }

@@ -15,6 +15,7 @@ impl Qcow2 {
         check_range(offset, data.len() as u64, self.size)?;
         let mut st = self.state.lock();
         refuse_if_corrupt(&st)?;
+        st.bitmaps.mark(offset, data.len() as u64);
         self.write_locked(&mut st, data, offset)
     }
 
@@ -67,7 +68,7 @@ impl Qcow2 {
             let host = match self.decode(entry) {
                 Cluster::Data { host, copied: true } => {
                     self.guard(st, host, HostUse::Data)?;
-                    self.data().write_all_at(piece, host + in_cluster)?;
+                    self.write_data(piece, host + in_cluster)?;
                     continue;
                 }
                 Cluster::Data {
@@ -85,7 +86,7 @@ impl Qcow2 {
                     let host = self.alloc_data(st, guest - in_cluster)?;
                     allocated = true;
                     self.guard(st, host, HostUse::Data)?;
-                    self.data().write_all_at(&whole, host)?;
+                    self.write_data(&whole, host)?;
                     links.push((entry_at, host | COPIED));
                     frees.push(entry);
                     continue;
@@ -131,7 +132,7 @@ impl Qcow2 {
                 self.read_backing(&mut whole, guest - in_cluster)?;
             }
             whole[in_cluster as usize..(in_cluster + n) as usize].copy_from_slice(piece);
-            self.data().write_all_at(&whole, host)?;
+            self.write_data(&whole, host)?;
             links.push((entry_at, host | COPIED));
         }
         if allocated {
@@ -202,10 +203,11 @@ impl Qcow2 {
 
     /// Checks that host cluster `host`, about to be written as `what`, lies off the image's
     /// metadata (qemu's qcow2_check_metadata_overlap: header, L1 table, refcount table,
-    /// refcount blocks, the snapshot table and the snapshots' inactive L1 tables, and L2
-    /// tables for data). If it does not, the image is marked corrupt,
+    /// refcount blocks, the snapshot table and the snapshots' inactive L1 tables, the LUKS
+    /// header, the dirty bitmaps' directory, tables and bits, and L2 tables for data). If it
+    /// does not, the image is marked corrupt,
     /// as qemu marks it, and the write fails with EIO.
-    fn guard(&self, st: &mut State, host: u64, what: HostUse) -> io::Result<()> {
+    pub(super) fn guard(&self, st: &mut State, host: u64, what: HostUse) -> io::Result<()> {
         let cs = self.cluster_size();
         let on = |at: u64, len: u64| host < at.saturating_add(len) && at < host + cs;
         let lies_on = if !host.is_multiple_of(cs) {
@@ -223,8 +225,12 @@ impl Qcow2 {
             Some("a refcount block")
         } else if self.snapshot_metadata.iter().any(|&(at, len)| on(at, len)) {
             Some("an internal snapshot's table")
+        } else if self.luks_area.is_some_and(|(at, len)| on(at, len)) {
+            Some("the LUKS header")
         } else if what != HostUse::L2Table && st.l2_tables.contains(&host) {
             Some("an L2 table")
+        } else if what != HostUse::BitmapFreed && st.bitmaps.lies_on(host, cs) {
+            Some("a dirty bitmap's directory, table or bits")
         } else {
             None
         };
@@ -235,6 +241,7 @@ impl Qcow2 {
             HostUse::Data => "data cluster",
             HostUse::L2Table => "L2 table",
             HostUse::Freed => "cluster an L2 entry frees",
+            HostUse::BitmapFreed => "cluster a dirty bitmap frees",
         };
         let why = format!("a {what} at host offset {host:#x} lies on {lies_on}");
         tracing::error!("qcow2 image corrupt, marked so and refusing writes: {why}");
@@ -294,6 +301,7 @@ impl Qcow2 {
         let end = offset + len;
         let mut st = self.state.lock();
         refuse_if_corrupt(&st)?;
+        st.bitmaps.mark(offset, len);
         if self.data_raw {
             // The raw data file is the disk: it reads as zeroes too.
             self.zero_data(offset, len)?;
@@ -336,14 +344,17 @@ impl Qcow2 {
                     // Version 2 has no zero flag: with no backing file the cluster is freed
                     // (below) and reads as zeroes unallocated, as qemu's zeroing discards it;
                     // over a backing file its own bytes are zeroed.
-                    Cluster::Data { host, copied: true } if self.backing.is_some() => {
+                    Cluster::Data { host, copied: true }
+                        if self.backing.is_some() && self.crypt.is_none() =>
+                    {
                         self.guard(&mut st, host, HostUse::Data)?;
                         zero_file(self.data(), host, cs)?;
                         continue;
                     }
                     Cluster::Unallocated if v3 => ZERO,
                     _ if !v3 && self.backing.is_some() => {
-                        // Unallocated would show the backing file: zeroes are written.
+                        // Unallocated would show the backing file: zeroes are written
+                        // (encrypted, in an encrypted image: its zero bytes are not zeroes).
                         partial.push((guest, in_cluster, n));
                         continue;
                     }
@@ -384,17 +395,24 @@ impl Qcow2 {
 
 /// What a host cluster is about to be written as.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum HostUse {
+pub(super) enum HostUse {
     Data,
     L2Table,
     /// A cluster about to lose a data or compressed L2 entry's reference.
     Freed,
+    /// A cluster of a dirty bitmap's old table, bits or directory, about to be freed at
+    /// close: it must lie off the image's other metadata.
+    BitmapFreed,
 }
 
-/// Writes to an image marked corrupt fail with EIO (qemu stops all I/O to it).
+/// Writes to an image marked corrupt fail with EIO (qemu stops all I/O to it); so do
+/// writes after the image was closed (its bitmaps stored).
 fn refuse_if_corrupt(st: &State) -> io::Result<()> {
     if st.corrupt {
         return Err(io::Error::other("qcow2 image is marked corrupt"));
+    }
+    if st.closed {
+        return Err(io::Error::other("qcow2 image is closed"));
     }
     Ok(())
 }
