@@ -49,7 +49,9 @@
 //!
 //! The NIC thread (`machines::shell`) runs both real-time backends: it drains commands and
 //! doorbells, then the backend's `step` (the soft engine's sockets; the LANai's fabric port,
-//! timers and outgoing frames) and, once idle for its learned poll window, its `sleep`.
+//! timers and outgoing frames) and, once idle for its learned poll window, sleeps on the
+//! descriptor the backend names (`watch_fd`) until its next timer (`poll_in`): the backend
+//! itself never blocks.
 
 mod nic;
 

@@ -307,6 +307,13 @@ impl Processor for RealtimeNic {
     }
 
     fn step(&mut self) -> Progress {
+        // Take the readiness the shell slept on (edge-triggered: reported once); the frames
+        // themselves are read below whether or not it said so.
+        if let Err(e) = self.poll.poll(&mut self.events, Some(Duration::ZERO))
+            && e.kind() != io::ErrorKind::Interrupted
+        {
+            tracing::error!("lanai NIC thread: epoll failed: {e}");
+        }
         let mut worked = self.receive_frames();
         let now = self.timer_now();
         if self.fw.poll_at().is_some_and(|t| t <= now) {
@@ -321,23 +328,17 @@ impl Processor for RealtimeNic {
         }
     }
 
-    fn sleep(&mut self, limit: Option<Duration>) -> Progress {
-        // Until the firmware's next timer, a frame, the waker or the limit.
-        let timer = self
-            .fw
+    fn watch_fd(&self) -> std::os::fd::RawFd {
+        // A frame on the fabric port or the waker.
+        use std::os::fd::AsRawFd;
+        self.poll.as_raw_fd()
+    }
+
+    fn poll_in(&self) -> Option<Duration> {
+        // The firmware's next timer.
+        self.fw
             .poll_at()
-            .map(|t| Duration::from_nanos(t.saturating_sub(self.timer_now())));
-        let timeout = match (timer, limit) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        if let Err(e) = self.poll.poll(&mut self.events, timeout)
-            && e.kind() != io::ErrorKind::Interrupted
-        {
-            tracing::error!("lanai NIC thread: epoll failed: {e}");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        Progress::Idle
+            .map(|t| Duration::from_nanos(t.saturating_sub(self.timer_now())))
     }
 
     fn stop(&mut self) {

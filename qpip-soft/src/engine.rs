@@ -1,7 +1,8 @@
 //! The soft NIC's processor: the physical layer (kernel sockets through io_uring or epoll) and
 //! the QPs' links over it. The NIC thread shell ([`qpip_verbs::machines::shell`]) hands it
-//! commands and doorbells; its `step` looks at the sockets without blocking, its `sleep`
-//! waits in epoll (or io_uring) until a doorbell, a command or a socket wakes it.
+//! commands and doorbells; its `step` looks at the sockets without blocking, and the shell
+//! sleeps on its epoll (or io_uring) descriptor until a doorbell, a command or a socket
+//! makes it readable.
 
 use std::collections::HashMap;
 use std::io;
@@ -19,7 +20,7 @@ use super::accept::{Inbox, Listening};
 use super::link::EngineQp;
 use super::queues::Queues;
 use super::stream::Acceptor;
-use super::uring::{Event, Ring};
+use super::uring::{Event, NoRing, Ring, RingIo, UringIo};
 use super::{IoMode, WAKER_TOKEN};
 use qpip_verbs::backend::{Command, ListenerId, MgmtResult};
 use qpip_verbs::framer::Framer;
@@ -45,23 +46,28 @@ struct EngineListener {
 enum Turn {
     /// Only look.
     Look,
-    /// Wait until something is ready, at most this long (None: no limit).
-    Sleep(Option<Duration>),
+    /// Wait until something is ready (the last reaping when the NIC stops: every other
+    /// sleep is the shell's, on [`Processor::watch_fd`]).
+    Wait,
 }
 
-pub(super) struct Engine {
+/// The engine of one queue. `Q`: what its QPs hold for I/O through its io_uring —
+/// [`NoRing`] on the epoll engine, which may run on any thread (a driven queue's), or
+/// [`UringIo`] on the engine with a ring, which only its NIC thread runs (it is not `Send`).
+pub(super) struct Engine<Q> {
     poll: Poll,
     memory: Arc<MemoryTable>,
     /// Taken while a turn hands its events out.
     events: Option<Events>,
     completions: Vec<Event>,
     /// Boxed: an io_uring operation may point into a QP's buffers, which must not move.
-    qps: HashMap<QpNum, Box<EngineQp>>,
+    qps: HashMap<QpNum, Box<EngineQp<Q>>>,
     /// Destroyed QPs whose io_uring operations have not completed yet.
-    zombies: HashMap<QpNum, Box<EngineQp>>,
+    zombies: HashMap<QpNum, Box<EngineQp<Q>>>,
     /// Fences waiting for the zombies' I/O to finish.
     fences: Vec<ReplySender<()>>,
     listeners: HashMap<ListenerId, EngineListener>,
+    /// Some exactly when `Q` is [`UringIo`].
     ring: Option<Ring>,
     /// The NIC's queues (where connections for QPs of other queues are handed). Weak: the
     /// queues own the engines ([`super::queues`]).
@@ -70,10 +76,33 @@ pub(super) struct Engine {
     inbox: Arc<Inbox>,
 }
 
-impl Engine {
-    /// The engine of queue `queue` over `poll`, with the io_uring `ring` carrying TCP data if
-    /// there is one.
-    pub(super) fn new(
+impl Engine<NoRing> {
+    /// The epoll engine of queue `queue` over `poll`.
+    pub(super) fn epoll(
+        poll: Poll,
+        memory: Arc<MemoryTable>,
+        queue: usize,
+        queues: Weak<Queues>,
+    ) -> Self {
+        Engine::new(poll, memory, None, queue, queues)
+    }
+}
+
+impl Engine<UringIo> {
+    /// The engine of queue `queue` over `poll` whose TCP data goes through `ring`.
+    pub(super) fn uring(
+        poll: Poll,
+        memory: Arc<MemoryTable>,
+        ring: Ring,
+        queue: usize,
+        queues: Weak<Queues>,
+    ) -> Self {
+        Engine::new(poll, memory, Some(ring), queue, queues)
+    }
+}
+
+impl<Q: RingIo> Engine<Q> {
+    fn new(
         poll: Poll,
         memory: Arc<MemoryTable>,
         ring: Option<Ring>,
@@ -105,7 +134,7 @@ impl Engine {
             return Progress::Idle;
         };
         let any = if self.ring.is_some() {
-            // Only the NIC thread runs an io_uring engine, and it sleeps without a limit.
+            // Only the NIC thread runs an io_uring engine (it is not `Send`).
             self.turn_uring(turn, &mut events)
         } else {
             self.turn_epoll(turn, &mut events)
@@ -119,7 +148,7 @@ impl Engine {
     fn turn_epoll(&mut self, turn: Turn, events: &mut Events) -> Progress {
         let timeout = match turn {
             Turn::Look => Some(Duration::ZERO),
-            Turn::Sleep(timeout) => timeout,
+            Turn::Wait => None,
         };
         if let Err(e) = self.poll.poll(events, timeout)
             && e.kind() != io::ErrorKind::Interrupted
@@ -146,14 +175,14 @@ impl Engine {
         // end the teardown.
         for q in self.qps.values_mut().chain(self.zombies.values_mut()) {
             if let Some(io) = q.uring.as_mut() {
-                for e in io.outbox.drain(..) {
+                for e in io.get_mut().outbox.drain(..) {
                     if let Err(err) = ring.push(&e) {
                         tracing::error!("io_uring submit failed: {err}");
                     }
                 }
             }
         }
-        if let Err(e) = ring.submit(matches!(turn, Turn::Sleep(_))) {
+        if let Err(e) = ring.submit(matches!(turn, Turn::Wait)) {
             tracing::error!("soft NIC engine: io_uring_enter failed: {e}");
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -280,7 +309,7 @@ pub(super) fn open_ring(poll: &Poll, mode: IoMode) -> Option<Ring> {
     }
 }
 
-impl Processor for Engine {
+impl<Q: RingIo> Processor for Engine<Q> {
     fn command(&mut self, cmd: Command) {
         // A command the host sent about a QP after its accept returned finds the connection
         // attached, even if the QP's doorbell has not been seen yet.
@@ -314,18 +343,17 @@ impl Processor for Engine {
         self.turn(Turn::Look)
     }
 
-    fn sleep(&mut self, timeout: Option<Duration>) -> Progress {
-        self.turn(Turn::Sleep(timeout))
-    }
-
     fn sending(&self) -> bool {
         self.qps.values().any(|q| q.sending())
     }
 
-    fn watch_fd(&self) -> Option<std::os::fd::RawFd> {
-        // An io_uring engine reaps its sockets through the ring, not the epoll instance.
+    fn watch_fd(&self) -> std::os::fd::RawFd {
+        // An io_uring engine reaps its sockets (and its epoll instance) through the ring.
         use std::os::fd::AsRawFd;
-        self.ring.is_none().then(|| self.poll.as_raw_fd())
+        match &self.ring {
+            Some(ring) => ring.fd(),
+            None => self.poll.as_raw_fd(),
+        }
     }
 
     fn stop(&mut self) {
@@ -342,15 +370,15 @@ impl Processor for Engine {
             .chain(self.qps.values())
             .any(|q| q.io_in_flight())
         {
-            self.turn(Turn::Sleep(None));
+            self.turn(Turn::Wait);
         }
     }
 }
 
-impl Management for Engine {
+impl<Q: RingIo> Management for Engine<Q> {
     fn create_qp(&mut self, qp: Arc<QpShared>, framer: Box<dyn Framer>) {
         let num = qp.num;
-        let mut eq = Box::new(EngineQp::new(qp, framer, self.ring.is_some()));
+        let mut eq = Box::new(EngineQp::new(qp, framer));
         eq.service(self.poll.registry(), &self.memory);
         self.qps.insert(num, eq);
     }
@@ -469,5 +497,28 @@ impl Management for Engine {
         } else {
             self.fences.push(reply);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Host threads run a driven queue's processor, so it must be `Send`: the epoll engine
+    /// is, and an engine with an io_uring is not, so it cannot be bound to host drivers
+    /// ([`qpip_verbs::machines::shell::NicThread::spawn_driven`] refuses it at compile time).
+    #[test]
+    fn only_the_epoll_engine_may_run_on_any_thread() {
+        fn may_run_anywhere<T: Send>() {}
+        may_run_anywhere::<Engine<NoRing>>();
+        // Were `Engine<UringIo>` Send, both impls would apply and the path below would be
+        // ambiguous: this test would not compile.
+        trait AmbiguousIfSend<A> {
+            fn some_item() {}
+        }
+        impl<T: ?Sized> AmbiguousIfSend<()> for T {}
+        struct IsSend;
+        impl<T: ?Sized + Send> AmbiguousIfSend<IsSend> for T {}
+        let _ = <Engine<UringIo> as AmbiguousIfSend<_>>::some_item;
     }
 }

@@ -4,8 +4,8 @@
 //! The host side only writes WRs into rings and polls CQs. Ringing the doorbell costs an atomic
 //! swap, plus one `eventfd` write when the engine sleeps. The engine runs in the shared NIC
 //! thread shell ([`qpip_verbs::machines::shell`]): it polls after its last work for a window
-//! learned from arrivals (so a busy stream never pays a wake-up), then sleeps in `epoll_wait`
-//! (or io_uring).
+//! learned from arrivals (so a busy stream never pays a wake-up), then the shell sleeps on the
+//! engine's epoll (or io_uring) descriptor.
 
 mod accept;
 mod engine;
@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use qpip_verbs::backend::{Command, NicBackend};
 use qpip_verbs::error::{Error, Result};
-use qpip_verbs::machines::shell::{NicThread, ShellConfig};
+use qpip_verbs::machines::shell::{NicThread, Processor, ShellConfig};
 use qpip_verbs::mr::MemoryTable;
 use qpip_verbs::shared::QpShared;
 
@@ -142,26 +142,28 @@ impl SoftBackend {
                 doorbell_fifo: None,
                 grace: cfg.grace,
             };
-            let engine_uring = uring.clone();
-            let (memory, engine_queues, io) = (memory.clone(), Arc::downgrade(&queues), cfg.io);
-            let io = if cfg.run_to_completion {
-                IoMode::Epoll
-            } else {
-                io
-            };
-            // The ring is opened on the engine thread: the kernel ties a ring to the task
-            // that creates it, and tearing it down interrupts that task's blocking calls.
-            let build = move || {
-                let ring = engine::open_ring(&poll, io);
-                if q == 0 {
-                    engine_uring.store(ring.is_some(), Ordering::Release);
-                }
-                engine::Engine::new(poll, memory, ring, q, engine_queues)
-            };
+            let (memory, engine_queues) = (memory.clone(), Arc::downgrade(&queues));
             let thread = if cfg.run_to_completion {
-                NicThread::spawn_driven(shell, waker, build)
+                // Host threads run it too: the epoll engine, the one that may run anywhere.
+                NicThread::spawn_driven(shell, waker, move || {
+                    engine::Engine::epoll(poll, memory, q, engine_queues)
+                })
             } else {
-                NicThread::spawn(shell, waker, build)
+                let (engine_uring, io) = (uring.clone(), cfg.io);
+                // The ring is opened on the engine thread: the kernel ties a ring to the task
+                // that creates it, and tearing it down interrupts that task's blocking calls.
+                NicThread::spawn(shell, waker, move || -> Box<dyn Processor> {
+                    let ring = engine::open_ring(&poll, io);
+                    if q == 0 {
+                        engine_uring.store(ring.is_some(), Ordering::Release);
+                    }
+                    match ring {
+                        Some(ring) => {
+                            Box::new(engine::Engine::uring(poll, memory, ring, q, engine_queues))
+                        }
+                        None => Box::new(engine::Engine::epoll(poll, memory, q, engine_queues)),
+                    }
+                })
             };
             match thread {
                 Ok(t) => threads.push(t),

@@ -19,7 +19,7 @@ use super::splice::Splicer;
 use super::stream::Stream;
 use super::tls::{Step, TlsLink};
 use super::tx::{TxMachine, TxStop};
-use super::uring::UringIo;
+use super::uring::{RingIo, UringIo};
 use qpip_verbs::backend::MgmtResult;
 use qpip_verbs::framer::Framer;
 use qpip_verbs::machines::mgmt::not_idle;
@@ -67,7 +67,7 @@ enum After {
     DropLink,
 }
 
-pub(super) struct EngineQp {
+pub(super) struct EngineQp<Q> {
     pub(super) shared: Arc<QpShared>,
     framer: Box<dyn Framer>,
     pub(super) link: Link,
@@ -81,8 +81,8 @@ pub(super) struct EngineQp {
     read_closed: bool,
     writable: bool,
     closing: bool,
-    /// Some when the TCP data path goes through io_uring.
-    pub(super) uring: Option<UringIo>,
+    /// Some when the TCP data path goes through io_uring (never on the epoll engine).
+    pub(super) uring: Option<Q>,
     /// The pipe file bodies pass through, made when the first one arrives.
     splicer: Option<Splicer>,
     deferred: Option<Deferred>,
@@ -158,9 +158,11 @@ fn token(qp: &QpShared) -> Token {
     Token(qp.num as usize)
 }
 
-impl EngineQp {
-    pub(super) fn new(shared: Arc<QpShared>, framer: Box<dyn Framer>, uring: bool) -> Self {
-        let uring = (uring && shared.kind == QpKind::Reliable).then(|| UringIo::new(shared.num));
+impl<Q: RingIo> EngineQp<Q> {
+    pub(super) fn new(shared: Arc<QpShared>, framer: Box<dyn Framer>) -> Self {
+        let uring = (shared.kind == QpKind::Reliable)
+            .then(|| Q::new(shared.num))
+            .flatten();
         EngineQp {
             shared,
             framer,
@@ -180,7 +182,7 @@ impl EngineQp {
 
     /// io_uring operations of this QP are still in the kernel.
     pub(super) fn io_in_flight(&self) -> bool {
-        self.uring.as_ref().is_some_and(UringIo::in_flight)
+        self.uring.as_ref().is_some_and(|io| io.get().in_flight())
     }
 
     /// An io_uring completion for this QP.
@@ -194,11 +196,11 @@ impl EngineQp {
         let Some(io) = self.uring.as_mut() else {
             return;
         };
-        io.complete(op, result);
+        io.get_mut().complete(op, result);
         if let Some(d) = self.deferred {
             if !self.io_in_flight() {
                 // The result is of no use any more; the teardown can now hand WRs back.
-                self.uring = Some(UringIo::new(self.shared.num));
+                self.uring = Q::new(self.shared.num);
                 self.deferred = None;
                 match d {
                     Deferred::Fail => self.fail(registry),
@@ -489,7 +491,10 @@ impl EngineQp {
                 let mut failed = !tx.take_posted(shared, memory, Some(framer.as_mut()), true);
                 if !failed && *writable {
                     let stop = match uring {
-                        Some(io) => tx.pump_stream(shared, &mut |iov| io.write(fd, iov)),
+                        Some(io) => {
+                            let io = io.get_mut();
+                            tx.pump_stream(shared, &mut |iov| io.write(fd, iov))
+                        }
                         None => tx.pump_stream(shared, &mut |iov| (&*stream).write_vectored(iov)),
                     };
                     match stop {
@@ -501,6 +506,7 @@ impl EngineQp {
                 if !failed && *readable {
                     let stop = match uring {
                         Some(io) => {
+                            let io = io.get_mut();
                             let mut conn = UringRx { io, fd, splicer };
                             rx.pump_io(shared, memory, framer.as_mut(), &mut conn)
                         }

@@ -49,6 +49,12 @@ impl Ring {
         })
     }
 
+    /// The ring's descriptor: readable while completions wait in it.
+    pub(super) fn fd(&self) -> RawFd {
+        use std::os::fd::AsRawFd;
+        self.ring.as_raw_fd()
+    }
+
     pub(super) fn push(&mut self, entry: &squeue::Entry) -> io::Result<()> {
         loop {
             // SAFETY: every entry's buffers (iovec arrays and the memory they name) stay alive
@@ -137,9 +143,47 @@ pub(super) struct UringIo {
     read_asked: usize,
 }
 
-// SAFETY: the raw pointers name memory the NIC owns for the duration of an operation; a
-// UringIo is created, used and dropped on the engine thread only.
-unsafe impl Send for UringIo {}
+/// What a QP of an engine holds for its I/O through the engine's io_uring: [`UringIo`] on
+/// the engine that has a ring, [`NoRing`] on the epoll engine. A `UringIo` is not `Send` (it
+/// holds raw pointers the kernel reads while an operation is in flight, and the ring belongs
+/// to the thread that made it), so neither is an engine whose QPs may hold one: only the
+/// epoll engine can be handed to a driven queue, which host threads run
+/// ([`qpip_verbs::machines::shell::NicThread::spawn_driven`]).
+pub(super) trait RingIo: Sized {
+    /// A reliable QP's I/O through the ring (None: the engine has none).
+    fn new(qp: QpNum) -> Option<Self>;
+    /// The ring I/O.
+    fn get(&self) -> &UringIo;
+    /// The ring I/O.
+    fn get_mut(&mut self) -> &mut UringIo;
+}
+
+impl RingIo for UringIo {
+    fn new(qp: QpNum) -> Option<Self> {
+        Some(UringIo::new(qp))
+    }
+    fn get(&self) -> &UringIo {
+        self
+    }
+    fn get_mut(&mut self) -> &mut UringIo {
+        self
+    }
+}
+
+/// The epoll engine's QPs: no ring I/O, ever (no value of this type exists).
+pub(super) enum NoRing {}
+
+impl RingIo for NoRing {
+    fn new(_: QpNum) -> Option<Self> {
+        None
+    }
+    fn get(&self) -> &UringIo {
+        match *self {}
+    }
+    fn get_mut(&mut self) -> &mut UringIo {
+        match *self {}
+    }
+}
 
 fn take_result(op: &mut Op) -> Option<io::Result<usize>> {
     match std::mem::replace(op, Op::Idle) {

@@ -27,6 +27,7 @@ use crate::drive::rules::{
     self, Approach, Arrival, Call, Departure, Ended, Holding, IfHeld, Park, ParkLook, Parking,
     Rest, Run, RunEnd, Watch, WatchLook, Watched, Woken,
 };
+use crate::drive::sleep::sleep;
 use crate::drive::sync::posted;
 use crate::drive::{Driven, QueueDriver, Waiting};
 use crate::error::Result;
@@ -37,13 +38,15 @@ use crate::machines::shell::{
 impl NicThread {
     /// [`Self::spawn`] for a processor that host threads may run too: a thread waiting on a
     /// CQ bound to this queue drives it ([`crate::drive`], [`Self::driver`]); the NIC thread
-    /// runs it only while no host thread does.
+    /// runs it only while no host thread does. `Send` is what says a processor may run on
+    /// any thread: one tied to the thread that made it (an io_uring's, whose submitter owns
+    /// it) is not, so it cannot be bound to host drivers.
     pub fn spawn_driven<P: Processor + Send + 'static>(
         cfg: ShellConfig,
         waker: mio::Waker,
         build: impl FnOnce() -> P + Send + 'static,
     ) -> Result<NicThread> {
-        let shared = Shared::new(&cfg, waker);
+        let shared = Shared::new(&cfg, waker)?;
         let (spin, grace) = (cfg.spin, cfg.grace);
         Self::start(cfg, shared, move |shared, started| {
             let engine = Arc::new(DrivenQueue::new(shared.clone(), build(), grace));
@@ -79,10 +82,11 @@ impl<P: Processor + Send> DrivenQueue<P> {
         }
     }
 
-    /// The NIC thread's loop: drive while no host thread does, park otherwise. With a
-    /// [`Processor::watch_fd`], it holds the processor only while there is work and watches
-    /// the physical layer without it when idle, so that a host thread that comes to wait
-    /// takes it at once instead of asking this thread to let go.
+    /// The NIC thread's loop: drive while no host thread does, park otherwise. It holds the
+    /// processor only while there is work and watches the processor's descriptor
+    /// ([`Processor::watch_fd`]) without it when idle, so that a host thread that comes to
+    /// wait takes it at once instead of asking this thread to let go. Every sleep of this
+    /// thread is [`crate::drive::sleep`] on that descriptor, its kick, or both.
     pub(crate) fn run_nic_thread(&self, spin: Duration) {
         let (shared, h) = (&*self.shared, &self.shared.handover);
         let mut turns = Turns::new(spin);
@@ -97,16 +101,11 @@ impl<P: Processor + Send> DrivenQueue<P> {
                 || shared.stop.load(Ordering::Acquire) || h.wanted.load(Ordering::Acquire);
             let run = rules::hold(Holding {
                 let_go: let_go(),
-                watches: watch_fd.is_some(),
                 waiters: h.waiters.load(Ordering::SeqCst),
             });
             let nic = &mut engine.0;
             let end = match run {
                 Run::LetGo => RunEnd::LetGo,
-                Run::UntilLetGo => {
-                    drive(shared, nic, &mut turns, &mut let_go, None);
-                    RunEnd::LetGo
-                }
                 Run::UntilIdle => run_until_idle(shared, nic, &mut let_go),
                 Run::ForWaiters => {
                     let mut until = || let_go() || h.waiters.load(Ordering::SeqCst) == 0;
@@ -124,8 +123,8 @@ impl<P: Processor + Send> DrivenQueue<P> {
             if h.wanted.load(Ordering::Acquire) {
                 std::thread::yield_now();
             }
-            go = match rules::rest(end, watch_fd) {
-                Rest::Watch(fd) => match self.watch(fd) {
+            go = match rules::rest(end) {
+                Rest::Watch => match self.watch(watch_fd) {
                     Watched::Park => self.park(),
                     _ => Go::Drive,
                 },
@@ -138,10 +137,11 @@ impl<P: Processor + Send> DrivenQueue<P> {
         nic.stop();
     }
 
-    /// Sleeps until `fd` (the physical layer) is readable or the waker rings (a doorbell, a
-    /// command, a host thread that leaves work behind), without holding the processor; then
-    /// the doorbell wait. [`Watched::Drive`] when this thread should run the processor now
-    /// (or stop); [`Watched::Park`] when a host thread has taken it.
+    /// Sleeps until `fd` (the processor's) is readable — the kernel, or the waker for a
+    /// doorbell or a command — or the kick rings (a host thread that leaves work behind),
+    /// without holding the processor; then the doorbell wait. [`Watched::Drive`] when this
+    /// thread should run the processor now (or stop); [`Watched::Park`] when a host thread
+    /// has taken it.
     fn watch(&self, fd: std::os::fd::RawFd) -> Watched {
         let (shared, h) = (&*self.shared, &self.shared.handover);
         // Pairs with ring_doorbell's and a drive's end's `posted`: either they see `watching`
@@ -154,18 +154,11 @@ impl<P: Processor + Send> DrivenQueue<P> {
             waiters: h.waiters.load(Ordering::SeqCst),
         };
         if rules::watch(look) == Watch::Poll {
-            let mut pfd = libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd; the descriptor is the processor's and outlives it.
-            unsafe { libc::poll(&mut pfd, 1, -1) };
+            sleep(Some(fd), Some(&h.kick), None);
         }
         h.watching.lower();
         let mut waited = false;
         loop {
-            let seq = h.park.load(Ordering::SeqCst);
             let woken = Woken {
                 stop: shared.stop.load(Ordering::Acquire),
                 work: shared.has_work(),
@@ -173,7 +166,7 @@ impl<P: Processor + Send> DrivenQueue<P> {
             };
             match rules::after_watch(woken, waited) {
                 Watched::LeaveToPoster(wait) => {
-                    crate::futex::wait(&h.park, seq, Some(wait));
+                    sleep(None, Some(&h.kick), Some(wait));
                     waited = true;
                 }
                 done => return done,
@@ -187,7 +180,6 @@ impl<P: Processor + Send> DrivenQueue<P> {
         let (shared, h) = (&*self.shared, &self.shared.handover);
         let mut parking = Parking::new(self.grace);
         loop {
-            let seq = h.park.load(Ordering::SeqCst);
             let look = if shared.stop.load(Ordering::Acquire) {
                 ParkLook::Stopped
             } else if self.engine.is_locked() {
@@ -205,13 +197,13 @@ impl<P: Processor + Send> DrivenQueue<P> {
             match parking.look(look, Instant::now()) {
                 Park::Stop => return Go::Stop,
                 Park::Drive => return Go::Drive,
-                Park::Sleep(t) => crate::futex::wait(&h.park, seq, Some(t)),
+                Park::Sleep(t) => sleep(None, Some(&h.kick), Some(t)),
                 Park::UntilDriveEnds { drives } => {
                     // Pairs with a drive's end: either it sees `parked_untimed` and kicks,
                     // or this sees the processor let go (or another drive begun).
                     h.parked_untimed.raise();
                     if self.engine.is_locked() && h.drives.load(Ordering::Acquire) == drives {
-                        crate::futex::wait(&h.park, seq, None);
+                        sleep(None, Some(&h.kick), None);
                     }
                     h.parked_untimed.lower();
                 }
@@ -284,23 +276,17 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
             h.resume.store(true, Ordering::Release);
         }
         h.drive_ended(Instant::now());
-        // Pairs with the parked NIC thread's `parked_untimed` and the watching one's
-        // `watching`: either it sees what this drive left, or this sees it asleep.
+        // Pairs with the parked NIC thread's `parked_untimed`: either it sees this drive
+        // ended, or this sees it asleep without a timer.
         posted();
         let call = rules::leave(Departure {
             sending,
             waiters: h.waiters.load(Ordering::SeqCst),
             work: shared.has_work(),
             parked_untimed: h.parked_untimed.raised(),
-            watching: h.watching.raised(),
         });
-        match call {
-            Call::Nobody => {}
-            Call::Parked => h.kick(),
-            Call::ParkedAndWatching => {
-                h.kick();
-                shared.wake();
-            }
+        if call == Call::NicThread {
+            h.kick();
         }
         rules::outcome(ended, ready())
     }
@@ -344,11 +330,18 @@ mod tests {
         events: Events,
         pipe: File,
         turns_with_bytes: Arc<AtomicUsize>,
+        /// Non-blocking looks at the pipe (a thread polling rather than sleeping).
+        steps: Arc<AtomicUsize>,
     }
 
-    impl PipeNic {
-        fn turn(&mut self, timeout: Option<Duration>) -> Progress {
-            self.poll.poll(&mut self.events, timeout).unwrap();
+    impl Processor for PipeNic {
+        fn command(&mut self, _: Command) {}
+        fn doorbell(&mut self, _: QpNum) {}
+        fn step(&mut self) -> Progress {
+            self.steps.fetch_add(1, Ordering::SeqCst);
+            self.poll
+                .poll(&mut self.events, Some(Duration::ZERO))
+                .unwrap();
             let mut any = Progress::Idle;
             for e in self.events.iter() {
                 if e.token() == PIPE {
@@ -360,20 +353,9 @@ mod tests {
             }
             any
         }
-    }
-
-    impl Processor for PipeNic {
-        fn command(&mut self, _: Command) {}
-        fn doorbell(&mut self, _: QpNum) {}
-        fn step(&mut self) -> Progress {
-            self.turn(Some(Duration::ZERO))
-        }
-        fn sleep(&mut self, timeout: Option<Duration>) -> Progress {
-            self.turn(timeout)
-        }
         fn stop(&mut self) {}
-        fn watch_fd(&self) -> Option<RawFd> {
-            Some(self.poll.as_raw_fd())
+        fn watch_fd(&self) -> RawFd {
+            self.poll.as_raw_fd()
         }
     }
 
@@ -385,11 +367,17 @@ mod tests {
         }
     }
 
-    /// The NIC thread runs what arrives while no host thread waits, then lets go of the
-    /// processor and watches the physical layer without it: a host thread that comes to wait
-    /// takes the processor at once instead of asking the NIC thread for it.
-    #[test]
-    fn an_idle_nic_thread_watches_without_holding_the_processor() {
+    /// A driven queue over a [`PipeNic`], with the pipe's write end, the count of turns
+    /// that found bytes and the count of steps.
+    struct PipeQueue {
+        queue: Arc<DrivenQueue<PipeNic>>,
+        shared: Arc<Shared>,
+        write: File,
+        counted: Arc<AtomicUsize>,
+        steps: Arc<AtomicUsize>,
+    }
+
+    fn pipe_queue() -> PipeQueue {
         let poll = Poll::new().unwrap();
         let waker = mio::Waker::new(poll.registry(), WAKER).unwrap();
         let mut fds = [0; 2];
@@ -397,7 +385,7 @@ mod tests {
         let made = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK) };
         assert_eq!(made, 0);
         // SAFETY: pipe2 made both descriptors; each File owns one.
-        let (read, mut write) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
+        let (read, write) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
         poll.registry()
             .register(&mut SourceFd(&read.as_raw_fd()), PIPE, Interest::READABLE)
             .unwrap();
@@ -407,15 +395,37 @@ mod tests {
             doorbell_fifo: None,
             grace: Duration::from_millis(1),
         };
-        let shared = Shared::new(&cfg, waker);
-        let counted = Arc::new(AtomicUsize::new(0));
+        let shared = Shared::new(&cfg, waker).unwrap();
+        let (counted, steps) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
         let nic = PipeNic {
             poll,
             events: Events::with_capacity(8),
             pipe: read,
             turns_with_bytes: counted.clone(),
+            steps: steps.clone(),
         };
         let queue = Arc::new(DrivenQueue::new(shared.clone(), nic, cfg.grace));
+        PipeQueue {
+            queue,
+            shared,
+            write,
+            counted,
+            steps,
+        }
+    }
+
+    /// The NIC thread runs what arrives while no host thread waits, then lets go of the
+    /// processor and watches the physical layer without it: a host thread that comes to wait
+    /// takes the processor at once instead of asking the NIC thread for it.
+    #[test]
+    fn an_idle_nic_thread_watches_without_holding_the_processor() {
+        let PipeQueue {
+            queue,
+            shared,
+            mut write,
+            counted,
+            ..
+        } = pipe_queue();
         let nic_thread = {
             let queue = queue.clone();
             std::thread::spawn(move || queue.run_nic_thread(Duration::ZERO))
@@ -433,5 +443,65 @@ mod tests {
         shared.wake();
         shared.handover.kick();
         nic_thread.join().unwrap();
+    }
+
+    /// Every sleep of the NIC thread takes its kick: watching the processor's descriptor, it
+    /// wakes for a driver that left sends under way without the waker being rung.
+    #[test]
+    fn a_kick_reaches_the_watching_nic_thread() {
+        let PipeQueue {
+            queue,
+            shared,
+            mut write,
+            counted,
+            steps,
+        } = pipe_queue();
+        let nic_thread = {
+            let queue = queue.clone();
+            std::thread::spawn(move || queue.run_nic_thread(Duration::ZERO))
+        };
+        write.write_all(b"x").unwrap();
+        wait_until("the NIC thread took the bytes", || {
+            counted.load(Ordering::SeqCst) >= 1
+        });
+        wait_until("the NIC thread watches", || {
+            shared.handover.watching.raised() && !queue.engine.is_locked()
+        });
+        let steps0 = steps.load(Ordering::SeqCst);
+        shared.handover.resume.store(true, Ordering::Release);
+        shared.handover.kick();
+        wait_until("the kicked NIC thread stepped", || {
+            steps.load(Ordering::SeqCst) > steps0
+        });
+        shared.stop.store(true, Ordering::SeqCst);
+        shared.wake();
+        shared.handover.kick();
+        nic_thread.join().unwrap();
+    }
+
+    /// A host thread that never polls (a CQ spin of zero) does not step before it sleeps:
+    /// its sleep returns at once if something is ready, and the one step after it takes
+    /// what woke it (one system call per wait, as a blocking socket's).
+    #[test]
+    fn a_host_that_never_polls_steps_only_after_its_sleep() {
+        let PipeQueue {
+            queue,
+            mut write,
+            counted,
+            steps,
+            ..
+        } = pipe_queue();
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(5));
+            write.write_all(b"x").unwrap();
+        });
+        let driving = AtomicU32::new(0);
+        let wait = queue.begin_wait();
+        let ready = || counted.load(Ordering::SeqCst) >= 1;
+        let deadline = Some(Instant::now() + Duration::from_secs(10));
+        let driven = queue.drive(&wait, &driving, &ready, Duration::ZERO, deadline);
+        assert_eq!(driven, Driven::Ready);
+        writer.join().unwrap();
+        assert_eq!(steps.load(Ordering::SeqCst), 1);
     }
 }

@@ -6,6 +6,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::drive::sleep::Kick;
 use crate::drive::sync::SleepFlag;
 
 const NEVER: u64 = u64::MAX;
@@ -18,12 +19,12 @@ pub(crate) struct Handover {
     pub(crate) wanted: AtomicBool,
     /// A driver left with sends still under way: the NIC thread carries on at once.
     pub(crate) resume: AtomicBool,
-    /// The futex word the parked NIC thread sleeps on.
-    pub(crate) park: AtomicU32,
+    /// Wakes the NIC thread wherever it sleeps ([`crate::drive::sleep`]).
+    pub(crate) kick: Kick,
     /// The NIC thread sleeps without a timer behind a long drive: its end must wake it.
     pub(crate) parked_untimed: SleepFlag,
     /// The NIC thread watches the physical layer without holding the processor
-    /// ([`crate::machines::shell::Processor::watch_fd`]): the waker, not the futex, reaches it.
+    /// ([`crate::machines::shell::Processor::watch_fd`]): a doorbell must ring the waker.
     pub(crate) watching: SleepFlag,
     /// Host drives begun (tells a busy queue from one long drive).
     pub(crate) drives: AtomicU64,
@@ -39,13 +40,13 @@ pub(crate) struct Handover {
     pub(crate) epoch: Instant,
 }
 
-impl Default for Handover {
-    fn default() -> Self {
-        Handover {
+impl Handover {
+    pub(crate) fn new() -> std::io::Result<Self> {
+        Ok(Handover {
             waiters: AtomicU32::new(0),
             wanted: AtomicBool::new(false),
             resume: AtomicBool::new(false),
-            park: AtomicU32::new(0),
+            kick: Kick::new()?,
             parked_untimed: SleepFlag::new(),
             watching: SleepFlag::new(),
             drives: AtomicU64::new(0),
@@ -53,15 +54,12 @@ impl Default for Handover {
             driven_cpu_ns: AtomicU64::new(0),
             accounting: AtomicBool::new(false),
             epoch: Instant::now(),
-        }
+        })
     }
-}
 
-impl Handover {
-    /// Wakes the parked NIC thread to look again.
+    /// Wakes the NIC thread to look again, wherever it sleeps.
     pub(crate) fn kick(&self) {
-        self.park.fetch_add(1, Ordering::SeqCst);
-        crate::futex::wake_all(&self.park);
+        self.kick.ring();
     }
 
     /// CPU time host threads have spent running the queue since the first call.

@@ -4,7 +4,8 @@
 //! (the kernel's, when the reply's bytes arrive), as a blocking socket does, where a NIC
 //! thread in between costs two hand-offs.
 //!
-//! A backend whose processor may run on any thread binds each CQ to the queue its QPs live on
+//! A backend whose processor may run on any thread (is `Send`: the soft NIC's epoll engine,
+//! not its io_uring one) binds each CQ to the queue its QPs live on
 //! ([`crate::shared::CqShared::bind_driver`]); [`crate::CompletionQueue::wait`] then drives
 //! that queue while it waits. One thread drives a queue at a time; a waiter that finds it
 //! driven sleeps on its CQ as before, and the driver's completions wake it.
@@ -40,8 +41,9 @@
 //! [`crate::Framer::frame`] must never block on a lock of level 1, nor wait for the NIC.
 //! Never held across a CQ wait (nor a command's reply, nor anything else that waits for the
 //! NIC): a lock of level 3, since the thread that would complete the wait needs it under the
-//! engine lock. The engine lock itself is held across the processor's own sleep (epoll) by
-//! the thread that drives, and by nobody else while waiting: other waiters sleep on their CQ.
+//! engine lock. The engine lock itself is held across the sleep on the processor's
+//! descriptor by the thread that drives, and by nobody else while waiting: other waiters
+//! sleep on their CQ.
 //!
 //! **Wake table**: every place a thread sleeps on a driven queue, who wakes it, and how a
 //! wake-up cannot be lost. "Dekker" means the store-buffering pair: each side stores its own
@@ -54,10 +56,10 @@
 //! | sleeper, where | woken by | flag | fence pair |
 //! |---|---|---|---|
 //! | CQ waiter, futex `CqShared::seq` (`CompletionQueue::wait`) | `CqShared::notify` after a batch of completions (whoever runs the processor); `CqShared::wake` (a `CqWaker`) | `CqShared::sleepers` | Dekker: waiter counts itself, fence, reads `seq`, polls ring and `woken` / notifier pushes (or sets `woken`), fence, reads `sleepers` |
-//! | whoever drives (host or NIC thread), asleep in `Processor::sleep` (epoll) | the waker: `NicThread::ring_doorbell`, `NicThread::manage`, a waiter asking for the processor (`wanted`), `CqShared::wake` through [`QueueDriver::interrupt`]; the kernel | `Shared::sleeping` (doorbells), `CqShared::driving` (CQ wakes) | Dekker: sleeper sets `sleeping`, fence, looks at the FIFO, commands and its stop condition (the CQ's news, `wanted`) / poster pushes, fence, reads `sleeping`; waker sets `woken`, fence, reads `driving` (counted before the drive's first sleep fence). Commands and `wanted` ring the waker always |
-//! | NIC thread parked, futex `Handover::park`, timed (grace) or until a drive ends | `Handover::kick`: `manage`, `shutdown`, a leaving driver (`rules::leave`); a timed sleep's own timeout | `Handover::parked_untimed` | Dekker: NIC thread sets it, fence, looks that the same drive still holds the engine / driver unlocks, stores `last_exit`, fence, reads it. `park` is read before the look, so a kick in between ends the sleep at once |
-//! | NIC thread watching, poll(2) on `Processor::watch_fd` | the waker (it is in that epoll set): `ring_doorbell`, `manage`, `shutdown`, a leaving driver (`Call::ParkedAndWatching`); the kernel | `Handover::watching` | Dekker: NIC thread sets it, fence, looks at the FIFO, commands, `resume`, `waiters`, `stop` / poster pushes (driver stores `resume`, `last_exit`), fence, reads it |
-//! | NIC thread in the doorbell wait, futex `Handover::park`, at most `rules::DOORBELL_WAIT` | `Handover::kick`, or its timeout | none: bounded | none needed |
+//! | whoever drives (host or NIC thread), asleep on the processor's descriptor (`sleep::sleep` on `Processor::watch_fd`, from `shell::drive`) | the waker (it makes that descriptor readable): `NicThread::ring_doorbell`, `NicThread::manage`, a waiter asking for the processor (`wanted`), `CqShared::wake` through [`QueueDriver::interrupt`]; the kernel | `Shared::sleeping` (doorbells), `CqShared::driving` (CQ wakes) | Dekker: sleeper sets `sleeping`, fence, looks at the FIFO, commands and its stop condition (the CQ's news, `wanted`) / poster pushes, fence, reads `sleeping`; waker sets `woken`, fence, reads `driving` (counted before the drive's first sleep fence). Commands and `wanted` ring the waker always |
+//! | NIC thread parked, `sleep::sleep` on its kick alone (`Handover::kick`, an eventfd), timed (grace) or until a drive ends | `Handover::kick`: `manage`, `shutdown`, a leaving driver (`rules::leave`); a timed sleep's own timeout | `Handover::parked_untimed` | Dekker: NIC thread sets it, fence, looks that the same drive still holds the engine / driver unlocks, stores `last_exit`, fence, reads it. The kick's count stays until a sleep that saw it takes it (before the next look), so a kick before the sleep ends it at once |
+//! | NIC thread watching, `sleep::sleep` on `Processor::watch_fd` and its kick, without the processor | the waker (in that descriptor): `ring_doorbell`, `manage`; the kick: `manage`, `shutdown`, a leaving driver that leaves work (`Call::NicThread`); the kernel | `Handover::watching` (doorbells) | Dekker: NIC thread sets it, fence, looks at the FIFO, commands, `resume`, `waiters`, `stop` / poster pushes, fence, reads it. A leaving driver reads no flag: it kicks whenever it leaves sends, waiters or work, and the kick's count outlives a sleep not yet begun |
+//! | NIC thread in the doorbell wait, `sleep::sleep` on its kick, at most `rules::DOORBELL_WAIT` | `Handover::kick`, or its timeout | none: bounded | none needed |
 //! | waiter asking for the processor, blocked on the engine lock | the holder's unlock (the NIC thread's is fair: straight to the asker) | `Handover::wanted` | `wanted` (Release) then the waker, always; the NIC thread reads it (Acquire) after each turn and before each sleep |
 //! | async CQ waiter (`wait_async`, `CqShared::event`) | `notify`, `wake` | the listener | event-listener's: listen, then poll again / `Event::notify` fences before it looks for listeners. Async waiters never drive: on a driven queue their completions come from the NIC thread, at most a grace after the last drive |
 //! | command reply (`ReplyReceiver::wait_until`) | `ReplySender::send`, or its drop | the slot's state, under its mutex | the slot's mutex, then event-listener's as above; the command itself reaches the engine through `manage` (waker and kick, always) |
@@ -65,11 +67,18 @@
 //! A full bounded doorbell FIFO is not a sleep: the poster rings the waker and yields until
 //! the engine makes room.
 //!
+//! **One sleep site.** The processor never blocks: it steps (`Processor::step` returns a
+//! `Progress`), names the descriptor to watch (`Processor::watch_fd`) and says when its
+//! timers are due (`Processor::poll_in`), as smoltcp's interface does. Every sleep of the
+//! NIC thread and of a host thread driving is `sleep::sleep`: one `ppoll(2)` on that
+//! descriptor, the NIC thread's kick, or both, with the timeout the rules give.
+//!
 //! **The files.** This one: the contract, and the [`QueueDriver`] a CQ wait drives through;
 //! `rules`: the hand-over decisions, pure; `driven`: the driven queue (the processor behind
 //! its engine lock, the NIC thread's loop, a host thread's drive) translating the shared
 //! flags to the rules and back; `handover`: the flags host drivers and the NIC thread share;
-//! `sync`: the sleepers' side of the fence pairs, and their loom models. The NIC thread's
+//! `sleep`: the one place they sleep; `sync`: the sleepers' side of the fence pairs, and
+//! their loom models. The NIC thread's
 //! shell (command queue, doorbell FIFO, turns) is [`crate::machines::shell`].
 
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -78,6 +87,7 @@ use std::time::{Duration, Instant};
 mod driven;
 pub(crate) mod handover;
 pub(crate) mod rules;
+pub(crate) mod sleep;
 pub(crate) mod sync;
 
 /// How a drive ended.

@@ -100,8 +100,6 @@ pub(crate) struct Departure {
     pub work: bool,
     /// The NIC thread sleeps without a timer until a drive ends.
     pub parked_untimed: bool,
-    /// The NIC thread watches the physical layer (asleep in poll(2), not on its futex).
-    pub watching: bool,
 }
 
 /// Whom a leaving driver wakes.
@@ -109,21 +107,17 @@ pub(crate) struct Departure {
 pub(crate) enum Call {
     /// Nobody: the queue is left to the next waiter, or to the NIC thread after its grace.
     Nobody,
-    /// The parked NIC thread (its futex), to drive now.
-    Parked,
-    /// The parked NIC thread, and the waker too, for it watches the physical layer.
-    ParkedAndWatching,
+    /// The NIC thread (its kick, wherever it sleeps), to look again and drive.
+    NicThread,
 }
 
 /// Handing back: a driver that leaves while others wait, with sends under way or work
 /// queued, or behind a NIC thread that sleeps until a drive ends, wakes the NIC thread.
 pub(crate) fn leave(d: Departure) -> Call {
-    if !(d.sending || d.waiters > 1 || d.work || d.parked_untimed) {
-        Call::Nobody
-    } else if d.watching {
-        Call::ParkedAndWatching
+    if d.sending || d.waiters > 1 || d.work || d.parked_untimed {
+        Call::NicThread
     } else {
-        Call::Parked
+        Call::Nobody
     }
 }
 
@@ -156,9 +150,9 @@ pub(crate) enum Park {
     Stop,
     /// Take the processor and drive.
     Drive,
-    /// Sleep on the futex at most this long, then look again.
+    /// Sleep on the kick at most this long, then look again.
     Sleep(Duration),
-    /// Sleep on the futex until the drive of this count ends (its end wakes us: announce
+    /// Sleep on the kick until the drive of this count ends (its end wakes us: announce
     /// it, then look again that it still runs).
     UntilDriveEnds { drives: u64 },
 }
@@ -226,8 +220,6 @@ impl Parking {
 pub(crate) struct Holding {
     /// It must let go (the NIC stops, or a waiter asked for the processor).
     pub let_go: bool,
-    /// The processor names a descriptor to watch while idle.
-    pub watches: bool,
     /// Threads in a CQ wait on the queue.
     pub waiters: u32,
 }
@@ -237,13 +229,10 @@ pub(crate) struct Holding {
 pub(crate) enum Run {
     /// Not at all: let go at once.
     LetGo,
-    /// Turns and sleeps in the processor until told to let go (a processor with nothing to
-    /// watch sleeps holding it).
-    UntilLetGo,
     /// Turns without sleeping until one finds nothing to do, then let go and watch.
     UntilIdle,
     /// Host threads wait without driving (asleep behind a driver that left): drive for them,
-    /// sleeping in the processor, while they do.
+    /// sleeping on the processor's descriptor, while they do.
     ForWaiters,
 }
 
@@ -251,8 +240,6 @@ pub(crate) enum Run {
 pub(crate) fn hold(h: Holding) -> Run {
     if h.let_go {
         Run::LetGo
-    } else if !h.watches {
-        Run::UntilLetGo
     } else if h.waiters == 0 {
         Run::UntilIdle
     } else {
@@ -265,26 +252,25 @@ pub(crate) fn hold(h: Holding) -> Run {
 pub(crate) enum RunEnd {
     /// Nothing left to do (or nobody left to drive for).
     Idle,
-    /// Told to let go (stop, or a waiter asked), or a run that never idles.
+    /// Told to let go (stop, or a waiter asked).
     LetGo,
 }
 
 /// Where the NIC thread sleeps after letting go of the processor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Rest<Fd> {
-    /// Watch the physical layer's descriptor without the processor (poll(2)), so that a
-    /// waiter finds it free at once.
-    Watch(Fd),
-    /// Park on the futex.
+pub(crate) enum Rest {
+    /// Watch the processor's descriptor without the processor, so that a waiter finds it
+    /// free at once.
+    Watch,
+    /// Park: sleep on the kick alone, the processor left to host threads.
     Park,
 }
 
-/// Letting go when idle: an idle NIC thread whose processor names a descriptor (`watch_fd`)
-/// watches it; the holding processor the NIC thread leaves when told parks.
-pub(crate) fn rest<Fd>(end: RunEnd, watch_fd: Option<Fd>) -> Rest<Fd> {
-    match (end, watch_fd) {
-        (RunEnd::Idle, Some(fd)) => Rest::Watch(fd),
-        _ => Rest::Park,
+/// Letting go when idle: an idle NIC thread watches; one told to let go parks.
+pub(crate) fn rest(end: RunEnd) -> Rest {
+    match end {
+        RunEnd::Idle => Rest::Watch,
+        RunEnd::LetGo => Rest::Park,
     }
 }
 
@@ -301,10 +287,10 @@ pub(crate) struct WatchLook {
     pub waiters: u32,
 }
 
-/// Whether the watch sleeps in poll(2): not when something already calls for the processor.
+/// Whether the watch sleeps: not when something already calls for the processor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Watch {
-    /// Sleep in poll(2) until the descriptor is readable or the waker rings.
+    /// Sleep until the descriptor is readable (the kernel, the waker) or the kick rings.
     Poll,
     /// Something is pending: go on at once.
     Skip,
@@ -334,7 +320,7 @@ pub(crate) struct Woken {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Watched {
     /// The doorbell wait: the poster usually waits on its CQ right after and drives the
-    /// queue itself; sleep on the futex at most this long to give it that moment rather
+    /// queue itself; sleep on the kick at most this long to give it that moment rather
     /// than take the processor from it, then look again ([`after_watch`] with `waited`).
     LeaveToPoster(Duration),
     /// Take the processor and drive (or stop).
@@ -413,19 +399,13 @@ mod tests {
             waiters: 1,
             work: false,
             parked_untimed: false,
-            watching: false,
         }
     }
 
     #[test]
     fn a_lone_driver_with_nothing_left_wakes_nobody() {
+        // Even behind a watching NIC thread: the watcher sees what arrives itself.
         assert_eq!(leave(departure()), Call::Nobody);
-        // Watching alone is no reason: the watcher sees what arrives itself.
-        let d = Departure {
-            watching: true,
-            ..departure()
-        };
-        assert_eq!(leave(d), Call::Nobody);
     }
 
     #[test]
@@ -434,12 +414,7 @@ mod tests {
             waiters: 2,
             ..departure()
         };
-        assert_eq!(leave(d), Call::Parked);
-        let d = Departure {
-            watching: true,
-            ..d
-        };
-        assert_eq!(leave(d), Call::ParkedAndWatching);
+        assert_eq!(leave(d), Call::NicThread);
     }
 
     #[test]
@@ -458,7 +433,7 @@ mod tests {
                 ..departure()
             },
         ] {
-            assert_eq!(leave(d), Call::Parked, "{d:?}");
+            assert_eq!(leave(d), Call::NicThread, "{d:?}");
         }
     }
 
@@ -549,28 +524,22 @@ mod tests {
         assert_eq!(p.look(ParkLook::Stopped, Instant::now()), Park::Stop);
     }
 
-    fn holding(let_go: bool, watches: bool, waiters: u32) -> Holding {
-        Holding {
-            let_go,
-            watches,
-            waiters,
-        }
+    fn holding(let_go: bool, waiters: u32) -> Holding {
+        Holding { let_go, waiters }
     }
 
     #[test]
     fn the_nic_thread_runs_until_idle_for_nobody_and_drives_for_waiters() {
-        assert_eq!(hold(holding(true, true, 0)), Run::LetGo);
-        assert_eq!(hold(holding(false, false, 0)), Run::UntilLetGo);
-        assert_eq!(hold(holding(false, false, 2)), Run::UntilLetGo);
-        assert_eq!(hold(holding(false, true, 0)), Run::UntilIdle);
-        assert_eq!(hold(holding(false, true, 2)), Run::ForWaiters);
+        assert_eq!(hold(holding(true, 0)), Run::LetGo);
+        assert_eq!(hold(holding(true, 2)), Run::LetGo);
+        assert_eq!(hold(holding(false, 0)), Run::UntilIdle);
+        assert_eq!(hold(holding(false, 2)), Run::ForWaiters);
     }
 
     #[test]
     fn an_idle_nic_thread_lets_go_and_watches() {
-        assert_eq!(rest(RunEnd::Idle, Some(7)), Rest::Watch(7));
-        assert_eq!(rest(RunEnd::Idle, None::<i32>), Rest::Park);
-        assert_eq!(rest(RunEnd::LetGo, Some(7)), Rest::Park);
+        assert_eq!(rest(RunEnd::Idle), Rest::Watch);
+        assert_eq!(rest(RunEnd::LetGo), Rest::Park);
     }
 
     #[test]

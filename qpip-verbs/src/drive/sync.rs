@@ -91,8 +91,8 @@ mod loom_models {
     use loom::sync::Arc;
     use loom::sync::atomic::AtomicBool;
 
-    /// The doorbell and its sleeping engine (`ring_doorbell` against `shell::drive`'s sleep;
-    /// the watching NIC thread and a drive's end are the same pair).
+    /// The doorbell and its sleeping engine (`ring_doorbell` against `shell::drive`'s sleep on
+    /// the processor's descriptor; the watching NIC thread is the same pair).
     #[test]
     fn loom_doorbell_and_sleep_lose_no_wake_up() {
         loom::model(|| {
@@ -164,6 +164,33 @@ mod loom_models {
             let news = woken.load(Ordering::Acquire);
             let interrupted = waker.join().unwrap();
             assert!(news || interrupted, "the driver slept through a wake");
+        });
+    }
+
+    /// A drive's end against the NIC thread parked until it ends (`DrivenQueue::drive`'s
+    /// departure against `DrivenQueue::park`'s `Park::UntilDriveEnds`): the driver lets go of
+    /// the engine lock and stores its end, fences, and kicks if it sees `parked_untimed`; the
+    /// NIC thread raises it, fences, and sleeps only if the drive still holds the lock.
+    #[test]
+    fn loom_drive_end_reaches_the_nic_thread_parked_untimed() {
+        loom::model(|| {
+            let parked_untimed = Arc::new(SleepFlag::new());
+            let held = Arc::new(AtomicBool::new(true));
+            let driver = {
+                let (parked_untimed, held) = (parked_untimed.clone(), held.clone());
+                loom::thread::spawn(move || {
+                    held.store(false, Ordering::Release); // the engine lock let go
+                    posted();
+                    parked_untimed.raised() // kicks
+                })
+            };
+            parked_untimed.raise();
+            let still_held = held.load(Ordering::Acquire);
+            let kicked = driver.join().unwrap();
+            assert!(
+                !still_held || kicked,
+                "the NIC thread slept through the drive's end"
+            );
         });
     }
 }

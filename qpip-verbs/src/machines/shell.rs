@@ -3,9 +3,10 @@
 //! The host side hands it management commands (a queue) and doorbells (the doorbell FIFO,
 //! one entry per QP however many WRs were posted). The loop runs commands, then doorbells,
 //! then one non-blocking `step` of the backend's physical layer; after its poll window
-//! without work it announces that it sleeps and calls the backend's blocking `sleep`. A
-//! backend supplies only [`Processor`]: where its commands and doorbells go, `step` and
-//! `sleep`.
+//! without work it announces that it sleeps and sleeps on the descriptor the processor names
+//! (`drive::sleep`, the one place a thread running a queue sleeps). A backend
+//! supplies only [`Processor`]: where its commands and doorbells go, `step`, and what to
+//! watch; it never blocks.
 //!
 //! Batching belongs here: the doorbells are drained as one batch per turn before the
 //! physical layer runs. The poll window is learned from arrivals ([`PollWindow`]), up to
@@ -25,6 +26,7 @@ use crate::backend::Command;
 use crate::drive::QueueDriver;
 use crate::drive::handover::Handover;
 use crate::drive::rules::{Ended, RunEnd};
+use crate::drive::sleep::sleep;
 use crate::drive::sync::{SleepFlag, posted};
 use crate::error::{Error, Result};
 use crate::poll_window::PollWindow;
@@ -38,12 +40,20 @@ pub trait Processor {
     /// Doorbell: `qp` has new WRs. Clear its doorbell flag before reading its rings, so a WR
     /// posted after that rings again.
     fn doorbell(&mut self, qp: QpNum);
-    /// Moves whatever the physical layer has ready, without blocking.
+    /// Moves whatever the physical layer has ready, without blocking, and takes what made
+    /// [`Self::watch_fd`] readable.
     fn step(&mut self) -> Progress;
-    /// Blocks until the physical layer has something, the waker rings or `timeout` passes
-    /// (None: no limit); [`Progress::Worked`] if it already handled work (the shell then
-    /// counts the turn as busy).
-    fn sleep(&mut self, timeout: Option<Duration>) -> Progress;
+    /// The descriptor that is readable (`poll(2)`) while the physical layer has something for
+    /// [`Self::step`] or the waker has rung (an epoll instance holding both, an io_uring's).
+    /// Whoever runs the processor sleeps on it, and the NIC thread of a driven queue watches
+    /// it without holding the processor, so that a host thread that comes to wait finds the
+    /// processor free.
+    fn watch_fd(&self) -> std::os::fd::RawFd;
+    /// How soon a timer of the physical layer is due (smoltcp's `poll_delay`): a sleep lasts
+    /// at most this long. None: no timer.
+    fn poll_in(&self) -> Option<Duration> {
+        None
+    }
     /// The NIC stops (the last commands have run): last frames out, connections down.
     fn stop(&mut self);
     /// Posted sends still wait for the wire (a socket that would block): a host thread that
@@ -51,17 +61,35 @@ pub trait Processor {
     fn sending(&self) -> bool {
         false
     }
-    /// A descriptor that is readable (`poll(2)`) while the physical layer has something for
-    /// [`Self::step`], without taking it (an epoll instance's own descriptor): the NIC thread
-    /// of a driven queue watches it without holding the processor, so that a host thread
-    /// that comes to wait finds the processor free. None: the NIC thread sleeps in
-    /// [`Self::sleep`], holding it.
-    fn watch_fd(&self) -> Option<std::os::fd::RawFd> {
-        None
+}
+
+/// A processor chosen when the NIC thread starts (say, io_uring or epoll, as the kernel
+/// allows).
+impl<P: Processor + ?Sized> Processor for Box<P> {
+    fn command(&mut self, cmd: Command) {
+        (**self).command(cmd)
+    }
+    fn doorbell(&mut self, qp: QpNum) {
+        (**self).doorbell(qp)
+    }
+    fn step(&mut self) -> Progress {
+        (**self).step()
+    }
+    fn watch_fd(&self) -> std::os::fd::RawFd {
+        (**self).watch_fd()
+    }
+    fn poll_in(&self) -> Option<Duration> {
+        (**self).poll_in()
+    }
+    fn stop(&mut self) {
+        (**self).stop()
+    }
+    fn sending(&self) -> bool {
+        (**self).sending()
     }
 }
 
-/// What a turn of the physical layer ([`Processor::step`], [`Processor::sleep`]) did.
+/// What a turn of the physical layer ([`Processor::step`]) did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Progress {
     /// Something moved: data, a connection, a timer.
@@ -126,8 +154,8 @@ impl Doorbells {
 pub(crate) struct Shared {
     commands: SegQueue<Command>,
     doorbells: Doorbells,
-    /// Whoever runs the processor (the NIC thread or a driving host thread) blocks in its
-    /// `sleep`: a doorbell must ring the waker.
+    /// Whoever runs the processor (the NIC thread or a driving host thread) sleeps on its
+    /// descriptor: a doorbell must ring the waker.
     sleeping: SleepFlag,
     pub(crate) stop: AtomicBool,
     waker: mio::Waker,
@@ -168,14 +196,14 @@ pub struct NicThread {
 impl NicThread {
     /// Starts the thread and returns once `build` has made the processor on it (it need not
     /// be `Send`, and what it sets up — an io_uring, say — belongs to the NIC thread, not to
-    /// the caller's). `waker` must interrupt the processor's `sleep`. Only the NIC thread
-    /// runs the processor, as a device's own processor runs its firmware.
+    /// the caller's). `waker` must make the processor's [`Processor::watch_fd`] readable.
+    /// Only the NIC thread runs the processor, as a device's own processor runs its firmware.
     pub fn spawn<P: Processor>(
         cfg: ShellConfig,
         waker: mio::Waker,
         build: impl FnOnce() -> P + Send + 'static,
     ) -> Result<NicThread> {
-        let shared = Shared::new(&cfg, waker);
+        let shared = Shared::new(&cfg, waker)?;
         let spin = cfg.spin;
         Self::start(cfg, shared, move |shared, started| {
             let nic = build();
@@ -288,12 +316,14 @@ impl NicThread {
 type Started = std::sync::mpsc::Sender<Option<Arc<dyn QueueDriver>>>;
 
 impl Shared {
-    pub(crate) fn new(cfg: &ShellConfig, waker: mio::Waker) -> Arc<Shared> {
+    pub(crate) fn new(cfg: &ShellConfig, waker: mio::Waker) -> Result<Arc<Shared>> {
         let doorbells = match cfg.doorbell_fifo {
             Some(n) => Doorbells::Bounded(ArrayQueue::new(n.max(1))),
             None => Doorbells::Unbounded(SegQueue::new()),
         };
-        Arc::new(Shared {
+        let handover =
+            Handover::new().map_err(|e| Error::Engine(format!("{}: eventfd: {e}", cfg.name)))?;
+        Ok(Arc::new(Shared {
             commands: SegQueue::new(),
             doorbells,
             sleeping: SleepFlag::new(),
@@ -301,8 +331,8 @@ impl Shared {
             waker,
             tid: AtomicI32::new(0),
             dead: AtomicBool::new(false),
-            handover: Handover::default(),
-        })
+            handover,
+        }))
     }
 }
 
@@ -377,10 +407,10 @@ impl Turns {
     }
 }
 
-/// Runs the processor's turns — commands, then doorbells, then a look at the physical layer
+/// Runs the processor's turns — commands, then doorbells, then a step of the physical layer
 /// — until `done()` (looked at after the work of each turn and before sleeping) or
-/// `deadline`; polls for the learned window after the last work, then sleeps in the
-/// processor.
+/// `deadline`; polls for the learned window after the last work, then sleeps on the
+/// processor's descriptor (`drive::sleep`).
 pub(crate) fn drive<P: Processor>(
     shared: &Shared,
     nic: &mut P,
@@ -388,16 +418,20 @@ pub(crate) fn drive<P: Processor>(
     done: &mut dyn FnMut() -> bool,
     deadline: Option<Instant>,
 ) -> Ended {
+    // The processor may hold what no step has taken: after a sleep (what woke it), or
+    // after a step that found work (a stream). Otherwise a host thread that never polls
+    // skips the step: its sleep returns at once if something is ready (one system call
+    // fewer per wait); the NIC thread always steps (an io_uring engine submits there).
+    let mut fresh = false;
     loop {
         let mut worked = run_commands(shared, nic);
         worked |= run_doorbells(shared, nic);
         if done() {
             return Ended::Done;
         }
-        // A thread that never polls sleeps at once: its sleep returns what is ready
-        // without a separate look first (one system call fewer per wait).
-        if turns.window.max() > Duration::ZERO {
-            worked |= nic.step().worked();
+        if fresh || !turns.host || turns.window.max() > Duration::ZERO {
+            fresh = nic.step().worked();
+            worked |= fresh;
         }
         if worked {
             turns.worked(turns.slept);
@@ -414,12 +448,16 @@ pub(crate) fn drive<P: Processor>(
             }
             continue;
         }
-        let timeout = match deadline {
+        let left = match deadline {
             Some(d) => match d.checked_duration_since(Instant::now()) {
                 Some(left) if !left.is_zero() => Some(left),
                 _ => return Ended::Deadline,
             },
             None => None,
+        };
+        let timeout = match (left, nic.poll_in()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         };
         // Pairs with ring_doorbell's `posted`: either the host sees `sleeping` and wakes us,
         // or we see its doorbell here.
@@ -428,12 +466,11 @@ pub(crate) fn drive<P: Processor>(
             shared.sleeping.lower();
             continue;
         }
-        let progress = nic.sleep(timeout);
+        sleep(Some(nic.watch_fd()), None, timeout);
+        fresh = true;
         shared.sleeping.lower();
+        // The next turn's step takes what woke us, and learns from it.
         turns.slept = true;
-        if progress.worked() {
-            turns.worked(true);
-        }
     }
 }
 
