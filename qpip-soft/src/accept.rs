@@ -2,13 +2,14 @@
 //! connection becomes a QP's, on whatever thread pairs them.
 //!
 //! A listener ([`Listening`]) is shared by the queue that listens (its engine mates waiting
-//! accepts as connections arrive) and the NIC's [`Queues`], so that an accept that finds a
+//! accepts as connections arrive) and the NIC's queues (`queues::Queues`, the [`QpTable`]
+//! that claims and pairs QPs), so that an accept that finds a
 //! connection already waiting in the kernel's backlog is answered on the calling thread, with
 //! no command and no hand-off to an engine. The kernel's listen queue is the backlog; a
 //! connection its peer reset before anyone took it is closed here and never reaches a QP (a
 //! port scanner's flood costs the application nothing).
 //!
-//! Pairing ([`Queues::pair`]) claims the idle QP (Init → Connecting), records the addresses,
+//! Pairing ([`QpTable::pair`]) claims the idle QP (Init → Connecting), records the addresses,
 //! makes the QP Ready and answers the accept; the connection itself goes to the QP's queue
 //! through that queue's inbox ([`Inbox`], soft-internal) and the QP's doorbell, as the host
 //! hands the NIC its WRs: the queue's engine attaches it ([`super::link::EngineQp::attach`])
@@ -27,8 +28,24 @@ use qpip_verbs::reply::ReplySender;
 use qpip_verbs::shared::{QpShared, QpState};
 use qpip_verbs::wr::QpNum;
 
-use crate::queues::Queues;
 use crate::stream::{Acceptor, Stream};
+
+/// What accepting needs of the NIC's QPs: the NIC's queues implement it.
+pub(crate) trait QpTable {
+    /// Takes the idle reliable QP `qp` for a connection (Init → Connecting), so that nothing
+    /// else pairs or connects it meanwhile.
+    fn claim(&self, qp: QpNum) -> io::Result<Arc<QpShared>>;
+    /// Gives `stream` to `qp` (claimed by [`QpTable::claim`]) and answers its accept: the QP
+    /// is Ready with its addresses from here on; its queue attaches the socket at the QP's
+    /// doorbell, before it reads the QP's rings.
+    fn pair(
+        &self,
+        qp: &Arc<QpShared>,
+        stream: Stream,
+        peer: SocketAddr,
+        reply: ReplySender<MgmtResult>,
+    );
+}
 
 /// Connections handed to one queue's QPs, each taken in by the engine when it next looks at
 /// its QP (the QP's doorbell, a command about it). By QP: a queue's commands may run before
@@ -41,7 +58,7 @@ pub(crate) struct Inbox {
 }
 
 impl Inbox {
-    fn put(&self, qp: QpNum, stream: Stream) {
+    pub(crate) fn put(&self, qp: QpNum, stream: Stream) {
         let mut streams = self.streams.lock();
         // A QP is claimed once: nothing is there before.
         streams.insert(qp, stream);
@@ -119,7 +136,7 @@ impl Listening {
     /// (the listener's queue then queues the accept).
     pub(crate) fn accept_now(
         &self,
-        all: &Queues,
+        all: &dyn QpTable,
         qp: QpNum,
         reply: ReplySender<MgmtResult>,
     ) -> Option<ReplySender<MgmtResult>> {
@@ -156,7 +173,7 @@ impl Listening {
     }
 
     /// Mates waiting accepts with the connections there are; true while accepts still wait.
-    pub(crate) fn mate(&self, all: &Queues) -> bool {
+    pub(crate) fn mate(&self, all: &dyn QpTable) -> bool {
         let mut b = self.backlog.lock();
         while !b.accepts.is_empty() {
             let Some(conn) = b.take(&self.sock) else {
@@ -190,26 +207,5 @@ impl Listening {
                 "listener closed",
             )));
         }
-    }
-}
-
-impl Queues {
-    /// Gives `stream` to `qp` (claimed by [`Queues::claim`]) and answers its accept: the QP
-    /// is Ready with its addresses from here on; its queue attaches the socket at the QP's
-    /// doorbell, before it reads the QP's rings.
-    pub(crate) fn pair(
-        &self,
-        qp: &Arc<QpShared>,
-        stream: Stream,
-        peer: SocketAddr,
-        reply: ReplySender<MgmtResult>,
-    ) {
-        let (local, remote) = stream.ip_addrs();
-        qp.set_addrs(local, remote.map(|_| peer));
-        qp.transition(QpState::Connecting, QpState::Ready);
-        let q = qp.queue.load(Ordering::Acquire) as usize;
-        self.inbox(q).put(qp.num, stream);
-        self.ring_doorbell(qp);
-        reply.send(Ok(peer));
     }
 }

@@ -276,7 +276,7 @@ impl<Q: RingIo> Engine<Q> {
         let Some(mut l) = self.listeners.remove(&id) else {
             return;
         };
-        if !l.listening.mate(&all) {
+        if !l.listening.mate(&*all) {
             self.disarm(&mut l);
         }
         self.listeners.insert(id, l);

@@ -17,18 +17,20 @@
 
 use std::collections::HashMap;
 use std::io;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
 use parking_lot::Mutex;
-use qpip_verbs::backend::{Command, ListenerId};
+use qpip_verbs::backend::{Command, ListenerId, MgmtResult};
 use qpip_verbs::machines::mgmt::{no_qp, not_idle};
 use qpip_verbs::machines::shell::NicThread;
-use qpip_verbs::reply::reply_channel;
+use qpip_verbs::reply::{ReplySender, reply_channel};
 use qpip_verbs::shared::{QpKind, QpShared, QpState};
 use qpip_verbs::wr::QpNum;
 
-use crate::accept::{Inbox, Listening};
+use crate::accept::{Inbox, Listening, QpTable};
+use crate::stream::Stream;
 
 /// Where a live QP is.
 struct Placed {
@@ -85,19 +87,6 @@ impl Queues {
     /// The queue of `qp`, if it lives.
     fn queue_of(&self, qp: QpNum) -> Option<usize> {
         self.placed.lock().get(&qp).map(|p| p.queue)
-    }
-
-    /// Takes the idle reliable QP `qp` for a connection (Init → Connecting), so that nothing
-    /// else pairs or connects it meanwhile.
-    pub(crate) fn claim(&self, qp: QpNum) -> io::Result<Arc<QpShared>> {
-        let shared = self.placed.lock().get(&qp).and_then(|p| p.qp.upgrade());
-        let shared = shared.ok_or_else(|| no_qp(qp))?;
-        if shared.kind == QpKind::Reliable && shared.transition(QpState::Init, QpState::Connecting)
-        {
-            Ok(shared)
-        } else {
-            Err(not_idle(qp, "reliable"))
-        }
     }
 
     /// A listener opened on one of the queues.
@@ -252,5 +241,34 @@ impl Queues {
         for t in self.threads() {
             t.shutdown();
         }
+    }
+}
+
+impl QpTable for Queues {
+    fn claim(&self, qp: QpNum) -> io::Result<Arc<QpShared>> {
+        let shared = self.placed.lock().get(&qp).and_then(|p| p.qp.upgrade());
+        let shared = shared.ok_or_else(|| no_qp(qp))?;
+        if shared.kind == QpKind::Reliable && shared.transition(QpState::Init, QpState::Connecting)
+        {
+            Ok(shared)
+        } else {
+            Err(not_idle(qp, "reliable"))
+        }
+    }
+
+    fn pair(
+        &self,
+        qp: &Arc<QpShared>,
+        stream: Stream,
+        peer: SocketAddr,
+        reply: ReplySender<MgmtResult>,
+    ) {
+        let (local, remote) = stream.ip_addrs();
+        qp.set_addrs(local, remote.map(|_| peer));
+        qp.transition(QpState::Connecting, QpState::Ready);
+        let q = qp.queue.load(Ordering::Acquire) as usize;
+        self.inbox(q).put(qp.num, stream);
+        self.ring_doorbell(qp);
+        reply.send(Ok(peer));
     }
 }

@@ -202,6 +202,15 @@ impl Qcow2 {
     ) -> io::Result<Qcow2> {
         let opened = header::read(&file, tables_left, snapshot)?;
         let h = opened.header;
+        let bitmaps = bitmaps::read(
+            &file,
+            h.bitmaps_ext,
+            h.autoclear,
+            h.cluster_bits,
+            h.size,
+            file.metadata()?.len(),
+            tables_left,
+        )?;
         let crypt = match (h.luks, passphrase) {
             (None, _) => None,
             (Some((at, len)), Some(passphrase)) => Some(luks::unlock(&file, at, len, passphrase)?),
@@ -239,7 +248,7 @@ impl Qcow2 {
                 l2_tables: opened.l2_tables,
                 next_free: opened.next_free,
                 corrupt: false,
-                bitmaps: opened.bitmaps,
+                bitmaps,
                 closed: false,
             }),
             #[cfg(test)]

@@ -21,8 +21,6 @@ use std::os::unix::fs::FileExt;
 use super::{Qcow2, State, be32, be64, read_table, unsupported};
 use crate::store::Dirty;
 
-/// The header extension that locates the bitmap directory.
-pub(super) const EXT_BITMAPS: u32 = 0x2385_2875;
 /// Autoclear bit 0: the bitmaps extension is consistent with the image.
 pub(super) const AUTOCLEAR_BITMAPS: u64 = 1;
 

@@ -5,7 +5,6 @@ use std::collections::HashSet;
 use std::fs::File;
 use std::io;
 
-use super::bitmaps::{self, Bitmaps, EXT_BITMAPS};
 use super::{OFFSET_MASK, be32, be64, read_some, read_table, unsupported};
 
 /// crypt_method: qcow2's legacy AES, and LUKS.
@@ -61,7 +60,7 @@ pub(super) struct Header {
     /// How compressed clusters are compressed.
     pub compression: Compression,
     /// The bitmaps extension's data (offset in the file, length), if the header has one.
-    bitmaps_ext: Option<(u64, usize)>,
+    pub bitmaps_ext: Option<(u64, usize)>,
     /// Encrypted with LUKS (crypt_method 2): where its LUKS header lies (at, len), from the
     /// full disk encryption header extension.
     pub luks: Option<Range>,
@@ -81,6 +80,8 @@ pub(super) struct Names {
 const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
 const EXT_DATA_FILE: u32 = 0x4441_5441;
 const EXT_CRYPTO_HEADER: u32 = 0x0537_be77;
+/// The persistent dirty bitmaps' extension (`bitmaps.rs` reads what it points at).
+const EXT_BITMAPS: u32 = 0x2385_2875;
 
 /// The compression type of compressed clusters (header byte 104).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -137,8 +138,6 @@ pub(super) struct Opened {
     pub snapshot_metadata: Vec<(u64, u64)>,
     /// The end of the file, cluster aligned.
     pub next_free: u64,
-    /// The persistent dirty bitmaps.
-    pub bitmaps: Bitmaps,
 }
 
 /// Parses the header of `file` (which starts with the qcow2 magic), refuses what this
@@ -268,17 +267,7 @@ pub(super) fn read(
         .filter(|&t| t != 0)
         .collect();
     let next_free = file_len.div_ceil(cluster) * cluster;
-    let bitmaps = bitmaps::read(
-        file,
-        h.bitmaps_ext,
-        h.autoclear,
-        cluster_bits,
-        size,
-        file_len,
-        tables_left,
-    )?;
     Ok(Opened {
-        bitmaps,
         snapshot_metadata,
         header: h,
         names,
