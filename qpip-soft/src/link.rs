@@ -67,6 +67,33 @@ enum After {
     DropLink,
 }
 
+/// What an epoll event says of a socket, as the QP's machines need it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Ready {
+    /// A read may make progress (data, end of stream or an error to report).
+    pub readable: bool,
+    /// The peer will send no more, or the socket failed.
+    pub read_closed: bool,
+    /// A write may make progress (room, or an error to report).
+    pub writable: bool,
+}
+
+impl Ready {
+    /// From epoll's event bits, read as mio reads them.
+    pub(super) fn from_epoll(bits: u32) -> Ready {
+        let has = |flag: libc::c_int| bits & flag as u32 != 0;
+        let error = has(libc::EPOLLERR);
+        let hup = has(libc::EPOLLHUP);
+        let read_closed = hup || (has(libc::EPOLLIN) && has(libc::EPOLLRDHUP));
+        let write_closed = hup || (has(libc::EPOLLOUT) && error) || bits == libc::EPOLLERR as u32;
+        Ready {
+            readable: has(libc::EPOLLIN) || has(libc::EPOLLPRI) || read_closed || error,
+            read_closed: read_closed || error,
+            writable: has(libc::EPOLLOUT) || write_closed || error,
+        }
+    }
+}
+
 pub(super) struct EngineQp<Q> {
     pub(super) shared: Arc<QpShared>,
     framer: Box<dyn Framer>,
@@ -415,21 +442,10 @@ impl<Q: RingIo> EngineQp<Q> {
     }
 
     /// Socket readiness.
-    pub(super) fn on_event(
-        &mut self,
-        registry: &Registry,
-        event: &mio::event::Event,
-        memory: &MemoryTable,
-    ) {
-        if event.is_readable() || event.is_read_closed() || event.is_error() {
-            self.readable = true;
-        }
-        if event.is_read_closed() || event.is_error() {
-            self.read_closed = true;
-        }
-        if event.is_writable() || event.is_write_closed() || event.is_error() {
-            self.writable = true;
-        }
+    pub(super) fn on_event(&mut self, registry: &Registry, ready: Ready, memory: &MemoryTable) {
+        self.readable |= ready.readable;
+        self.read_closed |= ready.read_closed;
+        self.writable |= ready.writable;
         if let Link::Connecting { stream, .. } = &self.link {
             let outcome = match stream.connected() {
                 Ok(true) => Ok(()),
