@@ -85,11 +85,11 @@ impl Ready {
         let error = has(libc::EPOLLERR);
         let hup = has(libc::EPOLLHUP);
         let read_closed = hup || (has(libc::EPOLLIN) && has(libc::EPOLLRDHUP));
-        let write_closed = hup || (has(libc::EPOLLOUT) && error) || bits == libc::EPOLLERR as u32;
+        // mio's write-closed beyond a hang-up needs an error, which counts here anyway.
         Ready {
             readable: has(libc::EPOLLIN) || has(libc::EPOLLPRI) || read_closed || error,
             read_closed: read_closed || error,
-            writable: has(libc::EPOLLOUT) || write_closed || error,
+            writable: has(libc::EPOLLOUT) || hup || error,
         }
     }
 }
@@ -791,5 +791,30 @@ impl<Q: RingIo> EngineQp<Q> {
         self.closing = false;
         self.flush_all();
         self.drop_link(registry);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Ready;
+
+    /// The engine reads epoll's bits itself now (a sleep takes them): they mean what mio's
+    /// `Event` made of them.
+    #[test]
+    fn epoll_bits_read_as_mio_reads_them() {
+        let r = |bits: libc::c_int| Ready::from_epoll(bits as u32);
+        let ready = |readable, read_closed, writable| Ready {
+            readable,
+            read_closed,
+            writable,
+        };
+        assert_eq!(r(libc::EPOLLIN), ready(true, false, false));
+        assert_eq!(r(libc::EPOLLOUT), ready(false, false, true));
+        assert_eq!(r(libc::EPOLLIN | libc::EPOLLRDHUP), ready(true, true, false));
+        // RDHUP alone (no data left to read) is not a close, as in mio.
+        assert_eq!(r(libc::EPOLLRDHUP), ready(false, false, false));
+        assert_eq!(r(libc::EPOLLHUP), ready(true, true, true));
+        assert_eq!(r(libc::EPOLLERR), ready(true, true, true));
+        assert_eq!(r(libc::EPOLLPRI), ready(true, false, false));
     }
 }
