@@ -810,7 +810,10 @@ mod tests {
         };
         assert_eq!(r(libc::EPOLLIN), ready(true, false, false));
         assert_eq!(r(libc::EPOLLOUT), ready(false, false, true));
-        assert_eq!(r(libc::EPOLLIN | libc::EPOLLRDHUP), ready(true, true, false));
+        assert_eq!(
+            r(libc::EPOLLIN | libc::EPOLLRDHUP),
+            ready(true, true, false)
+        );
         // RDHUP alone (no data left to read) is not a close, as in mio.
         assert_eq!(r(libc::EPOLLRDHUP), ready(false, false, false));
         assert_eq!(r(libc::EPOLLHUP), ready(true, true, true));
