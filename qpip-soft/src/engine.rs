@@ -14,15 +14,16 @@ use std::time::Duration;
 
 use mio::net::TcpListener;
 use mio::unix::SourceFd;
-use mio::{Events, Interest, Poll, Token};
+use mio::{Interest, Poll, Token};
 
 use super::accept::{Inbox, Listening};
-use super::link::EngineQp;
+use super::link::{EngineQp, Ready};
 use super::queues::Queues;
 use super::stream::Acceptor;
 use super::uring::{Event, NoRing, Ring, RingIo, UringIo};
 use super::{IoMode, WAKER_TOKEN};
 use qpip_verbs::backend::{Command, ListenerId, MgmtResult};
+use qpip_verbs::drive::EpollEvents;
 use qpip_verbs::framer::Framer;
 use qpip_verbs::machines::mgmt::{self, Management, no_qp};
 use qpip_verbs::machines::shell::{Processor, Progress};
@@ -57,8 +58,9 @@ enum Turn {
 pub(super) struct Engine<Q> {
     poll: Poll,
     memory: Arc<MemoryTable>,
-    /// Taken while a turn hands its events out.
-    events: Option<Events>,
+    /// The epoll instance's events, filled by the shell's sleep or a turn's look; taken
+    /// while a turn hands them out.
+    events: Option<EpollEvents>,
     completions: Vec<Event>,
     /// Boxed: an io_uring operation may point into a QP's buffers, which must not move.
     qps: HashMap<QpNum, Box<EngineQp<Q>>>,
@@ -115,7 +117,7 @@ impl<Q: RingIo> Engine<Q> {
         Engine {
             poll,
             memory,
-            events: Some(Events::with_capacity(1024)),
+            events: Some(EpollEvents::with_capacity(1024)),
             completions: Vec::new(),
             qps: HashMap::new(),
             zombies: HashMap::new(),
@@ -145,28 +147,24 @@ impl<Q: RingIo> Engine<Q> {
 
     /// One turn of the epoll engine: wait (see [`Self::turn`]) or just look for socket
     /// readiness.
-    fn turn_epoll(&mut self, turn: Turn, events: &mut Events) -> Progress {
-        let timeout = match turn {
-            Turn::Look => Some(Duration::ZERO),
-            Turn::Wait => None,
-        };
-        if let Err(e) = self.poll.poll(events, timeout)
-            && e.kind() != io::ErrorKind::Interrupted
-        {
+    fn turn_epoll(&mut self, turn: Turn, events: &mut EpollEvents) -> Progress {
+        use std::os::fd::AsRawFd;
+        // Events a sleep left are taken without a look of our own.
+        if let Err(e) = events.look(self.poll.as_raw_fd(), matches!(turn, Turn::Wait)) {
             tracing::error!("soft NIC engine: epoll failed: {e}");
             std::thread::sleep(Duration::from_millis(1));
         }
         let mut any = Progress::Idle;
-        for event in events.iter() {
+        for (token, bits) in events.drain() {
             any = Progress::Worked;
-            self.dispatch(event);
+            self.dispatch(Token(token as usize), Ready::from_epoll(bits));
         }
         any
     }
 
     /// One turn of the io_uring engine: submit every QP's queued I/O and wait (or just look)
     /// for completions; epoll readiness arrives as a completion too.
-    fn turn_uring(&mut self, turn: Turn, events: &mut Events) -> Progress {
+    fn turn_uring(&mut self, turn: Turn, events: &mut EpollEvents) -> Progress {
         let Some(ring) = self.ring.as_mut() else {
             return Progress::Idle;
         };
@@ -217,15 +215,15 @@ impl<Q: RingIo> Engine<Q> {
         any
     }
 
-    fn dispatch(&mut self, event: &mio::event::Event) {
-        let Token(t) = event.token();
-        if event.token() == WAKER_TOKEN {
+    fn dispatch(&mut self, token: Token, ready: Ready) {
+        if token == WAKER_TOKEN {
             return;
         }
+        let Token(t) = token;
         if t >= LISTENER_BASE {
             self.mate((t - LISTENER_BASE) as ListenerId);
         } else if let Some(qp) = self.qps.get_mut(&(t as QpNum)) {
-            qp.on_event(self.poll.registry(), event, &self.memory);
+            qp.on_event(self.poll.registry(), ready, &self.memory);
         }
     }
 
@@ -345,6 +343,14 @@ impl<Q: RingIo> Processor for Engine<Q> {
 
     fn sending(&self) -> bool {
         self.qps.values().any(|q| q.sending())
+    }
+
+    fn wake_events(&mut self) -> Option<&mut EpollEvents> {
+        // The io_uring engine sleeps on its ring, whose completions are not epoll's.
+        match self.ring {
+            Some(_) => None,
+            None => self.events.as_mut(),
+        }
     }
 
     fn watch_fd(&self) -> std::os::fd::RawFd {

@@ -67,6 +67,33 @@ enum After {
     DropLink,
 }
 
+/// What an epoll event says of a socket, as the QP's machines need it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Ready {
+    /// A read may make progress (data, end of stream or an error to report).
+    pub readable: bool,
+    /// The peer will send no more, or the socket failed.
+    pub read_closed: bool,
+    /// A write may make progress (room, or an error to report).
+    pub writable: bool,
+}
+
+impl Ready {
+    /// From epoll's event bits, read as mio reads them.
+    pub(super) fn from_epoll(bits: u32) -> Ready {
+        let has = |flag: libc::c_int| bits & flag as u32 != 0;
+        let error = has(libc::EPOLLERR);
+        let hup = has(libc::EPOLLHUP);
+        let read_closed = hup || (has(libc::EPOLLIN) && has(libc::EPOLLRDHUP));
+        // mio's write-closed beyond a hang-up needs an error, which counts here anyway.
+        Ready {
+            readable: has(libc::EPOLLIN) || has(libc::EPOLLPRI) || read_closed || error,
+            read_closed: read_closed || error,
+            writable: has(libc::EPOLLOUT) || hup || error,
+        }
+    }
+}
+
 pub(super) struct EngineQp<Q> {
     pub(super) shared: Arc<QpShared>,
     framer: Box<dyn Framer>,
@@ -415,21 +442,10 @@ impl<Q: RingIo> EngineQp<Q> {
     }
 
     /// Socket readiness.
-    pub(super) fn on_event(
-        &mut self,
-        registry: &Registry,
-        event: &mio::event::Event,
-        memory: &MemoryTable,
-    ) {
-        if event.is_readable() || event.is_read_closed() || event.is_error() {
-            self.readable = true;
-        }
-        if event.is_read_closed() || event.is_error() {
-            self.read_closed = true;
-        }
-        if event.is_writable() || event.is_write_closed() || event.is_error() {
-            self.writable = true;
-        }
+    pub(super) fn on_event(&mut self, registry: &Registry, ready: Ready, memory: &MemoryTable) {
+        self.readable |= ready.readable;
+        self.read_closed |= ready.read_closed;
+        self.writable |= ready.writable;
         if let Link::Connecting { stream, .. } = &self.link {
             let outcome = match stream.connected() {
                 Ok(true) => Ok(()),
@@ -775,5 +791,33 @@ impl<Q: RingIo> EngineQp<Q> {
         self.closing = false;
         self.flush_all();
         self.drop_link(registry);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Ready;
+
+    /// The engine reads epoll's bits itself now (a sleep takes them): they mean what mio's
+    /// `Event` made of them.
+    #[test]
+    fn epoll_bits_read_as_mio_reads_them() {
+        let r = |bits: libc::c_int| Ready::from_epoll(bits as u32);
+        let ready = |readable, read_closed, writable| Ready {
+            readable,
+            read_closed,
+            writable,
+        };
+        assert_eq!(r(libc::EPOLLIN), ready(true, false, false));
+        assert_eq!(r(libc::EPOLLOUT), ready(false, false, true));
+        assert_eq!(
+            r(libc::EPOLLIN | libc::EPOLLRDHUP),
+            ready(true, true, false)
+        );
+        // RDHUP alone (no data left to read) is not a close, as in mio.
+        assert_eq!(r(libc::EPOLLRDHUP), ready(false, false, false));
+        assert_eq!(r(libc::EPOLLHUP), ready(true, true, true));
+        assert_eq!(r(libc::EPOLLERR), ready(true, true, true));
+        assert_eq!(r(libc::EPOLLPRI), ready(true, false, false));
     }
 }

@@ -56,7 +56,7 @@
 //! | sleeper, where | woken by | flag | fence pair |
 //! |---|---|---|---|
 //! | CQ waiter, futex `CqShared::seq` (`CompletionQueue::wait`) | `CqShared::notify` after a batch of completions (whoever runs the processor); `CqShared::wake` (a `CqWaker`) | `CqShared::sleepers` | Dekker: waiter counts itself, fence, reads `seq`, polls ring and `woken` / notifier pushes (or sets `woken`), fence, reads `sleepers` |
-//! | whoever drives (host or NIC thread), asleep on the processor's descriptor (`sleep::sleep` on `Processor::watch_fd`, from `shell::drive`) | the waker (it makes that descriptor readable): `NicThread::ring_doorbell`, `NicThread::manage`, a waiter asking for the processor (`wanted`), `CqShared::wake` through [`QueueDriver::interrupt`]; the kernel | `Shared::sleeping` (doorbells), `CqShared::driving` (CQ wakes) | Dekker: sleeper sets `sleeping`, fence, looks at the FIFO, commands and its stop condition (the CQ's news, `wanted`) / poster pushes, fence, reads `sleeping`; waker sets `woken`, fence, reads `driving` (counted before the drive's first sleep fence). Commands and `wanted` ring the waker always |
+//! | whoever drives (host or NIC thread), asleep on the processor's descriptor (`sleep::sleep` on `Processor::watch_fd`, or `sleep::sleep_epoll` on it where the processor lends `wake_events`, from `shell::drive`) | the waker (it makes that descriptor readable): `NicThread::ring_doorbell`, `NicThread::manage`, a waiter asking for the processor (`wanted`), `CqShared::wake` through [`QueueDriver::interrupt`]; the kernel | `Shared::sleeping` (doorbells), `CqShared::driving` (CQ wakes) | Dekker: sleeper sets `sleeping`, fence, looks at the FIFO, commands and its stop condition (the CQ's news, `wanted`) / poster pushes, fence, reads `sleeping`; waker sets `woken`, fence, reads `driving` (counted before the drive's first sleep fence). Commands and `wanted` ring the waker always |
 //! | NIC thread parked, `sleep::sleep` on its kick alone (`Handover::kick`, an eventfd), timed (grace) or until a drive ends | `Handover::kick`: `manage`, `shutdown`, a leaving driver (`rules::leave`); a timed sleep's own timeout | `Handover::parked_untimed` | Dekker: NIC thread sets it, fence, looks that the same drive still holds the engine / driver unlocks, stores `last_exit`, fence, reads it. The kick's count stays until a sleep that saw it takes it (before the next look), so a kick before the sleep ends it at once |
 //! | NIC thread watching, `sleep::sleep` on `Processor::watch_fd` and its kick, without the processor | the waker (in that descriptor): `ring_doorbell`, `manage`; the kick: `manage`, `shutdown`, a leaving driver that leaves work (`Call::NicThread`); the kernel | `Handover::watching` (doorbells) | Dekker: NIC thread sets it, fence, looks at the FIFO, commands, `resume`, `waiters`, `stop` / poster pushes, fence, reads it. A leaving driver reads no flag: it kicks whenever it leaves sends, waiters or work, and the kick's count outlives a sleep not yet begun |
 //! | NIC thread in the doorbell wait, `sleep::sleep` on its kick, at most `rules::DOORBELL_WAIT` | `Handover::kick`, or its timeout | none: bounded | none needed |
@@ -70,8 +70,12 @@
 //! **One sleep site.** The processor never blocks: it steps (`Processor::step` returns a
 //! `Progress`), names the descriptor to watch (`Processor::watch_fd`) and says when its
 //! timers are due (`Processor::poll_in`), as smoltcp's interface does. Every sleep of the
-//! NIC thread and of a host thread driving is `sleep::sleep`: one `ppoll(2)` on that
-//! descriptor, the NIC thread's kick, or both, with the timeout the rules give.
+//! NIC thread and of a host thread driving is in `sleep`: one `ppoll(2)` on that
+//! descriptor, the NIC thread's kick, or both, with the timeout the rules give; or, where the
+//! descriptor is an epoll instance that lends its event buffer (`Processor::wake_events`,
+//! the epoll engine) and no kick is watched, `sleep::sleep_epoll`: the `epoll_wait(2)` its
+//! next step would make, whose events that step takes (the waker is in the same epoll set,
+//! so every wake-up above still ends it).
 //!
 //! **The files.** This one: the contract, and the [`QueueDriver`] a CQ wait drives through;
 //! `rules`: the hand-over decisions, pure; `driven`: the driven queue (the processor behind
@@ -88,6 +92,8 @@ mod driven;
 pub(crate) mod handover;
 pub(crate) mod rules;
 pub(crate) mod sleep;
+
+pub use sleep::EpollEvents;
 pub(crate) mod sync;
 
 /// How a drive ended.

@@ -3,7 +3,10 @@
 //! ([`crate::machines::shell::Processor::watch_fd`], which its waker makes readable too)
 //! and, for the NIC thread, its [`Kick`]. The processor itself never sleeps — it steps, and
 //! says what to watch and when its timers are due — as smoltcp's interface never sleeps and
-//! only its caller waits on the device.
+//! only its caller waits on the device. A processor whose descriptor is an epoll instance
+//! lends the sleep its event buffer ([`EpollEvents`]): the sleep is then `epoll_wait(2)` on
+//! it and the step that follows takes the events it returned, so a sleep and that step cost
+//! one system call, not a `ppoll` and then the step's own `epoll_wait`.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -85,6 +88,78 @@ pub(crate) fn sleep(watch: Option<RawFd>, kick: Option<&Kick>, timeout: Option<D
     }
 }
 
+/// An epoll instance's ready events: filled by a sleep on it ([`sleep_epoll`]) or by the
+/// processor's own look ([`EpollEvents::look`]), taken by the processor's next step.
+pub struct EpollEvents {
+    buf: Vec<libc::epoll_event>,
+    len: usize,
+}
+
+impl EpollEvents {
+    /// Room for `capacity` events per wait.
+    pub fn with_capacity(capacity: usize) -> Self {
+        EpollEvents {
+            buf: vec![libc::epoll_event { events: 0, u64: 0 }; capacity.max(1)],
+            len: 0,
+        }
+    }
+
+    /// Whether a sleep left events that no step has taken.
+    pub fn pending(&self) -> bool {
+        self.len > 0
+    }
+
+    /// Takes what `epfd` has ready without blocking (or, `block`, waits for it: only the
+    /// last reaping of a stopping NIC), unless a sleep already left events.
+    pub fn look(&mut self, epfd: RawFd, block: bool) -> io::Result<()> {
+        if self.len == 0 {
+            self.wait(epfd, if block { -1 } else { 0 })?;
+        }
+        Ok(())
+    }
+
+    /// The events found, as (token, epoll event bits), each handed out once.
+    pub fn drain(&mut self) -> impl Iterator<Item = (u64, u32)> + '_ {
+        let len = std::mem::take(&mut self.len);
+        self.buf[..len].iter().map(|e| {
+            // Copies out of the (packed) kernel layout.
+            let (token, bits) = (e.u64, e.events);
+            (token, bits)
+        })
+    }
+
+    fn wait(&mut self, epfd: RawFd, timeout_ms: libc::c_int) -> io::Result<()> {
+        let cap = self.buf.len().min(libc::c_int::MAX as usize) as libc::c_int;
+        // SAFETY: `cap` writable events in a live buffer.
+        let n = unsafe { libc::epoll_wait(epfd, self.buf.as_mut_ptr(), cap, timeout_ms) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            return match e.kind() {
+                io::ErrorKind::Interrupted => Ok(()),
+                _ => Err(e),
+            };
+        }
+        self.len = n as usize;
+        Ok(())
+    }
+}
+
+/// [`sleep`] for a processor whose descriptor `epfd` is an epoll instance lending its event
+/// buffer: `epoll_wait(2)` until an event (the waker's is in the same set), at most
+/// `timeout`; what woke the sleeper stays in `events` for the next step.
+pub(crate) fn sleep_epoll(epfd: RawFd, events: &mut EpollEvents, timeout: Option<Duration>) {
+    let ms = timeout.map_or(-1, |t| {
+        // Rounded up: a timer due in 0.3 ms must not turn the sleep into a spin.
+        let ms = t.as_nanos().div_ceil(1_000_000);
+        ms.min(libc::c_int::MAX as u128) as libc::c_int
+    });
+    if events.pending() {
+        return;
+    }
+    // A failure ends the sleep early: the sleeper looks again (its step reports it).
+    let _ = events.wait(epfd, ms);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,5 +190,49 @@ mod tests {
         };
         sleep(None, Some(&kick), None);
         ringer.join().unwrap();
+    }
+
+    /// A sleep on an epoll instance leaves what woke it for the step, which takes it without
+    /// a system call of its own.
+    #[test]
+    fn an_epoll_sleep_hands_its_events_to_the_look_after_it() {
+        // SAFETY: plain descriptor creation; both checked and owned below.
+        let (ep, ev) = unsafe {
+            (
+                libc::epoll_create1(libc::EPOLL_CLOEXEC),
+                libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC),
+            )
+        };
+        assert!(ep >= 0 && ev >= 0);
+        // SAFETY: the descriptors were just created and nothing else owns them.
+        let (ep, ev) = unsafe { (OwnedFd::from_raw_fd(ep), OwnedFd::from_raw_fd(ev)) };
+        let mut reg = libc::epoll_event {
+            events: (libc::EPOLLIN | libc::EPOLLET) as u32,
+            u64: 7,
+        };
+        // SAFETY: a live event for two live descriptors.
+        let r = unsafe {
+            libc::epoll_ctl(
+                ep.as_raw_fd(),
+                libc::EPOLL_CTL_ADD,
+                ev.as_raw_fd(),
+                &mut reg,
+            )
+        };
+        assert_eq!(r, 0);
+        let ring = Kick(ev);
+        ring.ring();
+        let mut events = EpollEvents::with_capacity(4);
+        sleep_epoll(ep.as_raw_fd(), &mut events, Some(Duration::from_secs(10)));
+        assert!(events.pending());
+        // Edge-triggered and already taken by the sleep: a look of its own would find nothing.
+        events.look(ep.as_raw_fd(), false).unwrap();
+        let got: Vec<_> = events.drain().collect();
+        assert_eq!(got, [(7, libc::EPOLLIN as u32)]);
+        assert!(!events.pending());
+        let t0 = Instant::now();
+        sleep_epoll(ep.as_raw_fd(), &mut events, Some(Duration::from_millis(20)));
+        assert!(t0.elapsed() >= Duration::from_millis(20));
+        assert!(!events.pending());
     }
 }

@@ -26,7 +26,7 @@ use crate::backend::Command;
 use crate::drive::QueueDriver;
 use crate::drive::handover::Handover;
 use crate::drive::rules::{Ended, RunEnd};
-use crate::drive::sleep::sleep;
+use crate::drive::sleep::{EpollEvents, sleep, sleep_epoll};
 use crate::drive::sync::{SleepFlag, posted};
 use crate::error::{Error, Result};
 use crate::poll_window::PollWindow;
@@ -49,6 +49,13 @@ pub trait Processor {
     /// it without holding the processor, so that a host thread that comes to wait finds the
     /// processor free.
     fn watch_fd(&self) -> std::os::fd::RawFd;
+    /// Where a sleep on [`Self::watch_fd`] leaves what woke it, when that descriptor is an
+    /// epoll instance whose events [`Self::step`] takes from this buffer: the sleep is then
+    /// the `epoll_wait` the step would make, one system call for both. None: the sleep only
+    /// waits for the descriptor to be readable.
+    fn wake_events(&mut self) -> Option<&mut EpollEvents> {
+        None
+    }
     /// How soon a timer of the physical layer is due (smoltcp's `poll_delay`): a sleep lasts
     /// at most this long. None: no timer.
     fn poll_in(&self) -> Option<Duration> {
@@ -77,6 +84,9 @@ impl<P: Processor + ?Sized> Processor for Box<P> {
     }
     fn watch_fd(&self) -> std::os::fd::RawFd {
         (**self).watch_fd()
+    }
+    fn wake_events(&mut self) -> Option<&mut EpollEvents> {
+        (**self).wake_events()
     }
     fn poll_in(&self) -> Option<Duration> {
         (**self).poll_in()
@@ -427,6 +437,11 @@ pub(crate) fn drive<P: Processor>(
         let mut worked = run_commands(shared, nic);
         worked |= run_doorbells(shared, nic);
         if done() {
+            // What a sleep took from the kernel is dispatched before the processor is let
+            // go: whoever watches its descriptor next would not see it.
+            if nic.wake_events().is_some_and(|e| e.pending()) {
+                nic.step();
+            }
             return Ended::Done;
         }
         if fresh || !turns.host || turns.window.max() > Duration::ZERO {
@@ -466,7 +481,11 @@ pub(crate) fn drive<P: Processor>(
             shared.sleeping.lower();
             continue;
         }
-        sleep(Some(nic.watch_fd()), None, timeout);
+        let watch = nic.watch_fd();
+        match nic.wake_events() {
+            Some(events) => sleep_epoll(watch, events, timeout),
+            None => sleep(Some(watch), None, timeout),
+        }
         fresh = true;
         shared.sleeping.lower();
         // The next turn's step takes what woke us, and learns from it.
