@@ -66,7 +66,7 @@ fn writes_match(served: &str, local: &str, args: &[&str]) -> String {
 fn writes_match_with(served: &str, local: &str, args: &[&str], writes: &[&str]) -> String {
     let mut server_args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
     server_args.extend(["--export".into(), format!("d={served}")]);
-    let mut srv = start_server_v4(&server_args);
+    let srv = start_server_v4(&server_args);
     let uri = srv.uri("d");
     // qemu opens a relative data file name from its current directory: the images'.
     let dir = Path::new(served).parent().unwrap();
@@ -90,13 +90,7 @@ fn writes_match_with(served: &str, local: &str, args: &[&str], writes: &[&str]) 
     assert!(cmp.contains("Images are identical"), "{cmp}");
     let map = peer_ok(qemu_img().args(["map", "-f", "raw", "--output=json", &uri]));
 
-    srv.signal(libc::SIGTERM);
-    assert!(
-        srv.wait_timeout(Duration::from_secs(20))
-            .is_some_and(|s| s.success()),
-        "{}",
-        srv.log()
-    );
+    stop(srv);
     // The file itself: consistent for qemu, and the same disk as the local one.
     check_clean_in(served, dir);
     let cmp = peer_ok(qemu_img().args(["compare", served, local]));
@@ -694,7 +688,7 @@ fn qcow2_refcount_table_grows() {
         &img,
         "128M",
     ]));
-    let mut srv = start_server_v4(&["--export".into(), format!("d={img}")]);
+    let srv = start_server_v4(&["--export".into(), format!("d={img}")]);
     let uri = srv.uri("d");
     let writes: Vec<String> = (0..10)
         .map(|i| format!("write -P 0xab {}M 8M", i * 8))
@@ -702,13 +696,7 @@ fn qcow2_refcount_table_grows() {
     let cmds: Vec<&str> = writes.iter().map(String::as_str).collect();
     qemu_io(&uri, &cmds);
     qemu_io(&uri, &["read -P 0xab 0 80M", "read -P 0 80M 48M"]);
-    srv.signal(libc::SIGTERM);
-    assert!(
-        srv.wait_timeout(Duration::from_secs(20))
-            .is_some_and(|s| s.success()),
-        "{}",
-        srv.log()
-    );
+    stop(srv);
     let check = peer_ok(Command::new("qemu-img").args(["check", &img]));
     assert!(check.contains("No errors were found"), "{check}");
     let out = peer_ok(Command::new("qemu-io").args([

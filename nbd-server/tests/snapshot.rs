@@ -91,7 +91,7 @@ fn snapshot_leaves_the_image_alone(dir: &Path, image: &str, format: &str) {
     let mut model = disk(image, format, dir);
     assert_eq!(model.len() as u64, SIZE);
 
-    let mut srv = serve(image, tmp.path(), &[]);
+    let srv = serve(image, tmp.path(), &[]);
     let log = srv.log();
     assert!(
         log.contains("writes go to a temporary overlay in") && log.contains(&s(tmp.path())),
@@ -139,13 +139,7 @@ fn snapshot_leaves_the_image_alone(dir: &Path, image: &str, format: &str) {
         .sum();
     assert_eq!(total, SIZE, "{map}");
 
-    srv.signal(libc::SIGTERM);
-    assert!(
-        srv.wait_timeout(Duration::from_secs(20))
-            .is_some_and(|s| s.success()),
-        "{}",
-        srv.log()
-    );
+    stop(srv);
     assert!(files(image) == before, "the image changed");
     assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
     if format == "qcow2" {

@@ -88,7 +88,7 @@ pub(crate) fn sleep(watch: Option<RawFd>, kick: Option<&Kick>, timeout: Option<D
     }
 }
 
-/// An epoll instance's ready events: filled by a sleep on it ([`sleep_epoll`]) or by the
+/// An epoll instance's ready events: filled by a sleep on it (`sleep_epoll`) or by the
 /// processor's own look ([`EpollEvents::look`]), taken by the processor's next step.
 pub struct EpollEvents {
     buf: Vec<libc::epoll_event>,
