@@ -173,13 +173,9 @@ fn allocation_depth_per_export_in_the_config_file() {
     assert_eq!(map.trim(), "0     1048576    1  local");
 }
 
-/// Option `option` with option data `data` over a raw connection to `port`, after
-/// NBD_OPT_STRUCTURED_REPLY when `structured`: the replies up to the final ACK or error, as
-/// (reply type, data), less the text of errors (the server's own; context ids are compared:
-/// we number them as qemu-nbd does).
-fn meta_replies(port: u16, option: u32, structured: bool, data: &[u8]) -> Vec<(u32, Vec<u8>)> {
+/// A raw connection to `port`, through the greeting and the fixed-newstyle client flags.
+fn newstyle_client(port: u16) -> std::net::TcpStream {
     use nbd_proto::consts as c;
-    use nbd_proto::handshake::messages::{OptionReplyHeader, encode_option};
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
@@ -188,14 +184,31 @@ fn meta_replies(port: u16, option: u32, structured: bool, data: &[u8]) -> Vec<(u
     s.read_exact(&mut greeting).unwrap();
     s.write_all(&(c::FLAG_C_FIXED_NEWSTYLE | c::FLAG_C_NO_ZEROES).to_be_bytes())
         .unwrap();
-    let reply = |s: &mut std::net::TcpStream| {
-        let mut h = [0u8; c::OPTION_REPLY_HEADER_LEN];
-        s.read_exact(&mut h).unwrap();
-        let h = OptionReplyHeader::parse(&h).unwrap();
-        let mut data = vec![0u8; h.length as usize];
-        s.read_exact(&mut data).unwrap();
-        (h.reply_type, data)
-    };
+    s
+}
+
+/// The next option reply on `s`: (reply type, data).
+fn reply(s: &mut std::net::TcpStream) -> (u32, Vec<u8>) {
+    use nbd_proto::consts as c;
+    use nbd_proto::handshake::messages::OptionReplyHeader;
+    use std::io::Read;
+    let mut h = [0u8; c::OPTION_REPLY_HEADER_LEN];
+    s.read_exact(&mut h).unwrap();
+    let h = OptionReplyHeader::parse(&h).unwrap();
+    let mut data = vec![0u8; h.length as usize];
+    s.read_exact(&mut data).unwrap();
+    (h.reply_type, data)
+}
+
+/// Option `option` with option data `data` over a raw connection to `port`, after
+/// NBD_OPT_STRUCTURED_REPLY when `structured`: the replies up to the final ACK or error, as
+/// (reply type, data), less the text of errors (the server's own; context ids are compared:
+/// we number them as qemu-nbd does).
+fn meta_replies(port: u16, option: u32, structured: bool, data: &[u8]) -> Vec<(u32, Vec<u8>)> {
+    use nbd_proto::consts as c;
+    use nbd_proto::handshake::messages::encode_option;
+    use std::io::Write;
+    let mut s = newstyle_client(port);
     let mut out = Vec::new();
     if structured {
         encode_option(c::OPT_STRUCTURED_REPLY, &[], &mut out);
@@ -450,25 +463,9 @@ fn extended_session(
     queries: &[&str],
 ) -> (std::net::TcpStream, [u16; 2], Vec<(u32, String)>) {
     use nbd_proto::consts as c;
-    use nbd_proto::handshake::messages::{
-        MetaContextEntry, MetaContextRequest, OptionReplyHeader, encode_option,
-    };
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
-        .unwrap();
-    let mut greeting = [0u8; c::GREETING_LEN];
-    s.read_exact(&mut greeting).unwrap();
-    s.write_all(&(c::FLAG_C_FIXED_NEWSTYLE | c::FLAG_C_NO_ZEROES).to_be_bytes())
-        .unwrap();
-    let reply = |s: &mut std::net::TcpStream| {
-        let mut h = [0u8; c::OPTION_REPLY_HEADER_LEN];
-        s.read_exact(&mut h).unwrap();
-        let h = OptionReplyHeader::parse(&h).unwrap();
-        let mut data = vec![0u8; h.length as usize];
-        s.read_exact(&mut data).unwrap();
-        (h.reply_type, data)
-    };
+    use nbd_proto::handshake::messages::{MetaContextEntry, MetaContextRequest, encode_option};
+    use std::io::Write;
+    let mut s = newstyle_client(port);
     let mut out = Vec::new();
     encode_option(c::OPT_EXTENDED_HEADERS, &[], &mut out);
     let req = MetaContextRequest {

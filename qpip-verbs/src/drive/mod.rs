@@ -32,7 +32,9 @@
 //! 3. what the processor takes under it: the framers' locks (nbd-proto's `InFlight` table,
 //!    the server framer's parsed requests), the soft NIC's `Queues::placed` and a listener's
 //!    backlog (its `accept::Listening`, taken before `placed`; an accept that finds a
-//!    connection waiting takes both on the calling thread, without the engine lock), reply
+//!    connection waiting takes both on the calling thread, without the engine lock), a
+//!    queue's accept inbox (`accept::Inbox`, a leaf: taken by whoever pairs a connection,
+//!    under the listener's queue's engine lock or none, and by the QP's own engine), reply
 //!    slots ([`crate::reply`]), the memory table ([`crate::mr::MemoryTable`]), a QP's
 //!    addresses.
 //!
