@@ -93,6 +93,10 @@ impl<P: Processor + Send> DrivenQueue<P> {
         let watch_fd = self.engine.lock().0.watch_fd();
         let mut go = self.park();
         while go == Go::Drive {
+            // The take serves a leaving driver's request to carry on its sends: this thread
+            // runs the processor, or the host thread that holds it does (and asks again as
+            // it leaves). Taken here, not where it is seen: the watch only looks at it.
+            h.resume.swap(false, Ordering::AcqRel);
             let Some(mut engine) = self.engine.try_lock() else {
                 go = self.park(); // a host thread took it first
                 continue;
@@ -188,7 +192,7 @@ impl<P: Processor + Send> DrivenQueue<P> {
                 }
             } else {
                 ParkLook::Free {
-                    resume: h.resume.swap(false, Ordering::AcqRel),
+                    resume: h.resume.load(Ordering::Acquire),
                     waiters: h.waiters.load(Ordering::SeqCst),
                     work: shared.has_work(),
                     last_drive_end: h.last_drive_end(),
@@ -473,6 +477,54 @@ mod tests {
         wait_until("the kicked NIC thread stepped", || {
             steps.load(Ordering::SeqCst) > steps0
         });
+        shared.stop.store(true, Ordering::SeqCst);
+        shared.wake();
+        shared.handover.kick();
+        nic_thread.join().unwrap();
+    }
+
+    /// A driver's request to carry on its sends (`resume`) is served once: the watching NIC
+    /// thread it kicks drives, then goes back to sleep instead of skipping every watch.
+    #[test]
+    fn a_resumed_nic_thread_drives_once_then_sleeps_again() {
+        let PipeQueue {
+            queue,
+            shared,
+            mut write,
+            counted,
+            steps,
+        } = pipe_queue();
+        let nic_thread = {
+            let queue = queue.clone();
+            std::thread::spawn(move || queue.run_nic_thread(Duration::ZERO))
+        };
+        write.write_all(b"x").unwrap();
+        wait_until("the NIC thread took the bytes", || {
+            counted.load(Ordering::SeqCst) >= 1
+        });
+        wait_until("the NIC thread watches", || {
+            shared.handover.watching.raised() && !queue.engine.is_locked()
+        });
+        let steps0 = steps.load(Ordering::SeqCst);
+        shared.handover.resume.store(true, Ordering::Release);
+        shared.handover.kick();
+        wait_until("the kicked NIC thread stepped", || {
+            steps.load(Ordering::SeqCst) > steps0
+        });
+        // Asleep again: no step for a while (a NIC thread that keeps skipping its watch
+        // steps thousands of times meanwhile).
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let before = steps.load(Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(50));
+            if steps.load(Ordering::SeqCst) == before {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the NIC thread never slept again"
+            );
+        }
         shared.stop.store(true, Ordering::SeqCst);
         shared.wake();
         shared.handover.kick();

@@ -132,7 +132,7 @@ pub(crate) enum ParkLook {
     Held { drives: u64 },
     /// Nobody holds it.
     Free {
-        /// A driver left with sends under way (the flag, taken).
+        /// A driver left with sends under way.
         resume: bool,
         /// Threads in a CQ wait on the queue.
         waiters: u32,
