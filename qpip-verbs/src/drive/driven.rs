@@ -17,6 +17,7 @@
 //! flags ([`super::handover`]) into the rules' looks and carries out their actions, with the
 //! fences the wake table of [`crate::drive`] names.
 
+use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -24,8 +25,8 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::drive::rules::{
-    self, Approach, Arrival, Call, Departure, Ended, Holding, IfHeld, Park, ParkLook, Parking,
-    Rest, Run, RunEnd, Watch, WatchLook, Watched, Woken,
+    self, Approach, Arrival, Call, Departure, Ended, IfHeld, NicAction, NicLook, Raised, Run,
+    RunEnd,
 };
 use crate::drive::sleep::sleep;
 use crate::drive::sync::posted;
@@ -64,15 +65,6 @@ pub(crate) struct DrivenQueue<P> {
     grace: Duration,
 }
 
-/// What the parked or watching NIC thread does next.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Go {
-    /// Take the processor and drive.
-    Drive,
-    /// End: the NIC stops.
-    Stop,
-}
-
 impl<P: Processor + Send> DrivenQueue<P> {
     pub(crate) fn new(shared: Arc<Shared>, nic: P, grace: Duration) -> Self {
         DrivenQueue {
@@ -82,136 +74,98 @@ impl<P: Processor + Send> DrivenQueue<P> {
         }
     }
 
-    /// The NIC thread's loop: drive while no host thread does, park otherwise. It holds the
-    /// processor only while there is work and watches the processor's descriptor
-    /// ([`Processor::watch_fd`]) without it when idle, so that a host thread that comes to
-    /// wait takes it at once instead of asking this thread to let go. Every sleep of this
-    /// thread is [`crate::drive::sleep`] on that descriptor, its kick, or both.
+    /// The NIC thread's loop, one turn per decision of [`rules::NicThreadRules`]: look at the
+    /// shared flags, ask, carry out the action — drive while no host thread does, park
+    /// otherwise, and when idle watch the processor's descriptor
+    /// ([`Processor::watch_fd`]) without the processor, so that a host thread that comes to
+    /// wait takes it at once instead of asking this thread to let go. Its one sleep is
+    /// [`Self::sleep`]'s.
     pub(crate) fn run_nic_thread(&self, spin: Duration) {
-        let (shared, h) = (&*self.shared, &self.shared.handover);
+        let mut nic_rules = rules::NicThreadRules::new(self.grace);
         let mut turns = Turns::new(spin);
         let watch_fd = self.engine.lock().0.watch_fd();
-        let mut go = self.park();
-        while go == Go::Drive {
-            // The take serves a leaving driver's request to carry on its sends: this thread
-            // runs the processor, or the host thread that holds it does (and asks again as
-            // it leaves). Taken here, not where it is seen: the watch only looks at it.
-            h.resume.swap(false, Ordering::AcqRel);
-            let Some(mut engine) = self.engine.try_lock() else {
-                go = self.park(); // a host thread took it first
-                continue;
-            };
-            let mut let_go =
-                || shared.stop.load(Ordering::Acquire) || h.wanted.load(Ordering::Acquire);
-            let run = rules::hold(Holding {
-                let_go: let_go(),
-                waiters: h.waiters.load(Ordering::SeqCst),
-            });
-            let nic = &mut engine.0;
-            let end = match run {
-                Run::LetGo => RunEnd::LetGo,
-                Run::UntilIdle => run_until_idle(shared, nic, &mut let_go),
-                Run::ForWaiters => {
-                    let mut until = || let_go() || h.waiters.load(Ordering::SeqCst) == 0;
-                    drive(shared, nic, &mut turns, &mut until, None);
-                    if let_go() {
-                        RunEnd::LetGo
-                    } else {
-                        RunEnd::Idle
-                    }
-                }
-            };
-            // Straight to the host thread that asked, if it waits already; `wanted` stays
-            // set until it has the processor, so this thread does not drive again before.
-            parking_lot::MutexGuard::unlock_fair(engine);
-            if h.wanted.load(Ordering::Acquire) {
-                std::thread::yield_now();
+        loop {
+            match nic_rules.next(self.look(), Instant::now()) {
+                NicAction::Drive(run) => nic_rules.drove(self.drive_nic(run, &mut turns)),
+                NicAction::Sleep(s) => self.sleep(s, watch_fd),
+                NicAction::Stop => break,
             }
-            go = match rules::rest(end) {
-                Rest::Watch => match self.watch(watch_fd) {
-                    Watched::Park => self.park(),
-                    _ => Go::Drive,
-                },
-                Rest::Park => self.park(),
-            };
         }
         // Last commands (QPs destroyed as the NIC's handles went) still run, so peers are told.
         let (nic, _) = &mut *self.engine.lock();
-        run_commands(shared, nic);
+        run_commands(&self.shared, nic);
         nic.stop();
     }
 
-    /// Sleeps until `fd` (the processor's) is readable — the kernel, or the waker for a
-    /// doorbell or a command — or the kick rings (a host thread that leaves work behind),
-    /// without holding the processor; then the doorbell wait. [`Watched::Drive`] when this
-    /// thread should run the processor now (or stop); [`Watched::Park`] when a host thread
-    /// has taken it.
-    fn watch(&self, fd: std::os::fd::RawFd) -> Watched {
+    /// What the NIC thread sees: every look of its loop is this one.
+    fn look(&self) -> NicLook {
         let (shared, h) = (&*self.shared, &self.shared.handover);
-        // Pairs with ring_doorbell's and a drive's end's `posted`: either they see `watching`
-        // and ring the waker, or this sees their work.
-        h.watching.raise();
-        let look = WatchLook {
+        NicLook {
             stop: shared.stop.load(Ordering::Acquire),
+            held: self.engine.is_locked(),
+            drives: h.drives.load(Ordering::Acquire),
+            wanted: h.wanted.load(Ordering::Acquire),
+            waiters: h.waiters.load(Ordering::SeqCst),
             work: shared.has_work(),
             resume: h.resume.load(Ordering::Acquire),
-            waiters: h.waiters.load(Ordering::SeqCst),
-        };
-        if rules::watch(look) == Watch::Poll {
-            sleep(Some(fd), Some(&h.kick), None);
-        }
-        h.watching.lower();
-        let mut waited = false;
-        loop {
-            let woken = Woken {
-                stop: shared.stop.load(Ordering::Acquire),
-                work: shared.has_work(),
-                held: self.engine.is_locked(),
-            };
-            match rules::after_watch(woken, waited) {
-                Watched::LeaveToPoster(wait) => {
-                    sleep(None, Some(&h.kick), Some(wait));
-                    waited = true;
-                }
-                done => return done,
-            }
+            last_drive_end: h.last_drive_end(),
         }
     }
 
-    /// Waits until the NIC thread should drive ([`rules::Parking`]): nobody does while
-    /// threads wait, commands came, or no host thread drove for its grace.
-    fn park(&self) -> Go {
+    /// [`NicAction::Drive`]: takes the processor unless a host thread holds it, runs it as
+    /// `run` says, and lets go.
+    fn drive_nic(&self, run: Run, turns: &mut Turns) -> RunEnd {
         let (shared, h) = (&*self.shared, &self.shared.handover);
-        let mut parking = Parking::new(self.grace);
-        loop {
-            let look = if shared.stop.load(Ordering::Acquire) {
-                ParkLook::Stopped
-            } else if self.engine.is_locked() {
-                ParkLook::Held {
-                    drives: h.drives.load(Ordering::Acquire),
-                }
-            } else {
-                ParkLook::Free {
-                    resume: h.resume.load(Ordering::Acquire),
-                    waiters: h.waiters.load(Ordering::SeqCst),
-                    work: shared.has_work(),
-                    last_drive_end: h.last_drive_end(),
-                }
-            };
-            match parking.look(look, Instant::now()) {
-                Park::Stop => return Go::Stop,
-                Park::Drive => return Go::Drive,
-                Park::Sleep(t) => sleep(None, Some(&h.kick), Some(t)),
-                Park::UntilDriveEnds { drives } => {
-                    // Pairs with a drive's end: either it sees `parked_untimed` and kicks,
-                    // or this sees the processor let go (or another drive begun).
-                    h.parked_untimed.raise();
-                    if self.engine.is_locked() && h.drives.load(Ordering::Acquire) == drives {
-                        sleep(None, Some(&h.kick), None);
-                    }
-                    h.parked_untimed.lower();
+        // The take serves a leaving driver's request to carry on its sends: this thread
+        // runs the processor, or the host thread that holds it does (and asks again as it
+        // leaves). Cleared here, not where it is seen: looks only read.
+        h.resume.swap(false, Ordering::AcqRel);
+        let Some(mut engine) = self.engine.try_lock() else {
+            return RunEnd::Busy;
+        };
+        let mut let_go = || shared.stop.load(Ordering::Acquire) || h.wanted.load(Ordering::Acquire);
+        let nic = &mut engine.0;
+        let end = match run {
+            Run::LetGo => RunEnd::LetGo,
+            Run::UntilIdle => run_until_idle(shared, nic, &mut let_go),
+            Run::ForWaiters => {
+                let mut until = || let_go() || h.waiters.load(Ordering::SeqCst) == 0;
+                drive(shared, nic, turns, &mut until, None);
+                if let_go() {
+                    RunEnd::LetGo
+                } else {
+                    RunEnd::Idle
                 }
             }
+        };
+        // Straight to the host thread that asked, if it waits already; `wanted` stays set
+        // until it has the processor, so this thread does not drive again before.
+        parking_lot::MutexGuard::unlock_fair(engine);
+        if h.wanted.load(Ordering::Acquire) {
+            std::thread::yield_now();
+        }
+        end
+    }
+
+    /// [`NicAction::Sleep`], the NIC thread's one sleep: on its kick, and on `watch_fd`
+    /// (the processor's) when the rules say, announced by the flag they name. The flag's
+    /// raise and the look after its fence pair with the wakers that post without kicking
+    /// (the wake table of [`crate::drive`]): either they see the flag and wake this thread,
+    /// or the look sees what they posted and the sleep does not begin.
+    fn sleep(&self, s: rules::Sleep, watch_fd: RawFd) {
+        let h = &self.shared.handover;
+        let flag = s.raised.map(|r| match r {
+            Raised::ParkedUntimed { .. } => &h.parked_untimed,
+            Raised::Watching => &h.watching,
+        });
+        if let Some(flag) = flag {
+            flag.raise();
+        }
+        if s.raised.is_none_or(|r| r.sleeps(&self.look())) {
+            sleep(s.fd.then_some(watch_fd), Some(&h.kick), s.timeout);
+        }
+        if let Some(flag) = flag {
+            flag.lower();
         }
     }
 }

@@ -58,10 +58,10 @@
 //! | sleeper, where | woken by | flag | fence pair |
 //! |---|---|---|---|
 //! | CQ waiter, futex `CqShared::seq` (`CompletionQueue::wait`) | `CqShared::notify` after a batch of completions (whoever runs the processor); `CqShared::wake` (a `CqWaker`) | `CqShared::sleepers` | Dekker: waiter counts itself, fence, reads `seq`, polls ring and `woken` / notifier pushes (or sets `woken`), fence, reads `sleepers` |
-//! | whoever drives (host or NIC thread), asleep on the processor's descriptor (`sleep::sleep` on `Processor::watch_fd`, or `sleep::sleep_epoll` on it where the processor lends `wake_events`, from `shell::drive`) | the waker (it makes that descriptor readable): `NicThread::ring_doorbell`, `NicThread::manage`, a waiter asking for the processor (`wanted`), `CqShared::wake` through [`QueueDriver::interrupt`]; the kernel | `Shared::sleeping` (doorbells), `CqShared::driving` (CQ wakes) | Dekker: sleeper sets `sleeping`, fence, looks at the FIFO, commands and its stop condition (the CQ's news, `wanted`) / poster pushes, fence, reads `sleeping`; waker sets `woken`, fence, reads `driving` (counted before the drive's first sleep fence). Commands and `wanted` ring the waker always |
-//! | NIC thread parked, `sleep::sleep` on its kick alone (`Handover::kick`, an eventfd), timed (grace) or until a drive ends | `Handover::kick`: `manage`, `shutdown`, a leaving driver (`rules::leave`); a timed sleep's own timeout | `Handover::parked_untimed` | Dekker: NIC thread sets it, fence, looks that the same drive still holds the engine / driver unlocks, stores `last_exit`, fence, reads it. The kick's count stays until a sleep that saw it takes it (before the next look), so a kick before the sleep ends it at once |
-//! | NIC thread watching, `sleep::sleep` on `Processor::watch_fd` and its kick, without the processor | the waker (in that descriptor): `ring_doorbell`, `manage`; the kick: `manage`, `shutdown`, a leaving driver that leaves work (`Call::NicThread`); the kernel | `Handover::watching` (doorbells) | Dekker: NIC thread sets it, fence, looks at the FIFO, commands, `resume`, `waiters`, `stop` / poster pushes, fence, reads it. A leaving driver reads no flag: it kicks whenever it leaves sends, waiters or work, and the kick's count outlives a sleep not yet begun |
-//! | NIC thread in the doorbell wait, `sleep::sleep` on its kick, at most `rules::DOORBELL_WAIT` | `Handover::kick`, or its timeout | none: bounded | none needed |
+//! | whoever drives (a host thread, or the NIC thread in its `rules::Run::ForWaiters` drive), asleep on the processor's descriptor (`sleep::sleep` on `Processor::watch_fd`, or `sleep::sleep_epoll` on it where the processor lends `wake_events`, from `shell::drive`) | the waker (it makes that descriptor readable): `NicThread::ring_doorbell`, `NicThread::manage`, a waiter asking for the processor (`wanted`), `CqShared::wake` through [`QueueDriver::interrupt`]; the kernel | `Shared::sleeping` (doorbells), `CqShared::driving` (CQ wakes) | Dekker: sleeper sets `sleeping`, fence, looks at the FIFO, commands and its stop condition (the CQ's news, `wanted`) / poster pushes, fence, reads `sleeping`; waker sets `woken`, fence, reads `driving` (counted before the drive's first sleep fence). Commands and `wanted` ring the waker always |
+//! | NIC thread parked, `DrivenQueue::sleep` on its kick alone (`Handover::kick`, an eventfd), timed (grace) or until a drive ends (`rules::Raised::ParkedUntimed`) | `Handover::kick`: `manage`, `shutdown`, a leaving driver (`rules::leave`); a timed sleep's own timeout | `Handover::parked_untimed` (untimed only) | Dekker: the sleep raises it, fence, looks (`Raised::sleeps`: the same drive still holds the engine) / driver unlocks, stores `last_exit`, fence, reads it. The kick's count stays until a sleep that saw it takes it (before the next look), so a kick before the sleep ends it at once |
+//! | NIC thread watching, `DrivenQueue::sleep` on `Processor::watch_fd` and its kick, without the processor (`rules::Raised::Watching`) | the waker (in that descriptor): `ring_doorbell`, `manage`; the kick: `manage`, `shutdown`, a leaving driver that leaves work (`Call::NicThread`); the kernel | `Handover::watching` (doorbells) | Dekker: the sleep raises it, fence, looks (`Raised::sleeps`: the FIFO, commands, `resume`, `waiters`, `stop`) / poster pushes, fence, reads it. A leaving driver reads no flag: it kicks whenever it leaves sends, waiters or work, and the kick's count outlives a sleep not yet begun |
+//! | NIC thread in the doorbell wait, `DrivenQueue::sleep` on its kick, at most `rules::DOORBELL_WAIT` | `Handover::kick`, or its timeout | none: bounded | none needed |
 //! | waiter asking for the processor, blocked on the engine lock | the holder's unlock (the NIC thread's is fair: straight to the asker) | `Handover::wanted` | `wanted` (Release) then the waker, always; the NIC thread reads it (Acquire) after each turn and before each sleep |
 //! | async CQ waiter (`wait_async`, `CqShared::event`) | `notify`, `wake` | the listener | event-listener's: listen, then poll again / `Event::notify` fences before it looks for listeners. Async waiters never drive: on a driven queue their completions come from the NIC thread, at most a grace after the last drive |
 //! | command reply (`ReplyReceiver::wait_until`) | `ReplySender::send`, or its drop | the slot's state, under its mutex | the slot's mutex, then event-listener's as above; the command itself reaches the engine through `manage` (waker and kick, always) |
@@ -79,13 +79,24 @@
 //! next step would make, whose events that step takes (the waker is in the same epoll set,
 //! so every wake-up above still ends it).
 //!
+//! **The NIC thread's loop** (`DrivenQueue::run_nic_thread`) is one loop over one state
+//! machine, `rules::NicThreadRules`: each turn reads the shared flags into one
+//! `rules::NicLook` (`DrivenQueue::look`), asks `NicThreadRules::next`, and carries out
+//! its `rules::NicAction` — drive (take the processor unless a host thread holds it, run it
+//! until idle, for waiters, or not at all; then let go fairly), sleep, or stop. Its own
+//! loop sleeps in one call, `DrivenQueue::sleep`, where the flag the rules name
+//! (`rules::Raised`) is raised, looked past and lowered, once for both pairs of the table
+//! above (parked untimed, watching). Its only other sleep is inside a `Run::ForWaiters`
+//! drive: `shell::drive`'s, on the processor's descriptor, the sleep host drivers share.
+//!
 //! **The files.** This one: the contract, and the [`QueueDriver`] a CQ wait drives through;
-//! `rules`: the hand-over decisions, pure; `driven`: the driven queue (the processor behind
-//! its engine lock, the NIC thread's loop, a host thread's drive) translating the shared
-//! flags to the rules and back; `handover`: the flags host drivers and the NIC thread share;
-//! `sleep`: the one place they sleep; `sync`: the sleepers' side of the fence pairs, and
-//! their loom models. The NIC thread's
-//! shell (command queue, doorbell FIFO, turns) is [`crate::machines::shell`].
+//! `rules`: the hand-over decisions, pure (a host thread's arrival and departure, the NIC
+//! thread's state machine); `driven`: the driven queue (the processor behind its engine
+//! lock, the NIC thread's loop, a host thread's drive) translating the shared flags to the
+//! rules and back; `handover`: the flags host drivers and the NIC thread share; `sleep`:
+//! the one place they sleep; `sync`: the sleepers' side of the fence pairs, and their loom
+//! models. The NIC thread's shell (command queue, doorbell FIFO, turns) is
+//! [`crate::machines::shell`].
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};

@@ -1,8 +1,10 @@
 //! The hand-over rules ([`crate::drive`]): who runs a driven queue's processor at each moment,
 //! decided from what the deciding thread sees, with no atomics, no locks and no clock of
-//! their own. Each decision point of `driven` builds one of the looks below from the shared
-//! flags, asks the rules, and carries out the action they return; the time is passed in
-//! (`now`), so every rule is tested here without threads.
+//! their own. A host thread's decision points in `driven` (arriving, leaving) each build a
+//! look from the shared flags and ask the functions below; the NIC thread's loop is one
+//! state machine ([`NicThreadRules`]) it asks at every turn with one kind of look. Either carries
+//! out the action returned; the time is passed in (`now`), so every rule is tested here
+//! without threads.
 
 use std::time::{Duration, Instant};
 
@@ -123,223 +125,247 @@ pub(crate) fn leave(d: Departure) -> Call {
 
 // ---- The NIC thread ----
 
-/// What the parked NIC thread sees of the processor when it looks.
+/// What the NIC thread sees, read from the shared flags in one place
+/// (`DrivenQueue::look`) before each decision and again after it raises a flag to sleep.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum ParkLook {
+pub(crate) struct NicLook {
     /// The NIC stops.
-    Stopped,
-    /// A host thread holds the processor; `drives` host drives have begun so far.
-    Held { drives: u64 },
-    /// Nobody holds it.
-    Free {
-        /// A driver left with sends under way.
-        resume: bool,
-        /// Threads in a CQ wait on the queue.
-        waiters: u32,
-        /// Commands or doorbells are queued.
-        work: bool,
-        /// When the last host drive ended (None: there never was one).
-        last_drive_end: Option<Instant>,
-    },
-}
-
-/// What the parked NIC thread does next.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Park {
-    /// End the thread.
-    Stop,
-    /// Take the processor and drive.
-    Drive,
-    /// Sleep on the kick at most this long, then look again.
-    Sleep(Duration),
-    /// Sleep on the kick until the drive of this count ends (its end wakes us: announce
-    /// it, then look again that it still runs).
-    UntilDriveEnds { drives: u64 },
-}
-
-/// The NIC thread's rules, with what it learned since it parked.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Parking {
-    grace: Duration,
-    /// Host drives counted at the last look at a held processor (None: no look yet).
-    seen_drives: Option<u64>,
-}
-
-impl Parking {
-    /// The NIC thread parks, leaving the queue to host threads for `grace` after a drive.
-    pub(crate) fn new(grace: Duration) -> Self {
-        Parking {
-            grace,
-            seen_drives: None,
-        }
-    }
-
-    /// One look at the processor, at `now`.
-    pub(crate) fn look(&mut self, look: ParkLook, now: Instant) -> Park {
-        match look {
-            ParkLook::Stopped => Park::Stop,
-            // The first look at a held processor waits a grace period, timed: the host
-            // thread it was just handed to may not have counted its drive yet, and parking
-            // untimed behind it would have its end wake this thread (every request). Host
-            // threads that keep driving are looked at again after each grace period; one
-            // drive for a whole grace period (a waiter blocked on an idle connection) is
-            // slept behind until its end wakes us.
-            ParkLook::Held { drives } => {
-                if self.seen_drives == Some(drives) {
-                    Park::UntilDriveEnds { drives }
-                } else {
-                    self.seen_drives = Some(drives);
-                    Park::Sleep(self.grace)
-                }
-            }
-            // Waiters asleep behind a driver that left, sends to carry on, or commands:
-            // drive now. Otherwise stay parked for the grace after the last drive, so that
-            // a thread that comes back to wait within it (a request–reply loop) finds the
-            // processor free and nobody to wake; what arrives meanwhile waits at most that
-            // long, as interrupt moderation delays an interrupt.
-            ParkLook::Free {
-                resume,
-                waiters,
-                work,
-                last_drive_end,
-            } => {
-                if resume || waiters > 0 || work {
-                    return Park::Drive;
-                }
-                match last_drive_end.map(|end| now.saturating_duration_since(end)) {
-                    Some(idle) if idle < self.grace => Park::Sleep(self.grace - idle),
-                    _ => Park::Drive,
-                }
-            }
-        }
-    }
-}
-
-/// What the NIC thread sees once it holds the processor.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Holding {
-    /// It must let go (the NIC stops, or a waiter asked for the processor).
-    pub let_go: bool,
+    pub stop: bool,
+    /// Someone holds the processor (a host thread: the NIC thread looks only while it does
+    /// not).
+    pub held: bool,
+    /// Host drives begun so far.
+    pub drives: u64,
+    /// A waiter has asked the NIC thread to let go of the processor.
+    pub wanted: bool,
     /// Threads in a CQ wait on the queue.
     pub waiters: u32,
+    /// Commands or doorbells are queued.
+    pub work: bool,
+    /// A driver left with sends under way (cleared by the NIC thread's next take).
+    pub resume: bool,
+    /// When the last host drive ended (None: there never was one).
+    pub last_drive_end: Option<Instant>,
 }
 
-/// How the NIC thread runs the processor it holds.
+impl NicLook {
+    /// Something calls for the processor now: waiters asleep behind a driver that left,
+    /// sends to carry on, commands or doorbells.
+    fn calls(&self) -> bool {
+        self.resume || self.waiters > 0 || self.work
+    }
+}
+
+/// What the NIC thread does next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum NicAction {
+    /// Take the processor unless a host thread holds it, run it so, let go of it (fairly:
+    /// straight to a waiter that asked; then yield once if it has not taken it yet), and
+    /// tell [`NicThreadRules::drove`] how the run ended.
+    Drive(Run),
+    /// Sleep, then look again.
+    Sleep(Sleep),
+    /// End the thread: the NIC stops.
+    Stop,
+}
+
+/// How the NIC thread runs the processor it takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Run {
-    /// Not at all: let go at once.
+    /// Not at all: let go at once (a waiter asked for it and is on its way).
     LetGo,
     /// Turns without sleeping until one finds nothing to do, then let go and watch.
     UntilIdle,
     /// Host threads wait without driving (asleep behind a driver that left): drive for them,
-    /// sleeping on the processor's descriptor, while they do.
+    /// sleeping on the processor's descriptor as a host driver does (`shell::drive`), while
+    /// they do.
     ForWaiters,
 }
 
-/// What the NIC thread does with the processor it took.
-pub(crate) fn hold(h: Holding) -> Run {
-    if h.let_go {
-        Run::LetGo
-    } else if h.waiters == 0 {
-        Run::UntilIdle
-    } else {
-        Run::ForWaiters
-    }
-}
-
-/// How the NIC thread's run of the processor ended.
+/// How the NIC thread's drive ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum RunEnd {
     /// Nothing left to do (or nobody left to drive for).
     Idle,
     /// Told to let go (stop, or a waiter asked).
     LetGo,
+    /// A host thread held the processor: no run.
+    Busy,
 }
 
-/// Where the NIC thread sleeps after letting go of the processor.
+/// One sleep of the NIC thread, always on its kick (`Handover::kick`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Rest {
-    /// Watch the processor's descriptor without the processor, so that a waiter finds it
-    /// free at once.
-    Watch,
-    /// Park: sleep on the kick alone, the processor left to host threads.
-    Park,
+pub(crate) struct Sleep {
+    /// On the processor's descriptor too (`Processor::watch_fd`), without the processor.
+    pub fd: bool,
+    /// At most this long (None: until woken).
+    pub timeout: Option<Duration>,
+    /// The flag raised around the sleep, for the wakers that do not always kick; None: a
+    /// bounded sleep nobody needs to end early but the kick.
+    pub raised: Option<Raised>,
 }
 
-/// Letting go when idle: an idle NIC thread watches; one told to let go parks.
-pub(crate) fn rest(end: RunEnd) -> Rest {
-    match end {
-        RunEnd::Idle => Rest::Watch,
-        RunEnd::LetGo => Rest::Park,
+/// The flag a sleep raises and what the look after its fence must show for the sleep to go
+/// on (the sleeper's half of its fence pair in [`crate::drive`]'s wake table).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Raised {
+    /// `Handover::parked_untimed`: sleep while the drive of this count holds the processor
+    /// (its end kicks, or the look sees it over).
+    ParkedUntimed { drives: u64 },
+    /// `Handover::watching`: sleep while nothing calls for the processor (a doorbell rings
+    /// the waker, or the look sees it).
+    Watching,
+}
+
+impl Raised {
+    /// After the raise and its fence: whether `look` lets the sleep go on.
+    pub(crate) fn sleeps(self, look: &NicLook) -> bool {
+        match self {
+            Raised::ParkedUntimed { drives } => look.held && look.drives == drives,
+            Raised::Watching => !look.stop && !look.calls(),
+        }
     }
 }
 
-/// What the NIC thread sees as it starts to watch (after announcing it and the fence).
+/// Where the NIC thread is in its loop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    /// The processor left to host threads; `seen_drives`: host drives counted at the last
+    /// look at a held processor since it parked (None: no look yet).
+    Parked { seen_drives: Option<u64> },
+    /// Let go of the processor idle: watch its descriptor without it, so that a waiter
+    /// finds it free at once.
+    Watching,
+    /// The watch ended; `waited`: the doorbell wait is over already.
+    Watched { waited: bool },
+}
+
+/// The NIC thread's decisions, one state machine: each turn of its loop builds a
+/// [`NicLook`], asks [`NicThreadRules::next`] at `now`, and carries out the action.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct WatchLook {
-    /// The NIC stops.
-    pub stop: bool,
-    /// Commands or doorbells are queued.
-    pub work: bool,
-    /// A driver left with sends under way.
-    pub resume: bool,
-    /// Threads in a CQ wait on the queue.
-    pub waiters: u32,
+pub(crate) struct NicThreadRules {
+    /// How long the queue is left to host threads after a drive.
+    grace: Duration,
+    state: State,
 }
 
-/// Whether the watch sleeps: not when something already calls for the processor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Watch {
-    /// Sleep until the descriptor is readable (the kernel, the waker) or the kick rings.
-    Poll,
-    /// Something is pending: go on at once.
-    Skip,
-}
+impl NicThreadRules {
+    /// Parked, leaving the queue to host threads for `grace` after a drive.
+    pub(crate) fn new(grace: Duration) -> Self {
+        NicThreadRules {
+            grace,
+            state: State::Parked { seen_drives: None },
+        }
+    }
 
-/// Whether to sleep watching.
-pub(crate) fn watch(w: WatchLook) -> Watch {
-    if w.stop || w.work || w.resume || w.waiters > 0 {
-        Watch::Skip
-    } else {
-        Watch::Poll
+    /// The next action, from `look` at `now`.
+    pub(crate) fn next(&mut self, look: NicLook, now: Instant) -> NicAction {
+        if look.stop {
+            return NicAction::Stop;
+        }
+        // Transitions that need no new look take the same one.
+        loop {
+            match self.state {
+                State::Parked { seen_drives } => return self.parked(seen_drives, &look, now),
+                State::Watching if look.calls() => self.state = State::Watched { waited: false },
+                State::Watching => {
+                    self.state = State::Watched { waited: false };
+                    return NicAction::Sleep(Sleep {
+                        fd: true,
+                        timeout: None,
+                        raised: Some(Raised::Watching),
+                    });
+                }
+                // A host thread took the processor: park.
+                State::Watched { .. } if look.held => {
+                    self.state = State::Parked { seen_drives: None }
+                }
+                // The doorbell wait: the poster usually waits on its CQ right after and
+                // drives the queue itself; give it that moment rather than take the
+                // processor from it, then look again.
+                State::Watched { waited: false } if look.work => {
+                    self.state = State::Watched { waited: true };
+                    return NicAction::Sleep(Sleep {
+                        fd: false,
+                        timeout: Some(DOORBELL_WAIT),
+                        raised: None,
+                    });
+                }
+                // The descriptor is readable, a driver left something, or the poster did not
+                // come: drive.
+                State::Watched { .. } => return drive(&look),
+            }
+        }
+    }
+
+    /// The drive of the last [`NicAction::Drive`] ended so: an idle NIC thread lets go and
+    /// watches, one told to let go (or that found a host thread driving) parks.
+    pub(crate) fn drove(&mut self, end: RunEnd) {
+        self.state = match end {
+            RunEnd::Idle => State::Watching,
+            RunEnd::LetGo | RunEnd::Busy => State::Parked { seen_drives: None },
+        };
+    }
+
+    fn parked(&mut self, seen_drives: Option<u64>, look: &NicLook, now: Instant) -> NicAction {
+        if look.held {
+            // The first look at a held processor waits a grace period, timed: the host
+            // thread it was just handed to may not have counted its drive yet, and parking
+            // untimed behind it would have its end wake this thread (every request). Host
+            // threads that keep driving are looked at again after each grace period; one
+            // drive for a whole grace period (a waiter blocked on an idle connection) is
+            // slept behind until its end wakes us.
+            if seen_drives == Some(look.drives) {
+                return NicAction::Sleep(Sleep {
+                    fd: false,
+                    timeout: None,
+                    raised: Some(Raised::ParkedUntimed {
+                        drives: look.drives,
+                    }),
+                });
+            }
+            self.state = State::Parked {
+                seen_drives: Some(look.drives),
+            };
+            return parked_for(self.grace);
+        }
+        // Waiters asleep behind a driver that left, sends to carry on, or commands: drive
+        // now. Otherwise stay parked for the grace after the last drive, so that a thread
+        // that comes back to wait within it (a request–reply loop) finds the processor free
+        // and nobody to wake; what arrives meanwhile waits at most that long, as interrupt
+        // moderation delays an interrupt.
+        let idle = look
+            .last_drive_end
+            .map(|end| now.saturating_duration_since(end));
+        if !look.calls()
+            && let Some(idle) = idle
+            && idle < self.grace
+        {
+            return parked_for(self.grace - idle);
+        }
+        drive(look)
     }
 }
 
-/// What the NIC thread sees when the watch ends.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Woken {
-    /// The NIC stops.
-    pub stop: bool,
-    /// Commands or doorbells are queued.
-    pub work: bool,
-    /// A host thread holds the processor.
-    pub held: bool,
+/// Parked on the kick alone, at most `timeout`.
+fn parked_for(timeout: Duration) -> NicAction {
+    NicAction::Sleep(Sleep {
+        fd: false,
+        timeout: Some(timeout),
+        raised: None,
+    })
 }
 
-/// What the NIC thread does after a watch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Watched {
-    /// The doorbell wait: the poster usually waits on its CQ right after and drives the
-    /// queue itself; sleep on the kick at most this long to give it that moment rather
-    /// than take the processor from it, then look again ([`after_watch`] with `waited`).
-    LeaveToPoster(Duration),
-    /// Take the processor and drive (or stop).
-    Drive,
-    /// A host thread took the processor: park.
-    Park,
-}
-
-/// After a watch: `waited`, the doorbell wait is over already.
-pub(crate) fn after_watch(w: Woken, waited: bool) -> Watched {
-    if w.stop {
-        Watched::Drive
-    } else if w.held {
-        Watched::Park
-    } else if w.work && !waited {
-        Watched::LeaveToPoster(DOORBELL_WAIT)
+/// Drive: let go at once for a waiter that asked, drive for waiters asleep behind a driver
+/// that left, or run until idle for nobody. [`NicThreadRules::drove`] decides what follows.
+fn drive(look: &NicLook) -> NicAction {
+    NicAction::Drive(if look.wanted {
+        Run::LetGo
+    } else if look.waiters == 0 {
+        Run::UntilIdle
     } else {
-        Watched::Drive
-    }
+        Run::ForWaiters
+    })
 }
 
 #[cfg(test)]
@@ -437,178 +463,300 @@ mod tests {
         }
     }
 
-    fn free(last_drive_end: Option<Instant>) -> ParkLook {
-        ParkLook::Free {
-            resume: false,
+    fn quiet() -> NicLook {
+        NicLook {
+            stop: false,
+            held: false,
+            drives: 0,
+            wanted: false,
             waiters: 0,
             work: false,
-            last_drive_end,
+            resume: false,
+            last_drive_end: None,
         }
+    }
+
+    /// A host thread drives: it counts as a waiter.
+    fn held(drives: u64) -> NicLook {
+        NicLook {
+            held: true,
+            drives,
+            waiters: 1,
+            ..quiet()
+        }
+    }
+
+    const WATCH: NicAction = NicAction::Sleep(Sleep {
+        fd: true,
+        timeout: None,
+        raised: Some(Raised::Watching),
+    });
+
+    const DOORBELL_WAITED: NicAction = NicAction::Sleep(Sleep {
+        fd: false,
+        timeout: Some(DOORBELL_WAIT),
+        raised: None,
+    });
+
+    /// A NIC thread whose run just found nothing to do.
+    fn watching() -> NicThreadRules {
+        let mut n = NicThreadRules::new(20 * MS);
+        n.drove(RunEnd::Idle);
+        n
     }
 
     #[test]
     fn the_nic_thread_drives_at_once_when_no_host_ever_drove() {
-        let mut p = Parking::new(GRACE);
-        assert_eq!(p.look(free(None), Instant::now()), Park::Drive);
+        let mut n = NicThreadRules::new(GRACE);
+        assert_eq!(
+            n.next(quiet(), Instant::now()),
+            NicAction::Drive(Run::UntilIdle)
+        );
     }
 
     #[test]
     fn the_nic_thread_waits_out_the_grace_after_the_last_drive() {
         let t0 = Instant::now();
-        let mut p = Parking::new(20 * MS);
-        assert_eq!(p.look(free(Some(t0)), t0), Park::Sleep(20 * MS));
-        assert_eq!(p.look(free(Some(t0)), t0 + 5 * MS), Park::Sleep(15 * MS));
-        assert_eq!(p.look(free(Some(t0)), t0 + 20 * MS), Park::Drive);
-        assert_eq!(p.look(free(Some(t0)), t0 + 60 * MS), Park::Drive);
+        let after = NicLook {
+            last_drive_end: Some(t0),
+            ..quiet()
+        };
+        let mut n = NicThreadRules::new(20 * MS);
+        assert_eq!(n.next(after, t0), parked_for(20 * MS));
+        assert_eq!(n.next(after, t0 + 5 * MS), parked_for(15 * MS));
+        assert_eq!(
+            n.next(after, t0 + 20 * MS),
+            NicAction::Drive(Run::UntilIdle)
+        );
+        let mut n = NicThreadRules::new(20 * MS);
+        assert_eq!(
+            n.next(after, t0 + 60 * MS),
+            NicAction::Drive(Run::UntilIdle)
+        );
     }
 
     #[test]
     fn waiters_sends_and_commands_end_the_grace() {
         let t0 = Instant::now();
-        let mut p = Parking::new(20 * MS);
-        let asks = [
-            ParkLook::Free {
-                resume: true,
-                waiters: 0,
-                work: false,
-                last_drive_end: Some(t0),
-            },
-            ParkLook::Free {
-                resume: false,
-                waiters: 1,
-                work: false,
-                last_drive_end: Some(t0),
-            },
-            ParkLook::Free {
-                resume: false,
-                waiters: 0,
-                work: true,
-                last_drive_end: Some(t0),
-            },
-        ];
-        for look in asks {
-            assert_eq!(p.look(look, t0), Park::Drive, "{look:?}");
+        let after = NicLook {
+            last_drive_end: Some(t0),
+            ..quiet()
+        };
+        for (look, run) in [
+            (
+                NicLook {
+                    resume: true,
+                    ..after
+                },
+                Run::UntilIdle,
+            ),
+            (
+                NicLook {
+                    waiters: 1,
+                    ..after
+                },
+                Run::ForWaiters,
+            ),
+            (
+                NicLook {
+                    work: true,
+                    ..after
+                },
+                Run::UntilIdle,
+            ),
+        ] {
+            let mut n = NicThreadRules::new(20 * MS);
+            assert_eq!(n.next(look, t0), NicAction::Drive(run), "{look:?}");
+        }
+    }
+
+    #[test]
+    fn the_nic_thread_lets_go_for_an_asker_runs_until_idle_for_nobody_and_drives_for_waiters() {
+        let now = Instant::now();
+        for (look, run) in [
+            (
+                NicLook {
+                    wanted: true,
+                    waiters: 1,
+                    ..quiet()
+                },
+                Run::LetGo,
+            ),
+            (quiet(), Run::UntilIdle),
+            (
+                NicLook {
+                    waiters: 2,
+                    ..quiet()
+                },
+                Run::ForWaiters,
+            ),
+        ] {
+            let mut n = NicThreadRules::new(GRACE);
+            assert_eq!(n.next(look, now), NicAction::Drive(run), "{look:?}");
+            // The same after a watch that a readable descriptor ended.
+            let mut n = watching();
+            assert_eq!(n.next(quiet(), now), WATCH);
+            assert_eq!(n.next(look, now), NicAction::Drive(run), "{look:?}");
         }
     }
 
     #[test]
     fn the_nic_thread_sleeps_timed_behind_busy_hosts_and_untimed_behind_one_long_drive() {
         let t0 = Instant::now();
-        let mut p = Parking::new(20 * MS);
+        let mut n = NicThreadRules::new(20 * MS);
         // First look: timed, the holder may not have counted its drive yet.
-        assert_eq!(
-            p.look(ParkLook::Held { drives: 7 }, t0),
-            Park::Sleep(20 * MS)
-        );
+        assert_eq!(n.next(held(7), t0), parked_for(20 * MS));
         // Drives keep beginning: timed again.
-        assert_eq!(
-            p.look(ParkLook::Held { drives: 9 }, t0),
-            Park::Sleep(20 * MS)
-        );
+        assert_eq!(n.next(held(9), t0), parked_for(20 * MS));
         // The same drive a whole grace later: until its end wakes us.
-        assert_eq!(
-            p.look(ParkLook::Held { drives: 9 }, t0),
-            Park::UntilDriveEnds { drives: 9 }
-        );
-        // What was learned lasts only while parked.
-        let mut p = Parking::new(20 * MS);
-        assert_eq!(
-            p.look(ParkLook::Held { drives: 9 }, t0),
-            Park::Sleep(20 * MS)
-        );
+        let untimed = NicAction::Sleep(Sleep {
+            fd: false,
+            timeout: None,
+            raised: Some(Raised::ParkedUntimed { drives: 9 }),
+        });
+        assert_eq!(n.next(held(9), t0), untimed);
+        assert_eq!(n.next(held(9), t0), untimed);
+        // What was learned lasts only while parked: a drive (or a take a host thread
+        // beat) parks afresh.
+        for end in [RunEnd::LetGo, RunEnd::Busy] {
+            let mut n = NicThreadRules::new(20 * MS);
+            assert_eq!(n.next(held(9), t0), parked_for(20 * MS));
+            assert_eq!(n.next(quiet(), t0), NicAction::Drive(Run::UntilIdle));
+            n.drove(end);
+            assert_eq!(n.next(held(9), t0), parked_for(20 * MS), "{end:?}");
+        }
     }
 
     #[test]
-    fn a_stopping_nic_thread_ends() {
-        let mut p = Parking::new(GRACE);
-        assert_eq!(p.look(ParkLook::Stopped, Instant::now()), Park::Stop);
-    }
-
-    fn holding(let_go: bool, waiters: u32) -> Holding {
-        Holding { let_go, waiters }
-    }
-
-    #[test]
-    fn the_nic_thread_runs_until_idle_for_nobody_and_drives_for_waiters() {
-        assert_eq!(hold(holding(true, 0)), Run::LetGo);
-        assert_eq!(hold(holding(true, 2)), Run::LetGo);
-        assert_eq!(hold(holding(false, 0)), Run::UntilIdle);
-        assert_eq!(hold(holding(false, 2)), Run::ForWaiters);
+    fn the_untimed_sleep_goes_on_only_behind_the_same_drive() {
+        let behind = Raised::ParkedUntimed { drives: 9 };
+        assert!(behind.sleeps(&held(9)));
+        // It ended (its end kicks, or this look sees it), or another began.
+        assert!(!behind.sleeps(&quiet()));
+        assert!(!behind.sleeps(&held(10)));
     }
 
     #[test]
-    fn an_idle_nic_thread_lets_go_and_watches() {
-        assert_eq!(rest(RunEnd::Idle), Rest::Watch);
-        assert_eq!(rest(RunEnd::LetGo), Rest::Park);
-    }
-
-    #[test]
-    fn a_watch_sleeps_only_when_nothing_is_pending() {
-        let quiet = WatchLook {
-            stop: false,
-            work: false,
-            resume: false,
-            waiters: 0,
+    fn a_stopping_nic_thread_ends_wherever_it_is() {
+        let stop = NicLook {
+            stop: true,
+            ..held(3)
         };
-        assert_eq!(watch(quiet), Watch::Poll);
-        for w in [
-            WatchLook {
+        let now = Instant::now();
+        let mut watched = watching();
+        assert_eq!(watched.next(quiet(), now), WATCH);
+        let mut waited = watching();
+        assert_eq!(waited.next(quiet(), now), WATCH);
+        let rung = NicLook {
+            work: true,
+            ..quiet()
+        };
+        assert_eq!(waited.next(rung, now), DOORBELL_WAITED);
+        for mut n in [NicThreadRules::new(GRACE), watching(), watched, waited] {
+            assert_eq!(n.next(stop, now), NicAction::Stop);
+        }
+    }
+
+    #[test]
+    fn an_idle_nic_thread_lets_go_and_watches_one_told_to_let_go_parks() {
+        let t0 = Instant::now();
+        assert_eq!(watching().next(quiet(), t0), WATCH);
+        for end in [RunEnd::LetGo, RunEnd::Busy] {
+            let mut n = NicThreadRules::new(20 * MS);
+            n.drove(end);
+            let after = NicLook {
+                last_drive_end: Some(t0),
+                ..quiet()
+            };
+            assert_eq!(n.next(after, t0), parked_for(20 * MS), "{end:?}");
+        }
+    }
+
+    #[test]
+    fn a_watch_sleeps_only_while_nothing_calls_for_the_processor() {
+        assert!(Raised::Watching.sleeps(&quiet()));
+        let pending = [
+            NicLook {
                 stop: true,
-                ..quiet
+                ..quiet()
             },
-            WatchLook {
+            NicLook {
                 work: true,
-                ..quiet
+                ..quiet()
             },
-            WatchLook {
+            NicLook {
                 resume: true,
-                ..quiet
+                ..quiet()
             },
-            WatchLook {
+            NicLook {
                 waiters: 1,
-                ..quiet
+                ..quiet()
             },
+        ];
+        for look in pending {
+            assert!(!Raised::Watching.sleeps(&look), "{look:?}");
+        }
+        // Seen before the watch begins, the same skips it: on to what follows a watch.
+        let now = Instant::now();
+        for (look, then) in [
+            (pending[1], DOORBELL_WAITED),
+            (pending[2], NicAction::Drive(Run::UntilIdle)),
+            (pending[3], NicAction::Drive(Run::ForWaiters)),
+            (
+                NicLook {
+                    held: true,
+                    ..pending[3]
+                },
+                parked_for(20 * MS),
+            ),
         ] {
-            assert_eq!(watch(w), Watch::Skip, "{w:?}");
+            assert_eq!(watching().next(look, now), then, "{look:?}");
         }
     }
 
     #[test]
     fn a_doorbell_is_left_to_its_poster_for_the_doorbell_wait() {
-        let rung = Woken {
-            stop: false,
+        let now = Instant::now();
+        let rung = NicLook {
             work: true,
-            held: false,
+            ..quiet()
         };
-        assert_eq!(
-            after_watch(rung, false),
-            Watched::LeaveToPoster(DOORBELL_WAIT)
-        );
+        let mut n = watching();
+        assert_eq!(n.next(quiet(), now), WATCH);
+        assert_eq!(n.next(rung, now), DOORBELL_WAITED);
         // The poster did not come: the NIC thread sends its WRs.
-        assert_eq!(after_watch(rung, true), Watched::Drive);
-        // It came and drives.
-        let taken = Woken { held: true, ..rung };
-        assert_eq!(after_watch(taken, true), Watched::Park);
-        assert_eq!(after_watch(taken, false), Watched::Park);
+        assert_eq!(n.next(rung, now), NicAction::Drive(Run::UntilIdle));
+        // It came and drives: park.
+        let taken = NicLook {
+            work: true,
+            ..held(4)
+        };
+        let mut n = watching();
+        assert_eq!(n.next(quiet(), now), WATCH);
+        assert_eq!(n.next(rung, now), DOORBELL_WAITED);
+        assert_eq!(n.next(taken, now), parked_for(20 * MS));
+        let mut n = watching();
+        assert_eq!(n.next(quiet(), now), WATCH);
+        assert_eq!(n.next(taken, now), parked_for(20 * MS));
     }
 
     #[test]
     fn a_readable_descriptor_has_the_nic_thread_drive_unless_a_host_took_it() {
-        let readable = Woken {
-            stop: false,
-            work: false,
-            held: false,
-        };
-        assert_eq!(after_watch(readable, false), Watched::Drive);
-        let taken = Woken {
-            held: true,
-            ..readable
-        };
-        assert_eq!(after_watch(taken, false), Watched::Park);
-        let stopping = Woken {
-            stop: true,
-            ..taken
-        };
-        assert_eq!(after_watch(stopping, false), Watched::Drive);
+        let now = Instant::now();
+        let mut n = watching();
+        assert_eq!(n.next(quiet(), now), WATCH);
+        assert_eq!(n.next(quiet(), now), NicAction::Drive(Run::UntilIdle));
+        // A host took it: parked afresh, so the same drive seen again is slept behind.
+        let mut n = watching();
+        assert_eq!(n.next(quiet(), now), WATCH);
+        assert_eq!(n.next(held(4), now), parked_for(20 * MS));
+        assert_eq!(
+            n.next(held(4), now),
+            NicAction::Sleep(Sleep {
+                fd: false,
+                timeout: None,
+                raised: Some(Raised::ParkedUntimed { drives: 4 }),
+            })
+        );
     }
 }

@@ -168,9 +168,10 @@ mod loom_models {
     }
 
     /// A drive's end against the NIC thread parked until it ends (`DrivenQueue::drive`'s
-    /// departure against `DrivenQueue::park`'s `Park::UntilDriveEnds`): the driver lets go of
-    /// the engine lock and stores its end, fences, and kicks if it sees `parked_untimed`; the
-    /// NIC thread raises it, fences, and sleeps only if the drive still holds the lock.
+    /// departure against `DrivenQueue::sleep` with `Raised::ParkedUntimed`): the driver lets
+    /// go of the engine lock and stores its end, fences, and kicks if it sees
+    /// `parked_untimed`; the NIC thread raises it, fences, and sleeps only if the drive still
+    /// holds the lock.
     #[test]
     fn loom_drive_end_reaches_the_nic_thread_parked_untimed() {
         loom::model(|| {
