@@ -85,8 +85,8 @@
 //! its `rules::NicAction` — drive (take the processor unless a host thread holds it, run it
 //! until idle, for waiters, or not at all; then let go fairly), sleep, or stop. Its own
 //! loop sleeps in one call, `DrivenQueue::sleep`, where the flag the rules name
-//! (`rules::Raised`) is raised, looked past and lowered, once for both pairs of the table
-//! above (parked untimed, watching). Its only other sleep is inside a `Run::ForWaiters`
+//! (`rules::Raised`) is raised, the look after its fence taken and the flag lowered, once
+//! for both pairs of the table above (parked untimed, watching). Its only other sleep is inside a `Run::ForWaiters`
 //! drive: `shell::drive`'s, on the processor's descriptor, the sleep host drivers share.
 //!
 //! **The files.** This one: the contract, and the [`QueueDriver`] a CQ wait drives through;
