@@ -11,12 +11,17 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 /// default), so one splice can take a whole 1 MiB write.
 const PIPE_SIZE: libc::c_int = 1 << 20;
 
+/// Most bytes a body waits for before its thread is woken ([`Splicer::set_lowat`]).
+const LOWAT_MAX: usize = 256 << 10;
+
 pub(super) struct Splicer {
     read_end: OwnedFd,
     write_end: OwnedFd,
     capacity: usize,
     /// Where bytes go that must be dropped (a file write failed with the pipe still full).
     scratch: Vec<u8>,
+    /// The socket's `SO_RCVLOWAT` as last set here (1: the kernel's default).
+    lowat: usize,
 }
 
 impl Splicer {
@@ -42,6 +47,7 @@ impl Splicer {
             write_end,
             capacity: usize::try_from(size).unwrap_or(1 << 16).max(4096),
             scratch: Vec::new(),
+            lowat: 1,
         })
     }
 
@@ -68,9 +74,16 @@ impl Splicer {
             )
         };
         if n < 0 {
-            return Err(io::Error::last_os_error());
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::WouldBlock {
+                self.set_lowat(sock, max.min(LOWAT_MAX));
+            }
+            return Err(e);
         }
         let n = n as usize;
+        if n == max {
+            self.set_lowat(sock, 1);
+        }
         let mut done = 0;
         let mut at = offset as libc::loff_t;
         while done < n {
@@ -102,6 +115,29 @@ impl Splicer {
             }
         }
         Ok((n, None))
+    }
+
+    /// Makes epoll report `sock` readable only once `want` bytes are queued (or it closes):
+    /// the rest of a body wakes the thread once, not at every segment. Never more than the
+    /// body still owes, so the bytes after it (the next header) always wake it.
+    fn set_lowat(&mut self, sock: RawFd, want: usize) {
+        if want == self.lowat {
+            return;
+        }
+        let v = libc::c_int::try_from(want).unwrap_or(libc::c_int::MAX);
+        // SAFETY: plain setsockopt on a descriptor the caller keeps open, with an int value.
+        let r = unsafe {
+            libc::setsockopt(
+                sock,
+                libc::SOL_SOCKET,
+                libc::SO_RCVLOWAT,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r == 0 {
+            self.lowat = want;
+        }
     }
 
     /// Reads `len` bytes out of the pipe and forgets them.
@@ -157,6 +193,55 @@ mod tests {
         assert_eq!(&got, b"hello, file");
         drop(a);
         assert_eq!(s.socket_to_file(b.as_raw_fd(), &tmp, 0, 10).unwrap().0, 0);
+    }
+
+    /// `fd` polls readable now.
+    fn readable(fd: RawFd) -> bool {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, no wait.
+        assert!(unsafe { libc::poll(&mut p, 1, 0) } >= 0);
+        p.revents & libc::POLLIN != 0
+    }
+
+    /// Sends `data` and gives loopback a moment to queue it at the reader.
+    fn send(to: &mut std::net::TcpStream, data: &[u8]) {
+        to.write_all(data).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+
+    #[test]
+    fn the_rest_of_a_body_wakes_the_reader_once_it_has_all_come_and_no_later() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        b.set_nonblocking(true).unwrap();
+        let fd = b.as_raw_fd();
+        let tmp = tempfile::tempfile().unwrap();
+        let mut s = Splicer::new().unwrap();
+        let err = s.socket_to_file(fd, &tmp, 0, 1000).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::WouldBlock);
+        // Part of the body: no wake-up for it (before, every segment woke the reader).
+        send(&mut a, &[1; 600]);
+        assert!(!readable(fd), "woken by 600 of the 1000 bytes owed");
+        // Taken anyway, the rest is awaited, and no more than the rest.
+        assert_eq!(s.socket_to_file(fd, &tmp, 0, 1000).unwrap().0, 600);
+        let err = s.socket_to_file(fd, &tmp, 600, 400).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::WouldBlock);
+        send(&mut a, &[2; 399]);
+        assert!(!readable(fd));
+        send(&mut a, &[3]);
+        assert!(readable(fd), "the body's last byte must wake the reader");
+        assert_eq!(s.socket_to_file(fd, &tmp, 600, 400).unwrap().0, 400);
+        // The body is in: the next message's first byte wakes it at once.
+        send(&mut a, &[4]);
+        assert!(readable(fd), "a header after the body must wake the reader");
+        let mut got = vec![0u8; 1000];
+        tmp.read_exact_at(&mut got, 0).unwrap();
+        assert!(got[..600].iter().all(|&x| x == 1) && got[999] == 3);
     }
 
     #[test]
