@@ -826,6 +826,54 @@ fn a_placed_write_that_trickles_in_is_answered_at_its_last_byte() {
     assert!(file[6 * m..6 * m + small.len()] == small[..]);
 }
 
+/// The server's write-class system calls so far (`syscw` of /proc/PID/io: write, pwrite,
+/// writev and their kin; not splice).
+fn write_calls(pid: u32) -> u64 {
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap();
+    let line = io.lines().find(|l| l.starts_with("syscw:")).unwrap();
+    line["syscw:".len()..].trim().parse().unwrap()
+}
+
+#[test]
+fn a_placed_write_s_first_bytes_go_into_the_image_with_the_rest() {
+    // The first payload bytes of a WRITE arrive with its header (read ahead in one read); on
+    // a raw image they go into the file with the spliced rest, not in a `pwrite` of their
+    // own: one write-class call per write left, the reply's `writev`.
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", SIZE);
+    let srv = start_server_v4(&["--export".into(), format!("disk={}", img.display())]);
+    let mut s = transmission(srv.addr);
+    let n = 32u64;
+    let len = 256 << 10;
+    let before = write_calls(srv.pid);
+    for i in 0..n {
+        let data = pattern(len, i + 20);
+        let mut msg = Request {
+            flags: Default::default(),
+            command: Cmd::Write,
+            cookie: i,
+            offset: i * len as u64,
+            length: (len as u32).into(),
+        }
+        .encode(false)
+        .unwrap()
+        .to_vec();
+        msg.extend_from_slice(&data);
+        s.write_all(&msg).unwrap();
+        let r = simple_reply(&mut s);
+        assert_eq!((r.cookie, r.error_value()), (i, None));
+    }
+    let calls = write_calls(srv.pid) - before;
+    assert!(calls <= n + n / 4, "{calls} write calls for {n} writes");
+    let file = std::fs::read(&img).unwrap();
+    for i in 0..n as usize {
+        assert!(
+            file[i * len..(i + 1) * len] == pattern(len, i as u64 + 20)[..],
+            "write {i}"
+        );
+    }
+}
+
 /// A connection in the transmission phase with extended headers negotiated.
 fn extended_transmission(addr: SocketAddr) -> TcpStream {
     let mut s = start(addr);
