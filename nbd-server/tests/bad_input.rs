@@ -766,6 +766,114 @@ fn one_write_at_a_time_touches_a_few_receive_slots_not_all() {
     );
 }
 
+#[test]
+fn a_placed_write_that_trickles_in_is_answered_at_its_last_byte() {
+    // The NIC waits for the rest of a body placed in the image before it wakes the
+    // connection (SO_RCVLOWAT): never for more than the body owes, so a client that sends
+    // its payload in pieces, pausing between them, is answered when the last byte is in,
+    // and the request after it is served at once.
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", SIZE);
+    let srv = start_server_v4(&["--export".into(), format!("disk={}", img.display())]);
+    let mut s = transmission(srv.addr);
+    let data = pattern(MIB as usize + 4096, 11);
+    request(&mut s, Cmd::Write, 1, MIB, data.len() as u32);
+    let pause = || std::thread::sleep(Duration::from_millis(30));
+    let mut at = 0;
+    for piece in [10, 300 << 10, 500 << 10, data.len() - (800 << 10) - 11, 1] {
+        pause();
+        s.write_all(&data[at..at + piece]).unwrap();
+        at += piece;
+    }
+    assert_eq!(at, data.len());
+    // A reply that waited for bytes that never come would time out here (IO_TIMEOUT).
+    let r = simple_reply(&mut s);
+    assert_eq!((r.cookie, r.error_value()), (1, None));
+    // A placed write, then a read of it, sent together; then one more, header split.
+    let small = pattern(64 << 10, 12);
+    request(&mut s, Cmd::Write, 2, 4 * MIB, small.len() as u32);
+    s.write_all(&small).unwrap();
+    request(&mut s, Cmd::Read, 3, 4 * MIB, small.len() as u32);
+    assert_eq!(simple_reply(&mut s).cookie, 2);
+    let r = simple_reply(&mut s);
+    assert_eq!((r.cookie, r.error_value()), (3, None));
+    let mut back = vec![0u8; small.len()];
+    s.read_exact(&mut back).unwrap();
+    assert!(back == small, "read after a placed write differs");
+    let mut hdr = Request {
+        flags: Default::default(),
+        command: Cmd::Write,
+        cookie: 4,
+        offset: 6 * MIB,
+        length: (small.len() as u32).into(),
+    }
+    .encode(false)
+    .unwrap()
+    .to_vec();
+    hdr.extend_from_slice(&small[..100]);
+    for piece in hdr.chunks(20) {
+        s.write_all(piece).unwrap();
+        pause();
+    }
+    s.write_all(&small[100..]).unwrap();
+    assert_eq!(simple_reply(&mut s).error_value(), None);
+    let (e, _) = roundtrip(&mut s, Cmd::Flush, 5, 0, 0, &[]);
+    assert_eq!(e, None);
+    let file = std::fs::read(&img).unwrap();
+    let m = MIB as usize;
+    assert!(file[m..m + data.len()] == data[..], "the trickled write");
+    assert!(file[4 * m..4 * m + small.len()] == small[..]);
+    assert!(file[6 * m..6 * m + small.len()] == small[..]);
+}
+
+/// The server's write-class system calls so far (`syscw` of /proc/PID/io: write, pwrite,
+/// writev and their kin; not splice).
+fn write_calls(pid: u32) -> u64 {
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap();
+    let line = io.lines().find(|l| l.starts_with("syscw:")).unwrap();
+    line["syscw:".len()..].trim().parse().unwrap()
+}
+
+#[test]
+fn a_placed_write_s_first_bytes_go_into_the_image_with_the_rest() {
+    // The first payload bytes of a WRITE arrive with its header (read ahead in one read); on
+    // a raw image they go into the file with the spliced rest, not in a `pwrite` of their
+    // own: one write-class call per write left, the reply's `writev`.
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path(), "disk.img", SIZE);
+    let srv = start_server_v4(&["--export".into(), format!("disk={}", img.display())]);
+    let mut s = transmission(srv.addr);
+    let n = 32u64;
+    let len = 256 << 10;
+    let before = write_calls(srv.pid);
+    for i in 0..n {
+        let data = pattern(len, i + 20);
+        let mut msg = Request {
+            flags: Default::default(),
+            command: Cmd::Write,
+            cookie: i,
+            offset: i * len as u64,
+            length: (len as u32).into(),
+        }
+        .encode(false)
+        .unwrap()
+        .to_vec();
+        msg.extend_from_slice(&data);
+        s.write_all(&msg).unwrap();
+        let r = simple_reply(&mut s);
+        assert_eq!((r.cookie, r.error_value()), (i, None));
+    }
+    let calls = write_calls(srv.pid) - before;
+    assert!(calls <= n + n / 4, "{calls} write calls for {n} writes");
+    let file = std::fs::read(&img).unwrap();
+    for i in 0..n as usize {
+        assert!(
+            file[i * len..(i + 1) * len] == pattern(len, i as u64 + 20)[..],
+            "write {i}"
+        );
+    }
+}
+
 /// A connection in the transmission phase with extended headers negotiated.
 fn extended_transmission(addr: SocketAddr) -> TcpStream {
     let mut s = start(addr);

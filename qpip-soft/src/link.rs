@@ -141,10 +141,14 @@ impl RxIo for UringRx<'_> {
         &mut self,
         file: &File,
         offset: u64,
+        prefix: &[u8],
         max: usize,
     ) -> Option<io::Result<(usize, Option<io::Error>)>> {
         let splicer = splicer(self.splicer)?;
-        Some(self.io.splice_in(self.fd, splicer, file, offset, max))
+        Some(
+            self.io
+                .splice_in(self.fd, splicer, file, offset, prefix, max),
+        )
     }
 }
 
@@ -174,10 +178,12 @@ impl RxIo for SocketRx<'_> {
         &mut self,
         file: &File,
         offset: u64,
+        prefix: &[u8],
         max: usize,
     ) -> Option<io::Result<(usize, Option<io::Error>)>> {
         let splicer = splicer(self.splicer)?;
-        Some(splicer.socket_to_file(self.stream.as_raw_fd(), file, offset, max))
+        let fd = self.stream.as_raw_fd();
+        Some(splicer.socket_to_file(fd, file, offset, prefix, max))
     }
 }
 

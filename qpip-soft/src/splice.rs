@@ -11,12 +11,17 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 /// default), so one splice can take a whole 1 MiB write.
 const PIPE_SIZE: libc::c_int = 1 << 20;
 
+/// Most bytes a body waits for before its thread is woken ([`Splicer::set_lowat`]).
+const LOWAT_MAX: usize = 256 << 10;
+
 pub(super) struct Splicer {
     read_end: OwnedFd,
     write_end: OwnedFd,
     capacity: usize,
     /// Where bytes go that must be dropped (a file write failed with the pipe still full).
     scratch: Vec<u8>,
+    /// The socket's `SO_RCVLOWAT` as last set here (1: the kernel's default).
+    lowat: usize,
 }
 
 impl Splicer {
@@ -42,18 +47,24 @@ impl Splicer {
             write_end,
             capacity: usize::try_from(size).unwrap_or(1 << 16).max(4096),
             scratch: Vec::new(),
+            lowat: 1,
         })
     }
 
-    /// Moves up to `max` bytes from `sock` into `file` at `offset` (the answer of
-    /// `RxIo::read_into_file`): `WouldBlock` when the socket has nothing.
+    /// Writes `prefix` and then up to `max` bytes from `sock` into `file` at `offset` (the
+    /// answer of `RxIo::read_into_file`): `WouldBlock` when the socket has nothing. The prefix
+    /// (the body's first bytes, read with its header) goes into the pipe first, so one file
+    /// write takes it with the socket's bytes: a small write of its own would cost a system
+    /// call and a pass of the file system's write path per message.
     pub(super) fn socket_to_file(
         &mut self,
         sock: RawFd,
         file: &File,
         offset: u64,
+        prefix: &[u8],
         max: usize,
     ) -> io::Result<(usize, Option<io::Error>)> {
+        let p = self.put(prefix)?;
         let want = max.min(self.capacity);
         // SAFETY: both descriptors are open; null offsets mean "current position" (sockets
         // and pipes have none).
@@ -67,13 +78,28 @@ impl Splicer {
                 libc::SPLICE_F_MOVE | libc::SPLICE_F_NONBLOCK,
             )
         };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
+        if n <= 0 {
+            // Nothing came: the prefix is still the caller's.
+            let e = (n < 0).then(io::Error::last_os_error);
+            self.drop_bytes(p)?;
+            return match e {
+                None => Ok((0, None)),
+                Some(e) => {
+                    if e.kind() == io::ErrorKind::WouldBlock {
+                        self.set_lowat(sock, max.min(LOWAT_MAX));
+                    }
+                    Err(e)
+                }
+            };
         }
         let n = n as usize;
+        if n == max {
+            self.set_lowat(sock, 1);
+        }
+        let total = p + n;
         let mut done = 0;
         let mut at = offset as libc::loff_t;
-        while done < n {
+        while done < total {
             // SAFETY: as above; `at` is the file offset splice reads and advances.
             let k = unsafe {
                 libc::splice(
@@ -81,7 +107,7 @@ impl Splicer {
                     std::ptr::null_mut(),
                     file.as_raw_fd(),
                     &mut at,
-                    n - done,
+                    total - done,
                     libc::SPLICE_F_MOVE,
                 )
             };
@@ -96,12 +122,59 @@ impl Splicer {
                     if e.kind() == io::ErrorKind::Interrupted {
                         continue;
                     }
-                    self.drop_bytes(n - done)?;
+                    self.drop_bytes(total - done)?;
                     return Ok((n, Some(e)));
                 }
             }
         }
         Ok((n, None))
+    }
+
+    /// Copies `bytes` into the empty pipe (`vmsplice`); returns how many it holds now.
+    fn put(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        if bytes.is_empty() {
+            return Ok(0);
+        }
+        let iov = libc::iovec {
+            iov_base: bytes.as_ptr() as *mut libc::c_void,
+            iov_len: bytes.len(),
+        };
+        // SAFETY: one iovec over `bytes`, which outlive the call; without SPLICE_F_GIFT the
+        // kernel copies them.
+        let k = unsafe { libc::vmsplice(self.write_end.as_raw_fd(), &iov, 1, 0) };
+        match usize::try_from(k) {
+            Ok(k) if k == bytes.len() => Ok(k),
+            // An empty pipe of at least a page takes a header's bytes whole; anything else is
+            // an error, with the pipe emptied again.
+            Ok(k) => {
+                self.drop_bytes(k)?;
+                Err(io::Error::from(io::ErrorKind::WriteZero))
+            }
+            Err(_) => Err(io::Error::last_os_error()),
+        }
+    }
+
+    /// Makes epoll report `sock` readable only once `want` bytes are queued (or it closes):
+    /// the rest of a body wakes the thread once, not at every segment. Never more than the
+    /// body still owes, so the bytes after it (the next header) always wake it.
+    fn set_lowat(&mut self, sock: RawFd, want: usize) {
+        if want == self.lowat {
+            return;
+        }
+        let v = libc::c_int::try_from(want).unwrap_or(libc::c_int::MAX);
+        // SAFETY: plain setsockopt on a descriptor the caller keeps open, with an int value.
+        let r = unsafe {
+            libc::setsockopt(
+                sock,
+                libc::SOL_SOCKET,
+                libc::SO_RCVLOWAT,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r == 0 {
+            self.lowat = want;
+        }
     }
 
     /// Reads `len` bytes out of the pipe and forgets them.
@@ -145,18 +218,106 @@ mod tests {
         b.set_nonblocking(true).unwrap();
         let tmp = tempfile::tempfile().unwrap();
         let mut s = Splicer::new().unwrap();
-        let err = s.socket_to_file(b.as_raw_fd(), &tmp, 0, 10).unwrap_err();
+        let err = s
+            .socket_to_file(b.as_raw_fd(), &tmp, 0, &[], 10)
+            .unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::WouldBlock);
         a.write_all(b"hello, file").unwrap();
-        let (n, e) = s.socket_to_file(b.as_raw_fd(), &tmp, 100, 5).unwrap();
+        let (n, e) = s.socket_to_file(b.as_raw_fd(), &tmp, 100, &[], 5).unwrap();
         assert_eq!((n, e.is_none()), (5, true));
-        let (n, _) = s.socket_to_file(b.as_raw_fd(), &tmp, 105, 100).unwrap();
+        let (n, _) = s
+            .socket_to_file(b.as_raw_fd(), &tmp, 105, &[], 100)
+            .unwrap();
         assert_eq!(n, 6);
         let mut got = [0u8; 11];
         tmp.read_exact_at(&mut got, 100).unwrap();
         assert_eq!(&got, b"hello, file");
         drop(a);
-        assert_eq!(s.socket_to_file(b.as_raw_fd(), &tmp, 0, 10).unwrap().0, 0);
+        assert_eq!(
+            s.socket_to_file(b.as_raw_fd(), &tmp, 0, &[], 10).unwrap().0,
+            0
+        );
+    }
+
+    /// `fd` polls readable now.
+    fn readable(fd: RawFd) -> bool {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, no wait.
+        assert!(unsafe { libc::poll(&mut p, 1, 0) } >= 0);
+        p.revents & libc::POLLIN != 0
+    }
+
+    /// Sends `data` and gives loopback a moment to queue it at the reader.
+    fn send(to: &mut std::net::TcpStream, data: &[u8]) {
+        to.write_all(data).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+
+    #[test]
+    fn the_rest_of_a_body_wakes_the_reader_once_it_has_all_come_and_no_later() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        b.set_nonblocking(true).unwrap();
+        let fd = b.as_raw_fd();
+        let tmp = tempfile::tempfile().unwrap();
+        let mut s = Splicer::new().unwrap();
+        let err = s.socket_to_file(fd, &tmp, 0, &[], 1000).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::WouldBlock);
+        // Part of the body: no wake-up for it (before, every segment woke the reader).
+        send(&mut a, &[1; 600]);
+        assert!(!readable(fd), "woken by 600 of the 1000 bytes owed");
+        // Taken anyway, the rest is awaited, and no more than the rest.
+        assert_eq!(s.socket_to_file(fd, &tmp, 0, &[], 1000).unwrap().0, 600);
+        let err = s.socket_to_file(fd, &tmp, 600, &[], 400).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::WouldBlock);
+        send(&mut a, &[2; 399]);
+        assert!(!readable(fd));
+        send(&mut a, &[3]);
+        assert!(readable(fd), "the body's last byte must wake the reader");
+        assert_eq!(s.socket_to_file(fd, &tmp, 600, &[], 400).unwrap().0, 400);
+        // The body is in: the next message's first byte wakes it at once.
+        send(&mut a, &[4]);
+        assert!(readable(fd), "a header after the body must wake the reader");
+        let mut got = vec![0u8; 1000];
+        tmp.read_exact_at(&mut got, 0).unwrap();
+        assert!(got[..600].iter().all(|&x| x == 1) && got[999] == 3);
+    }
+
+    #[test]
+    fn a_prefix_goes_into_the_file_with_the_socket_bytes_and_stays_the_callers_until_then() {
+        let (mut a, b) = UnixStream::pair().unwrap();
+        b.set_nonblocking(true).unwrap();
+        let tmp = tempfile::tempfile().unwrap();
+        let mut s = Splicer::new().unwrap();
+        // Nothing on the socket: nothing written, and the pipe holds nothing of the prefix.
+        let err = s
+            .socket_to_file(b.as_raw_fd(), &tmp, 10, b"head", 6)
+            .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::WouldBlock);
+        assert_eq!(tmp.metadata().unwrap().len(), 0);
+        a.write_all(b"body!!").unwrap();
+        let (n, e) = s
+            .socket_to_file(b.as_raw_fd(), &tmp, 10, b"head", 6)
+            .unwrap();
+        assert_eq!((n, e.is_none()), (6, true));
+        let mut got = [0u8; 10];
+        tmp.read_exact_at(&mut got, 10).unwrap();
+        assert_eq!(&got, b"headbody!!");
+        assert_eq!(tmp.metadata().unwrap().len(), 20);
+        // The peer closed: the prefix is dropped with nothing written.
+        drop(a);
+        assert_eq!(
+            s.socket_to_file(b.as_raw_fd(), &tmp, 40, b"xy", 6)
+                .unwrap()
+                .0,
+            0
+        );
+        assert_eq!(tmp.metadata().unwrap().len(), 20);
     }
 
     #[test]
@@ -168,7 +329,7 @@ mod tests {
         let ro = File::open(&path).unwrap();
         let mut s = Splicer::new().unwrap();
         a.write_all(b"first second").unwrap();
-        let (n, e) = s.socket_to_file(b.as_raw_fd(), &ro, 0, 6).unwrap();
+        let (n, e) = s.socket_to_file(b.as_raw_fd(), &ro, 0, &[], 6).unwrap();
         assert_eq!(n, 6);
         assert_eq!(e.unwrap().raw_os_error(), Some(libc::EBADF));
         // The pipe is empty again: what follows comes out of the socket in order.

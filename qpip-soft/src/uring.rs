@@ -260,6 +260,7 @@ impl UringIo {
         splicer: &mut Splicer,
         file: &File,
         offset: u64,
+        prefix: &[u8],
         max: usize,
     ) -> io::Result<(usize, Option<io::Error>)> {
         match self.read {
@@ -268,7 +269,7 @@ impl UringIo {
             Op::Done(_) => self.read = Op::Idle,
             Op::Idle => {}
         }
-        match splicer.socket_to_file(fd, file, offset, max) {
+        match splicer.socket_to_file(fd, file, offset, prefix, max) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 let e = opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32)
                     .build()

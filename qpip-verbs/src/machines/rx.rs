@@ -6,7 +6,9 @@
 //!
 //! A body the framer placed in a registered file goes there without passing through user
 //! memory where the connection can do that ([`RxIo::read_into_file`]: the soft NIC splices
-//! socket → pipe → file), else through a bounded bounce buffer and `pwrite`.
+//! socket → pipe → file), else through a bounded bounce buffer and `pwrite`. Its first bytes,
+//! read ahead with the header, are written with the rest (one file write per piece, not an
+//! extra small one per message).
 //!
 //! Its tests, which drive the machine without a socket, are in `machines/rx/tests.rs`.
 
@@ -82,15 +84,18 @@ pub trait RxIo {
     /// Reads into `iov`: bytes read, 0 when the peer closed, or `WouldBlock`.
     fn read(&mut self, iov: &mut [IoSliceMut<'_>]) -> io::Result<usize>;
 
-    /// Moves up to `max` bytes from the connection into `file` at `offset` without a copy
+    /// Writes `prefix` (body bytes already read, at most [`MAX_HEADER`]) into `file` at
+    /// `offset`, followed by up to `max` bytes moved from the connection without a copy
     /// through user memory, and empties whatever it used on the way (a pipe) before it
     /// returns: bytes taken from the connection (0: the peer closed), and the error writing
-    /// the file hit, if one did (those bytes were taken and dropped). `None`: the connection
-    /// cannot; the machine then reads into a bounce buffer and writes that.
+    /// the file hit, if one did (those bytes were taken and dropped). The prefix is written
+    /// only with bytes from the connection: on `WouldBlock` it is still the caller's. `None`:
+    /// the connection cannot; the machine then reads into a bounce buffer and writes that.
     fn read_into_file(
         &mut self,
         _file: &File,
         _offset: u64,
+        _prefix: &[u8],
         _max: usize,
     ) -> Option<io::Result<(usize, Option<io::Error>)>> {
         None
@@ -117,6 +122,9 @@ struct InMsg {
     /// The first error writing a file body (errno); the rest of the body is still read (and
     /// dropped) so that the stream stays in step, and the completion reports it.
     place_error: Option<i32>,
+    /// A file body's bytes read ahead with the header, not yet written: they go into the
+    /// file with the next bytes from the connection.
+    prefix: SmallVec<[u8; MAX_HEADER]>,
     /// Bytes of the message that go into the WR (all of them without `body`).
     in_wr: usize,
     /// Bytes placed so far.
@@ -137,14 +145,28 @@ impl InMsg {
             Some(Placement::Memory(body)) => {
                 scatter(std::slice::from_ref(body), at, &data[to_wr..]);
             }
-            // Nothing more is written once writing the file failed.
-            Some(Placement::File(span)) if to_wr < data.len() && self.place_error.is_none() => {
-                let offset = span.offset() + at as u64;
-                if let Err(e) = span.file().write_all_at(&data[to_wr..], offset) {
-                    self.place_error = Some(file_errno(&e));
-                }
+            // Bytes of a file body come only with its header (a body read later goes through
+            // `RxIo::read_into_file`): held for the file write of the bytes after them.
+            Some(Placement::File(_)) if to_wr < data.len() => {
+                debug_assert_eq!(at, self.prefix.len());
+                self.prefix.extend_from_slice(&data[to_wr..]);
             }
             _ => {}
+        }
+    }
+
+    /// Writes the held prefix of a file body by itself (a body that ends within it).
+    fn flush_prefix(&mut self) {
+        if let Some(Placement::File(span)) = &self.body
+            && !self.prefix.is_empty()
+        {
+            let offset = span.offset() + (self.filled - self.in_wr - self.prefix.len()) as u64;
+            if let Err(e) = span.file().write_all_at(&self.prefix, offset)
+                && self.place_error.is_none()
+            {
+                self.place_error = Some(file_errno(&e));
+            }
+            self.prefix.clear();
         }
     }
 
@@ -234,21 +256,27 @@ fn segs_mut(segs: &[Segment], mut from: usize, mut to: usize) -> SmallVec<[IoSli
     out
 }
 
-/// A file body over a connection that cannot splice: up to `BOUNCE` bytes read into
-/// `bounce`, then written to the file. Same answer as [`RxIo::read_into_file`].
+/// A file body over a connection that cannot splice: `prefix` and up to `BOUNCE` bytes read
+/// after it into `bounce`, then written to the file. Same answer as [`RxIo::read_into_file`].
 fn bounce_into_file(
     bounce: &mut Vec<u8>,
     io: &mut dyn RxIo,
     file: &File,
     offset: u64,
+    prefix: &[u8],
     max: usize,
 ) -> io::Result<(usize, Option<io::Error>)> {
     if bounce.is_empty() {
-        bounce.resize(BOUNCE, 0);
+        bounce.resize(BOUNCE + MAX_HEADER, 0);
     }
-    let want = max.min(bounce.len());
-    let n = io.read(&mut [IoSliceMut::new(&mut bounce[..want])])?;
-    Ok((n, file.write_all_at(&bounce[..n], offset).err()))
+    let p = prefix.len();
+    let want = max.min(BOUNCE);
+    let n = io.read(&mut [IoSliceMut::new(&mut bounce[p..p + want])])?;
+    if n == 0 {
+        return Ok((0, None));
+    }
+    bounce[..p].copy_from_slice(prefix);
+    Ok((n, file.write_all_at(&bounce[..p + n], offset).err()))
 }
 
 impl Default for RxMachine {
@@ -307,12 +335,13 @@ impl RxMachine {
             }
             debug_assert_eq!(self.hdr_len, 0);
             if let Some(span) = cur.in_file_body() {
-                let at = cur.filled - cur.in_wr;
+                let at = cur.filled - cur.in_wr - cur.prefix.len();
                 let max = cur.total - cur.filled;
                 let offset = span.offset() + at as u64;
-                let moved = match io.read_into_file(span.file(), offset, max) {
+                let file = span.file();
+                let moved = match io.read_into_file(file, offset, &cur.prefix, max) {
                     Some(r) => r,
-                    None => bounce_into_file(&mut self.bounce, io, span.file(), offset, max),
+                    None => bounce_into_file(&mut self.bounce, io, file, offset, &cur.prefix, max),
                 };
                 match moved {
                     Ok((0, _)) => {
@@ -322,6 +351,7 @@ impl RxMachine {
                     }
                     Ok((k, file_error)) => {
                         cur.filled += k.min(max);
+                        cur.prefix.clear();
                         if let Some(e) = file_error {
                             cur.place_error.get_or_insert(file_errno(&e));
                         }
@@ -526,6 +556,7 @@ impl RxMachine {
             wr,
             body,
             place_error: None,
+            prefix: SmallVec::new(),
             in_wr,
             filled: 0,
             total,
@@ -546,7 +577,10 @@ impl RxMachine {
     }
 
     fn complete_cur(&mut self, qp: &QpShared, status: WcStatus, os_error: i32) {
-        if let Some(cur) = self.cur.take() {
+        if let Some(mut cur) = self.cur.take() {
+            if status == WcStatus::Success {
+                cur.flush_prefix();
+            }
             let in_wr = cur.filled.min(cur.in_wr);
             let placed = (cur.filled - in_wr) as u32;
             let (status, os_error) = match (status, cur.place_error) {

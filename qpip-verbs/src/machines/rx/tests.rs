@@ -227,6 +227,72 @@ fn file_bodies_are_written_to_the_file_and_headers_into_the_wr() {
     }
 }
 
+/// A connection that places file bodies itself, as the soft NIC's splice does: each call
+/// writes the prefix it is handed and the bytes after it in one file write.
+struct Splicing {
+    sock: Trickle,
+    /// (offset, prefix length, bytes from the connection) of every file write.
+    writes: Vec<(u64, usize, usize)>,
+}
+
+impl RxIo for Splicing {
+    fn read(&mut self, iov: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        self.sock.read(iov)
+    }
+    fn read_into_file(
+        &mut self,
+        file: &File,
+        offset: u64,
+        prefix: &[u8],
+        max: usize,
+    ) -> Option<io::Result<(usize, Option<io::Error>)>> {
+        let mut buf = vec![0u8; max];
+        let n = match self.sock.read(&mut [IoSliceMut::new(&mut buf)]) {
+            Ok(n) => n,
+            Err(e) => return Some(Err(e)),
+        };
+        let mut all = prefix.to_vec();
+        all.extend_from_slice(&buf[..n]);
+        self.writes.push((offset, prefix.len(), n));
+        Some(Ok((n, file.write_all_at(&all, offset).err())))
+    }
+}
+
+#[test]
+fn body_bytes_read_with_the_header_go_into_the_file_with_the_rest() {
+    // 4-byte length prefixes, bodies of 100 bytes into the file: the header's read (up to
+    // MAX_HEADER bytes) takes the first 60 body bytes with it.
+    let bodies: Vec<Vec<u8>> = (0..3).map(|i| vec![b'a' + i as u8; 100]).collect();
+    let refs: Vec<&[u8]> = bodies.iter().map(|b| b.as_slice()).collect();
+    let wire = framed(&refs);
+    let (qp, cq, table, _mr) = setup(8, 256);
+    let (_tmp, file) = file_of(300, true);
+    let dst = table.register_file(file.clone(), 300, crate::Access::READ_WRITE);
+    let mut framer = PlaceInto::file(dst);
+    let mut io = Splicing {
+        sock: Trickle::new(wire, 1 << 20),
+        writes: Vec::new(),
+    };
+    let mut rx = RxMachine::new();
+    assert_eq!(
+        rx.pump_io(&qp, &table, &mut framer, &mut io),
+        RxStop::WouldBlock
+    );
+    let done = drain(&cq);
+    assert_eq!(done.len(), 3);
+    assert!(done.iter().all(|c| c.status == WcStatus::Success));
+    // One file write per body, its read-ahead first.
+    assert_eq!(
+        io.writes,
+        [(0, 60, 40), (100, 60, 40), (200, 60, 40)],
+        "{:?}",
+        io.writes
+    );
+    let mut got = vec![0u8; 300];
+    file.read_exact_at(&mut got, 0).unwrap();
+    assert_eq!(got, bodies.concat());
+}
+
 #[test]
 fn a_file_that_refuses_the_write_fails_that_message_only() {
     // Registered writable, but the descriptor is read-only: the OS refuses (EBADF).
