@@ -375,14 +375,10 @@ fn run<P: Processor>(shared: &Shared, spin: Duration, mut nic: P) {
     nic.stop();
 }
 
-/// What a thread running the processor learns across its turns: the poll window and when
-/// work last came.
+/// The NIC thread's turns: its own poll window, and the pace of the queue's work.
 pub(crate) struct Turns {
     window: PollWindow,
-    last_work: Instant,
-    slept: bool,
-    /// Run by application threads (which keep their core while polling).
-    host: bool,
+    pace: Pace,
 }
 
 impl Turns {
@@ -390,31 +386,44 @@ impl Turns {
     pub(crate) fn new(spin: Duration) -> Self {
         Turns {
             window: PollWindow::new(spin),
+            pace: Pace::new(),
+        }
+    }
+}
+
+/// When a queue last had work, and whether whoever ran it slept since: what the window of
+/// the next thread to run it learns from. The poll window itself is not here: the NIC
+/// thread has its own ([`Turns`]), and each CQ's waiters theirs
+/// ([`crate::poll_window::KeptWindow`]).
+pub(crate) struct Pace {
+    last_work: Instant,
+    slept: bool,
+}
+
+impl Pace {
+    pub(crate) fn new() -> Self {
+        Pace {
             last_work: Instant::now(),
             slept: false,
-            host: false,
         }
     }
 
-    /// The turns of application threads driving a queue.
-    pub(crate) fn host() -> Self {
-        Turns {
-            host: true,
-            ..Turns::new(Duration::ZERO)
-        }
-    }
-
-    /// Changes the longest poll window (a host thread's wait brings its own).
-    pub(crate) fn set_max(&mut self, spin: Duration) {
-        self.window.set_max(spin);
-    }
-
-    fn worked(&mut self, slept: bool) {
+    /// Work came: `window` learns how long after the last work, if the runner slept between.
+    fn worked(&mut self, window: &mut PollWindow) {
         let now = Instant::now();
-        self.window.idle_ended(now - self.last_work, slept);
+        window.idle_ended(now - self.last_work, self.slept);
         self.last_work = now;
         self.slept = false;
     }
+}
+
+/// Who runs the processor's turns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Runner {
+    /// The NIC thread: it yields its core while it polls, and always steps.
+    NicThread,
+    /// An application thread waiting on a CQ: it keeps its core while it polls.
+    Host,
 }
 
 /// Runs the processor's turns — commands, then doorbells, then a step of the physical layer
@@ -425,6 +434,31 @@ pub(crate) fn drive<P: Processor>(
     shared: &Shared,
     nic: &mut P,
     turns: &mut Turns,
+    done: &mut dyn FnMut() -> bool,
+    deadline: Option<Instant>,
+) -> Ended {
+    let Turns { window, pace } = turns;
+    run_turns(shared, nic, Runner::NicThread, pace, window, done, deadline)
+}
+
+/// [`drive`] by an application thread waiting on a CQ, polling within `window`: its CQ's.
+pub(crate) fn drive_host<P: Processor>(
+    shared: &Shared,
+    nic: &mut P,
+    pace: &mut Pace,
+    window: &mut PollWindow,
+    done: &mut dyn FnMut() -> bool,
+    deadline: Option<Instant>,
+) -> Ended {
+    run_turns(shared, nic, Runner::Host, pace, window, done, deadline)
+}
+
+fn run_turns<P: Processor>(
+    shared: &Shared,
+    nic: &mut P,
+    runner: Runner,
+    pace: &mut Pace,
+    window: &mut PollWindow,
     done: &mut dyn FnMut() -> bool,
     deadline: Option<Instant>,
 ) -> Ended {
@@ -444,16 +478,16 @@ pub(crate) fn drive<P: Processor>(
             }
             return Ended::Done;
         }
-        if fresh || !turns.host || turns.window.max() > Duration::ZERO {
+        if fresh || runner == Runner::NicThread || window.max() > Duration::ZERO {
             fresh = nic.step().worked();
             worked |= fresh;
         }
         if worked {
-            turns.worked(turns.slept);
+            pace.worked(window);
             continue;
         }
-        if !turns.slept && turns.last_work.elapsed() < turns.window.get() {
-            if turns.host {
+        if !pace.slept && pace.last_work.elapsed() < window.get() {
+            if runner == Runner::Host {
                 // An application thread keeps its core while it polls: a yield would hand
                 // a busy core's slice to another thread, far longer than the window.
                 std::hint::spin_loop();
@@ -489,7 +523,7 @@ pub(crate) fn drive<P: Processor>(
         fresh = true;
         shared.sleeping.lower();
         // The next turn's step takes what woke us, and learns from it.
-        turns.slept = true;
+        pace.slept = true;
     }
 }
 
