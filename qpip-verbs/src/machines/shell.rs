@@ -471,6 +471,10 @@ fn run_turns<P: Processor>(
         let mut worked = run_commands(shared, nic);
         worked |= run_doorbells(shared, nic);
         if done() {
+            // The work of this turn is not counted in the pace: after a request's doorbell
+            // ended a drive (its send completed), the next drive's window runs from the
+            // previous arrival, not from the request. Counting it made a QD1 waiter poll
+            // for the whole reply time, slower on two cores (BENCHMARKS, session 13).
             // What a sleep took from the kernel is dispatched before the processor is let
             // go: whoever watches its descriptor next would not see it.
             if nic.wake_events().is_some_and(|e| e.pending()) {
