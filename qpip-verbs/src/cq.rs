@@ -198,7 +198,14 @@ impl CompletionQueue {
     ) -> Result<Option<usize>, CqError> {
         let shared = &*self.shared;
         loop {
-            let driven = driver.drive(wait, &shared.driving, &|| shared.has_news(), spin, deadline);
+            let driven = driver.drive(
+                wait,
+                &shared.driving,
+                &shared.window,
+                &|| shared.has_news(),
+                spin,
+                deadline,
+            );
             match driven {
                 Driven::Busy => return Ok(None),
                 Driven::Ready | Driven::TimedOut => {

@@ -1,9 +1,13 @@
-//! How long the NIC thread polls before it sleeps, learned from arrivals
-//! ([`crate::machines::shell`]). Polling pays when work comes back within the window (no
-//! wake-up, no context switch); it is pure waste when it does not, and on a two-core machine
-//! the polling thread takes the core the work needs. (The same rule for a host thread
-//! waiting on a CQ was measured and not kept: docs/bench/qd1-cq-window.txt.)
+//! How long a thread running a NIC queue polls before it sleeps, learned from arrivals: the
+//! NIC thread's own window ([`crate::machines::shell`]), and each CQ's for the waiters that
+//! drive its queue ([`KeptWindow`], [`crate::drive`]). Polling pays when work comes back
+//! within the window (no wake-up, no context switch); it is pure waste when it does not, and
+//! on a two-core machine the polling thread takes the core the work needs. One thread runs a
+//! queue at a time, so a queue costs at most one polling core whatever its CQs learned.
+//! (A CQ waiter that polls the ring rather than driving its queue keeps its fixed spin: a
+//! window learned there was measured and not kept, docs/bench/qd1-cq-window.txt.)
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// How long to poll for work before sleeping, learned from how soon work came back, as KVM's halt polling learns its window (virt/kvm/kvm_main.c, `grow_halt_poll_ns` /
@@ -40,12 +44,6 @@ impl PollWindow {
         self.max
     }
 
-    /// Changes the longest it may grow to (the window shrinks to it if longer).
-    pub fn set_max(&mut self, max: Duration) {
-        self.max = max;
-        self.window = self.window.min(max);
-    }
-
     /// Work came `idle` after the last work; `slept`: the thread slept in between.
     pub fn idle_ended(&mut self, idle: Duration, slept: bool) {
         if !slept {
@@ -59,6 +57,30 @@ impl PollWindow {
                 self.window = Duration::ZERO;
             }
         }
+    }
+}
+
+/// The poll window one CQ's waiters learned, kept between their drives of its queue
+/// ([`crate::drive`]): each CQ learns from its own arrivals (its connection's round trip),
+/// not from those of whichever CQ of the queue was driven last. Written only by the queue's
+/// one driver at a time.
+#[derive(Debug, Default)]
+pub struct KeptWindow(AtomicU64);
+
+impl KeptWindow {
+    /// The kept window, within the longest `max` this wait allows (its CQ's spin).
+    pub fn resume(&self, max: Duration) -> PollWindow {
+        let kept = Duration::from_nanos(self.0.load(Ordering::Relaxed));
+        PollWindow {
+            window: kept.min(max),
+            max,
+        }
+    }
+
+    /// Keeps what a drive learned.
+    pub fn keep(&self, w: &PollWindow) {
+        let nanos = u64::try_from(w.window.as_nanos()).unwrap_or(u64::MAX);
+        self.0.store(nanos, Ordering::Relaxed);
     }
 }
 
@@ -86,6 +108,26 @@ mod tests {
             w.idle_ended(Duration::from_millis(200), true);
             assert_eq!(w.get(), Duration::from_nanos(want));
         }
+    }
+
+    #[test]
+    fn a_kept_window_resumes_within_the_next_maximum() {
+        let kept = KeptWindow::default();
+        assert_eq!(
+            kept.resume(50 * US).get(),
+            Duration::ZERO,
+            "nothing learned yet"
+        );
+        let mut w = kept.resume(50 * US);
+        w.idle_ended(20 * US, true);
+        w.idle_ended(20 * US, true);
+        kept.keep(&w);
+        assert_eq!(kept.resume(50 * US).get(), 20 * US);
+        // A wait with a shorter spin polls at most that long; what is kept stays until a
+        // drive keeps another.
+        assert_eq!(kept.resume(15 * US).get(), 15 * US);
+        assert_eq!(kept.resume(50 * US).get(), 20 * US);
+        assert_eq!(kept.resume(Duration::ZERO).get(), Duration::ZERO);
     }
 
     #[test]

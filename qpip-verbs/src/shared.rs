@@ -12,6 +12,7 @@ use event_listener::Event;
 
 use crate::drive::QueueDriver;
 use crate::drive::sync::{SleepCount, posted};
+use crate::poll_window::KeptWindow;
 use crate::wr::{Completion, Opcode, QpNum, RecvWr, SendWr, WcStatus};
 
 /// Reliable (TCP) or unreliable (UDP).
@@ -96,6 +97,8 @@ pub struct CqShared {
     /// Waiters of this CQ driving its queue now, counted by the driver while it holds the
     /// queue (a wake must interrupt them).
     pub(crate) driving: AtomicU32,
+    /// How long this CQ's driving waiters poll before they sleep, learned from its arrivals.
+    pub(crate) window: KeptWindow,
 }
 
 impl CqShared {
@@ -113,6 +116,7 @@ impl CqShared {
             driver: OnceLock::new(),
             mixed: AtomicBool::new(false),
             driving: AtomicU32::new(0),
+            window: KeptWindow::default(),
         }
     }
 

@@ -33,8 +33,10 @@ use crate::drive::sync::posted;
 use crate::drive::{Driven, QueueDriver, Waiting};
 use crate::error::Result;
 use crate::machines::shell::{
-    NicThread, Processor, Shared, ShellConfig, Turns, drive, run_commands, run_until_idle,
+    NicThread, Pace, Processor, Shared, ShellConfig, Turns, drive, drive_host, run_commands,
+    run_until_idle,
 };
+use crate::poll_window::KeptWindow;
 
 impl NicThread {
     /// [`Self::spawn`] for a processor that host threads may run too: a thread waiting on a
@@ -60,8 +62,9 @@ impl NicThread {
 /// A queue whose processor the NIC thread and host threads take turns to run.
 pub(crate) struct DrivenQueue<P> {
     shared: Arc<Shared>,
-    /// The processor, and what host threads driving it learned of arrivals.
-    engine: Mutex<(P, Turns)>,
+    /// The processor, and the pace of its work as host threads driving it saw it (each
+    /// brings its CQ's poll window).
+    engine: Mutex<(P, Pace)>,
     grace: Duration,
 }
 
@@ -69,7 +72,7 @@ impl<P: Processor + Send> DrivenQueue<P> {
     pub(crate) fn new(shared: Arc<Shared>, nic: P, grace: Duration) -> Self {
         DrivenQueue {
             shared,
-            engine: Mutex::new((nic, Turns::host())),
+            engine: Mutex::new((nic, Pace::new())),
             grace,
         }
     }
@@ -179,6 +182,7 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
         &self,
         _wait: &Waiting<'_>,
         driving: &AtomicU32,
+        window: &KeptWindow,
         ready: &dyn Fn() -> bool,
         spin: Duration,
         deadline: Option<Instant>,
@@ -206,8 +210,8 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
             }
             Err(IfHeld::SleepBehind) => return Driven::Busy,
         };
-        let (nic, turns) = &mut *engine;
-        turns.set_max(spin);
+        let (nic, pace) = &mut *engine;
+        let mut learned = window.resume(spin);
         h.drives.fetch_add(1, Ordering::AcqRel);
         driving.fetch_add(1, Ordering::Relaxed);
         let accounting = h.accounting.load(Ordering::Relaxed);
@@ -220,8 +224,9 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
         let ended = if stopped() {
             Ended::Deadline
         } else {
-            drive(shared, nic, turns, &mut done, deadline)
+            drive_host(shared, nic, pace, &mut learned, &mut done, deadline)
         };
+        window.keep(&learned);
         if accounting {
             let cpu = thread_cpu().saturating_sub(cpu0);
             h.driven_cpu_ns
@@ -505,9 +510,59 @@ mod tests {
         let wait = queue.begin_wait();
         let ready = || counted.load(Ordering::SeqCst) >= 1;
         let deadline = Some(Instant::now() + Duration::from_secs(10));
-        let driven = queue.drive(&wait, &driving, &ready, Duration::ZERO, deadline);
+        let window = KeptWindow::default();
+        let driven = queue.drive(&wait, &driving, &window, &ready, Duration::ZERO, deadline);
         assert_eq!(driven, Driven::Ready);
         writer.join().unwrap();
         assert_eq!(steps.load(Ordering::SeqCst), 1);
+    }
+
+    /// Each CQ's waiters learn their own poll window: a CQ whose completions come back soon
+    /// after each sleep comes to poll before sleeping, and a CQ of the same queue whose
+    /// completions come rarely still sleeps at once, whatever the other learned.
+    #[test]
+    fn each_cq_learns_its_own_poll_window() {
+        let PipeQueue {
+            queue,
+            write,
+            counted,
+            steps,
+            ..
+        } = pipe_queue();
+        let (driving, spin) = (AtomicU32::new(0), Duration::from_millis(100));
+        let deadline = || Some(Instant::now() + Duration::from_secs(10));
+        // The busy CQ: each arrival 1 ms after its waiter began to wait, so its window
+        // doubles from 10 µs on each (to 20 ms after 12).
+        let busy = KeptWindow::default();
+        let mut write = Some(write);
+        for round in 1..=12 {
+            let mut w = write.take().unwrap();
+            let writer = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(1));
+                w.write_all(b"x").unwrap();
+                w
+            });
+            let wait = queue.begin_wait();
+            let ready = || counted.load(Ordering::SeqCst) >= round;
+            let driven = queue.drive(&wait, &driving, &busy, &ready, spin, deadline());
+            assert_eq!(driven, Driven::Ready);
+            write = Some(writer.join().unwrap());
+        }
+        assert!(busy.resume(spin).get() >= Duration::from_millis(5));
+        // The quiet CQ, 20 ms later: its waiter has learned nothing and sleeps at once.
+        let quiet = KeptWindow::default();
+        let mut w = write.take().unwrap();
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            w.write_all(b"x").unwrap();
+        });
+        let steps0 = steps.load(Ordering::SeqCst);
+        let wait = queue.begin_wait();
+        let ready = || counted.load(Ordering::SeqCst) >= 13;
+        let driven = queue.drive(&wait, &driving, &quiet, &ready, spin, deadline());
+        assert_eq!(driven, Driven::Ready);
+        writer.join().unwrap();
+        let polled = steps.load(Ordering::SeqCst) - steps0;
+        assert!(polled < 10, "the quiet CQ's waiter polled {polled} times");
     }
 }

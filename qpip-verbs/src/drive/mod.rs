@@ -101,6 +101,8 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::poll_window::KeptWindow;
+
 mod driven;
 pub(crate) mod handover;
 pub(crate) mod rules;
@@ -147,13 +149,14 @@ pub trait QueueDriver: Send + Sync {
     fn begin_wait(&self) -> Waiting<'_>;
     /// Runs the queue's work on the calling thread (within its `wait`) until `ready()` holds
     /// or `deadline` passes, counted in `driving` while it does; polls after its last work
-    /// for a window learned from arrivals, at most `spin`, then sleeps until the queue's
-    /// sockets wake it. Returns [`Driven::Busy`] when another thread drives it, or asks for
-    /// it.
+    /// for `window` (its CQ's, learned from arrivals and kept there), at most `spin`, then
+    /// sleeps until the queue's sockets wake it. Returns [`Driven::Busy`] when another
+    /// thread drives it, or asks for it.
     fn drive(
         &self,
         wait: &Waiting<'_>,
         driving: &AtomicU32,
+        window: &KeptWindow,
         ready: &dyn Fn() -> bool,
         spin: Duration,
         deadline: Option<Instant>,

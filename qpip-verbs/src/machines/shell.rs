@@ -375,14 +375,10 @@ fn run<P: Processor>(shared: &Shared, spin: Duration, mut nic: P) {
     nic.stop();
 }
 
-/// What a thread running the processor learns across its turns: the poll window and when
-/// work last came.
+/// The NIC thread's turns: its own poll window, and the pace of the queue's work.
 pub(crate) struct Turns {
     window: PollWindow,
-    last_work: Instant,
-    slept: bool,
-    /// Run by application threads (which keep their core while polling).
-    host: bool,
+    pace: Pace,
 }
 
 impl Turns {
@@ -390,31 +386,44 @@ impl Turns {
     pub(crate) fn new(spin: Duration) -> Self {
         Turns {
             window: PollWindow::new(spin),
+            pace: Pace::new(),
+        }
+    }
+}
+
+/// When a queue last had work, and whether whoever ran it slept since: what the window of
+/// the next thread to run it learns from. The poll window itself is not here: the NIC
+/// thread has its own ([`Turns`]), and each CQ's waiters theirs
+/// ([`crate::poll_window::KeptWindow`]).
+pub(crate) struct Pace {
+    last_work: Instant,
+    slept: bool,
+}
+
+impl Pace {
+    pub(crate) fn new() -> Self {
+        Pace {
             last_work: Instant::now(),
             slept: false,
-            host: false,
         }
     }
 
-    /// The turns of application threads driving a queue.
-    pub(crate) fn host() -> Self {
-        Turns {
-            host: true,
-            ..Turns::new(Duration::ZERO)
-        }
-    }
-
-    /// Changes the longest poll window (a host thread's wait brings its own).
-    pub(crate) fn set_max(&mut self, spin: Duration) {
-        self.window.set_max(spin);
-    }
-
-    fn worked(&mut self, slept: bool) {
+    /// Work came: `window` learns how long after the last work, if the runner slept between.
+    fn worked(&mut self, window: &mut PollWindow) {
         let now = Instant::now();
-        self.window.idle_ended(now - self.last_work, slept);
+        window.idle_ended(now - self.last_work, self.slept);
         self.last_work = now;
         self.slept = false;
     }
+}
+
+/// Who runs the processor's turns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Runner {
+    /// The NIC thread: it yields its core while it polls, and always steps.
+    NicThread,
+    /// An application thread waiting on a CQ: it keeps its core while it polls.
+    Host,
 }
 
 /// Runs the processor's turns — commands, then doorbells, then a step of the physical layer
@@ -428,6 +437,31 @@ pub(crate) fn drive<P: Processor>(
     done: &mut dyn FnMut() -> bool,
     deadline: Option<Instant>,
 ) -> Ended {
+    let Turns { window, pace } = turns;
+    run_turns(shared, nic, Runner::NicThread, pace, window, done, deadline)
+}
+
+/// [`drive`] by an application thread waiting on a CQ, polling within `window`: its CQ's.
+pub(crate) fn drive_host<P: Processor>(
+    shared: &Shared,
+    nic: &mut P,
+    pace: &mut Pace,
+    window: &mut PollWindow,
+    done: &mut dyn FnMut() -> bool,
+    deadline: Option<Instant>,
+) -> Ended {
+    run_turns(shared, nic, Runner::Host, pace, window, done, deadline)
+}
+
+fn run_turns<P: Processor>(
+    shared: &Shared,
+    nic: &mut P,
+    runner: Runner,
+    pace: &mut Pace,
+    window: &mut PollWindow,
+    done: &mut dyn FnMut() -> bool,
+    deadline: Option<Instant>,
+) -> Ended {
     // The processor may hold what no step has taken: after a sleep (what woke it), or
     // after a step that found work (a stream). Otherwise a host thread that never polls
     // skips the step: its sleep returns at once if something is ready (one system call
@@ -437,6 +471,10 @@ pub(crate) fn drive<P: Processor>(
         let mut worked = run_commands(shared, nic);
         worked |= run_doorbells(shared, nic);
         if done() {
+            // The work of this turn is not counted in the pace: after a request's doorbell
+            // ended a drive (its send completed), the next drive's window runs from the
+            // previous arrival, not from the request. Counting it made a QD1 waiter poll
+            // for the whole reply time, slower on two cores (BENCHMARKS, session 13).
             // What a sleep took from the kernel is dispatched before the processor is let
             // go: whoever watches its descriptor next would not see it.
             if nic.wake_events().is_some_and(|e| e.pending()) {
@@ -444,16 +482,16 @@ pub(crate) fn drive<P: Processor>(
             }
             return Ended::Done;
         }
-        if fresh || !turns.host || turns.window.max() > Duration::ZERO {
+        if fresh || runner == Runner::NicThread || window.max() > Duration::ZERO {
             fresh = nic.step().worked();
             worked |= fresh;
         }
         if worked {
-            turns.worked(turns.slept);
+            pace.worked(window);
             continue;
         }
-        if !turns.slept && turns.last_work.elapsed() < turns.window.get() {
-            if turns.host {
+        if !pace.slept && pace.last_work.elapsed() < window.get() {
+            if runner == Runner::Host {
                 // An application thread keeps its core while it polls: a yield would hand
                 // a busy core's slice to another thread, far longer than the window.
                 std::hint::spin_loop();
@@ -489,7 +527,7 @@ pub(crate) fn drive<P: Processor>(
         fresh = true;
         shared.sleeping.lower();
         // The next turn's step takes what woke us, and learns from it.
-        turns.slept = true;
+        pace.slept = true;
     }
 }
 
