@@ -437,7 +437,7 @@ fn stream_qp(net: Option<&Side>, msgs: u64, msg: usize, window: usize) -> Result
     let tx_mr = nic.alloc_region(msg, Access::READ);
     far.ready()?;
     let wall = Instant::now();
-    let meter = Meter::start(Some(&nic));
+    let meter = Meter::split(&nic);
     let (mut posted, mut done) = (0u64, 0u64);
     let mut buf = [Completion::default(); 64];
     while done < msgs {
