@@ -703,6 +703,12 @@ pub(crate) enum Row {
     /// ttcp over TCP sockets in 16 KiB messages.
     #[value(name = "socket-16k")]
     Socket16k,
+    /// ttcp over QPs in 128 KiB messages.
+    #[value(name = "qp-128k")]
+    Qp128k,
+    /// ttcp over TCP sockets in 128 KiB messages.
+    #[value(name = "socket-128k")]
+    Socket128k,
 }
 
 /// Runs `row` `repeat` times, `count` round trips or MB each, and prints a line per run.
@@ -725,7 +731,8 @@ pub(crate) fn run_row(
             t.mbps, t.app_s_per_gb, t.engine_s_per_gb
         )
     };
-    let (spin, k16, bytes) = (Waiter::Spin, 16 * 1024, count.saturating_mul(1_000_000));
+    let (spin, bytes) = (Waiter::Spin, count.saturating_mul(1_000_000));
+    let (k16, k128) = (16 * 1024, 128 * 1024);
     for _ in 0..repeat.max(1) {
         print(match row {
             Row::QpTcp => rtt(rtt_qp(net, false, count, spin)?),
@@ -734,6 +741,8 @@ pub(crate) fn run_row(
             Row::SocketUdp => rtt(rtt_socket(net, true, count, spin)?),
             Row::Qp16k => ttcp(ttcp_qp(net, bytes, k16)?),
             Row::Socket16k => ttcp(ttcp_socket(net, bytes, k16)?),
+            Row::Qp128k => ttcp(ttcp_qp(net, bytes, k128)?),
+            Row::Socket128k => ttcp(ttcp_socket(net, bytes, k128)?),
         })?;
     }
     Ok(())
