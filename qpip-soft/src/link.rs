@@ -178,6 +178,9 @@ impl RxIo for SocketRx<'_> {
         offset: u64,
         max: usize,
     ) -> Option<io::Result<(usize, Option<io::Error>)>> {
+        if self.emptied {
+            return Some(Err(io::ErrorKind::WouldBlock.into()));
+        }
         let splicer = splicer(self.splicer)?;
         Some(splicer.socket_to_file(self.stream.as_raw_fd(), file, offset, max))
     }
@@ -813,7 +816,7 @@ mod tests {
     use qpip_verbs::framer::LengthPrefixed;
     use qpip_verbs::shared::QpKind;
     use qpip_verbs::wr::{Completion, RecvWr};
-    use qpip_verbs::{Access, CompletionQueue, MemoryRegion};
+    use qpip_verbs::{Access, CompletionQueue, MemoryRegion, Sge};
     use std::time::Duration;
 
     /// One reliable QP on the epoll data path over a Unix stream pair, length-prefixed: the
@@ -973,6 +976,56 @@ mod tests {
         let got = rig.completions();
         assert_eq!(got.len(), 1);
         assert_eq!(&got[0].1[..], b"hello");
+    }
+
+    /// Frames length-prefixed messages whose bodies go to byte 0 of a registered file.
+    struct ToFile(Sge);
+
+    impl qpip_verbs::framer::Framer for ToFile {
+        fn frame(&mut self, header: &[u8]) -> qpip_verbs::framer::Frame {
+            let Some(prefix) = header.first_chunk::<4>() else {
+                return qpip_verbs::framer::Frame::NeedHeader(4);
+            };
+            let mut body = self.0;
+            body.len = u32::from_be_bytes(*prefix);
+            qpip_verbs::framer::Frame::MessageAt {
+                header_len: 4,
+                strip: 4,
+                body,
+            }
+        }
+    }
+
+    /// A spent readiness holds for a body spliced into a file too: while the message waits
+    /// for the rest of its body, a doorbell's pass does not read the socket (the rest, sent
+    /// meanwhile, is taken at its event).
+    #[test]
+    fn a_file_body_waits_for_its_event_once_the_socket_is_drained() {
+        let mut rig = Rig::new();
+        let file = Arc::new(tempfile::tempfile().unwrap());
+        let region = rig
+            .memory
+            .register_file(file.clone(), 64, Access::READ_WRITE);
+        rig.qp.framer = Box::new(ToFile(region.sge(0, 0)));
+        rig.post_recv();
+        rig.peer.write_all(&8u32.to_be_bytes()).unwrap();
+        rig.peer.write_all(b"abcd").unwrap();
+        rig.events();
+        assert!(rig.completions().is_empty());
+        assert!(!rig.qp.readable);
+        rig.peer.write_all(b"efgh").unwrap();
+        rig.post_recv(); // a doorbell: no event yet
+        assert!(
+            rig.completions().is_empty(),
+            "the socket was read without an event"
+        );
+        rig.events();
+        let got = rig.completions();
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!((got[0].0.status, got[0].0.placed), (WcStatus::Success, 8));
+        let mut body = [0u8; 8];
+        std::os::unix::fs::FileExt::read_exact_at(&*file, &mut body, 0).unwrap();
+        assert_eq!(&body, b"abcdefgh");
     }
 
     /// The peer closing after a short read is seen: the waiting WR completes as closed.
