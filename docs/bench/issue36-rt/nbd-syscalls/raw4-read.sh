@@ -1,6 +1,8 @@
 #!/bin/bash
 # System calls of the server per 256 KiB read, 4 connections QD16, old vs new server.
+# Usage: raw4-read.sh OLD|NEW OUTNAME PORT (B/OLD, B/NEW: release builds; B=/tmp/rt).
 B=$1; OUT=$2; port=$3
+[ -f /dev/shm/rt-img ] || dd if=/dev/urandom of=/dev/shm/rt-img bs=1M count=512 status=none
 /tmp/rt/$B/qpip-nbd-server -l 127.0.0.1:$port -e bench=/dev/shm/rt-img -q > /dev/null 2>&1 &
 srv=$!
 sleep 0.5
