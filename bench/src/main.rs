@@ -60,6 +60,15 @@ enum Cmd {
         /// it: every NIC the benchmarks opened must have given back what it took (tests).
         #[arg(long, hide = true)]
         check_leaks: bool,
+        /// Run only this row, `--repeat` times, and print each run's figures (to profile
+        /// one row, e.g. under `perf stat`): round trips spin (QP) or busy-poll (sockets);
+        /// ttcp rows stream `--count` MB.
+        #[arg(long, value_enum, conflicts_with = "json")]
+        only: Option<micro::Row>,
+        /// With `--only`: round trips per run (110 % of it: the first tenth warms up), or MB
+        /// per ttcp run.
+        #[arg(long, default_value_t = 100_000, requires = "only")]
+        count: u64,
         #[command(flatten)]
         net: NetnsArgs,
     },
@@ -351,6 +360,8 @@ fn run(cli: Cli) -> Result<()> {
             repeat,
             quick,
             check_leaks,
+            only,
+            count,
             net,
         } => {
             let sizes = if quick {
@@ -364,6 +375,12 @@ fn run(cli: Cli) -> Result<()> {
                 rig::netns::clean_up_on_signals("qpip-bench micro: interrupted")?;
             }
             let side = link.as_ref().map(|l| &l.side);
+            if let Some(row) = only {
+                return micro::run_row(row, repeat, count, side, &mut |line| {
+                    outln!("{line}")?;
+                    Ok(())
+                });
+            }
             let run = || micro::run(repeat, sizes, side, &progress);
             let report = if check_leaks {
                 micro::without_leaks(run)?

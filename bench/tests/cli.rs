@@ -122,3 +122,26 @@ fn micro_netns_runs_the_far_side_across_a_veth_link() {
     let ns = v["netns"]["namespace"].as_str().unwrap();
     assert!(!std::path::Path::new("/run/netns").join(ns).exists());
 }
+
+/// `micro --only ROW` runs that row alone, `--repeat` times, a line of figures per run (what
+/// a profiler is pointed at); `--count` without `--only` is refused.
+#[test]
+fn micro_only_runs_one_row_a_line_per_run() {
+    let bin = env!("CARGO_BIN_EXE_qpip-bench");
+    for (row, count, says) in [("qp-tcp", "200", "round trip"), ("qp-16k", "2", "MB/s")] {
+        let out = Command::new(bin)
+            .args(["micro", "--only", row, "--count", count, "--repeat", "2"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{row}: {err}");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(text.lines().count(), 2, "{row}: {text}");
+        assert!(text.lines().all(|l| l.contains(says)), "{row}: {text}");
+    }
+    let out = Command::new(bin)
+        .args(["micro", "--count", "5"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}

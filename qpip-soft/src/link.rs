@@ -157,9 +157,11 @@ struct SocketRx<'a> {
     stream: &'a Stream,
     splicer: &'a mut Option<Splicer>,
     /// A read came back short: the socket is empty, and the read that would say so (EAGAIN)
-    /// is skipped. Safe with edge-triggered epoll: bytes that come after the short read
-    /// raise a new event; a FIN that came before it was in the event we are serving (its
-    /// state is read when the event is taken), so then (`read_closed`) reads go on to EOF.
+    /// is skipped, in this pump and after it (the QP's readiness is spent, as mio's users
+    /// treat a short read). Safe with edge-triggered epoll: bytes or a FIN that come after
+    /// the short read raise a new event; a FIN that came before it was in the event we are
+    /// serving (its state is read when the event is taken), so then (`read_closed`) reads go
+    /// on to EOF.
     emptied: bool,
     read_closed: bool,
 }
@@ -181,6 +183,9 @@ impl RxIo for SocketRx<'_> {
         prefix: &[u8],
         max: usize,
     ) -> Option<io::Result<(usize, Option<io::Error>)>> {
+        if self.emptied {
+            return Some(Err(io::ErrorKind::WouldBlock.into()));
+        }
         let splicer = splicer(self.splicer)?;
         let fd = self.stream.as_raw_fd();
         Some(splicer.socket_to_file(fd, file, offset, prefix, max))
@@ -525,7 +530,10 @@ impl<Q: RingIo> EngineQp<Q> {
                         TxStop::Idle => {}
                     }
                 }
-                if !failed && *readable {
+                // Bytes read ahead of a WR (after a short read spent the readiness) are
+                // placed without the socket: its reads then stop at once.
+                let read_ahead = uring.is_none() && rx.buffered() > 0;
+                if !failed && (*readable || read_ahead) {
                     let stop = match uring {
                         Some(io) => {
                             let io = io.get_mut();
@@ -536,10 +544,16 @@ impl<Q: RingIo> EngineQp<Q> {
                             let mut conn = SocketRx {
                                 stream,
                                 splicer,
-                                emptied: false,
+                                emptied: !*readable,
                                 read_closed: *read_closed,
                             };
-                            rx.pump_io(shared, memory, framer.as_mut(), &mut conn)
+                            let stop = rx.pump_io(shared, memory, framer.as_mut(), &mut conn);
+                            // Also when the pump stopped for want of a WR: the next WR's
+                            // turn waits for the next event instead of reading to EAGAIN.
+                            if conn.emptied {
+                                *readable = false;
+                            }
+                            stop
                         }
                     };
                     match stop {
@@ -802,7 +816,239 @@ impl<Q: RingIo> EngineQp<Q> {
 
 #[cfg(test)]
 mod tests {
-    use super::Ready;
+    use super::*;
+    use crate::uring::NoRing;
+    use mio::{Events, Poll};
+    use qpip_verbs::framer::LengthPrefixed;
+    use qpip_verbs::shared::QpKind;
+    use qpip_verbs::wr::{Completion, RecvWr};
+    use qpip_verbs::{Access, CompletionQueue, MemoryRegion, Sge};
+    use std::time::Duration;
+
+    /// One reliable QP on the epoll data path over a Unix stream pair, length-prefixed: the
+    /// QP, its peer's end, the epoll it is registered in, its CQ and its memory.
+    struct Rig {
+        qp: EngineQp<NoRing>,
+        peer: std::os::unix::net::UnixStream,
+        poll: Poll,
+        cq: CompletionQueue,
+        memory: Arc<MemoryTable>,
+        mr: MemoryRegion,
+        posted: u64,
+    }
+
+    const SLOT: usize = 64;
+
+    impl Rig {
+        fn new() -> Rig {
+            let cq = CompletionQueue::new(64);
+            let cqs = (cq.shared().clone(), cq.shared().clone());
+            let shared = Arc::new(QpShared::new(1, QpKind::Reliable, cqs, (8, 8)));
+            shared.set_state(QpState::Ready);
+            let memory = MemoryTable::new();
+            let mr = memory.register_owned(8 * SLOT, Access::READ_WRITE);
+            let mut qp = EngineQp::new(shared, Box::new(LengthPrefixed::default()));
+            let (ours, peer) = std::os::unix::net::UnixStream::pair().unwrap();
+            ours.set_nonblocking(true).unwrap();
+            let poll = Poll::new().unwrap();
+            let stream = Stream::Unix(UnixStream::from_std(ours));
+            qp.attach(poll.registry(), stream, &memory);
+            let mut rig = Rig {
+                qp,
+                peer,
+                poll,
+                cq,
+                memory,
+                mr,
+                posted: 0,
+            };
+            rig.events(); // the first (writable) edge
+            rig
+        }
+
+        /// Posts a receive WR of `SLOT` bytes, as a doorbell would (no socket event).
+        fn post_recv(&mut self) {
+            let slot = (self.posted as usize % 8) * SLOT;
+            let wr = RecvWr::new(self.posted, &[self.mr.sge(slot, SLOT)]);
+            self.qp.shared.push_recv(wr).unwrap();
+            self.posted += 1;
+            self.qp.service(self.poll.registry(), &self.memory);
+        }
+
+        /// The peer sends `msgs`, each with its 4-byte length.
+        fn send(&mut self, msgs: &[&[u8]]) {
+            for m in msgs {
+                self.peer
+                    .write_all(&(m.len() as u32).to_be_bytes())
+                    .unwrap();
+                self.peer.write_all(m).unwrap();
+            }
+        }
+
+        /// Hands the QP what epoll says now (waiting a little for it).
+        fn events(&mut self) {
+            let mut events = Events::with_capacity(8);
+            self.poll
+                .poll(&mut events, Some(Duration::from_millis(200)))
+                .unwrap();
+            for e in events.iter() {
+                let ready = Ready {
+                    readable: e.is_readable(),
+                    read_closed: e.is_read_closed() || e.is_error(),
+                    writable: e.is_writable(),
+                };
+                self.qp.on_event(self.poll.registry(), ready, &self.memory);
+            }
+        }
+
+        /// Completions so far, with the bytes each placed.
+        fn completions(&self) -> Vec<(Completion, Vec<u8>)> {
+            let mut out = [Completion::default(); 16];
+            let n = self.cq.poll(&mut out).unwrap();
+            out[..n]
+                .iter()
+                .map(|c| {
+                    let mut bytes = vec![0; c.byte_len as usize];
+                    self.mr.read_at((c.wr_id as usize % 8) * SLOT, &mut bytes);
+                    (*c, bytes)
+                })
+                .collect()
+        }
+    }
+
+    /// A short read leaves the QP's readiness spent even though the pump stopped for want of
+    /// a WR (not at EAGAIN): the next WR waits for epoll's next edge instead of reading the
+    /// empty socket. And that edge comes: bytes sent after the short read are received.
+    #[test]
+    fn a_short_read_spends_the_readiness_and_later_bytes_still_arrive() {
+        let mut rig = Rig::new();
+        rig.post_recv();
+        rig.send(&[b"ping"]);
+        rig.events();
+        let got = rig.completions();
+        assert_eq!(got.len(), 1);
+        assert_eq!(
+            (got[0].0.status, &got[0].1[..]),
+            (WcStatus::Success, &b"ping"[..])
+        );
+        assert!(
+            !rig.qp.readable,
+            "a short read left the socket to be read again"
+        );
+
+        // No new bytes: posting a WR reads nothing and completes nothing.
+        rig.post_recv();
+        assert!(rig.completions().is_empty());
+        // New bytes raise an edge that serves the waiting WR.
+        rig.send(&[b"pong"]);
+        rig.events();
+        let got = rig.completions();
+        assert_eq!(got.len(), 1);
+        assert_eq!(
+            (got[0].0.status, &got[0].1[..]),
+            (WcStatus::Success, &b"pong"[..])
+        );
+    }
+
+    /// Messages that came together are placed by one event as WRs are posted; bytes read
+    /// ahead of a WR (a whole message in the header buffer) still complete without an edge.
+    #[test]
+    fn messages_read_ahead_complete_as_their_wrs_come() {
+        let mut rig = Rig::new();
+        rig.post_recv();
+        rig.send(&[b"a", b"bc"]);
+        rig.events();
+        rig.post_recv();
+        let got: Vec<_> = rig
+            .completions()
+            .into_iter()
+            .map(|(c, b)| (c.wr_id, b))
+            .collect();
+        assert_eq!(got, [(0, b"a".to_vec()), (1, b"bc".to_vec())]);
+    }
+
+    /// A message split across the peer's writes (the first part read short) completes when
+    /// the rest arrives.
+    #[test]
+    fn a_message_split_after_a_short_read_completes_with_the_rest() {
+        let mut rig = Rig::new();
+        rig.post_recv();
+        rig.peer.write_all(&5u32.to_be_bytes()).unwrap();
+        rig.peer.write_all(b"hel").unwrap();
+        rig.events();
+        assert!(rig.completions().is_empty());
+        rig.peer.write_all(b"lo").unwrap();
+        rig.events();
+        let got = rig.completions();
+        assert_eq!(got.len(), 1);
+        assert_eq!(&got[0].1[..], b"hello");
+    }
+
+    /// Frames length-prefixed messages whose bodies go to byte 0 of a registered file.
+    struct ToFile(Sge);
+
+    impl qpip_verbs::framer::Framer for ToFile {
+        fn frame(&mut self, header: &[u8]) -> qpip_verbs::framer::Frame {
+            let Some(prefix) = header.first_chunk::<4>() else {
+                return qpip_verbs::framer::Frame::NeedHeader(4);
+            };
+            let mut body = self.0;
+            body.len = u32::from_be_bytes(*prefix);
+            qpip_verbs::framer::Frame::MessageAt {
+                header_len: 4,
+                strip: 4,
+                body,
+            }
+        }
+    }
+
+    /// A spent readiness holds for a body spliced into a file too: while the message waits
+    /// for the rest of its body, a doorbell's pass does not read the socket (the rest, sent
+    /// meanwhile, is taken at its event).
+    #[test]
+    fn a_file_body_waits_for_its_event_once_the_socket_is_drained() {
+        let mut rig = Rig::new();
+        let file = Arc::new(tempfile::tempfile().unwrap());
+        let region = rig
+            .memory
+            .register_file(file.clone(), 64, Access::READ_WRITE);
+        rig.qp.framer = Box::new(ToFile(region.sge(0, 0)));
+        rig.post_recv();
+        rig.peer.write_all(&8u32.to_be_bytes()).unwrap();
+        rig.peer.write_all(b"abcd").unwrap();
+        rig.events();
+        assert!(rig.completions().is_empty());
+        assert!(!rig.qp.readable);
+        rig.peer.write_all(b"efgh").unwrap();
+        rig.post_recv(); // a doorbell: no event yet
+        assert!(
+            rig.completions().is_empty(),
+            "the socket was read without an event"
+        );
+        rig.events();
+        let got = rig.completions();
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!((got[0].0.status, got[0].0.placed), (WcStatus::Success, 8));
+        let mut body = [0u8; 8];
+        std::os::unix::fs::FileExt::read_exact_at(&*file, &mut body, 0).unwrap();
+        assert_eq!(&body, b"abcdefgh");
+    }
+
+    /// The peer closing after a short read is seen: the waiting WR completes as closed.
+    #[test]
+    fn a_close_after_a_short_read_completes_the_waiting_wr() {
+        let mut rig = Rig::new();
+        rig.post_recv();
+        rig.send(&[b"last"]);
+        rig.events();
+        assert_eq!(rig.completions().len(), 1);
+        rig.post_recv();
+        rig.peer.shutdown(Shutdown::Write).unwrap();
+        rig.events();
+        let got = rig.completions();
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(got[0].0.status, WcStatus::RemoteClosed);
+    }
 
     /// The engine reads epoll's bits itself now (a sleep takes them): they mean what mio's
     /// `Event` made of them.

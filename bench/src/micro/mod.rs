@@ -437,7 +437,7 @@ fn stream_qp(net: Option<&Side>, msgs: u64, msg: usize, window: usize) -> Result
     let tx_mr = nic.alloc_region(msg, Access::READ);
     far.ready()?;
     let wall = Instant::now();
-    let meter = Meter::start(Some(&nic));
+    let meter = Meter::split(&nic);
     let (mut posted, mut done) = (0u64, 0u64);
     let mut buf = [Completion::default(); 64];
     while done < msgs {
@@ -684,6 +684,68 @@ pub(crate) fn run(
         messages: sizes,
         netns: net.cloned(),
     })
+}
+
+/// One row of `micro` alone (`--only`), to profile it: the same measure, pinned the same way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Row {
+    /// 1-byte TCP round trips, QP waits spinning.
+    QpTcp,
+    /// 1-byte TCP round trips, sockets busy-polling.
+    SocketTcp,
+    /// 1-byte UDP round trips, QP waits spinning.
+    QpUdp,
+    /// 1-byte UDP round trips, sockets busy-polling.
+    SocketUdp,
+    /// ttcp over QPs in 16 KiB messages.
+    #[value(name = "qp-16k")]
+    Qp16k,
+    /// ttcp over TCP sockets in 16 KiB messages.
+    #[value(name = "socket-16k")]
+    Socket16k,
+    /// ttcp over QPs in 128 KiB messages.
+    #[value(name = "qp-128k")]
+    Qp128k,
+    /// ttcp over TCP sockets in 128 KiB messages.
+    #[value(name = "socket-128k")]
+    Socket128k,
+}
+
+/// Runs `row` `repeat` times, `count` round trips or MB each, and prints a line per run.
+pub(crate) fn run_row(
+    row: Row,
+    repeat: usize,
+    count: u64,
+    net: Option<&Side>,
+    print: &mut dyn FnMut(String) -> Result<()>,
+) -> Result<()> {
+    let rtt = |r: RttRow| {
+        format!(
+            "round trip {:.2} µs, every thread's CPU {:.2} µs",
+            r.us, r.cpu_us
+        )
+    };
+    let ttcp = |t: Ttcp| {
+        format!(
+            "{:.0} MB/s, CPU per GB: application {:.3} s, NIC {:.3} s",
+            t.mbps, t.app_s_per_gb, t.engine_s_per_gb
+        )
+    };
+    let (spin, bytes) = (Waiter::Spin, count.saturating_mul(1_000_000));
+    let (k16, k128) = (16 * 1024, 128 * 1024);
+    for _ in 0..repeat.max(1) {
+        print(match row {
+            Row::QpTcp => rtt(rtt_qp(net, false, count, spin)?),
+            Row::SocketTcp => rtt(rtt_socket(net, false, count, spin)?),
+            Row::QpUdp => rtt(rtt_qp(net, true, count, spin)?),
+            Row::SocketUdp => rtt(rtt_socket(net, true, count, spin)?),
+            Row::Qp16k => ttcp(ttcp_qp(net, bytes, k16)?),
+            Row::Socket16k => ttcp(ttcp_socket(net, bytes, k16)?),
+            Row::Qp128k => ttcp(ttcp_qp(net, bytes, k128)?),
+            Row::Socket128k => ttcp(ttcp_socket(net, bytes, k128)?),
+        })?;
+    }
+    Ok(())
 }
 
 /// What the process holds: open descriptors and threads.
