@@ -366,6 +366,7 @@ impl<Q: RingIo> EngineQp<Q> {
 
     fn established(&mut self, stream: Stream) {
         stream.set_nodelay();
+        self.tx.set_segment_size(stream.segment_size());
         self.shared.set_state(QpState::Ready);
         self.link = Link::Stream(stream);
         self.readable = true;

@@ -35,6 +35,27 @@ impl Stream {
         }
     }
 
+    /// The connection's TCP segment size (`TCP_MAXSEG`: 1448 bytes on a 1500-byte link, about
+    /// 64 KiB over loopback); none for a Unix socket or when the kernel does not say.
+    pub(super) fn segment_size(&self) -> Option<usize> {
+        let Stream::Tcp(s) = self else {
+            return None;
+        };
+        let mut mss: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: a valid socket, and an int-sized out-parameter with its length.
+        let rc = unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_MAXSEG,
+                (&raw mut mss).cast(),
+                &mut len,
+            )
+        };
+        (rc == 0 && mss > 0).then_some(mss as usize)
+    }
+
     /// A non-blocking connect has finished: `Ok(true)` connected, `Ok(false)` not yet.
     pub(super) fn connected(&self) -> io::Result<bool> {
         let err = match self {
@@ -300,6 +321,24 @@ mod tests {
     use super::*;
     use std::ffi::CString;
     use std::os::unix::ffi::OsStrExt;
+
+    #[test]
+    fn a_tcp_stream_knows_its_segment_size_and_a_unix_one_has_none() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let tcp = Stream::Tcp(TcpStream::from_std(client));
+        // Loopback's MTU is 64 KiB: its segments are far larger than a 1500-byte link's.
+        assert!(
+            tcp.segment_size().is_some_and(|mss| mss > 1448),
+            "{:?}",
+            tcp.segment_size()
+        );
+        let (unix, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        assert_eq!(
+            Stream::Unix(UnixStream::from_std(unix)).segment_size(),
+            None
+        );
+    }
 
     /// What happened in directory `dir` while `f` ran, as inotify saw it: (mask, name).
     fn events_in(dir: &Path, f: impl FnOnce()) -> Vec<(u32, String)> {

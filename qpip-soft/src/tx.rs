@@ -19,6 +19,14 @@ use qpip_verbs::wr::WcStatus;
 /// Most iovecs handed to one `writev`.
 const MAX_IOV: usize = 64;
 
+/// Most TCP segments' worth of bytes one `writev` carries. A `writev` holds the socket for
+/// the whole copy, and the ACKs that arrive meanwhile wait on its backlog until the call ends.
+/// Measured on one connection's 256 KiB reads (BENCHMARKS.md, issue 36, session 13): over a
+/// 1500-byte link (1448-byte segments) batches of 1.5–3.8 MB read a third slower than batches
+/// cut at 181 segments (256 KiB); over loopback (64 KiB segments) a 256 KiB cut cost 10–25 %,
+/// where 181 segments (11 MiB) cuts nothing.
+const SEGMENTS_PER_WRITE: usize = 181;
+
 /// The unsent bytes of `msg`, as slices (at most `MAX_IOV` in all).
 fn pending<'a>(msg: &'a OutMsg, out: &mut SmallVec<[IoSlice<'a>; MAX_IOV]>) {
     for part in msg.unsent() {
@@ -27,6 +35,10 @@ fn pending<'a>(msg: &'a OutMsg, out: &mut SmallVec<[IoSlice<'a>; MAX_IOV]>) {
         }
         out.push(IoSlice::new(part));
     }
+}
+
+fn iov_bytes(iov: &[IoSlice<'_>]) -> usize {
+    iov.iter().map(|s| s.len()).sum()
 }
 
 /// Why the transmit machine stopped.
@@ -41,13 +53,22 @@ pub(super) enum TxStop {
 
 pub(super) struct TxMachine {
     inflight: VecDeque<OutMsg>,
+    /// Most bytes one `writev` carries (see [`SEGMENTS_PER_WRITE`]).
+    write_limit: usize,
 }
 
 impl TxMachine {
     pub(super) fn new() -> Self {
         TxMachine {
             inflight: VecDeque::new(),
+            write_limit: usize::MAX,
         }
+    }
+
+    /// The stream's segment size, once connected: cuts each `writev` at
+    /// [`SEGMENTS_PER_WRITE`] segments.
+    pub(super) fn set_segment_size(&mut self, segment: Option<usize>) {
+        self.write_limit = segment.map_or(usize::MAX, |s| s.saturating_mul(SEGMENTS_PER_WRITE));
     }
 
     pub(super) fn is_idle(&self) -> bool {
@@ -91,7 +112,7 @@ impl TxMachine {
             }
             let mut iov = SmallVec::<[IoSlice<'_>; MAX_IOV]>::new();
             for msg in &self.inflight {
-                if iov.len() == MAX_IOV {
+                if iov.len() == MAX_IOV || iov_bytes(&iov) >= self.write_limit {
                     break;
                 }
                 pending(msg, &mut iov);
@@ -197,5 +218,51 @@ impl TxMachine {
         for msg in self.inflight.drain(..) {
             qp.complete_send(msg.wr_id, WcStatus::Flushed, 0, 0);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use qpip_verbs::shared::QpKind;
+    use qpip_verbs::wr::SendWr;
+    use qpip_verbs::{Access, CompletionQueue};
+
+    /// Queues `count` messages of `len` bytes and pumps them into a socket that takes
+    /// everything: the bytes of each `writev`.
+    fn writes(segment: Option<usize>, count: usize, len: usize) -> Vec<usize> {
+        let cq = CompletionQueue::new(64);
+        let cqs = (cq.shared().clone(), cq.shared().clone());
+        let qp = QpShared::new(1, QpKind::Reliable, cqs, (8, 8));
+        let memory = MemoryTable::new();
+        let mr = memory.register_owned(count * len, Access::READ_WRITE);
+        let mut tx = TxMachine::new();
+        tx.set_segment_size(segment);
+        for i in 0..count {
+            let wr = SendWr::new(i as u64, &[mr.sge(i * len, len)]);
+            tx.inflight
+                .push_back(OutMsg::prepare(wr, &memory, None).unwrap());
+        }
+        let mut calls = Vec::new();
+        let stop = tx.pump_stream(&qp, &mut |iov| {
+            let n = iov_bytes(iov);
+            calls.push(n);
+            Ok(n)
+        });
+        assert_eq!(stop, TxStop::Idle);
+        calls
+    }
+
+    #[test]
+    fn a_writev_stops_gathering_at_its_segments_worth() {
+        // 100-byte segments: at most 18 100 bytes gathered, so five 4 KiB messages, then three.
+        assert_eq!(writes(Some(100), 8, 4096), vec![5 * 4096, 3 * 4096]);
+        // A message larger than the limit still goes whole.
+        assert_eq!(writes(Some(10), 2, 4096), vec![4096, 4096]);
+    }
+
+    #[test]
+    fn a_stream_without_segments_gathers_everything() {
+        assert_eq!(writes(None, 8, 4096), vec![8 * 4096]);
     }
 }
