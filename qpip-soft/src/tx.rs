@@ -23,7 +23,7 @@ const MAX_IOV: usize = 64;
 /// the whole copy, and the ACKs that arrive meanwhile wait on its backlog until the call ends.
 /// Measured on one connection's 256 KiB reads (BENCHMARKS.md, issue 36, session 13): over a
 /// 1500-byte link (1448-byte segments) batches of 1.5–3.8 MB read a third slower than batches
-/// cut at 181 segments (256 KiB); over loopback (64 KiB segments) a 256 KiB cut cost 10–25 %,
+/// cut at 181 segments (256 KiB); over loopback (64 KiB segments) a 256 KiB cut cost 10–27 %,
 /// where 181 segments (11 MiB) cuts nothing.
 const SEGMENTS_PER_WRITE: usize = 181;
 
@@ -111,11 +111,14 @@ impl TxMachine {
                 return TxStop::Idle;
             }
             let mut iov = SmallVec::<[IoSlice<'_>; MAX_IOV]>::new();
+            let mut gathered = 0;
             for msg in &self.inflight {
-                if iov.len() == MAX_IOV || iov_bytes(&iov) >= self.write_limit {
+                if iov.len() == MAX_IOV || gathered >= self.write_limit {
                     break;
                 }
+                let from = iov.len();
                 pending(msg, &mut iov);
+                gathered += iov_bytes(&iov[from..]);
             }
             if iov.is_empty() {
                 drop(iov);

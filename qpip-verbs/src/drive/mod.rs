@@ -22,7 +22,10 @@
 //! or watching, every waiter asleep), one host thread in a CQ wait, or the NIC thread. The
 //! hand-over decisions — who takes it, when the NIC thread takes it back, when it lets go —
 //! are `rules`, a pure state machine; `driven` only translates between the shared flags
-//! (`handover`) and the rules' looks and actions.
+//! (`handover`) and the rules' looks and actions. What polling learns lives beside that
+//! lock: the queue's pace (`shell::Pace`, when work last came) with the processor under it;
+//! each CQ's poll window in its CQ (`poll_window::KeptWindow`, an atomic only the thread
+//! holding the engine lock writes); the NIC thread's own window in its `shell::Turns`.
 //!
 //! **Lock order**, outermost first; a thread takes a lock only while holding locks of earlier
 //! levels:
@@ -86,8 +89,9 @@
 //! until idle, for waiters, or not at all; then let go fairly), sleep, or stop. Its own
 //! loop sleeps in one call, `DrivenQueue::sleep`, where the flag the rules name
 //! (`rules::Raised`) is raised, the look after its fence taken and the flag lowered, once
-//! for both pairs of the table above (parked untimed, watching). Its only other sleep is inside a `Run::ForWaiters`
-//! drive: `shell::drive`'s, on the processor's descriptor, the sleep host drivers share.
+//! for both pairs of the table above (parked untimed, watching). Its only other sleep is
+//! inside a `Run::ForWaiters` drive: `shell::drive`'s, on the processor's descriptor, the
+//! sleep host drivers share.
 //!
 //! **The files.** This one: the contract, and the [`QueueDriver`] a CQ wait drives through;
 //! `rules`: the hand-over decisions, pure (a host thread's arrival and departure, the NIC
