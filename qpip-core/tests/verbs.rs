@@ -978,3 +978,115 @@ fn without_run_to_completion_the_engine_thread_runs_the_queue() {
     assert!(!framed.is_empty());
     assert!(framed.iter().all(|t| *t != waiter), "framed on the waiter");
 }
+
+/// Send WRs that name a registered file (a memory header, then file bytes, as an NBD read
+/// reply is) arrive byte for byte, in order with memory-only messages between them, through
+/// far more than the socket buffers hold (so the NIC resumes where the socket stopped); a
+/// hole of a tmpfs file goes as zeroes without taking a page.
+#[test]
+fn send_wrs_may_name_a_registered_file() {
+    use std::os::unix::fs::{FileExt, MetadataExt};
+    const MIB: usize = 1 << 20;
+    const SLOT: usize = MIB + 64;
+    const WINDOW: usize = 8;
+    let net = soft_run_to_completion(2);
+    assert!(
+        net.server.sends_files(),
+        "the soft NIC's epoll path sends from files"
+    );
+    // On tmpfs where there is one: its holes are what a read must not fill.
+    let file = tempfile::tempfile_in("/dev/shm")
+        .or_else(|_| tempfile::tempfile())
+        .unwrap();
+    let data: Vec<u8> = (0..4 * MIB).map(|i| pattern(7, i)).collect();
+    file.write_all_at(&data, 0).unwrap();
+    file.set_len(8 * MIB as u64).unwrap(); // 4 MiB of hole after the data
+    let blocks = file.metadata().unwrap().blocks();
+    let region = net.server.register_file(
+        Arc::new(file.try_clone().unwrap()),
+        8 * MIB as u64,
+        Access::READ,
+    );
+
+    let send_cq = net.server.create_cq(256);
+    let recv_cq = net.client.create_cq(256);
+    let (client, server) = net.pair_with(&recv_cq, &send_cq, LengthPrefixed::default, 64);
+    let rx_mr = net.client.alloc_region(WINDOW * SLOT, Access::READ_WRITE);
+    for slot in 0..WINDOW {
+        client
+            .post_recv(RecvWr::new(slot as u64, &[rx_mr.sge(slot * SLOT, SLOT)]))
+            .unwrap();
+    }
+    // Message m: a header naming it, then `len` file bytes from `at`; every fourth one names
+    // memory only. Offsets are odd and cross the data's end into the hole. The headers take
+    // turns in two slots, each written again once its send completes, as a server's reply
+    // slots are.
+    let count = 48u64;
+    let shape = |m: u64| -> (u64, usize) {
+        let at = (m * 263_171) % (7 * MIB as u64);
+        (at, (m as usize * 40_009) % MIB + 1)
+    };
+    let hdr_mr = net.server.alloc_region(16, Access::READ);
+    let sender = std::thread::spawn(move || {
+        let mut buf = [Completion::default(); 64];
+        for m in 0..count {
+            if m >= 2 {
+                let c = wait_one(&send_cq, &mut buf);
+                assert_eq!((c.status, c.wr_id), (WcStatus::Success, m - 2), "{c:?}");
+            }
+            let slot = m as usize % 2 * 8;
+            hdr_mr.write_at(slot, &m.to_be_bytes());
+            let hdr = hdr_mr.sge(slot, 8);
+            let wr = match m % 4 {
+                3 => SendWr::new(m, &[hdr]),
+                _ => {
+                    let (at, len) = shape(m);
+                    SendWr::new(m, &[hdr, region.sge(at, len as u32)])
+                }
+            };
+            server.post_send(wr).unwrap();
+        }
+        for _ in 0..2 {
+            assert_eq!(wait_one(&send_cq, &mut buf).status, WcStatus::Success);
+        }
+        server
+    });
+
+    let mut buf = [Completion::default(); 64];
+    let mut got = vec![0u8; SLOT];
+    for m in 0..count {
+        let c = wait_one(&recv_cq, &mut buf);
+        assert_eq!(c.status, WcStatus::Success, "message {m}: {c:?}");
+        let slot = c.wr_id as usize;
+        let len = c.byte_len as usize;
+        rx_mr.read_at(slot * SLOT, &mut got[..len]);
+        assert_eq!(got[..8], m.to_be_bytes(), "message {m}'s header");
+        let want: Vec<u8> = match m % 4 {
+            3 => Vec::new(),
+            _ => {
+                let (at, n) = shape(m);
+                (at as usize..at as usize + n)
+                    .map(|i| data.get(i).copied().unwrap_or(0))
+                    .collect()
+            }
+        };
+        assert_eq!(len - 8, want.len(), "message {m}'s length");
+        assert!(got[8..len] == want[..], "message {m}'s bytes");
+        client
+            .post_recv(RecvWr::new(slot as u64, &[rx_mr.sge(slot * SLOT, SLOT)]))
+            .unwrap();
+    }
+    sender.join().unwrap();
+    assert_eq!(
+        file.metadata().unwrap().blocks(),
+        blocks,
+        "sending the hole allocated pages"
+    );
+}
+
+/// The next completion of `cq`, waiting for it.
+fn wait_one(cq: &CompletionQueue, buf: &mut [Completion; 64]) -> Completion {
+    let n = cq.wait(&mut buf[..1], Some(T)).unwrap();
+    assert_eq!(n, 1, "no completion in {T:?}");
+    buf[0]
+}
