@@ -42,9 +42,6 @@ pub struct Export {
     /// The store's mapping registered with the NIC, so read replies are sent from it (None
     /// for stores without one: qcow2, RBD).
     pub region: Option<MemoryRegion>,
-    /// The store's file registered with the NIC for READ replies, and the file offset of the
-    /// disk's first byte (raw images, where the NIC sends from files).
-    pub send_file: Option<(FileRegion, u64)>,
     /// The store's file registered with the NIC for WRITE payloads (raw, writable images).
     pub file_region: Option<FileRegion>,
     /// Writes below this offset are not placed in `file_region` ([`Store::placement_from`]).
@@ -82,19 +79,12 @@ impl Export {
         let file_region = store
             .placement_file()
             .map(|f| nic.register_file(Arc::new(f), store.size(), Access::READ_WRITE));
-        let send_file = (store.send_file())
-            .filter(|_| nic.sends_files())
-            .and_then(|(f, at)| {
-                let len = at.checked_add(store.size())?;
-                Some((nic.register_file(Arc::new(f), len, Access::READ), at))
-            });
         let place_from = store.placement_from();
         Arc::new(Export {
             name,
             description,
             store,
             region,
-            send_file,
             file_region,
             place_from,
             connections: AtomicUsize::new(0),

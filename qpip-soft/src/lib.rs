@@ -11,7 +11,6 @@ mod accept;
 mod engine;
 mod link;
 mod queues;
-mod sendfile;
 mod splice;
 mod stream;
 mod tls;
@@ -204,11 +203,6 @@ impl NicBackend for SoftBackend {
 
     fn io_path(&self) -> &'static str {
         self.io_path
-    }
-
-    /// By splice, which the epoll data path does with plain system calls.
-    fn sends_files(&self) -> bool {
-        self.io_path == "epoll"
     }
 
     fn engine_threads(&self) -> Vec<i32> {

@@ -516,19 +516,14 @@ impl<Q: RingIo> EngineQp<Q> {
         let after = match link {
             Link::Stream(stream) => {
                 let fd = stream.as_raw_fd();
-                // Files are spliced with plain system calls, whose EAGAIN only epoll reports.
-                let files = uring.is_none();
-                let mut failed =
-                    !tx.take_posted(shared, memory, Some(framer.as_mut()), true, files);
+                let mut failed = !tx.take_posted(shared, memory, Some(framer.as_mut()), true);
                 if !failed && *writable {
                     let stop = match uring {
                         Some(io) => {
                             let io = io.get_mut();
-                            tx.pump_stream(shared, None, &mut |iov| io.write(fd, iov))
+                            tx.pump_stream(shared, &mut |iov| io.write(fd, iov))
                         }
-                        None => tx.pump_stream(shared, Some(fd), &mut |iov| {
-                            (&*stream).write_vectored(iov)
-                        }),
+                        None => tx.pump_stream(shared, &mut |iov| (&*stream).write_vectored(iov)),
                     };
                     match stop {
                         TxStop::WouldBlock => *writable = false,
@@ -591,11 +586,9 @@ impl<Q: RingIo> EngineQp<Q> {
                     }
                 }
                 // No io_uring here: OpenSSL owns the socket's reads and writes.
-                // The record layer needs the bytes: no files.
-                let mut failed =
-                    !tx.take_posted(shared, memory, Some(framer.as_mut()), true, false);
+                let mut failed = !tx.take_posted(shared, memory, Some(framer.as_mut()), true);
                 if !failed && *writable {
-                    match tx.pump_stream(shared, None, &mut |iov| tls.write(iov)) {
+                    match tx.pump_stream(shared, &mut |iov| tls.write(iov)) {
                         TxStop::WouldBlock => *writable = false,
                         TxStop::Failed => failed = true,
                         TxStop::Idle => {}
@@ -611,7 +604,7 @@ impl<Q: RingIo> EngineQp<Q> {
                 if failed { After::Fail } else { After::Nothing }
             }
             Link::Udp(sock) => {
-                tx.take_posted(shared, memory, None, false, false);
+                tx.take_posted(shared, memory, None, false);
                 if *writable {
                     let sock2 = socket2::SockRef::from(&*sock);
                     let mut send = |iov: &[IoSlice<'_>], dest: SocketAddr| {

@@ -1,24 +1,20 @@
 //! The transmit state machine of a QP: takes send WRs off the ring, checks their memory, and
-//! writes them to the socket in order, gathering several messages into one `writev`; messages
-//! that name a registered file go through a pipe by splice instead ([`SendPipe`]). A send
-//! WR completes when the kernel has taken all of its bytes. The socket is a closure (or a
-//! descriptor, for splicing), so the machine is tested without one.
+//! writes them to the socket in order, gathering several messages into one `writev`. A send
+//! WR completes when the kernel has taken all of its bytes. The socket is a closure, so the
+//! machine is tested without one.
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
-use std::os::fd::RawFd;
 
 use smallvec::SmallVec;
 
 use qpip_verbs::framer::Framer;
 use qpip_verbs::machines::status_of;
-use qpip_verbs::machines::tx::{OutMsg, Part};
+use qpip_verbs::machines::tx::OutMsg;
 use qpip_verbs::mr::MemoryTable;
 use qpip_verbs::shared::QpShared;
 use qpip_verbs::wr::WcStatus;
-
-use super::sendfile::SendPipe;
 
 /// Most iovecs handed to one `writev`.
 const MAX_IOV: usize = 64;
@@ -31,7 +27,7 @@ const MAX_IOV: usize = 64;
 /// where 181 segments (11 MiB) cuts nothing.
 const SEGMENTS_PER_WRITE: usize = 181;
 
-/// The unsent bytes of `msg` (which names memory only), as slices (at most `MAX_IOV` in all).
+/// The unsent bytes of `msg`, as slices (at most `MAX_IOV` in all).
 fn pending<'a>(msg: &'a OutMsg, out: &mut SmallVec<[IoSlice<'a>; MAX_IOV]>) {
     for part in msg.unsent() {
         if out.len() == MAX_IOV {
@@ -39,11 +35,6 @@ fn pending<'a>(msg: &'a OutMsg, out: &mut SmallVec<[IoSlice<'a>; MAX_IOV]>) {
         }
         out.push(IoSlice::new(part));
     }
-}
-
-/// The message names a file: it goes through the pipe, its header with it.
-fn names_file(msg: &OutMsg) -> bool {
-    msg.all_parts().any(|p| matches!(p, Part::File { .. }))
 }
 
 fn iov_bytes(iov: &[IoSlice<'_>]) -> usize {
@@ -62,12 +53,8 @@ pub(super) enum TxStop {
 
 pub(super) struct TxMachine {
     inflight: VecDeque<OutMsg>,
-    /// Most bytes one `writev` (or one fill of the pipe) carries (see [`SEGMENTS_PER_WRITE`]).
+    /// Most bytes one `writev` carries (see [`SEGMENTS_PER_WRITE`]).
     write_limit: usize,
-    /// The pipe of messages that name a file, made for the first one.
-    pipe: Option<SendPipe>,
-    /// Bytes in the pipe: the next unsent bytes of the stream, which go before any other.
-    piped: usize,
 }
 
 impl TxMachine {
@@ -75,8 +62,6 @@ impl TxMachine {
         TxMachine {
             inflight: VecDeque::new(),
             write_limit: usize::MAX,
-            pipe: None,
-            piped: 0,
         }
     }
 
@@ -92,24 +77,16 @@ impl TxMachine {
 
     /// Takes posted send WRs off the ring. A WR whose memory fails the key check completes
     /// with a protection error; on a reliable QP that is fatal (returns false), as in verbs.
-    /// With `files` (a link that [`Self::pump_stream`] gets a descriptor for) a WR may name
-    /// a registered file; elsewhere that is a protection error too.
     pub(super) fn take_posted(
         &mut self,
         qp: &QpShared,
         memory: &MemoryTable,
         framer: Option<&mut dyn Framer>,
         fatal_faults: bool,
-        files: bool,
     ) -> bool {
         let mut framer = framer;
         while let Some(wr) = qp.sq.pop() {
-            let framer = framer.as_deref_mut();
-            let msg = match files {
-                true => OutMsg::prepare_with_files(wr, memory, framer),
-                false => OutMsg::prepare(wr, memory, framer),
-            };
-            match msg {
+            match OutMsg::prepare(wr, memory, framer.as_deref_mut()) {
                 Ok(msg) => self.inflight.push_back(msg),
                 Err((wr_id, fault)) => {
                     tracing::warn!(qp = qp.num, wr_id, "send WR refused: {fault}");
@@ -123,32 +100,20 @@ impl TxMachine {
         true
     }
 
-    /// Writes queued messages to a stream socket until it would block or all are sent:
-    /// memory through `write`, messages that name a file through the pipe into `sock` (which
-    /// [`Self::take_posted`] only lets in where there is one).
+    /// Writes queued messages to a stream socket until it would block or all are sent.
     pub(super) fn pump_stream(
         &mut self,
         qp: &QpShared,
-        sock: Option<RawFd>,
         write: &mut dyn FnMut(&[IoSlice<'_>]) -> io::Result<usize>,
     ) -> TxStop {
         loop {
             if self.inflight.is_empty() {
                 return TxStop::Idle;
             }
-            if self.piped > 0 || names_file(&self.inflight[0]) {
-                let Some(fd) = sock else {
-                    return self.fail_front(qp, WcStatus::InvalidRequest, 0);
-                };
-                match self.splice(qp, fd) {
-                    Ok(()) => continue,
-                    Err(stop) => return stop,
-                }
-            }
             let mut iov = SmallVec::<[IoSlice<'_>; MAX_IOV]>::new();
             let mut gathered = 0;
             for msg in &self.inflight {
-                if iov.len() == MAX_IOV || gathered >= self.write_limit || names_file(msg) {
+                if iov.len() == MAX_IOV || gathered >= self.write_limit {
                     break;
                 }
                 let from = iov.len();
@@ -162,99 +127,16 @@ impl TxMachine {
             }
             let result = write(&iov);
             drop(iov);
-            match self.wrote(qp, result) {
-                Ok(()) => {}
-                Err(stop) => return stop,
-            }
-        }
-    }
-
-    /// Accounts what a write to the socket did; `Err` says why the pump stops.
-    fn wrote(&mut self, qp: &QpShared, result: io::Result<usize>) -> Result<(), TxStop> {
-        match result {
-            Ok(0) => Err(self.fail_front(qp, WcStatus::RemoteClosed, 0)),
-            Ok(n) => {
-                self.advance(qp, n);
-                Ok(())
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Err(TxStop::WouldBlock),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(()),
-            Err(e) => Err(self.fail_front(qp, status_of(&e), e.raw_os_error().unwrap_or(0))),
-        }
-    }
-
-    /// One round of the pipe: fills it (when empty) from the messages at the front while
-    /// they name files, then moves what it holds into the socket.
-    fn splice(&mut self, qp: &QpShared, sock: RawFd) -> Result<(), TxStop> {
-        if self.pipe.is_none() {
-            match SendPipe::new() {
-                Ok(p) => self.pipe = Some(p),
+            match result {
+                Ok(0) => return self.fail_front(qp, WcStatus::RemoteClosed, 0),
+                Ok(n) => self.advance(qp, n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return TxStop::WouldBlock,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
-                    let errno = e.raw_os_error().unwrap_or(0);
-                    return Err(self.fail_front(qp, WcStatus::TransportError, errno));
+                    return self.fail_front(qp, status_of(&e), e.raw_os_error().unwrap_or(0));
                 }
             }
         }
-        if self.piped == 0
-            && let Err(e) = self.fill()
-        {
-            // Nothing of the front message left for the socket: it fails (a file that shrank
-            // under its WR reads short; an I/O error).
-            return Err(self.fail_front(
-                qp,
-                WcStatus::TransportError,
-                e.raw_os_error().unwrap_or(0),
-            ));
-        }
-        let Some(pipe) = self.pipe.as_mut() else {
-            return Ok(());
-        };
-        let result = pipe.send_to(sock, self.piped);
-        if let Ok(n) = result {
-            self.piped -= n.min(self.piped);
-        }
-        self.wrote(qp, result)
-    }
-
-    /// Puts the front messages' bytes into the empty pipe, up to its capacity or the write
-    /// limit, stopping before a message that names no file. An error only if nothing went in.
-    fn fill(&mut self) -> io::Result<()> {
-        let Some(pipe) = self.pipe.as_mut() else {
-            return Ok(());
-        };
-        let limit = self.write_limit.min(pipe.capacity());
-        let mut filled = 0;
-        'messages: for (i, msg) in self.inflight.iter().enumerate() {
-            if i > 0 && !names_file(msg) {
-                break;
-            }
-            for part in msg.unsent_parts(0) {
-                if filled >= limit {
-                    break 'messages;
-                }
-                let want = part.len();
-                let put = match part {
-                    Part::Bytes(b) => pipe.put_bytes(b),
-                    Part::File { file, offset, len } => pipe.put_file(file, offset, len),
-                };
-                match put {
-                    Ok(n) if n == want => filled += n,
-                    // A full pipe, or the end of a file that shrank under its WR.
-                    Ok(n) => {
-                        filled += n;
-                        break 'messages;
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break 'messages,
-                    Err(e) if filled == 0 => return Err(e),
-                    Err(_) => break 'messages,
-                }
-            }
-        }
-        if filled == 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
-        }
-        self.piped = filled;
-        Ok(())
     }
 
     /// Sends queued datagrams until the socket would block or all are sent. A datagram that
@@ -323,7 +205,6 @@ impl TxMachine {
     }
 
     fn fail_front(&mut self, qp: &QpShared, status: WcStatus, os_error: i32) -> TxStop {
-        self.drop_pipe();
         if let Some(msg) = self.inflight.pop_front() {
             qp.complete_send(
                 msg.wr_id,
@@ -335,15 +216,8 @@ impl TxMachine {
         TxStop::Failed
     }
 
-    /// Closing the pipe drops what it holds: bytes of messages that will not complete.
-    fn drop_pipe(&mut self) {
-        self.pipe = None;
-        self.piped = 0;
-    }
-
     /// Flushes every message not yet sent (the QP is going down).
     pub(super) fn flush(&mut self, qp: &QpShared) {
-        self.drop_pipe();
         for msg in self.inflight.drain(..) {
             qp.complete_send(msg.wr_id, WcStatus::Flushed, 0, 0);
         }
@@ -373,7 +247,7 @@ mod tests {
                 .push_back(OutMsg::prepare(wr, &memory, None).unwrap());
         }
         let mut calls = Vec::new();
-        let stop = tx.pump_stream(&qp, None, &mut |iov| {
+        let stop = tx.pump_stream(&qp, &mut |iov| {
             let n = iov_bytes(iov);
             calls.push(n);
             Ok(n)

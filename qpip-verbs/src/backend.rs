@@ -164,11 +164,6 @@ pub trait NicBackend: Send + Sync + 'static {
     fn ring_doorbell(&self, qp: &Arc<QpShared>);
     /// How the NIC moves data ("io_uring", "epoll", "firmware", ...), for reports.
     fn io_path(&self) -> &'static str;
-    /// Send WRs may name a registered file ([`crate::FileRegion`]) on this NIC's plain
-    /// (not TLS) reliable QPs; elsewhere such a WR fails with a protection error.
-    fn sends_files(&self) -> bool {
-        false
-    }
     /// Kernel thread ids of the threads that play the NIC processor (for CPU accounting).
     fn engine_threads(&self) -> Vec<i32>;
     /// CPU time application threads spent doing the NIC's work while they waited on a CQ

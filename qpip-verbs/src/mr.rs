@@ -58,9 +58,7 @@ pub enum ProtectionFault {
     #[error("region {0:#x} is not registered for NIC writes")]
     NotWritable(u32),
     /// This key names a file, not memory.
-    #[error(
-        "region {0:#x} is a file: only a framer's placement, or a send on a NIC that sends from files, may name it"
-    )]
+    #[error("region {0:#x} is a file: only a framer may place message bodies there")]
     NotMemory(u32),
 }
 
@@ -254,10 +252,8 @@ impl Segment {
 /// A file registered with the NIC (a disk image, say): a framer may name a range of it as
 /// the place for a message body ([`crate::Frame::MessageAt`]), and the NIC then writes the
 /// body into the file at that offset itself, the way a storage-offload NIC places a write's
-/// payload on the disk. A send WR may name a range of it too, on a NIC that sends from files
-/// (the soft NIC on a plain stream: the bytes go from the file's page cache to the socket by
-/// splice; others refuse the WR with a protection error). The SGE's `addr` is the file
-/// offset. Receive WRs cannot name it: it is not memory.
+/// payload on the disk. The SGE's `addr` is the file offset. Send and receive WRs cannot name
+/// it: it is not memory.
 #[derive(Clone)]
 pub struct FileRegion {
     region: Arc<FileSpace>,
@@ -302,7 +298,7 @@ impl FileRegion {
     }
 }
 
-/// A checked range of a registered file, kept open while the NIC writes or sends it.
+/// A checked range of a registered file, kept open while the NIC writes it.
 #[derive(Clone)]
 pub struct FileSpan {
     space: Arc<FileSpace>,
@@ -329,8 +325,7 @@ impl FileSpan {
     }
 }
 
-/// Where a framer's [`crate::Frame::MessageAt`] puts a body, or where a send SGE's bytes are:
-/// memory, or a registered file.
+/// Where a framer's [`crate::Frame::MessageAt`] puts a body: memory, or a registered file.
 #[derive(Clone)]
 pub enum Placement {
     /// Registered memory.
@@ -450,17 +445,19 @@ impl MemoryTable {
         if !space.access.local_write {
             return Err(ProtectionFault::NotWritable(sge.lkey));
         }
-        file_span(space, sge).map(Placement::File)
-    }
-
-    /// Checks a send SGE: memory as [`Self::resolve`] does, or a range of a registered file
-    /// (of any access: sending only reads it) inside its registered length.
-    pub fn resolve_source(&self, sge: &Sge) -> Result<Placement, ProtectionFault> {
-        let file = self.files.read().get(&sge.lkey).cloned();
-        match file {
-            Some(space) => file_span(space, sge).map(Placement::File),
-            None => self.resolve(sge, false).map(Placement::Memory),
+        let end = sge.addr.checked_add(u64::from(sge.len));
+        if end.is_none_or(|end| end > space.len) {
+            return Err(ProtectionFault::OutOfBounds {
+                lkey: sge.lkey,
+                addr: sge.addr,
+                len: sge.len,
+            });
         }
+        Ok(Placement::File(FileSpan {
+            space,
+            offset: sge.addr,
+            len: sge.len as usize,
+        }))
     }
 
     /// Checks an SGE against the table: known key, inside the region, writable if `write`.
@@ -492,23 +489,6 @@ impl MemoryTable {
             len: sge.len as usize,
         })
     }
-}
-
-/// The range `sge` names in the registered file `space`, if it lies inside it.
-fn file_span(space: Arc<FileSpace>, sge: &Sge) -> Result<FileSpan, ProtectionFault> {
-    let end = sge.addr.checked_add(u64::from(sge.len));
-    if end.is_none_or(|end| end > space.len) {
-        return Err(ProtectionFault::OutOfBounds {
-            lkey: sge.lkey,
-            addr: sge.addr,
-            len: sge.len,
-        });
-    }
-    Ok(FileSpan {
-        space,
-        offset: sge.addr,
-        len: sge.len as usize,
-    })
 }
 
 #[cfg(test)]

@@ -58,12 +58,6 @@ impl Nic {
         self.inner.backend.io_path()
     }
 
-    /// Send WRs may name a registered file on plain (not TLS) reliable QPs: the NIC sends
-    /// its bytes from the file itself ([`NicBackend::sends_files`]).
-    pub fn sends_files(&self) -> bool {
-        self.inner.backend.sends_files()
-    }
-
     /// Kernel thread ids of the NIC engine's threads, for CPU accounting.
     pub fn engine_threads(&self) -> Vec<i32> {
         self.inner.backend.engine_threads()
@@ -111,8 +105,7 @@ impl Nic {
     }
 
     /// Registers the first `len` bytes of `file` (a disk image, say) so that a framer may have
-    /// message bodies written there by the NIC ([`crate::Frame::MessageAt`]), and, where the
-    /// NIC [`Self::sends_files`], send WRs may name them.
+    /// message bodies written there by the NIC ([`crate::Frame::MessageAt`]).
     pub fn register_file(&self, file: Arc<std::fs::File>, len: u64, access: Access) -> FileRegion {
         self.inner.memory.register_file(file, len, access)
     }

@@ -168,8 +168,6 @@ struct Transmission<'a> {
     started_reads: Vec<(ReadReply, Started)>,
     /// Given to the store with every read and write it starts: wakes our CQ wait.
     waker: Waker,
-    /// The connection runs TLS: the NIC needs READ data in memory to encrypt it.
-    tls: bool,
 }
 
 impl Drop for Transmission<'_> {
@@ -221,7 +219,6 @@ impl<'a> Transmission<'a> {
             hold_slot: false,
             started_reads: Vec::new(),
             waker,
-            tls: neg.tls,
         })
     }
 
@@ -722,9 +719,9 @@ impl<'a> Transmission<'a> {
         self.replies.post(self.link, &out, None, None)
     }
 
-    /// READ: the reply header from a slot, the data straight from the image's file or its
-    /// mapping, or read by the store into registered buffers a piece at a time. Errors are
-    /// replied to; `Err` ends the connection.
+    /// READ: the reply header from a slot, the data straight from the image's mapping, or
+    /// read by the store into registered buffers a piece at a time. Errors are replied to;
+    /// `Err` ends the connection.
     fn read(&mut self, req: &ValidRequest, started: Started, range: ByteRange) -> Result<()> {
         if range.is_empty() {
             return self.reply(req.reply_to(), started, Ok(()));
@@ -733,16 +730,10 @@ impl<'a> Transmission<'a> {
             tracing::warn!(export = %self.export.name, "read at {} of {} bytes: {} is shorter than that now (truncated by another process?)", range.offset(), range.len(), self.export.store.location());
             return self.reply(req.reply_to(), started, Err(ErrorValue::Io));
         }
-        // A raw image on a plain connection: the NIC splices the data from the file's page
-        // cache into the socket (a tmpfs hole as the zero page, taking no memory). Else no
-        // mapping (qcow2, RBD), or a range whose holes the mapping would fill with new pages
-        // (tmpfs): the store reads into registered buffers.
-        let mapped = match (&self.export.send_file, &self.export.region) {
-            (Some((file, at)), _) if !self.tls => {
-                let len = u32::try_from(range.len()).unwrap_or(u32::MAX);
-                file.sge(at + range.offset(), len)
-            }
-            (_, Some(region))
+        // No mapping (qcow2, RBD), or a range whose holes the mapping would fill with new
+        // pages (tmpfs): the store reads into registered buffers.
+        let mapped = match &self.export.region {
+            Some(region)
                 if !(self.export.store).mapping_would_fill_holes(range.offset(), range.len()) =>
             {
                 region.sge(range.offset() as usize, range.len() as usize)

@@ -425,10 +425,6 @@ impl Store for FileStore {
         FileStore::mapping_would_fill_holes(self, offset, len)
     }
 
-    fn send_file(&self) -> Option<(File, u64)> {
-        Some((self.file.try_clone().ok()?, 0))
-    }
-
     fn placement_file(&self) -> Option<File> {
         if self.read_only {
             return None;

@@ -146,13 +146,6 @@ pub trait Store: Send + Sync + Debug {
         None
     }
 
-    /// The file that holds the disk byte for byte from the returned file offset on (a raw
-    /// image, read-only or not): READ replies are then sent from it by the NIC, where it
-    /// sends from files ([`qpip_core::Nic::sends_files`]).
-    fn send_file(&self) -> Option<(std::fs::File, u64)> {
-        None
-    }
-
     /// The file that holds the disk byte for byte (a raw image), writable: the NIC may then
     /// write WRITE payloads into it itself (the connection's write placement). None for stores
     /// that must see every write (qcow2, RBD) and for read-only ones.

@@ -197,10 +197,6 @@ impl Store for View {
         // SAFETY: `skip` is within the mapping of `len` bytes.
         Some((unsafe { ptr.add(skip) }, len - skip))
     }
-    fn send_file(&self) -> Option<(std::fs::File, u64)> {
-        let (file, at) = self.inner.send_file()?;
-        Some((file, at.checked_add(self.opts.offset)?))
-    }
     fn placement_file(&self) -> Option<std::fs::File> {
         // With an offset, zero detection or write-through: none (the module's comment says
         // why).
