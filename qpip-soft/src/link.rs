@@ -8,7 +8,7 @@ use std::fs::File;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
 use std::net::{Shutdown, SocketAddr};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use mio::net::{TcpStream, UdpSocket, UnixStream};
@@ -116,10 +116,11 @@ pub(super) struct EngineQp<Q> {
     deferred: Option<Deferred>,
 }
 
-/// The pipe for a file body; None (the receive machine then bounces) if none can be made.
-fn splicer(slot: &mut Option<Splicer>) -> Option<&mut Splicer> {
+/// What places file bodies, made for the connection's first (its mode from the segment size
+/// of `stream`); None (the receive machine then bounces) if no pipe can be made.
+fn splicer<'a>(slot: &'a mut Option<Splicer>, stream: &Stream) -> Option<&'a mut Splicer> {
     if slot.is_none() {
-        match Splicer::new() {
+        match Splicer::new(stream.segment_size()) {
             Ok(s) => *slot = Some(s),
             Err(e) => tracing::debug!("no pipe for splicing file bodies: {e}"),
         }
@@ -130,13 +131,13 @@ fn splicer(slot: &mut Option<Splicer>) -> Option<&mut Splicer> {
 /// A stream socket read through io_uring, as the receive machine's connection.
 struct UringRx<'a> {
     io: &'a mut UringIo,
-    fd: RawFd,
+    stream: &'a Stream,
     splicer: &'a mut Option<Splicer>,
 }
 
 impl RxIo for UringRx<'_> {
     fn read(&mut self, iov: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
-        self.io.read(self.fd, iov)
+        self.io.read(self.stream.as_raw_fd(), iov)
     }
     fn read_into_file(
         &mut self,
@@ -145,11 +146,9 @@ impl RxIo for UringRx<'_> {
         prefix: &[u8],
         max: usize,
     ) -> Option<io::Result<(usize, Option<io::Error>)>> {
-        let splicer = splicer(self.splicer)?;
-        Some(
-            self.io
-                .splice_in(self.fd, splicer, file, offset, prefix, max),
-        )
+        let splicer = splicer(self.splicer, self.stream)?;
+        let fd = self.stream.as_raw_fd();
+        Some(self.io.splice_in(fd, splicer, file, offset, prefix, max))
     }
 }
 
@@ -191,7 +190,7 @@ impl RxIo for SocketRx<'_> {
         if self.emptied {
             return Some(Err(io::ErrorKind::WouldBlock.into()));
         }
-        let splicer = splicer(self.splicer)?;
+        let splicer = splicer(self.splicer, self.stream)?;
         let fd = self.stream.as_raw_fd();
         let moved = splicer.socket_to_file(fd, file, offset, prefix, max);
         self.took |= !matches!(&moved, Err(e) if e.kind() == io::ErrorKind::WouldBlock);
@@ -588,7 +587,11 @@ impl<Q: RingIo> EngineQp<Q> {
                     let stop = match uring {
                         Some(io) => {
                             let io = io.get_mut();
-                            let mut conn = UringRx { io, fd, splicer };
+                            let mut conn = UringRx {
+                                io,
+                                stream,
+                                splicer,
+                            };
                             took = Progress::Worked;
                             rx.pump_io(shared, memory, framer.as_mut(), &mut conn)
                         }
