@@ -8,7 +8,7 @@ use std::fs::File;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
 use std::net::{Shutdown, SocketAddr};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 
 use mio::net::{TcpStream, UdpSocket, UnixStream};
@@ -110,16 +110,19 @@ pub(super) struct EngineQp<Q> {
     closing: bool,
     /// Some when the TCP data path goes through io_uring (never on the epoll engine).
     pub(super) uring: Option<Q>,
+    /// The stream's TCP segment size, read once when it is established (None: not TCP): it
+    /// cuts the transmit machine's writes and chooses how file bodies are placed.
+    segment: Option<usize>,
     /// The pipe file bodies pass through, made when the first one arrives.
     splicer: Option<Splicer>,
     deferred: Option<Deferred>,
 }
 
-/// What places file bodies, made for the connection's first (its mode from the segment size
-/// of `stream`); None (the receive machine then bounces) if no pipe can be made.
-fn splicer<'a>(slot: &'a mut Option<Splicer>, stream: &Stream) -> Option<&'a mut Splicer> {
+/// What places file bodies, made for the connection's first (its mode from the connection's
+/// `segment` size); None (the receive machine then bounces) if no pipe can be made.
+fn splicer(slot: &mut Option<Splicer>, segment: Option<usize>) -> Option<&mut Splicer> {
     if slot.is_none() {
-        match Splicer::new(stream.segment_size()) {
+        match Splicer::new(segment) {
             Ok(s) => *slot = Some(s),
             Err(e) => tracing::debug!("no pipe for splicing file bodies: {e}"),
         }
@@ -130,13 +133,14 @@ fn splicer<'a>(slot: &'a mut Option<Splicer>, stream: &Stream) -> Option<&'a mut
 /// A stream socket read through io_uring, as the receive machine's connection.
 struct UringRx<'a> {
     io: &'a mut UringIo,
-    stream: &'a Stream,
+    fd: RawFd,
+    segment: Option<usize>,
     splicer: &'a mut Option<Splicer>,
 }
 
 impl RxIo for UringRx<'_> {
     fn read(&mut self, iov: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
-        self.io.read(self.stream.as_raw_fd(), iov)
+        self.io.read(self.fd, iov)
     }
     fn read_into_file(
         &mut self,
@@ -145,15 +149,18 @@ impl RxIo for UringRx<'_> {
         prefix: &[u8],
         max: usize,
     ) -> Option<io::Result<(usize, Option<io::Error>)>> {
-        let splicer = splicer(self.splicer, self.stream)?;
-        let fd = self.stream.as_raw_fd();
-        Some(self.io.splice_in(fd, splicer, file, offset, prefix, max))
+        let splicer = splicer(self.splicer, self.segment)?;
+        Some(
+            self.io
+                .splice_in(self.fd, splicer, file, offset, prefix, max),
+        )
     }
 }
 
 /// A stream socket read with plain system calls (the epoll data path).
 struct SocketRx<'a> {
     stream: &'a Stream,
+    segment: Option<usize>,
     splicer: &'a mut Option<Splicer>,
     /// A read came back short: the socket is empty, and the read that would say so (EAGAIN)
     /// is skipped, in this pump and after it (the QP's readiness is spent, as mio's users
@@ -185,7 +192,7 @@ impl RxIo for SocketRx<'_> {
         if self.emptied {
             return Some(Err(io::ErrorKind::WouldBlock.into()));
         }
-        let splicer = splicer(self.splicer, self.stream)?;
+        let splicer = splicer(self.splicer, self.segment)?;
         let fd = self.stream.as_raw_fd();
         Some(splicer.socket_to_file(fd, file, offset, prefix, max))
     }
@@ -212,6 +219,7 @@ impl<Q: RingIo> EngineQp<Q> {
             writable: false,
             closing: false,
             uring,
+            segment: None,
             splicer: None,
             deferred: None,
         }
@@ -365,7 +373,8 @@ impl<Q: RingIo> EngineQp<Q> {
 
     fn established(&mut self, stream: Stream) {
         stream.set_nodelay();
-        self.tx.set_segment_size(stream.segment_size());
+        self.segment = stream.segment_size();
+        self.tx.set_segment_size(self.segment);
         self.shared.set_state(QpState::Ready);
         self.link = Link::Stream(stream);
         self.readable = true;
@@ -509,6 +518,7 @@ impl<Q: RingIo> EngineQp<Q> {
             writable,
             next_datagram,
             uring,
+            segment,
             splicer,
             ..
         } = self;
@@ -539,7 +549,8 @@ impl<Q: RingIo> EngineQp<Q> {
                             let io = io.get_mut();
                             let mut conn = UringRx {
                                 io,
-                                stream,
+                                fd,
+                                segment: *segment,
                                 splicer,
                             };
                             rx.pump_io(shared, memory, framer.as_mut(), &mut conn)
@@ -547,6 +558,7 @@ impl<Q: RingIo> EngineQp<Q> {
                         None => {
                             let mut conn = SocketRx {
                                 stream,
+                                segment: *segment,
                                 splicer,
                                 emptied: !*readable,
                                 read_closed: *read_closed,
