@@ -167,6 +167,7 @@ contract!(
     accepts_that_time_out_lose_no_connection,
     a_connection_reset_before_its_accept_never_reaches_a_qp,
     an_accept_that_finds_a_connection_waiting_needs_no_wait,
+    file_bodies_that_came_together_are_all_placed,
 );
 
 /// Waits (on the CQ, without draining it) until it reports `lost` lost completions.
@@ -359,6 +360,83 @@ fn quiet_posts_go_out_at_the_doorbell(net: Net) {
         }
     }
     assert_eq!(next, [MSGS as u64; 2]);
+}
+
+/// Length-prefixed messages whose bodies go to consecutive ranges of a registered file
+/// (the prefix into the receive WR), as the NBD server places WRITE payloads.
+struct BodiesToFile {
+    file: qpip_core::FileRegion,
+    next: u64,
+}
+
+impl Framer for BodiesToFile {
+    fn frame(&mut self, header: &[u8]) -> qpip_core::framer::Frame {
+        let Some(prefix) = header.first_chunk::<4>() else {
+            return qpip_core::framer::Frame::NeedHeader(4);
+        };
+        let len = u32::from_be_bytes(*prefix);
+        let body = self.file.sge(self.next, len);
+        self.next += u64::from(len);
+        qpip_core::framer::Frame::MessageAt {
+            header_len: 4,
+            strip: 0,
+            body,
+        }
+    }
+}
+
+/// File bodies that wait in the connection together are all placed, each completing as it
+/// is: the receive may stop after each one so that its answer goes out before the next is
+/// placed (the soft NIC does), and then nothing but the engine itself comes back for the
+/// rest — every byte was in the socket before the receives were posted, so no new event
+/// announces them.
+fn file_bodies_that_came_together_are_all_placed(net: Net) {
+    const MSGS: usize = 4;
+    const BODY: usize = 8 << 10;
+    let (send_cq, recv_cq) = (net.client.create_cq(16), net.server.create_cq(16));
+    let tmp = tempfile::tempfile().unwrap();
+    tmp.set_len((MSGS * BODY) as u64).unwrap();
+    let file = Arc::new(tmp);
+    let region = net
+        .server
+        .register_file(file.clone(), (MSGS * BODY) as u64, Access::READ_WRITE);
+    let framer = || BodiesToFile {
+        file: region.clone(),
+        next: 0,
+    };
+    let (client, server) = net.pair_with(&send_cq, &recv_cq, framer, 16);
+    let src = net.client.alloc_region(MSGS * (4 + BODY), Access::READ);
+    for m in 0..MSGS {
+        let at = m * (4 + BODY);
+        src.write_at(at, &(BODY as u32).to_be_bytes());
+        src.write_at(at + 4, &vec![b'a' + m as u8; BODY]);
+        client
+            .post_send(SendWr::new(m as u64, &[src.sge(at, 4 + BODY)]))
+            .unwrap();
+    }
+    // Every byte is in the server's socket (or on its way) before a receive is posted.
+    wait_n(&send_cq, MSGS, T);
+    let hdrs = net.server.alloc_region(MSGS * 4, Access::READ_WRITE);
+    for m in 0..MSGS {
+        server
+            .post_recv_quiet(RecvWr::new(m as u64, &[hdrs.sge(m * 4, 4)]))
+            .unwrap();
+    }
+    server.ring_doorbell();
+    let got = wait_n(&recv_cq, MSGS, T);
+    for (m, c) in got.iter().enumerate() {
+        let want = (m as u64, WcStatus::Success, BODY as u32);
+        assert_eq!((c.wr_id, c.status, c.placed), want, "{c:?}");
+    }
+    let mut body = vec![0u8; MSGS * BODY];
+    std::os::unix::fs::FileExt::read_exact_at(&*file, &mut body, 0).unwrap();
+    for m in 0..MSGS {
+        let want = b'a' + m as u8;
+        assert!(
+            body[m * BODY..(m + 1) * BODY].iter().all(|&b| b == want),
+            "body {m}"
+        );
+    }
 }
 
 /// With no receive WR posted the receiver reads nothing, so TCP flow control stops the sender:
