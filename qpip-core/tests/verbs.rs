@@ -385,11 +385,11 @@ impl Framer for BodiesToFile {
     }
 }
 
-/// File bodies that wait in the connection together are all placed, each completing as it
-/// is: the receive may stop after each one so that its answer goes out before the next is
-/// placed (the soft NIC does), and then nothing but the engine itself comes back for the
-/// rest — every byte was in the socket before the receives were posted, so no new event
-/// announces them.
+/// File bodies that wait in the connection together are all placed, in order, each
+/// completing with its bytes: every byte was in the socket before the receives were posted,
+/// so no new event announces them, and a receive that stopped between them (to let the host
+/// answer one, as session 15 tried: BENCHMARKS "Replies between bodies") must come back for
+/// the rest by itself.
 fn file_bodies_that_came_together_are_all_placed(net: Net) {
     const MSGS: usize = 4;
     const BODY: usize = 8 << 10;

@@ -338,25 +338,11 @@ impl<Q: RingIo> Processor for Engine<Q> {
     }
 
     fn step(&mut self) -> Progress {
-        // Connections whose receive stopped early go on first: no event will call them.
-        let mut resumed = Progress::Idle;
-        let registry = self.poll.registry();
-        for q in self.qps.values_mut().filter(|q| q.resume) {
-            q.service(registry, &self.memory);
-            resumed = Progress::Worked;
-        }
-        match self.turn(Turn::Look) {
-            Progress::Idle => resumed,
-            worked => worked,
-        }
+        self.turn(Turn::Look)
     }
 
     fn sending(&self) -> bool {
         self.qps.values().any(|q| q.sending())
-    }
-
-    fn resumable(&self) -> bool {
-        self.qps.values().any(|q| q.resume)
     }
 
     fn wake_events(&mut self) -> Option<&mut EpollEvents> {

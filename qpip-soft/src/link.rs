@@ -116,9 +116,6 @@ pub(super) struct EngineQp<Q> {
     /// The pipe file bodies pass through, made when the first one arrives.
     splicer: Option<Splicer>,
     deferred: Option<Deferred>,
-    /// The receive machine stopped after a file body with bytes perhaps left in the socket,
-    /// which no new event will announce: the engine services the QP again at its next step.
-    pub(super) resume: bool,
 }
 
 /// What places file bodies, made for the connection's first (its mode from the connection's
@@ -199,9 +196,6 @@ impl RxIo for SocketRx<'_> {
         let fd = self.stream.as_raw_fd();
         Some(splicer.socket_to_file(fd, file, offset, prefix, max))
     }
-    fn yield_after_file_body(&self) -> bool {
-        true
-    }
 }
 
 fn token(qp: &QpShared) -> Token {
@@ -228,7 +222,6 @@ impl<Q: RingIo> EngineQp<Q> {
             segment: None,
             splicer: None,
             deferred: None,
-            resume: false,
         }
     }
 
@@ -511,7 +504,6 @@ impl<Q: RingIo> EngineQp<Q> {
 
     /// Runs the transmit and receive machines as far as they can go.
     pub(super) fn service(&mut self, registry: &Registry, memory: &MemoryTable) {
-        self.resume = false;
         if self.deferred.is_some() {
             return; // going down: nothing new starts
         }
@@ -528,7 +520,6 @@ impl<Q: RingIo> EngineQp<Q> {
             uring,
             segment,
             splicer,
-            resume,
             ..
         } = self;
         let after = match link {
@@ -585,7 +576,6 @@ impl<Q: RingIo> EngineQp<Q> {
                         RxStop::WouldBlock => *readable = false,
                         RxStop::Failed => failed = true,
                         RxStop::NoWr => {}
-                        RxStop::Yield => *resume = *readable || rx.buffered() > 0,
                     }
                 }
                 if failed { After::Fail } else { After::Nothing }
@@ -623,7 +613,7 @@ impl<Q: RingIo> EngineQp<Q> {
                     match rx.pump(shared, memory, framer.as_mut(), &mut |iov| tls.read(iov)) {
                         RxStop::WouldBlock => *readable = false,
                         RxStop::Failed => failed = true,
-                        RxStop::NoWr | RxStop::Yield => {}
+                        RxStop::NoWr => {}
                     }
                 }
                 if failed { After::Fail } else { After::Nothing }

@@ -119,8 +119,7 @@ impl<P: Processor + Send> DrivenQueue<P> {
     /// `run` says, and lets go.
     fn drive_nic(&self, run: Run, turns: &mut Turns) -> RunEnd {
         let (shared, h) = (&*self.shared, &self.shared.handover);
-        // The take serves a leaving driver's request to carry on its sends (or a receive it
-        // left to resume): this thread
+        // The take serves a leaving driver's request to carry on its sends: this thread
         // runs the processor, or the host thread that holds it does (and asks again as it
         // leaves). Cleared here, not where it is seen: looks only read.
         h.resume.swap(false, Ordering::AcqRel);
@@ -235,23 +234,19 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
         }
         driving.fetch_sub(1, Ordering::Relaxed);
         let sending = nic.sending();
-        let resumable = nic.resumable();
         drop(engine);
-        if sending || resumable {
+        if sending {
             h.resume.store(true, Ordering::Release);
         }
         h.drive_ended(Instant::now());
         // Pairs with the parked NIC thread's `parked_untimed`: either it sees this drive
-        // ended, or this sees it asleep without a timer; and with the watching one's
-        // `watching`: either it sees `resume`, or this sees it asleep on the descriptor.
+        // ended, or this sees it asleep without a timer.
         posted();
         let call = rules::leave(Departure {
             sending,
-            resumable,
             waiters: h.waiters.load(Ordering::SeqCst),
             work: shared.has_work(),
             parked_untimed: h.parked_untimed.raised(),
-            watching: h.watching.raised(),
         });
         if call == Call::NicThread {
             h.kick();

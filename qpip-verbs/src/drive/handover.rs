@@ -17,8 +17,8 @@ pub(crate) struct Handover {
     pub(crate) waiters: AtomicU32,
     /// A waiting host thread asks the NIC thread to let go of the processor.
     pub(crate) wanted: AtomicBool,
-    /// A driver left with sends still under way, or a receive to resume: the NIC thread
-    /// carries on at its next look (its next take of the processor clears it).
+    /// A driver left with sends still under way: the NIC thread carries on at once (its
+    /// next take of the processor clears it).
     pub(crate) resume: AtomicBool,
     /// Wakes the NIC thread wherever it sleeps ([`crate::drive::sleep`]).
     pub(crate) kick: Kick,

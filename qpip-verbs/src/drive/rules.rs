@@ -96,20 +96,12 @@ pub(crate) fn outcome(ended: Ended, ready: bool) -> Driven {
 pub(crate) struct Departure {
     /// Posted sends still wait for the wire.
     pub sending: bool,
-    /// A receive stopped with bytes left in its socket ([`crate::machines::shell::Processor::resumable`]):
-    /// the next drive goes on with it. The waiter usually comes back for it within
-    /// microseconds (it answers what was placed, then waits again), so this calls only a
-    /// NIC thread that would not look again by itself: a parked one looks within its grace.
-    pub resumable: bool,
     /// Threads in a CQ wait on the queue, the leaving one included.
     pub waiters: u32,
     /// Commands or doorbells are queued.
     pub work: bool,
     /// The NIC thread sleeps without a timer until a drive ends.
     pub parked_untimed: bool,
-    /// The NIC thread watches the processor's descriptor, untimed: it looks again only when
-    /// that descriptor or its kick wakes it.
-    pub watching: bool,
 }
 
 /// Whom a leaving driver wakes.
@@ -122,13 +114,9 @@ pub(crate) enum Call {
 }
 
 /// Handing back: a driver that leaves while others wait, with sends under way or work
-/// queued, or behind a NIC thread that sleeps until a drive ends, wakes the NIC thread; one
-/// that leaves a receive to resume wakes it only where it watches (no timer would end that
-/// sleep; a waker on every such departure cost more than it gave, BENCHMARKS "replies
-/// between bodies").
+/// queued, or behind a NIC thread that sleeps until a drive ends, wakes the NIC thread.
 pub(crate) fn leave(d: Departure) -> Call {
-    let untimed = d.parked_untimed || d.watching;
-    if d.sending || d.waiters > 1 || d.work || d.parked_untimed || (d.resumable && untimed) {
+    if d.sending || d.waiters > 1 || d.work || d.parked_untimed {
         Call::NicThread
     } else {
         Call::Nobody
@@ -154,8 +142,7 @@ pub(crate) struct NicLook {
     pub waiters: u32,
     /// Commands or doorbells are queued.
     pub work: bool,
-    /// A driver left with sends under way or a receive to resume (cleared by the NIC
-    /// thread's next take).
+    /// A driver left with sends under way (cleared by the NIC thread's next take).
     pub resume: bool,
     /// When the last host drive ended (None: there never was one).
     pub last_drive_end: Option<Instant>,
@@ -163,7 +150,7 @@ pub(crate) struct NicLook {
 
 impl NicLook {
     /// Something calls for the processor now: waiters asleep behind a driver that left,
-    /// sends or a receive to carry on, commands or doorbells.
+    /// sends to carry on, commands or doorbells.
     fn calls(&self) -> bool {
         self.resume || self.waiters > 0 || self.work
     }
@@ -435,11 +422,9 @@ mod tests {
     fn departure() -> Departure {
         Departure {
             sending: false,
-            resumable: false,
             waiters: 1,
             work: false,
             parked_untimed: false,
-            watching: false,
         }
     }
 
@@ -447,35 +432,6 @@ mod tests {
     fn a_lone_driver_with_nothing_left_wakes_nobody() {
         // Even behind a watching NIC thread: the watcher sees what arrives itself.
         assert_eq!(leave(departure()), Call::Nobody);
-    }
-
-    #[test]
-    fn a_receive_left_to_resume_calls_only_a_nic_thread_asleep_without_a_timer() {
-        let left = Departure {
-            resumable: true,
-            ..departure()
-        };
-        // A parked NIC thread looks again within its grace, and the waiter is usually back
-        // sooner: no wake-up per placed body.
-        assert_eq!(leave(left), Call::Nobody);
-        for d in [
-            Departure {
-                watching: true,
-                ..left
-            },
-            Departure {
-                parked_untimed: true,
-                ..left
-            },
-        ] {
-            assert_eq!(leave(d), Call::NicThread, "{d:?}");
-        }
-        // Watching alone calls for nothing: the watcher sees new bytes itself.
-        let d = Departure {
-            watching: true,
-            ..departure()
-        };
-        assert_eq!(leave(d), Call::Nobody);
     }
 
     #[test]

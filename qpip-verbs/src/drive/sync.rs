@@ -167,33 +167,6 @@ mod loom_models {
         });
     }
 
-    /// A driver that leaves a receive to resume against the NIC thread watching the
-    /// processor's descriptor (`DrivenQueue::drive`'s departure against `DrivenQueue::sleep`
-    /// with `Raised::Watching`): no event will announce those bytes, so either the watcher's
-    /// look sees `resume` or the driver sees it watching and kicks.
-    #[test]
-    fn loom_receive_left_to_resume_reaches_the_watching_nic_thread() {
-        loom::model(|| {
-            let watching = Arc::new(SleepFlag::new());
-            let resume = Arc::new(AtomicBool::new(false));
-            let driver = {
-                let (watching, resume) = (watching.clone(), resume.clone());
-                loom::thread::spawn(move || {
-                    resume.store(true, Ordering::Release);
-                    posted();
-                    watching.raised() // kicks
-                })
-            };
-            watching.raise();
-            let calls = resume.load(Ordering::Acquire);
-            let kicked = driver.join().unwrap();
-            assert!(
-                calls || kicked,
-                "the NIC thread slept through a receive to resume"
-            );
-        });
-    }
-
     /// A drive's end against the NIC thread parked until it ends (`DrivenQueue::drive`'s
     /// departure against `DrivenQueue::sleep` with `Raised::ParkedUntimed`): the driver lets
     /// go of the engine lock and stores its end, fences, and kicks if it sees

@@ -77,10 +77,6 @@ pub enum RxStop {
     NoWr,
     /// A fatal error; the WR it hit was completed with its status. The QP must go to error.
     Failed,
-    /// A message whose body went into a file was completed and the connection asked to stop
-    /// there ([`RxIo::yield_after_file_body`]): its completion reaches the host before the
-    /// next body is placed. The socket may still hold bytes: pump again without an event.
-    Yield,
 }
 
 /// The connection the receive machine reads.
@@ -103,12 +99,6 @@ pub trait RxIo {
         _max: usize,
     ) -> Option<io::Result<(usize, Option<io::Error>)>> {
         None
-    }
-
-    /// Whether the machine stops after each message whose body it placed in a file, so that
-    /// the host answers it (a WRITE's reply) while the next body waits in the socket.
-    fn yield_after_file_body(&self) -> bool {
-        false
     }
 }
 
@@ -340,11 +330,7 @@ impl RxMachine {
             };
 
             if !cur.stream && cur.filled == cur.total {
-                let file_body = matches!(cur.body, Some(Placement::File(_)));
                 self.complete_cur(qp, WcStatus::Success, 0);
-                if file_body && io.yield_after_file_body() {
-                    return RxStop::Yield;
-                }
                 continue;
             }
             debug_assert_eq!(self.hdr_len, 0);

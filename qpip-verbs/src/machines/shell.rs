@@ -68,12 +68,6 @@ pub trait Processor {
     fn sending(&self) -> bool {
         false
     }
-    /// A receive stopped before its socket was empty (to let the host answer what it
-    /// placed, [`crate::machines::rx::RxStop::Yield`]): the next [`Self::step`] goes on with
-    /// it, as no event will announce those bytes again. Whoever drives next must step, soon.
-    fn resumable(&self) -> bool {
-        false
-    }
 }
 
 /// A processor chosen when the NIC thread starts (say, io_uring or epoll, as the kernel
@@ -102,9 +96,6 @@ impl<P: Processor + ?Sized> Processor for Box<P> {
     }
     fn sending(&self) -> bool {
         (**self).sending()
-    }
-    fn resumable(&self) -> bool {
-        (**self).resumable()
     }
 }
 

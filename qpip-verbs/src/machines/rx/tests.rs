@@ -293,61 +293,6 @@ fn body_bytes_read_with_the_header_go_into_the_file_with_the_rest() {
     assert_eq!(got, bodies.concat());
 }
 
-/// [`Splicing`] that asks the machine to stop after each file body.
-struct YieldingSplicing(Splicing);
-
-impl RxIo for YieldingSplicing {
-    fn read(&mut self, iov: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
-        self.0.read(iov)
-    }
-    fn read_into_file(
-        &mut self,
-        file: &File,
-        offset: u64,
-        prefix: &[u8],
-        max: usize,
-    ) -> Option<io::Result<(usize, Option<io::Error>)>> {
-        self.0.read_into_file(file, offset, prefix, max)
-    }
-    fn yield_after_file_body(&self) -> bool {
-        true
-    }
-}
-
-/// A connection that asks for it gets each file body's completion before the next body is
-/// placed: the pump stops after every one (the host can answer it), the bytes left stay in
-/// the connection, and pumping again goes on with them.
-#[test]
-fn a_yielding_connection_stops_after_each_file_body_and_goes_on_when_pumped_again() {
-    let bodies: Vec<Vec<u8>> = (0..3).map(|i| vec![b'a' + i as u8; 100]).collect();
-    let refs: Vec<&[u8]> = bodies.iter().map(|b| b.as_slice()).collect();
-    let (qp, cq, table, _mr) = setup(8, 256);
-    let (_tmp, file) = file_of(300, true);
-    let dst = table.register_file(file.clone(), 300, crate::Access::READ_WRITE);
-    let mut framer = PlaceInto::file(dst);
-    let mut io = YieldingSplicing(Splicing {
-        sock: Trickle::new(framed(&refs), 1 << 20),
-        writes: Vec::new(),
-    });
-    let mut rx = RxMachine::new();
-    for placed in 1..=3 {
-        assert_eq!(
-            rx.pump_io(&qp, &table, &mut framer, &mut io),
-            RxStop::Yield,
-            "body {placed}"
-        );
-        assert_eq!(drain(&cq).len(), 1, "body {placed}");
-        assert_eq!(io.0.writes.len(), placed);
-    }
-    assert_eq!(
-        rx.pump_io(&qp, &table, &mut framer, &mut io),
-        RxStop::WouldBlock
-    );
-    let mut got = vec![0u8; 300];
-    file.read_exact_at(&mut got, 0).unwrap();
-    assert_eq!(got, bodies.concat());
-}
-
 #[test]
 fn a_file_that_refuses_the_write_fails_that_message_only() {
     // Registered writable, but the descriptor is read-only: the OS refuses (EBADF).
