@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use lanai_common::{TestFabric, test_fabric};
 use qpip_core::{
-    Access, Completion, CompletionQueue, CqError, Framer, LengthPrefixed, Nic, NicChoice, Opcode,
-    QpAttr, QpState, QueuePair, RecvWr, SendWr, Sge, SoftConfig, WcStatus,
+    Access, Completion, CompletionQueue, CqError, FileRegion, Frame, Framer, LengthPrefixed, Nic,
+    NicChoice, Opcode, QpAttr, QpState, QueuePair, RecvWr, SendWr, Sge, SoftConfig, WcStatus,
 };
 
 const T: Duration = Duration::from_secs(30);
@@ -365,19 +365,19 @@ fn quiet_posts_go_out_at_the_doorbell(net: Net) {
 /// Length-prefixed messages whose bodies go to consecutive ranges of a registered file
 /// (the prefix into the receive WR), as the NBD server places WRITE payloads.
 struct BodiesToFile {
-    file: qpip_core::FileRegion,
+    file: FileRegion,
     next: u64,
 }
 
 impl Framer for BodiesToFile {
-    fn frame(&mut self, header: &[u8]) -> qpip_core::framer::Frame {
+    fn frame(&mut self, header: &[u8]) -> Frame {
         let Some(prefix) = header.first_chunk::<4>() else {
-            return qpip_core::framer::Frame::NeedHeader(4);
+            return Frame::NeedHeader(4);
         };
         let len = u32::from_be_bytes(*prefix);
         let body = self.file.sge(self.next, len);
         self.next += u64::from(len);
-        qpip_core::framer::Frame::MessageAt {
+        Frame::MessageAt {
             header_len: 4,
             strip: 0,
             body,
@@ -977,7 +977,7 @@ fn qps_sharing_a_cq_share_its_queue() {
 struct Witness(Arc<Mutex<Vec<std::thread::ThreadId>>>);
 
 impl Framer for Witness {
-    fn frame(&mut self, header: &[u8]) -> qpip_core::framer::Frame {
+    fn frame(&mut self, header: &[u8]) -> Frame {
         // The empty prefix is asked for whenever a receive WR is posted: only bytes count.
         if !header.is_empty() {
             self.0.lock().unwrap().push(std::thread::current().id());
