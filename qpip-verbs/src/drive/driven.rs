@@ -276,6 +276,7 @@ mod tests {
     use super::*;
     use crate::backend::Command;
     use crate::machines::shell::Progress;
+    use crate::poll_window::PollWindow;
     use crate::wr::QpNum;
     use mio::unix::SourceFd;
     use mio::{Events, Interest, Poll, Token};
@@ -502,11 +503,12 @@ mod tests {
         assert_eq!(steps.load(Ordering::SeqCst), 1);
     }
 
-    /// A host thread that polls within its window looks through `Processor::poll` (where a
-    /// processor may read its one socket without the descriptor), after a sleep too; the
-    /// NIC thread, which sleeps on the descriptor, only steps.
+    /// A host thread looks through `Processor::poll` (where a processor may read its one
+    /// socket without the descriptor) only while its CQ's waits are caught by polling, and
+    /// steps again once it has slept; the NIC thread, which sleeps on the descriptor, only
+    /// steps.
     #[test]
-    fn only_a_host_that_polls_looks_without_the_descriptor() {
+    fn only_a_host_whose_waits_polling_catches_looks_without_the_descriptor() {
         let PipeQueue {
             queue,
             shared,
@@ -515,25 +517,45 @@ mod tests {
             steps,
             polls,
         } = pipe_queue();
-        let mut w = write;
-        let writer = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(1));
-            w.write_all(b"x").unwrap();
-            w
-        });
+        let later = |mut w: File| {
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(1));
+                w.write_all(b"x").unwrap();
+                w
+            })
+        };
         let driving = AtomicU32::new(0);
-        let wait = queue.begin_wait();
-        let ready = || counted.load(Ordering::SeqCst) >= 1;
-        let deadline = Some(Instant::now() + Duration::from_secs(10));
         let window = KeptWindow::default();
         let spin = Duration::from_millis(100);
-        let driven = queue.drive(&wait, &driving, &window, &ready, spin, deadline);
-        assert_eq!(driven, Driven::Ready);
-        drop(wait);
+        let deadline = || Some(Instant::now() + Duration::from_secs(10));
+        let drive_until = |turns: usize| {
+            let wait = queue.begin_wait();
+            let ready = || counted.load(Ordering::SeqCst) >= turns;
+            queue.drive(&wait, &driving, &window, &ready, spin, deadline())
+        };
+
+        // A CQ whose waits have not been caught by polling: its host steps.
+        let writer = later(write);
+        assert_eq!(drive_until(1), Driven::Ready);
+        let w = writer.join().unwrap();
+        assert_eq!(polls.load(Ordering::SeqCst), 0, "a sleeping host polled");
+        let slept_steps = steps.load(Ordering::SeqCst);
+        assert!(slept_steps >= 1);
+
+        // Waits that polling caught (their completion was there): then the host reads
+        // directly until it sleeps, and steps after the sleep.
+        for _ in 0..PollWindow::CAUGHT_WAITS {
+            assert_eq!(drive_until(1), Driven::Ready);
+        }
+        let writer = later(w);
+        assert_eq!(drive_until(2), Driven::Ready);
         let mut w = writer.join().unwrap();
         let host_polls = polls.load(Ordering::SeqCst);
         assert!(host_polls >= 1, "the polling host never polled");
-        assert_eq!(steps.load(Ordering::SeqCst), 0, "the polling host stepped");
+        assert!(
+            steps.load(Ordering::SeqCst) > slept_steps,
+            "the host did not step after its sleep"
+        );
 
         let nic_thread = {
             let queue = queue.clone();
@@ -541,7 +563,7 @@ mod tests {
         };
         w.write_all(b"x").unwrap();
         wait_until("the NIC thread took the bytes", || {
-            counted.load(Ordering::SeqCst) >= 2
+            counted.load(Ordering::SeqCst) >= 3
         });
         assert!(steps.load(Ordering::SeqCst) >= 1);
         assert_eq!(

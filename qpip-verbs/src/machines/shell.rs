@@ -497,10 +497,10 @@ fn run_turns<P: Processor>(
         }
         let polls = runner == Runner::Host && window.max() > Duration::ZERO;
         if fresh || runner == Runner::NicThread || polls {
-            // Only a host that polls looks without the readiness descriptor: the NIC thread
-            // and a host that never polls learn of their sockets from it, since they sleep
-            // on it.
-            fresh = if polls { nic.poll() } else { nic.step() }.worked();
+            // Only a host whose waits polling catches looks without the readiness descriptor:
+            // the NIC thread and a host that sleeps learn of their sockets from it.
+            let direct = polls && window.polling_catches_work();
+            fresh = if direct { nic.poll() } else { nic.step() }.worked();
             worked |= fresh;
         }
         if worked {
@@ -545,6 +545,7 @@ fn run_turns<P: Processor>(
         shared.sleeping.lower();
         // The next turn's step takes what woke us, and learns from it.
         pace.slept = true;
+        window.note_sleep();
     }
 }
 
