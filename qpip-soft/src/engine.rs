@@ -156,8 +156,9 @@ impl<Q: RingIo> Engine<Q> {
         }
         let mut any = Progress::Idle;
         for (token, bits) in events.drain() {
-            any = Progress::Worked;
-            self.dispatch(Token(token as usize), Ready::from_epoll(bits));
+            if self.dispatch(Token(token as usize), Ready::from_epoll(bits)) == Progress::Worked {
+                any = Progress::Worked;
+            }
         }
         any
     }
@@ -215,16 +216,36 @@ impl<Q: RingIo> Engine<Q> {
         any
     }
 
-    fn dispatch(&mut self, token: Token, ready: Ready) {
+    /// Hands an event to whom it is for; whether it was work (see [`EngineQp::on_event`]).
+    fn dispatch(&mut self, token: Token, ready: Ready) -> Progress {
         if token == WAKER_TOKEN {
-            return;
+            return Progress::Worked;
         }
         let Token(t) = token;
         if t >= LISTENER_BASE {
             self.mate((t - LISTENER_BASE) as ListenerId);
+            Progress::Worked
         } else if let Some(qp) = self.qps.get_mut(&(t as QpNum)) {
-            qp.on_event(self.poll.registry(), ready, &self.memory);
+            qp.on_event(self.poll.registry(), ready, &self.memory)
+        } else {
+            Progress::Idle
         }
+    }
+
+    /// The one socket that may bring work, when there is only one: a single QP with a plain
+    /// link that waits for bytes and not for room to write, no listener watched, no sleep's
+    /// events to take. A thread that polls may read it instead of asking epoll.
+    fn sole_reader(&self) -> Option<QpNum> {
+        let sleep_left_events = self.events.as_ref().is_none_or(EpollEvents::pending);
+        if self.ring.is_some()
+            || sleep_left_events
+            || self.qps.len() != 1
+            || self.listeners.values().any(|l| l.armed)
+        {
+            return None;
+        }
+        let (&num, qp) = self.qps.iter().next()?;
+        qp.may_read_unasked().then_some(num)
     }
 
     fn add_listener(&mut self, id: ListenerId, sock: Acceptor) -> io::Result<()> {
@@ -339,6 +360,19 @@ impl<Q: RingIo> Processor for Engine<Q> {
 
     fn step(&mut self) -> Progress {
         self.turn(Turn::Look)
+    }
+
+    fn poll(&mut self) -> Progress {
+        // The busy-polling socket reader's one call instead of `epoll_wait` and then the
+        // read. The edge epoll keeps for what it read is taken by a later look (a sleep's,
+        // or the NIC thread's, which steps before it watches) as no news: not work.
+        let Some(num) = self.sole_reader() else {
+            return self.turn(Turn::Look);
+        };
+        match self.qps.get_mut(&num) {
+            Some(qp) => qp.read_unasked(self.poll.registry(), &self.memory),
+            None => Progress::Idle,
+        }
     }
 
     fn sending(&self) -> bool {

@@ -7,7 +7,7 @@
 //! (A CQ waiter that polls the ring rather than driving its queue keeps its fixed spin: a
 //! window learned there was measured and not kept, docs/bench/qd1-cq-window.txt.)
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 /// How long to poll for work before sleeping, learned from how soon work came back, as KVM's halt polling learns its window (virt/kvm/kvm_main.c, `grow_halt_poll_ns` /
@@ -19,6 +19,10 @@ use std::time::Duration;
 pub struct PollWindow {
     window: Duration,
     max: Duration,
+    /// The CQ's waits in a row that polling caught (none slept), this one not counted.
+    caught_waits: u32,
+    /// This wait slept.
+    slept: bool,
 }
 
 impl PollWindow {
@@ -26,12 +30,34 @@ impl PollWindow {
     /// `halt_poll_ns_grow_start`, 10 µs).
     pub const START: Duration = Duration::from_micros(10);
 
+    /// Waits in a row that polling caught before a host thread reads its socket directly
+    /// ([`Self::polling_catches_work`]).
+    pub const CAUGHT_WAITS: u32 = 8;
+
     /// A window that starts closed and grows to at most `max`.
     pub fn new(max: Duration) -> Self {
         PollWindow {
             window: Duration::ZERO,
             max,
+            caught_waits: 0,
+            slept: false,
         }
+    }
+
+    /// The thread slept: the streak of waits that polling caught ends.
+    pub fn note_sleep(&mut self) {
+        self.slept = true;
+        self.caught_waits = 0;
+    }
+
+    /// The CQ's last [`Self::CAUGHT_WAITS`] waits were all caught by polling, and this one has
+    /// not slept: its work comes while its waiter polls, as a busy-polling socket reader's
+    /// does. Only then does a host read its socket without the readiness descriptor: a
+    /// waiter that sleeps is woken through that descriptor, and the edge a direct read leaves
+    /// there makes each such sleep dearer for the peer that wakes it (BENCHMARKS, "Why the
+    /// direct read made `nbd qd1` dearer").
+    pub fn polling_catches_work(&self) -> bool {
+        !self.slept && self.caught_waits >= Self::CAUGHT_WAITS
     }
 
     /// How long to poll now.
@@ -65,22 +91,33 @@ impl PollWindow {
 /// not from those of whichever CQ of the queue was driven last. Written only by the queue's
 /// one driver at a time.
 #[derive(Debug, Default)]
-pub struct KeptWindow(AtomicU64);
+pub struct KeptWindow {
+    window_ns: AtomicU64,
+    caught_waits: AtomicU32,
+}
 
 impl KeptWindow {
     /// The kept window, within the longest `max` this wait allows (its CQ's spin).
     pub fn resume(&self, max: Duration) -> PollWindow {
-        let kept = Duration::from_nanos(self.0.load(Ordering::Relaxed));
+        let kept = Duration::from_nanos(self.window_ns.load(Ordering::Relaxed));
         PollWindow {
             window: kept.min(max),
             max,
+            caught_waits: self.caught_waits.load(Ordering::Relaxed),
+            slept: false,
         }
     }
 
-    /// Keeps what a drive learned.
+    /// Keeps what a drive learned, and whether polling caught its wait.
     pub fn keep(&self, w: &PollWindow) {
         let nanos = u64::try_from(w.window.as_nanos()).unwrap_or(u64::MAX);
-        self.0.store(nanos, Ordering::Relaxed);
+        self.window_ns.store(nanos, Ordering::Relaxed);
+        let caught = if w.slept {
+            0
+        } else {
+            w.caught_waits.saturating_add(1)
+        };
+        self.caught_waits.store(caught, Ordering::Relaxed);
     }
 }
 
@@ -128,6 +165,37 @@ mod tests {
         assert_eq!(kept.resume(15 * US).get(), 15 * US);
         assert_eq!(kept.resume(50 * US).get(), 20 * US);
         assert_eq!(kept.resume(Duration::ZERO).get(), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_host_reads_directly_only_after_waits_that_polling_caught() {
+        let kept = KeptWindow::default();
+        let wait = |slept: bool| {
+            let mut w = kept.resume(50 * US);
+            let direct = w.polling_catches_work();
+            if slept {
+                w.note_sleep();
+                assert!(
+                    !w.polling_catches_work(),
+                    "a wait that slept still reads directly"
+                );
+            }
+            kept.keep(&w);
+            direct
+        };
+        for _ in 0..PollWindow::CAUGHT_WAITS {
+            assert!(
+                !wait(false),
+                "read directly before enough waits were caught"
+            );
+        }
+        assert!(wait(false));
+        assert!(wait(true), "the wait that sleeps began with a direct read");
+        assert!(!wait(false), "one sleep did not end the streak");
+        for _ in 1..PollWindow::CAUGHT_WAITS {
+            assert!(!wait(false));
+        }
+        assert!(wait(false), "the streak did not come back");
     }
 
     #[test]

@@ -276,6 +276,7 @@ mod tests {
     use super::*;
     use crate::backend::Command;
     use crate::machines::shell::Progress;
+    use crate::poll_window::PollWindow;
     use crate::wr::QpNum;
     use mio::unix::SourceFd;
     use mio::{Events, Interest, Poll, Token};
@@ -295,13 +296,12 @@ mod tests {
         turns_with_bytes: Arc<AtomicUsize>,
         /// Non-blocking looks at the pipe (a thread polling rather than sleeping).
         steps: Arc<AtomicUsize>,
+        /// The same looks through `Processor::poll` (a host thread polling its window).
+        polls: Arc<AtomicUsize>,
     }
 
-    impl Processor for PipeNic {
-        fn command(&mut self, _: Command) {}
-        fn doorbell(&mut self, _: QpNum) {}
-        fn step(&mut self) -> Progress {
-            self.steps.fetch_add(1, Ordering::SeqCst);
+    impl PipeNic {
+        fn look(&mut self) -> Progress {
             self.poll
                 .poll(&mut self.events, Some(Duration::ZERO))
                 .unwrap();
@@ -315,6 +315,19 @@ mod tests {
                 }
             }
             any
+        }
+    }
+
+    impl Processor for PipeNic {
+        fn command(&mut self, _: Command) {}
+        fn doorbell(&mut self, _: QpNum) {}
+        fn step(&mut self) -> Progress {
+            self.steps.fetch_add(1, Ordering::SeqCst);
+            self.look()
+        }
+        fn poll(&mut self) -> Progress {
+            self.polls.fetch_add(1, Ordering::SeqCst);
+            self.look()
         }
         fn stop(&mut self) {}
         fn watch_fd(&self) -> RawFd {
@@ -331,13 +344,14 @@ mod tests {
     }
 
     /// A driven queue over a [`PipeNic`], with the pipe's write end, the count of turns
-    /// that found bytes and the count of steps.
+    /// that found bytes and the counts of steps and polls.
     struct PipeQueue {
         queue: Arc<DrivenQueue<PipeNic>>,
         shared: Arc<Shared>,
         write: File,
         counted: Arc<AtomicUsize>,
         steps: Arc<AtomicUsize>,
+        polls: Arc<AtomicUsize>,
     }
 
     fn pipe_queue() -> PipeQueue {
@@ -359,13 +373,15 @@ mod tests {
             grace: Duration::from_millis(1),
         };
         let shared = Shared::new(&cfg, waker).unwrap();
-        let (counted, steps) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let counter = || Arc::new(AtomicUsize::new(0));
+        let (counted, steps, polls) = (counter(), counter(), counter());
         let nic = PipeNic {
             poll,
             events: Events::with_capacity(8),
             pipe: read,
             turns_with_bytes: counted.clone(),
             steps: steps.clone(),
+            polls: polls.clone(),
         };
         let queue = Arc::new(DrivenQueue::new(shared.clone(), nic, cfg.grace));
         PipeQueue {
@@ -374,6 +390,7 @@ mod tests {
             write,
             counted,
             steps,
+            polls,
         }
     }
 
@@ -420,6 +437,7 @@ mod tests {
             mut write,
             counted,
             steps,
+            ..
         } = pipe_queue();
         let nic_thread = {
             let queue = queue.clone();
@@ -483,6 +501,80 @@ mod tests {
         assert_eq!(driven, Driven::Ready);
         writer.join().unwrap();
         assert_eq!(steps.load(Ordering::SeqCst), 1);
+    }
+
+    /// A host thread looks through `Processor::poll` (where a processor may read its one
+    /// socket without the descriptor) only while its CQ's waits are caught by polling, and
+    /// steps again once it has slept; the NIC thread, which sleeps on the descriptor, only
+    /// steps.
+    #[test]
+    fn only_a_host_whose_waits_polling_catches_looks_without_the_descriptor() {
+        let PipeQueue {
+            queue,
+            shared,
+            write,
+            counted,
+            steps,
+            polls,
+        } = pipe_queue();
+        let later = |mut w: File| {
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(1));
+                w.write_all(b"x").unwrap();
+                w
+            })
+        };
+        let driving = AtomicU32::new(0);
+        let window = KeptWindow::default();
+        let spin = Duration::from_millis(100);
+        let deadline = || Some(Instant::now() + Duration::from_secs(10));
+        let drive_until = |turns: usize| {
+            let wait = queue.begin_wait();
+            let ready = || counted.load(Ordering::SeqCst) >= turns;
+            queue.drive(&wait, &driving, &window, &ready, spin, deadline())
+        };
+
+        // A CQ whose waits have not been caught by polling: its host steps.
+        let writer = later(write);
+        assert_eq!(drive_until(1), Driven::Ready);
+        let w = writer.join().unwrap();
+        assert_eq!(polls.load(Ordering::SeqCst), 0, "a sleeping host polled");
+        let slept_steps = steps.load(Ordering::SeqCst);
+        assert!(slept_steps >= 1);
+
+        // Waits that polling caught (their completion was there): then the host reads
+        // directly until it sleeps, and steps after the sleep.
+        for _ in 0..PollWindow::CAUGHT_WAITS {
+            assert_eq!(drive_until(1), Driven::Ready);
+        }
+        let writer = later(w);
+        assert_eq!(drive_until(2), Driven::Ready);
+        let mut w = writer.join().unwrap();
+        let host_polls = polls.load(Ordering::SeqCst);
+        assert!(host_polls >= 1, "the polling host never polled");
+        assert!(
+            steps.load(Ordering::SeqCst) > slept_steps,
+            "the host did not step after its sleep"
+        );
+
+        let nic_thread = {
+            let queue = queue.clone();
+            std::thread::spawn(move || queue.run_nic_thread(Duration::from_millis(1)))
+        };
+        w.write_all(b"x").unwrap();
+        wait_until("the NIC thread took the bytes", || {
+            counted.load(Ordering::SeqCst) >= 3
+        });
+        assert!(steps.load(Ordering::SeqCst) >= 1);
+        assert_eq!(
+            polls.load(Ordering::SeqCst),
+            host_polls,
+            "the NIC thread polled"
+        );
+        shared.stop.store(true, Ordering::SeqCst);
+        shared.wake();
+        shared.handover.kick();
+        nic_thread.join().unwrap();
     }
 
     /// Each CQ's waiters learn their own poll window: a CQ whose completions come back soon

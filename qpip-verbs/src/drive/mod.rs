@@ -72,6 +72,24 @@
 //! A full bounded doorbell FIFO is not a sleep: the poster rings the waker and yields until
 //! the engine makes room.
 //!
+//! **Edges a poll leaves behind.** A host thread that polls within its window, while its CQ's
+//! last waits were all caught by polling (`PollWindow::polling_catches_work`; none slept, and
+//! this one has not yet), looks through `Processor::poll`, which may read the queue's one socket directly instead of asking the
+//! descriptor (the soft NIC's epoll engine, when a single QP is all that may bring work): one
+//! non-blocking read per look, the busy-polling socket reader's call. epoll still holds that
+//! socket's edge-triggered event for what the read took, and whoever asks it next (the
+//! driver's own sleep, or the NIC thread's first step after its grace: it steps before it
+//! watches) gets it back as the socket is then, writable-only or readable with bytes there
+//! now. The QP's flags are what the read left (spent at `EAGAIN` or a short read, as after an
+//! event), so the event tells it nothing new and is not work (`Progress::Idle`): a sleep it
+//! ends early takes it and sleeps again (one `epoll_wait` more) without learning a wake-up
+//! from it, and no read is made for it. No wake-up is lost either: a direct read never takes
+//! an edge, so bytes or a close that come after a short read are still reported to the next
+//! look. The NIC thread, a host that never polls and a host whose waits sleep only step
+//! (`shell::drive`): a sleeper is woken through the descriptor, and the edge a direct read
+//! leaves there made each of its wake-ups dearer for the peer that sends (BENCHMARKS, "Why
+//! the direct read made `nbd qd1` dearer").
+//!
 //! **One sleep site.** The processor never blocks: it steps (`Processor::step` returns a
 //! `Progress`), names the descriptor to watch (`Processor::watch_fd`) and says when its
 //! timers are due (`Processor::poll_in`), as smoltcp's interface does. Every sleep of the

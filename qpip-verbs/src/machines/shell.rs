@@ -43,6 +43,16 @@ pub trait Processor {
     /// Moves whatever the physical layer has ready, without blocking, and takes what made
     /// [`Self::watch_fd`] readable.
     fn step(&mut self) -> Progress;
+    /// [`Self::step`] by a host thread that polls (within its CQ's window: it does not sleep
+    /// between its steps, and the commands and doorbells it runs come from the shell's queues,
+    /// not from the waker). Where one socket is all that may bring work, the processor may
+    /// read it directly (one non-blocking read, as a busy-polling socket reader makes)
+    /// instead of asking [`Self::watch_fd`] first; an edge that descriptor then still holds
+    /// for those bytes must not count as work when a later step takes it (the wake table of
+    /// [`crate::drive`]). Taking events a sleep left is still this call's job.
+    fn poll(&mut self) -> Progress {
+        self.step()
+    }
     /// The descriptor that is readable (`poll(2)`) while the physical layer has something for
     /// [`Self::step`] or the waker has rung (an epoll instance holding both, an io_uring's).
     /// Whoever runs the processor sleeps on it, and the NIC thread of a driven queue watches
@@ -81,6 +91,9 @@ impl<P: Processor + ?Sized> Processor for Box<P> {
     }
     fn step(&mut self) -> Progress {
         (**self).step()
+    }
+    fn poll(&mut self) -> Progress {
+        (**self).poll()
     }
     fn watch_fd(&self) -> std::os::fd::RawFd {
         (**self).watch_fd()
@@ -482,8 +495,12 @@ fn run_turns<P: Processor>(
             }
             return Ended::Done;
         }
-        if fresh || runner == Runner::NicThread || window.max() > Duration::ZERO {
-            fresh = nic.step().worked();
+        let polls = runner == Runner::Host && window.max() > Duration::ZERO;
+        if fresh || runner == Runner::NicThread || polls {
+            // Only a host whose waits polling catches looks without the readiness descriptor:
+            // the NIC thread and a host that sleeps learn of their sockets from it.
+            let direct = polls && window.polling_catches_work();
+            fresh = if direct { nic.poll() } else { nic.step() }.worked();
             worked |= fresh;
         }
         if worked {
@@ -528,6 +545,7 @@ fn run_turns<P: Processor>(
         shared.sleeping.lower();
         // The next turn's step takes what woke us, and learns from it.
         pace.slept = true;
+        window.note_sleep();
     }
 }
 
