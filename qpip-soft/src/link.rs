@@ -4,6 +4,7 @@
 //!
 //! Over 600 lines: one QP's link states and every transition between them (connect, TLS, close, teardown deferred while io_uring still holds buffers) in one place.
 
+use std::fs::File;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
 use std::net::{Shutdown, SocketAddr};
@@ -24,7 +25,7 @@ use qpip_verbs::framer::Framer;
 use qpip_verbs::machines::mgmt::not_idle;
 use qpip_verbs::machines::rx::{RecvTarget, RxIo, RxMachine, RxStop};
 use qpip_verbs::machines::shell::Progress;
-use qpip_verbs::mr::{FileWriter, MemoryTable};
+use qpip_verbs::mr::MemoryTable;
 use qpip_verbs::reply::ReplySender;
 use qpip_verbs::shared::{QpKind, QpShared, QpState};
 use qpip_verbs::wr::WcStatus;
@@ -144,7 +145,7 @@ impl RxIo for UringRx<'_> {
     }
     fn read_into_file(
         &mut self,
-        file: &FileWriter,
+        file: &File,
         offset: u64,
         prefix: &[u8],
         max: usize,
@@ -194,7 +195,7 @@ impl RxIo for SocketRx<'_> {
     }
     fn read_into_file(
         &mut self,
-        file: &FileWriter,
+        file: &File,
         offset: u64,
         prefix: &[u8],
         max: usize,

@@ -9,10 +9,11 @@
 //! and copies into fresh, cold pages — there the sender's CPU per GB, not ours, bounded the
 //! writes (BENCHMARKS.md, issue 36 item 3, session 14).
 
+use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::FileExt;
 
-use qpip_verbs::FileWriter;
 use qpip_verbs::framer::MAX_HEADER;
 
 /// Largest pipe asked for; the kernel grants up to `/proc/sys/fs/pipe-max-size` (1 MiB by
@@ -68,7 +69,7 @@ impl Splicer {
     pub(super) fn socket_to_file(
         &mut self,
         sock: RawFd,
-        file: &FileWriter,
+        file: &File,
         offset: u64,
         prefix: &[u8],
         max: usize,
@@ -101,8 +102,6 @@ impl Splicer {
         let total = p + n;
         let mut done = 0;
         let mut at = offset as libc::loff_t;
-        let turn = file.turn();
-        let file = file.file();
         while done < total {
             // SAFETY: as above; `at` is the file offset splice reads and advances.
             let k = unsafe {
@@ -126,7 +125,6 @@ impl Splicer {
                     if e.kind() == io::ErrorKind::Interrupted {
                         continue;
                     }
-                    drop(turn);
                     pipe.drop_bytes(total - done, &mut self.scratch)?;
                     return Ok((n, Some(e)));
                 }
@@ -140,7 +138,7 @@ impl Splicer {
     fn read_to_file(
         &mut self,
         sock: RawFd,
-        file: &FileWriter,
+        file: &File,
         offset: u64,
         prefix: &[u8],
         max: usize,
@@ -291,16 +289,9 @@ impl Lowat {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::fs::File;
     use std::io::Write;
     use std::os::unix::fs::FileExt;
     use std::os::unix::net::UnixStream;
-    use std::sync::Arc;
-
-    /// A fresh temporary file, as registration makes its writer.
-    fn temp_writer() -> FileWriter {
-        FileWriter::new(Arc::new(tempfile::tempfile().unwrap()))
-    }
 
     /// Both ways of placing a body: spliced (a connection with no segment size, such as a Unix
     /// socket, or loopback's) and read (a 1500-byte link's segments).
@@ -319,45 +310,12 @@ mod tests {
         }
     }
 
-    /// A body goes into its file only in the file's write turn, so the queues placing into
-    /// one image wait for each other asleep, not spinning on its inode lock.
-    #[test]
-    fn a_body_waits_for_the_files_write_turn() {
-        for segment in MODES {
-            let (mut a, b) = UnixStream::pair().unwrap();
-            b.set_nonblocking(true).unwrap();
-            a.write_all(b"turn").unwrap();
-            let tmp = Arc::new(temp_writer());
-            let turn = tmp.turn();
-            let (done_tx, done_rx) = std::sync::mpsc::channel();
-            let placer = {
-                let tmp = tmp.clone();
-                std::thread::spawn(move || {
-                    let mut s = Splicer::new(segment).unwrap();
-                    let moved = s.socket_to_file(b.as_raw_fd(), &tmp, 0, &[], 4).unwrap();
-                    done_tx.send(moved.0).unwrap();
-                })
-            };
-            let early = done_rx.recv_timeout(std::time::Duration::from_millis(100));
-            assert!(
-                early.is_err(),
-                "{segment:?}: written outside the file's turn"
-            );
-            drop(turn);
-            assert_eq!(done_rx.recv().unwrap(), 4);
-            placer.join().unwrap();
-            let mut got = [0u8; 4];
-            tmp.file().read_exact_at(&mut got, 0).unwrap();
-            assert_eq!(&got, b"turn");
-        }
-    }
-
     #[test]
     fn socket_bytes_land_in_the_file_at_the_offset() {
         for segment in MODES {
             let (mut a, b) = UnixStream::pair().unwrap();
             b.set_nonblocking(true).unwrap();
-            let tmp = temp_writer();
+            let tmp = tempfile::tempfile().unwrap();
             let mut s = Splicer::new(segment).unwrap();
             let err = s
                 .socket_to_file(b.as_raw_fd(), &tmp, 0, &[], 10)
@@ -371,7 +329,7 @@ mod tests {
                 .unwrap();
             assert_eq!(n, 6);
             let mut got = [0u8; 11];
-            tmp.file().read_exact_at(&mut got, 100).unwrap();
+            tmp.read_exact_at(&mut got, 100).unwrap();
             assert_eq!(&got, b"hello, file");
             drop(a);
             assert_eq!(
@@ -407,7 +365,7 @@ mod tests {
             let (b, _) = l.accept().unwrap();
             b.set_nonblocking(true).unwrap();
             let fd = b.as_raw_fd();
-            let tmp = temp_writer();
+            let tmp = tempfile::tempfile().unwrap();
             let mut s = Splicer::new(segment).unwrap();
             let err = s.socket_to_file(fd, &tmp, 0, &[], 1000).unwrap_err();
             assert_eq!(err.kind(), io::ErrorKind::WouldBlock);
@@ -427,7 +385,7 @@ mod tests {
             send(&mut a, &[4]);
             assert!(readable(fd), "a header after the body must wake the reader");
             let mut got = vec![0u8; 1000];
-            tmp.file().read_exact_at(&mut got, 0).unwrap();
+            tmp.read_exact_at(&mut got, 0).unwrap();
             assert!(got[..600].iter().all(|&x| x == 1) && got[999] == 3);
         }
     }
@@ -437,23 +395,23 @@ mod tests {
         for segment in MODES {
             let (mut a, b) = UnixStream::pair().unwrap();
             b.set_nonblocking(true).unwrap();
-            let tmp = temp_writer();
+            let tmp = tempfile::tempfile().unwrap();
             let mut s = Splicer::new(segment).unwrap();
             // Nothing on the socket: nothing written, and the pipe holds nothing of the prefix.
             let err = s
                 .socket_to_file(b.as_raw_fd(), &tmp, 10, b"head", 6)
                 .unwrap_err();
             assert_eq!(err.kind(), io::ErrorKind::WouldBlock);
-            assert_eq!(tmp.file().metadata().unwrap().len(), 0);
+            assert_eq!(tmp.metadata().unwrap().len(), 0);
             a.write_all(b"body!!").unwrap();
             let (n, e) = s
                 .socket_to_file(b.as_raw_fd(), &tmp, 10, b"head", 6)
                 .unwrap();
             assert_eq!((n, e.is_none()), (6, true));
             let mut got = [0u8; 10];
-            tmp.file().read_exact_at(&mut got, 10).unwrap();
+            tmp.read_exact_at(&mut got, 10).unwrap();
             assert_eq!(&got, b"headbody!!");
-            assert_eq!(tmp.file().metadata().unwrap().len(), 20);
+            assert_eq!(tmp.metadata().unwrap().len(), 20);
             // The peer closed: the prefix is dropped with nothing written.
             drop(a);
             assert_eq!(
@@ -462,7 +420,7 @@ mod tests {
                     .0,
                 0
             );
-            assert_eq!(tmp.file().metadata().unwrap().len(), 20);
+            assert_eq!(tmp.metadata().unwrap().len(), 20);
         }
     }
 
@@ -473,7 +431,7 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("ro");
             std::fs::write(&path, b"").unwrap();
-            let ro = FileWriter::new(Arc::new(File::open(&path).unwrap()));
+            let ro = File::open(&path).unwrap();
             let mut s = Splicer::new(segment).unwrap();
             a.write_all(b"first second").unwrap();
             let (n, e) = s.socket_to_file(b.as_raw_fd(), &ro, 0, &[], 6).unwrap();

@@ -8,12 +8,12 @@
 //! (accept, connect, UDP, the doorbell eventfd) stays on epoll, whose descriptor the ring
 //! watches with a multishot poll.
 
+use std::fs::File;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::os::fd::RawFd;
 
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 
-use qpip_verbs::FileWriter;
 use qpip_verbs::wr::QpNum;
 
 use crate::splice::Splicer;
@@ -258,7 +258,7 @@ impl UringIo {
         &mut self,
         fd: RawFd,
         splicer: &mut Splicer,
-        file: &FileWriter,
+        file: &File,
         offset: u64,
         prefix: &[u8],
         max: usize,

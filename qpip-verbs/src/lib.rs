@@ -27,8 +27,8 @@ pub use cq::{CompletionQueue, CqError, CqWaker};
 pub use error::{Error, Result};
 pub use framer::{Frame, Framer, LengthPrefixed, RawStream};
 pub use mr::{
-    Access, FileRegion, FileSpan, FileWriter, MemoryRegion, MemoryTable, Placement,
-    ProtectionFault, Segment, Sge,
+    Access, FileRegion, FileSpan, MemoryRegion, MemoryTable, Placement, ProtectionFault, Segment,
+    Sge,
 };
 pub use nic::{Endpoint, Listener, Nic};
 pub use qp::{QpAttr, QueuePair};

@@ -7,12 +7,10 @@
 use std::any::Any;
 use std::collections::HashMap;
 use std::fs::File;
-use std::io;
-use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use parking_lot::{Mutex, MutexGuard, RwLock};
+use parking_lot::RwLock;
 
 /// What the NIC may do with a region's memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -263,46 +261,9 @@ pub struct FileRegion {
 }
 
 pub(crate) struct FileSpace {
-    file: FileWriter,
+    file: Arc<File>,
     len: u64,
     access: Access,
-}
-
-/// A registered file as the NIC writes bodies into it: one writer at a time. The kernel runs
-/// one buffered write into a file at a time anyway (its inode lock), and a thread that finds
-/// that lock taken spins on the owner for the whole copy (`rwsem_spin_on_owner`: about a third
-/// of the server's CPU while `nbd ext2` wrote through two connections, BENCHMARKS, session 16).
-/// The queues that place into one file take its turn here first, where a waiter sleeps.
-pub struct FileWriter {
-    file: Arc<File>,
-    turn: Mutex<()>,
-}
-
-impl FileWriter {
-    /// A writer of `file` with a turn of its own (registration makes one per file).
-    pub fn new(file: Arc<File>) -> Self {
-        FileWriter {
-            file,
-            turn: Mutex::new(()),
-        }
-    }
-
-    /// The file, to read or to name in a system call made under [`Self::turn`].
-    pub fn file(&self) -> &File {
-        &self.file
-    }
-
-    /// Waits for the file's write turn; the file is this caller's to write until the guard
-    /// drops. A leaf lock: nothing is taken while it is held.
-    pub fn turn(&self) -> MutexGuard<'_, ()> {
-        self.turn.lock()
-    }
-
-    /// Writes all of `buf` at `offset` in the file's turn.
-    pub fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        let _turn = self.turn();
-        self.file.write_all_at(buf, offset)
-    }
 }
 
 impl std::fmt::Debug for FileRegion {
@@ -346,8 +307,8 @@ pub struct FileSpan {
 }
 
 impl FileSpan {
-    /// The file, written in its turn.
-    pub fn file(&self) -> &FileWriter {
+    /// The file.
+    pub fn file(&self) -> &File {
         &self.space.file
     }
     /// The file offset of the span's first byte.
@@ -463,11 +424,7 @@ impl MemoryTable {
         access: Access,
     ) -> FileRegion {
         let lkey = self.next_key.fetch_add(1, Ordering::Relaxed);
-        let region = Arc::new(FileSpace {
-            file: FileWriter::new(file),
-            len,
-            access,
-        });
+        let region = Arc::new(FileSpace { file, len, access });
         self.files.write().insert(lkey, region.clone());
         FileRegion {
             region,

@@ -39,10 +39,7 @@
 //!    queue's accept inbox (`accept::Inbox`, a leaf: taken by whoever pairs a connection,
 //!    under the listener's queue's engine lock or none, and by the QP's own engine), reply
 //!    slots ([`crate::reply`]), the memory table ([`crate::mr::MemoryTable`]), a QP's
-//!    addresses, and a registered file's write turn ([`crate::mr::FileWriter::turn`], a
-//!    leaf held only across the system calls that write the file: the drivers of queues
-//!    that place bodies into one file wait for each other there, asleep, where the file's
-//!    inode lock would have them spin).
+//!    addresses.
 //!
 //! Framers (and everything else at level 3) run under the engine lock **on whichever thread
 //! drives** — the NIC thread or any application thread waiting on any CQ of the queue — so

@@ -12,13 +12,15 @@
 //!
 //! Its tests, which drive the machine without a socket, are in `machines/rx/tests.rs`.
 
+use std::fs::File;
 use std::io::{self, IoSliceMut};
+use std::os::unix::fs::FileExt;
 
 use smallvec::SmallVec;
 
 use super::status_of;
 use crate::framer::{Frame, Framer, MAX_HEADER};
-use crate::mr::{FileSpan, FileWriter, MemoryTable, Placement, Segment, Sge};
+use crate::mr::{FileSpan, MemoryTable, Placement, Segment, Sge};
 use crate::shared::QpShared;
 use crate::wr::WcStatus;
 
@@ -91,7 +93,7 @@ pub trait RxIo {
     /// the connection cannot; the machine then reads into a bounce buffer and writes that.
     fn read_into_file(
         &mut self,
-        _file: &FileWriter,
+        _file: &File,
         _offset: u64,
         _prefix: &[u8],
         _max: usize,
@@ -259,7 +261,7 @@ fn segs_mut(segs: &[Segment], mut from: usize, mut to: usize) -> SmallVec<[IoSli
 fn bounce_into_file(
     bounce: &mut Vec<u8>,
     io: &mut dyn RxIo,
-    file: &FileWriter,
+    file: &File,
     offset: u64,
     prefix: &[u8],
     max: usize,

@@ -6,8 +6,6 @@ use crate::framer::{LengthPrefixed, RawStream};
 use crate::shared::QpKind;
 use crate::wr::{Completion, RecvWr};
 use crate::{CompletionQueue, MemoryRegion};
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 
 /// A socket stand-in: hands out `wire` at most `step` bytes per read.
 struct Trickle {
@@ -243,7 +241,7 @@ impl RxIo for Splicing {
     }
     fn read_into_file(
         &mut self,
-        file: &FileWriter,
+        file: &File,
         offset: u64,
         prefix: &[u8],
         max: usize,
