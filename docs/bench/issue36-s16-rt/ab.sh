@@ -1,7 +1,7 @@
 #!/bin/bash
 # ab.sh OUT ROUNDS EXPERIMENT [args...] (root): `qpip-bench nbd EXPERIMENT --repeat 1` (or, for
 # EXPERIMENT micro, `qpip-bench micro --only ROW --repeat 3` for each ROW in $ROWS) with each
-# build directory in $BUILDS in turn (names under /work; each holds qpip-bench,
+# build directory in $BUILDS in turn; $COUNT, if set, is passed as --count (names under /work; each holds qpip-bench,
 # qpip-nbd-server, qpip-nbd-mount), one file per run: OUT/BUILD-ROUND.txt, the load first.
 # e.g. BUILDS="b325 s16-ung s16-new" ab.sh out/qd1 5 qd1 --runtime 5 --size 256M
 out=$1; rounds=$2; shift 2
@@ -13,7 +13,7 @@ for r in $(seq 1 "$rounds"); do
     if [ "$1" = micro ]; then
       for row in ${ROWS:-qp-tcp qp-udp socket-tcp socket-udp}; do
         echo "== $row" >> "$out/$v-$r.txt"
-        "$bin/qpip-bench" micro --only "$row" --repeat 3 >> "$out/$v-$r.txt" 2>&1
+        "$bin/qpip-bench" micro --only "$row" --repeat 3 ${COUNT:+--count $COUNT} >> "$out/$v-$r.txt" 2>&1
       done
       continue
     fi
