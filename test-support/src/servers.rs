@@ -42,7 +42,10 @@ fn listen_line_in(log: &Path, child: &mut Child) -> Option<String> {
     let t = Instant::now();
     loop {
         let text = std::fs::read_to_string(log).unwrap_or_default();
-        if let Some(a) = text.lines().find_map(|l| l.trim().strip_prefix(LISTENING)) {
+        // Only whole lines: the server may be half-way through writing this one (a cut
+        // address failed to parse once, in CI).
+        let whole = text.rfind('\n').map_or("", |end| &text[..end]);
+        if let Some(a) = whole.lines().find_map(|l| l.trim().strip_prefix(LISTENING)) {
             return Some(a.to_string());
         }
         if t.elapsed() > LISTEN_TIMEOUT || child.try_wait().ok().flatten().is_some() {
