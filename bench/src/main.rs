@@ -65,10 +65,10 @@ enum Cmd {
         /// ttcp rows stream `--count` MB.
         #[arg(long, value_enum, conflicts_with = "json")]
         only: Option<micro::Row>,
-        /// With `--only`: round trips per run (110 % of it: the first tenth warms up), or MB
-        /// per ttcp run.
-        #[arg(long, default_value_t = 100_000, requires = "only")]
-        count: u64,
+        /// With `--only`: round trips per run (110 % of it: the first tenth warms up; default
+        /// 100 000), or MB per ttcp run (default 1 000).
+        #[arg(long, requires = "only")]
+        count: Option<u64>,
         #[command(flatten)]
         net: NetnsArgs,
     },

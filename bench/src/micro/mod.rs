@@ -711,14 +711,27 @@ pub(crate) enum Row {
     Socket128k,
 }
 
-/// Runs `row` `repeat` times, `count` round trips or MB each, and prints a line per run.
+impl Row {
+    /// Round trips, or MB for a ttcp row, of one run when `--count` does not say: about a
+    /// second each (a ttcp row's count is MB, and the round trips' 100 000 MB took an hour).
+    fn default_count(self) -> u64 {
+        match self {
+            Row::QpTcp | Row::SocketTcp | Row::QpUdp | Row::SocketUdp => 100_000,
+            Row::Qp16k | Row::Socket16k | Row::Qp128k | Row::Socket128k => 1_000,
+        }
+    }
+}
+
+/// Runs `row` `repeat` times, `count` round trips or MB each (None: the row's default), and
+/// prints a line per run.
 pub(crate) fn run_row(
     row: Row,
     repeat: usize,
-    count: u64,
+    count: Option<u64>,
     net: Option<&Side>,
     print: &mut dyn FnMut(String) -> Result<()>,
 ) -> Result<()> {
+    let count = count.unwrap_or(row.default_count());
     let rtt = |r: RttRow| {
         format!(
             "round trip {:.2} µs, every thread's CPU {:.2} µs",
@@ -899,4 +912,22 @@ pub(crate) fn table(r: &MicroReport) -> String {
           sockets block in recv.\n  CPU: client and echo threads (and both NICs' engine \
           threads), user + system.\n";
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--only` without `--count` runs about a second: round trips count round trips, ttcp
+    /// rows count MB (the round trips' 100 000 as MB streamed for an hour).
+    #[test]
+    fn a_row_without_a_count_runs_about_a_second() {
+        for row in [Row::QpTcp, Row::SocketTcp, Row::QpUdp, Row::SocketUdp] {
+            assert_eq!(row.default_count(), 100_000, "{row:?}");
+        }
+        for row in [Row::Qp16k, Row::Socket16k, Row::Qp128k, Row::Socket128k] {
+            let mb = row.default_count();
+            assert!((100..=10_000).contains(&mb), "{row:?}: {mb} MB");
+        }
+    }
 }
