@@ -11,5 +11,5 @@ for f in sorted(glob.glob(sys.argv[1]+'/*.txt')):
         m=re.match(r'(\d+) MB/s, CPU per GB: application ([\d.]+) s, NIC ([\d.]+) s',l)
         if m and row: d[(row,tag)].append((float(m[1]),float(m[2])+float(m[3])))
 for (row,tag),xs in sorted(d.items()):
-    what=('MB/s','CPU s/GB') if 'k' in row else ('rt µs','cpu/rt µs')
+    what=('MB/s','CPU s/GB') if row.endswith('k') else ('rt µs','cpu/rt µs')
     print(f"{row:11} {tag:8} n={len(xs)} {what[0]} med {st.median(x[0] for x in xs):7.2f} [{min(x[0] for x in xs):.2f}-{max(x[0] for x in xs):.2f}]  {what[1]} med {st.median(x[1] for x in xs):6.3f}")
