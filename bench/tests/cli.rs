@@ -79,6 +79,19 @@ fn micro_reports_round_trips_idle_and_under_load() {
                     );
                 }
             }
+            // One run: each gain is that run's socket time over its QP time.
+            for (gain, qp, socket) in [
+                ("spin_gain", "qp_spin", "socket_busy_poll"),
+                ("sleep_gain", "qp_sleep", "socket_blocking"),
+            ] {
+                let w = &v[key][proto];
+                let want = w[socket]["us"].as_f64().unwrap() / w[qp]["us"].as_f64().unwrap();
+                let got = w[gain].as_f64().unwrap();
+                assert!(
+                    (got - want).abs() < 1e-9,
+                    "{key}.{proto}.{gain}: {got} vs {want}"
+                );
+            }
         }
     }
     assert!(v["netns"].is_null());

@@ -43,6 +43,12 @@ pub(crate) struct RttWays {
     pub qp_sleep: RttRow,
     /// Blocking `recv` on both sides.
     pub socket_blocking: RttRow,
+    /// The QP's gain in round-trip time against its peer (socket time / QP time), median of
+    /// each run's ratio: spin against busy-poll, and sleep against blocking. The runs
+    /// alternate, so a machine that changes speed between runs moves both sides of a ratio;
+    /// a ratio of two medians can pair runs from different spells.
+    pub spin_gain: f64,
+    pub sleep_gain: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -579,6 +585,10 @@ fn rtt_ways(repeat: usize, run: impl Fn(bool, Waiter) -> Result<RttRow>) -> Resu
             v.push(run(qp, waiter)?);
         }
     }
+    let gain = |qp: &[RttRow], socket: &[RttRow]| {
+        cpu::median(qp.iter().zip(socket).map(|(q, s)| s.us / q.us).collect())
+    };
+    let (spin_gain, sleep_gain) = (gain(&rows[0], &rows[1]), gain(&rows[2], &rows[3]));
     let [a, b, c, d] = rows.map(|v| RttRow {
         us: cpu::median(v.iter().map(|r| r.us).collect()),
         cpu_us: cpu::median(v.iter().map(|r| r.cpu_us).collect()),
@@ -588,6 +598,8 @@ fn rtt_ways(repeat: usize, run: impl Fn(bool, Waiter) -> Result<RttRow>) -> Resu
         socket_busy_poll: b,
         qp_sleep: c,
         socket_blocking: d,
+        spin_gain,
+        sleep_gain,
     })
 }
 
@@ -813,16 +825,19 @@ pub(crate) fn without_leaks<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
 
 /// The report as a terminal table.
 pub(crate) fn table(r: &MicroReport) -> String {
+    let row_with = |name: &str, unit: &str, p: Pair, gain: f64| {
+        format!(
+            "{name:<44} {:>12.2} {:>12.2}  {unit:<8} {:>6.2}x\n",
+            p.qp, p.socket, gain
+        )
+    };
     let row = |name: &str, unit: &str, p: Pair, better_low: bool| {
-        let ratio = if better_low {
+        let gain = if better_low {
             p.socket / p.qp
         } else {
             p.qp / p.socket
         };
-        format!(
-            "{name:<44} {:>12.2} {:>12.2}  {unit:<8} {:>6.2}x\n",
-            p.qp, p.socket, ratio
-        )
+        row_with(name, unit, p, gain)
     };
     let mut s = match &r.netns {
         None => "side B in this process, over loopback (MTU 65536)\n\n".to_string(),
@@ -839,19 +854,24 @@ pub(crate) fn table(r: &MicroReport) -> String {
     s += &row("host overhead, 1-byte msg", "ns", r.overhead_ns, true);
     for (rtt, loaded) in [(&r.rtt, ""), (&r.rtt_loaded, ", CPUs loaded")] {
         for (proto, w) in [("TCP", &rtt.tcp), ("UDP", &rtt.udp)] {
-            for (qp, sock, how) in [
-                (w.qp_spin, w.socket_busy_poll, "spin/busy-poll"),
-                (w.qp_sleep, w.socket_blocking, "sleep/blocking"),
+            for (qp, sock, gain, how) in [
+                (w.qp_spin, w.socket_busy_poll, w.spin_gain, "spin/busy-poll"),
+                (
+                    w.qp_sleep,
+                    w.socket_blocking,
+                    w.sleep_gain,
+                    "sleep/blocking",
+                ),
             ] {
                 let name = format!("round trip {proto}, {how}{loaded}");
-                s += &row(
+                s += &row_with(
                     &name,
                     "µs",
                     Pair {
                         qp: qp.us,
                         socket: sock.us,
                     },
-                    true,
+                    gain,
                 );
                 s += &row(
                     "  every thread CPU per round trip",
@@ -910,13 +930,35 @@ pub(crate) fn table(r: &MicroReport) -> String {
           spin/busy-poll: QP completion waits spin up to 200 µs, sockets poll a non-blocking \
           recv in a loop;\n  sleep/blocking: QP completion waits sleep at once (set_spin(0)), \
           sockets block in recv.\n  CPU: client and echo threads (and both NICs' engine \
-          threads), user + system.\n";
+          threads), user + system.\n  A round trip's QP gain is the median of each run's \
+          ratio (QP and socket runs alternate), the other rows' the ratio of the medians.\n";
     s
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A round trip's gain pairs each QP run with the socket run beside it: where the machine
+    /// changed speed between runs, the ratio of the two medians would pair runs from
+    /// different spells (here 1.15x, where every pair but one says about 0.8x).
+    #[test]
+    fn a_round_trips_gain_is_the_median_of_each_runs_ratio() {
+        let runs = [(12.0, 9.9), (8.4, 6.7), (8.5, 9.8)];
+        let at = std::cell::Cell::new(0);
+        let ways = rtt_ways(runs.len(), |qp, _| {
+            let (q, s) = runs[at.get() / 4];
+            at.set(at.get() + 1);
+            let us = if qp { q } else { s };
+            Ok(RttRow { us, cpu_us: us })
+        })
+        .unwrap();
+        let per_run = |(q, s): (f64, f64)| s / q;
+        assert_eq!(ways.spin_gain, per_run(runs[0]));
+        assert_eq!(ways.sleep_gain, per_run(runs[0]));
+        let of_medians = ways.socket_busy_poll.us / ways.qp_spin.us;
+        assert!(of_medians > 1.1, "{of_medians}");
+    }
 
     /// `--only` without `--count` runs about a second: round trips count round trips, ttcp
     /// rows count MB (the round trips' 100 000 as MB streamed for an hour).
