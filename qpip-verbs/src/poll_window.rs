@@ -19,9 +19,10 @@ use std::time::Duration;
 pub struct PollWindow {
     window: Duration,
     max: Duration,
-    /// The CQ's waits in a row that polling caught (none slept), this one not counted.
+    /// The CQ's waits in a row that polling caught (none slept), this one not counted; 0
+    /// once this one slept.
     caught_waits: u32,
-    /// This wait slept.
+    /// This wait slept (it then counts as no catch when kept).
     slept: bool,
 }
 
@@ -57,7 +58,8 @@ impl PollWindow {
     /// there makes each such sleep dearer for the peer that wakes it (BENCHMARKS, "Why the
     /// direct read made `nbd qd1` dearer").
     pub fn polling_catches_work(&self) -> bool {
-        !self.slept && self.caught_waits >= Self::CAUGHT_WAITS
+        // A sleep zeroed the streak (`note_sleep`).
+        self.caught_waits >= Self::CAUGHT_WAITS
     }
 
     /// How long to poll now.

@@ -74,8 +74,9 @@
 //!
 //! **Edges a poll leaves behind.** A host thread that polls within its window, while its CQ's
 //! last waits were all caught by polling (`PollWindow::polling_catches_work`; none slept, and
-//! this one has not yet), looks through `Processor::poll`, which may read the queue's one socket directly instead of asking the
-//! descriptor (the soft NIC's epoll engine, when a single QP is all that may bring work): one
+//! this one has not yet), looks through `Processor::poll`, which may read the queue's one
+//! socket directly instead of asking the descriptor (the soft NIC's epoll engine, when a
+//! single QP is all that may bring work): one
 //! non-blocking read per look, the busy-polling socket reader's call. epoll still holds that
 //! socket's edge-triggered event for what the read took, and whoever asks it next (the
 //! driver's own sleep, or the NIC thread's first step after its grace: it steps before it
