@@ -4,7 +4,6 @@
 //! sleeps on its epoll (or io_uring) descriptor until a doorbell, a command or a socket
 //! makes it readable.
 
-use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -25,6 +24,7 @@ use super::{IoMode, WAKER_TOKEN};
 use qpip_verbs::backend::{Command, ListenerId, MgmtResult};
 use qpip_verbs::drive::EpollEvents;
 use qpip_verbs::framer::Framer;
+use qpip_verbs::keymap::KeyMap;
 use qpip_verbs::machines::mgmt::{self, Management, no_qp};
 use qpip_verbs::machines::shell::{Processor, Progress};
 use qpip_verbs::mr::MemoryTable;
@@ -63,12 +63,12 @@ pub(super) struct Engine<Q> {
     events: Option<EpollEvents>,
     completions: Vec<Event>,
     /// Boxed: an io_uring operation may point into a QP's buffers, which must not move.
-    qps: HashMap<QpNum, Box<EngineQp<Q>>>,
+    qps: KeyMap<QpNum, Box<EngineQp<Q>>>,
     /// Destroyed QPs whose io_uring operations have not completed yet.
-    zombies: HashMap<QpNum, Box<EngineQp<Q>>>,
+    zombies: KeyMap<QpNum, Box<EngineQp<Q>>>,
     /// Fences waiting for the zombies' I/O to finish.
     fences: Vec<ReplySender<()>>,
-    listeners: HashMap<ListenerId, EngineListener>,
+    listeners: KeyMap<ListenerId, EngineListener>,
     /// Some exactly when `Q` is [`UringIo`].
     ring: Option<Ring>,
     /// The NIC's queues (where connections for QPs of other queues are handed). Weak: the
@@ -119,10 +119,10 @@ impl<Q: RingIo> Engine<Q> {
             memory,
             events: Some(EpollEvents::with_capacity(1024)),
             completions: Vec::new(),
-            qps: HashMap::new(),
-            zombies: HashMap::new(),
+            qps: KeyMap::default(),
+            zombies: KeyMap::default(),
             fences: Vec::new(),
-            listeners: HashMap::new(),
+            listeners: KeyMap::default(),
             ring,
             queues,
             inbox,
@@ -343,7 +343,7 @@ impl<Q: RingIo> Processor for Engine<Q> {
     }
 
     fn doorbell(&mut self, num: QpNum) {
-        let Some(qp) = self.qps.get(&num) else {
+        let Some(qp) = self.qps.get_mut(&num) else {
             // Destroyed: a connection handed to it meanwhile closes. (Not yet created cannot
             // be: the shell runs the commands queued before a doorbell first.)
             drop(self.inbox.take(num));
@@ -352,10 +352,11 @@ impl<Q: RingIo> Processor for Engine<Q> {
         // Clear before draining: a WR (or a connection) handed after this point rings again;
         // a swap, so that what was handed before the ring is seen.
         qp.shared.doorbell.swap(false, Ordering::SeqCst);
-        self.take_handed(num);
-        if let Some(qp) = self.qps.get_mut(&num) {
-            qp.service(self.poll.registry(), &self.memory);
+        let registry = self.poll.registry();
+        if let Some(stream) = self.inbox.take(num) {
+            qp.attach(registry, stream, &self.memory);
         }
+        qp.service(registry, &self.memory);
     }
 
     fn step(&mut self) -> Progress {

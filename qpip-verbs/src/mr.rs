@@ -5,12 +5,13 @@
 //! access rights before it touches a byte ([`MemoryTable::resolve`]).
 
 use std::any::Any;
-use std::collections::HashMap;
 use std::fs::File;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use parking_lot::RwLock;
+
+use crate::keymap::KeyMap;
 
 /// What the NIC may do with a region's memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,8 +109,7 @@ struct Registration {
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        self.table.regions.write().remove(&self.lkey);
-        self.table.files.write().remove(&self.lkey);
+        self.table.keys.write().remove(&self.lkey);
     }
 }
 
@@ -348,11 +348,17 @@ impl Placement {
     }
 }
 
-/// The NIC's table of registered regions, keyed by lkey.
+/// What an lkey names.
+enum Registered {
+    Memory(Arc<Region>),
+    File(Arc<FileSpace>),
+}
+
+/// The NIC's table of registered regions and files, keyed by lkey: one lock and one lookup
+/// per SGE (every message resolves one on each side).
 #[derive(Default)]
 pub struct MemoryTable {
-    regions: RwLock<HashMap<u32, Arc<Region>>>,
-    files: RwLock<HashMap<u32, Arc<FileSpace>>>,
+    keys: RwLock<KeyMap<u32, Registered>>,
     next_key: AtomicU32,
 }
 
@@ -360,8 +366,7 @@ impl MemoryTable {
     /// An empty table.
     pub fn new() -> Arc<Self> {
         Arc::new(MemoryTable {
-            regions: RwLock::new(HashMap::new()),
-            files: RwLock::new(HashMap::new()),
+            keys: RwLock::default(),
             // Keys start away from zero so that a zeroed SGE never names a region.
             next_key: AtomicU32::new(0x100),
         })
@@ -405,7 +410,9 @@ impl MemoryTable {
             access,
             owner,
         });
-        self.regions.write().insert(lkey, region.clone());
+        self.keys
+            .write()
+            .insert(lkey, Registered::Memory(region.clone()));
         MemoryRegion {
             region,
             _registration: Arc::new(Registration {
@@ -425,7 +432,9 @@ impl MemoryTable {
     ) -> FileRegion {
         let lkey = self.next_key.fetch_add(1, Ordering::Relaxed);
         let region = Arc::new(FileSpace { file, len, access });
-        self.files.write().insert(lkey, region.clone());
+        self.keys
+            .write()
+            .insert(lkey, Registered::File(region.clone()));
         FileRegion {
             region,
             _registration: Arc::new(Registration {
@@ -438,9 +447,12 @@ impl MemoryTable {
     /// Checks where a framer wants a body placed: memory as for a receive WR's SGE, or a
     /// writable registered file, inside its registered length.
     pub fn resolve_placement(&self, sge: &Sge) -> Result<Placement, ProtectionFault> {
-        let file = self.files.read().get(&sge.lkey).cloned();
-        let Some(space) = file else {
-            return self.resolve(sge, true).map(Placement::Memory);
+        let space = match self.keys.read().get(&sge.lkey) {
+            Some(Registered::File(space)) => space.clone(),
+            Some(Registered::Memory(region)) => {
+                return check_memory(region.clone(), sge, true).map(Placement::Memory);
+            }
+            None => return Err(ProtectionFault::UnknownKey(sge.lkey)),
         };
         if !space.access.local_write {
             return Err(ProtectionFault::NotWritable(sge.lkey));
@@ -462,33 +474,36 @@ impl MemoryTable {
 
     /// Checks an SGE against the table: known key, inside the region, writable if `write`.
     pub fn resolve(&self, sge: &Sge, write: bool) -> Result<Segment, ProtectionFault> {
-        let region = self.regions.read().get(&sge.lkey).cloned();
-        let Some(region) = region else {
-            if self.files.read().contains_key(&sge.lkey) {
-                return Err(ProtectionFault::NotMemory(sge.lkey));
-            }
-            return Err(ProtectionFault::UnknownKey(sge.lkey));
+        let region = match self.keys.read().get(&sge.lkey) {
+            Some(Registered::Memory(region)) => region.clone(),
+            Some(Registered::File(_)) => return Err(ProtectionFault::NotMemory(sge.lkey)),
+            None => return Err(ProtectionFault::UnknownKey(sge.lkey)),
         };
-        let start = region.ptr as u64;
-        let out = ProtectionFault::OutOfBounds {
-            lkey: sge.lkey,
-            addr: sge.addr,
-            len: sge.len,
-        };
-        let offset = sge.addr.checked_sub(start).ok_or(out)?;
-        let end = offset.checked_add(u64::from(sge.len)).ok_or(out)?;
-        if end > region.len as u64 {
-            return Err(out);
-        }
-        if write && !region.access.local_write {
-            return Err(ProtectionFault::NotWritable(sge.lkey));
-        }
-        Ok(Segment {
-            region,
-            offset: offset as usize,
-            len: sge.len as usize,
-        })
+        check_memory(region, sge, write)
     }
+}
+
+/// An SGE inside `region` (and writable there, if `write`), as a segment.
+fn check_memory(region: Arc<Region>, sge: &Sge, write: bool) -> Result<Segment, ProtectionFault> {
+    let start = region.ptr as u64;
+    let out = ProtectionFault::OutOfBounds {
+        lkey: sge.lkey,
+        addr: sge.addr,
+        len: sge.len,
+    };
+    let offset = sge.addr.checked_sub(start).ok_or(out)?;
+    let end = offset.checked_add(u64::from(sge.len)).ok_or(out)?;
+    if end > region.len as u64 {
+        return Err(out);
+    }
+    if write && !region.access.local_write {
+        return Err(ProtectionFault::NotWritable(sge.lkey));
+    }
+    Ok(Segment {
+        region,
+        offset: offset as usize,
+        len: sge.len as usize,
+    })
 }
 
 #[cfg(test)]

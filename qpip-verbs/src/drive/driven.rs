@@ -234,11 +234,12 @@ impl<P: Processor + Send> QueueDriver for DrivenQueue<P> {
         }
         driving.fetch_sub(1, Ordering::Relaxed);
         let sending = nic.sending();
+        let ended_at = pace.now();
         drop(engine);
         if sending {
             h.resume.store(true, Ordering::Release);
         }
-        h.drive_ended(Instant::now());
+        h.drive_ended(ended_at);
         // Pairs with the parked NIC thread's `parked_untimed`: either it sees this drive
         // ended, or this sees it asleep without a timer.
         posted();

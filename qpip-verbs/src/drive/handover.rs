@@ -69,7 +69,8 @@ impl Handover {
         Duration::from_nanos(self.driven_cpu_ns.load(Ordering::Relaxed))
     }
 
-    /// A host drive ended at `now`.
+    /// A host drive ended at `now` (the drive's last clock reading if only looks for work
+    /// followed it: at most one turn's looks early, against a grace of tens of µs).
     pub(crate) fn drive_ended(&self, now: Instant) {
         let ns = now.saturating_duration_since(self.epoch).as_nanos();
         self.last_exit
