@@ -684,8 +684,11 @@ impl<Q: RingIo> EngineQp<Q> {
                 tx.take_posted(shared, memory, None, false);
                 if *writable {
                     let sock2 = socket2::SockRef::from(&*sock);
-                    let mut send = |iov: &[IoSlice<'_>], dest: SocketAddr| {
-                        sock2.send_to_vectored(iov, &dest.into())
+                    // One part (a WR of one SGE): `sendto`, which skips sendmsg's header and
+                    // iovec import, as the sockets it is measured against send.
+                    let mut send = |iov: &[IoSlice<'_>], dest: SocketAddr| match iov {
+                        [one] => sock2.send_to(one, &dest.into()),
+                        _ => sock2.send_to_vectored(iov, &dest.into()),
                     };
                     if tx.pump_datagrams(shared, &mut send) == TxStop::WouldBlock {
                         *writable = false;
@@ -764,17 +767,28 @@ impl<Q: RingIo> EngineQp<Q> {
                     socket2::MaybeUninitSlice::new(uninit)
                 })
                 .collect();
-            let result = sock.recv_from_vectored(&mut bufs);
+            // One buffer (every look of a polling waiter): `recvfrom`, which skips recvmsg's
+            // header and iovec import; MSG_TRUNC makes it return a longer datagram's length.
+            let result = match &mut bufs[..] {
+                [one] => {
+                    let room = one.len();
+                    sock.recv_from_with_flags(one, libc::MSG_TRUNC)
+                        .map(|(n, from)| (n.min(room), n > room, from))
+                }
+                _ => sock
+                    .recv_from_vectored(&mut bufs)
+                    .map(|(n, flags, from)| (n, flags.is_truncated(), from)),
+            };
             drop(bufs);
             if !matches!(&result, Err(e) if e.kind() == io::ErrorKind::WouldBlock) {
                 took = Progress::Worked;
             }
             match result {
-                Ok((n, flags, from)) => {
+                Ok((n, truncated, from)) => {
                     let Some(pending) = next.take() else {
                         return took;
                     };
-                    let status = if flags.is_truncated() {
+                    let status = if truncated {
                         WcStatus::LengthError
                     } else {
                         WcStatus::Success
