@@ -70,7 +70,7 @@ impl Handover {
     }
 
     /// A host drive ended at `now` (the drive's last clock reading if only looks for work
-    /// followed it: at most one turn's looks early, against a grace of tens of µs).
+    /// followed it: at most one turn's looks early, against the NIC thread's grace of 20 ms).
     pub(crate) fn drive_ended(&self, now: Instant) {
         let ns = now.saturating_duration_since(self.epoch).as_nanos();
         self.last_exit
