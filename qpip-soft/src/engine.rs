@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use mio::net::TcpListener;
 use mio::unix::SourceFd;
-use mio::{Interest, Poll, Token};
+use mio::{Interest, Poll, Registry, Token};
 
 use super::accept::{Inbox, Listening};
 use super::link::{EngineQp, Ready};
@@ -304,11 +304,22 @@ impl<Q: RingIo> Engine<Q> {
     /// Takes in the connection handed to `qp`, if one waits (none if the QP is gone: it
     /// closes).
     fn take_handed(&mut self, qp: QpNum) {
-        if let Some(stream) = self.inbox.take(qp)
-            && let Some(q) = self.qps.get_mut(&qp)
-        {
-            q.attach(self.poll.registry(), stream, &self.memory);
+        match self.qps.get_mut(&qp) {
+            Some(q) => attach_handed(&self.inbox, q, self.poll.registry(), &self.memory),
+            None => drop(self.inbox.take(qp)),
         }
+    }
+}
+
+/// Attaches the connection handed to `qp` through `inbox`, if one waits.
+fn attach_handed<Q: RingIo>(
+    inbox: &Inbox,
+    qp: &mut EngineQp<Q>,
+    registry: &Registry,
+    memory: &MemoryTable,
+) {
+    if let Some(stream) = inbox.take(qp.shared.num) {
+        qp.attach(registry, stream, memory);
     }
 }
 
@@ -353,9 +364,7 @@ impl<Q: RingIo> Processor for Engine<Q> {
         // a swap, so that what was handed before the ring is seen.
         qp.shared.doorbell.swap(false, Ordering::SeqCst);
         let registry = self.poll.registry();
-        if let Some(stream) = self.inbox.take(num) {
-            qp.attach(registry, stream, &self.memory);
-        }
+        attach_handed(&self.inbox, qp, registry, &self.memory);
         qp.service(registry, &self.memory);
     }
 
