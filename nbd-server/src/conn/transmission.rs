@@ -46,7 +46,7 @@ use super::reply_slots::ReplySlots;
 use crate::error::{Chain, Error, Result, io_error_value};
 use crate::export::{Export, MetaContext};
 use crate::metrics::{ConnStats, Started};
-use crate::store::Pending;
+use crate::store::{Pending, ReadFrom};
 
 // A BLOCK_STATUS payload (8 + 4 per context id) arrives whole with its header.
 const _: () = assert!(8 + 4 * ContextSet::MAX <= super::recv_window::CHUNK);
@@ -726,16 +726,15 @@ impl<'a> Transmission<'a> {
         if range.is_empty() {
             return self.reply(req.reply_to(), started, Ok(()));
         }
-        if !self.export.store.still_holds(range.end()).unwrap_or(false) {
-            tracing::warn!(export = %self.export.name, "read at {} of {} bytes: {} is shorter than that now (truncated by another process?)", range.offset(), range.len(), self.export.store.location());
-            return self.reply(req.reply_to(), started, Err(ErrorValue::Io));
-        }
+        let from = (self.export.store).read_from(range.offset(), range.len());
         // No mapping (qcow2, RBD), or a range whose holes the mapping would fill with new
         // pages (tmpfs): the store reads into registered buffers.
-        let mapped = match &self.export.region {
-            Some(region)
-                if !(self.export.store).mapping_would_fill_holes(range.offset(), range.len()) =>
-            {
+        let mapped = match (from.unwrap_or(ReadFrom::Gone), &self.export.region) {
+            (ReadFrom::Gone, _) => {
+                tracing::warn!(export = %self.export.name, "read at {} of {} bytes: {} is shorter than that now (truncated by another process?)", range.offset(), range.len(), self.export.store.location());
+                return self.reply(req.reply_to(), started, Err(ErrorValue::Io));
+            }
+            (ReadFrom::Mapping, Some(region)) => {
                 region.sge(range.offset() as usize, range.len() as usize)
             }
             _ => return self.read_into_buffers(req, started, range),

@@ -24,7 +24,7 @@ use memmap2::{Mmap, MmapOptions};
 use parking_lot::Mutex;
 
 use super::probe::{self, HEAD, Probed};
-use super::{Extent, Store};
+use super::{Extent, ReadFrom, Store};
 
 /// A raw image file: reads served from its mapping, writes with `pwrite`.
 pub struct FileStore {
@@ -36,6 +36,8 @@ pub struct FileStore {
     /// A read fault on a hole of this file allocates a page (tmpfs and memfd do; `pread`
     /// reads the hole as zeroes without).
     holes_fault_in: bool,
+    /// A regular file (not a block device): another process may truncate it.
+    regular: bool,
     /// Set for an image probed as raw: held while a change to its first [`HEAD`] bytes is
     /// checked and made, so that two changes that each leave them raw cannot together make
     /// a header (another connection's write landing between one's check and its write).
@@ -124,12 +126,14 @@ impl FileStore {
             Some(unsafe { MmapOptions::new().len(size as usize).map(&file)? })
         };
         let holes_fault_in = map.is_some() && on_shmem(&file);
+        let regular = file.metadata()?.file_type().is_file();
         Ok(FileStore {
             path: path.to_owned(),
             file,
             size,
             read_only,
             holes_fault_in,
+            regular,
             map,
             probed_raw: None,
         })
@@ -197,8 +201,26 @@ impl FileStore {
     /// kernel's copy faults) and with it the connection, so READ checks first and answers
     /// EIO, as qemu-nbd does. Block devices cannot shrink under an open descriptor.
     pub fn still_holds(&self, end: u64) -> io::Result<bool> {
-        let meta = self.file.metadata()?;
-        Ok(!meta.file_type().is_file() || meta.len() >= end)
+        Ok(!self.regular || self.file.metadata()?.len() >= end)
+    }
+
+    /// Where READ takes `[offset, offset + len)` from: the mapping, unless the file is
+    /// shorter now ([`Self::still_holds`], EIO) or the range holds a hole that a read through
+    /// the mapping would fill ([`Self::mapping_would_fill_holes`], then `pread`). On tmpfs
+    /// the second look answers both, one system call per READ instead of two: a truncated
+    /// file's pages past its new end leave the page cache at once, so they show as holes,
+    /// and `pread` then reads short, which READ answers with EIO.
+    pub fn read_from(&self, offset: u64, len: u64) -> io::Result<ReadFrom> {
+        if self.holes_fault_in {
+            return Ok(match self.mapping_would_fill_holes(offset, len) {
+                true => ReadFrom::Reads,
+                false => ReadFrom::Mapping,
+            });
+        }
+        Ok(match self.still_holds(offset.saturating_add(len))? {
+            true => ReadFrom::Mapping,
+            false => ReadFrom::Gone,
+        })
     }
 
     /// Reads `buf.len()` bytes at `offset`.
@@ -421,8 +443,8 @@ impl Store for FileStore {
     fn still_holds(&self, end: u64) -> io::Result<bool> {
         FileStore::still_holds(self, end)
     }
-    fn mapping_would_fill_holes(&self, offset: u64, len: u64) -> bool {
-        FileStore::mapping_would_fill_holes(self, offset, len)
+    fn read_from(&self, offset: u64, len: u64) -> io::Result<ReadFrom> {
+        FileStore::read_from(self, offset, len)
     }
 
     fn placement_file(&self) -> Option<File> {
@@ -506,6 +528,34 @@ mod tests {
         let img = FileStore::create(&dir.path().join("disk.img"), 1 << 20).unwrap();
         if !on_shmem(&img.file) {
             assert!(!img.mapping_would_fill_holes(0, 4096));
+        }
+    }
+
+    #[test]
+    fn a_read_takes_the_mapping_only_where_the_file_still_holds_it() {
+        // tmpfs (a memfd): one look at the page cache answers for holes and truncation.
+        let img = FileStore::anonymous("truncated", 1 << 20).unwrap();
+        img.write_at(&[7; 8192], 64 << 10, false).unwrap();
+        assert_eq!(img.read_from(64 << 10, 8192).unwrap(), ReadFrom::Mapping);
+        assert_eq!(img.read_from(0, 4096).unwrap(), ReadFrom::Reads, "a hole");
+        // Another holder of the file cuts it short: its pages past the new end are gone,
+        // so the read goes through pread, which reads short (EIO for the client).
+        img.file.set_len(68 << 10).unwrap();
+        assert_eq!(img.read_from(64 << 10, 4096).unwrap(), ReadFrom::Mapping);
+        assert_eq!(img.read_from(64 << 10, 8192).unwrap(), ReadFrom::Reads);
+        let mut buf = [0u8; 8192];
+        assert!(
+            img.read_at(&mut buf, 64 << 10).is_err(),
+            "pread reads short"
+        );
+        // A disk file system: the file's length says.
+        let dir = tempfile::tempdir().unwrap();
+        let img = FileStore::create(&dir.path().join("disk.img"), 1 << 20).unwrap();
+        if !on_shmem(&img.file) {
+            assert_eq!(img.read_from(0, 4096).unwrap(), ReadFrom::Mapping);
+            img.file.set_len(512 << 10).unwrap();
+            assert_eq!(img.read_from(0, 4096).unwrap(), ReadFrom::Mapping);
+            assert_eq!(img.read_from(508 << 10, 8192).unwrap(), ReadFrom::Gone);
         }
     }
 

@@ -89,6 +89,18 @@ impl EncryptionFormat {
     }
 }
 
+/// Where READ takes a range from ([`Store::read_from`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadFrom {
+    /// The store's mapping ([`Store::mapping`]), where there is one; else its reads.
+    Mapping,
+    /// The store's own reads ([`Store::start_read`]): a read through the mapping would
+    /// allocate memory for the range's holes (a file on tmpfs).
+    Reads,
+    /// Nowhere: the disk no longer holds the range (truncated by another process), EIO.
+    Gone,
+}
+
 /// One extent of a block-status answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Extent {
@@ -160,10 +172,13 @@ pub trait Store: Send + Sync + Debug {
         0
     }
 
-    /// Whether reading the range through [`Store::mapping`] would allocate memory for its
-    /// holes (a file on tmpfs); READ then reads it with [`Store::start_read`] instead.
-    fn mapping_would_fill_holes(&self, _offset: u64, _len: u64) -> bool {
-        false
+    /// Where READ takes `[offset, offset + len)` from. By default the mapping (where there is
+    /// one), unless the disk no longer holds the range ([`Store::still_holds`]).
+    fn read_from(&self, offset: u64, len: u64) -> io::Result<ReadFrom> {
+        Ok(match self.still_holds(offset.saturating_add(len))? {
+            true => ReadFrom::Mapping,
+            false => ReadFrom::Gone,
+        })
     }
 
     /// Whether the disk still holds `end` bytes (a file can be truncated under the server).

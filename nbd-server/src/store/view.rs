@@ -12,7 +12,7 @@ use std::fmt;
 use std::io;
 use std::task::Waker;
 
-use super::{Depth, Dirty, Extent, Pending, Store};
+use super::{Depth, Dirty, Extent, Pending, ReadFrom, Store};
 
 /// What TRIM does, as qemu's `discard` option says.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -205,8 +205,8 @@ impl Store for View {
     fn placement_from(&self) -> u64 {
         self.inner.placement_from()
     }
-    fn mapping_would_fill_holes(&self, offset: u64, len: u64) -> bool {
-        self.inner.mapping_would_fill_holes(self.at(offset), len)
+    fn read_from(&self, offset: u64, len: u64) -> io::Result<ReadFrom> {
+        self.inner.read_from(self.at(offset), len)
     }
     fn still_holds(&self, end: u64) -> io::Result<bool> {
         self.inner.still_holds(self.at(end))

@@ -70,7 +70,8 @@
 //! | command reply (`ReplyReceiver::wait_until`) | `ReplySender::send`, or its drop | the slot's state, under its mutex | the slot's mutex, then event-listener's as above; the command itself reaches the engine through `manage` (waker and kick, always) |
 //!
 //! A full bounded doorbell FIFO is not a sleep: the poster rings the waker and yields until
-//! the engine makes room.
+//! the engine makes room. Nor is a poller's yield (the NIC thread's at every look, a host's at
+//! every fourth, `shell::HOST_YIELD_EVERY`): the thread stays runnable, so no wake-up is owed.
 //!
 //! **Edges a poll leaves behind.** A host thread that polls within its window, while its CQ's
 //! last waits were all caught by polling (`PollWindow::polling_catches_work`; none slept, and
