@@ -5,14 +5,10 @@
 # its queue's CPU first. OUT/fio.txt (fio terse), OUT/cpu.txt (server and mount CPU, µs, from
 # every thread's schedstat). Rounds: for r in ...; for b in BUILDS; qd1ab.sh /work/$b DIR/$b-$rw-$r
 # $rw 0 3; then python3 qsum.py DIR BUILD...
-# usage: qd1ab.sh BINDIR OUT RW PIN(0|1) [runtime]
 B=$1; OUT=$2; RW=$3; PIN=$4; RT=${5:-5}
-mkdir -p $OUT; D=/dev/shm/s18q; rm -rf $D; mkdir -p $D/mnt
-head -c 256M /dev/urandom > $D/img
-$B/qpip-nbd-server -q --listen 127.0.0.1:10899 -e x=$D/img & S=$!
-sleep 0.5
-$B/qpip-nbd-mount --cache none nbd://127.0.0.1:10899/x $D/mnt & M=$!
-for i in $(seq 50); do [ -e $D/mnt/x ] && break; sleep 0.1; done
+mkdir -p $OUT
+. "$(dirname "$0")/stack.sh"
+stack_up "$B"
 if [ "$PIN" = 1 ]; then
   for t in /proc/$M/task/*; do n=$(cat $t/comm); case $n in fuse-ring-*) q=${n#fuse-ring-}; q=${q%%.*}; taskset -p -c $q ${t##*/} >/dev/null;; esac; done
 fi
@@ -21,5 +17,4 @@ c0=$(cat /proc/$S/task/*/schedstat | awk '{s+=$1} END {print s}') ; m0=$(cat /pr
 fio --name=w --filename=$D/mnt/x --ioengine=psync --iodepth=1 --direct=1 --bs=4k --rw=$RW --time_based --runtime=$RT --output-format=terse > $OUT/fio.txt
 c1=$(cat /proc/$S/task/*/schedstat | awk '{s+=$1} END {print s}') ; m1=$(cat /proc/$M/task/*/schedstat | awk '{s+=$1} END {print s}')
 echo "$(( (c1-c0)/1000 )) $(( (m1-m0)/1000 ))" > $OUT/cpu.txt
-kill $M; sleep 0.5; kill $S; wait
-rm -rf $D
+stack_down

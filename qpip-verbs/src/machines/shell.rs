@@ -458,9 +458,9 @@ enum Runner {
 /// server's connection thread, the next hop of a FUSE request — would otherwise wait for the
 /// poller's whole window (the scheduler lets the running thread finish its slice); a yield
 /// lets it run at once. With nothing else runnable a yield is one system call, which every
-/// look would pay: at every fourth, 4 KiB QD1 through the mount made 8–20 % more requests per
-/// second at a quarter less CPU per request and the round trip stayed level, where every
-/// look cost it 3–7 % and every sixteenth gained nothing (BENCHMARKS, session 18).
+/// look would pay: at every fourth, 4 KiB QD1 through the mount made 8–25 % more requests per
+/// second at 15–20 % less CPU per request and the round trip stayed level, where every look
+/// cost it 3–7 % and every sixteenth gained nothing (BENCHMARKS, session 18).
 const HOST_YIELD_EVERY: u32 = 4;
 
 /// Runs the processor's turns — commands, then doorbells, then a step of the physical layer
