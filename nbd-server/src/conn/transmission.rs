@@ -726,7 +726,7 @@ impl<'a> Transmission<'a> {
         if range.is_empty() {
             return self.reply(req.reply_to(), started, Ok(()));
         }
-        let from = (self.export.store).read_from(range.offset(), range.len());
+        let from = self.export.store.read_from(range.offset(), range.len());
         // No mapping (qcow2, RBD), or a range whose holes the mapping would fill with new
         // pages (tmpfs): the store reads into registered buffers.
         let mapped = match (from.unwrap_or(ReadFrom::Gone), &self.export.region) {

@@ -217,10 +217,9 @@ impl FileStore {
                 false => ReadFrom::Mapping,
             });
         }
-        Ok(match self.still_holds(offset.saturating_add(len))? {
-            true => ReadFrom::Mapping,
-            false => ReadFrom::Gone,
-        })
+        Ok(ReadFrom::unless_shorter(
+            self.still_holds(offset.saturating_add(len))?,
+        ))
     }
 
     /// Reads `buf.len()` bytes at `offset`.

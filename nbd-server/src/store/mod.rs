@@ -101,6 +101,16 @@ pub enum ReadFrom {
     Gone,
 }
 
+impl ReadFrom {
+    /// The mapping while the disk still holds the range ([`Store::still_holds`]), else gone.
+    pub(crate) fn unless_shorter(holds: bool) -> ReadFrom {
+        match holds {
+            true => ReadFrom::Mapping,
+            false => ReadFrom::Gone,
+        }
+    }
+}
+
 /// One extent of a block-status answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Extent {
@@ -175,10 +185,9 @@ pub trait Store: Send + Sync + Debug {
     /// Where READ takes `[offset, offset + len)` from. By default the mapping (where there is
     /// one), unless the disk no longer holds the range ([`Store::still_holds`]).
     fn read_from(&self, offset: u64, len: u64) -> io::Result<ReadFrom> {
-        Ok(match self.still_holds(offset.saturating_add(len))? {
-            true => ReadFrom::Mapping,
-            false => ReadFrom::Gone,
-        })
+        Ok(ReadFrom::unless_shorter(
+            self.still_holds(offset.saturating_add(len))?,
+        ))
     }
 
     /// Whether the disk still holds `end` bytes (a file can be truncated under the server).
