@@ -83,8 +83,10 @@ struct Cli {
     /// Connections to the server when it allows multi-conn (one otherwise).
     #[arg(short = 'C', long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     connections: u16,
-    /// FUSE request threads [default: connections + 2]: /dev/fuse readers, or on io_uring
-    /// the ring entries (each with its thread) per queue (one queue per CPU).
+    /// FUSE request threads [default: connections + 2, at least 6]: /dev/fuse readers, or
+    /// on io_uring the ring entries (each with its thread) per queue (one queue per CPU).
+    /// Their requests pipeline on the connections, so they bound the queue depth the
+    /// server sees.
     #[arg(short = 'T', long, value_parser = clap::value_parser!(u16).range(1..=256))]
     threads: Option<u16>,
     /// One FUSE request thread (--threads 1), as nbdfuse's -s.
@@ -458,7 +460,9 @@ fn serve(cli: &Cli, target: &Target, uri: &NbdUri, mnt: &Path, ready: &mut Ready
     let threads = match (cli.single_thread, cli.threads) {
         (true, _) => 1,
         (false, Some(n)) => usize::from(n),
-        (false, None) => export.connections() + 2,
+        // Threads pipeline their requests on shared connections: a server without
+        // multi-conn (one connection) still gets several requests at once.
+        (false, None) => export.connections().max(4) + 2,
     };
 
     let cache = cli.cache;

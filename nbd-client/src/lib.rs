@@ -35,7 +35,7 @@ pub mod pool;
 pub mod region;
 pub mod uri;
 
-pub use client::{Client, ClientOptions, ExportInfo, Extent, Op, Output, Reply};
+pub use client::{Client, ClientOptions, ExportInfo, Extent, Op, Output, Reply, SharedClient};
 pub use conn::{MAX_IO, MAX_WINDOW};
 pub use error::{Error, Result};
 pub use nbd_proto::handshake::ExportListing;

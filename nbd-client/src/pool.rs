@@ -2,9 +2,11 @@
 //! export's block-granular requests: what the FUSE mount and `qpip-nbd copy` both stand on.
 //!
 //! With a multi-conn server every connection is its own [`Client`] (its own QP, one shared
-//! NIC); without multi-conn there is exactly one, shared behind a mutex. A thread takes the
-//! first idle connection, starting from the one it used last, and waits on that one when all
-//! are busy. Each `Client` pipelines the pieces of one call itself (up to its window).
+//! NIC); without multi-conn there is exactly one. Either way threads share connections
+//! ([`SharedClient`]): a thread's requests go out on the connection it used last unless that
+//! one is busy and another is idle, and pipeline there with the other threads' requests
+//! (up to the connection's window), so a server without multi-conn still sees the mount's
+//! queue depth, as nbdfuse and the kernel's client give it.
 //!
 //! Requests the server's minimum block size does not divide are widened: reads read the
 //! covering blocks, writes read-modify-write the partial head and tail blocks under an
@@ -16,11 +18,11 @@
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::RwLock;
 
 use nbd_proto::transmission::ErrorValue;
 
-use crate::client::{Client, ClientOptions};
+use crate::client::{Client, ClientOptions, SharedClient};
 use crate::error::{Error, Result};
 use crate::region::MrSlice;
 use crate::uri::NbdUri;
@@ -75,7 +77,7 @@ impl Caps {
 pub struct Pool {
     uri: NbdUri,
     opts: ClientOptions,
-    conns: Vec<Mutex<Client>>,
+    conns: Vec<SharedClient>,
     caps: Caps,
     /// The export's size as the connection that last heard it says (a reconnect may find
     /// the export resized).
@@ -118,7 +120,7 @@ impl Pool {
             size: AtomicU64::new(first.size()),
             sizes: vec![AtomicU64::new(first.size())],
             resizable: first.can_resize(),
-            conns: vec![Mutex::new(first)],
+            conns: vec![SharedClient::new(first)],
             opts,
             next: AtomicUsize::new(0),
             rmw: RwLock::new(()),
@@ -130,7 +132,7 @@ impl Pool {
     pub fn add_connection(&mut self) -> Result<()> {
         let c = Client::connect_with(&self.uri.to_string(), self.opts.clone())?;
         self.sizes.push(AtomicU64::new(c.size()));
-        self.conns.push(Mutex::new(c));
+        self.conns.push(SharedClient::new(c));
         Ok(())
     }
 
@@ -179,8 +181,8 @@ impl Pool {
     }
 
     /// Notes connection `i`'s size after a call on it.
-    fn note_size(&self, i: usize, c: &Client) {
-        let now = c.size();
+    fn note_size(&self, i: usize) {
+        let now = self.conns[i].size();
         if self.sizes[i].swap(now, Ordering::SeqCst) == now {
             return;
         }
@@ -202,11 +204,12 @@ impl Pool {
 
     /// Times the connections were restored, all together.
     pub fn reconnects(&self) -> u64 {
-        self.conns.iter().map(|c| c.lock().reconnects()).sum()
+        self.conns.iter().map(|c| c.peek(|c| c.reconnects())).sum()
     }
 
-    /// Runs `f` on an idle connection (or waits for this thread's usual one).
-    pub fn with<R>(&self, f: impl FnOnce(&mut Client) -> R) -> R {
+    /// The connection for this thread's next call: the one it used last, unless that one
+    /// is busy and another is idle.
+    fn pick(&self) -> usize {
         let n = self.conns.len();
         // The thread may use several pools, of other sizes.
         let start = PREFERRED.with(|p| {
@@ -216,40 +219,47 @@ impl Pool {
                 i
             })
         }) % n;
-        for k in 0..n {
-            let i = (start + k) % n;
-            if let Some(mut c) = self.conns[i].try_lock() {
-                PREFERRED.with(|p| p.set(Some(i)));
-                self.catch_up(&mut c);
-                let r = f(&mut c);
-                self.note_size(i, &c);
-                return r;
-            }
-        }
-        let mut c = self.conns[start].lock();
-        self.catch_up(&mut c);
-        let r = f(&mut c);
-        self.note_size(start, &c);
+        let i = (0..n)
+            .map(|k| (start + k) % n)
+            .find(|&i| self.conns[i].calls() == 0)
+            .unwrap_or(start);
+        PREFERRED.with(|p| p.set(Some(i)));
+        i
+    }
+
+    /// Runs `f` with a connection to itself (other threads' requests on it wait meanwhile).
+    pub fn with<R>(&self, f: impl FnOnce(&mut Client) -> R) -> R {
+        let i = self.pick();
+        let r = self.conns[i].exclusive(|c| {
+            self.catch_up(c);
+            f(c)
+        });
+        self.note_size(i);
         r
     }
 
-    /// [`Self::with`] for a read or write inside the export as the connection knows it: a
-    /// refusal as if it were past the end (EINVAL for a read, ENOSPC for a write) says the
-    /// export shrank under the connection (`rbd resize`; NBD cannot tell an open
-    /// connection), so the connection is made again to learn the size now, which
-    /// [`Self::size`] then says. The request itself still fails.
-    fn with_io<R>(&self, f: impl FnOnce(&mut Client) -> Result<R>) -> Result<R> {
-        self.with(|c| {
-            let r = f(c);
-            if let Err(Error::Server {
-                error: ErrorValue::Inval | ErrorValue::NoSpc,
-                ..
-            }) = &r
-            {
-                c.relearn_size();
-            }
-            r
-        })
+    /// Runs `f` on a connection shared with other threads, for a read or write inside the
+    /// export as the connection knows it: a refusal as if it were past the end (EINVAL for
+    /// a read, ENOSPC for a write) says the export shrank under the connection
+    /// (`rbd resize`; NBD cannot tell an open connection), so the connection is made again
+    /// to learn the size now, which [`Self::size`] then says. The request itself still
+    /// fails.
+    fn with_io<R>(&self, f: impl FnOnce(&SharedClient) -> Result<R>) -> Result<R> {
+        let i = self.pick();
+        let conn = &self.conns[i];
+        if conn.size() != self.size() {
+            conn.exclusive(|c| self.catch_up(c));
+        }
+        let r = f(conn);
+        if let Err(Error::Server {
+            error: ErrorValue::Inval | ErrorValue::NoSpc,
+            ..
+        }) = &r
+        {
+            conn.exclusive(|c| c.relearn_size());
+        }
+        self.note_size(i);
+        r
     }
 
     fn writable(&self) -> Result<()> {
@@ -407,13 +417,16 @@ impl Pool {
     /// Lowers every connection's reconnect timeout (see [`Client::limit_reconnect_timeout`]).
     pub fn limit_reconnect_timeout(&self, limit: std::time::Duration) {
         for c in &self.conns {
-            c.lock().limit_reconnect_timeout(limit);
+            c.peek(|c| c.limit_reconnect_timeout(limit));
         }
     }
 
     /// The connections, to disconnect.
     pub fn into_clients(self) -> Vec<Client> {
-        self.conns.into_iter().map(Mutex::into_inner).collect()
+        self.conns
+            .into_iter()
+            .map(SharedClient::into_inner)
+            .collect()
     }
 }
 

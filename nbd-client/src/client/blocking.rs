@@ -59,7 +59,7 @@ impl Client {
         }
     }
 
-    fn pieces(offset: u64, len: u64, max: u64) -> impl Iterator<Item = (u64, u32)> {
+    pub(super) fn pieces(offset: u64, len: u64, max: u64) -> impl Iterator<Item = (u64, u32)> {
         let max = max.max(1);
         (0..len.div_ceil(max)).map(move |i| {
             let o = i * max;

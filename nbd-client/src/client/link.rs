@@ -8,7 +8,7 @@ use nbd_proto::consts as c;
 use nbd_proto::flags::CmdFlags;
 use nbd_proto::transmission::client::ClientSession;
 use nbd_proto::transmission::{Command, Request};
-use qpip_core::{Access, Completion, MemoryRegion, Nic, Opcode, SendWr};
+use qpip_core::{Access, Completion, CompletionQueue, CqWaker, MemoryRegion, Nic, Opcode, SendWr};
 
 use crate::conn::{Conn, RECV_SLOT};
 use crate::error::{Error, Result};
@@ -25,6 +25,9 @@ const SPIN_MAX_DATA: u64 = 64 << 10;
 pub(super) struct Link {
     nic: Nic,
     conn: Option<Conn>,
+    /// Which connection `conn` is: it changes whenever one replaces another, so that
+    /// completions a wait took from an old one's CQ are known to be stale.
+    generation: u64,
     /// The send slots: `window` of `slot_len` bytes.
     send_mr: MemoryRegion,
     slot_len: usize,
@@ -38,6 +41,7 @@ impl Link {
         Link {
             nic,
             conn: Some(conn),
+            generation: 0,
             send_mr,
             slot_len,
         }
@@ -80,6 +84,22 @@ impl Link {
         };
         conn.qp.post_send(wr)?;
         Ok(())
+    }
+
+    /// The current connection's CQ, to wait on without holding the client (a connection
+    /// shared by threads, `shared.rs`); None: no connection.
+    pub(super) fn waiter(&self, data_in_flight: u64) -> Option<CqWait> {
+        let conn = self.conn.as_ref()?;
+        Some(CqWait {
+            generation: self.generation,
+            cq: conn.cq.clone(),
+            sleep_at_once: data_in_flight > SPIN_MAX_DATA,
+        })
+    }
+
+    /// Which connection is current ([`CqWait::generation`]).
+    pub(super) fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// Completions into `buf`: one wait (up to 1 s) if `block`, else what is there. With
@@ -137,6 +157,7 @@ impl Link {
     /// A new connection takes the old one's place.
     pub(super) fn attach(&mut self, conn: Conn) {
         self.conn = Some(conn);
+        self.generation += 1;
     }
 
     /// Drops the connection. With `fence` (READs in flight had their data placed in callers'
@@ -179,5 +200,29 @@ impl Link {
         }
         conn.qp.close();
         Ok(())
+    }
+}
+
+/// One wait on a connection's CQ, taken out of the client ([`Link::waiter`]).
+pub(super) struct CqWait {
+    /// The connection it belongs to ([`Link::generation`]).
+    pub(super) generation: u64,
+    cq: CompletionQueue,
+    sleep_at_once: bool,
+}
+
+impl CqWait {
+    /// Completions into `buf`: one wait of up to 1 s, as [`Link::completions`] waits.
+    pub(super) fn wait(&self, buf: &mut [Completion]) -> Result<usize> {
+        let limit = Some(Duration::from_secs(1));
+        Ok(match self.sleep_at_once {
+            true => self.cq.wait_spinning(buf, limit, Duration::ZERO)?,
+            false => self.cq.wait(buf, limit)?,
+        })
+    }
+
+    /// Makes [`Self::wait`] return early (the connection it waits on was replaced).
+    pub(super) fn waker(&self) -> CqWaker {
+        self.cq.waker()
     }
 }

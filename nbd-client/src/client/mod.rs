@@ -51,11 +51,13 @@ mod link;
 mod pipeline;
 mod reconnect;
 mod recovery;
+mod shared;
 
 use link::Link;
 use recovery::{Failure, Recovery};
 
 pub use nbd_proto::transmission::client::{Extent, Output};
+pub use shared::SharedClient;
 
 /// How a [`Client`] connects and recovers.
 #[derive(Clone, Debug)]

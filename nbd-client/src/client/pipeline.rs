@@ -135,18 +135,22 @@ impl Client {
             self.recover("no connection".into());
             return Ok(());
         };
-        if n == 0 {
+        self.handle(&buf[..n]);
+        Ok(())
+    }
+
+    /// What one wait found: the completions `comps` of the current connection, or none
+    /// (the wait timed out: a stalled server is looked for).
+    pub(super) fn handle(&mut self, comps: &[Completion]) {
+        if comps.is_empty() {
             self.check_stall();
-            return Ok(());
+            return;
         }
-        if buf[..n]
-            .iter()
-            .any(|c| c.opcode == Opcode::Recv && c.is_ok())
-        {
+        if comps.iter().any(|c| c.opcode == Opcode::Recv && c.is_ok()) {
             self.recovery.heard();
         }
         let mut fault = None;
-        for comp in &buf[..n] {
+        for comp in comps {
             if fault.is_some() {
                 break;
             }
@@ -197,7 +201,6 @@ impl Client {
             }
             None => {}
         }
-        Ok(())
     }
 
     /// Handles one reply message in receive slot `slot`. Err: the server broke the
