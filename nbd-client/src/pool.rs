@@ -5,9 +5,9 @@
 //! NIC); without multi-conn there is exactly one. Either way threads share connections
 //! ([`SharedClient`]): a thread's requests go out on the connection it used last unless that
 //! one is busy and another is idle (writes join the connection that is writing, if one is),
-//! and pipeline there with the other threads' requests
-//! (up to the connection's window), so a server without multi-conn still sees the mount's
-//! queue depth, as nbdfuse and the kernel's client give it.
+//! and pipeline there with the other threads' requests (up to the connection's window), so
+//! a server without multi-conn still sees the mount's queue depth, as nbdfuse and the
+//! kernel's client give it.
 //!
 //! Requests the server's minimum block size does not divide are widened: reads read the
 //! covering blocks, writes read-modify-write the partial head and tail blocks under an
@@ -232,9 +232,9 @@ impl Pool {
     /// is busy and another is idle. A `write` joins the connection that has writes in
     /// progress, if one has: writes at once then reach the server on one connection, whose
     /// thread writes the image without contending with other connections' threads for the
-    /// file's lock (measured in BENCHMARKS.md, session 19: ext2 writes 1.06-1.10x nbdkit's
-    /// MB per CPU-second spread, 1.25x joined; QD16 random writes +19 %). A lone write goes
-    /// where the thread's other requests go.
+    /// file's lock (measured in BENCHMARKS.md, session 19: ext2 writes 0.99-1.24x nbdkit's
+    /// MB per CPU-second spread, 1.20-1.28x joined; QD16 random writes +7-19 %). A lone
+    /// write goes where the thread's other requests go.
     fn pick(&self, write: bool) -> usize {
         if write
             && let Some(i) = self

@@ -318,30 +318,34 @@ impl SharedClient {
         })
     }
 
+    /// The export range `offset..offset + slice.len()`, checked, as `op` of each piece of
+    /// `slice`.
+    fn slice_ops<'m>(
+        &self,
+        offset: u64,
+        slice: MrSlice<'m>,
+        op: impl Fn(u64, MrSlice<'m>) -> Op<'m>,
+    ) -> Result<Vec<Op<'m>>> {
+        Ok(self
+            .pieces(offset, slice.len() as u64)?
+            .into_iter()
+            .map(|(o, n)| op(o, slice.piece((o - offset) as usize, n as usize)))
+            .collect())
+    }
+
     /// Reads into registered memory, `into`: the NIC places the data there.
     pub fn read_into(&self, offset: u64, into: MrSlice<'_>) -> Result<()> {
-        let ops: Vec<Op> = self
-            .pieces(offset, into.len() as u64)?
-            .into_iter()
-            .map(|(o, n)| Op::ReadInto {
-                offset: o,
-                into: into.piece((o - offset) as usize, n as usize),
-            })
-            .collect();
+        let ops = self.slice_ops(offset, into, |offset, into| Op::ReadInto { offset, into })?;
         Self::first_error(self.run(&ops, Checks::InCheckedRange))
     }
 
     /// Writes registered memory `from` (sent from there, unchanged until this returns).
     pub fn write_from(&self, offset: u64, from: MrSlice<'_>, fua: bool) -> Result<()> {
-        let ops: Vec<Op> = self
-            .pieces(offset, from.len() as u64)?
-            .into_iter()
-            .map(|(o, n)| Op::WriteFrom {
-                offset: o,
-                from: from.piece((o - offset) as usize, n as usize),
-                fua,
-            })
-            .collect();
+        let ops = self.slice_ops(offset, from, |offset, from| Op::WriteFrom {
+            offset,
+            from,
+            fua,
+        })?;
         Self::first_error(self.run(&ops, Checks::InCheckedRange))
     }
 
