@@ -8,7 +8,9 @@
 //! queue, run to completion) outside the mutex, so that others can submit meanwhile, and
 //! then hands what it got to the client. The others park.
 //!
-//! Wake-ups (each an `unpark`): the pumper wakes the owner of every call whose replies it
+//! Wake-ups (each an `unpark`): a thread whose call waits for another's pumping first yields
+//! its core a few times ([`OWNER_YIELDS`]) watching its call's flag, then looks at the pump
+//! again and parks. The pumper wakes the owner of every call whose replies it
 //! routed when that call is finished or waits for room in the window, and every call that
 //! waits for room when there is room. A thread that stops pumping hands the pump to the
 //! first parked thread that still needs it (FIFO, so an exclusive user is not starved).
@@ -24,7 +26,8 @@
 //! every completion, and routes the replies of other calls it received when it is done.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::thread::{self, Thread, ThreadId};
 
 use parking_lot::{Mutex, MutexGuard};
@@ -55,6 +58,8 @@ struct Call {
     unfinished: usize,
     /// Some of its requests wait for room in the window.
     wants_room: bool,
+    /// Every request answered (for an owner that yields before it parks).
+    finished: Arc<AtomicBool>,
 }
 
 /// A thread parked until it may pump: for a call (`Some`) or to use the client alone.
@@ -93,6 +98,14 @@ impl std::fmt::Debug for SharedClient {
 /// Completions one wait takes at most.
 const BATCH: usize = 32;
 
+/// How many times a thread whose replies another thread will receive yields its core, watching
+/// for them, before it parks (once per call). A park costs a futex wait and the receiver's
+/// wake-up; at QD16 through one connection four context switches per request were the cost
+/// (BENCHMARKS.md, session 19: 16 yields gave QD16 against qemu-nbd +7-25 %, our server's QD16
+/// writes +8 %, `nbd ext2` MB per CPU-second level; a lone request never yields, as its owner
+/// receives its reply itself).
+const OWNER_YIELDS: usize = 16;
+
 impl State {
     /// Hands the client's finished requests to their calls; wakes the owners that can go on
     /// (finished, or waiting for room) unless it is `me`.
@@ -106,6 +119,9 @@ impl State {
             };
             call.results[index] = Some(reply.result);
             call.unfinished -= 1;
+            if call.unfinished == 0 {
+                call.finished.store(true, Ordering::Release);
+            }
             if (call.unfinished == 0 || call.wants_room) && call.owner.id() != me {
                 call.owner.unpark();
             }
@@ -238,9 +254,12 @@ impl SharedClient {
                 results: (0..ops.len()).map(|_| None).collect(),
                 unfinished: 0,
                 wants_room: false,
+                finished: Default::default(),
             },
         );
+
         let mut next = 0;
+        let mut yielded = false;
         let mut buf = [Completion::default(); BATCH];
         loop {
             // As many of its requests as the window takes.
@@ -264,6 +283,23 @@ impl SharedClient {
                 break;
             }
             if !st.may_pump(me.id()) {
+                if next == ops.len() && !yielded {
+                    // Another thread will receive the replies: give it the core a few
+                    // times before sleeping (a yield is no sleep: no wake-up is owed).
+                    yielded = true;
+                    let finished = st.calls[&id].finished.clone();
+                    MutexGuard::unlocked(&mut st, || {
+                        for _ in 0..OWNER_YIELDS {
+                            if finished.load(Ordering::Acquire) {
+                                return;
+                            }
+                            thread::yield_now();
+                        }
+                    });
+                    // Finished, or not: either way the pump may have changed hands
+                    // meanwhile, so look again before parking.
+                    continue;
+                }
                 State::park(&mut st, Some(id));
                 continue;
             }
