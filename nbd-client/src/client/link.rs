@@ -93,6 +93,7 @@ impl Link {
         Some(CqWait {
             generation: self.generation,
             cq: conn.cq.clone(),
+            // Moving this much takes longer than the CQ's spin window: sleep at once.
             sleep_at_once: data_in_flight > SPIN_MAX_DATA,
         })
     }
@@ -111,19 +112,13 @@ impl Link {
         block: bool,
         data_in_flight: u64,
     ) -> Result<Option<usize>> {
+        if block {
+            return self.waiter(data_in_flight).map(|w| w.wait(buf)).transpose();
+        }
         let Some(conn) = &self.conn else {
             return Ok(None);
         };
-        let n = if block && data_in_flight > SPIN_MAX_DATA {
-            // Moving this much takes longer than the CQ's spin window: sleep at once.
-            conn.cq
-                .wait_spinning(buf, Some(Duration::from_secs(1)), Duration::ZERO)?
-        } else if block {
-            conn.cq.wait(buf, Some(Duration::from_secs(1)))?
-        } else {
-            conn.cq.poll(buf)?
-        };
-        Ok(Some(n))
+        Ok(Some(conn.cq.poll(buf)?))
     }
 
     /// The first `len` bytes of receive slot `slot`, read in place.
@@ -212,7 +207,8 @@ pub(super) struct CqWait {
 }
 
 impl CqWait {
-    /// Completions into `buf`: one wait of up to 1 s, as [`Link::completions`] waits.
+    /// Completions into `buf`: one wait of up to 1 s (sleeping at once with much data in
+    /// flight, [`SPIN_MAX_DATA`]).
     pub(super) fn wait(&self, buf: &mut [Completion]) -> Result<usize> {
         let limit = Some(Duration::from_secs(1));
         Ok(match self.sleep_at_once {
