@@ -19,26 +19,41 @@ use qpip_verbs::wr::WcStatus;
 /// Most iovecs handed to one `writev`.
 const MAX_IOV: usize = 64;
 
-/// Most TCP segments' worth of bytes one `writev` carries. A `writev` holds the socket for
-/// the whole copy, and the ACKs that arrive meanwhile wait on its backlog until the call ends.
-/// Measured on one connection's 256 KiB reads (BENCHMARKS.md, issue 36, session 13): over a
-/// 1500-byte link (1448-byte segments) batches of 1.5–3.8 MB read a third slower than batches
-/// cut at 181 segments (256 KiB); over loopback (64 KiB segments) a 256 KiB cut cost 10–27 %,
-/// where 181 segments (11 MiB) cuts nothing.
-const SEGMENTS_PER_WRITE: usize = 181;
+/// Links whose TCP segments are at most this many bytes (Ethernet's MTUs up to 9000) cut
+/// their writes ([`TxMachine::set_segment_size`]); loopback's 64 KiB segments do not.
+const CUT_MAX_SEGMENT: usize = 9_000;
 
-/// The unsent bytes of `msg`, as slices (at most `MAX_IOV` in all).
-fn pending<'a>(msg: &'a OutMsg, out: &mut SmallVec<[IoSlice<'a>; MAX_IOV]>) {
-    for part in msg.unsent() {
-        if out.len() == MAX_IOV {
+/// The bytes of the kernel's largest GSO packet (`gso_max_size`'s default): a TCP socket
+/// builds packets of as many whole segments as fit in it (`tcp_xmit_size_goal`), 45 of 1448
+/// bytes at MTU 1500, 7 of 8948 at MTU 9000.
+const GSO_MAX_SIZE: usize = 65_536;
+
+/// Whole GSO packets one `writev` carries on a cut link. A `writev` holds the socket for the
+/// whole copy, and the ACKs that arrive meanwhile wait on its backlog until the call ends;
+/// a write that ends inside a packet sends a short one. Measured on one connection's reads
+/// over veth (BENCHMARKS.md, issue 36, session 20), against whole replies per `writev` (up to
+/// 256 KiB and more): two packets per call read 1.6–1.9× faster at half the server's CPU per
+/// GB, at MTU 1500 and 9000 and 64 KiB to 1 MiB requests; one or three packets per call
+/// nearly as well; cuts that end inside a packet (60 or 120 segments at MTU 1500, 10 at
+/// 9000) lost most of that. Over loopback (64 KiB segments) such cuts read at 0.7× the speed.
+const GSO_PACKETS_PER_WRITE: usize = 2;
+
+/// The unsent bytes of `msgs`, in order, as slices: at most `MAX_IOV` of them, and at most
+/// `limit` bytes (the last slice cut short to fit).
+fn pending<'a>(
+    msgs: impl IntoIterator<Item = &'a OutMsg>,
+    limit: usize,
+    out: &mut SmallVec<[IoSlice<'a>; MAX_IOV]>,
+) {
+    let mut room = limit;
+    for part in msgs.into_iter().flat_map(OutMsg::unsent) {
+        if out.len() == MAX_IOV || room == 0 {
             return;
         }
+        let part = &part[..part.len().min(room)];
+        room -= part.len();
         out.push(IoSlice::new(part));
     }
-}
-
-fn iov_bytes(iov: &[IoSlice<'_>]) -> usize {
-    iov.iter().map(|s| s.len()).sum()
 }
 
 /// Why the transmit machine stopped.
@@ -53,7 +68,7 @@ pub(super) enum TxStop {
 
 pub(super) struct TxMachine {
     inflight: VecDeque<OutMsg>,
-    /// Most bytes one `writev` carries (see [`SEGMENTS_PER_WRITE`]).
+    /// Most bytes one `writev` carries (see [`GSO_PACKETS_PER_WRITE`]).
     write_limit: usize,
 }
 
@@ -65,10 +80,16 @@ impl TxMachine {
         }
     }
 
-    /// The stream's segment size, once connected: cuts each `writev` at
-    /// [`SEGMENTS_PER_WRITE`] segments.
+    /// The stream's segment size, once connected: on a link of at most [`CUT_MAX_SEGMENT`]
+    /// bytes per segment, each `writev` carries [`GSO_PACKETS_PER_WRITE`] whole GSO packets'
+    /// bytes at most, cutting a message where needed (the next call goes on from there).
     pub(super) fn set_segment_size(&mut self, segment: Option<usize>) {
-        self.write_limit = segment.map_or(usize::MAX, |s| s.saturating_mul(SEGMENTS_PER_WRITE));
+        self.write_limit = match segment {
+            Some(s) if s > 0 && s <= CUT_MAX_SEGMENT => {
+                GSO_PACKETS_PER_WRITE * s * (GSO_MAX_SIZE / s).max(1)
+            }
+            _ => usize::MAX,
+        };
     }
 
     pub(super) fn is_idle(&self) -> bool {
@@ -111,15 +132,7 @@ impl TxMachine {
                 return TxStop::Idle;
             }
             let mut iov = SmallVec::<[IoSlice<'_>; MAX_IOV]>::new();
-            let mut gathered = 0;
-            for msg in &self.inflight {
-                if iov.len() == MAX_IOV || gathered >= self.write_limit {
-                    break;
-                }
-                let from = iov.len();
-                pending(msg, &mut iov);
-                gathered += iov_bytes(&iov[from..]);
-            }
+            pending(&self.inflight, self.write_limit, &mut iov);
             if iov.is_empty() {
                 drop(iov);
                 self.advance(qp, 0); // only zero-length messages are left at the front
@@ -153,7 +166,7 @@ impl TxMachine {
                 continue;
             };
             let mut iov = SmallVec::<[IoSlice<'_>; MAX_IOV]>::new();
-            pending(msg, &mut iov);
+            pending([msg], usize::MAX, &mut iov);
             let result = send_to(&iov, dest);
             drop(iov);
             match result {
@@ -231,6 +244,10 @@ mod tests {
     use qpip_verbs::wr::SendWr;
     use qpip_verbs::{Access, CompletionQueue};
 
+    fn iov_bytes(iov: &[IoSlice<'_>]) -> usize {
+        iov.iter().map(|s| s.len()).sum()
+    }
+
     /// Queues `count` messages of `len` bytes and pumps them into a socket that takes
     /// everything: the bytes of each `writev`.
     fn writes(segment: Option<usize>, count: usize, len: usize) -> Vec<usize> {
@@ -257,11 +274,22 @@ mod tests {
     }
 
     #[test]
-    fn a_writev_stops_gathering_at_its_segments_worth() {
-        // 100-byte segments: at most 18 100 bytes gathered, so five 4 KiB messages, then three.
-        assert_eq!(writes(Some(100), 8, 4096), vec![5 * 4096, 3 * 4096]);
-        // A message larger than the limit still goes whole.
-        assert_eq!(writes(Some(10), 2, 4096), vec![4096, 4096]);
+    fn a_writev_carries_two_whole_gso_packets_on_an_ethernet_link() {
+        // MTU 1500: 45 segments of 1448 bytes per GSO packet, 130 320 bytes per call; three
+        // 256 KiB messages go in six full calls (cut inside messages) and the rest.
+        let mut want = vec![130_320; 6];
+        want.push(3 * 262_144 - 6 * 130_320);
+        assert_eq!(writes(Some(1448), 3, 262_144), want);
+        // MTU 9000: 7 segments of 8948 bytes per packet; small messages gather up to it.
+        assert_eq!(
+            writes(Some(8948), 40, 4096),
+            vec![125_272, 40 * 4096 - 125_272]
+        );
+    }
+
+    #[test]
+    fn loopback_segments_do_not_cut_writes() {
+        assert_eq!(writes(Some(65_483), 3, 262_144), vec![3 * 262_144]);
     }
 
     #[test]
