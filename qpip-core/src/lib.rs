@@ -64,6 +64,7 @@ pub use qpip_soft as soft;
 pub use qpip_soft::{IoMode, SoftConfig};
 pub use qpip_verbs::backend;
 pub use qpip_verbs::framer;
+pub use qpip_verbs::give_way;
 pub use qpip_verbs::tls;
 pub use qpip_verbs::{
     Access, Completion, CompletionQueue, CqError, CqWaker, Endpoint, Error, FileRegion, Frame,

@@ -282,8 +282,8 @@ impl CompletionQueue {
             }
             rounds += 1;
             if rounds.is_multiple_of(64) {
-                // On two cores the thread we wait for may need ours.
-                std::thread::yield_now();
+                // On two cores the thread we wait for may need ours (but no CPU hog).
+                crate::give_way::yield_core();
             } else {
                 std::hint::spin_loop();
             }

@@ -13,6 +13,7 @@ pub mod drive;
 pub mod error;
 pub mod framer;
 mod futex;
+pub mod give_way;
 pub mod keymap;
 pub mod machines;
 pub mod mr;

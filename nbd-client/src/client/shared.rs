@@ -9,8 +9,8 @@
 //! then hands what it got to the client. The others park.
 //!
 //! Wake-ups (each an `unpark`): a thread whose call waits for another's pumping first yields
-//! its core a few times ([`OWNER_YIELDS`]) watching its call's flag, then looks at the pump
-//! again and parks. The pumper wakes the owner of every call whose replies it
+//! its core a few times ([`OWNER_YIELDS`]; none while yields hand the core to a CPU hog,
+//! `give_way`) watching its call's flag, then looks at the pump again and parks. The pumper wakes the owner of every call whose replies it
 //! routed when that call is finished or waits for room in the window, and every call that
 //! waits for room when there is room. A thread that stops pumping hands the pump to the
 //! first parked thread that still needs it (FIFO, so an exclusive user is not starved).
@@ -29,9 +29,10 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::thread::{self, Thread, ThreadId};
+use std::time::Instant;
 
 use parking_lot::{Mutex, MutexGuard};
-use qpip_core::{Completion, CqWaker};
+use qpip_core::{Completion, CqWaker, give_way};
 
 use super::pipeline::Checks;
 use super::{Client, Op, Output};
@@ -289,11 +290,16 @@ impl SharedClient {
                     yielded = true;
                     let finished = st.calls[&id].finished.clone();
                     MutexGuard::unlocked(&mut st, || {
+                        let mut at = Instant::now();
                         for _ in 0..OWNER_YIELDS {
                             if finished.load(Ordering::Acquire) {
                                 return;
                             }
-                            thread::yield_now();
+                            // Not to a CPU hog: then it parks at once.
+                            match give_way::yield_core_at(at) {
+                                Some(after) => at = after,
+                                None => return,
+                            }
                         }
                     });
                     // Finished, or not: either way the pump may have changed hands

@@ -145,7 +145,7 @@ impl<P: Processor + Send> DrivenQueue<P> {
         // until it has the processor, so this thread does not drive again before.
         parking_lot::MutexGuard::unlock_fair(engine);
         if h.wanted.load(Ordering::Acquire) {
-            std::thread::yield_now();
+            crate::give_way::yield_core();
         }
         end
     }

@@ -71,7 +71,8 @@
 //!
 //! A full bounded doorbell FIFO is not a sleep: the poster rings the waker and yields until
 //! the engine makes room. Nor is a poller's yield (the NIC thread's at every look, a host's at
-//! every fourth, `shell::HOST_YIELD_EVERY`): the thread stays runnable, so no wake-up is owed.
+//! every fourth, `shell::HOST_YIELD_EVERY`, each skipped while yields have been handing the
+//! core to a CPU hog, [`crate::give_way`]): the thread stays runnable, so no wake-up is owed.
 //!
 //! **Edges a poll leaves behind.** A host thread that polls within its window, while its CQ's
 //! last waits were all caught by polling (`PollWindow::polling_catches_work`; none slept, and

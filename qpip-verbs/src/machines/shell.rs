@@ -460,7 +460,8 @@ enum Runner {
 /// lets it run at once. With nothing else runnable a yield is one system call, which every
 /// look would pay: at every fourth, 4 KiB QD1 through the mount made 8–25 % more requests per
 /// second at 15–20 % less CPU per request and the round trip stayed level, where every look
-/// cost it 3–7 % and every sixteenth gained nothing (BENCHMARKS, session 18).
+/// cost it 3–7 % and every sixteenth gained nothing (BENCHMARKS, session 18). Not while a
+/// CPU hog shares the core ([`crate::give_way`]): a yield then costs a tick.
 const HOST_YIELD_EVERY: u32 = 4;
 
 /// Runs the processor's turns — commands, then doorbells, then a step of the physical layer
@@ -537,19 +538,21 @@ fn run_turns<P: Processor>(
             pace.worked(window);
             continue;
         }
-        let polling = !pace.slept && {
-            let now = Instant::now();
-            pace.read = Some(now);
-            now.saturating_duration_since(pace.last_work) < window.get()
-        };
-        if polling {
+        let now = (!pace.slept).then(Instant::now);
+        if now.is_some() {
+            pace.read = now;
+        }
+        let polling =
+            now.filter(|&now| now.saturating_duration_since(pace.last_work) < window.get());
+        if let Some(now) = polling {
             idle_looks = idle_looks.wrapping_add(1);
             if runner == Runner::Host && !idle_looks.is_multiple_of(HOST_YIELD_EVERY) {
                 std::hint::spin_loop();
             } else {
                 // The NIC thread lets the application threads have the core (two cores);
-                // a host, a thread woken onto its core ([`HOST_YIELD_EVERY`]).
-                std::thread::yield_now();
+                // a host, a thread woken onto its core ([`HOST_YIELD_EVERY`]). Neither
+                // gives it to a CPU hog ([`crate::give_way`]).
+                crate::give_way::yield_core_at(now);
             }
             continue;
         }
