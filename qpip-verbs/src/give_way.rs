@@ -16,7 +16,7 @@
 //! With the hog staying, that is two lost ticks a second at most. One long yield is not
 //! enough: with a dozen of our own threads runnable on two cores (the mount at QD16), a
 //! yield that lets them all run takes 0.5–2 ms now and then, but two in a row of 1 ms or
-//! more came twice in 474 such yields (`mc.sh`, session 20).
+//! more came twice among 474 yields of 200 µs or more (`mc.sh`, session 20).
 
 use std::cell::Cell;
 use std::time::{Duration, Instant};
