@@ -932,12 +932,76 @@ pub(crate) fn table(r: &MicroReport) -> String {
           sockets block in recv.\n  CPU: client and echo threads (and both NICs' engine \
           threads), user + system.\n  A round trip's QP gain is the median of each run's \
           ratio (QP and socket runs alternate), the other rows' the ratio of the medians.\n";
+    for w in lost_core_warnings(&r.rtt, &r.rtt_loaded) {
+        s += &format!("warning: {w}\n");
+    }
     s
+}
+
+/// A QP round trip this many times its socket peer's is no longer a matter of cost: a wait
+/// lost its core (BENCHMARKS.md, session 20: polled waits that yielded to a CPU hog took a
+/// tick, 3 999 µs, against a socket's 6.7).
+const LOST_CORE_RATIO: f64 = 10.0;
+
+/// The round-trip rows (idle CPUs, then loaded) where the QP took [`LOST_CORE_RATIO`] times
+/// its peer's time or more.
+fn lost_core_warnings(idle: &Rtt, loaded_cpus: &Rtt) -> Vec<String> {
+    let mut out = Vec::new();
+    for (rtt, loaded) in [(idle, ""), (loaded_cpus, ", CPUs loaded")] {
+        for (proto, w) in [("TCP", &rtt.tcp), ("UDP", &rtt.udp)] {
+            for (qp, sock, how) in [
+                (w.qp_spin, w.socket_busy_poll, "spin/busy-poll"),
+                (w.qp_sleep, w.socket_blocking, "sleep/blocking"),
+            ] {
+                if sock.us > 0.0 && qp.us >= LOST_CORE_RATIO * sock.us {
+                    out.push(format!(
+                        "round trip {proto}, {how}{loaded}: the QP's {:.1} µs is {:.0}x the \
+                         socket's {:.2} µs: a QP wait is losing its core",
+                        qp.us,
+                        qp.us / sock.us,
+                        sock.us
+                    ));
+                }
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_qp_round_trip_ten_times_its_sockets_is_called_out() {
+        let row = |us: f64| RttRow { us, cpu_us: us };
+        let ways = |qp_spin: f64| RttWays {
+            qp_spin: row(qp_spin),
+            socket_busy_poll: row(6.7),
+            qp_sleep: row(33.0),
+            socket_blocking: row(30.0),
+            spin_gain: 6.7 / qp_spin,
+            sleep_gain: 30.0 / 33.0,
+        };
+        let idle = Rtt {
+            tcp: ways(8.0),
+            udp: ways(6.8),
+        };
+        assert!(lost_core_warnings(&idle, &idle).is_empty());
+        let loaded = Rtt {
+            tcp: ways(3999.0),
+            udp: ways(66.0),
+        };
+        let warnings = lost_core_warnings(&idle, &loaded);
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].starts_with(
+                "round trip TCP, spin/busy-poll, CPUs loaded: the QP's 3999.0 µs is 597x"
+            ),
+            "{}",
+            warnings[0]
+        );
+    }
 
     /// A round trip's gain pairs each QP run with the socket run beside it: where the machine
     /// changed speed between runs, the ratio of the two medians would pair runs from
