@@ -10,9 +10,9 @@
 //! and a busy-polling socket's 6.7 (BENCHMARKS.md, session 20).
 //!
 //! So each thread times its yields: two in a row that each kept it off its core for
-//! [`LONG_YIELD`] or more mean the core is shared with such a thread, and the thread then
+//! `LONG_YIELD` or more mean the core is shared with such a thread, and the thread then
 //! polls without yielding (as a busy-polling socket loop does) for a while that doubles with
-//! each such pair, from [`FIRST_QUIET`] up to [`LAST_QUIET`], and is reset by a short yield.
+//! each such pair, from `FIRST_QUIET` up to `LAST_QUIET`, and is reset by a short yield.
 //! With the hog staying, that is two lost ticks a second at most. One long yield is not
 //! enough: with a dozen of our own threads runnable on two cores (the mount at QD16), a
 //! yield that lets them all run takes 0.5–2 ms now and then, but two in a row of 1 ms or
@@ -49,7 +49,7 @@ thread_local! {
 }
 
 /// Yields the core (`sched_yield`) unless a recent yield of this thread gave it to a thread
-/// that kept it ([`LONG_YIELD`]); then only spins once (`spin_loop`). Returns whether it
+/// that kept it (`LONG_YIELD`); then only spins once (`spin_loop`). Returns whether it
 /// yielded. A yield is no sleep: the caller stays runnable, so no wake-up is owed either way.
 pub fn yield_core() -> bool {
     yield_core_at(Instant::now()).is_some()
