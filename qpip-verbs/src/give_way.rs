@@ -27,9 +27,9 @@ use std::time::{Duration, Instant};
 const LONG_YIELD: Duration = Duration::from_millis(1);
 /// Long yields in a row that start a quiet while.
 const LONG_IN_A_ROW: u8 = 2;
-/// How long a thread polls without yielding after the first long yield.
+/// How long a thread polls without yielding after its first [`LONG_IN_A_ROW`] long yields.
 const FIRST_QUIET: Duration = Duration::from_millis(50);
-/// The longest such while: with a hog that stays, one long yield a second.
+/// The longest such while: with a hog that stays, two long yields a second.
 const LAST_QUIET: Duration = Duration::from_secs(1);
 
 #[derive(Clone, Copy)]
