@@ -16,6 +16,8 @@ use std::os::unix::fs::FileExt;
 
 use qpip_verbs::framer::MAX_HEADER;
 
+use crate::stream::ETHERNET_MAX_SEGMENT;
+
 /// Largest pipe asked for; the kernel grants up to `/proc/sys/fs/pipe-max-size` (1 MiB by
 /// default), so one splice can take a whole 1 MiB write.
 const PIPE_SIZE: libc::c_int = 1 << 20;
@@ -23,10 +25,6 @@ const PIPE_SIZE: libc::c_int = 1 << 20;
 /// Most bytes a body waits for before its thread is woken ([`Lowat::set`]); also the most a
 /// read-mode call takes at once.
 const LOWAT_MAX: usize = 256 << 10;
-
-/// Links whose TCP segments are at most this many bytes (Ethernet's MTUs up to 9000) read file
-/// bodies; larger ones (loopback's 64 KiB) splice them.
-const READ_MAX_SEGMENT: usize = 9000;
 
 pub(super) struct Splicer {
     /// None on a link that reads its bodies ([`Splicer::new`]).
@@ -48,10 +46,10 @@ struct Lowat(usize);
 
 impl Splicer {
     /// For a connection whose TCP segments are `segment` bytes (None: not TCP, or unknown):
-    /// a pipe to splice through, or none where bodies are read ([`READ_MAX_SEGMENT`]).
+    /// a pipe to splice through, or none where bodies are read ([`ETHERNET_MAX_SEGMENT`]).
     pub(super) fn new(segment: Option<usize>) -> io::Result<Splicer> {
         let pipe = match segment {
-            Some(s) if s <= READ_MAX_SEGMENT => None,
+            Some(s) if s <= ETHERNET_MAX_SEGMENT => None,
             _ => Some(Pipe::new()?),
         };
         Ok(Splicer {

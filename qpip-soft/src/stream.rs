@@ -12,6 +12,11 @@ use mio::event::Source;
 use mio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use mio::{Interest, Registry, Token};
 
+/// Links whose TCP segments are at most this many bytes (Ethernet's MTUs up to 9000; loopback's
+/// are 64 KiB) read file bodies instead of splicing them (`splice`) and cut their writes at
+/// whole GSO packets (`tx`).
+pub(crate) const ETHERNET_MAX_SEGMENT: usize = 9_000;
+
 /// A connected (or connecting) stream socket.
 pub(super) enum Stream {
     Tcp(TcpStream),

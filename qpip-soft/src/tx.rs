@@ -16,12 +16,10 @@ use qpip_verbs::mr::MemoryTable;
 use qpip_verbs::shared::QpShared;
 use qpip_verbs::wr::WcStatus;
 
+use crate::stream::ETHERNET_MAX_SEGMENT;
+
 /// Most iovecs handed to one `writev`.
 const MAX_IOV: usize = 64;
-
-/// Links whose TCP segments are at most this many bytes (Ethernet's MTUs up to 9000) cut
-/// their writes ([`TxMachine::set_segment_size`]); loopback's 64 KiB segments do not.
-const CUT_MAX_SEGMENT: usize = 9_000;
 
 /// The bytes of the kernel's largest GSO packet (`gso_max_size`'s default): a TCP socket
 /// builds packets of as many whole segments as fit in it (`tcp_xmit_size_goal`), 45 of 1448
@@ -80,13 +78,13 @@ impl TxMachine {
         }
     }
 
-    /// The stream's segment size, once connected: on a link of at most [`CUT_MAX_SEGMENT`]
+    /// The stream's segment size, once connected: on a link of at most [`ETHERNET_MAX_SEGMENT`]
     /// bytes per segment, each `writev` carries [`GSO_PACKETS_PER_WRITE`] whole GSO packets'
     /// bytes at most, cutting a message where needed (the next call goes on from there).
     pub(super) fn set_segment_size(&mut self, segment: Option<usize>) {
         self.write_limit = match segment {
-            Some(s) if s > 0 && s <= CUT_MAX_SEGMENT => {
-                GSO_PACKETS_PER_WRITE * s * (GSO_MAX_SIZE / s).max(1)
+            Some(s) if s > 0 && s <= ETHERNET_MAX_SEGMENT => {
+                GSO_PACKETS_PER_WRITE * s * (GSO_MAX_SIZE / s)
             }
             _ => usize::MAX,
         };

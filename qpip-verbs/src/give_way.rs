@@ -48,8 +48,9 @@ thread_local! {
     };
 }
 
-/// Yields the core (`sched_yield`) unless a recent yield of this thread gave it to a thread
-/// that kept it (`LONG_YIELD`); then only spins once (`spin_loop`). Returns whether it
+/// Yields the core (`sched_yield`) unless this thread is in a quiet while (its recent yields
+/// handed the core to a thread that kept it: the module's comment); then only spins once
+/// (`spin_loop`). Returns whether it
 /// yielded. A yield is no sleep: the caller stays runnable, so no wake-up is owed either way.
 pub fn yield_core() -> bool {
     yield_core_at(Instant::now()).is_some()

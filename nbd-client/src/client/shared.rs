@@ -10,9 +10,9 @@
 //!
 //! Wake-ups (each an `unpark`): a thread whose call waits for another's pumping first yields
 //! its core a few times ([`OWNER_YIELDS`]; none while yields hand the core to a CPU hog,
-//! `give_way`) watching its call's flag, then looks at the pump again and parks. The pumper wakes the owner of every call whose replies it
-//! routed when that call is finished or waits for room in the window, and every call that
-//! waits for room when there is room. A thread that stops pumping hands the pump to the
+//! `give_way`) watching its call's flag, then looks at the pump again and parks. The pumper
+//! wakes the owner of every call whose replies it routed when that call is finished or waits
+//! for room in the window, and every call that waits for room when there is room. A thread that stops pumping hands the pump to the
 //! first parked thread that still needs it (FIFO, so an exclusive user is not starved).
 //! A locked section that replaced the connection (a reconnect while submitting) wakes the
 //! pumper's wait, which would otherwise sit on a dead CQ until its 1 s limit.

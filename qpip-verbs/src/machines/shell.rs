@@ -538,12 +538,14 @@ fn run_turns<P: Processor>(
             pace.worked(window);
             continue;
         }
-        let now = (!pace.slept).then(Instant::now);
-        if now.is_some() {
-            pace.read = now;
-        }
-        let polling =
-            now.filter(|&now| now.saturating_duration_since(pace.last_work) < window.get());
+        // The clock reading of an idle look within the window (None: not polling).
+        let polling = if pace.slept {
+            None
+        } else {
+            let now = Instant::now();
+            pace.read = Some(now);
+            (now.saturating_duration_since(pace.last_work) < window.get()).then_some(now)
+        };
         if let Some(now) = polling {
             idle_looks = idle_looks.wrapping_add(1);
             if runner == Runner::Host && !idle_looks.is_multiple_of(HOST_YIELD_EVERY) {
